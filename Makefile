@@ -1,0 +1,29 @@
+# Every target creates .venv on first use: torch's CPU wheel first, then the project.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+export RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO := 0
+export RAY_USAGE_STATS_ENABLED := 0
+
+.PHONY: setup test demo bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+test: setup
+	$(PY) -m pytest -q
+
+demo: setup
+	$(VENV)/bin/fedsim run experiments/quickstart/config.toml --out results/quickstart
+
+bench: setup
+	$(PY) experiments/bench/engine.py
+
+clean:
+	rm -rf $(VENV) results .pytest_cache

@@ -1,0 +1,247 @@
+"""Benchmark: the same Flower ServerApp + ClientApp on fedsim, on Flower's runtime,
+and as the raw training loop.
+
+Workload: LeNet-5 style CNN, FEMNIST-like 28x28 data (62 classes, writers'
+sizes lognormal with mean about 226 as in FEMNIST; ``--rows-per-client N`` gives
+every client N training rows instead) written to disk and memory-mapped, 1000
+clients, 50 per round, batch 10, 1 local epoch, 10 rounds, FedAvg (Message API),
+no federated evaluation. The ServerApp seeds Python's ``random`` (which Flower's
+FedAvg samples with), so fedsim and the raw loop train the same cohorts.
+
+* fedsim: ``Engine.run_server_app`` on an engine whose workers are already up
+  (one per CPU). ``fedsim_cold_s`` is the first run including the workers'
+  start (process spawn, torch import); Ray itself is started beforehand.
+* Flower: ``flwr.simulation.run_simulation`` with
+  ``client_resources={"num_cpus": 1}``, in a fresh process per repetition with
+  Ray already initialised there (Flower's actor pool start and teardown are
+  inside the timing, as they are inside every Flower run).
+* raw: one process, one torch thread, the same clients and the same local
+  training function on the same memory-mapped data, with no FL machinery;
+  ``raw_s / workers`` is the limit any engine with that many workers can reach.
+
+Prints one JSON object with medians over ``--reps`` repetitions:
+``speedup_vs_flower = flower_s / fedsim_s`` and
+``overhead_vs_limit = fedsim_s / (raw_s / workers)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import numpy as np  # noqa: E402
+
+NUM_CLIENTS = 1000
+COHORT = 50
+CLASSES = 62
+SAMPLING_SEED = 0
+
+
+def make_data(directory: Path, seed: int, rows_per_client: int) -> tuple[Path, dict]:
+    """FEMNIST-like writers saved for memory-mapping (0 rows: FEMNIST-like sizes)."""
+    from fedsim.data import DatasetSpec, build_dataset  # noqa: PLC0415
+
+    spec = DatasetSpec(
+        source="femnist",
+        partition="natural",
+        num_clients=NUM_CLIENTS,
+        samples_per_client=rows_per_client * 5 // 4,
+        test_fraction=0.2,
+        seed=seed,
+    )
+    dataset = build_dataset(spec)
+    sizes = dataset.train.sizes()
+    if rows_per_client and not np.all(sizes == rows_per_client):
+        raise RuntimeError(f"expected {rows_per_client} training rows per client, got {set(sizes.tolist())}")
+    stats = {"mean": float(sizes.mean()), "min": int(sizes.min()), "max": int(sizes.max())}
+    return dataset.save(directory), stats
+
+
+def cohorts(rounds: int) -> list[list[int]]:
+    """The partitions FedAvg samples each round: ``random.sample`` over the node
+    list, whose i-th entry is partition i on fedsim."""
+    rnd = random.Random(SAMPLING_SEED)
+    population = list(range(NUM_CLIENTS))
+    return [sorted(rnd.sample(population, COHORT)) for _ in range(rounds)]
+
+
+def apps(data_dir: Path, rounds: int, worker_sums: bool):
+    """The Flower ServerApp and ClientApp under test (identical for both runtimes)."""
+    from flwr.app import ArrayRecord, ConfigRecord, Context  # noqa: PLC0415
+    from flwr.serverapp import Grid, ServerApp  # noqa: PLC0415
+    from flwr.serverapp.strategy import FedAvg  # noqa: PLC0415
+
+    from fedsim.data import DatasetSpec  # noqa: PLC0415
+    from fedsim.engine import WorkerReduced  # noqa: PLC0415
+    from fedsim.models import ModelSpec, initial_arrays  # noqa: PLC0415
+    from fedsim.records import to_record  # noqa: PLC0415
+    from fedsim.workloads.supervised import LocalTraining, make_client_app  # noqa: PLC0415
+
+    model = ModelSpec(kind="cnn", input_shape=(1, 28, 28), num_classes=CLASSES, hidden=(120, 84))
+    data = DatasetSpec(source="npy", partition="natural", num_clients=NUM_CLIENTS, path=str(data_dir))
+    training = LocalTraining(epochs=1, batch_size=10, lr=0.05, seed=0)
+    client_app = make_client_app(model, data, training)
+    server_app = ServerApp()
+
+    @server_app.main()
+    def main(grid: Grid, context: Context) -> None:
+        random.seed(SAMPLING_SEED)  # Flower's FedAvg samples with Python's random
+        strategy = FedAvg(
+            fraction_train=COHORT / NUM_CLIENTS,
+            fraction_evaluate=0.0,
+            min_available_nodes=NUM_CLIENTS,
+        )
+        if worker_sums:
+            strategy = WorkerReduced(strategy)
+        arrays: ArrayRecord = to_record(initial_arrays(model, 0))
+        strategy.start(grid=grid, initial_arrays=arrays, num_rounds=rounds, train_config=ConfigRecord())
+
+    return server_app, client_app, model, data, training
+
+
+def raw_loop(data_dir: Path, rounds: int) -> float:
+    """Seconds for the same local training with no FL machinery (1 thread)."""
+    import torch  # noqa: PLC0415
+
+    from fedsim.data import FederatedDataset  # noqa: PLC0415
+    from fedsim.models import build_model, initial_arrays, load_arrays, model_arrays  # noqa: PLC0415
+    from fedsim.workloads.supervised import as_tensors, client_generator, train_epochs  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    _, _, model_spec, _, training = apps(data_dir, rounds, False)
+    dataset = FederatedDataset.load(data_dir, mmap=True)
+    model = build_model(model_spec)
+    global_arrays = initial_arrays(model_spec, 0)
+    start = time.perf_counter()
+    for server_round, cohort in enumerate(cohorts(rounds), start=1):
+        total = {k: np.zeros_like(v, dtype=np.float64) for k, v in global_arrays.items()}
+        weight = 0
+        for client in cohort:
+            load_arrays(model, global_arrays)
+            x, y = as_tensors(*dataset.train.client(int(client)))
+            train_epochs(model, x, y, training, client_generator(training.seed, server_round, int(client)))
+            for k, v in model_arrays(model).items():
+                total[k] += len(y) * v
+            weight += len(y)
+        global_arrays = {k: (v / weight).astype(np.float32) for k, v in total.items()}
+    return time.perf_counter() - start
+
+
+def flower_once(data_dir: Path, rounds: int, cpus: int) -> float:
+    """One Flower run_simulation, timed (Ray started before the clock)."""
+    import logging  # noqa: PLC0415
+
+    import ray  # noqa: PLC0415
+    from flwr.simulation import run_simulation  # noqa: PLC0415
+
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    server_app, client_app, *_ = apps(data_dir, rounds, False)
+    ray.init(num_cpus=cpus, include_dashboard=False, logging_level="WARNING")
+    start = time.perf_counter()
+    run_simulation(
+        server_app=server_app,
+        client_app=client_app,
+        num_supernodes=NUM_CLIENTS,
+        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
+    )
+    return time.perf_counter() - start
+
+
+def fedsim_and_raw(
+    data_dir: Path, rounds: int, reps: int, workers: int, worker_sums: bool
+) -> tuple[float, list[float], list[float]]:
+    """(cold seconds, warm seconds per repetition, raw seconds per repetition).
+
+    fedsim's and the raw loop's repetitions alternate, so that a slow spell of
+    this shared machine affects both alike.
+    """
+    import logging  # noqa: PLC0415
+
+    from fedsim.engine import Engine, EngineConfig  # noqa: PLC0415
+
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    server_app, client_app, *_ = apps(data_dir, rounds, worker_sums)
+    start = time.perf_counter()
+    engine = Engine(EngineConfig(workers=workers, num_cpus=workers)).start()
+    engine.run_server_app(server_app, client_app, NUM_CLIENTS)
+    cold = time.perf_counter() - start
+    warm, raw = [], []
+    for _ in range(reps):
+        raw.append(raw_loop(data_dir, rounds))
+        start = time.perf_counter()
+        engine.run_server_app(server_app, client_app, NUM_CLIENTS)
+        warm.append(time.perf_counter() - start)
+    engine.close()
+    return cold, warm, raw
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rows-per-client", type=int, default=0,
+                        help="training rows of every client (0: FEMNIST-like writer sizes)")
+    parser.add_argument("--no-worker-sums", action="store_true", help="send every reply to the server")
+    parser.add_argument("--skip-flower", action="store_true")
+    parser.add_argument("--flower-once", metavar="DATA_DIR", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.flower_once:
+        print(json.dumps({"seconds": flower_once(Path(args.flower_once), args.rounds, args.workers)}))
+        return
+
+    with tempfile.TemporaryDirectory(prefix="fedsim-bench-") as tmp:
+        data_dir, sizes = make_data(Path(tmp) / "femnist", args.seed, args.rows_per_client)
+        cold, warm, raw = fedsim_and_raw(
+            data_dir, args.rounds, args.reps, args.workers, not args.no_worker_sums
+        )
+        flower: list[float] = []
+        if not args.skip_flower:
+            for _ in range(args.reps):
+                out = subprocess.run(
+                    [sys.executable, __file__, "--flower-once", str(data_dir), "--rounds", str(args.rounds),
+                     "--workers", str(args.workers)],
+                    check=True, capture_output=True, text=True,
+                )
+                flower.append(json.loads(out.stdout.strip().splitlines()[-1])["seconds"])
+
+    fedsim_s = statistics.median(warm)
+    raw_s = statistics.median(raw)
+    result = {
+        "workload": {
+            "clients": NUM_CLIENTS, "training_rows_per_client": sizes, "clients_per_round": COHORT,
+            "rounds": args.rounds, "batch_size": 10, "local_epochs": 1, "model": "LeNet-5 CNN, 62 classes",
+            "worker_sums": not args.no_worker_sums,
+        },
+        "workers": args.workers,
+        "repetitions": args.reps,
+        "fedsim_s": fedsim_s,
+        "fedsim_cold_s": cold,
+        "raw_s": raw_s,
+        "limit_s": raw_s / args.workers,
+        "overhead_vs_limit": fedsim_s / (raw_s / args.workers),
+        "all": {"fedsim_s": warm, "raw_s": raw, "flower_s": flower},
+    }
+    if flower:
+        flower_s = statistics.median(flower)
+        result["flower_s"] = flower_s
+        result["speedup_vs_flower"] = flower_s / fedsim_s
+        result["speedup_vs_flower_cold"] = flower_s / cold
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

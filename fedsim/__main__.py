@@ -1,0 +1,7 @@
+"""``python -m fedsim`` is the ``fedsim`` command."""
+
+import sys
+
+from fedsim.cli import main
+
+sys.exit(main())

@@ -1,0 +1,149 @@
+"""Configuration: frozen dataclasses read from TOML, checked before anything runs.
+
+Every section of a config file maps to a frozen dataclass. :func:`from_mapping`
+builds one from a plain mapping and rejects unknown keys, wrong types and values
+outside their range with a :class:`ConfigError` that names the key, the value and
+what is allowed. Range checks live in each dataclass's ``__post_init__`` and
+raise through :func:`require`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message says which, and what is allowed."""
+
+    def __init__(self, key: str, value: Any, allowed: str) -> None:
+        self.key, self.value, self.allowed = key, value, allowed
+        super().__init__(f"{key} = {value!r} is not allowed: {allowed}")
+
+
+def require(condition: bool, key: str, value: Any, allowed: str) -> None:
+    """Raise :class:`ConfigError` unless ``condition`` holds."""
+    if not condition:
+        raise ConfigError(key, value, allowed)
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Read a TOML file, turning a missing file or a syntax error into a clear error."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("config", str(path), "a path to an existing TOML file")
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError("config", str(path), f"valid TOML ({err})") from err
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "none"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(tp: Any, value: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp`` and convert where lossless."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        require(value in allowed, key, value, f"one of {', '.join(map(repr, allowed))}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(arg, value, key)
+            except ConfigError as err:
+                errors.append(err)
+        raise ConfigError(key, value, f"a value of type {_type_name(tp)}")
+    if dataclasses.is_dataclass(tp):
+        require(isinstance(value, Mapping), key, value, f"a table of {tp.__name__} keys")
+        return from_mapping(tp, value, key)
+    if origin in (tuple, list):
+        require(isinstance(value, (list, tuple)), key, value, f"a list of {_type_name(tp)}")
+        args = typing.get_args(tp)
+        item_type = args[0] if args else Any
+        return tuple(_convert(item_type, v, f"{key}[{i}]") for i, v in enumerate(value))
+    if origin in (dict, Mapping) or tp in (dict, Mapping):
+        require(isinstance(value, Mapping), key, value, "a table")
+        return dict(value)
+    if tp is bool:
+        require(isinstance(value, bool), key, value, "true or false")
+        return value
+    if tp is int:
+        require(isinstance(value, int) and not isinstance(value, bool), key, value, "an integer")
+        return value
+    if tp is float:
+        require(
+            isinstance(value, (int, float)) and not isinstance(value, bool), key, value, "a number"
+        )
+        return float(value)
+    if tp is str:
+        require(isinstance(value, str), key, value, "a string")
+        return value
+    raise TypeError(f"unsupported config annotation {tp!r} for {key}")
+
+
+def from_mapping(cls: type[T], mapping: Mapping[str, Any], where: str = "") -> T:
+    """Build the frozen dataclass ``cls`` from ``mapping``, checking every key.
+
+    Keys may use ``-`` or ``_`` interchangeably. ``where`` prefixes key names in
+    errors (``"data"`` gives ``data.alpha``).
+    """
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls!r} is not a dataclass")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    prefix = f"{where}." if where else ""
+    kwargs: dict[str, Any] = {}
+    for raw_key, value in mapping.items():
+        name = str(raw_key).replace("-", "_")
+        if name not in fields:
+            raise ConfigError(
+                f"{prefix}{raw_key}", value, f"a known key; known keys are {', '.join(sorted(fields))}"
+            )
+        kwargs[name] = _convert(hints[name], value, f"{prefix}{name}")
+    missing = [
+        n
+        for n, f in fields.items()
+        if n not in kwargs
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(f"{prefix}{missing[0]}", None, "a value (this key is required)")
+    return cls(**kwargs)
+
+
+def to_mapping(obj: Any) -> Any:
+    """The inverse of :func:`from_mapping`: a JSON/TOML-ready structure."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_mapping(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, Mapping):
+        return {str(k): to_mapping(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_mapping(v) for v in obj]
+    return obj

@@ -1,0 +1,41 @@
+"""The simulation engine: Flower's Grid on Ray actors (or in-process)."""
+
+from fedsim.engine.backend import Backend, LocalBackend, RayBackend, WorkerLost
+from fedsim.engine.grid import PhaseObserver, PhaseReport, SimulationGrid
+from fedsim.engine.participation import (
+    FullParticipation,
+    Participation,
+    PoissonCohort,
+    UniformCohort,
+)
+from fedsim.engine.reduce import Reducer, WeightedMean, WorkerReduced, attach_reducer
+from fedsim.engine.registry import NODE_ID_OFFSET, ClientRegistry
+from fedsim.engine.simulation import Engine, EngineConfig
+from fedsim.engine.state import ClientStateStore, InMemoryStateStore
+from fedsim.engine.worker import ClientAppSource, ClientWorker
+
+__all__ = [
+    "NODE_ID_OFFSET",
+    "Backend",
+    "ClientAppSource",
+    "ClientRegistry",
+    "ClientStateStore",
+    "ClientWorker",
+    "Engine",
+    "EngineConfig",
+    "FullParticipation",
+    "InMemoryStateStore",
+    "LocalBackend",
+    "Participation",
+    "PhaseObserver",
+    "PhaseReport",
+    "PoissonCohort",
+    "RayBackend",
+    "Reducer",
+    "SimulationGrid",
+    "UniformCohort",
+    "WeightedMean",
+    "WorkerLost",
+    "WorkerReduced",
+    "attach_reducer",
+]

@@ -1,0 +1,214 @@
+"""Backends execute client batches on workers: Ray actors, or in-process.
+
+Both implement :class:`Backend`, so the grid schedules batches the same way on a
+laptop, in a unit test and on a Ray cluster. The in-process backend runs batches
+synchronously in the driver (tracebacks point straight into the ClientApp),
+which makes it the debugging and fast-test backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+from fedsim.engine.worker import BatchResult, ClientBatch, ClientWorker, RunSpec
+
+log = logging.getLogger(__name__)
+
+
+class WorkerLost(RuntimeError):
+    """A worker process died while running a batch."""
+
+    def __init__(self, worker: int, cause: BaseException) -> None:
+        self.worker = worker
+        super().__init__(f"worker {worker} died: {type(cause).__name__}: {cause}")
+
+
+class Backend(ABC):
+    """A pool of workers that run :class:`ClientBatch` es."""
+
+    @property
+    @abstractmethod
+    def num_workers(self) -> int:
+        """How many batches can run at once."""
+
+    @abstractmethod
+    def start_run(self, run: RunSpec) -> None:
+        """Load the run on every worker (blocks until all are ready)."""
+
+    @abstractmethod
+    def share(self, value: Any) -> Any:
+        """A handle through which every worker can read ``value`` (put once)."""
+
+    @abstractmethod
+    def submit(self, worker: int, batch: ClientBatch) -> Any:
+        """Start ``batch`` on ``worker``; returns a future."""
+
+    @abstractmethod
+    def wait(self, futures: list[Any], timeout: float | None) -> list[Any]:
+        """Futures among ``futures`` that are done; waits for at least one unless
+        ``timeout`` (seconds) runs out first."""
+
+    @abstractmethod
+    def result(self, future: Any) -> BatchResult:
+        """The batch result of a done future; raises :class:`WorkerLost` if its
+        worker died."""
+
+    @abstractmethod
+    def restart(self, worker: int) -> None:
+        """Replace a dead worker by a fresh one running the current run."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the workers."""
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-ready description for run summaries."""
+        return {"backend": type(self).__name__, "workers": self.num_workers}
+
+
+@dataclass(eq=False)
+class _Done:
+    """A future that is already resolved (in-process backend)."""
+
+    worker: int
+    value: BatchResult | None = None
+    error: BaseException | None = None
+
+
+class LocalBackend(Backend):
+    """Runs every batch synchronously in the calling process, on one worker."""
+
+    def __init__(self, torch_threads: int | None = None) -> None:
+        self._worker = ClientWorker(torch_threads=torch_threads)
+        self._run: RunSpec | None = None
+
+    @property
+    def num_workers(self) -> int:
+        return 1
+
+    def start_run(self, run: RunSpec) -> None:
+        self._run = run
+        self._worker.start_run(run)
+
+    def share(self, value: Any) -> Any:
+        return value
+
+    def submit(self, worker: int, batch: ClientBatch) -> _Done:
+        # States cross a process boundary on the Ray backend; copy them here too,
+        # so a failing client never leaves a half-updated state behind.
+        batch.states = pickle.loads(pickle.dumps(batch.states))
+        try:
+            return _Done(worker, value=self._worker.run_batch(batch))
+        except Exception as ex:  # re-raised by result(), where the grid expects it
+            return _Done(worker, error=ex)
+
+    def wait(self, futures: list[Any], timeout: float | None) -> list[Any]:
+        return list(futures)
+
+    def result(self, future: _Done) -> BatchResult:
+        if future.error is not None:
+            raise future.error
+        assert future.value is not None
+        return future.value
+
+    def restart(self, worker: int) -> None:
+        self._worker = ClientWorker(torch_threads=self._worker._torch_threads)
+        if self._run is not None:
+            self._worker.start_run(self._run)
+
+    def close(self) -> None:
+        self._run = None
+
+
+class RayBackend(Backend):
+    """One Ray actor per worker, each holding a :class:`ClientWorker`.
+
+    Args:
+        num_workers: actors to start; default: as many as the cluster's CPUs
+            allow at ``cpus_per_worker`` each.
+        cpus_per_worker: Ray ``num_cpus`` of each actor (and torch's thread count).
+        gpus_per_worker: Ray ``num_gpus`` of each actor (fractions share a GPU).
+    """
+
+    def __init__(
+        self,
+        num_workers: int | None = None,
+        cpus_per_worker: float = 1.0,
+        gpus_per_worker: float = 0.0,
+    ) -> None:
+        import ray  # noqa: PLC0415
+
+        if not ray.is_initialized():
+            raise RuntimeError("RayBackend needs ray.init() first (fedsim.engine.Engine does it)")
+        self._ray = ray
+        self.cpus_per_worker = cpus_per_worker
+        self.gpus_per_worker = gpus_per_worker
+        if num_workers is None:
+            cpus = ray.cluster_resources().get("CPU", 0.0)
+            num_workers = max(1, int(cpus // cpus_per_worker)) if cpus_per_worker > 0 else 1
+        self._threads = max(1, int(cpus_per_worker)) if cpus_per_worker >= 1 else 1
+        self._actor_cls = ray.remote(ClientWorker).options(
+            num_cpus=cpus_per_worker, num_gpus=gpus_per_worker, max_restarts=0
+        )
+        self._actors = [self._actor_cls.remote(self._threads) for _ in range(num_workers)]
+        self._owner: dict[Any, int] = {}
+        self._run: RunSpec | None = None
+        ray.get([actor.warm_up.remote() for actor in self._actors])
+
+    @property
+    def num_workers(self) -> int:
+        return len(self._actors)
+
+    def start_run(self, run: RunSpec) -> None:
+        self._run = run
+        self._ray.get([actor.start_run.remote(run) for actor in self._actors])
+
+    def share(self, value: Any) -> Any:
+        return self._ray.put(value)
+
+    def submit(self, worker: int, batch: ClientBatch) -> Any:
+        future = self._actors[worker].run_batch.remote(batch)
+        self._owner[future] = worker
+        return future
+
+    def wait(self, futures: list[Any], timeout: float | None) -> list[Any]:
+        if not futures:
+            return []
+        ready, _ = self._ray.wait(futures, num_returns=1, timeout=timeout)
+        if ready and len(futures) > 1:
+            ready, _ = self._ray.wait(futures, num_returns=len(futures), timeout=0)
+        return ready
+
+    def result(self, future: Any) -> BatchResult:
+        worker = self._owner.pop(future, -1)
+        try:
+            return self._ray.get(future)
+        except self._ray.exceptions.RayActorError as err:
+            raise WorkerLost(worker, err) from err
+
+    def restart(self, worker: int) -> None:
+        self._ray.kill(self._actors[worker], no_restart=True)
+        actor = self._actor_cls.remote(self._threads)
+        self._ray.get(actor.warm_up.remote())
+        if self._run is not None:
+            self._ray.get(actor.start_run.remote(self._run))
+        self._actors[worker] = actor
+        log.warning("worker %d was replaced", worker)
+
+    def close(self) -> None:
+        for actor in self._actors:
+            self._ray.kill(actor, no_restart=True)
+        self._actors = []
+        self._owner.clear()
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "backend": "ray",
+            "workers": self.num_workers,
+            "cpus_per_worker": self.cpus_per_worker,
+            "gpus_per_worker": self.gpus_per_worker,
+        }

@@ -1,0 +1,125 @@
+"""Scheduling batches of client messages onto workers.
+
+A phase's messages (sorted by node id) are cut into batches by guided
+self-scheduling: each batch takes ``ceil(remaining / (2 * workers))`` messages,
+so early batches are large (few calls, few partial replies) and the last ones
+hold single clients (workers finish within about one client of each other).
+The dispatcher keeps ``depth`` batches queued on every worker so no worker waits
+for the driver between batches. A batch whose worker dies is run again on a
+fresh worker from the same inputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fedsim.engine.backend import Backend, WorkerLost
+from fedsim.engine.worker import BatchResult, ClientBatch
+
+log = logging.getLogger(__name__)
+
+
+def batch_sizes(num_messages: int, num_workers: int) -> list[int]:
+    """Guided self-scheduling batch sizes (Polychronopoulos & Kuck 1987), halved
+    so two batches per worker are in flight."""
+    sizes: list[int] = []
+    remaining = num_messages
+    while remaining > 0:
+        size = max(1, math.ceil(remaining / (2 * num_workers)))
+        sizes.append(size)
+        remaining -= size
+    return sizes
+
+
+@dataclass
+class _Task:
+    batch: ClientBatch
+    on_result: Callable[[BatchResult], None]
+    on_give_up: Callable[[ClientBatch, str], None]
+    attempts: int = 0
+
+
+@dataclass
+class Dispatcher:
+    """Feeds batches to a backend's workers and routes results back."""
+
+    backend: Backend
+    depth: int = 2
+    max_attempts: int = 3
+    queue: deque[_Task] = field(default_factory=deque)
+    in_flight: dict[Any, tuple[_Task, int, int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._load = [0] * self.backend.num_workers
+        self._generation = [0] * self.backend.num_workers
+
+    def enqueue(
+        self,
+        batch: ClientBatch,
+        on_result: Callable[[BatchResult], None],
+        on_give_up: Callable[[ClientBatch, str], None],
+    ) -> None:
+        self.queue.append(_Task(batch, on_result, on_give_up))
+        self._fill()
+
+    @property
+    def idle(self) -> bool:
+        return not self.queue and not self.in_flight
+
+    def _fill(self) -> None:
+        while self.queue:
+            worker = min(range(len(self._load)), key=self._load.__getitem__)
+            # Near the end of the queue, only idle workers take a batch: the last
+            # (smallest) batches then go to whichever worker frees up first.
+            depth = self.depth if len(self.queue) > len(self._load) else 1
+            if self._load[worker] >= depth:
+                return
+            task = self.queue.popleft()
+            task.attempts += 1
+            future = self.backend.submit(worker, task.batch)
+            self.in_flight[future] = (task, worker, self._generation[worker])
+            self._load[worker] += 1
+
+    def progress(self, timeout: float | None) -> None:
+        """Wait up to ``timeout`` seconds for batches to finish and deliver them."""
+        self._fill()
+        if not self.in_flight:
+            return
+        done = self.backend.wait(list(self.in_flight), timeout)
+        for future in done:
+            task, worker, generation = self.in_flight.pop(future)
+            self._load[worker] -= 1
+            try:
+                result = self.backend.result(future)
+            except WorkerLost as lost:
+                self._recover(task, worker, generation, lost)
+                continue
+            task.on_result(result)
+        self._fill()
+
+    def _recover(self, task: _Task, worker: int, generation: int, lost: WorkerLost) -> None:
+        # Every batch queued on the dead worker fails the same way: replace the
+        # worker once, and re-run each of its batches.
+        if generation == self._generation[worker]:
+            self.backend.restart(worker)
+            self._generation[worker] += 1
+        if task.attempts >= self.max_attempts:
+            task.on_give_up(task.batch, f"{lost} ({task.attempts} attempts)")
+            return
+        log.warning("%s; re-running its batch of %d clients", lost, len(task.batch.metadata))
+        self.queue.appendleft(task)
+
+    def drain(self, deadline: float | None) -> bool:
+        """Run until idle or ``deadline`` (time.monotonic()); True if idle."""
+        while not self.idle:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return False
+            self.progress(remaining)
+        return True

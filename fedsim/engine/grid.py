@@ -1,0 +1,454 @@
+"""fedsim's implementation of Flower's ``Grid`` on a pool of workers.
+
+A Flower strategy (or any ServerApp ``main``) talks to clients only through a
+:class:`flwr.serverapp.Grid`: it asks for node ids, pushes messages and pulls
+replies. :class:`SimulationGrid` answers those calls by running the ClientApp
+for the addressed virtual clients on the backend's workers:
+
+* ``push_messages`` sorts the messages by node id, puts each distinct content
+  into the backend's object store once, cuts the messages into batches
+  (:func:`~fedsim.engine.dispatch.batch_sizes`) and hands them to the
+  dispatcher, which keeps every worker busy;
+* ``pull_messages`` returns the replies of finished batches;
+* ``send_and_receive`` pushes, waits until every batch is done (or ``timeout``
+  seconds have passed: batches still running then are dropped, as Flower drops
+  late replies) and returns the replies ordered by node id, so a run's result
+  does not depend on which worker finished first.
+
+When the instructions carry a reducer (:mod:`fedsim.engine.reduce`), each batch
+returns one partial reply in place of its clients' replies: ``pull_messages``
+then gives one reply per batch, whose ``reply_to_message_id`` is that of the
+batch's first message.
+
+Each push is one *phase*. A :class:`~fedsim.engine.participation.Participation`
+model decides which node ids ``get_node_ids`` reports in each phase; every
+finished phase is reported to an observer as a :class:`PhaseReport`.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+from uuid import uuid4
+
+from flwr.app import ConfigRecord, Error, Message, RecordDict
+from flwr.app.metadata import validate_message_type
+from flwr.common.constant import ErrorCode
+from flwr.serverapp import Grid
+from flwr.supercore.run import Run
+
+from fedsim.engine.backend import Backend
+from fedsim.engine.dispatch import Dispatcher, batch_sizes
+from fedsim.engine.metrics import MetricSums
+from fedsim.engine.participation import Participation
+from fedsim.engine.reduce import Reducer, ReductionError, reducer_of
+from fedsim.engine.registry import ClientRegistry
+from fedsim.engine.state import ClientStateStore, InMemoryStateStore
+from fedsim.engine.worker import BatchResult, ClientBatch
+from fedsim.records import content_nbytes
+
+
+@dataclass(frozen=True)
+class PhaseReport:
+    """What happened in one phase (one push of messages)."""
+
+    phase: int
+    server_round: int | None
+    message_type: str
+    messages: int
+    succeeded: int
+    failed: int
+    timed_out: int
+    bytes_down: int
+    bytes_up: int
+    wall_s: float
+    compute_s: float
+    client_metrics: dict[str, float]
+
+
+class PhaseObserver(Protocol):
+    """Receives a report after each phase."""
+
+    def phase_finished(self, report: PhaseReport) -> None: ...
+
+
+def server_round_of(content: RecordDict, group_id: str) -> int | None:
+    """The FL round a message belongs to: a ConfigRecord's ``server-round`` (as
+    Flower's strategies set it), else a numeric ``group_id``."""
+    for record in content.config_records.values():
+        value = record.get("server-round")
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return int(group_id) if group_id.isdigit() else None
+
+
+class OrderedFold:
+    """Folds the partial replies of a content group's batches in batch order.
+
+    Batches finish in any order; folding them in batch order makes the result
+    independent of scheduling, so a run is reproducible to the bit. The strategy
+    receives one reply for the whole group. If a reducer cannot fold (it raised
+    :class:`ReductionError`), the replies are passed on unfolded.
+    """
+
+    def __init__(self, reducer: Reducer, instruction: RecordDict) -> None:
+        self.reducer = reducer
+        self.instruction = instruction
+        self.order: list[int] = []
+        self._next = 0
+        self._ready: dict[int, list[Message]] = {}
+        self._folded: Message | None = None
+        self._unfolded: list[Message] = []
+
+    def add(self, batch_id: int, replies: list[Message]) -> None:
+        """The successful replies of one batch (a partial reply, normally)."""
+        self._ready[batch_id] = replies
+        while self._next < len(self.order) and self.order[self._next] in self._ready:
+            self._fold(self._ready.pop(self.order[self._next]))
+            self._next += 1
+
+    def _fold(self, replies: list[Message]) -> None:
+        if not replies:
+            return
+        if self._unfolded:
+            self._unfolded.extend(replies)
+            return
+        inputs = replies if self._folded is None else [self._folded, *replies]
+        try:
+            self._folded = self.reducer.reduce(self.instruction, inputs)
+        except ReductionError:
+            self._folded = None
+            self._unfolded = list(inputs)
+
+    def result(self) -> list[Message]:
+        """The folded reply (batches that never finished are left out)."""
+        for batch_id in self.order[self._next :]:
+            if batch_id in self._ready:
+                self._fold(self._ready.pop(batch_id))
+        self._next = len(self.order)
+        if self._unfolded:
+            return self._unfolded
+        return [] if self._folded is None else [self._folded]
+
+
+@dataclass
+class _Phase:
+    """Book-keeping for one push of messages."""
+
+    index: int
+    message_type: str
+    server_round: int | None
+    message_ids: list[str]
+    started: float
+    bytes_down: int
+    batch_ids: list[int] = field(default_factory=list)
+    results: dict[int, list[Message]] = field(default_factory=dict)
+    batch_messages: dict[int, set[str]] = field(default_factory=dict)
+    pending: set[int] = field(default_factory=set)
+    folds: dict[int, OrderedFold] = field(default_factory=dict)
+    succeeded: int = 0
+    failed: int = 0
+    bytes_up: int = 0
+    compute_s: float = 0.0
+    metrics: MetricSums = field(default_factory=MetricSums)
+    closed: bool = False
+
+
+class SimulationGrid(Grid):
+    """A :class:`flwr.serverapp.Grid` whose nodes are virtual clients on a backend.
+
+    Args:
+        backend: a backend on which ``start_run`` was called for this run.
+        registry: the population (node ids and partition ids).
+        run: the Flower ``Run`` (its ``run_id`` must match the backend's run).
+        participation: which clients ``get_node_ids`` reports per phase; None
+            reports the whole population.
+        state_store: where clients' ``context.state`` persists.
+        observer: receives a :class:`PhaseReport` after each phase.
+        depth: batches queued per worker.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        registry: ClientRegistry,
+        run: Run,
+        *,
+        participation: Participation | None = None,
+        state_store: ClientStateStore | None = None,
+        observer: PhaseObserver | None = None,
+        depth: int = 2,
+    ) -> None:
+        self.backend = backend
+        self.registry = registry
+        self.participation = participation
+        self.state_store = state_store or InMemoryStateStore()
+        self.observer = observer
+        self._run = run
+        self._dispatcher = Dispatcher(backend, depth=depth)
+        self._phase_counter = 0
+        self._cohort: tuple[int, list[int]] | None = None
+        self._phases: dict[int, _Phase] = {}
+        self._phase_of_message: dict[str, int] = {}
+        self._next_batch = 0
+
+    # -- Grid: run and messages -------------------------------------------------
+    def set_run(self, run: Run) -> None:
+        if not isinstance(run, Run):
+            raise TypeError(f"`run` must be an instance of Run, got {type(run).__name__}")
+        self._run = run
+
+    @property
+    def run(self) -> Run:
+        return Run(**vars(self._run))
+
+    @property
+    def phase(self) -> int:
+        """The index of the next phase (number of pushes so far)."""
+        return self._phase_counter
+
+    def create_message(
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
+        ttl: float | None = None,
+    ) -> Message:
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self) -> Iterable[int]:
+        if self.participation is None:
+            return self.registry.node_ids()
+        if self._cohort is None or self._cohort[0] != self._phase_counter:
+            cohort = self.participation.cohort(self._phase_counter)
+            self._cohort = (self._phase_counter, self.registry.node_ids_of(cohort))
+        return list(self._cohort[1])
+
+    # -- Grid: push / pull ------------------------------------------------------
+    def _check(self, message: Message) -> None:
+        meta = message.metadata
+        if not message.has_content():
+            raise ValueError(f"message to node {meta.dst_node_id} has no content")
+        if meta.reply_to_message_id:
+            raise ValueError("a reply cannot be pushed as an instruction message")
+        if meta.ttl <= 0:
+            raise ValueError(f"message to node {meta.dst_node_id} has ttl={meta.ttl}; it must be > 0")
+        if not validate_message_type(meta.message_type):
+            raise ValueError(
+                f"message type {meta.message_type!r} is not 'train', 'evaluate' or 'query' "
+                "(optionally followed by '.<action>')"
+            )
+        self.registry.partition_id(meta.dst_node_id)  # raises for unknown nodes
+
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        phase = self._push(messages)
+        return [] if phase is None else list(phase.message_ids)
+
+    def _push(self, messages: Iterable[Message]) -> _Phase | None:
+        messages = list(messages)
+        for message in messages:
+            self._check(message)
+        index = self._phase_counter
+        self._phase_counter += 1
+        if not messages:
+            return None
+        messages.sort(key=lambda m: m.metadata.dst_node_id)
+        # Each distinct content is serialised and shared once.
+        shared: dict[int, tuple[object, int, Reducer | None]] = {}
+        folds: dict[int, OrderedFold] = {}
+        bytes_down = 0
+        for message in messages:
+            content = message.content
+            key = id(content)
+            if key not in shared:
+                blob = pickle.dumps(content, protocol=pickle.HIGHEST_PROTOCOL)
+                reducer = reducer_of(content)
+                shared[key] = (self.backend.share(blob), content_nbytes(content), reducer)
+                if reducer is not None:
+                    folds[key] = OrderedFold(reducer, content)
+            bytes_down += shared[key][1]
+            message.metadata.__dict__["_message_id"] = str(uuid4())
+        first = messages[0]
+        phase = _Phase(
+            index=index,
+            message_type=first.metadata.message_type,
+            server_round=server_round_of(first.content, first.metadata.group_id),
+            message_ids=[m.metadata.message_id for m in messages],
+            started=time.perf_counter(),
+            bytes_down=bytes_down,
+        )
+        self._phases[index] = phase
+        for message_id in phase.message_ids:
+            self._phase_of_message[message_id] = index
+        for group in self._batch_groups(messages, shared):
+            for size in batch_sizes(len(group), self.backend.num_workers):
+                chunk, group = group[:size], group[size:]
+                self._submit(phase, chunk, shared, folds)
+        return phase
+
+    def _batch_groups(
+        self, messages: list[Message], shared: dict[int, tuple[object, int, Reducer | None]]
+    ) -> list[list[Message]]:
+        """Messages that may share a batch: all of them, unless a reducer asks for
+        batches whose messages share one content."""
+        if all(entry[2] is None for entry in shared.values()):
+            return [messages]
+        groups: dict[int, list[Message]] = {}
+        for message in messages:
+            groups.setdefault(id(message.content), []).append(message)
+        return list(groups.values())
+
+    def _submit(
+        self,
+        phase: _Phase,
+        chunk: list[Message],
+        shared: dict[int, tuple[object, int, Reducer | None]],
+        folds: dict[int, OrderedFold],
+    ) -> None:
+        handles: list[object] = []
+        position: dict[int, int] = {}
+        content_index = []
+        for message in chunk:
+            key = id(message.content)
+            if key not in position:
+                position[key] = len(handles)
+                handles.append(shared[key][0])
+            content_index.append(position[key])
+        batch_id = self._next_batch
+        self._next_batch += 1
+        node_ids = [m.metadata.dst_node_id for m in chunk]
+        batch = ClientBatch(
+            batch_id=batch_id,
+            metadata=[m.metadata for m in chunk],
+            content_index=content_index,
+            contents=handles,
+            states=self.state_store.get_many(node_ids),
+            reducer=shared[id(chunk[0].content)][2],
+        )
+        phase.batch_ids.append(batch_id)
+        phase.pending.add(batch_id)
+        fold = folds.get(id(chunk[0].content))
+        if fold is not None:
+            fold.order.append(batch_id)
+            phase.folds[batch_id] = fold
+        phase.batch_messages[batch_id] = {m.metadata.message_id for m in chunk}
+        self._dispatcher.enqueue(
+            batch,
+            on_result=lambda result, p=phase: self._on_result(p, result),
+            on_give_up=lambda b, reason, p=phase: self._on_give_up(p, b, reason),
+        )
+
+    def _on_result(self, phase: _Phase, result: BatchResult) -> None:
+        self.state_store.put_many(result.states)  # the clients ran, even if late
+        if phase.closed:
+            return
+        phase.pending.discard(result.batch_id)
+        fold = phase.folds.get(result.batch_id)
+        if fold is None:
+            phase.results[result.batch_id] = result.replies
+        else:
+            fold.add(result.batch_id, [r for r in result.replies if not r.has_error()])
+            phase.results[result.batch_id] = [r for r in result.replies if r.has_error()]
+        phase.succeeded += result.succeeded
+        phase.failed += result.failed
+        phase.bytes_up += result.bytes_up
+        phase.compute_s += result.compute_s
+        phase.metrics.merge(result.metrics)
+        if not phase.pending:
+            self._finish(phase)
+
+    def _on_give_up(self, phase: _Phase, batch: ClientBatch, reason: str) -> None:
+        if phase.closed:
+            return
+        phase.pending.discard(batch.batch_id)
+        phase.failed += len(batch.metadata)
+        phase.results[batch.batch_id] = [
+            Message(
+                Error(code=ErrorCode.CLIENT_APP_CRASHED, reason=reason),
+                reply_to=Message(content=RecordDict(), metadata=meta),
+            )
+            for meta in batch.metadata
+        ]
+        if not phase.pending:
+            self._finish(phase)
+
+    def _finish(self, phase: _Phase) -> None:
+        if phase.closed:
+            return
+        phase.closed = True
+        timed_out = sum(len(phase.batch_messages[b]) for b in phase.pending)
+        phase.pending.clear()
+        if self.observer is not None:
+            self.observer.phase_finished(
+                PhaseReport(
+                    phase=phase.index,
+                    server_round=phase.server_round,
+                    message_type=phase.message_type,
+                    messages=len(phase.message_ids),
+                    succeeded=phase.succeeded,
+                    failed=phase.failed,
+                    timed_out=timed_out,
+                    bytes_down=phase.bytes_down,
+                    bytes_up=phase.bytes_up,
+                    wall_s=time.perf_counter() - phase.started,
+                    compute_s=phase.compute_s,
+                    client_metrics=phase.metrics.means(),
+                )
+            )
+
+    def _take(self, phase: _Phase, wanted: set[str] | None) -> list[Message]:
+        """Remove and return finished replies of ``phase``: folded replies once the
+        phase is over, then the others in node-id order."""
+        out: list[Message] = []
+        if phase.closed and phase.folds:
+            for fold in dict.fromkeys(phase.folds.values()):
+                out.extend(fold.result())
+            phase.folds.clear()
+        for batch_id in phase.batch_ids:
+            replies = phase.results.get(batch_id)
+            if replies is None:
+                continue
+            if wanted is not None and not (phase.batch_messages[batch_id] & wanted):
+                continue
+            out.extend(replies)
+            del phase.results[batch_id]
+        if phase.closed and not phase.results and not phase.folds:
+            self._forget(phase)
+        return out
+
+    def _forget(self, phase: _Phase) -> None:
+        for message_id in phase.message_ids:
+            self._phase_of_message.pop(message_id, None)
+        self._phases.pop(phase.index, None)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
+        wanted = set(message_ids)
+        self._dispatcher.progress(timeout=0)
+        phases = {self._phase_of_message[m] for m in wanted if m in self._phase_of_message}
+        replies: list[Message] = []
+        for index in sorted(phases):
+            replies.extend(self._take(self._phases[index], wanted))
+        return replies
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> list[Message]:
+        phase = self._push(messages)
+        if phase is None:
+            return []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while phase.pending:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                self._finish(phase)  # late batches are dropped
+                break
+            self._dispatcher.progress(remaining)
+        return self._take(phase, None)
+
+    def wait_idle(self) -> None:
+        """Block until every dispatched batch has finished (late ones included)."""
+        self._dispatcher.drain(None)

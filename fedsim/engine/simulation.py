@@ -1,0 +1,217 @@
+"""The engine: a long-lived pool of workers that runs Flower apps.
+
+An :class:`Engine` starts (or joins) Ray and its worker actors once; each run
+then loads its ClientApp on the workers and gets its own
+:class:`~fedsim.engine.grid.SimulationGrid`. Starting workers (a process each,
+importing torch) is the expensive part, so one engine can serve many runs, the
+way a Ray cluster serves many jobs.
+
+    with Engine(EngineConfig(workers=2)) as engine:
+        engine.run_server_app(server_app, client_app, num_supernodes=1000)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from flwr.app import Context, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common.constant import SUPERLINK_NODE_ID
+from flwr.serverapp import ServerApp
+from flwr.supercore.run import Run
+from flwr.supercore.task_identity import TaskIdentity
+
+from fedsim.config import require
+from fedsim.engine.backend import Backend, LocalBackend, RayBackend
+from fedsim.engine.cluster import ensure_ray
+from fedsim.engine.grid import PhaseObserver, SimulationGrid
+from fedsim.engine.participation import Participation
+from fedsim.engine.registry import ClientRegistry
+from fedsim.engine.state import ClientStateStore
+from fedsim.engine.worker import ClientAppSource, RunSpec, SharedDataset
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """How to run clients.
+
+    Attributes:
+        backend: "ray" (worker actors) or "local" (in the driver, for debugging).
+        workers: worker actors; 0 means one per CPU of the cluster.
+        cpus_per_worker: Ray CPUs per worker (torch uses as many threads).
+        gpus_per_worker: Ray GPUs per worker (a fraction shares a GPU).
+        ray_address: '' starts a local Ray (or joins ``RAY_ADDRESS`` if set);
+            otherwise the address of an existing cluster.
+        num_cpus: CPUs of a locally started Ray; 0 means all.
+        depth: batches queued per worker.
+    """
+
+    backend: Literal["ray", "local"] = "ray"
+    workers: int = 0
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 0.0
+    ray_address: str = ""
+    num_cpus: int = 0
+    depth: int = 2
+
+    def __post_init__(self) -> None:
+        require(self.workers >= 0, "engine.workers", self.workers, "an integer >= 0 (0: one per CPU)")
+        require(self.cpus_per_worker > 0, "engine.cpus_per_worker", self.cpus_per_worker, "a number > 0")
+        require(self.gpus_per_worker >= 0, "engine.gpus_per_worker", self.gpus_per_worker, "a number >= 0")
+        require(self.num_cpus >= 0, "engine.num_cpus", self.num_cpus, "an integer >= 0 (0: all CPUs)")
+        require(self.depth >= 1, "engine.depth", self.depth, "an integer >= 1")
+
+
+@dataclass
+class Engine:
+    """A started backend that runs Flower ServerApps and ClientApps."""
+
+    config: EngineConfig = field(default_factory=EngineConfig)
+    extra_modules: tuple[str, ...] = ()
+    backend: Backend | None = None
+    _owns_ray: bool = False
+    _runs: int = 0
+
+    def start(self) -> Engine:
+        """Start Ray (if needed) and the workers; idempotent."""
+        if self.backend is not None:
+            return self
+        cfg = self.config
+        if cfg.backend == "local":
+            self.backend = LocalBackend(torch_threads=max(1, int(cfg.cpus_per_worker)))
+            return self
+        self._owns_ray = ensure_ray(cfg.ray_address, cfg.num_cpus or None, self.extra_modules)
+        self.backend = RayBackend(
+            num_workers=cfg.workers or None,
+            cpus_per_worker=cfg.cpus_per_worker,
+            gpus_per_worker=cfg.gpus_per_worker,
+        )
+        return self
+
+    def __enter__(self) -> Engine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the workers (and Ray, if this engine started it)."""
+        if self.backend is not None:
+            self.backend.close()
+            self.backend = None
+        if self._owns_ray:
+            import ray  # noqa: PLC0415
+
+            ray.shutdown()
+            self._owns_ray = False
+
+    def describe(self) -> dict[str, Any]:
+        return {} if self.backend is None else self.backend.describe()
+
+    def open_run(
+        self,
+        client_app: ClientApp | ClientAppSource,
+        num_clients: int,
+        *,
+        run_config: dict[str, Any] | None = None,
+        participation: Participation | None = None,
+        observer: PhaseObserver | None = None,
+        state_store: ClientStateStore | None = None,
+        datasets: tuple[tuple[Any, Any], ...] = (),
+        run_id: int | None = None,
+        raise_errors: bool = False,
+    ) -> SimulationGrid:
+        """Load a run on the workers and return the grid that drives it.
+
+        Args:
+            client_app: the ClientApp, or where to import it from.
+            num_clients: registered virtual clients (node ids from the registry).
+            run_config: the run's ``context.run_config`` for every client.
+            participation: which clients ``get_node_ids`` reports per phase.
+            datasets: ``(DatasetSpec, FederatedDataset)`` pairs put into the
+                object store once and registered on every worker.
+            raise_errors: re-raise ClientApp exceptions instead of turning them
+                into error replies (useful with the local backend).
+        """
+        backend = self.start().backend
+        assert backend is not None
+        registry = ClientRegistry(num_clients)
+        if participation is not None and participation.num_clients != num_clients:
+            raise ValueError(
+                f"participation model covers {participation.num_clients} clients, "
+                f"the run has {num_clients}"
+            )
+        self._runs += 1
+        run_id = self._runs if run_id is None else run_id
+        source = client_app if isinstance(client_app, ClientAppSource) else ClientAppSource(app=client_app)
+        shared = tuple(
+            SharedDataset(
+                spec=spec,
+                arrays={k: backend.share(v) for k, v in dataset.to_arrays().items()},
+                num_classes=dataset.num_classes,
+                name=dataset.name,
+            )
+            for spec, dataset in datasets
+        )
+        backend.start_run(
+            RunSpec(
+                run_id=run_id,
+                num_clients=num_clients,
+                run_config=dict(run_config or {}),
+                app=source,
+                datasets=shared,
+                raise_errors=raise_errors,
+            )
+        )
+        TaskIdentity.run_id = run_id
+        TaskIdentity.node_id = SUPERLINK_NODE_ID
+        TaskIdentity.task_id = run_id
+        run = Run.create_empty(run_id)
+        run.override_config = dict(run_config or {})
+        return SimulationGrid(
+            backend,
+            registry,
+            run,
+            participation=participation,
+            state_store=state_store,
+            observer=observer,
+            depth=self.config.depth,
+        )
+
+    def run_server_app(
+        self,
+        server_app: ServerApp,
+        client_app: ClientApp | ClientAppSource,
+        num_supernodes: int,
+        *,
+        run_config: dict[str, Any] | None = None,
+        participation: Participation | None = None,
+        observer: PhaseObserver | None = None,
+        raise_errors: bool = False,
+    ) -> Context:
+        """Run a Flower ServerApp against ``num_supernodes`` virtual clients.
+
+        Returns the ServerApp's context after its ``main`` returned.
+        """
+        grid = self.open_run(
+            client_app,
+            num_supernodes,
+            run_config=run_config,
+            participation=participation,
+            observer=observer,
+            raise_errors=raise_errors,
+        )
+        context = Context(
+            run_id=grid.run.run_id,
+            node_id=0,
+            node_config={},
+            state=RecordDict(),
+            run_config=dict(run_config or {}),
+        )
+        server_app(grid, context)
+        grid.wait_idle()
+        return context

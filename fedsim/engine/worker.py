@@ -1,0 +1,263 @@
+"""The worker: runs a Flower ClientApp for a batch of virtual clients in turn.
+
+One worker lives in each worker process (a Ray actor, or the driver itself for
+the in-process backend). It loads the ClientApp once per run and then executes
+batches: for every message it rebuilds the instruction from the batch's shared
+content (one deserialisation per client, so clients never see each other's
+mutations), builds the client's :class:`flwr.app.Context` from its persistent
+state, calls the app, and collects the reply. Models, data and buffers that the
+app caches at module level stay alive across clients and rounds, because the
+process does. When the instruction opts into a :class:`~fedsim.engine.reduce.Reducer`,
+the successful replies of the batch are folded into one partial reply.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.app.metadata import Metadata
+from flwr.clientapp import ClientApp
+from flwr.clientapp.client_app import LoadClientAppError
+from flwr.common.constant import NUM_PARTITIONS_KEY, PARTITION_ID_KEY, ErrorCode
+from flwr.supercore.object_ref import load_app
+from flwr.supercore.task_identity import TaskIdentity
+
+from fedsim.engine.metrics import MetricSums
+from fedsim.engine.reduce import Reducer, ReductionError
+from fedsim.engine.registry import NODE_ID_OFFSET
+from fedsim.records import content_nbytes
+
+
+@dataclass(frozen=True)
+class ClientAppSource:
+    """Where workers get the ClientApp: an object, or a ``module:attr`` reference.
+
+    A reference is imported in each worker (with ``app_dir`` on ``sys.path``),
+    exactly as Flower loads ``[tool.flwr.app.components] clientapp``.
+    """
+
+    reference: str | None = None
+    app_dir: str | None = None
+    app: ClientApp | None = None
+
+    def __post_init__(self) -> None:
+        if (self.reference is None) == (self.app is None):
+            raise ValueError("give exactly one of a ClientApp object or a 'module:attr' reference")
+
+    def load(self) -> ClientApp:
+        if self.app is not None:
+            loaded: Any = self.app
+        else:
+            loaded = load_app(str(self.reference), LoadClientAppError, self.app_dir)
+        if not isinstance(loaded, ClientApp):
+            raise LoadClientAppError(
+                f"clientapp {self.reference or loaded!r} is a {type(loaded).__name__}, "
+                "not a flwr.clientapp.ClientApp"
+            )
+        return loaded
+
+
+@dataclass(frozen=True)
+class SharedDataset:
+    """A federated dataset shipped once to every worker (arrays or object refs)."""
+
+    spec: Any
+    arrays: dict[str, Any]
+    num_classes: int
+    name: str
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What every worker needs to know about a run, sent once per run."""
+
+    run_id: int
+    num_clients: int
+    run_config: dict[str, Any]
+    app: ClientAppSource
+    datasets: tuple[SharedDataset, ...] = ()
+    raise_errors: bool = False
+
+
+@dataclass
+class ClientBatch:
+    """Messages for one worker call. ``contents`` holds each distinct instruction
+    content once (pickled bytes, or a handle to them); message ``i`` uses
+    ``contents[content_index[i]]``. ``states`` maps node id to its stored state."""
+
+    batch_id: int
+    metadata: list[Metadata]
+    content_index: list[int]
+    contents: list[Any]
+    states: dict[int, RecordDict] = field(default_factory=dict)
+    reducer: Reducer | None = None
+
+
+@dataclass
+class BatchResult:
+    """What a worker returns for a batch."""
+
+    batch_id: int
+    replies: list[Message]
+    states: dict[int, RecordDict]
+    succeeded: int
+    failed: int
+    bytes_up: int
+    compute_s: float
+    batch_s: float
+    metrics: MetricSums
+    worker_pid: int
+
+
+def _resolve(handle: Any) -> Any:
+    """Object-store handles become values; plain values pass through."""
+    if type(handle).__name__ == "ObjectRef":
+        import ray  # noqa: PLC0415  (only workers of the Ray backend hold refs)
+
+        return ray.get(handle)
+    return handle
+
+
+class ClientWorker:
+    """Executes batches of client messages with one loaded ClientApp.
+
+    A plain class: the Ray backend wraps it in an actor, the in-process backend
+    and the unit tests use it directly.
+    """
+
+    def __init__(self, torch_threads: int | None = None) -> None:
+        self._torch_threads = torch_threads
+        self._run: RunSpec | None = None
+        self._app: ClientApp | None = None
+        self._content_cache: dict[Any, bytes] = {}
+        if torch_threads:
+            os.environ.setdefault("OMP_NUM_THREADS", str(torch_threads))
+
+    def ping(self) -> int:
+        """The worker's process id (used to wait until workers are up)."""
+        return os.getpid()
+
+    def warm_up(self, modules: tuple[str, ...] = ("torch",)) -> int:
+        """Import heavy modules ahead of the first batch; set torch's thread count."""
+        import importlib  # noqa: PLC0415
+
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                continue
+        self._set_torch_threads()
+        return os.getpid()
+
+    def _set_torch_threads(self) -> None:
+        if self._torch_threads:
+            import sys  # noqa: PLC0415
+
+            torch = sys.modules.get("torch")
+            if torch is not None and torch.get_num_threads() != self._torch_threads:
+                torch.set_num_threads(self._torch_threads)
+
+    def start_run(self, run: RunSpec) -> int:
+        """Load the run's ClientApp and datasets; must precede :meth:`run_batch`."""
+        if run.datasets:
+            from fedsim.data import FederatedDataset, register_dataset  # noqa: PLC0415
+
+            for shared in run.datasets:
+                arrays = {k: _resolve(v) for k, v in shared.arrays.items()}
+                register_dataset(
+                    shared.spec, FederatedDataset.from_arrays(arrays, shared.num_classes, shared.name)
+                )
+        self._app = run.app.load()
+        self._run = run
+        self._content_cache.clear()
+        TaskIdentity.run_id = run.run_id
+        TaskIdentity.task_id = run.run_id
+        self._set_torch_threads()
+        return os.getpid()
+
+    def _content(self, handle: Any) -> bytes:
+        """Pickled content from a batch: inline bytes, or a handle fetched once."""
+        if isinstance(handle, (bytes, bytearray, memoryview)):
+            return handle
+        blob = self._content_cache.get(handle)
+        if blob is None:
+            if len(self._content_cache) >= 8:
+                self._content_cache.clear()
+            blob = self._content_cache[handle] = _resolve(handle)
+        return blob
+
+    def run_batch(self, batch: ClientBatch) -> BatchResult:
+        """Run every message of ``batch`` through the ClientApp, in order."""
+        if self._run is None or self._app is None:
+            raise RuntimeError("start_run must be called before run_batch")
+        run, app = self._run, self._app
+        batch_start = time.perf_counter()
+        blobs = [self._content(c) for c in batch.contents]
+        replies: list[Message] = []
+        failures: list[Message] = []
+        states: dict[int, RecordDict] = {}
+        metrics = MetricSums()
+        bytes_up = 0
+        compute = 0.0
+        for metadata, index in zip(batch.metadata, batch.content_index, strict=True):
+            node_id = metadata.dst_node_id
+            message = Message(content=pickle.loads(blobs[index]), metadata=metadata)
+            context = Context(
+                run_id=run.run_id,
+                node_id=node_id,
+                node_config={
+                    PARTITION_ID_KEY: node_id - NODE_ID_OFFSET,
+                    NUM_PARTITIONS_KEY: run.num_clients,
+                },
+                state=batch.states.get(node_id) or RecordDict(),
+                run_config=run.run_config,
+            )
+            TaskIdentity.node_id = node_id
+            start = time.perf_counter()
+            try:
+                reply = app(message, context)
+                if not isinstance(reply, Message):
+                    raise TypeError(f"the ClientApp returned {type(reply).__name__}, not a Message")
+            except Exception as ex:  # a client's failure is its reply, as in Flower
+                if run.raise_errors:
+                    raise
+                reason = f"{type(ex).__name__}: {ex}\n{traceback.format_exc(limit=8)}"
+                reply = Message(
+                    Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason),
+                    reply_to=message,
+                )
+            compute += time.perf_counter() - start
+            if reply.has_error():
+                failures.append(reply)  # as in Flower, a failed client's state is not kept
+                continue
+            if context.state or node_id in batch.states:
+                states[node_id] = context.state
+            bytes_up += content_nbytes(reply.content)
+            for record in reply.content.metric_records.values():
+                metrics.add(record)
+            replies.append(reply)
+        succeeded = len(replies)
+        if batch.reducer is not None and replies:
+            instruction = pickle.loads(blobs[batch.content_index[0]])
+            try:
+                replies = [batch.reducer.reduce(instruction, replies)]
+            except ReductionError:
+                pass  # the strategy receives raw replies and reports the problem itself
+        return BatchResult(
+            batch_id=batch.batch_id,
+            replies=replies + failures,
+            states=states,
+            succeeded=succeeded,
+            failed=len(failures),
+            bytes_up=bytes_up,
+            compute_s=compute,
+            batch_s=time.perf_counter() - batch_start,
+            metrics=metrics,
+            worker_pid=os.getpid(),
+        )

@@ -1,0 +1,294 @@
+"""fedsim's own experiments: a TOML config in, results on disk out.
+
+A config file has top-level ``name``, ``seed`` and ``rounds`` and one table per
+part of the pipeline::
+
+    [data]        source, partition, num_clients, ...  (fedsim.data.DatasetSpec)
+    [model]       kind = "logreg" | "mlp" | "cnn", hidden, channels
+    [client]      epochs, batch_size, lr, ...          (LocalTraining)
+    [strategy]    name, clients_per_round, sampling, partial_aggregation, [strategy.options]
+    [evaluation]  clients (federated), every (central, rounds), central_rows
+    [engine]      backend, workers, cpus_per_worker, ray_address, ...
+
+``[data].seed`` and ``[client].seed`` default to the top-level seed. Everything
+is validated before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, MetricRecord
+
+from fedsim import __version__
+from fedsim.config import ConfigError, from_mapping, load_toml, require, to_mapping
+from fedsim.data import DatasetSpec, FederatedDataset, build_dataset
+from fedsim.engine import Engine, EngineConfig, PoissonCohort, UniformCohort
+from fedsim.engine.participation import Participation
+from fedsim.engine.rounds import RoundOutcome, run_rounds
+from fedsim.models import ModelSpec, build_model, initial_arrays, load_arrays
+from fedsim.progress import RunProgress
+from fedsim.records import to_numpy, to_record
+from fedsim.results import RoundRecorder, RunWriter, metrics_dict
+from fedsim.workloads.supervised import LocalTraining, as_tensors, evaluate_model, make_client_app
+from strategies.registry import NAMES, build_strategy
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The model; its input shape and classes come from the dataset."""
+
+    kind: Literal["logreg", "mlp", "cnn"] = "mlp"
+    hidden: tuple[int, ...] = (64,)
+    channels: tuple[int, ...] = (6, 16)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrategyConfig:
+    """The server strategy and the cohort it trains each round.
+
+    Attributes:
+        name: a strategy of :mod:`strategies.registry`.
+        clients_per_round: cohort size (uniform) or expected size (Poisson, rate
+            clients_per_round / population).
+        sampling: "uniform" (fixed size, without replacement) or "poisson".
+        partial_aggregation: worker-side sums: "auto" (when the aggregation is
+            a sum), "on" (required) or "off".
+        options: the strategy's own arguments (e.g. proximal_mu, eta,
+            clipping_norm, noise_multiplier).
+    """
+
+    name: str = "fedavg"
+    clients_per_round: int = 10
+    sampling: Literal["uniform", "poisson"] = "uniform"
+    partial_aggregation: Literal["auto", "on", "off"] = "auto"
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        require(self.name in NAMES, "strategy.name", self.name, f"one of {', '.join(NAMES)}")
+        require(self.clients_per_round >= 1, "strategy.clients_per_round", self.clients_per_round,
+                "an integer >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvaluationConfig:
+    """How the global model is evaluated.
+
+    Attributes:
+        clients: clients per round that evaluate on their local test rows (0: none).
+        every: evaluate on the central test set every this many rounds (0: never).
+        central_rows: rows of the central test set used (a seeded subset).
+    """
+
+    clients: int = 0
+    every: int = 1
+    central_rows: int = 10_000
+
+    def __post_init__(self) -> None:
+        require(self.clients >= 0, "evaluation.clients", self.clients, "an integer >= 0")
+        require(self.every >= 0, "evaluation.every", self.every, "an integer >= 0 (0: never)")
+        require(self.central_rows >= 1, "evaluation.central_rows", self.central_rows, "an integer >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExperimentConfig:
+    """A whole run."""
+
+    name: str = "experiment"
+    seed: int = 0
+    rounds: int
+    timeout: float = 3600.0
+    data: DatasetSpec
+    model: ModelConfig = field(default_factory=ModelConfig)
+    client: LocalTraining = field(default_factory=LocalTraining)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        require(self.rounds >= 1, "rounds", self.rounds, "an integer >= 1")
+        require(self.timeout > 0, "timeout", self.timeout, "a number of seconds > 0")
+        population = self.data.num_clients
+        require(
+            self.strategy.clients_per_round <= population,
+            "strategy.clients_per_round",
+            self.strategy.clients_per_round,
+            f"at most the population, data.num_clients = {population}",
+        )
+        require(
+            self.evaluation.clients <= self.strategy.clients_per_round,
+            "evaluation.clients",
+            self.evaluation.clients,
+            f"at most strategy.clients_per_round = {self.strategy.clients_per_round}",
+        )
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ExperimentConfig:
+        """Validate a parsed config; seeds of [data] and [client] default to ``seed``."""
+        raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+        seed = raw.get("seed", 0)
+        for section in ("data", "client"):
+            table = raw.get(section)
+            if isinstance(table, dict) and "seed" not in table:
+                table["seed"] = seed
+        if "client" not in raw:
+            raw["client"] = {"seed": seed}
+        if "data" not in raw:
+            raise ConfigError("data", None, "a [data] table (this section is required)")
+        return from_mapping(cls, raw)
+
+    @classmethod
+    def load(cls, path: str | Path) -> ExperimentConfig:
+        return cls.from_dict(load_toml(path))
+
+
+def participation_for(config: ExperimentConfig, population: int) -> Participation:
+    """The engine's cohort model for this config."""
+    k = config.strategy.clients_per_round
+    if config.strategy.sampling == "poisson":
+        return PoissonCohort(population, k / population, config.seed)
+    return UniformCohort(population, k, config.seed)
+
+
+def central_evaluator(config: ExperimentConfig, spec: ModelSpec, dataset: FederatedDataset):
+    """The server-side ``evaluate_fn`` on a seeded subset of the central test set."""
+    x_all, y_all = dataset.central_test
+    every = config.evaluation.every
+    if every == 0 or len(y_all) == 0:
+        return None
+    rows = min(config.evaluation.central_rows, len(y_all))
+    pick = np.sort(np.random.default_rng([config.seed, 2]).choice(len(y_all), rows, replace=False))
+    x, y = as_tensors(x_all[pick], y_all[pick])
+    model = build_model(spec)
+
+    def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        if server_round % every and server_round != config.rounds:
+            return None
+        load_arrays(model, to_numpy(arrays))
+        return MetricRecord(evaluate_model(model, x, y))
+
+    return evaluate
+
+
+def run_experiment(
+    config: ExperimentConfig,
+    out_dir: str | Path,
+    *,
+    progress: bool = True,
+    engine: Engine | None = None,
+) -> dict[str, Any]:
+    """Run ``config``, writing rounds.jsonl as it goes and summary.json at the end."""
+    writer = RunWriter(out_dir)
+    started = time.perf_counter()
+    try:
+        dataset = build_dataset(config.data)
+        spec = ModelSpec(
+            kind=config.model.kind,
+            input_shape=tuple(dataset.feature_shape),
+            num_classes=dataset.num_classes,
+            hidden=config.model.hidden,
+            channels=config.model.channels,
+        )
+        population = dataset.num_clients
+        participation = participation_for(config, population)
+        k = config.strategy.clients_per_round
+        strategy = build_strategy(
+            config.strategy.name,
+            config.strategy.options,
+            expected_clients=k,
+            evaluate_fraction=config.evaluation.clients / k + 1e-9 if config.evaluation.clients else 0.0,
+            seed=config.seed,
+            partial_aggregation=config.strategy.partial_aggregation,
+        )
+        client_app = make_client_app(spec, config.data, config.client)
+        own_engine = engine is None
+        engine = (engine or Engine(config.engine)).start()
+        with RunProgress(config.rounds, enabled=progress) as bar:
+            recorder = RoundRecorder([writer.write_round, bar], infer_rounds=False)
+            grid = engine.open_run(
+                client_app,
+                population,
+                run_config={"seed": config.seed},
+                participation=participation,
+                observer=recorder,
+                datasets=((config.data, dataset),),
+            )
+            ready = time.perf_counter()
+
+            def on_round(outcome: RoundOutcome) -> None:
+                recorder.end_round(
+                    outcome.server_round,
+                    aggregated=metrics_dict(outcome.train_metrics),
+                    aggregated_evaluate=metrics_dict(outcome.evaluate_metrics),
+                    central=metrics_dict(outcome.central_metrics),
+                )
+
+            final = run_rounds(
+                strategy,
+                grid,
+                to_record(initial_arrays(spec, config.seed)),
+                config.rounds,
+                timeout=config.timeout,
+                evaluate_fn=central_evaluator(config, spec, dataset),
+                on_round=on_round,
+            )
+            grid.wait_idle()
+        finished = time.perf_counter()
+        np.savez(Path(out_dir) / "model.npz", **to_numpy(final))
+        summary = _summary(config, dataset, engine, recorder.records, started, ready, finished)
+        writer.write_summary(summary)
+        if own_engine:
+            engine.close()
+        return summary
+    finally:
+        writer.close()
+
+
+def _summary(
+    config: ExperimentConfig,
+    dataset: FederatedDataset,
+    engine: Engine,
+    records: list[dict[str, Any]],
+    started: float,
+    ready: float,
+    finished: float,
+) -> dict[str, Any]:
+    rounds = [r for r in records if r["round"] >= 1]
+    trained = sum(r.get("train", {}).get("clients", 0) for r in rounds)
+    last_central = next((r["central"] for r in reversed(records) if "central" in r), None)
+    last_eval = next((r["evaluate"]["metrics"] for r in reversed(rounds) if "evaluate" in r), None)
+    return {
+        "name": config.name,
+        "config": to_mapping(config),
+        "rounds": len(rounds),
+        "clients_trained": trained,
+        "seconds": {"total": finished - started, "setup": ready - started, "rounds": finished - ready},
+        "clients_per_s": trained / (finished - ready) if finished > ready else 0.0,
+        "bytes": {"down": sum(r["bytes_down"] for r in records), "up": sum(r["bytes_up"] for r in records)},
+        "final": {
+            "central": last_central,
+            "evaluate": last_eval,
+            "train": rounds[-1].get("train", {}).get("metrics") if rounds else None,
+        },
+        "dataset": {"name": dataset.name, **dataset.stats()},
+        "engine": engine.describe(),
+        "versions": {
+            "fedsim": __version__,
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "numpy": np.__version__,
+        },
+    }
+
+
+def with_engine(config: ExperimentConfig, **overrides: Any) -> ExperimentConfig:
+    """``config`` with [engine] keys replaced (command-line overrides)."""
+    changes = {k: v for k, v in overrides.items() if v is not None}
+    return dataclasses.replace(config, engine=dataclasses.replace(config.engine, **changes))

@@ -1,0 +1,173 @@
+"""Results on disk: one JSON line per round as the run goes, a summary at the end.
+
+``DIR/rounds.jsonl`` gets one line per finished round, flushed immediately, so
+an interrupted run keeps every round it finished. ``DIR/summary.json`` is
+written (atomically) when the run ends.
+
+A round's line::
+
+    {"round": 3, "time_s": 12.4, "seconds": 0.41, "clients_per_s": 121.9,
+     "bytes_down": ..., "bytes_up": ...,
+     "train":    {"clients": 50, "failed": 0, "timed_out": 0, "seconds": ...,
+                  "compute_s": ..., "metrics": {client-weighted means}},
+     "evaluate": {... same for federated evaluation, when there was one},
+     "aggregated": {the strategy's aggregated train metrics},
+     "aggregated_evaluate": {...}, "central": {server-side evaluation}}
+
+:class:`RoundRecorder` builds these lines from the grid's phase reports. With
+``infer_rounds`` (a Flower ServerApp whose loop fedsim does not see) a round
+ends when a phase of a later round starts, after its evaluate phase, or when the
+run closes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from flwr.app import MetricRecord
+
+from fedsim.config import ConfigError
+from fedsim.engine.grid import PhaseReport
+
+ROUNDS_FILE = "rounds.jsonl"
+SUMMARY_FILE = "summary.json"
+
+
+def json_ready(value: Any) -> Any:
+    """Plain JSON types (non-finite floats become null)."""
+    if isinstance(value, Mapping):
+        return {str(k): json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(v) for v in value]
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if hasattr(value, "item") and callable(value.item):  # numpy scalars
+        return json_ready(value.item())
+    return value
+
+
+def metrics_dict(record: MetricRecord | None) -> dict[str, Any] | None:
+    return None if record is None else json_ready(dict(record.items()))
+
+
+class RunWriter:
+    """Writes ``rounds.jsonl`` line by line and ``summary.json`` at the end.
+
+    Refuses a directory that already holds results, so nothing written before
+    is ever overwritten.
+    """
+
+    def __init__(self, out_dir: str | Path, key: str = "--out") -> None:
+        self.out_dir = Path(out_dir)
+        if (self.out_dir / ROUNDS_FILE).exists() or (self.out_dir / SUMMARY_FILE).exists():
+            raise ConfigError(
+                key, str(out_dir), "a new or empty directory (this one already holds results)"
+            )
+        if self.out_dir.exists() and not self.out_dir.is_dir():
+            raise ConfigError(key, str(out_dir), "a directory path (a file has this name)")
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.rounds_path = self.out_dir / ROUNDS_FILE
+        self.summary_path = self.out_dir / SUMMARY_FILE
+        self._rounds = self.rounds_path.open("a", encoding="utf-8")
+
+    def write_round(self, record: Mapping[str, Any]) -> None:
+        self._rounds.write(json.dumps(json_ready(record), sort_keys=True) + "\n")
+        self._rounds.flush()
+
+    def write_summary(self, summary: Mapping[str, Any]) -> None:
+        tmp = self.summary_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(json_ready(summary), indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, self.summary_path)
+
+    def close(self) -> None:
+        self._rounds.close()
+
+
+def _phase_section(report: PhaseReport) -> dict[str, Any]:
+    return {
+        "clients": report.succeeded,
+        "failed": report.failed,
+        "timed_out": report.timed_out,
+        "messages": report.messages,
+        "seconds": report.wall_s,
+        "compute_s": report.compute_s,
+        "bytes_down": report.bytes_down,
+        "bytes_up": report.bytes_up,
+        "metrics": report.client_metrics,
+    }
+
+
+class RoundRecorder:
+    """Collects phase reports into round records and hands each to ``sinks``."""
+
+    def __init__(self, sinks: list[Callable[[dict[str, Any]], None]], *, infer_rounds: bool) -> None:
+        self.sinks = sinks
+        self.infer_rounds = infer_rounds
+        self.started = time.perf_counter()
+        self.records: list[dict[str, Any]] = []
+        self._round: int | None = None
+        self._phases: list[PhaseReport] = []
+        self._round_start = self.started
+
+    # PhaseObserver
+    def phase_finished(self, report: PhaseReport) -> None:
+        server_round = report.server_round
+        if self.infer_rounds and self._phases:
+            if server_round is not None and server_round != self._round:
+                self._flush(None)
+        if self._round is None or not self._phases:
+            self._round = server_round if server_round is not None else (self._last_round() + 1)
+        self._phases.append(report)
+        if self.infer_rounds and report.message_type.startswith("evaluate"):
+            self._flush(None)
+
+    def _last_round(self) -> int:
+        return int(self.records[-1]["round"]) if self.records else 0
+
+    def end_round(self, server_round: int, **sections: Any) -> dict[str, Any]:
+        """Close round ``server_round`` with extra sections (strategy metrics, ...)."""
+        self._round = server_round
+        return self._flush(sections)
+
+    def _flush(self, sections: dict[str, Any] | None) -> dict[str, Any]:
+        now = time.perf_counter()
+        phases, self._phases = self._phases, []
+        record: dict[str, Any] = {
+            "round": self._round if self._round is not None else self._last_round() + 1,
+            "time_s": now - self.started,
+            "seconds": now - self._round_start,
+        }
+        bytes_down = bytes_up = 0
+        trained = 0
+        for report in phases:
+            name = "train" if report.message_type.startswith("train") else (
+                "evaluate" if report.message_type.startswith("evaluate") else "query"
+            )
+            record[name] = _phase_section(report)
+            bytes_down += report.bytes_down
+            bytes_up += report.bytes_up
+            if name == "train":
+                trained += report.succeeded
+        record["bytes_down"] = bytes_down
+        record["bytes_up"] = bytes_up
+        record["clients_per_s"] = trained / record["seconds"] if record["seconds"] > 0 else 0.0
+        for name, value in (sections or {}).items():
+            if value is not None:
+                record[name] = value
+        self._round_start = now
+        self._round = None
+        self.records.append(record)
+        for sink in self.sinks:
+            sink(record)
+        return record
+
+    def close(self) -> None:
+        """Flush a round that is still open (inferred rounds)."""
+        if self._phases:
+            self._flush(None)

@@ -1,0 +1,1 @@
+"""Client-side methods (training loops, optimisers, averaging, ...) as ClientApps."""

@@ -1,0 +1,192 @@
+"""Local SGD training and evaluation as a Flower ClientApp (the common case).
+
+:func:`make_client_app` returns a real :class:`flwr.clientapp.ClientApp` with
+``@app.train()`` and ``@app.evaluate()`` handlers, usable on fedsim's engine and
+on Flower's own runtime alike. Each handler reads its client's rows from the
+federated dataset (``context.node_config["partition-id"]``), reuses one model
+per worker process (weights overwritten in place from the message), and draws
+its shuffling from ``SeedSequence([seed, server_round, partition_id])``, so a
+client's update depends only on the global model, the round and the seed.
+
+Train replies carry ``num-examples`` (training rows, FedAvg's weight) and
+``train_loss`` (mean over steps). If the instruction's config has
+``proximal-mu`` (Flower's FedProx sets it), the FedProx term
+``mu/2 * ||w - w_global||^2`` (Li et al. 2020, eq. 2) is added to the loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from torch import nn
+
+from fedsim.config import require
+from fedsim.data import DatasetSpec, cached_dataset
+from fedsim.models import ModelSpec, build_model, load_arrays, model_arrays
+from fedsim.records import to_numpy, to_record
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalTraining:
+    """Client-side SGD.
+
+    Attributes:
+        epochs: passes over the client's training rows per round.
+        batch_size: examples per step.
+        lr: learning rate (a ``lr`` key in the instruction's config overrides it).
+        momentum, weight_decay: torch.optim.SGD's.
+        max_steps: cap on steps per round (0: no cap).
+        seed: root seed of the clients' shuffling.
+    """
+
+    epochs: int = 1
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    max_steps: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        require(self.epochs >= 1, "client.epochs", self.epochs, "an integer >= 1")
+        require(self.batch_size >= 1, "client.batch_size", self.batch_size, "an integer >= 1")
+        require(self.lr > 0, "client.lr", self.lr, "a number > 0")
+        require(0 <= self.momentum < 1, "client.momentum", self.momentum, "a number in [0, 1)")
+        require(self.weight_decay >= 0, "client.weight_decay", self.weight_decay, "a number >= 0")
+        require(self.max_steps >= 0, "client.max_steps", self.max_steps, "an integer >= 0 (0: no cap)")
+
+
+def client_generator(seed: int, server_round: int, partition_id: int) -> torch.Generator:
+    """The torch generator of one client in one round."""
+    state = np.random.SeedSequence([seed, server_round, partition_id]).generate_state(2, np.uint64)
+    return torch.Generator().manual_seed(int(state[0] >> np.uint64(1)))
+
+
+def as_tensors(x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy a client's rows (possibly a read-only memory map) into tensors."""
+    return torch.from_numpy(np.array(x, dtype=np.float32)), torch.from_numpy(np.array(y, dtype=np.int64))
+
+
+def train_epochs(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    training: LocalTraining,
+    generator: torch.Generator,
+    *,
+    lr: float | None = None,
+    proximal_mu: float = 0.0,
+) -> tuple[float, int]:
+    """Minibatch SGD on (x, y); returns (mean training loss, steps taken)."""
+    model.train()
+    optimizer = torch.optim.SGD(
+        model.parameters(),
+        lr=training.lr if lr is None else lr,
+        momentum=training.momentum,
+        weight_decay=training.weight_decay,
+    )
+    anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else None
+    n = len(y)
+    steps = 0
+    total = torch.zeros(())
+    for _ in range(training.epochs):
+        order = torch.randperm(n, generator=generator)
+        for start in range(0, n, training.batch_size):
+            if training.max_steps and steps >= training.max_steps:
+                break
+            idx = order[start : start + training.batch_size]
+            optimizer.zero_grad(set_to_none=True)
+            loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
+            if anchor is not None:
+                prox = sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor, strict=True))
+                loss = loss + 0.5 * proximal_mu * prox
+            loss.backward()
+            optimizer.step()
+            total += loss.detach()
+            steps += 1
+    return (float(total) / steps if steps else 0.0), steps
+
+
+def evaluate_model(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024) -> dict[str, float]:
+    """Mean cross-entropy and accuracy of ``model`` on (x, y)."""
+    model.eval()
+    loss, correct = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(y), batch_size):
+            out = model(x[start : start + batch_size])
+            target = y[start : start + batch_size]
+            loss += float(nn.functional.cross_entropy(out, target, reduction="sum"))
+            correct += int((out.argmax(1) == target).sum())
+    n = max(len(y), 1)
+    return {"loss": loss / n, "accuracy": correct / n}
+
+
+_MODELS: dict[ModelSpec, nn.Module] = {}
+
+
+def cached_model(spec: ModelSpec) -> nn.Module:
+    """This process's model for ``spec`` (built once, weights overwritten per client)."""
+    model = _MODELS.get(spec)
+    if model is None:
+        model = _MODELS[spec] = build_model(spec)
+    return model
+
+
+def _config(message: Message) -> ConfigRecord:
+    records = message.content.config_records
+    return next(iter(records.values())) if records else ConfigRecord()
+
+
+def _arrays_key(message: Message) -> str:
+    keys = list(message.content.array_records)
+    if len(keys) != 1:
+        raise ValueError(f"expected one ArrayRecord in the instruction, found {len(keys)}")
+    return keys[0]
+
+
+def make_client_app(model: ModelSpec, data: DatasetSpec, training: LocalTraining) -> ClientApp:
+    """A ClientApp that trains ``model`` with local SGD on ``data``'s clients."""
+    app = ClientApp()
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        partition = int(context.node_config["partition-id"])
+        dataset = cached_dataset(data)
+        x, y = as_tensors(*dataset.train.client(partition))
+        net = cached_model(model)
+        key = _arrays_key(message)
+        load_arrays(net, to_numpy(message.content[key]))
+        config = _config(message)
+        server_round = int(config.get("server-round", 0))
+        lr: Any = config.get("lr")
+        loss, steps = train_epochs(
+            net,
+            x,
+            y,
+            training,
+            client_generator(training.seed, server_round, partition),
+            lr=float(lr) if isinstance(lr, (int, float)) else None,
+            proximal_mu=float(config.get("proximal-mu", 0.0)),
+        )
+        metrics = MetricRecord({"num-examples": int(len(y)), "train_loss": loss, "steps": steps})
+        content = RecordDict({key: to_record(model_arrays(net)), "metrics": metrics})
+        return Message(content=content, reply_to=message)
+
+    @app.evaluate()
+    def evaluate(message: Message, context: Context) -> Message:
+        partition = int(context.node_config["partition-id"])
+        dataset = cached_dataset(data)
+        split = dataset.test if dataset.test.sizes()[partition] > 0 else dataset.train
+        x, y = as_tensors(*split.client(partition))
+        net = cached_model(model)
+        load_arrays(net, to_numpy(message.content[_arrays_key(message)]))
+        result = evaluate_model(net, x, y)
+        metrics = MetricRecord({"num-examples": int(len(y)), **result})
+        return Message(content=RecordDict({"metrics": metrics}), reply_to=message)
+
+    return app

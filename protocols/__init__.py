@@ -1,0 +1,1 @@
+"""Pure cryptographic protocols over numpy arrays (no Ray, no Flower)."""

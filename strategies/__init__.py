@@ -1,0 +1,1 @@
+"""Flower Message-API strategies shipped with fedsim."""

@@ -1,0 +1,1 @@
+"""quickstart-app: a Flower app in the style of Flower's PyTorch quickstart."""
