@@ -23,10 +23,17 @@ from fedsim.config import ConfigError
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="results directory (new or empty)")
-    parser.add_argument("--ray-address", default=None,
-                        help="join the Ray cluster at this address (default: $RAY_ADDRESS, else a local Ray)")
-    parser.add_argument("--workers", type=int, default=None, help="worker actors (default: one per CPU)")
-    parser.add_argument("--backend", choices=("ray", "local"), default=None, help="ray (default) or local")
+    parser.add_argument(
+        "--ray-address",
+        default=None,
+        help="join the Ray cluster at this address (default: $RAY_ADDRESS, else a local Ray)",
+    )
+    parser.add_argument(
+        "--workers", type=int, default=None, help="worker actors (default: one per CPU)"
+    )
+    parser.add_argument(
+        "--backend", choices=("ray", "local"), default=None, help="ray (default) or local"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--verbose", action="store_true", help="show Flower's per-round log")
 
@@ -40,8 +47,11 @@ def _parser() -> argparse.ArgumentParser:
     flwr_run = commands.add_parser("flwr-run", help="run a Flower app project on fedsim's engine")
     flwr_run.add_argument("app_dir", help="directory with the app's pyproject.toml")
     flwr_run.add_argument("--num-supernodes", type=int, required=True, help="virtual clients")
-    flwr_run.add_argument("--run-config", default=None,
-                          help='overrides of [tool.flwr.app.config], e.g. "num-server-rounds=5 lr=0.1"')
+    flwr_run.add_argument(
+        "--run-config",
+        default=None,
+        help='overrides of [tool.flwr.app.config], e.g. "num-server-rounds=5 lr=0.1"',
+    )
     _engine_args(flwr_run)
     return parser
 
@@ -49,6 +59,14 @@ def _parser() -> argparse.ArgumentParser:
 def _check_workers(workers: int | None) -> None:
     if workers is not None and workers < 1:
         raise ConfigError("--workers", workers, "an integer >= 1")
+
+
+def _check_address(address: str, backend: str, key: str) -> None:
+    """Fail before any work when the Ray cluster to join does not answer."""
+    from fedsim.engine.cluster import check_reachable  # noqa: PLC0415
+
+    if backend == "ray" and address:
+        check_reachable(address, key)
 
 
 def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
@@ -61,6 +79,11 @@ def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
         workers=args.workers,
         backend=args.backend,
     )
+    _check_address(
+        config.engine.ray_address or os.environ.get("RAY_ADDRESS", ""),
+        config.engine.backend,
+        "--ray-address" if args.ray_address else "engine.ray_address",
+    )
     return run_experiment(config, args.out, progress=not args.no_progress)
 
 
@@ -70,6 +93,11 @@ def cmd_flwr_run(args: argparse.Namespace) -> dict[str, Any]:
     _check_workers(args.workers)
     if args.num_supernodes < 1:
         raise ConfigError("--num-supernodes", args.num_supernodes, "an integer >= 1")
+    _check_address(
+        args.ray_address or os.environ.get("RAY_ADDRESS", ""),
+        args.backend or "ray",
+        "--ray-address",
+    )
     app = FlowerApp.load(args.app_dir, args.run_config)
     return run_flower_app(
         app,

@@ -123,7 +123,9 @@ def from_mapping(cls: type[T], mapping: Mapping[str, Any], where: str = "") -> T
         name = str(raw_key).replace("-", "_")
         if name not in fields:
             raise ConfigError(
-                f"{prefix}{raw_key}", value, f"a known key; known keys are {', '.join(sorted(fields))}"
+                f"{prefix}{raw_key}",
+                value,
+                f"a known key; known keys are {', '.join(sorted(fields))}",
             )
         kwargs[name] = _convert(hints[name], value, f"{prefix}{name}")
     missing = [

@@ -73,8 +73,12 @@ class StrategyConfig:
 
     def __post_init__(self) -> None:
         require(self.name in NAMES, "strategy.name", self.name, f"one of {', '.join(NAMES)}")
-        require(self.clients_per_round >= 1, "strategy.clients_per_round", self.clients_per_round,
-                "an integer >= 1")
+        require(
+            self.clients_per_round >= 1,
+            "strategy.clients_per_round",
+            self.clients_per_round,
+            "an integer >= 1",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,7 +98,9 @@ class EvaluationConfig:
     def __post_init__(self) -> None:
         require(self.clients >= 0, "evaluation.clients", self.clients, "an integer >= 0")
         require(self.every >= 0, "evaluation.every", self.every, "an integer >= 0 (0: never)")
-        require(self.central_rows >= 1, "evaluation.central_rows", self.central_rows, "an integer >= 1")
+        require(
+            self.central_rows >= 1, "evaluation.central_rows", self.central_rows, "an integer >= 1"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -203,7 +209,9 @@ def run_experiment(
             config.strategy.name,
             config.strategy.options,
             expected_clients=k,
-            evaluate_fraction=config.evaluation.clients / k + 1e-9 if config.evaluation.clients else 0.0,
+            evaluate_fraction=config.evaluation.clients / k + 1e-9
+            if config.evaluation.clients
+            else 0.0,
             seed=config.seed,
             partial_aggregation=config.strategy.partial_aggregation,
         )
@@ -269,9 +277,16 @@ def _summary(
         "config": to_mapping(config),
         "rounds": len(rounds),
         "clients_trained": trained,
-        "seconds": {"total": finished - started, "setup": ready - started, "rounds": finished - ready},
+        "seconds": {
+            "total": finished - started,
+            "setup": ready - started,
+            "rounds": finished - ready,
+        },
         "clients_per_s": trained / (finished - ready) if finished > ready else 0.0,
-        "bytes": {"down": sum(r["bytes_down"] for r in records), "up": sum(r["bytes_up"] for r in records)},
+        "bytes": {
+            "down": sum(r["bytes_down"] for r in records),
+            "up": sum(r["bytes_up"] for r in records),
+        },
         "final": {
             "central": last_central,
             "evaluate": last_eval,

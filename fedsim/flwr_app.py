@@ -48,11 +48,15 @@ class FlowerApp:
         """Read ``app_dir/pyproject.toml``, import the components, fuse the config."""
         app_dir = Path(app_dir).resolve()
         if not (app_dir / "pyproject.toml").is_file():
-            raise ConfigError("APP_DIR", str(app_dir), "a Flower app directory containing pyproject.toml")
+            raise ConfigError(
+                "APP_DIR", str(app_dir), "a Flower app directory containing pyproject.toml"
+            )
         try:
             project = get_project_config(app_dir)
         except ValueError as err:
-            raise ConfigError("APP_DIR", str(app_dir), f"a valid Flower app project: {err}") from err
+            raise ConfigError(
+                "APP_DIR", str(app_dir), f"a valid Flower app project: {err}"
+            ) from err
         components = project["tool"]["flwr"]["app"]["components"]
         for name in ("serverapp", "clientapp"):
             if not isinstance(components.get(name), str) or ":" not in components[name]:
@@ -63,12 +67,20 @@ class FlowerApp:
             override_config = parse_config_args([overrides] if overrides else None)
             run_config = get_fused_config_from_dir(app_dir, override_config)
         except ValueError as err:
-            raise ConfigError("--run-config", overrides, f"keys of [tool.flwr.app.config] ({err})") from err
+            raise ConfigError(
+                "--run-config", overrides, f"keys of [tool.flwr.app.config] ({err})"
+            ) from err
         except Exception as err:  # click's error for unparsable strings
-            raise ConfigError("--run-config", overrides, f'space-separated key=value pairs ({err})') from err
-        server_app = _load(components["serverapp"], app_dir, ServerApp, LoadServerAppError, "serverapp")
+            raise ConfigError(
+                "--run-config", overrides, f"space-separated key=value pairs ({err})"
+            ) from err
+        server_app = _load(
+            components["serverapp"], app_dir, ServerApp, LoadServerAppError, "serverapp"
+        )
         _load(components["clientapp"], app_dir, ClientApp, LoadClientAppError, "clientapp")
-        return cls(app_dir, components["serverapp"], components["clientapp"], run_config, server_app)
+        return cls(
+            app_dir, components["serverapp"], components["clientapp"], run_config, server_app
+        )
 
     def client_source(self) -> ClientAppSource:
         return ClientAppSource(reference=self.clientapp, app_dir=str(self.app_dir))
@@ -78,7 +90,9 @@ def _load(reference: str, app_dir: Path, kind: type, error: type[Exception], nam
     try:
         obj = load_app(reference, error, app_dir)
     except (error, ImportError) as err:
-        raise ConfigError(f"{_COMPONENTS} {name}", reference, f"an importable '{name}' ({err})") from err
+        raise ConfigError(
+            f"{_COMPONENTS} {name}", reference, f"an importable '{name}' ({err})"
+        ) from err
     if not isinstance(obj, kind):
         raise ConfigError(
             f"{_COMPONENTS} {name}", reference, f"a {kind.__name__} (found a {type(obj).__name__})"

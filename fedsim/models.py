@@ -39,15 +39,27 @@ class ModelSpec:
     channels: tuple[int, ...] = (6, 16)
 
     def __post_init__(self) -> None:
-        require(len(self.input_shape) >= 1 and all(s >= 1 for s in self.input_shape),
-                "model.input_shape", self.input_shape, "positive dimensions")
+        require(
+            len(self.input_shape) >= 1 and all(s >= 1 for s in self.input_shape),
+            "model.input_shape",
+            self.input_shape,
+            "positive dimensions",
+        )
         require(self.num_classes >= 2, "model.num_classes", self.num_classes, "an integer >= 2")
         require(all(h >= 1 for h in self.hidden), "model.hidden", self.hidden, "positive widths")
         if self.kind == "cnn":
-            require(len(self.input_shape) == 3, "model.input_shape", self.input_shape,
-                    "(channels, height, width) for a cnn")
-            require(len(self.channels) == 2 and all(c >= 1 for c in self.channels),
-                    "model.channels", self.channels, "two positive channel counts")
+            require(
+                len(self.input_shape) == 3,
+                "model.input_shape",
+                self.input_shape,
+                "(channels, height, width) for a cnn",
+            )
+            require(
+                len(self.channels) == 2 and all(c >= 1 for c in self.channels),
+                "model.channels",
+                self.channels,
+                "two positive channel counts",
+            )
 
 
 def _dense(in_features: int, hidden: tuple[int, ...], out_features: int) -> nn.Sequential:
@@ -66,8 +78,13 @@ class SmallCNN(nn.Module):
     8x8 digits) so that both pooling steps fit.
     """
 
-    def __init__(self, input_shape: tuple[int, int, int], num_classes: int,
-                 channels: tuple[int, int], hidden: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        input_shape: tuple[int, int, int],
+        num_classes: int,
+        channels: tuple[int, int],
+        hidden: tuple[int, ...],
+    ) -> None:
         super().__init__()
         c, h, w = input_shape
         pad = 2 if min(h, w) < 16 else 0
@@ -102,7 +119,9 @@ def build_model(spec: ModelSpec) -> nn.Module:
     """A fresh model for ``spec`` (weights from torch's default initialisers)."""
     if spec.kind == "cnn":
         c, h, w = spec.input_shape
-        return SmallCNN((c, h, w), spec.num_classes, (spec.channels[0], spec.channels[1]), spec.hidden)
+        return SmallCNN(
+            (c, h, w), spec.num_classes, (spec.channels[0], spec.channels[1]), spec.hidden
+        )
     in_features = math.prod(spec.input_shape)
     return MLP(in_features, spec.num_classes, () if spec.kind == "logreg" else spec.hidden)
 

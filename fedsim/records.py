@@ -15,11 +15,13 @@ import ast
 import io
 from collections.abc import Mapping
 from functools import lru_cache
+from typing import TypeVar
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 NUMPY_STYPE = "numpy.ndarray"
+R = TypeVar("R", ArrayRecord, ConfigRecord, MetricRecord)
 _MAGIC = b"\x93NUMPY"
 
 
@@ -82,6 +84,15 @@ def to_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
     for key, value in arrays.items():
         record[key] = numpy_to_array(np.asarray(value))
     return record
+
+
+def records_of(content: RecordDict, kind: type[R]) -> list[tuple[str, R]]:
+    """The ``(key, record)`` pairs of one record type in a message's content.
+
+    Equivalent to ``content.array_records.items()`` (etc.) without building
+    Flower's typed view of the content on every call.
+    """
+    return [(key, record) for key, record in content.items() if isinstance(record, kind)]
 
 
 def content_nbytes(content: RecordDict) -> int:

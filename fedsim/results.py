@@ -106,7 +106,9 @@ def _phase_section(report: PhaseReport) -> dict[str, Any]:
 class RoundRecorder:
     """Collects phase reports into round records and hands each to ``sinks``."""
 
-    def __init__(self, sinks: list[Callable[[dict[str, Any]], None]], *, infer_rounds: bool) -> None:
+    def __init__(
+        self, sinks: list[Callable[[dict[str, Any]], None]], *, infer_rounds: bool
+    ) -> None:
         self.sinks = sinks
         self.infer_rounds = infer_rounds
         self.started = time.perf_counter()
@@ -146,8 +148,10 @@ class RoundRecorder:
         bytes_down = bytes_up = 0
         trained = 0
         for report in phases:
-            name = "train" if report.message_type.startswith("train") else (
-                "evaluate" if report.message_type.startswith("evaluate") else "query"
+            name = (
+                "train"
+                if report.message_type.startswith("train")
+                else ("evaluate" if report.message_type.startswith("evaluate") else "query")
             )
             record[name] = _phase_section(report)
             bytes_down += report.bytes_down

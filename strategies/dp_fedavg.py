@@ -24,7 +24,7 @@ optimisers apply their update to the pseudo-gradient ``-Delta_bar``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -32,11 +32,12 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
+from fedsim.engine.metrics import MetricSums
 from fedsim.engine.reduce import (
-    ReductionError,
+    Accumulator,
     Reducer,
+    ReductionError,
     attach_reducer,
-    fold_metrics,
     partial_reply,
     single,
 )
@@ -68,47 +69,58 @@ class ClippedSum(Reducer):
         self.clipping_norm = float(clipping_norm)
         self.weight_key = weight_key
 
-    def reduce(self, instruction: RecordDict, replies: Sequence[Message]) -> Message:
-        if not replies:
+    def accumulator(self, instruction: RecordDict) -> Accumulator:
+        return _ClippedSumAccumulator(self, instruction)
+
+
+class _ClippedSumAccumulator(Accumulator):
+    def __init__(self, reducer: ClippedSum, instruction: RecordDict) -> None:
+        self.reducer = reducer
+        self.global_key, global_record = single(instruction, ArrayRecord)
+        self.reference = to_numpy(global_record)
+        self.total = {k: np.zeros(v.shape, dtype=np.float64) for k, v in self.reference.items()}
+        self.clients = 0
+        self.clipped = 0
+        self.metrics = MetricSums()
+        self.metric_key: str | None = None
+        self.template: Message | None = None
+
+    def add(self, reply: Message) -> None:
+        _, arrays = single(reply.content, ArrayRecord)
+        metric_key, metrics = single(reply.content, MetricRecord)
+        values = to_numpy(arrays)
+        if values.keys() != self.total.keys():
+            raise ReductionError("reply arrays do not match the global model's keys")
+        if CLIENTS_KEY in metrics:  # already a clipped partial sum
+            for k in self.total:
+                self.total[k] += values[k]
+            self.clients += int(metrics[CLIENTS_KEY])
+            self.clipped += int(metrics[CLIPPED_KEY])
+        else:
+            deltas = {k: values[k].astype(np.float64) - self.reference[k] for k in self.total}
+            norm = float(np.sqrt(sum(float(np.vdot(d, d)) for d in deltas.values())))
+            factor = clip_factor(norm, self.reducer.clipping_norm)
+            for k in self.total:
+                self.total[k] += factor * deltas[k]
+            self.clients += 1
+            self.clipped += int(norm > self.reducer.clipping_norm)
+        weight = metrics.get(self.reducer.weight_key, 1)
+        self.metrics.add(
+            metrics,
+            weight=float(weight) if isinstance(weight, (int, float)) else 1.0,
+            skip=(*_BOOKKEEPING, self.reducer.weight_key),
+        )
+        if self.template is None:
+            self.template, self.metric_key = reply, metric_key
+
+    def result(self) -> Message:
+        if self.template is None or self.metric_key is None:
             raise ReductionError("nothing to reduce")
-        global_key, global_record = single(instruction.array_records, "ArrayRecord")
-        reference = to_numpy(global_record)
-        total = {k: np.zeros(v.shape, dtype=np.float64) for k, v in reference.items()}
-        clients = clipped = 0
-        client_metrics: list[MetricRecord] = []
-        weights: list[float] = []
-        metric_key = None
-        for reply in replies:
-            array_key, arrays = single(reply.content.array_records, "ArrayRecord")
-            metric_key, metrics = single(reply.content.metric_records, "MetricRecord")
-            values = to_numpy(arrays)
-            if values.keys() != total.keys():
-                raise ReductionError("reply arrays do not match the global model's keys")
-            if CLIENTS_KEY in metrics:  # already a clipped partial sum
-                for k in total:
-                    total[k] += values[k]
-                clients += int(metrics[CLIENTS_KEY])
-                clipped += int(metrics[CLIPPED_KEY])
-            else:
-                deltas = {k: values[k].astype(np.float64) - reference[k] for k in total}
-                norm = float(np.sqrt(sum(float(np.vdot(d, d)) for d in deltas.values())))
-                factor = clip_factor(norm, self.clipping_norm)
-                for k in total:
-                    total[k] += factor * deltas[k]
-                clients += 1
-                clipped += int(norm > self.clipping_norm)
-            weight = metrics.get(self.weight_key, 1)
-            weights.append(float(weight) if isinstance(weight, (int, float)) else 1.0)
-            client_metrics.append(
-                MetricRecord({k: v for k, v in metrics.items() if k not in _BOOKKEEPING})
-            )
-        for record, weight in zip(client_metrics, weights, strict=True):
-            record[self.weight_key] = weight
-        folded = fold_metrics(client_metrics, np.array(weights), self.weight_key)
-        folded[CLIENTS_KEY] = clients
-        folded[CLIPPED_KEY] = clipped
-        content = RecordDict({global_key: to_record(total), str(metric_key): folded})
-        return partial_reply(replies[0], content)
+        folded = self.metrics.record(self.reducer.weight_key)
+        folded[CLIENTS_KEY] = self.clients
+        folded[CLIPPED_KEY] = self.clipped
+        content = RecordDict({self.global_key: to_record(self.total), self.metric_key: folded})
+        return partial_reply(self.template, content)
 
 
 class DPFedAvg(Strategy):
@@ -138,7 +150,9 @@ class DPFedAvg(Strategy):
         if not expected_clients > 0:
             raise ValueError(f"expected_clients = {expected_clients!r}; it must be > 0")
         self.strategy = strategy
-        self.reducer = ClippedSum(clipping_norm, getattr(strategy, "weighted_by_key", "num-examples"))
+        self.reducer = ClippedSum(
+            clipping_norm, getattr(strategy, "weighted_by_key", "num-examples")
+        )
         self.noise_multiplier = float(noise_multiplier)
         self.expected_clients = float(expected_clients)
         self.rng = rng
@@ -174,8 +188,8 @@ class DPFedAvg(Strategy):
             return None, None
         key, global_record = self._global
         summed = self.reducer.reduce(RecordDict({key: global_record}), valid)
-        total = to_numpy(next(iter(summed.content.array_records.values())))
-        metrics = next(iter(summed.content.metric_records.values()))
+        total = to_numpy(single(summed.content, ArrayRecord)[1])
+        metrics = single(summed.content, MetricRecord)[1]
         std = self.noise_multiplier * self.clipping_norm
         reference = to_numpy(global_record)
         updated = {}

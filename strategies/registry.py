@@ -67,18 +67,22 @@ _DP_OPTIONS = ("clipping_norm", "noise_multiplier")
 def _flower_strategy(name: str, options: Mapping[str, Any], evaluate_fraction: float) -> FedAvg:
     cls = WEIGHTED_MEAN.get(name) or ROBUST[name]
     accepted = [
-        p for p in inspect.signature(cls.__init__).parameters
+        p
+        for p in inspect.signature(cls.__init__).parameters
         if p != "self" and p not in _NOT_CONFIGURABLE
     ]
     for key in options:
         if key in _SET_BY_ENGINE:
             raise ConfigError(
-                f"strategy.options.{key}", options[key],
+                f"strategy.options.{key}",
+                options[key],
                 "nothing: cohorts are set by strategy.clients_per_round and evaluation.clients",
             )
         if key not in accepted:
             allowed = ", ".join(p for p in accepted if p not in _SET_BY_ENGINE)
-            raise ConfigError(f"strategy.options.{key}", options[key], f"an option of {cls.__name__}: {allowed}")
+            raise ConfigError(
+                f"strategy.options.{key}", options[key], f"an option of {cls.__name__}: {allowed}"
+            )
     try:
         return cls(
             fraction_train=1.0,
@@ -89,7 +93,9 @@ def _flower_strategy(name: str, options: Mapping[str, Any], evaluate_fraction: f
             **options,
         )
     except (TypeError, ValueError) as err:
-        raise ConfigError("strategy.options", dict(options), f"valid {cls.__name__} arguments ({err})") from err
+        raise ConfigError(
+            "strategy.options", dict(options), f"valid {cls.__name__} arguments ({err})"
+        ) from err
 
 
 def build_strategy(
@@ -115,7 +121,8 @@ def build_strategy(
     summable = name in WEIGHTED_MEAN or name in DP
     if partial_aggregation == "on" and not summable:
         raise ConfigError(
-            "strategy.partial_aggregation", "on",
+            "strategy.partial_aggregation",
+            "on",
             f"'auto' or 'off' for {name}, whose aggregation is not a sum "
             f"(worker-side sums work with {', '.join((*WEIGHTED_MEAN, *DP))})",
         )
@@ -125,11 +132,22 @@ def build_strategy(
         options = dict(options)
         missing = [k for k in _DP_OPTIONS if k not in options]
         if missing:
-            raise ConfigError(f"strategy.options.{missing[0]}", None, f"a number (required by {name})")
+            raise ConfigError(
+                f"strategy.options.{missing[0]}", None, f"a number (required by {name})"
+            )
         dp_args = {k: float(options.pop(k)) for k in _DP_OPTIONS}
-        require(dp_args["clipping_norm"] > 0, "strategy.options.clipping_norm", dp_args["clipping_norm"], "a number > 0")
-        require(dp_args["noise_multiplier"] >= 0, "strategy.options.noise_multiplier",
-                dp_args["noise_multiplier"], "a number >= 0")
+        require(
+            dp_args["clipping_norm"] > 0,
+            "strategy.options.clipping_norm",
+            dp_args["clipping_norm"],
+            "a number > 0",
+        )
+        require(
+            dp_args["noise_multiplier"] >= 0,
+            "strategy.options.noise_multiplier",
+            dp_args["noise_multiplier"],
+            "a number >= 0",
+        )
         inner = _flower_strategy("fedavg", options, evaluate_fraction)
         return DP[name](
             inner,

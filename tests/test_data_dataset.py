@@ -29,8 +29,7 @@ def _arrays(sizes=(3, 0, 2)):
 
 
 def _equal(a: FederatedDataset, b: FederatedDataset) -> bool:
-    return all(np.array_equal(u, v) for u, v in zip(a.to_arrays().values(),
-                                                    b.to_arrays().values()))
+    return all(np.array_equal(u, v) for u, v in zip(a.to_arrays().values(), b.to_arrays().values()))
 
 
 # --------------------------------------------------------------------------- ClientArrays
@@ -132,8 +131,9 @@ def test_from_partition_rejects_bad_input():
 
 @pytest.fixture(scope="module")
 def digits_ds() -> FederatedDataset:
-    return build_dataset(DatasetSpec(source="digits", partition="dirichlet", num_clients=25,
-                                     alpha=0.3, seed=2))
+    return build_dataset(
+        DatasetSpec(source="digits", partition="dirichlet", num_clients=25, alpha=0.3, seed=2)
+    )
 
 
 def test_stats_are_json_ready_and_consistent(digits_ds):
@@ -150,8 +150,9 @@ def test_stats_are_json_ready_and_consistent(digits_ds):
 
 def test_to_from_arrays_is_zero_copy(digits_ds):
     arrays = digits_ds.to_arrays()
-    assert sorted(arrays) == sorted(["train_x", "train_y", "train_offsets", "test_x", "test_y",
-                                     "test_offsets"])
+    assert sorted(arrays) == sorted(
+        ["train_x", "train_y", "train_offsets", "test_x", "test_y", "test_offsets"]
+    )
     rebuilt = FederatedDataset.from_arrays(arrays, digits_ds.num_classes, digits_ds.name)
     for key, arr in rebuilt.to_arrays().items():
         assert np.shares_memory(arr, arrays[key])
@@ -187,8 +188,13 @@ def test_mismatched_splits_rejected():
 
 
 def test_spec_from_mapping_and_build_is_deterministic():
-    mapping = {"source": "digits", "partition": "shards", "num_clients": 20,
-               "classes-per-client": 3, "seed": 7}
+    mapping = {
+        "source": "digits",
+        "partition": "shards",
+        "num_clients": 20,
+        "classes-per-client": 3,
+        "seed": 7,
+    }
     spec = from_mapping(DatasetSpec, mapping, "data")
     assert spec.classes_per_client == 3 and spec.test_fraction == 0.2
     a, b = build_dataset(spec), build_dataset(spec)
@@ -216,8 +222,10 @@ def test_spec_from_mapping_and_build_is_deterministic():
         ({"samples_per_client": -1}, "data.samples_per_client"),
         ({"seed": -1}, "data.seed"),
         ({"source": "leaf", "partition": "natural"}, "data.path"),
-        ({"source": "table", "partition": "natural", "path": "/nonexistent/x.parquet"},
-         "data.path"),
+        (
+            {"source": "table", "partition": "natural", "path": "/nonexistent/x.parquet"},
+            "data.path",
+        ),
         ({"source": "npy", "partition": "natural", "path": "/nonexistent"}, "data.path"),
         ({"feature_columns": ["a", 3]}, "data.feature_columns"),
         ({"colour": "red"}, "data.colour"),
@@ -232,40 +240,50 @@ def test_bad_specs_name_the_key(change, key):
 
 def test_impossible_partition_names_the_spec_key():
     with pytest.raises(ConfigError, match="data.classes_per_client"):
-        build_dataset(DatasetSpec(source="digits", partition="shards", num_clients=5,
-                                  classes_per_client=11))
+        build_dataset(
+            DatasetSpec(source="digits", partition="shards", num_clients=5, classes_per_client=11)
+        )
     with pytest.raises(ConfigError, match="num_clients"):
         build_dataset(DatasetSpec(source="digits", partition="iid", num_clients=5000))
 
 
 def test_npy_source_memory_maps_first_clients(digits_ds, tmp_path):
     digits_ds.save(tmp_path / "saved")
-    spec = DatasetSpec(source="npy", partition="natural", num_clients=10,
-                       path=str(tmp_path / "saved"))
+    spec = DatasetSpec(
+        source="npy", partition="natural", num_clients=10, path=str(tmp_path / "saved")
+    )
     ds = build_dataset(spec)
     assert isinstance(ds.train.x, np.memmap) and ds.num_clients == 10
     for k in range(10):
         assert np.array_equal(ds.train.client(k)[1], digits_ds.train.client(k)[1])
         assert np.array_equal(ds.test.client(k)[0], digits_ds.test.client(k)[0])
     with pytest.raises(ConfigError, match="data.num_clients"):
-        build_dataset(DatasetSpec(source="npy", partition="natural", num_clients=26,
-                                  path=str(tmp_path / "saved")))
-    resplit = build_dataset(DatasetSpec(source="npy", partition="iid", num_clients=4,
-                                        path=str(tmp_path / "saved")))
+        build_dataset(
+            DatasetSpec(
+                source="npy", partition="natural", num_clients=26, path=str(tmp_path / "saved")
+            )
+        )
+    resplit = build_dataset(
+        DatasetSpec(source="npy", partition="iid", num_clients=4, path=str(tmp_path / "saved"))
+    )
     assert resplit.num_clients == 4 and resplit.stats()["total_samples"] == 1797
 
 
 @pytest.mark.parametrize("source", ["synthetic", "femnist"])
 def test_generated_sources_natural_and_resplit(source):
-    natural = build_dataset(DatasetSpec(source=source, partition="natural", num_clients=6,
-                                        samples_per_client=40))
+    natural = build_dataset(
+        DatasetSpec(source=source, partition="natural", num_clients=6, samples_per_client=40)
+    )
     assert natural.num_clients == 6
     assert np.all(natural.train.sizes() >= 1)
-    iid = build_dataset(DatasetSpec(source=source, partition="iid", num_clients=6,
-                                    samples_per_client=40))
+    iid = build_dataset(
+        DatasetSpec(source=source, partition="iid", num_clients=6, samples_per_client=40)
+    )
     assert iid.stats()["total_samples"] == natural.stats()["total_samples"]
-    assert (iid.stats()["train"]["mean_label_tv_distance"]
-            < natural.stats()["train"]["mean_label_tv_distance"])
+    assert (
+        iid.stats()["train"]["mean_label_tv_distance"]
+        < natural.stats()["train"]["mean_label_tv_distance"]
+    )
 
 
 # --------------------------------------------------------------------------- cache

@@ -18,8 +18,12 @@ from fedsim.data import (
     shard_partition,
 )
 
-PARAMS = {"iid": {}, "dirichlet": {"alpha": 0.3}, "shards": {"classes_per_client": 2},
-          "quantity": {"sigma": 1.0}}
+PARAMS = {
+    "iid": {},
+    "dirichlet": {"alpha": 0.3},
+    "shards": {"classes_per_client": 2},
+    "quantity": {"sigma": 1.0},
+}
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +50,7 @@ def _check_partition(parts, labels, num_clients, covering=True):
 @pytest.mark.parametrize("name", sorted(PARTITIONERS))
 @pytest.mark.parametrize("num_clients", [1, 7, 50])
 def test_partition_is_disjoint_covering_nonempty(name, num_clients, digit_labels):
-    parts = PARTITIONERS[name](digit_labels, num_clients, np.random.default_rng(3),
-                               **PARAMS[name])
+    parts = PARTITIONERS[name](digit_labels, num_clients, np.random.default_rng(3), **PARAMS[name])
     # shards leave out labels no client holds when num_clients * k < num_classes (documented)
     covering = not (name == "shards" and num_clients * 2 < 10)
     _check_partition(parts, digit_labels, num_clients, covering)
@@ -91,8 +94,9 @@ def test_dirichlet_alpha_controls_label_skew(digit_labels):
 def test_dirichlet_repair_gives_every_client_min_size(digit_labels):
     parts = dirichlet_partition(digit_labels, 300, np.random.default_rng(1), alpha=0.01)
     _check_partition(parts, digit_labels, 300)
-    parts = dirichlet_partition(digit_labels, 100, np.random.default_rng(1), alpha=0.01,
-                                min_size=15)
+    parts = dirichlet_partition(
+        digit_labels, 100, np.random.default_rng(1), alpha=0.01, min_size=15
+    )
     _check_partition(parts, digit_labels, 100)
     assert min(p.size for p in parts) >= 15
     with pytest.raises(ConfigError, match="min_size"):
@@ -102,8 +106,9 @@ def test_dirichlet_repair_gives_every_client_min_size(digit_labels):
 @pytest.mark.parametrize("k", [1, 2, 3, 10])
 @pytest.mark.parametrize("num_clients", [10, 37, 100])
 def test_shards_give_exactly_k_classes(k, num_clients, digit_labels):
-    parts = shard_partition(digit_labels, num_clients, np.random.default_rng(k),
-                            classes_per_client=k)
+    parts = shard_partition(
+        digit_labels, num_clients, np.random.default_rng(k), classes_per_client=k
+    )
     _check_partition(parts, digit_labels, num_clients)
     assert np.all(_classes_per_client(parts, digit_labels) == k)
 
@@ -139,8 +144,9 @@ def test_quantity_skew_spread_grows_with_sigma(digit_labels):
     def cv(sigma):
         out = []
         for seed in range(5):
-            parts = quantity_skew_partition(digit_labels, 40, np.random.default_rng(seed),
-                                            sigma=sigma)
+            parts = quantity_skew_partition(
+                digit_labels, 40, np.random.default_rng(seed), sigma=sigma
+            )
             sizes = np.array([p.size for p in parts])
             out.append(sizes.std() / sizes.mean())
         return float(np.mean(out))
@@ -197,6 +203,7 @@ def test_partition_stats_values():
     # client 1: (0, 1/2, 1/2) vs global: TV = 1/4
     assert stats["mean_label_tv_distance"] == pytest.approx((0.75 + 0.25 + 0.5) / 3)
     assert stats["overlap"] == 0 and stats["unassigned"] == 0 and stats["empty_clients"] == 0
-    bad = partition_stats([np.array([0, 1]), np.array([1]), np.array([], dtype=np.int64)],
-                          labels, 4)
+    bad = partition_stats(
+        [np.array([0, 1]), np.array([1]), np.array([], dtype=np.int64)], labels, 4
+    )
     assert bad["overlap"] == 1 and bad["unassigned"] == 6 and bad["empty_clients"] == 1

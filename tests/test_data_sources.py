@@ -62,8 +62,9 @@ def test_synthetic_shapes_sizes_and_determinism():
         assert 50 <= len(y) <= 1000 and y.min() >= 0 and y.max() < 10
     again = synthetic_fedprox(30, 1.0, 1.0, np.random.default_rng(0))
     other = synthetic_fedprox(30, 1.0, 1.0, np.random.default_rng(1))
-    assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
-               for a, b in zip(parts, again))
+    assert all(
+        np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) for a, b in zip(parts, again)
+    )
     assert not np.array_equal(parts[0][0][:50], other[0][0][:50])
 
 
@@ -129,8 +130,9 @@ def test_femnist_like_benchmark_size_shapes_and_determinism():
     small = femnist_like(5, np.random.default_rng(0), samples_per_writer=100)
     again = femnist_like(5, np.random.default_rng(0), samples_per_writer=100)
     other = femnist_like(5, np.random.default_rng(1), samples_per_writer=100)
-    assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
-               for a, b in zip(small, again))
+    assert all(
+        np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) for a, b in zip(small, again)
+    )
     assert not np.array_equal(small[0][0], other[0][0])
 
 
@@ -183,9 +185,17 @@ def _write_leaf(root, train_users, test_users, dim=784):
         names = list(users)
         half = len(names) // 2
         for i, chunk in enumerate((names[:half], names[half:])):
-            blob = {"users": chunk, "num_samples": [users[u] for u in chunk], "user_data": {
-                u: {"x": rng.random((users[u], dim)).round(3).tolist(),
-                    "y": rng.integers(0, 62, users[u]).tolist()} for u in chunk}}
+            blob = {
+                "users": chunk,
+                "num_samples": [users[u] for u in chunk],
+                "user_data": {
+                    u: {
+                        "x": rng.random((users[u], dim)).round(3).tolist(),
+                        "y": rng.integers(0, 62, users[u]).tolist(),
+                    }
+                    for u in chunk
+                },
+            }
             (root / split / f"part_{i}.json").write_text(json.dumps(blob))
 
 
@@ -205,15 +215,18 @@ def test_load_leaf_natural_partition(tmp_path):
 
 def test_leaf_spec_build(tmp_path):
     _write_leaf(tmp_path, {"a": 6, "b": 4, "c": 5}, {"a": 2, "b": 2, "c": 2}, dim=10)
-    ds = build_dataset(DatasetSpec(source="leaf", partition="natural", num_clients=2,
-                                   path=str(tmp_path)))
+    ds = build_dataset(
+        DatasetSpec(source="leaf", partition="natural", num_clients=2, path=str(tmp_path))
+    )
     assert ds.num_clients == 2 and ds.feature_shape == (10,)
     assert ds.train.sizes().tolist() == [6, 4] and ds.test.sizes().tolist() == [2, 2]
     with pytest.raises(ConfigError, match="data.num_clients"):
-        build_dataset(DatasetSpec(source="leaf", partition="natural", num_clients=4,
-                                  path=str(tmp_path)))
-    pooled = build_dataset(DatasetSpec(source="leaf", partition="iid", num_clients=3,
-                                       path=str(tmp_path)))
+        build_dataset(
+            DatasetSpec(source="leaf", partition="natural", num_clients=4, path=str(tmp_path))
+        )
+    pooled = build_dataset(
+        DatasetSpec(source="leaf", partition="iid", num_clients=3, path=str(tmp_path))
+    )
     assert pooled.stats()["total_samples"] == 21
 
 
@@ -295,11 +308,18 @@ def test_load_table_file_errors(tmp_path):
 
 def test_table_spec_build(tmp_path):
     path = _write(tmp_path / "data.parquet", _table_rows())
-    spec = DatasetSpec(source="table", partition="natural", num_clients=2, path=str(path),
-                       feature_columns=("f1", "f2"), test_fraction=0.5)
+    spec = DatasetSpec(
+        source="table",
+        partition="natural",
+        num_clients=2,
+        path=str(path),
+        feature_columns=("f1", "f2"),
+        test_fraction=0.5,
+    )
     ds = build_dataset(spec)
     assert ds.num_clients == 2 and ds.num_classes == 3 and ds.feature_shape == (2,)
     assert (ds.train.sizes() + ds.test.sizes()).tolist() == [2, 3]
     with pytest.raises(ConfigError, match="data.num_clients"):
-        build_dataset(DatasetSpec(source="table", partition="natural", num_clients=4,
-                                  path=str(path)))
+        build_dataset(
+            DatasetSpec(source="table", partition="natural", num_clients=4, path=str(path))
+        )

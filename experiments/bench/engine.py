@@ -63,7 +63,9 @@ def make_data(directory: Path, seed: int, rows_per_client: int) -> tuple[Path, d
     dataset = build_dataset(spec)
     sizes = dataset.train.sizes()
     if rows_per_client and not np.all(sizes == rows_per_client):
-        raise RuntimeError(f"expected {rows_per_client} training rows per client, got {set(sizes.tolist())}")
+        raise RuntimeError(
+            f"expected {rows_per_client} training rows per client, got {set(sizes.tolist())}"
+        )
     stats = {"mean": float(sizes.mean()), "min": int(sizes.min()), "max": int(sizes.max())}
     return dataset.save(directory), stats
 
@@ -89,7 +91,9 @@ def apps(data_dir: Path, rounds: int, worker_sums: bool):
     from fedsim.workloads.supervised import LocalTraining, make_client_app  # noqa: PLC0415
 
     model = ModelSpec(kind="cnn", input_shape=(1, 28, 28), num_classes=CLASSES, hidden=(120, 84))
-    data = DatasetSpec(source="npy", partition="natural", num_clients=NUM_CLIENTS, path=str(data_dir))
+    data = DatasetSpec(
+        source="npy", partition="natural", num_clients=NUM_CLIENTS, path=str(data_dir)
+    )
     training = LocalTraining(epochs=1, batch_size=10, lr=0.05, seed=0)
     client_app = make_client_app(model, data, training)
     server_app = ServerApp()
@@ -105,7 +109,9 @@ def apps(data_dir: Path, rounds: int, worker_sums: bool):
         if worker_sums:
             strategy = WorkerReduced(strategy)
         arrays: ArrayRecord = to_record(initial_arrays(model, 0))
-        strategy.start(grid=grid, initial_arrays=arrays, num_rounds=rounds, train_config=ConfigRecord())
+        strategy.start(
+            grid=grid, initial_arrays=arrays, num_rounds=rounds, train_config=ConfigRecord()
+        )
 
     return server_app, client_app, model, data, training
 
@@ -130,7 +136,9 @@ def raw_loop(data_dir: Path, rounds: int) -> float:
         for client in cohort:
             load_arrays(model, global_arrays)
             x, y = as_tensors(*dataset.train.client(int(client)))
-            train_epochs(model, x, y, training, client_generator(training.seed, server_round, int(client)))
+            train_epochs(
+                model, x, y, training, client_generator(training.seed, server_round, int(client))
+            )
             for k, v in model_arrays(model).items():
                 total[k] += len(y) * v
             weight += len(y)
@@ -160,8 +168,9 @@ def flower_once(data_dir: Path, rounds: int, cpus: int) -> float:
 
 def fedsim_and_raw(
     data_dir: Path, rounds: int, reps: int, workers: int, worker_sums: bool
-) -> tuple[float, list[float], list[float]]:
-    """(cold seconds, warm seconds per repetition, raw seconds per repetition).
+) -> tuple[float, list[float], list[float], list[float]]:
+    """(cold seconds, warm seconds, raw seconds, seconds inside the ClientApp),
+    the last three per repetition.
 
     fedsim's and the raw loop's repetitions alternate, so that a slow spell of
     this shared machine affects both alike.
@@ -176,14 +185,26 @@ def fedsim_and_raw(
     engine = Engine(EngineConfig(workers=workers, num_cpus=workers)).start()
     engine.run_server_app(server_app, client_app, NUM_CLIENTS)
     cold = time.perf_counter() - start
-    warm, raw = [], []
+    warm, raw, compute = [], [], []
     for _ in range(reps):
         raw.append(raw_loop(data_dir, rounds))
+        observer = _ComputeTotal()
         start = time.perf_counter()
-        engine.run_server_app(server_app, client_app, NUM_CLIENTS)
+        engine.run_server_app(server_app, client_app, NUM_CLIENTS, observer=observer)
         warm.append(time.perf_counter() - start)
+        compute.append(observer.seconds)
     engine.close()
-    return cold, warm, raw
+    return cold, warm, raw, compute
+
+
+class _ComputeTotal:
+    """Sums the seconds clients spent inside the ClientApp, over all phases."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def phase_finished(self, report) -> None:
+        self.seconds += report.compute_s
 
 
 def main() -> None:
@@ -192,29 +213,47 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rows-per-client", type=int, default=0,
-                        help="training rows of every client (0: FEMNIST-like writer sizes)")
-    parser.add_argument("--no-worker-sums", action="store_true", help="send every reply to the server")
+    parser.add_argument(
+        "--rows-per-client",
+        type=int,
+        default=0,
+        help="training rows of every client (0: FEMNIST-like writer sizes)",
+    )
+    parser.add_argument(
+        "--no-worker-sums", action="store_true", help="send every reply to the server"
+    )
     parser.add_argument("--skip-flower", action="store_true")
     parser.add_argument("--flower-once", metavar="DATA_DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.flower_once:
-        print(json.dumps({"seconds": flower_once(Path(args.flower_once), args.rounds, args.workers)}))
+        print(
+            json.dumps({"seconds": flower_once(Path(args.flower_once), args.rounds, args.workers)})
+        )
         return
 
     with tempfile.TemporaryDirectory(prefix="fedsim-bench-") as tmp:
         data_dir, sizes = make_data(Path(tmp) / "femnist", args.seed, args.rows_per_client)
-        cold, warm, raw = fedsim_and_raw(
+        cold, warm, raw, compute = fedsim_and_raw(
             data_dir, args.rounds, args.reps, args.workers, not args.no_worker_sums
         )
         flower: list[float] = []
         if not args.skip_flower:
             for _ in range(args.reps):
                 out = subprocess.run(
-                    [sys.executable, __file__, "--flower-once", str(data_dir), "--rounds", str(args.rounds),
-                     "--workers", str(args.workers)],
-                    check=True, capture_output=True, text=True,
+                    [
+                        sys.executable,
+                        __file__,
+                        "--flower-once",
+                        str(data_dir),
+                        "--rounds",
+                        str(args.rounds),
+                        "--workers",
+                        str(args.workers),
+                    ],
+                    check=True,
+                    capture_output=True,
+                    text=True,
                 )
                 flower.append(json.loads(out.stdout.strip().splitlines()[-1])["seconds"])
 
@@ -222,8 +261,13 @@ def main() -> None:
     raw_s = statistics.median(raw)
     result = {
         "workload": {
-            "clients": NUM_CLIENTS, "training_rows_per_client": sizes, "clients_per_round": COHORT,
-            "rounds": args.rounds, "batch_size": 10, "local_epochs": 1, "model": "LeNet-5 CNN, 62 classes",
+            "clients": NUM_CLIENTS,
+            "training_rows_per_client": sizes,
+            "clients_per_round": COHORT,
+            "rounds": args.rounds,
+            "batch_size": 10,
+            "local_epochs": 1,
+            "model": "LeNet-5 CNN, 62 classes",
             "worker_sums": not args.no_worker_sums,
         },
         "workers": args.workers,
@@ -233,6 +277,9 @@ def main() -> None:
         "raw_s": raw_s,
         "limit_s": raw_s / args.workers,
         "overhead_vs_limit": fedsim_s / (raw_s / args.workers),
+        # seconds all clients spent inside the ClientApp on fedsim's workers,
+        # relative to the raw loop: the part of the overhead that is compute
+        "clientapp_vs_raw": statistics.median(compute) / raw_s,
         "all": {"fedsim_s": warm, "raw_s": raw, "flower_s": flower},
     }
     if flower:

@@ -44,15 +44,28 @@ class ClientArrays:
         for key, arr in (("x", x), ("y", y), ("offsets", off)):
             require(isinstance(arr, np.ndarray), key, type(arr).__name__, "a numpy array")
         require(x.ndim >= 1, "x", x.shape, "an array of shape (n, *feature_shape)")
-        require(y.ndim == 1 and y.dtype == np.int64, "y", (y.shape, str(y.dtype)),
-                "a 1-D int64 array")
+        require(
+            y.ndim == 1 and y.dtype == np.int64, "y", (y.shape, str(y.dtype)), "a 1-D int64 array"
+        )
         require(len(x) == len(y), "y", y.shape, f"as many labels as rows of x ({len(x)})")
-        require(off.ndim == 1 and off.size >= 1 and off.dtype == np.int64, "offsets",
-                (off.shape, str(off.dtype)), "a 1-D int64 array of length num_clients + 1")
-        require(int(off[0]) == 0 and int(off[-1]) == len(y), "offsets",
-                (int(off[0]), int(off[-1])), f"offsets[0] = 0 and offsets[-1] = n = {len(y)}")
-        require(bool(np.all(off[1:] >= off[:-1])), "offsets", "decreasing entries",
-                "non-decreasing offsets")
+        require(
+            off.ndim == 1 and off.size >= 1 and off.dtype == np.int64,
+            "offsets",
+            (off.shape, str(off.dtype)),
+            "a 1-D int64 array of length num_clients + 1",
+        )
+        require(
+            int(off[0]) == 0 and int(off[-1]) == len(y),
+            "offsets",
+            (int(off[0]), int(off[-1])),
+            f"offsets[0] = 0 and offsets[-1] = n = {len(y)}",
+        )
+        require(
+            bool(np.all(off[1:] >= off[:-1])),
+            "offsets",
+            "decreasing entries",
+            "non-decreasing offsets",
+        )
 
     @property
     def num_clients(self) -> int:
@@ -73,20 +86,26 @@ class ClientArrays:
 
     def head(self, num_clients: int) -> ClientArrays:
         """The first ``num_clients`` clients, as zero-copy views."""
-        require(0 <= num_clients <= self.num_clients, "num_clients", num_clients,
-                f"at most the {self.num_clients} clients present")
+        require(
+            0 <= num_clients <= self.num_clients,
+            "num_clients",
+            num_clients,
+            f"at most the {self.num_clients} clients present",
+        )
         end = int(self.offsets[num_clients])
         return ClientArrays(self.x[:end], self.y[:end], np.array(self.offsets[: num_clients + 1]))
 
 
-def _concat_clients(parts: Sequence[tuple[np.ndarray, np.ndarray]],
-                    feature_shape: tuple[int, ...], dtype: np.dtype) -> ClientArrays:
+def _concat_clients(
+    parts: Sequence[tuple[np.ndarray, np.ndarray]], feature_shape: tuple[int, ...], dtype: np.dtype
+) -> ClientArrays:
     """Stack per-client ``(x_k, y_k)`` pairs into one :class:`ClientArrays`."""
     sizes = np.array([len(y) for _, y in parts], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     if parts and offsets[-1] > 0:
-        x = np.concatenate([np.asarray(x, dtype=dtype).reshape(-1, *feature_shape)
-                            for x, _ in parts])
+        x = np.concatenate(
+            [np.asarray(x, dtype=dtype).reshape(-1, *feature_shape) for x, _ in parts]
+        )
         y = np.concatenate([np.asarray(y, dtype=np.int64).reshape(-1) for _, y in parts])
     else:
         x = np.zeros((0, *feature_shape), dtype=dtype)
@@ -108,21 +127,42 @@ class FederatedDataset:
     name: str
 
     def __post_init__(self) -> None:
-        require(isinstance(self.train, ClientArrays), "train", type(self.train).__name__,
-                "a ClientArrays")
-        require(isinstance(self.test, ClientArrays), "test", type(self.test).__name__,
-                "a ClientArrays")
-        require(self.test.num_clients == self.train.num_clients, "test.num_clients",
-                self.test.num_clients, f"the train split's {self.train.num_clients} clients")
-        require(self.test.x.shape[1:] == self.train.x.shape[1:], "test.x", self.test.x.shape,
-                f"feature shape {self.train.x.shape[1:]} as in train.x")
-        require(isinstance(self.num_classes, (int, np.integer)) and self.num_classes >= 1,
-                "num_classes", self.num_classes, "an integer >= 1")
+        require(
+            isinstance(self.train, ClientArrays),
+            "train",
+            type(self.train).__name__,
+            "a ClientArrays",
+        )
+        require(
+            isinstance(self.test, ClientArrays), "test", type(self.test).__name__, "a ClientArrays"
+        )
+        require(
+            self.test.num_clients == self.train.num_clients,
+            "test.num_clients",
+            self.test.num_clients,
+            f"the train split's {self.train.num_clients} clients",
+        )
+        require(
+            self.test.x.shape[1:] == self.train.x.shape[1:],
+            "test.x",
+            self.test.x.shape,
+            f"feature shape {self.train.x.shape[1:]} as in train.x",
+        )
+        require(
+            isinstance(self.num_classes, (int, np.integer)) and self.num_classes >= 1,
+            "num_classes",
+            self.num_classes,
+            "an integer >= 1",
+        )
         for key, y in (("train.y", self.train.y), ("test.y", self.test.y)):
             if y.size:
                 lo, hi = int(y.min()), int(y.max())
-                require(lo >= 0 and hi < self.num_classes, key, (lo, hi),
-                        f"labels in [0, {self.num_classes})")
+                require(
+                    lo >= 0 and hi < self.num_classes,
+                    key,
+                    (lo, hi),
+                    f"labels in [0, {self.num_classes})",
+                )
 
     @property
     def num_clients(self) -> int:
@@ -155,20 +195,26 @@ class FederatedDataset:
         }
         for split, arrays in (("train", self.train), ("test", self.test)):
             owner = np.repeat(np.arange(arrays.num_clients, dtype=np.int64), arrays.sizes())
-            out[split] = owner_stats(owner, np.asarray(arrays.y), arrays.num_clients,
-                                     int(self.num_classes))
+            out[split] = owner_stats(
+                owner, np.asarray(arrays.y), arrays.num_clients, int(self.num_classes)
+            )
         return out
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         """The six arrays that define the dataset (no copies): ``train_x`` ... ``test_offsets``."""
         return {
-            "train_x": self.train.x, "train_y": self.train.y, "train_offsets": self.train.offsets,
-            "test_x": self.test.x, "test_y": self.test.y, "test_offsets": self.test.offsets,
+            "train_x": self.train.x,
+            "train_y": self.train.y,
+            "train_offsets": self.train.offsets,
+            "test_x": self.test.x,
+            "test_y": self.test.y,
+            "test_offsets": self.test.offsets,
         }
 
     @classmethod
-    def from_arrays(cls, arrays: Mapping[str, np.ndarray], num_classes: int,
-                    name: str) -> FederatedDataset:
+    def from_arrays(
+        cls, arrays: Mapping[str, np.ndarray], num_classes: int, name: str
+    ) -> FederatedDataset:
         """Rebuild a dataset from :meth:`to_arrays` output without copying the arrays."""
         missing = [k for k in _ARRAY_KEYS if k not in arrays]
         require(not missing, "arrays", sorted(arrays), f"the keys {', '.join(_ARRAY_KEYS)}")
@@ -185,9 +231,15 @@ class FederatedDataset:
         directory.mkdir(parents=True, exist_ok=True)
         for key, arr in self.to_arrays().items():
             np.save(directory / f"{key}.npy", np.asarray(arr), allow_pickle=False)
-        meta = {"format": _FORMAT, "version": _VERSION, "name": self.name,
-                "num_classes": int(self.num_classes), "num_clients": self.num_clients,
-                "feature_shape": list(self.feature_shape), "arrays": list(_ARRAY_KEYS)}
+        meta = {
+            "format": _FORMAT,
+            "version": _VERSION,
+            "name": self.name,
+            "num_classes": int(self.num_classes),
+            "num_clients": self.num_clients,
+            "feature_shape": list(self.feature_shape),
+            "arrays": list(_ARRAY_KEYS),
+        }
         (directory / "meta.json").write_text(json.dumps(meta, indent=2))
         return directory
 
@@ -200,14 +252,22 @@ class FederatedDataset:
         """
         directory = Path(directory)
         meta_path = directory / "meta.json"
-        require(meta_path.is_file(), "path", str(directory),
-                "a directory written by FederatedDataset.save (with meta.json)")
+        require(
+            meta_path.is_file(),
+            "path",
+            str(directory),
+            "a directory written by FederatedDataset.save (with meta.json)",
+        )
         try:
             meta = json.loads(meta_path.read_text())
         except json.JSONDecodeError as err:
             raise ConfigError("path", str(meta_path), f"valid JSON ({err})") from err
-        require(meta.get("format") == _FORMAT, "path", str(meta_path),
-                f"a meta.json with format {_FORMAT!r}")
+        require(
+            meta.get("format") == _FORMAT,
+            "path",
+            str(meta_path),
+            f"a meta.json with format {_FORMAT!r}",
+        )
         arrays: dict[str, np.ndarray] = {}
         for key in _ARRAY_KEYS:
             file = directory / f"{key}.npy"
@@ -217,9 +277,15 @@ class FederatedDataset:
         return cls.from_arrays(arrays, int(meta["num_classes"]), str(meta["name"]))
 
 
-def from_partition(x: np.ndarray, y: np.ndarray, parts: Sequence[np.ndarray],
-                   test_fraction: float, rng: np.random.Generator, num_classes: int,
-                   name: str) -> FederatedDataset:
+def from_partition(
+    x: np.ndarray,
+    y: np.ndarray,
+    parts: Sequence[np.ndarray],
+    test_fraction: float,
+    rng: np.random.Generator,
+    num_classes: int,
+    name: str,
+) -> FederatedDataset:
     """Build a :class:`FederatedDataset` from row indices per client.
 
     ``parts[k]`` holds the row indices of ``x`` / ``y`` owned by client ``k``
@@ -231,24 +297,44 @@ def from_partition(x: np.ndarray, y: np.ndarray, parts: Sequence[np.ndarray],
     """
     x = np.asarray(x)
     y = np.asarray(y)
-    require(x.ndim >= 1 and y.ndim == 1 and len(x) == len(y), "y", (x.shape, y.shape),
-            "x of shape (n, ...) and y of shape (n,)")
-    require(isinstance(test_fraction, (int, float)) and 0.0 <= test_fraction < 1.0,
-            "test_fraction", test_fraction, "a number in [0, 1)")
+    require(
+        x.ndim >= 1 and y.ndim == 1 and len(x) == len(y),
+        "y",
+        (x.shape, y.shape),
+        "x of shape (n, ...) and y of shape (n,)",
+    )
+    require(
+        isinstance(test_fraction, (int, float)) and 0.0 <= test_fraction < 1.0,
+        "test_fraction",
+        test_fraction,
+        "a number in [0, 1)",
+    )
     require(len(parts) >= 1, "parts", len(parts), "at least one client")
     n = len(y)
     sizes = np.array([np.size(p) for p in parts], dtype=np.int64)
-    rows = (np.concatenate([np.asarray(p, dtype=np.int64).reshape(-1) for p in parts])
-            if sizes.sum() else np.zeros(0, dtype=np.int64))
+    rows = (
+        np.concatenate([np.asarray(p, dtype=np.int64).reshape(-1) for p in parts])
+        if sizes.sum()
+        else np.zeros(0, dtype=np.int64)
+    )
     if rows.size:
-        require(int(rows.min()) >= 0 and int(rows.max()) < n, "parts",
-                (int(rows.min()), int(rows.max())), f"row indices in [0, {n})")
-        require(int(np.bincount(rows, minlength=n).max()) <= 1, "parts", "overlapping parts",
-                "disjoint index arrays (no row in two clients)")
+        require(
+            int(rows.min()) >= 0 and int(rows.max()) < n,
+            "parts",
+            (int(rows.min()), int(rows.max())),
+            f"row indices in [0, {n})",
+        )
+        require(
+            int(np.bincount(rows, minlength=n).max()) <= 1,
+            "parts",
+            "overlapping parts",
+            "disjoint index arrays (no row in two clients)",
+        )
     num_clients = len(parts)
     owner = np.repeat(np.arange(num_clients, dtype=np.int64), sizes)
-    n_test = np.minimum(np.floor(test_fraction * sizes + 0.5).astype(np.int64),
-                        np.maximum(sizes - 1, 0))
+    n_test = np.minimum(
+        np.floor(test_fraction * sizes + 0.5).astype(np.int64), np.maximum(sizes - 1, 0)
+    )
     # random rank of each row within its client: sort by owner + U[0, 1)
     order = np.argsort(owner + rng.random(rows.size), kind="stable")
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
@@ -257,8 +343,12 @@ def from_partition(x: np.ndarray, y: np.ndarray, parts: Sequence[np.ndarray],
     is_test = rank < n_test[owner]
     train_rows, test_rows = rows[~is_test], rows[is_test]
     y64 = y.astype(np.int64, copy=False)
-    train = ClientArrays(x[train_rows], y64[train_rows],
-                         np.concatenate([[0], np.cumsum(sizes - n_test)]).astype(np.int64))
-    test = ClientArrays(x[test_rows], y64[test_rows],
-                        np.concatenate([[0], np.cumsum(n_test)]).astype(np.int64))
+    train = ClientArrays(
+        x[train_rows],
+        y64[train_rows],
+        np.concatenate([[0], np.cumsum(sizes - n_test)]).astype(np.int64),
+    )
+    test = ClientArrays(
+        x[test_rows], y64[test_rows], np.concatenate([[0], np.cumsum(n_test)]).astype(np.int64)
+    )
     return FederatedDataset(train, test, int(num_classes), name)

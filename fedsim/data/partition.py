@@ -27,15 +27,24 @@ Partitioner = Callable[..., list[np.ndarray]]
 def _check(labels: np.ndarray, num_clients: int) -> np.ndarray:
     """Validate labels (1-D, integer, >= 0) and ``1 <= num_clients <= n``."""
     labels = np.asarray(labels)
-    require(labels.ndim == 1 and labels.size > 0, "labels", labels.shape,
-            "a non-empty 1-D array of class labels")
-    require(np.issubdtype(labels.dtype, np.integer), "labels", str(labels.dtype),
-            "an integer array")
+    require(
+        labels.ndim == 1 and labels.size > 0,
+        "labels",
+        labels.shape,
+        "a non-empty 1-D array of class labels",
+    )
+    require(
+        np.issubdtype(labels.dtype, np.integer), "labels", str(labels.dtype), "an integer array"
+    )
     require(int(labels.min()) >= 0, "labels", int(labels.min()), "non-negative class labels")
     ok = isinstance(num_clients, (int, np.integer)) and not isinstance(num_clients, bool)
     require(ok and num_clients >= 1, "num_clients", num_clients, "an integer >= 1")
-    require(num_clients <= labels.size, "num_clients", num_clients,
-            f"at most the number of samples ({labels.size}) so that no client is empty")
+    require(
+        num_clients <= labels.size,
+        "num_clients",
+        num_clients,
+        f"at most the number of samples ({labels.size}) so that no client is empty",
+    )
     return labels.astype(np.int64, copy=False)
 
 
@@ -62,8 +71,9 @@ def _within_rank(owner: np.ndarray, num_clients: int) -> np.ndarray:
     return rank
 
 
-def iid_partition(labels: np.ndarray, num_clients: int,
-                  rng: np.random.Generator) -> list[np.ndarray]:
+def iid_partition(
+    labels: np.ndarray, num_clients: int, rng: np.random.Generator
+) -> list[np.ndarray]:
     """Uniformly random partition into near-equal sizes (``n // K`` or ``n // K + 1``)."""
     labels = _check(labels, num_clients)
     n = labels.size
@@ -74,8 +84,9 @@ def iid_partition(labels: np.ndarray, num_clients: int,
     return _split_by_owner(owner, num_clients)
 
 
-def dirichlet_partition(labels: np.ndarray, num_clients: int, rng: np.random.Generator,
-                        alpha: float, min_size: int = 1) -> list[np.ndarray]:
+def dirichlet_partition(
+    labels: np.ndarray, num_clients: int, rng: np.random.Generator, alpha: float, min_size: int = 1
+) -> list[np.ndarray]:
     """Label-skewed partition with per-class proportions ~ Dir(alpha).
 
     For every class c, the proportions ``p_c ~ Dir(alpha * 1_K)`` over the K
@@ -92,21 +103,34 @@ def dirichlet_partition(labels: np.ndarray, num_clients: int, rng: np.random.Gen
     Possible whenever ``n >= K * min_size``. Memory O(num_classes * K).
     """
     labels = _check(labels, num_clients)
-    require(isinstance(alpha, (int, float)) and alpha > 0 and np.isfinite(alpha), "alpha",
-            alpha, "a finite number > 0")
-    require(isinstance(min_size, (int, np.integer)) and min_size >= 1, "min_size", min_size,
-            "an integer >= 1")
+    require(
+        isinstance(alpha, (int, float)) and alpha > 0 and np.isfinite(alpha),
+        "alpha",
+        alpha,
+        "a finite number > 0",
+    )
+    require(
+        isinstance(min_size, (int, np.integer)) and min_size >= 1,
+        "min_size",
+        min_size,
+        "an integer >= 1",
+    )
     n = labels.size
-    require(n >= num_clients * min_size, "min_size", min_size,
-            f"at most n / num_clients = {n // num_clients} samples per client")
+    require(
+        n >= num_clients * min_size,
+        "min_size",
+        min_size,
+        f"at most n / num_clients = {n // num_clients} samples per client",
+    )
     class_counts = np.bincount(labels)
     num_classes = class_counts.size
     props = rng.dirichlet(np.full(num_clients, float(alpha)), size=num_classes)
     props /= props.sum(axis=1, keepdims=True)
     counts = rng.multinomial(class_counts, props)  # (C, K), row c sums to n_c
     owner = np.empty(n, dtype=np.int64)
-    owner[_class_sorted(labels, rng)] = np.repeat(np.tile(np.arange(num_clients), num_classes),
-                                                  counts.ravel())
+    owner[_class_sorted(labels, rng)] = np.repeat(
+        np.tile(np.arange(num_clients), num_classes), counts.ravel()
+    )
     sizes = counts.sum(axis=0)
     deficit = np.maximum(min_size - sizes, 0)
     need = int(deficit.sum())
@@ -118,8 +142,9 @@ def dirichlet_partition(labels: np.ndarray, num_clients: int, rng: np.random.Gen
     return _split_by_owner(owner, num_clients)
 
 
-def shard_partition(labels: np.ndarray, num_clients: int, rng: np.random.Generator,
-                    classes_per_client: int) -> list[np.ndarray]:
+def shard_partition(
+    labels: np.ndarray, num_clients: int, rng: np.random.Generator, classes_per_client: int
+) -> list[np.ndarray]:
     """Pathological non-IID split with ``k = classes_per_client`` classes per client.
 
     Label-pure variant of the shards of McMahan et al. (2017, "Communication-
@@ -142,8 +167,12 @@ def shard_partition(labels: np.ndarray, num_clients: int, rng: np.random.Generat
     present = np.flatnonzero(class_counts)
     num_present = present.size
     k = int(classes_per_client)
-    require(k <= num_present, "classes_per_client", k,
-            f"at most the number of classes present ({num_present})")
+    require(
+        k <= num_present,
+        "classes_per_client",
+        k,
+        f"at most the number of classes present ({num_present})",
+    )
     num_blocks = -(-num_clients // num_present)
     cyclic = np.argsort(rng.random((num_blocks, num_present)), axis=1)  # per-block label order
     client = np.arange(num_clients)
@@ -163,14 +192,19 @@ def shard_partition(labels: np.ndarray, num_clients: int, rng: np.random.Generat
     owner[order[used[order]]] = np.repeat(slot_client, shard)
     parts = _split_by_owner(owner, num_clients)
     empty = int(np.count_nonzero(np.bincount(owner[owner >= 0], minlength=num_clients) == 0))
-    require(empty == 0, "classes_per_client", k,
-            f"a value for which every client gets data ({empty} clients would be empty; "
-            "use more classes per client or fewer clients)")
+    require(
+        empty == 0,
+        "classes_per_client",
+        k,
+        f"a value for which every client gets data ({empty} clients would be empty; "
+        "use more classes per client or fewer clients)",
+    )
     return parts
 
 
-def quantity_skew_partition(labels: np.ndarray, num_clients: int, rng: np.random.Generator,
-                            sigma: float) -> list[np.ndarray]:
+def quantity_skew_partition(
+    labels: np.ndarray, num_clients: int, rng: np.random.Generator, sigma: float
+) -> list[np.ndarray]:
     """IID labels with client sizes proportional to ``w_k ~ LogNormal(0, sigma)``.
 
     Every client gets one sample, the other ``n - K`` are shared in proportion
@@ -178,8 +212,12 @@ def quantity_skew_partition(labels: np.ndarray, num_clients: int, rng: np.random
     ``sigma = 0`` gives equal sizes; the spread of sizes grows with sigma.
     """
     labels = _check(labels, num_clients)
-    require(isinstance(sigma, (int, float)) and sigma >= 0 and np.isfinite(sigma), "sigma",
-            sigma, "a finite number >= 0")
+    require(
+        isinstance(sigma, (int, float)) and sigma >= 0 and np.isfinite(sigma),
+        "sigma",
+        sigma,
+        "a finite number >= 0",
+    )
     n = labels.size
     w = rng.lognormal(0.0, float(sigma), size=num_clients)
     share = (n - num_clients) * w / w.sum()
@@ -193,8 +231,9 @@ def quantity_skew_partition(labels: np.ndarray, num_clients: int, rng: np.random
     return _split_by_owner(owner, num_clients)
 
 
-def partition_stats(parts: Sequence[np.ndarray], labels: np.ndarray,
-                    num_classes: int) -> dict[str, Any]:
+def partition_stats(
+    parts: Sequence[np.ndarray], labels: np.ndarray, num_classes: int
+) -> dict[str, Any]:
     """JSON-ready statistics of a partition (see ``fedsim.data._summary.owner_stats``).
 
     Adds ``overlap`` (samples in more than one client) and ``unassigned``
@@ -202,8 +241,11 @@ def partition_stats(parts: Sequence[np.ndarray], labels: np.ndarray,
     """
     labels = np.asarray(labels, dtype=np.int64)
     sizes = np.array([np.size(p) for p in parts], dtype=np.int64)
-    rows = (np.concatenate([np.asarray(p, dtype=np.int64).ravel() for p in parts])
-            if sizes.sum() else np.zeros(0, dtype=np.int64))
+    rows = (
+        np.concatenate([np.asarray(p, dtype=np.int64).ravel() for p in parts])
+        if sizes.sum()
+        else np.zeros(0, dtype=np.int64)
+    )
     owner = np.repeat(np.arange(len(parts), dtype=np.int64), sizes)
     stats = owner_stats(owner, labels[rows], len(parts), int(num_classes))
     hits = np.bincount(rows, minlength=labels.size)

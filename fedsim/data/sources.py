@@ -60,8 +60,15 @@ def load_digits() -> tuple[np.ndarray, np.ndarray]:
 SYNTHETIC_MAX_SAMPLES = 1000
 
 
-def synthetic_fedprox(num_clients: int, alpha: float, beta: float, rng: np.random.Generator,
-                      dim: int = 60, num_classes: int = 10, iid: bool = False) -> ClientData:
+def synthetic_fedprox(
+    num_clients: int,
+    alpha: float,
+    beta: float,
+    rng: np.random.Generator,
+    dim: int = 60,
+    num_classes: int = 10,
+    iid: bool = False,
+) -> ClientData:
     """synthetic(alpha, beta): Li et al., "Federated Optimization in Heterogeneous
     Networks" (FedProx, MLSys 2020), Sec. 5.1; LEAF (Caldas et al., 2018).
 
@@ -83,10 +90,15 @@ def synthetic_fedprox(num_clients: int, alpha: float, beta: float, rng: np.rando
     _check_count(dim, "dim")
     _check_count(num_classes, "num_classes", 2)
     for key, val in (("alpha", alpha), ("beta", beta)):
-        require(isinstance(val, (int, float)) and val >= 0 and np.isfinite(val), key, val,
-                "a finite number >= 0")
-    sizes = np.minimum(rng.lognormal(4.0, 2.0, size=num_clients).astype(np.int64) + 50,
-                       SYNTHETIC_MAX_SAMPLES)
+        require(
+            isinstance(val, (int, float)) and val >= 0 and np.isfinite(val),
+            key,
+            val,
+            "a finite number >= 0",
+        )
+    sizes = np.minimum(
+        rng.lognormal(4.0, 2.0, size=num_clients).astype(np.int64) + 50, SYNTHETIC_MAX_SAMPLES
+    )
     if iid:
         w_shared = rng.normal(0.0, 1.0, size=(dim, num_classes))
         b_shared = rng.normal(0.0, 1.0, size=num_classes)
@@ -181,13 +193,16 @@ def _render(points: np.ndarray, affine: np.ndarray, shift: np.ndarray) -> np.nda
             inside = (cx >= 0) & (cx < _SIDE) & (cy >= 0) & (cy < _SIDE) & (ink > 0)
             idx.append((sample + cy * _SIDE + cx)[inside])
             wts.append((wx * wy * ink)[inside])
-    img = np.bincount(np.concatenate(idx), weights=np.concatenate(wts),
-                      minlength=m * _SIDE * _SIDE)
+    img = np.bincount(np.concatenate(idx), weights=np.concatenate(wts), minlength=m * _SIDE * _SIDE)
     return img.reshape(m, _SIDE, _SIDE).astype(np.float32)
 
 
-def femnist_like(num_writers: int, rng: np.random.Generator,
-                 samples_per_writer: int | None = None, num_classes: int = 62) -> ClientData:
+def femnist_like(
+    num_writers: int,
+    rng: np.random.Generator,
+    samples_per_writer: int | None = None,
+    num_classes: int = 62,
+) -> ClientData:
     """A FEMNIST-like federated image source (generated; no download).
 
     Mimics FEMNIST (LEAF, Caldas et al., 2018: handwritten characters in 62
@@ -224,8 +239,9 @@ def femnist_like(num_writers: int, rng: np.random.Generator,
         sizes = np.clip(np.round(raw), _SIZE_MIN, _SIZE_MAX).astype(np.int64)
     else:
         sizes = np.full(num_writers, int(samples_per_writer), dtype=np.int64)
-    counts = rng.multinomial(sizes, rng.dirichlet(np.full(num_classes, _CLASS_CONCENTRATION),
-                                                  size=num_writers))  # (W, C)
+    counts = rng.multinomial(
+        sizes, rng.dirichlet(np.full(num_classes, _CLASS_CONCENTRATION), size=num_writers)
+    )  # (W, C)
     # writer style
     rot = rng.uniform(-0.25, 0.25, num_writers)
     shear = rng.uniform(-0.3, 0.3, num_writers)
@@ -301,8 +317,12 @@ def _leaf_split(folder: Path) -> dict[str, tuple[list, list]]:
         require(ok, "path", str(file), 'a LEAF JSON file with "users" and "user_data"')
         for user in blob.get("users", list(blob["user_data"])):
             data = blob["user_data"].get(user)
-            require(isinstance(data, dict) and "x" in data and "y" in data, "path", str(file),
-                    f'user_data[{user!r}] with "x" and "y" lists')
+            require(
+                isinstance(data, dict) and "x" in data and "y" in data,
+                "path",
+                str(file),
+                f'user_data[{user!r}] with "x" and "y" lists',
+            )
             xs, ys = out.setdefault(str(user), ([], []))
             xs.extend(data["x"])
             ys.extend(data["y"])
@@ -323,8 +343,12 @@ def load_leaf(directory: str | Path) -> tuple[ClientData, ClientData]:
     """
     directory = Path(directory)
     for split in ("train", "test"):
-        require((directory / split).is_dir(), "path", str(directory),
-                f"a LEAF directory with a {split}/ folder of *.json files")
+        require(
+            (directory / split).is_dir(),
+            "path",
+            str(directory),
+            f"a LEAF directory with a {split}/ folder of *.json files",
+        )
     train, test = _leaf_split(directory / "train"), _leaf_split(directory / "test")
     users = sorted(set(train) | set(test))
     require(bool(users), "path", str(directory), "LEAF JSON files with at least one user")
@@ -344,14 +368,27 @@ def load_leaf(directory: str | Path) -> tuple[ClientData, ClientData]:
                 x = np.asarray(xs, dtype=np.float32).reshape(len(xs), -1)
                 y = np.asarray(ys)
             except ValueError as err:
-                raise ConfigError("path", str(directory),
-                                  f"numeric features of equal length for user {user!r}") from err
-            require(x.shape[1] == length or len(ys) == 0, "path", str(directory),
-                    f"{length} features per sample (user {user!r} has {x.shape[1]})")
-            require(len(xs) == len(ys), "path", str(directory),
-                    f"as many x as y entries (user {user!r})")
-            require(y.size == 0 or np.issubdtype(y.dtype, np.integer), "path", str(directory),
-                    f"integer labels (user {user!r} has {y.dtype})")
+                raise ConfigError(
+                    "path", str(directory), f"numeric features of equal length for user {user!r}"
+                ) from err
+            require(
+                x.shape[1] == length or len(ys) == 0,
+                "path",
+                str(directory),
+                f"{length} features per sample (user {user!r} has {x.shape[1]})",
+            )
+            require(
+                len(xs) == len(ys),
+                "path",
+                str(directory),
+                f"as many x as y entries (user {user!r})",
+            )
+            require(
+                y.size == 0 or np.issubdtype(y.dtype, np.integer),
+                "path",
+                str(directory),
+                f"integer labels (user {user!r} has {y.dtype})",
+            )
             result.append((x.reshape(-1, *feature_shape), y.astype(np.int64).reshape(-1)))
         return result
 
@@ -361,8 +398,12 @@ def load_leaf(directory: str | Path) -> tuple[ClientData, ClientData]:
 # --------------------------------------------------------------------------- Parquet / JSONL
 
 
-def load_table(path: str | Path, client_column: str = "client_id", label_column: str = "label",
-               feature_columns: tuple[str, ...] | None = None) -> ClientData:
+def load_table(
+    path: str | Path,
+    client_column: str = "client_id",
+    label_column: str = "label",
+    feature_columns: tuple[str, ...] | None = None,
+) -> ClientData:
     """Read a local Parquet (``.parquet``) or JSON Lines (``.jsonl``) table, one part per client.
 
     Feature rule: with ``feature_columns`` the listed numeric columns are stacked
@@ -379,8 +420,9 @@ def load_table(path: str | Path, client_column: str = "client_id", label_column:
     path = Path(path)
     require(path.is_file(), "path", str(path), "an existing .parquet or .jsonl file")
     suffix = path.suffix.lower()
-    require(suffix in (".parquet", ".jsonl"), "path", str(path),
-            "a file ending in .parquet or .jsonl")
+    require(
+        suffix in (".parquet", ".jsonl"), "path", str(path), "a file ending in .parquet or .jsonl"
+    )
     try:
         table = pq.read_table(path) if suffix == ".parquet" else pajson.read_json(path)
     except (pa.ArrowInvalid, OSError) as err:
@@ -388,40 +430,70 @@ def load_table(path: str | Path, client_column: str = "client_id", label_column:
     present = list(table.column_names)
 
     def column(key: str, name: str):
-        require(name in present, key, name,
-                f"a column of {path.name}; columns present: {', '.join(present)}")
+        require(
+            name in present,
+            key,
+            name,
+            f"a column of {path.name}; columns present: {', '.join(present)}",
+        )
         return table.column(name).combine_chunks()
 
     ids = column("client_column", client_column)
     label_col = column("label_column", label_column)
-    require(pa.types.is_integer(label_col.type), "label_column", label_column,
-            f"a column of integer labels (it holds {label_col.type})")
-    require(label_col.null_count == 0 and ids.null_count == 0, "path", str(path),
-            f"no missing values in {client_column!r} and {label_column!r}")
+    require(
+        pa.types.is_integer(label_col.type),
+        "label_column",
+        label_column,
+        f"a column of integer labels (it holds {label_col.type})",
+    )
+    require(
+        label_col.null_count == 0 and ids.null_count == 0,
+        "path",
+        str(path),
+        f"no missing values in {client_column!r} and {label_column!r}",
+    )
     y = label_col.to_numpy().astype(np.int64)
-    require(y.size == 0 or int(y.min()) >= 0, "label_column", label_column,
-            "a column of labels >= 0")
+    require(
+        y.size == 0 or int(y.min()) >= 0, "label_column", label_column, "a column of labels >= 0"
+    )
     if feature_columns:
         cols = []
         for name in feature_columns:
             col = column("feature_columns", name)
-            require(pa.types.is_integer(col.type) or pa.types.is_floating(col.type)
-                    or pa.types.is_boolean(col.type), "feature_columns", name,
-                    f"numeric columns ({name!r} holds {col.type})")
+            require(
+                pa.types.is_integer(col.type)
+                or pa.types.is_floating(col.type)
+                or pa.types.is_boolean(col.type),
+                "feature_columns",
+                name,
+                f"numeric columns ({name!r} holds {col.type})",
+            )
             require(col.null_count == 0, "feature_columns", name, "a column without nulls")
             cols.append(col.to_numpy(zero_copy_only=False).astype(np.float32))
         x = np.stack(cols, axis=1)
     else:
         name = "x" if "x" in present else "features"
-        require(name in present, "feature_columns", (),
-                f"feature column names, or a list-valued column 'x' or 'features'; "
-                f"columns present: {', '.join(present)}")
+        require(
+            name in present,
+            "feature_columns",
+            (),
+            f"feature column names, or a list-valued column 'x' or 'features'; "
+            f"columns present: {', '.join(present)}",
+        )
         col = table.column(name).combine_chunks()
-        require(pa.types.is_list(col.type) or pa.types.is_large_list(col.type),
-                "feature_columns", name, f"a list-valued column ({name!r} holds {col.type})")
+        require(
+            pa.types.is_list(col.type) or pa.types.is_large_list(col.type),
+            "feature_columns",
+            name,
+            f"a list-valued column ({name!r} holds {col.type})",
+        )
         lengths = np.diff(col.offsets.to_numpy())
-        require(col.null_count == 0 and (lengths.size == 0 or np.all(lengths == lengths[0])),
-                "feature_columns", name, "a column of equal-length feature lists")
+        require(
+            col.null_count == 0 and (lengths.size == 0 or np.all(lengths == lengths[0])),
+            "feature_columns",
+            name,
+            "a column of equal-length feature lists",
+        )
         width = int(lengths[0]) if lengths.size else 0
         values = col.flatten().to_numpy(zero_copy_only=False)
         x = values.astype(np.float32).reshape(len(y), width)

@@ -77,39 +77,68 @@ class DatasetSpec:
     feature_columns: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        require(self.source in ("digits", *NATURAL_SOURCES), "data.source", self.source,
-                "one of digits, synthetic, femnist, leaf, table, npy")
-        require(self.partition in ("natural", *PARTITIONERS), "data.partition", self.partition,
-                "one of iid, dirichlet, shards, quantity, natural")
-        require(self.partition != "natural" or self.source in NATURAL_SOURCES, "data.partition",
-                self.partition, f"a partitioner (iid, dirichlet, shards, quantity) for the "
-                f"centralised source {self.source!r}; natural needs one of "
-                f"{', '.join(NATURAL_SOURCES)}")
+        require(
+            self.source in ("digits", *NATURAL_SOURCES),
+            "data.source",
+            self.source,
+            "one of digits, synthetic, femnist, leaf, table, npy",
+        )
+        require(
+            self.partition in ("natural", *PARTITIONERS),
+            "data.partition",
+            self.partition,
+            "one of iid, dirichlet, shards, quantity, natural",
+        )
+        require(
+            self.partition != "natural" or self.source in NATURAL_SOURCES,
+            "data.partition",
+            self.partition,
+            f"a partitioner (iid, dirichlet, shards, quantity) for the "
+            f"centralised source {self.source!r}; natural needs one of "
+            f"{', '.join(NATURAL_SOURCES)}",
+        )
         _int(self.num_clients, "data.num_clients", 1)
         _int(self.seed, "data.seed", 0)
         _int(self.classes_per_client, "data.classes_per_client", 1)
         _int(self.samples_per_client, "data.samples_per_client", 0)
-        _number(self.test_fraction, "data.test_fraction", 0.0, 1.0, "a number in [0, 1)",
-                upper_open=True)
+        _number(
+            self.test_fraction,
+            "data.test_fraction",
+            0.0,
+            1.0,
+            "a number in [0, 1)",
+            upper_open=True,
+        )
         _number(self.alpha, "data.alpha", 0.0, np.inf, "a finite number > 0", lower_open=True)
         _number(self.quantity_sigma, "data.quantity_sigma", 0.0, np.inf, "a finite number >= 0")
-        _number(self.synthetic_alpha, "data.synthetic_alpha", 0.0, np.inf,
-                "a finite number >= 0")
+        _number(self.synthetic_alpha, "data.synthetic_alpha", 0.0, np.inf, "a finite number >= 0")
         _number(self.synthetic_beta, "data.synthetic_beta", 0.0, np.inf, "a finite number >= 0")
         for key in ("path", "client_column", "label_column"):
-            require(isinstance(getattr(self, key), str), f"data.{key}", getattr(self, key),
-                    "a string")
-        require(isinstance(self.feature_columns, tuple)
-                and all(isinstance(c, str) and c for c in self.feature_columns),
-                "data.feature_columns", self.feature_columns, "a tuple of column names")
+            require(
+                isinstance(getattr(self, key), str), f"data.{key}", getattr(self, key), "a string"
+            )
+        require(
+            isinstance(self.feature_columns, tuple)
+            and all(isinstance(c, str) and c for c in self.feature_columns),
+            "data.feature_columns",
+            self.feature_columns,
+            "a tuple of column names",
+        )
         if self.source in FILE_SOURCES:
-            want = {"leaf": "a directory with train/ and test/ folders of LEAF JSON",
-                    "table": "a .parquet or .jsonl file",
-                    "npy": "a directory written by FederatedDataset.save"}[self.source]
-            require(bool(self.path), "data.path", self.path, f"{want} (required for source "
-                    f"{self.source!r})")
-            exists = Path(self.path).is_file() if self.source == "table" else Path(
-                self.path).is_dir()
+            want = {
+                "leaf": "a directory with train/ and test/ folders of LEAF JSON",
+                "table": "a .parquet or .jsonl file",
+                "npy": "a directory written by FederatedDataset.save",
+            }[self.source]
+            require(
+                bool(self.path),
+                "data.path",
+                self.path,
+                f"{want} (required for source {self.source!r})",
+            )
+            exists = (
+                Path(self.path).is_file() if self.source == "table" else Path(self.path).is_dir()
+            )
             require(exists, "data.path", self.path, f"an existing path: {want}")
 
 
@@ -118,12 +147,20 @@ def _int(value: object, key: str, minimum: int) -> None:
     require(ok and value >= minimum, key, value, f"an integer >= {minimum}")
 
 
-def _number(value: object, key: str, lo: float, hi: float, allowed: str,
-            lower_open: bool = False, upper_open: bool = False) -> None:
+def _number(
+    value: object,
+    key: str,
+    lo: float,
+    hi: float,
+    allowed: str,
+    lower_open: bool = False,
+    upper_open: bool = False,
+) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and np.isfinite(value)
     if ok:
-        ok = (value > lo if lower_open else value >= lo) and (value < hi if upper_open
-                                                                 else value <= hi)
+        ok = (value > lo if lower_open else value >= lo) and (
+            value < hi if upper_open else value <= hi
+        )
     require(ok, key, value, allowed)
 
 
@@ -146,27 +183,49 @@ def _num_classes(*labels: np.ndarray) -> int:
 
 
 def _first(parts: ClientData, spec: DatasetSpec, what: str) -> ClientData:
-    require(spec.num_clients <= len(parts), "data.num_clients", spec.num_clients,
-            f"at most the {len(parts)} {what} in {spec.path or spec.source}")
+    require(
+        spec.num_clients <= len(parts),
+        "data.num_clients",
+        spec.num_clients,
+        f"at most the {len(parts)} {what} in {spec.path or spec.source}",
+    )
     return parts[: spec.num_clients]
 
 
-def _resplit(x: np.ndarray, y: np.ndarray, spec: DatasetSpec, part_rng: np.random.Generator,
-             split_rng: np.random.Generator, num_classes: int, name: str) -> FederatedDataset:
-    params = {"iid": {}, "dirichlet": {"alpha": spec.alpha},
-              "shards": {"classes_per_client": spec.classes_per_client},
-              "quantity": {"sigma": spec.quantity_sigma}}[spec.partition]
+def _resplit(
+    x: np.ndarray,
+    y: np.ndarray,
+    spec: DatasetSpec,
+    part_rng: np.random.Generator,
+    split_rng: np.random.Generator,
+    num_classes: int,
+    name: str,
+) -> FederatedDataset:
+    params = {
+        "iid": {},
+        "dirichlet": {"alpha": spec.alpha},
+        "shards": {"classes_per_client": spec.classes_per_client},
+        "quantity": {"sigma": spec.quantity_sigma},
+    }[spec.partition]
     try:
         parts = PARTITIONERS[spec.partition](y, spec.num_clients, part_rng, **params)
     except ConfigError as err:  # name the config key
-        key = {"alpha": "alpha", "classes_per_client": "classes_per_client",
-               "sigma": "quantity_sigma"}.get(err.key, err.key)
+        key = {
+            "alpha": "alpha",
+            "classes_per_client": "classes_per_client",
+            "sigma": "quantity_sigma",
+        }.get(err.key, err.key)
         raise ConfigError(f"data.{key}", err.value, err.allowed) from err
     return from_partition(x, y, parts, spec.test_fraction, split_rng, num_classes, name)
 
 
-def _natural(parts: ClientData, spec: DatasetSpec, split_rng: np.random.Generator,
-             num_classes: int, name: str) -> FederatedDataset:
+def _natural(
+    parts: ClientData,
+    spec: DatasetSpec,
+    split_rng: np.random.Generator,
+    num_classes: int,
+    name: str,
+) -> FederatedDataset:
     x, y = _pool(parts)
     sizes = np.array([len(p[1]) for p in parts], dtype=np.int64)
     ends = np.cumsum(sizes)
@@ -191,20 +250,23 @@ def build_dataset(spec: DatasetSpec) -> FederatedDataset:
         return _resplit(x, y, spec, part_rng, split_rng, 10, name)
     if spec.source in ("synthetic", "femnist"):
         if spec.source == "synthetic":
-            parts = synthetic_fedprox(spec.num_clients, spec.synthetic_alpha,
-                                      spec.synthetic_beta, src_rng)
+            parts = synthetic_fedprox(
+                spec.num_clients, spec.synthetic_alpha, spec.synthetic_beta, src_rng
+            )
             num_classes = _SYNTHETIC_CLASSES
         else:
-            parts = femnist_like(spec.num_clients, src_rng,
-                                 spec.samples_per_client or None, _FEMNIST_CLASSES)
+            parts = femnist_like(
+                spec.num_clients, src_rng, spec.samples_per_client or None, _FEMNIST_CLASSES
+            )
             num_classes = _FEMNIST_CLASSES
         if natural:
             return _natural(parts, spec, split_rng, num_classes, name)
         x, y = _pool(parts)
         return _resplit(x, y, spec, part_rng, split_rng, num_classes, name)
     if spec.source == "table":
-        parts = load_table(spec.path, spec.client_column, spec.label_column,
-                           spec.feature_columns or None)
+        parts = load_table(
+            spec.path, spec.client_column, spec.label_column, spec.feature_columns or None
+        )
         num_classes = _num_classes(*(y for _, y in parts))
         if natural:
             return _natural(_first(parts, spec, "clients"), spec, split_rng, num_classes, name)
@@ -216,18 +278,27 @@ def build_dataset(spec: DatasetSpec) -> FederatedDataset:
         if natural:
             train, test = _first(train, spec, "users"), _first(test, spec, "users")
             shape = train[0][0].shape[1:]
-            return FederatedDataset(_concat_clients(train, shape, np.float32),
-                                    _concat_clients(test, shape, np.float32), num_classes, name)
+            return FederatedDataset(
+                _concat_clients(train, shape, np.float32),
+                _concat_clients(test, shape, np.float32),
+                num_classes,
+                name,
+            )
         x, y = _pool([*train, *test])
         return _resplit(x, y, spec, part_rng, split_rng, num_classes, name)
     # npy: a saved FederatedDataset
     saved = FederatedDataset.load(spec.path, mmap=True)
     if natural:
-        require(spec.num_clients <= saved.num_clients, "data.num_clients", spec.num_clients,
-                f"at most the {saved.num_clients} clients saved in {spec.path}")
+        require(
+            spec.num_clients <= saved.num_clients,
+            "data.num_clients",
+            spec.num_clients,
+            f"at most the {saved.num_clients} clients saved in {spec.path}",
+        )
         k = spec.num_clients
-        return FederatedDataset(saved.train.head(k), saved.test.head(k), saved.num_classes,
-                                saved.name)
+        return FederatedDataset(
+            saved.train.head(k), saved.test.head(k), saved.num_classes, saved.name
+        )
     x = np.concatenate([saved.train.x, saved.test.x])
     y = np.concatenate([saved.train.y, saved.test.y])
     return _resplit(x, y, spec, part_rng, split_rng, saved.num_classes, name)
@@ -254,7 +325,11 @@ def cached_dataset(spec: DatasetSpec) -> FederatedDataset:
 def register_dataset(spec: DatasetSpec, dataset: FederatedDataset) -> None:
     """Make ``dataset`` the cached value for ``spec`` (e.g. arrays shipped through Ray)."""
     require(isinstance(spec, DatasetSpec), "data", type(spec).__name__, "a DatasetSpec")
-    require(isinstance(dataset, FederatedDataset), "dataset", type(dataset).__name__,
-            "a FederatedDataset")
+    require(
+        isinstance(dataset, FederatedDataset),
+        "dataset",
+        type(dataset).__name__,
+        "a FederatedDataset",
+    )
     with _LOCK:
         _CACHE[spec] = dataset

@@ -44,11 +44,11 @@ from fedsim.engine.backend import Backend
 from fedsim.engine.dispatch import Dispatcher, batch_sizes
 from fedsim.engine.metrics import MetricSums
 from fedsim.engine.participation import Participation
-from fedsim.engine.reduce import Reducer, ReductionError, reducer_of
+from fedsim.engine.reduce import Accumulator, Reducer, ReductionError, reducer_of
 from fedsim.engine.registry import ClientRegistry
 from fedsim.engine.state import ClientStateStore, InMemoryStateStore
-from fedsim.engine.worker import BatchResult, ClientBatch
-from fedsim.records import content_nbytes
+from fedsim.engine.worker import BatchResult, ClientBatch, Content
+from fedsim.records import content_nbytes, records_of
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class PhaseObserver(Protocol):
 def server_round_of(content: RecordDict, group_id: str) -> int | None:
     """The FL round a message belongs to: a ConfigRecord's ``server-round`` (as
     Flower's strategies set it), else a numeric ``group_id``."""
-    for record in content.config_records.values():
+    for _, record in records_of(content, ConfigRecord):
         value = record.get("server-round")
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -95,13 +95,11 @@ class OrderedFold:
     """
 
     def __init__(self, reducer: Reducer, instruction: RecordDict) -> None:
-        self.reducer = reducer
-        self.instruction = instruction
+        self.accumulator: Accumulator | None = reducer.accumulator(instruction)
         self.order: list[int] = []
         self._next = 0
         self._ready: dict[int, list[Message]] = {}
-        self._folded: Message | None = None
-        self._unfolded: list[Message] = []
+        self._seen: list[Message] = []
 
     def add(self, batch_id: int, replies: list[Message]) -> None:
         """The successful replies of one batch (a partial reply, normally)."""
@@ -111,17 +109,14 @@ class OrderedFold:
             self._next += 1
 
     def _fold(self, replies: list[Message]) -> None:
-        if not replies:
+        self._seen.extend(replies)
+        if self.accumulator is None:
             return
-        if self._unfolded:
-            self._unfolded.extend(replies)
-            return
-        inputs = replies if self._folded is None else [self._folded, *replies]
         try:
-            self._folded = self.reducer.reduce(self.instruction, inputs)
+            for reply in replies:
+                self.accumulator.add(reply)
         except ReductionError:
-            self._folded = None
-            self._unfolded = list(inputs)
+            self.accumulator = None
 
     def result(self) -> list[Message]:
         """The folded reply (batches that never finished are left out)."""
@@ -129,9 +124,11 @@ class OrderedFold:
             if batch_id in self._ready:
                 self._fold(self._ready.pop(batch_id))
         self._next = len(self.order)
-        if self._unfolded:
-            return self._unfolded
-        return [] if self._folded is None else [self._folded]
+        if not self._seen:
+            return []
+        if self.accumulator is None:
+            return self._seen
+        return [self.accumulator.result()]
 
 
 @dataclass
@@ -194,6 +191,7 @@ class SimulationGrid(Grid):
         self._phases: dict[int, _Phase] = {}
         self._phase_of_message: dict[str, int] = {}
         self._next_batch = 0
+        self._next_content = 0
 
     # -- Grid: run and messages -------------------------------------------------
     def set_run(self, run: Run) -> None:
@@ -236,7 +234,9 @@ class SimulationGrid(Grid):
         if meta.reply_to_message_id:
             raise ValueError("a reply cannot be pushed as an instruction message")
         if meta.ttl <= 0:
-            raise ValueError(f"message to node {meta.dst_node_id} has ttl={meta.ttl}; it must be > 0")
+            raise ValueError(
+                f"message to node {meta.dst_node_id} has ttl={meta.ttl}; it must be > 0"
+            )
         if not validate_message_type(meta.message_type):
             raise ValueError(
                 f"message type {meta.message_type!r} is not 'train', 'evaluate' or 'query' "
@@ -258,7 +258,7 @@ class SimulationGrid(Grid):
             return None
         messages.sort(key=lambda m: m.metadata.dst_node_id)
         # Each distinct content is serialised and shared once.
-        shared: dict[int, tuple[object, int, Reducer | None]] = {}
+        shared: dict[int, tuple[Content, int, Reducer | None]] = {}
         folds: dict[int, OrderedFold] = {}
         bytes_down = 0
         for message in messages:
@@ -267,7 +267,9 @@ class SimulationGrid(Grid):
             if key not in shared:
                 blob = pickle.dumps(content, protocol=pickle.HIGHEST_PROTOCOL)
                 reducer = reducer_of(content)
-                shared[key] = (self.backend.share(blob), content_nbytes(content), reducer)
+                self._next_content += 1
+                handle = Content(self._next_content, self.backend.share(blob))
+                shared[key] = (handle, content_nbytes(content), reducer)
                 if reducer is not None:
                     folds[key] = OrderedFold(reducer, content)
             bytes_down += shared[key][1]
@@ -291,7 +293,7 @@ class SimulationGrid(Grid):
         return phase
 
     def _batch_groups(
-        self, messages: list[Message], shared: dict[int, tuple[object, int, Reducer | None]]
+        self, messages: list[Message], shared: dict[int, tuple[Content, int, Reducer | None]]
     ) -> list[list[Message]]:
         """Messages that may share a batch: all of them, unless a reducer asks for
         batches whose messages share one content."""
@@ -306,10 +308,10 @@ class SimulationGrid(Grid):
         self,
         phase: _Phase,
         chunk: list[Message],
-        shared: dict[int, tuple[object, int, Reducer | None]],
+        shared: dict[int, tuple[Content, int, Reducer | None]],
         folds: dict[int, OrderedFold],
     ) -> None:
-        handles: list[object] = []
+        handles: list[Content] = []
         position: dict[int, int] = {}
         content_index = []
         for message in chunk:

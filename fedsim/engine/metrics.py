@@ -1,15 +1,16 @@
-"""Client-metric bookkeeping for run records: additive weighted sums.
+"""Weighted metric sums: additive, so they can be split and merged freely.
 
-Each worker adds the scalar metrics of the replies it produced, weighted by
-their ``num-examples`` (1 when absent), before any reduction; the grid merges
-the sums of all workers, so the run record shows the same client-weighted means
-whether or not replies were folded on the workers.
+Used twice: each worker adds the metrics of the replies it produced (weighted by
+``num-examples``) so run records show client-weighted means whether or not
+replies were folded on the workers; and reducers fold metrics the way Flower's
+``aggregate_metricrecords`` does (scalars and lists, weighted means).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 from flwr.app import MetricRecord
 
 WEIGHT_KEY = "num-examples"
@@ -17,28 +18,49 @@ WEIGHT_KEY = "num-examples"
 
 @dataclass
 class MetricSums:
-    """``sum_i w_i m_i`` and ``sum_i w_i`` per scalar metric key."""
+    """``sum_i w_i m_i`` and ``sum_i w_i`` per metric key (scalars and lists)."""
 
-    weighted: dict[str, float] = field(default_factory=dict)
+    weighted: dict[str, float | np.ndarray] = field(default_factory=dict)
     weights: dict[str, float] = field(default_factory=dict)
-    examples: float = 0.0
+    total: float = 0.0
 
-    def add(self, record: MetricRecord) -> None:
-        weight = record.get(WEIGHT_KEY, 1)
-        weight = float(weight) if isinstance(weight, (int, float)) else 1.0
-        self.examples += weight
+    def add(
+        self, record: MetricRecord, weight: float | None = None, skip: tuple[str, ...] = ()
+    ) -> None:
+        """Add a record with ``weight`` (default: its ``num-examples``, else 1)."""
+        if weight is None:
+            value = record.get(WEIGHT_KEY, 1)
+            weight = float(value) if isinstance(value, (int, float)) else 1.0
+        self.total += weight
         for key, value in record.items():
-            if key == WEIGHT_KEY or isinstance(value, list):
+            if key == WEIGHT_KEY or key in skip:
                 continue
-            self.weighted[key] = self.weighted.get(key, 0.0) + weight * float(value)
+            term = weight * (
+                np.asarray(value, dtype=np.float64) if isinstance(value, list) else float(value)
+            )
+            previous = self.weighted.get(key)
+            self.weighted[key] = term if previous is None else previous + term
             self.weights[key] = self.weights.get(key, 0.0) + weight
 
     def merge(self, other: MetricSums) -> None:
-        self.examples += other.examples
+        self.total += other.total
         for key, value in other.weighted.items():
-            self.weighted[key] = self.weighted.get(key, 0.0) + value
+            previous = self.weighted.get(key)
+            self.weighted[key] = value if previous is None else previous + value
             self.weights[key] = self.weights.get(key, 0.0) + other.weights[key]
 
-    def means(self) -> dict[str, float]:
+    def means(self) -> dict[str, float | list[float]]:
         """Weighted mean of each metric (keys with zero total weight are left out)."""
-        return {k: v / self.weights[k] for k, v in self.weighted.items() if self.weights[k] > 0}
+        out: dict[str, float | list[float]] = {}
+        for key, value in self.weighted.items():
+            if self.weights[key] > 0:
+                mean = value / self.weights[key]
+                out[key] = mean.tolist() if isinstance(mean, np.ndarray) else float(mean)
+        return out
+
+    def record(self, weight_key: str) -> MetricRecord:
+        """The means as a MetricRecord with ``weight_key`` set to the total weight."""
+        record = MetricRecord(self.means())
+        total = self.total
+        record[weight_key] = int(total) if float(total).is_integer() else total
+        return record

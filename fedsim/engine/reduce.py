@@ -6,9 +6,10 @@ O(workers) model-sized messages to the server instead of O(clients).
 
 The interface is one :class:`flwr.app.ConfigRecord` in the instruction's
 content, under :data:`REDUCER_KEY`, that names a :class:`Reducer` subclass and
-its parameters (:meth:`Reducer.to_config`). The grid finds it, and each worker
-calls :meth:`Reducer.reduce` on its batch of successful replies. Error replies
-are never folded; they come back one per client.
+its parameters (:meth:`Reducer.to_config`). The grid finds it; each worker folds
+its batch's successful replies into an :class:`Accumulator` as they come, and
+the grid folds the batches' partial replies, in batch order, into one reply for
+the strategy. Error replies are never folded; they come back one per client.
 
 A reducer must be *associative*: ``reduce(P + Q)`` equals
 ``reduce([reduce(P), reduce(Q)])`` (to float round-off) for any split of the
@@ -36,7 +37,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedsim.records import to_numpy, to_record
+from fedsim.engine.metrics import MetricSums
+from fedsim.records import R, records_of, to_numpy, to_record
 
 REDUCER_KEY = "fedsim.reducer"
 _CLASS_KEY = "class"
@@ -44,6 +46,18 @@ _CLASS_KEY = "class"
 
 class ReductionError(ValueError):
     """The replies cannot be folded; the worker then returns them unreduced."""
+
+
+class Accumulator(ABC):
+    """Folds replies one at a time; :meth:`result` is the partial reply."""
+
+    @abstractmethod
+    def add(self, reply: Message) -> None:
+        """Fold in one successful reply (raw or partial)."""
+
+    @abstractmethod
+    def result(self) -> Message:
+        """The partial reply of everything added (ReductionError if nothing was)."""
 
 
 class Reducer(ABC):
@@ -76,8 +90,15 @@ class Reducer(ABC):
         return cls(**{k: record[k] for k in cls.params if k in record})
 
     @abstractmethod
+    def accumulator(self, instruction: RecordDict) -> Accumulator:
+        """A fresh accumulator for replies to the ``instruction`` content."""
+
     def reduce(self, instruction: RecordDict, replies: Sequence[Message]) -> Message:
-        """Fold successful ``replies`` (at least one) to the ``instruction`` content."""
+        """Fold ``replies`` (at least one) in order."""
+        accumulator = self.accumulator(instruction)
+        for reply in replies:
+            accumulator.add(reply)
+        return accumulator.result()
 
 
 def reducer_of(content: RecordDict) -> Reducer | None:
@@ -106,45 +127,30 @@ def partial_reply(template: Message, content: RecordDict) -> Message:
     return Message(content=content, metadata=copy(template.metadata))
 
 
-def single(records: dict[str, Any], kind: str) -> tuple[str, Any]:
-    """The one record of a kind in a reply, as FedAvg requires."""
-    if len(records) != 1:
-        raise ReductionError(f"expected exactly one {kind} per reply, found {len(records)}")
-    return next(iter(records.items()))
+def single(content: RecordDict, kind: type[R]) -> tuple[str, R]:
+    """The one record of a kind in a message's content, as FedAvg requires."""
+    found = records_of(content, kind)
+    if len(found) != 1:
+        raise ReductionError(f"expected exactly one {kind.__name__} per reply, found {len(found)}")
+    return found[0]
 
 
-def fold_metrics(
-    records: Sequence[MetricRecord], weights: np.ndarray, weight_key: str
-) -> MetricRecord:
-    """Weighted mean of each metric (``weight_key`` set to the total weight).
-
-    Mirrors ``flwr.serverapp.strategy.strategy_utils.aggregate_metricrecords``:
-    scalars and lists are averaged with weights ``w_i / sum(w)``. Weighted means
-    compose: the mean of partial means weighted by their totals is the mean.
-    """
-    total = float(weights.sum())
-    factors = weights / total if total > 0 else np.full(len(weights), 1.0 / len(weights))
-    folded = MetricRecord()
-    for key, value in records[0].items():
-        if key == weight_key:
-            continue
-        if isinstance(value, list):
-            stacked = np.array([r[key] for r in records], dtype=np.float64)
-            folded[key] = (factors @ stacked).tolist()
-        else:
-            folded[key] = float(factors @ np.array([r[key] for r in records], dtype=np.float64))
-    weight_values = [r[weight_key] for r in records]
-    folded[weight_key] = (
-        int(sum(weight_values)) if all(isinstance(w, int) for w in weight_values) else total
-    )
-    return folded
+def reply_weight(metrics: MetricRecord, weight_key: str) -> float:
+    """The scalar weight of a reply (ReductionError if it has none)."""
+    weight = metrics.get(weight_key)
+    if not isinstance(weight, (int, float)) or isinstance(weight, bool):
+        raise ReductionError(f"reply has no scalar weight {weight_key!r}")
+    return float(weight)
 
 
 class WeightedMean(Reducer):
     """FedAvg's aggregation: ``sum_i w_i x_i / sum_i w_i`` (McMahan et al. 2017, Alg. 1).
 
-    ``w_i`` is the reply's ``weight_key`` metric. Sums run in float64; the result
-    is cast back to each array's dtype.
+    ``w_i`` is the reply's ``weight_key`` metric; metrics are averaged with the
+    same weights (as Flower's ``aggregate_metricrecords``). A partial reply is
+    the weighted mean of what it folds with ``weight_key`` set to the total
+    weight, so folding partials gives the mean of all. As in Flower's FedAvg,
+    arithmetic is in the arrays' own floating dtype.
     """
 
     params = ("weight_key",)
@@ -152,43 +158,64 @@ class WeightedMean(Reducer):
     def __init__(self, weight_key: str = "num-examples") -> None:
         self.weight_key = weight_key
 
-    def reduce(self, instruction: RecordDict, replies: Sequence[Message]) -> Message:
-        if not replies:
+    def accumulator(self, instruction: RecordDict) -> Accumulator:
+        return _WeightedMeanAccumulator(self.weight_key)
+
+
+class _WeightedMeanAccumulator(Accumulator):
+    def __init__(self, weight_key: str) -> None:
+        self.weight_key = weight_key
+        self.values: list[dict[str, np.ndarray]] = []
+        self.weights: list[float] = []
+        self.metrics = MetricSums()
+        self.keys: tuple[str, str] | None = None
+        self.template: Message | None = None
+
+    def add(self, reply: Message) -> None:
+        array_key, arrays = single(reply.content, ArrayRecord)
+        metric_key, metrics = single(reply.content, MetricRecord)
+        weight = reply_weight(metrics, self.weight_key)
+        values = to_numpy(arrays)
+        if self.keys is None:
+            self.keys, self.template = (array_key, metric_key), reply
+        elif self.keys != (array_key, metric_key) or values.keys() != self.values[0].keys():
+            raise ReductionError("replies carry different records or array keys")
+        else:
+            first = self.values[0]
+            for key, value in values.items():
+                if value.shape != first[key].shape:
+                    raise ReductionError(
+                        f"array {key!r} has shape {value.shape}, expected {first[key].shape}"
+                    )
+        self.values.append(values)  # read-only views of the reply's payload
+        self.weights.append(weight)
+        self.metrics.add(metrics, weight=weight, skip=(self.weight_key,))
+
+    def result(self) -> Message:
+        if self.keys is None or self.template is None:
             raise ReductionError("nothing to reduce")
-        array_key, _ = single(replies[0].content.array_records, "ArrayRecord")
-        metric_key, _ = single(replies[0].content.metric_records, "MetricRecord")
-        metric_records, array_dicts = [], []
-        for reply in replies:
-            content = reply.content
-            single(content.array_records, "ArrayRecord")
-            single(content.metric_records, "MetricRecord")
-            metrics = content.get(metric_key)
-            arrays = content.get(array_key)
-            if not isinstance(metrics, MetricRecord) or not isinstance(arrays, ArrayRecord):
-                raise ReductionError("replies use different record keys")
-            if self.weight_key not in metrics or isinstance(metrics[self.weight_key], list):
-                raise ReductionError(f"reply has no scalar weight {self.weight_key!r}")
-            metric_records.append(metrics)
-            array_dicts.append(to_numpy(arrays))
-        weights = np.array([m[self.weight_key] for m in metric_records], dtype=np.float64)
-        total = weights.sum()
-        factors = weights / total if total > 0 else np.full(len(weights), 1.0 / len(weights))
-        keys = list(array_dicts[0])
-        if any(list(a) != keys for a in array_dicts[1:]):
-            raise ReductionError("replies carry different array keys")
-        mean = {}
-        for key in keys:
-            acc = np.zeros(array_dicts[0][key].shape, dtype=np.float64)
-            for factor, arrays in zip(factors, array_dicts, strict=True):
-                acc += factor * arrays[key]
-            mean[key] = acc.astype(array_dicts[0][key].dtype, copy=False)
+        weights = np.array(self.weights)
+        mean = {
+            key: weighted_mean([v[key] for v in self.values], weights) for key in self.values[0]
+        }
+        array_key, metric_key = self.keys
         content = RecordDict(
-            {
-                array_key: to_record(mean),
-                metric_key: fold_metrics(metric_records, weights, self.weight_key),
-            }
+            {array_key: to_record(mean), metric_key: self.metrics.record(self.weight_key)}
         )
-        return partial_reply(replies[0], content)
+        return partial_reply(self.template, content)
+
+
+def weighted_mean(arrays: Sequence[np.ndarray], weights: np.ndarray) -> np.ndarray:
+    """``sum_i w_i a_i / sum_i w_i`` as one matrix-vector product in the arrays'
+    floating dtype (at least float32); equal weights when all weights are 0."""
+    first = arrays[0]
+    dtype = np.promote_types(
+        first.dtype if np.issubdtype(first.dtype, np.floating) else np.float64, np.float32
+    )
+    total = weights.sum()
+    factors = weights / total if total > 0 else np.full(len(weights), 1.0 / len(weights))
+    stacked = np.stack([np.asarray(a, dtype=dtype).reshape(-1) for a in arrays])
+    return (factors.astype(dtype) @ stacked).reshape(first.shape).astype(first.dtype, copy=False)
 
 
 class WorkerReduced(Strategy):
@@ -234,4 +261,3 @@ class WorkerReduced(Strategy):
 
     def summary(self) -> None:
         self.strategy.summary()
-

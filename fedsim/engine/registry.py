@@ -41,8 +41,7 @@ class ClientRegistry:
         """The node id of client ``partition_id``."""
         if not 0 <= partition_id < self.num_clients:
             raise ValueError(
-                f"partition id {partition_id} is outside the population "
-                f"[0, {self.num_clients - 1}]"
+                f"partition id {partition_id} is outside the population [0, {self.num_clients - 1}]"
             )
         return NODE_ID_OFFSET + int(partition_id)
 

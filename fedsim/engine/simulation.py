@@ -47,6 +47,8 @@ class EngineConfig:
         ray_address: '' starts a local Ray (or joins ``RAY_ADDRESS`` if set);
             otherwise the address of an existing cluster.
         num_cpus: CPUs of a locally started Ray; 0 means all.
+        object_store_mb: object store of a locally started Ray, in MiB; it holds
+            each round's messages and datasets shipped to the workers.
         depth: batches queued per worker.
     """
 
@@ -56,13 +58,31 @@ class EngineConfig:
     gpus_per_worker: float = 0.0
     ray_address: str = ""
     num_cpus: int = 0
+    object_store_mb: int = 512
     depth: int = 2
 
     def __post_init__(self) -> None:
-        require(self.workers >= 0, "engine.workers", self.workers, "an integer >= 0 (0: one per CPU)")
-        require(self.cpus_per_worker > 0, "engine.cpus_per_worker", self.cpus_per_worker, "a number > 0")
-        require(self.gpus_per_worker >= 0, "engine.gpus_per_worker", self.gpus_per_worker, "a number >= 0")
-        require(self.num_cpus >= 0, "engine.num_cpus", self.num_cpus, "an integer >= 0 (0: all CPUs)")
+        require(
+            self.workers >= 0, "engine.workers", self.workers, "an integer >= 0 (0: one per CPU)"
+        )
+        require(
+            self.cpus_per_worker > 0, "engine.cpus_per_worker", self.cpus_per_worker, "a number > 0"
+        )
+        require(
+            self.gpus_per_worker >= 0,
+            "engine.gpus_per_worker",
+            self.gpus_per_worker,
+            "a number >= 0",
+        )
+        require(
+            self.num_cpus >= 0, "engine.num_cpus", self.num_cpus, "an integer >= 0 (0: all CPUs)"
+        )
+        require(
+            self.object_store_mb >= 80,
+            "engine.object_store_mb",
+            self.object_store_mb,
+            "an integer >= 80 (MiB; Ray's minimum is 75 MiB)",
+        )
         require(self.depth >= 1, "engine.depth", self.depth, "an integer >= 1")
 
 
@@ -84,7 +104,12 @@ class Engine:
         if cfg.backend == "local":
             self.backend = LocalBackend(torch_threads=max(1, int(cfg.cpus_per_worker)))
             return self
-        self._owns_ray = ensure_ray(cfg.ray_address, cfg.num_cpus or None, self.extra_modules)
+        self._owns_ray = ensure_ray(
+            cfg.ray_address,
+            cfg.num_cpus or None,
+            self.extra_modules,
+            object_store_mb=cfg.object_store_mb,
+        )
         self.backend = RayBackend(
             num_workers=cfg.workers or None,
             cpus_per_worker=cfg.cpus_per_worker,
@@ -147,7 +172,11 @@ class Engine:
             )
         self._runs += 1
         run_id = self._runs if run_id is None else run_id
-        source = client_app if isinstance(client_app, ClientAppSource) else ClientAppSource(app=client_app)
+        source = (
+            client_app
+            if isinstance(client_app, ClientAppSource)
+            else ClientAppSource(app=client_app)
+        )
         shared = tuple(
             SharedDataset(
                 spec=spec,

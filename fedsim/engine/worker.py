@@ -17,10 +17,11 @@ import os
 import pickle
 import time
 import traceback
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from flwr.app import Context, Error, Message, RecordDict
+from flwr.app import Context, Error, Message, MetricRecord, RecordDict
 from flwr.app.metadata import Metadata
 from flwr.clientapp import ClientApp
 from flwr.clientapp.client_app import LoadClientAppError
@@ -31,7 +32,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from fedsim.engine.metrics import MetricSums
 from fedsim.engine.reduce import Reducer, ReductionError
 from fedsim.engine.registry import NODE_ID_OFFSET
-from fedsim.records import content_nbytes
+from fedsim.records import content_nbytes, records_of
 
 
 @dataclass(frozen=True)
@@ -85,16 +86,25 @@ class RunSpec:
     raise_errors: bool = False
 
 
+@dataclass(frozen=True)
+class Content:
+    """One instruction content, pickled: the bytes, or an object-store handle to
+    them. ``key`` identifies it, so a worker fetches it once for many batches."""
+
+    key: int
+    blob: Any
+
+
 @dataclass
 class ClientBatch:
     """Messages for one worker call. ``contents`` holds each distinct instruction
-    content once (pickled bytes, or a handle to them); message ``i`` uses
-    ``contents[content_index[i]]``. ``states`` maps node id to its stored state."""
+    content once; message ``i`` uses ``contents[content_index[i]]``. ``states``
+    maps node id to its stored state."""
 
     batch_id: int
     metadata: list[Metadata]
     content_index: list[int]
-    contents: list[Any]
+    contents: list[Content]
     states: dict[int, RecordDict] = field(default_factory=dict)
     reducer: Reducer | None = None
 
@@ -111,14 +121,15 @@ class BatchResult:
     bytes_up: int
     compute_s: float
     batch_s: float
+    started_at: float
     metrics: MetricSums
     worker_pid: int
 
 
 def _resolve(handle: Any) -> Any:
-    """Object-store handles become values; plain values pass through."""
+    """An object-store handle's value (zero-copy for arrays); values pass through."""
     if type(handle).__name__ == "ObjectRef":
-        import ray  # noqa: PLC0415  (only workers of the Ray backend hold refs)
+        import ray  # noqa: PLC0415  (only workers of the Ray backend hold handles)
 
         return ray.get(handle)
     return handle
@@ -128,14 +139,16 @@ class ClientWorker:
     """Executes batches of client messages with one loaded ClientApp.
 
     A plain class: the Ray backend wraps it in an actor, the in-process backend
-    and the unit tests use it directly.
+    and the unit tests use it directly. The last ``content_cache`` contents it
+    fetched are kept for later batches of the same phase.
     """
 
-    def __init__(self, torch_threads: int | None = None) -> None:
+    def __init__(self, torch_threads: int | None = None, content_cache: int = 16) -> None:
         self._torch_threads = torch_threads
         self._run: RunSpec | None = None
         self._app: ClientApp | None = None
-        self._content_cache: dict[Any, bytes] = {}
+        self._cache_size = content_cache
+        self._content_cache: OrderedDict[int, bytes] = OrderedDict()
         if torch_threads:
             os.environ.setdefault("OMP_NUM_THREADS", str(torch_threads))
 
@@ -171,7 +184,8 @@ class ClientWorker:
             for shared in run.datasets:
                 arrays = {k: _resolve(v) for k, v in shared.arrays.items()}
                 register_dataset(
-                    shared.spec, FederatedDataset.from_arrays(arrays, shared.num_classes, shared.name)
+                    shared.spec,
+                    FederatedDataset.from_arrays(arrays, shared.num_classes, shared.name),
                 )
         self._app = run.app.load()
         self._run = run
@@ -181,15 +195,14 @@ class ClientWorker:
         self._set_torch_threads()
         return os.getpid()
 
-    def _content(self, handle: Any) -> bytes:
-        """Pickled content from a batch: inline bytes, or a handle fetched once."""
-        if isinstance(handle, (bytes, bytearray, memoryview)):
-            return handle
-        blob = self._content_cache.get(handle)
+    def _content(self, content: Content) -> bytes:
+        """A batch's pickled content, fetched from the object store once."""
+        cache = self._content_cache
+        blob = cache.get(content.key)
         if blob is None:
-            if len(self._content_cache) >= 8:
-                self._content_cache.clear()
-            blob = self._content_cache[handle] = _resolve(handle)
+            blob = cache[content.key] = _resolve(content.blob)
+            if len(cache) > self._cache_size:
+                cache.popitem(last=False)
         return blob
 
     def run_batch(self, batch: ClientBatch) -> BatchResult:
@@ -198,11 +211,15 @@ class ClientWorker:
             raise RuntimeError("start_run must be called before run_batch")
         run, app = self._run, self._app
         batch_start = time.perf_counter()
+        started_at = time.time()
         blobs = [self._content(c) for c in batch.contents]
         replies: list[Message] = []
         failures: list[Message] = []
         states: dict[int, RecordDict] = {}
         metrics = MetricSums()
+        accumulator = None
+        if batch.reducer is not None:
+            accumulator = batch.reducer.accumulator(pickle.loads(blobs[batch.content_index[0]]))
         bytes_up = 0
         compute = 0.0
         for metadata, index in zip(batch.metadata, batch.content_index, strict=True):
@@ -239,16 +256,17 @@ class ClientWorker:
             if context.state or node_id in batch.states:
                 states[node_id] = context.state
             bytes_up += content_nbytes(reply.content)
-            for record in reply.content.metric_records.values():
+            for _, record in records_of(reply.content, MetricRecord):
                 metrics.add(record)
             replies.append(reply)
+            if accumulator is not None:
+                try:
+                    accumulator.add(reply)
+                except ReductionError:
+                    accumulator = None  # the strategy gets raw replies and reports the problem
         succeeded = len(replies)
-        if batch.reducer is not None and replies:
-            instruction = pickle.loads(blobs[batch.content_index[0]])
-            try:
-                replies = [batch.reducer.reduce(instruction, replies)]
-            except ReductionError:
-                pass  # the strategy receives raw replies and reports the problem itself
+        if accumulator is not None and replies:
+            replies = [accumulator.result()]
         return BatchResult(
             batch_id=batch.batch_id,
             replies=replies + failures,
@@ -258,6 +276,7 @@ class ClientWorker:
             bytes_up=bytes_up,
             compute_s=compute,
             batch_s=time.perf_counter() - batch_start,
+            started_at=started_at,
             metrics=metrics,
             worker_pid=os.getpid(),
         )

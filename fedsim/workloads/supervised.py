@@ -21,14 +21,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from torch import nn
 
 from fedsim.config import require
 from fedsim.data import DatasetSpec, cached_dataset
 from fedsim.models import ModelSpec, build_model, load_arrays, model_arrays
-from fedsim.records import to_numpy, to_record
+from fedsim.records import records_of, to_numpy, to_record
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,7 +58,9 @@ class LocalTraining:
         require(self.lr > 0, "client.lr", self.lr, "a number > 0")
         require(0 <= self.momentum < 1, "client.momentum", self.momentum, "a number in [0, 1)")
         require(self.weight_decay >= 0, "client.weight_decay", self.weight_decay, "a number >= 0")
-        require(self.max_steps >= 0, "client.max_steps", self.max_steps, "an integer >= 0 (0: no cap)")
+        require(
+            self.max_steps >= 0, "client.max_steps", self.max_steps, "an integer >= 0 (0: no cap)"
+        )
 
 
 def client_generator(seed: int, server_round: int, partition_id: int) -> torch.Generator:
@@ -69,7 +71,9 @@ def client_generator(seed: int, server_round: int, partition_id: int) -> torch.G
 
 def as_tensors(x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """Copy a client's rows (possibly a read-only memory map) into tensors."""
-    return torch.from_numpy(np.array(x, dtype=np.float32)), torch.from_numpy(np.array(y, dtype=np.int64))
+    return torch.from_numpy(np.array(x, dtype=np.float32)), torch.from_numpy(
+        np.array(y, dtype=np.int64)
+    )
 
 
 def train_epochs(
@@ -103,7 +107,9 @@ def train_epochs(
             optimizer.zero_grad(set_to_none=True)
             loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
             if anchor is not None:
-                prox = sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor, strict=True))
+                prox = sum(
+                    ((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor, strict=True)
+                )
                 loss = loss + 0.5 * proximal_mu * prox
             loss.backward()
             optimizer.step()
@@ -112,7 +118,9 @@ def train_epochs(
     return (float(total) / steps if steps else 0.0), steps
 
 
-def evaluate_model(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024) -> dict[str, float]:
+def evaluate_model(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024
+) -> dict[str, float]:
     """Mean cross-entropy and accuracy of ``model`` on (x, y)."""
     model.eval()
     loss, correct = 0.0, 0
@@ -138,12 +146,16 @@ def cached_model(spec: ModelSpec) -> nn.Module:
 
 
 def _config(message: Message) -> ConfigRecord:
-    records = message.content.config_records
-    return next(iter(records.values())) if records else ConfigRecord()
+    """The instruction's config (FedAvg's "config" record; empty if none)."""
+    records = records_of(message.content, ConfigRecord)
+    for key, record in records:
+        if key == "config":
+            return record
+    return records[0][1] if records else ConfigRecord()
 
 
 def _arrays_key(message: Message) -> str:
-    keys = list(message.content.array_records)
+    keys = [key for key, _ in records_of(message.content, ArrayRecord)]
     if len(keys) != 1:
         raise ValueError(f"expected one ArrayRecord in the instruction, found {len(keys)}")
     return keys[0]

@@ -16,7 +16,9 @@ def train_fn(msg: Message, context: Context) -> Message:
     x, y = load_data(pid, context.node_config["num-partitions"])
     server_round = msg.content["config"]["server-round"]
     seed = int(context.run_config["seed"]) * 100003 + server_round * 1009 + pid
-    loss = train(model, x, y, int(context.run_config["local-epochs"]), float(context.run_config["lr"]), seed)
+    loss = train(
+        model, x, y, int(context.run_config["local-epochs"]), float(context.run_config["lr"]), seed
+    )
     # Stateful client: count how many times this client trained.
     counter = context.state.get("counter", MetricRecord({"times": 0}))
     counter["times"] = int(counter["times"]) + 1
@@ -24,7 +26,9 @@ def train_fn(msg: Message, context: Context) -> Message:
     content = RecordDict(
         {
             "arrays": ArrayRecord(model.state_dict()),
-            "metrics": MetricRecord({"train_loss": loss, "num-examples": len(y), "times": counter["times"]}),
+            "metrics": MetricRecord(
+                {"train_loss": loss, "num-examples": len(y), "times": counter["times"]}
+            ),
         }
     )
     return Message(content=content, reply_to=msg)
@@ -37,5 +41,7 @@ def evaluate_fn(msg: Message, context: Context) -> Message:
     pid = context.node_config["partition-id"]
     x, y = load_data(pid, context.node_config["num-partitions"])
     loss, acc = test(model, x, y)
-    content = RecordDict({"metrics": MetricRecord({"eval_loss": loss, "eval_acc": acc, "num-examples": len(y)})})
+    content = RecordDict(
+        {"metrics": MetricRecord({"eval_loss": loss, "eval_acc": acc, "num-examples": len(y)})}
+    )
     return Message(content=content, reply_to=msg)

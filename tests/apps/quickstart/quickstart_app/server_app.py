@@ -15,7 +15,9 @@ app = ServerApp()
 def main(grid: Grid, context: Context) -> None:
     torch.manual_seed(int(context.run_config["seed"]))
     arrays = ArrayRecord(Net().state_dict())
-    strategy = FedAvg(fraction_train=float(context.run_config["fraction-train"]), fraction_evaluate=0.5)
+    strategy = FedAvg(
+        fraction_train=float(context.run_config["fraction-train"]), fraction_evaluate=0.5
+    )
     result = strategy.start(
         grid=grid,
         initial_arrays=arrays,
