@@ -115,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = _parser().parse_args(argv)
     if not args.verbose:
-        logging.getLogger("flwr").setLevel(logging.WARNING)
+        from flwr.supercore.logger import FLOWER_LOGGER  # noqa: PLC0415  (sets its level on import)
+
+        FLOWER_LOGGER.setLevel(logging.WARNING)
     started = time.perf_counter()
     try:
         summary = cmd_run(args) if args.command == "run" else cmd_flwr_run(args)

@@ -33,6 +33,7 @@ from fedsim.data import DatasetSpec, FederatedDataset, build_dataset
 from fedsim.engine import Engine, EngineConfig, PoissonCohort, UniformCohort
 from fedsim.engine.participation import Participation
 from fedsim.engine.rounds import RoundOutcome, run_rounds
+from fedsim.engine.seeding import SeededSampling
 from fedsim.models import ModelSpec, build_model, initial_arrays, load_arrays
 from fedsim.progress import RunProgress
 from fedsim.records import to_numpy, to_record
@@ -205,15 +206,18 @@ def run_experiment(
         population = dataset.num_clients
         participation = participation_for(config, population)
         k = config.strategy.clients_per_round
-        strategy = build_strategy(
-            config.strategy.name,
-            config.strategy.options,
-            expected_clients=k,
-            evaluate_fraction=config.evaluation.clients / k + 1e-9
-            if config.evaluation.clients
-            else 0.0,
-            seed=config.seed,
-            partial_aggregation=config.strategy.partial_aggregation,
+        strategy = SeededSampling(
+            build_strategy(
+                config.strategy.name,
+                config.strategy.options,
+                expected_clients=k,
+                evaluate_fraction=config.evaluation.clients / k + 1e-9
+                if config.evaluation.clients
+                else 0.0,
+                seed=config.seed,
+                partial_aggregation=config.strategy.partial_aggregation,
+            ),
+            config.seed,
         )
         client_app = make_client_app(spec, config.data, config.client)
         own_engine = engine is None

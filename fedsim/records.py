@@ -61,7 +61,8 @@ def array_to_numpy(array: Array) -> np.ndarray:
 
 def numpy_to_array(value: np.ndarray) -> Array:
     """An :class:`Array` holding ``value`` as ``np.save`` would write it."""
-    value = np.ascontiguousarray(value)
+    if not value.flags.c_contiguous:
+        value = np.ascontiguousarray(value)  # (never for 0-d arrays, which it would make 1-d)
     if value.dtype.hasobject:
         raise TypeError("object arrays cannot be sent in an ArrayRecord")
     header = _npy_header(value.dtype, value.shape)

@@ -9,12 +9,12 @@ no federated evaluation. The ServerApp seeds Python's ``random`` (which Flower's
 FedAvg samples with), so fedsim and the raw loop train the same cohorts.
 
 * fedsim: ``Engine.run_server_app`` on an engine whose workers are already up
-  (one per CPU). ``fedsim_cold_s`` is the first run including the workers'
-  start (process spawn, torch import); Ray itself is started beforehand.
+  (one per CPU). ``fedsim_cold_s`` is the first run including the start of Ray
+  and of the workers (process spawn, torch import).
 * Flower: ``flwr.simulation.run_simulation`` with
-  ``client_resources={"num_cpus": 1}``, in a fresh process per repetition with
-  Ray already initialised there (Flower's actor pool start and teardown are
-  inside the timing, as they are inside every Flower run).
+  ``client_resources={"num_cpus": 1}``, in a fresh process per repetition,
+  timed from the call to its return (it starts and stops Ray and its actors
+  itself, as in every Flower run; ``fedsim_cold_s`` is fedsim's counterpart).
 * raw: one process, one torch thread, the same clients and the same local
   training function on the same memory-mapped data, with no FL machinery;
   ``raw_s / workers`` is the limit any engine with that many workers can reach.
@@ -147,21 +147,24 @@ def raw_loop(data_dir: Path, rounds: int) -> float:
 
 
 def flower_once(data_dir: Path, rounds: int, cpus: int) -> float:
-    """One Flower run_simulation, timed (Ray started before the clock)."""
+    """One Flower ``run_simulation``, timed as a Flower user waits for it (it
+    starts and stops Ray itself)."""
     import logging  # noqa: PLC0415
 
-    import ray  # noqa: PLC0415
     from flwr.simulation import run_simulation  # noqa: PLC0415
+    from flwr.supercore.logger import FLOWER_LOGGER  # noqa: PLC0415
 
-    logging.getLogger("flwr").setLevel(logging.WARNING)
+    FLOWER_LOGGER.setLevel(logging.WARNING)
     server_app, client_app, *_ = apps(data_dir, rounds, False)
-    ray.init(num_cpus=cpus, include_dashboard=False, logging_level="WARNING")
     start = time.perf_counter()
     run_simulation(
         server_app=server_app,
         client_app=client_app,
         num_supernodes=NUM_CLIENTS,
-        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
+        backend_config={
+            "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+            "init_args": {"num_cpus": cpus, "logging_level": "WARNING"},
+        },
     )
     return time.perf_counter() - start
 
@@ -179,10 +182,12 @@ def fedsim_and_raw(
 
     from fedsim.engine import Engine, EngineConfig  # noqa: PLC0415
 
-    logging.getLogger("flwr").setLevel(logging.WARNING)
+    from flwr.supercore.logger import FLOWER_LOGGER  # noqa: PLC0415
+
+    FLOWER_LOGGER.setLevel(logging.WARNING)
     server_app, client_app, *_ = apps(data_dir, rounds, worker_sums)
     start = time.perf_counter()
-    engine = Engine(EngineConfig(workers=workers, num_cpus=workers)).start()
+    engine = Engine(EngineConfig(workers=workers, num_cpus=workers)).start()  # starts Ray too
     engine.run_server_app(server_app, client_app, NUM_CLIENTS)
     cold = time.perf_counter() - start
     warm, raw, compute = [], [], []

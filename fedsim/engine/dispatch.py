@@ -86,11 +86,17 @@ class Dispatcher:
             self.in_flight[future] = (task, worker, self._generation[worker])
             self._load[worker] += 1
 
-    def progress(self, timeout: float | None) -> None:
-        """Wait up to ``timeout`` seconds for batches to finish and deliver them."""
+    def poll(self) -> None:
+        """Deliver every batch that is already finished, without waiting."""
+        while self.progress(0):
+            pass
+
+    def progress(self, timeout: float | None) -> int:
+        """Wait up to ``timeout`` seconds for batches to finish; deliver them and
+        return how many finished."""
         self._fill()
         if not self.in_flight:
-            return
+            return 0
         done = self.backend.wait(list(self.in_flight), timeout)
         for future in done:
             task, worker, generation = self.in_flight.pop(future)
@@ -102,6 +108,7 @@ class Dispatcher:
                 continue
             task.on_result(result)
         self._fill()
+        return len(done)
 
     def _recover(self, task: _Task, worker: int, generation: int, lost: WorkerLost) -> None:
         # Every batch queued on the dead worker fails the same way: replace the

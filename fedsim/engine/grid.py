@@ -429,7 +429,7 @@ class SimulationGrid(Grid):
 
     def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
         wanted = set(message_ids)
-        self._dispatcher.progress(timeout=0)
+        self._dispatcher.poll()
         phases = {self._phase_of_message[m] for m in wanted if m in self._phase_of_message}
         replies: list[Message] = []
         for index in sorted(phases):

@@ -1,0 +1,156 @@
+"""Clipped sums and the fixed-clipping DP-FedAvg wrapper."""
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp.strategy import FedAvg
+from flwr.supercore.task_identity import TaskIdentity
+
+from fedsim.engine import ClientRegistry
+from fedsim.records import to_numpy, to_record
+from strategies.dp_fedavg import CLIENTS_KEY, CLIPPED_KEY, ClippedSum, DPFedAvg
+
+
+@pytest.fixture(autouse=True)
+def _identity():
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
+
+
+GLOBAL = {"a": np.full((2, 3), 0.5, dtype=np.float32), "b": np.zeros(4, dtype=np.float32)}
+
+
+def client_reply(update: dict[str, np.ndarray], weight: int = 5) -> Message:
+    arrays = {k: (GLOBAL[k] + update[k]).astype(np.float32) for k in GLOBAL}
+    metrics = MetricRecord({"num-examples": weight, "loss": 1.0})
+    return Message(
+        RecordDict({"arrays": to_record(arrays), "metrics": metrics}),
+        reply_to=Message(RecordDict(), 9, "train"),
+    )
+
+
+def flat(arrays):
+    return np.concatenate([np.asarray(arrays[k], dtype=np.float64).ravel() for k in GLOBAL])
+
+
+def updates(rng, n, scale):
+    return [
+        {k: (scale * rng.normal(size=v.shape)).astype(np.float32) for k, v in GLOBAL.items()}
+        for _ in range(n)
+    ]
+
+
+def instruction():
+    return RecordDict({"arrays": to_record(GLOBAL)})
+
+
+def test_clip_bounds_norm_and_keeps_direction():
+    rng = np.random.default_rng(0)
+    big, small = updates(rng, 1, 10.0)[0], updates(rng, 1, 1e-3)[0]
+    zero = {k: np.zeros_like(v) for k, v in GLOBAL.items()}
+    for update, clipped in ((big, 1), (small, 0), (zero, 0)):
+        out = ClippedSum(1.0).reduce(instruction(), [client_reply(update)])
+        total = flat(to_numpy(out.content["arrays"]))
+        assert np.linalg.norm(total) <= 1.0 + 1e-6
+        assert out.content["metrics"][CLIPPED_KEY] == clipped
+        if clipped:  # same direction as the raw update
+            raw = flat(update)
+            assert np.dot(total, raw) / (np.linalg.norm(total) * np.linalg.norm(raw)) > 0.999999
+
+
+def test_clipped_sum_is_associative_with_partials():
+    rng = np.random.default_rng(1)
+    replies = [client_reply(u, w) for u, w in zip(updates(rng, 7, 0.8), range(1, 8))]
+    reducer = ClippedSum(1.0)
+    whole = reducer.reduce(instruction(), replies)
+    partials = [
+        reducer.reduce(instruction(), replies[:3]),
+        reducer.reduce(instruction(), replies[3:]),
+    ]
+    # a mix of partial and raw replies folds the same way
+    mixed = reducer.reduce(instruction(), [partials[0], *replies[3:]])
+    for other in (reducer.reduce(instruction(), partials), mixed):
+        np.testing.assert_allclose(
+            flat(to_numpy(other.content["arrays"])),
+            flat(to_numpy(whole.content["arrays"])),
+            atol=1e-12,
+        )
+        assert other.content["metrics"][CLIENTS_KEY] == 7
+        assert other.content["metrics"][CLIPPED_KEY] == whole.content["metrics"][CLIPPED_KEY]
+        assert other.content["metrics"]["num-examples"] == 28
+
+
+def test_clipping_norm_must_be_positive():
+    with pytest.raises(ValueError, match="clipping_norm"):
+        ClippedSum(0.0)
+
+
+class _Grid:
+    """Just enough of a Grid for FedAvg.configure_train."""
+
+    def __init__(self, n):
+        self.registry = ClientRegistry(n)
+
+    def get_node_ids(self):
+        return self.registry.node_ids()
+
+
+def run_round(strategy, replies):
+    strategy.configure_train(1, to_record(GLOBAL), ConfigRecord(), _Grid(len(replies)))
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    return flat(to_numpy(arrays)) - flat(GLOBAL), metrics
+
+
+def test_noiseless_dp_fedavg_is_the_mean_of_clipped_updates():
+    rng = np.random.default_rng(2)
+    ups = updates(rng, 6, 1.0)
+    replies = [client_reply(u) for u in ups]
+    dp = DPFedAvg(
+        FedAvg(min_available_nodes=0),
+        clipping_norm=0.5,
+        noise_multiplier=0.0,
+        expected_clients=8,
+        rng=np.random.default_rng(0),
+    )
+    delta, metrics = run_round(dp, replies)
+    expected = sum(flat(u) * min(1.0, 0.5 / np.linalg.norm(flat(u))) for u in ups) / 8
+    np.testing.assert_allclose(delta, expected, atol=1e-6)
+    assert metrics["dp-clients"] == 6 and metrics["dp-noise-std"] == 0.0
+
+
+def test_noise_has_the_calibrated_scale_and_follows_the_seed():
+    rng = np.random.default_rng(3)
+    replies = [client_reply(u) for u in updates(rng, 4, 0.0)]  # zero updates: delta is pure noise
+
+    def noise(seed):
+        dp = DPFedAvg(
+            FedAvg(min_available_nodes=0),
+            clipping_norm=2.0,
+            noise_multiplier=1.5,
+            expected_clients=4,
+            rng=np.random.default_rng(seed),
+        )
+        samples = [run_round(dp, replies)[0] for _ in range(400)]
+        return np.concatenate(samples)
+
+    first = noise(11)
+    std = 1.5 * 2.0 / 4  # z C / m, in float32 arithmetic on the model
+    assert abs(first.mean()) < 4 * std / np.sqrt(first.size)
+    assert first.std() == pytest.approx(std, rel=0.03)
+    assert np.array_equal(first, noise(11))
+    assert not np.array_equal(first, noise(12))
+
+
+def test_errors_are_skipped_and_empty_rounds_keep_the_model():
+    from flwr.app import Error
+
+    dp = DPFedAvg(
+        FedAvg(min_available_nodes=0),
+        clipping_norm=1.0,
+        noise_multiplier=0.0,
+        expected_clients=2,
+        rng=np.random.default_rng(0),
+    )
+    dp.configure_train(1, to_record(GLOBAL), ConfigRecord(), _Grid(2))
+    failed = Message(Error(code=2, reason="boom"), reply_to=Message(RecordDict(), 9, "train"))
+    assert dp.aggregate_train(1, [failed]) == (None, None)
+    assert isinstance(dp.aggregate_train(1, [failed, client_reply(GLOBAL)])[0], ArrayRecord)

@@ -1,0 +1,65 @@
+"""Client registry and participation models: ids, cohorts, determinism, statistics."""
+
+import numpy as np
+import pytest
+
+from fedsim.config import ConfigError
+from fedsim.engine import NODE_ID_OFFSET, ClientRegistry, PoissonCohort, UniformCohort
+from fedsim.engine.participation import FullParticipation
+
+
+def test_registry_maps_both_ways_and_rejects_strangers():
+    registry = ClientRegistry(1_000_000)
+    ids = registry.node_ids()
+    assert len(ids) == 1_000_000 and ids[0] == NODE_ID_OFFSET and (NODE_ID_OFFSET + 999_999) in ids
+    assert registry.partition_id(registry.node_id(123_456)) == 123_456
+    assert registry.node_config(registry.node_id(7)) == {
+        "partition-id": 7,
+        "num-partitions": 1_000_000,
+    }
+    with pytest.raises(ValueError, match="not a registered client"):
+        registry.partition_id(NODE_ID_OFFSET + 1_000_000)
+    with pytest.raises(ValueError, match="outside the population"):
+        registry.node_id(-1)
+    with pytest.raises(ConfigError, match="num_clients"):
+        ClientRegistry(0)
+
+
+def test_node_ids_never_collide_with_server_ids():
+    assert NODE_ID_OFFSET > 1  # 0: ServerApp context, 1: SuperLink
+
+
+def test_uniform_cohort_is_seeded_per_phase():
+    model = UniformCohort(10**9, 1000, seed=3)  # a billion clients costs nothing
+    a, b = model.cohort(5), model.cohort(5)
+    assert np.array_equal(a, b)
+    assert len(np.unique(a)) == 1000 and np.all(np.diff(a) > 0)
+    assert not np.array_equal(model.cohort(5), model.cohort(6))
+    assert not np.array_equal(model.cohort(5), UniformCohort(10**9, 1000, seed=4).cohort(5))
+
+
+def test_uniform_cohort_is_uniform():
+    model = UniformCohort(20, 5, seed=0)
+    counts = np.bincount(np.concatenate([model.cohort(p) for p in range(4000)]), minlength=20)
+    expected = 4000 * 5 / 20
+    # Each client's count is Binomial(4000, 1/4): std ~ 27; allow 5 sigma.
+    assert np.all(np.abs(counts - expected) < 5 * np.sqrt(4000 * 0.25 * 0.75))
+
+
+def test_poisson_cohort_size_and_inclusion():
+    model = PoissonCohort(200, 0.1, seed=1)
+    cohorts = [model.cohort(p) for p in range(3000)]
+    sizes = np.array([len(c) for c in cohorts])
+    # Binomial(200, 0.1): mean 20, var 18; the mean over 3000 draws has std 0.077.
+    assert abs(sizes.mean() - 20) < 0.4
+    assert abs(sizes.var() - 18) < 2.5
+    inclusion = np.bincount(np.concatenate(cohorts), minlength=200) / 3000
+    assert np.all(np.abs(inclusion - 0.1) < 5 * np.sqrt(0.1 * 0.9 / 3000))
+
+
+def test_bad_parameters_name_themselves():
+    with pytest.raises(ConfigError, match="cohort_size"):
+        UniformCohort(10, 11, seed=0)
+    with pytest.raises(ConfigError, match="rate"):
+        PoissonCohort(10, 0.0, seed=0)
+    assert np.array_equal(FullParticipation(4).cohort(9), np.arange(4))

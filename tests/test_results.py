@@ -1,0 +1,78 @@
+"""Round records: built from phase reports, written line by line, never overwritten."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from fedsim.config import ConfigError
+from fedsim.engine.grid import PhaseReport
+from fedsim.results import RoundRecorder, RunWriter, json_ready
+
+
+def report(phase, kind, server_round, clients=4):
+    return PhaseReport(
+        phase=phase,
+        server_round=server_round,
+        message_type=kind,
+        messages=clients,
+        succeeded=clients,
+        failed=0,
+        timed_out=0,
+        bytes_down=100,
+        bytes_up=50,
+        wall_s=0.1,
+        compute_s=0.2,
+        client_metrics={"loss": 1.0 / (phase + 1)},
+    )
+
+
+def test_inferred_rounds_close_after_evaluation_or_a_new_round():
+    records = []
+    recorder = RoundRecorder([records.append], infer_rounds=True)
+    recorder.phase_finished(report(0, "train", 1))
+    recorder.phase_finished(report(1, "evaluate", 1))  # closes round 1
+    recorder.phase_finished(report(2, "train", 2))
+    recorder.phase_finished(report(3, "train", 3))  # a new round closes round 2
+    recorder.phase_finished(report(4, "train", None))  # no round number: same round
+    recorder.close()
+    assert [r["round"] for r in records] == [1, 2, 3]
+    assert set(records[0]) >= {"train", "evaluate", "bytes_down", "clients_per_s", "seconds"}
+    assert records[0]["bytes_down"] == 200 and records[0]["train"]["clients"] == 4
+    assert "evaluate" not in records[1]
+    assert records[2]["train"]["metrics"]["loss"] == pytest.approx(0.2)  # the later phase
+
+
+def test_explicit_rounds_carry_strategy_sections():
+    records = []
+    recorder = RoundRecorder([records.append], infer_rounds=False)
+    recorder.phase_finished(report(0, "train", 1))
+    recorder.phase_finished(report(1, "evaluate", 1))
+    recorder.end_round(1, aggregated={"loss": 0.5}, central=None)
+    assert (
+        len(records) == 1
+        and records[0]["aggregated"] == {"loss": 0.5}
+        and "central" not in records[0]
+    )
+
+
+def test_writer_appends_lines_and_refuses_old_results(tmp_path):
+    writer = RunWriter(tmp_path / "run")
+    writer.write_round({"round": 1, "x": float("nan"), "y": np.float32(2.5)})
+    writer.write_round({"round": 2})
+    writer.write_summary({"rounds": 2})
+    writer.close()
+    lines = (tmp_path / "run" / "rounds.jsonl").read_text().splitlines()
+    assert [json.loads(line)["round"] for line in lines] == [1, 2]
+    assert json.loads(lines[0])["x"] is None and json.loads(lines[0])["y"] == 2.5
+    assert json.loads((tmp_path / "run" / "summary.json").read_text()) == {"rounds": 2}
+    with pytest.raises(ConfigError, match="already holds results"):
+        RunWriter(tmp_path / "run")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="a file has this name"):
+        RunWriter(tmp_path / "file")
+
+
+def test_json_ready_handles_numpy_and_non_finite():
+    assert json_ready({"a": (np.int64(3), math.inf)}) == {"a": [3, None]}

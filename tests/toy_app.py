@@ -1,0 +1,57 @@
+"""A deterministic toy ClientApp for engine tests (importable by Ray workers).
+
+train: replies ``arrays + (partition-id + 1) * step`` with ``num-examples =
+partition-id + 1``, counts its calls in ``context.state``, fails for the
+partitions listed in ``run_config["fail"]`` (space-separated), sleeps
+``slow-seconds`` for ``slow-partition`` and, once per file named by
+``run_config["crash-file"]``, kills its worker process at ``crash-partition``.
+evaluate: replies the sum of the arrays as a metric.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from fedsim.records import to_numpy, to_record
+
+app = ClientApp()
+
+
+def _partition(context: Context) -> int:
+    return int(context.node_config["partition-id"])
+
+
+@app.train()
+def train(message: Message, context: Context) -> Message:
+    pid = _partition(context)
+    failing = str(context.run_config.get("fail", "")).split()
+    crash = str(context.run_config.get("crash-file", ""))
+    if crash and pid == int(context.run_config.get("crash-partition", -1)) and Path(crash).exists():
+        Path(crash).unlink()
+        os._exit(3)  # a worker crash, injected on purpose
+    if pid == int(context.run_config.get("slow-partition", -1)):
+        time.sleep(float(context.run_config.get("slow-seconds", 1.0)))
+    counter = context.state.get("calls", MetricRecord({"n": 0}))
+    counter["n"] = int(counter["n"]) + 1
+    context.state["calls"] = counter
+    if str(pid) in failing:
+        raise RuntimeError(f"partition {pid} fails on purpose")
+    arrays = to_numpy(message.content["arrays"])
+    step = float(message.content["config"].get("step", 1.0))
+    new = {k: (v + (pid + 1) * step).astype(v.dtype) for k, v in arrays.items()}
+    metrics = MetricRecord({"num-examples": pid + 1, "calls": counter["n"], "pid": pid})
+    return Message(RecordDict({"arrays": to_record(new), "metrics": metrics}), reply_to=message)
+
+
+@app.evaluate()
+def evaluate(message: Message, context: Context) -> Message:
+    arrays = to_numpy(message.content["arrays"])
+    total = float(sum(np.sum(v) for v in arrays.values()))
+    metrics = MetricRecord({"num-examples": 1, "total": total, "pid": _partition(context)})
+    return Message(RecordDict({"metrics": metrics}), reply_to=message)
