@@ -26,12 +26,13 @@ _MAGIC = b"\x93NUMPY"
 
 
 @lru_cache(maxsize=4096)
-def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
-    """The ``.npy`` header ``np.save`` writes for a C-ordered array (NEP 1 format)."""
+def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> tuple[bytes, str, tuple[int, ...]]:
+    """The ``.npy`` header ``np.save`` writes for a C-ordered array (NEP 1
+    format), with the dtype name and shape an :class:`Array` records."""
     buffer = io.BytesIO()
     header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape}
     np.lib.format.write_array_header_1_0(buffer, header)
-    return buffer.getvalue()
+    return buffer.getvalue(), str(dtype), tuple(int(s) for s in shape)
 
 
 @lru_cache(maxsize=4096)
@@ -65,13 +66,15 @@ def numpy_to_array(value: np.ndarray) -> Array:
         value = np.ascontiguousarray(value)  # (never for 0-d arrays, which it would make 1-d)
     if value.dtype.hasobject:
         raise TypeError("object arrays cannot be sent in an ArrayRecord")
-    header = _npy_header(value.dtype, value.shape)
-    return Array(
-        dtype=str(value.dtype),
-        shape=tuple(int(s) for s in value.shape),
-        stype=NUMPY_STYPE,
-        data=header + value.tobytes(),
+    header, dtype, shape = _npy_header(value.dtype, value.shape)
+    # Equivalent to Array(dtype=..., shape=..., stype=..., data=...) for fields
+    # already validated here; Flower's constructor checks every field again and
+    # costs more than the copy of the payload for a small model.
+    array = Array.__new__(Array)
+    array.__dict__.update(
+        dtype=dtype, shape=shape, stype=NUMPY_STYPE, data=header + value.tobytes()
     )
+    return array
 
 
 def to_numpy(record: ArrayRecord) -> dict[str, np.ndarray]:
@@ -85,6 +88,32 @@ def to_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
     for key, value in arrays.items():
         record[key] = numpy_to_array(np.asarray(value))
     return record
+
+
+def copy_content(content: RecordDict) -> RecordDict:
+    """A copy of a message's content that shares only immutable payload bytes.
+
+    Records, :class:`Array` objects and list values are new objects, so a
+    ClientApp that modifies its instruction in place cannot affect another
+    client; the array payloads (``bytes``) are shared, which makes this much
+    cheaper than deserialising the content again.
+    """
+    copied = RecordDict()
+    for key, record in content.items():
+        if isinstance(record, ArrayRecord):
+            new = ArrayRecord()
+            for name, array in record.items():
+                clone = Array.__new__(Array)
+                clone.__dict__.update(
+                    dtype=array.dtype, shape=array.shape, stype=array.stype, data=array.data
+                )
+                new[name] = clone
+        else:
+            new = type(record)()
+            for name, value in record.items():
+                new[name] = list(value) if isinstance(value, list) else value
+        copied[key] = new
+    return copied
 
 
 def records_of(content: RecordDict, kind: type[R]) -> list[tuple[str, R]]:

@@ -129,7 +129,9 @@ def test_seeded_sampling_repeats_flower_fedavg_and_restores_random(local_engine)
 
     def picked(server_round, evaluate=False):
         configure = strategy.configure_evaluate if evaluate else strategy.configure_train
-        return sorted(m.metadata.dst_node_id for m in configure(server_round, arrays, ConfigRecord(), grid))
+        return sorted(
+            m.metadata.dst_node_id for m in configure(server_round, arrays, ConfigRecord(), grid)
+        )
 
     random.seed(123)
     expected_next = random.random()

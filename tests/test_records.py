@@ -90,3 +90,37 @@ def test_records_of_and_payload_size():
     assert [k for k, _ in records_of(content, MetricRecord)] == ["metrics"]
     array_bytes = len(content["arrays"]["w"].data)
     assert content_nbytes(content) == array_bytes + 8 + 8 + 16 + 3
+
+
+def test_fast_arrays_are_indistinguishable_from_flower_arrays():
+    # numpy_to_array skips Flower's constructor; the object must be the same in
+    # every respect Flower relies on: fields, equality, and (de)serialisation.
+    value = np.arange(12, dtype=np.float32).reshape(3, 4)
+    ours, theirs = numpy_to_array(value), Array(value)
+    assert ours == theirs and ours.is_dirty and ours.object_id == theirs.object_id
+    assert ours.deflate() == theirs.deflate()
+    record = to_record({"w": value})
+    assert record.object_id == ArrayRecord({"w": Array(value)}).object_id
+    rebuilt = Array.inflate(ours.deflate(), children=dict(ours.children))
+    assert np.array_equal(rebuilt.numpy(), value)
+
+
+def test_copied_content_is_independent_but_shares_payloads():
+    from fedsim.records import copy_content
+
+    original = RecordDict(
+        {
+            "arrays": to_record({"w": np.arange(3.0)}),
+            "config": ConfigRecord({"lr": 0.1, "sizes": [1, 2]}),
+            "metrics": MetricRecord({"n": 3}),
+        }
+    )
+    copy = copy_content(original)
+    assert copy.object_id == original.object_id
+    copy["config"]["lr"] = 9.0
+    copy["config"]["sizes"].append(3)
+    copy["arrays"]["w"].dtype = "int8"
+    del copy["metrics"]["n"]
+    assert original["config"]["lr"] == 0.1 and original["config"]["sizes"] == [1, 2]
+    assert original["arrays"]["w"].dtype == "float64" and original["metrics"]["n"] == 3
+    assert copy["arrays"]["w"].data is original["arrays"]["w"].data

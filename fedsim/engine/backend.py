@@ -132,6 +132,12 @@ class RayBackend(Backend):
             allow at ``cpus_per_worker`` each.
         cpus_per_worker: Ray ``num_cpus`` of each actor (and torch's thread count).
         gpus_per_worker: Ray ``num_gpus`` of each actor (fractions share a GPU).
+        pin_workers: give each worker its own cores (``sched_setaffinity``) when
+            its machine has enough for all the workers on it. On two cores this
+            is worth about 5% of run time: an unpinned worker that Ray's
+            background threads preempt is moved to the other core and loses its
+            cache. Pinning needs the machine to itself, so it suits a local Ray
+            rather than a shared cluster.
     """
 
     def __init__(
@@ -139,6 +145,7 @@ class RayBackend(Backend):
         num_workers: int | None = None,
         cpus_per_worker: float = 1.0,
         gpus_per_worker: float = 0.0,
+        pin_workers: bool = False,
     ) -> None:
         import ray  # noqa: PLC0415
 
@@ -157,7 +164,32 @@ class RayBackend(Backend):
         self._actors = [self._actor_cls.remote(self._threads) for _ in range(num_workers)]
         self._owner: dict[Any, int] = {}
         self._run: RunSpec | None = None
+        self.pinned = self._pin(self._actors) if pin_workers else False
         ray.get([actor.warm_up.remote() for actor in self._actors])
+
+    def _pin(self, actors: list[Any]) -> bool:
+        """Give the workers on each machine disjoint sets of its allowed cores."""
+        places = self._ray.get([actor.placement.remote() for actor in actors])
+        by_host: dict[str, list[int]] = {}
+        for index, (host, _) in enumerate(places):
+            by_host.setdefault(host, []).append(index)
+        per_worker = max(1, int(self.cpus_per_worker))
+        calls = []
+        for host, indices in by_host.items():
+            cores = places[indices[0]][1]
+            if len(indices) * per_worker > len(cores):
+                log.warning(
+                    "not pinning workers on %s: %d cores for %d workers",
+                    host,
+                    len(cores),
+                    len(indices),
+                )
+                return False
+            for slot, index in enumerate(indices):
+                chosen = cores[slot * per_worker : (slot + 1) * per_worker]
+                calls.append(actors[index].pin.remote(chosen))
+        self._ray.get(calls)
+        return True
 
     @property
     def num_workers(self) -> int:
@@ -192,11 +224,12 @@ class RayBackend(Backend):
 
     def restart(self, worker: int) -> None:
         self._ray.kill(self._actors[worker], no_restart=True)
-        actor = self._actor_cls.remote(self._threads)
+        self._actors[worker] = actor = self._actor_cls.remote(self._threads)
+        if self.pinned:  # the new worker takes the cores its predecessor held
+            self.pinned = self._pin(self._actors)
         self._ray.get(actor.warm_up.remote())
         if self._run is not None:
             self._ray.get(actor.start_run.remote(self._run))
-        self._actors[worker] = actor
         log.warning("worker %d was replaced", worker)
 
     def close(self) -> None:
@@ -211,4 +244,5 @@ class RayBackend(Backend):
             "workers": self.num_workers,
             "cpus_per_worker": self.cpus_per_worker,
             "gpus_per_worker": self.gpus_per_worker,
+            "pinned": self.pinned,
         }

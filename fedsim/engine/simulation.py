@@ -49,6 +49,8 @@ class EngineConfig:
         num_cpus: CPUs of a locally started Ray; 0 means all.
         object_store_mb: object store of a locally started Ray, in MiB; it holds
             each round's messages and datasets shipped to the workers.
+        pin_workers: give each worker its own cores; "auto" pins when fedsim
+            starts Ray itself (it then owns the machine), not on a joined cluster.
         depth: batches queued per worker.
     """
 
@@ -59,6 +61,7 @@ class EngineConfig:
     ray_address: str = ""
     num_cpus: int = 0
     object_store_mb: int = 512
+    pin_workers: Literal["auto", "on", "off"] = "auto"
     depth: int = 2
 
     def __post_init__(self) -> None:
@@ -110,10 +113,12 @@ class Engine:
             self.extra_modules,
             object_store_mb=cfg.object_store_mb,
         )
+        pin = cfg.pin_workers == "on" or (cfg.pin_workers == "auto" and self._owns_ray)
         self.backend = RayBackend(
             num_workers=cfg.workers or None,
             cpus_per_worker=cfg.cpus_per_worker,
             gpus_per_worker=cfg.gpus_per_worker,
+            pin_workers=pin,
         )
         return self
 
