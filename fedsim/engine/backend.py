@@ -11,10 +11,18 @@ from __future__ import annotations
 import logging
 import pickle
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, replace
 from typing import Any
 
-from fedsim.engine.worker import BatchResult, ClientBatch, ClientWorker, RunSpec
+from fedsim.engine.worker import (
+    BatchResult,
+    ClientBatch,
+    ClientWorker,
+    Content,
+    RunSpec,
+    remember,
+)
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +171,7 @@ class RayBackend(Backend):
         )
         self._actors = [self._actor_cls.remote(self._threads) for _ in range(num_workers)]
         self._owner: dict[Any, int] = {}
+        self._sent: list[OrderedDict[int, None]] = [OrderedDict() for _ in self._actors]
         self._run: RunSpec | None = None
         self.pinned = self._pin(self._actors) if pin_workers else False
         ray.get([actor.warm_up.remote() for actor in self._actors])
@@ -197,13 +206,19 @@ class RayBackend(Backend):
 
     def start_run(self, run: RunSpec) -> None:
         self._run = run
+        self._sent = [OrderedDict() for _ in self._actors]
         self._ray.get([actor.start_run.remote(run) for actor in self._actors])
 
     def share(self, value: Any) -> Any:
         return self._ray.put(value)
 
     def submit(self, worker: int, batch: ClientBatch) -> Any:
-        future = self._actors[worker].run_batch.remote(batch)
+        # Send each content to each worker once; later batches name it by key.
+        sent = self._sent[worker]
+        contents = [
+            Content(c.key, None) if remember(sent, c.key, None) else c for c in batch.contents
+        ]
+        future = self._actors[worker].run_batch.remote(replace(batch, contents=contents))
         self._owner[future] = worker
         return future
 
@@ -225,6 +240,7 @@ class RayBackend(Backend):
     def restart(self, worker: int) -> None:
         self._ray.kill(self._actors[worker], no_restart=True)
         self._actors[worker] = actor = self._actor_cls.remote(self._threads)
+        self._sent[worker] = OrderedDict()
         if self.pinned:  # the new worker takes the cores its predecessor held
             self.pinned = self._pin(self._actors)
         self._ray.get(actor.warm_up.remote())

@@ -268,7 +268,7 @@ class SimulationGrid(Grid):
                 blob = pickle.dumps(content, protocol=pickle.HIGHEST_PROTOCOL)
                 reducer = reducer_of(content)
                 self._next_content += 1
-                handle = Content(self._next_content, self.backend.share(blob))
+                handle = Content(self._next_content, blob)
                 shared[key] = (handle, content_nbytes(content), reducer)
                 if reducer is not None:
                     folds[key] = OrderedFold(reducer, content)

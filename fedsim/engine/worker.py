@@ -88,11 +88,30 @@ class RunSpec:
 
 @dataclass(frozen=True)
 class Content:
-    """One instruction content, pickled: the bytes, or an object-store handle to
-    them. ``key`` identifies it, so a worker fetches it once for many batches."""
+    """One instruction content, pickled. ``blob`` is None when the worker already
+    holds content ``key`` (see :func:`remember`)."""
 
     key: int
-    blob: Any
+    blob: bytes | None
+
+
+#: contents a worker keeps for later batches of the same phase
+CONTENT_CACHE = 16
+
+
+def remember(cache: OrderedDict[int, Any], key: int, value: Any, size: int = CONTENT_CACHE) -> bool:
+    """Mark ``key`` as most recently used (adding ``value`` if new, dropping the
+    least recently used beyond ``size``); True if it was already there.
+
+    The worker keeps contents with this rule and the backend mirrors it with the
+    same calls in the same order, so it knows which contents it can omit."""
+    if key in cache:
+        cache.move_to_end(key)
+        return True
+    cache[key] = value
+    if len(cache) > size:
+        cache.popitem(last=False)
+    return False
 
 
 @dataclass
@@ -139,15 +158,14 @@ class ClientWorker:
     """Executes batches of client messages with one loaded ClientApp.
 
     A plain class: the Ray backend wraps it in an actor, the in-process backend
-    and the unit tests use it directly. The last ``content_cache`` contents it
-    fetched are kept for later batches of the same phase.
+    and the unit tests use it directly. The contents it receives are kept
+    (:func:`remember`) for later batches that send only their key.
     """
 
-    def __init__(self, torch_threads: int | None = None, content_cache: int = 16) -> None:
+    def __init__(self, torch_threads: int | None = None) -> None:
         self._torch_threads = torch_threads
         self._run: RunSpec | None = None
         self._app: ClientApp | None = None
-        self._cache_size = content_cache
         self._content_cache: OrderedDict[int, bytes] = OrderedDict()
         if torch_threads:
             os.environ.setdefault("OMP_NUM_THREADS", str(torch_threads))
@@ -207,14 +225,10 @@ class ClientWorker:
         return os.getpid()
 
     def _content(self, content: Content) -> bytes:
-        """A batch's pickled content, fetched from the object store once."""
-        cache = self._content_cache
-        blob = cache.get(content.key)
-        if blob is None:
-            blob = cache[content.key] = _resolve(content.blob)
-            if len(cache) > self._cache_size:
-                cache.popitem(last=False)
-        return blob
+        """A batch's pickled content: sent with it, or kept from an earlier batch."""
+        if not remember(self._content_cache, content.key, content.blob) and content.blob is None:
+            raise RuntimeError(f"content {content.key} was neither sent nor kept")
+        return self._content_cache[content.key]
 
     def run_batch(self, batch: ClientBatch) -> BatchResult:
         """Run every message of ``batch`` through the ClientApp, in order."""
