@@ -90,32 +90,6 @@ def to_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
     return record
 
 
-def copy_content(content: RecordDict) -> RecordDict:
-    """A copy of a message's content that shares only immutable payload bytes.
-
-    Records, :class:`Array` objects and list values are new objects, so a
-    ClientApp that modifies its instruction in place cannot affect another
-    client; the array payloads (``bytes``) are shared, which makes this much
-    cheaper than deserialising the content again.
-    """
-    copied = RecordDict()
-    for key, record in content.items():
-        if isinstance(record, ArrayRecord):
-            new = ArrayRecord()
-            for name, array in record.items():
-                clone = Array.__new__(Array)
-                clone.__dict__.update(
-                    dtype=array.dtype, shape=array.shape, stype=array.stype, data=array.data
-                )
-                new[name] = clone
-        else:
-            new = type(record)()
-            for name, value in record.items():
-                new[name] = list(value) if isinstance(value, list) else value
-        copied[key] = new
-    return copied
-
-
 def records_of(content: RecordDict, kind: type[R]) -> list[tuple[str, R]]:
     """The ``(key, record)`` pairs of one record type in a message's content.
 

@@ -103,24 +103,3 @@ def test_fast_arrays_are_indistinguishable_from_flower_arrays():
     assert record.object_id == ArrayRecord({"w": Array(value)}).object_id
     rebuilt = Array.inflate(ours.deflate(), children=dict(ours.children))
     assert np.array_equal(rebuilt.numpy(), value)
-
-
-def test_copied_content_is_independent_but_shares_payloads():
-    from fedsim.records import copy_content
-
-    original = RecordDict(
-        {
-            "arrays": to_record({"w": np.arange(3.0)}),
-            "config": ConfigRecord({"lr": 0.1, "sizes": [1, 2]}),
-            "metrics": MetricRecord({"n": 3}),
-        }
-    )
-    copy = copy_content(original)
-    assert copy.object_id == original.object_id
-    copy["config"]["lr"] = 9.0
-    copy["config"]["sizes"].append(3)
-    copy["arrays"]["w"].dtype = "int8"
-    del copy["metrics"]["n"]
-    assert original["config"]["lr"] == 0.1 and original["config"]["sizes"] == [1, 2]
-    assert original["arrays"]["w"].dtype == "float64" and original["metrics"]["n"] == 3
-    assert copy["arrays"]["w"].data is original["arrays"]["w"].data

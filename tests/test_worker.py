@@ -101,3 +101,8 @@ def test_batches_need_a_run_and_a_real_clientapp():
         ClientAppSource(
             reference="toy_app:train", app_dir=str(__import__("pathlib").Path(__file__).parent)
         ).load()
+
+
+def test_clients_cannot_see_each_others_mutations():
+    result = make_worker(mutate=True).run_batch(batch([0, 1, 2]))
+    assert [to_numpy(r.content["arrays"])["w"][0] for r in result.replies] == [1.0, 2.0, 3.0]

@@ -44,6 +44,8 @@ def train(message: Message, context: Context) -> Message:
         raise RuntimeError(f"partition {pid} fails on purpose")
     arrays = to_numpy(message.content["arrays"])
     step = float(message.content["config"].get("step", 1.0))
+    if context.run_config.get("mutate"):  # a careless client edits its instruction
+        message.content["config"]["step"] = 100.0
     new = {k: (v + (pid + 1) * step).astype(v.dtype) for k, v in arrays.items()}
     metrics = MetricRecord({"num-examples": pid + 1, "calls": counter["n"], "pid": pid})
     return Message(RecordDict({"arrays": to_record(new), "metrics": metrics}), reply_to=message)

@@ -56,7 +56,8 @@ class Dispatcher:
     in_flight: dict[Any, tuple[_Task, int, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._load = [0] * self.backend.num_workers
+        self._load = [0] * self.backend.num_workers  # batches in flight per worker
+        self._clients = [0] * self.backend.num_workers  # their clients
         self._generation = [0] * self.backend.num_workers
 
     def enqueue(
@@ -73,18 +74,20 @@ class Dispatcher:
         return not self.queue and not self.in_flight
 
     def _fill(self) -> None:
+        # Each batch goes to the worker with the fewest clients in flight among
+        # those with fewer than ``depth`` batches in flight: the queue ahead of
+        # every worker stays short and the workers finish at about the same time.
         while self.queue:
-            worker = min(range(len(self._load)), key=self._load.__getitem__)
-            # Near the end of the queue, only idle workers take a batch: the last
-            # (smallest) batches then go to whichever worker frees up first.
-            depth = self.depth if len(self.queue) > len(self._load) else 1
-            if self._load[worker] >= depth:
+            open_workers = [w for w, load in enumerate(self._load) if load < self.depth]
+            if not open_workers:
                 return
+            worker = min(open_workers, key=lambda w: (self._clients[w], self._load[w]))
             task = self.queue.popleft()
             task.attempts += 1
             future = self.backend.submit(worker, task.batch)
             self.in_flight[future] = (task, worker, self._generation[worker])
             self._load[worker] += 1
+            self._clients[worker] += len(task.batch.metadata)
 
     def poll(self) -> None:
         """Deliver every batch that is already finished, without waiting."""
@@ -101,6 +104,7 @@ class Dispatcher:
         for future in done:
             task, worker, generation = self.in_flight.pop(future)
             self._load[worker] -= 1
+            self._clients[worker] -= len(task.batch.metadata)
             try:
                 result = self.backend.result(future)
             except WorkerLost as lost:

@@ -2,9 +2,9 @@
 
 One worker lives in each worker process (a Ray actor, or the driver itself for
 the in-process backend). It loads the ClientApp once per run and then executes
-batches: for every message it gives the client its own copy of the batch's
-shared content (:func:`~fedsim.records.copy_content`, so clients never see
-each other's mutations), builds the client's :class:`flwr.app.Context` from its persistent
+batches: for every message it deserialises the batch's shared content anew
+(so clients never see each other's mutations; this is cheaper than copying
+Flower's records), builds the client's :class:`flwr.app.Context` from its persistent
 state, calls the app, and collects the reply. Models, data and buffers that the
 app caches at module level stay alive across clients and rounds, because the
 process does. When the instruction opts into a :class:`~fedsim.engine.reduce.Reducer`,
@@ -32,7 +32,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from fedsim.engine.metrics import MetricSums
 from fedsim.engine.reduce import Reducer, ReductionError
 from fedsim.engine.registry import NODE_ID_OFFSET
-from fedsim.records import content_nbytes, copy_content, records_of
+from fedsim.records import content_nbytes, records_of
 
 
 @dataclass(frozen=True)
@@ -237,19 +237,19 @@ class ClientWorker:
         run, app = self._run, self._app
         batch_start = time.perf_counter()
         started_at = time.time()
-        templates = [pickle.loads(self._content(c)) for c in batch.contents]
+        blobs = [self._content(c) for c in batch.contents]
         replies: list[Message] = []
         failures: list[Message] = []
         states: dict[int, RecordDict] = {}
         metrics = MetricSums()
         accumulator = None
         if batch.reducer is not None:
-            accumulator = batch.reducer.accumulator(templates[batch.content_index[0]])
+            accumulator = batch.reducer.accumulator(pickle.loads(blobs[batch.content_index[0]]))
         bytes_up = 0
         compute = 0.0
         for metadata, index in zip(batch.metadata, batch.content_index, strict=True):
             node_id = metadata.dst_node_id
-            message = Message(content=copy_content(templates[index]), metadata=metadata)
+            message = Message(content=pickle.loads(blobs[index]), metadata=metadata)
             context = Context(
                 run_id=run.run_id,
                 node_id=node_id,
