@@ -67,8 +67,8 @@ class FakeBackend(Backend):
         pass
 
 
-def batch(i):
-    return ClientBatch(batch_id=i, metadata=[], content_index=[], contents=[])
+def batch(i, clients=1):
+    return ClientBatch(batch_id=i, metadata=[None] * clients, content_index=[], contents=[])
 
 
 def test_depth_and_balance():
@@ -77,7 +77,7 @@ def test_depth_and_balance():
     done = []
     for i in range(6):
         dispatcher.enqueue(batch(i), done.append, lambda b, r: None)
-    # two per worker are queued at once, alternating workers
+    # two per worker are queued at once, each to the worker with the least work ahead
     assert backend.submitted == [(0, 0), (1, 1), (0, 2), (1, 3)]
     assert dispatcher.drain(None)
     assert [r.batch_id for r in done] == list(range(6))
@@ -102,3 +102,11 @@ def test_batches_that_keep_killing_workers_are_given_up():
     assert dispatcher.drain(None)
     assert len(given_up) == 1 and "3 attempts" in given_up[0]
     assert backend.restarts == [0, 0, 0]
+
+
+def test_batches_go_to_the_worker_that_runs_dry_first():
+    backend = FakeBackend(workers=2)
+    dispatcher = Dispatcher(backend, depth=3)
+    for i, clients in enumerate([10, 1, 1, 1, 10]):
+        dispatcher.enqueue(batch(i, clients), lambda r: None, lambda b, r: None)
+    assert backend.submitted == [(0, 0), (1, 1), (1, 2), (1, 3), (0, 4)]

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import pickle
+import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
 
+from fedsim.engine.channel import ChannelFuture, ChannelLost, DriverChannel, wait_any
 from fedsim.engine.worker import (
     BatchResult,
     ClientBatch,
@@ -175,6 +177,7 @@ class RayBackend(Backend):
         self._run: RunSpec | None = None
         self.pinned = self._pin(self._actors) if pin_workers else False
         ray.get([actor.warm_up.remote() for actor in self._actors])
+        self._channels = [self._connect(i) for i in range(num_workers)]
 
     def _pin(self, actors: list[Any]) -> bool:
         """Give the workers on each machine disjoint sets of its allowed cores."""
@@ -200,6 +203,15 @@ class RayBackend(Backend):
         self._ray.get(calls)
         return True
 
+    def _connect(self, worker: int) -> DriverChannel | None:
+        """A direct channel to ``worker``, or None (batches then go by Ray calls)."""
+        try:
+            address = self._ray.get(self._actors[worker].open_channel.remote())
+            return DriverChannel(worker, tuple(address))
+        except OSError as err:
+            log.warning("worker %d: no direct channel (%s); using Ray calls", worker, err)
+            return None
+
     @property
     def num_workers(self) -> int:
         return len(self._actors)
@@ -218,19 +230,40 @@ class RayBackend(Backend):
         contents = [
             Content(c.key, None) if remember(sent, c.key, None) else c for c in batch.contents
         ]
-        future = self._actors[worker].run_batch.remote(replace(batch, contents=contents))
+        batch = replace(batch, contents=contents)
+        channel = self._channels[worker]
+        if channel is not None:
+            return channel.send(batch)
+        future = self._actors[worker].run_batch.remote(batch)
         self._owner[future] = worker
         return future
 
     def wait(self, futures: list[Any], timeout: float | None) -> list[Any]:
         if not futures:
             return []
-        ready, _ = self._ray.wait(futures, num_returns=1, timeout=timeout)
-        if ready and len(futures) > 1:
-            ready, _ = self._ray.wait(futures, num_returns=len(futures), timeout=0)
-        return ready
+        direct = [f for f in futures if isinstance(f, ChannelFuture)]
+        refs = [f for f in futures if not isinstance(f, ChannelFuture)]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            ready = [f for f in direct if f.done]
+            if refs:
+                ready += self._ray.wait(refs, num_returns=len(refs), timeout=0)[0]
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if ready or (remaining is not None and remaining <= 0):
+                return ready
+            # Block on the transport that has work; poll both briefly when both do.
+            step = remaining if not (direct and refs) else min(0.002, remaining or 0.002)
+            if direct:
+                wait_any([c for c in self._channels if c is not None], step)
+            else:
+                self._ray.wait(refs, num_returns=1, timeout=step)
 
     def result(self, future: Any) -> BatchResult:
+        if isinstance(future, ChannelFuture):
+            try:
+                return future.value()
+            except ChannelLost as err:
+                raise WorkerLost(future.worker, err) from err
         worker = self._owner.pop(future, -1)
         try:
             return self._ray.get(future)
@@ -238,6 +271,9 @@ class RayBackend(Backend):
             raise WorkerLost(worker, err) from err
 
     def restart(self, worker: int) -> None:
+        channel = self._channels[worker]
+        if channel is not None:
+            channel.fail(ChannelLost(f"worker {worker} was replaced"))
         self._ray.kill(self._actors[worker], no_restart=True)
         self._actors[worker] = actor = self._actor_cls.remote(self._threads)
         self._sent[worker] = OrderedDict()
@@ -246,9 +282,13 @@ class RayBackend(Backend):
         self._ray.get(actor.warm_up.remote())
         if self._run is not None:
             self._ray.get(actor.start_run.remote(self._run))
+        self._channels[worker] = self._connect(worker)
         log.warning("worker %d was replaced", worker)
 
     def close(self) -> None:
+        for channel in self._channels:
+            if channel is not None:
+                channel.close()
         for actor in self._actors:
             self._ray.kill(actor, no_restart=True)
         self._actors = []
@@ -261,4 +301,5 @@ class RayBackend(Backend):
             "cpus_per_worker": self.cpus_per_worker,
             "gpus_per_worker": self.gpus_per_worker,
             "pinned": self.pinned,
+            "direct_channels": sum(c is not None for c in self._channels),
         }

@@ -5,7 +5,8 @@ self-scheduling: each batch takes ``ceil(remaining / (2 * workers))`` messages,
 so early batches are large (few calls, few partial replies) and the last ones
 hold single clients (workers finish within about one client of each other).
 The dispatcher keeps ``depth`` batches queued on every worker so no worker waits
-for the driver between batches. A batch whose worker dies is run again on a
+for the driver between batches, and gives each batch to the worker expected to
+run out of work first (list scheduling with a measured seconds-per-client). A batch whose worker dies is run again on a
 fresh worker from the same inputs.
 """
 
@@ -31,7 +32,11 @@ def batch_sizes(num_messages: int, num_workers: int) -> list[int]:
     sizes: list[int] = []
     remaining = num_messages
     while remaining > 0:
-        size = max(1, math.ceil(remaining / (2 * num_workers)))
+        import os as _os
+
+        size = max(
+            1, math.ceil(remaining / (float(_os.environ.get("FEDSIM_GSS", "2")) * num_workers))
+        )
         sizes.append(size)
         remaining -= size
     return sizes
@@ -56,9 +61,11 @@ class Dispatcher:
     in_flight: dict[Any, tuple[_Task, int, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._load = [0] * self.backend.num_workers  # batches in flight per worker
-        self._clients = [0] * self.backend.num_workers  # their clients
-        self._generation = [0] * self.backend.num_workers
+        workers = self.backend.num_workers
+        self._load = [0] * workers  # batches in flight per worker
+        self._busy_until = [0.0] * workers  # predicted time each worker runs dry
+        self._generation = [0] * workers
+        self._per_client = 0.0  # seconds per client, a running mean of batch results
 
     def enqueue(
         self,
@@ -74,20 +81,22 @@ class Dispatcher:
         return not self.queue and not self.in_flight
 
     def _fill(self) -> None:
-        # Each batch goes to the worker with the fewest clients in flight among
-        # those with fewer than ``depth`` batches in flight: the queue ahead of
-        # every worker stays short and the workers finish at about the same time.
+        # List scheduling: each batch goes to the worker predicted to run out of
+        # work first (its queued clients times the measured seconds per client),
+        # among those with fewer than ``depth`` batches in flight.
         while self.queue:
             open_workers = [w for w, load in enumerate(self._load) if load < self.depth]
             if not open_workers:
                 return
-            worker = min(open_workers, key=lambda w: (self._clients[w], self._load[w]))
+            now = time.monotonic()
+            worker = min(open_workers, key=lambda w: (max(self._busy_until[w], now), w))
             task = self.queue.popleft()
             task.attempts += 1
             future = self.backend.submit(worker, task.batch)
             self.in_flight[future] = (task, worker, self._generation[worker])
             self._load[worker] += 1
-            self._clients[worker] += len(task.batch.metadata)
+            cost = len(task.batch.metadata) * (self._per_client or 1.0)
+            self._busy_until[worker] = max(self._busy_until[worker], now) + cost
 
     def poll(self) -> None:
         """Deliver every batch that is already finished, without waiting."""
@@ -104,15 +113,26 @@ class Dispatcher:
         for future in done:
             task, worker, generation = self.in_flight.pop(future)
             self._load[worker] -= 1
-            self._clients[worker] -= len(task.batch.metadata)
+            if not self._load[worker]:
+                self._busy_until[worker] = time.monotonic()
             try:
                 result = self.backend.result(future)
             except WorkerLost as lost:
                 self._recover(task, worker, generation, lost)
                 continue
+            self._learn(result)
             task.on_result(result)
         self._fill()
         return len(done)
+
+    def _learn(self, result: BatchResult) -> None:
+        """Update the seconds-per-client estimate from a finished batch."""
+        clients = result.succeeded + result.failed
+        if clients and result.compute_s > 0:
+            sample = result.compute_s / clients
+            self._per_client = (
+                sample if not self._per_client else 0.8 * self._per_client + 0.2 * sample
+            )
 
     def _recover(self, task: _Task, worker: int, generation: int, lost: WorkerLost) -> None:
         # Every batch queued on the dead worker fails the same way: replace the
