@@ -6,8 +6,8 @@ so early batches are large (few calls, few partial replies) and the last ones
 hold single clients (workers finish within about one client of each other).
 The dispatcher keeps ``depth`` batches queued on every worker so no worker waits
 for the driver between batches, and gives each batch to the worker expected to
-run out of work first (list scheduling with a measured seconds-per-client). A batch whose worker dies is run again on a
-fresh worker from the same inputs.
+run out of work first (list scheduling with a measured seconds-per-client). A
+batch whose worker dies is run again on a fresh worker from the same inputs.
 """
 
 from __future__ import annotations
