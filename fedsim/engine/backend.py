@@ -16,7 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
 
-from fedsim.engine.channel import ChannelFuture, ChannelLost, DriverChannel, wait_any
+from fedsim.engine.channel import ChannelFuture, ChannelLost, DriverChannel, new_key, wait_any
 from fedsim.engine.worker import (
     BatchResult,
     ClientBatch,
@@ -205,10 +205,11 @@ class RayBackend(Backend):
 
     def _connect(self, worker: int) -> DriverChannel | None:
         """A direct channel to ``worker``, or None (batches then go by Ray calls)."""
+        key = new_key()
         try:
-            address = self._ray.get(self._actors[worker].open_channel.remote())
-            return DriverChannel(worker, tuple(address))
-        except OSError as err:
+            address = self._ray.get(self._actors[worker].open_channel.remote(key))
+            return DriverChannel(worker, tuple(address), key)
+        except (OSError, EOFError) as err:
             log.warning("worker %d: no direct channel (%s); using Ray calls", worker, err)
             return None
 

@@ -12,16 +12,23 @@ the actor's :class:`~fedsim.engine.worker.ClientWorker` in order. The driver
 side (:class:`DriverChannel`) sends pickled batches and reads the pickled
 ``(ok, value)`` replies in the same order. A closed connection means the worker
 is gone: every batch still pending on it is reported lost.
+
+Only the driver that created a worker can use its channel: the driver makes a
+random key (from the OS) per worker and hands it over through Ray, and each
+connection must pass the HMAC challenge of :mod:`multiprocessing.connection`
+with that key before the worker reads anything from it.
 """
 
 from __future__ import annotations
 
 import pickle
+import secrets
 import socket
 import threading
 from collections import deque
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge, wait
 from typing import Any
 
 from fedsim.engine.worker import ClientWorker
@@ -37,11 +44,17 @@ def dumps(value: Any) -> bytes:
         return cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
 
 
+def new_key() -> bytes:
+    """A channel key, from the operating system's randomness."""
+    return secrets.token_bytes(32)
+
+
 class WorkerChannel:
     """Serves batches sent by the driver on ``worker``, one connection at a time."""
 
-    def __init__(self, worker: ClientWorker, host: str) -> None:
+    def __init__(self, worker: ClientWorker, host: str, key: bytes) -> None:
         self._worker = worker
+        self._key = key
         self._server = socket.create_server((host, 0))
         self.address = (host, self._server.getsockname()[1])
         threading.Thread(target=self._serve, name="fedsim-channel", daemon=True).start()
@@ -51,6 +64,11 @@ class WorkerChannel:
             sock, _ = self._server.accept()
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = Connection(sock.detach())
+            try:
+                deliver_challenge(conn, self._key)
+            except (AuthenticationError, EOFError, OSError):
+                conn.close()
+                continue
             while True:
                 try:
                     batch = pickle.loads(conn.recv_bytes())
@@ -94,12 +112,15 @@ class ChannelFuture:
 class DriverChannel:
     """The driver's end of one worker's channel."""
 
-    def __init__(self, worker: int, address: tuple[str, int], timeout: float = 10.0) -> None:
+    def __init__(
+        self, worker: int, address: tuple[str, int], key: bytes, timeout: float = 10.0
+    ) -> None:
         sock = socket.create_connection(address, timeout=timeout)
-        sock.settimeout(None)
+        sock.settimeout(None)  # blocking again, as Connection expects
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.worker = worker
         self.conn = Connection(sock.detach())
+        answer_challenge(self.conn, key)
         self.pending: deque[ChannelFuture] = deque()
 
     def send(self, batch: Any) -> ChannelFuture:

@@ -185,16 +185,17 @@ class ClientWorker:
         os.sched_setaffinity(0, set(cores))
         return sorted(os.sched_getaffinity(0))
 
-    def open_channel(self, host: str | None = None) -> tuple[str, int]:
+    def open_channel(self, key: bytes, host: str | None = None) -> tuple[str, int]:
         """Also serve batches on a socket (:mod:`fedsim.engine.channel`) at
-        ``host`` (default: this Ray node's address); returns the address."""
+        ``host`` (default: this Ray node's address) to whoever knows ``key``;
+        returns the address."""
         from fedsim.engine.channel import WorkerChannel  # noqa: PLC0415
 
         if host is None:
             import ray  # noqa: PLC0415
 
             host = ray.util.get_node_ip_address()
-        self._channel = WorkerChannel(self, host)
+        self._channel = WorkerChannel(self, host, key)
         return self._channel.address
 
     def warm_up(self, modules: tuple[str, ...] = ("torch",)) -> int:
