@@ -1,11 +1,11 @@
 """Benchmark: the same Flower ServerApp + ClientApp on fedsim, on Flower's runtime,
 and as the raw training loop.
 
-Workload: LeNet-5 style CNN, FEMNIST-like 28x28 data (62 classes, writers'
-sizes lognormal with mean about 226 as in FEMNIST; ``--rows-per-client N`` gives
-every client N training rows instead) written to disk and memory-mapped, 1000
-clients, 50 per round, batch 10, 1 local epoch, 10 rounds, FedAvg (Message API),
-no federated evaluation. The ServerApp seeds Python's ``random`` (which Flower's
+Workload: LeNet-5 style CNN, FEMNIST-like 28x28 data (62 classes), 90 training
+rows per client (``--rows-per-client``; 0 gives FEMNIST-like writer sizes,
+mean about 180), written to disk and memory-mapped, 1000 clients, 50 per round,
+batch 10, 1 local epoch, 10 rounds, FedAvg (Message API), no federated
+evaluation. The ServerApp seeds Python's ``random`` (which Flower's
 FedAvg samples with), so fedsim and the raw loop train the same cohorts.
 
 * fedsim: ``Engine.run_server_app`` on an engine whose workers are already up
@@ -180,9 +180,9 @@ def fedsim_and_raw(
     """
     import logging  # noqa: PLC0415
 
-    from fedsim.engine import Engine, EngineConfig  # noqa: PLC0415
-
     from flwr.supercore.logger import FLOWER_LOGGER  # noqa: PLC0415
+
+    from fedsim.engine import Engine, EngineConfig  # noqa: PLC0415
 
     FLOWER_LOGGER.setLevel(logging.WARNING)
     server_app, client_app, *_ = apps(data_dir, rounds, worker_sums)
@@ -221,8 +221,8 @@ def main() -> None:
     parser.add_argument(
         "--rows-per-client",
         type=int,
-        default=0,
-        help="training rows of every client (0: FEMNIST-like writer sizes)",
+        default=90,
+        help="training rows of every client (0: FEMNIST-like writer sizes, mean about 180)",
     )
     parser.add_argument(
         "--no-worker-sums", action="store_true", help="send every reply to the server"

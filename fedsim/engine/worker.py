@@ -139,8 +139,6 @@ class BatchResult:
     failed: int
     bytes_up: int
     compute_s: float
-    batch_s: float
-    started_at: float
     metrics: MetricSums
     worker_pid: int
 
@@ -248,8 +246,6 @@ class ClientWorker:
         if self._run is None or self._app is None:
             raise RuntimeError("start_run must be called before run_batch")
         run, app = self._run, self._app
-        batch_start = time.perf_counter()
-        started_at = time.time()
         blobs = [self._content(c) for c in batch.contents]
         replies: list[Message] = []
         failures: list[Message] = []
@@ -313,8 +309,6 @@ class ClientWorker:
             failed=len(failures),
             bytes_up=bytes_up,
             compute_s=compute,
-            batch_s=time.perf_counter() - batch_start,
-            started_at=started_at,
             metrics=metrics,
             worker_pid=os.getpid(),
         )
