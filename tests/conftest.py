@@ -25,7 +25,7 @@ def ray_session():
 
     started = ensure_ray(num_cpus=2, object_store_mb=256)
     yield ray
-    if started:
+    if started is not None:
         ray.shutdown()
 
 

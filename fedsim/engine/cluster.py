@@ -59,8 +59,9 @@ def ensure_ray(
     extra_modules: tuple[str, ...] = (),
     key: str = "engine.ray_address",
     object_store_mb: int = 512,
-) -> bool:
-    """Make sure Ray is initialised; True if this call started or joined it.
+) -> str | None:
+    """Make sure Ray is initialised: "local" if this call started a local
+    instance, "cluster" if it joined one, None if Ray was already running.
 
     Args:
         address: '' starts a local Ray instance unless ``RAY_ADDRESS`` is set;
@@ -76,7 +77,7 @@ def ensure_ray(
     import ray  # noqa: PLC0415
 
     if ray.is_initialized():
-        return False
+        return None
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     address = address or os.environ.get("RAY_ADDRESS", "")
@@ -99,4 +100,4 @@ def ensure_ray(
         if address:
             raise ConfigError(key, address, f"{_ADDRESS_HELP} ({err})") from err
         raise
-    return True
+    return "cluster" if address else "local"

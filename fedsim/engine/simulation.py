@@ -96,7 +96,7 @@ class Engine:
     config: EngineConfig = field(default_factory=EngineConfig)
     extra_modules: tuple[str, ...] = ()
     backend: Backend | None = None
-    _owns_ray: bool = False
+    _ray_mode: str | None = None  # "local" or "cluster" when this engine initialised Ray
     _runs: int = 0
 
     def start(self) -> Engine:
@@ -107,13 +107,13 @@ class Engine:
         if cfg.backend == "local":
             self.backend = LocalBackend(torch_threads=max(1, int(cfg.cpus_per_worker)))
             return self
-        self._owns_ray = ensure_ray(
+        self._ray_mode = ensure_ray(
             cfg.ray_address,
             cfg.num_cpus or None,
             self.extra_modules,
             object_store_mb=cfg.object_store_mb,
         )
-        pin = cfg.pin_workers == "on" or (cfg.pin_workers == "auto" and self._owns_ray)
+        pin = cfg.pin_workers == "on" or (cfg.pin_workers == "auto" and self._ray_mode == "local")
         self.backend = RayBackend(
             num_workers=cfg.workers or None,
             cpus_per_worker=cfg.cpus_per_worker,
@@ -133,11 +133,11 @@ class Engine:
         if self.backend is not None:
             self.backend.close()
             self.backend = None
-        if self._owns_ray:
+        if self._ray_mode is not None:
             import ray  # noqa: PLC0415
 
             ray.shutdown()
-            self._owns_ray = False
+            self._ray_mode = None
 
     def describe(self) -> dict[str, Any]:
         return {} if self.backend is None else self.backend.describe()
