@@ -25,7 +25,6 @@ optimisers apply their update to the pseudo-gradient ``-Delta_bar``.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -42,6 +41,7 @@ from fedsim.engine.reduce import (
     single,
 )
 from fedsim.records import to_numpy, to_record
+from strategies.wrapper import StrategyWrapper
 
 CLIENTS_KEY = "fedsim.clients"
 CLIPPED_KEY = "fedsim.clipped"
@@ -123,7 +123,7 @@ class _ClippedSumAccumulator(Accumulator):
         return partial_reply(self.template, content)
 
 
-class DPFedAvg(Strategy):
+class DPFedAvg(StrategyWrapper):
     """Wrap a FedAvg-family strategy with client-level DP (fixed clipping).
 
     Args:
@@ -149,7 +149,7 @@ class DPFedAvg(Strategy):
             raise ValueError(f"noise_multiplier = {noise_multiplier!r}; it must be >= 0")
         if not expected_clients > 0:
             raise ValueError(f"expected_clients = {expected_clients!r}; it must be > 0")
-        self.strategy = strategy
+        super().__init__(strategy)
         self.reducer = ClippedSum(
             clipping_norm, getattr(strategy, "weighted_by_key", "num-examples")
         )
@@ -162,11 +162,6 @@ class DPFedAvg(Strategy):
     @property
     def clipping_norm(self) -> float:
         return self.reducer.clipping_norm
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "strategy":
-            raise AttributeError(name)
-        return getattr(self.strategy, name)
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -212,16 +207,3 @@ class DPFedAvg(Strategy):
         aggregated["dp-clipped-fraction"] = int(metrics[CLIPPED_KEY]) / clients
         aggregated["dp-noise-std"] = std / self.expected_clients
         return arrays, aggregated
-
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
-
-    def aggregate_evaluate(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> MetricRecord | None:
-        return self.strategy.aggregate_evaluate(server_round, replies)
-
-    def summary(self) -> None:
-        self.strategy.summary()

@@ -39,6 +39,7 @@ from flwr.serverapp.strategy import Strategy
 
 from fedsim.engine.metrics import MetricSums
 from fedsim.records import R, records_of, to_numpy, to_record
+from strategies.wrapper import StrategyWrapper
 
 REDUCER_KEY = "fedsim.reducer"
 _CLASS_KEY = "class"
@@ -218,7 +219,7 @@ def weighted_mean(arrays: Sequence[np.ndarray], weights: np.ndarray) -> np.ndarr
     return (factors.astype(dtype) @ stacked).reshape(first.shape).astype(first.dtype, copy=False)
 
 
-class WorkerReduced(Strategy):
+class WorkerReduced(StrategyWrapper):
     """Opt a strategy whose aggregation is a weighted mean into worker-side sums.
 
     Wraps e.g. ``FedAvg``, ``FedProx``, ``FedAvgM``, ``FedAdam``, ``FedYogi`` or
@@ -229,35 +230,11 @@ class WorkerReduced(Strategy):
     """
 
     def __init__(self, strategy: Strategy, reducer: Reducer | None = None) -> None:
-        self.strategy = strategy
+        super().__init__(strategy)
         self.reducer = reducer or WeightedMean(getattr(strategy, "weighted_by_key", "num-examples"))
-
-    def __getattr__(self, name: str) -> Any:
-        # Only called for attributes not found normally: expose the wrapped strategy's.
-        if name == "strategy":
-            raise AttributeError(name)
-        return getattr(self.strategy, name)
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         messages = self.strategy.configure_train(server_round, arrays, config, grid)
         return attach_reducer(messages, self.reducer)
-
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        return self.strategy.aggregate_train(server_round, replies)
-
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
-
-    def aggregate_evaluate(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> MetricRecord | None:
-        return self.strategy.aggregate_evaluate(server_round, replies)
-
-    def summary(self) -> None:
-        self.strategy.summary()

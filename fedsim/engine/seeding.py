@@ -13,12 +13,13 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
+
+from strategies.wrapper import StrategyWrapper
 
 _TRAIN, _EVALUATE = 0, 1
 
@@ -35,17 +36,12 @@ def python_random(*words: int) -> Iterator[None]:
         random.setstate(state)
 
 
-class SeededSampling(Strategy):
+class SeededSampling(StrategyWrapper):
     """``strategy`` with its node sampling drawn from ``(seed, round, phase)``."""
 
     def __init__(self, strategy: Strategy, seed: int) -> None:
-        self.strategy = strategy
+        super().__init__(strategy)
         self.seed = seed
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "strategy":
-            raise AttributeError(name)
-        return getattr(self.strategy, name)
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -53,21 +49,8 @@ class SeededSampling(Strategy):
         with python_random(self.seed, server_round, _TRAIN):
             return list(self.strategy.configure_train(server_round, arrays, config, grid))
 
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        return self.strategy.aggregate_train(server_round, replies)
-
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         with python_random(self.seed, server_round, _EVALUATE):
             return list(self.strategy.configure_evaluate(server_round, arrays, config, grid))
-
-    def aggregate_evaluate(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> MetricRecord | None:
-        return self.strategy.aggregate_evaluate(server_round, replies)
-
-    def summary(self) -> None:
-        self.strategy.summary()
