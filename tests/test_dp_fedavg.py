@@ -94,6 +94,16 @@ class _Grid:
         return self.registry.node_ids()
 
 
+def dp_fedavg(clipping_norm, noise_multiplier, expected_clients, seed=0):
+    return DPFedAvg(
+        FedAvg(min_available_nodes=0),
+        clipping_norm=clipping_norm,
+        noise_multiplier=noise_multiplier,
+        expected_clients=expected_clients,
+        rng=np.random.default_rng(seed),
+    )
+
+
 def run_round(strategy, replies):
     strategy.configure_train(1, to_record(GLOBAL), ConfigRecord(), _Grid(len(replies)))
     arrays, metrics = strategy.aggregate_train(1, replies)
@@ -104,14 +114,7 @@ def test_noiseless_dp_fedavg_is_the_mean_of_clipped_updates():
     rng = np.random.default_rng(2)
     ups = updates(rng, 6, 1.0)
     replies = [client_reply(u) for u in ups]
-    dp = DPFedAvg(
-        FedAvg(min_available_nodes=0),
-        clipping_norm=0.5,
-        noise_multiplier=0.0,
-        expected_clients=8,
-        rng=np.random.default_rng(0),
-    )
-    delta, metrics = run_round(dp, replies)
+    delta, metrics = run_round(dp_fedavg(0.5, 0.0, 8), replies)
     expected = sum(flat(u) * min(1.0, 0.5 / np.linalg.norm(flat(u))) for u in ups) / 8
     np.testing.assert_allclose(delta, expected, atol=1e-6)
     assert metrics["dp-clients"] == 6 and metrics["dp-noise-std"] == 0.0
@@ -122,13 +125,7 @@ def test_noise_has_the_calibrated_scale_and_follows_the_seed():
     replies = [client_reply(u) for u in updates(rng, 4, 0.0)]  # zero updates: delta is pure noise
 
     def noise(seed):
-        dp = DPFedAvg(
-            FedAvg(min_available_nodes=0),
-            clipping_norm=2.0,
-            noise_multiplier=1.5,
-            expected_clients=4,
-            rng=np.random.default_rng(seed),
-        )
+        dp = dp_fedavg(2.0, 1.5, 4, seed)
         samples = [run_round(dp, replies)[0] for _ in range(400)]
         return np.concatenate(samples)
 
@@ -143,13 +140,7 @@ def test_noise_has_the_calibrated_scale_and_follows_the_seed():
 def test_errors_are_skipped_and_empty_rounds_keep_the_model():
     from flwr.app import Error
 
-    dp = DPFedAvg(
-        FedAvg(min_available_nodes=0),
-        clipping_norm=1.0,
-        noise_multiplier=0.0,
-        expected_clients=2,
-        rng=np.random.default_rng(0),
-    )
+    dp = dp_fedavg(1.0, 0.0, 2)
     dp.configure_train(1, to_record(GLOBAL), ConfigRecord(), _Grid(2))
     failed = Message(Error(code=2, reason="boom"), reply_to=Message(RecordDict(), 9, "train"))
     assert dp.aggregate_train(1, [failed]) == (None, None)
