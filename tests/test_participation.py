@@ -35,6 +35,7 @@ def test_uniform_cohort_is_seeded_per_phase():
     assert np.array_equal(a, b)
     assert len(np.unique(a)) == 1000 and np.all(np.diff(a) > 0)
     assert not np.array_equal(model.cohort(5), model.cohort(6))
+    assert not np.array_equal(model.cohort(5), model.cohort(5, kind=1))
     assert not np.array_equal(model.cohort(5), UniformCohort(10**9, 1000, seed=4).cohort(5))
 
 
@@ -63,3 +64,20 @@ def test_bad_parameters_name_themselves():
     with pytest.raises(ConfigError, match="rate"):
         PoissonCohort(10, 0.0, seed=0)
     assert np.array_equal(FullParticipation(4).cohort(9), np.arange(4))
+
+
+@pytest.mark.parametrize("n,b", [(1000, 7), (12, 12), (1_000_000, 1000), (5, 1)])
+def test_min_separation_schedule(n, b):
+    from fedsim.engine.participation import MinSeparationCohort
+
+    model = MinSeparationCohort(n, b, seed=2)
+    groups = [model.cohort(r) for r in range(1, b + 1)]
+    # the groups partition the population into near-equal parts...
+    assert np.array_equal(np.sort(np.concatenate(groups)), np.arange(n))
+    assert max(map(len, groups)) - min(map(len, groups)) <= 1
+    # ...and repeat with period b, so a client's participations are exactly b rounds apart
+    assert np.array_equal(model.cohort(1), model.cohort(1 + b))
+    assert np.array_equal(model.cohort(2), model.cohort(2 + 3 * b))
+    for r, group in enumerate(groups, start=1):
+        assert all(model.group_of(int(k)) == r - 1 for k in group[:20])
+    assert len(model.cohort(3, kind=1)) == model.group_size(0)

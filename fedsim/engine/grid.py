@@ -187,7 +187,8 @@ class SimulationGrid(Grid):
         self._run = run
         self._dispatcher = Dispatcher(backend, depth=depth)
         self._phase_counter = 0
-        self._cohort: tuple[int, list[int]] | None = None
+        self._declared: tuple[int, int] | None = None
+        self._cohort: tuple[tuple[int, int], list[int]] | None = None
         self._phases: dict[int, _Phase] = {}
         self._phase_of_message: dict[str, int] = {}
         self._next_batch = 0
@@ -218,12 +219,21 @@ class SimulationGrid(Grid):
     ) -> Message:
         return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
 
+    def begin_phase(self, server_round: int, kind: int) -> None:
+        """Declare the next phase (round, and 0 for training or 1 for evaluation),
+        so the participation model draws its cohort for that round."""
+        self._declared = (server_round, kind)
+
+    def _phase_key(self) -> tuple[int, int]:
+        return self._declared if self._declared is not None else (self._phase_counter, 0)
+
     def get_node_ids(self) -> Iterable[int]:
         if self.participation is None:
             return self.registry.node_ids()
-        if self._cohort is None or self._cohort[0] != self._phase_counter:
-            cohort = self.participation.cohort(self._phase_counter)
-            self._cohort = (self._phase_counter, self.registry.node_ids_of(cohort))
+        key = self._phase_key()
+        if self._cohort is None or self._cohort[0] != key:
+            cohort = self.participation.cohort(*key)
+            self._cohort = (key, self.registry.node_ids_of(cohort))
         return list(self._cohort[1])
 
     # -- Grid: push / pull ------------------------------------------------------
@@ -254,6 +264,7 @@ class SimulationGrid(Grid):
             self._check(message)
         index = self._phase_counter
         self._phase_counter += 1
+        self._declared = None
         if not messages:
             return None
         messages.sort(key=lambda m: m.metadata.dst_node_id)

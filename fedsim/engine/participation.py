@@ -4,22 +4,29 @@ A Flower strategy samples its cohort from ``grid.get_node_ids()``. With a
 participation model, the grid answers with the clients available in the current
 phase instead of the whole population, so that (a) the cohort is drawn from a
 seeded generator and the run is reproducible, (b) the sampling scheme is one a
-privacy accountant understands (Poisson with rate q, or fixed size without
-replacement), and (c) an unmodified strategy such as ``FedAvg(fraction_train=1)``
-costs O(cohort) per round instead of O(population).
+privacy accountant understands (Poisson with rate q, fixed size without
+replacement, or a fixed schedule with b-min-separation), and (c) an unmodified
+strategy such as ``FedAvg(fraction_train=1)`` costs O(cohort) per round instead
+of O(population).
 
-Each phase (one ``send_and_receive``, or one ``push_messages``) gets a fresh,
-independent draw from ``default_rng([seed, phase])``.
+A draw is keyed by ``(round, kind)``: kind 0 is training, 1 is evaluation.
+fedsim's round loop declares each phase (:meth:`SimulationGrid.begin_phase`);
+for a ServerApp whose loop fedsim does not see, the grid uses the number of the
+phase (one per ``send_and_receive`` or ``push_messages``) as the round and 0 as
+the kind. Every model costs O(cohort) time and memory per draw.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from math import gcd
 
 import numpy as np
 
 from fedsim.config import require
+
+TRAIN, EVALUATE = 0, 1
 
 
 class Participation(ABC):
@@ -28,8 +35,8 @@ class Participation(ABC):
     num_clients: int
 
     @abstractmethod
-    def cohort(self, phase: int) -> np.ndarray:
-        """Sorted int64 partition ids available in ``phase`` (deterministic in the seed)."""
+    def cohort(self, server_round: int, kind: int = TRAIN) -> np.ndarray:
+        """Sorted int64 partition ids available (deterministic in the seed)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,13 +45,13 @@ class FullParticipation(Participation):
 
     num_clients: int
 
-    def cohort(self, phase: int) -> np.ndarray:
+    def cohort(self, server_round: int, kind: int = TRAIN) -> np.ndarray:
         return np.arange(self.num_clients, dtype=np.int64)
 
 
 @dataclass(frozen=True, slots=True)
 class UniformCohort(Participation):
-    """``cohort_size`` clients drawn uniformly without replacement, O(cohort) per draw."""
+    """``cohort_size`` clients drawn uniformly without replacement."""
 
     num_clients: int
     cohort_size: int
@@ -59,8 +66,8 @@ class UniformCohort(Participation):
             f"at most the population size {self.num_clients}",
         )
 
-    def cohort(self, phase: int) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, phase])
+    def cohort(self, server_round: int, kind: int = TRAIN) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, server_round, kind])
         return np.sort(rng.choice(self.num_clients, size=self.cohort_size, replace=False))
 
 
@@ -80,7 +87,64 @@ class PoissonCohort(Participation):
     def __post_init__(self) -> None:
         require(0.0 < self.rate <= 1.0, "rate", self.rate, "a probability in (0, 1]")
 
-    def cohort(self, phase: int) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, phase])
+    def cohort(self, server_round: int, kind: int = TRAIN) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, server_round, kind])
         size = int(rng.binomial(self.num_clients, self.rate))
         return np.sort(rng.choice(self.num_clients, size=size, replace=False))
+
+
+@dataclass(frozen=True, slots=True)
+class MinSeparationCohort(Participation):
+    """A fixed schedule in which a client trains at most once every ``b`` rounds.
+
+    The population is split by a seeded permutation into ``b`` groups of equal
+    size (up to one); training round ``r`` (1-based) uses group ``(r - 1) mod b``,
+    so any two participations of a client are exactly ``b`` rounds apart and a
+    client takes part in at most ``ceil(T / b)`` of ``T`` rounds: the
+    b-min-separation participation of multi-epoch matrix factorisation
+    (Choquette-Choo et al., "Multi-Epoch Matrix Factorization Mechanisms for
+    Private Machine Learning", ICML 2023). The permutation is affine,
+    ``pi(k) = (a k + c) mod N`` with ``a`` coprime to ``N``, so a group is listed
+    in O(N / b) without storing anything per client. Evaluation phases draw a
+    uniform cohort of the same size.
+    """
+
+    num_clients: int
+    min_separation: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        require(
+            1 <= self.min_separation <= self.num_clients,
+            "min_separation",
+            self.min_separation,
+            f"an integer in [1, {self.num_clients}] (the population size)",
+        )
+
+    def _permutation(self) -> tuple[int, int]:
+        rng = np.random.default_rng([self.seed, 0x5EED])
+        n = self.num_clients
+        while True:
+            a = int(rng.integers(1, n)) if n > 1 else 1
+            if gcd(a, n) == 1:
+                return a, int(rng.integers(0, n))
+
+    def group_size(self, group: int) -> int:
+        n, b = self.num_clients, self.min_separation
+        return n // b + (1 if group < n % b else 0)
+
+    def cohort(self, server_round: int, kind: int = TRAIN) -> np.ndarray:
+        n, b = self.num_clients, self.min_separation
+        if kind != TRAIN:
+            rng = np.random.default_rng([self.seed, server_round, kind])
+            return np.sort(rng.choice(n, size=self.group_size(0), replace=False))
+        group = (server_round - 1) % b
+        a, c = self._permutation()
+        positions = np.arange(group, n, b, dtype=np.int64)  # pi(k) in this group
+        inverse = pow(a, -1, n) if n > 1 else 0
+        return np.sort(((positions - c) % n * inverse) % n)
+
+    def group_of(self, partition_id: int) -> int:
+        """The group (0..b-1) of a client; it trains in rounds r with (r-1) mod b == group."""
+        a, c = self._permutation()
+        return ((a * partition_id + c) % self.num_clients) % self.min_separation

@@ -17,6 +17,8 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
+from fedsim.engine.participation import EVALUATE, TRAIN
+
 
 @dataclass(frozen=True)
 class RoundOutcome:
@@ -57,13 +59,18 @@ def run_rounds(
         central = evaluate_fn(0, arrays)
         if on_round is not None:
             on_round(RoundOutcome(0, arrays, None, None, central))
+    declare = getattr(grid, "begin_phase", None)  # fedsim's grid keys cohorts by round
     for server_round in range(first_round, num_rounds + 1):
+        if declare is not None:
+            declare(server_round, TRAIN)
         replies = grid.send_and_receive(
             strategy.configure_train(server_round, arrays, train_config, grid), timeout=timeout
         )
         new_arrays, train_metrics = strategy.aggregate_train(server_round, replies)
         if new_arrays is not None:
             arrays = new_arrays
+        if declare is not None:
+            declare(server_round, EVALUATE)
         replies = grid.send_and_receive(
             strategy.configure_evaluate(server_round, arrays, evaluate_config, grid),
             timeout=timeout,
