@@ -4,6 +4,7 @@ from fedsim.engine.backend import Backend, LocalBackend, RayBackend, WorkerLost
 from fedsim.engine.grid import PhaseObserver, PhaseReport, SimulationGrid
 from fedsim.engine.participation import (
     FullParticipation,
+    MinSeparationCohort,
     Participation,
     PoissonCohort,
     UniformCohort,
@@ -11,7 +12,7 @@ from fedsim.engine.participation import (
 from fedsim.engine.reduce import Reducer, WeightedMean, WorkerReduced, attach_reducer
 from fedsim.engine.registry import NODE_ID_OFFSET, ClientRegistry
 from fedsim.engine.simulation import Engine, EngineConfig
-from fedsim.engine.state import ClientStateStore, InMemoryStateStore
+from fedsim.engine.state import ClientStateStore
 from fedsim.engine.worker import ClientAppSource, ClientWorker
 
 __all__ = [
@@ -24,8 +25,8 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "FullParticipation",
-    "InMemoryStateStore",
     "LocalBackend",
+    "MinSeparationCohort",
     "Participation",
     "PhaseObserver",
     "PhaseReport",

@@ -9,7 +9,6 @@ which makes it the debugging and fast-test backend.
 from __future__ import annotations
 
 import logging
-import pickle
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -108,9 +107,6 @@ class LocalBackend(Backend):
         return value
 
     def submit(self, worker: int, batch: ClientBatch) -> _Done:
-        # States cross a process boundary on the Ray backend; copy them here too,
-        # so a failing client never leaves a half-updated state behind.
-        batch.states = pickle.loads(pickle.dumps(batch.states))
         try:
             return _Done(worker, value=self._worker.run_batch(batch))
         except Exception as ex:  # re-raised by result(), where the grid expects it

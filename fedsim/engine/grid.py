@@ -46,7 +46,7 @@ from fedsim.engine.metrics import MetricSums
 from fedsim.engine.participation import Participation
 from fedsim.engine.reduce import Accumulator, Reducer, ReductionError, reducer_of
 from fedsim.engine.registry import ClientRegistry
-from fedsim.engine.state import ClientStateStore, InMemoryStateStore
+from fedsim.engine.state import ClientStateStore
 from fedsim.engine.worker import BatchResult, ClientBatch, Content
 from fedsim.records import content_nbytes, records_of
 
@@ -136,6 +136,7 @@ class _Phase:
     """Book-keeping for one push of messages."""
 
     index: int
+    round: int  # the round its writes to the state store are filed under
     message_type: str
     server_round: int | None
     message_ids: list[str]
@@ -182,7 +183,7 @@ class SimulationGrid(Grid):
         self.backend = backend
         self.registry = registry
         self.participation = participation
-        self.state_store = state_store or InMemoryStateStore()
+        self.state_store = state_store if state_store is not None else ClientStateStore()
         self.observer = observer
         self._run = run
         self._dispatcher = Dispatcher(backend, depth=depth)
@@ -263,6 +264,7 @@ class SimulationGrid(Grid):
         for message in messages:
             self._check(message)
         index = self._phase_counter
+        phase_round = self._phase_key()[0]
         self._phase_counter += 1
         self._declared = None
         if not messages:
@@ -288,6 +290,7 @@ class SimulationGrid(Grid):
         first = messages[0]
         phase = _Phase(
             index=index,
+            round=phase_round,
             message_type=first.metadata.message_type,
             server_round=server_round_of(first.content, first.metadata.group_id),
             message_ids=[m.metadata.message_id for m in messages],
@@ -356,7 +359,8 @@ class SimulationGrid(Grid):
         )
 
     def _on_result(self, phase: _Phase, result: BatchResult) -> None:
-        self.state_store.put_many(result.states)  # the clients ran, even if late
+        # the clients ran, even if late: their states count
+        self.state_store.put_many(result.states, version=phase.round)
         if phase.closed:
             return
         phase.pending.discard(result.batch_id)

@@ -118,13 +118,13 @@ def remember(cache: OrderedDict[int, Any], key: int, value: Any, size: int = CON
 class ClientBatch:
     """Messages for one worker call. ``contents`` holds each distinct instruction
     content once; message ``i`` uses ``contents[content_index[i]]``. ``states``
-    maps node id to its stored state."""
+    maps node id to its stored state (pickled)."""
 
     batch_id: int
     metadata: list[Metadata]
     content_index: list[int]
     contents: list[Content]
-    states: dict[int, RecordDict] = field(default_factory=dict)
+    states: dict[int, bytes] = field(default_factory=dict)
     reducer: Reducer | None = None
 
 
@@ -134,7 +134,7 @@ class BatchResult:
 
     batch_id: int
     replies: list[Message]
-    states: dict[int, RecordDict]
+    states: dict[int, bytes | None]
     succeeded: int
     failed: int
     bytes_up: int
@@ -249,7 +249,7 @@ class ClientWorker:
         blobs = [self._content(c) for c in batch.contents]
         replies: list[Message] = []
         failures: list[Message] = []
-        states: dict[int, RecordDict] = {}
+        states: dict[int, bytes | None] = {}
         metrics = MetricSums()
         accumulator = None
         if batch.reducer is not None:
@@ -258,6 +258,7 @@ class ClientWorker:
         compute = 0.0
         for metadata, index in zip(batch.metadata, batch.content_index, strict=True):
             node_id = metadata.dst_node_id
+            stored = batch.states.get(node_id)
             message = Message(content=pickle.loads(blobs[index]), metadata=metadata)
             context = Context(
                 run_id=run.run_id,
@@ -266,7 +267,7 @@ class ClientWorker:
                     PARTITION_ID_KEY: node_id - NODE_ID_OFFSET,
                     NUM_PARTITIONS_KEY: run.num_clients,
                 },
-                state=batch.states.get(node_id) or RecordDict(),
+                state=pickle.loads(stored) if stored is not None else RecordDict(),
                 run_config=run.run_config,
             )
             TaskIdentity.node_id = node_id
@@ -287,8 +288,10 @@ class ClientWorker:
             if reply.has_error():
                 failures.append(reply)  # as in Flower, a failed client's state is not kept
                 continue
-            if context.state or node_id in batch.states:
-                states[node_id] = context.state
+            if context.state:
+                states[node_id] = pickle.dumps(context.state, protocol=pickle.HIGHEST_PROTOCOL)
+            elif node_id in batch.states:
+                states[node_id] = None  # the client cleared its state
             bytes_up += content_nbytes(reply.content)
             for _, record in records_of(reply.content, MetricRecord):
                 metrics.add(record)
