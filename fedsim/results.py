@@ -94,6 +94,7 @@ def _phase_section(report: PhaseReport) -> dict[str, Any]:
         "clients": report.succeeded,
         "failed": report.failed,
         "timed_out": report.timed_out,
+        "dropped": report.dropped,
         "messages": report.messages,
         "seconds": report.wall_s,
         "compute_s": report.compute_s,

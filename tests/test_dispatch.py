@@ -57,7 +57,7 @@ class FakeBackend(Backend):
         key = (future.batch.batch_id, future.worker, self.generation[future.worker])
         if key in self.kill:
             raise WorkerLost(future.worker, RuntimeError("killed"))
-        return BatchResult(future.batch.batch_id, [], {}, 1, 0, 0, 0.0, MetricSums(), 0)
+        return BatchResult(future.batch.batch_id, [], {}, 1, 0, 0, 0, 0.0, MetricSums(), 0)
 
     def restart(self, worker):
         self.restarts.append(worker)

@@ -20,6 +20,7 @@ def report(phase, kind, server_round, clients=4):
         succeeded=clients,
         failed=0,
         timed_out=0,
+        dropped=0,
         bytes_down=100,
         bytes_up=50,
         wall_s=0.1,

@@ -1,6 +1,7 @@
 """The simulation engine: Flower's Grid on Ray actors (or in-process)."""
 
 from fedsim.engine.backend import Backend, LocalBackend, RayBackend, WorkerLost
+from fedsim.engine.faults import FaultConfig
 from fedsim.engine.grid import PhaseObserver, PhaseReport, SimulationGrid
 from fedsim.engine.participation import (
     FullParticipation,
@@ -24,6 +25,7 @@ __all__ = [
     "ClientWorker",
     "Engine",
     "EngineConfig",
+    "FaultConfig",
     "FullParticipation",
     "LocalBackend",
     "MinSeparationCohort",

@@ -21,6 +21,7 @@ from fedsim.engine.worker import (
     ClientBatch,
     ClientWorker,
     Content,
+    InjectedCrash,
     RunSpec,
     remember,
 )
@@ -92,7 +93,8 @@ class LocalBackend(Backend):
     """Runs every batch synchronously in the calling process, on one worker."""
 
     def __init__(self, torch_threads: int | None = None) -> None:
-        self._worker = ClientWorker(torch_threads=torch_threads)
+        self._threads = torch_threads
+        self._worker = ClientWorker(torch_threads=torch_threads, exit_on_crash=False)
         self._run: RunSpec | None = None
 
     @property
@@ -109,6 +111,8 @@ class LocalBackend(Backend):
     def submit(self, worker: int, batch: ClientBatch) -> _Done:
         try:
             return _Done(worker, value=self._worker.run_batch(batch))
+        except InjectedCrash as crash:
+            return _Done(worker, error=WorkerLost(worker, crash))
         except Exception as ex:  # re-raised by result(), where the grid expects it
             return _Done(worker, error=ex)
 
@@ -122,7 +126,7 @@ class LocalBackend(Backend):
         return future.value
 
     def restart(self, worker: int) -> None:
-        self._worker = ClientWorker(torch_threads=self._worker._torch_threads)
+        self._worker = ClientWorker(torch_threads=self._threads, exit_on_crash=False)
         if self._run is not None:
             self._worker.start_run(self._run)
 

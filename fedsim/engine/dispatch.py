@@ -17,7 +17,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fedsim.engine.backend import Backend, WorkerLost
@@ -66,6 +66,7 @@ class Dispatcher:
         self._busy_until = [0.0] * workers  # predicted time each worker runs dry
         self._generation = [0] * workers
         self._per_client = 0.0  # seconds per client, a running mean of batch results
+        self.replaced = 0  # workers replaced after they died
 
     def enqueue(
         self,
@@ -140,10 +141,12 @@ class Dispatcher:
         if generation == self._generation[worker]:
             self.backend.restart(worker)
             self._generation[worker] += 1
+            self.replaced += 1
         if task.attempts >= self.max_attempts:
             task.on_give_up(task.batch, f"{lost} ({task.attempts} attempts)")
             return
         log.warning("%s; re-running its batch of %d clients", lost, len(task.batch.metadata))
+        task.batch = replace(task.batch, crash_after=None)  # injected crashes strike once
         self.queue.appendleft(task)
 
     def drain(self, deadline: float | None) -> bool:

@@ -42,6 +42,7 @@ from flwr.supercore.run import Run
 
 from fedsim.engine.backend import Backend
 from fedsim.engine.dispatch import Dispatcher, batch_sizes
+from fedsim.engine.faults import FaultConfig, client_faults, crash_point
 from fedsim.engine.metrics import MetricSums
 from fedsim.engine.participation import Participation
 from fedsim.engine.reduce import Accumulator, Reducer, ReductionError, reducer_of
@@ -62,6 +63,7 @@ class PhaseReport:
     succeeded: int
     failed: int
     timed_out: int
+    dropped: int
     bytes_down: int
     bytes_up: int
     wall_s: float
@@ -149,6 +151,8 @@ class _Phase:
     folds: dict[int, OrderedFold] = field(default_factory=dict)
     succeeded: int = 0
     failed: int = 0
+    late: int = 0
+    dropped: int = 0
     bytes_up: int = 0
     compute_s: float = 0.0
     metrics: MetricSums = field(default_factory=MetricSums)
@@ -166,6 +170,7 @@ class SimulationGrid(Grid):
             reports the whole population.
         state_store: where clients' ``context.state`` persists.
         observer: receives a :class:`PhaseReport` after each phase.
+        faults: dropouts, stragglers and crashes to inject (:mod:`fedsim.engine.faults`).
         depth: batches queued per worker.
     """
 
@@ -178,11 +183,13 @@ class SimulationGrid(Grid):
         participation: Participation | None = None,
         state_store: ClientStateStore | None = None,
         observer: PhaseObserver | None = None,
+        faults: FaultConfig | None = None,
         depth: int = 2,
     ) -> None:
         self.backend = backend
         self.registry = registry
         self.participation = participation
+        self.faults = faults if faults is not None and faults.active else None
         self.state_store = state_store if state_store is not None else ClientStateStore()
         self.observer = observer
         self._run = run
@@ -264,7 +271,7 @@ class SimulationGrid(Grid):
         for message in messages:
             self._check(message)
         index = self._phase_counter
-        phase_round = self._phase_key()[0]
+        phase_round, phase_kind = self._phase_key()
         self._phase_counter += 1
         self._declared = None
         if not messages:
@@ -300,10 +307,18 @@ class SimulationGrid(Grid):
         self._phases[index] = phase
         for message_id in phase.message_ids:
             self._phase_of_message[message_id] = index
+        late: set[str] = set()
+        if self.faults is not None:
+            drawn = client_faults(self.faults, phase_round, phase_kind, len(messages))
+            late = {m.metadata.message_id for m, x in zip(messages, drawn.late) if x}
+            messages = [m for m, x in zip(messages, drawn.dropped) if not x]
+            phase.dropped = int(drawn.dropped.sum())
         for group in self._batch_groups(messages, shared):
             for size in batch_sizes(len(group), self.backend.num_workers):
                 chunk, group = group[:size], group[size:]
-                self._submit(phase, chunk, shared, folds)
+                self._submit(phase, chunk, shared, folds, late, phase_kind)
+        if not phase.pending:
+            self._finish(phase)  # every client dropped out
         return phase
 
     def _batch_groups(
@@ -324,6 +339,8 @@ class SimulationGrid(Grid):
         chunk: list[Message],
         shared: dict[int, tuple[Content, int, Reducer | None]],
         folds: dict[int, OrderedFold],
+        late: set[str],
+        kind: int,
     ) -> None:
         handles: list[Content] = []
         position: dict[int, int] = {}
@@ -344,6 +361,10 @@ class SimulationGrid(Grid):
             contents=handles,
             states=self.state_store.get_many(node_ids),
             reducer=shared[id(chunk[0].content)][2],
+            late=frozenset(i for i, m in enumerate(chunk) if m.metadata.message_id in late),
+            crash_after=None
+            if self.faults is None
+            else crash_point(self.faults, phase.round, kind, len(phase.batch_ids), len(chunk)),
         )
         phase.batch_ids.append(batch_id)
         phase.pending.add(batch_id)
@@ -372,6 +393,7 @@ class SimulationGrid(Grid):
             phase.results[result.batch_id] = [r for r in result.replies if r.has_error()]
         phase.succeeded += result.succeeded
         phase.failed += result.failed
+        phase.late += result.late
         phase.bytes_up += result.bytes_up
         phase.compute_s += result.compute_s
         phase.metrics.merge(result.metrics)
@@ -397,7 +419,7 @@ class SimulationGrid(Grid):
         if phase.closed:
             return
         phase.closed = True
-        timed_out = sum(len(phase.batch_messages[b]) for b in phase.pending)
+        timed_out = phase.late + sum(len(phase.batch_messages[b]) for b in phase.pending)
         phase.pending.clear()
         if self.observer is not None:
             self.observer.phase_finished(
@@ -409,6 +431,7 @@ class SimulationGrid(Grid):
                     succeeded=phase.succeeded,
                     failed=phase.failed,
                     timed_out=timed_out,
+                    dropped=phase.dropped,
                     bytes_down=phase.bytes_down,
                     bytes_up=phase.bytes_up,
                     wall_s=time.perf_counter() - phase.started,
@@ -465,6 +488,11 @@ class SimulationGrid(Grid):
                 break
             self._dispatcher.progress(remaining)
         return self._take(phase, None)
+
+    @property
+    def workers_replaced(self) -> int:
+        """How many workers died and were replaced during this run."""
+        return self._dispatcher.replaced
 
     def wait_idle(self) -> None:
         """Block until every dispatched batch has finished (late ones included)."""

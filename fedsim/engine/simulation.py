@@ -26,6 +26,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from fedsim.config import require
 from fedsim.engine.backend import Backend, LocalBackend, RayBackend
 from fedsim.engine.cluster import ensure_ray
+from fedsim.engine.faults import FaultConfig
 from fedsim.engine.grid import PhaseObserver, SimulationGrid
 from fedsim.engine.participation import Participation
 from fedsim.engine.registry import ClientRegistry
@@ -151,6 +152,7 @@ class Engine:
         participation: Participation | None = None,
         observer: PhaseObserver | None = None,
         state_store: ClientStateStore | None = None,
+        faults: FaultConfig | None = None,
         datasets: tuple[tuple[Any, Any], ...] = (),
         run_id: int | None = None,
         raise_errors: bool = False,
@@ -162,6 +164,9 @@ class Engine:
             num_clients: registered virtual clients (node ids from the registry).
             run_config: the run's ``context.run_config`` for every client.
             participation: which clients ``get_node_ids`` reports per phase.
+            state_store: where clients' states live (default: in memory, spilling
+                to a temporary file past 256 MiB).
+            faults: dropouts, stragglers and worker crashes to inject.
             datasets: ``(DatasetSpec, FederatedDataset)`` pairs put into the
                 object store once and registered on every worker.
             raise_errors: re-raise ClientApp exceptions instead of turning them
@@ -213,6 +218,7 @@ class Engine:
             participation=participation,
             state_store=state_store,
             observer=observer,
+            faults=faults,
             depth=self.config.depth,
         )
 
@@ -225,6 +231,7 @@ class Engine:
         run_config: dict[str, Any] | None = None,
         participation: Participation | None = None,
         observer: PhaseObserver | None = None,
+        faults: FaultConfig | None = None,
         raise_errors: bool = False,
     ) -> Context:
         """Run a Flower ServerApp against ``num_supernodes`` virtual clients.
@@ -237,6 +244,7 @@ class Engine:
             run_config=run_config,
             participation=participation,
             observer=observer,
+            faults=faults,
             raise_errors=raise_errors,
         )
         context = Context(

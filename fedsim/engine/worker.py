@@ -126,6 +126,8 @@ class ClientBatch:
     contents: list[Content]
     states: dict[int, bytes] = field(default_factory=dict)
     reducer: Reducer | None = None
+    late: frozenset[int] = frozenset()  # positions whose reply misses the deadline
+    crash_after: int | None = None  # injected fault: the worker dies before this position
 
 
 @dataclass
@@ -137,6 +139,7 @@ class BatchResult:
     states: dict[int, bytes | None]
     succeeded: int
     failed: int
+    late: int
     bytes_up: int
     compute_s: float
     metrics: MetricSums
@@ -152,6 +155,10 @@ def _resolve(handle: Any) -> Any:
     return handle
 
 
+class InjectedCrash(RuntimeError):
+    """A crash injected on purpose (in-process workers raise it instead of exiting)."""
+
+
 class ClientWorker:
     """Executes batches of client messages with one loaded ClientApp.
 
@@ -160,8 +167,9 @@ class ClientWorker:
     (:func:`remember`) for later batches that send only their key.
     """
 
-    def __init__(self, torch_threads: int | None = None) -> None:
+    def __init__(self, torch_threads: int | None = None, exit_on_crash: bool = True) -> None:
         self._torch_threads = torch_threads
+        self._exit_on_crash = exit_on_crash
         self._run: RunSpec | None = None
         self._app: ClientApp | None = None
         self._content_cache: OrderedDict[int, bytes] = OrderedDict()
@@ -256,7 +264,14 @@ class ClientWorker:
             accumulator = batch.reducer.accumulator(pickle.loads(blobs[batch.content_index[0]]))
         bytes_up = 0
         compute = 0.0
-        for metadata, index in zip(batch.metadata, batch.content_index, strict=True):
+        late = 0
+        for position, (metadata, index) in enumerate(
+            zip(batch.metadata, batch.content_index, strict=True)
+        ):
+            if position == batch.crash_after:
+                if self._exit_on_crash:
+                    os._exit(70)  # an injected worker crash: the process dies here
+                raise InjectedCrash(f"worker crash injected before client {position} of the batch")
             node_id = metadata.dst_node_id
             stored = batch.states.get(node_id)
             message = Message(content=pickle.loads(blobs[index]), metadata=metadata)
@@ -292,6 +307,9 @@ class ClientWorker:
                 states[node_id] = pickle.dumps(context.state, protocol=pickle.HIGHEST_PROTOCOL)
             elif node_id in batch.states:
                 states[node_id] = None  # the client cleared its state
+            if position in batch.late:
+                late += 1  # it ran, but its reply misses the deadline
+                continue
             bytes_up += content_nbytes(reply.content)
             for _, record in records_of(reply.content, MetricRecord):
                 metrics.add(record)
@@ -310,6 +328,7 @@ class ClientWorker:
             states=states,
             succeeded=succeeded,
             failed=len(failures),
+            late=late,
             bytes_up=bytes_up,
             compute_s=compute,
             metrics=metrics,

@@ -1,0 +1,13 @@
+"""Privacy: accounting (dp_accounting events and ledgers) and noise mechanisms.
+
+Modules:
+
+- :mod:`fedsim.privacy.accounting` -- sampling models, neighbouring relations, per-round
+  ``dp_accounting`` events, the run's :class:`~fedsim.privacy.accounting.PrivacyLedger`,
+  epsilon and noise calibration;
+- :mod:`fedsim.privacy.events` -- an explicit JSON (de)serialiser for the event classes used;
+- :mod:`fedsim.privacy.mechanisms` -- Gaussian, exact discrete Gaussian and Skellam noise;
+- :mod:`fedsim.privacy.account_cli` -- the ``fedsim account`` command.
+
+Nothing here imports Ray or Flower.
+"""
