@@ -1,6 +1,7 @@
 """The ``fedsim`` command line.
 
     fedsim run CONFIG.toml --out DIR
+    fedsim run [CONFIG.toml] --resume DIR
     fedsim flwr-run APP_DIR --num-supernodes N [--run-config "k=v ..."] --out DIR
 
 Both accept ``--ray-address`` (join an existing Ray cluster), ``--workers``,
@@ -21,8 +22,13 @@ from typing import Any
 from fedsim.config import ConfigError
 
 
-def _engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", required=True, help="results directory (new or empty)")
+def _engine_args(parser: argparse.ArgumentParser, resumable: bool = False) -> None:
+    if resumable:
+        where = parser.add_mutually_exclusive_group(required=True)
+        where.add_argument("--out", help="results directory (new or empty)")
+        where.add_argument("--resume", metavar="DIR", help="continue the interrupted run in DIR")
+    else:
+        parser.add_argument("--out", required=True, help="results directory (new or empty)")
     parser.add_argument(
         "--ray-address",
         default=None,
@@ -42,8 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedsim", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run a fedsim experiment config")
-    run.add_argument("config", help="experiment TOML file")
-    _engine_args(run)
+    run.add_argument("config", nargs="?", help="experiment TOML file (optional with --resume)")
+    _engine_args(run, resumable=True)
     flwr_run = commands.add_parser("flwr-run", help="run a Flower app project on fedsim's engine")
     flwr_run.add_argument("app_dir", help="directory with the app's pyproject.toml")
     flwr_run.add_argument("--num-supernodes", type=int, required=True, help="virtual clients")
@@ -70,11 +76,23 @@ def _check_address(address: str, backend: str, key: str) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
-    from fedsim.experiment import ExperimentConfig, run_experiment, with_engine  # noqa: PLC0415
+    from fedsim.experiment import (  # noqa: PLC0415
+        ExperimentConfig,
+        load_run_config,
+        run_experiment,
+        with_engine,
+    )
 
     _check_workers(args.workers)
+    if args.resume:
+        given = ExperimentConfig.load(args.config) if args.config else None
+        base = load_run_config(args.resume, given)
+    elif args.config:
+        base = ExperimentConfig.load(args.config)
+    else:
+        raise ConfigError("CONFIG", None, "an experiment TOML file (or --resume DIR)")
     config = with_engine(
-        ExperimentConfig.load(args.config),
+        base,
         ray_address=args.ray_address,
         workers=args.workers,
         backend=args.backend,
@@ -84,7 +102,12 @@ def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
         config.engine.backend,
         "--ray-address" if args.ray_address else "engine.ray_address",
     )
-    return run_experiment(config, args.out, progress=not args.no_progress)
+    return run_experiment(
+        config,
+        args.resume or args.out,
+        resume=args.resume is not None,
+        progress=not args.no_progress,
+    )
 
 
 def cmd_flwr_run(args: argparse.Namespace) -> dict[str, Any]:
@@ -124,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"fedsim: error: {err}", file=sys.stderr)
         return 2
-    out = Path(args.out)
+    out = Path(args.out or args.resume)
     print(
         f"fedsim: {summary.get('rounds', 0)} rounds in {time.perf_counter() - started:.1f} s; "
         f"results in {out / 'rounds.jsonl'} and {out / 'summary.json'}"

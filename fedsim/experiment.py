@@ -9,14 +9,18 @@ part of the pipeline::
     [strategy]    name, clients_per_round, sampling, partial_aggregation, [strategy.options]
     [evaluation]  clients (federated), every (central, rounds), central_rows
     [engine]      backend, workers, cpus_per_worker, ray_address, ...
+    [faults]      dropout, straggler_fraction, straggler_delay_s, deadline_s, crash_probability
 
-``[data].seed`` and ``[client].seed`` default to the top-level seed. Everything
-is validated before any work starts.
+plus ``checkpoint_every`` (rounds) and ``state_memory_mb`` (client states kept
+in memory before they spill to disk). The seeds of [data], [client] and
+[faults] default to the top-level seed. Everything is validated before any work
+starts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import platform
 import time
 from dataclasses import dataclass, field
@@ -26,18 +30,28 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, MetricRecord
+from flwr.serverapp.strategy import Strategy
 
 from fedsim import __version__
+from fedsim.checkpoint import CONFIG_FILE, STATE_FILE, Checkpoint, load_checkpoint, save_checkpoint
 from fedsim.config import ConfigError, from_mapping, load_toml, require, to_mapping
 from fedsim.data import DatasetSpec, FederatedDataset, build_dataset
-from fedsim.engine import Engine, EngineConfig, PoissonCohort, UniformCohort
+from fedsim.engine import (
+    ClientStateStore,
+    Engine,
+    EngineConfig,
+    FaultConfig,
+    MinSeparationCohort,
+    PoissonCohort,
+    UniformCohort,
+)
 from fedsim.engine.participation import Participation
 from fedsim.engine.rounds import RoundOutcome, run_rounds
 from fedsim.engine.seeding import SeededSampling
 from fedsim.models import ModelSpec, build_model, initial_arrays, load_arrays
 from fedsim.progress import RunProgress
 from fedsim.records import to_numpy, to_record
-from fedsim.results import RoundRecorder, RunWriter, metrics_dict
+from fedsim.results import RoundRecorder, RunWriter, metrics_dict, read_rounds
 from fedsim.workloads.supervised import LocalTraining, as_tensors, evaluate_model, make_client_app
 from strategies.registry import NAMES, build_strategy
 
@@ -57,9 +71,12 @@ class StrategyConfig:
 
     Attributes:
         name: a strategy of :mod:`strategies.registry`.
-        clients_per_round: cohort size (uniform) or expected size (Poisson, rate
-            clients_per_round / population).
-        sampling: "uniform" (fixed size, without replacement) or "poisson".
+        clients_per_round: cohort size (uniform), expected size (Poisson, rate
+            clients_per_round / population), or about the size of each group
+            of the min-separation schedule (population / clients_per_round
+            groups, rounded).
+        sampling: "uniform" (fixed size, without replacement), "poisson", or
+            "min-separation" (each client every b rounds, b = the number of groups).
         partial_aggregation: worker-side sums: "auto" (when the aggregation is
             a sum), "on" (required) or "off".
         options: the strategy's own arguments (e.g. proximal_mu, eta,
@@ -68,7 +85,7 @@ class StrategyConfig:
 
     name: str = "fedavg"
     clients_per_round: int = 10
-    sampling: Literal["uniform", "poisson"] = "uniform"
+    sampling: Literal["uniform", "poisson", "min-separation"] = "uniform"
     partial_aggregation: Literal["auto", "on", "off"] = "auto"
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -118,9 +135,24 @@ class ExperimentConfig:
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    faults: FaultConfig = field(default_factory=FaultConfig)
+    checkpoint_every: int = 1
+    state_memory_mb: int = 256
 
     def __post_init__(self) -> None:
         require(self.rounds >= 1, "rounds", self.rounds, "an integer >= 1")
+        require(
+            self.checkpoint_every >= 1,
+            "checkpoint_every",
+            self.checkpoint_every,
+            "an integer >= 1 (rounds between checkpoints)",
+        )
+        require(
+            self.state_memory_mb >= 0,
+            "state_memory_mb",
+            self.state_memory_mb,
+            "MiB of client states kept in memory (>= 0)",
+        )
         require(self.timeout > 0, "timeout", self.timeout, "a number of seconds > 0")
         population = self.data.num_clients
         require(
@@ -138,10 +170,11 @@ class ExperimentConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ExperimentConfig:
-        """Validate a parsed config; seeds of [data] and [client] default to ``seed``."""
+        """Validate a parsed config; the seeds of [data], [client] and [faults]
+        default to ``seed``."""
         raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
         seed = raw.get("seed", 0)
-        for section in ("data", "client"):
+        for section in ("data", "client", "faults"):
             table = raw.get(section)
             if isinstance(table, dict) and "seed" not in table:
                 table["seed"] = seed
@@ -161,6 +194,8 @@ def participation_for(config: ExperimentConfig, population: int) -> Participatio
     k = config.strategy.clients_per_round
     if config.strategy.sampling == "poisson":
         return PoissonCohort(population, k / population, config.seed)
+    if config.strategy.sampling == "min-separation":
+        return MinSeparationCohort(population, max(1, round(population / k)), config.seed)
     return UniformCohort(population, k, config.seed)
 
 
@@ -188,12 +223,28 @@ def run_experiment(
     config: ExperimentConfig,
     out_dir: str | Path,
     *,
+    resume: bool = False,
     progress: bool = True,
     engine: Engine | None = None,
 ) -> dict[str, Any]:
-    """Run ``config``, writing rounds.jsonl as it goes and summary.json at the end."""
-    writer = RunWriter(out_dir)
+    """Run ``config``, writing rounds.jsonl as it goes and summary.json at the end.
+
+    With ``resume``, continue the interrupted run in ``out_dir`` from its last
+    checkpoint (see :mod:`fedsim.checkpoint`); the rounds it then writes are the
+    ones an uninterrupted run would have written.
+    """
+    out = Path(out_dir)
+    checkpoint = load_checkpoint(out) if resume else None
+    start_round = checkpoint.server_round + 1 if checkpoint else 1
+    if resume:
+        writer = RunWriter(out, "--resume", resume_after=start_round - 1 if checkpoint else -1)
+    else:
+        writer = RunWriter(out)
+        (out / CONFIG_FILE).write_text(json.dumps(to_mapping(config), indent=2, sort_keys=True))
     started = time.perf_counter()
+    store = ClientStateStore(out / STATE_FILE, memory_budget=config.state_memory_mb * 2**20)
+    if resume:
+        store.rollback(start_round - 1 if checkpoint else 0)
     try:
         dataset = build_dataset(config.data)
         spec = ModelSpec(
@@ -205,24 +256,15 @@ def run_experiment(
         )
         population = dataset.num_clients
         participation = participation_for(config, population)
-        k = config.strategy.clients_per_round
-        strategy = SeededSampling(
-            build_strategy(
-                config.strategy.name,
-                config.strategy.options,
-                expected_clients=k,
-                evaluate_fraction=config.evaluation.clients / k + 1e-9
-                if config.evaluation.clients
-                else 0.0,
-                seed=config.seed,
-                partial_aggregation=config.strategy.partial_aggregation,
-            ),
-            config.seed,
-        )
+        if checkpoint is not None:
+            strategy, arrays = checkpoint.strategy, to_record(checkpoint.arrays)
+        else:
+            strategy = build_experiment_strategy(config, participation)
+            arrays = to_record(initial_arrays(spec, config.seed))
         client_app = make_client_app(spec, config.data, config.client)
         own_engine = engine is None
         engine = (engine or Engine(config.engine)).start()
-        with RunProgress(config.rounds, enabled=progress) as bar:
+        with RunProgress(config.rounds, done=start_round - 1, enabled=progress) as bar:
             recorder = RoundRecorder([writer.write_round, bar], infer_rounds=False)
             grid = engine.open_run(
                 client_app,
@@ -230,6 +272,8 @@ def run_experiment(
                 run_config={"seed": config.seed},
                 participation=participation,
                 observer=recorder,
+                state_store=store,
+                faults=config.faults,
                 datasets=((config.data, dataset),),
             )
             ready = time.perf_counter()
@@ -241,26 +285,81 @@ def run_experiment(
                     aggregated_evaluate=metrics_dict(outcome.evaluate_metrics),
                     central=metrics_dict(outcome.central_metrics),
                 )
+                last = outcome.server_round == config.rounds
+                if outcome.server_round and (
+                    outcome.server_round % config.checkpoint_every == 0 or last
+                ):
+                    store.checkpoint(outcome.server_round)
+                    arrays_now = {k: np.array(v) for k, v in to_numpy(outcome.arrays).items()}
+                    save_checkpoint(out, Checkpoint(outcome.server_round, arrays_now, strategy, {}))
 
             final = run_rounds(
                 strategy,
                 grid,
-                to_record(initial_arrays(spec, config.seed)),
+                arrays,
                 config.rounds,
                 timeout=config.timeout,
                 evaluate_fn=central_evaluator(config, spec, dataset),
                 on_round=on_round,
+                first_round=start_round,
             )
             grid.wait_idle()
         finished = time.perf_counter()
-        np.savez(Path(out_dir) / "model.npz", **to_numpy(final))
-        summary = _summary(config, dataset, engine, recorder.records, started, ready, finished)
+        np.savez(out / "model.npz", **to_numpy(final))
+        summary = _summary(
+            config, dataset, engine, read_rounds(writer.rounds_path), started, ready, finished
+        )
+        summary["resumed_after_round"] = start_round - 1 if resume else None
         writer.write_summary(summary)
         if own_engine:
             engine.close()
         return summary
     finally:
         writer.close()
+        store.close()
+
+
+def build_experiment_strategy(config: ExperimentConfig, participation: Participation) -> Strategy:
+    """The configured strategy, with seeded sampling, for this participation model."""
+    k = config.strategy.clients_per_round
+    expected = participation.group_size(0) if isinstance(participation, MinSeparationCohort) else k
+    return SeededSampling(
+        build_strategy(
+            config.strategy.name,
+            config.strategy.options,
+            expected_clients=expected,
+            evaluate_fraction=config.evaluation.clients / k + 1e-9
+            if config.evaluation.clients
+            else 0.0,
+            seed=config.seed,
+            partial_aggregation=config.strategy.partial_aggregation,
+        ),
+        config.seed,
+    )
+
+
+def load_run_config(out_dir: str | Path, given: ExperimentConfig | None) -> ExperimentConfig:
+    """The config of the run in ``out_dir``; a ``given`` one must match it (its
+    [engine] table may differ: a run can resume on another machine)."""
+    path = Path(out_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise ConfigError(
+            "--resume", str(out_dir), f"a fedsim run directory (it has no {CONFIG_FILE})"
+        )
+    saved = ExperimentConfig.from_dict(json.loads(path.read_text()))
+    if given is None:
+        return saved
+    ours, theirs = to_mapping(given), to_mapping(saved)
+    differing = sorted(
+        k for k in set(ours) | set(theirs) if k != "engine" and ours.get(k) != theirs.get(k)
+    )
+    if differing:
+        raise ConfigError(
+            "--resume",
+            str(out_dir),
+            f"a run of the same config; these tables differ: {', '.join(differing)}",
+        )
+    return dataclasses.replace(saved, engine=given.engine)
 
 
 def _summary(

@@ -26,7 +26,7 @@ def _latest_metrics(record: dict[str, Any]) -> str:
 class RunProgress:
     """Shows one bar per run; call it with each round record."""
 
-    def __init__(self, total_rounds: int | None, *, enabled: bool = True) -> None:
+    def __init__(self, total_rounds: int | None, *, done: int = 0, enabled: bool = True) -> None:
         self.enabled = enabled
         self._progress = Progress(
             TextColumn("[bold]round"),
@@ -38,7 +38,9 @@ class RunProgress:
             console=Console(stderr=True),
             disable=not enabled,
         )
-        self._task = self._progress.add_task("run", total=total_rounds, rate="", metrics="")
+        self._task = self._progress.add_task(
+            "run", total=total_rounds, completed=done, rate="", metrics=""
+        )
 
     def __enter__(self) -> RunProgress:
         self._progress.start()

@@ -59,21 +59,31 @@ def metrics_dict(record: MetricRecord | None) -> dict[str, Any] | None:
 class RunWriter:
     """Writes ``rounds.jsonl`` line by line and ``summary.json`` at the end.
 
-    Refuses a directory that already holds results, so nothing written before
-    is ever overwritten.
+    A new run refuses a directory that already holds results, so nothing
+    written before is ever overwritten. A resumed run (``resume_after``, the
+    round of its checkpoint) keeps the lines up to that round and drops any
+    later ones, which the resumed run writes again, identically.
     """
 
-    def __init__(self, out_dir: str | Path, key: str = "--out") -> None:
+    def __init__(
+        self, out_dir: str | Path, key: str = "--out", resume_after: int | None = None
+    ) -> None:
         self.out_dir = Path(out_dir)
-        if (self.out_dir / ROUNDS_FILE).exists() or (self.out_dir / SUMMARY_FILE).exists():
-            raise ConfigError(
-                key, str(out_dir), "a new or empty directory (this one already holds results)"
-            )
-        if self.out_dir.exists() and not self.out_dir.is_dir():
-            raise ConfigError(key, str(out_dir), "a directory path (a file has this name)")
-        self.out_dir.mkdir(parents=True, exist_ok=True)
         self.rounds_path = self.out_dir / ROUNDS_FILE
         self.summary_path = self.out_dir / SUMMARY_FILE
+        if resume_after is None:
+            if self.rounds_path.exists() or self.summary_path.exists():
+                raise ConfigError(
+                    key, str(out_dir), "a new or empty directory (this one already holds results)"
+                )
+            if self.out_dir.exists() and not self.out_dir.is_dir():
+                raise ConfigError(key, str(out_dir), "a directory path (a file has this name)")
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        else:
+            kept = [r for r in read_rounds(self.rounds_path) if r["round"] <= resume_after]
+            tmp = self.rounds_path.with_suffix(".tmp")
+            tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
+            os.replace(tmp, self.rounds_path)
         self._rounds = self.rounds_path.open("a", encoding="utf-8")
 
     def write_round(self, record: Mapping[str, Any]) -> None:
@@ -87,6 +97,20 @@ class RunWriter:
 
     def close(self) -> None:
         self._rounds.close()
+
+
+def read_rounds(path: str | Path) -> list[dict[str, Any]]:
+    """The round records of a ``rounds.jsonl`` (a torn last line is ignored)."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # the process died while writing this line
+    return records
 
 
 def _phase_section(report: PhaseReport) -> dict[str, Any]:

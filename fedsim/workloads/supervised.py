@@ -41,6 +41,9 @@ class LocalTraining:
         lr: learning rate (a ``lr`` key in the instruction's config overrides it).
         momentum, weight_decay: torch.optim.SGD's.
         max_steps: cap on steps per round (0: no cap).
+        keep_momentum: keep each client's momentum buffers in its
+            ``context.state`` from one round to the next (a stateful client;
+            needs ``momentum > 0``).
         seed: root seed of the clients' shuffling.
     """
 
@@ -50,6 +53,7 @@ class LocalTraining:
     momentum: float = 0.0
     weight_decay: float = 0.0
     max_steps: int = 0
+    keep_momentum: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -60,6 +64,12 @@ class LocalTraining:
         require(self.weight_decay >= 0, "client.weight_decay", self.weight_decay, "a number >= 0")
         require(
             self.max_steps >= 0, "client.max_steps", self.max_steps, "an integer >= 0 (0: no cap)"
+        )
+        require(
+            not self.keep_momentum or self.momentum > 0,
+            "client.keep_momentum",
+            self.keep_momentum,
+            "false unless client.momentum > 0",
         )
 
 
@@ -85,15 +95,24 @@ def train_epochs(
     *,
     lr: float | None = None,
     proximal_mu: float = 0.0,
+    momentum_buffers: list[np.ndarray] | None = None,
 ) -> tuple[float, int]:
-    """Minibatch SGD on (x, y); returns (mean training loss, steps taken)."""
+    """Minibatch SGD on (x, y); returns (mean training loss, steps taken).
+
+    ``momentum_buffers`` (one per parameter) start SGD's momentum where a
+    previous round left it, and are overwritten with the final buffers.
+    """
     model.train()
+    params = list(model.parameters())
     optimizer = torch.optim.SGD(
-        model.parameters(),
+        params,
         lr=training.lr if lr is None else lr,
         momentum=training.momentum,
         weight_decay=training.weight_decay,
     )
+    if momentum_buffers:
+        for p, buf in zip(params, momentum_buffers, strict=True):
+            optimizer.state[p]["momentum_buffer"] = torch.from_numpy(np.array(buf))
     anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else None
     n = len(y)
     steps = 0
@@ -115,6 +134,13 @@ def train_epochs(
             optimizer.step()
             total += loss.detach()
             steps += 1
+    if momentum_buffers is not None:
+        momentum_buffers[:] = [
+            optimizer.state[p]["momentum_buffer"].numpy().copy()
+            if "momentum_buffer" in optimizer.state[p]
+            else np.zeros(tuple(p.shape), np.float32)
+            for p in params
+        ]
     return (float(total) / steps if steps else 0.0), steps
 
 
@@ -161,6 +187,17 @@ def _arrays_key(message: Message) -> str:
     return keys[0]
 
 
+MOMENTUM_STATE = "fedsim.momentum"
+
+
+def _momentum_state(context: Context) -> list[np.ndarray]:
+    """The client's momentum buffers from earlier rounds (empty on its first)."""
+    if MOMENTUM_STATE not in context.state:
+        return []
+    saved = to_numpy(context.state[MOMENTUM_STATE])
+    return [saved[f"m{i}"] for i in range(len(saved))]
+
+
 def make_client_app(model: ModelSpec, data: DatasetSpec, training: LocalTraining) -> ClientApp:
     """A ClientApp that trains ``model`` with local SGD on ``data``'s clients."""
     app = ClientApp()
@@ -176,6 +213,7 @@ def make_client_app(model: ModelSpec, data: DatasetSpec, training: LocalTraining
         config = _config(message)
         server_round = int(config.get("server-round", 0))
         lr: Any = config.get("lr")
+        buffers = _momentum_state(context) if training.keep_momentum else None
         loss, steps = train_epochs(
             net,
             x,
@@ -184,7 +222,10 @@ def make_client_app(model: ModelSpec, data: DatasetSpec, training: LocalTraining
             client_generator(training.seed, server_round, partition),
             lr=float(lr) if isinstance(lr, (int, float)) else None,
             proximal_mu=float(config.get("proximal-mu", 0.0)),
+            momentum_buffers=buffers,
         )
+        if buffers is not None:
+            context.state[MOMENTUM_STATE] = to_record({f"m{i}": b for i, b in enumerate(buffers)})
         metrics = MetricRecord({"num-examples": int(len(y)), "train_loss": loss, "steps": steps})
         content = RecordDict({key: to_record(model_arrays(net)), "metrics": metrics})
         return Message(content=content, reply_to=message)

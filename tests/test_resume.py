@@ -1,0 +1,120 @@
+"""Checkpoint and resume: a killed run, resumed, writes what an uninterrupted run writes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fedsim.cli import main
+from fedsim.results import read_rounds
+
+CONFIG = """
+seed = 11
+rounds = 6
+checkpoint_every = 1
+state_memory_mb = 0
+
+[data]
+source = "digits"
+partition = "dirichlet"
+alpha = 0.5
+num_clients = 24
+
+[model]
+kind = "mlp"
+hidden = [16]
+
+[client]
+epochs = 1
+batch_size = 8
+lr = 0.1
+momentum = 0.9
+keep_momentum = true
+
+[strategy]
+name = "dp-fedavg"
+clients_per_round = 6
+sampling = "poisson"
+options = { clipping_norm = 1.0, noise_multiplier = 0.3 }
+
+[evaluation]
+clients = 3
+every = 1
+
+[faults]
+dropout = 0.15
+
+[engine]
+backend = "local"
+"""
+
+TIMING = ("seconds", "time_s", "clients_per_s", "compute_s")
+
+
+def strip_times(record):
+    if isinstance(record, dict):
+        return {k: strip_times(v) for k, v in record.items() if k not in TIMING}
+    return record
+
+
+def fedsim(*args):
+    return [sys.executable, "-m", "fedsim", *args, "--no-progress"]
+
+
+@pytest.fixture
+def config(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text(CONFIG)
+    return path
+
+
+def test_killed_run_resumes_to_the_same_rounds(tmp_path, config):
+    full = tmp_path / "full"
+    assert main(["run", str(config), "--out", str(full), "--no-progress"]) == 0
+    expected = [strip_times(r) for r in read_rounds(full / "rounds.jsonl")]
+    assert [r["round"] for r in expected] == list(range(7))
+
+    killed = tmp_path / "killed"
+    env = dict(os.environ, RAY_ADDRESS="")
+    proc = subprocess.Popen(fedsim("run", str(config), "--out", str(killed)), env=env)
+    deadline = time.monotonic() + 300
+    while len(read_rounds(killed / "rounds.jsonl")) < 4:  # rounds 0..3 written
+        assert proc.poll() is None, "the run ended before it could be killed"
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "summary.json").exists()
+
+    done = subprocess.run(fedsim("run", "--resume", str(killed)), env=env, timeout=300)
+    assert done.returncode == 0
+    resumed = [strip_times(r) for r in read_rounds(killed / "rounds.jsonl")]
+    assert resumed == expected  # nothing lost, nothing duplicated, the same numbers
+    summary = json.loads((killed / "summary.json").read_text())
+    assert summary["rounds"] == 6 and summary["resumed_after_round"] >= 3
+
+
+def test_resume_refuses_a_different_config_or_a_foreign_directory(tmp_path, config, capsys):
+    out = tmp_path / "run"
+    assert main(["run", str(config), "--out", str(out), "--no-progress"]) == 0
+    before = (out / "rounds.jsonl").read_text()
+    changed = tmp_path / "changed.toml"
+    changed.write_text(CONFIG.replace("lr = 0.1", "lr = 0.2"))
+    assert main(["run", str(changed), "--resume", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--resume" in err and "client" in err
+    assert (out / "rounds.jsonl").read_text() == before
+    assert main(["run", "--resume", str(tmp_path / "nothing-here")]) == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
+def test_resuming_a_finished_run_rewrites_nothing(tmp_path, config):
+    out = tmp_path / "run"
+    assert main(["run", str(config), "--out", str(out), "--no-progress"]) == 0
+    before = [strip_times(r) for r in read_rounds(out / "rounds.jsonl")]
+    assert main(["run", "--resume", str(out), "--no-progress"]) == 0
+    assert [strip_times(r) for r in read_rounds(out / "rounds.jsonl")] == before
