@@ -44,8 +44,12 @@ def test_round_event_is_the_dp_accounting_event():
         100, 10, dpa.GaussianDpEvent(2.0)
     )
     # Sampling everyone is full participation: a plain Gaussian, no amplification claimed.
-    for full in (PoissonSampling(1.0), FixedSizeSampling(7, 7), FullParticipation(),
-                 MinSeparation(3, 2)):
+    for full in (
+        PoissonSampling(1.0),
+        FixedSizeSampling(7, 7),
+        FullParticipation(),
+        MinSeparation(3, 2),
+    ):
         assert round_event(1.5, full) == dpa.GaussianDpEvent(1.5)
     assert round_event(0.0, POISSON) == dpa.NonPrivateDpEvent()
 
@@ -54,8 +58,9 @@ def test_amplification_orders_the_sampling_models():
     full = epsilon(1.0, FullParticipation(), 100, DELTA)
     assert epsilon(1.0, PoissonSampling(1.0), 100, DELTA) == full
     assert epsilon(1.0, PoissonSampling(0.1), 100, DELTA) < full
-    assert epsilon(1.0, PoissonSampling(0.01), 100, DELTA) < epsilon(1.0, PoissonSampling(0.1),
-                                                                     100, DELTA)
+    assert epsilon(1.0, PoissonSampling(0.01), 100, DELTA) < epsilon(
+        1.0, PoissonSampling(0.1), 100, DELTA
+    )
 
 
 @pytest.mark.parametrize("accountant", ["rdp", "pld"])
@@ -162,8 +167,7 @@ def test_min_separation_counts_at_most_k_participations():
         three = epsilon(1.0, FullParticipation(), 3, DELTA, acc)
         assert epsilon(1.0, sep, 100, DELTA, acc) == three
         assert epsilon(1.0, sep, 10_000, DELTA, acc) == three  # no growth after k
-        assert epsilon(1.0, sep, 15, DELTA, acc) == epsilon(1.0, FullParticipation(), 2, DELTA,
-                                                             acc)
+        assert epsilon(1.0, sep, 15, DELTA, acc) == epsilon(1.0, FullParticipation(), 2, DELTA, acc)
     assert run_event(1.0, sep, 100) == dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(1.0), 3)
 
 
@@ -191,8 +195,15 @@ def test_min_separation_counts_at_most_k_participations():
     ],
 )
 def test_bad_inputs_name_their_key(kwargs, key):
-    args = {"noise_multiplier": 1.0, "sampling": POISSON, "rounds": 10, "delta": DELTA,
-            "accountant": "rdp", "relation": "add_remove", **kwargs}
+    args = {
+        "noise_multiplier": 1.0,
+        "sampling": POISSON,
+        "rounds": 10,
+        "delta": DELTA,
+        "accountant": "rdp",
+        "relation": "add_remove",
+        **kwargs,
+    }
     with pytest.raises(ConfigError) as err:
         epsilon(**args)
     assert err.value.key == key
@@ -261,7 +272,10 @@ def test_pld_needs_less_noise_than_rdp_for_the_same_target():
     [
         ({"target_epsilon": 0.0}, "target_epsilon"),
         ({"target_epsilon": float("inf")}, "target_epsilon"),
-        ({"target_epsilon": 1e-9, "sampling": FullParticipation(), "rounds": 1000}, "target_epsilon"),
+        (
+            {"target_epsilon": 1e-9, "sampling": FullParticipation(), "rounds": 1000},
+            "target_epsilon",
+        ),
         ({"rounds": 0}, "rounds"),
         ({"delta": 1.0}, "delta"),
     ],
@@ -305,13 +319,16 @@ def test_adaptive_clipping_round_accounts_like_one_gaussian_in_both_accountants(
         )
 
 
-@pytest.mark.parametrize(("z", "sigma_b", "key"), [
-    (1.0, 0.5, "count_stddev"),  # 2 sigma_b == z: the count takes the whole budget
-    (1.0, 0.3, "count_stddev"),
-    (1.0, 0.0, "count_stddev"),
-    (0.0, 1.0, "total_noise_multiplier"),
-    (-1.0, 1.0, "total_noise_multiplier"),
-])
+@pytest.mark.parametrize(
+    ("z", "sigma_b", "key"),
+    [
+        (1.0, 0.5, "count_stddev"),  # 2 sigma_b == z: the count takes the whole budget
+        (1.0, 0.3, "count_stddev"),
+        (1.0, 0.0, "count_stddev"),
+        (0.0, 1.0, "total_noise_multiplier"),
+        (-1.0, 1.0, "total_noise_multiplier"),
+    ],
+)
 def test_split_noise_multiplier_rejects_a_spent_budget(z, sigma_b, key):
     with pytest.raises(ConfigError) as err:
         split_noise_multiplier(z, sigma_b)
@@ -329,34 +346,45 @@ def test_effective_noise_multiplier_matches_dp_accounting_reduction():
     assert nested.get_epsilon(DELTA) == pytest.approx(reduced.get_epsilon(DELTA), rel=1e-9)
     assert effective_noise_multiplier(dpa.NoOpDpEvent()) == math.inf
     assert effective_noise_multiplier(dpa.LaplaceDpEvent(1.0)) is None
-    assert effective_noise_multiplier(
-        dpa.ComposedDpEvent([dpa.GaussianDpEvent(0.0), dpa.GaussianDpEvent(1.0)])
-    ) == 0.0
+    assert (
+        effective_noise_multiplier(
+            dpa.ComposedDpEvent([dpa.GaussianDpEvent(0.0), dpa.GaussianDpEvent(1.0)])
+        )
+        == 0.0
+    )
 
 
 # ---------------------------------------------------------------- curves
 
 
-@pytest.mark.parametrize(("accountant", "sampling", "rel"), [
-    ("rdp", PoissonSampling(0.02), 1e-9),
-    ("pld", PoissonSampling(0.02), 1e-6),
-    ("rdp", FixedSizeSampling(5, 100), 1e-9),
-    ("pld", FullParticipation(), 1e-9),
-    ("rdp", MinSeparation(4, 3), 1e-9),
-])
+@pytest.mark.parametrize(
+    ("accountant", "sampling", "rel"),
+    [
+        ("rdp", PoissonSampling(0.02), 1e-9),
+        ("pld", PoissonSampling(0.02), 1e-6),
+        ("rdp", FixedSizeSampling(5, 100), 1e-9),
+        ("pld", FullParticipation(), 1e-9),
+        ("rdp", MinSeparation(4, 3), 1e-9),
+    ],
+)
 def test_epsilon_curve_matches_fresh_accountants(accountant, sampling, rel):
     relation = "replace_one" if isinstance(sampling, FixedSizeSampling) else "add_remove"
     rounds = [1, 5, 12, 40, 100]
     curve = epsilon_curve(1.0, sampling, rounds, DELTA, accountant, relation)
     for r, value in zip(rounds, curve):
-        assert value == pytest.approx(epsilon(1.0, sampling, r, DELTA, accountant, relation),
-                                      rel=rel)
+        assert value == pytest.approx(
+            epsilon(1.0, sampling, r, DELTA, accountant, relation), rel=rel
+        )
     assert curve == sorted(curve)
 
 
 def test_epsilon_curve_checks_its_rounds():
-    for rounds, key in (([], "rounds"), ([5, 5], "rounds[1]"), ([3, 2], "rounds[1]"),
-                        ([-1], "rounds[0]")):
+    for rounds, key in (
+        ([], "rounds"),
+        ([5, 5], "rounds[1]"),
+        ([3, 2], "rounds[1]"),
+        ([-1], "rounds[0]"),
+    ):
         with pytest.raises(ConfigError) as err:
             epsilon_curve(1.0, POISSON, rounds, DELTA)
         assert err.value.key == key

@@ -62,35 +62,57 @@ def _flags(names: dict[str, str]) -> Iterator[None]:
 
 def _common(parser: argparse.ArgumentParser, *, relation: bool) -> None:
     parser.add_argument("--delta", type=float, required=True, help="target delta, in (0, 1)")
-    parser.add_argument("--accountant", default="rdp",
-                        help="rdp (default) or pld, both from dp_accounting")
+    parser.add_argument(
+        "--accountant", default="rdp", help="rdp (default) or pld, both from dp_accounting"
+    )
     if relation:
-        parser.add_argument("--relation", default=None,
-                            help="add_remove or replace_one neighbours (default: replace_one "
-                                 "for --sampling fixed, else add_remove)")
+        parser.add_argument(
+            "--relation",
+            default=None,
+            help="add_remove or replace_one neighbours (default: replace_one "
+            "for --sampling fixed, else add_remove)",
+        )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def _fedavg_args(parser: argparse.ArgumentParser, *, many: bool) -> None:
     nargs = "+" if many else None
-    parser.add_argument("--sampling-rate", type=float, nargs=nargs, default=None,
-                        help="client sampling rate q in (0, 1] (Poisson) or cohort fraction")
+    parser.add_argument(
+        "--sampling-rate",
+        type=float,
+        nargs=nargs,
+        default=None,
+        help="client sampling rate q in (0, 1] (Poisson) or cohort fraction",
+    )
     parser.add_argument("--rounds", type=int, required=True, help="number of rounds T")
-    parser.add_argument("--sampling", default="poisson",
-                        help="poisson (default), fixed (round(q N) of N without replacement) "
-                             "or full (every client, every round)")
-    parser.add_argument("--population", type=int, default=None,
-                        help="number of clients N (needed by --sampling fixed)")
+    parser.add_argument(
+        "--sampling",
+        default="poisson",
+        help="poisson (default), fixed (round(q N) of N without replacement) "
+        "or full (every client, every round)",
+    )
+    parser.add_argument(
+        "--population",
+        type=int,
+        default=None,
+        help="number of clients N (needed by --sampling fixed)",
+    )
     _common(parser, relation=True)
 
 
 def _sgd_args(parser: argparse.ArgumentParser, *, many: bool) -> None:
     nargs = "+" if many else None
-    parser.add_argument("--batch-size", type=int, nargs=nargs, required=True,
-                        help="expected batch size B (Poisson sampling q = B / N)")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        nargs=nargs,
+        required=True,
+        help="expected batch size B (Poisson sampling q = B / N)",
+    )
     parser.add_argument("--dataset-size", type=int, required=True, help="examples N")
-    parser.add_argument("--epochs", type=float, required=True,
-                        help="epochs E; steps = ceil(E N / B)")
+    parser.add_argument(
+        "--epochs", type=float, required=True, help="epochs E; steps = ceil(E N / B)"
+    )
     _common(parser, relation=False)
 
 
@@ -104,8 +126,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     commands = account.add_subparsers(dest="account_command", required=True)
     for name, add in (("dp-fedavg", _fedavg_args), ("dp-sgd", _sgd_args)):
         parser = commands.add_parser(name, help=f"epsilon of {name}")
-        parser.add_argument("--noise-multiplier", type=float, required=True,
-                            help="z = noise std / clipping norm, > 0")
+        parser.add_argument(
+            "--noise-multiplier",
+            type=float,
+            required=True,
+            help="z = noise std / clipping norm, > 0",
+        )
         add(parser, many=False)
         parser.set_defaults(mechanism=name)
 
@@ -113,20 +139,25 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     mechanisms = calibrate.add_subparsers(dest="mechanism", required=True)
     for name, add in (("dp-fedavg", _fedavg_args), ("dp-sgd", _sgd_args)):
         parser = mechanisms.add_parser(name, help=f"calibrate {name}")
-        parser.add_argument("--target-epsilon", type=float, required=True,
-                            help="the epsilon to meet, > 0")
+        parser.add_argument(
+            "--target-epsilon", type=float, required=True, help="the epsilon to meet, > 0"
+        )
         add(parser, many=False)
 
     sweep = commands.add_parser("sweep", help="epsilon against rounds, as JSON and a PNG plot")
     mechanisms = sweep.add_subparsers(dest="mechanism", required=True)
     for name, add in (("dp-fedavg", _fedavg_args), ("dp-sgd", _sgd_args)):
         parser = mechanisms.add_parser(name, help=f"sweep {name}")
-        parser.add_argument("--noise-multiplier", type=float, nargs="+", required=True,
-                            help="one or more noise multipliers")
+        parser.add_argument(
+            "--noise-multiplier",
+            type=float,
+            nargs="+",
+            required=True,
+            help="one or more noise multipliers",
+        )
         add(parser, many=True)
         parser.add_argument("--plot", required=True, help="PNG file to write")
-        parser.add_argument("--points", type=int, default=50,
-                            help="points per curve (default 50)")
+        parser.add_argument("--points", type=int, default=50, help="points per curve (default 50)")
     return account
 
 
@@ -136,17 +167,21 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _check_noise(z: Any) -> float:
-    require(isinstance(z, (int, float)) and math.isfinite(z) and z > 0, "--noise-multiplier",
-            z, "a finite number > 0 (noise std / clipping norm)")
+    require(
+        isinstance(z, (int, float)) and math.isfinite(z) and z > 0,
+        "--noise-multiplier",
+        z,
+        "a finite number > 0 (noise std / clipping norm)",
+    )
     return float(z)
 
 
 def _check_common(args: argparse.Namespace) -> tuple[float, str]:
     delta = args.delta
-    require(isinstance(delta, (int, float)) and 0 < delta < 1, "--delta", delta,
-            "a number in (0, 1)")
-    require(args.accountant in acc.ACCOUNTANTS, "--accountant", args.accountant,
-            "one of rdp, pld")
+    require(
+        isinstance(delta, (int, float)) and 0 < delta < 1, "--delta", delta, "a number in (0, 1)"
+    )
+    require(args.accountant in acc.ACCOUNTANTS, "--accountant", args.accountant, "one of rdp, pld")
     return float(delta), args.accountant
 
 
@@ -155,31 +190,51 @@ def _fedavg_setting(
 ) -> tuple[acc.Sampling, acc.NeighbouringRelation, dict[str, Any]]:
     """The sampling model, relation and echoed inputs of a dp-fedavg invocation."""
     kind = args.sampling
-    require(kind in ("poisson", "fixed", "full"), "--sampling", kind,
-            "one of poisson, fixed, full")
-    require(isinstance(args.rounds, int) and args.rounds >= 0, "--rounds", args.rounds,
-            "an integer >= 0")
+    require(kind in ("poisson", "fixed", "full"), "--sampling", kind, "one of poisson, fixed, full")
+    require(
+        isinstance(args.rounds, int) and args.rounds >= 0,
+        "--rounds",
+        args.rounds,
+        "an integer >= 0",
+    )
     echo: dict[str, Any] = {"sampling": kind, "rounds": args.rounds}
     if kind == "full":
-        require(rate is None or rate == 1, "--sampling-rate", rate,
-                "1 or nothing with --sampling full")
+        require(
+            rate is None or rate == 1, "--sampling-rate", rate, "1 or nothing with --sampling full"
+        )
         sampling: acc.Sampling = acc.FullParticipation()
         echo["sampling_rate"] = 1.0
     else:
-        require(rate is not None, "--sampling-rate", rate,
-                f"a rate in (0, 1] (required with --sampling {kind})")
-        require(isinstance(rate, (int, float)) and 0 < rate <= 1, "--sampling-rate", rate,
-                "a rate in (0, 1]")
+        require(
+            rate is not None,
+            "--sampling-rate",
+            rate,
+            f"a rate in (0, 1] (required with --sampling {kind})",
+        )
+        require(
+            isinstance(rate, (int, float)) and 0 < rate <= 1,
+            "--sampling-rate",
+            rate,
+            "a rate in (0, 1]",
+        )
         echo["sampling_rate"] = float(rate)
         if kind == "poisson":
             sampling = acc.PoissonSampling(float(rate))
         else:
             n = args.population
-            require(isinstance(n, int) and n >= 1, "--population", n,
-                    "an integer >= 1 (required with --sampling fixed)")
+            require(
+                isinstance(n, int) and n >= 1,
+                "--population",
+                n,
+                "an integer >= 1 (required with --sampling fixed)",
+            )
             cohort = round(rate * n)
-            require(1 <= cohort <= n, "--sampling-rate", rate,
-                    f"a rate giving a cohort round(q N) of at least 1 of N = {n} clients")
+            require(
+                1 <= cohort <= n,
+                "--sampling-rate",
+                rate,
+                f"a rate giving a cohort round(q N) of at least 1 of N = {n} clients",
+            )
             sampling = acc.FixedSizeSampling(cohort, n)
             echo.update(population=n, cohort_size=cohort)
     default = "replace_one" if kind == "fixed" else "add_remove"
@@ -194,11 +249,19 @@ def _sgd_setting(
     """Poisson sampling q = B/N, the number of steps ceil(E N / B), and the echoed inputs."""
     n = args.dataset_size
     require(isinstance(n, int) and n >= 1, "--dataset-size", n, "an integer >= 1")
-    require(isinstance(batch_size, int) and 1 <= batch_size <= n, "--batch-size", batch_size,
-            f"an integer in [1, --dataset-size = {n}]")
+    require(
+        isinstance(batch_size, int) and 1 <= batch_size <= n,
+        "--batch-size",
+        batch_size,
+        f"an integer in [1, --dataset-size = {n}]",
+    )
     epochs = args.epochs
-    require(isinstance(epochs, (int, float)) and math.isfinite(epochs) and epochs > 0,
-            "--epochs", epochs, "a finite number > 0")
+    require(
+        isinstance(epochs, (int, float)) and math.isfinite(epochs) and epochs > 0,
+        "--epochs",
+        epochs,
+        "a finite number > 0",
+    )
     steps = math.ceil(Fraction(repr(float(epochs))) * n / batch_size)
     q = batch_size / n
     echo = {
@@ -229,15 +292,25 @@ def _epsilon(args: argparse.Namespace) -> dict[str, Any]:
         relation, flags = acc.NeighbouringRelation.ADD_REMOVE, _SGD_FLAGS
     with _flags(flags):
         eps = acc.epsilon(z, sampling, rounds, delta, accountant, relation)
-    return {"command": args.mechanism, "epsilon": eps, "delta": delta, "accountant": accountant,
-            "noise_multiplier": z, **echo}
+    return {
+        "command": args.mechanism,
+        "epsilon": eps,
+        "delta": delta,
+        "accountant": accountant,
+        "noise_multiplier": z,
+        **echo,
+    }
 
 
 def _calibrate(args: argparse.Namespace) -> dict[str, Any]:
     delta, accountant = _check_common(args)
     target = args.target_epsilon
-    require(isinstance(target, (int, float)) and math.isfinite(target) and target > 0,
-            "--target-epsilon", target, "a finite number > 0")
+    require(
+        isinstance(target, (int, float)) and math.isfinite(target) and target > 0,
+        "--target-epsilon",
+        target,
+        "a finite number > 0",
+    )
     if args.mechanism == "dp-fedavg":
         sampling, relation, echo = _fedavg_setting(args, args.sampling_rate)
         rounds, flags = args.rounds, _FEDAVG_FLAGS
@@ -248,9 +321,16 @@ def _calibrate(args: argparse.Namespace) -> dict[str, Any]:
     with _flags(flags):
         z = acc.calibrate_noise(float(target), delta, sampling, rounds, accountant, relation)
         eps = acc.epsilon(z, sampling, rounds, delta, accountant, relation)
-    return {"command": "calibrate", "mechanism": args.mechanism, "target_epsilon": float(target),
-            "noise_multiplier": z, "epsilon": eps, "delta": delta, "accountant": accountant,
-            **echo}
+    return {
+        "command": "calibrate",
+        "mechanism": args.mechanism,
+        "target_epsilon": float(target),
+        "noise_multiplier": z,
+        "epsilon": eps,
+        "delta": delta,
+        "accountant": accountant,
+        **echo,
+    }
 
 
 def _grid(total: int, points: int) -> list[int]:
@@ -261,8 +341,12 @@ def _grid(total: int, points: int) -> list[int]:
 def _sweep(args: argparse.Namespace) -> dict[str, Any]:
     delta, accountant = _check_common(args)
     points = args.points
-    require(isinstance(points, int) and 2 <= points <= 1000, "--points", points,
-            "an integer in [2, 1000]")
+    require(
+        isinstance(points, int) and 2 <= points <= 1000,
+        "--points",
+        points,
+        "an integer in [2, 1000]",
+    )
     plot = Path(args.plot)
     require(plot.suffix.lower() == ".png", "--plot", args.plot, "a path ending in .png")
     zs = [_check_noise(z) for z in args.noise_multiplier]
@@ -288,23 +372,32 @@ def _sweep(args: argparse.Namespace) -> dict[str, Any]:
             with _flags(flags):
                 eps = acc.epsilon_curve(z, sampling, grid, delta, accountant, relation)
             label = f"z={z:g}, q={echo['sampling_rate']:g}"
-            curves.append({"label": label, "noise_multiplier": z, **echo, x_name: grid,
-                           "epsilon": eps})
+            curves.append(
+                {"label": label, "noise_multiplier": z, **echo, x_name: grid, "epsilon": eps}
+            )
     _plot(curves, x_name, delta, accountant, plot)
-    result: dict[str, Any] = {"command": "sweep", "mechanism": args.mechanism, "delta": delta,
-                              "accountant": accountant, "points": points, "plot": str(plot),
-                              "noise_multiplier": zs, "curves": curves}
+    result: dict[str, Any] = {
+        "command": "sweep",
+        "mechanism": args.mechanism,
+        "delta": delta,
+        "accountant": accountant,
+        "points": points,
+        "plot": str(plot),
+        "noise_multiplier": zs,
+        "curves": curves,
+    }
     if args.mechanism == "dp-fedavg":
-        result.update(rounds=args.rounds, sampling=args.sampling,
-                      sampling_rate=args.sampling_rate)
+        result.update(rounds=args.rounds, sampling=args.sampling, sampling_rate=args.sampling_rate)
     else:
-        result.update(batch_size=args.batch_size, dataset_size=args.dataset_size,
-                      epochs=float(args.epochs))
+        result.update(
+            batch_size=args.batch_size, dataset_size=args.dataset_size, epochs=float(args.epochs)
+        )
     return result
 
 
-def _plot(curves: list[dict[str, Any]], x_name: str, delta: float, accountant: str,
-          path: Path) -> None:
+def _plot(
+    curves: list[dict[str, Any]], x_name: str, delta: float, accountant: str, path: Path
+) -> None:
     """Write epsilon against rounds/steps as a PNG (Agg canvas; pyplot's state is not used)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
     from matplotlib.figure import Figure  # noqa: PLC0415
@@ -344,10 +437,8 @@ def quiet_dp_accounting() -> Iterator[None]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Execute a parsed ``fedsim account ...`` command; returns a JSON-ready dict."""
     command = args.account_command
-    handlers = {"dp-fedavg": _epsilon, "dp-sgd": _epsilon, "calibrate": _calibrate,
-                "sweep": _sweep}
-    require(command in handlers, "command", command,
-            "one of dp-fedavg, dp-sgd, calibrate, sweep")
+    handlers = {"dp-fedavg": _epsilon, "dp-sgd": _epsilon, "calibrate": _calibrate, "sweep": _sweep}
+    require(command in handlers, "command", command, "one of dp-fedavg, dp-sgd, calibrate, sweep")
     with quiet_dp_accounting():
         return handlers[command](args)
 
@@ -358,14 +449,19 @@ def format_text(result: dict[str, Any]) -> str:
     where = f"at delta = {result['delta']:g} ({result['accountant']})"
     if command == "sweep":
         finals = "; ".join(f"{c['label']}: {c['epsilon'][-1]:.4f}" for c in result["curves"])
-        return (f"sweep {result['mechanism']}: {len(result['curves'])} curves {where}, "
-                f"final epsilon {finals}; plot in {result['plot']}")
+        return (
+            f"sweep {result['mechanism']}: {len(result['curves'])} curves {where}, "
+            f"final epsilon {finals}; plot in {result['plot']}"
+        )
     if command == "calibrate":
-        return (f"calibrate {result['mechanism']}: noise multiplier "
-                f"{result['noise_multiplier']:.4f} gives epsilon = {result['epsilon']:.4f} "
-                f"<= {result['target_epsilon']:g} {where}")
-    length = (f"{result['rounds']} rounds" if command == "dp-fedavg"
-              else f"{result['steps']} steps")
-    return (f"{command}: epsilon = {result['epsilon']:.4f} {where}; noise multiplier "
-            f"{result['noise_multiplier']:g}, sampling {result['sampling']} q = "
-            f"{result['sampling_rate']:g}, {length}, {result['relation']} neighbours")
+        return (
+            f"calibrate {result['mechanism']}: noise multiplier "
+            f"{result['noise_multiplier']:.4f} gives epsilon = {result['epsilon']:.4f} "
+            f"<= {result['target_epsilon']:g} {where}"
+        )
+    length = f"{result['rounds']} rounds" if command == "dp-fedavg" else f"{result['steps']} steps"
+    return (
+        f"{command}: epsilon = {result['epsilon']:.4f} {where}; noise multiplier "
+        f"{result['noise_multiplier']:g}, sampling {result['sampling']} q = "
+        f"{result['sampling_rate']:g}, {length}, {result['relation']} neighbours"
+    )

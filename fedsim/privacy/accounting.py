@@ -76,7 +76,7 @@ def _is_int(value: Any) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
-class NeighbouringRelation(str, enum.Enum):
+class NeighbouringRelation(enum.StrEnum):
     """Which datasets are neighbours: one participant added/removed, or one replaced."""
 
     ADD_REMOVE = "add_remove"
@@ -534,7 +534,8 @@ def epsilon_curve(
         return fast
     return [
         float(_fresh_accountant(accountant, relation).compose(translated, c).get_epsilon(delta))
-        if c else 0.0
+        if c
+        else 0.0
         for c in counts
     ]
 
@@ -561,15 +562,18 @@ def _curve_from_one_round(
         rdp, orders = getattr(one, "_rdp", None), getattr(one, "_orders", None)
         if rdp is None or orders is None:
             return None
-        return [0.0 if c == 0 else float(rdp_accountant.compute_epsilon(orders, c * rdp, delta)[0])
-                for c in counts]
+        return [
+            0.0 if c == 0 else float(rdp_accountant.compute_epsilon(orders, c * rdp, delta)[0])
+            for c in counts
+        ]
     pld = getattr(one, "_pld", None)
     if not isinstance(translated, dpa.PoissonSampledDpEvent) or pld is None:
         return None
     if getattr(one, "_contains_non_dp_event", True):
         return None
-    return [0.0 if c == 0 else float(pld.self_compose(c).get_epsilon_for_delta(delta))
-            for c in counts]
+    return [
+        0.0 if c == 0 else float(pld.self_compose(c).get_epsilon_for_delta(delta)) for c in counts
+    ]
 
 
 def calibrate_noise(
