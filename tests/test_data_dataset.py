@@ -18,6 +18,7 @@ from fedsim.data import (
     register_dataset,
 )
 from fedsim.data import spec as spec_module
+from fedsim.data.dataset import read_rows
 
 
 def _arrays(sizes=(3, 0, 2)):
@@ -168,8 +169,14 @@ def test_save_load_round_trip_with_mmap(digits_ds, tmp_path):
     assert isinstance(loaded.train.x, np.memmap) and isinstance(loaded.test.y, np.memmap)
     assert _equal(loaded, digits_ds)
     assert loaded.name == digits_ds.name and loaded.num_classes == 10
-    xk, _ = loaded.train.client(3)
-    assert isinstance(xk, np.memmap) and np.shares_memory(xk, loaded.train.x)
+    for k in range(loaded.num_clients):  # memory-mapped clients are read from the file
+        for split, ref in ((loaded.train, digits_ds.train), (loaded.test, digits_ds.test)):
+            (xk, yk), (xr, yr) = split.client(k), ref.client(k)
+            assert not np.shares_memory(xk, split.x) and xk.dtype == xr.dtype
+            assert np.array_equal(xk, xr) and np.array_equal(yk, yr)
+    inner = loaded.train.x[7:]  # a view that starts inside the file
+    assert np.array_equal(read_rows(inner, 3, 9), digits_ds.train.x[10:16])
+    assert read_rows(inner, 4, 4).shape == (0, *inner.shape[1:])
     eager = FederatedDataset.load(tmp_path / "ds", mmap=False)
     assert not isinstance(eager.train.x, np.memmap) and _equal(eager, digits_ds)
     with pytest.raises(ConfigError, match="path"):

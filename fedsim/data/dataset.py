@@ -11,6 +11,8 @@ object store or as ``.npy`` files read with ``mmap``), and 10^6 clients cost one
 from __future__ import annotations
 
 import json
+import mmap
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,12 +79,13 @@ class ClientArrays:
         return np.diff(self.offsets)
 
     def client(self, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Zero-copy views ``(x_k, y_k)`` of client ``k``'s rows."""
+        """Client ``k``'s rows ``(x_k, y_k)``: zero-copy views of in-memory
+        arrays; read from the file for memory-mapped ones (see :func:`read_rows`)."""
         ok = isinstance(k, (int, np.integer)) and not isinstance(k, bool)
         ok = ok and 0 <= int(k) < self.num_clients
         require(ok, "client", k, f"an integer client index in [0, {self.num_clients})")
         lo, hi = int(self.offsets[k]), int(self.offsets[int(k) + 1])
-        return self.x[lo:hi], self.y[lo:hi]
+        return read_rows(self.x, lo, hi), read_rows(self.y, lo, hi)
 
     def head(self, num_clients: int) -> ClientArrays:
         """The first ``num_clients`` clients, as zero-copy views."""
@@ -94,6 +97,42 @@ class ClientArrays:
         )
         end = int(self.offsets[num_clients])
         return ClientArrays(self.x[:end], self.y[:end], np.array(self.offsets[: num_clients + 1]))
+
+
+_FILES: dict[str, int] = {}  # memory-mapped file -> a descriptor open for reading
+
+
+def read_rows(arr: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """``arr[lo:hi]``; for a C-contiguous memory map, a copy read with ``pread``.
+
+    Touching a memory map maps whole neighbourhoods of pages into the process
+    (read-ahead and fault-around, 64 kB or more per client), so a worker that
+    trains scattered clients of a large file would see its resident memory grow
+    with the file rather than with the clients it trains. Reading exactly the
+    rows' bytes keeps it proportional to the cohort.
+    """
+    region = getattr(arr, "_mmap", None)
+    if region is None or not arr.flags.c_contiguous or arr.filename is None:
+        return arr[lo:hi]
+    out = np.empty((hi - lo, *arr.shape[1:]), dtype=arr.dtype)
+    if out.nbytes == 0:
+        return out
+    # Where arr[0] lies in the file: the map's own file offset plus arr's
+    # distance from the start of the map.
+    base = np.frombuffer(region, dtype=np.uint8).ctypes.data
+    position = arr.offset - arr.offset % mmap.ALLOCATIONGRANULARITY
+    position += arr.ctypes.data - base + lo * (arr.nbytes // max(len(arr), 1))
+    fd = _FILES.get(arr.filename)
+    if fd is None:
+        fd = _FILES[arr.filename] = os.open(arr.filename, os.O_RDONLY)
+    view = memoryview(out).cast("B")
+    done = 0
+    while done < out.nbytes:
+        n = os.preadv(fd, [view[done:]], position + done)
+        if n <= 0:
+            raise OSError(f"short read from {arr.filename} at byte {position + done}")
+        done += n
+    return out
 
 
 def _concat_clients(
@@ -275,6 +314,16 @@ class FederatedDataset:
             lazy = mmap and not key.endswith("offsets")
             arrays[key] = np.load(file, mmap_mode="r" if lazy else None, allow_pickle=False)
         return cls.from_arrays(arrays, int(meta["num_classes"]), str(meta["name"]))
+
+
+def release_pages(dataset: FederatedDataset) -> None:
+    """Unmap the pages of ``dataset``'s memory maps that have been read so far
+    (validation reads every label); they stay in the page cache, so nothing is
+    read again from disk, but they no longer count in this process's memory."""
+    for arr in dataset.to_arrays().values():
+        region = getattr(arr, "_mmap", None)
+        if region is not None and hasattr(mmap, "MADV_DONTNEED"):
+            region.madvise(mmap.MADV_DONTNEED)
 
 
 def from_partition(

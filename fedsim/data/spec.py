@@ -16,7 +16,7 @@ from typing import Literal
 import numpy as np
 
 from fedsim.config import ConfigError, require
-from fedsim.data.dataset import FederatedDataset, _concat_clients, from_partition
+from fedsim.data.dataset import FederatedDataset, _concat_clients, from_partition, release_pages
 from fedsim.data.partition import PARTITIONERS
 from fedsim.data.sources import (
     ClientData,
@@ -296,9 +296,11 @@ def build_dataset(spec: DatasetSpec) -> FederatedDataset:
             f"at most the {saved.num_clients} clients saved in {spec.path}",
         )
         k = spec.num_clients
-        return FederatedDataset(
+        head = FederatedDataset(
             saved.train.head(k), saved.test.head(k), saved.num_classes, saved.name
         )
+        release_pages(head)
+        return head
     x = np.concatenate([saved.train.x, saved.test.x])
     y = np.concatenate([saved.train.y, saved.test.y])
     return _resplit(x, y, spec, part_rng, split_rng, saved.num_classes, name)

@@ -177,6 +177,7 @@ class RayBackend(Backend):
         self._run: RunSpec | None = None
         self.pinned = self._pin(self._actors) if pin_workers else False
         ray.get([actor.warm_up.remote() for actor in self._actors])
+        self.nodes = len(set(ray.get([actor.ray_node.remote() for actor in self._actors])))
         self._channels = [self._connect(i) for i in range(num_workers)]
 
     def _pin(self, actors: list[Any]) -> bool:
@@ -295,10 +296,15 @@ class RayBackend(Backend):
         self._actors = []
         self._owner.clear()
 
+    def worker_peak_rss_mb(self) -> list[float]:
+        """Each worker process's peak resident memory so far, in MiB."""
+        return self._ray.get([actor.peak_rss_mb.remote() for actor in self._actors])
+
     def describe(self) -> dict[str, Any]:
         return {
             "backend": "ray",
             "workers": self.num_workers,
+            "nodes": self.nodes,
             "cpus_per_worker": self.cpus_per_worker,
             "gpus_per_worker": self.gpus_per_worker,
             "pinned": self.pinned,

@@ -87,6 +87,9 @@ def ensure_ray(
         kwargs["address"] = address
         kwargs["runtime_env"] = {"py_modules": _packages() + list(extra_modules)}
     else:
+        # "local" always starts a new instance: without it ray.init joins
+        # whatever cluster a `ray start` on this machine last left behind.
+        kwargs["address"] = "local"
         kwargs["_system_config"] = {
             "max_direct_call_object_size": INLINE_OBJECT_BYTES,
             "task_rpc_inlined_bytes_limit": 2 * INLINE_OBJECT_BYTES,

@@ -64,3 +64,18 @@ class MetricSums:
         total = self.total
         record[weight_key] = int(total) if float(total).is_integer() else total
         return record
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory in MiB (``VmHWM``, which unlike
+    ``ru_maxrss`` does not carry a parent's peak across ``exec``)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource  # noqa: PLC0415
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

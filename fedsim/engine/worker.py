@@ -186,6 +186,18 @@ class ClientWorker:
 
         return socket.gethostname(), sorted(os.sched_getaffinity(0))
 
+    def peak_rss_mb(self) -> float:
+        """The most resident memory this worker's process has used, in MiB."""
+        from fedsim.engine.metrics import peak_rss_mb  # noqa: PLC0415
+
+        return peak_rss_mb()
+
+    def ray_node(self) -> str:
+        """The id of the Ray node this worker runs on."""
+        import ray  # noqa: PLC0415
+
+        return ray.get_runtime_context().get_node_id()
+
     def pin(self, cores: list[int]) -> list[int]:
         """Keep this worker's process on ``cores`` (no migrations, warm caches)."""
         os.sched_setaffinity(0, set(cores))
