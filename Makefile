@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO := 0
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test demo bench bench-scale clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,9 @@ demo: setup
 
 bench: setup
 	$(PY) experiments/bench/engine.py
+
+bench-scale: setup
+	$(PY) experiments/bench/scale.py
 
 clean:
 	rm -rf $(VENV) results .pytest_cache
