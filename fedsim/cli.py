@@ -3,8 +3,9 @@
     fedsim run CONFIG.toml --out DIR
     fedsim run [CONFIG.toml] --resume DIR
     fedsim flwr-run APP_DIR --num-supernodes N [--run-config "k=v ..."] --out DIR
+    fedsim account {dp-fedavg,dp-sgd,calibrate,sweep} ... [--json]
 
-Both accept ``--ray-address`` (join an existing Ray cluster), ``--workers``,
+``run`` and ``flwr-run`` accept ``--ray-address`` (join an existing Ray cluster), ``--workers``,
 ``--backend {ray,local}`` and ``--no-progress``; both write ``DIR/rounds.jsonl``
 as rounds finish and ``DIR/summary.json`` at the end.
 """
@@ -12,6 +13,7 @@ as rounds finish and ``DIR/summary.json`` at the end.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from fedsim.config import ConfigError
+from fedsim.privacy import account_cli
 
 
 def _engine_args(parser: argparse.ArgumentParser, resumable: bool = False) -> None:
@@ -59,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
         help='overrides of [tool.flwr.app.config], e.g. "num-server-rounds=5 lr=0.1"',
     )
     _engine_args(flwr_run)
+    account_cli.register(commands)
     return parser
 
 
@@ -133,10 +137,23 @@ def cmd_flwr_run(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
+def cmd_account(args: argparse.Namespace) -> int:
+    """``fedsim account ...``: print the result as text, or as JSON with ``--json``."""
+    try:
+        result = account_cli.run(args)
+    except ConfigError as err:
+        print(f"fedsim: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2) if args.json else account_cli.format_text(result))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = _parser().parse_args(argv)
+    if args.command == "account":
+        return cmd_account(args)
     if not args.verbose:
         from flwr.supercore.logger import FLOWER_LOGGER  # noqa: PLC0415  (sets its level on import)
 

@@ -90,8 +90,8 @@ def test_replace_one_is_consistent_across_accountants(z):
     replace-one RDP epsilon comes out at less than half the PLD one.
     """
     for relation in NeighbouringRelation:
-        rdp = epsilon(z, FullParticipation(), 10, DELTA, "rdp", relation)
-        pld = epsilon(z, FullParticipation(), 10, DELTA, "pld", relation)
+        rdp = epsilon(z, FullParticipation(), 4, DELTA, "rdp", relation)
+        pld = epsilon(z, FullParticipation(), 4, DELTA, "pld", relation)
         assert pld <= rdp <= 1.3 * pld
 
 
@@ -147,12 +147,12 @@ def test_supported_combinations_give_finite_epsilon():
         (POISSON, "pld", "replace_one"),
         (FixedSizeSampling(10, 1000), "rdp", "replace_one"),
     ]
-    for sampling in (FullParticipation(), MinSeparation(5, 2)):
+    for sampling in (FullParticipation(), MinSeparation(3, 2)):
         for acc in ("rdp", "pld"):
             for rel in ("add_remove", "replace_one"):
                 cases.append((sampling, acc, rel))
     for sampling, acc, rel in cases:
-        assert 0 < epsilon(1.0, sampling, 20, DELTA, acc, rel) < math.inf
+        assert 0 < epsilon(1.0, sampling, 6, DELTA, acc, rel) < math.inf
 
 
 # ---------------------------------------------------------------- min separation
@@ -249,22 +249,22 @@ def test_calibrate_then_account_round_trips_rdp(target, sampling, rounds):
     assert epsilon(0.99 * z, sampling, rounds, DELTA) > target  # and not wastefully noisy
 
 
-def test_calibrate_then_account_round_trips_pld_and_replace_one():
-    for sampling, acc, rel in [
+@pytest.mark.parametrize(
+    ("sampling", "acc", "rel"),
+    [
         (PoissonSampling(0.02), "pld", "add_remove"),
         (PoissonSampling(0.02), "pld", "replace_one"),
         (FixedSizeSampling(20, 1000), "rdp", "replace_one"),
-    ]:
-        z = calibrate_noise(3.0, DELTA, sampling, 100, acc, rel)
-        achieved = epsilon(z, sampling, 100, DELTA, acc, rel)
-        assert achieved <= 3.0
-        assert achieved == pytest.approx(3.0, rel=0.01)
-
-
-def test_pld_needs_less_noise_than_rdp_for_the_same_target():
-    rdp = calibrate_noise(2.0, DELTA, POISSON, 200, "rdp")
-    pld = calibrate_noise(2.0, DELTA, POISSON, 200, "pld")
-    assert pld < rdp
+    ],
+)
+def test_calibrate_then_account_round_trips_pld_and_replace_one(sampling, acc, rel):
+    z = calibrate_noise(3.0, DELTA, sampling, 100, acc, rel)
+    achieved = epsilon(z, sampling, 100, DELTA, acc, rel)
+    assert achieved <= 3.0
+    assert achieved == pytest.approx(3.0, rel=0.01)
+    if acc == "pld" and rel == "add_remove":
+        # PLD is the tighter bound: it meets the same target with less noise than RDP.
+        assert z < calibrate_noise(3.0, DELTA, sampling, 100, "rdp", rel)
 
 
 @pytest.mark.parametrize(
@@ -357,19 +357,21 @@ def test_effective_noise_multiplier_matches_dp_accounting_reduction():
 # ---------------------------------------------------------------- curves
 
 
+FULL_CURVE = [1, 2, 5, 9]  # composed afresh per point: a short curve (std z / sqrt(T) PLDs)
+
+
 @pytest.mark.parametrize(
-    ("accountant", "sampling", "rel"),
+    ("accountant", "sampling", "rel", "rounds"),
     [
-        ("rdp", PoissonSampling(0.02), 1e-9),
-        ("pld", PoissonSampling(0.02), 1e-6),
-        ("rdp", FixedSizeSampling(5, 100), 1e-9),
-        ("pld", FullParticipation(), 1e-9),
-        ("rdp", MinSeparation(4, 3), 1e-9),
+        ("rdp", PoissonSampling(0.02), 1e-9, [1, 5, 12, 40, 100]),
+        ("pld", PoissonSampling(0.02), 1e-6, [1, 5, 12, 40, 100]),
+        ("rdp", FixedSizeSampling(5, 100), 1e-9, [1, 5, 12, 40, 100]),
+        ("pld", FullParticipation(), 1e-9, FULL_CURVE),
+        ("rdp", MinSeparation(4, 3), 1e-9, [1, 5, 12, 40, 100]),
     ],
 )
-def test_epsilon_curve_matches_fresh_accountants(accountant, sampling, rel):
+def test_epsilon_curve_matches_fresh_accountants(accountant, sampling, rel, rounds):
     relation = "replace_one" if isinstance(sampling, FixedSizeSampling) else "add_remove"
-    rounds = [1, 5, 12, 40, 100]
     curve = epsilon_curve(1.0, sampling, rounds, DELTA, accountant, relation)
     for r, value in zip(rounds, curve):
         assert value == pytest.approx(

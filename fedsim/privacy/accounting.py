@@ -612,16 +612,20 @@ def calibrate_noise(
     def make_event(z: float) -> dpa.DpEvent:
         return for_accountant(run_event(float(z), sampling, rounds), accountant, relation)
 
+    cache: dict[tuple[str, float], float] = {}
+
+    def make_accountant() -> _CachedAccountant:
+        return _CachedAccountant(accountant, relation, cache)
+
     def eps(z: float) -> float:
-        acc = _fresh_accountant(accountant, relation)
-        return float(acc.compose(make_event(z)).get_epsilon(delta))
+        return make_accountant().compose(make_event(z)).get_epsilon(delta)
 
     guess = 1.0
     if accountant == "pld" and _supports(round_event(1.0, sampling), "rdp", relation):
         guess = calibrate_noise(target_epsilon, delta, sampling, rounds, "rdp", relation)
     lo, hi = _bracket(eps, guess, float(target_epsilon))
     z = mechanism_calibration.calibrate_dp_mechanism(
-        lambda: _fresh_accountant(accountant, relation),
+        make_accountant,
         make_event,
         float(target_epsilon),
         delta,
@@ -629,6 +633,43 @@ def calibrate_noise(
         tol=lo * 1e-4,
     )
     return float(z)
+
+
+class _CachedAccountant(dpa.PrivacyAccountant):
+    """A calibration's accountant: epsilon of the composed events, looked up in a cache that
+    all accountants of one calibration share (keyed by the events' repr and delta), else
+    computed by a fresh dp_accounting accountant.
+
+    The bracket search, ``calibrate_dp_mechanism``'s evaluation of the bracket's endpoints and
+    its final check then account each noise multiplier once (a Poisson-sampled PLD takes about
+    half a second to build). Support checks go to the real accountant.
+    """
+
+    def __init__(
+        self, accountant: str, relation: NeighbouringRelation, cache: dict[tuple[str, float], float]
+    ) -> None:
+        super().__init__(relation.dp_accounting)
+        self._accountant, self._relation = accountant, relation
+        self._cache = cache
+        self._events: list[tuple[dpa.DpEvent, int]] = []
+
+    def _maybe_compose(
+        self, event: dpa.DpEvent, count: int, do_compose: bool
+    ) -> dpa.PrivacyAccountant.CompositionErrorDetails | None:
+        if not do_compose:
+            real = _fresh_accountant(self._accountant, self._relation)
+            return real._maybe_compose(event, count, False)
+        self._events.append((event, count))
+        return None
+
+    def get_epsilon(self, target_delta: float) -> float:
+        key = (repr(self._events), float(target_delta))
+        if key not in self._cache:
+            real = _fresh_accountant(self._accountant, self._relation)
+            for event, count in self._events:
+                real.compose(event, count)
+            self._cache[key] = float(real.get_epsilon(target_delta))
+        return self._cache[key]
 
 
 def _bracket(eps: Any, guess: float, target: float) -> tuple[float, float]:

@@ -14,10 +14,11 @@ for Differential Privacy"). Parameters given as ``float`` are read as the shorte
 round-trips (``repr``): ``sigma=3.7`` means ``37/10`` exactly; pass a ``fractions.Fraction``
 for any other rational.
 
-Throughput measured on this machine (2-core x86 VM, CPython 3.11, one thread), see
-``experiments/accounting/README.md``: discrete Gaussian about 0.12 M samples/s from a
-Generator (sigma 10) and 0.07 M/s in secure mode; exact Skellam in secure mode about 0.02 M/s
-at mu = 50. Gaussian and Generator-mode Skellam run at numpy speed.
+Throughput on a 2-core x86 VM (CPython 3.11, one thread; ``experiments/accounting/compare.py``
+measures it and writes ``experiments/accounting/README.md``): discrete Gaussian about
+0.3 M samples/s at sigma 10, from a Generator or in secure mode; exact Skellam in secure mode
+about 0.12 M/s at mu = 50. Gaussian and Generator-mode Skellam run at numpy speed (tens of
+M/s).
 """
 
 from __future__ import annotations

@@ -1,0 +1,148 @@
+"""A factorization A = B C of a workload, and the quantities every family shares.
+
+The matrix mechanism releases ``B (C x + z) = A (x + C^{-1} z)`` with ``z ~ N(0, sigma^2 I)``
+and ``sigma = noise_multiplier * sens(C)`` (Denisov et al. 2022, Sec. 2; Choquette-Choo et al.
+2023, Eq. 1). Per unit noise multiplier:
+
+- per-round squared error ``sens(C)^2 * ||B[t, :]||^2`` (:meth:`Factorization.rmse` is its
+  square root);
+- loss ``sens(C)^2 * ||B||_F^2 / n`` (mean over rounds, ``reduction="mean"``), or
+  ``sens(C)^2 * max_t ||B[t, :]||^2`` (``reduction="max"``).
+
+C is lower-triangular and square for every family except the trees, whose C stacks one row per
+tree node (m x n). The noise that reaches the gradients is ``G z`` with the noising matrix
+``G = A^{-1} B`` (``= C^{-1}`` when C is square).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import scipy.linalg
+import scipy.optimize
+
+from fedsim.config import require
+from fedsim.privacy.matrix.sensitivity import Participation, Sensitivity, sensitivity
+
+_REDUCTIONS = ("mean", "max")
+
+
+@dataclass(frozen=True, eq=False)
+class Factorization:
+    """``A = B C`` with its family's structure.
+
+    ``workload`` is A (n x n), ``encoder`` is C (m x n), ``decoder`` is B (n x m); ``kind``
+    names the family and ``params`` holds what its streaming noise generator needs (Toeplitz
+    coefficients, bands, BLT buffers, tree weights).
+    """
+
+    kind: str
+    workload: np.ndarray
+    encoder: np.ndarray
+    decoder: np.ndarray
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n(self) -> int:
+        """Number of rounds."""
+        return int(self.workload.shape[0])
+
+    @property
+    def A(self) -> np.ndarray:  # noqa: N802 - the papers' name
+        return self.workload
+
+    @property
+    def B(self) -> np.ndarray:  # noqa: N802
+        return self.decoder
+
+    @property
+    def C(self) -> np.ndarray:  # noqa: N802
+        return self.encoder
+
+    def reconstruction_error(self) -> float:
+        """``max |B C - A|`` (0 up to rounding for a valid factorization)."""
+        return float(np.max(np.abs(self.decoder @ self.encoder - self.workload)))
+
+    def noising_matrix(self) -> np.ndarray:
+        """``G = A^{-1} B``, the map from noise z to the noise added to the gradients
+        (``C^{-1}`` for square C); lower-triangular in the round index."""
+        C = self.encoder
+        if C.shape[0] == C.shape[1]:
+            return scipy.linalg.solve_triangular(C, np.eye(self.n), lower=True)
+        return scipy.linalg.solve_triangular(self.workload, self.decoder, lower=True)
+
+    def max_column_norm(self) -> float:
+        """``max_j ||C[:, j]||``: the single-participation sensitivity."""
+        return float(np.linalg.norm(self.encoder, axis=0).max())
+
+    def sensitivity(self, participation: Participation | None = None) -> Sensitivity:
+        """Sensitivity of this C (the matrix actually used) under ``participation``."""
+        return sensitivity(self.encoder, participation or Participation.single())
+
+    def squared_error_per_round(self) -> np.ndarray:
+        """``||B[t, :]||^2`` for every round t (unit noise, unit sensitivity)."""
+        return np.sum(self.decoder**2, axis=1)
+
+    def rmse(self, participation: Participation | None = None) -> np.ndarray:
+        """Per-round RMSE per unit noise multiplier: ``sens(C) * ||B[t, :]||``."""
+        sens = self.sensitivity(participation).value
+        return sens * np.sqrt(self.squared_error_per_round())
+
+    def loss(self, participation: Participation | None = None, reduction: str = "mean") -> float:
+        """``sens^2 ||B||_F^2 / n`` (``mean``) or ``sens^2 max_t ||B[t]||^2`` (``max``)."""
+        require(reduction in _REDUCTIONS, "reduction", reduction, f"one of {_REDUCTIONS}")
+        errors = self.squared_error_per_round()
+        per_round = float(errors.mean() if reduction == "mean" else errors.max())
+        return self.sensitivity(participation).value ** 2 * per_round
+
+
+def check_workload(workload: np.ndarray | None, n: int) -> np.ndarray:
+    """The workload as a float64 n x n invertible lower-triangular matrix (prefix sums if None)."""
+    if workload is None:
+        return np.tri(n, dtype=np.float64)
+    A = np.asarray(workload, dtype=np.float64)
+    require(A.shape == (n, n), "workload", A.shape, f"an n x n matrix with n = {n}")
+    require(
+        bool(np.allclose(A, np.tril(A), rtol=0, atol=0)),
+        "workload",
+        "entries above the diagonal",
+        "a lower-triangular matrix (row t reads rounds <= t only)",
+    )
+    require(
+        bool(np.all(np.diag(A) != 0)), "workload", "a zero diagonal entry", "an invertible A"
+    )
+    return A
+
+
+def check_rounds(n: int) -> int:
+    """``n`` as an int >= 1."""
+    require(isinstance(n, (int, np.integer)) and int(n) >= 1, "n", n, "an integer >= 1")
+    return int(n)
+
+
+def from_square_encoder(
+    kind: str, C: np.ndarray, workload: np.ndarray, params: dict[str, Any]
+) -> Factorization:
+    """``B = A C^{-1}`` for an invertible lower-triangular C."""
+    B = scipy.linalg.solve_triangular(C, workload.T, lower=True, trans="T").T
+    return Factorization(kind, workload, C, B, params)
+
+
+def lbfgs(
+    fun: Callable[[np.ndarray], tuple[float, np.ndarray]],
+    x0: np.ndarray,
+    max_iter: int,
+    tol: float = 1e-10,
+) -> np.ndarray:
+    """Minimise ``fun`` (value and gradient) with scipy's float64 L-BFGS-B; the best point."""
+    result = scipy.optimize.minimize(
+        fun,
+        np.asarray(x0, dtype=np.float64),
+        jac=True,
+        method="L-BFGS-B",
+        options={"maxiter": int(max_iter), "ftol": tol, "gtol": 1e-9, "maxcor": 20},
+    )
+    return np.asarray(result.x, dtype=np.float64)

@@ -1,0 +1,217 @@
+"""Streaming noise: the rows of ``G z`` (``G = C^{-1}``, or ``A^{-1} B`` for trees) one round at
+a time, with bounded state.
+
+Round t's fresh Gaussian noise is drawn from ``numpy.random.default_rng([seed, t])`` only, so it
+does not depend on how many rounds were drawn before: a run resumes at round t from
+:meth:`NoiseStream.state` (round counter plus buffers) without replaying earlier rounds, and
+any round's fresh noise can be regenerated on its own (:meth:`NoiseStream.fresh`).
+
+State held (``d`` = number of noise coordinates per round):
+
+- :class:`BandedStream` -- ``bands - 1`` past outputs (forward substitution with a banded C);
+- :class:`BLTStream` -- ``nbuf`` buffers (``s_i <- theta_i s_i + y``);
+- :class:`TreeStream` -- at most ``floor(log2 n) + 1`` node estimates plus the last prefix;
+- :class:`DenseStream` -- every past output (``O(t d)``; for dense / square-root C, whose
+  inverse is dense).
+
+:func:`noise_stream` picks the generator for a :class:`Factorization`. Outputs have unit
+standard deviation per fresh coordinate; multiply by ``noise_multiplier * sens(C) * clip``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from fedsim.config import require
+from fedsim.privacy.matrix.factorization import Factorization
+from fedsim.privacy.matrix.tree import nodes_completed_at
+
+
+class NoiseStream:
+    """Base class: round counter, per-round seeding, state save / restore."""
+
+    #: names of the ndarray attributes that make up the state
+    _buffers: tuple[str, ...] = ()
+
+    def __init__(self, n: int, seed: int, shape: tuple[int, ...] | int) -> None:
+        require(isinstance(seed, (int, np.integer)) and seed >= 0, "seed", seed, "an int >= 0")
+        self.n = int(n)
+        self.seed = int(seed)
+        self.shape = (int(shape),) if np.isscalar(shape) else tuple(int(s) for s in shape)
+        self.round = 0
+
+    def fresh(self, t: int, count: int = 1) -> np.ndarray:
+        """The fresh noise of round t: ``count`` standard normal arrays of ``shape``."""
+        rng = np.random.default_rng([self.seed, int(t)])
+        return rng.standard_normal((count, *self.shape))
+
+    def fresh_per_round(self, t: int) -> int:
+        """How many fresh noise arrays round t draws (rows of z that belong to round t)."""
+        return 1
+
+    def next(self) -> np.ndarray:
+        """The noise for round ``self.round`` (then advance)."""
+        require(self.round < self.n, "round", self.round, f"a round < n = {self.n}")
+        y = self._step(self.round)
+        self.round += 1
+        return y
+
+    def _step(self, t: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def state(self) -> dict[str, Any]:
+        """A copy of the state (round counter and buffers)."""
+        out: dict[str, Any] = {"round": self.round}
+        for name in self._buffers:
+            value = getattr(self, name)
+            out[name] = [v.copy() for v in value] if isinstance(value, list) else value.copy()
+        return out
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from a :meth:`state` taken on a stream with the same parameters."""
+        self.round = int(state["round"])
+        for name in self._buffers:
+            value = state[name]
+            setattr(self, name, [v.copy() for v in value] if isinstance(value, list) else value.copy())
+
+    def state_size(self) -> int:
+        """Number of float64 noise values held (constants of C excluded)."""
+        total = 0
+        for name in self._buffers:
+            value = getattr(self, name)
+            total += sum(v.size for v in value) if isinstance(value, list) else value.size
+        return total
+
+
+class BandedStream(NoiseStream):
+    """``y = C^{-1} z`` for lower-triangular C with ``bands`` diagonals:
+    ``y_t = (z_t - sum_{j=1}^{bands-1} C[t, t-j] y_{t-j}) / C[t, t]``."""
+
+    _buffers = ("history",)
+
+    def __init__(self, C: np.ndarray, bands: int, seed: int, shape: Any) -> None:
+        n = C.shape[0]
+        super().__init__(n, seed, shape)
+        self.bands = int(bands)
+        # coefficients[t, j] = C[t, t - j] for j < bands (0 off the matrix)
+        self.coefficients = np.zeros((n, self.bands))
+        for j in range(self.bands):
+            self.coefficients[j:, j] = np.diagonal(C, offset=-j)
+        self.history = np.zeros((self.bands - 1, *self.shape))  # history[j-1] = y_{t-j}
+
+    def _step(self, t: int) -> np.ndarray:
+        z = self.fresh(t)[0]
+        c = self.coefficients[t]
+        y = (z - np.tensordot(c[1:], self.history, axes=1)) / c[0]
+        if self.bands > 1:
+            self.history = np.concatenate([y[None], self.history[:-1]])
+        return y
+
+
+class BLTStream(NoiseStream):
+    """``y = C^{-1} z`` for a BLT C (``c_j = sum_i w_i theta_i^{j-1}``):
+    ``y_t = z_t - sum_i w_i s_i``, then ``s_i <- theta_i s_i + y_t``."""
+
+    _buffers = ("buffers",)
+
+    def __init__(
+        self, n: int, weights: np.ndarray, thetas: np.ndarray, seed: int, shape: Any
+    ) -> None:
+        super().__init__(n, seed, shape)
+        self.weights = np.asarray(weights, dtype=np.float64)
+        self.thetas = np.asarray(thetas, dtype=np.float64)
+        self.buffers = np.zeros((self.weights.shape[0], *self.shape))
+
+    def _step(self, t: int) -> np.ndarray:
+        z = self.fresh(t)[0]
+        y = z - np.tensordot(self.weights, self.buffers, axes=1)
+        expand = (slice(None),) + (None,) * len(self.shape)
+        self.buffers = self.thetas[expand] * self.buffers + y[None]
+        return y
+
+
+class TreeStream(NoiseStream):
+    """Tree-aggregation noise in gradient space: ``y_t = p_t - p_{t-1}`` where ``p_t`` is the
+    noise of the prefix estimate, the sum of the estimates of the nodes in the binary
+    expansion of ``t + 1``. Round t draws one fresh value per node completing at t (leaf
+    first); ``alphas`` are the per-height own-value weights (all 1: binary tree; Honaker's
+    otherwise)."""
+
+    _buffers = ("stack", "prefix")
+
+    def __init__(self, n: int, alphas: np.ndarray, seed: int, shape: Any) -> None:
+        super().__init__(n, seed, shape)
+        self.alphas = np.asarray(alphas, dtype=np.float64)
+        self.stack: list[np.ndarray] = []  # estimates of the expansion nodes, lowest last
+        self.heights: list[int] = []
+        self.prefix = np.zeros(self.shape)
+
+    def fresh_per_round(self, t: int) -> int:
+        return nodes_completed_at(t)
+
+    def _step(self, t: int) -> np.ndarray:
+        count = nodes_completed_at(t)
+        z = self.fresh(t, count)
+        self._rebuild_heights(t)
+        est = z[0]
+        for h in range(1, count):
+            left = self.stack.pop()
+            self.heights.pop()
+            a = self.alphas[h]
+            est = a * z[h] + (1.0 - a) * (left + est)
+        self.stack.append(est)
+        self.heights.append(count - 1)
+        prefix = np.sum(self.stack, axis=0)
+        y = prefix - self.prefix
+        self.prefix = prefix
+        return y
+
+    def _rebuild_heights(self, t: int) -> None:
+        # heights of the expansion of t (nodes complete before round t), highest first
+        self.heights = [h for h in range(t.bit_length(), -1, -1) if t >> h & 1]
+
+    def state(self) -> dict[str, Any]:
+        out = super().state()
+        out["stack"] = [v.copy() for v in self.stack]
+        return out
+
+
+class DenseStream(NoiseStream):
+    """``y = C^{-1} z`` for any lower-triangular C by forward substitution over all past
+    outputs (state grows as ``t d``)."""
+
+    _buffers = ("history",)
+
+    def __init__(self, C: np.ndarray, seed: int, shape: Any) -> None:
+        super().__init__(C.shape[0], seed, shape)
+        self.C = C
+        self.history = np.zeros((0, *self.shape))
+
+    def _step(self, t: int) -> np.ndarray:
+        z = self.fresh(t)[0]
+        row = self.C[t, :t]
+        y = (z - np.tensordot(row, self.history, axes=1)) / self.C[t, t]
+        self.history = np.concatenate([self.history, y[None]])
+        return y
+
+
+def noise_stream(
+    factorization: Factorization, seed: int, shape: tuple[int, ...] | int
+) -> NoiseStream:
+    """The bounded-state generator for ``factorization``'s noise, where one exists."""
+    f = factorization
+    kind, n = f.kind, f.n
+    if kind in ("tree", "honaker"):
+        return TreeStream(n, f.params["alphas"], seed, shape)
+    if kind == "blt":
+        return BLTStream(n, f.params["weights"], f.params["thetas"], seed, shape)
+    if kind in ("banded", "banded_toeplitz"):
+        return BandedStream(f.encoder, f.params["bands"], seed, shape)
+    return DenseStream(f.encoder, seed, shape)
+
+
+def dense_fresh_noise(stream: NoiseStream) -> np.ndarray:
+    """All rounds' fresh noise stacked as the z of ``G z`` (rows in the order of C's rows)."""
+    return np.concatenate([stream.fresh(t, stream.fresh_per_round(t)) for t in range(stream.n)])
