@@ -1,0 +1,313 @@
+"""Authenticated encrypted channels between parties, relayed by an untrusted server.
+
+Each party holds an X25519 key pair (RFC 7748) generated from the OS CSPRNG. Two parties derive,
+from their X25519 shared secret, one 256-bit key per direction with HKDF-SHA256 (RFC 5869;
+salt = the session id, info = protocol label, both ids and both public keys). Messages are
+sealed with ChaCha20-Poly1305 (RFC 8439) under the sender->receiver key, with:
+
+* nonce: 4 zero bytes + a 64-bit big-endian counter, unique per directional key (the sender
+  increments it; a key is never used by anyone else);
+* associated data: (sender, receiver, round, stage), so a ciphertext replayed in another round or
+  stage, or redirected to another receiver, fails authentication; an exact replay of an already
+  opened message is refused by the receiver's record of seen counters.
+
+The :class:`Relay` stands for the server: it only ever holds :class:`Envelope` objects
+(ciphertext plus routing header) and counts every message's bytes in a :class:`Transcript`.
+Public keys are taken as authentic (the setting of SecAgg's honest-but-curious server; against an
+active server they would be signed under a PKI).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+from collections import defaultdict
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+PROTOCOL_LABEL = b"fedsim/channels/v1"
+NONCE_BYTES = 12
+TAG_BYTES = 16
+PUBLIC_KEY_BYTES = 32
+_MAX_COUNTER = 2**64 - 1
+SERVER_ID = 2**63 - 1
+"""Party id of the server in transcripts."""
+
+
+class ChannelError(ValueError):
+    """A message could not be opened: wrong key, tampered, misbound or misdelivered."""
+
+
+class ReplayError(ChannelError):
+    """A message that was already opened was presented again."""
+
+
+def stage_label(stage: str | Enum) -> str:
+    """The text a stage is bound under: an Enum member's name, or the string itself."""
+    if isinstance(stage, Enum):
+        return stage.name
+    if isinstance(stage, str) and stage:
+        return stage
+    raise ValueError(f"stage must be a non-empty str or an Enum member, got {stage!r}")
+
+
+def _check_party(name: str, value: int) -> int:
+    if not isinstance(value, int | np.integer) or not 0 <= value < 2**63:
+        raise ValueError(f"{name} must be an integer in [0, 2^63), got {value!r}")
+    return int(value)
+
+
+def associated_data(sender: int, receiver: int, round_: int, stage: str | Enum) -> bytes:
+    """The bytes every ciphertext is bound to: label, sender, receiver, round and stage."""
+    label = stage_label(stage).encode()
+    return (
+        PROTOCOL_LABEL
+        + struct.pack(">QQQH", sender, receiver, _check_party("round", round_), len(label))
+        + label
+    )
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """A sealed message as the server sees it: routing header, nonce and ciphertext."""
+
+    sender: int
+    receiver: int
+    round: int
+    stage: str
+    nonce: bytes
+    ciphertext: bytes
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the wire: header (3 x 8-byte ids, 2-byte stage length, stage), nonce,
+        ciphertext including the 16-byte tag."""
+        return 26 + len(self.stage.encode()) + len(self.nonce) + len(self.ciphertext)
+
+
+@dataclass
+class Transcript:
+    """Counts of messages and bytes per (sender, receiver, stage)."""
+
+    counts: dict[tuple[int, int, str], list[int]] = field(
+        default_factory=lambda: defaultdict(lambda: [0, 0])
+    )
+
+    def record(self, sender: int, receiver: int, stage: str | Enum, nbytes: int) -> None:
+        entry = self.counts[(sender, receiver, stage_label(stage))]
+        entry[0] += 1
+        entry[1] += nbytes
+
+    def messages(self, *, sender=None, receiver=None, stage=None) -> int:
+        """Number of messages matching the given filters (None matches all)."""
+        return sum(entry[0] for key, entry in self._matching(sender, receiver, stage))
+
+    def nbytes(self, *, sender=None, receiver=None, stage=None) -> int:
+        """Bytes of the messages matching the given filters (None matches all)."""
+        return sum(entry[1] for key, entry in self._matching(sender, receiver, stage))
+
+    def rows(self) -> list[dict]:
+        """One JSON-ready row per (sender, receiver, stage)."""
+        return [
+            {"sender": s, "receiver": r, "stage": st, "messages": m, "bytes": b}
+            for (s, r, st), (m, b) in sorted(self.counts.items())
+        ]
+
+    def _matching(self, sender, receiver, stage):
+        label = None if stage is None else stage_label(stage)
+        for key, entry in self.counts.items():
+            if sender is not None and key[0] != sender:
+                continue
+            if receiver is not None and key[1] != receiver:
+                continue
+            if label is not None and key[2] != label:
+                continue
+            yield key, entry
+
+
+class Endpoint:
+    """One party: an X25519 key pair (from the OS CSPRNG) and its directional channel keys."""
+
+    def __init__(self, party_id: int, session_id: bytes) -> None:
+        self.party_id = _check_party("party_id", party_id)
+        if not isinstance(session_id, bytes) or len(session_id) < 16:
+            raise ValueError(
+                f"session_id must be at least 16 bytes (e.g. os.urandom(32)), got {session_id!r}"
+            )
+        self.session_id = session_id
+        self._private_key = X25519PrivateKey.generate()
+        self.public_key = self._private_key.public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
+        self._send: dict[int, ChaCha20Poly1305] = {}
+        self._receive: dict[int, ChaCha20Poly1305] = {}
+        self._counters: dict[int, int] = {}
+        self._seen: dict[int, set[int]] = defaultdict(set)
+
+    def connect(self, peer_id: int, peer_public_key: bytes) -> None:
+        """Derive the send key (self -> peer) and receive key (peer -> self)."""
+        peer_id = _check_party("peer_id", peer_id)
+        if peer_id == self.party_id:
+            raise ValueError(f"peer_id={peer_id} is this endpoint's own id")
+        shared = self._private_key.exchange(_load_public_key(peer_public_key))
+        self._send[peer_id] = ChaCha20Poly1305(
+            self._directional_key(shared, self.party_id, self.public_key, peer_id, peer_public_key)
+        )
+        self._receive[peer_id] = ChaCha20Poly1305(
+            self._directional_key(shared, peer_id, peer_public_key, self.party_id, self.public_key)
+        )
+        self._counters.setdefault(peer_id, 0)
+
+    def _directional_key(
+        self, shared: bytes, sender: int, sender_key: bytes, receiver: int, receiver_key: bytes
+    ) -> bytes:
+        info = PROTOCOL_LABEL + struct.pack(">QQ", sender, receiver) + sender_key + receiver_key
+        return HKDF(algorithm=hashes.SHA256(), length=32, salt=self.session_id, info=info).derive(
+            shared
+        )
+
+    @property
+    def peers(self) -> list[int]:
+        return sorted(self._send)
+
+    def seal(self, receiver: int, round_: int, stage: str | Enum, plaintext: bytes) -> Envelope:
+        """Encrypt ``plaintext`` for ``receiver``, bound to (self, receiver, round, stage)."""
+        receiver = _check_party("receiver", receiver)
+        if receiver not in self._send:
+            raise ValueError(
+                f"receiver={receiver} is not connected to party {self.party_id}; "
+                f"connected: {self.peers}"
+            )
+        counter = self._counters[receiver]
+        if counter >= _MAX_COUNTER:
+            raise RuntimeError(f"nonce counter for receiver={receiver} exhausted; rekey")
+        self._counters[receiver] = counter + 1
+        nonce = bytes(4) + counter.to_bytes(8, "big")
+        label = stage_label(stage)
+        aad = associated_data(self.party_id, receiver, round_, label)
+        ciphertext = self._send[receiver].encrypt(nonce, bytes(plaintext), aad)
+        return Envelope(self.party_id, receiver, int(round_), label, nonce, ciphertext)
+
+    def open(self, envelope: Envelope) -> bytes:
+        """Decrypt an envelope addressed to this party; raise :class:`ChannelError` if it was
+        tampered with, bound to another round/stage/receiver, or already opened."""
+        if not isinstance(envelope, Envelope):
+            raise ValueError(f"envelope must be an Envelope, got {type(envelope).__name__}")
+        if envelope.receiver != self.party_id:
+            raise ChannelError(
+                f"envelope addressed to party {envelope.receiver} was delivered to party "
+                f"{self.party_id}"
+            )
+        key = self._receive.get(envelope.sender)
+        if key is None:
+            raise ChannelError(f"no channel from sender={envelope.sender} to party {self.party_id}")
+        if len(envelope.nonce) != NONCE_BYTES or envelope.nonce[:4] != bytes(4):
+            raise ChannelError(f"malformed nonce from sender={envelope.sender}")
+        aad = associated_data(envelope.sender, self.party_id, envelope.round, envelope.stage)
+        try:
+            plaintext = key.decrypt(envelope.nonce, envelope.ciphertext, aad)
+        except InvalidTag:
+            raise ChannelError(
+                f"authentication failed for the message from sender={envelope.sender} to "
+                f"party {self.party_id} (round {envelope.round}, stage {envelope.stage}): "
+                "wrong key, tampered ciphertext, or bound to another round/stage/receiver"
+            ) from None
+        # authentic; now refuse an exact replay of a message already opened
+        counter = int.from_bytes(envelope.nonce[4:], "big")
+        if counter in self._seen[envelope.sender]:
+            raise ReplayError(
+                f"message {counter} from sender={envelope.sender} (round {envelope.round}, "
+                f"stage {envelope.stage}) was already opened"
+            )
+        self._seen[envelope.sender].add(counter)
+        return plaintext
+
+    def seal_array(self, receiver: int, round_: int, stage: str | Enum, array) -> Envelope:
+        """Seal a numpy array (numeric dtypes only; no pickle)."""
+        return self.seal(receiver, round_, stage, encode_array(array))
+
+    def open_array(self, envelope: Envelope) -> np.ndarray:
+        return decode_array(self.open(envelope))
+
+
+def encode_array(array) -> bytes:
+    """A numeric numpy array as .npy bytes (no pickled objects)."""
+    array = np.asarray(array)
+    if array.dtype.kind not in "biuf":
+        raise ValueError(f"array must have a numeric dtype, got {array.dtype}")
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return buffer.getvalue()
+
+
+def decode_array(payload: bytes) -> np.ndarray:
+    return np.load(io.BytesIO(payload), allow_pickle=False)
+
+
+def _load_public_key(public_key: bytes) -> X25519PublicKey:
+    if not isinstance(public_key, bytes) or len(public_key) != PUBLIC_KEY_BYTES:
+        raise ValueError(
+            f"peer_public_key must be {PUBLIC_KEY_BYTES} raw bytes, got {public_key!r}"
+        )
+    return X25519PublicKey.from_public_bytes(public_key)
+
+
+class Relay:
+    """The server: forwards envelopes to mailboxes and counts their bytes; never decrypts.
+
+    It also relays public keys (``publish`` / ``public_keys``), which parties use to connect.
+    """
+
+    def __init__(self, transcript: Transcript | None = None) -> None:
+        self.transcript = transcript if transcript is not None else Transcript()
+        self._mailboxes: dict[int, list[Envelope]] = defaultdict(list)
+        self._public_keys: dict[int, bytes] = {}
+
+    def publish(self, party_id: int, public_key: bytes, stage: str | Enum = "keys") -> None:
+        """A party announces its public key (counted as a message to the server, id 2^63-1)."""
+        _load_public_key(public_key)
+        self._public_keys[_check_party("party_id", party_id)] = public_key
+        self.transcript.record(party_id, SERVER_ID, stage, len(public_key) + 8)
+
+    def public_keys(self) -> dict[int, bytes]:
+        return dict(self._public_keys)
+
+    def post(self, envelope: Envelope) -> None:
+        if not isinstance(envelope, Envelope):
+            raise ValueError(
+                f"the relay only forwards Envelope objects, got {type(envelope).__name__}"
+            )
+        self.transcript.record(envelope.sender, envelope.receiver, envelope.stage, envelope.nbytes)
+        self._mailboxes[envelope.receiver].append(envelope)
+
+    def deliver(self, receiver: int) -> list[Envelope]:
+        """Hand ``receiver`` everything queued for it, in arrival order."""
+        return self._mailboxes.pop(receiver, [])
+
+    def pending(self) -> list[Envelope]:
+        """Every queued envelope (what the server holds at this moment)."""
+        return [envelope for box in self._mailboxes.values() for envelope in box]
+
+
+def new_session_id() -> bytes:
+    """A fresh 32-byte session id from the OS CSPRNG (the HKDF salt of a run)."""
+    return os.urandom(32)
+
+
+def connect_all(endpoints: list[Endpoint], relay: Relay) -> None:
+    """Every endpoint publishes its key through the relay and connects to every other."""
+    for endpoint in endpoints:
+        relay.publish(endpoint.party_id, endpoint.public_key)
+    keys = relay.public_keys()
+    for endpoint in endpoints:
+        for peer_id, key in keys.items():
+            if peer_id != endpoint.party_id:
+                endpoint.connect(peer_id, key)

@@ -1,0 +1,211 @@
+"""protocols.field: every operation against Python big-integer arithmetic, edge cases 0 and p-1."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from protocols.field import DEFAULT_FIELD, MERSENNE_EXPONENTS, MersenneField
+
+FIELDS = [MersenneField(e) for e in (5, 13, 31, 61)]
+
+
+def _samples(field: MersenneField, size: int, seed: int) -> np.ndarray:
+    """Random elements with the edge cases 0, 1, p-2, p-1 and values near 2^32 included."""
+    values = field.random(np.random.default_rng(seed), size)
+    p = field.modulus
+    edges = [0, 1, p - 2, p - 1] + [v % p for v in (2**32 - 1, 2**32, 2**31, 2**29 + 3)]
+    values[: len(edges)] = edges
+    return values
+
+
+def _ints(values) -> list[int]:
+    return [int(v) for v in np.ravel(values)]
+
+
+@pytest.mark.parametrize("field", FIELDS, ids=repr)
+def test_elementwise_ops_match_big_integers(field):
+    p = field.modulus
+    a = _samples(field, 600, seed=1)
+    b = np.random.default_rng(2).permutation(_samples(field, 600, seed=3))
+    pairs = list(zip(_ints(a), _ints(b)))
+    assert _ints(field.add(a, b)) == [(x + y) % p for x, y in pairs]
+    assert _ints(field.sub(a, b)) == [(x - y) % p for x, y in pairs]
+    assert _ints(field.neg(a)) == [(-x) % p for x in _ints(a)]
+    assert _ints(field.mul(a, b)) == [(x * y) % p for x, y in pairs]
+    assert _ints(field.mul(a, p - 1)) == [(x * (p - 1)) % p for x in _ints(a)]
+    assert _ints(field.pow(a, 5)) == [pow(x, 5, p) for x in _ints(a)]
+    assert _ints(field.mul_pow2(a, 37)) == [(x << 37) % p for x in _ints(a)]
+    assert int(field.sum(a)) == sum(_ints(a)) % p
+
+
+def test_every_product_in_a_small_field():
+    field = MersenneField(7)
+    p = field.modulus
+    grid_a, grid_b = np.meshgrid(np.arange(p), np.arange(p), indexing="ij")
+    expected = (grid_a.astype(object) * grid_b.astype(object)) % p
+    assert (field.mul(grid_a, grid_b) == expected.astype(np.int64)).all()
+
+
+@pytest.mark.parametrize("field", FIELDS, ids=repr)
+def test_batch_inverse(field):
+    a = _samples(field, 400, seed=4)
+    a = a[a != 0]
+    inverse = field.inv(a)
+    assert (field.mul(a, inverse) == 1).all()
+    assert _ints(inverse) == [pow(x, -1, field.modulus) for x in _ints(a)]
+    with pytest.raises(ValueError, match="zero entries"):
+        field.inv(np.array([3, 0, 5]))
+
+
+@pytest.mark.parametrize("field", FIELDS, ids=repr)
+@pytest.mark.parametrize("inner", [0, 1, 7, 300])
+def test_matmul_matches_big_integers(field, inner):
+    rng = np.random.default_rng(inner)
+    p = field.modulus
+    left = field.random(rng, (5, inner))
+    right = field.random(rng, (inner, 6))
+    if inner:
+        left[0] = p - 1
+        right[:, 0] = p - 1
+    expected = [
+        [sum(int(left[i, k]) * int(right[k, j]) for k in range(inner)) % p for j in range(6)]
+        for i in range(5)
+    ]
+    assert field.matmul(left, right).tolist() == expected
+    if inner:
+        vector = right[:, 1]
+        assert field.matmul(left, vector).tolist() == [row[1] for row in expected]
+
+
+def test_matmul_long_inner_dimension_is_chunked_exactly():
+    field = DEFAULT_FIELD
+    p = field.modulus
+    left = np.full((2, 40_000), p - 1, dtype=np.int64)
+    right = np.full((40_000, 3), p - 1, dtype=np.int64)
+    expected = (40_000 * (p - 1) * (p - 1)) % p
+    assert (field.matmul(left, right) == expected).all()
+
+
+@pytest.mark.parametrize("field", FIELDS, ids=repr)
+def test_lagrange_interpolation_recovers_polynomial(field):
+    rng = np.random.default_rng(7)
+    p = field.modulus
+    degree = 3 if p < 100 else 6
+    coefficients = field.random(rng, (degree + 1, 4))
+    nodes = rng.choice(p, size=degree + 1, replace=False)
+    targets = np.array([0, p - 1, int(nodes[2])])
+    values = field.evaluate(coefficients, nodes)
+    expected = field.evaluate(coefficients, targets)
+    assert (field.interpolate(nodes, values, targets) == expected).all()
+    unit_row = field.lagrange_coefficients(nodes, [int(nodes[2])])[0]
+    assert unit_row.tolist() == [1 if j == 2 else 0 for j in range(degree + 1)]
+    # each basis polynomial sums to 1 at any target (interpolating the constant 1)
+    assert (field.sum(field.lagrange_coefficients(nodes, targets), axis=1) == 1).all()
+    with pytest.raises(ValueError, match="distinct"):
+        field.lagrange_coefficients([1, 2, 1], [0])
+
+
+def test_evaluate_against_horner_with_big_integers():
+    field = DEFAULT_FIELD
+    p = field.modulus
+    rng = np.random.default_rng(8)
+    coefficients = _samples(field, 9, seed=9)
+    points = _samples(field, 50, seed=10)
+    expected = []
+    for x in _ints(points):
+        acc = 0
+        for c in reversed(_ints(coefficients)):
+            acc = (acc * x + c) % p
+        expected.append(acc)
+    assert _ints(field.evaluate(coefficients, points)) == expected
+    assert field.vandermonde(rng.integers(0, p, 3), 4)[:, 0].tolist() == [1, 1, 1]
+
+
+def test_signed_encoding_roundtrip_and_limits():
+    field = DEFAULT_FIELD
+    half = field.max_signed
+    values = np.array([0, 1, -1, half, -half, 12345, -98765], dtype=np.int64)
+    encoded = field.encode_signed(values)
+    assert encoded.tolist()[:3] == [0, 1, field.modulus - 1]
+    assert (field.decode_signed(encoded) == values).all()
+    # sums of encodings decode to the integer sum while it stays within range
+    total = field.sum(field.encode_signed(np.array([-5, 3, -7, 2])))
+    assert int(field.decode_signed(total)) == -7
+    with pytest.raises(ValueError, match=r"integers has entry .* outside"):
+        field.encode_signed(np.array([half + 1]))
+
+
+def test_fixed_point_roundtrip_with_negative_values():
+    field = DEFAULT_FIELD
+    rng = np.random.default_rng(11)
+    values = rng.normal(scale=100.0, size=1000)
+    values[:4] = [-0.0, -1.5, -1e-9, 2.0**40]
+    bits = 16
+    decoded = field.decode_fixed(field.encode_fixed(values, bits), bits)
+    assert np.max(np.abs(decoded - values)) <= 2.0 ** -(bits + 1)
+    assert decoded[1] == -1.5
+    encoded_sum = field.sum(field.encode_fixed(values[4:], bits))
+    assert abs(field.decode_fixed(encoded_sum, bits) - values[4:].sum()) < 996 * 2.0**-bits
+    with pytest.raises(ValueError, match="fractional_bits=16"):
+        field.encode_fixed(np.array([2.0**50]), bits)
+    with pytest.raises(ValueError, match="finite"):
+        field.encode_fixed(np.array([np.nan]), bits)
+    with pytest.raises(ValueError, match="fractional_bits must be"):
+        field.encode_fixed(values, 70)
+
+
+def test_sum_headroom_bits():
+    field = DEFAULT_FIELD
+    headroom = field.sum_headroom_bits(1000, 2**40, noise_bound=2**45)
+    assert headroom == pytest.approx(math.log2(field.max_signed / (1000 * 2**40 + 2**45)))
+    assert headroom > 0
+    small = MersenneField(13)  # (p-1)/2 = 4095
+    assert small.sum_headroom_bits(4095, 1) == 0.0
+    with pytest.raises(ValueError, match=r"n_summands=4096 .*magnitude_bound"):
+        small.sum_headroom_bits(4096, 1)
+    with pytest.raises(ValueError, match="noise_bound"):
+        small.sum_headroom_bits(1, 1, noise_bound=-1)
+    with pytest.raises(ValueError, match="n_summands"):
+        small.sum_headroom_bits(0, 1)
+
+
+def test_inputs_out_of_range_are_named():
+    field = DEFAULT_FIELD
+    with pytest.raises(ValueError, match=r"^b has entry -1 outside"):
+        field.add(np.array([1]), np.array([-1]))
+    with pytest.raises(ValueError, match=r"^a has entry .* outside"):
+        field.mul(np.array([field.modulus]), 1)
+    with pytest.raises(ValueError, match="must hold integers"):
+        field.add(np.array([1.5]), 1)
+    with pytest.raises(ValueError, match="exponent=11"):
+        MersenneField(11)
+    assert set(MERSENNE_EXPONENTS) >= {31, 61}
+
+
+def test_random_secure_is_in_range_and_varies():
+    field = MersenneField(5)
+    draws = field.random_secure(4000)
+    assert draws.min() >= 0 and draws.max() < field.modulus
+    assert np.unique(draws).size == field.modulus  # every value of F_31 appears
+    big = DEFAULT_FIELD.random_secure((3, 4))
+    assert big.shape == (3, 4) and (big < DEFAULT_FIELD.modulus).all()
+
+
+def test_reduce_div_and_prod():
+    field = MersenneField(31)
+    p = field.modulus
+    raw = np.array([-1, -p, p, 2 * p + 5, 2**62], dtype=np.int64)
+    assert field.reduce(raw).tolist() == [int(v) % p for v in raw]
+    assert field.reduce(np.array([2**64 - 1], dtype=np.uint64)).tolist() == [(2**64 - 1) % p]
+    assert field.reduce(np.array([2**70, -(2**70)], dtype=object)).tolist() == [
+        2**70 % p,
+        -(2**70) % p,
+    ]
+    a = _samples(field, 50, seed=12)
+    b = _samples(field, 50, seed=13)
+    b[b == 0] = 1
+    assert (field.mul(field.div(a, b), b) == a).all()
+    assert int(field.prod(b)) == math.prod(_ints(b)) % p

@@ -1,0 +1,336 @@
+"""protocols.secagg: sums with and without dropouts at every stage, clean failure with too many,
+the server's view, tampering, and every (stage, stage) pair of the state machines."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from protocols.channels import new_session_id
+from protocols.field import DEFAULT_FIELD
+from protocols.secagg import (
+    TRANSITIONS,
+    SecAggClient,
+    SecAggConfig,
+    SecAggServer,
+    Stage,
+    StageError,
+    TooManyDropoutsError,
+    check_transition,
+    expand_mask,
+    neighbour_graph,
+    pairwise_seed,
+    run_secagg,
+)
+from protocols.shamir import InconsistentSharesError
+
+FIELD = DEFAULT_FIELD
+LENGTH = 300
+
+
+def _inputs(count: int, seed: int) -> dict[int, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    inputs = {100 + i: FIELD.random(rng, LENGTH) for i in range(count)}
+    first = next(iter(inputs))
+    inputs[first][:2] = [0, FIELD.modulus - 1]
+    return inputs
+
+
+def _sum_of(inputs, ids) -> np.ndarray:
+    return FIELD.sum(np.stack([inputs[i] for i in ids]), axis=0)
+
+
+def test_sum_without_dropouts_sparse_and_complete_graph():
+    inputs = _inputs(10, seed=1)
+    for degree, threshold in ((4, 3), (9, 5)):
+        config = SecAggConfig(10, degree, threshold, LENGTH)
+        result = run_secagg(config, inputs, np.random.default_rng(2))
+        assert result.survivors == tuple(sorted(inputs)) and result.dropped == ()
+        assert (result.aggregate == _sum_of(inputs, inputs)).all()
+
+
+@pytest.mark.parametrize(
+    "stage", [Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASK]
+)
+def test_sum_with_dropouts_at_each_stage(stage):
+    inputs = _inputs(12, seed=3)
+    config = SecAggConfig(12, 8, 5, LENGTH)
+    dropped_ids = {101, 106, 110}  # at most 3 per neighbourhood of 8: 5 remain
+    result = run_secagg(config, inputs, np.random.default_rng(4), {stage: dropped_ids})
+    # clients that stop in UNMASK already sent their masked input: their input is summed
+    expected = set(inputs) if stage is Stage.UNMASK else set(inputs) - dropped_ids
+    assert set(result.survivors) == expected
+    assert (result.aggregate == _sum_of(inputs, result.survivors)).all()
+    if stage is Stage.MASKED_INPUT:
+        assert set(result.dropped) == dropped_ids
+        assert set(result.server.view.recovered_secret_keys) == dropped_ids
+
+
+def test_sum_with_dropouts_spread_over_all_stages():
+    inputs = _inputs(16, seed=5)
+    config = SecAggConfig(16, 12, 7, LENGTH)  # any 5 neighbours may fail
+    dropouts = {
+        Stage.ADVERTISE_KEYS: {100},
+        Stage.SHARE_KEYS: {105},
+        Stage.MASKED_INPUT: {108, 111},
+        Stage.UNMASK: {113},
+    }
+    result = run_secagg(config, inputs, np.random.default_rng(6), dropouts)
+    # clients that dropped in UNMASK still sent their masked input: their input is summed
+    assert set(result.survivors) == set(inputs) - {100, 105, 108, 111}
+    assert (result.aggregate == _sum_of(inputs, result.survivors)).all()
+
+
+def test_too_many_dropouts_in_unmask_fail_cleanly():
+    inputs = _inputs(8, seed=7)
+    config = SecAggConfig(8, 4, 3, LENGTH)
+    with pytest.raises(TooManyDropoutsError, match=r"needs 3 shares, \d neighbours answered"):
+        run_secagg(config, inputs, np.random.default_rng(8), {Stage.UNMASK: {100, 101, 102, 103}})
+
+
+def test_too_few_survivors_fail_cleanly_and_abort():
+    inputs = _inputs(8, seed=9)
+    config = SecAggConfig(8, 7, 4, LENGTH, min_survivors=6)
+    session = new_session_id()
+    server = SecAggServer(config, inputs, session, np.random.default_rng(0))
+    clients = {i: SecAggClient(i, config, session) for i in inputs}
+    routed = server.advertise_keys({i: c.advertise_keys() for i, c in clients.items()})
+    incoming = server.share_keys({i: clients[i].share_keys(routed[i]) for i in routed})
+    masked = {i: clients[i].masked_input(incoming[i], inputs[i]) for i in list(incoming)[:5]}
+    with pytest.raises(TooManyDropoutsError, match="masked inputs arrived from 5 clients"):
+        server.masked_input(masked)
+    assert server.stage is Stage.ABORTED
+    with pytest.raises(StageError, match="ABORTED"):
+        server.unmask({})
+
+
+def test_clients_with_too_few_live_neighbours_are_excluded():
+    inputs = _inputs(16, seed=10)
+    config = SecAggConfig(16, 8, 5, LENGTH, min_survivors=3)
+    graph = neighbour_graph(list(inputs), 8, np.random.default_rng(11))
+    victim = 100
+    away = set(graph[victim][::2])  # victim keeps 4 < 5 live neighbours
+    result = run_secagg(config, inputs, np.random.default_rng(11), {Stage.ADVERTISE_KEYS: away})
+    assert result.excluded == (victim,)  # its neighbours still have 5 or more live neighbours
+    assert set(result.survivors) == set(inputs) - away - {victim}
+    # the excluded client still held its neighbours' shares and answered in UNMASK
+    assert victim in result.server.view.responses
+    assert (result.aggregate == _sum_of(inputs, result.survivors)).all()
+
+
+def test_server_never_sees_an_unmasked_input():
+    inputs = {100 + i: np.zeros(LENGTH, dtype=np.int64) for i in range(8)}
+    config = SecAggConfig(8, 4, 3, LENGTH)
+    result = run_secagg(config, inputs, np.random.default_rng(12), {Stage.MASKED_INPUT: {103}})
+    view = result.server.view
+    assert not set(view.recovered_self_masks) & set(view.recovered_secret_keys)
+    for client, masked in view.masked_inputs.items():
+        assert np.count_nonzero(masked) >= LENGTH - 1  # zeros are hidden
+        # even after removing the self-mask the server recovered, pairwise masks remain
+        seed = view.recovered_self_masks[client]
+        assert np.count_nonzero(FIELD.sub(masked, expand_mask(seed, LENGTH, FIELD))) >= LENGTH - 1
+    assert result.server.relay.pending() == []  # every share was delivered, sealed
+    assert (result.aggregate == 0).all()
+
+
+def test_client_refuses_to_reveal_both_secrets_of_one_client():
+    inputs = _inputs(5, seed=13)
+    config = SecAggConfig(5, 4, 3, LENGTH)
+    session = new_session_id()
+    server = SecAggServer(config, inputs, session, np.random.default_rng(0))
+    clients = {i: SecAggClient(i, config, session) for i in inputs}
+    routed = server.advertise_keys({i: c.advertise_keys() for i, c in clients.items()})
+    incoming = server.share_keys({i: clients[i].share_keys(routed[i]) for i in routed})
+    clients[100].masked_input(incoming[100], inputs[100])
+    with pytest.raises(ValueError, match=r"clients \[101\] are listed as both"):
+        clients[100].unmask([101, 102], [101])
+    assert clients[100].stage is Stage.ABORTED
+
+
+def test_late_masked_input_is_refused():
+    inputs = _inputs(6, seed=14)
+    config = SecAggConfig(6, 4, 3, LENGTH)
+    session = new_session_id()
+    server = SecAggServer(config, inputs, session, np.random.default_rng(0))
+    clients = {i: SecAggClient(i, config, session) for i in inputs}
+    routed = server.advertise_keys({i: c.advertise_keys() for i, c in clients.items()})
+    incoming = server.share_keys({i: clients[i].share_keys(routed[i]) for i in routed})
+    masked = {i: clients[i].masked_input(incoming[i], inputs[i]) for i in incoming}
+    late = masked.pop(105)
+    server.masked_input(masked)
+    with pytest.raises(StageError, match="server is in stage MASKED_INPUT"):
+        server.masked_input({105: late})
+
+
+def test_tampered_share_is_detected_and_attributed():
+    inputs = _inputs(9, seed=15)
+    config = SecAggConfig(9, 8, 5, LENGTH)
+    session = new_session_id()
+    server = SecAggServer(config, inputs, session, np.random.default_rng(0))
+    clients = {i: SecAggClient(i, config, session) for i in inputs}
+    routed = server.advertise_keys({i: c.advertise_keys() for i, c in clients.items()})
+    incoming = server.share_keys({i: clients[i].share_keys(routed[i]) for i in routed})
+    masked = {i: clients[i].masked_input(incoming[i], inputs[i]) for i in incoming}
+    survivors, dropped = server.masked_input(masked)
+    responses = {i: clients[i].unmask(survivors, dropped) for i in survivors}
+    row = responses[104].self_mask_shares[100]
+    row[3] = (row[3] + 1) % FIELD.modulus
+    with pytest.raises(InconsistentSharesError, match="shares of members") as caught:
+        server.unmask(responses)
+    recipients = sorted(j for j in inputs if j != 100)
+    assert caught.value.suspects == (recipients.index(104),)
+    assert server.stage is Stage.ABORTED
+
+
+def test_transition_table_every_pair():
+    for current, target in itertools.product(Stage, Stage):
+        if target in TRANSITIONS[current]:
+            check_transition(current, target, "party")
+        else:
+            with pytest.raises(StageError, match=f"stage {current.name}; cannot move to"):
+                check_transition(current, target, "party")
+
+
+def _client_handlers(client, routed, incoming, values):
+    return {
+        Stage.ADVERTISE_KEYS: lambda: client.advertise_keys(),
+        Stage.SHARE_KEYS: lambda: client.share_keys(routed),
+        Stage.MASKED_INPUT: lambda: client.masked_input(incoming, values),
+        Stage.UNMASK: lambda: client.unmask([], []),
+    }
+
+
+def test_every_client_handler_out_of_order_raises():
+    """Drive clients to each stage; every handler but the next one raises StageError."""
+    inputs = _inputs(5, seed=16)
+    config = SecAggConfig(5, 4, 3, LENGTH)
+    session = new_session_id()
+    server = SecAggServer(config, inputs, session, np.random.default_rng(0))
+    clients = {i: SecAggClient(i, config, session) for i in inputs}
+    probe = 100
+    checked = set()
+
+    def probe_all():
+        client = clients[probe]
+        for target, call in _client_handlers(client, {}, [], inputs[probe]).items():
+            if target not in TRANSITIONS[client.stage]:
+                before = client.stage
+                with pytest.raises(StageError):
+                    call()
+                assert client.stage is before
+                checked.add((before, target))
+
+    probe_all()
+    routed = server.advertise_keys({i: c.advertise_keys() for i, c in clients.items()})
+    probe_all()
+    incoming = server.share_keys({i: clients[i].share_keys(routed[i]) for i in routed})
+    probe_all()
+    masked = {i: clients[i].masked_input(incoming[i], inputs[i]) for i in incoming}
+    probe_all()
+    survivors, dropped = server.masked_input(masked)
+    responses = {i: clients[i].unmask(survivors, dropped) for i in survivors}
+    probe_all()  # DONE: every handler raises
+    assert (server.unmask(responses) == _sum_of(inputs, inputs)).all()
+    aborted = SecAggClient(999, config, session)
+    aborted.abort()
+    clients[probe] = aborted
+    probe_all()
+    handler_stages = {Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASK}
+    expected = {
+        (current, target)
+        for current in Stage
+        if current is not Stage.UNMASK  # a client passes through UNMASK inside one handler
+        for target in handler_stages
+        if target not in TRANSITIONS[current]
+    }
+    assert checked == expected
+
+
+def test_every_server_handler_out_of_order_raises():
+    inputs = _inputs(5, seed=17)
+    config = SecAggConfig(5, 4, 3, LENGTH)
+    session = new_session_id()
+    server = SecAggServer(config, inputs, session, np.random.default_rng(0))
+    clients = {i: SecAggClient(i, config, session) for i in inputs}
+    handlers = {
+        Stage.ADVERTISE_KEYS: lambda: server.advertise_keys({}),
+        Stage.SHARE_KEYS: lambda: server.share_keys({}),
+        Stage.MASKED_INPUT: lambda: server.masked_input({}),
+        Stage.UNMASK: lambda: server.unmask({}),
+    }
+    seen = []
+
+    def probe_all():
+        seen.append(server.stage)
+        for target, call in handlers.items():
+            if target not in TRANSITIONS[server.stage]:
+                with pytest.raises(StageError, match="server is in stage"):
+                    call()
+
+    probe_all()
+    routed = server.advertise_keys({i: c.advertise_keys() for i, c in clients.items()})
+    probe_all()
+    incoming = server.share_keys({i: clients[i].share_keys(routed[i]) for i in routed})
+    probe_all()
+    masked = {i: clients[i].masked_input(incoming[i], inputs[i]) for i in incoming}
+    survivors, dropped = server.masked_input(masked)
+    probe_all()
+    server.unmask({i: clients[i].unmask(survivors, dropped) for i in survivors})
+    probe_all()
+    assert seen == [
+        Stage.SETUP,
+        Stage.ADVERTISE_KEYS,
+        Stage.SHARE_KEYS,
+        Stage.MASKED_INPUT,
+        Stage.DONE,
+    ]
+
+
+def test_transcript_counts_shares_and_masked_inputs():
+    inputs = _inputs(6, seed=18)
+    config = SecAggConfig(6, 4, 3, LENGTH)
+    result = run_secagg(config, inputs, np.random.default_rng(19))
+    transcript = result.server.transcript
+    assert transcript.messages(stage=Stage.SHARE_KEYS) == 6 * 4
+    assert transcript.nbytes(sender=100, stage=Stage.MASKED_INPUT) == LENGTH * 8
+    per_envelope = {row["bytes"] for row in transcript.rows() if row["stage"] == "SHARE_KEYS"}
+    assert len(per_envelope) == 1  # every share row has the same size
+
+
+def test_masks_and_seeds():
+    seed = bytes(range(32))
+    first = expand_mask(seed, 1000, FIELD)
+    assert (first == expand_mask(seed, 1000, FIELD)).all()
+    assert (expand_mask(seed, 10, FIELD) == first[:10]).all()
+    assert first.min() >= 0 and first.max() < FIELD.modulus
+    assert not (first == expand_mask(bytes(32), 1000, FIELD)).any()
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+    a, b = X25519PrivateKey.generate(), X25519PrivateKey.generate()
+    raw = {k: k.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw) for k in (a, b)}
+    session = new_session_id()
+    assert pairwise_seed(a, raw[b], session, 3, 9) == pairwise_seed(b, raw[a], session, 9, 3)
+    assert pairwise_seed(a, raw[b], session, 3, 9) != pairwise_seed(a, raw[b], session, 3, 8)
+
+
+def test_neighbour_graph_is_regular_symmetric_and_seeded():
+    ids = list(range(50, 70))
+    graph = neighbour_graph(ids, 6, np.random.default_rng(20))
+    assert all(len(graph[i]) == 6 and i not in graph[i] for i in ids)
+    assert all(i in graph[j] for i in ids for j in graph[i])
+    assert graph == neighbour_graph(ids, 6, np.random.default_rng(20))
+    assert graph != neighbour_graph(ids, 6, np.random.default_rng(21))
+
+
+def test_config_errors_name_the_argument():
+    with pytest.raises(ValueError, match="degree=3 must be even"):
+        SecAggConfig(10, 3, 2, 5)
+    with pytest.raises(ValueError, match="threshold=2 must satisfy degree/2 < threshold"):
+        SecAggConfig(10, 4, 2, 5)
+    with pytest.raises(ValueError, match="vector_length"):
+        SecAggConfig(10, 4, 3, 0)
+    with pytest.raises(ValueError, match="min_survivors=11"):
+        SecAggConfig(10, 4, 3, 5, min_survivors=11)
