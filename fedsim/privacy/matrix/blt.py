@@ -1,6 +1,6 @@
 """Buffered linear Toeplitz (BLT) strategies (Dvijotham, McMahan, Pillutla, Steinke &
 Thakurta 2024, "Efficient and Near-Optimal Noise Generation for Streaming Differential
-Privacy", Sec. 3).
+Privacy").
 
 C is lower-triangular Toeplitz with ``c_0 = 1`` and ``c_j = sum_i w_i theta_i^(j - 1)`` for
 ``j >= 1``: a rational generating function with ``nbuf`` poles. ``y = C^{-1} z`` streams with
@@ -39,6 +39,26 @@ def blt_coefficients(weights: np.ndarray, thetas: np.ndarray, n: int) -> np.ndar
     require(w.shape == th.shape and w.ndim == 1, "weights", w.shape, f"shape {th.shape}")
     powers = th[None, :] ** np.arange(max(n - 1, 0))[:, None]
     return np.concatenate([[1.0], powers @ w])
+
+
+def inverse_blt(weights: np.ndarray, thetas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """BLT parameters ``(w_hat, theta_hat)`` of ``C^{-1}``: ``C^{-1}``'s coefficients are
+    ``1, sum_i w_hat_i theta_hat_i^(j - 1)``.
+
+    Forward substitution ``y_t = z_t - w^T s_t``, ``s_{t+1} = M s_t + 1 z_t`` with
+    ``M = diag(theta) - 1 w^T`` gives ``(C^{-1})_j = -w^T M^{j-1} 1``; diagonalising M yields the
+    new poles (the roots of ``sum_i w_i / (theta_i - x) = 1``, real for ``w > 0``).
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    th = np.asarray(thetas, dtype=np.float64)
+    M = np.diag(th) - np.outer(np.ones_like(w), w)
+    poles, V = np.linalg.eig(M)
+    left = w @ V
+    right = np.linalg.solve(V, np.ones_like(w))
+    w_hat = -left * right
+    if np.allclose(poles.imag, 0.0) and np.allclose(w_hat.imag, 0.0):
+        return w_hat.real, poles.real
+    return w_hat, poles
 
 
 def _unpack(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

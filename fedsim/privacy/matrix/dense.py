@@ -1,5 +1,5 @@
 """Dense multi-epoch matrix factorization (Denisov et al. 2022; Choquette-Choo et al. 2023,
-"Multi-Epoch Matrix Factorization Mechanisms for Private Machine Learning", Sec. 3-4).
+"Multi-Epoch Matrix Factorization Mechanisms for Private Machine Learning").
 
 Optimise the Gram matrix ``X = C^T C`` (symmetric positive definite) for
 ``L(X) = tr(A^T A X^{-1}) / n`` under fixed-epoch order with ``epochs`` passes of

@@ -1,8 +1,8 @@
 """A factorization A = B C of a workload, and the quantities every family shares.
 
 The matrix mechanism releases ``B (C x + z) = A (x + C^{-1} z)`` with ``z ~ N(0, sigma^2 I)``
-and ``sigma = noise_multiplier * sens(C)`` (Denisov et al. 2022, Sec. 2; Choquette-Choo et al.
-2023, Eq. 1). Per unit noise multiplier:
+and ``sigma = noise_multiplier * sens(C)`` (Denisov et al. 2022; Choquette-Choo et al. 2023,
+"Multi-Epoch Matrix Factorization Mechanisms"). Per unit noise multiplier:
 
 - per-round squared error ``sens(C)^2 * ||B[t, :]||^2`` (:meth:`Factorization.rmse` is its
   square root);
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -74,6 +75,15 @@ class Factorization:
             return scipy.linalg.solve_triangular(C, np.eye(self.n), lower=True)
         return scipy.linalg.solve_triangular(self.workload, self.decoder, lower=True)
 
+    def apply_noising(self, Z: np.ndarray) -> np.ndarray:
+        """``G Z`` by triangular solves (no inverse formed); Z has m rows (one per row of C)."""
+        Z = np.asarray(Z, dtype=np.float64)
+        C = self.encoder
+        require(Z.shape[0] == C.shape[0], "Z", Z.shape, f"an array with {C.shape[0]} rows")
+        if C.shape[0] == C.shape[1]:
+            return scipy.linalg.solve_triangular(C, Z, lower=True)
+        return scipy.linalg.solve_triangular(self.workload, self.decoder @ Z, lower=True)
+
     def max_column_norm(self) -> float:
         """``max_j ||C[:, j]||``: the single-participation sensitivity."""
         return float(np.linalg.norm(self.encoder, axis=0).max())
@@ -98,6 +108,52 @@ class Factorization:
         per_round = float(errors.mean() if reduction == "mean" else errors.max())
         return self.sensitivity(participation).value ** 2 * per_round
 
+    def summary(self, participation: Participation | None = None) -> dict[str, Any]:
+        """JSON-ready numbers: sensitivity (and whether exact), max column norm, mean and max
+        loss, last-round and largest per-round RMSE, reconstruction error."""
+        sens = self.sensitivity(participation)
+        errors = self.squared_error_per_round()
+        rmse = sens.value * np.sqrt(errors)
+        return {
+            "kind": self.kind,
+            "n": self.n,
+            "sensitivity": sens.value,
+            "sensitivity_exact": sens.exact,
+            "sensitivity_method": sens.method,
+            "max_column_norm": self.max_column_norm(),
+            "loss_mean": sens.value**2 * float(errors.mean()),
+            "loss_max": sens.value**2 * float(errors.max()),
+            "rmse_last": float(rmse[-1]),
+            "rmse_max": float(rmse.max()),
+            "reconstruction_error": self.reconstruction_error(),
+        }
+
+    def save(self, path: str | Path) -> None:
+        """Write A, C, B and the family parameters to an ``.npz`` file."""
+        arrays = {f"param_{k}": np.asarray(v) for k, v in self.params.items()}
+        np.savez(
+            path,
+            kind=np.array(self.kind),
+            workload=self.workload,
+            encoder=self.encoder,
+            decoder=self.decoder,
+            **arrays,
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> Factorization:
+        """Read a file written by :meth:`save` (checks ``B C = A`` to 1e-8)."""
+        with np.load(path, allow_pickle=False) as data:
+            params: dict[str, Any] = {}
+            for key in data.files:
+                if key.startswith("param_"):
+                    value = data[key]
+                    params[key[6:]] = value.item() if value.ndim == 0 else value
+            f = cls(str(data["kind"]), data["workload"], data["encoder"], data["decoder"], params)
+        err = f.reconstruction_error()
+        require(err <= 1e-8, "factorization", str(path), f"a file with B C = A (error {err:.2e})")
+        return f
+
 
 def check_workload(workload: np.ndarray | None, n: int) -> np.ndarray:
     """The workload as a float64 n x n invertible lower-triangular matrix (prefix sums if None)."""
@@ -111,9 +167,7 @@ def check_workload(workload: np.ndarray | None, n: int) -> np.ndarray:
         "entries above the diagonal",
         "a lower-triangular matrix (row t reads rounds <= t only)",
     )
-    require(
-        bool(np.all(np.diag(A) != 0)), "workload", "a zero diagonal entry", "an invertible A"
-    )
+    require(bool(np.all(np.diag(A) != 0)), "workload", "a zero diagonal entry", "an invertible A")
     return A
 
 

@@ -21,7 +21,6 @@ upper bound; the returned :class:`Sensitivity` says which (``exact``, ``method``
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -97,11 +96,16 @@ class Participation:
             return [tuple(range(r, n, b)) for r in range(b)]
         k, sep = self.participations(n), int(self.min_sep)
         out: list[tuple[int, ...]] = []
-        for size in range(1, k + 1):
-            for combo in itertools.combinations(range(n), size):
-                if all(b - a >= sep for a, b in itertools.pairwise(combo)):
-                    out.append(combo)
-        return out
+
+        def extend(prefix: tuple[int, ...], first: int) -> None:
+            for j in range(first, n):
+                pattern = (*prefix, j)
+                out.append(pattern)
+                if len(pattern) < k:
+                    extend(pattern, j + sep)
+
+        extend((), 0)
+        return sorted(out, key=lambda p: (len(p), p))
 
 
 @dataclass(frozen=True)
@@ -124,9 +128,7 @@ def _as_matrix(C: np.ndarray, name: str = "C") -> np.ndarray:
 
 
 def _rounds_per_epoch(n: int, epochs: int) -> int:
-    require(
-        n % int(epochs) == 0, "epochs", epochs, f"a divisor of the number of rounds n = {n}"
-    )
+    require(n % int(epochs) == 0, "epochs", epochs, f"a divisor of the number of rounds n = {n}")
     return n // int(epochs)
 
 
@@ -203,8 +205,7 @@ def toeplitz_min_sep(coef: np.ndarray, min_sep: int, max_participations: int | N
     that are non-negative and non-increasing.
 
     The worst pattern is k participations exactly ``min_sep`` apart from round 0, so
-    ``sens = ||sum_{i<k} C[:, i * min_sep]||`` (McMahan, Xu & Zhang 2024, arXiv 2405.13763,
-    Thm. 2); O(n) work.
+    ``sens = ||sum_{i<k} C[:, i * min_sep]||`` (arXiv 2405.13763, Thm. 2); O(n) work.
     """
     c = np.asarray(coef, dtype=np.float64)
     require(bool(np.all(c >= -_TOL)), "coef", float(c.min()), "non-negative coefficients")

@@ -74,7 +74,9 @@ class NoiseStream:
         self.round = int(state["round"])
         for name in self._buffers:
             value = state[name]
-            setattr(self, name, [v.copy() for v in value] if isinstance(value, list) else value.copy())
+            setattr(
+                self, name, [v.copy() for v in value] if isinstance(value, list) else value.copy()
+            )
 
     def state_size(self) -> int:
         """Number of float64 noise values held (constants of C excluded)."""
@@ -144,8 +146,8 @@ class TreeStream(NoiseStream):
     def __init__(self, n: int, alphas: np.ndarray, seed: int, shape: Any) -> None:
         super().__init__(n, seed, shape)
         self.alphas = np.asarray(alphas, dtype=np.float64)
-        self.stack: list[np.ndarray] = []  # estimates of the expansion nodes, lowest last
-        self.heights: list[int] = []
+        # estimates of the nodes in the expansion of the rounds so far, lowest height last
+        self.stack: list[np.ndarray] = []
         self.prefix = np.zeros(self.shape)
 
     def fresh_per_round(self, t: int) -> int:
@@ -154,28 +156,17 @@ class TreeStream(NoiseStream):
     def _step(self, t: int) -> np.ndarray:
         count = nodes_completed_at(t)
         z = self.fresh(t, count)
-        self._rebuild_heights(t)
         est = z[0]
         for h in range(1, count):
+            # the node of height h ending at t: its left child is the stack's lowest node
             left = self.stack.pop()
-            self.heights.pop()
             a = self.alphas[h]
             est = a * z[h] + (1.0 - a) * (left + est)
         self.stack.append(est)
-        self.heights.append(count - 1)
         prefix = np.sum(self.stack, axis=0)
         y = prefix - self.prefix
         self.prefix = prefix
         return y
-
-    def _rebuild_heights(self, t: int) -> None:
-        # heights of the expansion of t (nodes complete before round t), highest first
-        self.heights = [h for h in range(t.bit_length(), -1, -1) if t >> h & 1]
-
-    def state(self) -> dict[str, Any]:
-        out = super().state()
-        out["stack"] = [v.copy() for v in self.stack]
-        return out
 
 
 class DenseStream(NoiseStream):

@@ -44,7 +44,7 @@ def inverse_coefficients(coef: np.ndarray, n: int) -> np.ndarray:
 def sqrt_coefficients(n: int) -> np.ndarray:
     """``c_j = binom(2j, j) / 4^j = prod_{i<=j} (2i - 1) / (2i)``: the coefficients of
     ``(1 - x)^{-1/2}``, so that ``T(c) T(c) = tri(n)`` (Fichtenberger, Henzinger & Upadhyay
-    2023, "Constant Matters", Sec. 3)."""
+    2023, "Constant Matters")."""
     n = check_rounds(n)
     j = np.arange(1, n)
     return np.concatenate([[1.0], np.cumprod((2 * j - 1) / (2 * j))])
@@ -105,9 +105,7 @@ def toeplitz_participation(participation: Participation | None, n: int, bands: i
     if p.kind == "single":
         return 1, 1
     if p.kind == "fixed_epoch":
-        require(
-            n % p.epochs == 0, "epochs", p.epochs, f"a divisor of the number of rounds n = {n}"
-        )
+        require(n % p.epochs == 0, "epochs", p.epochs, f"a divisor of the number of rounds n = {n}")
         return n // p.epochs, int(p.epochs)
     return int(p.min_sep), p.participations(n)
 
@@ -136,7 +134,7 @@ def banded_toeplitz(
 ) -> Factorization:
     """Optimised banded Toeplitz C: coefficients ``c_0 = 1, c_1..c_{b-1}`` minimising
     :func:`toeplitz_loss_and_grad` with float64 L-BFGS (McKenna 2024, "Scaling up the Banded
-    Matrix Factorization Mechanism", Sec. 4 -- banded Toeplitz strategies).
+    Matrix Factorization Mechanism" -- banded Toeplitz strategies).
 
     Under multiple participations the columns a user can share must be orthogonal, so
     ``bands`` may not exceed the separation (``min_sep``, or n / epochs for fixed-epoch order).

@@ -10,7 +10,7 @@ most ``floor(log2 n) + 1`` nodes, so the single-participation sensitivity is
 - Binary tree: the prefix ``[0, t]`` is the sum of the nodes of the binary expansion of
   ``t + 1`` (B has 0/1 rows).
 - Honaker online (Honaker 2015, "Efficient Use of Differentially Private Binary Trees";
-  the efficient tree aggregation of Kairouz et al. 2021, App. D): every complete node is
+  the efficient tree aggregation used with DP-FTRL): every complete node is
   re-estimated bottom-up from its own noisy value and its two children's estimates,
   ``est_h = alpha_h node_h + (1 - alpha_h)(est_left + est_right)``, with the variance-optimal
   ``alpha_h = v_h`` and ``v_h = 1 / (1 + 1 / (2 v_{h-1}))``, ``v_0 = 1`` (unit node noise),
@@ -87,7 +87,7 @@ def _tree(n: int, workload: np.ndarray | None, honaker: bool) -> Factorization:
         diff = np.eye(n) - np.eye(n, k=-1)
         prefix = A @ (diff @ prefix)
     kind = "honaker" if honaker else "tree"
-    return Factorization(kind, A, C, prefix, {"alphas": alphas, "nodes": nodes})
+    return Factorization(kind, A, C, prefix, {"alphas": alphas})
 
 
 def binary_tree(n: int, workload: np.ndarray | None = None) -> Factorization:

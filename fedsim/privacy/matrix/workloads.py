@@ -23,7 +23,7 @@ def prefix_sum(n: int) -> np.ndarray:
 
     Row t sums the gradients of rounds 0..t: the workload of DP-FTRL / SGD with a constant
     learning rate (Kairouz et al. 2021, "Practical and Private (Deep) Learning without
-    Sampling or Shuffling", Sec. 2).
+    Sampling or Shuffling").
     """
     n = _check_n(n)
     return np.tri(n, dtype=np.float64)
@@ -42,7 +42,7 @@ def momentum(
         ``A[t, s] = sum_{r=s}^{t} eta_r beta^(r - s)``  for ``s <= t``, 0 otherwise
 
     (Denisov et al. 2022, "Improved Differential Privacy for SGD via Optimal Private Linear
-    Operators on Adaptive Streams", Sec. 2, momentum and learning-rate workloads).
+    Operators on Adaptive Streams", momentum and learning-rate workloads).
 
     ``momentum`` is beta in [0, 1); ``learning_rates`` is one positive rate for every round or
     a sequence of ``n`` positive rates (eta_0..eta_{n-1}). ``momentum=0`` with unit rates gives
@@ -54,9 +54,7 @@ def momentum(
     eta = np.asarray(learning_rates, dtype=np.float64)
     if eta.ndim == 0:
         eta = np.full(n, float(eta))
-    require(
-        eta.shape == (n,), "learning_rates", learning_rates, f"a float or {n} floats (n = {n})"
-    )
+    require(eta.shape == (n,), "learning_rates", learning_rates, f"a float or {n} floats (n = {n})")
     require(
         bool(np.all(np.isfinite(eta)) and np.all(eta > 0)),
         "learning_rates",
