@@ -151,12 +151,21 @@ class Endpoint:
         self._receive: dict[int, ChaCha20Poly1305] = {}
         self._counters: dict[int, int] = {}
         self._seen: dict[int, set[int]] = defaultdict(set)
+        self._peer_keys: dict[int, bytes] = {}
 
     def connect(self, peer_id: int, peer_public_key: bytes) -> None:
-        """Derive the send key (self -> peer) and receive key (peer -> self)."""
+        """Derive the send key (self -> peer) and receive key (peer -> self).
+
+        Connecting again with a *different* public key (the peer's fresh key pair for a new
+        round) starts new directional keys, so the nonce counters and the record of opened
+        messages restart for that peer; messages under the old key no longer authenticate."""
         peer_id = _check_party("peer_id", peer_id)
         if peer_id == self.party_id:
             raise ValueError(f"peer_id={peer_id} is this endpoint's own id")
+        if self._peer_keys.get(peer_id, peer_public_key) != peer_public_key:
+            self._counters.pop(peer_id, None)
+            self._seen.pop(peer_id, None)
+        self._peer_keys[peer_id] = peer_public_key
         shared = self._private_key.exchange(_load_public_key(peer_public_key))
         self._send[peer_id] = ChaCha20Poly1305(
             self._directional_key(shared, self.party_id, self.public_key, peer_id, peer_public_key)

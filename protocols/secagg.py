@@ -20,7 +20,13 @@ Learning", CCS 2017, for an honest-but-curious server, over F_p (p = 2^61 - 1 by
   dropped clients, and obtains sum_{i in survivors} x_i (mod p).
 
 The PRG is the ChaCha20 keystream (RFC 8439) of the seed, read as 64-bit words masked to e bits
-with the single value 2^e - 1 rejected, so masks are uniform in F_p. Keys, seeds and shares come
+with the single value 2^e - 1 rejected, so masks are uniform in F_p. With
+``SecAggConfig.ring_bits = b`` the inputs, masks and aggregate live in the ring Z_{2^b} instead
+(:class:`RingZ2k`, as in the original SecAgg): masks are raw keystream words (uniform, nothing
+rejected), arithmetic is native unsigned wrap-around, and an element travels in ceil(b/8)
+bytes. The seeds and key shares stay in F_p. A sum of signed values decodes correctly in
+Z_{2^b} iff it lies in [-2^(b-1), 2^(b-1)), the same bit budget DDGauss plans for
+(:func:`protocols.encoding.sum_headroom_bits` with ``bits=b``). Keys, seeds and shares come
 from the OS CSPRNG; only the graph is drawn from the passed generator.
 
 Stages run in the order of :class:`Stage`; every handler checks its transition and raises
@@ -103,7 +109,8 @@ class SecAggConfig:
     degree/2 < threshold <= degree (a majority, so a server cannot collect both of a client's
     secrets from two disjoint groups of neighbours); ``min_survivors``: fewest clients whose
     inputs may be summed (default ``threshold``), so that an aggregate never exposes a
-    handful of inputs; ``vector_length``: field elements per input.
+    handful of inputs; ``vector_length``: field elements per input; ``ring_bits``: mask and
+    sum in Z_{2^ring_bits} instead of F_p (None: the field).
     """
 
     num_clients: int
@@ -113,8 +120,11 @@ class SecAggConfig:
     round: int = 0
     min_survivors: int | None = None
     field: MersenneField = DEFAULT_FIELD
+    ring_bits: int | None = None
 
     def __post_init__(self) -> None:
+        if self.ring_bits is not None:
+            RingZ2k(self.ring_bits)
         if self.num_clients < 2:
             raise ValueError(f"num_clients must be >= 2, got {self.num_clients}")
         complete = self.num_clients - 1
@@ -139,6 +149,11 @@ class SecAggConfig:
             raise ValueError(
                 f"min_survivors={self.min_survivors} must be in [1, {self.num_clients}]"
             )
+
+    @property
+    def masking(self) -> MersenneField | RingZ2k:
+        """Where inputs, masks and the aggregate live: the field, or Z_{2^ring_bits}."""
+        return self.field if self.ring_bits is None else _cached_ring(self.ring_bits)
 
     @property
     def survivors_needed(self) -> int:
@@ -186,6 +201,111 @@ def expand_mask(seed: bytes, length: int, field_: MersenneField) -> np.ndarray:
         out[filled : filled + words.size] = words.astype(np.int64)
         filled += words.size
     return out
+
+
+class RingZ2k:
+    """The ring Z_{2^bits} (1 <= bits <= 64) on unsigned numpy arrays (uint32 for bits <= 32,
+    else uint64): the masking space of SecAgg+ when ``SecAggConfig.ring_bits`` is set.
+
+    Offers the element-wise methods SecAgg+ uses on a field (asarray, add, sub, sum) plus
+    :meth:`expand` (the PRG) and the signed encoding in [-2^(bits-1), 2^(bits-1)).
+    """
+
+    def __init__(self, bits: int) -> None:
+        if not isinstance(bits, int | np.integer) or not 1 <= bits <= 64:
+            raise ValueError(f"ring_bits must be an integer in [1, 64], got {bits!r}")
+        self.bits = int(bits)
+        self.dtype = np.dtype(np.uint32 if self.bits <= 32 else np.uint64)
+        self._width = self.dtype.itemsize * 8
+        self._mask = self.dtype.type((1 << self.bits) - 1)
+        self.modulus = 1 << self.bits
+
+    def __repr__(self) -> str:
+        return f"RingZ2k(bits={self.bits})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RingZ2k) and other.bits == self.bits
+
+    def __hash__(self) -> int:
+        return hash(("RingZ2k", self.bits))
+
+    @property
+    def bytes_per_element(self) -> int:
+        return -(-self.bits // 8)
+
+    def _wrap(self, a: np.ndarray) -> np.ndarray:
+        if self.bits < self._width:
+            np.bitwise_and(a, self._mask, out=a)
+        return a
+
+    def asarray(self, values, name: str = "values") -> np.ndarray:
+        """``values`` as the ring's dtype after checking every entry lies in [0, 2^bits)."""
+        array = np.asarray(values)
+        if array.dtype.kind not in "iu":
+            raise ValueError(f"{name} must hold integers in [0, 2^{self.bits}), got {array.dtype}")
+        if array.size and (int(array.min()) < 0 or int(array.max()) >= self.modulus):
+            bad = int(array.min()) if int(array.min()) < 0 else int(array.max())
+            raise ValueError(f"{name} has entry {bad} outside [0, 2^{self.bits})")
+        return array.astype(self.dtype, copy=False)
+
+    def add(self, a, b) -> np.ndarray:
+        return self._wrap(np.add(a, b, dtype=self.dtype))
+
+    def sub(self, a, b) -> np.ndarray:
+        return self._wrap(np.subtract(a, b, dtype=self.dtype))
+
+    def sum(self, a, axis: int = 0) -> np.ndarray:
+        return self._wrap(np.sum(a, axis=axis, dtype=self.dtype))
+
+    def sum_list(self, arrays: list[np.ndarray]) -> np.ndarray:
+        """Sum of equally long vectors, accumulated in place (no stacked copy)."""
+        total = np.array(arrays[0], dtype=self.dtype)
+        for array in arrays[1:]:
+            np.add(total, array, out=total)
+        return self._wrap(total)
+
+    def expand(self, seed: bytes, length: int) -> np.ndarray:
+        """PRG(seed): ``length`` uniform ring elements, the ChaCha20 keystream as words."""
+        if len(seed) != SEED_BYTES:
+            raise ValueError(f"seed must be {SEED_BYTES} bytes, got {len(seed)}")
+        stream = Cipher(algorithms.ChaCha20(seed, bytes(16)), mode=None).encryptor()
+        words = np.frombuffer(stream.update(bytes(self.dtype.itemsize * length)), self.dtype)
+        return self._wrap(words.copy()) if self.bits < self._width else words
+
+    def encode_signed(self, integers) -> np.ndarray:
+        """Signed integers in [-2^(bits-1), 2^(bits-1)) to their residues."""
+        array = np.asarray(integers)
+        if array.dtype.kind not in "iu":
+            raise ValueError(f"integers must hold integers, got dtype {array.dtype}")
+        array = array.astype(np.int64, copy=False)
+        half = 1 << (self.bits - 1)
+        if array.size and (int(array.min()) < -half or int(array.max()) >= half):
+            raise ValueError(
+                f"integers has entries outside [-2^{self.bits - 1}, 2^{self.bits - 1}): "
+                f"[{int(array.min())}, {int(array.max())}] would wrap in Z_2^{self.bits}"
+            )
+        return self._wrap(array.astype(np.uint64).astype(self.dtype))
+
+    def decode_signed(self, elements) -> np.ndarray:
+        """Ring elements to their representative in [-2^(bits-1), 2^(bits-1)), as int64."""
+        values = self.asarray(elements, "elements").astype(np.uint64)
+        if self.bits == 64:
+            return values.view(np.int64)
+        signed = values.astype(np.int64)
+        return np.where(signed >= 1 << (self.bits - 1), signed - (1 << self.bits), signed)
+
+
+def _expand(space, seed: bytes, length: int) -> np.ndarray:
+    """The mask PRG in the masking space: F_p (:func:`expand_mask`) or a :class:`RingZ2k`."""
+    if isinstance(space, RingZ2k):
+        return space.expand(seed, length)
+    return expand_mask(seed, length, space)
+
+
+def _sum_vectors(space, vectors: list[np.ndarray]) -> np.ndarray:
+    if isinstance(space, RingZ2k):
+        return space.sum_list(vectors)
+    return space.sum(np.stack(vectors), axis=0)
 
 
 def pairwise_seed(
@@ -305,8 +425,9 @@ class SecAggClient:
         (None, with ``values=None``, for a client that does not contribute)."""
         self._enter(Stage.MASKED_INPUT)
         field_ = self.config.field
+        space = self.config.masking
         if self.contributes:
-            values = field_.asarray(values, "values").ravel()
+            values = space.asarray(values, "values").ravel()
             if values.size != self.config.vector_length:
                 raise ValueError(
                     f"values has {values.size} elements; vector_length={self.config.vector_length}"
@@ -331,7 +452,7 @@ class SecAggClient:
             )
         if not self.contributes:
             return None
-        masked = field_.add(values, expand_mask(self._self_mask_seed, values.size, field_))
+        masked = space.add(values, _expand(space, self._self_mask_seed, values.size))
         for peer in sorted(self._held_shares):
             seed = pairwise_seed(
                 self._agreement_key,
@@ -340,11 +461,11 @@ class SecAggClient:
                 self.client_id,
                 peer,
             )
-            mask = expand_mask(seed, values.size, field_)
+            mask = _expand(space, seed, values.size)
             if self.client_id < peer:
-                masked = field_.add(masked, mask)
+                masked = space.add(masked, mask)
             else:
-                masked = field_.sub(masked, mask)
+                masked = space.sub(masked, mask)
         return masked
 
     def unmask(self, survivors: Iterable[int], dropped: Iterable[int]) -> UnmaskResponse:
@@ -485,7 +606,7 @@ class SecAggServer:
     def masked_input(self, masked_inputs: Mapping[int, np.ndarray]) -> tuple[tuple, tuple]:
         """MASKED_INPUT: collect y_i from clients that shared; returns (survivors, dropped)."""
         self._enter(Stage.MASKED_INPUT)
-        field_ = self.config.field
+        field_ = self.config.masking
         for client, masked in masked_inputs.items():
             if client not in self.shared:
                 raise ValueError(f"masked input from client {client}, which shared no keys")
@@ -512,7 +633,7 @@ class SecAggServer:
         """UNMASK: reconstruct survivors' self-mask seeds and dropped clients' agreement keys
         from the neighbours' shares; return sum_{i in survivors} x_i (mod p)."""
         self._enter(Stage.UNMASK)
-        field_ = self.config.field
+        field_ = self.config.masking
         for client, response in responses.items():
             if client not in self.survivors and client not in self.excluded:
                 raise ValueError(
@@ -521,12 +642,12 @@ class SecAggServer:
                 )
             self.view.responses[int(client)] = response
             self.transcript.record(int(client), SERVER_ID, Stage.UNMASK, response.nbytes)
-        total = field_.sum(np.stack([self.view.masked_inputs[i] for i in self.survivors]), axis=0)
+        total = _sum_vectors(field_, [self.view.masked_inputs[i] for i in self.survivors])
         length = self.config.vector_length
         for owner in self.survivors:
             seed = self._recover(owner, "self_mask_shares")
             self.view.recovered_self_masks[owner] = seed
-            total = field_.sub(total, expand_mask(seed, length, field_))
+            total = field_.sub(total, _expand(field_, seed, length))
         for owner in self.dropped:
             partners = [j for j in self._recipients[owner] if j in self.survivors]
             if not partners:
@@ -538,7 +659,7 @@ class SecAggServer:
                 seed = pairwise_seed(
                     key, self.view.public_keys[partner][1], self.session_id, owner, partner
                 )
-                mask = expand_mask(seed, length, field_)
+                mask = _expand(field_, seed, length)
                 # the partner added +mask if partner < owner, else -mask: undo it
                 if partner < owner:
                     total = field_.sub(total, mask)
@@ -579,6 +700,11 @@ class SecAggServer:
 def _scheme(config: SecAggConfig, recipients: int) -> PackedShamir:
     """Plain Shamir (k = 1) among ``recipients`` neighbours: ``threshold`` shares reconstruct."""
     return _cached_scheme(recipients, config.threshold - 1, config.field)
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_ring(bits: int) -> RingZ2k:
+    return RingZ2k(bits)
 
 
 @functools.lru_cache(maxsize=64)

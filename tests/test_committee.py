@@ -1,0 +1,186 @@
+"""Committee actors: packed Shamir sums under per-member, per-stage faults."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from fedsim.engine.committee import (
+    ACTIVE_STAGES,
+    TRANSITIONS,
+    Committee,
+    CommitteeAbort,
+    CommitteeFaults,
+    CommitteeShard,
+    CommitteeStage,
+    MemberFault,
+    StageFaults,
+    TamperingDetected,
+)
+from protocols.field import DEFAULT_FIELD
+from protocols.secagg import StageError, TooManyDropoutsError
+
+S = CommitteeStage
+
+
+def inputs(rng, clients=6, length=23):
+    return {c: DEFAULT_FIELD.random(rng, length) for c in range(100, 100 + clients)}
+
+
+def expected(vectors):
+    return DEFAULT_FIELD.sum(np.stack(list(vectors.values())), axis=0)
+
+
+def faults(**by_kind):
+    plan = {}
+    for kind, entries in by_kind.items():
+        for member, stage in entries:
+            plan[(member, stage)] = MemberFault[kind.upper()]
+    return CommitteeFaults(plan, seed=3)
+
+
+def test_every_stage_pair_is_checked():
+    handlers = {
+        S.SHARE: lambda shard: shard.share(0, {}, StageFaults()),
+        S.COMBINE: lambda shard: shard.combine(0, [], StageFaults()),
+        S.RELEASE: lambda shard: shard.release(0, StageFaults()),
+    }
+    order = [S.SETUP, *ACTIVE_STAGES]
+    for current, target in itertools.product(order, ACTIVE_STAGES):
+        shard = CommitteeShard([0, 1])
+        for stage in order[1 : order.index(current) + 1]:
+            handlers[stage](shard)
+        if target in TRANSITIONS[current]:
+            handlers[target](shard)
+        else:
+            with pytest.raises(StageError, match=target.name):
+                handlers[target](shard)
+
+
+def test_sum_without_faults_and_vectorised_shards():
+    rng = np.random.default_rng(0)
+    vectors = inputs(rng)
+    for shards in (1, 3):
+        committee = Committee(9, 3, 2, shards=shards)
+        result = committee.run_round(1, vectors, rng)
+        np.testing.assert_array_equal(result.aggregate, expected(vectors))
+        assert result.answered == tuple(range(9)) and result.clients == tuple(vectors)
+
+
+def test_dropouts_up_to_the_limit_then_abort_keeps_earlier_rounds():
+    rng = np.random.default_rng(1)
+    committee = Committee(10, 3, 2, shards=2)  # needs t + k + 1 = 6
+    assert committee.needed == 6
+    first = committee.run_round(1, inputs(rng), rng)
+    ok = faults(drop=[(0, S.SHARE), (4, S.COMBINE), (7, S.RELEASE)], late=[(9, S.RELEASE)])
+    vectors = inputs(rng)
+    second = committee.run_round(2, vectors, rng, ok)
+    np.testing.assert_array_equal(second.aggregate, expected(vectors))
+    assert second.late == (9,) and second.dropped == (0, 4, 7)
+    too_many = faults(
+        drop=[(0, S.SHARE), (1, S.COMBINE), (2, S.RELEASE), (3, S.RELEASE)],
+        late=[(5, S.SHARE)],
+    )
+    with pytest.raises(CommitteeAbort, match="6 committee members needed.*5 answered") as info:
+        committee.run_round(3, inputs(rng), rng, too_many)
+    assert (info.value.needed, info.value.answered) == (6, 5)
+    assert isinstance(info.value, TooManyDropoutsError)
+    assert committee.history[1] is first and committee.history[2] is second
+    assert 3 not in committee.history
+    vectors = inputs(rng)  # the committee goes on after an abort
+    np.testing.assert_array_equal(committee.run_round(3, vectors, rng).aggregate, expected(vectors))
+
+
+@pytest.mark.parametrize("stage", ACTIVE_STAGES)
+def test_tampering_is_caught_and_removed_when_identifiable(stage):
+    rng = np.random.default_rng(2)
+    committee = Committee(10, 3, 2, shards=3)
+    vectors = inputs(rng)
+    result = committee.run_round(1, vectors, rng, faults(tamper=[(6, stage)]))
+    np.testing.assert_array_equal(result.aggregate, expected(vectors))
+    assert result.tampered == (6,) and 6 not in result.answered
+
+
+def test_tampering_that_cannot_be_singled_out_aborts_loudly():
+    rng = np.random.default_rng(3)
+    committee = Committee(8, 3, 2, shards=2)  # needs 6; with 2 dropped exactly 6 answer
+    plan = faults(drop=[(0, S.SHARE), (1, S.RELEASE)], tamper=[(5, S.RELEASE)])
+    with pytest.raises(TamperingDetected, match="cannot be singled out"):
+        committee.run_round(1, inputs(rng), rng, plan)
+    assert committee.history == {}
+
+
+def test_random_faults_never_give_a_silently_wrong_sum():
+    rng = np.random.default_rng(4)
+    committee = Committee(12, 3, 3, shards=4)
+    outcomes = {"ok": 0, "abort": 0, "tamper": 0}
+    for round_ in range(40):
+        vectors = inputs(rng, clients=3, length=7)
+        plan = CommitteeFaults.random(12, rng, drop=0.08, late=0.04, tamper=0.04)
+        try:
+            result = committee.run_round(round_, vectors, rng, plan)
+        except CommitteeAbort:
+            outcomes["abort"] += 1
+            continue
+        except TamperingDetected:
+            outcomes["tamper"] += 1
+            continue
+        np.testing.assert_array_equal(result.aggregate, expected(vectors))
+        outcomes["ok"] += 1
+    assert outcomes["ok"] > 0 and outcomes["abort"] + outcomes["tamper"] > 0
+
+
+def test_arguments_are_checked():
+    with pytest.raises(ValueError, match="detect"):
+        Committee(5, 2, 2, detect=2)
+    with pytest.raises(ValueError, match="shards"):
+        Committee(5, 2, 1, shards=6)
+    with pytest.raises(ValueError, match="stage"):
+        CommitteeFaults({(0, S.DONE): MemberFault.DROP})
+
+
+@pytest.mark.ray
+def test_committee_on_ray_actors(ray_session):
+    rng = np.random.default_rng(5)
+    committee = Committee(10, 3, 2, shards=3, ray_module=ray_session)
+    try:
+        vectors = inputs(rng, length=1000)
+        result = committee.run_round(1, vectors, rng, faults(drop=[(2, S.COMBINE)]))
+        np.testing.assert_array_equal(result.aggregate, expected(vectors))
+        result = committee.run_round(2, vectors, rng, faults(tamper=[(8, S.RELEASE)]))
+        np.testing.assert_array_equal(result.aggregate, expected(vectors))
+        assert result.tampered == (8,)
+        many = faults(drop=[(m, S.SHARE) for m in range(5)])
+        with pytest.raises(CommitteeAbort, match="6 committee members needed.*5 answered"):
+            committee.run_round(3, vectors, rng, many)
+        assert sorted(committee.history) == [1, 2]
+    finally:
+        committee.close()
+
+
+def test_shares_travel_encrypted_and_a_corrupted_one_excludes_its_client():
+    rng = np.random.default_rng(6)
+    committee = Committee(7, 2, 2, shards=2)
+    vectors = inputs(rng, clients=4, length=40)
+    plan = CommitteeFaults(corrupt_in_transit=frozenset({(101, 3)}))
+    result = committee.run_round(1, vectors, rng, plan)
+    assert result.excluded == (101,) and 101 not in result.clients
+    kept = {c: v for c, v in vectors.items() if c != 101}
+    np.testing.assert_array_equal(result.aggregate, expected(kept))
+    transcript = committee.relay.transcript
+    blocks = committee.scheme.blocks_for(40)
+    share_bytes = transcript.nbytes(sender=100, stage=S.SHARE)
+    assert transcript.messages(sender=100, stage=S.SHARE) == 7
+    assert 7 * blocks * 8 < share_bytes < 7 * (blocks * 8 + 300)
+    assert transcript.messages(stage=S.RELEASE) == 7
+    vectors = inputs(rng, clients=4, length=40)  # fresh client keys next round
+    np.testing.assert_array_equal(committee.run_round(2, vectors, rng).aggregate, expected(vectors))
+
+
+def test_plain_transport_gives_the_same_sums():
+    rng = np.random.default_rng(7)
+    committee = Committee(6, 2, 1, shards=3, encrypt=False)
+    vectors = inputs(rng)
+    result = committee.run_round(1, vectors, rng, faults(drop=[(5, S.RELEASE)]))
+    np.testing.assert_array_equal(result.aggregate, expected(vectors))
+    assert committee.relay.transcript.nbytes() == 0
