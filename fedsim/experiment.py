@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pickle
 import platform
 import time
 from dataclasses import dataclass, field
@@ -45,13 +46,16 @@ from fedsim.engine import (
     PoissonCohort,
     UniformCohort,
 )
-from fedsim.engine.participation import Participation
+from fedsim.engine.participation import TRAIN, Participation
+from fedsim.engine.registry import ClientRegistry
 from fedsim.engine.rounds import RoundOutcome, run_rounds
 from fedsim.engine.seeding import SeededSampling
 from fedsim.models import ModelSpec, build_model, initial_arrays, load_arrays
+from fedsim.privacy import accounting
 from fedsim.progress import RunProgress
 from fedsim.records import to_numpy, to_record
 from fedsim.results import RoundRecorder, RunWriter, metrics_dict, read_rounds
+from fedsim.workloads.dp_sgd import DPSGD, epsilon_of
 from fedsim.workloads.supervised import LocalTraining, as_tensors, evaluate_model, make_client_app
 from strategies.registry import NAMES, build_strategy
 
@@ -167,6 +171,13 @@ class ExperimentConfig:
             self.evaluation.clients,
             f"at most strategy.clients_per_round = {self.strategy.clients_per_round}",
         )
+        proximal = "fedprox" in (self.strategy.name, self.strategy.options.get("server_optimizer"))
+        require(
+            self.client.dp_sgd is None or not proximal,
+            "client.dp_sgd",
+            to_mapping(self.client.dp_sgd),
+            "none with FedProx (DP-SGD's per-example gradients do not include its proximal term)",
+        )
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ExperimentConfig:
@@ -274,9 +285,14 @@ def run_experiment(
                 observer=recorder,
                 state_store=store,
                 faults=config.faults,
-                datasets=((config.data, dataset),),
+                # Memory-mapped files are opened by each worker, not copied to it.
+                datasets=() if _file_backed(dataset) else ((config.data, dataset),),
             )
             ready = time.perf_counter()
+
+            privacy_report = getattr(strategy, "privacy_report", None)
+            should_stop = getattr(strategy, "should_stop", None)
+            registry = ClientRegistry(population)
 
             def on_round(outcome: RoundOutcome) -> None:
                 recorder.end_round(
@@ -284,8 +300,16 @@ def run_experiment(
                     aggregated=metrics_dict(outcome.train_metrics),
                     aggregated_evaluate=metrics_dict(outcome.evaluate_metrics),
                     central=metrics_dict(outcome.central_metrics),
+                    privacy=privacy_report() if privacy_report is not None else None,
+                    client_privacy=_client_privacy(
+                        config, participation, registry, store, outcome.server_round
+                    ),
                 )
-                last = outcome.server_round == config.rounds
+                last = outcome.server_round == config.rounds or (
+                    should_stop is not None
+                    and outcome.server_round >= 1
+                    and should_stop(outcome.server_round + 1)  # the budget ends the run here
+                )
                 if outcome.server_round and (
                     outcome.server_round % config.checkpoint_every == 0 or last
                 ):
@@ -310,6 +334,7 @@ def run_experiment(
             config, dataset, engine, read_rounds(writer.rounds_path), started, ready, finished
         )
         summary["resumed_after_round"] = start_round - 1 if resume else None
+        summary.update(_privacy_summary(strategy, read_rounds(writer.rounds_path)))
         writer.write_summary(summary)
         if own_engine:
             engine.close()
@@ -317,6 +342,10 @@ def run_experiment(
     finally:
         writer.close()
         store.close()
+
+
+def _file_backed(dataset: FederatedDataset) -> bool:
+    return any(isinstance(a, np.memmap) for a in dataset.to_arrays().values())
 
 
 def build_experiment_strategy(config: ExperimentConfig, participation: Participation) -> Strategy:
@@ -333,9 +362,73 @@ def build_experiment_strategy(config: ExperimentConfig, participation: Participa
             else 0.0,
             seed=config.seed,
             partial_aggregation=config.strategy.partial_aggregation,
+            sampling=privacy_sampling(participation, config.rounds),
+            population=participation.num_clients,
         ),
         config.seed,
     )
+
+
+def privacy_sampling(
+    participation: Participation, rounds: int
+) -> accounting.Sampling | accounting.MinSeparation:
+    """The accountant's model of the engine's training cohorts.
+
+    Uniform cohorts of ``k`` of ``N`` are fixed-size sampling without replacement,
+    Poisson cohorts are Poisson sampling at the same rate, a min-separation schedule
+    puts each client in at most ``ceil(rounds / b)`` rounds ``b`` apart, and anything
+    else is accounted as full participation (no amplification claimed).
+    """
+    if isinstance(participation, UniformCohort):
+        return accounting.FixedSizeSampling(participation.cohort_size, participation.num_clients)
+    if isinstance(participation, PoissonCohort):
+        return accounting.PoissonSampling(participation.rate)
+    if isinstance(participation, MinSeparationCohort):
+        b = participation.min_separation
+        return accounting.MinSeparation(b, -(-rounds // b))
+    return accounting.FullParticipation()
+
+
+def _client_privacy(
+    config: ExperimentConfig,
+    participation: Participation,
+    registry: ClientRegistry,
+    store: ClientStateStore,
+    server_round: int,
+) -> dict[str, Any] | None:
+    """With client DP-SGD: the largest epsilon any client of this round's training cohort
+    reports over all its rounds (read from the client states the round left behind)."""
+    dp = config.client.dp_sgd
+    if not isinstance(dp, DPSGD) or server_round < 1:
+        return None
+    cohort = participation.cohort(server_round, TRAIN)
+    states = store.get_many(registry.node_ids_of(cohort))
+    epsilons = [
+        e for e in (epsilon_of(pickle.loads(blob)) for blob in states.values()) if e is not None
+    ]
+    return {
+        "max_epsilon": max(epsilons, default=0.0),
+        "clients": len(epsilons),
+        "delta": dp.delta,
+        "accountant": dp.accountant,
+    }
+
+
+def _privacy_summary(strategy: Strategy, records: list[dict[str, Any]]) -> dict[str, Any]:
+    """summary.json's privacy keys: the run's epsilon (when the strategy keeps a ledger),
+    why it stopped early (if it did), and the worst client's own epsilon (client DP-SGD)."""
+    out: dict[str, Any] = {"stopped_reason": getattr(strategy, "stop_reason", None)}
+    report = getattr(strategy, "privacy_report", None)
+    if report is not None:
+        out["privacy"] = report()
+    client = [r["client_privacy"] for r in records if "client_privacy" in r]
+    if client:
+        out["max_client_epsilon"] = max(c["max_epsilon"] for c in client)
+        out["client_privacy"] = {
+            "delta": client[-1]["delta"],
+            "accountant": client[-1]["accountant"],
+        }
+    return out
 
 
 def load_run_config(out_dir: str | Path, given: ExperimentConfig | None) -> ExperimentConfig:

@@ -1,4 +1,4 @@
-"""Client-level DP-FedAvg with fixed clipping, as a Flower strategy wrapper.
+"""Client-level DP-FedAvg: clipping (fixed or adaptive), server noise, an accounted ledger.
 
 DP-FedAvg (McMahan et al., "Learning Differentially Private Recurrent Language
 Models", ICLR 2018, Alg. 1) replaces FedAvg's weighted mean by a noisy mean of
@@ -6,31 +6,77 @@ clipped client updates:
 
     Delta_i   = x_i - g                                   (client update)
     clip(v,C) = v * min(1, C / ||v||_2)                   (flattened L2 norm)
-    Delta_bar = (sum_i clip(Delta_i, C) + N(0, (z C)^2 I)) / m
+    Delta_bar = (sum_i clip(Delta_i, C) + N(0, (z_D C)^2 I)) / m
 
-with ``z`` the noise multiplier and ``m`` the *expected* number of clients per
-round (the cohort size for fixed-size sampling, ``q N`` for Poisson sampling),
-never the number that replied, so that the sensitivity of the sum is ``C``.
+with ``z_D`` the update's noise multiplier and ``m`` the *expected* number of
+clients per round (the cohort size for fixed-size sampling, ``q N`` for Poisson
+sampling), never the number that replied, so that the sensitivity of the sum
+is ``C``.
+
+Adaptive clipping (Andrew, Thakkar, McMahan & Ramaswamy, "Differentially
+Private Learning with Adaptive Clipping", NeurIPS 2021, Alg. 1): each client
+also contributes the bit ``b_i = [||Delta_i|| <= C]``; the server releases the
+centred count ``sum_i (b_i - 1/2) + N(0, sigma_b^2)`` (sensitivity 1/2 under
+add/remove), estimates the unclipped fraction
+``b~ = (sum_i (b_i - 1/2) + N(0, sigma_b^2)) / m + 1/2`` and moves the clipping
+norm geometrically towards the target quantile ``gamma``:
+
+    C <- C * exp(-eta_C (b~ - gamma))
+
+The two Gaussian releases compose to one Gaussian of the configured noise
+multiplier ``z``: ``z_D = (z^-2 - (2 sigma_b)^-2)^(-1/2)``
+(:func:`fedsim.privacy.accounting.split_noise_multiplier`), so a round is
+accounted as ``adaptive_clipping_round_event(z, sigma_b, sampling)``.
+
+Accounting. The strategy holds a :class:`~fedsim.privacy.accounting.PrivacyLedger`
+and records one event per round in which it released an update, with the
+round's sampling model (Poisson rate ``q``, fixed-size ``m`` of ``N``, full
+participation, or b-min-separation) and noise. The neighbouring relation
+follows the sampling: add/remove for Poisson sampling, full participation and
+min-separation; replace-one for fixed-size sampling of fewer than ``N`` clients
+(the only relation dp_accounting can amplify it under; the sum then moves by up
+to ``2C``, which the ledger accounts for). With ``max_epsilon``, a round whose
+event would bring epsilon above it is not run: :meth:`DPFedAvg.should_stop`
+says so before the round (fedsim's round loop checks it), and
+``configure_train`` then sends nothing, so under Flower's own ``Strategy.start``
+the remaining rounds release nothing either.
+
+Dropouts, stragglers and failures. The noise is drawn by the server, and the
+denominators (``m`` for the mean update and for ``b~``) stay the expected
+cohort size whatever number of clients replied: a client that drops out
+removes its (clipped) contribution, never noise. A round in which no client
+replied still releases ``g + N(0, (z_D C)^2 I) / m`` and is accounted; a round
+is never skipped because of who replied, as that would itself depend on the
+participants.
 
 The clipped sum is a :class:`~fedsim.engine.reduce.Reducer`: each worker can
-fold its clients' replies into one partial sum (:class:`ClippedSum`), and the
-strategy applies the same reducer to whatever it receives, so the result is the
-same with or without worker-side reduction, and on Flower's own runtime.
+fold its clients' replies into one partial sum (:class:`ClippedSum`, which
+also counts the clipped updates, so the bits ``b_i`` need no extra message),
+and the strategy applies the same reducer to whatever it receives, so the
+result is the same with or without worker-side reduction, and on Flower's own
+runtime.
 
-The wrapped strategy (FedAvg, FedAdam, ...) then receives a single reply whose
-arrays are ``g + Delta_bar``: FedAvg returns it as the new model, server
-optimisers apply their update to the pseudo-gradient ``-Delta_bar``.
+The wrapped strategy (FedAvg, FedAvgM, FedAdam, ...) then receives a single
+reply whose arrays are ``g + Delta_bar``: FedAvg returns it as the new model,
+server optimisers apply their update to the pseudo-gradient ``Delta_bar``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
+import dp_accounting as dpa
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app.message_type import MessageType
+from flwr.app.metadata import Metadata
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
+from fedsim.config import require
 from fedsim.engine.metrics import MetricSums
 from fedsim.engine.reduce import (
     Accumulator,
@@ -39,6 +85,17 @@ from fedsim.engine.reduce import (
     attach_reducer,
     partial_reply,
     single,
+)
+from fedsim.privacy.accounting import (
+    FixedSizeSampling,
+    FullParticipation,
+    MinSeparation,
+    NeighbouringRelation,
+    PrivacyLedger,
+    Sampling,
+    adaptive_clipping_round_event,
+    round_event,
+    split_noise_multiplier,
 )
 from fedsim.records import to_numpy, to_record
 from strategies.wrapper import StrategyWrapper
@@ -123,16 +180,81 @@ class _ClippedSumAccumulator(Accumulator):
         return partial_reply(self.template, content)
 
 
+@dataclass(frozen=True, slots=True)
+class AdaptiveClipping:
+    """Andrew et al. 2021's geometric clipping-norm update.
+
+    Attributes:
+        target_unclipped_quantile: ``gamma`` in [0, 1], the fraction of updates
+            that should not be clipped.
+        learning_rate: ``eta_C > 0``; ``C`` changes by at most ``exp(eta_C)`` per round.
+        count_stddev: ``sigma_b > 0``, std of the noise on the centred count of
+            unclipped updates (count units). It must exceed ``z / 2``.
+    """
+
+    target_unclipped_quantile: float = 0.5
+    learning_rate: float = 0.2
+    count_stddev: float = 1.0
+
+    def __post_init__(self) -> None:
+        require(
+            0.0 <= self.target_unclipped_quantile <= 1.0,
+            "target_unclipped_quantile",
+            self.target_unclipped_quantile,
+            "a number in [0, 1]",
+        )
+        require(self.learning_rate > 0, "clip_learning_rate", self.learning_rate, "a number > 0")
+        require(self.count_stddev > 0, "clipped_count_stddev", self.count_stddev, "a number > 0")
+
+
+def relation_for(sampling: Sampling) -> NeighbouringRelation:
+    """The neighbouring relation a run with ``sampling`` is accounted under.
+
+    Fixed-size sampling of fewer than all clients is amplified by dp_accounting
+    only under replace-one neighbours; everything else uses add/remove.
+    """
+    if isinstance(sampling, FixedSizeSampling) and sampling.sample_size < sampling.population:
+        return NeighbouringRelation.REPLACE_ONE
+    return NeighbouringRelation.ADD_REMOVE
+
+
+def _server_reply(content: RecordDict, server_round: int) -> Message:
+    """A reply-shaped message made by the server (a round in which nobody replied)."""
+    metadata = Metadata(
+        run_id=0,
+        message_id="",
+        src_node_id=0,
+        dst_node_id=0,
+        reply_to_message_id="",
+        group_id=str(server_round),
+        created_at=0.0,
+        ttl=0.0,
+        message_type=MessageType.TRAIN,
+    )
+    return Message(content=content, metadata=metadata)
+
+
 class DPFedAvg(StrategyWrapper):
-    """Wrap a FedAvg-family strategy with client-level DP (fixed clipping).
+    """Wrap a FedAvg-family strategy with client-level DP and a privacy ledger.
 
     Args:
         strategy: the wrapped strategy (samples, configures, applies the server update).
-        clipping_norm: ``C``, the L2 bound on each client's update.
-        noise_multiplier: ``z``; the sum's noise has standard deviation ``z C``.
+        clipping_norm: ``C`` (the initial ``C`` with adaptive clipping), the L2
+            bound on each client's update, in model-parameter units.
+        noise_multiplier: ``z >= 0``, what a round is accounted as. Without
+            adaptive clipping the sum's noise has std ``z C``; with it, ``z_D C``
+            with ``z_D`` from :func:`~fedsim.privacy.accounting.split_noise_multiplier`.
         expected_clients: ``m``, the expected number of clients per round.
-        rng: the generator of the Gaussian noise.
+        rng: the generator of the Gaussian noise (update and count).
         worker_reduction: let workers fold clipped sums (same result, less traffic).
+        adaptive: adaptive clipping settings; None keeps ``C`` fixed.
+        sampling: how each round's clients are drawn. A :class:`MinSeparation`
+            schedule is accounted by the ledger's worst-case participation (each
+            round then records an unsampled event). Default: full participation
+            (no amplification claimed).
+        delta: the run's ``delta`` in (0, 1) for the epsilon it reports.
+        accountant: "rdp" or "pld".
+        max_epsilon: stop before a round that would bring epsilon above this (None: never).
     """
 
     def __init__(
@@ -144,28 +266,115 @@ class DPFedAvg(StrategyWrapper):
         expected_clients: float,
         rng: np.random.Generator,
         worker_reduction: bool = True,
+        adaptive: AdaptiveClipping | None = None,
+        sampling: Sampling | None = None,
+        delta: float = 1e-5,
+        accountant: str = "rdp",
+        max_epsilon: float | None = None,
     ) -> None:
         if noise_multiplier < 0:
             raise ValueError(f"noise_multiplier = {noise_multiplier!r}; it must be >= 0")
         if not expected_clients > 0:
             raise ValueError(f"expected_clients = {expected_clients!r}; it must be > 0")
-        super().__init__(strategy)
-        self.reducer = ClippedSum(
-            clipping_norm, getattr(strategy, "weighted_by_key", "num-examples")
+        require(accountant in ("rdp", "pld"), "accountant", accountant, "one of 'rdp', 'pld'")
+        require(
+            max_epsilon is None or max_epsilon > 0,
+            "max_epsilon",
+            max_epsilon,
+            "a number > 0 (or none)",
         )
+        super().__init__(strategy)
+        self.weight_key = getattr(strategy, "weighted_by_key", "num-examples")
+        self.reducer = ClippedSum(clipping_norm, self.weight_key)
         self.noise_multiplier = float(noise_multiplier)
+        self.adaptive = adaptive
+        if adaptive is not None:
+            self.update_noise_multiplier = split_noise_multiplier(
+                self.noise_multiplier, adaptive.count_stddev
+            )
+        else:
+            self.update_noise_multiplier = self.noise_multiplier
         self.expected_clients = float(expected_clients)
         self.rng = rng
         self.worker_reduction = worker_reduction
+        sampling = FullParticipation() if sampling is None else sampling
+        schedule = sampling if isinstance(sampling, MinSeparation) else None
+        self.sampling: Sampling = FullParticipation() if schedule is not None else sampling
+        self.ledger = PrivacyLedger(relation_for(self.sampling), delta, schedule)
+        self.accountant = accountant
+        self.max_epsilon = None if max_epsilon is None else float(max_epsilon)
+        self.stop_reason: str | None = None
+        self._stopped_at: int | None = None
+        self._epsilons: dict[tuple[int, int], float] = {}  # (entries before, round) -> epsilon
         self._global: tuple[str, ArrayRecord] | None = None
 
     @property
     def clipping_norm(self) -> float:
+        """The clipping norm the next round uses."""
         return self.reducer.clipping_norm
 
+    def round_event(self) -> dpa.DpEvent:
+        """The ``dp_accounting`` event of one round as this strategy releases it."""
+        if self.adaptive is not None:
+            return adaptive_clipping_round_event(
+                self.noise_multiplier, self.adaptive.count_stddev, self.sampling
+            )
+        return round_event(self.noise_multiplier, self.sampling)
+
+    # -- privacy budget --------------------------------------------------------------
+    def _epsilon_with_round(self, server_round: int) -> float:
+        key = (len(self.ledger), server_round)
+        if key not in self._epsilons:
+            eps = self.ledger.epsilon_if(
+                self.round_event(), accountant=self.accountant, round=server_round
+            )
+            recent = list(self._epsilons.items())[-3:]  # the last few rounds suffice
+            self._epsilons = {**dict(recent), key: eps}
+        return self._epsilons[key]
+
+    def should_stop(self, server_round: int) -> bool:
+        """True when round ``server_round`` must not run: its release would bring
+        epsilon above ``max_epsilon`` (or an earlier round already stopped the run)."""
+        if self._stopped_at is not None:
+            return server_round >= self._stopped_at
+        if self.max_epsilon is None:
+            return False
+        eps = self._epsilon_with_round(server_round)
+        if eps > self.max_epsilon:
+            self._stopped_at = server_round
+            self.stop_reason = (
+                f"max_epsilon: round {server_round} would bring epsilon to {eps:.6g} "
+                f"> max_epsilon = {self.max_epsilon:g} (delta = {self.ledger.delta:g}, "
+                f"{self.accountant})"
+            )
+            return True
+        return False
+
+    def epsilon(self) -> float:
+        """Epsilon (nats) at the ledger's delta of every round released so far."""
+        entries = self.ledger.entries
+        if entries:
+            key = (len(entries) - 1, entries[-1][0])
+            if key in self._epsilons:  # computed before the round by should_stop
+                return self._epsilons[key]
+        return self.ledger.epsilon(accountant=self.accountant)
+
+    def privacy_report(self) -> dict[str, Any]:
+        """What a round record shows: epsilon so far and how it was computed."""
+        return {
+            "epsilon": self.epsilon(),
+            "delta": self.ledger.delta,
+            "accountant": self.accountant,
+            "relation": self.ledger.relation.value,
+            "rounds_accounted": len(self.ledger),
+        }
+
+    # -- the Message-API hooks ---------------------------------------------------------
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
+        if self.should_stop(server_round):
+            return []
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
         key = getattr(self.strategy, "arrayrecord_key", "arrays")
         self._global = (key, arrays)
@@ -176,34 +385,55 @@ class DPFedAvg(StrategyWrapper):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        if self._stopped_at is not None and server_round >= self._stopped_at:
+            return None, None
         if self._global is None:
             raise RuntimeError("aggregate_train called before configure_train")
         valid = [r for r in replies if not r.has_error()]
-        if not valid:
-            return None, None
         key, global_record = self._global
-        summed = self.reducer.reduce(RecordDict({key: global_record}), valid)
-        total = to_numpy(single(summed.content, ArrayRecord)[1])
-        metrics = single(summed.content, MetricRecord)[1]
-        std = self.noise_multiplier * self.clipping_norm
         reference = to_numpy(global_record)
+        if valid:
+            summed = self.reducer.reduce(RecordDict({key: global_record}), valid)
+            total = to_numpy(single(summed.content, ArrayRecord)[1])
+            metrics = single(summed.content, MetricRecord)[1]
+            clients, clipped = int(metrics[CLIENTS_KEY]), int(metrics[CLIPPED_KEY])
+        else:  # nobody replied: the round still releases noise
+            total = {k: np.zeros(v.shape, dtype=np.float64) for k, v in reference.items()}
+            metrics, clients, clipped = MetricRecord(), 0, 0
+        clipping_norm = self.clipping_norm
+        std = self.update_noise_multiplier * clipping_norm
         updated = {}
         for name, value in reference.items():
             noise = self.rng.normal(0.0, std, size=value.shape) if std > 0 else 0.0
             mean_update = (total[name] + noise) / self.expected_clients
             updated[name] = (value.astype(np.float64) + mean_update).astype(value.dtype)
-        clients = int(metrics[CLIENTS_KEY])
-        weight_key = self.reducer.weight_key
+        self.ledger.record(server_round, self.round_event())
         client_metrics = MetricRecord(
-            {k: v for k, v in metrics.items() if k not in _BOOKKEEPING and k != weight_key}
+            {k: v for k, v in metrics.items() if k not in _BOOKKEEPING and k != self.weight_key}
         )
-        client_metrics[weight_key] = 1
-        synthetic = partial_reply(
-            valid[0], RecordDict({key: to_record(updated), "metrics": client_metrics})
+        client_metrics[self.weight_key] = 1
+        content = RecordDict({key: to_record(updated), "metrics": client_metrics})
+        synthetic = (
+            partial_reply(valid[0], content) if valid else _server_reply(content, server_round)
         )
         arrays, aggregated = self.strategy.aggregate_train(server_round, [synthetic])
         aggregated = aggregated if aggregated is not None else MetricRecord()
         aggregated["dp-clients"] = clients
-        aggregated["dp-clipped-fraction"] = int(metrics[CLIPPED_KEY]) / clients
+        if clients:
+            aggregated["dp-clipped-fraction"] = clipped / clients
+        aggregated["dp-clipping-norm"] = clipping_norm
+        aggregated["dp-noise-multiplier"] = self.update_noise_multiplier
         aggregated["dp-noise-std"] = std / self.expected_clients
+        if self.adaptive is not None:
+            estimate = self._adapt_clipping_norm(self.adaptive, clients, clipped)
+            aggregated["dp-unclipped-estimate"] = estimate
         return arrays, aggregated
+
+    def _adapt_clipping_norm(self, adaptive: AdaptiveClipping, clients: int, clipped: int) -> float:
+        """Release the noisy unclipped fraction and update ``C``; returns ``b~``."""
+        centred = (clients - clipped) - 0.5 * clients  # sum_i (b_i - 1/2)
+        noisy = centred + float(self.rng.normal(0.0, adaptive.count_stddev))
+        estimate = noisy / self.expected_clients + 0.5
+        factor = math.exp(-adaptive.learning_rate * (estimate - adaptive.target_unclipped_quantile))
+        self.reducer = ClippedSum(self.clipping_norm * factor, self.weight_key)
+        return estimate

@@ -10,6 +10,7 @@ class's constructor arguments, checked against its signature.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -31,7 +32,9 @@ from flwr.serverapp.strategy import (
 
 from fedsim.config import ConfigError, require
 from fedsim.engine.reduce import WorkerReduced
-from strategies.dp_fedavg import DPFedAvg
+from fedsim.privacy import accounting
+from fedsim.privacy.accounting import FullParticipation, MinSeparation, Sampling
+from strategies.dp_fedavg import AdaptiveClipping, DPFedAvg, relation_for
 
 #: strategies whose aggregation is FedAvg's weighted mean (followed by a server update)
 WEIGHTED_MEAN: dict[str, type[FedAvg]] = {
@@ -61,7 +64,17 @@ _SET_BY_ENGINE = (
     "min_available_nodes",
 )
 _NOT_CONFIGURABLE = ("train_metrics_aggr_fn", "evaluate_metrics_aggr_fn")
-_DP_OPTIONS = ("clipping_norm", "noise_multiplier")
+_DP_REQUIRED = ("clipping_norm", "noise_multiplier")
+_DP_ADAPTIVE = ("target_unclipped_quantile", "clip_learning_rate", "clipped_count_stddev")
+_DP_OPTIONS = (
+    *_DP_REQUIRED,
+    "adaptive_clipping",
+    *_DP_ADAPTIVE,
+    "delta",
+    "accountant",
+    "max_epsilon",
+    "server_optimizer",
+)
 
 
 def _flower_strategy(name: str, options: Mapping[str, Any], evaluate_fraction: float) -> FedAvg:
@@ -106,6 +119,8 @@ def build_strategy(
     evaluate_fraction: float,
     seed: int,
     partial_aggregation: Literal["auto", "on", "off"] = "auto",
+    sampling: Sampling | MinSeparation | None = None,
+    population: int | None = None,
 ) -> Strategy:
     """The strategy ``name`` with ``options``, ready for the engine.
 
@@ -116,6 +131,9 @@ def build_strategy(
         seed: root seed (the DP noise generator is ``default_rng([seed, 1])``).
         partial_aggregation: "auto" uses worker-side sums when the strategy's
             aggregation is a sum; "on" requires it; "off" never.
+        sampling: how the engine draws each round's clients, for DP accounting
+            (None: full participation, which claims no amplification).
+        population: registered clients (sets dp-fedavg's default delta).
     """
     require(name in NAMES, "strategy.name", name, f"one of {', '.join(NAMES)}")
     summable = name in WEIGHTED_MEAN or name in DP
@@ -129,32 +147,165 @@ def build_strategy(
     use_partial = summable and partial_aggregation != "off"
     evaluate_fraction = min(1.0, evaluate_fraction)
     if name in DP:
-        options = dict(options)
-        missing = [k for k in _DP_OPTIONS if k not in options]
-        if missing:
-            raise ConfigError(
-                f"strategy.options.{missing[0]}", None, f"a number (required by {name})"
-            )
-        dp_args = {k: float(options.pop(k)) for k in _DP_OPTIONS}
-        require(
-            dp_args["clipping_norm"] > 0,
-            "strategy.options.clipping_norm",
-            dp_args["clipping_norm"],
-            "a number > 0",
-        )
-        require(
-            dp_args["noise_multiplier"] >= 0,
-            "strategy.options.noise_multiplier",
-            dp_args["noise_multiplier"],
-            "a number >= 0",
-        )
-        inner = _flower_strategy("fedavg", options, evaluate_fraction)
-        return DP[name](
-            inner,
+        return _dp_strategy(
+            name,
+            options,
             expected_clients=expected_clients,
-            rng=np.random.default_rng([seed, 1]),
+            evaluate_fraction=evaluate_fraction,
+            seed=seed,
             worker_reduction=use_partial,
-            **dp_args,
+            sampling=sampling,
+            population=population,
         )
     strategy: Strategy = _flower_strategy(name, options, evaluate_fraction)
     return WorkerReduced(strategy) if use_partial else strategy
+
+
+def _value(options: dict[str, Any], key: str, default: float | None) -> float | None:
+    """Pop ``strategy.options.key`` as a finite number (``default`` when absent)."""
+    value = options.pop(key, default)
+    if value is None:
+        return None
+    require(
+        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+        f"strategy.options.{key}",
+        value,
+        "a finite number",
+    )
+    return float(value)
+
+
+def _number(
+    options: dict[str, Any],
+    key: str,
+    default: float | None,
+    ok: Callable[[float], bool],
+    allowed: str,
+) -> float:
+    """Pop a required (or defaulted) number and check it with ``ok``."""
+    value = _value(options, key, default)
+    if value is None:
+        raise ConfigError(f"strategy.options.{key}", None, f"{allowed} (required)")
+    require(ok(value), f"strategy.options.{key}", value, allowed)
+    return value
+
+
+def _dp_strategy(
+    name: str,
+    options: Mapping[str, Any],
+    *,
+    expected_clients: float,
+    evaluate_fraction: float,
+    seed: int,
+    worker_reduction: bool,
+    sampling: Sampling | MinSeparation | None,
+    population: int | None,
+) -> Strategy:
+    """DP-FedAvg from ``strategy.options``.
+
+    Options: ``clipping_norm`` and ``noise_multiplier`` (required);
+    ``adaptive_clipping`` (false) with ``target_unclipped_quantile`` (0.5),
+    ``clip_learning_rate`` (0.2) and ``clipped_count_stddev`` (clients per
+    round / 20, Andrew et al. 2021's choice); ``delta`` (min(1e-5, 1 / population));
+    ``accountant`` ("rdp" or "pld"); ``max_epsilon`` (none); ``server_optimizer``
+    (a strategy of :data:`WEIGHTED_MEAN`, default "fedavg"). Every other option
+    goes to the server optimiser (e.g. ``server_momentum``, ``eta``).
+    """
+    options = dict(options)
+    for key in _DP_REQUIRED:
+        if key not in options:
+            raise ConfigError(f"strategy.options.{key}", None, f"a number (required by {name})")
+    clipping_norm = _number(options, "clipping_norm", None, lambda v: v > 0, "a number > 0")
+    z = _number(
+        options,
+        "noise_multiplier",
+        None,
+        lambda v: v >= 0,
+        "a number >= 0 (noise std / clipping norm)",
+    )
+    adaptive_on = options.pop("adaptive_clipping", False)
+    require(
+        isinstance(adaptive_on, bool),
+        "strategy.options.adaptive_clipping",
+        adaptive_on,
+        "true or false",
+    )
+    adaptive = None
+    if adaptive_on:
+        require(
+            z > 0,
+            "strategy.options.noise_multiplier",
+            z,
+            "a number > 0 with adaptive_clipping = true (the clipped count is noised too)",
+        )
+        gamma = _number(
+            options, "target_unclipped_quantile", 0.5, lambda v: 0 <= v <= 1, "a number in [0, 1]"
+        )
+        eta = _number(options, "clip_learning_rate", 0.2, lambda v: v > 0, "a number > 0")
+        sigma_b = _number(
+            options,
+            "clipped_count_stddev",
+            expected_clients / 20,
+            lambda v: 2 * v > z,
+            f"a number > noise_multiplier / 2 = {z / 2:g} (the default is "
+            f"clients_per_round / 20 = {expected_clients / 20:g}; at or below z / 2 the "
+            "clipped count alone would use the whole privacy budget)",
+        )
+        adaptive = AdaptiveClipping(
+            target_unclipped_quantile=gamma, learning_rate=eta, count_stddev=sigma_b
+        )
+    else:
+        for key in _DP_ADAPTIVE:
+            if key in options:
+                raise ConfigError(
+                    f"strategy.options.{key}",
+                    options[key],
+                    "nothing unless strategy.options.adaptive_clipping = true",
+                )
+    default_delta = 1e-5 if population is None else min(1e-5, 1.0 / population)
+    delta = _number(options, "delta", default_delta, lambda v: 0 < v < 1, "a number in (0, 1)")
+    accountant = options.pop("accountant", "rdp")
+    require(
+        accountant in accounting.ACCOUNTANTS,
+        "strategy.options.accountant",
+        accountant,
+        "one of 'rdp', 'pld'",
+    )
+    max_epsilon = _value(options, "max_epsilon", None)
+    require(
+        max_epsilon is None or max_epsilon > 0,
+        "strategy.options.max_epsilon",
+        max_epsilon,
+        "a number > 0 (epsilon at which the run stops)",
+    )
+    optimizer = options.pop("server_optimizer", "fedavg")
+    require(
+        optimizer in WEIGHTED_MEAN,
+        "strategy.options.server_optimizer",
+        optimizer,
+        f"one of {', '.join(WEIGHTED_MEAN)}",
+    )
+    sampling = FullParticipation() if sampling is None else sampling
+    event_sampling = FullParticipation() if isinstance(sampling, MinSeparation) else sampling
+    try:  # the accountant must support this participation model
+        accounting.epsilon(1.0, event_sampling, 1, delta, accountant, relation_for(event_sampling))
+    except ConfigError as err:
+        raise ConfigError(
+            "strategy.options.accountant",
+            accountant,
+            f"an accountant for {type(event_sampling).__name__} ({err.allowed})",
+        ) from err
+    inner = _flower_strategy(optimizer, options, evaluate_fraction)
+    return DP[name](
+        inner,
+        clipping_norm=clipping_norm,
+        noise_multiplier=z,
+        expected_clients=expected_clients,
+        rng=np.random.default_rng([seed, 1]),
+        worker_reduction=worker_reduction,
+        adaptive=adaptive,
+        sampling=sampling,
+        delta=delta,
+        accountant=accountant,
+        max_epsilon=max_epsilon,
+    )

@@ -137,11 +137,21 @@ def test_noise_has_the_calibrated_scale_and_follows_the_seed():
     assert not np.array_equal(first, noise(12))
 
 
-def test_errors_are_skipped_and_empty_rounds_keep_the_model():
+def test_errors_are_skipped_and_a_round_without_replies_still_releases_noise():
     from flwr.app import Error
 
-    dp = dp_fedavg(1.0, 0.0, 2)
-    dp.configure_train(1, to_record(GLOBAL), ConfigRecord(), _Grid(2))
     failed = Message(Error(code=2, reason="boom"), reply_to=Message(RecordDict(), 9, "train"))
-    assert dp.aggregate_train(1, [failed]) == (None, None)
-    assert isinstance(dp.aggregate_train(1, [failed, client_reply(GLOBAL)])[0], ArrayRecord)
+    quiet = dp_fedavg(1.0, 0.0, 2)
+    quiet.configure_train(1, to_record(GLOBAL), ConfigRecord(), _Grid(2))
+    arrays, metrics = quiet.aggregate_train(1, [failed])
+    np.testing.assert_array_equal(flat(to_numpy(arrays)), flat(GLOBAL))  # no noise, no clients
+    assert metrics["dp-clients"] == 0 and len(quiet.ledger) == 1
+
+    noisy = dp_fedavg(1.0, 1.0, 2)
+    noisy.configure_train(1, to_record(GLOBAL), ConfigRecord(), _Grid(2))
+    arrays, metrics = noisy.aggregate_train(1, [failed])
+    moved = flat(to_numpy(arrays)) - flat(GLOBAL)
+    assert np.all(moved != 0) and metrics["dp-noise-std"] == 0.5  # dropouts remove no noise
+    assert len(noisy.ledger) == 1  # and the release is accounted
+    arrays, metrics = noisy.aggregate_train(1, [failed, client_reply(GLOBAL)])
+    assert isinstance(arrays, ArrayRecord) and metrics["dp-clients"] == 1

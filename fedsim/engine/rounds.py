@@ -6,6 +6,12 @@ optional central ``evaluate_fn``), in the same order and with the same
 arguments, and additionally reports each finished round to ``on_round``. fedsim's
 own runs use it so that every round is recorded (and can be checkpointed) as it
 ends.
+
+A strategy may end the run early by defining ``should_stop(server_round) -> bool``
+(e.g. DP-FedAvg when the next round would exceed its privacy budget): it is asked
+before each round, and a True ends the loop before that round's first message.
+Such a strategy should also send nothing from ``configure_train`` for that
+round, so that Flower's own ``Strategy.start`` stops spending on it too.
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ def run_rounds(
 
     ``on_round`` also receives a round-0 outcome with the central evaluation of
     the initial arrays when ``evaluate_fn`` is given and ``first_round`` is 1.
+    The loop ends early when the strategy's ``should_stop(server_round)`` (if it
+    has one) returns True before a round.
     """
     train_config = ConfigRecord() if train_config is None else train_config
     evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
@@ -60,7 +68,10 @@ def run_rounds(
         if on_round is not None:
             on_round(RoundOutcome(0, arrays, None, None, central))
     declare = getattr(grid, "begin_phase", None)  # fedsim's grid keys cohorts by round
+    should_stop = getattr(strategy, "should_stop", None)
     for server_round in range(first_round, num_rounds + 1):
+        if should_stop is not None and should_stop(server_round):
+            break
         if declare is not None:
             declare(server_round, TRAIN)
         replies = grid.send_and_receive(

@@ -12,6 +12,10 @@ Train replies carry ``num-examples`` (training rows, FedAvg's weight) and
 ``train_loss`` (mean over steps). If the instruction's config has
 ``proximal-mu`` (Flower's FedProx sets it), the FedProx term
 ``mu/2 * ||w - w_global||^2`` (Li et al. 2020, eq. 2) is added to the loss.
+
+With ``LocalTraining.dp_sgd`` set, clients train with sample-level DP-SGD
+instead (:mod:`fedsim.workloads.dp_sgd`, Opacus) and their replies also carry
+``dp-sgd-epsilon``, their own epsilon over every round they trained in.
 """
 
 from __future__ import annotations
@@ -25,10 +29,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 from torch import nn
 
-from fedsim.config import require
+from fedsim.config import from_mapping, require
 from fedsim.data import DatasetSpec, cached_dataset
 from fedsim.models import ModelSpec, build_model, load_arrays, model_arrays
 from fedsim.records import records_of, to_numpy, to_record
+from fedsim.workloads.dp_sgd import DPSGD, train_client
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +50,9 @@ class LocalTraining:
             ``context.state`` from one round to the next (a stateful client;
             needs ``momentum > 0``).
         seed: root seed of the clients' shuffling.
+        dp_sgd: train with sample-level DP-SGD (a ``[client.dp_sgd]`` table of
+            :class:`~fedsim.workloads.dp_sgd.DPSGD` keys: noise_multiplier,
+            max_grad_norm, delta, accountant, secure_mode); None: plain SGD.
     """
 
     epochs: int = 1
@@ -55,8 +63,11 @@ class LocalTraining:
     max_steps: int = 0
     keep_momentum: bool = False
     seed: int = 0
+    dp_sgd: DPSGD | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.dp_sgd, dict):  # a table from a config: check each key
+            object.__setattr__(self, "dp_sgd", from_mapping(DPSGD, self.dp_sgd, "client.dp_sgd"))
         require(self.epochs >= 1, "client.epochs", self.epochs, "an integer >= 1")
         require(self.batch_size >= 1, "client.batch_size", self.batch_size, "an integer >= 1")
         require(self.lr > 0, "client.lr", self.lr, "a number > 0")
@@ -207,26 +218,46 @@ def make_client_app(model: ModelSpec, data: DatasetSpec, training: LocalTraining
         partition = int(context.node_config["partition-id"])
         dataset = cached_dataset(data)
         x, y = as_tensors(*dataset.train.client(partition))
-        net = cached_model(model)
         key = _arrays_key(message)
-        load_arrays(net, to_numpy(message.content[key]))
         config = _config(message)
         server_round = int(config.get("server-round", 0))
         lr: Any = config.get("lr")
         buffers = _momentum_state(context) if training.keep_momentum else None
-        loss, steps = train_epochs(
-            net,
-            x,
-            y,
-            training,
-            client_generator(training.seed, server_round, partition),
-            lr=float(lr) if isinstance(lr, (int, float)) else None,
-            proximal_mu=float(config.get("proximal-mu", 0.0)),
-            momentum_buffers=buffers,
-        )
+        proximal_mu = float(config.get("proximal-mu", 0.0))
+        private: dict[str, float | int] = {}
+        if training.dp_sgd is not None:
+            if proximal_mu > 0:
+                raise ValueError("client.dp_sgd does not support FedProx's proximal term")
+            result, private = train_client(
+                model,
+                to_numpy(message.content[key]),
+                x,
+                y,
+                training,
+                context.state,
+                seed_words=(training.seed, server_round, partition),
+                lr=float(lr) if isinstance(lr, (int, float)) else None,
+                momentum_buffers=buffers,
+            )
+            net, loss, steps = result.model, result.loss, result.steps
+        else:
+            net = cached_model(model)
+            load_arrays(net, to_numpy(message.content[key]))
+            loss, steps = train_epochs(
+                net,
+                x,
+                y,
+                training,
+                client_generator(training.seed, server_round, partition),
+                lr=float(lr) if isinstance(lr, (int, float)) else None,
+                proximal_mu=proximal_mu,
+                momentum_buffers=buffers,
+            )
         if buffers is not None:
             context.state[MOMENTUM_STATE] = to_record({f"m{i}": b for i, b in enumerate(buffers)})
-        metrics = MetricRecord({"num-examples": int(len(y)), "train_loss": loss, "steps": steps})
+        metrics = MetricRecord(
+            {"num-examples": int(len(y)), "train_loss": loss, "steps": steps, **private}
+        )
         content = RecordDict({key: to_record(model_arrays(net)), "metrics": metrics})
         return Message(content=content, reply_to=message)
 
