@@ -1,4 +1,4 @@
-"""Shared fixtures: one Ray instance and one engine for the whole session."""
+"""Shared fixtures: one Ray instance for the session, a shared engine, a local engine."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ sys.path.insert(0, str(QUICKSTART))  # the quickstart app's package, for in-proc
 
 
 @pytest.fixture(scope="session")
-def ray_session():
-    """One local Ray instance (2 CPUs) for all tests that need it."""
+def _ray():
+    """One local Ray instance (2 CPUs) for the whole session."""
     import ray
 
     from fedsim.engine.cluster import ensure_ray
@@ -30,13 +30,32 @@ def ray_session():
 
 
 @pytest.fixture(scope="session")
-def ray_engine(ray_session):
-    """A started Ray engine with two workers, shared by the session's tests."""
+def _shared_engine(_ray):
+    """Holds the session's shared engine while it is up (see ``ray_engine``)."""
+    holder = {"engine": None}
+    yield holder
+    if holder["engine"] is not None:
+        holder["engine"].close()
+
+
+@pytest.fixture
+def ray_session(_ray, _shared_engine):
+    """Ray with all of its CPUs free, for tests that start their own workers or
+    actors: the shared engine's workers hold both CPUs, so it is closed first."""
+    if _shared_engine["engine"] is not None:
+        _shared_engine["engine"].close()
+        _shared_engine["engine"] = None
+    return _ray
+
+
+@pytest.fixture
+def ray_engine(_ray, _shared_engine):
+    """A started Ray engine with two workers, shared by consecutive tests."""
     from fedsim.engine import Engine, EngineConfig
 
-    engine = Engine(EngineConfig(workers=2)).start()
-    yield engine
-    engine.close()
+    if _shared_engine["engine"] is None:
+        _shared_engine["engine"] = Engine(EngineConfig(workers=2)).start()
+    return _shared_engine["engine"]
 
 
 @pytest.fixture

@@ -178,3 +178,12 @@ def test_worker_side_sums_equal_per_client_aggregation_for_dp_fedavg(ray_engine,
     )
     for key, value in plain.items():
         np.testing.assert_allclose(summed[key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_more_workers_than_free_cpus_is_refused_not_awaited(ray_session):
+    from fedsim.config import ConfigError
+    from fedsim.engine import Engine, EngineConfig
+
+    with pytest.raises(ConfigError) as err:
+        Engine(EngineConfig(workers=3)).start()  # the session's Ray has 2 CPUs
+    assert err.value.key == "engine.workers" and "2 of 2 CPUs free" in str(err.value)

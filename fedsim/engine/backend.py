@@ -15,6 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
 
+from fedsim.config import ConfigError
 from fedsim.engine.channel import ChannelFuture, ChannelLost, DriverChannel, new_key, wait_any
 from fedsim.engine.worker import (
     BatchResult,
@@ -167,6 +168,7 @@ class RayBackend(Backend):
         if num_workers is None:
             cpus = ray.cluster_resources().get("CPU", 0.0)
             num_workers = max(1, int(cpus // cpus_per_worker)) if cpus_per_worker > 0 else 1
+        self._check_free(num_workers)
         self._threads = max(1, int(cpus_per_worker)) if cpus_per_worker >= 1 else 1
         self._actor_cls = ray.remote(ClientWorker).options(
             num_cpus=cpus_per_worker, num_gpus=gpus_per_worker, max_restarts=0
@@ -179,6 +181,31 @@ class RayBackend(Backend):
         ray.get([actor.warm_up.remote() for actor in self._actors])
         self.nodes = len(set(ray.get([actor.ray_node.remote() for actor in self._actors])))
         self._channels = [self._connect(i) for i in range(num_workers)]
+
+    def _check_free(self, num_workers: int, wait_s: float = 5.0) -> None:
+        """Refuse (instead of waiting forever for actors that cannot be placed)
+        when the cluster lacks the CPUs or GPUs for ``num_workers`` workers;
+        resources released a moment ago get ``wait_s`` to come back."""
+        need = {"CPU": num_workers * self.cpus_per_worker, "GPU": num_workers * self.gpus_per_worker}
+        deadline = time.monotonic() + wait_s
+        while True:
+            free = self._ray.available_resources()
+            short = [k for k, v in need.items() if v > 0 and free.get(k, 0.0) + 1e-9 < v]
+            if not short:
+                return
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)
+        total = self._ray.cluster_resources()
+        kind = short[0]
+        per = self.cpus_per_worker if kind == "CPU" else self.gpus_per_worker
+        have = free.get(kind, 0.0)
+        raise ConfigError(
+            "engine.workers",
+            num_workers,
+            f"at most {int(have // per)} workers of {per:g} {kind} each: the Ray cluster "
+            f"has {have:g} of {total.get(kind, 0.0):g} {kind}s free",
+        )
 
     def _pin(self, actors: list[Any]) -> bool:
         """Give the workers on each machine disjoint sets of its allowed cores."""
