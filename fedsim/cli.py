@@ -3,7 +3,9 @@
     fedsim run CONFIG.toml --out DIR
     fedsim run [CONFIG.toml] --resume DIR
     fedsim flwr-run APP_DIR --num-supernodes N [--run-config "k=v ..."] --out DIR
-    fedsim account {dp-fedavg,dp-sgd,calibrate,sweep} ... [--json]
+    fedsim account {dp-fedavg,dp-sgd,calibrate,sweep,matrix} ... [--json]
+    fedsim factorize --kind KIND --rounds N [--bands B] [--participations K --min-sep S]
+                     --out FILE.npz [--json]
 
 ``run`` and ``flwr-run`` accept ``--ray-address`` (join an existing Ray cluster), ``--workers``,
 ``--backend {ray,local}`` and ``--no-progress``; both write ``DIR/rounds.jsonl``
@@ -23,6 +25,7 @@ from typing import Any
 
 from fedsim.config import ConfigError
 from fedsim.privacy import account_cli
+from fedsim.privacy.matrix import cli as factorize_cli
 
 
 def _engine_args(parser: argparse.ArgumentParser, resumable: bool = False) -> None:
@@ -63,6 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _engine_args(flwr_run)
     account_cli.register(commands)
+    factorize_cli.register(commands)
     return parser
 
 
@@ -148,12 +152,25 @@ def cmd_account(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_factorize(args: argparse.Namespace) -> int:
+    """``fedsim factorize ...``: build or reuse the file, print its summary."""
+    try:
+        result = factorize_cli.run(args)
+    except ConfigError as err:
+        print(f"fedsim: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2) if args.json else factorize_cli.format_text(result))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = _parser().parse_args(argv)
     if args.command == "account":
         return cmd_account(args)
+    if args.command == "factorize":
+        return cmd_factorize(args)
     if not args.verbose:
         from flwr.supercore.logger import FLOWER_LOGGER  # noqa: PLC0415  (sets its level on import)
 

@@ -55,8 +55,11 @@ from fedsim.privacy import accounting
 from fedsim.progress import RunProgress
 from fedsim.records import to_numpy, to_record
 from fedsim.results import RoundRecorder, RunWriter, metrics_dict, read_rounds
+from fedsim.workloads.averaging import Averaging
 from fedsim.workloads.dp_sgd import DPSGD, epsilon_of
 from fedsim.workloads.supervised import LocalTraining, as_tensors, evaluate_model, make_client_app
+from strategies.averaging import AveragedGlobalModel, averaged_evaluation
+from strategies.quantized import DequantizedUploads
 from strategies.registry import NAMES, build_strategy
 
 
@@ -85,6 +88,9 @@ class StrategyConfig:
             a sum), "on" (required) or "off".
         options: the strategy's own arguments (e.g. proximal_mu, eta,
             clipping_norm, noise_multiplier).
+        averaging: ``[strategy.averaging]`` LAWA/EMA of the global models over
+            rounds (:class:`~fedsim.workloads.averaging.Averaging`, in rounds);
+            evaluation scores the average, training continues from the raw model.
     """
 
     name: str = "fedavg"
@@ -92,8 +98,12 @@ class StrategyConfig:
     sampling: Literal["uniform", "poisson", "min-separation"] = "uniform"
     partial_aggregation: Literal["auto", "on", "off"] = "auto"
     options: dict[str, Any] = field(default_factory=dict)
+    averaging: Averaging | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.averaging, dict):
+            averaging = Averaging.from_table(self.averaging, "strategy.averaging")
+            object.__setattr__(self, "averaging", averaging)
         require(self.name in NAMES, "strategy.name", self.name, f"one of {', '.join(NAMES)}")
         require(
             self.clients_per_round >= 1,
@@ -177,6 +187,18 @@ class ExperimentConfig:
             "client.dp_sgd",
             to_mapping(self.client.dp_sgd),
             "none with FedProx (DP-SGD's per-example gradients do not include its proximal term)",
+        )
+        require(
+            not self.client.uses_methods or not proximal,
+            "client.optimizer/averaging/compression",
+            "set",
+            "unset with FedProx (client methods add no proximal term)",
+        )
+        require(
+            self.client.compression is None or self.strategy.partial_aggregation != "on",
+            "strategy.partial_aggregation",
+            "on",
+            "'auto' or 'off' with client.compression (packed uploads cannot be summed on workers)",
         )
 
     @classmethod
@@ -273,6 +295,10 @@ def run_experiment(
             strategy = build_experiment_strategy(config, participation)
             arrays = to_record(initial_arrays(spec, config.seed))
         client_app = make_client_app(spec, config.data, config.client)
+        if config.strategy.name == "dmm":  # clients send rounded updates and noise rows
+            from strategies.dmm import dmm_client_app  # noqa: PLC0415
+
+            client_app = dmm_client_app(client_app)
         own_engine = engine is None
         engine = (engine or Engine(config.engine)).start()
         with RunProgress(config.rounds, done=start_round - 1, enabled=progress) as bar:
@@ -313,9 +339,11 @@ def run_experiment(
                 if outcome.server_round and (
                     outcome.server_round % config.checkpoint_every == 0 or last
                 ):
-                    store.checkpoint(outcome.server_round)
                     arrays_now = {k: np.array(v) for k, v in to_numpy(outcome.arrays).items()}
                     save_checkpoint(out, Checkpoint(outcome.server_round, arrays_now, strategy, {}))
+                    # Only now may the store drop the older versions: a run killed
+                    # before the line above resumes from the previous checkpoint.
+                    store.checkpoint(outcome.server_round)
 
             final = run_rounds(
                 strategy,
@@ -323,7 +351,7 @@ def run_experiment(
                 arrays,
                 config.rounds,
                 timeout=config.timeout,
-                evaluate_fn=central_evaluator(config, spec, dataset),
+                evaluate_fn=averaged_evaluation(strategy, central_evaluator(config, spec, dataset)),
                 on_round=on_round,
                 first_round=start_round,
             )
@@ -352,21 +380,25 @@ def build_experiment_strategy(config: ExperimentConfig, participation: Participa
     """The configured strategy, with seeded sampling, for this participation model."""
     k = config.strategy.clients_per_round
     expected = participation.group_size(0) if isinstance(participation, MinSeparationCohort) else k
-    return SeededSampling(
-        build_strategy(
-            config.strategy.name,
-            config.strategy.options,
-            expected_clients=expected,
-            evaluate_fraction=config.evaluation.clients / k + 1e-9
-            if config.evaluation.clients
-            else 0.0,
-            seed=config.seed,
-            partial_aggregation=config.strategy.partial_aggregation,
-            sampling=privacy_sampling(participation, config.rounds),
-            population=participation.num_clients,
-        ),
-        config.seed,
+    compressed = config.client.compression is not None
+    strategy = build_strategy(
+        config.strategy.name,
+        config.strategy.options,
+        expected_clients=expected,
+        evaluate_fraction=config.evaluation.clients / k + 1e-9
+        if config.evaluation.clients
+        else 0.0,
+        seed=config.seed,
+        partial_aggregation="off" if compressed else config.strategy.partial_aggregation,
+        sampling=privacy_sampling(participation, config.rounds),
+        population=participation.num_clients,
+        rounds=config.rounds,
     )
+    if compressed:
+        strategy = DequantizedUploads(strategy)
+    if config.strategy.averaging is not None:
+        strategy = AveragedGlobalModel(strategy, config.strategy.averaging, config.rounds)
+    return SeededSampling(strategy, config.seed)
 
 
 def privacy_sampling(

@@ -34,6 +34,7 @@ from fedsim.config import ConfigError, require
 from fedsim.engine.reduce import WorkerReduced
 from fedsim.privacy import accounting
 from fedsim.privacy.accounting import FullParticipation, MinSeparation, Sampling
+from strategies import dmm, matrix_mechanism
 from strategies.dp_fedavg import AdaptiveClipping, DPFedAvg, relation_for
 
 #: strategies whose aggregation is FedAvg's weighted mean (followed by a server update)
@@ -55,7 +56,22 @@ ROBUST: dict[str, type[FedAvg]] = {
 }
 #: wrappers adding client-level DP around FedAvg
 DP: dict[str, Callable[..., Strategy]] = {"dp-fedavg": DPFedAvg}
-NAMES = (*WEIGHTED_MEAN, *ROBUST, *DP)
+#: central matrix-mechanism DP (DP-FTRL / BandMF), see strategies/matrix_mechanism.py
+MATRIX = ("matrix-mechanism",)
+#: distributed matrix mechanism over committees, see strategies/dmm.py (clients need
+#: strategies.dmm.dmm_client_app)
+DISTRIBUTED = ("dmm",)
+NAMES = (*WEIGHTED_MEAN, *ROBUST, *DP, *MATRIX, *DISTRIBUTED)
+#: personalised Bayesian methods and their references ("module:Class"); their clients run
+#: fedsim.workloads.personalised.make_personal_app (see experiments/pfedhb/run.py), so they
+#: are built directly rather than from a config file's [strategy] table
+PERSONALISED = {
+    "pfedhb": "strategies.pfedhb:PFedHB",
+    "pfedvem": "strategies.pfedvem:PFedVEM",
+    "pfedbayes": "strategies.pfedbayes:PFedBayes",
+    "fedavg-personal": "strategies.personalised:FedAvgReference",
+    "local-only": "strategies.personalised:LocalOnly",
+}
 _SET_BY_ENGINE = (
     "fraction_train",
     "fraction_evaluate",
@@ -121,6 +137,7 @@ def build_strategy(
     partial_aggregation: Literal["auto", "on", "off"] = "auto",
     sampling: Sampling | MinSeparation | None = None,
     population: int | None = None,
+    rounds: int | None = None,
 ) -> Strategy:
     """The strategy ``name`` with ``options``, ready for the engine.
 
@@ -134,18 +151,48 @@ def build_strategy(
         sampling: how the engine draws each round's clients, for DP accounting
             (None: full participation, which claims no amplification).
         population: registered clients (sets dp-fedavg's default delta).
+        rounds: the run's rounds (the matrix mechanism's factorization covers them).
     """
     require(name in NAMES, "strategy.name", name, f"one of {', '.join(NAMES)}")
-    summable = name in WEIGHTED_MEAN or name in DP
+    summable = name in WEIGHTED_MEAN or name in DP or name in MATRIX
     if partial_aggregation == "on" and not summable:
         raise ConfigError(
             "strategy.partial_aggregation",
             "on",
             f"'auto' or 'off' for {name}, whose aggregation is not a sum "
-            f"(worker-side sums work with {', '.join((*WEIGHTED_MEAN, *DP))})",
+            f"(worker-side sums work with {', '.join((*WEIGHTED_MEAN, *DP, *MATRIX))})",
         )
     use_partial = summable and partial_aggregation != "off"
     evaluate_fraction = min(1.0, evaluate_fraction)
+    if name in MATRIX:
+        require(rounds is not None, "rounds", rounds, f"the run's rounds (required by {name})")
+        separated = isinstance(sampling, MinSeparation)
+        return matrix_mechanism.from_options(
+            options,
+            rounds=rounds,
+            expected_clients=expected_clients,
+            evaluate_fraction=evaluate_fraction,
+            seed=seed,
+            worker_reduction=use_partial,
+            min_separation=sampling.min_separation if separated else None,
+            max_participations=sampling.max_participations if separated else None,
+            population=population,
+        )
+    if name in DISTRIBUTED:
+        require(rounds is not None, "rounds", rounds, f"the run's rounds (required by {name})")
+        separated = isinstance(sampling, MinSeparation)
+        try:
+            return dmm.from_options(
+                dict(options),
+                rounds=rounds,
+                expected_clients=expected_clients,
+                seed=seed,
+                min_separation=sampling.min_separation if separated else None,
+                max_participations=sampling.max_participations if separated else None,
+                evaluate_fraction=evaluate_fraction,
+            )
+        except ValueError as err:
+            raise ConfigError("strategy.options", dict(options), str(err)) from err
     if name in DP:
         return _dp_strategy(
             name,

@@ -118,3 +118,28 @@ def test_resuming_a_finished_run_rewrites_nothing(tmp_path, config):
     before = [strip_times(r) for r in read_rounds(out / "rounds.jsonl")]
     assert main(["run", "--resume", str(out), "--no-progress"]) == 0
     assert [strip_times(r) for r in read_rounds(out / "rounds.jsonl")] == before
+
+
+def test_a_crash_while_checkpointing_resumes_from_the_previous_checkpoint(
+    tmp_path, config, monkeypatch
+):
+    full = tmp_path / "full"
+    assert main(["run", str(config), "--out", str(full), "--no-progress"]) == 0
+    expected = [strip_times(r) for r in read_rounds(full / "rounds.jsonl")]
+
+    import fedsim.experiment as experiment
+
+    real_save = experiment.save_checkpoint
+
+    def dies_at_round_3(directory, checkpoint):
+        if checkpoint.server_round == 3:
+            raise KeyboardInterrupt  # the process stops while writing this checkpoint
+        real_save(directory, checkpoint)
+
+    monkeypatch.setattr(experiment, "save_checkpoint", dies_at_round_3)
+    out = tmp_path / "crashed"
+    with pytest.raises(KeyboardInterrupt):
+        main(["run", str(config), "--out", str(out), "--no-progress"])
+    monkeypatch.setattr(experiment, "save_checkpoint", real_save)
+    assert main(["run", "--resume", str(out), "--no-progress"]) == 0
+    assert [strip_times(r) for r in read_rounds(out / "rounds.jsonl")] == expected

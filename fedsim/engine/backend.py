@@ -186,7 +186,10 @@ class RayBackend(Backend):
         """Refuse (instead of waiting forever for actors that cannot be placed)
         when the cluster lacks the CPUs or GPUs for ``num_workers`` workers;
         resources released a moment ago get ``wait_s`` to come back."""
-        need = {"CPU": num_workers * self.cpus_per_worker, "GPU": num_workers * self.gpus_per_worker}
+        need = {
+            "CPU": num_workers * self.cpus_per_worker,
+            "GPU": num_workers * self.gpus_per_worker,
+        }
         deadline = time.monotonic() + wait_s
         while True:
             free = self._ray.available_resources()

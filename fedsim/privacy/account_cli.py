@@ -9,6 +9,8 @@
                           --noise-multiplier)
     fedsim account sweep {dp-fedavg|dp-sgd} --noise-multiplier Z1 Z2 ... --plot FILE.png
                           [--sampling-rate Q1 Q2 ... | --batch-size B1 B2 ...] [--points P] ...
+    fedsim account matrix --factorization FILE.npz --noise-multiplier Z --delta D
+                          [--participations K --min-sep S] [--rounds T] [--accountant rdp|pld]
 
 The main CLI calls :func:`register` to add the subcommand and :func:`run` to execute it; every
 leaf command has ``--json``: the main CLI prints :func:`run`'s dict as JSON when it is set,
@@ -31,6 +33,8 @@ from collections.abc import Iterator
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from fedsim.config import ConfigError, require
 from fedsim.privacy import accounting as acc
@@ -158,6 +162,23 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         add(parser, many=True)
         parser.add_argument("--plot", required=True, help="PNG file to write")
         parser.add_argument("--points", type=int, default=50, help="points per curve (default 50)")
+
+    matrix = commands.add_parser("matrix", help="epsilon and error of a matrix mechanism")
+    matrix.add_argument(
+        "--factorization", required=True, help="an .npz written by fedsim factorize"
+    )
+    matrix.add_argument(
+        "--noise-multiplier",
+        type=float,
+        required=True,
+        help="z = noise std / (clipping norm * sensitivity), > 0",
+    )
+    matrix.add_argument("--participations", type=int, default=None, help="k (default: the file's)")
+    matrix.add_argument("--min-sep", type=int, default=None, help="b (default: the file's)")
+    matrix.add_argument(
+        "--rounds", type=int, default=None, help="epsilon after the first T rounds (default n)"
+    )
+    _common(matrix, relation=True)
     return account
 
 
@@ -333,6 +354,85 @@ def _calibrate(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _matrix(args: argparse.Namespace) -> dict[str, Any]:
+    """The whole run is one Gaussian mechanism: fresh noise std ``z c sens(C)`` on ``C X``, so
+    epsilon after all n rounds is the Gaussian's with ``z``; after T rounds the rows released
+    so far have sensitivity ``sens_T`` and the multiplier is ``z sens(C) / sens_T``
+    (:mod:`strategies.matrix_mechanism`). RMSE per round is ``z sens(C) ||B[t]||`` in units of
+    the clipping norm."""
+    from fedsim.privacy.matrix import Factorization  # noqa: PLC0415
+    from fedsim.privacy.matrix.build import spec_of  # noqa: PLC0415
+    from fedsim.privacy.matrix.cli import flags  # noqa: PLC0415
+    from fedsim.privacy.matrix.sensitivity import Participation  # noqa: PLC0415
+
+    delta, accountant = _check_common(args)
+    z = _check_noise(args.noise_multiplier)
+    path = Path(args.factorization)
+    require(path.is_file(), "--factorization", args.factorization, "an existing .npz file")
+    try:
+        f = Factorization.load(path)
+    except ConfigError as err:
+        raise ConfigError("--factorization", args.factorization, err.allowed) from err
+    except (OSError, ValueError, KeyError) as err:
+        raise ConfigError(
+            "--factorization", args.factorization, f"an .npz written by fedsim factorize ({err})"
+        ) from err
+    spec = spec_of(f)  # the participation it was built for, unless the flags say otherwise
+    k = (
+        args.participations
+        if args.participations is not None
+        else getattr(spec, "participations", None)
+    )
+    b = args.min_sep if args.min_sep is not None else getattr(spec, "min_sep", None)
+    rounds = f.n if args.rounds is None else args.rounds
+    relation = acc.NeighbouringRelation.parse(args.relation or "add_remove", "--relation")
+    with flags(
+        {
+            "participations": "--participations",
+            "max_participations": "--participations",
+            "min_sep": "--min-sep",
+            "rounds": "--rounds",
+            "relation": "--relation",
+            "accountant": "--accountant",
+        }
+    ):
+        if (k is None) != (b is None):
+            missing = "--min-sep" if b is None else "--participations"
+            raise ConfigError(
+                missing, None, "an integer >= 1: --participations and --min-sep come together"
+            )
+        participation = Participation.single() if b is None else Participation.separated(b, k)
+        sens = f.sensitivity(participation)
+        released = f.sensitivity_through(rounds, participation)
+        effective = z * sens.value / released.value
+        eps = acc.epsilon(effective, acc.FullParticipation(), 1, delta, accountant, relation)
+    errors = z * sens.value * np.sqrt(f.squared_error_per_round())
+    return {
+        "command": "matrix",
+        "factorization": str(path),
+        "kind": f.kind,
+        "n": f.n,
+        "rounds": rounds,
+        "noise_multiplier": z,
+        "delta": delta,
+        "accountant": accountant,
+        "relation": relation.value,
+        "participations": participation.participations(f.n),
+        "min_sep": b,
+        "sensitivity": sens.value,
+        "sensitivity_exact": sens.exact,
+        "sensitivity_method": sens.method,
+        "released_sensitivity": released.value,
+        "effective_noise_multiplier": effective,
+        "epsilon": eps,
+        "max_column_norm": f.max_column_norm(),
+        "noise_std": z * sens.value,
+        "rmse": float(np.sqrt(np.mean(errors**2))),
+        "rmse_last": float(errors[-1]),
+        "rmse_max": float(errors.max()),
+    }
+
+
 def _grid(total: int, points: int) -> list[int]:
     """Up to ``points`` distinct round counts in ``[1, total]``, evenly spread, ending at total."""
     return sorted({max(1, round(total * i / points)) for i in range(1, points + 1)})
@@ -437,8 +537,14 @@ def quiet_dp_accounting() -> Iterator[None]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Execute a parsed ``fedsim account ...`` command; returns a JSON-ready dict."""
     command = args.account_command
-    handlers = {"dp-fedavg": _epsilon, "dp-sgd": _epsilon, "calibrate": _calibrate, "sweep": _sweep}
-    require(command in handlers, "command", command, "one of dp-fedavg, dp-sgd, calibrate, sweep")
+    handlers = {
+        "dp-fedavg": _epsilon,
+        "dp-sgd": _epsilon,
+        "calibrate": _calibrate,
+        "sweep": _sweep,
+        "matrix": _matrix,
+    }
+    require(command in handlers, "command", command, f"one of {', '.join(handlers)}")
     with quiet_dp_accounting():
         return handlers[command](args)
 
@@ -452,6 +558,13 @@ def format_text(result: dict[str, Any]) -> str:
         return (
             f"sweep {result['mechanism']}: {len(result['curves'])} curves {where}, "
             f"final epsilon {finals}; plot in {result['plot']}"
+        )
+    if command == "matrix":
+        return (
+            f"matrix {result['kind']} n = {result['n']}: epsilon = {result['epsilon']:.4f} "
+            f"{where} after {result['rounds']} rounds; sensitivity {result['sensitivity']:.6g} "
+            f"(k = {result['participations']}), max column norm "
+            f"{result['max_column_norm']:.6g}, rmse {result['rmse']:.6g} x clipping norm"
         )
     if command == "calibrate":
         return (

@@ -33,7 +33,10 @@ from fedsim.config import from_mapping, require
 from fedsim.data import DatasetSpec, cached_dataset
 from fedsim.models import ModelSpec, build_model, load_arrays, model_arrays
 from fedsim.records import records_of, to_numpy, to_record
+from fedsim.workloads.averaging import Averaging
+from fedsim.workloads.compression import Quantization
 from fedsim.workloads.dp_sgd import DPSGD, train_client
+from fedsim.workloads.optim.choice import ClientOptimizer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +56,14 @@ class LocalTraining:
         dp_sgd: train with sample-level DP-SGD (a ``[client.dp_sgd]`` table of
             :class:`~fedsim.workloads.dp_sgd.DPSGD` keys: noise_multiplier,
             max_grad_norm, delta, accountant, secure_mode); None: plain SGD.
+        optimizer: a ``[client.optimizer]`` table
+            (:class:`~fedsim.workloads.optim.ClientOptimizer`: MARS-AdamW/Lion,
+            R-AdaZO, ZO-AdaMM); None: SGD.
+        averaging: ``[client.averaging]`` LAWA/EMA of the local iterates, whose
+            average is uploaded (:class:`~fedsim.workloads.averaging.Averaging`).
+        compression: ``[client.compression]`` layer-wise quantised uploads
+            (:class:`~fedsim.workloads.compression.Quantization`).
+        The last three train through :mod:`fedsim.workloads.methods`.
     """
 
     epochs: int = 1
@@ -64,10 +75,21 @@ class LocalTraining:
     keep_momentum: bool = False
     seed: int = 0
     dp_sgd: DPSGD | dict[str, Any] | None = None
+    optimizer: ClientOptimizer | dict[str, Any] | None = None
+    averaging: Averaging | dict[str, Any] | None = None
+    compression: Quantization | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.dp_sgd, dict):  # a table from a config: check each key
             object.__setattr__(self, "dp_sgd", from_mapping(DPSGD, self.dp_sgd, "client.dp_sgd"))
+        for key, cls in (("optimizer", ClientOptimizer), ("compression", Quantization)):
+            if isinstance(getattr(self, key), dict):
+                object.__setattr__(
+                    self, key, from_mapping(cls, getattr(self, key), f"client.{key}")
+                )
+        if isinstance(self.averaging, dict):
+            averaging = Averaging.from_table(self.averaging, "client.averaging")
+            object.__setattr__(self, "averaging", averaging)
         require(self.epochs >= 1, "client.epochs", self.epochs, "an integer >= 1")
         require(self.batch_size >= 1, "client.batch_size", self.batch_size, "an integer >= 1")
         require(self.lr > 0, "client.lr", self.lr, "a number > 0")
@@ -82,6 +104,18 @@ class LocalTraining:
             self.keep_momentum,
             "false unless client.momentum > 0",
         )
+        for key in ("optimizer", "averaging", "compression"):
+            require(
+                getattr(self, key) is None or (self.dp_sgd is None and not self.keep_momentum),
+                f"client.{key}",
+                str(getattr(self, key)),
+                "unset when client.dp_sgd or client.keep_momentum is set",
+            )
+
+    @property
+    def uses_methods(self) -> bool:
+        """Whether an optimizer, averaging or compression is configured."""
+        return any(v is not None for v in (self.optimizer, self.averaging, self.compression))
 
 
 def client_generator(seed: int, server_round: int, partition_id: int) -> torch.Generator:
@@ -211,6 +245,15 @@ def _momentum_state(context: Context) -> list[np.ndarray]:
 
 def make_client_app(model: ModelSpec, data: DatasetSpec, training: LocalTraining) -> ClientApp:
     """A ClientApp that trains ``model`` with local SGD on ``data``'s clients."""
+    if training.uses_methods:
+        from fedsim.workloads.methods import ClientMethods, make_methods_client_app
+
+        methods = ClientMethods(
+            optimizer=training.optimizer,
+            averaging=training.averaging,
+            compression=training.compression,
+        )
+        return make_methods_client_app(model, data, training, methods)
     app = ClientApp()
 
     @app.train()

@@ -11,7 +11,9 @@ Modules (pure numpy / scipy, float64; no Ray, no Flower):
 - :mod:`.blt` -- buffered linear Toeplitz;
 - :mod:`.sensitivity` -- participation schemas and exact / upper-bound sensitivity
   (:func:`fedsim.privacy.matrix.sensitivity.sensitivity`);
-- :mod:`.streaming` -- ``C^{-1} z`` round by round with bounded state, seeded per round.
+- :mod:`.streaming` -- ``C^{-1} z`` round by round with bounded state, seeded per round;
+- :mod:`.build` -- factorizations by name, cached in ``.npz`` files (``fedsim factorize``,
+  whose argument parsing is :mod:`.cli`).
 
 Example (BandMF for 4 epochs of 256 rounds, noise for a 10-parameter model)::
 

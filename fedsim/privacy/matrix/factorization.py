@@ -92,6 +92,28 @@ class Factorization:
         """Sensitivity of this C (the matrix actually used) under ``participation``."""
         return sensitivity(self.encoder, participation or Participation.single())
 
+    def encoder_through(self, rounds: int) -> np.ndarray:
+        """The part of C released in the first ``rounds`` rounds: the rows whose last non-zero
+        column is < ``rounds`` (row i of a square C at round i; a tree node when its last leaf
+        arrives), restricted to columns ``:rounds``."""
+        require(
+            isinstance(rounds, (int, np.integer)) and 1 <= rounds <= self.n,
+            "rounds",
+            rounds,
+            f"an integer in [1, n = {self.n}]",
+        )
+        C = self.encoder
+        last = C.shape[1] - 1 - np.argmax(C[:, ::-1] != 0, axis=1)
+        return C[last < int(rounds)][:, : int(rounds)]
+
+    def sensitivity_through(
+        self, rounds: int, participation: Participation | None = None
+    ) -> Sensitivity:
+        """Sensitivity of the release after ``rounds`` rounds: that of :meth:`encoder_through`
+        under ``participation`` restricted to those rounds (non-decreasing in ``rounds``, and
+        :meth:`sensitivity` at ``rounds = n``)."""
+        return sensitivity(self.encoder_through(rounds), participation or Participation.single())
+
     def squared_error_per_round(self) -> np.ndarray:
         """``||B[t, :]||^2`` for every round t (unit noise, unit sensitivity)."""
         return np.sum(self.decoder**2, axis=1)

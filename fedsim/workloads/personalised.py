@@ -1,0 +1,447 @@
+"""Client side of the personalised methods: pFedHB, pFedVEM, pFedBayes, FedAvg(+FT), local-only.
+
+:func:`make_personal_app` returns a Flower ClientApp. The instruction's config
+names the ``method`` (set by the strategies in :mod:`strategies.personalised`);
+personal posteriors persist in ``context.state`` (``"fedsim.personal"``) from
+one round to the next. A train instruction carries the global posterior
+(``"global"``); a client with ``report = 1`` replies with its posterior
+(``"posterior"``).
+
+Client steps (``q_i`` personal posterior, ``q_g`` global posterior):
+
+* pfedhb (reference code ``hb/hb_client.py``): the body is reset to the global
+  body; ``head_steps`` full-batch Adam steps on the head's negative ELBO
+  ``sum_n E_q[-log p(y_n | x_n)] + KL(q_i,head || prior)`` (MC over
+  ``mc_samples`` reparameterised draws), the prior being ``q_g,head`` or, with
+  ``head-prior = "per-client"``, ``N(mu_g, rho_i^2 I)``; then ``body_epochs``
+  minibatch Adam epochs on ``mean_n E_q[-log p] + body_kl * KL(q_i,body || q_g,body)``.
+* pfedvem: the same with the per-client prior and a deterministic body (its
+  means, no KL); the reply adds ``head-prior-var`` = ``rho_i^2`` (pFedVEM's M-step).
+* pfedbayes: personal ``q_i`` (whole network) and the localised global ``w_i``
+  (from ``q_g``); per minibatch one Adam step on
+  ``sum_batch E_q[-log p] + (zeta / N_b) KL(q_i || w_i)`` and one on ``KL(q_i || w_i)``
+  for ``w_i``; reports ``w_i``.
+* fedavg / local: deterministic training of the means (SGD); local-only keeps its
+  model in the client state and never reports.
+
+Evaluation (every method) on the client's test rows: accuracy and NLL of the
+posterior mean and of the MC predictive, and ECE bin sums of both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from torch import nn
+
+from fedsim.config import require
+from fedsim.data import DatasetSpec, cached_dataset
+from fedsim.records import to_numpy, to_record
+from fedsim.workloads.bayesian import (
+    MU,
+    RHO,
+    BayesMLP,
+    BayesSpec,
+    calibration_bins,
+    kl_normal,
+    kl_to,
+    load_arrays,
+    model_arrays,
+    predict_proba,
+    prior_tensors,
+    split_names,
+)
+
+PERSONAL = "fedsim.personal"
+METHODS = ("pfedhb", "pfedvem", "pfedbayes", "fedavg", "local")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PersonalTraining:
+    """Client hyper-parameters (defaults: the pFedHB reference code).
+
+    Attributes:
+        head_steps: full-batch Adam steps on the head per round.
+        head_lr, body_lr: Adam learning rates of head and body.
+        body_epochs: minibatch epochs on the body per round.
+        batch_size: rows per body minibatch.
+        mc_samples: reparameterised draws per loss evaluation.
+        body_kl: weight of ``KL(q_i,body || q_g,body)`` (1e-6 in the reference).
+        zeta: pFedBayes's KL weight.
+        personal_steps: pFedBayes's personal steps per local-global step (K).
+        sgd_lr, sgd_epochs: FedAvg / local-only / fine-tuning SGD.
+        eval_samples: MC draws of the predictive at evaluation.
+        ece_bins: equal-width confidence bins of the ECE.
+        seed: root of every client's draws, ``(seed, round, client, phase)``.
+    """
+
+    head_steps: int = 10
+    head_lr: float = 1e-3
+    body_lr: float = 1e-3
+    body_epochs: int = 2
+    batch_size: int = 50
+    mc_samples: int = 5
+    body_kl: float = 1e-6
+    zeta: float = 10.0
+    personal_steps: int = 5
+    sgd_lr: float = 0.05
+    sgd_epochs: int = 2
+    eval_samples: int = 10
+    ece_bins: int = 10
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for key in (
+            "head_steps",
+            "body_epochs",
+            "batch_size",
+            "mc_samples",
+            "sgd_epochs",
+            "personal_steps",
+        ):
+            value = getattr(self, key)
+            require(value >= 1, f"client.{key}", value, "an integer >= 1")
+        for key in ("head_lr", "body_lr", "sgd_lr", "zeta"):
+            value = getattr(self, key)
+            require(value > 0, f"client.{key}", value, "a number > 0")
+        require(self.body_kl >= 0, "client.body_kl", self.body_kl, "a number >= 0")
+        require(self.eval_samples >= 0, "client.eval_samples", self.eval_samples, "an integer >= 0")
+        require(self.ece_bins >= 1, "client.ece_bins", self.ece_bins, "an integer >= 1")
+
+
+@contextlib.contextmanager
+def seeded(*words: int) -> Iterator[torch.Generator]:
+    """Torch's RNG seeded from ``SeedSequence(words)`` inside the block (restored after).
+
+    Yields a generator from the same words for minibatch orders.
+    """
+    state = np.random.SeedSequence([int(w) for w in words]).generate_state(2, np.uint64)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(state[0] >> np.uint64(1)))
+        yield torch.Generator().manual_seed(int(state[1] >> np.uint64(1)))
+
+
+def _nll(
+    model: BayesMLP, x: torch.Tensor, y: torch.Tensor, samples: int, body: bool
+) -> torch.Tensor:
+    """MC estimate of ``sum_n E_q[-log p(y_n | x_n)]`` over ``samples`` draws."""
+    logits = model(x.expand(samples, *x.shape), sample=True, sample_body=body)
+    return (
+        nn.functional.cross_entropy(logits.flatten(0, 1), y.repeat(samples), reduction="sum")
+        / samples
+    )
+
+
+def _params(model: BayesMLP, part: str, means_only: bool = False) -> list[nn.Parameter]:
+    named = getattr(model, part).named_parameters()
+    return [p for n, p in named if not (means_only and n.endswith(RHO))]
+
+
+def _freeze(model: BayesMLP, trainable: list[nn.Parameter]) -> None:
+    keep = {id(p) for p in trainable}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in keep)
+
+
+def prior_variance(arrays: dict[str, np.ndarray], global_arrays: dict[str, np.ndarray]) -> float:
+    """pFedVEM's ``rho_i^2 = mean_d (sigma_id^2 + (mu_id - mu_gd)^2)`` over the head."""
+    total, count = 0.0, 0
+    for base in split_names(list(arrays), "head"):
+        mu = np.asarray(arrays[base + MU], dtype=np.float64)
+        sigma = np.logaddexp(0.0, np.asarray(arrays[base + RHO], dtype=np.float64))
+        total += float(np.sum(sigma**2 + (mu - global_arrays[base + MU]) ** 2))
+        count += mu.size
+    return total / count
+
+
+def hb_client_step(
+    model: BayesMLP,
+    global_arrays: dict[str, np.ndarray],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    cfg: PersonalTraining,
+    generator: torch.Generator,
+    *,
+    head_prior: str,
+    body_bayesian: bool,
+    prior_var: float | None,
+) -> float:
+    """pFedHB's (and pFedVEM's) head ELBO steps then body steps, in place; mean body loss."""
+    prior = prior_tensors(global_arrays)
+    head = _params(model, "head")
+    _freeze(model, head)
+    opt = torch.optim.Adam(head, lr=cfg.head_lr)
+    for _ in range(cfg.head_steps):
+        opt.zero_grad(set_to_none=True)
+        loss = _nll(model, x, y, cfg.mc_samples, body_bayesian)
+        loss = loss + kl_to(model, "head", prior, prior_var if head_prior == "per-client" else None)
+        loss.backward()
+        opt.step()
+    body = _params(model, "body", means_only=not body_bayesian)
+    _freeze(model, body)
+    opt = torch.optim.Adam(body, lr=cfg.body_lr)
+    total, steps = 0.0, 0
+    for _ in range(cfg.body_epochs):
+        order = torch.randperm(len(y), generator=generator)
+        for start in range(0, len(y), cfg.batch_size):
+            idx = order[start : start + cfg.batch_size]
+            opt.zero_grad(set_to_none=True)
+            loss = _nll(model, x[idx], y[idx], cfg.mc_samples, body_bayesian) / len(idx)
+            if body_bayesian and cfg.body_kl > 0:
+                loss = loss + cfg.body_kl * kl_to(model, "body", prior)
+            loss.backward()
+            opt.step()
+            total += float(loss.detach())
+            steps += 1
+    return total / max(steps, 1)
+
+
+def bayes_client_step(
+    personal: BayesMLP,
+    local_global: BayesMLP,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    cfg: PersonalTraining,
+    generator: torch.Generator,
+) -> float:
+    """pFedBayes's alternating personal / local-global steps, in place; mean personal loss."""
+    opt_q = torch.optim.Adam(personal.parameters(), lr=cfg.head_lr)
+    opt_w = torch.optim.Adam(local_global.parameters(), lr=cfg.body_lr)
+    batches = math.ceil(len(y) / cfg.batch_size)
+    total, steps = 0.0, 0
+    for p in (*personal.parameters(), *local_global.parameters()):
+        p.requires_grad_(True)
+    for _ in range(cfg.body_epochs):
+        order = torch.randperm(len(y), generator=generator)
+        for start in range(0, len(y), cfg.batch_size):
+            idx = order[start : start + cfg.batch_size]
+            w = {k: v.detach() for k, v in local_global.state_dict().items()}
+            for _ in range(cfg.personal_steps):
+                opt_q.zero_grad(set_to_none=True)
+                kl = sum(kl_to(personal, part, w) for part in ("body", "head"))
+                nll = _nll(personal, x[idx], y[idx], cfg.mc_samples, True)
+                loss = nll + cfg.zeta / batches * kl
+                loss.backward()
+                opt_q.step()
+            q = {k: v.detach() for k, v in personal.state_dict().items()}
+            opt_w.zero_grad(set_to_none=True)
+            kl_w = sum(_kl_from(q, local_global, part) for part in ("body", "head"))
+            kl_w.backward()
+            opt_w.step()
+            total += float(loss.detach()) / len(idx)
+            steps += 1
+    return total / max(steps, 1)
+
+
+def _kl_from(q: dict[str, torch.Tensor], model: BayesMLP, part: str) -> torch.Tensor:
+    """``KL(q || model's part)`` with ``q`` fixed (gradients flow into the model)."""
+    params = dict(getattr(model, part).named_parameters(prefix=part))
+    total = torch.zeros(())
+    for base in split_names(list(params), part):
+        total = total + kl_normal(
+            q[base + MU],
+            nn.functional.softplus(q[base + RHO]),
+            params[base + MU],
+            nn.functional.softplus(params[base + RHO]),
+        )
+    return total
+
+
+def sgd_step(
+    model: BayesMLP,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    cfg: PersonalTraining,
+    generator: torch.Generator,
+) -> float:
+    """Deterministic minibatch SGD on the means (FedAvg, local-only, fine-tuning)."""
+    means = [p for n, p in model.named_parameters() if n.endswith(MU)]
+    _freeze(model, means)
+    opt = torch.optim.SGD(means, lr=cfg.sgd_lr)
+    total, steps = 0.0, 0
+    for _ in range(cfg.sgd_epochs):
+        order = torch.randperm(len(y), generator=generator)
+        for start in range(0, len(y), cfg.batch_size):
+            idx = order[start : start + cfg.batch_size]
+            opt.zero_grad(set_to_none=True)
+            loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
+            loss.backward()
+            opt.step()
+            total += float(loss.detach())
+            steps += 1
+    return total / max(steps, 1)
+
+
+def evaluate_personal(
+    model: BayesMLP,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    cfg: PersonalTraining,
+    generator: torch.Generator,
+    bayesian: bool,
+) -> dict[str, float | list[float]]:
+    """Accuracy, NLL and ECE bin sums of the posterior mean and of the MC predictive."""
+    out: dict[str, float | list[float]] = {"num-examples": int(len(y))}
+    mean = predict_proba(model, x)
+    mc = (
+        predict_proba(model, x, cfg.eval_samples, generator)
+        if bayesian and cfg.eval_samples
+        else mean
+    )
+    for kind, probs in (("mean", mean), ("mc", mc)):
+        p = probs.numpy().astype(np.float64)
+        labels = y.numpy()
+        if len(labels):
+            out[f"acc-{kind}"] = float(np.mean(p.argmax(1) == labels))
+            out[f"nll-{kind}"] = float(
+                -np.mean(np.log(np.maximum(p[np.arange(len(labels)), labels], 1e-12)))
+            )
+        else:
+            out[f"acc-{kind}"] = out[f"nll-{kind}"] = 0.0
+        count, conf, correct = calibration_bins(p, labels, cfg.ece_bins)
+        out[f"ece-{kind}-count"] = count.tolist()
+        out[f"ece-{kind}-conf"] = conf.tolist()
+        out[f"ece-{kind}-correct"] = correct.tolist()
+    return out
+
+
+_MODELS: dict[tuple[BayesSpec, int], BayesMLP] = {}
+
+
+def cached_model(spec: BayesSpec, slot: int = 0) -> BayesMLP:
+    """This process's model number ``slot`` for ``spec`` (weights overwritten per client)."""
+    key = (spec, slot)
+    if key not in _MODELS:
+        _MODELS[key] = BayesMLP(spec)
+    return _MODELS[key]
+
+
+def _tensors(x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    return (
+        torch.from_numpy(np.array(x, dtype=np.float32)).flatten(1),
+        torch.from_numpy(np.array(y, dtype=np.int64)),
+    )
+
+
+def _personal(context: Context) -> dict[str, np.ndarray] | None:
+    if PERSONAL not in context.state:
+        return None
+    return {k: np.array(v) for k, v in to_numpy(context.state[PERSONAL]).items()}
+
+
+def make_personal_app(model: BayesSpec, data: DatasetSpec, training: PersonalTraining) -> ClientApp:
+    """A ClientApp running every personalised method on ``data``'s clients."""
+    app = ClientApp()
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        partition = int(context.node_config["partition-id"])
+        config: ConfigRecord = message.content["config"]
+        method = str(config["method"])
+        require(method in METHODS, "method", method, f"one of {', '.join(METHODS)}")
+        server_round = int(config["server-round"])
+        report = bool(int(config.get("report", 0)))
+        g = {k: np.asarray(v) for k, v in to_numpy(message.content["global"]).items()}
+        x, y = _tensors(*cached_dataset(data).train.client(partition))
+        net = cached_model(model)
+        personal = _personal(context)
+        metrics: dict[str, float | int] = {"num-examples": int(len(y))}
+        reply = g
+        with seeded(training.seed, server_round, partition, 0) as gen:
+            if method in ("pfedhb", "pfedvem"):
+                load_arrays(net, g)
+                if personal is not None:
+                    load_arrays(net, personal, only="head.")
+                head_prior = str(config.get("head-prior", "global"))
+                body_bayesian = bool(int(config.get("body-bayesian", 1)))
+                prior_var = None
+                if head_prior == "per-client":
+                    before = personal if personal is not None else g
+                    prior_var = prior_variance(before, g)
+                loss = hb_client_step(
+                    net,
+                    g,
+                    x,
+                    y,
+                    training,
+                    gen,
+                    head_prior=head_prior,
+                    body_bayesian=body_bayesian,
+                    prior_var=prior_var,
+                )
+                reply = model_arrays(net)
+                context.state[PERSONAL] = to_record(
+                    {k: v for k, v in reply.items() if k.startswith("head.")}
+                )
+                if head_prior == "per-client":
+                    metrics["head-prior-var"] = prior_variance(reply, g)
+            elif method == "pfedbayes":
+                load_arrays(net, personal if personal is not None else g)
+                local_global = cached_model(model, slot=1)
+                load_arrays(local_global, g)
+                loss = bayes_client_step(net, local_global, x, y, training, gen)
+                context.state[PERSONAL] = to_record(model_arrays(net))
+                reply = model_arrays(local_global)
+            else:
+                start = personal if method == "local" and personal is not None else g
+                load_arrays(net, start)
+                loss = sgd_step(net, x, y, training, gen)
+                reply = model_arrays(net)
+                if method == "local":
+                    context.state[PERSONAL] = to_record(reply)
+        metrics["train_loss"] = loss
+        content = RecordDict({"metrics": MetricRecord(metrics)})
+        if report:
+            content["posterior"] = to_record(reply)
+        return Message(content=content, reply_to=message)
+
+    @app.evaluate()
+    def evaluate(message: Message, context: Context) -> Message:
+        partition = int(context.node_config["partition-id"])
+        config: ConfigRecord = message.content["config"]
+        method = str(config["method"])
+        require(method in METHODS, "method", method, f"one of {', '.join(METHODS)}")
+        server_round = int(config["server-round"])
+        dataset = cached_dataset(data)
+        x, y = _tensors(*dataset.test.client(partition))
+        g = {k: np.asarray(v) for k, v in to_numpy(message.content["global"]).items()}
+        personal = _personal(context)
+        net = cached_model(model)
+        load_arrays(net, g)
+        bayesian = method in ("pfedhb", "pfedvem", "pfedbayes")
+        with seeded(training.seed, server_round, partition, 1) as gen:
+            if personal is not None and method in ("pfedhb", "pfedvem"):
+                load_arrays(net, personal, only="head.")
+            elif personal is not None and method in ("pfedbayes", "local"):
+                load_arrays(net, personal)
+            elif method == "fedavg" and int(config.get("finetune-epochs", 0)) > 0:
+                xt, yt = _tensors(*dataset.train.client(partition))
+                tune = PersonalTraining(
+                    **{**training.__dict__, "sgd_epochs": int(config["finetune-epochs"])}
+                )
+                sgd_step(net, xt, yt, tune, gen)
+            result = evaluate_personal(net, x, y, training, gen, bayesian)
+        return Message(content=RecordDict({"metrics": MetricRecord(result)}), reply_to=message)
+
+    return app
+
+
+def global_metrics(
+    model: BayesMLP, arrays: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray
+) -> dict[str, float]:
+    """Posterior-mean accuracy and NLL of the global model on (x, y)."""
+    load_arrays(model, arrays)
+    xt, yt = _tensors(x, y)
+    p = predict_proba(model, xt).numpy().astype(np.float64)
+    labels = yt.numpy()
+    return {
+        "global_acc": float(np.mean(p.argmax(1) == labels)),
+        "global_nll": float(-np.mean(np.log(np.maximum(p[np.arange(len(labels)), labels], 1e-12)))),
+    }

@@ -1,0 +1,516 @@
+"""Linear packed resharing: hand packed Shamir shares from one committee to the next.
+
+The secure transfer between committees of the distributed matrix mechanism (Bienstock, Kumar &
+Polychroniadou, ICML 2025; reference/dmm.md step 6). The old committee (``old``: n members,
+threshold t, packing k) holds, per block b, shares s_i[b] = f_b(x_i) of a polynomial of degree
+< t + k whose values at the k secret points are the block's secrets. For any set S of t + k
+members, secret j is sum_{i in S} lambda_{j,i} s_i[b] (Lagrange coefficients of S at secret point
+j; :meth:`protocols.field.MersenneField.lagrange_coefficients`). Steps:
+
+1. **ANNOUNCE**: the server lists the old members still alive (the candidate dealers) and the new
+   members still alive; it picks S = the first t + k dealers. Fewer than t + k on either side ->
+   :class:`ReshareAbort` naming the side, how many were needed and how many answered; nothing is
+   lost: the old members still hold their shares.
+2. **DEAL**: old member i in S packs the block (lambda_{0,i} s_i[b], .., lambda_{k-1,i} s_i[b])
+   into a fresh packed sharing for the new committee (same k, the new committee's t', degree
+   < t' + k) and sends new member j one field element per block, over an authenticated encrypted
+   channel (:mod:`protocols.channels`). Every dealer (in S or not) also shares its *check value*
+   c_i = sum_b r_b s_i[b] (r: a public random vector drawn by the server after the shares are
+   fixed) in all k slots of one extra block.
+3. **ACCUMULATE**: new member j sums what the dealers of S sent: by linearity it holds a share
+   of a polynomial whose slot j is sum_{i in S} lambda_{j,i} s_i[b], i.e. the same secrets.
+   A dealer that delivered nothing (dropped while dealing), or whose message fails authentication
+   at some new member, is removed and the server restarts DEAL with the others (retries are
+   counted and their traffic stays in the transcript).
+4. **VERIFY**: with m dealers and m > t + k, the old shares must lie on one polynomial of degree
+   < t + k, i.e. satisfy the m - t - k parity checks sum_i v_i x_i^a s_i = 0 of the generalised
+   Reed-Solomon code (v_i = 1 / prod_{l != i} (x_i - x_l), a = 0..m-t-k-1). New members combine
+   their check shares with these coefficients and send them to the server, which reconstructs
+   the syndromes c^(a) = sum_i v_i x_i^a c_i. All zero -> DONE. A single altered old share
+   e at member i* gives c^(a+1) / c^(a) = x_{i*}: the member is named, removed, and DEAL
+   restarts; more than one, or m = t + k + 1 -> :class:`ReshareTampering` (detected, not
+   located). With m = t + k nothing can be checked (``verified`` is False in the result).
+
+Cost. Each dealer of S sends n_new elements per block of k secrets: n_new / k elements per
+secret, a constant when k grows with n (naive resharing, k = 1, sends n_new per secret). The
+check adds one block per dealer and m - t - k elements per new member, independent of the
+number of secrets.
+
+Scope. The check catches a held share that was altered (a faulty or tampering member's state);
+a dealer that deals an inconsistent sharing on purpose needs verifiable secret sharing, which
+this module does not implement. Privacy: any t' new members see uniformly random shares of each
+dealer's block; the opened syndromes are 0 for honest members.
+
+Randomness: sharing randomness and the check vector come from the OS (``secure=True``, the
+default) or from a passed ``numpy.random.Generator`` (simulation, reproducible).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+
+from protocols.channels import SERVER_ID, ChannelError, Endpoint, Relay, Transcript, new_session_id
+from protocols.secagg import StageError, TooManyDropoutsError
+from protocols.shamir import InconsistentSharesError, PackedShamir
+
+OLD_ID_BASE = 2**62
+"""Channel party id of old member i: OLD_ID_BASE + i."""
+NEW_ID_BASE = 2**62 + 2**40
+"""Channel party id of new member j: NEW_ID_BASE + j."""
+
+
+class ReshareStage(Enum):
+    """Stages of one resharing, in order; ABORTED is reachable from every live stage."""
+
+    SETUP = 0
+    ANNOUNCE = 1
+    DEAL = 2
+    ACCUMULATE = 3
+    VERIFY = 4
+    DONE = 5
+    ABORTED = 6
+
+
+TRANSITIONS: dict[ReshareStage, frozenset[ReshareStage]] = {
+    ReshareStage.SETUP: frozenset({ReshareStage.ANNOUNCE, ReshareStage.ABORTED}),
+    ReshareStage.ANNOUNCE: frozenset({ReshareStage.DEAL, ReshareStage.ABORTED}),
+    ReshareStage.DEAL: frozenset({ReshareStage.ACCUMULATE, ReshareStage.ABORTED}),
+    ReshareStage.ACCUMULATE: frozenset(
+        {ReshareStage.VERIFY, ReshareStage.DEAL, ReshareStage.ABORTED}
+    ),
+    ReshareStage.VERIFY: frozenset({ReshareStage.DONE, ReshareStage.DEAL, ReshareStage.ABORTED}),
+    ReshareStage.DONE: frozenset(),
+    ReshareStage.ABORTED: frozenset(),
+}
+"""Allowed moves: forward, back to DEAL after removing a failed dealer, or to ABORTED."""
+
+
+def check_transition(current: ReshareStage, target: ReshareStage, who: str) -> None:
+    """Raise :class:`protocols.secagg.StageError` unless ``current -> target`` is allowed."""
+    if target not in TRANSITIONS[current]:
+        allowed = sorted(s.name for s in TRANSITIONS[current]) or ["none (final)"]
+        raise StageError(
+            f"{who} is in stage {current.name}; cannot move to {target.name} "
+            f"(allowed: {', '.join(allowed)})"
+        )
+
+
+class ReshareAbort(TooManyDropoutsError):
+    """Fewer than t + k members on one side: ``side`` ('old' or 'new'), ``needed``, ``answered``."""
+
+    def __init__(self, message: str, side: str, needed: int, answered: int) -> None:
+        super().__init__(message)
+        self.side = side
+        self.needed = needed
+        self.answered = answered
+
+
+class ReshareTampering(RuntimeError):
+    """The old shares fail the parity check and the faulty member cannot be singled out."""
+
+    def __init__(self, message: str, suspects: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.suspects = suspects
+
+
+@dataclass(frozen=True)
+class ReshareFaults:
+    """Injected faults of one resharing (member indices of each committee).
+
+    ``old_drop``: old members silent from ANNOUNCE on; ``old_drop_deal``: old members that are
+    announced alive but never deliver their deal; ``new_drop``: new members that are gone (they
+    receive and hold nothing); ``tamper``: old members whose held shares carry a non-zero offset
+    (drawn from ``seed``) when they deal; ``corrupt_in_transit``: (old, new) pairs whose sealed
+    deal the relay alters.
+    """
+
+    old_drop: frozenset[int] = frozenset()
+    old_drop_deal: frozenset[int] = frozenset()
+    new_drop: frozenset[int] = frozenset()
+    tamper: frozenset[int] = frozenset()
+    corrupt_in_transit: frozenset[tuple[int, int]] = frozenset()
+    seed: int = 0
+
+
+@dataclass
+class ReshareResult:
+    """The new committee's shares and what it cost.
+
+    ``shares[j]``: new member j's shares, shape (blocks,); ``holders``: the new members holding
+    them; ``dealers``: the t + k old members whose deals were summed; ``removed``: old members
+    removed after failing (dropped while dealing, unauthenticated, or named by the check);
+    ``attempts``: DEAL runs; ``verified``: whether the parity check ran; ``transcript``: bytes
+    per (sender, receiver, stage), DEAL and VERIFY.
+    """
+
+    shares: dict[int, np.ndarray]
+    holders: tuple[int, ...]
+    dealers: tuple[int, ...]
+    removed: tuple[int, ...]
+    attempts: int
+    verified: bool
+    transcript: Transcript
+    secrets: int = 0
+
+    def bytes_per_secret(self) -> float:
+        """Deal bytes of every dealer together, per shared secret."""
+        return self.transcript.nbytes(stage=ReshareStage.DEAL) / max(self.secrets, 1)
+
+    def bytes_per_dealer_per_secret(self) -> float:
+        """Deal bytes one dealer sends, per shared secret (averaged over the dealers)."""
+        return self.bytes_per_secret() / max(len(self.dealers), 1)
+
+
+def reshare_coefficients(scheme: PackedShamir, dealers: Sequence[int]) -> np.ndarray:
+    """(k, t + k) Lagrange matrix: secret j = sum_i L[j, i] s_{dealers[i]} (dealers 0-based)."""
+    nodes = scheme.share_points[np.asarray(dealers, dtype=np.int64)]
+    return scheme.field.lagrange_coefficients(nodes, scheme.secret_points)
+
+
+def parity_checks(scheme: PackedShamir, members: Sequence[int]) -> np.ndarray:
+    """(m - t - k, m) rows h_a[i] = v_i x_i^a with v_i = 1 / prod_{l != i} (x_i - x_l): every
+    vector of values at the members' points of a polynomial of degree < t + k satisfies
+    h_a . s = 0 (the dual of a Reed-Solomon code)."""
+    p = scheme.field.modulus
+    points = [int(scheme.share_points[i]) for i in members]
+    rows = len(points) - scheme.threshold
+    if rows <= 0:
+        return np.zeros((0, len(points)), dtype=np.int64)
+    weights = []
+    for i, x in enumerate(points):
+        denominator = 1
+        for j, y in enumerate(points):
+            if j != i:
+                denominator = denominator * (x - y) % p
+        weights.append(pow(denominator, p - 2, p))
+    return np.array(
+        [[weights[i] * pow(x, a, p) % p for i, x in enumerate(points)] for a in range(rows)],
+        dtype=np.int64,
+    )
+
+
+def locate_single_error(scheme: PackedShamir, members: Sequence[int], syndromes) -> int | None:
+    """The member whose share alone explains the syndromes (c^(a+1) = x c^(a) for all a), or
+    None when at most one syndrome exists or no single member fits."""
+    p = scheme.field.modulus
+    syndromes = [int(s) for s in syndromes]
+    if len(syndromes) < 2 or syndromes[0] == 0:
+        return None
+    x = syndromes[1] * pow(syndromes[0], p - 2, p) % p
+    if any(syndromes[a + 1] != syndromes[a] * x % p for a in range(len(syndromes) - 1)):
+        return None
+    for member in members:
+        if int(scheme.share_points[member]) == x:
+            return int(member)
+    return None
+
+
+class _Randomness:
+    def __init__(self, rng: np.random.Generator | None, secure: bool) -> None:
+        if secure == (rng is not None):
+            raise ValueError(
+                "pass exactly one source of randomness: rng=numpy.random.Generator for "
+                f"simulation or secure=True for OS randomness (got rng={rng!r}, secure={secure})"
+            )
+        self.rng, self.secure = rng, secure
+
+    def share(self, scheme: PackedShamir, secrets: np.ndarray) -> np.ndarray:
+        if self.secure:
+            return scheme.share(secrets, secure=True)
+        return scheme.share(secrets, rng=self.rng)
+
+    def field_vector(self, scheme: PackedShamir, size: int) -> np.ndarray:
+        if self.secure:
+            return scheme.field.random_secure(size)
+        return scheme.field.random(self.rng, size)
+
+
+class OldMember:
+    """Old member ``index`` holding its shares (blocks,) of the committee's state."""
+
+    def __init__(self, index: int, shares: np.ndarray, endpoint: Endpoint | None = None) -> None:
+        self.index = int(index)
+        self.shares = np.asarray(shares, dtype=np.int64)
+        self.endpoint = endpoint
+
+    def deal(
+        self,
+        old: PackedShamir,
+        new: PackedShamir,
+        coefficients: np.ndarray | None,
+        mix: np.ndarray,
+        randomness: _Randomness,
+    ) -> np.ndarray:
+        """(n_new, blocks + 1): row j for new member j -- the packed sharing of this member's
+        block scaled by ``coefficients`` (its column of the Lagrange matrix of S), then its share
+        of the check value sum_b mix[b] s[b] held in all k slots; only the check column,
+        (n_new, 1), when ``coefficients`` is None (a dealer outside S)."""
+        f = old.field
+        check_value = f.matmul(self.shares[None, :], mix[:, None]).ravel()[0]
+        check = randomness.share(new, np.full(new.k, check_value, dtype=np.int64))
+        if coefficients is None:  # not in S: only the check block travels
+            return check
+        scaled = f.mul(np.asarray(coefficients)[None, :], self.shares[:, None])  # (blocks, k)
+        return np.hstack([randomness.share(new, scaled.ravel()), check])
+
+
+class NewMember:
+    """New member ``index``: collects deals, sums those of S, combines check shares."""
+
+    def __init__(self, index: int, endpoint: Endpoint | None = None) -> None:
+        self.index = int(index)
+        self.endpoint = endpoint
+        self.received: dict[int, np.ndarray] = {}
+        self.refused: set[int] = set()
+
+    def reset(self) -> None:
+        self.received, self.refused = {}, set()
+
+    def accumulate(self, field_, dealers: Sequence[int]) -> np.ndarray:
+        """Shares (blocks,) of the secrets: the sum of the main parts dealt by ``dealers``."""
+        stacked = np.stack([self.received[i][:-1] for i in dealers])
+        return field_.sum(stacked, axis=0)
+
+    def check_shares(self, field_, checks: np.ndarray, members: Sequence[int]) -> np.ndarray:
+        """Shares of the syndromes: sum_i checks[a, i] * (check share from members[i])."""
+        column = np.array([self.received[i][-1] for i in members], dtype=np.int64)
+        return field_.matmul(checks, column[:, None]).ravel()
+
+
+class Resharing:
+    """The server's side of one resharing from committee ``old`` to committee ``new``.
+
+    ``old`` and ``new`` must use the same field and packing k (the block layout is kept); n and
+    t may differ. ``encrypt`` sends every deal sealed (X25519/HKDF/ChaCha20-Poly1305 bound to
+    (dealer, receiver, round, stage)) through a :class:`protocols.channels.Relay`; without it
+    the transcript counts ``bytes_per_element`` per element sent. ``round_`` binds the messages.
+    """
+
+    def __init__(
+        self,
+        old: PackedShamir,
+        new: PackedShamir,
+        *,
+        round_: int = 0,
+        encrypt: bool = True,
+    ) -> None:
+        if old.field != new.field:
+            raise ValueError(f"old.field={old.field!r} and new.field={new.field!r} must agree")
+        if old.k != new.k:
+            raise ValueError(
+                f"old.k={old.k} and new.k={new.k} must agree: resharing keeps the block layout"
+            )
+        self.old, self.new = old, new
+        self.round = int(round_)
+        self.encrypt = bool(encrypt)
+        self.stage = ReshareStage.SETUP
+
+    def _enter(self, target: ReshareStage) -> None:
+        check_transition(self.stage, target, f"resharing of round {self.round}")
+        self.stage = target
+
+    def _abort(self, error: Exception) -> Exception:
+        self.stage = ReshareStage.ABORTED
+        return error
+
+    def run(
+        self,
+        old_shares: Mapping[int, np.ndarray],
+        faults: ReshareFaults | None = None,
+        *,
+        rng: np.random.Generator | None = None,
+        secure: bool = False,
+    ) -> ReshareResult:
+        """Reshare ``old_shares`` (old member -> shares (blocks,)) to the new committee."""
+        randomness = _Randomness(rng, secure)
+        faults = faults or ReshareFaults()
+        f, old, new = self.old.field, self.old, self.new
+        if not old_shares:
+            raise ValueError("old_shares is empty: no old member holds anything")
+        lengths = {np.asarray(v).size for v in old_shares.values()}
+        if len(lengths) != 1:
+            raise ValueError(f"old_shares rows have different lengths {sorted(lengths)}")
+        for i in old_shares:
+            if not 0 <= int(i) < old.n:
+                raise ValueError(f"old_shares has member {i}; allowed: 0..{old.n - 1}")
+        blocks = lengths.pop()
+        transcript = Transcript()
+        relay = Relay(transcript) if self.encrypt else None
+        olds = {
+            int(i): OldMember(i, f.asarray(s, f"old_shares[{i}]").ravel())
+            for i, s in sorted(old_shares.items())
+        }
+        news = {j: NewMember(j) for j in range(new.n)}
+        if self.encrypt:
+            session = new_session_id()
+            for i, member in olds.items():
+                member.endpoint = Endpoint(OLD_ID_BASE + i, session)
+            for j, member in news.items():
+                member.endpoint = Endpoint(NEW_ID_BASE + j, session)
+            for m in list(olds.values()) + list(news.values()):
+                relay.publish(m.endpoint.party_id, m.endpoint.public_key, ReshareStage.ANNOUNCE)
+            for o in olds.values():
+                for n_ in news.values():
+                    o.endpoint.connect(n_.endpoint.party_id, n_.endpoint.public_key)
+                    n_.endpoint.connect(o.endpoint.party_id, o.endpoint.public_key)
+        if faults.tamper:
+            offsets = np.random.default_rng(faults.seed)
+            for i in sorted(faults.tamper & set(olds)):
+                delta = offsets.integers(1, f.modulus, size=blocks, dtype=np.int64)
+                olds[i].shares = f.add(olds[i].shares, delta)
+
+        # ANNOUNCE
+        self._enter(ReshareStage.ANNOUNCE)
+        candidates = [i for i in olds if i not in faults.old_drop]
+        holders = [j for j in news if j not in faults.new_drop]
+        if len(holders) < new.threshold:
+            raise self._abort(
+                ReshareAbort(
+                    f"resharing of round {self.round}: {len(holders)} new members answered, "
+                    f"t + k = {new.threshold} needed; the old committee keeps its shares",
+                    "new",
+                    new.threshold,
+                    len(holders),
+                )
+            )
+        removed: list[int] = []
+        attempts = 0
+        while True:
+            if len(candidates) < old.threshold:
+                raise self._abort(
+                    ReshareAbort(
+                        f"resharing of round {self.round}: {len(candidates)} old members can "
+                        f"deal, t + k = {old.threshold} needed (removed after failing: "
+                        f"{removed}); the old committee keeps its shares",
+                        "old",
+                        old.threshold,
+                        len(candidates),
+                    )
+                )
+            # DEAL
+            self._enter(ReshareStage.DEAL)
+            attempts += 1
+            chosen = candidates[: old.threshold]
+            lam = reshare_coefficients(old, chosen)
+            mix = randomness.field_vector(old, blocks)
+            for member in news.values():
+                member.reset()
+            delivered = []
+            for i in candidates:
+                if i in faults.old_drop_deal:
+                    continue
+                column = chosen.index(i) if i in chosen else None
+                rows = olds[i].deal(
+                    old, new, None if column is None else lam[:, column], mix, randomness
+                )
+                delivered.append(i)
+                for j in holders:
+                    self._send(olds[i], news[j], rows[j], transcript, relay, faults)
+            # ACCUMULATE
+            self._enter(ReshareStage.ACCUMULATE)
+            self._receive(news, holders, relay)
+            refused = set().union(*(news[j].refused for j in holders))
+            failed = [i for i in candidates if i not in delivered or i in refused]
+            if failed:
+                removed.extend(failed)
+                candidates = [i for i in candidates if i not in failed]
+                continue
+            new_shares = {j: news[j].accumulate(f, chosen) for j in holders}
+            # VERIFY
+            self._enter(ReshareStage.VERIFY)
+            checks = parity_checks(old, candidates)
+            verified = checks.shape[0] > 0
+            if not verified:
+                break
+            rows = np.stack([news[j].check_shares(f, checks, candidates) for j in holders])
+            for j in holders:
+                transcript.record(
+                    NEW_ID_BASE + j,
+                    SERVER_ID,
+                    ReshareStage.VERIFY,
+                    rows.shape[1] * f.bytes_per_element,
+                )
+            try:
+                opened = new.reconstruct(rows, holders, rows.shape[1] * new.k)
+            except InconsistentSharesError as error:
+                raise self._abort(
+                    ReshareTampering(
+                        f"resharing of round {self.round}: new members' check shares are "
+                        f"inconsistent ({error})",
+                        tuple(NEW_ID_BASE + s for s in error.suspects),
+                    )
+                ) from error
+            syndromes = opened[:: new.k]
+            if not np.any(syndromes):
+                break
+            culprit = locate_single_error(old, candidates, syndromes)
+            if culprit is None:
+                raise self._abort(
+                    ReshareTampering(
+                        f"resharing of round {self.round}: the shares of old members "
+                        f"{candidates} do not lie on one polynomial of degree < t + k = "
+                        f"{old.threshold} and the faulty member cannot be singled out "
+                        f"({checks.shape[0]} parity checks)"
+                    )
+                )
+            removed.append(culprit)
+            candidates = [i for i in candidates if i != culprit]
+        self._enter(ReshareStage.DONE)
+        return ReshareResult(
+            shares=new_shares,
+            holders=tuple(holders),
+            dealers=tuple(chosen),
+            removed=tuple(removed),
+            attempts=attempts,
+            verified=verified,
+            transcript=transcript,
+            secrets=blocks * old.k,
+        )
+
+    def _send(self, sender, receiver, row, transcript, relay, faults) -> None:
+        if relay is None:
+            receiver.received[sender.index] = row
+            transcript.record(
+                OLD_ID_BASE + sender.index,
+                NEW_ID_BASE + receiver.index,
+                ReshareStage.DEAL,
+                row.size * self.old.field.bytes_per_element,
+            )
+            return
+        envelope = sender.endpoint.seal_array(
+            receiver.endpoint.party_id, self.round, ReshareStage.DEAL, row
+        )
+        if (sender.index, receiver.index) in faults.corrupt_in_transit:
+            body = bytearray(envelope.ciphertext)
+            body[len(body) // 2] ^= 0x01
+            envelope = type(envelope)(
+                envelope.sender,
+                envelope.receiver,
+                envelope.round,
+                envelope.stage,
+                envelope.nonce,
+                bytes(body),
+            )
+        relay.post(envelope)
+
+    def _receive(self, news, holders, relay) -> None:
+        if relay is None:
+            return
+        for j in holders:
+            member = news[j]
+            for envelope in relay.deliver(member.endpoint.party_id):
+                dealer = envelope.sender - OLD_ID_BASE
+                try:
+                    member.received[dealer] = member.endpoint.open_array(envelope)
+                except ChannelError:
+                    member.refused.add(dealer)
+
+
+def naive_reshare_elements(n_old_dealers: int, n_new: int, secrets: int) -> int:
+    """Field elements an unpacked (k = 1) linear resharing sends: every dealer, one element per
+    secret per new member."""
+    return n_old_dealers * n_new * secrets

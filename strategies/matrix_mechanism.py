@@ -1,0 +1,480 @@
+"""Central DP-FTRL / BandMF: the matrix mechanism as a Flower Message-API strategy.
+
+The server releases, over the whole run, ``C X + Z`` where row t of X is round t's sum of
+clipped client updates and ``Z ~ N(0, sigma^2)`` with ``sigma = z * c * sens(C)`` (``z`` the
+noise multiplier, ``c`` the clipping norm, ``sens(C)`` the sensitivity of the factorization
+actually used under the run's participation). The model only ever sees the post-processed
+``A^{-1} B (C X + Z) = X + G Z`` (``G = C^{-1}`` for square C), one row per round, streamed
+with bounded state by :mod:`fedsim.privacy.matrix.streaming`. Round t (1-based; row t - 1):
+
+    x_t   = sum_i clip(Delta_i, c) / m                    (ClippedSum, m expected clients)
+    xhat_t = x_t + (sigma / m) (G z)_{t-1}                (correlated noise, unit-variance z)
+    v_t   = beta v_{t-1} + xhat_t,   theta_t = theta_{t-1} + eta_t v_t
+
+so that ``theta_t - theta_0 = (A (x + (sigma / m) G z))_t`` with ``A =
+momentum(n, beta, eta)`` (:func:`fedsim.privacy.matrix.workloads.momentum`; ``eta`` times the
+prefix sums for ``beta = 0``). This is the noisy-gradient form of DP-FTRL (Kairouz et al.
+2021, "Practical and Private (Deep) Learning without Sampling or Shuffling", Alg. 1, which
+keeps the noisy prefix sum instead: the same model for ``beta = 0``) and the BandMF update of
+Choquette-Choo et al. 2023, "(Amplified) Banded Matrix Factorization: A unified approach to
+private training", Alg. 1 (``x_t + (C^{-1} z)_t`` into SGD with momentum). Client updates
+``Delta_i = x_i - g`` point downhill, hence the ``+``. A factorization is optimal for the
+optimiser whose workload it was built for (``A`` above); any other is still private, since
+the optimiser only post-processes ``C X + Z``.
+
+Accounting. The n rounds are one Gaussian mechanism (Denisov et al. 2022, "Improved
+Differential Privacy for SGD via Optimal Private Linear Operators on Adaptive Streams",
+Thm. 2.1: adaptively chosen inputs do not change this). After T rounds what was released is
+``C_T X + Z_T`` with ``C_T`` the rows of C released so far (:meth:`Factorization.
+encoder_through`), so epsilon is that of a Gaussian with noise multiplier
+``z sens(C) / sens_T``, ``sens_T`` the sensitivity of ``C_T`` under the participation
+restricted to T rounds. Round t records ``GaussianDpEvent(z sens(C) / sqrt(sens_t^2 -
+sens_{t-1}^2))`` in the run's :class:`~fedsim.privacy.accounting.PrivacyLedger` (a
+``NoOpDpEvent`` if the sensitivity does not grow); Gaussian precisions add under composition,
+so the ledger's epsilon after T rounds is exactly the Gaussian epsilon above, and
+``z`` alone at T = n.
+
+Participation: b-min-separation, at most ``max_participations`` (default ``ceil(n / b)``)
+rounds ``b`` apart -- what :class:`fedsim.engine.participation.MinSeparationCohort` with
+``min_separation = b`` guarantees -- or single participation (``min_separation=None``; the
+caller's schedule must put each client in at most one round). A banded C with at most ``b``
+bands then has the exact sensitivity ``sqrt(k)`` after column normalisation.
+
+Dropouts contribute nothing but their update; the noise and the denominator ``m`` are fixed.
+Everything kept between rounds (stream buffers, momentum, ledger) lives on the strategy, which
+fedsim's checkpoints pickle, and round t's fresh noise is drawn from
+``default_rng([seed, t - 1])`` only, so a resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import dp_accounting as dpa
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg, Strategy
+
+from fedsim.config import ConfigError, require
+from fedsim.engine.reduce import attach_reducer, single
+from fedsim.privacy.accounting import ACCOUNTANTS, NeighbouringRelation, PrivacyLedger
+from fedsim.privacy.matrix import (
+    Factorization,
+    Participation,
+    Sensitivity,
+    momentum,
+    noise_stream,
+)
+from fedsim.privacy.matrix.streaming import NoiseStream
+from fedsim.records import to_numpy, to_record
+from strategies.dp_fedavg import CLIENTS_KEY, CLIPPED_KEY, ClippedSum
+from strategies.wrapper import StrategyWrapper
+
+_BOOKKEEPING = (CLIENTS_KEY, CLIPPED_KEY)
+
+
+def matrix_participation(
+    min_separation: int | None, max_participations: int | None = None
+) -> Participation:
+    """The sensitivity schema of a run: b-min-separation (``min_separation`` = b, at most
+    ``max_participations`` rounds, default as many as fit) or single participation (None)."""
+    if min_separation is None:
+        require(
+            max_participations in (None, 1),
+            "max_participations",
+            max_participations,
+            "none or 1 without min_separation (single participation)",
+        )
+        return Participation.single()
+    require(
+        isinstance(min_separation, (int, np.integer)) and min_separation >= 1,
+        "min_separation",
+        min_separation,
+        "an integer >= 1 (rounds between two participations of a client) or none",
+    )
+    return Participation.separated(int(min_separation), max_participations)
+
+
+def _learning_rates(value: float | Sequence[float], n: int) -> np.ndarray:
+    eta = np.asarray(value, dtype=np.float64)
+    if eta.ndim == 0:
+        eta = np.full(n, float(eta))
+    require(
+        eta.shape == (n,) and bool(np.all(np.isfinite(eta)) and np.all(eta > 0)),
+        "server_learning_rate",
+        value,
+        f"a number > 0 or {n} numbers > 0 (one per round of the factorization)",
+    )
+    return eta
+
+
+class MatrixMechanism(StrategyWrapper):
+    """Central matrix-mechanism DP (DP-FTRL, BandMF, BLT, trees) around a sampling strategy.
+
+    Args:
+        strategy: samples and configures each round's clients (e.g.
+            ``FedAvg(fraction_train=1)`` over the engine's cohort) and runs evaluation; its
+            ``aggregate_train`` is not used.
+        factorization: ``A = B C`` for (at least) the run's rounds; row t - 1 noises round t.
+        clipping_norm: ``c > 0``, the L2 bound on each client's update.
+        noise_multiplier: ``z >= 0`` for the whole run: fresh noise std
+            ``z * c * sens(C)``; epsilon after all n rounds is that of a Gaussian with ``z``.
+        expected_clients: ``m > 0``, the sums are divided by it (never by who replied).
+        seed: root of the per-round fresh noise (``default_rng([seed, t])``), an int >= 0.
+        min_separation, max_participations: the participation schema
+            (:func:`matrix_participation`).
+        server_learning_rate: ``eta`` (one number, or one per round).
+        server_momentum: ``beta`` in [0, 1).
+        worker_reduction: let workers fold clipped sums (same result, less traffic).
+        delta: the run's delta in (0, 1).
+        accountant: "rdp" or "pld".
+        relation: "add_remove" (default) or "replace_one" neighbours.
+    """
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        *,
+        factorization: Factorization,
+        clipping_norm: float,
+        noise_multiplier: float,
+        expected_clients: float,
+        seed: int,
+        min_separation: int | None = None,
+        max_participations: int | None = None,
+        server_learning_rate: float | Sequence[float] = 1.0,
+        server_momentum: float = 0.0,
+        worker_reduction: bool = True,
+        delta: float = 1e-5,
+        accountant: str = "rdp",
+        relation: str = "add_remove",
+    ) -> None:
+        require(
+            isinstance(factorization, Factorization),
+            "factorization",
+            type(factorization).__name__,
+            "a fedsim.privacy.matrix.Factorization",
+        )
+        require(clipping_norm > 0, "clipping_norm", clipping_norm, "a number > 0")
+        require(
+            math.isfinite(noise_multiplier) and noise_multiplier >= 0,
+            "noise_multiplier",
+            noise_multiplier,
+            "a finite number >= 0 (0: no noise, epsilon inf)",
+        )
+        require(expected_clients > 0, "expected_clients", expected_clients, "a number > 0")
+        require(isinstance(seed, (int, np.integer)) and seed >= 0, "seed", seed, "an integer >= 0")
+        require(
+            0.0 <= server_momentum < 1.0, "server_momentum", server_momentum, "a number in [0, 1)"
+        )
+        require(accountant in ACCOUNTANTS, "accountant", accountant, "one of 'rdp', 'pld'")
+        super().__init__(strategy)
+        self.factorization = factorization
+        self.participation = matrix_participation(min_separation, max_participations)
+        self.weight_key = getattr(strategy, "weighted_by_key", "num-examples")
+        self.reducer = ClippedSum(clipping_norm, self.weight_key)
+        self.noise_multiplier = float(noise_multiplier)
+        self.expected_clients = float(expected_clients)
+        self.seed = int(seed)
+        self.learning_rates = _learning_rates(server_learning_rate, factorization.n)
+        self.server_momentum = float(server_momentum)
+        self.worker_reduction = worker_reduction
+        self.accountant = accountant
+        self.ledger = PrivacyLedger(NeighbouringRelation.parse(relation), delta)
+        full = factorization.sensitivity(self.participation)
+        self.sensitivity = full.value
+        self.sensitivity_exact = full.exact
+        #: std of each fresh noise coordinate added to the clipped sum
+        self.noise_std = self.noise_multiplier * float(clipping_norm) * self.sensitivity
+        self.stream: NoiseStream | None = None
+        self.momentum_buffer: dict[str, np.ndarray] | None = None
+        self.released_sensitivity = 0.0  # sens_T of the rounds released so far
+        self.released_exact = True
+        self.stop_reason: str | None = None
+        self._epsilon: tuple[int, float] | None = None  # (entries, epsilon) cache
+        self._sens_cache: dict[int, Sensitivity] = {}
+        self._global: tuple[str, ArrayRecord] | None = None
+
+    @property
+    def clipping_norm(self) -> float:
+        return self.reducer.clipping_norm
+
+    @property
+    def rounds(self) -> int:
+        """The number of rounds the factorization covers."""
+        return self.factorization.n
+
+    def workload(self) -> np.ndarray:
+        """``A = momentum(n, beta, eta)``: the workload this server optimiser applies."""
+        return momentum(self.rounds, self.server_momentum, self.learning_rates)
+
+    # -- privacy ------------------------------------------------------------------------
+    def sensitivity_through(self, rounds: int) -> float:
+        """``sens_T`` of the first ``rounds`` rounds (0 for none), cached."""
+        if rounds == 0:
+            return 0.0
+        if rounds not in self._sens_cache:
+            now = self.factorization.sensitivity_through(rounds, self.participation)
+            self._sens_cache = {**dict(list(self._sens_cache.items())[-2:]), rounds: now}
+        return self._sens_cache[rounds].value
+
+    def round_event(self, server_round: int) -> dpa.DpEvent:
+        """The ledger event of round ``server_round`` (1-based), see the module docstring."""
+        if self.noise_multiplier == 0:
+            return dpa.NonPrivateDpEvent()
+        now = self.sensitivity_through(server_round)
+        growth = now**2 - self.sensitivity_through(server_round - 1) ** 2
+        if growth <= 1e-12 * max(now**2, 1.0):
+            return dpa.NoOpDpEvent()
+        return dpa.GaussianDpEvent(self.noise_multiplier * self.sensitivity / math.sqrt(growth))
+
+    def epsilon(self) -> float:
+        """Epsilon (nats) at the ledger's delta of every round released so far."""
+        if self._epsilon is None or self._epsilon[0] != len(self.ledger):
+            self._epsilon = (len(self.ledger), self.ledger.epsilon(accountant=self.accountant))
+        return self._epsilon[1]
+
+    def effective_noise_multiplier(self) -> float:
+        """``z sens(C) / sens_T`` for the rounds released so far (inf before any)."""
+        if self.released_sensitivity == 0:
+            return math.inf
+        return self.noise_multiplier * self.sensitivity / self.released_sensitivity
+
+    def privacy_report(self) -> dict[str, Any]:
+        """What a round record shows: epsilon so far and what it rests on."""
+        return {
+            "epsilon": self.epsilon(),
+            "delta": self.ledger.delta,
+            "accountant": self.accountant,
+            "relation": self.ledger.relation.value,
+            "rounds_accounted": len(self.ledger),
+            "factorization": self.factorization.kind,
+            "sensitivity": self.sensitivity,
+            "sensitivity_exact": self.sensitivity_exact,
+            "released_sensitivity": self.released_sensitivity,
+            "released_sensitivity_exact": self.released_exact,
+            "effective_noise_multiplier": self.effective_noise_multiplier(),
+        }
+
+    def should_stop(self, server_round: int) -> bool:
+        """True past the factorization's last round (its noise is not defined there)."""
+        if server_round > self.rounds:
+            self.stop_reason = (
+                f"factorization: round {server_round} is past the n = {self.rounds} rounds "
+                "the factorization was built for"
+            )
+            return True
+        return False
+
+    # -- the Message-API hooks -------------------------------------------------------------
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        if self.should_stop(server_round):
+            return []
+        messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
+        key = getattr(self.strategy, "arrayrecord_key", "arrays")
+        self._global = (key, arrays)
+        if self.worker_reduction:
+            attach_reducer(messages, self.reducer)
+        return messages
+
+    def _noise(self, server_round: int, reference: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Round ``server_round``'s row of ``G z`` (unit fresh noise), split like the model."""
+        size = sum(int(v.size) for v in reference.values())
+        if self.stream is None:
+            self.stream = noise_stream(self.factorization, self.seed, size)
+        require(
+            self.stream.shape == (size,),
+            "arrays",
+            f"{size} parameters",
+            f"the {self.stream.shape[0]} parameters the noise stream was started with",
+        )
+        if self.stream.round != server_round - 1:
+            raise RuntimeError(
+                f"round {server_round} needs noise row {server_round - 1}, but the stream is at "
+                f"row {self.stream.round}: rounds must run in order from 1 (or resume from a "
+                "checkpoint of this strategy)"
+            )
+        flat = self.stream.next()
+        out, start = {}, 0
+        for name, value in reference.items():
+            out[name] = flat[start : start + value.size].reshape(value.shape)
+            start += value.size
+        return out
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        if server_round > self.rounds:
+            return None, None
+        if self._global is None:
+            raise RuntimeError("aggregate_train called before configure_train")
+        valid = [r for r in replies if not r.has_error()]
+        key, global_record = self._global
+        reference = to_numpy(global_record)
+        if valid:
+            summed = self.reducer.reduce(RecordDict({key: global_record}), valid)
+            total = to_numpy(single(summed.content, ArrayRecord)[1])
+            metrics = single(summed.content, MetricRecord)[1]
+            clients, clipped = int(metrics[CLIENTS_KEY]), int(metrics[CLIPPED_KEY])
+        else:  # nobody replied: the round still releases its noise
+            total = {k: np.zeros(v.shape, dtype=np.float64) for k, v in reference.items()}
+            metrics, clients, clipped = MetricRecord(), 0, 0
+        noise = self._noise(server_round, reference)
+        if self.momentum_buffer is None:
+            self.momentum_buffer = {
+                k: np.zeros(v.shape, dtype=np.float64) for k, v in reference.items()
+            }
+        eta = float(self.learning_rates[server_round - 1])
+        updated = {}
+        for name, value in reference.items():
+            noisy = (total[name] + self.noise_std * noise[name]) / self.expected_clients
+            buffer = self.server_momentum * self.momentum_buffer[name] + noisy
+            self.momentum_buffer[name] = buffer
+            updated[name] = (value.astype(np.float64) + eta * buffer).astype(value.dtype)
+        self._account(server_round)
+        aggregated = MetricRecord(
+            {k: v for k, v in metrics.items() if k not in _BOOKKEEPING and k != self.weight_key}
+        )
+        aggregated["dp-clients"] = clients
+        if clients:
+            aggregated["dp-clipped-fraction"] = clipped / clients
+        aggregated["dp-clipping-norm"] = self.clipping_norm
+        aggregated["dp-noise-multiplier"] = self.noise_multiplier
+        aggregated["dp-noise-std"] = self.noise_std / self.expected_clients
+        aggregated["mm-sensitivity"] = self.released_sensitivity
+        return to_record(updated), aggregated
+
+    def _account(self, server_round: int) -> None:
+        self.ledger.record(server_round, self.round_event(server_round))
+        self.released_sensitivity = self.sensitivity_through(server_round)
+        self.released_exact = self.released_exact and self._sens_cache[server_round].exact
+
+
+#: ``strategy.options`` keys of "matrix-mechanism" (besides the server optimiser's)
+OPTIONS = (
+    "clipping_norm",
+    "noise_multiplier",
+    "factorization",
+    "kind",
+    "bands",
+    "buffers",
+    "server_learning_rate",
+    "server_momentum",
+    "delta",
+    "accountant",
+)
+
+
+def _option_number(options: Mapping[str, Any], key: str, default: float | None) -> float:
+    value = options.get(key, default)
+    require(
+        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+        f"strategy.options.{key}",
+        value,
+        "a finite number" + (" (required)" if default is None else ""),
+    )
+    return float(value)
+
+
+def from_options(
+    options: Mapping[str, Any],
+    *,
+    rounds: int,
+    expected_clients: float,
+    evaluate_fraction: float,
+    seed: int,
+    worker_reduction: bool,
+    min_separation: int | None,
+    max_participations: int | None,
+    population: int | None,
+) -> MatrixMechanism:
+    """ "matrix-mechanism" from a config's ``strategy.options``.
+
+    Options: ``clipping_norm`` and ``noise_multiplier`` (required, the whole run's ``z``);
+    ``factorization`` (an ``.npz`` written by ``fedsim factorize``, for at least ``rounds``
+    rounds) or ``kind`` (default "banded"; see :mod:`fedsim.privacy.matrix.build`) with
+    ``bands`` (default: the min separation) and ``buffers``; ``server_learning_rate`` (1.0),
+    ``server_momentum`` (0.0), ``delta`` (min(1e-5, 1 / population)), ``accountant`` ("rdp").
+    ``min_separation`` / ``max_participations`` come from the engine's schedule (None:
+    every client may be in every round, ``min_separation = 1``).
+    """
+    from fedsim.privacy.matrix.build import Spec, build  # noqa: PLC0415
+
+    for key in options:
+        require(key in OPTIONS, f"strategy.options.{key}", options[key], f"one of {OPTIONS}")
+    for key in ("clipping_norm", "noise_multiplier"):
+        if key not in options:
+            raise ConfigError(f"strategy.options.{key}", None, "a number (required)")
+    sep = 1 if min_separation is None else int(min_separation)
+    k = -(-rounds // sep) if max_participations is None else int(max_participations)
+    if "factorization" in options:
+        for key in ("kind", "bands", "buffers"):
+            require(
+                key not in options,
+                f"strategy.options.{key}",
+                options.get(key),
+                "nothing with strategy.options.factorization (the file fixes it)",
+            )
+        path = options["factorization"]
+        require(
+            isinstance(path, str) and Path(path).is_file(),
+            "strategy.options.factorization",
+            path,
+            "the path of an .npz written by fedsim factorize",
+        )
+        f = Factorization.load(path)
+        require(
+            f.n >= rounds,
+            "strategy.options.factorization",
+            path,
+            f"a factorization for at least rounds = {rounds} rounds (it has n = {f.n})",
+        )
+    else:
+        kind = options.get("kind", "banded")
+        bands = options.get("bands")
+        try:
+            spec = Spec(
+                kind=kind,
+                rounds=rounds,
+                bands=bands if bands is not None else min(sep, rounds),
+                participations=k,
+                min_sep=sep,
+                buffers=options.get("buffers", 3),
+            )
+            f = build(spec)
+        except ConfigError as err:
+            raise ConfigError(f"strategy.options.{err.key}", err.value, err.allowed) from err
+    default_delta = 1e-5 if population is None else min(1e-5, 1.0 / population)
+    accountant = options.get("accountant", "rdp")
+    inner = FedAvg(
+        fraction_train=1.0,
+        fraction_evaluate=evaluate_fraction,
+        min_train_nodes=0,
+        min_evaluate_nodes=0,
+        min_available_nodes=0,
+    )
+    try:
+        return MatrixMechanism(
+            inner,
+            factorization=f,
+            clipping_norm=_option_number(options, "clipping_norm", None),
+            noise_multiplier=_option_number(options, "noise_multiplier", None),
+            expected_clients=expected_clients,
+            seed=int(np.random.SeedSequence([seed, 1]).generate_state(1)[0]),
+            min_separation=sep,
+            max_participations=k,
+            server_learning_rate=_option_number(options, "server_learning_rate", 1.0),
+            server_momentum=_option_number(options, "server_momentum", 0.0),
+            worker_reduction=worker_reduction,
+            delta=_option_number(options, "delta", default_delta),
+            accountant=accountant,
+        )
+    except ConfigError as err:
+        key = err.key if err.key.startswith("strategy.") else f"strategy.options.{err.key}"
+        raise ConfigError(key, err.value, err.allowed) from err
