@@ -299,6 +299,10 @@ def run_experiment(
             from strategies.dmm import dmm_client_app  # noqa: PLC0415
 
             client_app = dmm_client_app(client_app)
+        if config.strategy.name == "ddgauss":  # clients encode, noise and round their updates
+            from strategies.ddgauss import ddgauss_client_app  # noqa: PLC0415
+
+            client_app = ddgauss_client_app(client_app)
         own_engine = engine is None
         engine = (engine or Engine(config.engine)).start()
         with RunProgress(config.rounds, done=start_round - 1, enabled=progress) as bar:

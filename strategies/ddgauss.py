@@ -449,3 +449,54 @@ class DDGauss(StrategyWrapper):
         )
         aggregated["epsilon"] = self.epsilon()
         return arrays, aggregated
+
+
+#: ``strategy.options`` keys of "ddgauss" (see :func:`from_options`)
+OPTIONS = (
+    "clipping_norm",
+    "noise_multiplier",
+    "mode",
+    "bits",
+    "beta",
+    "max_tries",
+    "delta",
+    "secagg_degree",
+    "ring_bits",
+    "protocol_dropout",
+)
+
+
+def from_options(
+    options: dict[str, Any], *, expected_clients: float, seed: int, evaluate_fraction: float = 0.0
+) -> DDGauss:
+    """ "ddgauss" from a config's ``strategy.options``: ``clipping_norm`` and
+    ``noise_multiplier`` (required), ``mode`` ("full" or "ideal"; "committee" needs
+    actors and is for Python use), and the other keyword arguments of :class:`DDGauss`."""
+    from flwr.serverapp.strategy import FedAvg  # noqa: PLC0415
+
+    for key in options:
+        if key not in OPTIONS:
+            raise ValueError(f"strategy.options.{key}={options[key]!r}; allowed: one of {OPTIONS}")
+    for key in ("clipping_norm", "noise_multiplier"):
+        if key not in options:
+            raise ValueError(f"strategy.options.{key} is required (a number)")
+    if options.get("mode", "full") not in ("full", "ideal"):
+        raise ValueError(
+            f"strategy.options.mode={options['mode']!r}; allowed: 'full' or 'ideal' from a config"
+        )
+    inner = FedAvg(
+        fraction_train=1.0,
+        fraction_evaluate=evaluate_fraction,
+        min_train_nodes=0,
+        min_evaluate_nodes=0,
+        min_available_nodes=0,
+    )
+    kwargs = {k: v for k, v in options.items() if k not in ("clipping_norm", "noise_multiplier")}
+    return DDGauss(
+        inner,
+        clipping_norm=float(options["clipping_norm"]),
+        noise_multiplier=float(options["noise_multiplier"]),
+        expected_clients=max(2, round(expected_clients)),
+        seed=seed,
+        **kwargs,
+    )

@@ -34,7 +34,7 @@ from fedsim.config import ConfigError, require
 from fedsim.engine.reduce import WorkerReduced
 from fedsim.privacy import accounting
 from fedsim.privacy.accounting import FullParticipation, MinSeparation, Sampling
-from strategies import dmm, matrix_mechanism
+from strategies import ddgauss, dmm, matrix_mechanism
 from strategies.dp_fedavg import AdaptiveClipping, DPFedAvg, relation_for
 
 #: strategies whose aggregation is FedAvg's weighted mean (followed by a server update)
@@ -58,9 +58,10 @@ ROBUST: dict[str, type[FedAvg]] = {
 DP: dict[str, Callable[..., Strategy]] = {"dp-fedavg": DPFedAvg}
 #: central matrix-mechanism DP (DP-FTRL / BandMF), see strategies/matrix_mechanism.py
 MATRIX = ("matrix-mechanism",)
-#: distributed matrix mechanism over committees, see strategies/dmm.py (clients need
-#: strategies.dmm.dmm_client_app)
-DISTRIBUTED = ("dmm",)
+#: distributed DP over secure aggregation: the distributed matrix mechanism over
+#: committees (strategies/dmm.py) and the distributed discrete Gaussian over SecAgg+
+#: (strategies/ddgauss.py); clients need their ``*_client_app`` wrappers
+DISTRIBUTED = ("dmm", "ddgauss")
 NAMES = (*WEIGHTED_MEAN, *ROBUST, *DP, *MATRIX, *DISTRIBUTED)
 #: personalised Bayesian methods and their references ("module:Class"); their clients run
 #: fedsim.workloads.personalised.make_personal_app (see experiments/pfedhb/run.py), so they
@@ -178,6 +179,16 @@ def build_strategy(
             max_participations=sampling.max_participations if separated else None,
             population=population,
         )
+    if name == "ddgauss":
+        try:
+            return ddgauss.from_options(
+                dict(options),
+                expected_clients=expected_clients,
+                seed=seed,
+                evaluate_fraction=evaluate_fraction,
+            )
+        except ValueError as err:
+            raise ConfigError("strategy.options", dict(options), str(err)) from err
     if name in DISTRIBUTED:
         require(rounds is not None, "rounds", rounds, f"the run's rounds (required by {name})")
         separated = isinstance(sampling, MinSeparation)

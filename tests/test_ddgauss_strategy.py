@@ -254,3 +254,57 @@ def test_committee_mode_gives_the_ideal_sum_and_excludes_corrupted_clients():
     np.testing.assert_array_equal(total, DEFAULT_FIELD.sum(np.stack(kept), axis=0))
     with pytest.raises(ValueError, match="committee"):
         _strategy("committee")
+
+
+RUN = """
+seed = 4
+rounds = 3
+
+[data]
+source = "digits"
+partition = "iid"
+num_clients = 30
+
+[model]
+kind = "logreg"
+
+[client]
+lr = 0.2
+
+[strategy]
+name = "ddgauss"
+clients_per_round = 10
+
+[strategy.options]
+clipping_norm = 1.0
+noise_multiplier = 0.5
+mode = "{mode}"
+ring_bits = 32
+
+[faults]
+dropout = {dropout}
+
+[engine]
+backend = "local"
+"""
+
+
+def test_fedsim_run_with_client_dropouts_accounts_the_noise_present(tmp_path):
+    from fedsim.cli import main
+    from fedsim.results import read_rounds
+
+    def epsilons(mode, dropout):
+        config = tmp_path / f"{mode}-{dropout}.toml"
+        config.write_text(RUN.format(mode=mode, dropout=dropout))
+        out = tmp_path / f"{mode}-{dropout}"
+        assert main(["run", str(config), "--out", str(out), "--no-progress"]) == 0
+        rounds = [r for r in read_rounds(out / "rounds.jsonl") if r["round"] >= 1]
+        assert len(rounds) == 3
+        return [r["privacy"]["epsilon"] for r in rounds], [r["train"]["clients"] for r in rounds]
+
+    full, replied = epsilons("full", 0.3)
+    assert min(replied) < 10  # some clients dropped out
+    ideal, _ = epsilons("ideal", 0.3)
+    none, everyone = epsilons("ideal", 0.0)
+    assert everyone == [10, 10, 10]
+    assert full == ideal and all(a > b for a, b in zip(full, none))  # less noise: larger ε
