@@ -38,8 +38,6 @@ from typing import Any, Literal
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
-from flwr.app.message_type import MessageType
-from flwr.app.metadata import Metadata
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
@@ -53,7 +51,7 @@ from fedsim.records import to_numpy, to_record
 from protocols.encoding import DEFAULT_BETA, DDGaussEncoder, choose_gamma
 from protocols.field import DEFAULT_FIELD
 from protocols.secagg import SecAggConfig, Stage, TooManyDropoutsError, run_secagg
-from strategies.wrapper import StrategyWrapper
+from strategies.wrapper import StrategyWrapper, server_reply
 
 ENCODED_KEY = "ddgauss.encoded"
 PREFIX = "ddgauss."
@@ -138,21 +136,6 @@ def ddgauss_client_app(inner: ClientApp, secure_noise: bool = False) -> ClientAp
         return inner(message, context)
 
     return app
-
-
-def _server_reply(content: RecordDict, server_round: int) -> Message:
-    metadata = Metadata(
-        run_id=0,
-        message_id="",
-        src_node_id=0,
-        dst_node_id=0,
-        reply_to_message_id="",
-        group_id=str(server_round),
-        created_at=0.0,
-        ttl=0.0,
-        message_type=MessageType.TRAIN,
-    )
-    return Message(content=content, metadata=metadata)
 
 
 class DDGauss(StrategyWrapper):
@@ -438,7 +421,7 @@ class DDGauss(StrategyWrapper):
                 w for w, _ in weighted
             )
         content = RecordDict({key: to_record(new), "metrics": client_metrics})
-        reply = partial_reply(valid[0], content) if valid else _server_reply(content, server_round)
+        reply = partial_reply(valid[0], content) if valid else server_reply(content, server_round)
         arrays, aggregated = self.strategy.aggregate_train(server_round, [reply])
         aggregated = aggregated if aggregated is not None else MetricRecord()
         aggregated.update(dict(metrics))

@@ -66,8 +66,8 @@ from protocols.encoding import (
 from protocols.field import MersenneField
 from protocols.resharing import ReshareAbort, ReshareTampering
 from protocols.shamir import PackedShamir
-from strategies.ddgauss import _instruction_parts, _server_reply, flatten, unflatten
-from strategies.wrapper import StrategyWrapper
+from strategies.ddgauss import _instruction_parts, flatten, unflatten
+from strategies.wrapper import StrategyWrapper, server_reply
 
 UPDATE_KEY = "dmm.update"
 NOISE_KEY = "dmm.noise"
@@ -440,7 +440,7 @@ class DMM(StrategyWrapper):
             for k, v in reference.items()
         }
         content = RecordDict({key: to_record(new), "metrics": MetricRecord({"num-examples": 1})})
-        reply = partial_reply(valid[0], content) if valid else _server_reply(content, server_round)
+        reply = partial_reply(valid[0], content) if valid else server_reply(content, server_round)
         arrays, aggregated = self.strategy.aggregate_train(server_round, [reply])
         aggregated = aggregated if aggregated is not None else MetricRecord()
         aggregated.update(dict(metrics))

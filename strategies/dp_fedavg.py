@@ -71,8 +71,6 @@ from typing import Any
 import dp_accounting as dpa
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-from flwr.app.message_type import MessageType
-from flwr.app.metadata import Metadata
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
@@ -98,7 +96,7 @@ from fedsim.privacy.accounting import (
     split_noise_multiplier,
 )
 from fedsim.records import to_numpy, to_record
-from strategies.wrapper import StrategyWrapper
+from strategies.wrapper import StrategyWrapper, server_reply
 
 CLIENTS_KEY = "fedsim.clients"
 CLIPPED_KEY = "fedsim.clipped"
@@ -216,22 +214,6 @@ def relation_for(sampling: Sampling) -> NeighbouringRelation:
     if isinstance(sampling, FixedSizeSampling) and sampling.sample_size < sampling.population:
         return NeighbouringRelation.REPLACE_ONE
     return NeighbouringRelation.ADD_REMOVE
-
-
-def _server_reply(content: RecordDict, server_round: int) -> Message:
-    """A reply-shaped message made by the server (a round in which nobody replied)."""
-    metadata = Metadata(
-        run_id=0,
-        message_id="",
-        src_node_id=0,
-        dst_node_id=0,
-        reply_to_message_id="",
-        group_id=str(server_round),
-        created_at=0.0,
-        ttl=0.0,
-        message_type=MessageType.TRAIN,
-    )
-    return Message(content=content, metadata=metadata)
 
 
 class DPFedAvg(StrategyWrapper):
@@ -414,7 +396,7 @@ class DPFedAvg(StrategyWrapper):
         client_metrics[self.weight_key] = 1
         content = RecordDict({key: to_record(updated), "metrics": client_metrics})
         synthetic = (
-            partial_reply(valid[0], content) if valid else _server_reply(content, server_round)
+            partial_reply(valid[0], content) if valid else server_reply(content, server_round)
         )
         arrays, aggregated = self.strategy.aggregate_train(server_round, [synthetic])
         aggregated = aggregated if aggregated is not None else MetricRecord()

@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app.message_type import MessageType
+from flwr.app.metadata import Metadata
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
@@ -49,3 +51,20 @@ class StrategyWrapper(Strategy):
 
     def summary(self) -> None:
         self.strategy.summary()
+
+
+def server_reply(content: RecordDict, server_round: int) -> Message:
+    """A train reply made by the server itself (e.g. for a round in which no client
+    replied, so that the wrapped strategy still applies the noised update)."""
+    metadata = Metadata(
+        run_id=0,
+        message_id="",
+        src_node_id=0,
+        dst_node_id=0,
+        reply_to_message_id="",
+        group_id=str(server_round),
+        created_at=0.0,
+        ttl=0.0,
+        message_type=MessageType.TRAIN,
+    )
+    return Message(content=content, metadata=metadata)
