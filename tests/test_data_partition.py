@@ -140,6 +140,33 @@ def test_shards_errors_name_the_parameter():
         shard_partition(labels, 4, np.random.default_rng(0), classes_per_client=1)
 
 
+@pytest.mark.parametrize("num_clients", [10, 100])
+def test_shards_with_sigma_keep_k_classes_and_skew_sizes(num_clients, digit_labels):
+    def run(sigma, seed=0):
+        return shard_partition(
+            digit_labels,
+            num_clients,
+            np.random.default_rng(seed),
+            classes_per_client=5,
+            sigma=sigma,
+        )
+
+    default = shard_partition(digit_labels, num_clients, np.random.default_rng(0), 5)
+    assert all(np.array_equal(a, b) for a, b in zip(run(0.0), default))  # sigma 0: unchanged
+    for sigma in (0.5, 2.0):
+        parts = run(sigma)
+        _check_partition(parts, digit_labels, num_clients)
+        assert np.all(_classes_per_client(parts, digit_labels) == 5)
+
+    def cv(sigma):
+        sizes = [np.array([p.size for p in run(sigma, seed)]) for seed in range(5)]
+        return float(np.mean([s.std() / s.mean() for s in sizes]))
+
+    assert cv(0.0) < 0.2 < cv(0.5) < cv(1.0) < cv(2.0)
+    with pytest.raises(ConfigError, match="sigma"):
+        run(-1.0)
+
+
 def test_quantity_skew_spread_grows_with_sigma(digit_labels):
     def cv(sigma):
         out = []

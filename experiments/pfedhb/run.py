@@ -6,6 +6,7 @@ default, ``--backend ray`` for Ray workers) and writes ``results.json``,
 
     python experiments/pfedhb/run.py               # the README's table
     python experiments/pfedhb/run.py --rounds 4 --seeds 1 --federations digits-shards5
+    python experiments/pfedhb/run.py --federations femnist-dir0.1 --merge  # add to results
 
 Personalised accuracy: unweighted mean over clients of the accuracy of each
 client's personal model (posterior mean) on its own held-out rows (which hold
@@ -35,6 +36,24 @@ FEDERATIONS = {
     "digits-dir0.5": dict(source="digits", partition="dirichlet", alpha=0.5),
     "femnist-shards5": dict(
         source="femnist", partition="shards", classes_per_client=5, samples_per_client=40
+    ),
+    # added later (issue 8, item 5): FEMNIST-like Dirichlet, and 5-class shards whose
+    # sizes are skewed too (client weights ~ LogNormal(0, 1), see shard_partition)
+    "femnist-dir0.1": dict(
+        source="femnist", partition="dirichlet", alpha=0.1, samples_per_client=40
+    ),
+    "femnist-dir0.5": dict(
+        source="femnist", partition="dirichlet", alpha=0.5, samples_per_client=40
+    ),
+    "digits-shards5-qs": dict(
+        source="digits", partition="shards", classes_per_client=5, shard_sigma=1.0
+    ),
+    "femnist-shards5-qs": dict(
+        source="femnist",
+        partition="shards",
+        classes_per_client=5,
+        shard_sigma=1.0,
+        samples_per_client=40,
     ),
 }
 METHODS = ("pfedhb", "pfedvem", "pfedbayes", "fedavg", "fedavg-ft", "local")
@@ -171,10 +190,12 @@ def plot(results: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     federations = list(dict.fromkeys(r["federation"] for r in results))
-    fig, axes = plt.subplots(
-        1, len(federations), figsize=(4 * len(federations), 3.2), squeeze=False
-    )
-    for ax, federation in zip(axes[0], federations, strict=True):
+    cols = min(4, len(federations))
+    rows = -(-len(federations) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.2 * rows), squeeze=False)
+    for ax in axes.ravel()[len(federations) :]:
+        ax.set_visible(False)
+    for ax, federation in zip(axes.ravel(), federations, strict=False):
         for method in (*METHODS, *ABLATIONS):
             runs = [r for r in results if r["federation"] == federation and r["method"] == method]
             if not runs:
@@ -200,6 +221,11 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--backend", choices=("local", "ray"), default="local")
     parser.add_argument("--out", type=Path, default=HERE)
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="add to (or replace the same runs in) the results.json already in --out",
+    )
     args = parser.parse_args()
     jobs = [
         (f, m, s, args.rounds, args.backend, args.evaluate_every)
@@ -221,6 +247,10 @@ def main() -> None:
                 )
     else:
         results = [run_one(job) for job in jobs]
+    if args.merge and (args.out / "results.json").exists():
+        new = {(r["federation"], r["method"], r["seed"]) for r in results}
+        old = json.loads((args.out / "results.json").read_text())
+        results += [r for r in old if (r["federation"], r["method"], r["seed"]) not in new]
     order = (*METHODS, *ABLATIONS)
     results.sort(key=lambda r: (r["federation"], order.index(r["method"]), r["seed"]))
     args.out.mkdir(parents=True, exist_ok=True)

@@ -143,7 +143,11 @@ def dirichlet_partition(
 
 
 def shard_partition(
-    labels: np.ndarray, num_clients: int, rng: np.random.Generator, classes_per_client: int
+    labels: np.ndarray,
+    num_clients: int,
+    rng: np.random.Generator,
+    classes_per_client: int,
+    sigma: float = 0.0,
 ) -> list[np.ndarray]:
     """Pathological non-IID split with ``k = classes_per_client`` classes per client.
 
@@ -159,10 +163,23 @@ def shard_partition(
     many samples as clients holding it (otherwise some see fewer). When
     ``K * k < C`` only ``K * k`` labels are used and the samples of the other
     labels are left out (not covering). Raises if a client would be empty.
+
+    ``sigma > 0`` adds quantity skew: client weights ``w_k ~ LogNormal(0, sigma)``
+    are drawn and each label's block is cut among its holders in proportion to
+    their weights instead of equally (one sample per holder first when the label
+    has enough, then largest-remainder rounding), so client sizes spread like
+    in :func:`quantity_skew_partition` while each client keeps its k labels.
+    ``sigma = 0`` (the default) is the equal-shard split above, draw for draw.
     """
     labels = _check(labels, num_clients)
     ok = isinstance(classes_per_client, (int, np.integer)) and classes_per_client >= 1
     require(ok, "classes_per_client", classes_per_client, "an integer >= 1")
+    require(
+        isinstance(sigma, (int, float)) and sigma >= 0 and np.isfinite(sigma),
+        "sigma",
+        sigma,
+        "a finite number >= 0",
+    )
     class_counts = np.bincount(labels)
     present = np.flatnonzero(class_counts)
     num_present = present.size
@@ -185,7 +202,10 @@ def shard_partition(
     first = np.concatenate([[0], np.cumsum(holders)[:-1]])
     q = np.arange(slot_class.size) - first[slot_class]  # rank of the slot within its class
     n_c, m_c = class_counts[slot_class], holders[slot_class]
-    shard = n_c // m_c + (q < n_c % m_c)
+    if sigma > 0:
+        shard = _weighted_shards(slot_class, slot_client, n_c, m_c, first, num_clients, rng, sigma)
+    else:
+        shard = n_c // m_c + (q < n_c % m_c)
     owner = np.full(labels.size, -1, dtype=np.int64)
     used = holders[labels] > 0
     order = _class_sorted(labels, rng)
@@ -200,6 +220,35 @@ def shard_partition(
         "use more classes per client or fewer clients)",
     )
     return parts
+
+
+def _weighted_shards(
+    slot_class: np.ndarray,
+    slot_client: np.ndarray,
+    n_c: np.ndarray,
+    m_c: np.ndarray,
+    first: np.ndarray,
+    num_clients: int,
+    rng: np.random.Generator,
+    sigma: float,
+) -> np.ndarray:
+    """Shard sizes per slot (slots sorted by class) proportional to lognormal client weights.
+
+    Each label's ``n_c`` samples go to its ``m_c`` holders: one each when
+    ``n_c >= m_c``, the rest in proportion to the holders' weights with
+    largest-remainder rounding, so the sizes of a label sum to ``n_c``.
+    """
+    w = rng.lognormal(0.0, float(sigma), size=num_clients)[slot_client]
+    base = (n_c >= m_c).astype(np.int64)
+    spread = n_c - base * m_c
+    w_class = np.bincount(slot_class, weights=w)[slot_class]
+    share = spread * w / w_class
+    shard = np.floor(share).astype(np.int64)
+    rest = spread - np.bincount(slot_class, weights=shard)[slot_class].astype(np.int64)
+    order = np.lexsort((-(share - shard), slot_class))  # by class, largest remainder first
+    rank = np.empty(slot_class.size, dtype=np.int64)
+    rank[order] = np.arange(slot_class.size) - first[slot_class[order]]
+    return base + shard + (rank < rest)
 
 
 def quantity_skew_partition(

@@ -48,8 +48,9 @@ class DatasetSpec:
     leaf (LEAF JSON under ``path``), table (Parquet / JSONL file at ``path``),
     npy (a directory written by ``FederatedDataset.save``).
 
-    partition: iid / dirichlet (``alpha``) / shards (``classes_per_client``) /
-    quantity (``quantity_sigma``) re-split the pooled samples among
+    partition: iid / dirichlet (``alpha``) / shards (``classes_per_client``;
+    ``shard_sigma > 0`` also skews client sizes, lognormal) / quantity
+    (``quantity_sigma``) re-split the pooled samples among
     ``num_clients`` clients; natural keeps the source's own writers: the first
     ``num_clients`` of them (sorted ids for leaf/table, saved order for npy; for
     synthetic and femnist exactly ``num_clients`` are generated). Generated
@@ -68,6 +69,7 @@ class DatasetSpec:
     alpha: float = 0.5
     classes_per_client: int = 2
     quantity_sigma: float = 1.0
+    shard_sigma: float = 0.0
     synthetic_alpha: float = 1.0
     synthetic_beta: float = 1.0
     samples_per_client: int = 0
@@ -111,6 +113,7 @@ class DatasetSpec:
         )
         _number(self.alpha, "data.alpha", 0.0, np.inf, "a finite number > 0", lower_open=True)
         _number(self.quantity_sigma, "data.quantity_sigma", 0.0, np.inf, "a finite number >= 0")
+        _number(self.shard_sigma, "data.shard_sigma", 0.0, np.inf, "a finite number >= 0")
         _number(self.synthetic_alpha, "data.synthetic_alpha", 0.0, np.inf, "a finite number >= 0")
         _number(self.synthetic_beta, "data.synthetic_beta", 0.0, np.inf, "a finite number >= 0")
         for key in ("path", "client_column", "label_column"):
@@ -204,7 +207,7 @@ def _resplit(
     params = {
         "iid": {},
         "dirichlet": {"alpha": spec.alpha},
-        "shards": {"classes_per_client": spec.classes_per_client},
+        "shards": {"classes_per_client": spec.classes_per_client, "sigma": spec.shard_sigma},
         "quantity": {"sigma": spec.quantity_sigma},
     }[spec.partition]
     try:
@@ -213,7 +216,7 @@ def _resplit(
         key = {
             "alpha": "alpha",
             "classes_per_client": "classes_per_client",
-            "sigma": "quantity_sigma",
+            "sigma": "shard_sigma" if spec.partition == "shards" else "quantity_sigma",
         }.get(err.key, err.key)
         raise ConfigError(f"data.{key}", err.value, err.allowed) from err
     return from_partition(x, y, parts, spec.test_fraction, split_rng, num_classes, name)
