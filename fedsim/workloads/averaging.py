@@ -19,6 +19,7 @@ averages are computed in float64 and returned in the pushed dtype.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -79,7 +80,7 @@ class Averaging:
         return EMA(self.beta, every=every, burn_in=burn_in)
 
 
-class Averager:
+class Averager(ABC):
     """Pushes checkpoints on a schedule; subclasses define the average."""
 
     def __init__(self, every: int, burn_in: int) -> None:
@@ -101,11 +102,13 @@ class Averager:
         self.push(arrays)
         return True
 
+    @abstractmethod
     def push(self, arrays: Arrays) -> None:
-        raise NotImplementedError
+        """Add one checkpoint to the average."""
 
+    @abstractmethod
     def average(self) -> dict[str, np.ndarray]:
-        raise NotImplementedError
+        """The current average of the pushed checkpoints."""
 
     @property
     def ready(self) -> bool:

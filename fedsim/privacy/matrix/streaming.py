@@ -20,6 +20,7 @@ standard deviation per fresh coordinate; multiply by ``noise_multiplier * sens(C
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,7 @@ from fedsim.privacy.matrix.factorization import Factorization
 from fedsim.privacy.matrix.tree import nodes_completed_at
 
 
-class NoiseStream:
+class NoiseStream(ABC):
     """Base class: round counter, per-round seeding, state save / restore."""
 
     #: names of the ndarray attributes that make up the state
@@ -58,8 +59,9 @@ class NoiseStream:
         self.round += 1
         return y
 
+    @abstractmethod
     def _step(self, t: int) -> np.ndarray:
-        raise NotImplementedError
+        """The noise of round ``t``, updating the buffers."""
 
     def state(self) -> dict[str, Any]:
         """A copy of the state (round counter and buffers)."""
