@@ -94,6 +94,29 @@ def _instruction_parts(message: Message) -> tuple[str, ArrayRecord, ConfigRecord
     return arrays[0][0], arrays[0][1], configs[0]
 
 
+def local_update(
+    inner: ClientApp,
+    message: Message,
+    context: Context,
+    global_record: ArrayRecord,
+    config: ConfigRecord,
+    prefix: str,
+) -> Message | tuple[np.ndarray, MetricRecord, np.random.Generator]:
+    """Train with ``inner``: its error reply, or the flattened update (trained minus
+    global), its metrics and the client's generator of the round, seeded by
+    ``([config[prefix + "seed"], server_round, partition_id])``."""
+    reply = inner(message, context)
+    if reply.has_error():
+        return reply
+    _, trained = single(reply.content, ArrayRecord)
+    _, metrics = single(reply.content, MetricRecord)
+    update = flatten(to_numpy(trained)) - flatten(to_numpy(global_record))
+    partition = int(context.node_config.get("partition-id", 0))
+    server_round = int(config.get("server-round", 0))
+    rng = np.random.default_rng([int(config[prefix + "seed"]), server_round, partition])
+    return update, metrics, rng
+
+
 def ddgauss_client_app(inner: ClientApp, secure_noise: bool = False) -> ClientApp:
     """A ClientApp that runs ``inner`` and replies with its DDGauss-encoded model update.
 
@@ -108,15 +131,10 @@ def ddgauss_client_app(inner: ClientApp, secure_noise: bool = False) -> ClientAp
     def train(message: Message, context: Context) -> Message:
         key, global_record, config = _instruction_parts(message)
         encoder = encoder_from_config(config)
-        reply = inner(message, context)
-        if reply.has_error():
-            return reply
-        _, trained = single(reply.content, ArrayRecord)
-        _, metrics = single(reply.content, MetricRecord)
-        update = flatten(to_numpy(trained)) - flatten(to_numpy(global_record))
-        partition = int(context.node_config.get("partition-id", 0))
-        server_round = int(config.get("server-round", 0))
-        rng = np.random.default_rng([int(config[PREFIX + "seed"]), server_round, partition])
+        local = local_update(inner, message, context, global_record, config, PREFIX)
+        if isinstance(local, Message):
+            return local
+        update, metrics, rng = local
         encoded = encoder.encode(
             update,
             int(config[PREFIX + "rotation-seed"]),

@@ -40,7 +40,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedsim.engine.reduce import partial_reply, single
+from fedsim.engine.reduce import partial_reply
 from fedsim.privacy import dmm as dmm_privacy
 from fedsim.privacy.accounting import NeighbouringRelation, PrivacyLedger
 from fedsim.privacy.matrix.factorization import Factorization
@@ -66,7 +66,7 @@ from protocols.encoding import (
 from protocols.field import MersenneField
 from protocols.resharing import ReshareAbort, ReshareTampering
 from protocols.shamir import PackedShamir
-from strategies.ddgauss import _instruction_parts, flatten, unflatten
+from strategies.ddgauss import _instruction_parts, local_update, unflatten
 from strategies.wrapper import StrategyWrapper, server_reply
 
 UPDATE_KEY = "dmm.update"
@@ -99,15 +99,10 @@ def dmm_client_app(inner: ClientApp, secure_noise: bool = False) -> ClientApp:
             beta=float(config[PREFIX + "beta"]),
             max_tries=int(config[PREFIX + "max-tries"]),
         )
-        reply = inner(message, context)
-        if reply.has_error():
-            return reply
-        _, trained = single(reply.content, ArrayRecord)
-        _, metrics = single(reply.content, MetricRecord)
-        update = flatten(to_numpy(trained)) - flatten(to_numpy(global_record))
-        partition = int(context.node_config.get("partition-id", 0))
-        server_round = int(config.get("server-round", 0))
-        rng = np.random.default_rng([int(config[PREFIX + "seed"]), server_round, partition])
+        local = local_update(inner, message, context, global_record, config, PREFIX)
+        if isinstance(local, Message):
+            return local
+        update, metrics, rng = local
         rounded, tries, clipped = encoder.quantise(
             update, int(config[PREFIX + "rotation-seed"]), rng
         )
