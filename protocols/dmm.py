@@ -43,7 +43,7 @@ from fedsim.privacy.dmm import IntegerNoising
 from protocols.channels import SERVER_ID, ChannelError, Endpoint, Relay, Transcript, new_session_id
 from protocols.field import DEFAULT_FIELD
 from protocols.resharing import ReshareAbort, ReshareFaults, ReshareTampering, Resharing
-from protocols.secagg import StageError, TooManyDropoutsError
+from protocols.secagg import TooManyDropoutsError, check_move
 from protocols.shamir import InconsistentSharesError, PackedShamir
 
 MEMBER_ID_BASE = 2**62 + 2**41
@@ -77,12 +77,7 @@ TRANSITIONS: dict[DMMStage, frozenset[DMMStage]] = {
 
 def check_transition(current: DMMStage, target: DMMStage, who: str) -> None:
     """Raise :class:`protocols.secagg.StageError` unless ``current -> target`` is allowed."""
-    if target not in TRANSITIONS[current]:
-        allowed = sorted(s.name for s in TRANSITIONS[current]) or ["none (final)"]
-        raise StageError(
-            f"{who} is in stage {current.name}; cannot move to {target.name} "
-            f"(allowed: {', '.join(allowed)})"
-        )
+    check_move(TRANSITIONS, current, target, who)
 
 
 class RoundAborted(TooManyDropoutsError):

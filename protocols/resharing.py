@@ -54,7 +54,7 @@ from enum import Enum
 import numpy as np
 
 from protocols.channels import SERVER_ID, ChannelError, Endpoint, Relay, Transcript, new_session_id
-from protocols.secagg import StageError, TooManyDropoutsError
+from protocols.secagg import TooManyDropoutsError, check_move
 from protocols.shamir import InconsistentSharesError, PackedShamir
 
 OLD_ID_BASE = 2**62
@@ -91,12 +91,7 @@ TRANSITIONS: dict[ReshareStage, frozenset[ReshareStage]] = {
 
 def check_transition(current: ReshareStage, target: ReshareStage, who: str) -> None:
     """Raise :class:`protocols.secagg.StageError` unless ``current -> target`` is allowed."""
-    if target not in TRANSITIONS[current]:
-        allowed = sorted(s.name for s in TRANSITIONS[current]) or ["none (final)"]
-        raise StageError(
-            f"{who} is in stage {current.name}; cannot move to {target.name} "
-            f"(allowed: {', '.join(allowed)})"
-        )
+    check_move(TRANSITIONS, current, target, who)
 
 
 class ReshareAbort(TooManyDropoutsError):

@@ -41,6 +41,7 @@ import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import numpy as np
 from cryptography.hazmat.primitives import hashes, serialization
@@ -90,14 +91,22 @@ class TooManyDropoutsError(RuntimeError):
     """Too few parties answered for the round to complete; the round is aborted."""
 
 
-def check_transition(current: Stage, target: Stage, who: str) -> None:
-    """Raise :class:`StageError` unless ``current -> target`` is in :data:`TRANSITIONS`."""
-    if target not in TRANSITIONS[current]:
-        allowed = sorted(stage.name for stage in TRANSITIONS[current]) or ["none (final)"]
+def check_move(
+    transitions: Mapping[Any, frozenset[Any]], current: Any, target: Any, who: str
+) -> None:
+    """Raise :class:`StageError` unless ``current -> target`` is in ``transitions``
+    (the check every protocol state machine here makes before it changes stage)."""
+    if target not in transitions[current]:
+        allowed = sorted(stage.name for stage in transitions[current]) or ["none (final)"]
         raise StageError(
             f"{who} is in stage {current.name}; cannot move to {target.name} "
             f"(allowed: {', '.join(allowed)})"
         )
+
+
+def check_transition(current: Stage, target: Stage, who: str) -> None:
+    """Raise :class:`StageError` unless ``current -> target`` is in :data:`TRANSITIONS`."""
+    check_move(TRANSITIONS, current, target, who)
 
 
 @dataclass(frozen=True)

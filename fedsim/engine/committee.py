@@ -46,7 +46,7 @@ import numpy as np
 
 from protocols.channels import SERVER_ID, ChannelError, Endpoint, Envelope, Relay, new_session_id
 from protocols.field import DEFAULT_FIELD, MersenneField
-from protocols.secagg import StageError, TooManyDropoutsError
+from protocols.secagg import TooManyDropoutsError, check_move
 from protocols.shamir import InconsistentSharesError, PackedShamir
 
 
@@ -75,12 +75,7 @@ ACTIVE_STAGES = (CommitteeStage.SHARE, CommitteeStage.COMBINE, CommitteeStage.RE
 
 def check_transition(current: CommitteeStage, target: CommitteeStage, who: str) -> None:
     """Raise :class:`protocols.secagg.StageError` unless ``current -> target`` is allowed."""
-    if target not in TRANSITIONS[current]:
-        allowed = sorted(s.name for s in TRANSITIONS[current]) or ["none (final)"]
-        raise StageError(
-            f"{who} is in stage {current.name}; cannot move to {target.name} "
-            f"(allowed: {', '.join(allowed)})"
-        )
+    check_move(TRANSITIONS, current, target, who)
 
 
 MEMBER_ID_BASE = 2**62
