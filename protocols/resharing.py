@@ -204,6 +204,40 @@ def locate_single_error(scheme: PackedShamir, members: Sequence[int], syndromes)
     return None
 
 
+def open_parity_checks(
+    old: PackedShamir,
+    new: PackedShamir,
+    rows: np.ndarray,
+    holders: Sequence[int],
+    dealers: Sequence[int],
+    checks: np.ndarray,
+    round_: int,
+) -> int | None:
+    """VERIFY: reconstruct the parity checks ``checks`` of the dealings from the new members'
+    check shares ``rows`` (one per holder). None when every syndrome is zero (the dealings lie
+    on one polynomial of degree < t + k); else the single faulty old member that explains
+    them. Raises :class:`ReshareTampering` when the check shares are inconsistent or no single
+    dealer explains the syndromes."""
+    try:
+        opened = new.reconstruct(rows, holders, rows.shape[1] * new.k)
+    except InconsistentSharesError as error:
+        raise ReshareTampering(
+            f"resharing of round {round_}: new members' check shares are inconsistent ({error})",
+            tuple(NEW_ID_BASE + s for s in error.suspects),
+        ) from error
+    syndromes = opened[:: new.k]
+    if not np.any(syndromes):
+        return None
+    culprit = locate_single_error(old, dealers, syndromes)
+    if culprit is None:
+        raise ReshareTampering(
+            f"resharing of round {round_}: the shares of old members {list(dealers)} do not "
+            f"lie on one polynomial of degree < t + k = {old.threshold} and the faulty member "
+            f"cannot be singled out ({checks.shape[0]} parity checks)"
+        )
+    return culprit
+
+
 class _Randomness:
     def __init__(self, rng: np.random.Generator | None, secure: bool) -> None:
         if secure == (rng is not None):
@@ -430,28 +464,13 @@ class Resharing:
                     rows.shape[1] * f.bytes_per_element,
                 )
             try:
-                opened = new.reconstruct(rows, holders, rows.shape[1] * new.k)
-            except InconsistentSharesError as error:
-                raise self._abort(
-                    ReshareTampering(
-                        f"resharing of round {self.round}: new members' check shares are "
-                        f"inconsistent ({error})",
-                        tuple(NEW_ID_BASE + s for s in error.suspects),
-                    )
-                ) from error
-            syndromes = opened[:: new.k]
-            if not np.any(syndromes):
-                break
-            culprit = locate_single_error(old, candidates, syndromes)
-            if culprit is None:
-                raise self._abort(
-                    ReshareTampering(
-                        f"resharing of round {self.round}: the shares of old members "
-                        f"{candidates} do not lie on one polynomial of degree < t + k = "
-                        f"{old.threshold} and the faulty member cannot be singled out "
-                        f"({checks.shape[0]} parity checks)"
-                    )
+                culprit = open_parity_checks(
+                    old, new, rows, holders, candidates, checks, self.round
                 )
+            except ReshareTampering as error:
+                raise self._abort(error) from error.__cause__
+            if culprit is None:
+                break
             removed.append(culprit)
             candidates = [i for i in candidates if i != culprit]
         self._enter(ReshareStage.DONE)

@@ -4,7 +4,7 @@ Bienstock, Kumar & Polychroniadou, ICML 2025 (reference/dmm.md). Each round the 
 (:func:`dmm_client_app` around any training ClientApp) clip, rotate, scale by 1/gamma and
 conditionally round their update to integers (KLS21, :class:`protocols.encoding.DDGaussEncoder`)
 and draw local discrete Gaussian noise N_Z(0, s^2) for every noise row the factorization draws
-this step; the committee protocol (:class:`protocols.dmm.DMMCommitteeProtocol`) shares, combines,
+this step. The committee protocol (:class:`protocols.dmm.DMMCommitteeProtocol`) combines,
 applies the integer noising matrix M = round(2^f G), releases 2^f U_t + w_t and reshares its
 noise state to the next committee. The server decodes
 
@@ -12,9 +12,26 @@ noise state to the next committee. The server decodes
 
 divides by the planned cohort ``expected_clients`` and hands ``g + mean`` to the wrapped Flower
 strategy (FedAvg: the noisy-gradient form of DP-FTRL / BandMF, as in
-:mod:`strategies.matrix_mechanism`). ``mode="full"`` runs real packed Shamir shares,
-X25519/HKDF/ChaCha20-Poly1305 channels and resharing; ``mode="ideal"`` the same integers without
-cryptography: both release identical aggregates for the same seeds.
+:mod:`strategies.matrix_mechanism`).
+
+Where sharing happens. ``mode="full"``: :meth:`DMM.configure_train` opens the round (the
+online members publish fresh X25519 keys, :meth:`DMMCommitteeProtocol.open_round`) and sends
+every sampled client the public :class:`protocols.dmm.RoundKeys` (``dmm.share.*``: n, t, k,
+field, D, session id, round, step, the member keys) and its channel party id. The *client*
+packed-Shamir-shares its update and noise rows and seals one ChaCha20-Poly1305 envelope per
+member under its own ephemeral X25519 key (:func:`protocols.dmm.seal_client_shares`); its reply
+holds only those ciphertexts and its public key (``dmm.sealed``). The server relays the
+envelopes to the members (:meth:`DMMCommitteeProtocol.run_sealed_round`), holds no key that
+opens them, and sees only the noisy release. A client whose envelope fails authentication at a
+member (tampered, misaddressed) or is missing counts as dropped: its update and noise are in no
+sum, and the accountant counts only the noise present. ``mode="ideal"`` is the no-cryptography
+reference: clients reply their plaintext ``dmm.update`` / ``dmm.noise`` and the protocol sums
+the same integers, so both modes release identical aggregates for the same seeds (the share
+randomness cancels in every sum). With ``committee_actors=True`` (full mode) every committee
+member is a Ray actor (:mod:`fedsim.engine.dmm_committee`) that holds its own shares of the
+noise state across rounds, opens the clients' envelopes, combines locally, releases its share
+and deals its part of the handoff to the next committee's actors; releases are bit-identical
+to the in-process committee.
 
 Calibration: each noise row should carry central std sigma = z * c * sens(C') when
 ``(1 - expected_client_dropout) * expected_clients`` clients contribute, so each client adds
@@ -47,13 +64,18 @@ from fedsim.privacy.matrix.factorization import Factorization
 from fedsim.privacy.matrix.sensitivity import Participation
 from fedsim.privacy.mechanisms import SecureRandom, discrete_gaussian
 from fedsim.records import to_numpy, to_record
+from protocols.channels import Envelope, stage_label
 from protocols.dmm import (
+    MEMBER_ID_BASE,
     DMMCommitteeProtocol,
     DMMFaults,
     DMMStage,
     ReleaseTampering,
     RoundAborted,
+    RoundKeys,
+    SealedShares,
     StateLost,
+    seal_client_shares,
 )
 from protocols.encoding import (
     DEFAULT_BETA,
@@ -71,17 +93,119 @@ from strategies.wrapper import StrategyWrapper, server_reply
 
 UPDATE_KEY = "dmm.update"
 NOISE_KEY = "dmm.noise"
+SEALED_KEY = "dmm.sealed"
 PREFIX = "dmm."
+SHARE_PREFIX = "dmm.share."
 _KEYS = ("dim", "clip", "gamma", "beta", "max-tries", "rotation-seed", "seed", "noise-std", "rows")
+_SHARE_KEYS = ("round", "step", "n", "t", "k", "field-exponent", "dim", "session")
+_SHARE_KEYS += ("members", "member-keys", "party")
+
+
+def round_keys_config(keys: RoundKeys, party: int, share_seed: int | None) -> dict[str, Any]:
+    """The ``dmm.share.*`` config entries of one client's full-mode instruction: the round's
+    public :class:`protocols.dmm.RoundKeys` and the client's channel party id (plus
+    ``share-seed`` for reproducible share randomness in simulation)."""
+    if keys.session_id is None:
+        raise ValueError("keys.session_id=None; clients share only over encrypted channels")
+    members = sorted(keys.member_keys)
+    out: dict[str, Any] = {
+        "round": keys.round,
+        "step": keys.step,
+        "n": keys.n,
+        "t": keys.t,
+        "k": keys.k,
+        "field-exponent": keys.field_exponent,
+        "dim": keys.dim,
+        "session": keys.session_id,
+        "members": members,
+        "member-keys": [keys.member_keys[j] for j in members],
+        "party": int(party),
+    }
+    if share_seed is not None:
+        out["share-seed"] = int(share_seed)
+    return {SHARE_PREFIX + k: v for k, v in out.items()}
+
+
+def round_keys_from_config(config: ConfigRecord, rows: int) -> tuple[RoundKeys, int, int | None]:
+    """(keys, party, share seed or None) from an instruction's ``dmm.share.*`` entries."""
+    missing = [SHARE_PREFIX + k for k in _SHARE_KEYS if SHARE_PREFIX + k not in config]
+    if missing:
+        raise ValueError(f"the full-mode instruction's config lacks {missing}")
+    members = [int(j) for j in config[SHARE_PREFIX + "members"]]
+    member_keys = list(config[SHARE_PREFIX + "member-keys"])
+    if len(members) != len(member_keys):
+        raise ValueError(
+            f"{SHARE_PREFIX}members has {len(members)} entries but {SHARE_PREFIX}member-keys "
+            f"has {len(member_keys)}; allowed: one key per member"
+        )
+    keys = RoundKeys(
+        round=int(config[SHARE_PREFIX + "round"]),
+        step=int(config[SHARE_PREFIX + "step"]),
+        rows=int(rows),
+        n=int(config[SHARE_PREFIX + "n"]),
+        t=int(config[SHARE_PREFIX + "t"]),
+        k=int(config[SHARE_PREFIX + "k"]),
+        field_exponent=int(config[SHARE_PREFIX + "field-exponent"]),
+        dim=int(config[SHARE_PREFIX + "dim"]),
+        session_id=bytes(config[SHARE_PREFIX + "session"]),
+        member_keys=dict(zip(members, (bytes(key) for key in member_keys))),
+    )
+    seed = config.get(SHARE_PREFIX + "share-seed")
+    return keys, int(config[SHARE_PREFIX + "party"]), None if seed is None else int(seed)
+
+
+def sealed_to_record(sealed: SealedShares) -> ConfigRecord:
+    """A client's sealed shares as its reply record: its public key and, per member, the
+    envelope's nonce and ciphertext (the header is the server's to rebuild)."""
+    members = sorted(sealed.shares)
+    envelopes = [sealed.shares[j] for j in members]
+    if not all(isinstance(e, Envelope) for e in envelopes):
+        raise ValueError("sealed.shares must all be Envelopes; clients never send plain shares")
+    return ConfigRecord(
+        {
+            "public-key": sealed.public_key,
+            "members": members,
+            "nonces": [e.nonce for e in envelopes],
+            "ciphertexts": [e.ciphertext for e in envelopes],
+        }
+    )
+
+
+def sealed_from_record(record: ConfigRecord, party: int, round_: int) -> SealedShares:
+    """The server's view of a reply: envelopes from the client's *assigned* ``party`` to each
+    member for ``round_`` at SHARE (a client that sealed under other ids fails authentication
+    at the members)."""
+    members = [int(j) for j in record.get("members", [])]
+    nonces = list(record.get("nonces", []))
+    ciphertexts = list(record.get("ciphertexts", []))
+    if not len(members) == len(nonces) == len(ciphertexts) or "public-key" not in record:
+        raise ValueError(
+            f"a sealed reply needs public-key and equally long members, nonces, ciphertexts; got "
+            f"{len(members)}, {len(nonces)}, {len(ciphertexts)}"
+        )
+    label = stage_label(DMMStage.SHARE)
+    shares = {
+        j: Envelope(party, MEMBER_ID_BASE + j, int(round_), label, bytes(nonce), bytes(body))
+        for j, nonce, body in zip(members, nonces, ciphertexts)
+    }
+    return SealedShares(int(party), bytes(record["public-key"]), shares)
 
 
 def dmm_client_app(inner: ClientApp, secure_noise: bool = False) -> ClientApp:
-    """A ClientApp that runs ``inner`` and replies with its rounded update and its noise rows.
+    """A ClientApp that runs ``inner``, rounds its update, draws its noise rows and, in full
+    mode, shares and seals both itself.
 
-    Replies carry ``dmm.update`` (int64, D signed integers) and ``dmm.noise`` (int64,
-    rows x D, N_Z(0, s^2) with s = ``dmm.noise-std`` integer units). Rounding and noise draw
-    from ``SeedSequence([seed, server_round, partition_id])`` (simulation), the noise from the
-    OS with ``secure_noise``.
+    The rounded update u_i (D signed integers) and the noise rows (rows x D, N_Z(0, s^2) with
+    s = ``dmm.noise-std`` integer units) draw from ``SeedSequence([seed, server_round,
+    partition_id])`` (simulation), the noise from the OS with ``secure_noise``. Full mode
+    (``dmm.mode = "full"``): the instruction carries the committee's public keys
+    (``dmm.share.*``); the client packed-Shamir-shares u_i and its noise rows and seals each
+    member's shares under its own ephemeral X25519 key
+    (:func:`protocols.dmm.seal_client_shares`; share randomness from the OS, or from
+    ``SeedSequence([share-seed, server_round, partition_id])`` when the server set one for
+    reproducible simulation), and replies ``dmm.sealed`` (its public key, one nonce and
+    ciphertext per member) and its metrics: nothing the server can open. Ideal mode (the
+    no-cryptography reference) replies the plaintext ``dmm.update`` and ``dmm.noise``.
     """
     app = ClientApp()
 
@@ -115,6 +239,26 @@ def dmm_client_app(inner: ClientApp, secure_noise: bool = False) -> ClientApp:
         out = MetricRecord(dict(metrics))
         out["dmm.tries"] = tries
         out["dmm.clipped"] = int(clipped)
+        mode = str(config.get(PREFIX + "mode", "ideal"))
+        if mode not in ("full", "ideal"):
+            raise ValueError(f"{PREFIX}mode={mode!r}; allowed: 'full', 'ideal'")
+        if mode == "full":
+            keys, party, share_seed = round_keys_from_config(config, rows)
+            if keys.dim != encoder.padded_dim:
+                raise ValueError(
+                    f"{SHARE_PREFIX}dim={keys.dim} but the encoder pads to {encoder.padded_dim}"
+                )
+            share_rng = None
+            if share_seed is not None:
+                partition = int(context.node_config.get("partition-id", 0))
+                share_rng = np.random.default_rng(
+                    [share_seed, int(config.get("server-round", 0)), partition]
+                )
+            sealed = seal_client_shares(
+                keys, party, rounded.astype(np.int64), noise.astype(np.int64), share_rng
+            )
+            content = RecordDict({SEALED_KEY: sealed_to_record(sealed), "metrics": out})
+            return Message(content=content, reply_to=message)
         content = RecordDict(
             {
                 UPDATE_KEY: to_record({UPDATE_KEY: rounded.astype(np.int64)}),
@@ -147,11 +291,21 @@ class DMM(StrategyWrapper):
         expected_client_dropout, expected_member_dropout: fractions tolerated by the plan.
         participation: the schema sens(C') is computed for (single participation by default).
         seed: rotation seeds, clients' rounding/noise streams and injected faults.
-        mode: 'full' or 'ideal'; bits: signed bits of the sum of m rounded updates (sets
-            gamma; the noise term is budgeted separately in the field).
+        mode: 'full' (clients share and seal; the server relays ciphertexts) or 'ideal'
+            (plaintext integers, the no-cryptography reference).
+        bits: signed bits of the sum of m rounded updates (sets gamma; the noise term is
+            budgeted separately in the field).
         field_exponent: p = 2^e - 1; delta: the run's delta.
         member_faults: per (member, stage) probability of 'drop' at each stage (simulation).
-        share_rng_seed: seed share randomness (tests); None draws it from the OS.
+        share_rng_seed: seeds the share randomness of the clients (sent to them as
+            ``dmm.share.share-seed``) and of the handoff, for reproducible simulation only
+            (whoever knows it learns shared values from fewer than t shares); None, the
+            secure default, draws it from each party's OS CSPRNG.
+        committee_actors: full mode only: run the members as Ray actors (Ray must be running,
+            e.g. the Ray engine backend); two pools of actors take turns as the current and the
+            next committee; :meth:`close` ends them.
+        committee_shards: member groups per committee (one actor or one in-process object
+            each); None: one per member with actors, one for all members in process.
     """
 
     def __init__(
@@ -180,6 +334,8 @@ class DMM(StrategyWrapper):
         member_dropout: float = 0.0,
         failure_probability: float = DEFAULT_FAILURE_PROBABILITY,
         share_rng_seed: int | None = None,
+        committee_actors: bool = False,
+        committee_shards: int | None = None,
     ) -> None:
         for name, value in (
             ("clipping_norm", clipping_norm),
@@ -198,6 +354,22 @@ class DMM(StrategyWrapper):
                 raise ValueError(f"{name}={value!r}; allowed: a fraction in [0, 1)")
         if mode not in ("full", "ideal"):
             raise ValueError(f"mode={mode!r}; allowed: 'full', 'ideal'")
+        if not isinstance(committee_actors, bool):
+            raise ValueError(f"committee_actors={committee_actors!r}; allowed: True or False")
+        if committee_actors and mode != "full":
+            raise ValueError(
+                f"committee_actors=True with mode={mode!r}; allowed only with mode='full' "
+                "(ideal mode has no shares for members to hold)"
+            )
+        if committee_shards is not None and (
+            isinstance(committee_shards, bool)
+            or not isinstance(committee_shards, int)
+            or not 1 <= committee_shards <= committee_size
+        ):
+            raise ValueError(
+                f"committee_shards={committee_shards!r}; allowed: None or an integer in "
+                f"[1, committee_size={committee_size}]"
+            )
         field = MersenneField(field_exponent)
         scheme = PackedShamir(committee_size, threshold, packing, field)
         tolerated = math.ceil(expected_member_dropout * committee_size)
@@ -222,6 +394,8 @@ class DMM(StrategyWrapper):
         self.bits, self.beta, self.max_tries = bits, beta, max_tries
         self.failure_probability = failure_probability
         self.share_rng_seed = share_rng_seed
+        self.committee_actors = committee_actors
+        self.committee_shards = committee_shards
         self.ledger = PrivacyLedger(NeighbouringRelation.ADD_REMOVE, delta)
         self.encoder: DDGaussEncoder | None = None
         self.protocol: DMMCommitteeProtocol | None = None
@@ -231,6 +405,9 @@ class DMM(StrategyWrapper):
         self.halted: str | None = None
         self._zcdp = 0.0
         self._global: tuple[str, ArrayRecord] | None = None
+        self._faults = DMMFaults()
+        self._round_keys: RoundKeys | None = None
+        self._parties: dict[int, int] = {}
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -288,10 +465,32 @@ class DMM(StrategyWrapper):
             rng = (
                 None if self.share_rng_seed is None else np.random.default_rng(self.share_rng_seed)
             )
-            self.protocol = DMMCommitteeProtocol(
-                self.scheme, self.noising, self.encoder.padded_dim, mode=self.mode, rng=rng
-            )
+            self.close()
+            if self.committee_actors:
+                from fedsim.engine.dmm_committee import actor_committee  # noqa: PLC0415
+
+                self.protocol = actor_committee(
+                    self.scheme,
+                    self.noising,
+                    self.encoder.padded_dim,
+                    shards=self.committee_shards,
+                    rng=rng,
+                )
+            else:
+                self.protocol = DMMCommitteeProtocol(
+                    self.scheme,
+                    self.noising,
+                    self.encoder.padded_dim,
+                    mode=self.mode,
+                    rng=rng,
+                    shards=self.committee_shards or 1,
+                )
         return self.encoder
+
+    def close(self) -> None:
+        """Release the committee (ends its actors with ``committee_actors``)."""
+        if self.protocol is not None:
+            self.protocol.close()
 
     def rotation_seed(self, server_round: int) -> int:
         """The run's public rotation seed, the same in every round: the noise G'z of round t
@@ -362,10 +561,29 @@ class DMM(StrategyWrapper):
                 PREFIX + "seed": self.seed,
                 PREFIX + "noise-std": self._scaled_noise_std,
                 PREFIX + "rows": int(self.noising.rows_drawn_at(step).size),
+                PREFIX + "mode": self.mode,
             }
         )
         self._global = (getattr(self.strategy, "arrayrecord_key", "arrays"), arrays)
-        return self.strategy.configure_train(server_round, arrays, extended, grid)
+        messages = list(self.strategy.configure_train(server_round, arrays, extended, grid))
+        self._faults = self.round_faults(server_round)
+        if self.mode != "full":
+            return messages
+        # the committee publishes fresh keys; each sampled client gets them and its party id
+        self._round_keys = self.protocol.open_round(self._faults, server_round)
+        self._parties = {}
+        for party, message in enumerate(messages):
+            self._parties[int(message.metadata.dst_node_id)] = party
+            share = round_keys_config(self._round_keys, party, self.share_rng_seed)
+            message.content = RecordDict(
+                {
+                    name: ConfigRecord({**dict(record), **share})
+                    if isinstance(record, ConfigRecord)
+                    else record
+                    for name, record in message.content.items()
+                }
+            )
+        return messages
 
     def round_faults(self, server_round: int) -> DMMFaults:
         """Members that drop, each stage with probability ``member_dropout`` (seeded)."""
@@ -384,6 +602,38 @@ class DMM(StrategyWrapper):
         )
         return DMMFaults(member=plan, next_drop=nxt, seed=int(rng.integers(2**31)))
 
+    def _run_protocol(self, server_round: int, valid: list[Message]):
+        """Full mode: relay the replies' sealed shares (the server never holds a plaintext
+        update or noise row; a reply that is not a well-formed sealed message counts as a
+        dropout). Ideal mode: the plaintext integers of the no-cryptography reference."""
+        if self.mode == "full":
+            keys = self._round_keys
+            if keys is None:
+                raise RuntimeError("aggregate_train in full mode before configure_train")
+            self._round_keys = None
+            sealed = {}
+            for reply in valid:
+                node = int(reply.metadata.src_node_id)
+                party = self._parties.get(node)
+                record = reply.content.get(SEALED_KEY)
+                if party is None or not isinstance(record, ConfigRecord):
+                    continue
+                try:
+                    sealed[node] = sealed_from_record(record, party, keys.round)
+                except ValueError:
+                    continue
+            return self.protocol.run_sealed_round(sealed)
+        rows = int(self.noising.rows_drawn_at(self.protocol.step).size)
+        updates, noises = {}, {}
+        for reply in valid:
+            node = int(reply.metadata.src_node_id)
+            updates[node] = np.asarray(to_numpy(reply.content[UPDATE_KEY])[UPDATE_KEY])
+            noise = np.asarray(to_numpy(reply.content[NOISE_KEY])[NOISE_KEY])
+            noises[node] = noise.reshape(rows, self.encoder.padded_dim)
+        return self.protocol.run_round(
+            updates, noises, self.round_faults(server_round), server_round
+        )
+
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -397,18 +647,9 @@ class DMM(StrategyWrapper):
         key, global_record = self._global
         reference = to_numpy(global_record)
         valid = [r for r in replies if not r.has_error()]
-        rows = int(self.noising.rows_drawn_at(self.protocol.step).size)
-        updates, noises = {}, {}
-        for reply in valid:
-            node = int(reply.metadata.src_node_id)
-            updates[node] = np.asarray(to_numpy(reply.content[UPDATE_KEY])[UPDATE_KEY])
-            noise = np.asarray(to_numpy(reply.content[NOISE_KEY])[NOISE_KEY])
-            noises[node] = noise.reshape(rows, self.encoder.padded_dim)
         handoff_error = None
         try:
-            output = self.protocol.run_round(
-                updates, noises, self.round_faults(server_round), server_round
-            )
+            output = self._run_protocol(server_round, valid)
         except (RoundAborted, ReleaseTampering) as error:
             self.last_release, self.last_clients = None, ()
             self.last_abort = str(error)
@@ -466,6 +707,8 @@ OPTIONS = (
     "expected_client_dropout",
     "expected_member_dropout",
     "member_dropout",
+    "committee_actors",
+    "committee_shards",
 )
 
 
@@ -483,8 +726,10 @@ def from_options(
     (required); ``kind`` ("honaker", default; any kind of :mod:`fedsim.privacy.matrix.build`)
     and ``bands``; ``committee_size`` (10), ``threshold`` (2), ``packing`` (3),
     ``fractional_bits`` (12), ``window``, ``mode`` ("full"), ``bits`` (20), ``delta`` (1e-5),
-    ``expected_client_dropout``, ``expected_member_dropout``, ``member_dropout`` (0). The
-    participation (min separation, participations) comes from the engine's schedule."""
+    ``expected_client_dropout``, ``expected_member_dropout``, ``member_dropout`` (0),
+    ``committee_actors`` (false; true runs the members as Ray actors, full mode and the Ray
+    engine backend) and ``committee_shards`` (actors per committee; default one per member).
+    The participation (min separation, participations) comes from the engine's schedule."""
     from flwr.serverapp.strategy import FedAvg  # noqa: PLC0415
 
     from fedsim.privacy.matrix.build import Spec, build  # noqa: PLC0415
@@ -495,6 +740,15 @@ def from_options(
     for key in ("clipping_norm", "noise_multiplier"):
         if key not in options:
             raise ValueError(f"strategy.options.{key} is required (a number)")
+    actors = options.get("committee_actors", False)
+    if not isinstance(actors, bool):
+        raise ValueError(f"strategy.options.committee_actors={actors!r}; allowed: true or false")
+    shards = options.get("committee_shards")
+    if shards is not None and (isinstance(shards, bool) or not isinstance(shards, int)):
+        raise ValueError(
+            f"strategy.options.committee_shards={shards!r}; allowed: an integer in "
+            "[1, committee_size]"
+        )
     # no schedule: every client may be in every round (1-min-separation, `rounds` times)
     sep = 1 if min_separation is None else int(min_separation)
     k = -(-rounds // sep) if max_participations is None else int(max_participations)
@@ -532,4 +786,6 @@ def from_options(
         bits=int(options.get("bits", 20)),
         delta=float(options.get("delta", 1e-5)),
         member_dropout=float(options.get("member_dropout", 0.0)),
+        committee_actors=actors,
+        committee_shards=shards,
     )

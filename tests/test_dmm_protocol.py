@@ -85,7 +85,8 @@ def test_full_and_ideal_release_the_reference_integers_every_step(kind):
         np.testing.assert_array_equal(a.release, expected)
         np.testing.assert_array_equal(b.release, expected)
         # state is pruned to what M still uses
-        assert set(full.state) == {int(r) for r in noising.needed_after(step)}
+        assert set(full.held_rows) == {int(r) for r in noising.needed_after(step)}
+        assert set(full.member_shares()) == set(full.held_rows)
 
 
 @pytest.mark.parametrize("stage", ACTIVE)

@@ -13,7 +13,7 @@ from fedsim.models import ModelSpec, initial_arrays
 from fedsim.privacy.matrix.tree import honaker_tree
 from fedsim.records import to_numpy, to_record
 from fedsim.workloads.supervised import LocalTraining, make_client_app
-from strategies.dmm import DMM, dmm_client_app
+from strategies.dmm import DMM, SEALED_KEY, dmm_client_app
 
 CLIENTS, ROUNDS = 10, 3
 
@@ -47,7 +47,10 @@ def _dmm(mode, **kwargs):
     return DMM(FedAvg(min_available_nodes=0), **options)
 
 
-def run(engine, digits, strategy, dropout):
+def run(engine, digits, strategy, dropout, alter=None):
+    """Run ROUNDS rounds; ``alter(server_round, replies)`` may change the replies the server
+    receives. Returns the final arrays, (clients, release) per round and epsilon per round;
+    ``strategy.outputs`` holds each round's :class:`protocols.dmm.RoundOutput` (None: aborted)."""
     data, dataset, model, app = digits
     grid = engine.open_run(
         app,
@@ -63,12 +66,22 @@ def run(engine, digits, strategy, dropout):
             return getattr(strategy, name)
 
         def aggregate_train(self, server_round, replies):
+            replies = list(replies)
+            if strategy.mode == "full":  # the server receives ciphertexts only
+                for reply in replies:
+                    if not reply.has_error():
+                        assert set(reply.content.keys()) == {SEALED_KEY, "metrics"}
+            if alter is not None:
+                replies = alter(server_round, replies)
             out = strategy.aggregate_train(server_round, replies)
+            released = strategy.last_release is not None
+            strategy.outputs.append(strategy.protocol.last_output if released else None)
             release = strategy.last_release
             releases.append((strategy.last_clients, None if release is None else release.copy()))
             eps.append(out[1]["epsilon"])
             return out
 
+    strategy.outputs = []
     final = run_rounds(Recording(), grid, to_record(initial_arrays(model, 0)), ROUNDS)
     grid.wait_idle()
     return to_numpy(final), releases, eps
@@ -86,6 +99,8 @@ def test_full_equals_ideal_for_the_same_seeds_and_dropouts_cost_epsilon(local_en
         np.testing.assert_array_equal(final_full[key], final_ideal[key])
     assert eps_full == eps_ideal and all(b >= a for a, b in zip(eps_full, eps_full[1:]))
     assert any(len(c) < CLIENTS for c, _ in releases_full)  # some clients dropped out
+    # the committee's noise state was handed on by resharing between rounds
+    assert max(o.reshare_attempts for o in full.outputs if o is not None) >= 1
     report = full.privacy_report()
     assert report["rounds_accounted"] == ROUNDS and report["steps"] == ROUNDS
     assert report["fewest_noise_clients"] == min(len(c) for c, _ in releases_full)

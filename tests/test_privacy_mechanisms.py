@@ -5,6 +5,7 @@ the true distribution's moments), so they test the samplers, not luck; the secur
 which cannot be seeded, use six.
 """
 
+import decimal
 import math
 from fractions import Fraction
 
@@ -13,6 +14,7 @@ import pytest
 from scipy import stats
 
 from fedsim.config import ConfigError
+from fedsim.privacy import mechanisms as mech
 from fedsim.privacy.mechanisms import (
     SecureRandom,
     discrete_gaussian,
@@ -139,6 +141,109 @@ def test_discrete_gaussian_is_deterministic_per_seed():
     assert np.array_equal(discrete_gaussian(6, 0, rng(3)), np.zeros(6, dtype=np.int64))
     assert discrete_gaussian((0, 3), 2.0, rng(3)).shape == (0, 3)
     assert sample_discrete_gaussian(0, rng(3)) == 0
+
+
+def binned_chi_square_p_value(samples, support, pmf, bins=60):
+    """Chi-square p-value over ``bins`` cells of about equal probability under ``pmf`` (cells
+    are runs of consecutive support points), for pmfs with too many points to test one by one."""
+    cdf = np.cumsum(pmf)
+    cuts = np.unique(np.searchsorted(cdf, np.linspace(0, 1, bins + 1)[1:-1]))
+    edges = support[cuts]  # cell j holds support values in (edges[j-1], edges[j]]
+    expected = np.diff(np.concatenate([[0.0], cdf[cuts], [1.0]])) * samples.size
+    observed = np.bincount(np.searchsorted(edges, samples, side="left"), minlength=edges.size + 1)
+    statistic = float(np.sum((observed - expected) ** 2 / expected))
+    return stats.chi2.sf(statistic, edges.size)
+
+
+@pytest.mark.parametrize("sigma", [0.45, 1.0, 37.5, Fraction(12_000, 1)])
+def test_batched_discrete_gaussian_matches_the_exact_pmf(sigma):
+    """The vectorised Generator path, for sigma < 1 (mass on a few points) up to sigma = 12000:
+    mean, variance, and chi-square against the exact pmf (cells pooled to equal probability)."""
+    n = 200_000
+    x = discrete_gaussian(n, sigma, rng(31))
+    assert x.dtype == np.int64 and x.shape == (n,)
+    support, pmf = discrete_gaussian_pmf(float(sigma))
+    mean, var, mu4 = moments(support, pmf)
+    assert_mean_and_variance(x, mean, var, mu4)
+    if float(sigma) < 2:
+        assert chi_square_p_value(x, support, pmf) > 1e-4
+    assert binned_chi_square_p_value(x, support, pmf) > 1e-4
+    # a continuous Gaussian rounded to integers is rejected by the same test at sigma < 1
+    if float(sigma) < 1:
+        rounded = np.rint(rng(31).normal(0.0, float(sigma), size=n)).astype(np.int64)
+        assert chi_square_p_value(rounded, support, pmf) < 1e-6
+
+
+def test_batched_discrete_gaussian_is_deterministic_per_seed():
+    a = discrete_gaussian((300, 70), 1234.5, rng(13))
+    assert np.array_equal(a, discrete_gaussian((300, 70), 1234.5, rng(13)))
+    assert not np.array_equal(a, discrete_gaussian((300, 70), 1234.5, rng(14)))
+    # the batches' sizes depend only on how many draws are still missing
+    assert np.array_equal(
+        discrete_gaussian(5000, 0.7, rng(2)), discrete_gaussian(5000, 0.7, rng(2))
+    )
+
+
+def test_float_acceptance_probability_is_within_the_exact_window():
+    """|fl(exp(-gamma_hat)) - exp(-gamma)| stays far inside the 2^-40 window that the batched
+    sampler settles exactly, over proposals of several sigmas (60-digit decimal reference)."""
+    g = rng(17)
+    worst = 0.0
+    for sigma in (Fraction(3, 5), Fraction(271, 100), Fraction(4_000_001, 1000), Fraction(10**6)):
+        _, _, t = mech._gaussian_params(sigma * sigma)
+        shift_exact = sigma * sigma / t
+        u = g.integers(0, t, size=150)
+        magnitude = u + t * g.integers(0, 6, size=150)
+        gamma = mech._float_exponent(
+            u, magnitude, t, float(shift_exact), float(1 / (2 * sigma * sigma))
+        )
+        approx = np.exp(-gamma)
+        for i in range(u.size):
+            exact = Fraction(int(u[i]), t) + (int(magnitude[i]) - shift_exact) ** 2 / (
+                2 * sigma * sigma
+            )
+            lo, hi = mech._exp_neg_bounds(exact, 60)
+            assert hi - lo < Fraction(1, 2**150)
+            worst = max(worst, abs(float(Fraction(approx[i]) - lo)))
+    assert worst < 2.0**-46
+
+
+def test_exact_tie_break_compares_the_extended_uniform():
+    """(top + W) / 2^53 < exp(-1) for the 53-bit integer just below exp(-1) * 2^53: accepted
+    with probability equal to the fractional part of exp(-1) * 2^53."""
+    with decimal.localcontext() as ctx:
+        ctx.prec = 60
+        scaled = decimal.Decimal(-1).exp() * (1 << 53)
+    top = int(scaled)
+    fraction = float(scaled - top)
+    g = rng(19)
+    n = 4000
+    hits = sum(mech._exact_uniform_below_exp(top, Fraction(1), g) for _ in range(n))
+    assert_frequency(hits, n, fraction)
+    assert all(mech._exact_uniform_below_exp(top - 1, Fraction(1), g) for _ in range(50))
+    assert not any(mech._exact_uniform_below_exp(top + 1, Fraction(1), g) for _ in range(50))
+
+
+@pytest.mark.parametrize("margin_bits", [2, 0])
+def test_batched_sampler_with_a_wide_exact_window(monkeypatch, margin_bits):
+    """Widening the window so that many (2^-2) or all (2^0) decisions take the exact rational
+    path leaves the distribution unchanged: the exact path is the reference for the float one."""
+    calls = []
+    exact = mech._exact_uniform_below_exp
+
+    def counted(top, gamma, generator):
+        calls.append(1)
+        return exact(top, gamma, generator)
+
+    monkeypatch.setattr(mech, "_MARGIN_BITS", margin_bits)
+    monkeypatch.setattr(mech, "_exact_uniform_below_exp", counted)
+    sigma = Fraction(3, 2)
+    x = discrete_gaussian(3000, sigma, rng(23))
+    assert len(calls) > (7000 if margin_bits == 0 else 500)
+    support, pmf = discrete_gaussian_pmf(float(sigma))
+    assert chi_square_p_value(x, support, pmf) > 1e-4
+    mean, var, mu4 = moments(support, pmf)
+    assert_mean_and_variance(x, mean, var, mu4)
 
 
 def test_single_draws_follow_the_same_distributions():

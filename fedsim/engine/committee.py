@@ -312,9 +312,10 @@ class SealedShares:
     width: int
 
 
-def shard_actor(ray_module: Any) -> Any:
-    """:class:`CommitteeShard` as a Ray actor class that reserves no CPU."""
-    return ray_module.remote(CommitteeShard).options(num_cpus=0, max_restarts=0)
+def shard_actor(ray_module: Any, shard_class: type = CommitteeShard) -> Any:
+    """``shard_class`` (:class:`CommitteeShard` by default) as a Ray actor class that reserves
+    no CPU and is not restarted (a crashed member is a dropped member)."""
+    return ray_module.remote(shard_class).options(num_cpus=0, max_restarts=0)
 
 
 @dataclass(frozen=True)
