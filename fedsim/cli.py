@@ -6,6 +6,8 @@
     fedsim account {dp-fedavg,dp-sgd,calibrate,sweep,matrix} ... [--json]
     fedsim factorize --kind KIND --rounds N [--bands B] [--participations K --min-sep S]
                      --out FILE.npz [--json]
+    fedsim audit RUN_DIR [--attack loss|zlib|mink] [--members N] [--out FILE]
+    fedsim minmax CONFIG.toml [--out DIR]
 
 ``run`` and ``flwr-run`` accept ``--ray-address`` (join an existing Ray cluster), ``--workers``,
 ``--backend {ray,local}`` and ``--no-progress``; both write ``DIR/rounds.jsonl``
@@ -26,6 +28,8 @@ from typing import Any
 from fedsim.config import ConfigError
 from fedsim.privacy import account_cli
 from fedsim.privacy.matrix import cli as factorize_cli
+from fedsim.workloads import minmax_run
+from fedsim.workloads.audits import cli as audit_cli
 
 
 def _engine_args(parser: argparse.ArgumentParser, resumable: bool = False) -> None:
@@ -67,6 +71,8 @@ def _parser() -> argparse.ArgumentParser:
     _engine_args(flwr_run)
     account_cli.register(commands)
     factorize_cli.register(commands)
+    audit_cli.register(commands)
+    minmax_run.register(commands)
     return parser
 
 
@@ -171,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_account(args)
     if args.command == "factorize":
         return cmd_factorize(args)
+    if args.command == "audit":
+        return audit_cli.run(args)
+    if args.command == "minmax":
+        return minmax_run.run(args)
     if not args.verbose:
         from flwr.supercore.logger import FLOWER_LOGGER  # noqa: PLC0415  (sets its level on import)
 

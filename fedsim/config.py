@@ -34,6 +34,17 @@ def require(condition: bool, key: str, value: Any, allowed: str) -> None:
         raise ConfigError(key, value, allowed)
 
 
+def positive_int(value: Any, key: str) -> int:
+    """``value`` if it is an integer >= 1 (not a bool), else a :class:`ConfigError` on ``key``."""
+    require(
+        isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+        key,
+        value,
+        "an integer >= 1",
+    )
+    return value
+
+
 def load_toml(path: str | Path) -> dict[str, Any]:
     """Read a TOML file, turning a missing file or a syntax error into a clear error."""
     path = Path(path)

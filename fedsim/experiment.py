@@ -10,6 +10,7 @@ part of the pipeline::
     [evaluation]  clients (federated), every (central, rounds), central_rows
     [engine]      backend, workers, cpus_per_worker, ray_address, ...
     [faults]      dropout, straggler_fraction, straggler_delay_s, deadline_s, crash_probability
+    [audit]       attacks, members, seed: audits of the finished run (audit.json)
 
 plus ``checkpoint_every`` (rounds) and ``state_memory_mb`` (client states kept
 in memory before they spill to disk). The seeds of [data], [client] and
@@ -55,10 +56,14 @@ from fedsim.privacy import accounting
 from fedsim.progress import RunProgress
 from fedsim.records import to_numpy, to_record
 from fedsim.results import RoundRecorder, RunWriter, metrics_dict, read_rounds
+from fedsim.workloads.audits.run_audit import AuditConfig, run_configured_audit
 from fedsim.workloads.averaging import Averaging
+from fedsim.workloads.conformal import OnlineConformal
+from fedsim.workloads.coto import build_lora_model, initial_adapter_arrays, load_adapter_arrays
 from fedsim.workloads.dp_sgd import DPSGD, epsilon_of
 from fedsim.workloads.supervised import LocalTraining, as_tensors, evaluate_model, make_client_app
 from strategies.averaging import AveragedGlobalModel, averaged_evaluation
+from strategies.conformal import ConformalEvaluation
 from strategies.quantized import DequantizedUploads
 from strategies.registry import NAMES, build_strategy
 
@@ -121,13 +126,27 @@ class EvaluationConfig:
         clients: clients per round that evaluate on their local test rows (0: none).
         every: evaluate on the central test set every this many rounds (0: never).
         central_rows: rows of the central test set used (a seeded subset).
+        conformal: ``[evaluation.conformal]`` online conformal calibration of the
+            evaluating clients' scores on the server, each client a group
+            (:class:`~fedsim.workloads.conformal.OnlineConformal`: kind
+            "multigroup" or "aci", alpha, eta, global_group); needs clients > 0.
     """
 
     clients: int = 0
     every: int = 1
     central_rows: int = 10_000
+    conformal: OnlineConformal | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.conformal, dict):
+            made = from_mapping(OnlineConformal, self.conformal, "evaluation.conformal")
+            object.__setattr__(self, "conformal", made)
+        require(
+            self.conformal is None or self.clients > 0,
+            "evaluation.clients",
+            self.clients,
+            "an integer >= 1 with [evaluation.conformal] (it calibrates the clients' scores)",
+        )
         require(self.clients >= 0, "evaluation.clients", self.clients, "an integer >= 0")
         require(self.every >= 0, "evaluation.every", self.every, "an integer >= 0 (0: never)")
         require(
@@ -150,10 +169,13 @@ class ExperimentConfig:
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
+    audit: AuditConfig | dict[str, Any] | None = None
     checkpoint_every: int = 1
     state_memory_mb: int = 256
 
     def __post_init__(self) -> None:
+        if isinstance(self.audit, dict):  # [audit]: errors name audit.<key>
+            object.__setattr__(self, "audit", from_mapping(AuditConfig, self.audit, "audit"))
         require(self.rounds >= 1, "rounds", self.rounds, "an integer >= 1")
         require(
             self.checkpoint_every >= 1,
@@ -195,6 +217,24 @@ class ExperimentConfig:
             "unset with FedProx (client methods add no proximal term)",
         )
         require(
+            self.client.lora is None or not proximal,
+            "client.lora",
+            to_mapping(self.client.lora),
+            "unset with FedProx (LoRA clients add no proximal term)",
+        )
+        require(
+            self.client.constraints is None or not proximal,
+            "client.constraints",
+            "set",
+            "unset with FedProx (the smoothed primal-dual has its own proximal centre)",
+        )
+        require(
+            self.client.constraints is None or self.model.kind == "logreg",
+            "model.kind",
+            self.model.kind,
+            "'logreg' with client.constraints (linear constraints on a linear model)",
+        )
+        require(
             self.client.compression is None or self.strategy.partial_aggregation != "on",
             "strategy.partial_aggregation",
             "on",
@@ -213,6 +253,9 @@ class ExperimentConfig:
                 table["seed"] = seed
         if "client" not in raw:
             raw["client"] = {"seed": seed}
+        lora = raw["client"].get("lora") if isinstance(raw["client"], dict) else None
+        if isinstance(lora, dict):  # CoTo's horizon defaults to the run's rounds
+            raw["client"]["lora"] = {"rounds": raw.get("rounds", 0), **lora}
         if "data" not in raw:
             raise ConfigError("data", None, "a [data] table (this section is required)")
         return from_mapping(cls, raw)
@@ -232,6 +275,17 @@ def participation_for(config: ExperimentConfig, population: int) -> Participatio
     return UniformCohort(population, k, config.seed)
 
 
+def model_spec(config: ExperimentConfig, dataset: FederatedDataset) -> ModelSpec:
+    """The ``[model]`` table's model for ``dataset``'s features and classes."""
+    return ModelSpec(
+        kind=config.model.kind,
+        input_shape=tuple(dataset.feature_shape),
+        num_classes=dataset.num_classes,
+        hidden=config.model.hidden,
+        channels=config.model.channels,
+    )
+
+
 def central_evaluator(config: ExperimentConfig, spec: ModelSpec, dataset: FederatedDataset):
     """The server-side ``evaluate_fn`` on a seeded subset of the central test set."""
     x_all, y_all = dataset.central_test
@@ -241,12 +295,14 @@ def central_evaluator(config: ExperimentConfig, spec: ModelSpec, dataset: Federa
     rows = min(config.evaluation.central_rows, len(y_all))
     pick = np.sort(np.random.default_rng([config.seed, 2]).choice(len(y_all), rows, replace=False))
     x, y = as_tensors(x_all[pick], y_all[pick])
-    model = build_model(spec)
+    lora = config.client.lora  # federated LoRA: the global arrays are the adapters
+    model = build_model(spec) if lora is None else build_lora_model(spec, lora)
+    load = load_arrays if lora is None else load_adapter_arrays
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         if server_round % every and server_round != config.rounds:
             return None
-        load_arrays(model, to_numpy(arrays))
+        load(model, to_numpy(arrays))
         return MetricRecord(evaluate_model(model, x, y))
 
     return evaluate
@@ -278,24 +334,23 @@ def run_experiment(
     store = ClientStateStore(out / STATE_FILE, memory_budget=config.state_memory_mb * 2**20)
     if resume:
         store.rollback(start_round - 1 if checkpoint else 0)
+    strategy = None
     try:
         dataset = build_dataset(config.data)
-        spec = ModelSpec(
-            kind=config.model.kind,
-            input_shape=tuple(dataset.feature_shape),
-            num_classes=dataset.num_classes,
-            hidden=config.model.hidden,
-            channels=config.model.channels,
-        )
+        spec = model_spec(config, dataset)
         population = dataset.num_clients
         participation = participation_for(config, population)
         if checkpoint is not None:
             strategy, arrays = checkpoint.strategy, to_record(checkpoint.arrays)
         else:
             strategy = build_experiment_strategy(config, participation)
-            arrays = to_record(initial_arrays(spec, config.seed))
+            arrays = to_record(
+                initial_arrays(spec, config.seed)
+                if config.client.lora is None
+                else initial_adapter_arrays(spec, config.client.lora, config.seed)
+            )
         client_app = make_client_app(spec, config.data, config.client)
-        if config.strategy.name == "dmm":  # clients send rounded updates and noise rows
+        if config.strategy.name == "dmm":  # clients share their rounded updates and noise
             from strategies.dmm import dmm_client_app  # noqa: PLC0415
 
             client_app = dmm_client_app(client_app)
@@ -368,10 +423,16 @@ def run_experiment(
         summary["resumed_after_round"] = start_round - 1 if resume else None
         summary.update(_privacy_summary(strategy, read_rounds(writer.rounds_path)))
         writer.write_summary(summary)
+        if config.audit is not None:  # reads the files just written; adds audit.json
+            summary["audit"] = run_configured_audit(out, config.audit)
+            writer.write_summary(summary)
         if own_engine:
             engine.close()
         return summary
     finally:
+        close = getattr(strategy, "close", None)  # e.g. DMM's committee actors
+        if close is not None:
+            close()
         writer.close()
         store.close()
 
@@ -400,6 +461,8 @@ def build_experiment_strategy(config: ExperimentConfig, participation: Participa
     )
     if compressed:
         strategy = DequantizedUploads(strategy)
+    if config.evaluation.conformal is not None:
+        strategy = ConformalEvaluation(strategy, config.evaluation.conformal)
     if config.strategy.averaging is not None:
         strategy = AveragedGlobalModel(strategy, config.strategy.averaging, config.rounds)
     return SeededSampling(strategy, config.seed)

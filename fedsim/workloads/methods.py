@@ -3,14 +3,24 @@
 :class:`ClientMethods` names the methods (each optional):
 
 * ``optimizer`` — :class:`~fedsim.workloads.optim.ClientOptimizer` (MARS-AdamW,
-  MARS-Lion, R-AdaZO, ZO-AdaMM, or SGD); a fresh optimiser per round, so its
+  MARS-Lion, R-AdaZO, ZO-AdaMM, HDM-HB, or SGD); a fresh optimiser per round, so its
   state resets with every new global model (see :mod:`fedsim.workloads.optim.mars`);
+  HDM-HB is full batch: the round keeps its step budget (epochs x batches, capped by
+  ``max_steps``) but every step evaluates the loss on all the client's rows;
 * ``averaging`` — :class:`~fedsim.workloads.averaging.Averaging` of the local
   iterates (LAWA / EMA over the round's step budget); the client trains the raw
   weights and uploads the average;
 * ``compression`` — :class:`~fedsim.workloads.compression.Quantization` of the
   upload (:mod:`fedsim.workloads.upload`; the server side is
-  ``strategies.quantized.DequantizedUploads``).
+  ``strategies.quantized.DequantizedUploads``);
+* ``conformal`` — :class:`~fedsim.workloads.conformal.ConformalTraining`: the
+  DPSM objective (cross-entropy plus a soft prediction-set size at a learned
+  quantile tau, which each client keeps in its ``context.state``). Not with
+  zeroth-order or full-batch optimisers;
+* ``sst`` — :class:`~fedsim.workloads.sst.SparseSpectral`: sparse spectral training
+  of every Linear layer (all singular values, ``rank`` sampled singular-vector pairs
+  per period, periodic re-SVD) from the SVD of the received global weights; the
+  client uploads the dense weights. Gradient optimisers only, no averaging.
 
 :func:`train_with_methods` is the training loop and :func:`make_methods_client_app`
 the ClientApp (same data, seeding and replies as
@@ -20,7 +30,8 @@ the ClientApp (same data, seeding and replies as
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -28,13 +39,19 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from torch import nn
 
-from fedsim.config import from_mapping
+from fedsim.config import ConfigError, from_mapping
 from fedsim.data import DatasetSpec, cached_dataset
 from fedsim.models import ModelSpec, load_arrays, model_arrays
 from fedsim.records import to_numpy, to_record
 from fedsim.workloads.averaging import Averaging
 from fedsim.workloads.compression import Quantization
+from fedsim.workloads.conformal import (
+    DPSM,
+    TAU_STATE,
+    ConformalTraining,
+)
 from fedsim.workloads.optim.choice import ClientOptimizer, build_optimizer
+from fedsim.workloads.sst import SparseSpectral, SparseSpectralTraining
 from fedsim.workloads.supervised import (
     LocalTraining,
     _arrays_key,
@@ -42,7 +59,8 @@ from fedsim.workloads.supervised import (
     as_tensors,
     cached_model,
     client_generator,
-    evaluate_model,
+    evaluation_reply,
+    evaluation_rows,
 )
 from fedsim.workloads.upload import quantized_upload
 
@@ -54,8 +72,13 @@ class ClientMethods:
     optimizer: ClientOptimizer | dict[str, Any] | None = None
     averaging: Averaging | dict[str, Any] | None = None
     compression: Quantization | dict[str, Any] | None = None
+    conformal: ConformalTraining | dict[str, Any] | None = None
+    sst: SparseSpectral | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.conformal, dict):
+            made = from_mapping(ConformalTraining, self.conformal, "client.conformal")
+            object.__setattr__(self, "conformal", made)
         for key, cls in (
             ("optimizer", ClientOptimizer),
             ("averaging", Averaging),
@@ -69,6 +92,30 @@ class ClientMethods:
                     else from_mapping(cls, value, f"client.{key}")
                 )
                 object.__setattr__(self, key, made)
+        if self.conformal is not None and isinstance(self.optimizer, ClientOptimizer):
+            if self.optimizer.zeroth_order or self.optimizer.full_batch:
+                raise ValueError(
+                    f"client.optimizer.name = {self.optimizer.name!r} is not allowed with "
+                    "client.conformal: a minibatch gradient optimiser (DPSM splits each batch)"
+                )
+        self._check_sst()
+
+    def _check_sst(self) -> None:
+        """``[client.sst]``: a gradient optimiser on minibatches, no iterate averaging."""
+        if isinstance(self.sst, dict):
+            object.__setattr__(self, "sst", from_mapping(SparseSpectral, self.sst, "client.sst"))
+        if self.sst is None:
+            return
+        if isinstance(self.optimizer, ClientOptimizer) and (
+            self.optimizer.zeroth_order or self.optimizer.full_batch
+        ):
+            raise ConfigError(
+                "client.optimizer.name",
+                self.optimizer.name,
+                "a gradient optimiser (sgd, mars-adamw, mars-lion) with client.sst",
+            )
+        if self.averaging is not None:
+            raise ConfigError("client.averaging", str(self.averaging), "unset with client.sst")
 
 
 def step_budget(rows: int, training: LocalTraining) -> int:
@@ -86,12 +133,39 @@ def train_with_methods(
     generator: torch.Generator,
     *,
     lr: float | None = None,
+    objective: DPSM | None = None,
+    before_step: Callable[[int], object] | None = None,
+    after_step: Callable[[torch.optim.Optimizer], object] | None = None,
 ) -> tuple[float, int, dict[str, Any] | None]:
     """Minibatch training with ``methods``; returns (mean loss, steps, averaged arrays or None).
 
     ``generator`` draws the shuffling and, for zeroth-order optimisers, the
     directions; ``lr`` (the instruction's ``lr``) overrides the optimiser's.
+    ``objective`` is the DPSM loss (with its tau) when ``methods.conformal`` is
+    set; None builds one at ``initial_tau``. ``before_step(step)`` runs before
+    each step (CoTo's layer activation, :mod:`fedsim.workloads.coto`);
+    ``after_step(optimizer)`` after each gradient step. With ``methods.sst`` the
+    steps train a spectral copy of ``model`` (:mod:`fedsim.workloads.sst`) whose
+    dense weights are written back into ``model`` at the end.
     """
+    if isinstance(methods.sst, SparseSpectral):
+        sst = SparseSpectralTraining(model, methods.sst, generator)
+        result = train_with_methods(
+            sst.model,
+            x,
+            y,
+            training,
+            replace(methods, sst=None),
+            generator,
+            lr=lr,
+            objective=objective,
+            before_step=before_step,
+            after_step=sst.after_step,
+        )
+        sst.export(model)
+        return result
+    if objective is None and isinstance(methods.conformal, ConformalTraining):
+        objective = DPSM(methods.conformal)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     choice = methods.optimizer or ClientOptimizer(name="sgd", weight_decay=training.weight_decay)
@@ -110,21 +184,40 @@ def train_with_methods(
                 break
             idx = order[start : start + training.batch_size]
             xb, yb = x[idx], y[idx]
-            if choice.zeroth_order:
+            if before_step is not None:
+                before_step(steps)
+            if choice.full_batch:  # HDM-HB: every step sees all the client's rows
+                loss = optimizer.step(lambda: _full_batch_loss(model, optimizer, x, y))
+            elif choice.zeroth_order:
                 loss = optimizer.step(
                     lambda xb=xb, yb=yb: nn.functional.cross_entropy(model(xb), yb)
                 )
             else:
                 optimizer.zero_grad(set_to_none=True)
-                loss = nn.functional.cross_entropy(model(xb), yb)
+                if objective is not None:
+                    loss = objective.loss(model(xb), yb)
+                else:
+                    loss = nn.functional.cross_entropy(model(xb), yb)
                 loss.backward()
                 optimizer.step()
+                if after_step is not None:
+                    after_step(optimizer)
             total += float(loss.detach())
             steps += 1
             if averager is not None and averager.due(steps):
                 averager.push(model_arrays(model))
     averaged = averager.average() if averager is not None and averager.ready else None
     return (total / steps if steps else 0.0), steps, averaged
+
+
+def _full_batch_loss(
+    model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
+    """The closure of a full-batch optimiser: loss on all of (x, y), gradients filled."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    return loss
 
 
 def make_methods_client_app(
@@ -157,6 +250,10 @@ def make_methods_client_app(
             )
         net = cached_model(model)
         load_arrays(net, to_numpy(message.content[key]))
+        objective = None
+        if isinstance(methods.conformal, ConformalTraining):
+            saved = context.state.get(TAU_STATE)
+            objective = DPSM(methods.conformal, None if saved is None else saved["tau"])
         loss, steps, averaged = train_with_methods(
             net,
             x,
@@ -165,21 +262,23 @@ def make_methods_client_app(
             methods,
             client_generator(training.seed, server_round, partition),
             lr=float(lr) if isinstance(lr, (int, float)) else None,
+            objective=objective,
         )
         upload = averaged if averaged is not None else model_arrays(net)
         metrics = MetricRecord({"num-examples": int(len(y)), "train_loss": loss, "steps": steps})
+        if objective is not None:
+            context.state[TAU_STATE] = MetricRecord({"tau": objective.tau})
+            metrics["dpsm-tau"] = objective.tau
+            metrics["dpsm-size"] = objective.last_size
         content = RecordDict({key: to_record(upload), "metrics": metrics})
         return Message(content=content, reply_to=message)
 
     @app.evaluate()
     def evaluate(message: Message, context: Context) -> Message:
         partition = int(context.node_config["partition-id"])
-        dataset = cached_dataset(data)
-        split = dataset.test if dataset.test.sizes()[partition] > 0 else dataset.train
-        x, y = as_tensors(*split.client(partition))
+        x, y = evaluation_rows(data, partition)
         net = cached_model(model)
         load_arrays(net, to_numpy(message.content[_arrays_key(message)]))
-        metrics = MetricRecord({"num-examples": int(len(y)), **evaluate_model(net, x, y)})
-        return Message(content=RecordDict({"metrics": metrics}), reply_to=message)
+        return evaluation_reply(message, net, x, y, partition)
 
     return app

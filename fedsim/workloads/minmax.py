@@ -125,12 +125,15 @@ def qoda(
     quantization: Quantization | None,
     rng: np.random.Generator,
     optimistic: bool = True,
+    on_step: Callable[[int, Point, int], None] | None = None,
 ) -> QODAResult:
     """Run QODA (module docstring) for ``steps`` exchanges.
 
     ``quantization`` None sends exact float32 values (32 bits per coordinate).
     Each worker quantises each block of its operator value with its own norm
-    and the levels of the block's type.
+    and the levels of the block's type. ``on_step(t, Z_{t+1}, bits)``, if given,
+    sees each step's iterate and the bits each worker has sent so far; it draws
+    nothing, so the run is the same with or without it.
     """
     if steps < 1:
         raise ValueError(f"steps = {steps!r} is not allowed: an integer >= 1")
@@ -153,7 +156,7 @@ def qoda(
     previous = {name: np.zeros_like(v) for name, v in origin.items()}
     total = {name: np.zeros_like(v) for name, v in origin.items()}
     squares, gamma = 0.0, lr
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         half = {n: z[n] - gamma * previous[n] if optimistic else z[n].copy() for n in z}
         value = {n: np.zeros_like(v) for n, v in z.items()}
         for op in operators:
@@ -171,5 +174,7 @@ def qoda(
         gamma = lr / np.sqrt(1.0 + squares)
         z = {n: origin[n] + gamma * dual[n] for n in z}
         previous = value
+        if on_step is not None:
+            on_step(step, z, per_step * step)
     average = {n: v / steps for n, v in total.items()}
     return QODAResult(z, average, per_step * steps, steps)

@@ -35,8 +35,17 @@ from fedsim.models import ModelSpec, build_model, load_arrays, model_arrays
 from fedsim.records import records_of, to_numpy, to_record
 from fedsim.workloads.averaging import Averaging
 from fedsim.workloads.compression import Quantization
+from fedsim.workloads.conformal import (
+    SCORES_RECORD,
+    SCORES_REQUEST,
+    ConformalTraining,
+    score_reply_record,
+)
+from fedsim.workloads.constrained import LinearConstraints, make_constrained_client_app
+from fedsim.workloads.coto import LoRATraining
 from fedsim.workloads.dp_sgd import DPSGD, train_client
 from fedsim.workloads.optim.choice import ClientOptimizer
+from fedsim.workloads.sst import SparseSpectral
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,7 +72,19 @@ class LocalTraining:
             average is uploaded (:class:`~fedsim.workloads.averaging.Averaging`).
         compression: ``[client.compression]`` layer-wise quantised uploads
             (:class:`~fedsim.workloads.compression.Quantization`).
-        The last three train through :mod:`fedsim.workloads.methods`.
+        conformal: ``[client.conformal]`` conformal training objective (DPSM,
+            :class:`~fedsim.workloads.conformal.ConformalTraining`).
+        sst: ``[client.sst]`` sparse spectral training of the Linear layers
+            (:class:`~fedsim.workloads.sst.SparseSpectral`: rank, period, resvd_every).
+        constraints: ``[client.constraints]`` per-client linear inequality constraints on
+            a logistic regression, trained with the smoothed primal-dual method
+            (:class:`~fedsim.workloads.constrained.LinearConstraints`); replaces SGD and
+            combines with no other client method.
+        The last four train through :mod:`fedsim.workloads.methods`.
+        lora: ``[client.lora]`` federated LoRA fine-tuning with CoTo
+            (:class:`~fedsim.workloads.coto.LoRATraining`): the global arrays
+            are the adapters only (:mod:`fedsim.workloads.lora_client`); combines
+            with a minibatch ``optimizer`` only.
     """
 
     epochs: int = 1
@@ -78,8 +99,36 @@ class LocalTraining:
     optimizer: ClientOptimizer | dict[str, Any] | None = None
     averaging: Averaging | dict[str, Any] | None = None
     compression: Quantization | dict[str, Any] | None = None
+    conformal: ConformalTraining | dict[str, Any] | None = None
+    sst: SparseSpectral | dict[str, Any] | None = None
+    constraints: LinearConstraints | dict[str, Any] | None = None
+    lora: LoRATraining | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.constraints, dict):
+            made = from_mapping(LinearConstraints, self.constraints, "client.constraints")
+            object.__setattr__(self, "constraints", made)
+        for key in ("dp_sgd", "optimizer", "averaging", "compression", "conformal", "sst", "lora"):
+            require(
+                self.constraints is None or getattr(self, key) is None,
+                f"client.{key}",
+                str(getattr(self, key)),
+                "unset with client.constraints (smoothed primal-dual training)",
+            )
+        if isinstance(self.sst, dict):
+            object.__setattr__(self, "sst", from_mapping(SparseSpectral, self.sst, "client.sst"))
+        require(
+            self.sst is None
+            or (self.dp_sgd is None and not self.keep_momentum and self.lora is None),
+            "client.sst",
+            str(self.sst),
+            "unset with client.dp_sgd, client.keep_momentum or client.lora",
+        )
+        if isinstance(self.lora, dict):
+            object.__setattr__(self, "lora", from_mapping(LoRATraining, self.lora, "client.lora"))
+        if isinstance(self.conformal, dict):
+            made = from_mapping(ConformalTraining, self.conformal, "client.conformal")
+            object.__setattr__(self, "conformal", made)
         if isinstance(self.dp_sgd, dict):  # a table from a config: check each key
             object.__setattr__(self, "dp_sgd", from_mapping(DPSGD, self.dp_sgd, "client.dp_sgd"))
         for key, cls in (("optimizer", ClientOptimizer), ("compression", Quantization)):
@@ -104,7 +153,30 @@ class LocalTraining:
             self.keep_momentum,
             "false unless client.momentum > 0",
         )
-        for key in ("optimizer", "averaging", "compression"):
+        require(
+            self.conformal is None
+            or not isinstance(self.optimizer, ClientOptimizer)
+            or not (self.optimizer.zeroth_order or self.optimizer.full_batch),
+            "client.optimizer.name",
+            getattr(self.optimizer, "name", None),
+            "a minibatch gradient optimiser with client.conformal (DPSM splits each batch)",
+        )
+        for key in ("dp_sgd", "keep_momentum", "averaging", "compression", "conformal"):
+            require(
+                self.lora is None or getattr(self, key) in (None, False),
+                f"client.{key}",
+                str(getattr(self, key)),
+                "unset with client.lora (LoRA clients combine with client.optimizer only)",
+            )
+        require(
+            self.lora is None
+            or not isinstance(self.optimizer, ClientOptimizer)
+            or not (self.optimizer.zeroth_order or self.optimizer.full_batch),
+            "client.optimizer.name",
+            getattr(self.optimizer, "name", None),
+            "a minibatch gradient optimiser with client.lora (sgd, mars-adamw, mars-lion)",
+        )
+        for key in ("optimizer", "averaging", "compression", "conformal"):
             require(
                 getattr(self, key) is None or (self.dp_sgd is None and not self.keep_momentum),
                 f"client.{key}",
@@ -115,7 +187,10 @@ class LocalTraining:
     @property
     def uses_methods(self) -> bool:
         """Whether an optimizer, averaging or compression is configured."""
-        return any(v is not None for v in (self.optimizer, self.averaging, self.compression))
+        return any(
+            v is not None
+            for v in (self.optimizer, self.averaging, self.compression, self.conformal, self.sst)
+        )
 
 
 def client_generator(seed: int, server_round: int, partition_id: int) -> torch.Generator:
@@ -205,6 +280,32 @@ def evaluate_model(
     return {"loss": loss / n, "accuracy": correct / n}
 
 
+def evaluation_rows(data: DatasetSpec, partition: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Client ``partition``'s evaluation rows: its test rows, else its training rows."""
+    dataset = cached_dataset(data)
+    split = dataset.test if dataset.test.sizes()[partition] > 0 else dataset.train
+    return as_tensors(*split.client(partition))
+
+
+def evaluation_reply(
+    message: Message,
+    net: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    partition: int,
+    extra: dict[str, float] | None = None,
+) -> Message:
+    """The evaluate reply: loss, accuracy and ``extra`` metrics, plus the conformal scores when
+    the server asks for them (online conformal calibration, :mod:`strategies.conformal`)."""
+    metrics = MetricRecord(
+        {"num-examples": int(len(y)), **evaluate_model(net, x, y), **(extra or {})}
+    )
+    content = RecordDict({"metrics": metrics})
+    if _config(message).get(SCORES_REQUEST):
+        content[SCORES_RECORD] = score_reply_record(net, x, y, partition)
+    return Message(content=content, reply_to=message)
+
+
 _MODELS: dict[ModelSpec, nn.Module] = {}
 
 
@@ -245,6 +346,12 @@ def _momentum_state(context: Context) -> list[np.ndarray]:
 
 def make_client_app(model: ModelSpec, data: DatasetSpec, training: LocalTraining) -> ClientApp:
     """A ClientApp that trains ``model`` with local SGD on ``data``'s clients."""
+    if training.lora is not None:
+        from fedsim.workloads.lora_client import make_lora_client_app
+
+        return make_lora_client_app(model, data, training)
+    if training.constraints is not None:
+        return make_constrained_client_app(model, data, training, training.constraints)
     if training.uses_methods:
         from fedsim.workloads.methods import ClientMethods, make_methods_client_app
 
@@ -252,6 +359,8 @@ def make_client_app(model: ModelSpec, data: DatasetSpec, training: LocalTraining
             optimizer=training.optimizer,
             averaging=training.averaging,
             compression=training.compression,
+            conformal=training.conformal,
+            sst=training.sst,
         )
         return make_methods_client_app(model, data, training, methods)
     app = ClientApp()
@@ -307,13 +416,9 @@ def make_client_app(model: ModelSpec, data: DatasetSpec, training: LocalTraining
     @app.evaluate()
     def evaluate(message: Message, context: Context) -> Message:
         partition = int(context.node_config["partition-id"])
-        dataset = cached_dataset(data)
-        split = dataset.test if dataset.test.sizes()[partition] > 0 else dataset.train
-        x, y = as_tensors(*split.client(partition))
+        x, y = evaluation_rows(data, partition)
         net = cached_model(model)
         load_arrays(net, to_numpy(message.content[_arrays_key(message)]))
-        result = evaluate_model(net, x, y)
-        metrics = MetricRecord({"num-examples": int(len(y)), **result})
-        return Message(content=RecordDict({"metrics": metrics}), reply_to=message)
+        return evaluation_reply(message, net, x, y, partition)
 
     return app

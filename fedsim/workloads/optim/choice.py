@@ -9,10 +9,11 @@ from typing import Any, Literal
 import torch
 
 from fedsim.config import require
+from fedsim.workloads.optim.hdm_hb import HDMHB
 from fedsim.workloads.optim.mars import MARS
 from fedsim.workloads.optim.zeroth_order import RAdaZO, ZOAdaMM
 
-NAMES = ("sgd", "mars-adamw", "mars-lion", "r-adazo", "zo-adamm")
+NAMES = ("sgd", "mars-adamw", "mars-lion", "r-adazo", "zo-adamm", "hdm-hb")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -22,7 +23,10 @@ class ClientOptimizer:
     Attributes:
         name: "sgd" (torch.optim.SGD with the client's momentum), "mars-adamw",
             "mars-lion" (:class:`~fedsim.workloads.optim.mars.MARS`), "r-adazo",
-            "zo-adamm" (:mod:`fedsim.workloads.optim.zeroth_order`, forward-only).
+            "zo-adamm" (:mod:`fedsim.workloads.optim.zeroth_order`, forward-only),
+            "hdm-hb" (:class:`~fedsim.workloads.optim.hdm_hb.HDMHB`, full batch: each
+            local step is one closure over all the client's rows; ``lr`` is the
+            AdaGrad rate of its diagonal step sizes, default 0.1).
         lr: learning rate; None: the method's default (3e-3 MARS, 1e-3 ZO) or,
             for sgd, the client's ``lr``.
         betas: None: the method's default.
@@ -31,7 +35,7 @@ class ClientOptimizer:
         mu, q: zeroth-order smoothing radius and directions per step.
     """
 
-    name: Literal["sgd", "mars-adamw", "mars-lion", "r-adazo", "zo-adamm"] = "sgd"
+    name: Literal["sgd", "mars-adamw", "mars-lion", "r-adazo", "zo-adamm", "hdm-hb"] = "sgd"
     lr: float | None = None
     betas: tuple[float, float] | None = None
     weight_decay: float = 0.0
@@ -54,10 +58,21 @@ class ClientOptimizer:
         require(self.gamma >= 0, "client.optimizer.gamma", self.gamma, "a number >= 0")
         require(self.mu > 0, "client.optimizer.mu", self.mu, "a number > 0")
         require(self.q >= 1, "client.optimizer.q", self.q, "an integer >= 1")
+        require(
+            self.name != "hdm-hb" or self.weight_decay == 0,
+            "client.optimizer.weight_decay",
+            self.weight_decay,
+            "0 with hdm-hb (it minimises the loss as given)",
+        )
 
     @property
     def zeroth_order(self) -> bool:
         return self.name in ("r-adazo", "zo-adamm")
+
+    @property
+    def full_batch(self) -> bool:
+        """Whether each step takes a closure over the client's whole data (HDM-HB)."""
+        return self.name == "hdm-hb"
 
 
 def build_optimizer(
@@ -86,5 +101,7 @@ def build_optimizer(
             variant=config.name,
             **extra,
         )
+    if config.name == "hdm-hb":
+        return HDMHB(params, lr=config.lr or 0.1)
     cls = RAdaZO if config.name == "r-adazo" else ZOAdaMM
     return cls(params, generator=generator, lr=config.lr or 1e-3, mu=config.mu, q=config.q, **extra)

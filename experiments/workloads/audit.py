@@ -1,0 +1,268 @@
+"""Privacy audits: membership inference against DP-FedAvg at several epsilons, PII canaries
+(minority vs random) in a federated byte-level LM, unlearning, and dataset inference.
+
+Part ``dp`` (``fedsim run`` + ``fedsim audit`` in Python): scikit-learn digits split IID over
+100 clients with 80 % of each client's rows held out (about 4 training rows per client, 397
+in all, so the non-private model overfits), an MLP with 32 hidden units, DP-FedAvg with all
+clients every round for 30 rounds, 10 local epochs (batch 8, lr 0.1), clipping norm 3, noise
+multiplier calibrated (RDP, the run's own sampling model and relation, delta 1e-5) to epsilon
+1, 4, 16, and 0 for epsilon = inf (clipping only). The loss and zlib attacks score the 397
+member rows against 397 of the held-out rows (``fedsim.workloads.audits.run_audit``).
+
+Part ``canary``: the byte-level GPT-2 of ``fedsim.workloads.audits.lm`` (1 layer, width 32),
+FedAvg over 2 clients (4 rounds x 40 local AdamW steps, batch 16, lr 5e-3) on 30 synthetic PII
+records per client, plus 20 minority canaries (rarest name origin, email, phone and ID
+formats) and 20 random canaries (drawn like the population), each repeated 3 times in client
+0 or 1. Non-members: 20 fresh canaries of each kind. The control trains the same federation
+without canaries (the "retrained" model). Unlearning: gradient ascent, ascent+descent and
+random labels (the last two with the base records as retain set) on all 40 inserted
+canaries, AdamW at lr 1e-4 until the forget set's NLL reaches the trained model's NLL on 40
+other unseen canaries (at most 200 steps); then the canaries' AUC is measured again.
+Dataset inference: the 40 inserted canaries (members) and the 40 non-member canaries as
+suspect sets, digit-perturbed synthetic held-out copies, 5 splits.
+
+Usage: ``python experiments/workloads/audit.py [--part dp|canary|all] [--seeds 0 1 2]``;
+writes ``audit.json`` next to this file (parts merge into it) and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from fedsim.experiment import (  # noqa: E402
+    ExperimentConfig,
+    participation_for,
+    privacy_sampling,
+    run_experiment,
+)
+from fedsim.privacy import accounting  # noqa: E402
+from fedsim.workloads.audits import canaries, lm, mia  # noqa: E402
+from fedsim.workloads.audits import dataset_inference as di  # noqa: E402
+from fedsim.workloads.audits.run_audit import audit_run  # noqa: E402
+from fedsim.workloads.audits.unlearn import unlearn  # noqa: E402
+from strategies.dp_fedavg import relation_for  # noqa: E402
+
+OUT = Path(__file__).with_name("audit.json")
+EPSILONS = (math.inf, 16.0, 4.0, 1.0)  # run order: the non-private model first
+CLIENTS, ROUNDS, CLIP, DELTA = 100, 30, 3.0, 1e-5
+
+
+def dp_config(seed: int, noise_multiplier: float) -> ExperimentConfig:
+    return ExperimentConfig.from_dict(
+        {
+            "name": f"audit-dp-z{noise_multiplier:.4g}-s{seed}",
+            "seed": seed,
+            "rounds": ROUNDS,
+            "data": {
+                "source": "digits",
+                "partition": "iid",
+                "num_clients": CLIENTS,
+                "test_fraction": 0.8,
+            },
+            "model": {"kind": "mlp", "hidden": [32]},
+            "client": {"epochs": 10, "batch_size": 8, "lr": 0.1},
+            "strategy": {
+                "name": "dp-fedavg",
+                "clients_per_round": CLIENTS,
+                "options": {
+                    "clipping_norm": CLIP,
+                    "noise_multiplier": noise_multiplier,
+                    "delta": DELTA,
+                },
+            },
+            "evaluation": {"every": ROUNDS},
+            "engine": {"backend": "local"},
+        }
+    )
+
+
+def noise_for(epsilon: float) -> float:
+    """The noise multiplier that reaches ``epsilon`` after ROUNDS rounds of this setting."""
+    if math.isinf(epsilon):
+        return 0.0
+    config = dp_config(0, 1.0)
+    sampling = privacy_sampling(participation_for(config, CLIENTS), ROUNDS)
+    return accounting.calibrate_noise(
+        epsilon, DELTA, sampling, ROUNDS, "rdp", relation_for(sampling)
+    )
+
+
+def dp_part(seeds: list[int]) -> list[dict]:
+    rows = []
+    for epsilon in EPSILONS:
+        z = noise_for(epsilon)
+        for seed in seeds:
+            started = time.perf_counter()
+            with tempfile.TemporaryDirectory() as tmp:
+                run_dir = Path(tmp) / "run"
+                summary = run_experiment(dp_config(seed, z), run_dir, progress=False)
+                audits = {a: audit_run(run_dir, attack=a) for a in ("loss", "zlib")}
+            row = {
+                "target_epsilon": "inf" if math.isinf(epsilon) else epsilon,
+                "noise_multiplier": z,
+                "seed": seed,
+                "epsilon": audits["loss"]["epsilon_text"],
+                "accuracy": summary["final"]["central"]["accuracy"],
+                "member_loss": audits["loss"]["member_mean_loss"],
+                "non_member_loss": audits["loss"]["non_member_mean_loss"],
+                "members": audits["loss"]["members"],
+                **{f"{a}_auc": audits[a]["auc"] for a in audits},
+                **{f"{a}_tpr_at_5pct_fpr": audits[a]["tpr_at_5pct_fpr"] for a in audits},
+                "seconds": time.perf_counter() - started,
+            }
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def _aucs(model, members, non) -> dict[str, dict[str, float]]:
+    lp_in, lp_out = lm.token_log_probs(model, members), lm.token_log_probs(model, non)
+    out = {}
+    for attack in mia.ATTACKS:
+        s_in = mia.sequence_scores(attack, lp_in, members)
+        s_out = mia.sequence_scores(attack, lp_out, non)
+        out[attack] = {"auc": mia.roc_auc(s_in, s_out), "tpr": mia.tpr_at_fpr(s_in, s_out)}
+    return out
+
+
+def canary_part(seeds: list[int]) -> list[dict]:
+    rows = []
+    config = lm.TinyLMConfig(width=32, heads=4, max_len=128)
+    train = {"rounds": 4, "local_steps": 40, "batch_size": 16, "lr": 5e-3}
+    for seed in seeds:
+        started = time.perf_counter()
+        rng = np.random.default_rng(seed)
+        corpus = canaries.base_corpus(2, 30, rng)
+        minority = [r.text() for r in canaries.minority_records(60, rng)]
+        random_ = [r.text() for r in canaries.sample_records(60, rng)]
+        sets = {
+            "minority": (minority[:20], minority[20:40]),
+            "random": (random_[:20], random_[20:40]),
+        }
+        unlearn_steps: dict[str, int] = {}
+        forget = minority[:20] + random_[:20]
+        inserted = canaries.insert_canaries(corpus, forget, [0, 1], 3, rng)
+        models = {}
+        for name, texts in (("with canaries", inserted), ("retrained without", corpus)):
+            models[name] = lm.build_lm(config, seed=seed)
+            lm.federated_train(models[name], texts, seed=seed, **train)
+        retain = [t for client in corpus for t in client]
+        # Unlearn until the forget set's NLL reaches the trained model's NLL on 20 unseen
+        # canaries of each kind (held apart from the non-members scored below).
+        unseen = minority[40:] + random_[40:]
+        target = float(lm.mean_loss(models["with canaries"], unseen).detach())
+        for method in ("gradient_ascent", "ascent_descent", "random_label"):
+            model = lm.build_lm(config, seed=seed)
+            model.load_state_dict(models["with canaries"].state_dict())
+            steps = unlearn(
+                model,
+                forget,
+                method=method,
+                steps=200,
+                lr=1e-4,
+                retain=retain,
+                stop_at_loss=target,
+                generator=torch.Generator().manual_seed(seed),
+            )
+            models[f"unlearned: {method}"] = model
+            unlearn_steps[method] = len(steps)
+        for name, model in models.items():
+            retain_nll = float(lm.mean_loss(model, retain).detach())
+            for kind, (members, non) in sets.items():
+                row = {"seed": seed, "model": name, "canaries": kind, "retain_nll": retain_nll}
+                if name.startswith("unlearned: "):
+                    row["unlearn_steps"] = unlearn_steps[name.removeprefix("unlearned: ")]
+                for attack, m in _aucs(model, members, non).items():
+                    row[f"{attack}_auc"], row[f"{attack}_tpr"] = m["auc"], m["tpr"]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        fresh = minority[20:40] + random_[20:40]
+        for suspect_name, suspect in (("members", forget), ("non-members", fresh)):
+            result = di.run_dataset_inference(
+                models["with canaries"], suspect, np.random.default_rng(seed), splits=5
+            )
+            row = {"seed": seed, "dataset_inference": suspect_name, **result.to_dict()}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        print(f"canary seed {seed}: {time.perf_counter() - started:.0f} s", flush=True)
+    return rows
+
+
+def _mean_std(values: list[float]) -> str:
+    return f"{np.mean(values):.3f} ± {np.std(values):.3f}"
+
+
+def print_tables(results: dict) -> None:
+    if "dp" in results:
+        print("\n| target ε | z | measured ε | accuracy | loss AUC | loss TPR@5%FPR | zlib AUC |")
+        print("|---|---|---|---|---|---|---|")
+        for eps in ("1.0", "4.0", "16.0", "inf"):
+            rows = [r for r in results["dp"] if str(r["target_epsilon"]) == eps]
+            if rows:
+                print(
+                    f"| {eps} | {rows[0]['noise_multiplier']:.3f} | {rows[0]['epsilon']} | "
+                    f"{_mean_std([r['accuracy'] for r in rows])} | "
+                    f"{_mean_std([r['loss_auc'] for r in rows])} | "
+                    f"{_mean_std([r['loss_tpr_at_5pct_fpr'] for r in rows])} | "
+                    f"{_mean_std([r['zlib_auc'] for r in rows])} |"
+                )
+    if "canary" in results:
+        rows = [r for r in results["canary"] if "model" in r]
+        print("\n| model | canaries | loss AUC | zlib AUC | min-k% AUC | loss TPR@5%FPR |")
+        print("|---|---|---|---|---|---|")
+        for name in dict.fromkeys(r["model"] for r in rows):
+            for kind in ("minority", "random"):
+                sel = [r for r in rows if r["model"] == name and r["canaries"] == kind]
+                print(
+                    f"| {name} | {kind} | {_mean_std([r['loss_auc'] for r in sel])} | "
+                    f"{_mean_std([r['zlib_auc'] for r in sel])} | "
+                    f"{_mean_std([r['mink_auc'] for r in sel])} | "
+                    f"{_mean_std([r['loss_tpr'] for r in sel])} |"
+                )
+        inference = [r for r in results["canary"] if "dataset_inference" in r]
+        if inference:
+            print("\n| suspect set | seed | p-value | text-classifier AUC | combined AUC |")
+            print("|---|---|---|---|---|")
+            for r in inference:
+                print(
+                    f"| {r['dataset_inference']} | {r['seed']} | {r['p_value']:.2e} | "
+                    f"{np.mean(r['auc_text']):.3f} | {np.mean(r['auc_combined']):.3f} |"
+                )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=("dp", "canary", "all"), default="all")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--out", type=Path, default=OUT, help="JSON file (parts merge into it)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    from flwr.supercore.logger import FLOWER_LOGGER  # noqa: PLC0415
+
+    FLOWER_LOGGER.setLevel(logging.WARNING)
+    parts = {"dp": dp_part, "canary": canary_part}
+    for name in parts if args.part == "all" else [args.part]:
+        rows = parts[name](args.seeds)
+        # Re-read before writing: another part may have finished meanwhile.
+        results = json.loads(args.out.read_text()) if args.out.exists() else {}
+        results[name] = rows
+        args.out.write_text(json.dumps(results, indent=2))
+    print_tables(json.loads(args.out.read_text()))
+
+
+if __name__ == "__main__":
+    main()
