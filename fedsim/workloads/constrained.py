@@ -293,12 +293,12 @@ def make_constrained_client_app(
     """
     from fedsim.workloads.supervised import (
         _arrays_key,
-        _config,
         as_tensors,
         cached_model,
         client_generator,
         evaluation_reply,
         evaluation_rows,
+        train_instruction,
     )
 
     if model.kind != "logreg":
@@ -310,16 +310,14 @@ def make_constrained_client_app(
 
     @app.train()
     def train(message: Message, context: Context) -> Message:
-        partition = int(context.node_config["partition-id"])
-        x, y = as_tensors(*cached_dataset(data).train.client(partition))
-        key = _arrays_key(message)
-        config = _config(message)
-        server_round = int(config.get("server-round", 0))
-        if float(config.get("proximal-mu", 0.0)) > 0:
-            raise ValueError(
-                "proximal-mu > 0 (FedProx) is not supported with client.constraints "
-                "(its proximal centre is the smoothed primal-dual's own)"
-            )
+        task = train_instruction(
+            message,
+            context,
+            data,
+            no_proximal="client.constraints (the smoothed primal-dual has its own proximal centre)",
+        )
+        partition, x, y, key = task.partition, task.x, task.y, task.key
+        server_round = task.server_round
         net = cached_model(model)
         load_arrays(net, to_numpy(message.content[key]))
         dual = None

@@ -18,8 +18,6 @@ from the shuffling, so ``coto_p0 = 1`` trains exactly as plain LoRA.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import peft
 import torch
@@ -27,7 +25,7 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedsim.config import require
-from fedsim.data import DatasetSpec, cached_dataset
+from fedsim.data import DatasetSpec
 from fedsim.models import ModelSpec
 from fedsim.records import to_numpy, to_record
 from fedsim.workloads.coto import (
@@ -42,11 +40,10 @@ from fedsim.workloads.methods import ClientMethods, step_budget, train_with_meth
 from fedsim.workloads.supervised import (
     LocalTraining,
     _arrays_key,
-    _config,
-    as_tensors,
     client_generator,
     evaluation_reply,
     evaluation_rows,
+    train_instruction,
 )
 
 _LORA_MODELS: dict[tuple[ModelSpec, LoRATraining], peft.PeftModel] = {}
@@ -140,23 +137,18 @@ def make_lora_client_app(model: ModelSpec, data: DatasetSpec, training: LocalTra
 
     @app.train()
     def train(message: Message, context: Context) -> Message:
-        partition = int(context.node_config["partition-id"])
-        x, y = as_tensors(*cached_dataset(data).train.client(partition))
-        key = _arrays_key(message)
-        config = _config(message)
-        if float(config.get("proximal-mu", 0.0)) > 0:
-            raise ValueError("proximal-mu > 0 (FedProx) is not supported with client.lora")
-        lr: Any = config.get("lr")
+        task = train_instruction(message, context, data, no_proximal="client.lora")
+        key = task.key
         net = cached_lora_model(model, lora)
         load_adapter_arrays(net, to_numpy(message.content[key]))
         metrics = train_lora(
             net,
-            x,
-            y,
+            task.x,
+            task.y,
             training,
-            server_round=int(config.get("server-round", 0)),
-            partition_id=partition,
-            lr=float(lr) if isinstance(lr, (int, float)) else None,
+            server_round=task.server_round,
+            partition_id=task.partition,
+            lr=task.lr,
         )
         content = RecordDict(
             {key: to_record(adapter_arrays(net)), "metrics": MetricRecord(metrics)}

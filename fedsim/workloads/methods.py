@@ -40,7 +40,7 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from fedsim.config import ConfigError, from_mapping
-from fedsim.data import DatasetSpec, cached_dataset
+from fedsim.data import DatasetSpec
 from fedsim.models import ModelSpec, load_arrays, model_arrays
 from fedsim.records import to_numpy, to_record
 from fedsim.workloads.averaging import Averaging
@@ -55,12 +55,11 @@ from fedsim.workloads.sst import SparseSpectral, SparseSpectralTraining
 from fedsim.workloads.supervised import (
     LocalTraining,
     _arrays_key,
-    _config,
-    as_tensors,
     cached_model,
     client_generator,
     evaluation_reply,
     evaluation_rows,
+    train_instruction,
 )
 from fedsim.workloads.upload import quantized_upload
 
@@ -237,17 +236,11 @@ def make_methods_client_app(
 
     @app.train()
     def train(message: Message, context: Context) -> Message:
-        partition = int(context.node_config["partition-id"])
-        x, y = as_tensors(*cached_dataset(data).train.client(partition))
-        key = _arrays_key(message)
-        config = _config(message)
-        server_round = int(config.get("server-round", 0))
-        lr: Any = config.get("lr")
-        if float(config.get("proximal-mu", 0.0)) > 0:
-            raise ValueError(
-                "proximal-mu > 0 (FedProx) is not supported with client optimizer, "
-                "averaging or compression methods"
-            )
+        task = train_instruction(
+            message, context, data, no_proximal="client optimizer, averaging or compression methods"
+        )
+        partition, x, y, key = task.partition, task.x, task.y, task.key
+        server_round, lr = task.server_round, task.lr
         net = cached_model(model)
         load_arrays(net, to_numpy(message.content[key]))
         objective = None
@@ -261,7 +254,7 @@ def make_methods_client_app(
             training,
             methods,
             client_generator(training.seed, server_round, partition),
-            lr=float(lr) if isinstance(lr, (int, float)) else None,
+            lr=lr,
             objective=objective,
         )
         upload = averaged if averaged is not None else model_arrays(net)

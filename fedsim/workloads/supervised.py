@@ -280,6 +280,43 @@ def evaluate_model(
     return {"loss": loss / n, "accuracy": correct / n}
 
 
+@dataclass(frozen=True)
+class TrainInstruction:
+    """What a train message asks of client ``partition``: its training rows, the key of the
+    global arrays, the config, the server round and the server's learning rate (None: the
+    client's own)."""
+
+    partition: int
+    x: torch.Tensor
+    y: torch.Tensor
+    key: str
+    config: ConfigRecord
+    server_round: int
+    lr: float | None
+
+
+def train_instruction(
+    message: Message, context: Context, data: DatasetSpec, no_proximal: str | None = None
+) -> TrainInstruction:
+    """Read a train message; ``no_proximal`` names the method that refuses FedProx's
+    ``proximal-mu > 0`` (None: allowed)."""
+    partition = int(context.node_config["partition-id"])
+    x, y = as_tensors(*cached_dataset(data).train.client(partition))
+    config = _config(message)
+    if no_proximal is not None and float(config.get("proximal-mu", 0.0)) > 0:
+        raise ValueError(f"proximal-mu > 0 (FedProx) is not supported with {no_proximal}")
+    lr: Any = config.get("lr")
+    return TrainInstruction(
+        partition=partition,
+        x=x,
+        y=y,
+        key=_arrays_key(message),
+        config=config,
+        server_round=int(config.get("server-round", 0)),
+        lr=float(lr) if isinstance(lr, (int, float)) else None,
+    )
+
+
 def evaluation_rows(data: DatasetSpec, partition: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Client ``partition``'s evaluation rows: its test rows, else its training rows."""
     dataset = cached_dataset(data)
@@ -367,13 +404,9 @@ def make_client_app(model: ModelSpec, data: DatasetSpec, training: LocalTraining
 
     @app.train()
     def train(message: Message, context: Context) -> Message:
-        partition = int(context.node_config["partition-id"])
-        dataset = cached_dataset(data)
-        x, y = as_tensors(*dataset.train.client(partition))
-        key = _arrays_key(message)
-        config = _config(message)
-        server_round = int(config.get("server-round", 0))
-        lr: Any = config.get("lr")
+        task = train_instruction(message, context, data)
+        partition, x, y, key, config = task.partition, task.x, task.y, task.key, task.config
+        server_round, lr = task.server_round, task.lr
         buffers = _momentum_state(context) if training.keep_momentum else None
         proximal_mu = float(config.get("proximal-mu", 0.0))
         private: dict[str, float | int] = {}
@@ -388,7 +421,7 @@ def make_client_app(model: ModelSpec, data: DatasetSpec, training: LocalTraining
                 training,
                 context.state,
                 seed_words=(training.seed, server_round, partition),
-                lr=float(lr) if isinstance(lr, (int, float)) else None,
+                lr=lr,
                 momentum_buffers=buffers,
             )
             net, loss, steps = result.model, result.loss, result.steps
@@ -401,7 +434,7 @@ def make_client_app(model: ModelSpec, data: DatasetSpec, training: LocalTraining
                 y,
                 training,
                 client_generator(training.seed, server_round, partition),
-                lr=float(lr) if isinstance(lr, (int, float)) else None,
+                lr=lr,
                 proximal_mu=proximal_mu,
                 momentum_buffers=buffers,
             )
