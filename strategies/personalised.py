@@ -35,6 +35,7 @@ from flwr.serverapp.strategy import Strategy
 from fedsim.config import require
 from fedsim.records import to_numpy, to_record
 from fedsim.workloads.bayesian import expected_calibration_error
+from strategies.wrapper import train_message
 
 GLOBAL, POSTERIOR = "global", "posterior"
 
@@ -183,14 +184,7 @@ class PersonalisedStrategy(Strategy):
                 }
             )
             content = RecordDict({GLOBAL: arrays, "config": cfg})
-            messages.append(
-                Message(
-                    content=content,
-                    dst_node_id=node,
-                    message_type=MessageType.TRAIN,
-                    group_id=str(server_round),
-                )
-            )
+            messages.append(train_message(content, node, server_round))
         return messages
 
     def aggregate_train(

@@ -47,7 +47,6 @@ import dp_accounting as dpa
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-from flwr.app.message_type import MessageType
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from torch import nn
@@ -68,6 +67,7 @@ from fedsim.workloads.dpo import DPOSettings, PreferencePair, add_lora, train_dp
 from fedsim.workloads.popri_feedback import feedback_instruction, summed_scores
 from fedsim.workloads.text_models import build_prompt, generate
 from strategies.dp_fedavg import relation_for
+from strategies.wrapper import train_message
 
 # --------------------------------------------------------------------------------------------
 # Quality metrics on embeddings
@@ -483,15 +483,8 @@ class POPri(Strategy):
         self._round = _Round(
             server_round, instruction, prompts, samples, embeddings, len(nodes), timings
         )
-        return [
-            Message(
-                content=instruction,  # one object: the grid ships it once
-                dst_node_id=node,
-                message_type=MessageType.TRAIN,
-                group_id=str(server_round),
-            )
-            for node in nodes
-        ]
+        # one content object for every node: the grid ships it once
+        return [train_message(instruction, node, server_round) for node in nodes]
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

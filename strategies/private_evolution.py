@@ -37,7 +37,6 @@ from typing import Any
 import dp_accounting as dpa
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-from flwr.app.message_type import MessageType
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
@@ -47,6 +46,7 @@ from fedsim.privacy.mechanisms import gaussian_noise
 from fedsim.records import to_numpy, to_record
 from fedsim.workloads.pe_votes import CANDIDATES, EMBEDDINGS, Embedder, votes_of
 from strategies.dp_fedavg import relation_for
+from strategies.wrapper import train_message
 
 #: ``vary(example_lists, samples_per_prompt, seed)``: for the prompt built from each list of
 #: examples, ``samples_per_prompt`` of the generator's samples.
@@ -274,18 +274,12 @@ class PrivateEvolution(Strategy):
                 f"embeddings are {expected} (start from initial_arrays())"
             )
         content_config = ConfigRecord({**dict(config), "server-round": server_round})
-        messages = []
-        for node in sorted(int(n) for n in grid.get_node_ids()):
-            content = RecordDict({CANDIDATES: arrays, "config": content_config})
-            messages.append(
-                Message(
-                    content=content,
-                    dst_node_id=node,
-                    message_type=MessageType.TRAIN,
-                    group_id=str(server_round),
-                )
+        return [
+            train_message(
+                RecordDict({CANDIDATES: arrays, "config": content_config}), node, server_round
             )
-        return messages
+            for node in sorted(int(n) for n in grid.get_node_ids())
+        ]
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

@@ -68,3 +68,13 @@ def server_reply(content: RecordDict, server_round: int) -> Message:
         message_type=MessageType.TRAIN,
     )
     return Message(content=content, metadata=metadata)
+
+
+def train_message(content: RecordDict, node: int, server_round: int) -> Message:
+    """The server's train instruction ``content`` for ``node`` in ``server_round``."""
+    return Message(
+        content=content,
+        dst_node_id=node,
+        message_type=MessageType.TRAIN,
+        group_id=str(server_round),
+    )

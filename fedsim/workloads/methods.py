@@ -54,11 +54,9 @@ from fedsim.workloads.optim.choice import ClientOptimizer, build_optimizer
 from fedsim.workloads.sst import SparseSpectral, SparseSpectralTraining
 from fedsim.workloads.supervised import (
     LocalTraining,
-    _arrays_key,
     cached_model,
     client_generator,
-    evaluation_reply,
-    evaluation_rows,
+    model_evaluation,
     train_instruction,
 )
 from fedsim.workloads.upload import quantized_upload
@@ -266,12 +264,6 @@ def make_methods_client_app(
         content = RecordDict({key: to_record(upload), "metrics": metrics})
         return Message(content=content, reply_to=message)
 
-    @app.evaluate()
-    def evaluate(message: Message, context: Context) -> Message:
-        partition = int(context.node_config["partition-id"])
-        x, y = evaluation_rows(data, partition)
-        net = cached_model(model)
-        load_arrays(net, to_numpy(message.content[_arrays_key(message)]))
-        return evaluation_reply(message, net, x, y, partition)
+    app.evaluate()(model_evaluation(model, data))
 
     return app

@@ -354,6 +354,20 @@ def cached_model(spec: ModelSpec) -> nn.Module:
     return model
 
 
+def model_evaluation(model: ModelSpec, data: DatasetSpec) -> Any:
+    """The evaluate handler of the supervised client apps: the global arrays scored on the
+    client's evaluation rows (:func:`evaluation_reply`)."""
+
+    def evaluate(message: Message, context: Context) -> Message:
+        partition = int(context.node_config["partition-id"])
+        x, y = evaluation_rows(data, partition)
+        net = cached_model(model)
+        load_arrays(net, to_numpy(message.content[_arrays_key(message)]))
+        return evaluation_reply(message, net, x, y, partition)
+
+    return evaluate
+
+
 def _config(message: Message) -> ConfigRecord:
     """The instruction's config (FedAvg's "config" record; empty if none)."""
     records = records_of(message.content, ConfigRecord)
@@ -446,12 +460,6 @@ def make_client_app(model: ModelSpec, data: DatasetSpec, training: LocalTraining
         content = RecordDict({key: to_record(model_arrays(net)), "metrics": metrics})
         return Message(content=content, reply_to=message)
 
-    @app.evaluate()
-    def evaluate(message: Message, context: Context) -> Message:
-        partition = int(context.node_config["partition-id"])
-        x, y = evaluation_rows(data, partition)
-        net = cached_model(model)
-        load_arrays(net, to_numpy(message.content[_arrays_key(message)]))
-        return evaluation_reply(message, net, x, y, partition)
+    app.evaluate()(model_evaluation(model, data))
 
     return app
