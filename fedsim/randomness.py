@@ -1,0 +1,276 @@
+"""Every random stream has an owner.
+
+Two kinds of randomness run through a simulated federation (DESIGN.md, "Boundaries"):
+
+* **Public streams** -- cohort sampling, data partitions, initial models, fault schedules,
+  rotations, committee draws. Anyone may recompute them: they come from the run seed and a
+  ``(round, kind)`` tuple through :func:`public_generator`.
+* **Party-secret streams** -- a client's noise, masks and share randomness, a committee
+  member's resharing randomness, the server's own noise. Each comes from that party's
+  :class:`PartySecret` (32 bytes), never from the run seed, never from anything a message
+  carries, never from a file the server writes.
+
+A party's secret is either fresh OS randomness (:meth:`PartySecret.fresh`, the default: runs are
+then not repeatable) or, for bit-reproducible simulation, derived from a :class:`RunSecret`: a
+32-byte root read from a file that the user keeps *outside* the run directory
+(:meth:`RunSecret.load_or_create`). The root derives one independent secret per party with
+HMAC-SHA256 (RFC 2104) over the party's name, so no party's secret reveals another's or the
+root. The simulation engine hands client ``i`` its own secret through the ClientApp's
+``node_config`` (:data:`NODE_SECRET_KEY`); the server's strategy receives only
+:meth:`RunSecret.server`.
+
+Secrets refuse to be pickled (a checkpoint that reaches one fails loudly instead of storing it)
+and hide themselves in ``repr``. The one sanctioned way to move a root to another process (the
+engine's worker actors) is :meth:`RunSecret.transport` / :meth:`RunSecret.from_transport`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import stat
+from collections.abc import Mapping
+from enum import IntEnum
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
+from fedsim.config import ConfigError
+
+SECRET_BYTES = 32
+NODE_SECRET_KEY = "fedsim.party-secret"
+"""``node_config`` key under which the engine gives a client its own secret (hex)."""
+
+
+class Stream(IntEnum):
+    """Names of the public streams: ``public_generator(seed, round, Stream.X, ...)``."""
+
+    COHORT = 1
+    PARTITION = 2
+    INITIAL_MODEL = 3
+    FAULTS = 4
+    ROTATION = 5
+    COMMITTEE = 6
+    EVALUATION_SUBSET = 7
+    CLIENT_ORDER = 8
+
+
+class Purpose(IntEnum):
+    """What a party draws a secret stream for: ``secret.generator(round, Purpose.X, ...)``."""
+
+    NOISE = 1
+    ROUNDING = 2
+    SHARES = 3
+    MASKS = 4
+    RESHARE = 5
+    KEYS = 6
+    TRAINING = 7
+
+
+def public_generator(seed: int, *words: int) -> np.random.Generator:
+    """The public stream ``(seed, *words)``: fine to recompute anywhere, never for a secret."""
+    return np.random.default_rng([int(seed), *(int(w) for w in words)])
+
+
+def _derive(key: bytes, *words: Any) -> bytes:
+    """HMAC-SHA256(key, words): 32 bytes that only a holder of ``key`` can compute."""
+    message = b"\x00".join(str(w).encode() for w in words)
+    return hmac.new(key, b"fedsim/" + message, hashlib.sha256).digest()
+
+
+class _Hidden:
+    """Shared behaviour of secrets: no pickling, no repr of the key."""
+
+    __slots__ = ()
+
+    def __reduce__(self):
+        raise TypeError(
+            f"a {type(self).__name__} is never pickled: secrets stay with their party "
+            "(checkpoints and messages must not carry them)"
+        )
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+class PartySecret(_Hidden):
+    """One party's secret (32 bytes) and the streams it owns.
+
+    ``generator(round, purpose, *more)`` is the party's stream for that round and purpose: the same
+    words always give the same stream, so nothing about it needs to be stored; different words,
+    or a different secret, give independent streams (HMAC-SHA256 of the words, keyed by the
+    secret, seeds the generator).
+    """
+
+    __slots__ = ("_key", "party")
+
+    def __init__(self, key: bytes, party: str) -> None:
+        if not isinstance(key, bytes | bytearray) or len(key) != SECRET_BYTES:
+            raise ValueError(f"a party secret is {SECRET_BYTES} bytes, got {type(key).__name__}")
+        self._key = bytes(key)
+        self.party = str(party)
+
+    @classmethod
+    def fresh(cls, party: str) -> PartySecret:
+        """A secret from OS randomness: private, and not repeatable."""
+        return cls(os.urandom(SECRET_BYTES), party)
+
+    @classmethod
+    def from_token(cls, token: str, party: str) -> PartySecret:
+        """The secret a :meth:`token` string carries."""
+        try:
+            key = bytes.fromhex(token)
+        except (TypeError, ValueError):
+            raise ValueError(f"{NODE_SECRET_KEY} must be {2 * SECRET_BYTES} hex digits") from None
+        return cls(key, party)
+
+    def token(self) -> str:
+        """Hex form, for the party's own ``node_config`` only."""
+        return self._key.hex()
+
+    def derive(self, *words: Any) -> PartySecret:
+        """A child secret of the same party (e.g. one per committee seat)."""
+        return PartySecret(_derive(self._key, "child", *words), self.party)
+
+    def seed_bytes(self, *words: Any) -> bytes:
+        """32 secret bytes for ``words`` (keys, PRG seeds)."""
+        return _derive(self._key, "bytes", *words)
+
+    def generator(self, *words: Any) -> np.random.Generator:
+        """The party's numpy stream for ``words`` (usually ``round, Purpose.X``)."""
+        entropy = int.from_bytes(_derive(self._key, "stream", *words), "little")
+        return np.random.default_rng(np.random.SeedSequence(entropy))
+
+    def seal(self, data: bytes, label: bytes) -> bytes:
+        """``data`` encrypted and authenticated for this party alone (ChaCha20-Poly1305 under a
+        key derived from the secret, random 96-bit nonce, ``label`` bound as associated data):
+        what a party stores in files that others may hold (its state in the run directory)."""
+        nonce = os.urandom(12)
+        return nonce + ChaCha20Poly1305(self.seed_bytes("seal")).encrypt(nonce, data, label)
+
+    def open(self, sealed: bytes, label: bytes) -> bytes:
+        """The data :meth:`seal` sealed under ``label``; ``ValueError`` if it was altered, sealed
+        by another party or under another label."""
+        if len(sealed) < 12 + 16:
+            raise ValueError("sealed state is too short to be a sealed record")
+        try:
+            return ChaCha20Poly1305(self.seed_bytes("seal")).decrypt(sealed[:12], sealed[12:], label)
+        except InvalidTag:
+            raise ValueError(
+                "sealed state failed authentication: altered, or sealed by another party"
+            ) from None
+
+    def __repr__(self) -> str:
+        return f"PartySecret(party={self.party!r}, key=<hidden>)"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PartySecret) and hmac.compare_digest(self._key, other._key)
+
+    def __hash__(self) -> int:
+        return hash(("PartySecret", self.party))
+
+
+class RunSecret(_Hidden):
+    """The simulation's secret root: derives every party's own :class:`PartySecret`.
+
+    Only the simulation's engine (which plays all parties) holds it; a strategy gets
+    :meth:`server`, a client its :meth:`client` secret through ``node_config``, a committee
+    member its :meth:`member` secret on the actor that hosts it.
+    """
+
+    __slots__ = ("_key", "reproducible")
+
+    def __init__(self, key: bytes, reproducible: bool = True) -> None:
+        if not isinstance(key, bytes | bytearray) or len(key) != SECRET_BYTES:
+            raise ValueError(f"a run secret is {SECRET_BYTES} bytes, got {type(key).__name__}")
+        self._key = bytes(key)
+        self.reproducible = bool(reproducible)
+
+    @classmethod
+    def fresh(cls) -> RunSecret:
+        """A root from OS randomness (the default: the run's secrets cannot be replayed)."""
+        return cls(os.urandom(SECRET_BYTES), reproducible=False)
+
+    @classmethod
+    def from_passphrase(cls, phrase: str) -> RunSecret:
+        """A root from a string: for tests and examples only (a guessable phrase is no secret)."""
+        return cls(hashlib.sha256(b"fedsim-run-secret/" + phrase.encode()).digest())
+
+    @classmethod
+    def load_or_create(cls, path: str | Path, run_dir: str | Path | None = None) -> RunSecret:
+        """The root in ``path`` (hex), created with OS randomness and mode 0600 if missing.
+
+        ``path`` must lie outside ``run_dir``: whoever holds the run directory must not hold
+        the parties' secrets.
+        """
+        path = Path(path).expanduser().resolve()
+        if run_dir is not None:
+            run = Path(run_dir).expanduser().resolve()
+            if path == run or run in path.parents:
+                raise ConfigError(
+                    "secrets", str(path), f"a file outside the run directory {run}"
+                )
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, stat.S_IRUSR | stat.S_IWUSR)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(os.urandom(SECRET_BYTES).hex() + "\n")
+        if not path.is_file():
+            raise ConfigError("secrets", str(path), "a file holding 64 hex digits")
+        text = path.read_text().strip()
+        try:
+            key = bytes.fromhex(text)
+        except ValueError:
+            key = b""
+        if len(key) != SECRET_BYTES:
+            raise ConfigError(
+                "secrets", str(path), f"a file holding {2 * SECRET_BYTES} hex digits (one root)"
+            )
+        return cls(key)
+
+    def client(self, partition_id: int) -> PartySecret:
+        """Client ``partition_id``'s own secret (also its secret as a committee member)."""
+        return PartySecret(_derive(self._key, "client", int(partition_id)), "client")
+
+    def member(self, member_id: int) -> PartySecret:
+        """The secret of committee member ``member_id`` when members are not clients."""
+        return PartySecret(_derive(self._key, "member", int(member_id)), "member")
+
+    def server(self) -> PartySecret:
+        """The server's own secret (its central noise)."""
+        return PartySecret(_derive(self._key, "server"), "server")
+
+    def mac_key(self) -> bytes:
+        """A key to authenticate files the run writes (never a party's secret)."""
+        return _derive(self._key, "file-mac")
+
+    def fingerprint(self) -> str:
+        """A public label of the root (8 hex digits of a one-way hash), for records."""
+        return hashlib.sha256(b"fedsim-fingerprint/" + self._key).hexdigest()[:8]
+
+    def transport(self) -> bytes:
+        """The root as bytes, for handing to the engine's own worker processes only."""
+        return self._key
+
+    @classmethod
+    def from_transport(cls, key: bytes, reproducible: bool = True) -> RunSecret:
+        return cls(key, reproducible)
+
+    def __repr__(self) -> str:
+        return f"RunSecret(fingerprint={self.fingerprint()}, key=<hidden>)"
+
+
+def client_secret(node_config: Mapping[str, Any]) -> PartySecret:
+    """The client's own secret from its ``node_config``, or fresh OS randomness when the
+    runtime gave it none (Flower's runtime, deployments)."""
+    token = node_config.get(NODE_SECRET_KEY)
+    if token is None:
+        return PartySecret.fresh("client")
+    return PartySecret.from_token(str(token), "client")

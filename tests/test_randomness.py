@@ -1,0 +1,102 @@
+"""Streams with owners: public streams repeat from the seed, party secrets stay with their party."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import numpy as np
+import pytest
+
+from fedsim.config import ConfigError
+from fedsim.randomness import (
+    NODE_SECRET_KEY,
+    PartySecret,
+    Purpose,
+    RunSecret,
+    Stream,
+    client_secret,
+    public_generator,
+)
+
+
+def test_public_streams_repeat_and_differ_by_words():
+    a = public_generator(7, 3, Stream.COHORT).random(4)
+    assert np.array_equal(a, public_generator(7, 3, Stream.COHORT).random(4))
+    assert not np.array_equal(a, public_generator(7, 4, Stream.COHORT).random(4))
+    assert not np.array_equal(a, public_generator(7, 3, Stream.FAULTS).random(4))
+
+
+def test_party_streams_are_repeatable_and_independent():
+    root = RunSecret.from_passphrase("test")
+    one, two = root.client(1), root.client(2)
+    x = one.generator(3, Purpose.NOISE).random(5)
+    assert np.array_equal(x, root.client(1).generator(3, Purpose.NOISE).random(5))
+    assert not np.array_equal(x, two.generator(3, Purpose.NOISE).random(5))
+    assert not np.array_equal(x, one.generator(3, Purpose.SHARES).random(5))
+    assert not np.array_equal(x, root.server().generator(3, Purpose.NOISE).random(5))
+    # a different root gives different secrets for the same party
+    other = RunSecret.from_passphrase("other")
+    assert other.client(1) != one
+    assert root.client(1) == one
+
+
+def test_secret_streams_do_not_come_from_the_run_seed():
+    secret = RunSecret.fresh().client(0)
+    x = secret.generator(1, Purpose.NOISE).random(8)
+    for seed in range(50):
+        for words in ((seed,), (seed, 1), (seed, 1, 0), (seed, 1, Purpose.NOISE)):
+            assert not np.array_equal(x, np.random.default_rng(list(map(int, words))).random(8))
+
+
+def test_secrets_refuse_pickling_and_hide_in_repr():
+    root = RunSecret.from_passphrase("x")
+    for secret in (root, root.client(3), root.server()):
+        with pytest.raises(TypeError, match="never pickled"):
+            pickle.dumps(secret)
+        with pytest.raises(TypeError, match="never pickled"):
+            pickle.dumps({"nested": [secret]})
+        assert root.transport().hex() not in repr(secret)
+        assert copy.deepcopy(secret) is secret
+    assert root.client(3).token() not in repr(root.client(3))
+
+
+def test_client_secret_from_node_config_and_fresh_without_one():
+    root = RunSecret.from_passphrase("x")
+    token = root.client(5).token()
+    assert client_secret({NODE_SECRET_KEY: token}) == root.client(5)
+    assert client_secret({}) != client_secret({})
+    with pytest.raises(ValueError, match=NODE_SECRET_KEY):
+        client_secret({NODE_SECRET_KEY: "zz"})
+
+
+def test_root_file_is_created_private_and_refused_inside_the_run_directory(tmp_path):
+    path = tmp_path / "keys" / "root.hex"
+    first = RunSecret.load_or_create(path, run_dir=tmp_path / "run")
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    again = RunSecret.load_or_create(path)
+    assert first.client(0) == again.client(0)
+    with pytest.raises(ConfigError, match="outside the run directory"):
+        RunSecret.load_or_create(tmp_path / "run" / "root.hex", run_dir=tmp_path / "run")
+    bad = tmp_path / "bad.hex"
+    bad.write_text("1234")
+    with pytest.raises(ConfigError, match="64 hex digits"):
+        RunSecret.load_or_create(bad)
+
+
+def test_transport_round_trip():
+    root = RunSecret.from_passphrase("x")
+    assert RunSecret.from_transport(root.transport()).client(2) == root.client(2)
+
+
+def test_sealed_state_opens_only_for_its_party_and_label():
+    root = RunSecret.from_passphrase("x")
+    sealed = root.client(1).seal(b"momentum", b"state/1")
+    assert b"momentum" not in sealed
+    assert root.client(1).open(sealed, b"state/1") == b"momentum"
+    for who, label in ((root.client(2), b"state/1"), (root.client(1), b"state/2")):
+        with pytest.raises(ValueError, match="authentication"):
+            who.open(sealed, label)
+    flipped = sealed[:-1] + bytes([sealed[-1] ^ 1])
+    with pytest.raises(ValueError, match="authentication"):
+        root.client(1).open(flipped, b"state/1")
