@@ -7,9 +7,18 @@ sealed with ChaCha20-Poly1305 (RFC 8439) under the sender->receiver key, with:
 
 * nonce: 4 zero bytes + a 64-bit big-endian counter, unique per directional key (the sender
   increments it; a key is never used by anyone else);
-* associated data: (sender, receiver, round, stage), so a ciphertext replayed in another round or
-  stage, or redirected to another receiver, fails authentication; an exact replay of an already
-  opened message is refused by the receiver's record of seen counters.
+* associated data: (protocol, session, round, stage, sender, receiver). The receiver opens an
+  envelope only against the round and stage *it expects* (and, where it knows it, the sender):
+  the header the relay shows is checked against them and the AAD is rebuilt from the expected
+  values, so a ciphertext replayed in another round, stage, protocol or session, or redirected
+  to another receiver, fails; an exact replay of an opened message is refused by the receiver's
+  record of seen counters, which is kept per directional key and never cleared.
+* nonce uniqueness: a directional key is fixed by the two public keys, and its counter is kept
+  for the endpoint's whole life, so re-connecting a peer to an earlier key (A -> B -> A) resumes
+  that key's counter instead of restarting it. A new session (round) uses a new endpoint, i.e.
+  a fresh key pair: no key outlives its session.
+* public keys: an all-zero or low-order X25519 key (no contributory shared secret) is refused
+  with :class:`ChannelError` naming the peer, so one bad key drops that peer, not the protocol.
 
 The :class:`Relay` stands for the server: it only ever holds :class:`Envelope` objects
 (ciphertext plus routing header) and counts every message's bytes in a :class:`Transcript`.
@@ -65,11 +74,18 @@ def _check_party(name: str, value: int) -> int:
     return int(value)
 
 
-def associated_data(sender: int, receiver: int, round_: int, stage: str | Enum) -> bytes:
-    """The bytes every ciphertext is bound to: label, sender, receiver, round and stage."""
+def associated_data(
+    protocol: bytes, session_id: bytes, sender: int, receiver: int, round_: int, stage: str | Enum
+) -> bytes:
+    """The bytes every ciphertext is bound to: the channel label, the protocol, the session
+    (run), sender, receiver, round and stage."""
     label = stage_label(stage).encode()
     return (
         PROTOCOL_LABEL
+        + struct.pack(">H", len(protocol))
+        + protocol
+        + struct.pack(">H", len(session_id))
+        + session_id
         + struct.pack(">QQQH", sender, receiver, _check_party("round", round_), len(label))
         + label
     )
@@ -136,49 +152,76 @@ class Transcript:
 class Endpoint:
     """One party: an X25519 key pair (from the OS CSPRNG) and its directional channel keys."""
 
-    def __init__(self, party_id: int, session_id: bytes) -> None:
+    def __init__(
+        self,
+        party_id: int,
+        session_id: bytes,
+        protocol: bytes = b"fedsim",
+        private_key: bytes | None = None,
+    ) -> None:
+        """``protocol`` names the protocol the channel serves (bound into every AAD);
+        ``private_key``: 32 bytes of the party's own secret randomness for the X25519 key pair
+        (reproducible simulation), or None for a key from the OS CSPRNG."""
         self.party_id = _check_party("party_id", party_id)
         if not isinstance(session_id, bytes) or len(session_id) < 16:
             raise ValueError(
                 f"session_id must be at least 16 bytes (e.g. os.urandom(32)), got {session_id!r}"
             )
+        if not isinstance(protocol, bytes) or not 0 < len(protocol) < 2**16:
+            raise ValueError(f"protocol must be a non-empty label in bytes, got {protocol!r}")
         self.session_id = session_id
-        self._private_key = X25519PrivateKey.generate()
+        self.protocol = protocol
+        if private_key is None:
+            self._private_key = X25519PrivateKey.generate()
+        elif isinstance(private_key, bytes) and len(private_key) == 32:
+            self._private_key = X25519PrivateKey.from_private_bytes(private_key)
+        else:
+            raise ValueError("private_key must be None or 32 bytes of the party's secret")
         self.public_key = self._private_key.public_key().public_bytes(
             serialization.Encoding.Raw, serialization.PublicFormat.Raw
         )
-        self._send: dict[int, ChaCha20Poly1305] = {}
-        self._receive: dict[int, ChaCha20Poly1305] = {}
-        self._counters: dict[int, int] = {}
-        self._seen: dict[int, set[int]] = defaultdict(set)
-        self._peer_keys: dict[int, bytes] = {}
+        self._send: dict[int, tuple[bytes, ChaCha20Poly1305]] = {}
+        self._receive: dict[int, tuple[bytes, ChaCha20Poly1305]] = {}
+        # per directional key (its peer public key): counters and opened counters, never reset
+        self._counters: dict[tuple[int, bytes], int] = {}
+        self._seen: dict[tuple[int, bytes], set[int]] = defaultdict(set)
 
     def connect(self, peer_id: int, peer_public_key: bytes) -> None:
         """Derive the send key (self -> peer) and receive key (peer -> self).
 
-        Connecting again with a *different* public key (the peer's fresh key pair for a new
-        round) starts new directional keys, so the nonce counters and the record of opened
-        messages restart for that peer; messages under the old key no longer authenticate."""
+        Connecting again with a different public key switches to new directional keys (messages
+        under the old one no longer authenticate); switching back to an earlier key resumes
+        that key's nonce counter and record of opened messages, so no nonce repeats. A
+        malformed, all-zero or low-order key raises :class:`ChannelError` naming the peer."""
         peer_id = _check_party("peer_id", peer_id)
         if peer_id == self.party_id:
             raise ValueError(f"peer_id={peer_id} is this endpoint's own id")
-        if self._peer_keys.get(peer_id, peer_public_key) != peer_public_key:
-            self._counters.pop(peer_id, None)
-            self._seen.pop(peer_id, None)
-        self._peer_keys[peer_id] = peer_public_key
-        shared = self._private_key.exchange(_load_public_key(peer_public_key))
-        self._send[peer_id] = ChaCha20Poly1305(
-            self._directional_key(shared, self.party_id, self.public_key, peer_id, peer_public_key)
+        try:
+            shared = self._private_key.exchange(_load_public_key(peer_public_key))
+        except ValueError as err:
+            raise ChannelError(
+                f"party {peer_id}'s public key is unusable (malformed, all-zero or low-order "
+                f"X25519 point): {err}"
+            ) from None
+        send = self._directional_key(shared, self.party_id, self.public_key, peer_id, peer_public_key)
+        receive = self._directional_key(
+            shared, peer_id, peer_public_key, self.party_id, self.public_key
         )
-        self._receive[peer_id] = ChaCha20Poly1305(
-            self._directional_key(shared, peer_id, peer_public_key, self.party_id, self.public_key)
-        )
-        self._counters.setdefault(peer_id, 0)
+        self._send[peer_id] = (peer_public_key, ChaCha20Poly1305(send))
+        self._receive[peer_id] = (peer_public_key, ChaCha20Poly1305(receive))
+        self._counters.setdefault((peer_id, peer_public_key), 0)
 
     def _directional_key(
         self, shared: bytes, sender: int, sender_key: bytes, receiver: int, receiver_key: bytes
     ) -> bytes:
-        info = PROTOCOL_LABEL + struct.pack(">QQ", sender, receiver) + sender_key + receiver_key
+        info = (
+            PROTOCOL_LABEL
+            + struct.pack(">H", len(self.protocol))
+            + self.protocol
+            + struct.pack(">QQ", sender, receiver)
+            + sender_key
+            + receiver_key
+        )
         return HKDF(algorithm=hashes.SHA256(), length=32, salt=self.session_id, info=info).derive(
             shared
         )
@@ -195,56 +238,93 @@ class Endpoint:
                 f"receiver={receiver} is not connected to party {self.party_id}; "
                 f"connected: {self.peers}"
             )
-        counter = self._counters[receiver]
+        peer_key, cipher = self._send[receiver]
+        counter = self._counters[(receiver, peer_key)]
         if counter >= _MAX_COUNTER:
             raise RuntimeError(f"nonce counter for receiver={receiver} exhausted; rekey")
-        self._counters[receiver] = counter + 1
+        self._counters[(receiver, peer_key)] = counter + 1
         nonce = bytes(4) + counter.to_bytes(8, "big")
         label = stage_label(stage)
-        aad = associated_data(self.party_id, receiver, round_, label)
-        ciphertext = self._send[receiver].encrypt(nonce, bytes(plaintext), aad)
+        aad = associated_data(
+            self.protocol, self.session_id, self.party_id, receiver, round_, label
+        )
+        ciphertext = cipher.encrypt(nonce, bytes(plaintext), aad)
         return Envelope(self.party_id, receiver, int(round_), label, nonce, ciphertext)
 
-    def open(self, envelope: Envelope) -> bytes:
-        """Decrypt an envelope addressed to this party; raise :class:`ChannelError` if it was
-        tampered with, bound to another round/stage/receiver, or already opened."""
+    def open(
+        self, envelope: Envelope, *, round_: int, stage: str | Enum, sender: int | None = None
+    ) -> bytes:
+        """Decrypt an envelope addressed to this party for the ``round_`` and ``stage`` the
+        receiver expects (and from ``sender`` when given); raise :class:`ChannelError` if it
+        was tampered with, bound to another protocol/session/round/stage/receiver, comes from
+        an unexpected sender, or was already opened (:class:`ReplayError`)."""
         if not isinstance(envelope, Envelope):
-            raise ValueError(f"envelope must be an Envelope, got {type(envelope).__name__}")
+            raise ChannelError(f"envelope must be an Envelope, got {type(envelope).__name__}")
+        label = stage_label(stage)
         if envelope.receiver != self.party_id:
             raise ChannelError(
                 f"envelope addressed to party {envelope.receiver} was delivered to party "
                 f"{self.party_id}"
             )
-        key = self._receive.get(envelope.sender)
-        if key is None:
+        if sender is not None and envelope.sender != sender:
+            raise ChannelError(
+                f"envelope from sender={envelope.sender} where party {self.party_id} expects "
+                f"sender={sender}"
+            )
+        if envelope.round != round_ or envelope.stage != label:
+            raise ChannelError(
+                f"envelope from sender={envelope.sender} is for round {envelope.round}, stage "
+                f"{envelope.stage}; party {self.party_id} expects round {round_}, stage {label}"
+            )
+        entry = self._receive.get(envelope.sender)
+        if entry is None:
             raise ChannelError(f"no channel from sender={envelope.sender} to party {self.party_id}")
-        if len(envelope.nonce) != NONCE_BYTES or envelope.nonce[:4] != bytes(4):
-            raise ChannelError(f"malformed nonce from sender={envelope.sender}")
-        aad = associated_data(envelope.sender, self.party_id, envelope.round, envelope.stage)
+        peer_key, cipher = entry
+        if (
+            not isinstance(envelope.nonce, bytes)
+            or len(envelope.nonce) != NONCE_BYTES
+            or envelope.nonce[:4] != bytes(4)
+            or not isinstance(envelope.ciphertext, bytes)
+        ):
+            raise ChannelError(f"malformed envelope from sender={envelope.sender}")
+        aad = associated_data(
+            self.protocol, self.session_id, envelope.sender, self.party_id, round_, label
+        )
         try:
-            plaintext = key.decrypt(envelope.nonce, envelope.ciphertext, aad)
+            plaintext = cipher.decrypt(envelope.nonce, envelope.ciphertext, aad)
         except InvalidTag:
             raise ChannelError(
                 f"authentication failed for the message from sender={envelope.sender} to "
-                f"party {self.party_id} (round {envelope.round}, stage {envelope.stage}): "
-                "wrong key, tampered ciphertext, or bound to another round/stage/receiver"
+                f"party {self.party_id} (round {round_}, stage {label}): wrong key, tampered "
+                "ciphertext, or bound to another protocol/session/round/stage/receiver"
             ) from None
         # authentic; now refuse an exact replay of a message already opened
         counter = int.from_bytes(envelope.nonce[4:], "big")
-        if counter in self._seen[envelope.sender]:
+        seen = self._seen[(envelope.sender, peer_key)]
+        if counter in seen:
             raise ReplayError(
-                f"message {counter} from sender={envelope.sender} (round {envelope.round}, "
-                f"stage {envelope.stage}) was already opened"
+                f"message {counter} from sender={envelope.sender} (round {round_}, "
+                f"stage {label}) was already opened"
             )
-        self._seen[envelope.sender].add(counter)
+        seen.add(counter)
         return plaintext
 
     def seal_array(self, receiver: int, round_: int, stage: str | Enum, array) -> Envelope:
         """Seal a numpy array (numeric dtypes only; no pickle)."""
         return self.seal(receiver, round_, stage, encode_array(array))
 
-    def open_array(self, envelope: Envelope) -> np.ndarray:
-        return decode_array(self.open(envelope))
+    def open_array(
+        self, envelope: Envelope, *, round_: int, stage: str | Enum, sender: int | None = None
+    ) -> np.ndarray:
+        """:meth:`open` and decode a numeric array; a malformed payload is a
+        :class:`ChannelError`."""
+        payload = self.open(envelope, round_=round_, stage=stage, sender=sender)
+        try:
+            return decode_array(payload)
+        except (ValueError, OSError, EOFError) as err:
+            raise ChannelError(
+                f"the payload from sender={envelope.sender} is not a numeric array: {err}"
+            ) from None
 
 
 def encode_array(array) -> bytes:
@@ -263,7 +343,7 @@ def decode_array(payload: bytes) -> np.ndarray:
 
 def _load_public_key(public_key: bytes) -> X25519PublicKey:
     if not isinstance(public_key, bytes) or len(public_key) != PUBLIC_KEY_BYTES:
-        raise ValueError(
+        raise ChannelError(
             f"peer_public_key must be {PUBLIC_KEY_BYTES} raw bytes, got {public_key!r}"
         )
     return X25519PublicKey.from_public_bytes(public_key)

@@ -340,6 +340,7 @@ class DMMMembers:
     def discard(self) -> None:
         """Drop the round's data (after an abort or a handoff); the state is kept."""
         self._stage = DMMStage.SETUP
+        self._round = 0
         self._endpoints: dict[int, Endpoint] = {}
         self._online: set[int] = set()
         self._received: dict[int, np.ndarray] = {}
@@ -381,13 +382,15 @@ class DMMMembers:
 
     # ------------------------------------------------------------------ channels
     def announce(
-        self, asked, drop, session_id: bytes | None, base: int, fresh: bool
+        self, asked, drop, session_id: bytes | None, base: int, fresh: bool, round_: int = 0
     ) -> dict[int, bytes]:
         """The asked members that are online answer with a fresh channel key (party id
-        ``base + member``; b'' without encryption). ``fresh`` starts a round (everyone may
-        answer again); otherwise members silent earlier in the round stay silent."""
+        ``base + member``; b'' without encryption) for ``round_``, the round whose envelopes
+        they will accept. ``fresh`` starts a round (everyone may answer again); otherwise
+        members silent earlier in the round stay silent."""
         if fresh:
             self.discard()
+        self._round = int(round_)
         online = [
             m
             for m in asked
@@ -412,9 +415,10 @@ class DMMMembers:
             check_transition(self._stage, target, f"DMM members {self.members}")
         self._stage = target
 
-    def _open(self, member: int, item) -> np.ndarray:
+    def _open(self, member: int, item, stage: Enum) -> np.ndarray:
         if isinstance(item, Envelope):
-            return self.scheme.field.asarray(self._endpoints[member].open_array(item), "share")
+            opened = self._endpoints[member].open_array(item, round_=self._round, stage=stage)
+            return self.scheme.field.asarray(opened, "share")
         return self.scheme.field.asarray(item, "share")
 
     # ------------------------------------------------------------------ one round
@@ -430,7 +434,7 @@ class DMMMembers:
                 try:
                     if item is None:
                         raise ChannelError(f"member {m} received nothing from client {client}")
-                    rows[self._index[m]] = self._open(m, item)
+                    rows[self._index[m]] = self._open(m, item, DMMStage.SHARE)
                 except (ChannelError, ValueError):
                     refused.setdefault(int(client), []).append(m)
             self._received[int(client)] = rows
@@ -513,7 +517,9 @@ class DMMMembers:
         for m, deals in deliveries.items():
             for dealer, item in deals.items():
                 try:
-                    self._incoming[m].received[int(dealer)] = self._open(m, item)
+                    self._incoming[m].received[int(dealer)] = self._open(
+                        m, item, ReshareStage.DEAL
+                    )
                 except (ChannelError, ValueError):
                     refused.add(int(dealer))
         return sorted(refused)
@@ -745,7 +751,7 @@ class DMMCommitteeProtocol:
         self.stage = DMMStage.SETUP
         self._enter(DMMStage.SHARE)
         transcript = Transcript()
-        member_keys = self._announce_round(self.pools[0], faults, transcript)
+        member_keys = self._announce_round(self.pools[0], faults, transcript, round_)
         keys = RoundKeys(
             round=int(round_),
             step=t,
@@ -889,7 +895,7 @@ class DMMCommitteeProtocol:
                 for j, row in zip(part["members"], part["rows"])
                 if j not in late
             }
-            answering, stacked = self._open_release(rows, transcript)
+            answering, stacked = self._open_release(rows, transcript, round_)
         else:
             sent = [j for j in live if j not in faults.dropped_by(DMMStage.RELEASE)]
             late = faults.members("late", DMMStage.RELEASE)
@@ -962,7 +968,7 @@ class DMMCommitteeProtocol:
         return 1 if keep else 0
 
     # ------------------------------------------------------------------ full-mode transport
-    def _announce_round(self, members, faults, transcript) -> dict[int, bytes]:
+    def _announce_round(self, members, faults, transcript, round_: int) -> dict[int, bytes]:
         """The holders that are online publish fresh channel keys; returns member -> key."""
         session = new_session_id() if self.encrypt else None
         keys = _merge(
@@ -973,6 +979,7 @@ class DMMCommitteeProtocol:
                 session,
                 MEMBER_ID_BASE,
                 True,
+                round_,
             )
         )
         if session is not None:
@@ -1035,7 +1042,7 @@ class DMMCommitteeProtocol:
         answers = members.call("share", [(part, width) for part in parts])
         return {i for part in answers for i in part["refused"]}
 
-    def _open_release(self, rows, transcript) -> tuple[list[int], np.ndarray]:
+    def _open_release(self, rows, transcript, round_: int) -> tuple[list[int], np.ndarray]:
         """The server opens the released rows (the relay counts them); a row that fails
         authentication is not counted as an answer."""
         f = self.scheme.field
@@ -1044,7 +1051,12 @@ class DMMCommitteeProtocol:
             if isinstance(row, Envelope):
                 transcript.record(row.sender, row.receiver, row.stage, row.nbytes)
                 try:
-                    opened[j] = f.asarray(self._server.open_array(row), "released share")
+                    opened[j] = f.asarray(
+                        self._server.open_array(
+                            row, round_=round_, stage=DMMStage.RELEASE, sender=MEMBER_ID_BASE + j
+                        ),
+                        "released share",
+                    )
                 except (ChannelError, ValueError):
                     continue
             else:
@@ -1076,12 +1088,19 @@ class DMMCommitteeProtocol:
                 session,
                 OLD_ID_BASE,
                 False,
+                round_,
             )
         )
         new.broadcast("reset")
         new_keys = _merge(
             new.broadcast(
-                "announce", list(range(scheme.n)), faults.next_drop, session, NEW_ID_BASE, True
+                "announce",
+                list(range(scheme.n)),
+                faults.next_drop,
+                session,
+                NEW_ID_BASE,
+                True,
+                round_,
             )
         )
         holders = sorted(new_keys)

@@ -519,7 +519,9 @@ class Resharing:
             for envelope in relay.deliver(member.endpoint.party_id):
                 dealer = envelope.sender - OLD_ID_BASE
                 try:
-                    member.received[dealer] = member.endpoint.open_array(envelope)
+                    member.received[dealer] = member.endpoint.open_array(
+                        envelope, round_=self.round, stage=ReshareStage.DEAL
+                    )
                 except ChannelError:
                     member.refused.add(dealer)
 

@@ -451,13 +451,11 @@ class SecAggClient:
                     f"client {self.client_id} got shares from sender={envelope.sender}, "
                     f"not one of its neighbours {list(self._recipients)}"
                 )
-            if envelope.stage != Stage.SHARE_KEYS.name or envelope.round != self.config.round:
-                raise ValueError(
-                    f"envelope from sender={envelope.sender} is for round {envelope.round}, "
-                    f"stage {envelope.stage}; expected round {self.config.round}, SHARE_KEYS"
-                )
             self._held_shares[envelope.sender] = field_.asarray(
-                self._endpoint.open_array(envelope), "share"
+                self._endpoint.open_array(
+                    envelope, round_=self.config.round, stage=Stage.SHARE_KEYS
+                ),
+                "share",
             )
         if not self.contributes:
             return None

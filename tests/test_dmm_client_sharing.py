@@ -60,11 +60,11 @@ def test_sealed_shares_open_only_at_their_member_and_reconstruct_the_client_valu
     for j, envelope in sealed.shares.items():
         assert isinstance(envelope, Envelope) and envelope.sender == 3
         endpoints[j].connect(3, sealed.public_key)
-        rows[j] = endpoints[j].open_array(envelope)
+        rows[j] = endpoints[j].open_array(envelope, round_=keys.round, stage=DMMStage.SHARE)
         with pytest.raises(ChannelError):  # another member cannot open it
             other = endpoints[(j + 1) % 7]
             other.connect(3, sealed.public_key)
-            other.open(envelope)
+            other.open(envelope, round_=keys.round, stage=DMMStage.SHARE)
     scheme, blocks = keys.scheme(), PackedShamir(7, 2, 3).blocks_for(D)
     field = MersenneField(61)
     holders = [0, 2, 4, 5, 6]  # any t + k = 5 members

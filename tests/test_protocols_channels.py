@@ -41,8 +41,8 @@ def test_round_trip_through_relay(parties):
     relay.post(alice.seal(1, 3, Stage.SHARE, b"hello bob"))
     relay.post(alice.seal_array(1, 3, "shares", np.arange(5, dtype=np.int64)))
     first, second = relay.deliver(1)
-    assert bob.open(first) == b"hello bob"
-    assert bob.open_array(second).tolist() == [0, 1, 2, 3, 4]
+    assert bob.open(first, round_=3, stage=Stage.SHARE) == b"hello bob"
+    assert bob.open_array(second, round_=3, stage="shares").tolist() == [0, 1, 2, 3, 4]
     assert relay.deliver(1) == []
 
 
@@ -53,7 +53,7 @@ def test_both_directions_use_distinct_keys_and_nonces(parties):
     again = alice.seal(1, 0, "s", b"same")
     assert to_bob.nonce != again.nonce
     assert len({to_bob.ciphertext, to_alice.ciphertext, again.ciphertext}) == 3
-    assert alice.open(to_alice) == b"same"
+    assert alice.open(to_alice, round_=0, stage="s") == b"same"
 
 
 def test_wrong_key_fails(parties):
@@ -62,8 +62,8 @@ def test_wrong_key_fails(parties):
     impostor = Endpoint(1, new_session_id())  # same id, other key pair and session
     impostor.connect(0, alice.public_key)
     with pytest.raises(ChannelError, match="authentication failed"):
-        impostor.open(envelope)
-    assert bob.open(envelope) == b"secret"
+        impostor.open(envelope, round_=0, stage="s")
+    assert bob.open(envelope, round_=0, stage="s") == b"secret"
 
 
 def test_tampered_ciphertext_nonce_or_header_fails(parties):
@@ -80,36 +80,38 @@ def test_tampered_ciphertext_nonce_or_header_fails(parties):
     ]
     for forged in cases:
         with pytest.raises(ChannelError):
-            bob.open(forged)
-    assert bob.open(envelope) == b"payload" * 10
+            bob.open(forged, round_=4, stage=Stage.SHARE)
+    assert bob.open(envelope, round_=4, stage=Stage.SHARE) == b"payload" * 10
 
 
 def test_replay_is_refused(parties):
     relay, (alice, bob, _) = parties
     envelope = alice.seal(1, 0, Stage.UNMASK, b"once")
-    assert bob.open(envelope) == b"once"
+    assert bob.open(envelope, round_=0, stage=Stage.UNMASK) == b"once"
     with pytest.raises(ReplayError, match="already opened"):
-        bob.open(envelope)
-    # the same ciphertext replayed in a later round or another stage does not authenticate
-    for forged in (
-        dataclasses.replace(envelope, round=1),
-        dataclasses.replace(envelope, stage="SHARE"),
+        bob.open(envelope, round_=0, stage=Stage.UNMASK)
+    # the same ciphertext relabelled for a later round or another stage does not authenticate
+    for forged, round_, stage in (
+        (dataclasses.replace(envelope, round=1), 1, Stage.UNMASK),
+        (dataclasses.replace(envelope, stage="SHARE"), 0, Stage.SHARE),
     ):
         with pytest.raises(ChannelError, match="authentication failed"):
-            bob.open(forged)
+            bob.open(forged, round_=round_, stage=stage)
 
 
 def test_redirected_or_misdelivered_messages_fail(parties):
     _, (alice, bob, carol) = parties
     envelope = alice.seal(1, 0, "s", b"for bob")
     with pytest.raises(ChannelError, match="addressed to party 1 was delivered to party 2"):
-        carol.open(envelope)
+        carol.open(envelope, round_=0, stage="s")
     redirected = dataclasses.replace(envelope, receiver=2)
     with pytest.raises(ChannelError, match="authentication failed"):
-        carol.open(redirected)
+        carol.open(redirected, round_=0, stage="s")
     respoofed = dataclasses.replace(envelope, sender=2)  # claims to come from carol
     with pytest.raises(ChannelError, match="authentication failed"):
-        bob.open(respoofed)
+        bob.open(respoofed, round_=0, stage="s")
+    with pytest.raises(ChannelError, match="expects sender=2"):
+        bob.open(envelope, round_=0, stage="s", sender=2)
 
 
 def test_relay_sees_only_ciphertext(parties):

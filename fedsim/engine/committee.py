@@ -224,14 +224,19 @@ class CommitteeShard:
         for endpoint in self._endpoints.values():
             endpoint.connect(party_id, public_key)
 
-    def _open(self, client: int, sealed: SealedShares) -> tuple[np.ndarray, list[int]]:
+    def _open(
+        self, round_: int, client: int, sealed: SealedShares
+    ) -> tuple[np.ndarray, list[int]]:
         rows = np.zeros((self.members.size, sealed.width), dtype=np.int64)
         refused = []
         for index, (member, envelope) in enumerate(zip(self.members, sealed.envelopes)):
             endpoint = self._endpoints[int(member)]
-            endpoint.connect(client, sealed.public_key)
             try:
-                rows[index] = self.field.asarray(endpoint.open_array(envelope), "share")
+                endpoint.connect(client, sealed.public_key)
+                opened = endpoint.open_array(
+                    envelope, round_=round_, stage=CommitteeStage.SHARE, sender=client
+                )
+                rows[index] = self.field.asarray(opened, "share")
             except (ChannelError, ValueError):
                 refused.append(int(member))
         return rows, refused
@@ -249,7 +254,7 @@ class CommitteeShard:
             if isinstance(rows, SealedShares):
                 if not self._endpoints:
                     raise ValueError("sealed shares sent to a shard without encryption")
-                rows, bad = self._open(int(client), rows)
+                rows, bad = self._open(round_, int(client), rows)
                 bad = [m for m in bad if m not in offline]
                 if bad:
                     refused[int(client)] = bad
@@ -475,7 +480,14 @@ class Committee:
                         self.relay.post(row)
                         self.relay.deliver(SERVER_ID)
                         try:
-                            row = self.field_array(self._server.open_array(row))
+                            row = self.field_array(
+                                self._server.open_array(
+                                    row,
+                                    round_=round_,
+                                    stage=CommitteeStage.RELEASE,
+                                    sender=MEMBER_ID_BASE + member,
+                                )
+                            )
                         except (ChannelError, ValueError):
                             rejected.append(member)
                             continue
