@@ -106,6 +106,16 @@ class MersenneField:
                 raise ValueError(f"{name} has entry {bad} outside [0, p) with p = {self.modulus}")
         return array
 
+    def vector(self, payload, width: int, name: str = "payload") -> np.ndarray:
+        """``payload`` checked as a message field: a numpy array of ``width`` integers in
+        ``[0, p)`` (any integer dtype), returned as int64; else ``ValueError`` naming ``name``."""
+        if not isinstance(payload, np.ndarray) or payload.dtype.kind not in "iu":
+            kind = payload.dtype if isinstance(payload, np.ndarray) else type(payload).__name__
+            raise ValueError(f"{name} must be an integer array, got {kind}")
+        if payload.shape != (width,):
+            raise ValueError(f"{name} must hold {width} field elements, got shape {payload.shape}")
+        return self.asarray(payload, name)
+
     def reduce(self, integers) -> np.ndarray:
         """Any int64 array (or Python ints) mapped to its residue in ``[0, p)``."""
         array = np.asarray(integers)
