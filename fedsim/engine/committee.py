@@ -35,11 +35,12 @@ committee.
 Outcomes. The server needs ``t + k + detect`` answers: ``t + k`` to reconstruct and ``detect``
 more so that up to ``detect`` tampered shares are always caught. Fewer answers ->
 :class:`CommitteeAbort` (a :class:`protocols.secagg.TooManyDropoutsError`) naming how many were
-needed and how many answered. The answers are decoded (:meth:`protocols.shamir.PackedShamir
-.decode`, Berlekamp-Welch): wrong shares are corrected and their members named only within the
-sound radius min(floor((m - t - k) / 2), m - t - k - max(t, detect)), so neither t colluding
-members nor ``detect`` tampered shares can choose the release or get an honest member blamed;
-beyond it :class:`TamperingDetected` is raised naming nobody, and nothing is released. With
+needed and how many answered. The answers are decoded by Berlekamp-Welch
+(:meth:`protocols.shamir.PackedShamir.decode`): wrong shares are corrected and their members
+named only within the sound radius min(floor((m - t - k) / 2), m - t - k - max(t, detect)), so
+neither t colluding members nor ``detect`` tampered shares can choose the release or get an
+honest member blamed; beyond it :class:`TamperingDetected` is raised naming nobody, and
+nothing is released. With
 exactly t + k answers nothing can be checked: the result says ``verified=False``. A round that
 fails is left ABORTED (:meth:`Committee.stage`) on the server and in every shard, and earlier
 rounds' results stay in :attr:`Committee.history`.
