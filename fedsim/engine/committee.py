@@ -633,21 +633,20 @@ class Committee:
             except (ValueError, TypeError, OverflowError) as error:
                 excluded.add(int(client))
                 reasons.append(f"client {client}: {error}")
-        if length is None and vectors:
-            counts = Counter(v.size for v in vectors.values())
-            length = min(counts, key=lambda size: (-counts[size], size))
-        if isinstance(length, bool) or not isinstance(length, int | np.integer) or length < 1:
-            if vectors or length is not None:
-                raise ValueError(f"length={length!r} must be a positive integer")
+        if length is not None and (
+            isinstance(length, bool) or not isinstance(length, int | np.integer) or length < 1
+        ):
+            raise ValueError(f"length={length!r} must be a positive integer")
+        if length is None:
+            counts = Counter(v.size for v in vectors.values() if v.size)
+            length = min(counts, key=lambda size: (-counts[size], size)) if counts else 1
         for client in [c for c, v in vectors.items() if v.size != length]:
             reasons.append(f"client {client}: {vectors[client].size} elements, {length} expected")
             excluded.add(client)
             del vectors[client]
         if not vectors:
             raise CommitteeAbort(
-                f"no client input is {length} field elements: {'; '.join(reasons)[:500]}",
-                needed=1,
-                answered=0,
+                f"no usable client input: {'; '.join(reasons)[:500]}", needed=1, answered=0
             )
         return vectors, int(length), excluded, reasons
 

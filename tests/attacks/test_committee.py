@@ -172,9 +172,13 @@ def test_malformed_client_inputs_drop_that_client_with_a_reason():
         assert result.excluded == (999,) and result.clients == tuple(vectors)
         assert any(reason.startswith("client 999") for reason in result.reasons)
         np.testing.assert_array_equal(result.aggregate, total(vectors))
-    with pytest.raises(CommitteeAbort, match="no client input"):
-        committee.run_round(50, {1: None, 2: "x"}, rng, length=12)
-    assert committee.stage(50) is S.ABORTED
+    for round_, garbage in ((50, {1: None, 2: "x"}), (51, {1: np.zeros(0, dtype=np.int64)})):
+        with pytest.raises(CommitteeAbort, match="no usable client input"):
+            committee.run_round(round_, garbage, rng)
+        assert committee.stage(round_) is S.ABORTED
+    vectors = inputs(rng)  # without length: the most common one; the odd client is dropped
+    result = committee.run_round(52, {**vectors, 7: np.arange(3), 8: np.arange(0)}, rng)
+    assert result.excluded == (7, 8) and result.clients == tuple(vectors)
 
 
 def _hostile_shares(rng, shard, session, round_, width):
