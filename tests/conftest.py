@@ -16,6 +16,16 @@ QUICKSTART = APPS / "quickstart"
 sys.path.insert(0, str(QUICKSTART))  # the quickstart app's package, for in-process use
 
 
+@pytest.fixture(autouse=True)
+def _secrets_dir(tmp_path_factory, monkeypatch):
+    """Runs keep their secret roots in a temporary directory, never the user's home."""
+    from fedsim.randomness import SECRETS_DIR_ENV
+
+    path = tmp_path_factory.mktemp("secrets")
+    monkeypatch.setenv(SECRETS_DIR_ENV, str(path))
+    return path
+
+
 @pytest.fixture(scope="session")
 def _ray():
     """One local Ray instance (2 CPUs) for the whole session."""
