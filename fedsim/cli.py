@@ -24,13 +24,16 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedsim.config import ConfigError
 from fedsim.privacy import account_cli
 from fedsim.privacy.matrix import cli as factorize_cli
 from fedsim.workloads import minmax_run
 from fedsim.workloads.audits import cli as audit_cli
+
+if TYPE_CHECKING:
+    from fedsim.randomness import RunSecret
 
 
 def _engine_args(parser: argparse.ArgumentParser, resumable: bool = False) -> None:
@@ -98,7 +101,7 @@ def _check_address(address: str, backend: str, key: str) -> None:
         check_reachable(address, key)
 
 
-def _secrets(args: argparse.Namespace, resuming: bool = False) -> Any:
+def _secrets(args: argparse.Namespace, resuming: bool = False) -> RunSecret | None:
     """The root named by ``--secrets`` (None without it); a resumed run's must exist."""
     if args.secrets is None:
         return None
