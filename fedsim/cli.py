@@ -10,8 +10,9 @@
     fedsim minmax CONFIG.toml [--out DIR]
 
 ``run`` and ``flwr-run`` accept ``--ray-address`` (join an existing Ray cluster), ``--workers``,
-``--backend {ray,local}`` and ``--no-progress``; both write ``DIR/rounds.jsonl``
-as rounds finish and ``DIR/summary.json`` at the end.
+``--backend {ray,local}``, ``--no-progress`` and ``--secrets FILE`` (the run's secret root, kept
+outside DIR; created if missing); both write ``DIR/rounds.jsonl`` as rounds finish and
+``DIR/summary.json`` at the end.
 """
 
 from __future__ import annotations
@@ -23,13 +24,16 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedsim.config import ConfigError
 from fedsim.privacy import account_cli
 from fedsim.privacy.matrix import cli as factorize_cli
 from fedsim.workloads import minmax_run
 from fedsim.workloads.audits import cli as audit_cli
+
+if TYPE_CHECKING:
+    from fedsim.randomness import RunSecret
 
 
 def _engine_args(parser: argparse.ArgumentParser, resumable: bool = False) -> None:
@@ -51,6 +55,14 @@ def _engine_args(parser: argparse.ArgumentParser, resumable: bool = False) -> No
         "--backend", choices=("ray", "local"), default=None, help="ray (default) or local"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--secrets",
+        metavar="FILE",
+        default=None,
+        help="the run's secret root (64 hex digits; created, mode 0600, if missing), outside "
+        "the results directory: the same root repeats a run exactly (default: a fresh root, "
+        "kept under $FEDSIM_SECRETS_DIR for --resume)",
+    )
     parser.add_argument("--verbose", action="store_true", help="show Flower's per-round log")
 
 
@@ -89,6 +101,16 @@ def _check_address(address: str, backend: str, key: str) -> None:
         check_reachable(address, key)
 
 
+def _secrets(args: argparse.Namespace, resuming: bool = False) -> RunSecret | None:
+    """The root named by ``--secrets`` (None without it); a resumed run's must exist."""
+    if args.secrets is None:
+        return None
+    from fedsim.randomness import RunSecret  # noqa: PLC0415
+
+    run_dir = args.resume if resuming else args.out
+    return RunSecret.load_or_create(args.secrets, run_dir, create=not resuming)
+
+
 def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
     from fedsim.experiment import (  # noqa: PLC0415
         ExperimentConfig,
@@ -121,6 +143,7 @@ def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
         args.resume or args.out,
         resume=args.resume is not None,
         progress=not args.no_progress,
+        secrets=_secrets(args, resuming=args.resume is not None),
     )
 
 
@@ -144,6 +167,7 @@ def cmd_flwr_run(args: argparse.Namespace) -> dict[str, Any]:
         workers=args.workers,
         backend=args.backend,
         progress=not args.no_progress,
+        secrets=_secrets(args),
     )
 
 

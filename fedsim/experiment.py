@@ -11,11 +11,16 @@ part of the pipeline::
     [engine]      backend, workers, cpus_per_worker, ray_address, ...
     [faults]      dropout, straggler_fraction, straggler_delay_s, deadline_s, crash_probability
     [audit]       attacks, members, seed: audits of the finished run (audit.json)
+    [privacy]     metrics_in_clear: release private runs' client metrics un-noised
 
 plus ``checkpoint_every`` (rounds) and ``state_memory_mb`` (client states kept
 in memory before they spill to disk). The seeds of [data], [client] and
 [faults] default to the top-level seed. Everything is validated before any work
 starts.
+
+Secrets: every party's secret derives from the run's secret root
+(:class:`~fedsim.randomness.RunSecret`), which never enters the run directory
+(:mod:`fedsim.run_root`); the strategy gets only the server's secret.
 """
 
 from __future__ import annotations
@@ -54,8 +59,10 @@ from fedsim.engine.seeding import SeededSampling
 from fedsim.models import ModelSpec, build_model, initial_arrays, load_arrays
 from fedsim.privacy import accounting
 from fedsim.progress import RunProgress
+from fedsim.randomness import RunSecret
 from fedsim.records import to_numpy, to_record
 from fedsim.results import RoundRecorder, RunWriter, metrics_dict, read_rounds
+from fedsim.run_root import resume_root, start_root
 from fedsim.workloads.audits.run_audit import AuditConfig, run_configured_audit
 from fedsim.workloads.averaging import Averaging
 from fedsim.workloads.conformal import OnlineConformal
@@ -65,7 +72,8 @@ from fedsim.workloads.supervised import LocalTraining, as_tensors, evaluate_mode
 from strategies.averaging import AveragedGlobalModel, averaged_evaluation
 from strategies.conformal import ConformalEvaluation
 from strategies.quantized import DequantizedUploads
-from strategies.registry import NAMES, build_strategy
+from strategies.registry import NAMES, PRIVATE, build_strategy
+from strategies.server_secret import bind_parties
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,6 +163,20 @@ class EvaluationConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PrivacyConfig:
+    """What a private run (DP or secure strategies, DP-SGD clients) releases.
+
+    Attributes:
+        metrics_in_clear: write the clients' own metrics (train loss, federated
+            evaluation, the exact clipped fraction) to rounds.jsonl and summary.json
+            un-noised and outside the ledger; every line holding them is marked
+            ``"metrics_in_clear": true``. Off: they are not released.
+    """
+
+    metrics_in_clear: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
 class ExperimentConfig:
     """A whole run."""
 
@@ -170,6 +192,7 @@ class ExperimentConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
     audit: AuditConfig | dict[str, Any] | None = None
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     checkpoint_every: int = 1
     state_memory_mb: int = 256
 
@@ -235,6 +258,15 @@ class ExperimentConfig:
             "'logreg' with client.constraints (linear constraints on a linear model)",
         )
         require(
+            self.client.dp_sgd is None
+            or self.evaluation.clients == 0
+            or self.privacy.metrics_in_clear,
+            "evaluation.clients",
+            self.evaluation.clients,
+            "0 with client.dp_sgd (federated evaluation sends each client's un-noised test "
+            "loss and accuracy to the server), unless [privacy] metrics_in_clear = true",
+        )
+        require(
             self.client.compression is None or self.strategy.partial_aggregation != "on",
             "strategy.partial_aggregation",
             "on",
@@ -263,6 +295,11 @@ class ExperimentConfig:
     @classmethod
     def load(cls, path: str | Path) -> ExperimentConfig:
         return cls.from_dict(load_toml(path))
+
+    @property
+    def private(self) -> bool:
+        """Whether the run is private: a DP or secure strategy, or DP-SGD clients."""
+        return self.strategy.name in PRIVATE or self.client.dp_sgd is not None
 
 
 def participation_for(config: ExperimentConfig, population: int) -> Participation:
@@ -315,21 +352,30 @@ def run_experiment(
     resume: bool = False,
     progress: bool = True,
     engine: Engine | None = None,
+    secrets: RunSecret | None = None,
 ) -> dict[str, Any]:
     """Run ``config``, writing rounds.jsonl as it goes and summary.json at the end.
 
     With ``resume``, continue the interrupted run in ``out_dir`` from its last
     checkpoint (see :mod:`fedsim.checkpoint`); the rounds it then writes are the
     ones an uninterrupted run would have written.
+
+    ``secrets`` is the run's secret root (every party's secret derives from it; the
+    same root and config repeat a run bit for bit). None: a fresh root, kept in the
+    user's secrets directory so that ``resume`` finds it (:mod:`fedsim.run_root`);
+    a resumed run needs the root it started with.
     """
     out = Path(out_dir)
-    checkpoint = load_checkpoint(out) if resume else None
-    start_round = checkpoint.server_round + 1 if checkpoint else 1
     if resume:
+        root = resume_root(out, secrets)  # before anything in the directory changes
+        checkpoint = load_checkpoint(out)
+        start_round = checkpoint.server_round + 1 if checkpoint else 1
         writer = RunWriter(out, "--resume", resume_after=start_round - 1 if checkpoint else -1)
     else:
+        checkpoint, start_round = None, 1
         writer = RunWriter(out)
         (out / CONFIG_FILE).write_text(json.dumps(to_mapping(config), indent=2, sort_keys=True))
+        root = start_root(out, secrets)
     started = time.perf_counter()
     store = ClientStateStore(out / STATE_FILE, memory_budget=config.state_memory_mb * 2**20)
     if resume:
@@ -349,19 +395,28 @@ def run_experiment(
                 if config.client.lora is None
                 else initial_adapter_arrays(spec, config.client.lora, config.seed)
             )
-        client_app = make_client_app(spec, config.data, config.client)
+        bind_parties(strategy, root.server())  # again after a resume: pickling drops it
+        in_clear = config.privacy.metrics_in_clear
+        client_app = make_client_app(spec, config.data, config.client, in_clear)
+        # the wrappers release their clients' metrics only when told to
+        clear = {"metrics_in_clear": True} if in_clear else {}
         if config.strategy.name == "dmm":  # clients share their rounded updates and noise
             from strategies.dmm import dmm_client_app  # noqa: PLC0415
 
-            client_app = dmm_client_app(client_app)
+            client_app = dmm_client_app(client_app, **clear)
         if config.strategy.name == "ddgauss":  # clients encode, noise and round their updates
             from strategies.ddgauss import ddgauss_client_app  # noqa: PLC0415
 
-            client_app = ddgauss_client_app(client_app)
+            client_app = ddgauss_client_app(client_app, **clear)
         own_engine = engine is None
         engine = (engine or Engine(config.engine)).start()
         with RunProgress(config.rounds, done=start_round - 1, enabled=progress) as bar:
-            recorder = RoundRecorder([writer.write_round, bar], infer_rounds=False)
+            recorder = RoundRecorder(
+                [writer.write_round, bar],
+                infer_rounds=False,
+                private=config.private,
+                metrics_in_clear=in_clear,
+            )
             grid = engine.open_run(
                 client_app,
                 population,
@@ -372,6 +427,7 @@ def run_experiment(
                 faults=config.faults,
                 # Memory-mapped files are opened by each worker, not copied to it.
                 datasets=() if _file_backed(dataset) else ((config.data, dataset),),
+                secrets=root,
             )
             ready = time.perf_counter()
 
@@ -458,6 +514,7 @@ def build_experiment_strategy(config: ExperimentConfig, participation: Participa
         sampling=privacy_sampling(participation, config.rounds),
         population=participation.num_clients,
         rounds=config.rounds,
+        metrics_in_clear=config.privacy.metrics_in_clear,
     )
     if compressed:
         strategy = DequantizedUploads(strategy)
@@ -566,7 +623,9 @@ def _summary(
     rounds = [r for r in records if r["round"] >= 1]
     trained = sum(r.get("train", {}).get("clients", 0) for r in rounds)
     last_central = next((r["central"] for r in reversed(records) if "central" in r), None)
-    last_eval = next((r["evaluate"]["metrics"] for r in reversed(rounds) if "evaluate" in r), None)
+    last_eval = next(
+        (r["evaluate"].get("metrics") for r in reversed(rounds) if "evaluate" in r), None
+    )
     return {
         "name": config.name,
         "config": to_mapping(config),

@@ -6,7 +6,10 @@ A Flower app is a directory with a ``pyproject.toml`` holding
 :meth:`FlowerApp.load` reads and checks it with Flower's own functions, imports
 both components, and fuses ``--run-config`` overrides into the config the way
 ``flwr run`` does. Each virtual node's ``node_config`` holds ``partition-id``
-and ``num-partitions``, as in Flower's simulation.
+and ``num-partitions``, as in Flower's simulation, and its own secret
+(:func:`fedsim.randomness.client_secret` reads it), derived from the run's secret
+root; the ServerApp's context holds the server's
+(:func:`fedsim.randomness.server_secret`). Neither is in the run config.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from fedsim import __version__
 from fedsim.config import ConfigError
 from fedsim.engine import ClientAppSource, Engine, EngineConfig
 from fedsim.progress import RunProgress
+from fedsim.randomness import RunSecret
 from fedsim.results import RoundRecorder, RunWriter
 
 _COMPONENTS = "[tool.flwr.app.components]"
@@ -110,9 +114,11 @@ def run_flower_app(
     backend: str | None = None,
     progress: bool = True,
     engine: Engine | None = None,
+    secrets: RunSecret | None = None,
 ) -> dict[str, Any]:
     """Run ``app`` with ``num_supernodes`` virtual nodes; rounds are inferred from
-    the messages' ``server-round``."""
+    the messages' ``server-round``. ``secrets``: the run's secret root (None: a fresh
+    one from the OS; the run cannot be repeated)."""
     writer = RunWriter(out_dir)
     started = time.perf_counter()
     try:
@@ -138,6 +144,7 @@ def run_flower_app(
                 num_supernodes,
                 run_config=app.run_config,
                 observer=recorder,
+                secrets=RunSecret.fresh() if secrets is None else secrets,
             )
             recorder.close()
         finished = time.perf_counter()

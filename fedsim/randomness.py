@@ -43,7 +43,10 @@ from fedsim.config import ConfigError
 
 SECRET_BYTES = 32
 NODE_SECRET_KEY = "fedsim.party-secret"
-"""``node_config`` key under which the engine gives a client its own secret (hex)."""
+"""``node_config`` key under which the engine gives a client its own secret (hex); the
+ServerApp's context gets the server's secret under the same key."""
+SECRETS_DIR_ENV = "FEDSIM_SECRETS_DIR"
+"""Environment variable naming the per-user directory of kept roots (:func:`kept_root_path`)."""
 
 
 class Stream(IntEnum):
@@ -204,8 +207,11 @@ class RunSecret(_Hidden):
         return cls(hashlib.sha256(b"fedsim-run-secret/" + phrase.encode()).digest())
 
     @classmethod
-    def load_or_create(cls, path: str | Path, run_dir: str | Path | None = None) -> RunSecret:
-        """The root in ``path`` (hex), created with OS randomness and mode 0600 if missing.
+    def load_or_create(
+        cls, path: str | Path, run_dir: str | Path | None = None, *, create: bool = True
+    ) -> RunSecret:
+        """The root in ``path`` (hex), created with OS randomness and mode 0600 if missing
+        (with ``create``; otherwise a missing file is an error).
 
         ``path`` must lie outside ``run_dir``: whoever holds the run directory must not hold
         the parties' secrets.
@@ -218,7 +224,11 @@ class RunSecret(_Hidden):
                     "secrets", str(path), f"a file outside the run directory {run}"
                 )
         if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
+            if not create:
+                raise ConfigError(
+                    "secrets", str(path), "the existing file holding this run's root"
+                )
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, stat.S_IRUSR | stat.S_IWUSR)
             with os.fdopen(fd, "w") as fh:
                 fh.write(os.urandom(SECRET_BYTES).hex() + "\n")
@@ -267,10 +277,49 @@ class RunSecret(_Hidden):
         return f"RunSecret(fingerprint={self.fingerprint()}, key=<hidden>)"
 
 
+def _own_secret(node_config: Mapping[str, Any], party: str) -> PartySecret:
+    token = node_config.get(NODE_SECRET_KEY)
+    if token is None:
+        return PartySecret.fresh(party)
+    return PartySecret.from_token(str(token), party)
+
+
 def client_secret(node_config: Mapping[str, Any]) -> PartySecret:
     """The client's own secret from its ``node_config``, or fresh OS randomness when the
     runtime gave it none (Flower's runtime, deployments)."""
-    token = node_config.get(NODE_SECRET_KEY)
-    if token is None:
-        return PartySecret.fresh("client")
-    return PartySecret.from_token(str(token), "client")
+    return _own_secret(node_config, "client")
+
+
+def server_secret(node_config: Mapping[str, Any]) -> PartySecret:
+    """The server's own secret from the ServerApp context's ``node_config`` (fedsim's engine
+    puts it there when the run has a :class:`RunSecret`), or fresh OS randomness."""
+    return _own_secret(node_config, "server")
+
+
+# -- roots kept per user, outside run directories --------------------------------------------
+
+
+def user_secrets_dir() -> Path:
+    """Where the roots of runs started without an explicit root file are kept:
+    ``$FEDSIM_SECRETS_DIR``, else ``$XDG_DATA_HOME/fedsim/secrets`` (default
+    ``~/.local/share/fedsim/secrets``)."""
+    named = os.environ.get(SECRETS_DIR_ENV)
+    if named:
+        return Path(named).expanduser()
+    data = os.environ.get("XDG_DATA_HOME") or str(Path("~/.local/share").expanduser())
+    return Path(data) / "fedsim" / "secrets"
+
+
+_HEX = "0123456789abcdef"
+
+
+def new_run_id() -> str:
+    """A random public run id (128 bits, hex) that names a kept root."""
+    return os.urandom(16).hex()
+
+
+def kept_root_path(run_id: str) -> Path:
+    """The file in :func:`user_secrets_dir` that keeps run ``run_id``'s root."""
+    if not (isinstance(run_id, str) and len(run_id) == 32 and set(run_id) <= set(_HEX)):
+        raise ConfigError("run_id", run_id, "32 lowercase hex digits (a run id fedsim wrote)")
+    return user_secrets_dir() / f"{run_id}.root"

@@ -14,6 +14,13 @@ A round's line::
      "aggregated": {the strategy's aggregated train metrics},
      "aggregated_evaluate": {...}, "central": {server-side evaluation}}
 
+A private run (DP or secure strategies, DP-SGD clients) writes no client metrics:
+its phase sections carry no ``metrics`` and its lines no ``aggregated_evaluate``
+(un-noised means of the clients' own numbers); the strategy's ``aggregated`` holds
+only what its mechanism released. With ``[privacy] metrics_in_clear = true`` they
+are written, and every line that carries them says so: ``"metrics_in_clear": true``.
+The server's ``central`` evaluation on its own held-out set is always written.
+
 :class:`RoundRecorder` builds these lines from the grid's phase reports. With
 ``infer_rounds`` (a Flower ServerApp whose loop fedsim does not see) a round
 ends when a phase of a later round starts, after its evaluate phase, or when the
@@ -113,8 +120,8 @@ def read_rounds(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
-def _phase_section(report: PhaseReport) -> dict[str, Any]:
-    return {
+def _phase_section(report: PhaseReport, client_metrics: bool) -> dict[str, Any]:
+    section = {
         "clients": report.succeeded,
         "failed": report.failed,
         "timed_out": report.timed_out,
@@ -124,18 +131,35 @@ def _phase_section(report: PhaseReport) -> dict[str, Any]:
         "compute_s": report.compute_s,
         "bytes_down": report.bytes_down,
         "bytes_up": report.bytes_up,
-        "metrics": report.client_metrics,
     }
+    if client_metrics:
+        section["metrics"] = report.client_metrics
+    return section
+
+
+#: sections of a round line that hold the clients' own numbers
+CLIENT_SECTIONS = ("aggregated_evaluate",)
 
 
 class RoundRecorder:
-    """Collects phase reports into round records and hands each to ``sinks``."""
+    """Collects phase reports into round records and hands each to ``sinks``.
+
+    ``private``: the run is private, so the clients' metrics are left out unless
+    ``metrics_in_clear``, which writes them and marks the lines that hold them.
+    """
 
     def __init__(
-        self, sinks: list[Callable[[dict[str, Any]], None]], *, infer_rounds: bool
+        self,
+        sinks: list[Callable[[dict[str, Any]], None]],
+        *,
+        infer_rounds: bool,
+        private: bool = False,
+        metrics_in_clear: bool = False,
     ) -> None:
         self.sinks = sinks
         self.infer_rounds = infer_rounds
+        self.client_metrics = not private or metrics_in_clear
+        self.mark_in_clear = private and metrics_in_clear
         self.started = time.perf_counter()
         self.records: list[dict[str, Any]] = []
         self._round: int | None = None
@@ -178,7 +202,7 @@ class RoundRecorder:
                 if report.message_type.startswith("train")
                 else ("evaluate" if report.message_type.startswith("evaluate") else "query")
             )
-            record[name] = _phase_section(report)
+            record[name] = _phase_section(report, self.client_metrics)
             bytes_down += report.bytes_down
             bytes_up += report.bytes_up
             if name == "train":
@@ -187,8 +211,10 @@ class RoundRecorder:
         record["bytes_up"] = bytes_up
         record["clients_per_s"] = trained / record["seconds"] if record["seconds"] > 0 else 0.0
         for name, value in (sections or {}).items():
-            if value is not None:
+            if value is not None and (self.client_metrics or name not in CLIENT_SECTIONS):
                 record[name] = value
+        if self.mark_in_clear and (phases or any(k in record for k in CLIENT_SECTIONS)):
+            record["metrics_in_clear"] = True
         self._round_start = now
         self._round = None
         self.records.append(record)

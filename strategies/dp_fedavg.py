@@ -41,6 +41,17 @@ says so before the round (fedsim's round loop checks it), and
 ``configure_train`` then sends nothing, so under Flower's own ``Strategy.start``
 the remaining rounds release nothing either.
 
+Randomness. The update's noise and the count's noise of round ``t`` are the server's own:
+``server_secret.generator(t, Purpose.NOISE, "update")`` and ``(..., "count")``
+(:class:`~strategies.server_secret.ServerNoise`), never the run seed, which every client
+knows: a client that sees two consecutive global models must not be able to subtract the
+noise (tests/attacks/test_dp_fedavg.py).
+
+Released metrics. The round's aggregated metrics are the mechanism's own (clients that
+replied, clipping norm, noise std, adaptive clipping's noisy estimate). The clients' own
+metrics (train loss, ...) and the exact clipped fraction are not noised, so they are left out
+unless ``metrics_in_clear`` releases them.
+
 Dropouts, stragglers and failures. The noise is drawn by the server, and the
 denominators (``m`` for the mean update and for ``b~``) stay the expected
 cohort size whatever number of clients replied: a client that drops out
@@ -96,6 +107,7 @@ from fedsim.privacy.accounting import (
     split_noise_multiplier,
 )
 from fedsim.records import to_numpy, to_record
+from strategies.server_secret import ServerNoise
 from strategies.wrapper import StrategyWrapper, server_reply
 
 CLIENTS_KEY = "fedsim.clients"
@@ -216,7 +228,7 @@ def relation_for(sampling: Sampling) -> NeighbouringRelation:
     return NeighbouringRelation.ADD_REMOVE
 
 
-class DPFedAvg(StrategyWrapper):
+class DPFedAvg(ServerNoise, StrategyWrapper):
     """Wrap a FedAvg-family strategy with client-level DP and a privacy ledger.
 
     Args:
@@ -227,7 +239,6 @@ class DPFedAvg(StrategyWrapper):
             adaptive clipping the sum's noise has std ``z C``; with it, ``z_D C``
             with ``z_D`` from :func:`~fedsim.privacy.accounting.split_noise_multiplier`.
         expected_clients: ``m``, the expected number of clients per round.
-        rng: the generator of the Gaussian noise (update and count).
         worker_reduction: let workers fold clipped sums (same result, less traffic).
         adaptive: adaptive clipping settings; None keeps ``C`` fixed.
         sampling: how each round's clients are drawn. A :class:`MinSeparation`
@@ -237,6 +248,11 @@ class DPFedAvg(StrategyWrapper):
         delta: the run's ``delta`` in (0, 1) for the epsilon it reports.
         accountant: "rdp" or "pld".
         max_epsilon: stop before a round that would bring epsilon above this (None: never).
+        metrics_in_clear: also return the clients' metrics and the exact clipped fraction
+            (un-noised, outside the ledger) in the round's aggregated metrics.
+
+    The noise comes from the server's secret (:meth:`bind_server_secret`; a fresh OS secret
+    when none is bound).
     """
 
     def __init__(
@@ -246,13 +262,13 @@ class DPFedAvg(StrategyWrapper):
         clipping_norm: float,
         noise_multiplier: float,
         expected_clients: float,
-        rng: np.random.Generator,
         worker_reduction: bool = True,
         adaptive: AdaptiveClipping | None = None,
         sampling: Sampling | None = None,
         delta: float = 1e-5,
         accountant: str = "rdp",
         max_epsilon: float | None = None,
+        metrics_in_clear: bool = False,
     ) -> None:
         if noise_multiplier < 0:
             raise ValueError(f"noise_multiplier = {noise_multiplier!r}; it must be >= 0")
@@ -277,8 +293,8 @@ class DPFedAvg(StrategyWrapper):
         else:
             self.update_noise_multiplier = self.noise_multiplier
         self.expected_clients = float(expected_clients)
-        self.rng = rng
         self.worker_reduction = worker_reduction
+        self.metrics_in_clear = bool(metrics_in_clear)
         sampling = FullParticipation() if sampling is None else sampling
         schedule = sampling if isinstance(sampling, MinSeparation) else None
         self.sampling: Sampling = FullParticipation() if schedule is not None else sampling
@@ -384,14 +400,19 @@ class DPFedAvg(StrategyWrapper):
             metrics, clients, clipped = MetricRecord(), 0, 0
         clipping_norm = self.clipping_norm
         std = self.update_noise_multiplier * clipping_norm
+        rng = self.noise_generator(server_round, "update")
         updated = {}
         for name, value in reference.items():
-            noise = self.rng.normal(0.0, std, size=value.shape) if std > 0 else 0.0
+            noise = rng.normal(0.0, std, size=value.shape) if std > 0 else 0.0
             mean_update = (total[name] + noise) / self.expected_clients
             updated[name] = (value.astype(np.float64) + mean_update).astype(value.dtype)
         self.ledger.record(server_round, self.round_event())
         client_metrics = MetricRecord(
-            {k: v for k, v in metrics.items() if k not in _BOOKKEEPING and k != self.weight_key}
+            {
+                k: v
+                for k, v in metrics.items()
+                if self.metrics_in_clear and k not in _BOOKKEEPING and k != self.weight_key
+            }
         )
         client_metrics[self.weight_key] = 1
         content = RecordDict({key: to_record(updated), "metrics": client_metrics})
@@ -401,20 +422,23 @@ class DPFedAvg(StrategyWrapper):
         arrays, aggregated = self.strategy.aggregate_train(server_round, [synthetic])
         aggregated = aggregated if aggregated is not None else MetricRecord()
         aggregated["dp-clients"] = clients
-        if clients:
+        if clients and self.metrics_in_clear:
             aggregated["dp-clipped-fraction"] = clipped / clients
         aggregated["dp-clipping-norm"] = clipping_norm
         aggregated["dp-noise-multiplier"] = self.update_noise_multiplier
         aggregated["dp-noise-std"] = std / self.expected_clients
         if self.adaptive is not None:
-            estimate = self._adapt_clipping_norm(self.adaptive, clients, clipped)
+            estimate = self._adapt_clipping_norm(self.adaptive, server_round, clients, clipped)
             aggregated["dp-unclipped-estimate"] = estimate
         return arrays, aggregated
 
-    def _adapt_clipping_norm(self, adaptive: AdaptiveClipping, clients: int, clipped: int) -> float:
+    def _adapt_clipping_norm(
+        self, adaptive: AdaptiveClipping, server_round: int, clients: int, clipped: int
+    ) -> float:
         """Release the noisy unclipped fraction and update ``C``; returns ``b~``."""
         centred = (clients - clipped) - 0.5 * clients  # sum_i (b_i - 1/2)
-        noisy = centred + float(self.rng.normal(0.0, adaptive.count_stddev))
+        rng = self.noise_generator(server_round, "count")
+        noisy = centred + float(rng.normal(0.0, adaptive.count_stddev))
         estimate = noisy / self.expected_clients + 0.5
         factor = math.exp(-adaptive.learning_rate * (estimate - adaptive.target_unclipped_quantile))
         self.reducer = ClippedSum(self.clipping_norm * factor, self.weight_key)

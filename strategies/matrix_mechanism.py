@@ -41,9 +41,12 @@ caller's schedule must put each client in at most one round). A banded C with at
 bands then has the exact sensitivity ``sqrt(k)`` after column normalisation.
 
 Dropouts contribute nothing but their update; the noise and the denominator ``m`` are fixed.
-Everything kept between rounds (stream buffers, momentum, ledger) lives on the strategy, which
-fedsim's checkpoints pickle, and round t's fresh noise is drawn from
-``default_rng([seed, t - 1])`` only, so a resumed run continues exactly.
+Round t's fresh noise is the server's own: ``server_secret.generator(t, Purpose.NOISE,
+"matrix")`` (:class:`~strategies.server_secret.ServerNoise`), never the run seed. The stream's
+buffers hold past noise, so they are never pickled: a checkpoint keeps the momentum and the
+ledger, and a resumed strategy redraws rows 0..t-2 from the secret (bound again by the front
+end) and continues exactly. As with DP-FedAvg, the clients' own metrics and the exact clipped
+fraction are released only with ``metrics_in_clear``.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ from fedsim.privacy.matrix import (
 from fedsim.privacy.matrix.streaming import NoiseStream
 from fedsim.records import to_numpy, to_record
 from strategies.dp_fedavg import CLIENTS_KEY, CLIPPED_KEY, ClippedSum
+from strategies.server_secret import ServerNoise
 from strategies.wrapper import StrategyWrapper
 
 _BOOKKEEPING = (CLIENTS_KEY, CLIPPED_KEY)
@@ -112,7 +116,7 @@ def _learning_rates(value: float | Sequence[float], n: int) -> np.ndarray:
     return eta
 
 
-class MatrixMechanism(StrategyWrapper):
+class MatrixMechanism(ServerNoise, StrategyWrapper):
     """Central matrix-mechanism DP (DP-FTRL, BandMF, BLT, trees) around a sampling strategy.
 
     Args:
@@ -124,7 +128,6 @@ class MatrixMechanism(StrategyWrapper):
         noise_multiplier: ``z >= 0`` for the whole run: fresh noise std
             ``z * c * sens(C)``; epsilon after all n rounds is that of a Gaussian with ``z``.
         expected_clients: ``m > 0``, the sums are divided by it (never by who replied).
-        seed: root of the per-round fresh noise (``default_rng([seed, t])``), an int >= 0.
         min_separation, max_participations: the participation schema
             (:func:`matrix_participation`).
         server_learning_rate: ``eta`` (one number, or one per round).
@@ -133,6 +136,11 @@ class MatrixMechanism(StrategyWrapper):
         delta: the run's delta in (0, 1).
         accountant: "rdp" or "pld".
         relation: "add_remove" (default) or "replace_one" neighbours.
+        metrics_in_clear: also return the clients' metrics and the exact clipped fraction
+            (un-noised, outside the ledger).
+
+    The fresh noise comes from the server's secret (:meth:`bind_server_secret`; a fresh OS
+    secret when none is bound).
     """
 
     def __init__(
@@ -143,7 +151,6 @@ class MatrixMechanism(StrategyWrapper):
         clipping_norm: float,
         noise_multiplier: float,
         expected_clients: float,
-        seed: int,
         min_separation: int | None = None,
         max_participations: int | None = None,
         server_learning_rate: float | Sequence[float] = 1.0,
@@ -152,6 +159,7 @@ class MatrixMechanism(StrategyWrapper):
         delta: float = 1e-5,
         accountant: str = "rdp",
         relation: str = "add_remove",
+        metrics_in_clear: bool = False,
     ) -> None:
         require(
             isinstance(factorization, Factorization),
@@ -167,7 +175,6 @@ class MatrixMechanism(StrategyWrapper):
             "a finite number >= 0 (0: no noise, epsilon inf)",
         )
         require(expected_clients > 0, "expected_clients", expected_clients, "a number > 0")
-        require(isinstance(seed, (int, np.integer)) and seed >= 0, "seed", seed, "an integer >= 0")
         require(
             0.0 <= server_momentum < 1.0, "server_momentum", server_momentum, "a number in [0, 1)"
         )
@@ -179,7 +186,7 @@ class MatrixMechanism(StrategyWrapper):
         self.reducer = ClippedSum(clipping_norm, self.weight_key)
         self.noise_multiplier = float(noise_multiplier)
         self.expected_clients = float(expected_clients)
-        self.seed = int(seed)
+        self.metrics_in_clear = bool(metrics_in_clear)
         self.learning_rates = _learning_rates(server_learning_rate, factorization.n)
         self.server_momentum = float(server_momentum)
         self.worker_reduction = worker_reduction
@@ -283,11 +290,20 @@ class MatrixMechanism(StrategyWrapper):
             attach_reducer(messages, self.reducer)
         return messages
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["stream"] = None  # its buffers hold past noise: redrawn from the secret instead
+        return state
+
+    def _round_noise(self, row: int) -> np.random.Generator:
+        return self.noise_generator(row + 1, "matrix")
+
     def _noise(self, server_round: int, reference: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Round ``server_round``'s row of ``G z`` (unit fresh noise), split like the model."""
         size = sum(int(v.size) for v in reference.values())
-        if self.stream is None:
-            self.stream = noise_stream(self.factorization, self.seed, size)
+        if self.stream is None:  # a new run, or a resumed one: redraw the rows released
+            self.stream = noise_stream(self.factorization, self._round_noise, size)
+            self.stream.advance_to(len(self.ledger))  # one entry per round aggregated
         require(
             self.stream.shape == (size,),
             "arrays",
@@ -297,7 +313,7 @@ class MatrixMechanism(StrategyWrapper):
         if self.stream.round != server_round - 1:
             raise RuntimeError(
                 f"round {server_round} needs noise row {server_round - 1}, but the stream is at "
-                f"row {self.stream.round}: rounds must run in order from 1 (or resume from a "
+                f"row {self.stream.round}: rounds must run in order (or resume from a "
                 "checkpoint of this strategy)"
             )
         flat = self.stream.next()
@@ -339,10 +355,14 @@ class MatrixMechanism(StrategyWrapper):
             updated[name] = (value.astype(np.float64) + eta * buffer).astype(value.dtype)
         self._account(server_round)
         aggregated = MetricRecord(
-            {k: v for k, v in metrics.items() if k not in _BOOKKEEPING and k != self.weight_key}
+            {
+                k: v
+                for k, v in metrics.items()
+                if self.metrics_in_clear and k not in _BOOKKEEPING and k != self.weight_key
+            }
         )
         aggregated["dp-clients"] = clients
-        if clients:
+        if clients and self.metrics_in_clear:
             aggregated["dp-clipped-fraction"] = clipped / clients
         aggregated["dp-clipping-norm"] = self.clipping_norm
         aggregated["dp-noise-multiplier"] = self.noise_multiplier
@@ -388,11 +408,11 @@ def from_options(
     rounds: int,
     expected_clients: float,
     evaluate_fraction: float,
-    seed: int,
     worker_reduction: bool,
     min_separation: int | None,
     max_participations: int | None,
     population: int | None,
+    metrics_in_clear: bool = False,
 ) -> MatrixMechanism:
     """ "matrix-mechanism" from a config's ``strategy.options``.
 
@@ -466,7 +486,6 @@ def from_options(
             clipping_norm=_option_number(options, "clipping_norm", None),
             noise_multiplier=_option_number(options, "noise_multiplier", None),
             expected_clients=expected_clients,
-            seed=int(np.random.SeedSequence([seed, 1]).generate_state(1)[0]),
             min_separation=sep,
             max_participations=k,
             server_learning_rate=_option_number(options, "server_learning_rate", 1.0),
@@ -474,6 +493,7 @@ def from_options(
             worker_reduction=worker_reduction,
             delta=_option_number(options, "delta", default_delta),
             accountant=accountant,
+            metrics_in_clear=metrics_in_clear,
         )
     except ConfigError as err:
         key = err.key if err.key.startswith("strategy.") else f"strategy.options.{err.key}"

@@ -24,11 +24,13 @@ Synthetic Data", ICML 2025, Alg. 1. Each round ``t``:
    candidates and of the clients' held-out texts (FID computed on sentence embeddings), the
    L2 distance between their mean embeddings, and epsilon so far.
 
-Everything random comes from ``settings.seed``: prompts from ``SeedSequence([seed, t, 0])``,
-sampling from ``[seed, t, 1]``, client sampling from ``[seed, t, 2]``, the DP noise from
-``[seed, t, 3]``, DPO batch order from ``[seed, t, 4]``. The strategy takes the generator,
-tokenizer and embedder as objects, so experiments pass the real SmolLM2/MiniLM
-(:mod:`fedsim.workloads.text_models`) and tests tiny random models of the same classes.
+The public streams come from ``settings.seed``: prompts from ``SeedSequence([seed, t, 0])``,
+sampling from ``[seed, t, 1]``, client sampling from ``[seed, t, 2]``, DPO batch order from
+``[seed, t, 4]``. The DP noise is the server's own: ``server_secret.generator(t,
+Purpose.NOISE, "scores")`` (:class:`~strategies.server_secret.ServerNoise`), never the seed.
+The strategy takes the generator, tokenizer and embedder as objects, so experiments pass the
+real SmolLM2/MiniLM (:mod:`fedsim.workloads.text_models`) and tests tiny random models of the
+same classes.
 
 The arrays that flow between rounds (and that :func:`fedsim.engine.rounds.run_rounds`
 returns) are the LoRA adapter's weights; passing them back in (e.g. from a checkpoint)
@@ -67,6 +69,7 @@ from fedsim.workloads.dpo import DPOSettings, PreferencePair, add_lora, train_dp
 from fedsim.workloads.popri_feedback import feedback_instruction, summed_scores
 from fedsim.workloads.text_models import build_prompt, generate
 from strategies.dp_fedavg import relation_for
+from strategies.server_secret import ServerNoise
 from strategies.wrapper import train_message
 
 # --------------------------------------------------------------------------------------------
@@ -304,7 +307,7 @@ class _Round:
     timings: dict[str, float]
 
 
-class POPri(Strategy):
+class POPri(ServerNoise, Strategy):
     """POPri's server (module docstring) as a Flower Message-API strategy.
 
     Args:
@@ -497,7 +500,7 @@ class POPri(Strategy):
             total,
             self.noise_std,
             self.expected_clients,
-            _stream(self.settings.seed, server_round, 3),
+            self.noise_generator(server_round, "scores"),
         )
         self.last_scores = (total, noisy)
         self.ledger.record(server_round, self.round_event())

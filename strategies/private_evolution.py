@@ -24,8 +24,10 @@ data. Each round
 
 After the last round :meth:`PrivateEvolution.synthesize` returns the final synthetic data set:
 the last population (variations of the last survivors), topped up with further variations of
-the same survivors if more texts are asked for. Everything random (noise, example draws, generation
-seeds) comes from the ``numpy.random.Generator`` passed in.
+the same survivors if more texts are asked for. The histogram's noise is the server's own:
+``server_secret.generator(t, Purpose.NOISE, "votes")``
+(:class:`~strategies.server_secret.ServerNoise`); the post-processing draws (examples,
+generation seeds) come from the ``numpy.random.Generator`` passed in.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from fedsim.privacy.mechanisms import gaussian_noise
 from fedsim.records import to_numpy, to_record
 from fedsim.workloads.pe_votes import CANDIDATES, EMBEDDINGS, Embedder, votes_of
 from strategies.dp_fedavg import relation_for
+from strategies.server_secret import ServerNoise
 from strategies.wrapper import train_message
 
 #: ``vary(example_lists, samples_per_prompt, seed)``: for the prompt built from each list of
@@ -156,7 +159,7 @@ class _State:
     weights: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
 
-class PrivateEvolution(Strategy):
+class PrivateEvolution(ServerNoise, Strategy):
     """Private Evolution over a population of synthetic texts.
 
     Args:
@@ -167,7 +170,8 @@ class PrivateEvolution(Strategy):
         vary: the generator: ``vary(example_lists, samples_per_prompt, seed)`` returns
             ``samples_per_prompt`` samples of the prompt built from each ``example_lists[k]``.
         config: the method's settings.
-        rng: noise, example draws and generation seeds.
+        rng: example draws and generation seeds (post-processing of the noisy votes; the
+            noise itself comes from the server's secret, :meth:`bind_server_secret`).
         sampling: how the grid's cohort is drawn, for the ledger (default: every client in
             every round).
     """
@@ -296,7 +300,8 @@ class PrivateEvolution(Strategy):
             total += clip_votes(votes)
             clients += 1
         sigma = self.noise_std
-        noisy = total + (gaussian_noise(size, sigma, self.rng) if sigma > 0 else 0.0)
+        rng = self.noise_generator(server_round, "votes")
+        noisy = total + (gaussian_noise(size, sigma, rng) if sigma > 0 else 0.0)
         self.ledger.record(server_round, self.round_event())
         threshold = self.config.threshold * sigma
         chosen = select_survivors(noisy, self.config.survivors, threshold)

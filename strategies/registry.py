@@ -14,7 +14,6 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-import numpy as np
 from flwr.serverapp.strategy import (
     Bulyan,
     FedAdagrad,
@@ -63,6 +62,8 @@ MATRIX = ("matrix-mechanism",)
 #: (strategies/ddgauss.py); clients need their ``*_client_app`` wrappers
 DISTRIBUTED = ("dmm", "ddgauss")
 NAMES = (*WEIGHTED_MEAN, *ROBUST, *DP, *MATRIX, *DISTRIBUTED)
+#: private strategies: their clients' metrics are not released in the clear by default
+PRIVATE = (*DP, *MATRIX, *DISTRIBUTED)
 #: personalised Bayesian methods and their references ("module:Class"); their clients run
 #: fedsim.workloads.personalised.make_personal_app (see experiments/pfedhb/run.py), so they
 #: are built directly rather than from a config file's [strategy] table
@@ -139,6 +140,7 @@ def build_strategy(
     sampling: Sampling | MinSeparation | None = None,
     population: int | None = None,
     rounds: int | None = None,
+    metrics_in_clear: bool = False,
 ) -> Strategy:
     """The strategy ``name`` with ``options``, ready for the engine.
 
@@ -146,13 +148,16 @@ def build_strategy(
         expected_clients: expected cohort size per round (DP noise divides by it).
         evaluate_fraction: share of each evaluation phase's available clients
             that evaluate (0: no federated evaluation).
-        seed: root seed (the DP noise generator is ``default_rng([seed, 1])``).
+        seed: the run seed (public streams only; a strategy's own noise comes from the
+            server's secret, bound by the front end).
         partial_aggregation: "auto" uses worker-side sums when the strategy's
             aggregation is a sum; "on" requires it; "off" never.
         sampling: how the engine draws each round's clients, for DP accounting
             (None: full participation, which claims no amplification).
         population: registered clients (sets dp-fedavg's default delta).
         rounds: the run's rounds (the matrix mechanism's factorization covers them).
+        metrics_in_clear: central-DP strategies also return their clients' metrics and the
+            exact clipped fraction, un-noised.
     """
     require(name in NAMES, "strategy.name", name, f"one of {', '.join(NAMES)}")
     summable = name in WEIGHTED_MEAN or name in DP or name in MATRIX
@@ -173,11 +178,11 @@ def build_strategy(
             rounds=rounds,
             expected_clients=expected_clients,
             evaluate_fraction=evaluate_fraction,
-            seed=seed,
             worker_reduction=use_partial,
             min_separation=sampling.min_separation if separated else None,
             max_participations=sampling.max_participations if separated else None,
             population=population,
+            metrics_in_clear=metrics_in_clear,
         )
     if name == "ddgauss":
         try:
@@ -210,10 +215,10 @@ def build_strategy(
             options,
             expected_clients=expected_clients,
             evaluate_fraction=evaluate_fraction,
-            seed=seed,
             worker_reduction=use_partial,
             sampling=sampling,
             population=population,
+            metrics_in_clear=metrics_in_clear,
         )
     strategy: Strategy = _flower_strategy(name, options, evaluate_fraction)
     return WorkerReduced(strategy) if use_partial else strategy
@@ -254,10 +259,10 @@ def _dp_strategy(
     *,
     expected_clients: float,
     evaluate_fraction: float,
-    seed: int,
     worker_reduction: bool,
     sampling: Sampling | MinSeparation | None,
     population: int | None,
+    metrics_in_clear: bool,
 ) -> Strategy:
     """DP-FedAvg from ``strategy.options``.
 
@@ -359,11 +364,11 @@ def _dp_strategy(
         clipping_norm=clipping_norm,
         noise_multiplier=z,
         expected_clients=expected_clients,
-        rng=np.random.default_rng([seed, 1]),
         worker_reduction=worker_reduction,
         adaptive=adaptive,
         sampling=sampling,
         delta=delta,
         accountant=accountant,
         max_epsilon=max_epsilon,
+        metrics_in_clear=metrics_in_clear,
     )

@@ -16,6 +16,27 @@ QUICKSTART = APPS / "quickstart"
 sys.path.insert(0, str(QUICKSTART))  # the quickstart app's package, for in-process use
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _session_secrets_dir(tmp_path_factory):
+    """Runs keep their secret roots in a temporary directory, never the user's home: also
+    the runs that module- and session-scoped fixtures start."""
+    from fedsim.randomness import SECRETS_DIR_ENV
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(SECRETS_DIR_ENV, str(tmp_path_factory.mktemp("secrets")))
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _secrets_dir(tmp_path_factory, monkeypatch, _session_secrets_dir):
+    """A test's own directory of kept roots (empty when the test starts)."""
+    from fedsim.randomness import SECRETS_DIR_ENV
+
+    path = tmp_path_factory.mktemp("secrets")
+    monkeypatch.setenv(SECRETS_DIR_ENV, str(path))
+    return path
+
+
 @pytest.fixture(scope="session")
 def _ray():
     """One local Ray instance (2 CPUs) for the whole session."""

@@ -110,9 +110,12 @@ def test_flwr_run_runs_a_flower_app_project(tmp_path, ray_session):
             "--run-config",
             "num-server-rounds=2 local-epochs=1",
             "--no-progress",
+            "--secrets",
+            str(tmp_path / "root.hex"),
         ]
     )
     assert code == 0
+    assert oct((tmp_path / "root.hex").stat().st_mode & 0o777) == "0o600"  # created, private
     records = rounds(out)
     assert [r["round"] for r in records] == [1, 2]
     assert records[0]["train"]["clients"] == 6 and records[0]["evaluate"]["clients"] == 3
@@ -137,6 +140,18 @@ def test_flwr_run_errors_name_the_argument(tmp_path, capsys, args, needle):
     assert main([*args, "--out", str(tmp_path / "x"), "--no-progress"]) == 2
     assert needle in capsys.readouterr().err
     assert not (tmp_path / "x").exists()  # nothing started, nothing written
+
+
+def test_a_secrets_file_inside_the_results_directory_is_refused(tmp_path, capsys):
+    out = tmp_path / "x"
+    inside = str(out / "root.hex")
+    args = ["flwr-run", str(QUICKSTART), "--num-supernodes", "2", "--secrets", inside]
+    assert main([*args, "--out", str(out), "--no-progress"]) == 2
+    assert "outside the run directory" in capsys.readouterr().err
+    config = str(write_config(tmp_path))
+    assert main(["run", config, "--out", str(out), "--secrets", inside, "--no-progress"]) == 2
+    assert "outside the run directory" in capsys.readouterr().err
+    assert not out.exists()  # nothing started, nothing written
 
 
 def test_missing_app_component_is_named(tmp_path, capsys):

@@ -9,6 +9,7 @@ from flwr.serverapp.strategy import FedAvg
 from torch import nn
 
 from fedsim.engine.rounds import run_rounds
+from fedsim.randomness import RunSecret
 from fedsim.records import to_numpy, to_record
 from fedsim.workloads.downstream_lm import (
     BOS,
@@ -152,8 +153,8 @@ def federated_run(engine, rounds=2):
         clipping_norm=0.5,
         noise_multiplier=0.8,
         expected_clients=4,
-        rng=np.random.default_rng(1),
     )
+    strategy.bind_server_secret(RunSecret.from_passphrase("lm").server())
     start = lm_arrays(spec.build(seed=5))
     final = run_rounds(strategy, grid, to_record(start), rounds)
     return start, to_numpy(final), strategy

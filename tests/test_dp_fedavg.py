@@ -7,6 +7,7 @@ from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedsim.engine import ClientRegistry
+from fedsim.randomness import RunSecret
 from fedsim.records import to_numpy, to_record
 from strategies.dp_fedavg import CLIENTS_KEY, CLIPPED_KEY, ClippedSum, DPFedAvg
 
@@ -94,19 +95,22 @@ class _Grid:
         return self.registry.node_ids()
 
 
-def dp_fedavg(clipping_norm, noise_multiplier, expected_clients, seed=0):
-    return DPFedAvg(
+def dp_fedavg(clipping_norm, noise_multiplier, expected_clients, root="0", **kwargs):
+    strategy = DPFedAvg(
         FedAvg(min_available_nodes=0),
         clipping_norm=clipping_norm,
         noise_multiplier=noise_multiplier,
         expected_clients=expected_clients,
-        rng=np.random.default_rng(seed),
+        **kwargs,
     )
+    strategy.bind_server_secret(RunSecret.from_passphrase(root).server())
+    return strategy
 
 
-def run_round(strategy, replies):
-    strategy.configure_train(1, to_record(GLOBAL), ConfigRecord(), _Grid(len(replies)))
-    arrays, metrics = strategy.aggregate_train(1, replies)
+def run_round(strategy, replies, server_round=1):
+    grid = _Grid(len(replies))
+    strategy.configure_train(server_round, to_record(GLOBAL), ConfigRecord(), grid)
+    arrays, metrics = strategy.aggregate_train(server_round, replies)
     return flat(to_numpy(arrays)) - flat(GLOBAL), metrics
 
 
@@ -120,21 +124,47 @@ def test_noiseless_dp_fedavg_is_the_mean_of_clipped_updates():
     assert metrics["dp-clients"] == 6 and metrics["dp-noise-std"] == 0.0
 
 
-def test_noise_has_the_calibrated_scale_and_follows_the_seed():
+def test_noise_has_the_calibrated_scale_and_follows_the_servers_secret():
     rng = np.random.default_rng(3)
     replies = [client_reply(u) for u in updates(rng, 4, 0.0)]  # zero updates: delta is pure noise
 
-    def noise(seed):
-        dp = dp_fedavg(2.0, 1.5, 4, seed)
-        samples = [run_round(dp, replies)[0] for _ in range(400)]
+    def noise(root):
+        dp = dp_fedavg(2.0, 1.5, 4, root)
+        samples = [run_round(dp, replies, r)[0] for r in range(1, 401)]
         return np.concatenate(samples)
 
-    first = noise(11)
+    first = noise("11")
     std = 1.5 * 2.0 / 4  # z C / m, in float32 arithmetic on the model
     assert abs(first.mean()) < 4 * std / np.sqrt(first.size)
     assert first.std() == pytest.approx(std, rel=0.03)
-    assert np.array_equal(first, noise(11))
-    assert not np.array_equal(first, noise(12))
+    assert np.array_equal(first, noise("11"))  # the same secret: the same noise, round by round
+    assert not np.array_equal(first, noise("12"))
+    # the same round always draws the same noise: a resumed round repeats it exactly
+    dp = dp_fedavg(2.0, 1.5, 4, "11")
+    assert np.array_equal(run_round(dp, replies, 7)[0], run_round(dp, replies, 7)[0])
+
+
+def test_client_metrics_and_the_exact_clipped_fraction_are_released_only_in_clear():
+    rng = np.random.default_rng(4)
+    replies = [client_reply(u) for u in updates(rng, 5, 2.0)]  # each reply has "loss": 1.0
+    _, hidden = run_round(dp_fedavg(1.0, 1.0, 5), replies)
+    assert "loss" not in hidden and "dp-clipped-fraction" not in hidden
+    assert hidden["dp-clients"] == 5 and hidden["dp-noise-std"] == 0.2
+    _, shown = run_round(dp_fedavg(1.0, 1.0, 5, metrics_in_clear=True), replies)
+    assert shown["loss"] == 1.0 and shown["dp-clipped-fraction"] == 1.0
+
+
+def test_an_unbound_strategy_draws_fresh_os_noise_and_never_pickles_its_secret():
+    import pickle
+
+    rng = np.random.default_rng(5)
+    replies = [client_reply(u) for u in updates(rng, 2, 0.0)]
+    one = DPFedAvg(FedAvg(), clipping_norm=1.0, noise_multiplier=1.0, expected_clients=2)
+    two = DPFedAvg(FedAvg(), clipping_norm=1.0, noise_multiplier=1.0, expected_clients=2)
+    assert not np.array_equal(run_round(one, replies)[0], run_round(two, replies)[0])
+    secret = one.server_secret()
+    copy = pickle.loads(pickle.dumps(one))  # what a checkpoint holds
+    assert "_server_secret" not in vars(copy) and copy.server_secret() != secret
 
 
 def test_errors_are_skipped_and_a_round_without_replies_still_releases_noise():

@@ -22,6 +22,7 @@ from fedsim.privacy.accounting import (
     PoissonSampling,
     split_noise_multiplier,
 )
+from fedsim.randomness import RunSecret
 from fedsim.records import to_numpy, to_record
 from strategies.dp_fedavg import AdaptiveClipping, DPFedAvg
 from strategies.registry import build_strategy
@@ -82,14 +83,15 @@ def one_round(strategy, server_round, updates, arrays=None):
 
 
 def dp(z=1.0, *, clipping_norm=1.0, m=20, seed=0, **kwargs):
-    return DPFedAvg(
+    strategy = DPFedAvg(
         FedAvg(min_available_nodes=0),
         clipping_norm=clipping_norm,
         noise_multiplier=z,
         expected_clients=m,
-        rng=np.random.default_rng(seed),
         **kwargs,
     )
+    strategy.bind_server_secret(RunSecret.from_passphrase(str(seed)).server())
+    return strategy
 
 
 # -- adaptive clipping ------------------------------------------------------------------------
@@ -246,7 +248,6 @@ def test_flower_start_with_a_budget_spends_no_more_than_it():
         clipping_norm=1.0,
         noise_multiplier=z,
         expected_clients=3,
-        rng=np.random.default_rng(0),
         sampling=PoissonSampling(q),
         delta=delta,
         max_epsilon=(curve[1] + curve[2]) / 2,

@@ -13,6 +13,7 @@ from fedsim.data import DatasetSpec, build_dataset
 from fedsim.engine import NODE_ID_OFFSET, ClientAppSource, WorkerReduced
 from fedsim.engine.rounds import run_rounds
 from fedsim.models import ModelSpec, initial_arrays
+from fedsim.randomness import NODE_SECRET_KEY, Purpose, RunSecret, server_secret
 from fedsim.records import to_numpy, to_record
 from fedsim.workloads.supervised import LocalTraining, make_client_app
 from strategies.dp_fedavg import DPFedAvg
@@ -163,14 +164,15 @@ def test_worker_side_sums_equal_per_client_aggregation_for_fedavg(ray_engine, di
 
 def test_worker_side_sums_equal_per_client_aggregation_for_dp_fedavg(ray_engine, digits_federation):
     def dp(worker_reduction):
-        return DPFedAvg(
+        strategy = DPFedAvg(
             FedAvg(fraction_evaluate=0.0),
             clipping_norm=0.5,
             noise_multiplier=0.8,
             expected_clients=40,
-            rng=np.random.default_rng(7),
             worker_reduction=worker_reduction,
         )
+        strategy.bind_server_secret(RunSecret.from_passphrase("7").server())
+        return strategy
 
     plain, summed = (
         federated(ray_engine, digits_federation, dp(False)),
@@ -178,6 +180,41 @@ def test_worker_side_sums_equal_per_client_aggregation_for_dp_fedavg(ray_engine,
     )
     for key, value in plain.items():
         np.testing.assert_allclose(summed[key], value, rtol=1e-5, atol=1e-6)
+
+
+def _secret_draws(engine, secrets):
+    grid = engine.open_run(TOY, 6, secrets=secrets)
+    queries = [Message(RecordDict(), node, "query") for node in grid.get_node_ids()]
+    replies = grid.send_and_receive(queries)
+    return {int(r.content["metrics"]["pid"]): r.content["metrics"]["secret-draw"] for r in replies}
+
+
+@pytest.mark.parametrize("backend", ["ray_engine", "local_engine"])
+def test_each_client_finds_its_own_secret_in_its_node_config(request, backend):
+    engine = request.getfixturevalue(backend)
+    root = RunSecret.from_passphrase("engine")
+    draws = _secret_draws(engine, root)
+    expected = {i: root.client(i).generator(0, Purpose.NOISE).random() for i in range(6)}
+    assert draws == expected  # client i's secret, derived from the root on the worker
+    fresh, again = _secret_draws(engine, None), _secret_draws(engine, None)
+    assert all(fresh[i] not in (expected[i], again[i]) for i in range(6))  # OS randomness
+
+
+def test_the_server_app_gets_the_servers_secret_and_no_run_config_entry(local_engine):
+    from flwr.serverapp import ServerApp
+
+    seen = {}
+    server_app = ServerApp()
+
+    @server_app.main()
+    def main(grid, context):
+        seen["secret"] = server_secret(context.node_config)
+        seen["run_config"] = dict(context.run_config)
+
+    root = RunSecret.from_passphrase("server app")
+    context = local_engine.run_server_app(server_app, TOY, 3, run_config={"a": 1}, secrets=root)
+    assert seen["secret"] == root.server() and seen["run_config"] == {"a": 1}
+    assert context.node_config[NODE_SECRET_KEY] == root.server().token()
 
 
 def test_more_workers_than_free_cpus_is_refused_not_awaited(ray_session):

@@ -20,12 +20,12 @@ from fedsim.privacy.matrix import (
     banded,
     binary_tree,
     momentum,
-    noise_stream,
     prefix_sum,
     sqrt_factorization,
 )
 from fedsim.privacy.matrix.sensitivity import brute_force
 from fedsim.privacy.matrix.streaming import dense_fresh_noise
+from fedsim.randomness import RunSecret
 from fedsim.records import to_numpy, to_record
 from strategies.matrix_mechanism import MatrixMechanism, matrix_participation
 
@@ -72,16 +72,17 @@ def reply(base, update):
     return Message(content, reply_to=Message(RecordDict(), 9, "train"))
 
 
-def mechanism(f, z=1.0, clip=1.0, m=2.0, **kwargs):
-    return MatrixMechanism(
+def mechanism(f, z=1.0, clip=1.0, m=2.0, root="7", **kwargs):
+    strategy = MatrixMechanism(
         FedAvg(fraction_train=1.0, min_available_nodes=0, min_train_nodes=0),
         factorization=f,
         clipping_norm=clip,
         noise_multiplier=z,
         expected_clients=m,
-        seed=kwargs.pop("seed", 7),
         **kwargs,
     )
+    strategy.bind_server_secret(RunSecret.from_passphrase(root).server())
+    return strategy
 
 
 def run(strategy, updates, arrays=None, first=1):
@@ -115,7 +116,7 @@ def test_model_is_the_workload_applied_to_gradients_plus_streamed_noise(beta):
     ups = small_updates(np.random.default_rng(0), n, 2)
     models, _, _ = run(strategy, ups)
     X = np.array([sum(u) for u in ups]) / m  # mean clipped updates, one row per round
-    Z = dense_fresh_noise(noise_stream(f, 7, SIZE))  # the fresh noise the rounds drew
+    Z = dense_fresh_noise(strategy.stream)  # the fresh noise the rounds drew
     sigma = z * clip * f.sensitivity(matrix_participation(4)).value
     A = momentum(n, beta, eta)
     expected = A @ (X + sigma / m * f.apply_noising(Z))
@@ -131,7 +132,7 @@ def test_tree_factorization_streams_its_noise_too():
     strategy = mechanism(f, 1.3, 1.0, m)
     ups = small_updates(np.random.default_rng(1), n, 3)
     models, _, _ = run(strategy, ups)
-    Z = dense_fresh_noise(noise_stream(f, 7, SIZE))
+    Z = dense_fresh_noise(strategy.stream)
     sigma = 1.3 * f.sensitivity().value
     expected = prefix_sum(n) @ (np.array([sum(u) for u in ups]) / m) + sigma / m * (f.B @ Z)
     np.testing.assert_allclose(np.array(models), expected, atol=1e-10)
@@ -216,10 +217,18 @@ def test_pickled_strategy_resumes_to_the_same_models():
     whole, _, _ = run(mechanism(f, min_separation=3, server_momentum=0.5), ups)
     first = mechanism(f, min_separation=3, server_momentum=0.5)
     head, arrays, _ = run(first, ups[:3])
-    restored = pickle.loads(cloudpickle.dumps(first))
+    blob = cloudpickle.dumps(first)  # what a checkpoint holds: no secret, no past noise
+    restored = pickle.loads(blob)
+    assert restored.stream is None and "_server_secret" not in vars(restored)
+    for row in first.stream.state()["history"]:
+        assert row.tobytes() not in blob
+    restored.bind_server_secret(RunSecret.from_passphrase("7").server())  # as --resume does
     tail, _, _ = run(restored, ups[3:], arrays=arrays, first=4)
     np.testing.assert_array_equal(np.array(head + tail), np.array(whole))
     assert len(restored.ledger) == n
+    other = pickle.loads(blob)  # resumed with another root: other noise from round 4 on
+    other.bind_server_secret(RunSecret.from_passphrase("8").server())
+    assert not np.allclose(run(other, ups[3:], arrays=arrays, first=4)[0], tail)
 
 
 def test_rounds_past_the_factorization_stop_the_run():
@@ -241,9 +250,11 @@ def test_clipping_and_metrics():
     big = np.full(SIZE, 3.0)
     models, _, metrics = run(strategy, [[big, 0.1 * big / np.linalg.norm(big)]])
     assert np.linalg.norm(models[0]) == pytest.approx((1.0 + 0.1) / 2)
-    assert metrics["dp-clients"] == 2 and metrics["dp-clipped-fraction"] == 0.5
-    assert metrics["loss"] == pytest.approx(0.5)
-    assert strategy.epsilon() == math.inf
+    assert metrics["dp-clients"] == 2 and strategy.epsilon() == math.inf
+    assert "dp-clipped-fraction" not in metrics and "loss" not in metrics  # un-noised: held back
+    clear = mechanism(banded(2, bands=1), z=0.0, clip=1.0, m=2.0, metrics_in_clear=True)
+    _, _, metrics = run(clear, [[big, 0.1 * big / np.linalg.norm(big)]])
+    assert metrics["dp-clipped-fraction"] == 0.5 and metrics["loss"] == pytest.approx(0.5)
 
 
 @pytest.mark.parametrize(
@@ -252,7 +263,6 @@ def test_clipping_and_metrics():
         ({"factorization": "f.npz"}, "factorization"),
         ({"clipping_norm": 0.0}, "clipping_norm"),
         ({"noise_multiplier": -1.0}, "noise_multiplier"),
-        ({"seed": -1}, "seed"),
         ({"server_learning_rate": [1.0, 2.0]}, "server_learning_rate"),
         ({"server_momentum": 1.0}, "server_momentum"),
         ({"min_separation": 0}, "min_separation"),
@@ -266,7 +276,6 @@ def test_bad_arguments_name_the_argument(kwargs, key):
         "clipping_norm": 1.0,
         "noise_multiplier": 1.0,
         "expected_clients": 2.0,
-        "seed": 0,
         **kwargs,
     }
     with pytest.raises(ConfigError) as err:

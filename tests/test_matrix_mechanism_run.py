@@ -82,8 +82,9 @@ def test_run_reports_epsilon_each_round_ending_at_the_gaussian_of_z(tmp_path):
 
 def test_interrupted_run_resumes_to_the_same_rounds(tmp_path, monkeypatch):
     config = write(tmp_path, "clipping_norm = 0.5, noise_multiplier = 0.8, server_momentum = 0.5")
+    root = ["--secrets", str(tmp_path / "root.hex")]  # both runs: the same secrets
     full = tmp_path / "full"
-    assert main(["run", str(config), "--out", str(full), "--no-progress"]) == 0
+    assert main(["run", str(config), "--out", str(full), "--no-progress", *root]) == 0
     expected = [strip_times(r) for r in read_rounds(full / "rounds.jsonl")]
 
     save = experiment.save_checkpoint
@@ -96,9 +97,9 @@ def test_interrupted_run_resumes_to_the_same_rounds(tmp_path, monkeypatch):
     cut = tmp_path / "cut"
     monkeypatch.setattr(experiment, "save_checkpoint", save_then_stop)
     with pytest.raises(KeyboardInterrupt):
-        main(["run", str(config), "--out", str(cut), "--no-progress"])
+        main(["run", str(config), "--out", str(cut), "--no-progress", *root])
     monkeypatch.setattr(experiment, "save_checkpoint", save)
-    assert main(["run", "--resume", str(cut), "--no-progress"]) == 0
+    assert main(["run", "--resume", str(cut), "--no-progress", *root]) == 0
     assert [strip_times(r) for r in read_rounds(cut / "rounds.jsonl")] == expected
 
 

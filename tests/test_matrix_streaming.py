@@ -30,6 +30,11 @@ from fedsim.privacy.matrix.streaming import (
 SHAPE = (2, 3)
 D = math.prod(SHAPE)
 
+
+def seeded(seed):
+    """Round t's fresh noise from ``default_rng([seed, t])``: a public source, for tests."""
+    return lambda t: np.random.default_rng([seed, t])
+
 FACTORIES = {
     "tree": lambda n: binary_tree(n),
     "honaker": lambda n: honaker_tree(n),
@@ -49,7 +54,7 @@ def _run(stream, rounds):
 @pytest.mark.parametrize("n", [16, 23])
 def test_streamed_noise_equals_dense_product(kind, n):
     f = FACTORIES[kind](n)
-    stream = noise_stream(f, seed=42, shape=SHAPE)
+    stream = noise_stream(f, seeded(42), shape=SHAPE)
     streamed = _run(stream, n).reshape(n, D)
     Z = dense_fresh_noise(stream).reshape(-1, D)
     assert Z.shape[0] == f.encoder.shape[0]
@@ -69,14 +74,14 @@ def test_streamed_noise_equals_dense_product(kind, n):
     ],
 )
 def test_each_family_gets_its_generator(kind, cls):
-    assert isinstance(noise_stream(FACTORIES[kind](8), 0, 1), cls)
+    assert isinstance(noise_stream(FACTORIES[kind](8), seeded(0), 1), cls)
 
 
 def test_banded_and_blt_state_is_bounded_by_their_buffers():
     n = 40
-    band = noise_stream(banded(n, 5, max_iter=20), 1, SHAPE)
-    toe = noise_stream(banded_toeplitz(n, 3, max_iter=20), 1, SHAPE)
-    buf = noise_stream(blt(n, 3, max_iter=20), 1, SHAPE)
+    band = noise_stream(banded(n, 5, max_iter=20), seeded(1), SHAPE)
+    toe = noise_stream(banded_toeplitz(n, 3, max_iter=20), seeded(1), SHAPE)
+    buf = noise_stream(blt(n, 3, max_iter=20), seeded(1), SHAPE)
     for _ in range(n):
         band.next(), toe.next(), buf.next()
         assert band.state_size() == 4 * D
@@ -87,7 +92,7 @@ def test_banded_and_blt_state_is_bounded_by_their_buffers():
 @pytest.mark.parametrize("factory", [binary_tree, honaker_tree])
 def test_tree_state_is_bounded_by_log_n_nodes(factory):
     n = 100
-    stream = noise_stream(factory(n), 3, SHAPE)
+    stream = noise_stream(factory(n), seeded(3), SHAPE)
     held = []
     for _ in range(n):
         stream.next()
@@ -101,50 +106,58 @@ def test_tree_state_is_bounded_by_log_n_nodes(factory):
 def test_resume_from_state_continues_the_same_stream(kind):
     n, cut = 19, 11
     f = FACTORIES[kind](n)
-    whole = _run(noise_stream(f, 9, SHAPE), n)
-    first = noise_stream(f, 9, SHAPE)
+    whole = _run(noise_stream(f, seeded(9), SHAPE), n)
+    first = noise_stream(f, seeded(9), SHAPE)
     _run(first, cut)
     saved = first.state()
     _run(first, 3)  # the saved state is a copy, not a view
-    resumed = noise_stream(f, 9, SHAPE)
+    resumed = noise_stream(f, seeded(9), SHAPE)
     resumed.restore(saved)
     assert resumed.round == cut
     assert np.array_equal(_run(resumed, n - cut), whole[cut:])
+    replayed = noise_stream(f, seeded(9), SHAPE)  # nothing stored: redrawn from the source
+    replayed.advance_to(cut)
+    assert np.array_equal(_run(replayed, n - cut), whole[cut:])
 
 
-def test_fresh_noise_depends_on_seed_and_round_only():
+def test_fresh_noise_depends_on_the_source_and_round_only():
     f = banded(12, 3, max_iter=20)
-    a, b = noise_stream(f, 5, SHAPE), noise_stream(f, 5, SHAPE)
+    a, b = noise_stream(f, seeded(5), SHAPE), noise_stream(f, seeded(5), SHAPE)
     early = b.fresh(7)  # drawing round 7 first changes nothing
     assert np.array_equal(_run(a, 12), _run(b, 12))
     assert np.array_equal(early, a.fresh(7))
     assert np.array_equal(early[0], np.random.default_rng([5, 7]).standard_normal(SHAPE))
-    assert not np.allclose(_run(noise_stream(f, 6, SHAPE), 12), _run(noise_stream(f, 5, SHAPE), 12))
+    other = _run(noise_stream(f, seeded(6), SHAPE), 12)
+    assert not np.allclose(other, _run(noise_stream(f, seeded(5), SHAPE), 12))
 
 
 @pytest.mark.parametrize("kind", ["honaker", "blt"])
 def test_streamed_noise_has_the_variance_of_the_noising_rows(kind):
     n, d = 12, 40_000
     f = FACTORIES[kind](n)
-    y = _run(noise_stream(f, 0, d), n)
+    y = _run(noise_stream(f, seeded(0), d), n)
     expected = np.sum(f.noising_matrix() ** 2, axis=1)
     # sample variance of d draws: relative sd sqrt(2 / d) ~ 0.7 %
     assert np.allclose(y.var(axis=1), expected, rtol=0.04)
 
 
-def test_stream_stops_after_n_rounds_and_checks_seed():
-    stream = noise_stream(sqrt_factorization(2), 0, 1)
+def test_stream_stops_after_n_rounds_and_checks_its_source():
+    stream = noise_stream(sqrt_factorization(2), seeded(0), 1)
     _run(stream, 2)
     with pytest.raises(ConfigError, match="round"):
         stream.next()
-    with pytest.raises(ConfigError, match="seed"):
-        noise_stream(sqrt_factorization(2), -1, 1)
+    with pytest.raises(ConfigError, match="round"):
+        stream.advance_to(1)  # backwards
+    with pytest.raises(ConfigError, match="noise"):
+        noise_stream(sqrt_factorization(2), 0, 1)  # a seed is not a noise source
+    with pytest.raises(ConfigError, match="noise"):
+        noise_stream(sqrt_factorization(2), lambda t: 0, 1).next()
 
 
 @pytest.mark.parametrize("factory", [binary_tree, honaker_tree, sqrt_factorization])
 def test_stream_is_the_noising_matrix_for_a_momentum_workload_too(factory):
     n = 14
     f = factory(n, momentum(n, 0.9, np.linspace(1.0, 0.1, n)))
-    stream = noise_stream(f, 4, 5)
+    stream = noise_stream(f, seeded(4), 5)
     streamed = _run(stream, n)
     assert np.allclose(streamed, f.apply_noising(dense_fresh_noise(stream)), atol=1e-10)

@@ -19,6 +19,7 @@ from fedsim.data.text import TextSourceSpec, cached_text_federation
 from fedsim.engine.reduce import attach_reducer
 from fedsim.engine.rounds import run_rounds
 from fedsim.privacy.accounting import FullParticipation, calibrate_noise
+from fedsim.randomness import Purpose, RunSecret
 from fedsim.records import to_numpy, to_record
 from fedsim.workloads import text_models
 from fedsim.workloads.dpo import DPOSettings
@@ -169,7 +170,7 @@ def tiny_strategy(federation, **overrides):
     }
     settings = POPriSettings(**{**options, **overrides})
     model, tokenizer = tiny_generator(0, hidden_size=16, layers=1)
-    return POPri(
+    strategy = POPri(
         model,
         tokenizer,
         cached_embedder(EMBEDDER),
@@ -178,6 +179,11 @@ def tiny_strategy(federation, **overrides):
         population=federation.num_clients,
         settings=settings,
     )
+    strategy.bind_server_secret(SERVER)
+    return strategy
+
+
+SERVER = RunSecret.from_passphrase("popri").server()
 
 
 def test_target_epsilon_calibration_and_sampled_rounds_match_dp_accounting(tmp_path):
@@ -244,10 +250,12 @@ def test_two_popri_rounds_end_to_end_on_the_local_engine(tmp_path, local_engine)
         )
         assert m["epsilon"] == pytest.approx(expected, rel=1e-9)
     assert [r for r, _ in strategy.ledger.entries] == [1, 2]
-    # the DP step: noise from the documented stream, divided by the expected cohort
+    # the DP step: the server's own noise (never the seed's), divided by the expected cohort
     total, noisy = strategy.last_scores
-    rng = np.random.default_rng(np.random.SeedSequence([11, 2, 3]))
+    rng = SERVER.generator(2, Purpose.NOISE, "scores")
     np.testing.assert_allclose(noisy, (total + rng.normal(0.0, 0.8, total.shape)) / 4)
+    seeded = np.random.default_rng(np.random.SeedSequence([11, 2, 3])).normal(0.0, 0.8, total.shape)
+    assert not np.allclose(noisy, (total + seeded) / 4)
     assert 0 < np.linalg.norm(total) <= 4.0 + 1e-9
     # the adapter trained and is carried in the arrays; a second run reproduces it
     assert start.keys() == final.keys()

@@ -9,6 +9,7 @@ from flwr.clientapp import ClientApp
 
 from fedsim.engine.rounds import run_rounds
 from fedsim.privacy.accounting import FullParticipation, calibrate_noise
+from fedsim.randomness import RunSecret
 from fedsim.records import to_record
 from fedsim.workloads.pe_votes import (
     VOTES,
@@ -149,6 +150,7 @@ def test_pe_on_the_engine_with_a_tiny_embedder_and_bad_inputs(local_engine):
 
     def run(seed):
         strategy = PrivateEvolution(population, embedder, vary, config, np.random.default_rng(seed))
+        strategy.bind_server_secret(RunSecret.from_passphrase("pe").server())
         app = make_vote_client_app(
             cached_text_embeddings(client_texts, lambda: tiny_embedder(0, dimension=16))
         )

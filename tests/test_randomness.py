@@ -11,12 +11,17 @@ import pytest
 from fedsim.config import ConfigError
 from fedsim.randomness import (
     NODE_SECRET_KEY,
+    SECRETS_DIR_ENV,
     PartySecret,
     Purpose,
     RunSecret,
     Stream,
     client_secret,
+    kept_root_path,
+    new_run_id,
     public_generator,
+    server_secret,
+    user_secrets_dir,
 )
 
 
@@ -82,6 +87,32 @@ def test_root_file_is_created_private_and_refused_inside_the_run_directory(tmp_p
     bad.write_text("1234")
     with pytest.raises(ConfigError, match="64 hex digits"):
         RunSecret.load_or_create(bad)
+
+
+def test_a_root_that_must_exist_is_never_created(tmp_path):
+    missing = tmp_path / "missing.hex"
+    with pytest.raises(ConfigError, match="existing file"):
+        RunSecret.load_or_create(missing, create=False)
+    assert not missing.exists()
+
+
+def test_kept_roots_live_in_the_users_directory_under_a_checked_run_id(tmp_path, monkeypatch):
+    monkeypatch.setenv(SECRETS_DIR_ENV, str(tmp_path / "mine"))
+    run_id = new_run_id()
+    assert kept_root_path(run_id) == tmp_path / "mine" / f"{run_id}.root"
+    assert new_run_id() != run_id
+    for bad in ("../../etc/passwd", run_id.upper(), run_id[:-1], 7):
+        with pytest.raises(ConfigError, match="run_id"):
+            kept_root_path(bad)
+    monkeypatch.delenv(SECRETS_DIR_ENV)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    assert user_secrets_dir() == tmp_path / "data" / "fedsim" / "secrets"
+
+
+def test_server_secret_from_the_server_apps_node_config():
+    root = RunSecret.from_passphrase("x")
+    assert server_secret({NODE_SECRET_KEY: root.server().token()}) == root.server()
+    assert server_secret({}) != server_secret({})
 
 
 def test_transport_round_trip():

@@ -73,14 +73,15 @@ def config(tmp_path):
 
 
 def test_killed_run_resumes_to_the_same_rounds(tmp_path, config):
+    root = ["--secrets", str(tmp_path / "root.hex")]  # both runs: the same secrets
     full = tmp_path / "full"
-    assert main(["run", str(config), "--out", str(full), "--no-progress"]) == 0
+    assert main(["run", str(config), "--out", str(full), "--no-progress", *root]) == 0
     expected = [strip_times(r) for r in read_rounds(full / "rounds.jsonl")]
     assert [r["round"] for r in expected] == list(range(7))
 
     killed = tmp_path / "killed"
     env = dict(os.environ, RAY_ADDRESS="")
-    proc = subprocess.Popen(fedsim("run", str(config), "--out", str(killed)), env=env)
+    proc = subprocess.Popen(fedsim("run", str(config), "--out", str(killed), *root), env=env)
     deadline = time.monotonic() + 300
     while len(read_rounds(killed / "rounds.jsonl")) < 4:  # rounds 0..3 written
         assert proc.poll() is None, "the run ended before it could be killed"
@@ -90,7 +91,7 @@ def test_killed_run_resumes_to_the_same_rounds(tmp_path, config):
     proc.wait()
     assert not (killed / "summary.json").exists()
 
-    done = subprocess.run(fedsim("run", "--resume", str(killed)), env=env, timeout=300)
+    done = subprocess.run(fedsim("run", "--resume", str(killed), *root), env=env, timeout=300)
     assert done.returncode == 0
     resumed = [strip_times(r) for r in read_rounds(killed / "rounds.jsonl")]
     assert resumed == expected  # nothing lost, nothing duplicated, the same numbers
@@ -112,6 +113,33 @@ def test_resume_refuses_a_different_config_or_a_foreign_directory(tmp_path, conf
     assert "no config.json" in capsys.readouterr().err
 
 
+def test_resume_finds_the_kept_root_or_refuses_clearly(tmp_path, config, capsys, _secrets_dir):
+    out = tmp_path / "run"
+    assert main(["run", str(config), "--out", str(out), "--no-progress"]) == 0
+    kept = list(_secrets_dir.iterdir())  # the fresh root, kept outside the run directory
+    assert len(kept) == 1 and oct(kept[0].stat().st_mode & 0o777) == "0o600"
+    assert kept[0].read_text().strip() not in "".join(
+        f.read_text(errors="replace") for f in out.iterdir() if f.is_file()
+    )
+    other = tmp_path / "other.hex"
+    assert main(["run", "--resume", str(out), "--secrets", str(other)]) == 2
+    assert "existing file" in capsys.readouterr().err and not other.exists()  # never created
+    other.write_text(os.urandom(32).hex())
+    assert main(["run", "--resume", str(out), "--secrets", str(other)]) == 2
+    assert "the root this run was started with" in capsys.readouterr().err
+    kept[0].unlink()  # the kept root is gone: the run cannot continue with its secrets
+    assert main(["run", "--resume", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--secrets" in err and str(kept[0]) in err
+
+
+def test_a_root_file_inside_the_run_directory_is_refused(tmp_path, config, capsys):
+    out = tmp_path / "run"
+    assert main(["run", str(config), "--out", str(out), "--secrets", str(out / "k.hex")]) == 2
+    assert "outside the run directory" in capsys.readouterr().err
+    assert not (out / "k.hex").exists()
+
+
 def test_resuming_a_finished_run_rewrites_nothing(tmp_path, config):
     out = tmp_path / "run"
     assert main(["run", str(config), "--out", str(out), "--no-progress"]) == 0
@@ -123,8 +151,9 @@ def test_resuming_a_finished_run_rewrites_nothing(tmp_path, config):
 def test_a_crash_while_checkpointing_resumes_from_the_previous_checkpoint(
     tmp_path, config, monkeypatch
 ):
+    root = ["--secrets", str(tmp_path / "root.hex")]
     full = tmp_path / "full"
-    assert main(["run", str(config), "--out", str(full), "--no-progress"]) == 0
+    assert main(["run", str(config), "--out", str(full), "--no-progress", *root]) == 0
     expected = [strip_times(r) for r in read_rounds(full / "rounds.jsonl")]
 
     import fedsim.experiment as experiment
@@ -139,7 +168,7 @@ def test_a_crash_while_checkpointing_resumes_from_the_previous_checkpoint(
     monkeypatch.setattr(experiment, "save_checkpoint", dies_at_round_3)
     out = tmp_path / "crashed"
     with pytest.raises(KeyboardInterrupt):
-        main(["run", str(config), "--out", str(out), "--no-progress"])
+        main(["run", str(config), "--out", str(out), "--no-progress", *root])
     monkeypatch.setattr(experiment, "save_checkpoint", real_save)
-    assert main(["run", "--resume", str(out), "--no-progress"]) == 0
+    assert main(["run", "--resume", str(out), "--no-progress", *root]) == 0
     assert [strip_times(r) for r in read_rounds(out / "rounds.jsonl")] == expected

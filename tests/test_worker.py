@@ -12,6 +12,7 @@ from fedsim.engine import ClientAppSource, ClientWorker, WeightedMean
 from fedsim.engine.reduce import attach_reducer
 from fedsim.engine.registry import NODE_ID_OFFSET
 from fedsim.engine.worker import ClientBatch, Content, RunSpec
+from fedsim.randomness import NODE_SECRET_KEY, RunSecret
 from fedsim.records import to_numpy, to_record
 
 
@@ -54,6 +55,16 @@ def test_each_client_gets_its_partition_and_replies_in_order():
     assert [to_numpy(r.content["arrays"])["w"][0] for r in result.replies] == [5.0, 2.0, 8.0]
     assert result.succeeded == 3 and result.failed == 0
     assert result.metrics.means()["pid"] == pytest.approx((4 * 5 + 1 * 2 + 7 * 8) / 15)
+
+
+def test_the_run_spec_carries_the_root_to_client_secrets_and_hides_it():
+    root = RunSecret.from_passphrase("worker")
+    source = ClientAppSource(reference="toy_app:app", app_dir="tests")
+    spec = RunSpec(run_id=1, num_clients=10, run_config={}, app=source, secret=root.transport())
+    assert root.transport().hex() not in repr(spec) and str(root.transport()) not in repr(spec)
+    config = spec.node_config(NODE_ID_OFFSET + 4, RunSecret.from_transport(spec.secret))
+    assert config[NODE_SECRET_KEY] == root.client(4).token() and config["partition-id"] == 4
+    assert NODE_SECRET_KEY not in spec.node_config(NODE_ID_OFFSET + 4, None)
 
 
 def test_state_persists_only_for_clients_that_succeed():

@@ -6,6 +6,8 @@ partitions listed in ``run_config["fail"]`` (space-separated), sleeps
 ``slow-seconds`` for ``slow-partition`` and, once per file named by
 ``run_config["crash-file"]``, kills its worker process at ``crash-partition``.
 evaluate: replies the sum of the arrays as a metric.
+query: replies the first draw of the client's own secret stream (round 0, noise), to check
+which secret the runtime gave it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from fedsim.randomness import Purpose, client_secret
 from fedsim.records import to_numpy, to_record
 
 app = ClientApp()
@@ -56,4 +59,11 @@ def evaluate(message: Message, context: Context) -> Message:
     arrays = to_numpy(message.content["arrays"])
     total = float(sum(np.sum(v) for v in arrays.values()))
     metrics = MetricRecord({"num-examples": 1, "total": total, "pid": _partition(context)})
+    return Message(RecordDict({"metrics": metrics}), reply_to=message)
+
+
+@app.query()
+def query(message: Message, context: Context) -> Message:
+    draw = float(client_secret(context.node_config).generator(0, Purpose.NOISE).random())
+    metrics = MetricRecord({"pid": _partition(context), "secret-draw": draw})
     return Message(RecordDict({"metrics": metrics}), reply_to=message)

@@ -609,7 +609,6 @@ def stage_dp_fedavg(ctx: Context, epsilon: float) -> dict[str, Any]:
         clipping_norm=s.clipping_norm,
         noise_multiplier=z,
         expected_clients=k,
-        rng=ctx.rng(6, int(z * 1000)),
         sampling=sampling,
         delta=ctx.delta,
     )

@@ -32,6 +32,7 @@ from fedsim.engine.participation import Participation
 from fedsim.engine.registry import ClientRegistry
 from fedsim.engine.state import ClientStateStore
 from fedsim.engine.worker import ClientAppSource, RunSpec, SharedDataset
+from fedsim.randomness import NODE_SECRET_KEY, RunSecret
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +157,7 @@ class Engine:
         datasets: tuple[tuple[Any, Any], ...] = (),
         run_id: int | None = None,
         raise_errors: bool = False,
+        secrets: RunSecret | None = None,
     ) -> SimulationGrid:
         """Load a run on the workers and return the grid that drives it.
 
@@ -171,6 +173,9 @@ class Engine:
                 object store once and registered on every worker.
             raise_errors: re-raise ClientApp exceptions instead of turning them
                 into error replies (useful with the local backend).
+            secrets: the run's secret root: client ``i`` finds its own secret
+                ``secrets.client(i)`` in ``node_config`` (None: clients draw theirs from
+                the OS). The root reaches the workers only inside the engine's run spec.
         """
         backend = self.start().backend
         assert backend is not None
@@ -204,6 +209,7 @@ class Engine:
                 app=source,
                 datasets=shared,
                 raise_errors=raise_errors,
+                secret=None if secrets is None else secrets.transport(),
             )
         )
         TaskIdentity.run_id = run_id
@@ -233,10 +239,13 @@ class Engine:
         observer: PhaseObserver | None = None,
         faults: FaultConfig | None = None,
         raise_errors: bool = False,
+        secrets: RunSecret | None = None,
     ) -> Context:
         """Run a Flower ServerApp against ``num_supernodes`` virtual clients.
 
-        Returns the ServerApp's context after its ``main`` returned.
+        With ``secrets``, each client gets its own secret in ``node_config`` and the
+        ServerApp's context gets the server's (:func:`fedsim.randomness.server_secret` reads
+        it). Returns the ServerApp's context after its ``main`` returned.
         """
         grid = self.open_run(
             client_app,
@@ -246,11 +255,12 @@ class Engine:
             observer=observer,
             faults=faults,
             raise_errors=raise_errors,
+            secrets=secrets,
         )
         context = Context(
             run_id=grid.run.run_id,
             node_id=0,
-            node_config={},
+            node_config={} if secrets is None else {NODE_SECRET_KEY: secrets.server().token()},
             state=RecordDict(),
             run_config=dict(run_config or {}),
         )

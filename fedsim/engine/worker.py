@@ -32,6 +32,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from fedsim.engine.metrics import MetricSums
 from fedsim.engine.reduce import Reducer, ReductionError
 from fedsim.engine.registry import NODE_ID_OFFSET
+from fedsim.randomness import NODE_SECRET_KEY, RunSecret
 from fedsim.records import content_nbytes, records_of
 
 
@@ -76,7 +77,13 @@ class SharedDataset:
 
 @dataclass(frozen=True)
 class RunSpec:
-    """What every worker needs to know about a run, sent once per run."""
+    """What every worker needs to know about a run, sent once per run.
+
+    ``secret`` is the run's secret root (:meth:`fedsim.randomness.RunSecret.transport`), from
+    which the worker derives each client's own secret for its ``node_config``; it travels only
+    here, to the engine's own workers, and never into a message, a context's ``run_config`` or
+    a repr.
+    """
 
     run_id: int
     num_clients: int
@@ -84,6 +91,16 @@ class RunSpec:
     app: ClientAppSource
     datasets: tuple[SharedDataset, ...] = ()
     raise_errors: bool = False
+    secret: bytes | None = field(default=None, repr=False)
+
+    def node_config(self, node_id: int, secrets: RunSecret | None) -> dict[str, Any]:
+        """Client ``node_id``'s ``node_config``: its partition, the number of partitions and,
+        when the run has a root, its own secret (:data:`~fedsim.randomness.NODE_SECRET_KEY`)."""
+        partition = node_id - NODE_ID_OFFSET
+        config: dict[str, Any] = {PARTITION_ID_KEY: partition, NUM_PARTITIONS_KEY: self.num_clients}
+        if secrets is not None:
+            config[NODE_SECRET_KEY] = secrets.client(partition).token()
+        return config
 
 
 @dataclass(frozen=True)
@@ -171,6 +188,7 @@ class ClientWorker:
         self._torch_threads = torch_threads
         self._exit_on_crash = exit_on_crash
         self._run: RunSpec | None = None
+        self._secrets: RunSecret | None = None
         self._app: ClientApp | None = None
         self._content_cache: OrderedDict[int, bytes] = OrderedDict()
         if torch_threads:
@@ -249,6 +267,7 @@ class ClientWorker:
                 )
         self._app = run.app.load()
         self._run = run
+        self._secrets = None if run.secret is None else RunSecret.from_transport(run.secret)
         self._content_cache.clear()
         TaskIdentity.run_id = run.run_id
         TaskIdentity.task_id = run.run_id
@@ -290,10 +309,7 @@ class ClientWorker:
             context = Context(
                 run_id=run.run_id,
                 node_id=node_id,
-                node_config={
-                    PARTITION_ID_KEY: node_id - NODE_ID_OFFSET,
-                    NUM_PARTITIONS_KEY: run.num_clients,
-                },
+                node_config=run.node_config(node_id, self._secrets),
                 state=pickle.loads(stored) if stored is not None else RecordDict(),
                 run_config=run.run_config,
             )

@@ -19,10 +19,13 @@ Each reply carries ``dp-sgd-epsilon`` (the client's epsilon after this round) an
 ``dp-sgd-steps``; the state also keeps the epsilon, which fedsim's runs read to report the worst
 client (``max_client_epsilon``).
 
-Randomness: batches and noise come from torch generators seeded by ``(seed, round, client)``
-(two streams), so a run repeats exactly. ``secure_mode`` hands both to Opacus's secure mode,
-which draws them from ``/dev/urandom`` through ``torchcsprng`` (and uses Opacus's noise
-sampling that resists floating-point attacks); it needs that package installed.
+Randomness: the Poisson batches and the noise are the client's own secrets -- torch generators
+seeded from its :class:`~fedsim.randomness.PartySecret` (``client_secret(context.node_config)``:
+derived from the run's secret root in simulation, so a run repeats exactly with the same root;
+fresh OS randomness where the runtime gives none), never from the run seed, which the server
+and every other client know. ``secure_mode`` hands both to Opacus's secure mode instead, which
+draws them from ``/dev/urandom`` through ``torchcsprng`` (and uses Opacus's noise sampling that
+resists floating-point attacks); it needs that package installed.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fedsim.config import require
 from fedsim.models import ModelSpec, build_model, load_arrays
+from fedsim.randomness import PartySecret, Purpose
 
 if TYPE_CHECKING:
     from fedsim.workloads.supervised import LocalTraining
@@ -188,10 +192,10 @@ def private_model(spec: ModelSpec) -> GradSampleModule:
     return module
 
 
-def generator(*words: int) -> torch.Generator:
-    """A torch generator seeded from ``SeedSequence(words)``."""
-    state = np.random.SeedSequence([int(w) for w in words]).generate_state(2, np.uint64)
-    return torch.Generator().manual_seed(int(state[0] >> np.uint64(1)))
+def secret_generator(secret: PartySecret, *words: Any) -> torch.Generator:
+    """A torch generator seeded with 63 bits of ``secret``'s stream for ``words``."""
+    seed = int.from_bytes(secret.seed_bytes(*words)[:8], "little") >> 1
+    return torch.Generator().manual_seed(seed)
 
 
 @dataclass(frozen=True)
@@ -217,7 +221,8 @@ def train_private(
     dp: DPSGD,
     *,
     history: list[tuple[float, float, int]],
-    seed_words: tuple[int, ...],
+    secret: PartySecret,
+    server_round: int,
     lr: float | None = None,
     momentum_buffers: list[np.ndarray] | None = None,
 ) -> PrivateRound:
@@ -226,7 +231,9 @@ def train_private(
     An epoch is ``ceil(n / batch_size)`` Poisson-sampled steps (at most ``max_steps`` in all
     when that is set); every step, an empty batch included, is noised and accounted.
     ``history`` is the client's accountant history before this round; the returned one
-    includes it. ``momentum_buffers`` as in :func:`~fedsim.workloads.supervised.train_epochs`.
+    includes it. Batches and noise of round ``server_round`` come from the client's
+    ``secret`` (unless ``dp.secure_mode``). ``momentum_buffers`` as in
+    :func:`~fedsim.workloads.supervised.train_epochs`.
     """
     module = private_model(spec)
     load_arrays(module._module, arrays)
@@ -245,7 +252,7 @@ def train_private(
     loader = DataLoader(
         TensorDataset(x, y),
         batch_size=min(training.batch_size, len(y)),
-        generator=None if secure else generator(*seed_words, 0),
+        generator=None if secure else secret_generator(secret, server_round, Purpose.TRAINING),
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "secure RNG turned off": seeded on purpose
@@ -259,7 +266,9 @@ def train_private(
             noise_multiplier=dp.noise_multiplier,
             max_grad_norm=dp.max_grad_norm,
             poisson_sampling=True,
-            noise_generator=None if secure else generator(*seed_words, 1),
+            noise_generator=(
+                None if secure else secret_generator(secret, server_round, Purpose.NOISE)
+            ),
         )
         steps, losses = 0, []
         for _ in range(training.epochs):
@@ -303,12 +312,14 @@ def train_client(
     training: LocalTraining,
     state: RecordDict,
     *,
-    seed_words: tuple[int, ...],
+    secret: PartySecret,
+    server_round: int,
     lr: float | None = None,
     momentum_buffers: list[np.ndarray] | None = None,
 ) -> tuple[PrivateRound, dict[str, float | int]]:
-    """A client's DP-SGD round with its accountant state: trains, stores the new history and
-    epsilon in ``state``, and returns the round with the metrics its reply carries."""
+    """A client's DP-SGD round with its accountant state: trains with its own ``secret``,
+    stores the new history and epsilon in ``state``, and returns the round with the metrics
+    its reply carries."""
     dp = training.dp_sgd
     if not isinstance(dp, DPSGD):
         raise ValueError("client.dp_sgd is not set")
@@ -320,7 +331,8 @@ def train_client(
         training,
         dp,
         history=history_of(state),
-        seed_words=seed_words,
+        secret=secret,
+        server_round=server_round,
         lr=lr,
         momentum_buffers=momentum_buffers,
     )

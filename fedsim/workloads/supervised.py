@@ -14,8 +14,11 @@ Train replies carry ``num-examples`` (training rows, FedAvg's weight) and
 ``mu/2 * ||w - w_global||^2`` (Li et al. 2020, eq. 2) is added to the loss.
 
 With ``LocalTraining.dp_sgd`` set, clients train with sample-level DP-SGD
-instead (:mod:`fedsim.workloads.dp_sgd`, Opacus) and their replies also carry
-``dp-sgd-epsilon``, their own epsilon over every round they trained in.
+instead (:mod:`fedsim.workloads.dp_sgd`, Opacus), drawing batches and noise from
+their own secret (``client_secret(context.node_config)``), and their replies also
+carry ``dp-sgd-epsilon``, their own epsilon over every round they trained in; their
+``train_loss`` (computed on private rows, un-noised) leaves the client only with
+``metrics_in_clear``.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from torch import nn
 from fedsim.config import from_mapping, require
 from fedsim.data import DatasetSpec, cached_dataset
 from fedsim.models import ModelSpec, build_model, load_arrays, model_arrays
+from fedsim.randomness import client_secret
 from fedsim.records import records_of, to_numpy, to_record
 from fedsim.workloads.averaging import Averaging
 from fedsim.workloads.compression import Quantization
@@ -395,8 +399,11 @@ def _momentum_state(context: Context) -> list[np.ndarray]:
     return [saved[f"m{i}"] for i in range(len(saved))]
 
 
-def make_client_app(model: ModelSpec, data: DatasetSpec, training: LocalTraining) -> ClientApp:
-    """A ClientApp that trains ``model`` with local SGD on ``data``'s clients."""
+def make_client_app(
+    model: ModelSpec, data: DatasetSpec, training: LocalTraining, metrics_in_clear: bool = False
+) -> ClientApp:
+    """A ClientApp that trains ``model`` with local SGD on ``data``'s clients
+    (``metrics_in_clear``: DP-SGD clients also reply their un-noised train loss)."""
     if training.lora is not None:
         from fedsim.workloads.lora_client import make_lora_client_app
 
@@ -434,7 +441,8 @@ def make_client_app(model: ModelSpec, data: DatasetSpec, training: LocalTraining
                 y,
                 training,
                 context.state,
-                seed_words=(training.seed, server_round, partition),
+                secret=client_secret(context.node_config),
+                server_round=server_round,
                 lr=lr,
                 momentum_buffers=buffers,
             )
@@ -454,9 +462,9 @@ def make_client_app(model: ModelSpec, data: DatasetSpec, training: LocalTraining
             )
         if buffers is not None:
             context.state[MOMENTUM_STATE] = to_record({f"m{i}": b for i, b in enumerate(buffers)})
-        metrics = MetricRecord(
-            {"num-examples": int(len(y)), "train_loss": loss, "steps": steps, **private}
-        )
+        metrics = MetricRecord({"num-examples": int(len(y)), "steps": steps, **private})
+        if training.dp_sgd is None or metrics_in_clear:
+            metrics["train_loss"] = loss
         content = RecordDict({key: to_record(model_arrays(net)), "metrics": metrics})
         return Message(content=content, reply_to=message)
 

@@ -1,0 +1,1 @@
+"""Tests that play an adversary against fedsim: one module per component."""

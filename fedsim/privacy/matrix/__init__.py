@@ -11,17 +11,20 @@ Modules (pure numpy / scipy, float64; no Ray, no Flower):
 - :mod:`.blt` -- buffered linear Toeplitz;
 - :mod:`.sensitivity` -- participation schemas and exact / upper-bound sensitivity
   (:func:`fedsim.privacy.matrix.sensitivity.sensitivity`);
-- :mod:`.streaming` -- ``C^{-1} z`` round by round with bounded state, seeded per round;
+- :mod:`.streaming` -- ``C^{-1} z`` round by round with bounded state, fresh noise per round
+  from the noise owner's stream;
 - :mod:`.build` -- factorizations by name, cached in ``.npz`` files (``fedsim factorize``,
   whose argument parsing is :mod:`.cli`).
 
 Example (BandMF for 4 epochs of 256 rounds, noise for a 10-parameter model)::
 
     from fedsim.privacy.matrix import Participation, banded, noise_stream
+    from fedsim.randomness import PartySecret, Purpose
 
     f = banded(1024, bands=64)
     sens = f.sensitivity(Participation.fixed(4))  # exact: 2.0 (columns of norm 1)
-    stream = noise_stream(f, seed=0, shape=10)
+    server = PartySecret.fresh("server")  # the noise owner's secret
+    stream = noise_stream(f, lambda t: server.generator(t + 1, Purpose.NOISE), shape=10)
     noise = stream.next() * noise_multiplier * sens.value * clip_norm  # round 0
 """
 

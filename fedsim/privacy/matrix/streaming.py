@@ -1,10 +1,13 @@
 """Streaming noise: the rows of ``G z`` (``G = C^{-1}``, or ``A^{-1} B`` for trees) one round at
 a time, with bounded state.
 
-Round t's fresh Gaussian noise is drawn from ``numpy.random.default_rng([seed, t])`` only, so it
-does not depend on how many rounds were drawn before: a run resumes at round t from
-:meth:`NoiseStream.state` (round counter plus buffers) without replaying earlier rounds, and
-any round's fresh noise can be regenerated on its own (:meth:`NoiseStream.fresh`).
+Round t's fresh Gaussian noise is drawn from ``noise(t)`` only, a generator that depends on t
+and nothing else (a strategy passes its party's secret stream,
+``lambda t: secret.generator(t + 1, Purpose.NOISE, ...)``, see :mod:`fedsim.randomness`), so it
+does not depend on how many rounds were drawn before: any round's fresh noise can be
+regenerated on its own (:meth:`NoiseStream.fresh`), and a stream resumes at round t either from
+:meth:`NoiseStream.state` (round counter plus buffers) or, storing nothing, by redrawing rounds
+0..t-1 (:meth:`NoiseStream.advance_to`).
 
 State held (``d`` = number of noise coordinates per round):
 
@@ -21,6 +24,7 @@ standard deviation per fresh coordinate; multiply by ``noise_multiplier * sens(C
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -29,23 +33,29 @@ from fedsim.config import require
 from fedsim.privacy.matrix.factorization import Factorization
 from fedsim.privacy.matrix.tree import nodes_completed_at
 
+RoundNoise = Callable[[int], np.random.Generator]
+"""``noise(t)``: the generator of round t's fresh noise (0-based), the same for the same t."""
+
 
 class NoiseStream(ABC):
-    """Base class: round counter, per-round seeding, state save / restore."""
+    """Base class: round counter, per-round fresh noise, state save / restore."""
 
     #: names of the ndarray attributes that make up the state
     _buffers: tuple[str, ...] = ()
 
-    def __init__(self, n: int, seed: int, shape: tuple[int, ...] | int) -> None:
-        require(isinstance(seed, (int, np.integer)) and seed >= 0, "seed", seed, "an int >= 0")
+    def __init__(self, n: int, noise: RoundNoise, shape: tuple[int, ...] | int) -> None:
+        require(callable(noise), "noise", noise, "a function: round -> numpy Generator")
         self.n = int(n)
-        self.seed = int(seed)
+        self.noise = noise
         self.shape = (int(shape),) if np.isscalar(shape) else tuple(int(s) for s in shape)
         self.round = 0
 
     def fresh(self, t: int, count: int = 1) -> np.ndarray:
         """The fresh noise of round t: ``count`` standard normal arrays of ``shape``."""
-        rng = np.random.default_rng([self.seed, int(t)])
+        rng = self.noise(int(t))
+        require(
+            isinstance(rng, np.random.Generator), "noise", rng, "a numpy.random.Generator"
+        )
         return rng.standard_normal((count, *self.shape))
 
     def fresh_per_round(self, t: int) -> int:
@@ -58,6 +68,13 @@ class NoiseStream(ABC):
         y = self._step(self.round)
         self.round += 1
         return y
+
+    def advance_to(self, t: int) -> None:
+        """Redraw rounds ``self.round .. t - 1`` so that :meth:`next` gives round t: how a
+        stream resumes from its noise source alone, with nothing stored."""
+        require(self.round <= t <= self.n, "round", t, f"a round in [{self.round}, {self.n}]")
+        while self.round < t:
+            self.next()
 
     @abstractmethod
     def _step(self, t: int) -> np.ndarray:
@@ -95,9 +112,9 @@ class BandedStream(NoiseStream):
 
     _buffers = ("history",)
 
-    def __init__(self, C: np.ndarray, bands: int, seed: int, shape: Any) -> None:
+    def __init__(self, C: np.ndarray, bands: int, noise: RoundNoise, shape: Any) -> None:
         n = C.shape[0]
-        super().__init__(n, seed, shape)
+        super().__init__(n, noise, shape)
         self.bands = int(bands)
         # coefficients[t, j] = C[t, t - j] for j < bands (0 off the matrix)
         self.coefficients = np.zeros((n, self.bands))
@@ -121,9 +138,9 @@ class BLTStream(NoiseStream):
     _buffers = ("buffers",)
 
     def __init__(
-        self, n: int, weights: np.ndarray, thetas: np.ndarray, seed: int, shape: Any
+        self, n: int, weights: np.ndarray, thetas: np.ndarray, noise: RoundNoise, shape: Any
     ) -> None:
-        super().__init__(n, seed, shape)
+        super().__init__(n, noise, shape)
         self.weights = np.asarray(weights, dtype=np.float64)
         self.thetas = np.asarray(thetas, dtype=np.float64)
         self.buffers = np.zeros((self.weights.shape[0], *self.shape))
@@ -145,8 +162,8 @@ class TreeStream(NoiseStream):
 
     _buffers = ("stack", "prefix")
 
-    def __init__(self, n: int, alphas: np.ndarray, seed: int, shape: Any) -> None:
-        super().__init__(n, seed, shape)
+    def __init__(self, n: int, alphas: np.ndarray, noise: RoundNoise, shape: Any) -> None:
+        super().__init__(n, noise, shape)
         self.alphas = np.asarray(alphas, dtype=np.float64)
         # estimates of the nodes in the expansion of the rounds so far, lowest height last
         self.stack: list[np.ndarray] = []
@@ -177,8 +194,8 @@ class DenseStream(NoiseStream):
 
     _buffers = ("history",)
 
-    def __init__(self, C: np.ndarray, seed: int, shape: Any) -> None:
-        super().__init__(C.shape[0], seed, shape)
+    def __init__(self, C: np.ndarray, noise: RoundNoise, shape: Any) -> None:
+        super().__init__(C.shape[0], noise, shape)
         self.C = C
         self.history = np.zeros((0, *self.shape))
 
@@ -191,18 +208,19 @@ class DenseStream(NoiseStream):
 
 
 def noise_stream(
-    factorization: Factorization, seed: int, shape: tuple[int, ...] | int
+    factorization: Factorization, noise: RoundNoise, shape: tuple[int, ...] | int
 ) -> NoiseStream:
-    """The bounded-state generator for ``factorization``'s noise, where one exists."""
+    """The bounded-state generator for ``factorization``'s noise, where one exists; round t's
+    fresh noise comes from ``noise(t)``."""
     f = factorization
     kind, n = f.kind, f.n
     if kind in ("tree", "honaker"):
-        return TreeStream(n, f.params["alphas"], seed, shape)
+        return TreeStream(n, f.params["alphas"], noise, shape)
     if kind == "blt":
-        return BLTStream(n, f.params["weights"], f.params["thetas"], seed, shape)
+        return BLTStream(n, f.params["weights"], f.params["thetas"], noise, shape)
     if kind in ("banded", "banded_toeplitz"):
-        return BandedStream(f.encoder, f.params["bands"], seed, shape)
-    return DenseStream(f.encoder, seed, shape)
+        return BandedStream(f.encoder, f.params["bands"], noise, shape)
+    return DenseStream(f.encoder, noise, shape)
 
 
 def dense_fresh_noise(stream: NoiseStream) -> np.ndarray:

@@ -1,0 +1,69 @@
+"""The server's own secret: where strategies that add noise draw it from.
+
+A strategy that releases its own noise (DP-FedAvg, adaptive clipping's count, the central
+matrix mechanism, POPri, Private Evolution) mixes in :class:`ServerNoise` and draws round
+``t``'s noise from ``server_secret.generator(t, Purpose.NOISE, *words)``
+(:mod:`fedsim.randomness`): a stateless stream, so a resumed run redraws exactly the noise an
+uninterrupted one would, and nothing about the noise is ever stored. The secret is never the
+run seed and never anything a client can see.
+
+The front end binds the run's :meth:`~fedsim.randomness.RunSecret.server` secret with
+:func:`bind_parties`, which walks the wrapper chain (``.strategy`` links) and calls
+``bind_server_secret`` (and ``bind_committee_host``) on every object that defines it. A
+strategy used on its own, unbound, binds a fresh OS secret the first time it needs one (never
+a seeded fallback). Pickling (checkpoints) drops the bound secret; the front end binds again
+after ``--resume``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from fedsim.randomness import PartySecret, Purpose
+
+
+class ServerNoise:
+    """Mixin: the strategy's noise comes from the server's :class:`PartySecret`."""
+
+    _server_secret: PartySecret | None = None
+
+    def bind_server_secret(self, secret: PartySecret) -> None:
+        """Draw this strategy's noise from ``secret`` (the run's server secret)."""
+        if not isinstance(secret, PartySecret):
+            raise TypeError(f"secret is a {type(secret).__name__}, not a fedsim PartySecret")
+        self._server_secret = secret
+
+    def server_secret(self) -> PartySecret:
+        """The bound secret; a fresh one from the OS when none was bound."""
+        secret = self.__dict__.get("_server_secret")
+        if secret is None:
+            secret = self._server_secret = PartySecret.fresh("server")
+        return secret
+
+    def noise_generator(self, server_round: int, *words: Any) -> np.random.Generator:
+        """Round ``server_round``'s noise stream for ``words`` (e.g. ``"update"``)."""
+        return self.server_secret().generator(int(server_round), Purpose.NOISE, *words)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_server_secret", None)  # secrets stay with their party, out of checkpoints
+        return state
+
+
+def bind_parties(strategy: Any, server: PartySecret, committee_host: Any = None) -> None:
+    """Bind ``server`` (and ``committee_host``, when given) to every object of ``strategy``'s
+    wrapper chain that accepts it; the methods are looked up on each object's class, so a
+    wrapper does not pass an inner strategy's method off as its own."""
+    seen: set[int] = set()
+    current = strategy
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if callable(getattr(type(current), "bind_server_secret", None)):
+            current.bind_server_secret(server)
+        if committee_host is not None and callable(
+            getattr(type(current), "bind_committee_host", None)
+        ):
+            current.bind_committee_host(committee_host)
+        current = getattr(current, "strategy", None)

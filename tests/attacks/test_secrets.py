@@ -1,0 +1,293 @@
+"""The server, the network and whoever holds a run directory against the run's secrets.
+
+Every party's secret derives from the run's secret root (:mod:`fedsim.randomness`); the root
+stays outside the run directory and travels to the engine's workers only. The scan test runs
+small private runs with a known root and searches everything the server sends and receives
+(the Grid is wrapped to capture it), every file of the run directory and the clients' run
+config for the root and every party's secret, raw and in hex. Another strategy is one more
+entry in :data:`STRATEGIES`.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+
+from fedsim.engine import Engine, EngineConfig
+from fedsim.experiment import ExperimentConfig, run_experiment
+from fedsim.models import ModelSpec, initial_arrays
+from fedsim.randomness import NODE_SECRET_KEY, RunSecret
+from fedsim.records import to_numpy, to_record
+from fedsim.results import read_rounds
+from fedsim.run_root import RUN_FILE
+from fedsim.workloads.supervised import LocalTraining, make_client_app
+
+POPULATION = 12
+BASE = {
+    "seed": 5,
+    "rounds": 2,
+    "data": {"source": "digits", "partition": "iid", "num_clients": POPULATION},
+    "model": {"kind": "logreg"},
+    "client": {"lr": 0.2, "batch_size": 16},
+    "evaluation": {"every": 1, "central_rows": 100},
+    "engine": {"backend": "local"},
+}
+#: strategy tables of the private runs the scan covers: one line per strategy
+STRATEGIES: dict[str, dict[str, Any]] = {
+    "dp-fedavg": {"name": "dp-fedavg", "options": {"clipping_norm": 0.5, "noise_multiplier": 0.8}},
+    "dp-fedavg-adaptive": {
+        "name": "dp-fedavg",
+        "options": {
+            "clipping_norm": 0.5,
+            "noise_multiplier": 0.8,
+            "adaptive_clipping": True,
+            "clipped_count_stddev": 1.0,
+        },
+    },
+    "matrix-mechanism": {
+        "name": "matrix-mechanism",
+        "options": {"clipping_norm": 0.5, "noise_multiplier": 0.8},
+    },
+    "dmm-ideal": {
+        "name": "dmm",
+        "sampling": "min-separation",
+        "options": {
+            "clipping_norm": 1.0,
+            "noise_multiplier": 0.5,
+            "committee_size": 8,
+            "threshold": 2,
+            "packing": 3,
+            "mode": "ideal",
+        },
+    },
+    "ddgauss": {
+        "name": "ddgauss",
+        "options": {"clipping_norm": 1.0, "noise_multiplier": 0.5, "mode": "full", "ring_bits": 32},
+    },
+}
+
+
+def config(strategy: dict[str, Any], **top: Any) -> ExperimentConfig:
+    table = {"clients_per_round": 6, **strategy}
+    return ExperimentConfig.from_dict({**BASE, "strategy": table, **top})
+
+
+# -- the server's view: everything it sends and receives ---------------------------------------
+
+
+class CapturingGrid:
+    """The engine's grid, recording every message the server sends and receives."""
+
+    def __init__(self, grid: Any, seen: list[Message]) -> None:
+        self._grid, self._seen = grid, seen
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._grid, name)
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        self._seen.extend(messages)
+        return self._grid.push_messages(messages)
+
+    def pull_messages(self, message_ids):
+        replies = list(self._grid.pull_messages(message_ids))
+        self._seen.extend(replies)
+        return replies
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        self._seen.extend(messages)
+        replies = list(self._grid.send_and_receive(messages, timeout=timeout))
+        self._seen.extend(replies)
+        return replies
+
+
+@dataclass
+class CapturingEngine(Engine):
+    """An engine whose runs' grids capture the server's messages (and its run configs)."""
+
+    messages: list[Message] = field(default_factory=list)
+    run_configs: list[dict[str, Any]] = field(default_factory=list)
+
+    def open_run(self, *args: Any, **kwargs: Any) -> Any:
+        self.run_configs.append(dict(kwargs.get("run_config") or {}))
+        return CapturingGrid(super().open_run(*args, **kwargs), self.messages)
+
+
+def message_bytes(message: Message) -> bytes:
+    content = message.error if message.has_error() else message.content
+    return pickle.dumps(content) + repr(message.metadata).encode()
+
+
+def secret_needles(root: RunSecret, population: int) -> dict[str, bytes]:
+    """The root and every party's secret (and the keys derived for sealing and files), raw
+    and in hex."""
+    keys = {"root": root.transport(), "file mac key": root.mac_key()}
+    parties = {"server": root.server()}
+    parties.update({f"client {i}": root.client(i) for i in range(population)})
+    parties.update({f"member {i}": root.member(i) for i in range(population)})
+    for name, secret in parties.items():
+        keys[name] = bytes.fromhex(secret.token())
+        keys[f"{name} sealing key"] = secret.seed_bytes("seal")
+    needles = {}
+    for name, key in keys.items():
+        needles[f"{name} (raw)"] = key
+        needles[f"{name} (hex)"] = key.hex().encode()
+        needles[f"{name} (HEX)"] = key.hex().upper().encode()
+    return needles
+
+
+def leaks(blob: bytes, needles: dict[str, bytes]) -> list[str]:
+    return [name for name, needle in needles.items() if needle in blob]
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_no_message_file_or_run_config_holds_a_secret(tmp_path, name):
+    root = RunSecret.from_passphrase(f"scan {name}")
+    engine = CapturingEngine(EngineConfig(backend="local"))
+    out = tmp_path / "run"
+    try:
+        run_experiment(config(STRATEGIES[name]), out, progress=False, engine=engine, secrets=root)
+    finally:
+        engine.close()
+    needles = secret_needles(root, POPULATION)
+    planted = Message(RecordDict({"c": ConfigRecord({"t": root.client(3).token()})}), 1, "train")
+    assert leaks(message_bytes(planted), needles) == ["client 3 (hex)"]  # the scan would see it
+    assert len(engine.messages) > 2 * 6  # instructions and replies of two rounds were seen
+    for message in engine.messages:
+        assert leaks(message_bytes(message), needles) == []
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert {"config.json", "rounds.jsonl", "summary.json", RUN_FILE} <= {p.name for p in files}
+    for path in files:
+        assert leaks(path.read_bytes(), needles) == [], path.name
+    assert engine.run_configs == [{"seed": 5}]  # the clients' run_config: public only
+    record = json.loads((out / RUN_FILE).read_text())
+    assert record == {"root": "given", "fingerprint": root.fingerprint()}
+
+
+def test_a_kept_root_stays_outside_the_run_directory(tmp_path, _secrets_dir):
+    out = tmp_path / "run"
+    run_experiment(config(STRATEGIES["dp-fedavg"]), out, progress=False)
+    (kept,) = list(_secrets_dir.iterdir())
+    root = RunSecret.load_or_create(kept)
+    needles = secret_needles(root, POPULATION)
+    for path in (p for p in out.rglob("*") if p.is_file()):
+        assert leaks(path.read_bytes(), needles) == [], path.name
+    record = json.loads((out / RUN_FILE).read_text())
+    assert kept.name == f"{record['run_id']}.root" and record["root"] == "kept"
+
+
+# -- reproducibility: the same root repeats a run, another root changes only the noise --------
+
+
+TIMING = ("seconds", "time_s", "clients_per_s", "compute_s")
+
+
+def strip_times(record: Any) -> Any:
+    if isinstance(record, dict):
+        return {k: strip_times(v) for k, v in record.items() if k not in TIMING}
+    return record
+
+
+def finished(out: Path) -> tuple[list[dict[str, Any]], dict[str, np.ndarray]]:
+    rounds = [strip_times(r) for r in read_rounds(out / "rounds.jsonl")]
+    return rounds, dict(np.load(out / "model.npz"))
+
+
+@pytest.mark.parametrize("name", ["dp-fedavg-adaptive", "matrix-mechanism"])
+def test_resume_with_the_same_root_is_bit_identical(tmp_path, monkeypatch, name):
+    import fedsim.experiment as experiment
+
+    root = RunSecret.from_passphrase("resume")
+    run = config(STRATEGIES[name], rounds=4, faults={"dropout": 0.2})
+    run_experiment(run, tmp_path / "whole", progress=False, secrets=root)
+
+    save = experiment.save_checkpoint
+
+    def stop_after_round_2(directory, checkpoint):
+        save(directory, checkpoint)
+        if checkpoint.server_round == 2:
+            raise KeyboardInterrupt  # the process dies right after round 2's checkpoint
+
+    monkeypatch.setattr(experiment, "save_checkpoint", stop_after_round_2)
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(run, tmp_path / "cut", progress=False, secrets=root)
+    monkeypatch.setattr(experiment, "save_checkpoint", save)
+    run_experiment(run, tmp_path / "cut", resume=True, progress=False, secrets=root)
+    (whole_rounds, whole_model), (cut_rounds, cut_model) = (
+        finished(tmp_path / "whole"),
+        finished(tmp_path / "cut"),
+    )
+    assert cut_rounds == whole_rounds
+    assert whole_model.keys() == cut_model.keys()
+    assert all(np.array_equal(whole_model[k], cut_model[k]) for k in whole_model)
+
+
+def test_two_roots_change_the_noise_and_nothing_else(tmp_path):
+    def run(name, root, z):
+        strategy = {"name": "dp-fedavg", "options": {"clipping_norm": 0.5, "noise_multiplier": z}}
+        engine = CapturingEngine(EngineConfig(backend="local"))
+        out = tmp_path / name
+        try:
+            run_experiment(
+                config(strategy), out, progress=False, engine=engine,
+                secrets=RunSecret.from_passphrase(root),
+            )
+        finally:
+            engine.close()
+        cohorts = [
+            (m.metadata.group_id, m.metadata.message_type, m.metadata.dst_node_id)
+            for m in engine.messages
+            if m.metadata.dst_node_id  # instructions (replies go to the server, node 0)
+        ]
+        return cohorts, finished(out)[1]
+
+    cohorts_a, model_a = run("a", "root a", 0.8)
+    cohorts_b, model_b = run("b", "root b", 0.8)
+    assert cohorts_a == cohorts_b  # the same clients in the same rounds: public streams
+    assert all(not np.allclose(model_a[k], model_b[k]) for k in model_a)  # other noise
+    _, quiet_a = run("quiet-a", "root a", 0.0)
+    _, quiet_b = run("quiet-b", "root b", 0.0)
+    assert all(np.array_equal(quiet_a[k], quiet_b[k]) for k in quiet_a)  # nothing else
+
+
+# -- client-side DP: the client's noise is its own ----------------------------------------------
+
+
+def test_dp_sgd_noise_is_the_clients_own_not_the_seeds():
+    """A server that knows the seed, the global model and the instruction cannot replay a
+    DP-SGD client's update: it depends on the secret in the client's node_config only."""
+    spec = ModelSpec(kind="logreg", input_shape=(64,), num_classes=10)
+    data = ExperimentConfig.from_dict({**BASE, "strategy": {"name": "fedavg"}}).data
+    training = LocalTraining(
+        batch_size=16, lr=0.2, dp_sgd={"noise_multiplier": 1.0, "max_grad_norm": 1.0}
+    )
+    app = make_client_app(spec, data, training)
+    arrays = initial_arrays(spec, 0)
+
+    def update(node_config):
+        content = RecordDict(
+            {"arrays": to_record(arrays), "config": ConfigRecord({"server-round": 1})}
+        )
+        context = Context(
+            run_id=1, node_id=3, node_config={"partition-id": 3, **node_config},
+            state=RecordDict(), run_config={"seed": 5},
+        )
+        reply = app(Message(content, 3, "train"), context)
+        assert "train_loss" not in reply.content["metrics"]  # un-noised: it stays home
+        return np.concatenate([v.ravel() for v in to_numpy(reply.content["arrays"]).values()])
+
+    def token(root):
+        return {NODE_SECRET_KEY: RunSecret.from_passphrase(root).client(3).token()}
+
+    mine = update(token("a"))
+    assert np.array_equal(mine, update(token("a")))  # the client's secret repeats it
+    assert not np.array_equal(mine, update(token("b")))  # the seed alone does not
+    assert not np.array_equal(update({}), update({}))  # no secret given: OS randomness
