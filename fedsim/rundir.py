@@ -30,7 +30,7 @@ checkpoints needs (:meth:`ClientStateStore.checkpoint`).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from fedsim.checkpoint import (
@@ -41,7 +41,6 @@ from fedsim.checkpoint import (
     CheckpointHeader,
     checkpoint_files,
     read_checkpoint,
-    round_of,
     save_checkpoint,
 )
 from fedsim.config import ConfigError
@@ -63,14 +62,12 @@ class RunDirectory:
         store: the clients' states (``client_state.sqlite``).
         secrets: the run's secret root.
         config_digest: SHA-256 (hex) of ``config.json``.
-        set_aside: checkpoint files refused on resume, with the reason (renamed aside).
     """
 
     out: Path
     store: ClientStateStore
     secrets: RunSecret
     config_digest: str
-    set_aside: list[tuple[Path, str]] = field(default_factory=list)
 
     @classmethod
     def create(
@@ -85,9 +82,7 @@ class RunDirectory:
                 "--out", str(out), f"a new or empty directory (this one holds {taken[0].name})"
             )
         data = config_text.encode()
-        store = ClientStateStore(
-            out / STATE_FILE, memory_budget, secrets, run_tag=digest(data)
-        )
+        store = ClientStateStore(out / STATE_FILE, memory_budget, secrets, run_tag=digest(data))
         write_atomic(out / CONFIG_FILE, data)
         return cls(out, store, secrets, digest(data))
 
@@ -100,9 +95,7 @@ class RunDirectory:
         :class:`~fedsim.runfiles.RunFileError` naming the file when the directory cannot be
         resumed exactly."""
         out = Path(out)
-        config_path = out / CONFIG_FILE
-        if not config_path.is_file():
-            raise RunFileError(config_path, "is missing: this is not a fedsim run directory")
+        config_digest = _config_digest(out)
         legacy = out / LEGACY_CHECKPOINT_FILE
         if legacy.exists():
             raise RunFileError(
@@ -110,7 +103,6 @@ class RunDirectory:
                 "is an unauthenticated pickle (an earlier fedsim's checkpoint format); it is "
                 "never loaded, since loading it could run code. Run again from the start",
             )
-        config_digest = digest(config_path.read_bytes())
         store = ClientStateStore(
             out / STATE_FILE, memory_budget, secrets, run_tag=config_digest, must_exist=True
         )
@@ -125,14 +117,8 @@ class RunDirectory:
     def states(out: str | Path, secrets: RunSecret) -> ClientStateStore:
         """The client states of the run in ``out`` (as its last round left them), to read."""
         out = Path(out)
-        config_path = out / CONFIG_FILE
-        if not config_path.is_file():
-            raise RunFileError(config_path, "is missing: this is not a fedsim run directory")
         return ClientStateStore(
-            out / STATE_FILE,
-            secrets=secrets,
-            run_tag=digest(config_path.read_bytes()),
-            must_exist=True,
+            out / STATE_FILE, secrets=secrets, run_tag=_config_digest(out), must_exist=True
         )
 
     def _read(self, path: Path) -> tuple[CheckpointHeader, Checkpoint]:
@@ -154,9 +140,6 @@ class RunDirectory:
             header, checkpoint = self._fall_back(err, files[1:])
         else:
             self.store.verify(header.state, newest)
-        for path in files:
-            if path.exists() and round_of(path) > header.server_round:
-                self._set_aside(path, "newer than the checkpoint resumed from")
         self.store.rollback(header.server_round)
         return checkpoint
 
@@ -185,13 +168,13 @@ class RunDirectory:
                 f"{err.problem}; the newest checkpoint {newest.path.name} {newest.problem}, so "
                 "the run cannot resume exactly",
             ) from None
-        self._set_aside(newest.path, newest.problem)
+        self._set_aside(newest.path)
         return header, checkpoint
 
-    def _set_aside(self, path: Path, reason: str) -> None:
+    def _set_aside(self, path: Path) -> None:
+        """Rename a refused checkpoint out of the way (kept for inspection, never read)."""
         path.rename(path.with_name(path.name + DAMAGED_SUFFIX))
         fsync_directory(self.out)
-        self.set_aside.append((path, reason))
 
     def save(self, checkpoint: Checkpoint) -> Path:
         """Checkpoint the round: sync the states, write the checkpoint, prune the states."""
@@ -208,3 +191,11 @@ class RunDirectory:
 
     def close(self) -> None:
         self.store.close()
+
+
+def _config_digest(out: Path) -> str:
+    """SHA-256 (hex) of the run's config.json, what its other files are bound to."""
+    path = out / CONFIG_FILE
+    if not path.is_file():
+        raise RunFileError(path, "is missing: this is not a fedsim run directory")
+    return digest(path.read_bytes())
