@@ -104,7 +104,12 @@ class RunDirectory:
                 "never loaded, since loading it could run code. Run again from the start",
             )
         store = ClientStateStore(
-            out / STATE_FILE, memory_budget, secrets, run_tag=config_digest, must_exist=True
+            out / STATE_FILE,
+            memory_budget,
+            secrets,
+            run_tag=config_digest,
+            run_tag_source=str(out / CONFIG_FILE),
+            must_exist=True,
         )
         run_dir = cls(out, store, secrets, config_digest)
         try:
@@ -118,7 +123,11 @@ class RunDirectory:
         """The client states of the run in ``out`` (as its last round left them), to read."""
         out = Path(out)
         return ClientStateStore(
-            out / STATE_FILE, secrets=secrets, run_tag=_config_digest(out), must_exist=True
+            out / STATE_FILE,
+            secrets=secrets,
+            run_tag=_config_digest(out),
+            run_tag_source=str(out / CONFIG_FILE),
+            must_exist=True,
         )
 
     def _read(self, path: Path) -> tuple[CheckpointHeader, Checkpoint]:

@@ -74,6 +74,8 @@ class ClientStateStore:
             ``secrets.mac_key()``. None: a fresh root (the file opens only in this process).
         run_tag: what the file belongs to (fedsim: the SHA-256 of the run's config.json); an
             existing file with another tag is refused.
+        run_tag_source: what ``run_tag`` is taken from, for that error (fedsim: the path of
+            config.json).
         must_exist: refuse a missing ``path`` instead of creating it (resuming a run).
     """
 
@@ -84,12 +86,13 @@ class ClientStateStore:
         secrets: RunSecret | None = None,
         *,
         run_tag: str = "",
+        run_tag_source: str = "its run tag",
         must_exist: bool = False,
     ) -> None:
         require(memory_budget >= 0, "memory_budget", memory_budget, "a number of bytes >= 0")
         self.memory_budget = memory_budget
         self._secrets = secrets if secrets is not None else RunSecret.fresh()
-        self.run_tag = run_tag
+        self.run_tag, self.run_tag_source = run_tag, run_tag_source
         self._cache: OrderedDict[int, bytes] = OrderedDict()
         self._cached_bytes = 0
         self._db: sqlite3.Connection | None = None
@@ -175,8 +178,8 @@ class ClientStateStore:
         if run_tag != self.run_tag.encode():
             raise RunFileError(
                 self.path,
-                "belongs to another run: its run tag (the SHA-256 of the run's config.json) "
-                "differs, so either this database or config.json was replaced",
+                f"belongs to another run than {self.run_tag_source}: either this database or "
+                f"{self.run_tag_source} was replaced or edited",
             )
         problems = [r[0] for r in self._db.execute("PRAGMA quick_check").fetchall()]
         if problems != ["ok"]:
