@@ -1,22 +1,29 @@
 """Checkpoints of a run, so an interrupted run continues exactly where it stopped.
 
-After every ``checkpoint_every`` rounds fedsim writes ``DIR/checkpoint.pkl``:
-the last completed round, the global arrays and the strategy object itself
-(which carries everything a strategy keeps between rounds: server-optimiser
-moments, DP noise generators, privacy ledgers). Client states live in
-``DIR/client_state.sqlite``, whose versions are confirmed at the same moment
-(:meth:`~fedsim.engine.state.ClientStateStore.checkpoint`). Everything else a
-round depends on is drawn from ``(seed, round, ...)`` (cohorts, faults, client
-shuffling), so nothing more is needed to replay the following rounds exactly.
+After every ``checkpoint_every`` rounds fedsim writes ``DIR/checkpoint-NNNNNN.ckpt`` (``N`` the
+last completed round): the global arrays and the strategy object itself (which carries
+everything a strategy keeps between rounds: server-optimiser moments, DP noise generators,
+privacy ledgers). Client states live in ``DIR/client_state.sqlite``
+(:class:`~fedsim.engine.state.ClientStateStore`); everything else a round depends on is drawn
+from ``(seed, round, ...)`` or from the parties' own secrets, so nothing more is needed to replay
+the following rounds exactly.
 
-The file is written to a temporary name and renamed, so a crash while writing
-leaves the previous checkpoint intact.
+A checkpoint is data, not code, until it is authenticated: the pickled :class:`Checkpoint` is the
+payload of a record (:func:`fedsim.runfiles.seal_record`) whose header and payload are MACed with
+a key derived from the run's secret root, kept outside the run directory. Nothing is unpickled
+before the magic, schema version, lengths and MAC check out. The header binds the checkpoint to
+the rest of the run directory: the round, the client-state store it belongs to with the store's
+version and a checksum of the states at that version (:class:`StateMark`), and the SHA-256 of
+``config.json``.
+
+The file is written atomically (:func:`fedsim.runfiles.write_atomic`); the last :data:`KEEP`
+checkpoints are kept, so a damaged newest one can fall back to the one before it.
 """
 
 from __future__ import annotations
 
-import os
 import pickle
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,9 +32,18 @@ import cloudpickle
 import numpy as np
 from flwr.serverapp.strategy import Strategy
 
-CHECKPOINT_FILE = "checkpoint.pkl"
+from fedsim.randomness import RunSecret
+from fedsim.runfiles import RunFileError, fsync_directory, open_record, seal_record, write_atomic
+
 STATE_FILE = "client_state.sqlite"
 CONFIG_FILE = "config.json"
+LEGACY_CHECKPOINT_FILE = "checkpoint.pkl"
+"""What fedsim before authenticated checkpoints wrote: a bare pickle, never loaded now."""
+KEEP = 2
+"""Checkpoints kept in a run directory (the newest and the one before it)."""
+KIND = "ckpt"
+SCHEMA = 1
+_NAME = re.compile(r"^checkpoint-(\d{6,})\.ckpt$")
 
 
 @dataclass
@@ -40,24 +56,120 @@ class Checkpoint:
     extra: dict[str, Any]
 
 
-def save_checkpoint(directory: str | Path, checkpoint: Checkpoint) -> None:
-    """Write ``checkpoint`` atomically into ``directory``."""
-    path = Path(directory) / CHECKPOINT_FILE
-    tmp = path.with_suffix(".tmp")
-    with tmp.open("wb") as fh:
-        cloudpickle.dump(checkpoint, fh, protocol=pickle.HIGHEST_PROTOCOL)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+@dataclass(frozen=True)
+class StateMark:
+    """The client-state store as a checkpoint saw it.
+
+    Attributes:
+        store: the store's identity (32 hex digits, random per run directory).
+        version: the round the store was synced at; resuming rolls it back to this.
+        checksum: SHA-256 (hex) over the states as of ``version``
+            (:meth:`~fedsim.engine.state.ClientStateStore.checksum`).
+    """
+
+    store: str
+    version: int
+    checksum: str
 
 
-def load_checkpoint(directory: str | Path) -> Checkpoint | None:
-    """The checkpoint in ``directory``, or None if the run never completed a round."""
-    path = Path(directory) / CHECKPOINT_FILE
-    if not path.is_file():
-        return None
-    with path.open("rb") as fh:
-        checkpoint = pickle.load(fh)
-    if not isinstance(checkpoint, Checkpoint):
-        raise ValueError(f"{path} does not hold a fedsim checkpoint")
-    return checkpoint
+@dataclass(frozen=True)
+class CheckpointHeader:
+    """The authenticated header of a checkpoint file."""
+
+    server_round: int
+    state: StateMark
+    config_digest: str
+
+
+def checkpoint_path(directory: str | Path, server_round: int) -> Path:
+    """The file of round ``server_round``'s checkpoint."""
+    return Path(directory) / f"checkpoint-{server_round:06d}.ckpt"
+
+
+def checkpoint_files(directory: str | Path) -> list[Path]:
+    """The checkpoint files in ``directory``, newest round first."""
+    found = [
+        (int(match.group(1)), p)
+        for p in Path(directory).glob("checkpoint-*.ckpt")
+        if (match := _NAME.match(p.name))
+    ]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def round_of(path: Path) -> int:
+    """The round a checkpoint file's name announces."""
+    match = _NAME.match(path.name)
+    if match is None:
+        raise ValueError(f"{path.name} is not a checkpoint file name")
+    return int(match.group(1))
+
+
+def save_checkpoint(
+    directory: str | Path,
+    checkpoint: Checkpoint,
+    *,
+    secrets: RunSecret,
+    state: StateMark,
+    config_digest: str,
+) -> Path:
+    """Write ``checkpoint`` atomically as an authenticated record, then drop all but the
+    :data:`KEEP` newest checkpoints. Returns the new file."""
+    path = checkpoint_path(directory, checkpoint.server_round)
+    header = {
+        "server_round": checkpoint.server_round,
+        "state": {"store": state.store, "version": state.version, "checksum": state.checksum},
+        "config": config_digest,
+    }
+    payload = cloudpickle.dumps(checkpoint, protocol=pickle.HIGHEST_PROTOCOL)
+    write_atomic(path, seal_record(KIND, SCHEMA, header, payload, secrets.mac_key()))
+    older = [p for p in checkpoint_files(directory) if round_of(p) < checkpoint.server_round]
+    for stale in older[KEEP - 1 :]:
+        stale.unlink()
+    if older[KEEP - 1 :]:
+        fsync_directory(directory)
+    return path
+
+
+def read_checkpoint(
+    path: str | Path,
+    secrets: RunSecret,
+    *,
+    store_id: str | None = None,
+    config_digest: str | None = None,
+) -> tuple[CheckpointHeader, Checkpoint]:
+    """The checkpoint in ``path``, unpickled only after its record authenticates and its header
+    matches the run (``store_id``: the state store's identity; ``config_digest``: SHA-256 of
+    config.json; None skips that check).
+
+    Raises :class:`~fedsim.runfiles.RunFileError` naming ``path`` when the file is empty,
+    truncated, garbage, of another schema, not authentic under ``secrets``, of another round than
+    its file name says, or of another run.
+    """
+    path = Path(path)
+    raw, payload = open_record(path, KIND, SCHEMA, secrets.mac_key(), "a fedsim checkpoint")
+    state = raw["state"]
+    header = CheckpointHeader(
+        server_round=int(raw["server_round"]),
+        state=StateMark(str(state["store"]), int(state["version"]), str(state["checksum"])),
+        config_digest=str(raw["config"]),
+    )
+    if _NAME.match(path.name) and round_of(path) != header.server_round:
+        raise RunFileError(
+            path, f"holds the checkpoint of round {header.server_round}, not of its file name's"
+        )
+    if header.state.version != header.server_round:
+        raise RunFileError(path, "records client states of another round than its own")
+    if store_id is not None and header.state.store != store_id:
+        raise RunFileError(
+            path, f"belongs to another run: it records another client-state store than {STATE_FILE}"
+        )
+    if config_digest is not None and header.config_digest != config_digest:
+        raise RunFileError(
+            path,
+            f"belongs to another run: it was written for another {CONFIG_FILE} "
+            "(the config or this checkpoint was replaced)",
+        )
+    checkpoint = pickle.loads(payload)  # authentic, and this run's: its own server wrote it
+    if not isinstance(checkpoint, Checkpoint) or checkpoint.server_round != header.server_round:
+        raise RunFileError(path, "does not hold the checkpoint its header describes")
+    return header, checkpoint

@@ -40,7 +40,7 @@ from flwr.app import ArrayRecord, MetricRecord
 from flwr.serverapp.strategy import Strategy
 
 from fedsim import __version__
-from fedsim.checkpoint import CONFIG_FILE, STATE_FILE, Checkpoint, load_checkpoint, save_checkpoint
+from fedsim.checkpoint import CONFIG_FILE, Checkpoint
 from fedsim.config import ConfigError, from_mapping, load_toml, require, to_mapping
 from fedsim.data import DatasetSpec, FederatedDataset, build_dataset
 from fedsim.engine import (
@@ -63,6 +63,8 @@ from fedsim.randomness import RunSecret
 from fedsim.records import to_numpy, to_record
 from fedsim.results import RoundRecorder, RunWriter, metrics_dict, read_rounds
 from fedsim.run_root import resume_root, start_root
+from fedsim.rundir import RunDirectory
+from fedsim.runfiles import RunFileError
 from fedsim.workloads.audits.run_audit import AuditConfig, run_configured_audit
 from fedsim.workloads.averaging import Averaging
 from fedsim.workloads.conformal import OnlineConformal
@@ -357,29 +359,32 @@ def run_experiment(
     """Run ``config``, writing rounds.jsonl as it goes and summary.json at the end.
 
     With ``resume``, continue the interrupted run in ``out_dir`` from its last
-    checkpoint (see :mod:`fedsim.checkpoint`); the rounds it then writes are the
+    checkpoint (see :mod:`fedsim.rundir`); the rounds it then writes are the
     ones an uninterrupted run would have written.
 
     ``secrets`` is the run's secret root (every party's secret derives from it; the
-    same root and config repeat a run bit for bit). None: a fresh root, kept in the
-    user's secrets directory so that ``resume`` finds it (:mod:`fedsim.run_root`);
-    a resumed run needs the root it started with.
+    same root and config repeat a run bit for bit; it also seals the clients' states
+    and authenticates the checkpoints). None: a fresh root, kept in the user's secrets
+    directory so that ``resume`` finds it (:mod:`fedsim.run_root`); a resumed run needs
+    the root it started with.
     """
     out = Path(out_dir)
+    budget = config.state_memory_mb * 2**20
     if resume:
         root = resume_root(out, secrets)  # before anything in the directory changes
-        checkpoint = load_checkpoint(out)
-        start_round = checkpoint.server_round + 1 if checkpoint else 1
-        writer = RunWriter(out, "--resume", resume_after=start_round - 1 if checkpoint else -1)
+        config = load_run_config(out, config)
+        run_dir, checkpoint = RunDirectory.reopen(out, root, budget)
+        resumed_after = checkpoint.server_round if checkpoint else -1
+        start_round = max(resumed_after, 0) + 1
+        writer = RunWriter(out, "--resume", resume_after=resumed_after)
     else:
         checkpoint, start_round = None, 1
         writer = RunWriter(out)
-        (out / CONFIG_FILE).write_text(json.dumps(to_mapping(config), indent=2, sort_keys=True))
         root = start_root(out, secrets)
+        config_text = json.dumps(to_mapping(config), indent=2, sort_keys=True)
+        run_dir = RunDirectory.create(out, config_text, root, budget)
     started = time.perf_counter()
-    store = ClientStateStore(out / STATE_FILE, memory_budget=config.state_memory_mb * 2**20)
-    if resume:
-        store.rollback(start_round - 1 if checkpoint else 0)
+    store = run_dir.store
     strategy = None
     try:
         dataset = build_dataset(config.data)
@@ -455,10 +460,8 @@ def run_experiment(
                     outcome.server_round % config.checkpoint_every == 0 or last
                 ):
                     arrays_now = {k: np.array(v) for k, v in to_numpy(outcome.arrays).items()}
-                    save_checkpoint(out, Checkpoint(outcome.server_round, arrays_now, strategy, {}))
-                    # Only now may the store drop the older versions: a run killed
-                    # before the line above resumes from the previous checkpoint.
-                    store.checkpoint(outcome.server_round)
+                    writer.sync()  # the checkpoint must never be ahead of rounds.jsonl
+                    run_dir.save(Checkpoint(outcome.server_round, arrays_now, strategy, {}))
 
             final = run_rounds(
                 strategy,
@@ -490,7 +493,7 @@ def run_experiment(
         if close is not None:
             close()
         writer.close()
-        store.close()
+        run_dir.close()
 
 
 def _file_backed(dataset: FederatedDataset) -> bool:
@@ -595,7 +598,12 @@ def load_run_config(out_dir: str | Path, given: ExperimentConfig | None) -> Expe
         raise ConfigError(
             "--resume", str(out_dir), f"a fedsim run directory (it has no {CONFIG_FILE})"
         )
-    saved = ExperimentConfig.from_dict(json.loads(path.read_text()))
+    try:
+        saved = ExperimentConfig.from_dict(json.loads(path.read_bytes()))
+    except (ValueError, TypeError, AttributeError) as err:  # ConfigError is a ValueError
+        raise RunFileError(
+            path, f"is not a config fedsim wrote (truncated, damaged or edited: {err})"
+        ) from None
     if given is None:
         return saved
     ours, theirs = to_mapping(given), to_mapping(saved)
@@ -605,7 +613,7 @@ def load_run_config(out_dir: str | Path, given: ExperimentConfig | None) -> Expe
     if differing:
         raise ConfigError(
             "--resume",
-            str(out_dir),
+            str(path),
             f"a run of the same config; these tables differ: {', '.join(differing)}",
         )
     return dataclasses.replace(saved, engine=given.engine)

@@ -41,6 +41,7 @@ from flwr.app import MetricRecord
 
 from fedsim.config import ConfigError
 from fedsim.engine.grid import PhaseReport
+from fedsim.runfiles import write_atomic
 
 ROUNDS_FILE = "rounds.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -88,19 +89,22 @@ class RunWriter:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         else:
             kept = [r for r in read_rounds(self.rounds_path) if r["round"] <= resume_after]
-            tmp = self.rounds_path.with_suffix(".tmp")
-            tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
-            os.replace(tmp, self.rounds_path)
+            text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept)
+            write_atomic(self.rounds_path, text.encode())
         self._rounds = self.rounds_path.open("a", encoding="utf-8")
 
     def write_round(self, record: Mapping[str, Any]) -> None:
         self._rounds.write(json.dumps(json_ready(record), sort_keys=True) + "\n")
         self._rounds.flush()
 
+    def sync(self) -> None:
+        """Make the lines written so far durable (before a checkpoint that covers them)."""
+        self._rounds.flush()
+        os.fsync(self._rounds.fileno())
+
     def write_summary(self, summary: Mapping[str, Any]) -> None:
-        tmp = self.summary_path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(json_ready(summary), indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, self.summary_path)
+        text = json.dumps(json_ready(summary), indent=2, sort_keys=True) + "\n"
+        write_atomic(self.summary_path, text.encode())
 
     def close(self) -> None:
         self._rounds.close()

@@ -9,16 +9,16 @@ import pytest
 import torch
 from flwr.app import RecordDict
 
-from fedsim.checkpoint import STATE_FILE
 from fedsim.config import ConfigError, from_mapping, to_mapping
 from fedsim.data import build_dataset
-from fedsim.engine import ClientRegistry, ClientStateStore
+from fedsim.engine import ClientRegistry
 from fedsim.engine.participation import TRAIN
 from fedsim.experiment import ExperimentConfig, participation_for, run_experiment
 from fedsim.models import ModelSpec, initial_arrays
 from fedsim.privacy import accounting
 from fedsim.randomness import RunSecret
 from fedsim.results import read_rounds
+from fedsim.rundir import RunDirectory
 from fedsim.workloads import dp_sgd
 from fedsim.workloads.dp_sgd import DPSGD, client_epsilon, epsilon_of, history_of, train_client
 from fedsim.workloads.supervised import LocalTraining
@@ -229,7 +229,8 @@ def test_dp_sgd_clients_on_the_ray_engine_report_epsilon_and_the_worst_is_summar
 ):
     out = tmp_path / "run"
     # the run starts its own two Ray workers and releases their CPUs when it ends
-    summary = run_experiment(config(), out, progress=False)
+    secrets = RunSecret.from_passphrase("tests")
+    summary = run_experiment(config(), out, progress=False, secrets=secrets)
     records = [r for r in read_rounds(out / "rounds.jsonl") if r["round"] >= 1]
     assert len(records) == 3
     for r in records:
@@ -238,7 +239,7 @@ def test_dp_sgd_clients_on_the_ray_engine_report_epsilon_and_the_worst_is_summar
         assert "metrics" not in r["train"] and "metrics_in_clear" not in r
     # every client's own history, as its state holds it after the run
     run_config = config()
-    store = ClientStateStore(out / STATE_FILE)
+    store = RunDirectory.states(out, secrets)  # the states open only under the run's root
     try:
         registry = ClientRegistry(12)
         blobs = store.get_many(registry.node_ids())

@@ -7,9 +7,11 @@ import dp_accounting as dpa
 import pytest
 from dp_accounting.rdp import RdpAccountant
 
-import fedsim.experiment as experiment
 from fedsim.cli import main
+from fedsim.experiment import ExperimentConfig, run_experiment
+from fedsim.randomness import RunSecret
 from fedsim.results import read_rounds
+from fedsim.rundir import RunDirectory
 
 RUN = """
 name = "mm"
@@ -81,25 +83,25 @@ def test_run_reports_epsilon_each_round_ending_at_the_gaussian_of_z(tmp_path):
 
 
 def test_interrupted_run_resumes_to_the_same_rounds(tmp_path, monkeypatch):
-    config = write(tmp_path, "clipping_norm = 0.5, noise_multiplier = 0.8, server_momentum = 0.5")
-    root = ["--secrets", str(tmp_path / "root.hex")]  # both runs: the same secrets
+    path = write(tmp_path, "clipping_norm = 0.5, noise_multiplier = 0.8, server_momentum = 0.5")
+    config, secrets = ExperimentConfig.load(path), RunSecret.from_passphrase("tests")
     full = tmp_path / "full"
-    assert main(["run", str(config), "--out", str(full), "--no-progress", *root]) == 0
+    run_experiment(config, full, progress=False, secrets=secrets)
     expected = [strip_times(r) for r in read_rounds(full / "rounds.jsonl")]
 
-    save = experiment.save_checkpoint
+    save = RunDirectory.save
 
-    def save_then_stop(directory, checkpoint):
-        save(directory, checkpoint)
+    def save_then_stop(self, checkpoint):
+        save(self, checkpoint)
         if checkpoint.server_round == 3:
             raise KeyboardInterrupt  # the process dies right after round 3's checkpoint
 
     cut = tmp_path / "cut"
-    monkeypatch.setattr(experiment, "save_checkpoint", save_then_stop)
+    monkeypatch.setattr(RunDirectory, "save", save_then_stop)
     with pytest.raises(KeyboardInterrupt):
-        main(["run", str(config), "--out", str(cut), "--no-progress", *root])
-    monkeypatch.setattr(experiment, "save_checkpoint", save)
-    assert main(["run", "--resume", str(cut), "--no-progress", *root]) == 0
+        run_experiment(config, cut, progress=False, secrets=secrets)
+    monkeypatch.setattr(RunDirectory, "save", save)
+    run_experiment(config, cut, resume=True, progress=False, secrets=secrets)
     assert [strip_times(r) for r in read_rounds(cut / "rounds.jsonl")] == expected
 
 

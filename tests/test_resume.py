@@ -7,9 +7,16 @@ import subprocess
 import sys
 import time
 
+from pathlib import Path
+
 import pytest
 
+import fedsim
+import fedsim.rundir as rundir
 from fedsim.cli import main
+from fedsim.config import ConfigError
+from fedsim.experiment import ExperimentConfig, run_experiment
+from fedsim.randomness import RunSecret
 from fedsim.results import read_rounds
 
 CONFIG = """
@@ -61,8 +68,26 @@ def strip_times(record):
     return record
 
 
-def fedsim(*args):
-    return [sys.executable, "-m", "fedsim", *args, "--no-progress"]
+PASSPHRASE = "tests"
+ROOT = Path(fedsim.__file__).resolve().parent.parent
+# A run in its own process, with the fixed secret root that resuming needs.
+PROCESS = """
+import sys
+from fedsim.experiment import ExperimentConfig, run_experiment
+from fedsim.randomness import RunSecret
+config, out, mode = sys.argv[1:]
+run_experiment(ExperimentConfig.load(config), out, resume=mode == "resume", progress=False,
+               secrets=RunSecret.from_passphrase(%r))
+""" % PASSPHRASE
+
+
+def in_process(*args):
+    return [sys.executable, "-c", PROCESS, *map(str, args)]
+
+
+@pytest.fixture
+def secrets():
+    return RunSecret.from_passphrase(PASSPHRASE)
 
 
 @pytest.fixture
@@ -72,16 +97,21 @@ def config(tmp_path):
     return path
 
 
-def test_killed_run_resumes_to_the_same_rounds(tmp_path, config):
-    root = ["--secrets", str(tmp_path / "root.hex")]  # both runs: the same secrets
+def run(config, out, secrets, resume=False):
+    return run_experiment(
+        ExperimentConfig.load(config), out, resume=resume, progress=False, secrets=secrets
+    )
+
+
+def test_killed_run_resumes_to_the_same_rounds(tmp_path, config, secrets):
     full = tmp_path / "full"
-    assert main(["run", str(config), "--out", str(full), "--no-progress", *root]) == 0
+    run(config, full, secrets)
     expected = [strip_times(r) for r in read_rounds(full / "rounds.jsonl")]
     assert [r["round"] for r in expected] == list(range(7))
 
     killed = tmp_path / "killed"
-    env = dict(os.environ, RAY_ADDRESS="")
-    proc = subprocess.Popen(fedsim("run", str(config), "--out", str(killed), *root), env=env)
+    env = dict(os.environ, RAY_ADDRESS="", PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(in_process(config, killed, "new"), env=env)
     deadline = time.monotonic() + 300
     while len(read_rounds(killed / "rounds.jsonl")) < 4:  # rounds 0..3 written
         assert proc.poll() is None, "the run ended before it could be killed"
@@ -91,26 +121,76 @@ def test_killed_run_resumes_to_the_same_rounds(tmp_path, config):
     proc.wait()
     assert not (killed / "summary.json").exists()
 
-    done = subprocess.run(fedsim("run", "--resume", str(killed), *root), env=env, timeout=300)
+    done = subprocess.run(in_process(config, killed, "resume"), env=env, timeout=300)
     assert done.returncode == 0
     resumed = [strip_times(r) for r in read_rounds(killed / "rounds.jsonl")]
     assert resumed == expected  # nothing lost, nothing duplicated, the same numbers
     summary = json.loads((killed / "summary.json").read_text())
-    assert summary["rounds"] == 6 and summary["resumed_after_round"] >= 3
+    # round 3 was written; its checkpoint may not have been when the kill came
+    assert summary["rounds"] == 6 and summary["resumed_after_round"] >= 2
 
 
 def test_resume_refuses_a_different_config_or_a_foreign_directory(tmp_path, config, capsys):
     out = tmp_path / "run"
     assert main(["run", str(config), "--out", str(out), "--no-progress"]) == 0
+    capsys.readouterr()
     before = (out / "rounds.jsonl").read_text()
     changed = tmp_path / "changed.toml"
     changed.write_text(CONFIG.replace("lr = 0.1", "lr = 0.2"))
     assert main(["run", str(changed), "--resume", str(out)]) == 2
     err = capsys.readouterr().err
-    assert "--resume" in err and "client" in err
+    assert "--resume" in err and "client" in err and str(out / "config.json") in err
     assert (out / "rounds.jsonl").read_text() == before
     assert main(["run", "--resume", str(tmp_path / "nothing-here")]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_resuming_needs_the_runs_secret_root(tmp_path, config, secrets):
+    out = tmp_path / "run"
+    run(config, out, secrets)
+    with pytest.raises(ConfigError, match="the root file this run was started with"):
+        run_experiment(ExperimentConfig.load(config), out, resume=True, progress=False)
+    with pytest.raises(ConfigError, match="the root this run was started with"):
+        run(config, out, RunSecret.from_passphrase("another"), resume=True)
+
+
+def test_resuming_a_finished_run_rewrites_nothing(tmp_path, config, secrets):
+    out = tmp_path / "run"
+    run(config, out, secrets)
+    before = [strip_times(r) for r in read_rounds(out / "rounds.jsonl")]
+    run(config, out, secrets, resume=True)
+    assert [strip_times(r) for r in read_rounds(out / "rounds.jsonl")] == before
+
+
+def test_a_crash_while_checkpointing_resumes_from_the_previous_checkpoint(
+    tmp_path, config, secrets, monkeypatch
+):
+    full = tmp_path / "full"
+    run(config, full, secrets)
+    expected = [strip_times(r) for r in read_rounds(full / "rounds.jsonl")]
+
+    real_save = rundir.save_checkpoint
+
+    def dies_at_round_3(directory, checkpoint, **kwargs):
+        if checkpoint.server_round == 3:
+            raise KeyboardInterrupt  # the process stops while writing this checkpoint
+        return real_save(directory, checkpoint, **kwargs)
+
+    monkeypatch.setattr(rundir, "save_checkpoint", dies_at_round_3)
+    out = tmp_path / "crashed"
+    with pytest.raises(KeyboardInterrupt):
+        run(config, out, secrets)
+    monkeypatch.setattr(rundir, "save_checkpoint", real_save)
+    assert [p.name for p in sorted(out.glob("checkpoint-*"))] == [
+        "checkpoint-000001.ckpt",
+        "checkpoint-000002.ckpt",
+    ]
+    run(config, out, secrets, resume=True)
+    assert [strip_times(r) for r in read_rounds(out / "rounds.jsonl")] == expected
+    assert [p.name for p in sorted(out.glob("checkpoint-*"))] == [
+        "checkpoint-000005.ckpt",
+        "checkpoint-000006.ckpt",
+    ]
 
 
 def test_resume_finds_the_kept_root_or_refuses_clearly(tmp_path, config, capsys, _secrets_dir):
@@ -138,37 +218,3 @@ def test_a_root_file_inside_the_run_directory_is_refused(tmp_path, config, capsy
     assert main(["run", str(config), "--out", str(out), "--secrets", str(out / "k.hex")]) == 2
     assert "outside the run directory" in capsys.readouterr().err
     assert not (out / "k.hex").exists()
-
-
-def test_resuming_a_finished_run_rewrites_nothing(tmp_path, config):
-    out = tmp_path / "run"
-    assert main(["run", str(config), "--out", str(out), "--no-progress"]) == 0
-    before = [strip_times(r) for r in read_rounds(out / "rounds.jsonl")]
-    assert main(["run", "--resume", str(out), "--no-progress"]) == 0
-    assert [strip_times(r) for r in read_rounds(out / "rounds.jsonl")] == before
-
-
-def test_a_crash_while_checkpointing_resumes_from_the_previous_checkpoint(
-    tmp_path, config, monkeypatch
-):
-    root = ["--secrets", str(tmp_path / "root.hex")]
-    full = tmp_path / "full"
-    assert main(["run", str(config), "--out", str(full), "--no-progress", *root]) == 0
-    expected = [strip_times(r) for r in read_rounds(full / "rounds.jsonl")]
-
-    import fedsim.experiment as experiment
-
-    real_save = experiment.save_checkpoint
-
-    def dies_at_round_3(directory, checkpoint):
-        if checkpoint.server_round == 3:
-            raise KeyboardInterrupt  # the process stops while writing this checkpoint
-        real_save(directory, checkpoint)
-
-    monkeypatch.setattr(experiment, "save_checkpoint", dies_at_round_3)
-    out = tmp_path / "crashed"
-    with pytest.raises(KeyboardInterrupt):
-        main(["run", str(config), "--out", str(out), "--no-progress", *root])
-    monkeypatch.setattr(experiment, "save_checkpoint", real_save)
-    assert main(["run", "--resume", str(out), "--no-progress", *root]) == 0
-    assert [strip_times(r) for r in read_rounds(out / "rounds.jsonl")] == expected

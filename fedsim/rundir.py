@@ -1,0 +1,210 @@
+"""A run directory: how a new run lays it out, how it checkpoints, how ``--resume`` reopens it.
+
+What a run directory holds (``fedsim run --out DIR``)::
+
+    config.json                the run's config, as validated (written once, atomically)
+    rounds.jsonl, summary.json results (fedsim.results)
+    client_state.sqlite        the clients' states, each sealed with its client's own secret
+    checkpoint-NNNNNN.ckpt     the last two checkpoints, authenticated records
+    model.npz                  the final global arrays
+
+None of it is trusted on ``--resume``. The secret root the run started with (kept outside the
+directory) authenticates the checkpoints and the state database's identity and opens the
+clients' states; the files are cross-checked before a round runs:
+
+* the state database is bound to ``config.json`` (its SHA-256, MACed in the database);
+* a checkpoint's authenticated header names the state store, the round it was synced at and a
+  checksum of its states at that round, and ``config.json``'s SHA-256.
+
+``--resume`` continues from the newest checkpoint. If that file is damaged or foreign it says
+so and falls back to the one before it, but only if the state store can be rolled back to it
+exactly (its checksum matches); in every other case it refuses, naming the file. So a resumed
+run either writes what the uninterrupted run would have written, or stops before doing anything.
+
+Order of writes at a checkpoint (so that a kill or a power loss at any point leaves a resumable
+directory): the state database is synced to disk first (:meth:`ClientStateStore.mark`), then the
+checkpoint is written atomically, then the store drops versions that neither of the last two
+checkpoints needs (:meth:`ClientStateStore.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from fedsim.checkpoint import (
+    CONFIG_FILE,
+    LEGACY_CHECKPOINT_FILE,
+    STATE_FILE,
+    Checkpoint,
+    CheckpointHeader,
+    checkpoint_files,
+    read_checkpoint,
+    save_checkpoint,
+)
+from fedsim.config import ConfigError
+from fedsim.engine.state import ClientStateStore
+from fedsim.randomness import RunSecret
+from fedsim.runfiles import RunFileError, digest, fsync_directory, write_atomic
+
+log = logging.getLogger(__name__)
+DAMAGED_SUFFIX = ".damaged"
+"""A checkpoint that failed its checks on resume is renamed aside with this suffix."""
+
+
+@dataclass
+class RunDirectory:
+    """The open files of one run: its state store and what checkpoints bind to.
+
+    Attributes:
+        out: the directory.
+        store: the clients' states (``client_state.sqlite``).
+        secrets: the run's secret root.
+        config_digest: SHA-256 (hex) of ``config.json``.
+    """
+
+    out: Path
+    store: ClientStateStore
+    secrets: RunSecret
+    config_digest: str
+
+    @classmethod
+    def create(
+        cls, out: str | Path, config_text: str, secrets: RunSecret, memory_budget: int
+    ) -> RunDirectory:
+        """Lay out a new run in ``out``: the state database, then ``config.json``."""
+        out = Path(out)
+        taken = [p for p in (out / STATE_FILE, out / CONFIG_FILE) if p.exists()]
+        taken += checkpoint_files(out)
+        if taken:
+            raise ConfigError(
+                "--out", str(out), f"a new or empty directory (this one holds {taken[0].name})"
+            )
+        data = config_text.encode()
+        store = ClientStateStore(out / STATE_FILE, memory_budget, secrets, run_tag=digest(data))
+        write_atomic(out / CONFIG_FILE, data)
+        return cls(out, store, secrets, digest(data))
+
+    @classmethod
+    def reopen(
+        cls, out: str | Path, secrets: RunSecret, memory_budget: int
+    ) -> tuple[RunDirectory, Checkpoint | None]:
+        """Open the run in ``out`` for ``--resume``: the checkpoint to continue from (None: from
+        the start) with the store rolled back to it. Raises
+        :class:`~fedsim.runfiles.RunFileError` naming the file when the directory cannot be
+        resumed exactly."""
+        out = Path(out)
+        config_digest = _config_digest(out)
+        legacy = out / LEGACY_CHECKPOINT_FILE
+        if legacy.exists():
+            raise RunFileError(
+                legacy,
+                "is an unauthenticated pickle (an earlier fedsim's checkpoint format); it is "
+                "never loaded, since loading it could run code. Run again from the start",
+            )
+        store = ClientStateStore(
+            out / STATE_FILE,
+            memory_budget,
+            secrets,
+            run_tag=config_digest,
+            run_tag_source=str(out / CONFIG_FILE),
+            must_exist=True,
+        )
+        run_dir = cls(out, store, secrets, config_digest)
+        try:
+            return run_dir, run_dir._resume_point()
+        except BaseException:
+            store.close()
+            raise
+
+    @staticmethod
+    def states(out: str | Path, secrets: RunSecret) -> ClientStateStore:
+        """The client states of the run in ``out`` (as its last round left them), to read."""
+        out = Path(out)
+        return ClientStateStore(
+            out / STATE_FILE,
+            secrets=secrets,
+            run_tag=_config_digest(out),
+            run_tag_source=str(out / CONFIG_FILE),
+            must_exist=True,
+        )
+
+    def _read(self, path: Path) -> tuple[CheckpointHeader, Checkpoint]:
+        return read_checkpoint(
+            path, self.secrets, store_id=self.store.store_id, config_digest=self.config_digest
+        )
+
+    def _resume_point(self) -> Checkpoint | None:
+        for partial in self.out.glob("checkpoint-*.ckpt.tmp"):  # never renamed into place
+            partial.unlink()
+        files = checkpoint_files(self.out)
+        if not files:
+            self.store.rollback(0)
+            return None
+        newest = files[0]
+        try:
+            header, checkpoint = self._read(newest)
+        except RunFileError as err:
+            header, checkpoint = self._fall_back(err, files[1:])
+        else:
+            self.store.verify(header.state, newest)
+        self.store.rollback(header.server_round)
+        return checkpoint
+
+    def _fall_back(
+        self, newest: RunFileError, older: list[Path]
+    ) -> tuple[CheckpointHeader, Checkpoint]:
+        """The checkpoint before a damaged newest one, if the store can return to it exactly."""
+        if not older:
+            raise RunFileError(
+                newest.path, f"{newest.problem}; there is no earlier checkpoint to resume from"
+            )
+        previous = older[0]
+        log.warning("%s; trying the checkpoint before it, %s", newest, previous.name)
+        try:
+            header, checkpoint = self._read(previous)
+        except RunFileError as err:
+            raise RunFileError(
+                newest.path,
+                f"{newest.problem}; and the checkpoint before it, {previous.name}, {err.problem}",
+            ) from None
+        try:
+            self.store.verify(header.state, previous)
+        except RunFileError as err:
+            raise RunFileError(
+                err.path,
+                f"{err.problem}; the newest checkpoint {newest.path.name} {newest.problem}, so "
+                "the run cannot resume exactly",
+            ) from None
+        self._set_aside(newest.path)
+        return header, checkpoint
+
+    def _set_aside(self, path: Path) -> None:
+        """Rename a refused checkpoint out of the way (kept for inspection, never read)."""
+        path.rename(path.with_name(path.name + DAMAGED_SUFFIX))
+        fsync_directory(self.out)
+
+    def save(self, checkpoint: Checkpoint) -> Path:
+        """Checkpoint the round: sync the states, write the checkpoint, prune the states."""
+        mark = self.store.mark(checkpoint.server_round)
+        path = save_checkpoint(
+            self.out,
+            checkpoint,
+            secrets=self.secrets,
+            state=mark,
+            config_digest=self.config_digest,
+        )
+        self.store.checkpoint(checkpoint.server_round)
+        return path
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def _config_digest(out: Path) -> str:
+    """SHA-256 (hex) of the run's config.json, what its other files are bound to."""
+    path = out / CONFIG_FILE
+    if not path.is_file():
+        raise RunFileError(path, "is missing: this is not a fedsim run directory")
+    return digest(path.read_bytes())
