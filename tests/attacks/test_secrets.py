@@ -203,23 +203,23 @@ def finished(out: Path) -> tuple[list[dict[str, Any]], dict[str, np.ndarray]]:
 
 @pytest.mark.parametrize("name", ["dp-fedavg-adaptive", "matrix-mechanism"])
 def test_resume_with_the_same_root_is_bit_identical(tmp_path, monkeypatch, name):
-    import fedsim.experiment as experiment
+    from fedsim.rundir import RunDirectory
 
     root = RunSecret.from_passphrase("resume")
     run = config(STRATEGIES[name], rounds=4, faults={"dropout": 0.2})
     run_experiment(run, tmp_path / "whole", progress=False, secrets=root)
 
-    save = experiment.save_checkpoint
+    save = RunDirectory.save
 
-    def stop_after_round_2(directory, checkpoint):
-        save(directory, checkpoint)
+    def stop_after_round_2(self, checkpoint):
+        save(self, checkpoint)
         if checkpoint.server_round == 2:
             raise KeyboardInterrupt  # the process dies right after round 2's checkpoint
 
-    monkeypatch.setattr(experiment, "save_checkpoint", stop_after_round_2)
+    monkeypatch.setattr(RunDirectory, "save", stop_after_round_2)
     with pytest.raises(KeyboardInterrupt):
         run_experiment(run, tmp_path / "cut", progress=False, secrets=root)
-    monkeypatch.setattr(experiment, "save_checkpoint", save)
+    monkeypatch.setattr(RunDirectory, "save", save)
     run_experiment(run, tmp_path / "cut", resume=True, progress=False, secrets=root)
     (whole_rounds, whole_model), (cut_rounds, cut_model) = (
         finished(tmp_path / "whole"),
