@@ -47,6 +47,7 @@ from fedsim.engine import (
     PoissonCohort,
     UniformCohort,
 )
+from fedsim.engine.dmm_committee import bind_committee_host
 from fedsim.engine.participation import TRAIN, Participation
 from fedsim.engine.registry import ClientRegistry
 from fedsim.engine.rounds import RoundOutcome, run_rounds
@@ -54,6 +55,7 @@ from fedsim.engine.seeding import SeededSampling
 from fedsim.models import ModelSpec, build_model, initial_arrays, load_arrays
 from fedsim.privacy import accounting
 from fedsim.progress import RunProgress
+from fedsim.randomness import RunSecret
 from fedsim.records import to_numpy, to_record
 from fedsim.results import RoundRecorder, RunWriter, metrics_dict, read_rounds
 from fedsim.workloads.audits.run_audit import AuditConfig, run_configured_audit
@@ -315,8 +317,11 @@ def run_experiment(
     resume: bool = False,
     progress: bool = True,
     engine: Engine | None = None,
+    secrets: RunSecret | None = None,
 ) -> dict[str, Any]:
     """Run ``config``, writing rounds.jsonl as it goes and summary.json at the end.
+
+    ``secrets``: the run's secret root (DMM committee members derive their secrets from it).
 
     With ``resume``, continue the interrupted run in ``out_dir`` from its last
     checkpoint (see :mod:`fedsim.checkpoint`); the rounds it then writes are the
@@ -334,7 +339,7 @@ def run_experiment(
     store = ClientStateStore(out / STATE_FILE, memory_budget=config.state_memory_mb * 2**20)
     if resume:
         store.rollback(start_round - 1 if checkpoint else 0)
-    strategy = None
+    strategy = committee_host = None
     try:
         dataset = build_dataset(config.data)
         spec = model_spec(config, dataset)
@@ -360,6 +365,9 @@ def run_experiment(
             client_app = ddgauss_client_app(client_app)
         own_engine = engine is None
         engine = (engine or Engine(config.engine)).start()
+        committee_host = bind_committee_host(  # DMM: members hosted by the engine
+            strategy, secrets, config.faults, out, resume_after=start_round - 1 if resume else None
+        )
         with RunProgress(config.rounds, done=start_round - 1, enabled=progress) as bar:
             recorder = RoundRecorder([writer.write_round, bar], infer_rounds=False)
             grid = engine.open_run(
@@ -403,6 +411,8 @@ def run_experiment(
                     # Only now may the store drop the older versions: a run killed
                     # before the line above resumes from the previous checkpoint.
                     store.checkpoint(outcome.server_round)
+                    if committee_host is not None:
+                        committee_host.checkpoint(outcome.server_round)
 
             final = run_rounds(
                 strategy,
@@ -433,6 +443,8 @@ def run_experiment(
         close = getattr(strategy, "close", None)  # e.g. DMM's committee actors
         if close is not None:
             close()
+        if committee_host is not None:
+            committee_host.close()
         writer.close()
         store.close()
 
