@@ -78,6 +78,13 @@ class MersenneField:
         """``values`` as an int64 array after checking every entry lies in ``[0, p)``."""
         array = np.asarray(values)
         if array.dtype == object:
+            if not all(
+                isinstance(v, int | np.integer) and not isinstance(v, bool) for v in array.ravel()
+            ):
+                raise ValueError(
+                    f"{name} must hold integers (field elements in [0, {self.modulus})), got "
+                    f"objects of types {sorted({type(v).__name__ for v in array.ravel()})}"
+                )
             array = np.array([int(v) for v in array.ravel()], dtype=object).reshape(array.shape)
             if array.size and (min(array.ravel()) < 0 or max(array.ravel()) >= self.modulus):
                 raise ValueError(f"{name} has entries outside [0, p) with p = {self.modulus}")
@@ -98,6 +105,16 @@ class MersenneField:
                 bad = low if low < 0 else high
                 raise ValueError(f"{name} has entry {bad} outside [0, p) with p = {self.modulus}")
         return array
+
+    def vector(self, payload, width: int, name: str = "payload") -> np.ndarray:
+        """``payload`` checked as a message field: a numpy array of ``width`` integers in
+        ``[0, p)`` (any integer dtype), returned as int64; else ``ValueError`` naming ``name``."""
+        if not isinstance(payload, np.ndarray) or payload.dtype.kind not in "iu":
+            kind = payload.dtype if isinstance(payload, np.ndarray) else type(payload).__name__
+            raise ValueError(f"{name} must be an integer array, got {kind}")
+        if payload.shape != (width,):
+            raise ValueError(f"{name} must hold {width} field elements, got shape {payload.shape}")
+        return self.asarray(payload, name)
 
     def reduce(self, integers) -> np.ndarray:
         """Any int64 array (or Python ints) mapped to its residue in ``[0, p)``."""
@@ -328,6 +345,43 @@ class MersenneField:
         if right_vector:
             return result[:, 0]
         return result
+
+    def solve(self, matrix, rhs) -> np.ndarray | None:
+        """One solution x of ``matrix @ x = rhs`` (mod p), or None when there is none.
+
+        Gauss-Jordan elimination with one vectorised row operation per pivot; unknowns without
+        a pivot (an underdetermined system) are set to 0. ``matrix`` (rows, columns), ``rhs``
+        (rows,): field elements.
+        """
+        matrix = self.asarray(matrix, "matrix")
+        rhs = self.asarray(rhs, "rhs").ravel()
+        if matrix.ndim != 2 or matrix.shape[0] != rhs.size:
+            raise ValueError(
+                f"solve needs a (rows, columns) matrix and rows right-hand sides, got "
+                f"{matrix.shape} and {rhs.shape}"
+            )
+        rows, columns = matrix.shape
+        table = np.hstack([matrix, rhs[:, None]])
+        pivots: list[int] = []
+        for column in range(columns):
+            row = len(pivots)
+            if row == rows:
+                break
+            nonzero = np.flatnonzero(table[row:, column])
+            if nonzero.size == 0:
+                continue
+            table[[row, row + nonzero[0]]] = table[[row + nonzero[0], row]]
+            pivot_inverse = pow(int(table[row, column]), self.modulus - 2, self.modulus)
+            table[row] = self._mul_unchecked(table[row], np.array([pivot_inverse]))
+            factors = table[:, column].copy()
+            factors[row] = 0
+            table = self.sub(table, self._mul_unchecked(factors[:, None], table[row][None, :]))
+            pivots.append(column)
+        if np.any(table[len(pivots) :, -1]):
+            return None
+        solution = np.zeros(columns, dtype=np.int64)
+        solution[pivots] = table[: len(pivots), -1]
+        return solution
 
     def vandermonde(self, points, columns: int) -> np.ndarray:
         """V[i, j] = points[i]^j mod p, shape (len(points), columns)."""

@@ -25,11 +25,16 @@ j; :meth:`protocols.field.MersenneField.lagrange_coefficients`). Steps:
 4. **VERIFY**: with m dealers and m > t + k, the old shares must lie on one polynomial of degree
    < t + k, i.e. satisfy the m - t - k parity checks sum_i v_i x_i^a s_i = 0 of the generalised
    Reed-Solomon code (v_i = 1 / prod_{l != i} (x_i - x_l), a = 0..m-t-k-1). New members combine
-   their check shares with these coefficients and send them to the server, which reconstructs
-   the syndromes c^(a) = sum_i v_i x_i^a c_i. All zero -> DONE. A single altered old share
-   e at member i* gives c^(a+1) / c^(a) = x_{i*}: the member is named, removed, and DEAL
-   restarts; more than one, or m = t + k + 1 -> :class:`ReshareTampering` (detected, not
-   located). With m = t + k nothing can be checked (``verified`` is False in the result).
+   their check shares with these coefficients and send them to the server, which opens the
+   syndromes c^(a) = sum_i v_i x_i^a c_i by decoding the new members' shares
+   (:meth:`protocols.shamir.PackedShamir.decode`). All zero -> DONE. Otherwise the syndromes are
+   those of the old members' errors alone, and syndrome decoding (a word with these syndromes,
+   decoded by Berlekamp-Welch) names the wrong old members within the decoding's sound radius
+   (at most min(floor((m-t-k)/2), m-t-k-t) of them, room being kept for t colluders); they are
+   removed and DEAL restarts. Beyond it, or when the syndromes could not be verified (exactly
+   t' + k new members answered), :class:`ReshareTampering` is raised naming nobody; new members
+   whose check shares were wrong are named. With m = t + k nothing can be checked
+   (``verified`` is False in the result).
 
 Cost. Each dealer of S sends n_new elements per block of k secrets: n_new / k elements per
 secret, a constant when k grows with n (naive resharing, k = 1, sends n_new per secret). The
@@ -47,15 +52,24 @@ default) or from a passed ``numpy.random.Generator`` (simulation, reproducible).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 import numpy as np
 
-from protocols.channels import SERVER_ID, ChannelError, Endpoint, Relay, Transcript, new_session_id
+from protocols.channels import (
+    SERVER_ID,
+    ChannelError,
+    Endpoint,
+    Envelope,
+    Relay,
+    Transcript,
+    new_session_id,
+)
 from protocols.secagg import TooManyDropoutsError, check_move
-from protocols.shamir import InconsistentSharesError, PackedShamir
+from protocols.shamir import PackedShamir, UncorrectableSharesError
 
 OLD_ID_BASE = 2**62
 """Channel party id of old member i: OLD_ID_BASE + i."""
@@ -105,7 +119,9 @@ class ReshareAbort(TooManyDropoutsError):
 
 
 class ReshareTampering(RuntimeError):
-    """The old shares fail the parity check and the faulty member cannot be singled out."""
+    """Tampering detected in VERIFY: the old shares fail the parity checks and the faulty
+    members cannot be singled out (``suspects`` empty), or new members sent wrong or malformed
+    check shares (``suspects``: their party ids NEW_ID_BASE + j)."""
 
     def __init__(self, message: str, suspects: tuple[int, ...] = ()) -> None:
         super().__init__(message)
@@ -120,7 +136,11 @@ class ReshareFaults:
     announced alive but never deliver their deal; ``new_drop``: new members that are gone (they
     receive and hold nothing); ``tamper``: old members whose held shares carry a non-zero offset
     (drawn from ``seed``) when they deal; ``corrupt_in_transit``: (old, new) pairs whose sealed
-    deal the relay alters.
+    deal the relay alters. Hostile parties, for protocol testing: ``rewrite_deal(old, new,
+    row)`` returns what a hostile old member seals for a new member instead of its row (any
+    array); ``rewrite_check(new, row)`` what a hostile new member sends the server in VERIFY;
+    ``relay(envelope)`` the envelopes a hostile relay delivers in place of one (dropped,
+    replayed, altered or invented).
     """
 
     old_drop: frozenset[int] = frozenset()
@@ -129,6 +149,9 @@ class ReshareFaults:
     tamper: frozenset[int] = frozenset()
     corrupt_in_transit: frozenset[tuple[int, int]] = frozenset()
     seed: int = 0
+    rewrite_deal: Callable[[int, int, np.ndarray], Any] | None = None
+    rewrite_check: Callable[[int, np.ndarray], Any] | None = None
+    relay: Callable[[Envelope], Sequence[Any]] | None = None
 
 
 @dataclass
@@ -188,20 +211,77 @@ def parity_checks(scheme: PackedShamir, members: Sequence[int]) -> np.ndarray:
     )
 
 
-def locate_single_error(scheme: PackedShamir, members: Sequence[int], syndromes) -> int | None:
-    """The member whose share alone explains the syndromes (c^(a+1) = x c^(a) for all a), or
-    None when at most one syndrome exists or no single member fits."""
-    p = scheme.field.modulus
-    syndromes = [int(s) for s in syndromes]
-    if len(syndromes) < 2 or syndromes[0] == 0:
-        return None
-    x = syndromes[1] * pow(syndromes[0], p - 2, p) % p
-    if any(syndromes[a + 1] != syndromes[a] * x % p for a in range(len(syndromes) - 1)):
-        return None
-    for member in members:
-        if int(scheme.share_points[member]) == x:
-            return int(member)
-    return None
+def open_syndromes(
+    new: PackedShamir, rows: np.ndarray, holders: Sequence[int], round_: int
+) -> tuple[np.ndarray, bool]:
+    """VERIFY, at the server: the syndromes from the new members' check shares ``rows`` (one
+    row per holder, one column per parity check) by :meth:`PackedShamir.decode`, and whether
+    the opening was verified (more than t' + k holders). New members whose check shares were
+    wrong are named in a :class:`ReshareTampering`; inconsistent shares beyond the radius
+    raise it naming nobody."""
+    try:
+        decoding = new.decode(rows, holders, rows.shape[1] * new.k)
+    except UncorrectableSharesError as error:
+        raise ReshareTampering(
+            f"resharing of round {round_}: new members' check shares are inconsistent ({error})"
+        ) from error
+    if decoding.corrected:
+        raise ReshareTampering(
+            f"resharing of round {round_}: new members {list(decoding.corrected)} sent wrong "
+            "check shares",
+            tuple(NEW_ID_BASE + j for j in decoding.corrected),
+        )
+    return decoding.values[:: new.k], decoding.verified
+
+
+def locate_faulty_dealers(
+    old: PackedShamir, dealers: Sequence[int], syndromes, round_: int
+) -> tuple[int, ...]:
+    """The old members whose wrong shares explain the ``syndromes`` (one per parity check of
+    :func:`parity_checks`); () when they are all zero.
+
+    Syndrome decoding of the Reed-Solomon code: w, supported on the last m - t - k dealers, is
+    the solution of H w = syndromes (those columns of H form an invertible Vandermonde matrix
+    times a diagonal); w minus its nearest codeword is the error vector, found by
+    :meth:`PackedShamir.decode` (Berlekamp-Welch) within its sound radius. Beyond it
+    :class:`ReshareTampering` names nobody.
+    """
+    syndromes = old.field.asarray(syndromes, "syndromes").ravel()
+    if not np.any(syndromes):
+        return ()
+    checks = parity_checks(old, dealers)
+    redundancy = checks.shape[0]
+    word = np.zeros(len(dealers), dtype=np.int64)
+    word[len(dealers) - redundancy :] = old.field.solve(checks[:, -redundancy:], syndromes)
+    try:
+        return old.decode(word[:, None], list(dealers), 0).corrected
+    except UncorrectableSharesError as error:
+        raise ReshareTampering(
+            f"resharing of round {round_}: the shares of old members {list(dealers)} do not "
+            f"lie on one polynomial of degree < t + k = {old.threshold} and the faulty members "
+            f"cannot be singled out ({redundancy} parity checks)"
+        ) from error
+
+
+def verify_dealings(
+    old: PackedShamir,
+    new: PackedShamir,
+    rows: np.ndarray,
+    holders: Sequence[int],
+    dealers: Sequence[int],
+    round_: int,
+) -> tuple[tuple[int, ...], bool]:
+    """VERIFY: (the old members found wrong, whether the check was verified). Syndromes that
+    could not be verified (t' + k holders) name nobody: non-zero ones raise
+    :class:`ReshareTampering`, zero ones pass unverified."""
+    syndromes, opened_verified = open_syndromes(new, rows, holders, round_)
+    if not opened_verified and np.any(syndromes):
+        raise ReshareTampering(
+            f"resharing of round {round_}: the parity checks of old members {list(dealers)} "
+            f"failed, but only t' + k = {new.threshold} new members opened them, so the faulty "
+            "members cannot be singled out"
+        )
+    return locate_faulty_dealers(old, dealers, syndromes, round_), opened_verified
 
 
 def open_parity_checks(
@@ -213,29 +293,13 @@ def open_parity_checks(
     checks: np.ndarray,
     round_: int,
 ) -> int | None:
-    """VERIFY: reconstruct the parity checks ``checks`` of the dealings from the new members'
-    check shares ``rows`` (one per holder). None when every syndrome is zero (the dealings lie
-    on one polynomial of degree < t + k); else the single faulty old member that explains
-    them. Raises :class:`ReshareTampering` when the check shares are inconsistent or no single
-    dealer explains the syndromes."""
-    try:
-        opened = new.reconstruct(rows, holders, rows.shape[1] * new.k)
-    except InconsistentSharesError as error:
-        raise ReshareTampering(
-            f"resharing of round {round_}: new members' check shares are inconsistent ({error})",
-            tuple(NEW_ID_BASE + s for s in error.suspects),
-        ) from error
-    syndromes = opened[:: new.k]
-    if not np.any(syndromes):
-        return None
-    culprit = locate_single_error(old, dealers, syndromes)
-    if culprit is None:
-        raise ReshareTampering(
-            f"resharing of round {round_}: the shares of old members {list(dealers)} do not "
-            f"lie on one polynomial of degree < t + k = {old.threshold} and the faulty member "
-            f"cannot be singled out ({checks.shape[0]} parity checks)"
-        )
-    return culprit
+    """:func:`verify_dealings` for callers that remove one dealer per DEAL: None when the
+    dealings pass, else the first old member found wrong (``checks``: the parity checks the
+    rows combine, of which there must be one per column)."""
+    if checks.shape[0] != np.shape(rows)[-1]:
+        raise ValueError(f"{checks.shape[0]} parity checks for {np.shape(rows)[-1]} columns")
+    culprits, _ = verify_dealings(old, new, rows, holders, dealers, round_)
+    return culprits[0] if culprits else None
 
 
 class _Randomness:
@@ -299,6 +363,36 @@ class NewMember:
     def reset(self) -> None:
         self.received, self.refused = {}, set()
 
+    def take(self, field_, dealer: int, payload, width: int) -> None:
+        """Keep ``dealer``'s deal if it is ``width`` field elements and the first this DEAL;
+        otherwise refuse the dealer."""
+        try:
+            row = field_.vector(payload, width, f"deal from old member {dealer}")
+        except ValueError:
+            self.refused.add(dealer)
+            return
+        if dealer in self.received:
+            self.refused.add(dealer)
+        self.received[dealer] = row
+
+    def receive(self, field_, envelope, round_: int, widths: Mapping[int, int]) -> None:
+        """DEAL handler: open a sealed deal from a dealer of this attempt (``widths``: dealer ->
+        elements expected) and :meth:`take` it; a deal that does not open (unauthenticated,
+        replayed, misbound, not an array) refuses its dealer; envelopes that claim no current
+        dealer as sender are dropped."""
+        sender = getattr(envelope, "sender", None)
+        if not isinstance(sender, int | np.integer) or sender - OLD_ID_BASE not in widths:
+            return
+        dealer = int(sender) - OLD_ID_BASE
+        try:
+            payload = self.endpoint.open_array(
+                envelope, round_=round_, stage=ReshareStage.DEAL, sender=int(sender)
+            )
+        except ChannelError:
+            self.refused.add(dealer)
+            return
+        self.take(field_, dealer, payload, widths[dealer])
+
     def accumulate(self, field_, dealers: Sequence[int]) -> np.ndarray:
         """Shares (blocks,) of the secrets: the sum of the main parts dealt by ``dealers``."""
         stacked = np.stack([self.received[i][:-1] for i in dealers])
@@ -317,6 +411,8 @@ class Resharing:
     t may differ. ``encrypt`` sends every deal sealed (X25519/HKDF/ChaCha20-Poly1305 bound to
     (dealer, receiver, round, stage)) through a :class:`protocols.channels.Relay`; without it
     the transcript counts ``bytes_per_element`` per element sent. ``round_`` binds the messages.
+    A resharing runs once: it ends in DONE, or in ABORTED with :class:`ReshareAbort`,
+    :class:`ReshareTampering` or (bad arguments) ``ValueError``.
     """
 
     def __init__(
@@ -355,124 +451,47 @@ class Resharing:
         secure: bool = False,
     ) -> ReshareResult:
         """Reshare ``old_shares`` (old member -> shares (blocks,)) to the new committee."""
-        randomness = _Randomness(rng, secure)
-        faults = faults or ReshareFaults()
-        f, old, new = self.old.field, self.old, self.new
-        if not old_shares:
-            raise ValueError("old_shares is empty: no old member holds anything")
-        lengths = {np.asarray(v).size for v in old_shares.values()}
-        if len(lengths) != 1:
-            raise ValueError(f"old_shares rows have different lengths {sorted(lengths)}")
-        for i in old_shares:
-            if not 0 <= int(i) < old.n:
-                raise ValueError(f"old_shares has member {i}; allowed: 0..{old.n - 1}")
-        blocks = lengths.pop()
-        transcript = Transcript()
-        relay = Relay(transcript) if self.encrypt else None
-        olds = {
-            int(i): OldMember(i, f.asarray(s, f"old_shares[{i}]").ravel())
-            for i, s in sorted(old_shares.items())
-        }
-        news = {j: NewMember(j) for j in range(new.n)}
-        if self.encrypt:
-            session = new_session_id()
-            for i, member in olds.items():
-                member.endpoint = Endpoint(OLD_ID_BASE + i, session)
-            for j, member in news.items():
-                member.endpoint = Endpoint(NEW_ID_BASE + j, session)
-            for m in list(olds.values()) + list(news.values()):
-                relay.publish(m.endpoint.party_id, m.endpoint.public_key, ReshareStage.ANNOUNCE)
-            for o in olds.values():
-                for n_ in news.values():
-                    o.endpoint.connect(n_.endpoint.party_id, n_.endpoint.public_key)
-                    n_.endpoint.connect(o.endpoint.party_id, o.endpoint.public_key)
-        if faults.tamper:
-            offsets = np.random.default_rng(faults.seed)
-            for i in sorted(faults.tamper & set(olds)):
-                delta = offsets.integers(1, f.modulus, size=blocks, dtype=np.int64)
-                olds[i].shares = f.add(olds[i].shares, delta)
+        try:
+            return self._run(old_shares, faults or ReshareFaults(), _Randomness(rng, secure))
+        except BaseException:
+            if self.stage is not ReshareStage.DONE:
+                self.stage = ReshareStage.ABORTED
+            raise
 
+    def _run(
+        self, old_shares: Mapping[int, np.ndarray], faults: ReshareFaults, randomness: _Randomness
+    ) -> ReshareResult:
+        old, new = self.old, self.new
+        olds, blocks = self._old_members(old_shares, faults)
+        news = {j: NewMember(j) for j in range(new.n)}
+        self.transcript = Transcript()
+        self.relay = self._connect(olds, news)
         # ANNOUNCE
         self._enter(ReshareStage.ANNOUNCE)
         candidates = [i for i in olds if i not in faults.old_drop]
         holders = [j for j in news if j not in faults.new_drop]
-        if len(holders) < new.threshold:
-            raise self._abort(
-                ReshareAbort(
-                    f"resharing of round {self.round}: {len(holders)} new members answered, "
-                    f"t + k = {new.threshold} needed; the old committee keeps its shares",
-                    "new",
-                    new.threshold,
-                    len(holders),
-                )
-            )
+        self._require("new", len(holders), [])
         removed: list[int] = []
         attempts = 0
         while True:
-            if len(candidates) < old.threshold:
-                raise self._abort(
-                    ReshareAbort(
-                        f"resharing of round {self.round}: {len(candidates)} old members can "
-                        f"deal, t + k = {old.threshold} needed (removed after failing: "
-                        f"{removed}); the old committee keeps its shares",
-                        "old",
-                        old.threshold,
-                        len(candidates),
-                    )
-                )
-            # DEAL
-            self._enter(ReshareStage.DEAL)
+            self._require("old", len(candidates), removed)
             attempts += 1
             chosen = candidates[: old.threshold]
-            lam = reshare_coefficients(old, chosen)
-            mix = randomness.field_vector(old, blocks)
-            for member in news.values():
-                member.reset()
-            delivered = []
-            for i in candidates:
-                if i in faults.old_drop_deal:
-                    continue
-                column = chosen.index(i) if i in chosen else None
-                rows = olds[i].deal(
-                    old, new, None if column is None else lam[:, column], mix, randomness
-                )
-                delivered.append(i)
-                for j in holders:
-                    self._send(olds[i], news[j], rows[j], transcript, relay, faults)
-            # ACCUMULATE
-            self._enter(ReshareStage.ACCUMULATE)
-            self._receive(news, holders, relay)
-            refused = set().union(*(news[j].refused for j in holders))
-            failed = [i for i in candidates if i not in delivered or i in refused]
-            if failed:
+            failed = self._deal(olds, news, candidates, holders, blocks, faults, randomness)
+            if failed:  # back to DEAL without them
                 removed.extend(failed)
                 candidates = [i for i in candidates if i not in failed]
                 continue
-            new_shares = {j: news[j].accumulate(f, chosen) for j in holders}
-            # VERIFY
+            new_shares = {j: news[j].accumulate(new.field, chosen) for j in holders}
             self._enter(ReshareStage.VERIFY)
-            checks = parity_checks(old, candidates)
-            verified = checks.shape[0] > 0
-            if not verified:
+            if len(candidates) == old.threshold:  # no parity check exists
+                verified = False
                 break
-            rows = np.stack([news[j].check_shares(f, checks, candidates) for j in holders])
-            for j in holders:
-                transcript.record(
-                    NEW_ID_BASE + j,
-                    SERVER_ID,
-                    ReshareStage.VERIFY,
-                    rows.shape[1] * f.bytes_per_element,
-                )
-            try:
-                culprit = open_parity_checks(
-                    old, new, rows, holders, candidates, checks, self.round
-                )
-            except ReshareTampering as error:
-                raise self._abort(error) from error.__cause__
-            if culprit is None:
+            culprits, verified = self._verify(news, holders, candidates, faults)
+            if not culprits:
                 break
-            removed.append(culprit)
-            candidates = [i for i in candidates if i != culprit]
+            removed.extend(culprits)
+            candidates = [i for i in candidates if i not in culprits]
         self._enter(ReshareStage.DONE)
         return ReshareResult(
             shares=new_shares,
@@ -481,23 +500,141 @@ class Resharing:
             removed=tuple(removed),
             attempts=attempts,
             verified=verified,
-            transcript=transcript,
+            transcript=self.transcript,
             secrets=blocks * old.k,
         )
 
-    def _send(self, sender, receiver, row, transcript, relay, faults) -> None:
-        if relay is None:
-            receiver.received[sender.index] = row
-            transcript.record(
+    def _require(self, side: str, answered: int, removed: list[int]) -> None:
+        scheme = self.old if side == "old" else self.new
+        if answered >= scheme.threshold:
+            return
+        verb = "can deal" if side == "old" else "answered"
+        after = f" (removed after failing: {removed})" if side == "old" else ""
+        raise self._abort(
+            ReshareAbort(
+                f"resharing of round {self.round}: {answered} {side} members {verb}, t + k = "
+                f"{scheme.threshold} needed{after}; the old committee keeps its shares",
+                side,
+                scheme.threshold,
+                answered,
+            )
+        )
+
+    def _old_members(
+        self, old_shares: Mapping[int, np.ndarray], faults: ReshareFaults
+    ) -> tuple[dict[int, OldMember], int]:
+        """The old members holding ``old_shares`` (checked: members of ``old``, equal lengths,
+        field elements), with the injected tampering applied; and the number of blocks."""
+        f = self.old.field
+        if not isinstance(old_shares, Mapping) or not old_shares:
+            raise ValueError("old_shares must map old members to their shares; got none")
+        rows = {}
+        for i, shares in old_shares.items():
+            if not isinstance(i, int | np.integer) or not 0 <= int(i) < self.old.n:
+                raise ValueError(f"old_shares has member {i!r}; allowed: 0..{self.old.n - 1}")
+            rows[int(i)] = f.asarray(shares, f"old_shares[{i}]").ravel()
+        lengths = {row.size for row in rows.values()}
+        if len(lengths) != 1:
+            raise ValueError(f"old_shares rows have different lengths {sorted(lengths)}")
+        blocks = lengths.pop()
+        olds = {i: OldMember(i, rows[i]) for i in sorted(rows)}
+        offsets = np.random.default_rng(faults.seed)
+        for i in sorted(faults.tamper & set(olds)):
+            delta = offsets.integers(1, f.modulus, size=blocks, dtype=np.int64)
+            olds[i].shares = f.add(olds[i].shares, delta)
+        return olds, blocks
+
+    def _connect(self, olds, news) -> Relay | None:
+        """Without encryption None; else every member's endpoint (fresh keys, one session)
+        published through a relay that counts into the transcript, old x new connected."""
+        if not self.encrypt:
+            return None
+        relay = Relay(self.transcript)
+        session = new_session_id()
+        for i, member in olds.items():
+            member.endpoint = Endpoint(OLD_ID_BASE + i, session)
+        for j, member in news.items():
+            member.endpoint = Endpoint(NEW_ID_BASE + j, session)
+        for m in list(olds.values()) + list(news.values()):
+            relay.publish(m.endpoint.party_id, m.endpoint.public_key, ReshareStage.ANNOUNCE)
+        for o in olds.values():
+            for n_ in news.values():
+                o.endpoint.connect(n_.endpoint.party_id, n_.endpoint.public_key)
+                n_.endpoint.connect(o.endpoint.party_id, o.endpoint.public_key)
+        return relay
+
+    def _deal(self, olds, news, candidates, holders, blocks, faults, randomness) -> list[int]:
+        """DEAL and ACCUMULATE of one attempt; returns the dealers that failed (delivered
+        nothing, or some holder refused or missed their deal)."""
+        self._enter(ReshareStage.DEAL)
+        old, new = self.old, self.new
+        chosen = candidates[: old.threshold]
+        lam = reshare_coefficients(old, chosen)
+        mix = randomness.field_vector(old, blocks)
+        for member in news.values():
+            member.reset()
+        delivered = [i for i in candidates if i not in faults.old_drop_deal]
+        widths = {i: (blocks + 1 if i in chosen else 1) for i in delivered}
+        for i in delivered:
+            column = lam[:, chosen.index(i)] if i in chosen else None
+            rows = olds[i].deal(old, new, column, mix, randomness)
+            for j in holders:
+                self._send(olds[i], news[j], rows[j], widths[i], faults)
+        self._enter(ReshareStage.ACCUMULATE)
+        for j in holders:
+            member = news[j]
+            if self.relay is not None:
+                for envelope in self.relay.deliver(member.endpoint.party_id):
+                    for arrived in faults.relay(envelope) if faults.relay else [envelope]:
+                        member.receive(new.field, arrived, self.round, widths)
+            member.refused |= {i for i in delivered if i not in member.received}
+        refused = set().union(*(news[j].refused for j in holders))
+        return [i for i in candidates if i not in delivered or i in refused]
+
+    def _verify(self, news, holders, candidates, faults) -> tuple[tuple[int, ...], bool]:
+        """VERIFY: collect the holders' check shares (checked: one field element per parity
+        check) and open them (:func:`verify_dealings`)."""
+        f = self.old.field
+        checks = parity_checks(self.old, candidates)
+        rows = []
+        for j in holders:
+            row = news[j].check_shares(f, checks, candidates)
+            if faults.rewrite_check is not None:
+                row = faults.rewrite_check(j, row)
+            try:
+                rows.append(f.vector(row, checks.shape[0], f"check shares of new member {j}"))
+            except ValueError as error:
+                raise self._abort(ReshareTampering(str(error), (NEW_ID_BASE + j,))) from None
+            self.transcript.record(
+                NEW_ID_BASE + j, SERVER_ID, ReshareStage.VERIFY, row.size * f.bytes_per_element
+            )
+        try:
+            return verify_dealings(
+                self.old, self.new, np.stack(rows), holders, candidates, self.round
+            )
+        except ReshareTampering as error:
+            raise self._abort(error) from error.__cause__
+
+    def _send(self, sender, receiver, row, width: int, faults: ReshareFaults) -> None:
+        """One deal from ``sender`` to ``receiver``: handed over (plain) or sealed and posted;
+        a hostile dealer's payload that cannot even be sealed is never delivered."""
+        if faults.rewrite_deal is not None:
+            row = faults.rewrite_deal(sender.index, receiver.index, row)
+        if self.relay is None:
+            self.transcript.record(
                 OLD_ID_BASE + sender.index,
                 NEW_ID_BASE + receiver.index,
                 ReshareStage.DEAL,
-                row.size * self.old.field.bytes_per_element,
+                np.size(row) * self.old.field.bytes_per_element,
             )
+            receiver.take(self.old.field, sender.index, row, width)
             return
-        envelope = sender.endpoint.seal_array(
-            receiver.endpoint.party_id, self.round, ReshareStage.DEAL, row
-        )
+        try:
+            envelope = sender.endpoint.seal_array(
+                receiver.endpoint.party_id, self.round, ReshareStage.DEAL, row
+            )
+        except ValueError:
+            return
         if (sender.index, receiver.index) in faults.corrupt_in_transit:
             body = bytearray(envelope.ciphertext)
             body[len(body) // 2] ^= 0x01
@@ -509,21 +646,7 @@ class Resharing:
                 envelope.nonce,
                 bytes(body),
             )
-        relay.post(envelope)
-
-    def _receive(self, news, holders, relay) -> None:
-        if relay is None:
-            return
-        for j in holders:
-            member = news[j]
-            for envelope in relay.deliver(member.endpoint.party_id):
-                dealer = envelope.sender - OLD_ID_BASE
-                try:
-                    member.received[dealer] = member.endpoint.open_array(
-                        envelope, round_=self.round, stage=ReshareStage.DEAL
-                    )
-                except ChannelError:
-                    member.refused.add(dealer)
+        self.relay.post(envelope)
 
 
 def naive_reshare_elements(n_old_dealers: int, n_new: int, secrets: int) -> int:

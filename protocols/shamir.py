@@ -12,15 +12,25 @@ uniformly; all n shares are then one product of the precomputed (n, t + k) *shar
 the (t + k, blocks) matrix of secrets and random values. Reconstruction is one product of a
 (k, t + k) Lagrange matrix with t + k rows of shares.
 
-With more than t + k shares the scheme also checks that all of them lie on one polynomial of
-degree < t + k (the codewords of a Reed-Solomon code) and, when enough shares are present
-(m >= t + k + 2e), names the e members whose shares disagree. Sharing is linear: the
-element-wise sum of two sharings is a sharing of the sum, and likewise for public scalars.
+Decoding. The shares of one block held by m members form a word of the Reed-Solomon code of
+length m and dimension t + k (values at the members' points of the polynomials of degree
+< t + k), whose minimum distance is d = m - t - k + 1. A word with at most the *radius*
+floor((m - t - k) / 2) wrong entries has exactly one nearest codeword, which
+:meth:`PackedShamir.decode` finds by Berlekamp-Welch decoding (Welch & Berlekamp, US patent
+4,633,470, 1986) in polynomial time. Correcting is sound only against errors the radius
+covers *including the adversary's*: tau colluding members can move the word to within
+d - tau of another codeword (and so blame honest members there). With at most tau faulty
+members, correcting e wrong shares is sound only when e + tau <= m - t - k, so ``decode``
+corrects at most ``correctable = min(radius, m - t - k - tau)`` members (tau = ``max_faulty``,
+by default the privacy threshold t: a larger coalition learns the secrets anyway; this is
+Franklin & Yung's m >= 3t + k for robust reconstruction) and otherwise only detects: up to
+m - t - k - correctable wrong shares never pass unnoticed and are never miscorrected. With
+m = t + k nothing can be checked (``verified`` is False). Sharing is linear: the element-wise
+sum of two sharings is a sharing of the sum, and likewise for public scalars.
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from functools import cached_property
@@ -28,10 +38,6 @@ from functools import cached_property
 import numpy as np
 
 from protocols.field import DEFAULT_FIELD, MersenneField
-
-MAX_SUSPECT_SEARCH = 5000
-"""How many candidate sets of faulty members the error search may try before giving up."""
-
 
 class NotEnoughSharesError(ValueError):
     """Fewer than t + k shares: the secrets are information-theoretically hidden."""
@@ -41,13 +47,41 @@ class InconsistentSharesError(ValueError):
     """The given shares do not all lie on one polynomial of degree < t + k.
 
     ``blocks`` lists the block indices that disagree; ``suspects`` the member indices whose
-    removal makes every block consistent (empty when they cannot be singled out uniquely).
+    shares decoding found wrong (named only when the decoding is unique and sound, see
+    :meth:`PackedShamir.decode`; empty otherwise).
     """
 
     def __init__(self, message: str, blocks: np.ndarray, suspects: tuple[int, ...]) -> None:
         super().__init__(message)
         self.blocks = blocks
         self.suspects = suspects
+
+
+class UncorrectableSharesError(InconsistentSharesError):
+    """The shares are inconsistent and correcting them would take more wrong members than the
+    decoder may correct: detected, nobody named (``suspects == ()``)."""
+
+    def __init__(self, message: str, blocks: np.ndarray) -> None:
+        super().__init__(message, blocks, ())
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """Outcome of :meth:`PackedShamir.decode` from m answers.
+
+    ``values``: the ``length`` secrets (field elements, int64). ``corrected``: the members
+    (0-based indices, ascending) whose shares were wrong in some block and were corrected;
+    named only when the decoding is unique and sound (at most ``correctable`` of them).
+    ``verified``: False iff m == t + k (nothing could be checked). ``radius``:
+    floor((m - t - k) / 2), the unique-decoding radius. ``correctable``:
+    max(0, min(radius, m - t - k - max_faulty)), the most wrong members this decoding corrects.
+    """
+
+    values: np.ndarray
+    corrected: tuple[int, ...]
+    verified: bool
+    radius: int
+    correctable: int
 
 
 @dataclass(frozen=True)
@@ -148,64 +182,142 @@ class PackedShamir:
         """Secrets (first ``length``) from the shares of ``members`` (0-based indices).
 
         ``shares`` has one row per entry of ``members``. With more than t + k rows and
-        ``check``, every row is verified to lie on the interpolated polynomials; a mismatch
-        raises :class:`InconsistentSharesError` naming blocks and, if identifiable, members.
+        ``check``, the rows are decoded (:meth:`decode`): wrong shares raise
+        :class:`InconsistentSharesError` naming the blocks and the members found wrong (callers
+        leave those out and reconstruct again), or :class:`UncorrectableSharesError` naming
+        nobody when they cannot be corrected soundly. Without ``check`` the first t + k rows are
+        interpolated and nothing is verified.
         """
-        shares, members = self._validate(shares, members)
-        if length < 0 or length > shares.shape[1] * self.k:
-            raise ValueError(
-                f"length={length} does not fit {shares.shape[1]} blocks of k={self.k}; "
-                f"allowed: 0..{shares.shape[1] * self.k}"
+        if not check:
+            shares, members = self._validate(shares, members)
+            self._check_length(length, shares.shape[1])
+            return self._secrets(shares, members, length)
+        decoding, bad = self._decode(shares, members, length, None)
+        if decoding.corrected:
+            raise InconsistentSharesError(
+                f"{bad.size} blocks do not lie on a polynomial of degree < t + k = "
+                f"{self.threshold} (first blocks {bad[:5].tolist()}); shares of members "
+                f"{list(decoding.corrected)} are wrong",
+                bad,
+                decoding.corrected,
             )
-        if check and members.size > self.threshold:
-            report = self.check_consistency(shares, members)
-            if not report.consistent:
-                who = (
-                    f"shares of members {list(report.suspects)} are wrong"
-                    if report.suspects
-                    else "the faulty members cannot be singled out with these shares"
-                )
-                raise InconsistentSharesError(
-                    f"{report.blocks.size} of {shares.shape[1]} blocks do not lie on a polynomial "
-                    f"of degree < t + k = {self.threshold} (first blocks "
-                    f"{report.blocks[:5].tolist()}); {who}",
-                    report.blocks,
-                    report.suspects,
-                )
-        used = members[: self.threshold]
-        weights = self._lagrange(tuple(used.tolist()), "secrets")
-        blocks = self.field.matmul(weights, shares[: self.threshold])
-        return blocks.T.ravel()[:length]
+        return decoding.values
+
+    def decode(self, shares, members, length: int, *, max_faulty: int | None = None) -> Decoding:
+        """The first ``length`` secrets from the shares of ``members``, correcting wrong shares
+        within the decoding radius (Reed-Solomon decoding, Berlekamp-Welch 1986).
+
+        With m = len(members) answers (m >= t + k, one row of ``shares`` per member): every
+        block is checked at once (interpolate from t + k shares, compare the rest); only the
+        blocks that disagree are decoded, one Berlekamp-Welch solve each, until leaving out the
+        members found wrong makes every block consistent. At most
+        ``correctable = min(floor((m - t - k) / 2), m - t - k - max_faulty)`` members are
+        corrected (``max_faulty``: the most members assumed faulty or colluding, default t);
+        beyond that, any inconsistency raises :class:`UncorrectableSharesError` (nobody is
+        named). With m = t + k nothing is checked and ``verified`` is False.
+        """
+        return self._decode(shares, members, length, max_faulty)[0]
 
     def check_consistency(self, shares, members) -> ConsistencyReport:
-        """Degree check: interpolate from the first t + k shares, compare the rest.
+        """Degree check of every block, with the wrong members when :meth:`decode` can name
+        them (``suspects``; empty when the shares cannot be corrected soundly)."""
+        try:
+            decoding, bad = self._decode(shares, members, 0, None)
+        except UncorrectableSharesError as error:
+            return ConsistencyReport(consistent=False, blocks=error.blocks)
+        return ConsistencyReport(consistent=bad.size == 0, blocks=bad, suspects=decoding.corrected)
 
-        If blocks disagree, search the smallest set E of members (|E| <= (m - t - k) / 2, the
-        unique-decoding radius) whose removal leaves every block consistent; report it when it
-        is the only such set of its size.
-        """
+    def _decode(
+        self, shares, members, length: int, max_faulty: int | None
+    ) -> tuple[Decoding, np.ndarray]:
+        """:meth:`decode`, also returning the indices of the blocks that disagreed."""
         shares, members = self._validate(shares, members)
+        self._check_length(length, shares.shape[1])
+        redundancy = members.size - self.threshold
+        radius = redundancy // 2
+        bound = self._faulty_bound(max_faulty)
+        correctable = max(0, min(radius, redundancy - bound))
         bad = self._inconsistent_blocks(shares, members)
-        if bad.size == 0:
-            return ConsistencyReport(consistent=True)
-        bad_shares = shares[:, bad]
-        suspects: tuple[int, ...] = ()
-        max_errors = (members.size - self.threshold) // 2
-        tried = 0
-        for size in range(1, max_errors + 1):
-            found = []
-            for removed in itertools.combinations(range(members.size), size):
-                tried += 1
-                if tried > MAX_SUSPECT_SEARCH:
-                    break
-                keep = np.setdiff1d(np.arange(members.size), removed)
-                if self._inconsistent_blocks(bad_shares[keep], members[keep]).size == 0:
-                    found.append(tuple(int(members[i]) for i in removed))
-            if found or tried > MAX_SUSPECT_SEARCH:
-                if len(found) == 1:
-                    suspects = found[0]
+        wrong = self._locate_errors(shares, members, bad, correctable, bound)
+        keep = np.setdiff1d(np.arange(members.size), wrong)
+        decoding = Decoding(
+            values=self._secrets(shares[keep], members[keep], length),
+            corrected=tuple(sorted(int(members[i]) for i in wrong)),
+            verified=redundancy > 0,
+            radius=radius,
+            correctable=correctable,
+        )
+        return decoding, bad
+
+    def _locate_errors(
+        self,
+        shares: np.ndarray,
+        members: np.ndarray,
+        bad: np.ndarray,
+        correctable: int,
+        bound: int,
+    ) -> np.ndarray:
+        """Positions (rows) of the wrong shares, at most ``correctable`` of them (``bound``:
+        the faulty members assumed, for the error message).
+
+        Each round decodes the first block still inconsistent without the rows found so far
+        and adds the rows where it differs from its codeword; each round adds at least one row
+        (else that block would be consistent), so at most ``correctable`` + 1 rounds run. Every
+        block is then within ``correctable`` <= radius of a codeword: the decoding is unique.
+        """
+        wrong = np.zeros(0, dtype=np.int64)
+        pending = bad
+        for _ in range(correctable + 1):
+            if pending.size == 0:
+                return wrong
+            if correctable == 0:
                 break
-        return ConsistencyReport(consistent=False, blocks=bad, suspects=suspects)
+            found = self._berlekamp_welch(shares[:, pending[0]], members, correctable)
+            if found is None or np.union1d(wrong, found).size > correctable:
+                break
+            wrong = np.union1d(wrong, found)
+            keep = np.setdiff1d(np.arange(members.size), wrong)
+            still = self._inconsistent_blocks(shares[np.ix_(keep, pending)], members[keep])
+            pending = pending[still]
+        if pending.size == 0:
+            return wrong
+        raise UncorrectableSharesError(
+            f"{bad.size} of {shares.shape[1]} blocks do not lie on a polynomial of degree < "
+            f"t + k = {self.threshold} (first blocks {bad[:5].tolist()}); the faulty members "
+            f"cannot be singled out: more than {correctable} of the {members.size} answers "
+            f"would need correcting (radius {(members.size - self.threshold) // 2}, less the "
+            f"room kept for {bound} faulty or colluding members)",
+            bad,
+        )
+
+    def _berlekamp_welch(
+        self, received: np.ndarray, members: np.ndarray, errors: int
+    ) -> np.ndarray | None:
+        """Positions where ``received`` (one block: one value per member) differs from the
+        polynomial of degree < t + k within ``errors`` of it; None when there is none.
+
+        Berlekamp-Welch: a monic error locator E of degree ``errors`` and Q of degree
+        < errors + t + k with Q(x_i) = y_i E(x_i) at every member's point x_i (m linear
+        equations in 2 errors + t + k unknowns, solved mod p); the codeword is f = Q / E,
+        unique when m >= 2 errors + t + k. Any solution gives the same f, so a locator with
+        spurious roots never names an honest member: positions come from f, not from E.
+        """
+        f = self.field
+        points = self.share_points[members]
+        width = errors + self.threshold
+        powers = f.vandermonde(points, width)  # x_i^0 .. x_i^(width - 1); errors < width
+        scaled = f.mul(received[:, None], powers[:, : errors + 1])  # y_i x_i^j, j <= errors
+        system = np.hstack([powers, f.neg(scaled[:, :errors])])
+        solution = f.solve(system, scaled[:, errors])
+        if solution is None:
+            return None
+        locator = [int(c) for c in solution[width:]] + [1]
+        quotient, remainder = _divide(f.modulus, [int(c) for c in solution[:width]], locator)
+        if any(remainder):
+            return None
+        codeword = f.evaluate(np.array(quotient, dtype=np.int64), points)
+        mismatch = np.flatnonzero(codeword != received)
+        return mismatch if mismatch.size <= errors else None
 
     def _inconsistent_blocks(self, shares: np.ndarray, members: np.ndarray) -> np.ndarray:
         if members.size <= self.threshold:
@@ -231,8 +343,40 @@ class PackedShamir:
             cache[key] = self.field.lagrange_coefficients(nodes, points)
         return cache[key]
 
+    def _secrets(self, shares: np.ndarray, members: np.ndarray, length: int) -> np.ndarray:
+        """The first ``length`` secrets interpolated from the first t + k rows (unchecked)."""
+        needed = self.blocks_for(length)
+        weights = self._lagrange(tuple(members[: self.threshold].tolist()), "secrets")
+        blocks = self.field.matmul(weights, shares[: self.threshold, :needed])
+        return blocks.T.ravel()[:length]
+
+    def _check_length(self, length, blocks: int) -> None:
+        if (
+            not isinstance(length, int | np.integer)
+            or isinstance(length, bool)
+            or not 0 <= length <= blocks * self.k
+        ):
+            raise ValueError(
+                f"length={length!r} does not fit {blocks} blocks of k={self.k}; "
+                f"allowed: an integer in 0..{blocks * self.k}"
+            )
+
+    def _faulty_bound(self, max_faulty) -> int:
+        if max_faulty is None:
+            return self.t
+        if (
+            not isinstance(max_faulty, int | np.integer)
+            or isinstance(max_faulty, bool)
+            or not 0 <= max_faulty <= self.n
+        ):
+            raise ValueError(
+                f"max_faulty={max_faulty!r} must be an integer in [0, n={self.n}] "
+                "(the most members assumed faulty or colluding) or None for t"
+            )
+        return int(max_faulty)
+
     def _validate(self, shares, members) -> tuple[np.ndarray, np.ndarray]:
-        members = np.asarray(members, dtype=np.int64).ravel()
+        members = _member_indices(members)
         shares = self.field.asarray(shares, "shares")
         if shares.ndim == 1:
             shares = shares[:, None]
@@ -251,6 +395,38 @@ class PackedShamir:
                 f"(members {members.tolist()})"
             )
         return shares, members
+
+
+def _member_indices(members) -> np.ndarray:
+    """``members`` as a flat int64 array, refusing anything that is not an integer index."""
+    array = np.asarray(members)
+    if array.dtype == object:
+        if not all(
+            isinstance(m, int | np.integer) and not isinstance(m, bool) for m in array.ravel()
+        ):
+            raise ValueError(f"members must be integer indices, got {members!r}")
+        if any(not -(2**63) <= int(m) < 2**63 for m in array.ravel()):
+            raise ValueError(f"members={members!r} must be indices in [0, n)")
+    elif array.size and array.dtype.kind not in "iu":
+        raise ValueError(f"members must be integer indices, got dtype {array.dtype}")
+    elif array.dtype == np.uint64 and array.size and int(array.max()) >= 2**63:
+        raise ValueError(f"members={array.tolist()} must be indices in [0, n)")
+    return array.astype(np.int64).ravel()
+
+
+def _divide(p: int, numerator: list[int], denominator: list[int]) -> tuple[list[int], list[int]]:
+    """Quotient and remainder of polynomials over F_p (coefficients lowest degree first;
+    ``denominator`` monic), by schoolbook long division on Python integers."""
+    remainder = list(numerator)
+    degree = len(denominator) - 1
+    quotient = [0] * max(len(remainder) - degree, 1)
+    for shift in range(len(remainder) - 1 - degree, -1, -1):
+        coefficient = remainder[shift + degree] % p
+        quotient[shift] = coefficient
+        if coefficient:
+            for i, d in enumerate(denominator):
+                remainder[shift + i] = (remainder[shift + i] - coefficient * d) % p
+    return quotient, [c % p for c in remainder[:degree]]
 
 
 def linear_combination(field_: MersenneField, coefficients, sharings) -> np.ndarray:

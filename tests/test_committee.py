@@ -86,9 +86,13 @@ def test_dropouts_up_to_the_limit_then_abort_keeps_earlier_rounds():
     assert (info.value.needed, info.value.answered) == (6, 5)
     assert isinstance(info.value, TooManyDropoutsError)
     assert committee.history[1] is first and committee.history[2] is second
-    assert 3 not in committee.history
+    assert 3 not in committee.history and committee.stage(3) is S.ABORTED
+    assert all(shard.stage(3) is S.ABORTED for shard in committee.shards)
+    with pytest.raises(ValueError, match="round 3 was already run"):
+        committee.run_round(3, inputs(rng), rng)
     vectors = inputs(rng)  # the committee goes on after an abort
-    np.testing.assert_array_equal(committee.run_round(3, vectors, rng).aggregate, expected(vectors))
+    np.testing.assert_array_equal(committee.run_round(4, vectors, rng).aggregate, expected(vectors))
+    assert committee.stage(4) is S.DONE
 
 
 @pytest.mark.parametrize("stage", ACTIVE_STAGES)

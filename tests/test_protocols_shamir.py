@@ -1,5 +1,6 @@
 """protocols.shamir: secrecy of every t-subset, reconstruction from every subset of size >= t+k,
-tampered and too-few cases, linearity, and a 10^6-element run with its timing printed."""
+tampered and too-few cases, Reed-Solomon decoding within its radius (closed forms), linearity,
+and a 10^6-element run with its timing printed."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import pytest
 
 from protocols.field import DEFAULT_FIELD, MersenneField
 from protocols.shamir import (
+    Decoding,
     InconsistentSharesError,
     NotEnoughSharesError,
     PackedShamir,
+    UncorrectableSharesError,
     linear_combination,
 )
 
@@ -115,6 +118,100 @@ def test_two_corrupted_members_are_named():
     assert not report.consistent
     assert report.blocks.tolist() == [3, 5]
     assert report.suspects == (1, 8)
+
+
+def test_berlekamp_welch_corrects_a_line_by_hand():
+    """t = k = 1 over F_31: f(x) = 3 + 2x at points 1..5 is (5, 7, 9, 11, 13); member 2's share
+    replaced by 0 leaves one error, radius floor((5 - 2) / 2) = 1 and room for t = 1 faulty
+    member (1 + 1 <= 3): decoding returns f(0) = 3 and names member 2 alone."""
+    scheme = PackedShamir(n=5, t=1, k=1, field=MersenneField(5))
+    received = np.array([5, 7, 0, 11, 13])
+    decoding = scheme.decode(received, [0, 1, 2, 3, 4], 1)
+    assert decoding == Decoding(
+        values=decoding.values, corrected=(2,), verified=True, radius=1, correctable=1
+    )
+    assert decoding.values.tolist() == [3]
+    # from four members (radius 1, 1 + t <= 2) still corrected; from three, radius 0: detected
+    assert scheme.decode(received[:4], [0, 1, 2, 3], 1).corrected == (2,)
+    with pytest.raises(UncorrectableSharesError, match="cannot be singled out") as caught:
+        scheme.decode(received[:3], [0, 1, 2], 1)
+    assert caught.value.suspects == () and caught.value.blocks.tolist() == [0]
+
+
+def test_decoding_fields_from_t_plus_k_to_n_answers():
+    scheme = PackedShamir(n=11, t=2, k=2)
+    rng = np.random.default_rng(11)
+    secrets = scheme.field.random(rng, 8)
+    shares = scheme.share(secrets, rng=rng)
+    for m in range(scheme.threshold, scheme.n + 1):
+        members = rng.permutation(scheme.n)[:m]
+        decoding = scheme.decode(shares[members], members, 8)
+        redundancy = m - scheme.threshold
+        assert (decoding.values == secrets).all() and decoding.corrected == ()
+        assert decoding.verified == (m > scheme.threshold)
+        assert decoding.radius == redundancy // 2
+        assert decoding.correctable == max(0, min(redundancy // 2, redundancy - scheme.t))
+
+
+def test_errors_in_different_blocks_are_corrected_together():
+    """Members wrong in different blocks count together: 3 wrong members among 11 answers
+    (radius 3, t = 2 leaves room for 3) are all corrected; a 4th is beyond and names nobody."""
+    scheme = PackedShamir(n=11, t=2, k=2)
+    rng = np.random.default_rng(12)
+    secrets = scheme.field.random(rng, 40)
+    shares = scheme.share(secrets, rng=rng)
+    wrong = shares.copy()
+    for member, block in ((1, 0), (6, 4), (9, 4), (6, 13)):
+        wrong[member, block] = scheme.field.add(wrong[member, block], 1 + member)
+    decoding = scheme.decode(wrong, np.arange(11), 40)
+    assert decoding.corrected == (1, 6, 9) and (decoding.values == secrets).all()
+    wrong[3, 19] = scheme.field.add(wrong[3, 19], 5)
+    with pytest.raises(UncorrectableSharesError) as caught:
+        scheme.decode(wrong, np.arange(11), 40)
+    assert caught.value.suspects == () and caught.value.blocks.tolist() == [0, 4, 13, 19]
+
+
+def test_max_faulty_trades_correction_for_detection():
+    scheme = PackedShamir(n=9, t=3, k=2)  # 9 answers: 4 redundant, radius 2
+    rng = np.random.default_rng(13)
+    secrets = scheme.field.random(rng, 6)
+    shares = scheme.share(secrets, rng=rng)
+    shares[[2, 7], 1] = scheme.field.add(shares[[2, 7], 1], 99)
+    members = np.arange(9)
+    with pytest.raises(UncorrectableSharesError):  # t = 3 colluders: room to correct 1 only
+        scheme.decode(shares, members, 6)
+    decoding = scheme.decode(shares, members, 6, max_faulty=2)  # 2 + 2 <= 4
+    assert decoding.corrected == (2, 7) and decoding.correctable == 2
+    assert (decoding.values == secrets).all()
+    for bad in (-1, 10, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="max_faulty"):
+            scheme.decode(shares, members, 6, max_faulty=bad)
+
+
+def test_t_plus_k_answers_are_returned_unverified():
+    scheme = PackedShamir(n=6, t=2, k=2)
+    shares = scheme.share(np.arange(4), rng=np.random.default_rng(14))
+    shares[1, 0] = scheme.field.add(shares[1, 0], 1)
+    decoding = scheme.decode(shares[:4], np.arange(4), 4)
+    assert not decoding.verified and decoding.radius == 0 and decoding.corrected == ()
+    assert not (decoding.values == np.arange(4)).all()  # nothing could be checked
+
+
+@pytest.mark.parametrize(
+    "members, length, match",
+    [
+        ([0.0, 1.0, 2.0, 3.0, 4.0], 4, "integer indices"),
+        (["0", "1", "2", "3", "4"], 4, "integer indices"),
+        ([0, 1, 2, 3, 4], 4.0, "length"),
+        ([0, 1, 2, 3, 4], 7, "length"),
+        ([0, 1, 2, 3, 4], True, "length"),
+    ],
+)
+def test_decode_refuses_non_integer_members_and_lengths(members, length, match):
+    scheme = PackedShamir(n=6, t=2, k=2)
+    shares = scheme.share(np.arange(4), rng=np.random.default_rng(15))
+    with pytest.raises(ValueError, match=match):
+        scheme.decode(shares[:5], members, length)
 
 
 def test_sharing_is_linear():

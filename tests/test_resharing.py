@@ -142,16 +142,23 @@ def test_tampered_share_is_named_and_removed_when_locatable():
         assert np.array_equal(scheme.reconstruct(rows, result.holders, 10), secrets)
 
 
-def test_tampering_that_cannot_be_located_aborts():
+def test_tampering_is_located_within_the_radius_and_aborts_beyond_it():
     scheme = PackedShamir(6, 2, 3)  # m = t + k + 1: detection only
     rng = np.random.default_rng(6)
     state = _shared(scheme, scheme.field.random(rng, 6), rng)
     with pytest.raises(ReshareTampering, match="cannot be singled out"):
         Resharing(scheme, scheme).run(state, ReshareFaults(tamper=frozenset({2})), rng=rng)
-    scheme = PackedShamir(9, 2, 2)
-    state = _shared(scheme, scheme.field.random(rng, 6), rng)
-    with pytest.raises(ReshareTampering):
-        Resharing(scheme, scheme).run(state, ReshareFaults(tamper=frozenset({1, 5})), rng=rng)
+    scheme = PackedShamir(9, 2, 2)  # 5 parity checks: 2 wrong dealers located, 3 are not
+    secrets = scheme.field.random(rng, 6)
+    state = _shared(scheme, secrets, rng)
+    result = Resharing(scheme, scheme).run(state, ReshareFaults(tamper=frozenset({1, 5})), rng=rng)
+    assert result.removed == (1, 5) and result.attempts == 2 and result.verified
+    rows = np.stack([result.shares[j] for j in result.holders])
+    assert np.array_equal(scheme.reconstruct(rows, result.holders, 6), secrets)
+    resharing = Resharing(scheme, scheme)
+    with pytest.raises(ReshareTampering, match="cannot be singled out") as caught:
+        resharing.run(state, ReshareFaults(tamper=frozenset({1, 5, 7})), rng=rng)
+    assert caught.value.suspects == () and resharing.stage is ReshareStage.ABORTED
 
 
 def test_too_few_holders_cannot_reconstruct():

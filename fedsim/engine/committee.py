@@ -11,10 +11,9 @@ threshold ``t``, ``k`` secrets per polynomial) of the clients' field vectors. On
 Transport (``encrypt=True``, the default): every share travels over an authenticated encrypted
 channel (:mod:`protocols.channels`: X25519, HKDF, ChaCha20-Poly1305, bound to sender, receiver,
 round and stage) relayed by the server, which counts bytes in a transcript: client -> member in
-SHARE, member -> server in RELEASE. A share that fails authentication (``corrupt_in_transit``:
-the relay flips a byte) is refused by its receiver; the members then leave that client out of
-the sum (it is named in :attr:`CommitteeResult.excluded`), and a release that fails is not
-counted as an answer.
+SHARE, member -> server in RELEASE. A member's channel key comes from its own secret
+(``member_secrets``, :class:`fedsim.randomness.PartySecret`, derived per session) or from the
+OS CSPRNG; a client's share randomness from the caller's generator or the OS CSPRNG.
 
 Members are simulated in groups: one :class:`CommitteeShard` holds many members and works on
 all of them at once (an array with one row per member), and runs as a Ray actor (no CPU
@@ -25,29 +24,45 @@ at a stage is silent from then on; one that is **late** at a stage answers after
 so its share does not count this round (nothing sleeps); one that **tampers** adds a random
 non-zero offset to what it holds (SHARE, COMBINE) or sends (RELEASE).
 
+Replies are validated where they arrive. A client whose input is not ``length`` field elements,
+or whose share a live member cannot open or finds malformed (unauthenticated, replayed, wrong
+round or stage, wrong length, dtype or range: e.g. ``corrupt_in_transit``, the relay flipping a
+byte), is left out of the sum (:attr:`CommitteeResult.excluded`); a member whose release does
+not open or is malformed is not counted as an answer (:attr:`CommitteeResult.rejected`); the
+reasons are in :attr:`CommitteeResult.reasons`. Nothing a party sends raises out of the
+committee.
+
 Outcomes. The server needs ``t + k + detect`` answers: ``t + k`` to reconstruct and ``detect``
-more so that up to ``detect`` tampered shares always break the degree check. Fewer answers ->
+more so that up to ``detect`` tampered shares are always caught. Fewer answers ->
 :class:`CommitteeAbort` (a :class:`protocols.secagg.TooManyDropoutsError`) naming how many were
-needed and how many answered; the round is dropped and earlier rounds' results stay in
-:attr:`Committee.history`. Inconsistent shares are never reconstructed silently: if the faulty
-members can be singled out (unique decoding, ``m >= t + k + 2e``) and enough others answered,
-the sum is reconstructed without them and the result names them; otherwise
-:class:`TamperingDetected` is raised naming the blocks (and suspects, if any).
+needed and how many answered. The answers are decoded (:meth:`protocols.shamir.PackedShamir
+.decode`, Berlekamp-Welch): wrong shares are corrected and their members named only within the
+sound radius min(floor((m - t - k) / 2), m - t - k - max(t, detect)), so neither t colluding
+members nor ``detect`` tampered shares can choose the release or get an honest member blamed;
+beyond it :class:`TamperingDetected` is raised naming nobody, and nothing is released. With
+exactly t + k answers nothing can be checked: the result says ``verified=False``. A round that
+fails is left ABORTED (:meth:`Committee.stage`) on the server and in every shard, and earlier
+rounds' results stay in :attr:`Committee.history`.
 """
 
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from protocols.channels import SERVER_ID, ChannelError, Endpoint, Envelope, Relay, new_session_id
+from fedsim.randomness import PartySecret, Purpose
+from protocols.channels import SERVER_ID, Endpoint, Envelope, Relay, new_session_id
 from protocols.field import DEFAULT_FIELD, MersenneField
 from protocols.secagg import TooManyDropoutsError, check_move
-from protocols.shamir import InconsistentSharesError, PackedShamir
+from protocols.shamir import PackedShamir, UncorrectableSharesError
+
+CHANNEL_PROTOCOL = b"fedsim/committee"
+"""The protocol label every committee channel binds (protocols.channels associated data)."""
 
 
 class CommitteeStage(enum.Enum):
@@ -98,7 +113,8 @@ class CommitteeAbort(TooManyDropoutsError):
 
 
 class TamperingDetected(RuntimeError):
-    """Released shares do not lie on one polynomial and the culprits cannot be removed."""
+    """Released shares do not lie on one polynomial and correcting them would go beyond the
+    sound decoding radius: detected, nothing released, nobody named (``suspects == ()``)."""
 
     def __init__(self, message: str, blocks: np.ndarray, suspects: tuple[int, ...]) -> None:
         super().__init__(message)
@@ -173,11 +189,22 @@ class StageFaults:
     seed: int = 0
 
 
+
+@dataclass(frozen=True)
+class SealedShares:
+    """One client's shares for the members of a shard, one envelope each (shard order)."""
+
+    public_key: bytes
+    envelopes: tuple[Envelope, ...]
+    width: int
+
+
 class CommitteeShard:
     """Members ``members`` (global indices) of one committee, held as one array per client.
 
     A plain class; :func:`shard_actor` makes it a Ray actor. Rounds are independent: each has
-    its own stored rows, summed state and stage, and :meth:`forget` drops one.
+    its own stored rows, summed state and stage, and :meth:`abort` ends one. ``private_keys``:
+    member -> 32 bytes of that member's own secret for its channel key (else the OS CSPRNG).
     """
 
     def __init__(
@@ -185,15 +212,23 @@ class CommitteeShard:
         members: Sequence[int],
         field_exponent: int = DEFAULT_FIELD.exponent,
         session_id: bytes | None = None,
+        private_keys: Mapping[int, bytes] | None = None,
     ):
         self.members = np.asarray(members, dtype=np.int64)
         self.field = MersenneField(field_exponent)
+        keys = private_keys or {}
         self._endpoints = (
             {}
             if session_id is None
-            else {int(m): Endpoint(MEMBER_ID_BASE + int(m), session_id) for m in self.members}
+            else {
+                int(m): Endpoint(
+                    MEMBER_ID_BASE + int(m), session_id, CHANNEL_PROTOCOL, keys.get(int(m))
+                )
+                for m in self.members
+            }
         )
         self._rows: dict[int, dict[int, np.ndarray]] = {}
+        self._width: dict[int, int] = {}
         self._sum: dict[int, np.ndarray] = {}
         self._offline: dict[int, set[int]] = {}
         self._stage: dict[int, CommitteeStage] = {}
@@ -204,6 +239,9 @@ class CommitteeShard:
             current, target, f"committee shard {self.members[:1].tolist()}.. round {round_}"
         )
         self._stage[round_] = target
+
+    def stage(self, round_: int) -> CommitteeStage:
+        return self._stage.get(round_, CommitteeStage.SETUP)
 
     def _tamper(self, rows: np.ndarray, who: frozenset[int], seed: int, salt: int) -> np.ndarray:
         hit = np.isin(self.members, list(who))
@@ -225,9 +263,12 @@ class CommitteeShard:
             endpoint.connect(party_id, public_key)
 
     def _open(
-        self, round_: int, client: int, sealed: SealedShares
+        self, round_: int, client: int, sealed: SealedShares, width: int
     ) -> tuple[np.ndarray, list[int]]:
-        rows = np.zeros((self.members.size, sealed.width), dtype=np.int64)
+        """One client's sealed rows, opened and checked by each member; a member that cannot
+        open its envelope, or finds no ``width`` field elements in it, refuses it (its row
+        stays 0 and the driver leaves the client out). Returns the rows and who refused."""
+        rows = np.zeros((self.members.size, width), dtype=np.int64)
         refused = []
         for index, (member, envelope) in enumerate(zip(self.members, sealed.envelopes)):
             endpoint = self._endpoints[int(member)]
@@ -236,33 +277,60 @@ class CommitteeShard:
                 opened = endpoint.open_array(
                     envelope, round_=round_, stage=CommitteeStage.SHARE, sender=client
                 )
-                rows[index] = self.field.asarray(opened, "share")
-            except (ChannelError, ValueError):
+                rows[index] = self.field.vector(opened, width, f"share from client {client}")
+            except ValueError:  # ChannelError is a ValueError
                 refused.append(int(member))
         return rows, refused
 
-    def share(self, round_: int, shares: Mapping[int, Any], faults: StageFaults) -> dict:
-        """SHARE: store this shard's rows of each client's shares (``shares[client]``: an array
-        with one row per member of the shard, or :class:`SealedShares`); returns the members
+    def _client_rows(self, round_: int, client: int, delivered: Any) -> tuple[np.ndarray, list]:
+        """SHARE for one client: its rows for this shard (zeros where refused) and the members
+        that refused them: a sealed share that does not open or is malformed is refused by its
+        member; plain rows that are not (members, width) field elements by every member."""
+        width = self._width.setdefault(round_, _width_of(delivered))
+        everyone = [int(m) for m in self.members]
+        zeros = np.zeros((self.members.size, width), dtype=np.int64)
+        if isinstance(delivered, SealedShares):
+            if (
+                not self._endpoints
+                or len(delivered.envelopes) != self.members.size
+                or delivered.width != width
+            ):
+                return zeros, everyone
+            return self._open(round_, client, delivered, width)
+        if (
+            not isinstance(delivered, np.ndarray)
+            or delivered.dtype.kind not in "iu"
+            or delivered.shape != zeros.shape
+        ):
+            return zeros, everyone
+        try:
+            return self.field.asarray(delivered, f"shares[{client}]"), []
+        except ValueError:
+            return zeros, everyone
+
+    def share(
+        self,
+        round_: int,
+        shares: Mapping[int, Any],
+        faults: StageFaults,
+        width: int | None = None,
+    ) -> dict:
+        """SHARE handler: store this shard's rows of each client's shares (``shares[client]``:
+        an array with one row per member of the shard, or :class:`SealedShares`; ``width``
+        field elements per row, by default that of the first client); returns the members
         still online and, per client, the online members that refused its share."""
         self._enter(round_, CommitteeStage.SHARE)
+        if width is not None:
+            self._width[round_] = int(width)
         offline = self._offline.setdefault(round_, set()) | set(faults.drop)
         self._offline[round_] = offline
         stored = self._rows.setdefault(round_, {})
         refused: dict[int, list[int]] = {}
-        for client, rows in shares.items():
-            if isinstance(rows, SealedShares):
-                if not self._endpoints:
-                    raise ValueError("sealed shares sent to a shard without encryption")
-                rows, bad = self._open(round_, int(client), rows)
-                bad = [m for m in bad if m not in offline]
-                if bad:
-                    refused[int(client)] = bad
-            rows = self.field.asarray(rows, f"shares[{client}]")
-            if rows.shape[0] != self.members.size:
-                raise ValueError(
-                    f"shares[{client}] has {rows.shape[0]} rows for {self.members.size} members"
-                )
+        for client, delivered in shares.items():
+            rows, bad = self._client_rows(round_, int(client), delivered)
+            bad = [m for m in bad if m not in offline]
+            if bad:
+                refused[int(client)] = bad
             stored[int(client)] = self._tamper(rows, faults.tamper, faults.seed, int(client))
         return {"online": [int(m) for m in self.members if m not in offline], "refused": refused}
 
@@ -277,8 +345,7 @@ class CommitteeShard:
         if clients:
             total = self.field.sum(np.stack([stored[c] for c in clients]), axis=0)
         else:
-            width = next(iter(stored.values())).shape[1] if stored else 0
-            total = np.zeros((self.members.size, width), dtype=np.int64)
+            total = np.zeros((self.members.size, self._width.get(round_, 0)), dtype=np.int64)
         self._sum[round_] = self._tamper(total, faults.tamper, faults.seed, 2**62 + 1)
         return [int(m) for m in self.members if m not in self._offline[round_]]
 
@@ -287,6 +354,7 @@ class CommitteeShard:
         self._enter(round_, CommitteeStage.RELEASE)
         offline = self._offline.pop(round_) | set(faults.drop)
         total = self._tamper(self._sum.pop(round_), faults.tamper, faults.seed, 2**62 + 2)
+        self._width.pop(round_, None)
         keep = np.array([m not in offline for m in self.members], dtype=bool)
         self._stage[round_] = CommitteeStage.DONE
         members = self.members[keep].tolist()
@@ -302,19 +370,20 @@ class CommitteeShard:
             "late": [int(m) for m in self.members[keep] if m in faults.late],
         }
 
-    def forget(self, round_: int) -> None:
-        """Drop everything of ``round_`` (after an abort)."""
-        for store in (self._rows, self._sum, self._offline, self._stage):
+    def abort(self, round_: int) -> None:
+        """The driver aborted ``round_``: drop everything of it and leave it ABORTED."""
+        for store in (self._rows, self._width, self._sum, self._offline):
             store.pop(round_, None)
+        self._stage[round_] = CommitteeStage.ABORTED
 
 
-@dataclass(frozen=True)
-class SealedShares:
-    """One client's shares for the members of a shard, one envelope each (shard order)."""
-
-    public_key: bytes
-    envelopes: tuple[Envelope, ...]
-    width: int
+def _width_of(delivered: Any) -> int:
+    """Elements per row that a client's delivery claims (0 when it claims nothing usable)."""
+    if isinstance(delivered, SealedShares):
+        width = delivered.width
+    else:
+        width = getattr(delivered, "shape", (0, 0))[-1] if np.ndim(delivered) == 2 else 0
+    return int(width) if isinstance(width, int | np.integer) and width >= 0 else 0
 
 
 def shard_actor(ray_module: Any, shard_class: type = CommitteeShard) -> Any:
@@ -326,7 +395,13 @@ def shard_actor(ray_module: Any, shard_class: type = CommitteeShard) -> Any:
 @dataclass(frozen=True)
 class CommitteeResult:
     """One released round: the sum (field elements), whose inputs it holds, and the members
-    that answered, were late, or were caught tampering (and left out)."""
+    that answered, were late, or were caught tampering (and corrected away).
+
+    ``excluded``: clients left out (invalid input, or a share some live member refused);
+    ``rejected``: members whose release did not open or was malformed; ``verified``: False when
+    exactly t + k shares were decoded (nothing could be checked); ``reasons``: why each party
+    was excluded or rejected, for the log.
+    """
 
     round: int
     aggregate: np.ndarray
@@ -337,6 +412,8 @@ class CommitteeResult:
     tampered: tuple[int, ...]
     excluded: tuple[int, ...] = ()
     rejected: tuple[int, ...] = ()
+    verified: bool = False
+    reasons: tuple[str, ...] = ()
 
 
 class Committee:
@@ -344,8 +421,11 @@ class Committee:
     ``shards`` groups, each a Ray actor (``ray_module`` given) or an in-process object.
 
     ``detect``: extra answers required beyond t + k, so that up to ``detect`` tampered shares
-    are always detected (0 trusts every answer). ``encrypt``: shares travel over authenticated
+    are always caught (0 trusts every answer). ``encrypt``: shares travel over authenticated
     encrypted channels through :attr:`relay`, whose transcript counts the bytes.
+    ``member_secrets``: member -> its own :class:`~fedsim.randomness.PartySecret`, from which
+    its channel key is derived per session (None: keys from the OS CSPRNG). ``shard_class``:
+    the class simulating each group (a :class:`CommitteeShard` subclass plays hostile members).
     """
 
     def __init__(
@@ -359,6 +439,8 @@ class Committee:
         ray_module: Any = None,
         field_: MersenneField = DEFAULT_FIELD,
         encrypt: bool = True,
+        member_secrets: Mapping[int, PartySecret] | None = None,
+        shard_class: type = CommitteeShard,
     ) -> None:
         self.scheme = PackedShamir(n=n, t=t, k=k, field=field_)
         if not isinstance(shards, int) or not 1 <= shards <= n:
@@ -373,16 +455,22 @@ class Committee:
         self._ray = ray_module
         self.encrypt = encrypt
         self.session_id = new_session_id() if encrypt else None
+        keys = self._member_keys(member_secrets)
+        arguments = [
+            (g, field_.exponent, self.session_id, keys and {m: keys[m] for m in g})
+            for g in self.groups
+        ]
         if ray_module is not None:
-            actor = shard_actor(ray_module)
-            self.shards = [actor.remote(g, field_.exponent, self.session_id) for g in self.groups]
+            actor = shard_actor(ray_module, shard_class)
+            self.shards = [actor.remote(*a) for a in arguments]
         else:
-            self.shards = [CommitteeShard(g, field_.exponent, self.session_id) for g in self.groups]
+            self.shards = [shard_class(*a) for a in arguments]
         self.history: dict[int, CommitteeResult] = {}
+        self.stages: dict[int, CommitteeStage] = {}
         self.relay = Relay()
         self.member_keys: dict[int, bytes] = {}
         if encrypt:
-            self._server = Endpoint(SERVER_ID, self.session_id)
+            self._server = Endpoint(SERVER_ID, self.session_id, CHANNEL_PROTOCOL)
             for part in self._call("public_keys", [() for _ in self.groups]):
                 self.member_keys.update(part)
             for member, key in sorted(self.member_keys.items()):
@@ -390,10 +478,39 @@ class Committee:
                 self._server.connect(MEMBER_ID_BASE + member, key)
             self._call("connect", [(SERVER_ID, self._server.public_key) for _ in self.groups])
 
+    def _member_keys(self, member_secrets) -> dict[int, bytes] | None:
+        """Each member's channel private key for this session, from its own secret."""
+        if member_secrets is None or not self.encrypt:
+            return None
+        if not isinstance(member_secrets, Mapping):
+            raise ValueError(
+                f"member_secrets must map members to PartySecret, got {type(member_secrets)}"
+            )
+        missing = [m for m in range(self.scheme.n) if m not in member_secrets]
+        wrong = [m for m, s in member_secrets.items() if not isinstance(s, PartySecret)]
+        if missing or wrong:
+            raise ValueError(
+                f"member_secrets must hold a PartySecret for every member 0..{self.scheme.n - 1}"
+                f"; missing {missing[:5]}, not a PartySecret {wrong[:5]}"
+            )
+        label = self.session_id.hex()
+        return {
+            m: member_secrets[m].seed_bytes(Purpose.KEYS, "committee-channel", label)
+            for m in range(self.scheme.n)
+        }
+
     @property
     def needed(self) -> int:
         """Answers the server needs: t + k + detect."""
         return self.scheme.threshold + self.detect
+
+    def stage(self, round_: int) -> CommitteeStage:
+        """Where round ``round_`` stands: SETUP before it runs, DONE or ABORTED after."""
+        return self.stages.get(round_, CommitteeStage.SETUP)
+
+    def _advance(self, round_: int, target: CommitteeStage) -> None:
+        check_transition(self.stage(round_), target, f"committee round {round_}")
+        self.stages[round_] = target
 
     def _call(self, method: str, args_per_shard: list[tuple]) -> list[Any]:
         if self._ray is None:
@@ -413,21 +530,34 @@ class Committee:
         inputs: Mapping[int, np.ndarray],
         rng: np.random.Generator | None,
         faults: CommitteeFaults | None = None,
+        *,
+        length: int | None = None,
     ) -> CommitteeResult:
-        """Share every client's vector (randomness from ``rng``, or from the OS CSPRNG when
-        ``rng`` is None), combine, release, reconstruct sum_i inputs[i] mod p. Raises
-        :class:`CommitteeAbort` or :class:`TamperingDetected`."""
-        if round_ in self.history:
-            raise ValueError(f"round {round_} was already released")
+        """Share every client's vector (``length`` field elements, by default the most common
+        length; randomness from ``rng``, or from the OS CSPRNG when ``rng`` is None), combine,
+        release, decode sum_i inputs[i] mod p. Each round number runs once; a failed round is
+        left ABORTED. Raises :class:`CommitteeAbort` or :class:`TamperingDetected`."""
+        if not isinstance(round_, int | np.integer) or not 0 <= round_ < 2**63:
+            raise ValueError(f"round_={round_!r} must be an integer in [0, 2^63)")
+        if round_ in self.stages:
+            raise ValueError(
+                f"round {round_} was already run (it is {self.stages[round_].name}); each "
+                "round number runs once"
+            )
         if not inputs:
             raise ValueError("inputs is empty: no client to aggregate")
-        faults = faults or CommitteeFaults()
-        field_ = self.scheme.field
-        vectors = {int(c): field_.asarray(v, f"inputs[{c}]").ravel() for c, v in inputs.items()}
-        lengths = {v.size for v in vectors.values()}
-        if len(lengths) != 1:
-            raise ValueError(f"inputs have different lengths {sorted(lengths)}")
-        length = lengths.pop()
+        self.stages[round_] = CommitteeStage.SETUP
+        try:
+            result = self._run_round(int(round_), inputs, rng, faults or CommitteeFaults(), length)
+        except BaseException:
+            self.stages[round_] = CommitteeStage.ABORTED
+            self._call("abort", [(round_,) for _ in self.groups])
+            raise
+        self.history[round_] = result
+        return result
+
+    def _run_round(self, round_, inputs, rng, faults, length) -> CommitteeResult:
+        vectors, length, excluded, reasons = self._client_inputs(inputs, length)
         per_stage = {
             stage: StageFaults(
                 drop=frozenset(faults.members_with(MemberFault.DROP, stage)),
@@ -437,84 +567,94 @@ class Committee:
             )
             for stage in ACTIVE_STAGES
         }
-        try:
-            shares = {
-                c: self.scheme.share(v, rng=rng)
-                if rng is not None
-                else self.scheme.share(v, secure=True)
-                for c, v in vectors.items()
-            }
-            if self.encrypt:
-                outgoing = self._seal_shares(round_, shares, faults.corrupt_in_transit)
-            else:
-                outgoing = [{c: s[g] for c, s in shares.items()} for g in self.groups]
-            answers = self._call(
-                "share",
-                [(round_, part, per_stage[CommitteeStage.SHARE]) for part in outgoing],
-            )
-            late_share = per_stage[CommitteeStage.SHARE].late
-            online_members = sorted(
-                m for part in answers for m in part["online"] if m not in late_share
-            )
-            self._require(len(online_members), CommitteeStage.SHARE, round_)
-            # a client counts when its shares reached every member that is online and on time
-            excluded = {
-                c for part in answers for c, who in part["refused"].items() if set(who) - late_share
-            }
-            clients = tuple(sorted(set(vectors) - excluded))
-            self._call(
-                "combine",
-                [(round_, list(clients), per_stage[CommitteeStage.COMBINE]) for _ in self.groups],
-            )
-            released = self._call(
-                "release", [(round_, per_stage[CommitteeStage.RELEASE]) for _ in self.groups]
-            )
-            late = set(late_share) | per_stage[CommitteeStage.COMBINE].late
-            late |= {m for part in released for m in part["late"]}
-            members, rows, rejected = [], [], []
-            for part in released:
-                for member, row in zip(part["members"], part["rows"]):
-                    if member in late:
-                        continue
-                    if isinstance(row, Envelope):
-                        self.relay.post(row)
-                        self.relay.deliver(SERVER_ID)
-                        try:
-                            row = self.field_array(
-                                self._server.open_array(
-                                    row,
-                                    round_=round_,
-                                    stage=CommitteeStage.RELEASE,
-                                    sender=MEMBER_ID_BASE + member,
-                                )
-                            )
-                        except (ChannelError, ValueError):
-                            rejected.append(member)
-                            continue
-                    members.append(member)
-                    rows.append(row)
-            self._require(len(members), CommitteeStage.RELEASE, round_)
-            aggregate, tampered = self._reconstruct(np.stack(rows), members, length, round_)
-        except BaseException:
-            self._call("forget", [(round_,) for _ in self.groups])
-            raise
-        dropped = tuple(sorted(set(range(self.scheme.n)) - set(members) - late - set(rejected)))
-        result = CommitteeResult(
+        self._advance(round_, CommitteeStage.SHARE)
+        answers = self._share(round_, vectors, rng, faults, per_stage[CommitteeStage.SHARE])
+        late = set(per_stage[CommitteeStage.SHARE].late)
+        online = sorted(m for part in answers for m in part["online"] if m not in late)
+        self._require(len(online), CommitteeStage.SHARE, round_)
+        # a client counts when its shares reached every member that is online and on time
+        for part in answers:
+            for client, who in part["refused"].items():
+                if set(who) - late:
+                    excluded.add(client)
+                    reasons.append(f"client {client}: members {sorted(who)} refused its share")
+        clients = tuple(sorted(set(vectors) - excluded))
+        self._advance(round_, CommitteeStage.COMBINE)
+        self._call(
+            "combine",
+            [(round_, list(clients), per_stage[CommitteeStage.COMBINE]) for _ in self.groups],
+        )
+        self._advance(round_, CommitteeStage.RELEASE)
+        released = self._call(
+            "release", [(round_, per_stage[CommitteeStage.RELEASE]) for _ in self.groups]
+        )
+        late |= per_stage[CommitteeStage.COMBINE].late
+        members, rows, rejected = self._open_release(round_, released, late, length, reasons)
+        self._require(len(members), CommitteeStage.RELEASE, round_)
+        aggregate, tampered = self._reconstruct(np.stack(rows), members, length, round_)
+        self._advance(round_, CommitteeStage.DONE)
+        dropped = set(range(self.scheme.n)) - set(members) - late - set(rejected)
+        return CommitteeResult(
             round_,
             aggregate,
             clients,
             tuple(m for m in members if m not in tampered),
             tuple(sorted(late)),
-            dropped,
+            tuple(sorted(dropped)),
             tampered,
             tuple(sorted(excluded)),
             tuple(sorted(rejected)),
+            verified=len(members) > self.scheme.threshold,
+            reasons=tuple(reasons),
         )
-        self.history[round_] = result
-        return result
 
-    def field_array(self, values: np.ndarray) -> np.ndarray:
-        return self.scheme.field.asarray(values, "released share")
+    def _client_inputs(
+        self, inputs: Mapping[int, Any], length: int | None
+    ) -> tuple[dict[int, np.ndarray], int, set[int], list[str]]:
+        """The clients' vectors that are ``length`` field elements (by default the most common
+        length, the smaller on a tie); the others are excluded with a reason."""
+        vectors, excluded, reasons = {}, set(), []
+        for client, vector in inputs.items():
+            if isinstance(client, bool) or not isinstance(client, int | np.integer):
+                raise ValueError(f"inputs has client id {client!r}; allowed: integers")
+            if not 0 <= client < MEMBER_ID_BASE:
+                raise ValueError(f"inputs has client id {client}; allowed: [0, 2^62)")
+            try:
+                vectors[int(client)] = self.scheme.field.asarray(vector, "input").ravel()
+            except (ValueError, TypeError, OverflowError) as error:
+                excluded.add(int(client))
+                reasons.append(f"client {client}: {error}")
+        if length is None and vectors:
+            counts = Counter(v.size for v in vectors.values())
+            length = min(counts, key=lambda size: (-counts[size], size))
+        if isinstance(length, bool) or not isinstance(length, int | np.integer) or length < 1:
+            if vectors or length is not None:
+                raise ValueError(f"length={length!r} must be a positive integer")
+        for client in [c for c, v in vectors.items() if v.size != length]:
+            reasons.append(f"client {client}: {vectors[client].size} elements, {length} expected")
+            excluded.add(client)
+            del vectors[client]
+        if not vectors:
+            raise CommitteeAbort(
+                f"no client input is {length} field elements: {'; '.join(reasons)[:500]}",
+                needed=1,
+                answered=0,
+            )
+        return vectors, int(length), excluded, reasons
+
+    def _share(self, round_, vectors, rng, faults, stage_faults) -> list[dict]:
+        """SHARE: every client shares its vector (and seals each member's row); the shards
+        store them and report who is online and whose shares they refused."""
+        if rng is None:
+            shares = {c: self.scheme.share(v, secure=True) for c, v in vectors.items()}
+        else:
+            shares = {c: self.scheme.share(v, rng=rng) for c, v in vectors.items()}
+        if self.encrypt:
+            outgoing = self._seal_shares(round_, shares, faults.corrupt_in_transit)
+        else:
+            outgoing = [{c: s[g] for c, s in shares.items()} for g in self.groups]
+        width = next(iter(shares.values())).shape[1]
+        return self._call("share", [(round_, part, stage_faults, width) for part in outgoing])
 
     def _seal_shares(
         self, round_: int, shares: dict[int, np.ndarray], corrupt: frozenset[tuple[int, int]]
@@ -523,7 +663,7 @@ class Committee:
         the envelopes, altering those in ``corrupt``; returns each shard's deliveries."""
         keys = {}
         for client, rows in shares.items():
-            endpoint = Endpoint(client, self.session_id)
+            endpoint = Endpoint(client, self.session_id, CHANNEL_PROTOCOL)
             keys[client] = endpoint.public_key
             for member in range(self.scheme.n):
                 party = MEMBER_ID_BASE + member
@@ -553,6 +693,43 @@ class Committee:
             for group in self.groups
         ]
 
+    def _open_release(
+        self, round_: int, released: list[Any], late: set[int], length: int, reasons: list[str]
+    ) -> tuple[list[int], list[np.ndarray], list[int]]:
+        """RELEASE at the server: each on-time member's row, opened and checked (blocks field
+        elements); a row that does not open or is malformed rejects its member. Adds the
+        members that answered late to ``late``."""
+        width = self.scheme.blocks_for(length)
+        members, rows, rejected = [], [], []
+        for group, part in zip(self.groups, released):
+            try:
+                pairs = list(zip(part["members"], part["rows"], strict=True))
+                late |= {int(m) for m in part["late"] if m in group}
+            except (TypeError, KeyError, ValueError):
+                reasons.append(f"members {group}: malformed release reply")
+                continue
+            for member, row in pairs:
+                if not isinstance(member, int | np.integer) or member not in group:
+                    continue
+                if member in late or member in members or member in rejected:
+                    continue
+                try:
+                    rows.append(self._open_row(round_, int(member), row, width))
+                    members.append(int(member))
+                except ValueError as error:  # ChannelError is a ValueError
+                    rejected.append(int(member))
+                    reasons.append(f"member {member}: {error}")
+        return members, rows, rejected
+
+    def _open_row(self, round_: int, member: int, row: Any, width: int) -> np.ndarray:
+        if self.encrypt:
+            self.relay.post(row)  # counted; refuses anything that is not an Envelope
+            self.relay.deliver(SERVER_ID)
+            row = self._server.open_array(
+                row, round_=round_, stage=CommitteeStage.RELEASE, sender=MEMBER_ID_BASE + member
+            )
+        return self.scheme.field.vector(row, width, f"release of member {member}")
+
     def _require(self, answered: int, stage: CommitteeStage, round_: int) -> None:
         if answered < self.needed:
             raise CommitteeAbort(
@@ -566,24 +743,17 @@ class Committee:
     def _reconstruct(
         self, rows: np.ndarray, members: list[int], length: int, round_: int
     ) -> tuple[np.ndarray, tuple[int, ...]]:
+        """The sum and the members whose shares were corrected, decoded leaving room for
+        max(t, detect) faulty members (:meth:`protocols.shamir.PackedShamir.decode`)."""
+        bound = max(self.scheme.t, self.detect)
         try:
-            return self.scheme.reconstruct(rows, members, length), ()
-        except InconsistentSharesError as error:
-            suspects = tuple(error.suspects)
-            keep = [i for i, m in enumerate(members) if m not in suspects]
-            if suspects and len(keep) >= self.needed:
-                kept = [members[i] for i in keep]
-                return self.scheme.reconstruct(rows[keep], kept, length), suspects
+            decoding = self.scheme.decode(rows, members, length, max_faulty=bound)
+        except UncorrectableSharesError as error:
             raise TamperingDetected(
-                f"round {round_}: released shares are inconsistent in {error.blocks.size} "
-                f"blocks; "
-                + (
-                    f"members {list(suspects)} tampered, and without them only "
-                    f"{len(keep)} of {self.needed} needed shares remain"
-                    if suspects
-                    else "the tampering members cannot be singled out"
-                )
-                + "; nothing was released",
+                f"round {round_}: released shares of members {members} are inconsistent in "
+                f"{error.blocks.size} blocks and the tampering members cannot be singled out "
+                f"leaving room for {bound} faulty members; nothing was released",
                 error.blocks,
-                suspects,
+                (),
             ) from error
+        return decoding.values, decoding.corrected
