@@ -172,6 +172,7 @@ class _Round:
     faults: DMMFaults
     transcript: Transcript
     rejected_members: dict[int, str]
+    holders: tuple[int, ...]
 
 
 def _merge(dicts) -> dict:
@@ -316,7 +317,7 @@ class DMMServer:
             session_id=session,
             member_keys=keys,
         )
-        self._open = _Round(round_keys, faults, transcript, rejected)
+        self._open = _Round(round_keys, faults, transcript, rejected, self.holders)
         return round_keys
 
     def _check_keys(self, pool, answers, asked, base, transcript) -> tuple[dict[int, bytes], dict]:
@@ -509,7 +510,7 @@ class DMMServer:
         output.rejected_members = dict(opened.rejected_members)
         output.corrected = tuple(int(s) for s in decoding.corrected)
         output.verified, output.radius = bool(decoding.verified), int(decoding.radius)
-        output.dropped = tuple(s for s in sorted(keys.member_keys) if s not in rows)
+        output.dropped = tuple(s for s in opened.holders if s not in rows)
         self._enter(DMMStage.RESHARE)
         dealers = [s for s in live if s in sent and s not in output.corrected]
         self._handoff(keys.round, t, dealers, faults, transcript, next_pool, output)

@@ -96,7 +96,8 @@ def bandwidth(C: np.ndarray) -> int:
 class IntegerMechanism:
     """The integer strategy matrix M of a DMM run, its decoder and its sensitivities.
 
-    ``factorization``: banded (square lower-triangular C with b < n bands) or the 0/1 tree;
+    ``factorization``: banded (square lower-triangular C of a banded kind, or with b < n bands)
+    or the 0/1 tree;
     ``fractional_bits``: f in [1, 40] for banded C (M = round(2^f C)), 0 for the tree (M = C);
     ``participation``: the schema sens(M) is computed for.
     """
@@ -119,7 +120,7 @@ class IntegerMechanism:
         n = self.factorization.n
         square = C.shape == (n, n) and np.allclose(C, np.tril(C), rtol=0, atol=0)
         b = bandwidth(C) if square else n
-        if not square or (b >= n and n > 1):
+        if not square or (b >= n and n > 1 and kind not in BANDED_KINDS):
             raise ValueError(
                 f"factorization {kind!r} is not banded (bandwidth {b} of n = {n} rounds): DMM "
                 "committees carry the partial sums of every open row of M = round(2^f C), i.e. "
