@@ -33,6 +33,7 @@ Ray actors, one member per client, with each client's own secret.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from enum import Enum
 
@@ -56,6 +57,22 @@ from protocols.shamir import PackedShamir
 
 REFUSALS = (MemberRefused, StageError)
 """What a member raises for a request it will not serve."""
+
+
+def request(handler):
+    """A member request: anything malformed in its arguments is refused as
+    :class:`protocols.dmm.MemberRefused` (handlers check before they change anything)."""
+
+    @functools.wraps(handler)
+    def checked(self, *args, **kwargs):
+        try:
+            return handler(self, *args, **kwargs)
+        except REFUSALS:
+            raise
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError) as err:
+            raise MemberRefused(f"{handler.__name__}: malformed request ({err})") from None
+
+    return checked
 
 ROLE_BASES = {"current": MEMBER_ID_BASE, "old": OLD_ID_BASE, "new": NEW_ID_BASE}
 
@@ -155,6 +172,7 @@ class MemberGroup:
         """(step, row -> (len(seats), blocks) shares): the committed state."""
         return self.step, {r: v.copy() for r, v in self.partials.items()}
 
+    @request
     def load(self, step: int, partials: Mapping[int, np.ndarray]) -> None:
         """Hold ``partials`` (a saved :meth:`snapshot`) as the committed state of ``step``."""
         expected = self.schedule.open_after(int(step) - 1)
@@ -228,6 +246,7 @@ class MemberGroup:
         return self.scheme.field.asarray(opened, "share")
 
     # ------------------------------------------------------------------ channels
+    @request
     def announce(self, round_: int, session_id, asked, drop, private_keys=None) -> dict:
         """Start round ``round_`` as the current committee: the asked seats not in ``drop``
         answer with a fresh channel key (b'' when ``session_id`` is None)."""
@@ -240,6 +259,7 @@ class MemberGroup:
             raise MemberRefused(f"step {self.step} is past M's {self.schedule.rounds} rounds")
         return self._announce(round_, session_id, asked, drop, private_keys, "current")
 
+    @request
     def announce_handoff(
         self, round_, session_id, role, step, asked, drop, private_keys=None
     ) -> dict:
@@ -274,6 +294,8 @@ class MemberGroup:
         if role == "old":
             asked = [s for s in asked if s in self._online]
         keys = dict(private_keys or {})
+        if any(k is not None and (not isinstance(k, bytes) or len(k) != 32) for k in keys.values()):
+            raise MemberRefused("private keys must be 32 bytes of the member's own secret")
         self._move(DMMStage.RESHARE if role != "current" else DMMStage.SHARE, role)
         self._round = int(round_)
         self._online = {s for s in asked if s not in gone}
@@ -287,6 +309,7 @@ class MemberGroup:
         }
         return {s: self._endpoints[s].public_key for s in sorted(self._online)}
 
+    @request
     def connect(self, peers: Mapping[int, bytes]) -> list[int]:
         """Every online seat opens a channel with each ``party -> public key``; returns the
         parties whose key is unusable (they are refused, nobody else is affected)."""
@@ -309,6 +332,7 @@ class MemberGroup:
         """Field elements per client per seat this step: (1 + rows released) * blocks."""
         return (1 + len(self.schedule.released_at(self.step))) * self.blocks
 
+    @request
     def share(self, deliveries: Mapping[int, Mapping[int, object]]) -> dict[int, list[int]]:
         """SHARE: ``deliveries[party][seat]`` is a client's sealed row for an online seat.
         Returns party -> the seats that lack it or refuse it (unauthentic, misaddressed,
@@ -340,6 +364,7 @@ class MemberGroup:
             self._received[party] = rows
         return refused
 
+    @request
     def combine(self, step: int, clients, drop, tamper, seed: int) -> list[int]:
         """COMBINE of ``step`` over the agreed ``clients`` (channel party ids). Returns the
         seats still online."""
@@ -355,9 +380,10 @@ class MemberGroup:
         missing = [c for c in chosen if c not in self._received]
         if missing:
             raise MemberRefused(f"clients {missing} never shared with members {self.seats}")
+        gone, tamper, seed = set(self._seat_list(drop, "drop")), self._seat_list(tamper, "tamper"), int(seed)
         self._move(DMMStage.COMBINE)
         f = self.scheme.field
-        self._online -= set(self._seat_list(drop, "drop"))
+        self._online -= gone
         total = f.sum(np.stack([self._received[c] for c in chosen]), axis=0)
         self._received = {}
         total = self._offset(total, set(tamper) & self._online, seed, 1)
@@ -375,14 +401,17 @@ class MemberGroup:
         self._tentative = {j: plus(j) for j in self.schedule.open_after(self.step)}
         return sorted(self._online)
 
+    @request
     def release(self, round_: int, drop, late, tamper, seed: int) -> dict:
         """RELEASE: each online seat sends its shares of the released rows (sealed to the
         server); ``late`` lists those whose answer misses the deadline."""
         self._expect(DMMStage.COMBINE, "current")
         if round_ != self._round:
             raise MemberRefused(f"release for round {round_} in round {self._round}")
+        gone, late = set(self._seat_list(drop, "drop")), set(self._seat_list(late, "late"))
+        tamper, seed = self._seat_list(tamper, "tamper"), int(seed)
         self._move(DMMStage.RELEASE)
-        self._online -= set(self._seat_list(drop, "drop"))
+        self._online -= gone
         rows = self._offset(self._release, set(tamper) & self._online, seed, 2)
         seats = sorted(self._online)
         sent = [
@@ -391,9 +420,10 @@ class MemberGroup:
             else rows[self._index[s]]
             for s in seats
         ]
-        return {"seats": seats, "rows": sent, "late": sorted(set(late) & self._online)}
+        return {"seats": seats, "rows": sent, "late": sorted(late & self._online)}
 
     # ------------------------------------------------------------------ handoff, old side
+    @request
     def deal(self, columns, mix, receivers, tamper, seed: int, rngs=None) -> dict:
         """DEAL: each online seat in ``columns`` re-shares its partial-sum shares of the rows
         still open, scaled by its Lagrange column (None: check block only), for the next
@@ -407,8 +437,9 @@ class MemberGroup:
         receivers = [int(j) for j in receivers]
         if len(set(receivers)) != len(receivers) or not all(0 <= j < self.scheme.n for j in receivers):
             raise MemberRefused(f"receivers={receivers}; allowed: distinct seats < n")
+        columns, tamper, seed = dict(columns), set(self._seat_list(tamper, "tamper")), int(seed)
         out = {}
-        for s, column in dict(columns).items():
+        for s, column in columns.items():
             if s not in self._online:
                 continue
             if column is not None:
@@ -416,7 +447,7 @@ class MemberGroup:
                 if column.shape != (self.scheme.k,):
                     raise MemberRefused(f"column has shape {column.shape}; allowed (k,)")
             flat = np.concatenate([self._tentative[r][self._index[s]] for r in keep])
-            if s in set(tamper):
+            if s in tamper:
                 flat = self._offset_row(flat, s, seed, 3)
             rng = (rngs or {}).get(s)
             randomness = ShareRandomness(rng, rng is None)
@@ -430,6 +461,7 @@ class MemberGroup:
             ]
         return out
 
+    @request
     def retire(self) -> None:
         """The handoff succeeded: forget everything (state included)."""
         self._expect(DMMStage.RESHARE, "old")
@@ -438,6 +470,7 @@ class MemberGroup:
         self._clear_round()
         self.stage = DMMStage.DONE
 
+    @request
     def keep(self) -> None:
         """The release stands but the handoff failed: the combined partial sums become this
         committee's state for the next step."""
@@ -450,6 +483,7 @@ class MemberGroup:
         self._clear_round()
         self.partials, self.step = tentative, step
 
+    @request
     def discard(self) -> None:
         """Abort the round: drop what it brought; the committed state is kept."""
         if self.retired:
@@ -459,6 +493,7 @@ class MemberGroup:
         self._clear_round()
 
     # ------------------------------------------------------------------ handoff, new side
+    @request
     def receive(self, deliveries: Mapping[int, Mapping[int, object]]) -> list[int]:
         """``deliveries[seat][dealer]`` is a deal for an online seat; returns the dealers whose
         deal some seat here could not authenticate or read."""
@@ -495,6 +530,7 @@ class MemberGroup:
             raise ChannelError(f"a deal of shape {opened.shape}; expected (1,) or ({full},)")
         return self.scheme.field.asarray(opened, "deal")
 
+    @request
     def accumulate(self, chosen) -> None:
         """Each online seat sums the deals of the dealers ``chosen``."""
         self._expect(DMMStage.RESHARE, "new")
@@ -509,6 +545,7 @@ class MemberGroup:
         for s, member in self._incoming.items():
             self._handed[self._index[s]] = member.accumulate(f, chosen)
 
+    @request
     def check_shares(self, checks, candidates) -> dict[int, np.ndarray]:
         """VERIFY: each online seat's shares of the parity-check syndromes."""
         self._expect(DMMStage.RESHARE, "new")
@@ -524,6 +561,7 @@ class MemberGroup:
             out[s] = member.check_shares(f, checks, candidates)
         return out
 
+    @request
     def commit(self) -> list[int]:
         """The handoff succeeded: the accumulated rows become this committee's state for its
         step; returns the seats that hold it."""
