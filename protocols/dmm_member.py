@@ -50,8 +50,7 @@ from protocols.dmm import (
     check_transition,
 )
 from protocols.field import MersenneField
-from protocols.resharing import NEW_ID_BASE, OLD_ID_BASE, NewMember, OldMember
-from protocols.resharing import _Randomness as ShareRandomness
+from protocols.resharing import NEW_ID_BASE, OLD_ID_BASE, NewMember, OldMember, ShareRandomness
 from protocols.secagg import StageError
 from protocols.shamir import PackedShamir
 
