@@ -2,8 +2,9 @@
 
 The secure transfer between committees of the distributed matrix mechanism (Bienstock, Kumar &
 Polychroniadou, ICML 2025; reference/dmm.md step 7: the partial sums of the data the committees
-hold). The old committee (``old``: n members, threshold t, packing k) holds, per block b, shares s_i[b] = f_b(x_i) of a polynomial of degree
-< t + k whose values at the k secret points are the block's secrets. For any set S of t + k
+hold). The old committee (``old``: n members, threshold t, packing k) holds, per block b,
+shares s_i[b] = f_b(x_i) of a polynomial of degree < t + k whose values at the k secret points
+are the block's secrets. For any set S of t + k
 members, secret j is sum_{i in S} lambda_{j,i} s_i[b] (Lagrange coefficients of S at secret point
 j; :meth:`protocols.field.MersenneField.lagrange_coefficients`). Steps:
 
