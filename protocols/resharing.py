@@ -4,9 +4,9 @@ The secure transfer between committees of the distributed matrix mechanism (Bien
 Polychroniadou, ICML 2025; reference/dmm.md step 7: the partial sums of the data the committees
 hold). The old committee (``old``: n members, threshold t, packing k) holds, per block b,
 shares s_i[b] = f_b(x_i) of a polynomial of degree < t + k whose values at the k secret points
-are the block's secrets. For any set S of t + k
-members, secret j is sum_{i in S} lambda_{j,i} s_i[b] (Lagrange coefficients of S at secret point
-j; :meth:`protocols.field.MersenneField.lagrange_coefficients`). Steps:
+are the block's secrets. For any set S of t + k members, secret j is
+sum_{i in S} lambda_{j,i} s_i[b] (Lagrange coefficients of S at secret point j;
+:meth:`protocols.field.MersenneField.lagrange_coefficients`). Steps:
 
 1. **ANNOUNCE**: the server lists the old members still alive (the candidate dealers) and the new
    members still alive; it picks S = the first t + k dealers. Fewer than t + k on either side ->
