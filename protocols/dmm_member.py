@@ -379,7 +379,8 @@ class MemberGroup:
         missing = [c for c in chosen if c not in self._received]
         if missing:
             raise MemberRefused(f"clients {missing} never shared with members {self.seats}")
-        gone, tamper, seed = set(self._seat_list(drop, "drop")), self._seat_list(tamper, "tamper"), int(seed)
+        gone, seed = set(self._seat_list(drop, "drop")), int(seed)
+        tamper = self._seat_list(tamper, "tamper")
         self._move(DMMStage.COMBINE)
         f = self.scheme.field
         self._online -= gone
@@ -413,12 +414,12 @@ class MemberGroup:
         self._online -= gone
         rows = self._offset(self._release, set(tamper) & self._online, seed, 2)
         seats = sorted(self._online)
-        sent = [
-            self._endpoints[s].seal_array(SERVER_ID, self._round, DMMStage.RELEASE, rows[self._index[s]])
-            if self._endpoints
-            else rows[self._index[s]]
-            for s in seats
-        ]
+        sent = [rows[self._index[s]] for s in seats]
+        if self._endpoints:
+            sent = [
+                self._endpoints[s].seal_array(SERVER_ID, self._round, DMMStage.RELEASE, row)
+                for s, row in zip(seats, sent)
+            ]
         return {"seats": seats, "rows": sent, "late": sorted(late & self._online)}
 
     # ------------------------------------------------------------------ handoff, old side
@@ -434,7 +435,9 @@ class MemberGroup:
         if mix.shape != (len(keep) * self.blocks,):
             raise MemberRefused(f"mix has shape {mix.shape}; allowed ({len(keep) * self.blocks},)")
         receivers = [int(j) for j in receivers]
-        if len(set(receivers)) != len(receivers) or not all(0 <= j < self.scheme.n for j in receivers):
+        if len(set(receivers)) != len(receivers) or not all(
+            0 <= j < self.scheme.n for j in receivers
+        ):
             raise MemberRefused(f"receivers={receivers}; allowed: distinct seats < n")
         columns, tamper, seed = dict(columns), set(self._seat_list(tamper, "tamper")), int(seed)
         out = {}

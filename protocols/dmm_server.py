@@ -97,7 +97,9 @@ class ReleaseDecoder:
         else:
             D = np.asarray(decoding, dtype=np.float64)
             if D.shape != (M.shape[1], M.shape[0]):
-                raise ValueError(f"decoding has shape {D.shape}; allowed {(M.shape[1], M.shape[0])}")
+                raise ValueError(
+                    f"decoding has shape {D.shape}; allowed {(M.shape[1], M.shape[0])}"
+                )
             late = schedule.release_rounds[None, :] > np.arange(M.shape[1])[:, None]
             if np.any(D[late] != 0):
                 raise ValueError("decoding reads rows before they are released (not causal)")
@@ -451,7 +453,8 @@ class DMMServer:
                     envelope = flip(envelope)
                 relay.post(envelope)
         if relay is not None:
-            refused_keys = _union(self.pool.broadcast("connect", {SERVER_ID: self._server.public_key, **keys}))
+            peers = {SERVER_ID: self._server.public_key, **keys}
+            refused_keys = _union(self.pool.broadcast("connect", peers))
             for j in live:
                 for envelope in relay.deliver(MEMBER_ID_BASE + j):
                     deliveries[envelope.sender][j] = envelope
@@ -566,7 +569,9 @@ class DMMServer:
                         )
                     elif self._server is None and isinstance(item, np.ndarray):
                         row = item
-                        transcript.record(MEMBER_ID_BASE + seat, SERVER_ID, DMMStage.RELEASE, row.size * 8)
+                        transcript.record(
+                            MEMBER_ID_BASE + seat, SERVER_ID, DMMStage.RELEASE, row.size * 8
+                        )
                     else:
                         raise ChannelError(f"a {type(item).__name__}, not an Envelope")
                     if row.shape != (width,):
@@ -682,7 +687,8 @@ class DMMServer:
                 )
             )
             inbox = self._deal_inbox(deals, candidates, holders, transcript)
-            refused = _union(new.call("receive", [({j: inbox[j] for j in g if j in inbox},) for g in new.groups]))
+            parts = [({j: inbox[j] for j in g if j in inbox},) for g in new.groups]
+            refused = _union(new.call("receive", parts))
             failed = [i for i in candidates if i not in deals or i in refused]
             if failed:
                 removed.extend(failed)
@@ -711,7 +717,9 @@ class DMMServer:
                 if isinstance(item, Envelope):
                     transcript.record(item.sender, item.receiver, item.stage, item.nbytes)
                 elif isinstance(item, np.ndarray):
-                    transcript.record(OLD_ID_BASE + i, NEW_ID_BASE + j, DMMStage.RESHARE, item.size * 8)
+                    transcript.record(
+                        OLD_ID_BASE + i, NEW_ID_BASE + j, DMMStage.RESHARE, item.size * 8
+                    )
                 inbox[j][int(i)] = item
         return inbox
 
@@ -791,7 +799,9 @@ class DMMServer:
         release = np.stack(
             [self.plain_state.get(i, 0) + M[i, t] * X + Z[a] for a, i in enumerate(released)]
         )
-        tentative = {j: self.plain_state.get(j, 0) + M[j, t] * X for j in self.schedule.open_after(t)}
+        tentative = {
+            j: self.plain_state.get(j, 0) + M[j, t] * X for j in self.schedule.open_after(t)
+        }
         output = self._released(t, released, release, clients, excluded, rejected, Transcript())
         output.verified = len(answering) > need
         output.radius = (len(answering) - need) // 2
@@ -813,9 +823,12 @@ class DMMServer:
 
     def _check_plain(self, update, noise, rows: int) -> str | None:
         """Why an ideal-mode client input is malformed, or None."""
-        for name, value, shape in (("update", update, (self.dim,)), ("noise", noise, (rows, self.dim))):
+        expected = (("update", update, (self.dim,)), ("noise", noise, (rows, self.dim)))
+        for name, value, shape in expected:
             array = np.asarray(value) if value is not None else None
-            if array is None or array.shape != shape or (array.size and array.dtype.kind not in "iu"):
+            if array is None or array.shape != shape or (
+                array.size and array.dtype.kind not in "iu"
+            ):
                 got = None if array is None else (array.shape, str(array.dtype))
                 return f"{name} is {got}; allowed {shape} integers"
         return None

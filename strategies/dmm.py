@@ -361,7 +361,10 @@ class DMM(StrategyWrapper):
         committee_actors: bool = False,
         committee_shards: int = 4,
     ) -> None:
-        for name, value in (("clipping_norm", clipping_norm), ("noise_multiplier", noise_multiplier)):
+        for name, value in (
+            ("clipping_norm", clipping_norm),
+            ("noise_multiplier", noise_multiplier),
+        ):
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name}={value!r}; it must be finite and > 0")
         for name, value in (("expected_clients", expected_clients), ("population", population)):
@@ -662,7 +665,8 @@ class DMM(StrategyWrapper):
                 rejected[node] = "more than one reply"
                 valid.pop(node, None)
             elif keys != allowed:
-                rejected[node] = f"records {sorted(reply.content.keys())}, allowed {sorted(allowed)}"
+                got = sorted(reply.content.keys())
+                rejected[node] = f"records {got}, allowed {sorted(allowed)}"
             else:
                 valid[node] = reply
         return valid, rejected
@@ -694,7 +698,9 @@ class DMM(StrategyWrapper):
                 rejected[node] = f"unreadable integers: {error}"
                 continue
             if update.shape != (dim,) or noise.shape != (rows, dim):
-                rejected[node] = f"shapes {update.shape}, {noise.shape}; allowed ({dim},), ({rows}, {dim})"
+                rejected[node] = (
+                    f"shapes {update.shape}, {noise.shape}; allowed ({dim},), ({rows}, {dim})"
+                )
             elif update.dtype.kind not in "iu" or (noise.size and noise.dtype.kind not in "iu"):
                 rejected[node] = "not integers"
             elif float(np.linalg.norm(update.astype(np.float64))) > self.encoder.l2_bound + 1e-9:
@@ -775,10 +781,8 @@ class DMM(StrategyWrapper):
         mean /= self.expected_clients
         tree = unflatten(mean, reference)
         new = {k: (v.astype(np.float64) + tree[k]).astype(v.dtype) for k, v in reference.items()}
-        content = RecordDict({"arrays": to_record(new), "metrics": MetricRecord({"num-examples": 1})})
         key = getattr(self.strategy, "arrayrecord_key", "arrays")
-        if key != "arrays":
-            content = RecordDict({key: content["arrays"], "metrics": content["metrics"]})
+        content = RecordDict({key: to_record(new), "metrics": MetricRecord({"num-examples": 1})})
         arrays, aggregated = self.strategy.aggregate_train(
             server_round, [server_reply(content, server_round)]
         )
@@ -801,12 +805,15 @@ class DMM(StrategyWrapper):
             "dmm-bytes": t.nbytes(),
             "dmm-bytes-per-client": mean_over(self._round["sent"].values(), "sender"),
             "dmm-bytes-per-member-sent": float(
-                np.mean(
-                    [t.nbytes(sender=MEMBER_ID_BASE + j) + t.nbytes(sender=OLD_ID_BASE + j) for j in seats]
-                )
+                np.mean([t.nbytes(sender=MEMBER_ID_BASE + j) for j in seats])
+                + np.mean([t.nbytes(sender=OLD_ID_BASE + j) for j in seats])
             ),
-            "dmm-bytes-per-member-received": mean_over([MEMBER_ID_BASE + j for j in seats], "receiver"),
-            "dmm-bytes-per-next-member-received": mean_over([NEW_ID_BASE + j for j in seats], "receiver"),
+            "dmm-bytes-per-member-received": mean_over(
+                [MEMBER_ID_BASE + j for j in seats], "receiver"
+            ),
+            "dmm-bytes-per-next-member-received": mean_over(
+                [NEW_ID_BASE + j for j in seats], "receiver"
+            ),
             "dmm-verified": int(output.verified),
             "dmm-corrected-members": [self._seat_client(s) for s in output.corrected],
             "dmm-rejected-members": [self._seat_client(s) for s in sorted(output.rejected_members)],

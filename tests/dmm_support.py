@@ -67,6 +67,14 @@ class Reference:
         }
 
 
+def seal_all(keys, updates, noises, round_: int = 0) -> dict:
+    """Every simulated client's SHARE message (client c's share stream: (round, c))."""
+    return {
+        c: seal_client_shares(keys, c, updates[c], noises[c], np.random.default_rng([round_, c]))
+        for c in sorted(updates)
+    }
+
+
 def inputs(schedule: Schedule, step: int, clients: int, dim: int, seed: int):
     """Random updates and noise rows of ``clients`` for ``step``."""
     rng = np.random.default_rng([seed, step])
@@ -80,7 +88,9 @@ class Committees:
     """Runs the same rounds on a full-mode server (in-process member pools, simulated
     clients) and an ideal-mode one."""
 
-    def __init__(self, M, dim, n=10, t=2, k=3, groups=2, encrypt=True, min_clients=1, decoding=None):
+    def __init__(
+        self, M, dim, n=10, t=2, k=3, groups=2, encrypt=True, min_clients=1, decoding=None
+    ):
         scheme = PackedShamir(n, t, k)
         schedule = Schedule(M)
         self.full = DMMServer(
@@ -104,11 +114,7 @@ class Committees:
 
     def full_round(self, round_, updates, noises, faults=None):
         keys = self.full.open_round(round_, faults or DMMFaults())
-        sealed = {
-            c: seal_client_shares(keys, c, updates[c], noises[c], np.random.default_rng([round_, c]))
-            for c in sorted(updates)
-        }
-        return self.full.finish_round(sealed, self.new_pool())
+        return self.full.finish_round(seal_all(keys, updates, noises, round_), self.new_pool())
 
     def both(self, round_, updates, noises, faults=None):
         """(full outcome, ideal outcome): a RoundOutput or the exception raised."""

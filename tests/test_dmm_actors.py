@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from dmm_support import SECRETS, Reference, digits_setup, inputs, make_dmm, run_dmm
+from dmm_support import SECRETS, Reference, digits_setup, inputs, make_dmm, run_dmm, seal_all
 
 from fedsim.engine import FaultConfig
 from fedsim.engine.dmm_committee import CommitteeHost, member_faults
 from fedsim.privacy.dmm import IntegerMechanism
 from fedsim.privacy.matrix.banded import banded
 from protocols.dmm import ACTIVE, Schedule
-from protocols.dmm_client import seal_client_shares
 from protocols.dmm_server import DMMServer
 from protocols.shamir import PackedShamir
 
@@ -36,11 +35,8 @@ def _server():
 def _round(server, host, step, committee):
     updates, noises = inputs(server.schedule, step, CLIENTS, D, 5)
     keys = server.open_round(step)
-    sealed = {
-        c: seal_client_shares(keys, c, updates[c], noises[c], np.random.default_rng([step, c]))
-        for c in updates
-    }
-    out = server.finish_round(sealed, host.pool(committee(step + 1), server.member_kwargs))
+    next_pool = host.pool(committee(step + 1), server.member_kwargs)
+    out = server.finish_round(seal_all(keys, updates, noises, step), next_pool)
     return out, updates, noises
 
 
@@ -94,7 +90,9 @@ def test_strategy_on_actors_matches_in_process_and_ideal(ray_session, local_engi
 
 
 def test_member_faults_follow_the_clients_availability():
-    config = FaultConfig(dropout=0.3, seed=1, straggler_fraction=0.5, straggler_delay_s=2.0, deadline_s=1.0)
+    config = FaultConfig(
+        dropout=0.3, seed=1, straggler_fraction=0.5, straggler_delay_s=2.0, deadline_s=1.0
+    )
     members = list(range(40))
     plan = member_faults(config, 4, members, members)
     assert plan == member_faults(config, 4, members, members)  # a public stream

@@ -55,7 +55,8 @@ def test_sealed_shares_open_only_at_their_seat_and_reconstruct_the_client_values
             other.open_array(envelope, round_=4, stage=DMMStage.SHARE, sender=3)
     scheme = keys.scheme()
     seats = [0, 2, 4, 5, 6]
-    values = scheme.reconstruct(np.stack([rows[j] for j in seats]), seats, 3 * scheme.blocks_for(D) * 3)
+    length = 3 * scheme.blocks_for(D) * scheme.k
+    values = scheme.reconstruct(np.stack([rows[j] for j in seats]), seats, length)
     segments = scheme.field.decode_signed(values).reshape(3, -1)[:, :D]
     np.testing.assert_array_equal(segments[0], update)
     np.testing.assert_array_equal(segments[1:], noise)
@@ -96,7 +97,8 @@ def _instruction(mode, keys=None, party=0):
     }
     if keys is not None:
         config.update(round_keys_config(keys, party))
-    message = Message(RecordDict({"arrays": arrays, "config": ConfigRecord(config)}), 4294967301, "train")
+    content = RecordDict({"arrays": arrays, "config": ConfigRecord(config)})
+    message = Message(content, 4294967301, "train")
     return inner, message
 
 
@@ -104,7 +106,9 @@ def _context(secret: RunSecret | None, partition=0):
     node_config = {"partition-id": partition, "num-partitions": 4}
     if secret is not None:
         node_config[NODE_SECRET_KEY] = secret.client(partition).token()
-    return Context(run_id=1, node_id=4294967301, node_config=node_config, state=RecordDict(), run_config={})
+    return Context(
+        run_id=1, node_id=4294967301, node_config=node_config, state=RecordDict(), run_config={}
+    )
 
 
 def test_full_mode_reply_holds_ciphertexts_and_a_public_key_only():

@@ -172,7 +172,9 @@ def test_client_dropouts_partial_and_corrupted_shares_leave_the_client_out():
     ref = Reference(mechanism.integer_matrix)
     updates, noises = inputs(run.full.schedule, 0, CLIENTS, D, 5)
     faults = DMMFaults(
-        client_drop={0: DMMStage.SHARE}, client_partial=frozenset({1}), corrupt_in_transit=frozenset({(2, 3)})
+        client_drop={0: DMMStage.SHARE},
+        client_partial=frozenset({1}),
+        corrupt_in_transit=frozenset({(2, 3)}),
     )
     full, ideal = run.both(0, updates, noises, faults)
     assert full.clients == (3, 4, 5) and full.excluded == (1, 2)

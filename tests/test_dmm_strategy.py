@@ -25,10 +25,17 @@ def digits():
 
 
 @pytest.mark.parametrize("kind", ["banded", "tree"])
-def test_full_equals_ideal_for_the_same_secrets_and_dropouts_cost_epsilon(local_engine, digits, kind):
+def test_full_equals_ideal_for_the_same_secrets_and_dropouts_cost_epsilon(
+    local_engine, digits, kind
+):
     faults = FaultConfig(dropout=0.25, seed=3)
-    full_arrays, full = run_dmm(local_engine, digits, make_dmm("full", CLIENTS, ROUNDS, kind), ROUNDS, faults=faults)
-    ideal_arrays, ideal = run_dmm(local_engine, digits, make_dmm("ideal", CLIENTS, ROUNDS, kind), ROUNDS, faults=faults)
+
+    def run(mode, **kwargs):
+        strategy = make_dmm(mode, CLIENTS, ROUNDS, kind)
+        return run_dmm(local_engine, digits, strategy, ROUNDS, **kwargs)
+
+    full_arrays, full = run("full", faults=faults)
+    ideal_arrays, ideal = run("ideal", faults=faults)
     for key in full_arrays:
         np.testing.assert_array_equal(full_arrays[key], ideal_arrays[key])
     for a, b in zip(full.outputs, ideal.outputs):
@@ -39,7 +46,7 @@ def test_full_equals_ideal_for_the_same_secrets_and_dropouts_cost_epsilon(local_
     assert full.eps == ideal.eps
     # members dropped too (their clients' availability), and clients: fewer noise shares
     assert any(m.get("dmm-member-dropouts", 0) for m in full.metrics)
-    _, clean = run_dmm(local_engine, digits, make_dmm("ideal", CLIENTS, ROUNDS, kind), ROUNDS)
+    _, clean = run("ideal")
     assert full.inner.privacy_report()["fewest_noise_clients"] < CLIENTS
     assert clean.eps[-1] < full.eps[-1]
     assert all(m["rejected"] == [] for m in full.metrics)

@@ -96,9 +96,12 @@ def one_round(scheme: PackedShamir, dim: int, bands: int, clients: int) -> dict:
         "dealers_in_s": scheme.threshold,
         "client_bytes": t.nbytes(sender=0),
         "client_s": client_s,
-        "member_received_bytes": float(np.mean([t.nbytes(receiver=MEMBER_ID_BASE + j) for j in seats])),
+        "member_received_bytes": float(
+            np.mean([t.nbytes(receiver=MEMBER_ID_BASE + j) for j in seats])
+        ),
         "member_sent_bytes": float(
-            np.mean([t.nbytes(sender=MEMBER_ID_BASE + j) + t.nbytes(sender=OLD_ID_BASE + j) for j in seats])
+            np.mean([t.nbytes(sender=MEMBER_ID_BASE + j) for j in seats])
+            + np.mean([t.nbytes(sender=OLD_ID_BASE + j) for j in seats])
         ),
         "members_s_per_member": members_s / scheme.n,
         "secrets_handed": secrets,
@@ -152,7 +155,8 @@ def main(argv: list[str] | None = None) -> dict:
     for r in rows:
         p, q = r["packed"], r["naive"]
         print(
-            f"{r['n']:<4}{p['dealer_bytes_per_secret']:>10.1f} {q['dealer_bytes_per_secret']:>10.1f}"
+            f"{r['n']:<4}{p['dealer_bytes_per_secret']:>10.1f}"
+            f" {q['dealer_bytes_per_secret']:>10.1f}"
             f"{p['total_bytes_per_secret']:>20.1f} {q['total_bytes_per_secret']:>10.1f}"
             f"{p['client_bytes']:>16}"
         )

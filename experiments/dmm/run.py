@@ -472,7 +472,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 continue
             row = run_one(engine, setup, method, eps, seed, st)
             write_json(path, row)
-            print(json.dumps({k: row[k] for k in ("method", "target_epsilon", "seed", "accuracy", "seconds")}), flush=True)
+            keys = ("method", "target_epsilon", "seed", "accuracy", "seconds")
+            print(json.dumps({k: row[k] for k in keys}), flush=True)
             done.append(row)
         for method, eps, seed in checks:
             path = result_path(results, method, eps, seed, prefix="check_")

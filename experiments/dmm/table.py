@@ -115,7 +115,7 @@ def cost_table(runs: list[dict]) -> str:
 def checks_table(checks: list[dict]) -> str:
     if not checks:
         return "(no full-vs-ideal checks stored)"
-    lines = ["| method | ε | seed | bit-identical | full s | ideal s |", "|---|---|---|---|---|---|"]
+    lines = ["| method | ε | seed | bit-identical | full s | ideal s |", "|---" * 6 + "|"]
     for c in checks:
         lines.append(
             f"| {c['method']} | {c['target_epsilon']:g} | {c['seed']} | {c['identical']} | "

@@ -70,7 +70,7 @@ def member_faults(
         delay = rng.exponential(config.straggler_delay_s or 1.0)
         if drop:
             plan[(seat, stage)] = "drop"
-        elif slow and config.deadline_s > 0 and config.straggler_delay_s and delay > config.deadline_s:
+        elif slow and config.straggler_delay_s and 0 < config.deadline_s < delay:
             plan[(seat, DMMStage.RELEASE)] = "late"
     gone = frozenset(
         seat
@@ -82,7 +82,7 @@ def member_faults(
     return DMMFaults(member=plan, next_drop=gone)
 
 
-def _encode_state(step: int, partials: Mapping[int, np.ndarray]) -> bytes:
+def encode_member_state(step: int, partials: Mapping[int, np.ndarray]) -> bytes:
     buffer = io.BytesIO()
     rows = sorted(partials)
     np.savez(
@@ -94,7 +94,7 @@ def _encode_state(step: int, partials: Mapping[int, np.ndarray]) -> bytes:
     return buffer.getvalue()
 
 
-def _decode_state(data: bytes) -> tuple[int, dict[int, np.ndarray]]:
+def decode_member_state(data: bytes) -> tuple[int, dict[int, np.ndarray]]:
     with np.load(io.BytesIO(data), allow_pickle=False) as archive:
         rows = [int(r) for r in archive["rows"]]
         return int(archive["step"][0]), {r: archive[f"r{r}"] for r in rows}
@@ -111,11 +111,16 @@ class HostedMembers:
     def __init__(self, seats, clients, tokens, member_kwargs: Mapping[str, Any]) -> None:
         self.group = MemberGroup(seats, **member_kwargs)
         self.clients = {int(s): int(c) for s, c in zip(seats, clients)}
-        self.secrets = {int(s): PartySecret.from_token(tok, "client") for s, tok in zip(seats, tokens)}
+        self.secrets = {
+            int(s): PartySecret.from_token(token, "client") for s, token in zip(seats, tokens)
+        }
         self._rngs: dict[int, np.random.Generator] = {}
 
     def _keys(self, round_: int, role: str) -> dict[int, bytes]:
-        return {s: sec.seed_bytes(int(round_), Purpose.KEYS, "dmm", role) for s, sec in self.secrets.items()}
+        return {
+            s: secret.seed_bytes(int(round_), Purpose.KEYS, "dmm", role)
+            for s, secret in self.secrets.items()
+        }
 
     def call(self, method: str, args: tuple) -> Any:
         """``method`` of the group with ``args``, adding this host's secrets where the member
@@ -125,7 +130,8 @@ class HostedMembers:
         if method == "announce_handoff":
             round_, role = args[0], args[2]
             self._rngs = {
-                s: sec.generator(int(round_), Purpose.RESHARE, "dmm") for s, sec in self.secrets.items()
+                s: secret.generator(int(round_), Purpose.RESHARE, "dmm")
+                for s, secret in self.secrets.items()
             }
             return self.group.announce_handoff(*args, private_keys=self._keys(round_, str(role)))
         if method == "deal":
@@ -142,7 +148,7 @@ class HostedMembers:
         for index, seat in enumerate(self.group.seats):
             own = {r: rows[index] for r, rows in partials.items()}
             label = STATE_LABEL + str(self.clients[seat]).encode()
-            out[self.clients[seat]] = self.secrets[seat].seal(_encode_state(step, own), label)
+            out[self.clients[seat]] = self.secrets[seat].seal(encode_member_state(step, own), label)
         return out
 
     def load_states(self, sealed: Mapping[int, bytes], step: int) -> None:
@@ -154,7 +160,7 @@ class HostedMembers:
             if blob is None:
                 continue
             data = self.secrets[seat].open(blob, STATE_LABEL + str(client).encode())
-            saved_step, own = _decode_state(data)
+            saved_step, own = decode_member_state(data)
             if saved_step != step:
                 raise ValueError(
                     f"member client {client}'s stored state is for step {saved_step}, the "
@@ -267,10 +273,15 @@ class HostedPool:
         for g, handle in enumerate(self.handles):
             if g in self.dead:
                 continue
-            run = (lambda h=handle: self.host.ray.get(h.seal_states.remote(self.key))) if self.host.actors else handle.seal_states
-            sealed = self._answer(g, "seal_states", run) or {}
+            sealed = self._answer(g, "seal_states", self._sealer(handle)) or {}
             out.update({c: b for c, b in sealed.items() if c in wanted})
         return out
+
+    def _sealer(self, handle):
+        """A call that returns ``handle``'s members' sealed states."""
+        if not self.host.actors:
+            return handle.seal_states
+        return lambda: self.host.ray.get(handle.seal_states.remote(self.key))
 
     def __getstate__(self):
         raise TypeError("a hosted committee is never pickled: its members' shares are theirs")

@@ -11,21 +11,36 @@ from pathlib import Path
 import cloudpickle
 import numpy as np
 import pytest
-from dmm_support import SECRETS, Committees, Reference, digits_setup, inputs, make_dmm, run_dmm
+from dmm_support import (
+    SECRETS,
+    Committees,
+    Reference,
+    digits_setup,
+    inputs,
+    make_dmm,
+    run_dmm,
+    seal_all,
+)
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.app.metadata import Metadata
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedsim.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from fedsim.engine.dmm_committee import STATE_FILE, CommitteeHost, _decode_state
+from fedsim.engine.dmm_committee import STATE_FILE, CommitteeHost, decode_member_state
 from fedsim.engine.registry import NODE_ID_OFFSET
 from fedsim.privacy.dmm import IntegerMechanism
 from fedsim.privacy.matrix.banded import banded
 from fedsim.randomness import NODE_SECRET_KEY, Purpose, RunSecret, Stream, public_generator
 from fedsim.records import to_numpy, to_record
 from protocols.channels import Envelope
-from protocols.dmm import DMMFaults, DMMStage, MemberRefused, ReleaseTampering, Schedule, SealedShares
-from protocols.dmm_client import seal_client_shares
+from protocols.dmm import (
+    DMMFaults,
+    DMMStage,
+    MemberRefused,
+    ReleaseTampering,
+    Schedule,
+    SealedShares,
+)
 from protocols.dmm_member import REFUSALS, MemberGroup, MemberPool
 from protocols.dmm_server import DMMServer
 from protocols.shamir import PackedShamir
@@ -56,12 +71,15 @@ def test_the_server_cannot_replay_a_clients_noise(local_engine):
     grid = local_engine.open_run(inner, CLIENTS, datasets=((data, dataset),))
     from fedsim.models import initial_arrays  # noqa: PLC0415
 
-    messages = list(strategy.configure_train(3, to_record(initial_arrays(model, 0)), ConfigRecord(), grid))
+    arrays = to_record(initial_arrays(model, 0))
+    messages = list(strategy.configure_train(3, arrays, ConfigRecord(), grid))
     config = next(r for r in messages[0].content.values() if isinstance(r, ConfigRecord))
     assert not any("seed" in key and key != "dmm.rotation-seed" for key in config.keys())
     partition = int(messages[0].metadata.dst_node_id) - NODE_ID_OFFSET
     own = SECRETS.client(partition)
-    node_config = {"partition-id": partition, "num-partitions": CLIENTS, NODE_SECRET_KEY: own.token()}
+    node_config = {
+        "partition-id": partition, "num-partitions": CLIENTS, NODE_SECRET_KEY: own.token()
+    }
     context = Context(run_id=1, node_id=messages[0].metadata.dst_node_id,
                       node_config=node_config, state=RecordDict(), run_config={})
     reply = dmm_client_app(inner)(messages[0], context)
@@ -129,7 +147,7 @@ def test_the_run_directory_alone_reconstructs_nothing(local_engine, tmp_path):
         for wrong in (SECRETS.server(), outsider.client(client), SECRETS.client(client + 1)):
             with pytest.raises(ValueError, match="failed authentication"):
                 wrong.open(blob, label)
-        step, own = _decode_state(SECRETS.client(client).open(blob, label))  # the member itself
+        step, own = decode_member_state(SECRETS.client(client).open(blob, label))  # the member itself
         assert step == committee_step and own
     store.close()
 
@@ -141,7 +159,7 @@ def test_an_all_zero_public_key_drops_only_that_client():
     ref = Reference(mechanism.integer_matrix)
     updates, noises = inputs(run.full.schedule, 0, CLIENTS, D, 1)
     keys = run.full.open_round(0)
-    sealed = {c: seal_client_shares(keys, c, updates[c], noises[c], np.random.default_rng(c)) for c in updates}
+    sealed = seal_all(keys, updates, noises)
     sealed[2] = SealedShares(2, bytes(32), sealed[2].shares)
     out = run.full.finish_round(sealed, run.new_pool())
     assert "unusable public key" in out.rejected[2]
@@ -196,9 +214,10 @@ def _colluding_run(n, t, k, colluders):
     server.attach(pool)
     updates, noises = inputs(server.schedule, 0, CLIENTS, D, 4)
     keys = server.open_round(0)
-    sealed = {c: seal_client_shares(keys, c, updates[c], noises[c], np.random.default_rng(c)) for c in updates}
+    sealed = seal_all(keys, updates, noises)
     next_pool = MemberPool(range(n), [list(range(n))], server.member_kwargs)
-    return server, sealed, next_pool, Reference(mechanism.integer_matrix).release(updates, noises, range(CLIENTS))
+    expected = Reference(mechanism.integer_matrix).release(updates, noises, range(CLIENTS))
+    return server, sealed, next_pool, expected
 
 
 def test_two_colluders_cannot_choose_the_release_nor_blame_an_honest_member():
@@ -230,7 +249,7 @@ def test_members_refuse_a_noise_free_or_repeated_release():
     group = run.full.pool.objects[0]
     updates, noises = inputs(run.full.schedule, 0, CLIENTS, D, 6)
     keys = run.full.open_round(0)
-    sealed = {c: seal_client_shares(keys, c, updates[c], noises[c], np.random.default_rng(c)) for c in updates}
+    sealed = seal_all(keys, updates, noises)
     with pytest.raises(MemberRefused, match="step"):
         group.combine(3, list(range(CLIENTS)), [], [], 0)  # another step's coefficients
     with pytest.raises(MemberRefused, match="min_clients"):
@@ -248,14 +267,17 @@ def test_a_round_1_envelope_is_refused_in_round_2():
     ref = Reference(mechanism.integer_matrix)
     updates, noises = inputs(run.full.schedule, 0, CLIENTS, D, 7)
     keys = run.full.open_round(1)
-    old = {c: seal_client_shares(keys, c, updates[c], noises[c], np.random.default_rng(c)) for c in updates}
+    old = seal_all(keys, updates, noises)
     run.full.finish_round(old, run.new_pool())
     ref.release(updates, noises, range(CLIENTS))
     updates, noises = inputs(run.full.schedule, 1, CLIENTS, D, 8)
     keys = run.full.open_round(2)
-    sealed = {c: seal_client_shares(keys, c, updates[c], noises[c], np.random.default_rng(c)) for c in updates}
+    sealed = seal_all(keys, updates, noises)
     sealed[0] = old[0]  # replayed as it was
-    relabelled = {j: Envelope(e.sender, e.receiver, 2, e.stage, e.nonce, e.ciphertext) for j, e in old[1].shares.items()}
+    relabelled = {
+        j: Envelope(e.sender, e.receiver, 2, e.stage, e.nonce, e.ciphertext)
+        for j, e in old[1].shares.items()
+    }
     sealed[1] = SealedShares(old[1].party, old[1].public_key, relabelled)  # header rewritten
     out = run.full.finish_round(sealed, run.new_pool())
     assert 0 in out.rejected and 1 in out.excluded and out.clients == (2, 3, 4)
@@ -300,7 +322,7 @@ def test_fuzz_every_member_handler_refuses_cleanly_and_changes_nothing():
             getattr(group, name)(*args)
         except REFUSALS:
             pass
-        group._clear_round()  # a refused or stray request may have left a stage: the next round restarts
+        group._clear_round()  # a stray request may have left a stage: the next round restarts
     for r, v in before.items():
         np.testing.assert_array_equal(group.partials[r], v)
     spare = MemberGroup([0], **run.full.member_kwargs)
@@ -319,7 +341,7 @@ def test_fuzz_the_server_rejects_every_malformed_client_message_and_finishes_the
     rng = np.random.default_rng(1)
     updates, noises = inputs(run.full.schedule, 0, CLIENTS, D, 11)
     keys = run.full.open_round(0)
-    sealed = {c: seal_client_shares(keys, c, updates[c], noises[c], np.random.default_rng(c)) for c in updates}
+    sealed = seal_all(keys, updates, noises)
     good = sealed[0]
     some_envelope = next(iter(good.shares.values()))
     bad = {
@@ -357,7 +379,8 @@ def test_fuzz_the_strategy_rejects_bad_replies_and_names_them(local_engine):
         if server_round != 2:
             return replies
         a, b, c = replies[0], replies[1], replies[2]
-        a.content = RecordDict({"arrays": ArrayRecord(), "metrics": MetricRecord({"num-examples": 1})})
+        foreign = {"arrays": ArrayRecord(), "metrics": MetricRecord({"num-examples": 1})}
+        a.content = RecordDict(foreign)
         record = dict(b.content[SEALED_KEY])
         record["nonces"] = record["nonces"][:-1]
         b.content[SEALED_KEY] = ConfigRecord(record)
@@ -376,7 +399,7 @@ def test_fuzz_the_strategy_rejects_bad_replies_and_names_them(local_engine):
                 message_type=meta.message_type,
             ),
         )
-        named.update(a=int(a.metadata.src_node_id), b=int(b.metadata.src_node_id), c=int(c.metadata.src_node_id))
+        named.update({name: int(r.metadata.src_node_id) for name, r in zip("abc", (a, b, c))})
         return [*replies, c, stranger]
 
     _, recorded = run_dmm(local_engine, setup, make_dmm("full", 12, 3), 3, alter=hostile)

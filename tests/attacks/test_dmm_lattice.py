@@ -62,7 +62,10 @@ def _data(seed, D=4, clients=3):
 def _noise(mechanism, seed, D=4, clients=3, sigma=50):
     rng = np.random.default_rng(seed)
     return [
-        {c: discrete_gaussian((len(mechanism.released_at(t)), D), sigma, rng) for c in range(clients)}
+        {
+            c: discrete_gaussian((len(mechanism.released_at(t)), D), sigma, rng)
+            for c in range(clients)
+        }
         for t in range(T)
     ]
 
