@@ -143,7 +143,8 @@ class RoundOutput:
     reason; ``corrected``: seats whose release shares were corrected (named only when the
     decoding is unique); ``verified``/``radius``: of that decoding; ``holders``: seats of the
     committee holding the state after the round; ``handed_over``: whether that is the next
-    committee; ``handoff_error``: why not; ``dropped``: seats of this committee that went silent;
+    committee; ``handoff_error``: why not; ``dropped``: holders of this committee whose release
+    share did not arrive; ``estimate``: x_hat_t = (D y)_t (float64, integer units of X);
     ``transcript``: bytes per (sender, receiver, stage).
     """
 
