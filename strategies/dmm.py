@@ -418,6 +418,7 @@ class DMM(StrategyWrapper):
         self.halted: str | None = None
         self._scaled_noise_std = 0.0
         self._zcdp = 0.0
+        self._accounted: dict[Participation, dmm_privacy.IntegerMechanism] = {}
         self._global: ArrayRecord | None = None
         self._round: dict[str, Any] = {}
 
@@ -547,11 +548,15 @@ class DMM(StrategyWrapper):
         )
 
     def _account(self, server_round: int) -> None:
-        mechanism = self.mechanism
-        if mechanism.participation != self.accounting_participation():
-            mechanism = dmm_privacy.IntegerMechanism(
-                mechanism.factorization, mechanism.fractional_bits, self.accounting_participation()
-            )
+        participation = self.accounting_participation()
+        mechanism = self._accounted.get(participation)
+        if mechanism is None:
+            mechanism = self.mechanism
+            if participation != mechanism.participation:
+                mechanism = dmm_privacy.IntegerMechanism(
+                    mechanism.factorization, mechanism.fractional_bits, participation
+                )
+            self._accounted = {participation: mechanism}
         steps = self.server.step
         rows = np.flatnonzero(mechanism.rounds < steps)
         eps = dmm_privacy.zcdp_epsilon(
@@ -727,13 +732,13 @@ class DMM(StrategyWrapper):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        if self._global is None or self.encoder is None or not self._round:
-            raise RuntimeError("aggregate_train called before configure_train")
         metrics = MetricRecord({"dmm-planned": self.expected_clients})
         if self.halted:
             metrics["dmm-halted"] = 1
             metrics["epsilon"] = self.epsilon()
             return None, metrics
+        if self._global is None or self.encoder is None or not self._round:
+            raise RuntimeError("aggregate_train called before configure_train")
         replies = list(replies)
         valid, rejected = self._validate(replies)
         try:

@@ -141,3 +141,16 @@ def test_fedsim_run_writes_epsilon_and_the_mode_per_round(tmp_path):
     assert all(r["privacy"]["mode"] == "full" for r in rounds)
     assert summary["privacy"]["epsilon"] == pytest.approx(eps[-1]) if "privacy" in summary else True
     assert (tmp_path / "dmm_members.sqlite").is_file()
+
+
+def test_a_lost_committee_state_halts_the_run_cleanly(local_engine, digits):
+    """Members' clients almost all unavailable: the state is lost (fewer than t + k holders),
+    the round aborts cleanly and every later round reports the halt instead of failing."""
+    faults = FaultConfig(dropout=0.95, seed=2)
+    arrays, recorded = run_dmm(
+        local_engine, digits, make_dmm("full", CLIENTS, ROUNDS), ROUNDS, faults=faults
+    )
+    halted = [m.get("dmm-halted", 0) for m in recorded.metrics]
+    assert halted[-1] == 1 and recorded.inner.halted
+    assert recorded.inner.server.stage.name == "ABORTED"
+    assert all(np.isfinite(v).all() for v in arrays.values())
