@@ -29,6 +29,7 @@ active server they would be signed under a PKI).
 from __future__ import annotations
 
 import io
+import math
 import os
 import struct
 from collections import defaultdict
@@ -260,6 +261,11 @@ class Endpoint:
         an unexpected sender, or was already opened (:class:`ReplayError`)."""
         if not isinstance(envelope, Envelope):
             raise ChannelError(f"envelope must be an Envelope, got {type(envelope).__name__}")
+        if not _well_formed(envelope):
+            raise ChannelError(
+                "malformed envelope: ids and round must be integers, the stage a string, "
+                "nonce and ciphertext bytes"
+            )
         label = stage_label(stage)
         if envelope.receiver != self.party_id:
             raise ChannelError(
@@ -280,13 +286,8 @@ class Endpoint:
         if entry is None:
             raise ChannelError(f"no channel from sender={envelope.sender} to party {self.party_id}")
         peer_key, cipher = entry
-        if (
-            not isinstance(envelope.nonce, bytes)
-            or len(envelope.nonce) != NONCE_BYTES
-            or envelope.nonce[:4] != bytes(4)
-            or not isinstance(envelope.ciphertext, bytes)
-        ):
-            raise ChannelError(f"malformed envelope from sender={envelope.sender}")
+        if len(envelope.nonce) != NONCE_BYTES or envelope.nonce[:4] != bytes(4):
+            raise ChannelError(f"malformed nonce in the envelope from sender={envelope.sender}")
         aad = associated_data(
             self.protocol, self.session_id, envelope.sender, self.party_id, round_, label
         )
@@ -327,6 +328,19 @@ class Endpoint:
             ) from None
 
 
+def _well_formed(envelope: Envelope) -> bool:
+    """Whether an envelope's fields have the types a sealed one has (whatever their values)."""
+    return (
+        all(
+            isinstance(value, int | np.integer) and not isinstance(value, bool)
+            for value in (envelope.sender, envelope.receiver, envelope.round)
+        )
+        and isinstance(envelope.stage, str)
+        and isinstance(envelope.nonce, bytes)
+        and isinstance(envelope.ciphertext, bytes)
+    )
+
+
 def encode_array(array) -> bytes:
     """A numeric numpy array as .npy bytes (no pickled objects)."""
     array = np.asarray(array)
@@ -338,7 +352,35 @@ def encode_array(array) -> bytes:
 
 
 def decode_array(payload: bytes) -> np.ndarray:
-    return np.load(io.BytesIO(payload), allow_pickle=False)
+    """The numeric array in .npy bytes (format 1.0 or 2.0, as :func:`encode_array` writes),
+    or ``ValueError``: a malformed header, a dtype other than bool/int/uint/float, or a data
+    length that disagrees with the header (checked before anything is allocated, so a header
+    promising a huge array costs nothing)."""
+    if not isinstance(payload, bytes):
+        raise ValueError(f"payload must be bytes, got {type(payload).__name__}")
+    stream = io.BytesIO(payload)
+    try:
+        version = np.lib.format.read_magic(stream)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(stream)
+        elif version == (2, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(stream)
+        else:
+            raise ValueError(f"unsupported .npy format version {version}")
+    except (ValueError, TypeError, SyntaxError, RecursionError, KeyError) as err:
+        raise ValueError(f"not a .npy array: {err}") from None
+    if dtype.kind not in "biuf" or dtype.hasobject:
+        raise ValueError(f"array dtype {dtype} is not numeric")
+    if any(size < 0 for size in shape):
+        raise ValueError(f"array shape {shape} has a negative size")
+    count, offset = math.prod(shape), stream.tell()
+    if count * dtype.itemsize != len(payload) - offset:
+        raise ValueError(
+            f"array header promises {count} x {dtype.itemsize} bytes, the payload carries "
+            f"{len(payload) - offset}"
+        )
+    flat = np.frombuffer(payload, dtype=dtype, count=count, offset=offset)
+    return flat.reshape(shape, order="F" if fortran else "C").copy()
 
 
 def _load_public_key(public_key: bytes) -> X25519PublicKey:

@@ -223,7 +223,7 @@ class MersenneField:
         total += lo >> np.uint64(61)
         # total < 3 * 2^61 + 2^34 < 2^63: fold once more, then one conditional subtraction
         total = (total & p) + (total >> np.uint64(61))
-        total = np.where(total >= p, total - p, total)
+        total = total - p * (total >= p)  # no wrap-around, also for 0-d operands
         return total.astype(np.int64)
 
     def mul_pow2(self, a, shift: int) -> np.ndarray:

@@ -439,6 +439,8 @@ class Resharing:
         self.round = int(round_)
         self.encrypt = bool(encrypt)
         self.stage = ReshareStage.SETUP
+        self.transcript = Transcript()
+        self.relay: Relay | None = None
 
     def _enter(self, target: ReshareStage) -> None:
         check_transition(self.stage, target, f"resharing of round {self.round}")
@@ -470,7 +472,6 @@ class Resharing:
         old, new = self.old, self.new
         olds, blocks = self._old_members(old_shares, faults)
         news = {j: NewMember(j) for j in range(new.n)}
-        self.transcript = Transcript()
         self.relay = self._connect(olds, news)
         # ANNOUNCE
         self._enter(ReshareStage.ANNOUNCE)

@@ -22,11 +22,12 @@ covers *including the adversary's*: tau colluding members can move the word to w
 d - tau of another codeword (and so blame honest members there). With at most tau faulty
 members, correcting e wrong shares is sound only when e + tau <= m - t - k, so ``decode``
 corrects at most ``correctable = min(radius, m - t - k - tau)`` members (tau = ``max_faulty``,
-by default the privacy threshold t: a larger coalition learns the secrets anyway; this is
-Franklin & Yung's m >= 3t + k for robust reconstruction) and otherwise only detects: up to
-m - t - k - correctable wrong shares never pass unnoticed and are never miscorrected. With
-m = t + k nothing can be checked (``verified`` is False). Sharing is linear: the element-wise
-sum of two sharings is a sharing of the sum, and likewise for public scalars.
+by default the privacy threshold t: a larger coalition learns the secrets anyway; all t are
+corrected once m >= 3t + k, the n >= 3t + 1 of robust reconstruction for k = 1) and
+otherwise only detects: up to m - t - k - correctable wrong shares never pass unnoticed and
+are never miscorrected. With m = t + k nothing can be checked (``verified`` is False).
+Sharing is linear: the element-wise sum of two sharings is a sharing of the sum, and likewise
+for public scalars.
 """
 
 from __future__ import annotations

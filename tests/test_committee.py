@@ -17,6 +17,7 @@ from fedsim.engine.committee import (
     StageFaults,
     TamperingDetected,
 )
+from fedsim.randomness import PartySecret
 from protocols.field import DEFAULT_FIELD
 from protocols.secagg import StageError, TooManyDropoutsError
 
@@ -188,3 +189,22 @@ def test_plain_transport_gives_the_same_sums():
     result = committee.run_round(1, vectors, rng, faults(drop=[(5, S.RELEASE)]))
     np.testing.assert_array_equal(result.aggregate, expected(vectors))
     assert committee.relay.transcript.nbytes() == 0
+
+
+def test_member_channel_keys_come_from_the_member_secrets():
+    """With member secrets each member's channel key is its own, derived per session: the
+    same secret and session give the same key wherever the member is hosted; other secrets
+    give other keys; without secrets every committee draws fresh keys."""
+    secrets = {m: PartySecret(bytes([m + 1]) * 32, "member") for m in range(5)}
+    committee = Committee(5, 1, 2, shards=2, member_secrets=secrets)
+    derived = committee._member_keys(secrets)
+    rebuilt = CommitteeShard([3], 61, committee.session_id, {3: derived[3]})
+    assert rebuilt.public_keys()[3] == committee.member_keys[3]
+    other = {m: PartySecret(bytes([m + 9]) * 32, "member") for m in range(5)}
+    assert Committee(5, 1, 2, member_secrets=other).member_keys[3] != committee.member_keys[3]
+    assert Committee(5, 1, 2).member_keys[3] != Committee(5, 1, 2).member_keys[3]
+    rng = np.random.default_rng(12)
+    vectors = inputs(rng)
+    np.testing.assert_array_equal(committee.run_round(1, vectors, rng).aggregate, expected(vectors))
+    with pytest.raises(ValueError, match=r"missing \[4\]"):
+        Committee(5, 1, 2, member_secrets={m: secrets[m] for m in range(4)})

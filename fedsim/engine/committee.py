@@ -35,11 +35,12 @@ committee.
 Outcomes. The server needs ``t + k + detect`` answers: ``t + k`` to reconstruct and ``detect``
 more so that up to ``detect`` tampered shares are always caught. Fewer answers ->
 :class:`CommitteeAbort` (a :class:`protocols.secagg.TooManyDropoutsError`) naming how many were
-needed and how many answered. The answers are decoded (:meth:`protocols.shamir.PackedShamir
-.decode`, Berlekamp-Welch): wrong shares are corrected and their members named only within the
-sound radius min(floor((m - t - k) / 2), m - t - k - max(t, detect)), so neither t colluding
-members nor ``detect`` tampered shares can choose the release or get an honest member blamed;
-beyond it :class:`TamperingDetected` is raised naming nobody, and nothing is released. With
+needed and how many answered. The answers are decoded by Berlekamp-Welch
+(:meth:`protocols.shamir.PackedShamir.decode`): wrong shares are corrected and their members
+named only within the sound radius min(floor((m - t - k) / 2), m - t - k - max(t, detect)), so
+neither t colluding members nor ``detect`` tampered shares can choose the release or get an
+honest member blamed; beyond it :class:`TamperingDetected` is raised naming nobody, and
+nothing is released. With
 exactly t + k answers nothing can be checked: the result says ``verified=False``. A round that
 fails is left ABORTED (:meth:`Committee.stage`) on the server and in every shard, and earlier
 rounds' results stay in :attr:`Committee.history`.
@@ -94,7 +95,7 @@ def check_transition(current: CommitteeStage, target: CommitteeStage, who: str) 
 
 
 MEMBER_ID_BASE = 2**62
-"""Channel party id of member j: MEMBER_ID_BASE + j (clients use their own ids below it)."""
+"""Channel party id of member j: MEMBER_ID_BASE + j (clients use their own ids, never these)."""
 
 
 class MemberFault(enum.Enum):
@@ -241,6 +242,7 @@ class CommitteeShard:
         self._stage[round_] = target
 
     def stage(self, round_: int) -> CommitteeStage:
+        """Where this shard stands in ``round_`` (SETUP before its first message)."""
         return self._stage.get(round_, CommitteeStage.SETUP)
 
     def _tamper(self, rows: np.ndarray, who: frozenset[int], seed: int, salt: int) -> np.ndarray:
@@ -285,20 +287,23 @@ class CommitteeShard:
     def _client_rows(self, round_: int, client: int, delivered: Any) -> tuple[np.ndarray, list]:
         """SHARE for one client: its rows for this shard (zeros where refused) and the members
         that refused them: a sealed share that does not open or is malformed is refused by its
-        member; plain rows that are not (members, width) field elements by every member."""
+        member; plain rows that are not (members, width) field elements, or that reach a shard
+        whose members only take sealed shares, by every member."""
         width = self._width.setdefault(round_, _width_of(delivered))
         everyone = [int(m) for m in self.members]
         zeros = np.zeros((self.members.size, width), dtype=np.int64)
         if isinstance(delivered, SealedShares):
             if (
                 not self._endpoints
+                or not isinstance(delivered.envelopes, tuple | list)
                 or len(delivered.envelopes) != self.members.size
                 or delivered.width != width
             ):
                 return zeros, everyone
             return self._open(round_, client, delivered, width)
         if (
-            not isinstance(delivered, np.ndarray)
+            self._endpoints
+            or not isinstance(delivered, np.ndarray)
             or delivered.dtype.kind not in "iu"
             or delivered.shape != zeros.shape
         ):
@@ -382,7 +387,8 @@ def _width_of(delivered: Any) -> int:
     if isinstance(delivered, SealedShares):
         width = delivered.width
     else:
-        width = getattr(delivered, "shape", (0, 0))[-1] if np.ndim(delivered) == 2 else 0
+        plain = isinstance(delivered, np.ndarray) and delivered.ndim == 2
+        width = delivered.shape[1] if plain else 0
     return int(width) if isinstance(width, int | np.integer) and width >= 0 else 0
 
 
@@ -617,28 +623,30 @@ class Committee:
         for client, vector in inputs.items():
             if isinstance(client, bool) or not isinstance(client, int | np.integer):
                 raise ValueError(f"inputs has client id {client!r}; allowed: integers")
-            if not 0 <= client < MEMBER_ID_BASE:
-                raise ValueError(f"inputs has client id {client}; allowed: [0, 2^62)")
+            if not 0 <= client < SERVER_ID or 0 <= client - MEMBER_ID_BASE < self.scheme.n:
+                raise ValueError(
+                    f"inputs has client id {client}; allowed: [0, 2^63 - 1) except the members' "
+                    f"channel ids [2^62, 2^62 + {self.scheme.n})"
+                )
             try:
                 vectors[int(client)] = self.scheme.field.asarray(vector, "input").ravel()
             except (ValueError, TypeError, OverflowError) as error:
                 excluded.add(int(client))
                 reasons.append(f"client {client}: {error}")
-        if length is None and vectors:
-            counts = Counter(v.size for v in vectors.values())
-            length = min(counts, key=lambda size: (-counts[size], size))
-        if isinstance(length, bool) or not isinstance(length, int | np.integer) or length < 1:
-            if vectors or length is not None:
-                raise ValueError(f"length={length!r} must be a positive integer")
+        if length is not None and (
+            isinstance(length, bool) or not isinstance(length, int | np.integer) or length < 1
+        ):
+            raise ValueError(f"length={length!r} must be a positive integer")
+        if length is None:
+            counts = Counter(v.size for v in vectors.values() if v.size)
+            length = min(counts, key=lambda size: (-counts[size], size)) if counts else 1
         for client in [c for c, v in vectors.items() if v.size != length]:
             reasons.append(f"client {client}: {vectors[client].size} elements, {length} expected")
             excluded.add(client)
             del vectors[client]
         if not vectors:
             raise CommitteeAbort(
-                f"no client input is {length} field elements: {'; '.join(reasons)[:500]}",
-                needed=1,
-                answered=0,
+                f"no usable client input: {'; '.join(reasons)[:500]}", needed=1, answered=0
             )
         return vectors, int(length), excluded, reasons
 

@@ -4,6 +4,8 @@ stages, nonce reuse through key switching, bad public keys, other protocols and 
 from __future__ import annotations
 
 import dataclasses
+import io
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -93,3 +95,71 @@ def test_garbage_envelopes_are_channel_errors():
     not_an_array = alice.seal(2, 0, "S", b"\x93NUMPY garbage")
     with pytest.raises(ChannelError, match="not a numeric array"):
         bob.open_array(not_an_array, round_=0, stage="S")
+
+
+def _npy(header: dict, body: bytes) -> bytes:
+    stream = io.BytesIO()
+    np.lib.format.write_array_header_1_0(stream, header)
+    return stream.getvalue() + body
+
+
+HOSTILE_PAYLOADS = [
+    _npy({"descr": "<i8", "fortran_order": False, "shape": (10**12,)}, bytes(8)),
+    _npy({"descr": "<i8", "fortran_order": False, "shape": (2**62, 4)}, bytes(8)),
+    _npy({"descr": "<i8", "fortran_order": False, "shape": (-3,)}, bytes(8)),
+    _npy({"descr": "<i8", "fortran_order": False, "shape": (3,)}, bytes(16)),
+    _npy({"descr": "<i8", "fortran_order": False, "shape": (3,)}, bytes(32)),
+    _npy({"descr": "|O", "fortran_order": False, "shape": (1,)}, bytes(8)),
+    _npy({"descr": [("a", "<i8")], "fortran_order": False, "shape": (1,)}, bytes(8)),
+    _npy({"descr": "<c16", "fortran_order": False, "shape": (1,)}, bytes(16)),
+    _npy({"descr": "<U3", "fortran_order": False, "shape": (1,)}, bytes(12)),
+    b"\x93NUMPY\x03\x00" + bytes(20),
+    b"\x93NUMPY\x01\x00\xff\xff" + b"{" * 65535,
+    b"\x93NUMPY\x01\x00\x10\x00{'descr': 1, }\n",
+    b"",
+]
+
+
+def test_fuzzed_envelopes_and_payloads_are_channel_errors(capsys):
+    """Envelopes with random or mistyped fields, relabelled, redirected, replayed, truncated,
+    and authentic envelopes whose payload is a hostile .npy (a header promising 10^12
+    elements, negative or mismatched sizes, object, structured, complex or text dtypes, bad
+    versions and headers): opening each raises ChannelError and allocates nothing big."""
+    session = new_session_id()
+    alice, bob = Endpoint(1, session), Endpoint(2, session)
+    alice.connect(2, bob.public_key)
+    bob.connect(1, alice.public_key)
+    rng = np.random.default_rng(1)
+    tally = Counter()
+    values = [None, -1, 2**64, 1.5, "x", b"x", True, [1], np.int64(7)]
+    for round_ in range(200):
+        good = alice.seal_array(2, round_, "S", np.arange(4))
+        field_name = ("sender", "receiver", "round", "stage", "nonce", "ciphertext")[round_ % 6]
+        forged = [
+            dataclasses.replace(good, **{field_name: values[int(rng.integers(len(values)))]}),
+            dataclasses.replace(good, ciphertext=rng.bytes(int(rng.integers(0, 64)))),
+            dataclasses.replace(good, ciphertext=good.ciphertext[: int(rng.integers(0, 40))]),
+            dataclasses.replace(good, nonce=rng.bytes(12)),
+            dataclasses.replace(good, round=round_ + 1),
+            dataclasses.replace(good, stage="T"),
+            dataclasses.replace(good, receiver=3),
+            alice.seal(2, round_, "S", HOSTILE_PAYLOADS[round_ % len(HOSTILE_PAYLOADS)]),
+            alice.seal(2, round_, "S", rng.bytes(int(rng.integers(0, 200)))),
+        ]
+        for envelope in forged:
+            tally["tried"] += 1
+            try:
+                opened = bob.open_array(envelope, round_=round_, stage="S", sender=1)
+            except ChannelError:
+                tally["refused"] += 1
+                continue
+            assert opened.tolist() == [0, 1, 2, 3], envelope  # only the genuine message
+            tally["opened genuine"] += 1
+        assert bob.open_array(good, round_=round_, stage="S").tolist() == [0, 1, 2, 3]
+        tally["tried"] += 1
+        with pytest.raises(ReplayError):
+            bob.open_array(good, round_=round_, stage="S")
+        tally["refused"] += 1
+    with capsys.disabled():
+        print(f"\n[fuzz channels open/open_array] {dict(tally)}")
+    assert tally["tried"] == tally["refused"] + tally["opened genuine"]

@@ -1,0 +1,388 @@
+"""Against the DDGauss committee (fedsim.engine.committee): a relay replaying an old round's
+envelope, colluding members who try to choose the release or blame an honest member, tampering
+with exactly t + k answers, and clients and members sending garbage. Each test fails if the
+attack works or if garbage gets anything but a clean rejection (a dropped party with a reason,
+or a documented exception with the round left ABORTED)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from fedsim.engine.committee import (
+    CHANNEL_PROTOCOL,
+    MEMBER_ID_BASE,
+    Committee,
+    CommitteeAbort,
+    CommitteeFaults,
+    CommitteeShard,
+    CommitteeStage,
+    MemberFault,
+    SealedShares,
+    StageFaults,
+    TamperingDetected,
+)
+from protocols.channels import SERVER_ID, Endpoint, Envelope, new_session_id
+from protocols.field import DEFAULT_FIELD
+from protocols.secagg import StageError
+
+S = CommitteeStage
+F = DEFAULT_FIELD
+
+
+def inputs(rng, clients=5, length=12):
+    return {c: F.random(rng, length) for c in range(100, 100 + clients)}
+
+
+def total(vectors):
+    return F.sum(np.stack(list(vectors.values())), axis=0)
+
+
+class OffsetShard(CommitteeShard):
+    """Members that add chosen offsets to the sums they release (colluders)."""
+
+    offsets: dict[int, int] = {}
+
+    def release(self, round_, faults):
+        for index, member in enumerate(self.members.tolist()):
+            if member in self.offsets:
+                row = self._sum[round_][index]
+                self._sum[round_][index] = F.add(row, np.full(row.size, self.offsets[member]))
+        return super().release(round_, faults)
+
+
+def framing(committee, colluders, framed, answering):
+    """Offsets of a degree < t + k polynomial vanishing at every answering member's point but
+    the colluders' and the framed honest ones' (miscorrect.py against the committee)."""
+    points = committee.scheme.share_points
+    g = {}
+    for m in colluders:
+        value = 1000
+        for z in answering:
+            if z not in colluders and z not in framed:
+                value = value * (int(points[m]) - int(points[z])) % F.modulus
+        g[m] = value
+    return g
+
+
+def test_a_round_1_envelope_replayed_in_round_3_is_refused():
+    """../shared/attacks/replay.py: the relay substitutes a client's round-1 sealed share (and
+    its key) for the real one in round 3; the member refuses it and the client is dropped."""
+    session = new_session_id()
+    shard = CommitteeShard([0], 61, session)
+    member_key = shard.public_keys()[0]
+
+    def sealed(round_, value):
+        client = Endpoint(7, session, CHANNEL_PROTOCOL)  # a fresh key per round
+        client.connect(MEMBER_ID_BASE, member_key)
+        envelope = client.seal_array(MEMBER_ID_BASE, round_, S.SHARE, np.array([value]))
+        return SealedShares(client.public_key, (envelope,), 1)
+
+    old = sealed(1, 111)
+    assert shard.share(1, {7: old}, StageFaults(), 1)["refused"] == {}
+    assert shard.share(2, {7: sealed(2, 222)}, StageFaults(), 1)["refused"] == {}
+    assert shard.share(3, {7: old}, StageFaults(), 1)["refused"] == {7: [0]}
+    relabelled = SealedShares(old.public_key, (dataclasses.replace(old.envelopes[0], round=4),), 1)
+    assert shard.share(4, {7: relabelled}, StageFaults(), 1)["refused"] == {7: [0]}
+    assert shard._rows[3][7].tolist() == [[0]] and shard._rows[4][7].tolist() == [[0]]
+
+
+def test_colluders_cannot_choose_the_release_or_blame_an_honest_member():
+    """miscorrect.py's committee case: n = 8, t = 3, k = 2, detect = 2, colluders 2, 5 and 7
+    put the word one share (member 0's) from a codeword with other secrets. The round is
+    refused as tampering, nobody is named, nothing is released, the round is ABORTED."""
+    rng = np.random.default_rng(1)
+    committee = Committee(8, 3, 2, detect=2, shard_class=OffsetShard)
+    OffsetShard.offsets = framing(committee, {2, 5, 7}, {0}, range(8))
+    try:
+        with pytest.raises(TamperingDetected, match="cannot be singled out") as caught:
+            committee.run_round(1, inputs(rng), rng)
+    finally:
+        OffsetShard.offsets = {}
+    assert caught.value.suspects == ()
+    assert committee.history == {} and committee.stage(1) is S.ABORTED
+    assert all(shard.stage(1) is S.ABORTED for shard in committee.shards)
+    # the same word handed to the decoder directly (the script's call)
+    scheme = committee.scheme
+    rows = scheme.share(F.random(rng, 4), rng=rng)
+    g = framing(committee, {2, 5, 7}, {0}, range(8))
+    for m, value in g.items():
+        rows[m] = F.add(rows[m], np.full(rows.shape[1], value))
+    with pytest.raises(TamperingDetected):
+        committee._reconstruct(rows, list(range(8)), 4, 0)
+
+
+@pytest.mark.parametrize("colluders", [(3,), (1, 9)])
+def test_tampering_members_within_the_sound_radius_are_corrected_and_exactly_named(colluders):
+    rng = np.random.default_rng(2)
+    committee = Committee(12, 2, 2, detect=1, shards=3, shard_class=OffsetShard)
+    OffsetShard.offsets = {m: 17 + m for m in colluders}
+    try:
+        vectors = inputs(rng)
+        result = committee.run_round(1, vectors, rng)
+    finally:
+        OffsetShard.offsets = {}
+    np.testing.assert_array_equal(result.aggregate, total(vectors))
+    assert result.tampered == colluders and not set(colluders) & set(result.answered)
+    assert result.verified
+
+
+def test_tampering_with_exactly_t_plus_k_answers_is_reported_unverified():
+    rng = np.random.default_rng(3)
+    committee = Committee(7, 3, 2, detect=0)
+    plan = CommitteeFaults(
+        {
+            (5, S.RELEASE): MemberFault.DROP,
+            (6, S.RELEASE): MemberFault.DROP,
+            (1, S.RELEASE): MemberFault.TAMPER,
+        },
+        seed=4,
+    )
+    vectors = inputs(rng)
+    result = committee.run_round(1, vectors, rng, plan)
+    assert not result.verified and result.tampered == ()
+    assert not np.array_equal(result.aggregate, total(vectors))  # nothing could tell
+    one_spare = CommitteeFaults({(6, S.RELEASE): MemberFault.DROP})
+    checked = committee.run_round(2, vectors, rng, one_spare)
+    assert checked.verified and np.array_equal(checked.aggregate, total(vectors))
+
+
+BAD_INPUTS = [
+    np.arange(11),  # wrong length
+    np.arange(12, dtype=np.float64),
+    np.full(12, F.modulus),
+    -np.ones(12, dtype=np.int64),
+    None,
+    "twelve",
+    np.array([[1, 2], [3, 4]]),
+    np.array([1, "2"], dtype=object),
+]
+
+
+def test_malformed_client_inputs_drop_that_client_with_a_reason():
+    rng = np.random.default_rng(5)
+    committee = Committee(7, 2, 2)
+    for round_, bad in enumerate(BAD_INPUTS):
+        vectors = inputs(rng)
+        result = committee.run_round(round_, {**vectors, 999: bad}, rng, length=12)
+        assert result.excluded == (999,) and result.clients == tuple(vectors)
+        assert any(reason.startswith("client 999") for reason in result.reasons)
+        np.testing.assert_array_equal(result.aggregate, total(vectors))
+    for round_, garbage in ((50, {1: None, 2: "x"}), (51, {1: np.zeros(0, dtype=np.int64)})):
+        with pytest.raises(CommitteeAbort, match="no usable client input"):
+            committee.run_round(round_, garbage, rng)
+        assert committee.stage(round_) is S.ABORTED
+    vectors = inputs(rng)  # without length: the most common one; the odd client is dropped
+    result = committee.run_round(52, {**vectors, 7: np.arange(3), 8: np.arange(0)}, rng)
+    assert result.excluded == (7, 8) and result.clients == tuple(vectors)
+
+
+def _hostile_shares(rng, shard, session, round_, width):
+    """A client's delivery to a one-member shard: sealed under its real key but wrong in one
+    way, or a forgery, or a replay (a sequence of (label, delivery))."""
+    member = int(shard.members[0])
+    client = Endpoint(42, session, CHANNEL_PROTOCOL)
+    client.connect(MEMBER_ID_BASE + member, shard.public_keys()[member])
+
+    def seal(payload, round_=round_, stage=S.SHARE, receiver=MEMBER_ID_BASE + member):
+        if receiver != MEMBER_ID_BASE + member:
+            client.connect(receiver, Endpoint(receiver, session, CHANNEL_PROTOCOL).public_key)
+        return client.seal_array(receiver, round_, stage, payload)
+
+    good = np.arange(width)
+    key = client.public_key
+    cases = [
+        ("wrong length", seal(np.arange(width + 1))),
+        ("float dtype", seal(good.astype(np.float64))),
+        ("out of field", seal(np.full(width, F.modulus))),
+        ("negative", seal(-good - 1)),
+        ("2-D", seal(good[None, :])),
+        ("bool", seal(np.ones(width, dtype=bool))),
+        ("wrong stage", seal(good, stage=S.RELEASE)),
+        ("wrong round", seal(good, round_=round_ + 1)),
+        ("other receiver", seal(good, receiver=MEMBER_ID_BASE + member + 1)),
+        ("random bytes", Envelope(42, MEMBER_ID_BASE + member, round_, "SHARE", bytes(12),
+                                  rng.bytes(int(rng.integers(0, 80))))),
+        ("typed garbage", Envelope("42", None, 1.5, 7, "nonce", 3)),
+        ("not an envelope", rng.bytes(40)),
+    ]
+    deliveries = [(label, SealedShares(key, (envelope,), width)) for label, envelope in cases]
+    envelope = seal(good)
+    deliveries += [
+        ("bad key", SealedShares(bytes(32), (envelope,), width)),
+        ("short key", SealedShares(b"k", (envelope,), width)),
+        ("claims a wider share", SealedShares(key, (envelope,), width + 3)),
+        ("two envelopes for one member", SealedShares(key, (envelope, envelope), width)),
+        ("no envelope", SealedShares(key, (), width)),
+        ("envelopes not a sequence", SealedShares(key, None, width)),
+        ("width not a number", SealedShares(key, (envelope,), "3")),
+        ("plain rows to a sealed shard", np.zeros((1, width), dtype=np.int64)),
+        ("a float", 3.5),
+    ]
+    return deliveries
+
+
+def test_fuzzed_client_deliveries_are_refused_by_the_member(capsys):
+    """Every malformed delivery a client or the relay can make: the member refuses it (the
+    client is reported in ``refused`` and contributes zeros), nothing raises; a replay of an
+    accepted envelope is refused too. Out-of-order calls are StageErrors."""
+    rng = np.random.default_rng(7)
+    session = new_session_id()
+    tally = Counter()
+    width = 3
+    for round_ in range(40):
+        shard = CommitteeShard([2], 61, session)
+        shard.connect(SERVER_ID, Endpoint(SERVER_ID, session, CHANNEL_PROTOCOL).public_key)
+        deliveries = _hostile_shares(rng, shard, session, round_, width)
+        honest = Endpoint(43, session, CHANNEL_PROTOCOL)
+        honest.connect(MEMBER_ID_BASE + 2, shard.public_keys()[2])
+        accepted = honest.seal_array(MEMBER_ID_BASE + 2, round_, S.SHARE, np.arange(width))
+        batch = {1000 + i: d for i, (_, d) in enumerate(deliveries)}
+        batch[43] = SealedShares(honest.public_key, (accepted,), width)
+        answer = shard.share(round_, batch, StageFaults(), width)
+        tally["tried"] += len(deliveries)
+        tally["refused"] += sum(1 for c in answer["refused"] if c != 43)
+        assert set(answer["refused"]) == set(batch) - {43}
+        assert shard._rows[round_][43].tolist() == [list(range(width))]
+        assert all(not shard._rows[round_][c].any() for c in answer["refused"])
+        shard.combine(round_, [43], StageFaults())
+        shard.release(round_, StageFaults())
+        # the relay replays the accepted envelope in a later round: refused
+        again = shard.share(round_ + 1000, {43: batch[43]}, StageFaults(), width)
+        tally["tried"] += 1
+        tally["refused"] += again["refused"] == {43: [2]}
+        for call in (shard.share, shard.combine):  # the round is DONE: out of order
+            tally["tried"] += 1
+            with pytest.raises(StageError):
+                call(round_, {} if call == shard.share else [], StageFaults())
+            tally["refused"] += 1
+    with capsys.disabled():
+        print(f"\n[fuzz committee SHARE deliveries, replays, stages] {dict(tally)}")
+    assert tally["tried"] == tally["refused"]
+
+
+PLAIN_GARBAGE = [
+    np.zeros((2, 4), dtype=np.int64),
+    np.zeros((3, 3), dtype=np.float64),
+    np.full((3, 4), F.modulus),
+    -np.ones((3, 4), dtype=np.int64),
+    np.zeros((3, 4, 1), dtype=np.int64),
+    np.zeros(12, dtype=np.int64),
+    np.array([["1"] * 4] * 3),
+    [[0] * 4] * 3,
+    [[0] * 4, [0] * 3, [0]],
+    None,
+    SealedShares(bytes(32), (), 4),
+]
+
+
+def test_fuzzed_plain_rows_are_refused_by_every_member_of_the_shard(capsys):
+    shard = CommitteeShard([0, 1, 2])
+    batch = {i: rows for i, rows in enumerate(PLAIN_GARBAGE)}
+    batch[99] = np.arange(12, dtype=np.int64).reshape(3, 4)
+    answer = shard.share(0, batch, StageFaults(), 4)
+    assert set(answer["refused"]) == set(range(len(PLAIN_GARBAGE)))
+    assert all(who == [0, 1, 2] for who in answer["refused"].values())
+    assert shard.combine(0, [99], StageFaults()) == [0, 1, 2]
+    with capsys.disabled():
+        print(f"\n[fuzz committee plain rows] tried {len(PLAIN_GARBAGE)}, refused "
+              f"{len(answer['refused'])}")
+
+
+class GarbageShard(CommitteeShard):
+    """Members whose release is garbage of the kind ``garbage[member]`` names; ``impostor``
+    makes the shard also answer for a member of another group."""
+
+    garbage: dict[int, str] = {}
+    impostor: int | None = None
+    earlier: dict[int, Envelope] = {}
+
+    def release(self, round_, faults):
+        width = self._sum[round_].shape[1]
+        answer = super().release(round_, faults)
+        members, rows = list(answer["members"]), list(answer["rows"])
+        rows = [self._garbage(round_, m, row, width) for m, row in zip(members, rows)]
+        if self.impostor is not None and self.impostor not in self.members:
+            members, rows = members + [self.impostor], rows + rows[:1]
+        return {**answer, "members": members, "rows": rows}
+
+    def _garbage(self, round_, member, row, width):
+        kind = self.garbage.get(member)
+        seal = functools.partial(self._endpoints[member].seal_array, SERVER_ID)
+        zeros = np.zeros(width, dtype=np.int64)
+        made = {
+            None: lambda: row,
+            "bytes": lambda: b"\x00" * 40,
+            "none": lambda: None,
+            "array instead of envelope": lambda: zeros,
+            "wrong length": lambda: seal(round_, S.RELEASE, np.zeros(width + 2, dtype=np.int64)),
+            "float": lambda: seal(round_, S.RELEASE, zeros.astype(np.float64)),
+            "out of field": lambda: seal(round_, S.RELEASE, zeros + F.modulus),
+            "2-D": lambda: seal(round_, S.RELEASE, zeros[None, :]),
+            "wrong round": lambda: seal(round_ + 1, S.RELEASE, zeros),
+            "wrong stage": lambda: seal(round_, S.SHARE, zeros),
+            "random ciphertext": lambda: dataclasses.replace(row, ciphertext=bytes(48)),
+            "typed garbage": lambda: dataclasses.replace(row, sender=str(row.sender)),
+            "replayed": lambda: self.earlier.get(member, bytes(1)),
+        }[kind]()
+        self.earlier[member] = row
+        return made
+
+
+RELEASE_GARBAGE = [
+    "bytes",
+    "none",
+    "array instead of envelope",
+    "wrong length",
+    "float",
+    "out of field",
+    "2-D",
+    "wrong round",
+    "wrong stage",
+    "random ciphertext",
+    "typed garbage",
+    "replayed",
+]
+
+
+def test_fuzzed_member_releases_reject_that_member_and_the_round_goes_on(capsys):
+    """Each kind of garbage from one member (and an impostor answering for a member of another
+    group): the member is rejected with a reason, the sum is right from the others; too many
+    garbage members abort the round cleanly (ABORTED, nothing released)."""
+    rng = np.random.default_rng(11)
+    committee = Committee(9, 2, 2, detect=1, shards=2, shard_class=GarbageShard)
+    tally = Counter()
+    try:
+        GarbageShard.earlier = {}
+        committee.run_round(0, inputs(rng), rng)  # gives the replay something to replay
+        for round_, kind in enumerate(RELEASE_GARBAGE, start=1):
+            GarbageShard.garbage = {3: kind}
+            vectors = inputs(rng)
+            result = committee.run_round(round_, vectors, rng)
+            tally["tried"] += 1
+            tally["rejected"] += result.rejected == (3,)
+            assert result.rejected == (3,) and 3 not in result.answered, kind
+            assert any(reason.startswith("member 3") for reason in result.reasons)
+            np.testing.assert_array_equal(result.aggregate, total(vectors))
+        GarbageShard.garbage, GarbageShard.impostor = {}, 8  # shard 0 answers for member 8
+        vectors = inputs(rng)
+        dropped = CommitteeFaults({(8, S.RELEASE): MemberFault.DROP})
+        result = committee.run_round(50, vectors, rng, dropped)
+        assert 8 not in result.answered and 8 in result.dropped
+        np.testing.assert_array_equal(result.aggregate, total(vectors))
+        GarbageShard.impostor = None
+        GarbageShard.garbage = dict(zip(range(5), RELEASE_GARBAGE))  # 4 left < 5 needed
+        with pytest.raises(CommitteeAbort, match="5 committee members needed.*4 answered"):
+            committee.run_round(51, inputs(rng), rng)
+        tally["tried"] += 1
+        tally["rejected"] += committee.stage(51) is S.ABORTED
+    finally:
+        GarbageShard.garbage, GarbageShard.impostor, GarbageShard.earlier = {}, None, {}
+    assert 51 not in committee.history
+    with capsys.disabled():
+        print(f"\n[fuzz committee RELEASE rows] {dict(tally)}")
+    assert tally["tried"] == tally["rejected"]
