@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import pickle
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +79,8 @@ class CheckpointHeader:
     server_round: int
     state: StateMark
     config_digest: str
+    parties: dict[str, StateMark] = field(default_factory=dict)
+    """Further party-state stores (file name -> mark), e.g. DMM members' states."""
 
 
 def checkpoint_path(directory: str | Path, server_round: int) -> Path:
@@ -111,6 +113,7 @@ def save_checkpoint(
     secrets: RunSecret,
     state: StateMark,
     config_digest: str,
+    parties: dict[str, StateMark] | None = None,
 ) -> Path:
     """Write ``checkpoint`` atomically as an authenticated record, then drop all but the
     :data:`KEEP` newest checkpoints. Returns the new file."""
@@ -119,6 +122,10 @@ def save_checkpoint(
         "server_round": checkpoint.server_round,
         "state": {"store": state.store, "version": state.version, "checksum": state.checksum},
         "config": config_digest,
+        "parties": {
+            name: {"store": m.store, "version": m.version, "checksum": m.checksum}
+            for name, m in sorted((parties or {}).items())
+        },
     }
     payload = cloudpickle.dumps(checkpoint, protocol=pickle.HIGHEST_PROTOCOL)
     write_atomic(path, seal_record(KIND, SCHEMA, header, payload, secrets.mac_key()))
@@ -147,17 +154,23 @@ def read_checkpoint(
     """
     path = Path(path)
     raw, payload = open_record(path, KIND, SCHEMA, secrets.mac_key(), "a fedsim checkpoint")
-    state = raw["state"]
-    header = CheckpointHeader(
-        server_round=int(raw["server_round"]),
-        state=StateMark(str(state["store"]), int(state["version"]), str(state["checksum"])),
-        config_digest=str(raw["config"]),
-    )
+    def mark(entry: dict[str, Any]) -> StateMark:
+        return StateMark(str(entry["store"]), int(entry["version"]), str(entry["checksum"]))
+
+    try:
+        header = CheckpointHeader(
+            server_round=int(raw["server_round"]),
+            state=mark(raw["state"]),
+            config_digest=str(raw["config"]),
+            parties={str(k): mark(v) for k, v in raw.get("parties", {}).items()},
+        )
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise RunFileError(path, "has an authentic header of the wrong shape") from None
     if _NAME.match(path.name) and round_of(path) != header.server_round:
         raise RunFileError(
             path, f"holds the checkpoint of round {header.server_round}, not of its file name's"
         )
-    if header.state.version != header.server_round:
+    if any(m.version != header.server_round for m in (header.state, *header.parties.values())):
         raise RunFileError(path, "records client states of another round than its own")
     if store_id is not None and header.state.store != store_id:
         raise RunFileError(

@@ -52,6 +52,7 @@ from fedsim.engine import (
     PoissonCohort,
     UniformCohort,
 )
+from fedsim.engine.dmm_committee import committee_host_for
 from fedsim.engine.participation import TRAIN, Participation
 from fedsim.engine.registry import ClientRegistry
 from fedsim.engine.rounds import RoundOutcome, run_rounds
@@ -385,7 +386,7 @@ def run_experiment(
         run_dir = RunDirectory.create(out, config_text, root, budget)
     started = time.perf_counter()
     store = run_dir.store
-    strategy = None
+    strategy = committee_host = None
     try:
         dataset = build_dataset(config.data)
         spec = model_spec(config, dataset)
@@ -400,7 +401,6 @@ def run_experiment(
                 if config.client.lora is None
                 else initial_adapter_arrays(spec, config.client.lora, config.seed)
             )
-        bind_parties(strategy, root.server())  # again after a resume: pickling drops it
         in_clear = config.privacy.metrics_in_clear
         client_app = make_client_app(spec, config.data, config.client, in_clear)
         # the wrappers release their clients' metrics only when told to
@@ -415,6 +415,10 @@ def run_experiment(
             client_app = ddgauss_client_app(client_app, **clear)
         own_engine = engine is None
         engine = (engine or Engine(config.engine)).start()
+        # the server's secret and DMM's engine-side committee host, bound again after a
+        # resume (pickling drops them)
+        committee_host = committee_host_for(strategy, root, config.faults, run_dir.party_store)
+        bind_parties(strategy, root.server(), committee_host)
         with RunProgress(config.rounds, done=start_round - 1, enabled=progress) as bar:
             recorder = RoundRecorder(
                 [writer.write_round, bar],
@@ -492,6 +496,8 @@ def run_experiment(
         close = getattr(strategy, "close", None)  # e.g. DMM's committee actors
         if close is not None:
             close()
+        if committee_host is not None:
+            committee_host.close()
         writer.close()
         run_dir.close()
 

@@ -30,7 +30,7 @@ checkpoints needs (:meth:`ClientStateStore.checkpoint`).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedsim.checkpoint import (
@@ -68,6 +68,9 @@ class RunDirectory:
     store: ClientStateStore
     secrets: RunSecret
     config_digest: str
+    parties: dict[str, ClientStateStore] = field(default_factory=dict)
+    resumed: CheckpointHeader | None = None
+    resuming: bool = False
 
     @classmethod
     def create(
@@ -111,7 +114,7 @@ class RunDirectory:
             run_tag_source=str(out / CONFIG_FILE),
             must_exist=True,
         )
-        run_dir = cls(out, store, secrets, config_digest)
+        run_dir = cls(out, store, secrets, config_digest, resuming=True)
         try:
             return run_dir, run_dir._resume_point()
         except BaseException:
@@ -150,6 +153,7 @@ class RunDirectory:
         else:
             self.store.verify(header.state, newest)
         self.store.rollback(header.server_round)
+        self.resumed = header
         return checkpoint
 
     def _fall_back(
@@ -185,21 +189,65 @@ class RunDirectory:
         path.rename(path.with_name(path.name + DAMAGED_SUFFIX))
         fsync_directory(self.out)
 
+    def party_store(self, name: str) -> ClientStateStore:
+        """Another store of parties' sealed states in the run directory (``name``: its file,
+        e.g. DMM committee members' states), bound to ``config.json`` like the client states
+        and synced, checkpointed and cross-checked with them. On ``--resume`` it must be the
+        store the resumed checkpoint recorded, with exactly the states it recorded; it is
+        rolled back to that checkpoint's round."""
+        if name in self.parties:
+            return self.parties[name]
+        path = self.out / name
+        recorded = None if self.resumed is None else self.resumed.parties.get(name)
+        if self.resumed is not None and recorded is None and path.exists():
+            raise RunFileError(
+                path, "is not recorded by the checkpoint being resumed from (a stale or foreign file)"
+            )
+        store = ClientStateStore(
+            path,
+            0,
+            self.secrets,
+            run_tag=self.config_digest,
+            run_tag_source=str(self.out / CONFIG_FILE),
+            must_exist=recorded is not None,
+        )
+        try:
+            if recorded is not None:
+                checkpoint = checkpoint_files(self.out)[0]
+                if recorded.store != store.store_id:
+                    raise RunFileError(
+                        path, f"belongs to another run than {checkpoint} (its identity differs)"
+                    )
+                store.verify(recorded, checkpoint)
+                store.rollback(recorded.version)
+            elif self.resuming:  # killed before its first checkpoint: back to the start
+                store.rollback(0)
+        except BaseException:
+            store.close()
+            raise
+        self.parties[name] = store
+        return store
+
     def save(self, checkpoint: Checkpoint) -> Path:
         """Checkpoint the round: sync the states, write the checkpoint, prune the states."""
-        mark = self.store.mark(checkpoint.server_round)
+        version = checkpoint.server_round
+        mark = self.store.mark(version)
+        parties = {name: store.mark(version) for name, store in self.parties.items()}
         path = save_checkpoint(
             self.out,
             checkpoint,
             secrets=self.secrets,
             state=mark,
             config_digest=self.config_digest,
+            parties=parties,
         )
-        self.store.checkpoint(checkpoint.server_round)
+        for store in (self.store, *self.parties.values()):
+            store.checkpoint(version)
         return path
 
     def close(self) -> None:
-        self.store.close()
+        for store in (self.store, *self.parties.values()):
+            store.close()
 
 
 def _config_digest(out: Path) -> str:

@@ -1,11 +1,12 @@
 """Linear packed resharing: hand packed Shamir shares from one committee to the next.
 
 The secure transfer between committees of the distributed matrix mechanism (Bienstock, Kumar &
-Polychroniadou, ICML 2025; reference/dmm.md step 6). The old committee (``old``: n members,
-threshold t, packing k) holds, per block b, shares s_i[b] = f_b(x_i) of a polynomial of degree
-< t + k whose values at the k secret points are the block's secrets. For any set S of t + k
-members, secret j is sum_{i in S} lambda_{j,i} s_i[b] (Lagrange coefficients of S at secret point
-j; :meth:`protocols.field.MersenneField.lagrange_coefficients`). Steps:
+Polychroniadou, ICML 2025; reference/dmm.md step 7: the partial sums of the data the committees
+hold). The old committee (``old``: n members, threshold t, packing k) holds, per block b,
+shares s_i[b] = f_b(x_i) of a polynomial of degree < t + k whose values at the k secret points
+are the block's secrets. For any set S of t + k members, secret j is
+sum_{i in S} lambda_{j,i} s_i[b] (Lagrange coefficients of S at secret point j;
+:meth:`protocols.field.MersenneField.lagrange_coefficients`). Steps:
 
 1. **ANNOUNCE**: the server lists the old members still alive (the candidate dealers) and the new
    members still alive; it picks S = the first t + k dealers. Fewer than t + k on either side ->
@@ -320,6 +321,11 @@ class _Randomness:
         if self.secure:
             return scheme.field.random_secure(size)
         return scheme.field.random(self.rng, size)
+
+
+ShareRandomness = _Randomness
+"""Where a dealer's sharing randomness comes from (its own generator, or the OS with
+``secure``): the name the DMM members use."""
 
 
 class OldMember:

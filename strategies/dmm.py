@@ -1,52 +1,47 @@
 """The distributed matrix mechanism (DMM) as a Flower strategy.
 
-Bienstock, Kumar & Polychroniadou, ICML 2025 (reference/dmm.md). Each round the sampled clients
-(:func:`dmm_client_app` around any training ClientApp) clip, rotate, scale by 1/gamma and
-conditionally round their update to integers (KLS21, :class:`protocols.encoding.DDGaussEncoder`)
-and draw local discrete Gaussian noise N_Z(0, s^2) for every noise row the factorization draws
-this step. The committee protocol (:class:`protocols.dmm.DMMCommitteeProtocol`) combines,
-applies the integer noising matrix M = round(2^f G), releases 2^f U_t + w_t and reshares its
-noise state to the next committee. The server decodes
+Bienstock, Kumar & Polychroniadou, ICML 2025, in the corrected form of reference/dmm.md ("Our
+protocol, corrected"). Each round:
 
-    x_t + (G' z)_t = (2^f U_t + w_t) / 2^f   (integer units)  -> times gamma, inverse rotation,
+* the sampled clients (:func:`dmm_client_app` around any training ClientApp) clip, rotate, scale
+  by 1/gamma and conditionally round their update to integers u_c (KLS21,
+  :class:`protocols.encoding.DDGaussEncoder`) and draw one *fresh* noise row N_Z(0, s^2)^D for
+  every row of the integer strategy matrix M released this round -- all from the client's own
+  secret (``client_secret(node_config).generator(round, Purpose.X)``), never from anything the
+  server knows; in ``mode="full"`` they packed-Shamir-share both and seal each share to its
+  committee seat (:func:`protocols.dmm_client.seal_client_shares`): the reply carries only
+  ciphertexts and the client's public key;
+* the round's committee -- n clients drawn publicly from the population with
+  ``public_generator(seed, round, Stream.COMMITTEE)`` and hosted by the engine's
+  :class:`fedsim.engine.dmm_committee.CommitteeHost` (bound with :meth:`DMM.bind_committee_host`)
+  -- combines the agreed clients' shares with the partial sums it holds, releases
+  y_i = sum_s M[i, s] X_s + z_i and hands the partial sums of the rows still open to the next
+  round's committee (:class:`protocols.dmm_server.DMMServer`);
+* the server decodes x_hat_t = (D y)_t (D M = I: forward substitution for the banded M), and
+  applies ``g + gamma * unrotate(x_hat_t) / expected_clients`` through the wrapped FedAvg: the
+  matrix mechanism in its x + C^{-1} z form.
 
-divides by the planned cohort ``expected_clients`` and hands ``g + mean`` to the wrapped Flower
-strategy (FedAvg: the noisy-gradient form of DP-FTRL / BandMF, as in
-:mod:`strategies.matrix_mechanism`).
+Privacy (:mod:`fedsim.privacy.dmm`): the discrete Gaussian mechanism on the integer query M X,
+sensitivity of M's columns under the participation schema times KLS21's rounded-update bound,
+the DDGauss bound for sums of the shares, and the count of clients whose noise each released row
+actually carries. The ledger gets one ``dp_accounting`` event per round. ``mode="ideal"`` is the
+no-cryptography reference (plaintext integers, the same agreement and dropout rules): both modes
+release identical integers for the same RunSecret.
 
-Where sharing happens. ``mode="full"``: :meth:`DMM.configure_train` opens the round (the
-online members publish fresh X25519 keys, :meth:`DMMCommitteeProtocol.open_round`) and sends
-every sampled client the public :class:`protocols.dmm.RoundKeys` (``dmm.share.*``: n, t, k,
-field, D, session id, round, step, the member keys) and its channel party id. The *client*
-packed-Shamir-shares its update and noise rows and seals one ChaCha20-Poly1305 envelope per
-member under its own ephemeral X25519 key (:func:`protocols.dmm.seal_client_shares`); its reply
-holds only those ciphertexts and its public key (``dmm.sealed``). The server relays the
-envelopes to the members (:meth:`DMMCommitteeProtocol.run_sealed_round`), holds no key that
-opens them, and sees only the noisy release. A client whose envelope fails authentication at a
-member (tampered, misaddressed) or is missing counts as dropped: its update and noise are in no
-sum, and the accountant counts only the noise present. ``mode="ideal"`` is the no-cryptography
-reference: clients reply their plaintext ``dmm.update`` / ``dmm.noise`` and the protocol sums
-the same integers, so both modes release identical aggregates for the same seeds (the share
-randomness cancels in every sum). With ``committee_actors=True`` (full mode) every committee
-member is a Ray actor (:mod:`fedsim.engine.dmm_committee`) that holds its own shares of the
-noise state across rounds, opens the clients' envelopes, combines locally, releases its share
-and deals its part of the handoff to the next committee's actors; releases are bit-identical
-to the in-process committee.
+Configuration is checked before any client trains: M must be banded or the 0/1 tree
+(:class:`fedsim.privacy.dmm.IntegerMechanism`), the worst-case released row must fit the field
+(the *bit budget*, :meth:`DMM.check`), and the committee must meet the bound the thresholds
+assume (Bienstock et al.): t_corrupt + t_dropout < (1/2 - mu) n with mu = k / n, i.e.
+``threshold + member_dropouts + packing < committee_size / 2``.
 
-Calibration: each noise row should carry central std sigma = z * c * sens(C') when
-``(1 - expected_client_dropout) * expected_clients`` clients contribute, so each client adds
-s = sigma / sqrt((1 - expected_client_dropout) * m) real units (s / gamma integer units).
-
-Configuration is validated together before any client trains (:meth:`DMM.check`): t + k <= n -
-ceil(expected_member_dropout * n), and the worst-case release |2^f U_t + w_t| fits (p - 1)/2
-(:meth:`protocols.field.MersenneField.sum_headroom_bits`, with the summed noise's tail bound at
-``failure_probability``). Accounting: :mod:`fedsim.privacy.dmm` for C', the participation and
-the fewest clients whose noise is actually present; epsilon so far is in every round's metrics
-and :meth:`DMM.privacy_report`.
+Every reply is validated at this boundary (sender sampled this round, one reply each, exactly
+the protocol's records, well-formed sealed shares / plaintext integers in range); a bad one
+drops that client, and the round's metrics name it in ``rejected``.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable
 from typing import Any, Literal
@@ -57,57 +52,58 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedsim.engine.reduce import partial_reply
+from fedsim.engine.reduce import single
 from fedsim.privacy import dmm as dmm_privacy
 from fedsim.privacy.accounting import NeighbouringRelation, PrivacyLedger
 from fedsim.privacy.matrix.factorization import Factorization
 from fedsim.privacy.matrix.sensitivity import Participation
-from fedsim.privacy.mechanisms import SecureRandom, discrete_gaussian
+from fedsim.privacy.mechanisms import discrete_gaussian
+from fedsim.randomness import Purpose, Stream, client_secret, public_generator
 from fedsim.records import to_numpy, to_record
 from protocols.channels import Envelope, stage_label
 from protocols.dmm import (
     MEMBER_ID_BASE,
-    DMMCommitteeProtocol,
     DMMFaults,
     DMMStage,
     ReleaseTampering,
     RoundAborted,
     RoundKeys,
+    Schedule,
     SealedShares,
     StateLost,
-    seal_client_shares,
 )
+from protocols.dmm_client import seal_client_shares
+from protocols.dmm_server import DMMServer, RoundOutput
 from protocols.encoding import (
     DEFAULT_BETA,
     DEFAULT_FAILURE_PROBABILITY,
     DDGaussEncoder,
     choose_gamma,
-    noise_tail_bound,
     unrotate,
 )
 from protocols.field import MersenneField
-from protocols.resharing import ReshareAbort, ReshareTampering
 from protocols.shamir import PackedShamir
-from strategies.ddgauss import _instruction_parts, local_update, unflatten
+from strategies.ddgauss import flatten, unflatten
 from strategies.wrapper import StrategyWrapper, server_reply
+
+log = logging.getLogger(__name__)
 
 UPDATE_KEY = "dmm.update"
 NOISE_KEY = "dmm.noise"
 SEALED_KEY = "dmm.sealed"
 PREFIX = "dmm."
 SHARE_PREFIX = "dmm.share."
-_KEYS = ("dim", "clip", "gamma", "beta", "max-tries", "rotation-seed", "seed", "noise-std", "rows")
+_KEYS = ("dim", "clip", "gamma", "beta", "max-tries", "rotation-seed", "noise-std", "rows", "mode")
 _SHARE_KEYS = ("round", "step", "n", "t", "k", "field-exponent", "dim", "session")
 _SHARE_KEYS += ("members", "member-keys", "party")
 
 
-def round_keys_config(keys: RoundKeys, party: int, share_seed: int | None) -> dict[str, Any]:
-    """The ``dmm.share.*`` config entries of one client's full-mode instruction: the round's
-    public :class:`protocols.dmm.RoundKeys` and the client's channel party id (plus
-    ``share-seed`` for reproducible share randomness in simulation)."""
+def round_keys_config(keys: RoundKeys, party: int) -> dict[str, Any]:
+    """The ``dmm.share.*`` entries of one client's full-mode instruction: the round's public
+    :class:`protocols.dmm.RoundKeys` and the client's channel party id. Nothing secret."""
     if keys.session_id is None:
         raise ValueError("keys.session_id=None; clients share only over encrypted channels")
-    members = sorted(keys.member_keys)
+    seats = sorted(keys.member_keys)
     out: dict[str, Any] = {
         "round": keys.round,
         "step": keys.step,
@@ -117,26 +113,24 @@ def round_keys_config(keys: RoundKeys, party: int, share_seed: int | None) -> di
         "field-exponent": keys.field_exponent,
         "dim": keys.dim,
         "session": keys.session_id,
-        "members": members,
-        "member-keys": [keys.member_keys[j] for j in members],
+        "members": seats,
+        "member-keys": [keys.member_keys[j] for j in seats],
         "party": int(party),
     }
-    if share_seed is not None:
-        out["share-seed"] = int(share_seed)
     return {SHARE_PREFIX + k: v for k, v in out.items()}
 
 
-def round_keys_from_config(config: ConfigRecord, rows: int) -> tuple[RoundKeys, int, int | None]:
-    """(keys, party, share seed or None) from an instruction's ``dmm.share.*`` entries."""
+def round_keys_from_config(config: ConfigRecord, rows: int) -> tuple[RoundKeys, int]:
+    """(keys, party) from an instruction's ``dmm.share.*`` entries."""
     missing = [SHARE_PREFIX + k for k in _SHARE_KEYS if SHARE_PREFIX + k not in config]
     if missing:
         raise ValueError(f"the full-mode instruction's config lacks {missing}")
-    members = [int(j) for j in config[SHARE_PREFIX + "members"]]
+    seats = [int(j) for j in config[SHARE_PREFIX + "members"]]
     member_keys = list(config[SHARE_PREFIX + "member-keys"])
-    if len(members) != len(member_keys):
+    if len(seats) != len(member_keys):
         raise ValueError(
-            f"{SHARE_PREFIX}members has {len(members)} entries but {SHARE_PREFIX}member-keys "
-            f"has {len(member_keys)}; allowed: one key per member"
+            f"{SHARE_PREFIX}members has {len(seats)} entries but {SHARE_PREFIX}member-keys "
+            f"has {len(member_keys)}; allowed: one key per seat"
         )
     keys = RoundKeys(
         round=int(config[SHARE_PREFIX + "round"]),
@@ -148,23 +142,22 @@ def round_keys_from_config(config: ConfigRecord, rows: int) -> tuple[RoundKeys, 
         field_exponent=int(config[SHARE_PREFIX + "field-exponent"]),
         dim=int(config[SHARE_PREFIX + "dim"]),
         session_id=bytes(config[SHARE_PREFIX + "session"]),
-        member_keys=dict(zip(members, (bytes(key) for key in member_keys))),
+        member_keys=dict(zip(seats, (bytes(key) for key in member_keys))),
     )
-    seed = config.get(SHARE_PREFIX + "share-seed")
-    return keys, int(config[SHARE_PREFIX + "party"]), None if seed is None else int(seed)
+    return keys, int(config[SHARE_PREFIX + "party"])
 
 
 def sealed_to_record(sealed: SealedShares) -> ConfigRecord:
-    """A client's sealed shares as its reply record: its public key and, per member, the
+    """A client's sealed shares as its reply record: its public key and, per seat, the
     envelope's nonce and ciphertext (the header is the server's to rebuild)."""
-    members = sorted(sealed.shares)
-    envelopes = [sealed.shares[j] for j in members]
+    seats = sorted(sealed.shares)
+    envelopes = [sealed.shares[j] for j in seats]
     if not all(isinstance(e, Envelope) for e in envelopes):
         raise ValueError("sealed.shares must all be Envelopes; clients never send plain shares")
     return ConfigRecord(
         {
             "public-key": sealed.public_key,
-            "members": members,
+            "members": seats,
             "nonces": [e.nonce for e in envelopes],
             "ciphertexts": [e.ciphertext for e in envelopes],
         }
@@ -173,48 +166,62 @@ def sealed_to_record(sealed: SealedShares) -> ConfigRecord:
 
 def sealed_from_record(record: ConfigRecord, party: int, round_: int) -> SealedShares:
     """The server's view of a reply: envelopes from the client's *assigned* ``party`` to each
-    member for ``round_`` at SHARE (a client that sealed under other ids fails authentication
-    at the members)."""
-    members = [int(j) for j in record.get("members", [])]
-    nonces = list(record.get("nonces", []))
-    ciphertexts = list(record.get("ciphertexts", []))
-    if not len(members) == len(nonces) == len(ciphertexts) or "public-key" not in record:
+    seat for ``round_`` at SHARE. Raises ``ValueError`` naming what is malformed."""
+    if not isinstance(record, ConfigRecord):
+        raise ValueError(f"{SEALED_KEY} is a {type(record).__name__}, not a ConfigRecord")
+    if set(record.keys()) != {"public-key", "members", "nonces", "ciphertexts"}:
+        raise ValueError(f"{SEALED_KEY} has entries {sorted(record.keys())}")
+    seats, nonces, bodies = record["members"], record["nonces"], record["ciphertexts"]
+    key = record["public-key"]
+    if not isinstance(key, bytes) or not all(isinstance(v, list) for v in (seats, nonces, bodies)):
+        raise ValueError(f"{SEALED_KEY} entries have the wrong types")
+    if not len(seats) == len(nonces) == len(bodies) or len(set(seats)) != len(seats):
         raise ValueError(
-            f"a sealed reply needs public-key and equally long members, nonces, ciphertexts; got "
-            f"{len(members)}, {len(nonces)}, {len(ciphertexts)}"
+            f"{SEALED_KEY} needs distinct seats and one nonce and ciphertext each; got "
+            f"{len(seats)}, {len(nonces)}, {len(bodies)}"
         )
+    if not all(isinstance(j, int) and not isinstance(j, bool) for j in seats) or not all(
+        isinstance(b, bytes) for b in [*nonces, *bodies]
+    ):
+        raise ValueError(f"{SEALED_KEY}: seats must be integers, nonces and ciphertexts bytes")
     label = stage_label(DMMStage.SHARE)
     shares = {
-        j: Envelope(party, MEMBER_ID_BASE + j, int(round_), label, bytes(nonce), bytes(body))
-        for j, nonce, body in zip(members, nonces, ciphertexts)
+        j: Envelope(party, MEMBER_ID_BASE + j, int(round_), label, nonce, body)
+        for j, nonce, body in zip(seats, nonces, bodies)
     }
-    return SealedShares(int(party), bytes(record["public-key"]), shares)
+    return SealedShares(int(party), key, shares)
 
 
-def dmm_client_app(inner: ClientApp, secure_noise: bool = False) -> ClientApp:
-    """A ClientApp that runs ``inner``, rounds its update, draws its noise rows and, in full
-    mode, shares and seals both itself.
+def _instruction(message: Message) -> tuple[ArrayRecord, ConfigRecord]:
+    arrays = [v for v in message.content.values() if isinstance(v, ArrayRecord)]
+    configs = [v for v in message.content.values() if isinstance(v, ConfigRecord)]
+    if len(arrays) != 1 or not configs:
+        raise ValueError("a DMM instruction needs one ArrayRecord and a ConfigRecord")
+    config = configs[0]
+    missing = [PREFIX + k for k in _KEYS if PREFIX + k not in config]
+    if missing or "server-round" not in config:
+        raise ValueError(f"the instruction's config lacks {missing or ['server-round']}")
+    return arrays[0], config
 
-    The rounded update u_i (D signed integers) and the noise rows (rows x D, N_Z(0, s^2) with
-    s = ``dmm.noise-std`` integer units) draw from ``SeedSequence([seed, server_round,
-    partition_id])`` (simulation), the noise from the OS with ``secure_noise``. Full mode
-    (``dmm.mode = "full"``): the instruction carries the committee's public keys
-    (``dmm.share.*``); the client packed-Shamir-shares u_i and its noise rows and seals each
-    member's shares under its own ephemeral X25519 key
-    (:func:`protocols.dmm.seal_client_shares`; share randomness from the OS, or from
-    ``SeedSequence([share-seed, server_round, partition_id])`` when the server set one for
-    reproducible simulation), and replies ``dmm.sealed`` (its public key, one nonce and
-    ciphertext per member) and its metrics: nothing the server can open. Ideal mode (the
-    no-cryptography reference) replies the plaintext ``dmm.update`` and ``dmm.noise``.
+
+def dmm_client_app(inner: ClientApp, metrics_in_clear: bool = False) -> ClientApp:
+    """A ClientApp that runs ``inner``, rounds its update, draws its fresh noise rows and, in
+    full mode, shares and seals both itself.
+
+    All of the client's randomness is its own: rounding, noise, share polynomials and its X25519
+    key come from ``client_secret(context.node_config)`` (round, ``Purpose.ROUNDING`` /
+    ``NOISE`` / ``SHARES`` / ``KEYS``). Full mode replies ``dmm.sealed`` (its public key, one
+    nonce and ciphertext per seat): nothing the server can open. Ideal mode (the no-cryptography
+    reference) replies the plaintext ``dmm.update`` and ``dmm.noise``. The inner reply's metrics
+    and the rounding's tries / clipping leave only with ``metrics_in_clear=True``.
     """
     app = ClientApp()
 
     @app.train()
     def train(message: Message, context: Context) -> Message:
-        _, global_record, config = _instruction_parts(message)
-        missing = [PREFIX + k for k in _KEYS if PREFIX + k not in config]
-        if missing:
-            raise ValueError(f"the instruction's config lacks {missing}; is the server DMM?")
+        global_record, config = _instruction(message)
+        secret = client_secret(context.node_config)
+        round_ = int(config["server-round"])
         encoder = DDGaussEncoder(
             dim=int(config[PREFIX + "dim"]),
             clip=float(config[PREFIX + "clip"]),
@@ -223,49 +230,53 @@ def dmm_client_app(inner: ClientApp, secure_noise: bool = False) -> ClientApp:
             beta=float(config[PREFIX + "beta"]),
             max_tries=int(config[PREFIX + "max-tries"]),
         )
-        local = local_update(inner, message, context, global_record, config, PREFIX)
-        if isinstance(local, Message):
-            return local
-        update, metrics, rng = local
+        reply = inner(message, context)
+        if reply.has_error():
+            return reply
+        _, trained = single(reply.content, ArrayRecord)
+        update = flatten(to_numpy(trained)) - flatten(to_numpy(global_record))
         rounded, tries, clipped = encoder.quantise(
-            update, int(config[PREFIX + "rotation-seed"]), rng
+            update,
+            int(config[PREFIX + "rotation-seed"]),
+            secret.generator(round_, Purpose.ROUNDING, "dmm"),
         )
         rows = int(config[PREFIX + "rows"])
         noise = discrete_gaussian(
             (rows, encoder.padded_dim),
             float(config[PREFIX + "noise-std"]),
-            SecureRandom() if secure_noise else rng,
+            secret.generator(round_, Purpose.NOISE, "dmm"),
         )
-        out = MetricRecord(dict(metrics))
-        out["dmm.tries"] = tries
-        out["dmm.clipped"] = int(clipped)
-        mode = str(config.get(PREFIX + "mode", "ideal"))
-        if mode not in ("full", "ideal"):
-            raise ValueError(f"{PREFIX}mode={mode!r}; allowed: 'full', 'ideal'")
+        mode = str(config[PREFIX + "mode"])
         if mode == "full":
-            keys, party, share_seed = round_keys_from_config(config, rows)
+            keys, party = round_keys_from_config(config, rows)
             if keys.dim != encoder.padded_dim:
                 raise ValueError(
                     f"{SHARE_PREFIX}dim={keys.dim} but the encoder pads to {encoder.padded_dim}"
                 )
-            share_rng = None
-            if share_seed is not None:
-                partition = int(context.node_config.get("partition-id", 0))
-                share_rng = np.random.default_rng(
-                    [share_seed, int(config.get("server-round", 0)), partition]
-                )
             sealed = seal_client_shares(
-                keys, party, rounded.astype(np.int64), noise.astype(np.int64), share_rng
+                keys,
+                party,
+                rounded.astype(np.int64),
+                noise.astype(np.int64),
+                secret.generator(round_, Purpose.SHARES, "dmm"),
+                secret.seed_bytes(round_, Purpose.KEYS, "dmm", "client"),
             )
-            content = RecordDict({SEALED_KEY: sealed_to_record(sealed), "metrics": out})
-            return Message(content=content, reply_to=message)
-        content = RecordDict(
-            {
-                UPDATE_KEY: to_record({UPDATE_KEY: rounded.astype(np.int64)}),
-                NOISE_KEY: to_record({NOISE_KEY: noise.astype(np.int64)}),
-                "metrics": out,
-            }
-        )
+            content = RecordDict({SEALED_KEY: sealed_to_record(sealed)})
+        elif mode == "ideal":
+            content = RecordDict(
+                {
+                    UPDATE_KEY: to_record({UPDATE_KEY: rounded.astype(np.int64)}),
+                    NOISE_KEY: to_record({NOISE_KEY: noise.astype(np.int64)}),
+                }
+            )
+        else:
+            raise ValueError(f"{PREFIX}mode={mode!r}; allowed: 'full', 'ideal'")
+        if metrics_in_clear:
+            _, metrics = single(reply.content, MetricRecord)
+            out = MetricRecord(dict(metrics))
+            out["dmm.tries"] = tries
+            out["dmm.clipped"] = int(clipped)
+            content["metrics"] = out
         return Message(content=content, reply_to=message)
 
     @app.evaluate()
@@ -275,37 +286,51 @@ def dmm_client_app(inner: ClientApp, secure_noise: bool = False) -> ClientApp:
     return app
 
 
+def committee_bound(n: int, t: int, k: int, dropouts: int) -> None:
+    """Refuse a committee that cannot meet t_corrupt + t_dropout < (1/2 - mu) n, mu = k / n
+    (Bienstock et al.): honest online members must outnumber the corrupt and the dropped by
+    more than the packing, so that the released shares decode uniquely with t wrong ones."""
+    for name, value, low in (
+        ("committee_size", n, 1),
+        ("threshold", t, 1),
+        ("packing", k, 1),
+        ("member_dropouts", dropouts, 0),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name}={value!r}; allowed: an integer >= {low}")
+    if not t + dropouts < (0.5 - k / n) * n:
+        raise ValueError(
+            f"threshold + member_dropouts = {t} + {dropouts} is not below (1/2 - packing / "
+            f"committee_size) * committee_size = (1/2 - {k}/{n}) * {n} = {n / 2 - k:g}: the "
+            "committee cannot meet the corruption/dropout bound its thresholds assume "
+            "(t_corrupt + t_dropout < (1/2 - mu) n); raise committee_size or lower threshold, "
+            "packing or member_dropouts"
+        )
+
+
 class DMM(StrategyWrapper):
     """Wrap a FedAvg-family strategy with the distributed matrix mechanism.
 
     Args:
         strategy: samples clients and applies the mean update.
-        factorization: the public A = B C (prefix sums; :mod:`fedsim.privacy.matrix`: Honaker
-            tree, binary tree, BandMF, ...); its n is the number of rounds.
-        committee_size, threshold, packing: n, t, k of every committee (t + k shares
-            reconstruct; any t reveal nothing).
-        fractional_bits: f of M = round(2^f G); window: keep noise only ``window`` steps
-            (None: as long as M uses it).
-        clipping_norm, noise_multiplier: c and z (central std z c sens(C') per noise row).
+        factorization: A = B C of the workload; C banded (BandMF, banded Toeplitz) or the 0/1
+            tree (binary / Honaker); its n is the number of rounds.
+        population: registered clients (committees are drawn from them).
+        committee_size, threshold, packing, member_dropouts: n, t, k of every committee and
+            the member dropouts it is planned for (:func:`committee_bound`).
+        fractional_bits: f of M = round(2^f C) (None: 12 for banded C, 0 for the tree).
+        clipping_norm, noise_multiplier: c and z: each released row carries central std
+            z * (c / gamma) * sens(M) (integer units) when the planned clients contribute.
         expected_clients: m, the planned cohort (the mean's denominator).
-        expected_client_dropout, expected_member_dropout: fractions tolerated by the plan.
-        participation: the schema sens(C') is computed for (single participation by default).
-        seed: rotation seeds, clients' rounding/noise streams and injected faults.
-        mode: 'full' (clients share and seal; the server relays ciphertexts) or 'ideal'
-            (plaintext integers, the no-cryptography reference).
-        bits: signed bits of the sum of m rounded updates (sets gamma; the noise term is
-            budgeted separately in the field).
+        expected_client_dropout: fraction of clients the noise is planned to lose.
+        participation: the schema sens(M) is computed for (single by default).
+        seed: the run's public seed (committees, rotation).
+        mode: 'full' (clients share and seal; members on the committee host) or 'ideal'.
+        min_clients: fewest agreed clients a release may carry.
+        bits: signed bits of the sum of m rounded updates (sets gamma).
         field_exponent: p = 2^e - 1; delta: the run's delta.
-        member_faults: per (member, stage) probability of 'drop' at each stage (simulation).
-        share_rng_seed: seeds the share randomness of the clients (sent to them as
-            ``dmm.share.share-seed``) and of the handoff, for reproducible simulation only
-            (whoever knows it learns shared values from fewer than t shares); None, the
-            secure default, draws it from each party's OS CSPRNG.
-        committee_actors: full mode only: run the members as Ray actors (Ray must be running,
-            e.g. the Ray engine backend); two pools of actors take turns as the current and the
-            next committee; :meth:`close` ends them.
-        committee_shards: member groups per committee (one actor or one in-process object
-            each); None: one per member with actors, one for all members in process.
+        committee_actors, committee_shards: how the front end's committee host runs members
+            (Ray actors, and how many).
     """
 
     def __init__(
@@ -313,29 +338,28 @@ class DMM(StrategyWrapper):
         strategy: Strategy,
         *,
         factorization: Factorization,
-        committee_size: int,
-        threshold: int,
-        packing: int,
-        fractional_bits: int,
+        population: int,
         clipping_norm: float,
         noise_multiplier: float,
         expected_clients: int,
         seed: int,
+        committee_size: int = 20,
+        threshold: int = 3,
+        packing: int = 3,
+        member_dropouts: int = 3,
+        fractional_bits: int | None = None,
         mode: Literal["full", "ideal"] = "full",
-        window: int | None = None,
         participation: Participation | None = None,
         expected_client_dropout: float = 0.0,
-        expected_member_dropout: float = 0.0,
+        min_clients: int = 1,
         bits: int = 20,
         beta: float = DEFAULT_BETA,
         max_tries: int = 100,
         field_exponent: int = 61,
         delta: float = 1e-5,
-        member_dropout: float = 0.0,
         failure_probability: float = DEFAULT_FAILURE_PROBABILITY,
-        share_rng_seed: int | None = None,
         committee_actors: bool = False,
-        committee_shards: int | None = None,
+        committee_shards: int = 4,
     ) -> None:
         for name, value in (
             ("clipping_norm", clipping_norm),
@@ -343,211 +367,246 @@ class DMM(StrategyWrapper):
         ):
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name}={value!r}; it must be finite and > 0")
-        if not isinstance(expected_clients, int) or expected_clients < 1:
-            raise ValueError(f"expected_clients={expected_clients!r}; it must be an integer >= 1")
-        for name, value in (
-            ("expected_client_dropout", expected_client_dropout),
-            ("expected_member_dropout", expected_member_dropout),
-            ("member_dropout", member_dropout),
-        ):
-            if not 0.0 <= value < 1.0:
-                raise ValueError(f"{name}={value!r}; allowed: a fraction in [0, 1)")
+        for name, value in (("expected_clients", expected_clients), ("population", population)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}; it must be an integer >= 1")
+        if committee_size > population:
+            raise ValueError(
+                f"committee_size={committee_size} exceeds the population of {population} clients"
+            )
+        if not 0.0 <= expected_client_dropout < 1.0:
+            raise ValueError(
+                f"expected_client_dropout={expected_client_dropout!r}; allowed: [0, 1)"
+            )
         if mode not in ("full", "ideal"):
             raise ValueError(f"mode={mode!r}; allowed: 'full', 'ideal'")
         if not isinstance(committee_actors, bool):
             raise ValueError(f"committee_actors={committee_actors!r}; allowed: True or False")
-        if committee_actors and mode != "full":
-            raise ValueError(
-                f"committee_actors=True with mode={mode!r}; allowed only with mode='full' "
-                "(ideal mode has no shares for members to hold)"
-            )
-        if committee_shards is not None and (
-            isinstance(committee_shards, bool)
-            or not isinstance(committee_shards, int)
-            or not 1 <= committee_shards <= committee_size
+        if isinstance(committee_shards, bool) or not isinstance(committee_shards, int) or not (
+            1 <= committee_shards <= committee_size
         ):
             raise ValueError(
-                f"committee_shards={committee_shards!r}; allowed: None or an integer in "
+                f"committee_shards={committee_shards!r}; allowed: an integer in "
                 f"[1, committee_size={committee_size}]"
             )
-        field = MersenneField(field_exponent)
-        scheme = PackedShamir(committee_size, threshold, packing, field)
-        tolerated = math.ceil(expected_member_dropout * committee_size)
-        if threshold + packing > committee_size - tolerated:
-            raise ValueError(
-                f"threshold + packing = {threshold} + {packing} > committee_size - expected "
-                f"member dropouts = {committee_size} - {tolerated}: a committee could not "
-                f"reconstruct; allowed: t + k <= {committee_size - tolerated}"
-            )
+        committee_bound(committee_size, threshold, packing, member_dropouts)
         super().__init__(strategy)
-        self.noising = dmm_privacy.IntegerNoising(
-            factorization, fractional_bits, window, participation or Participation.single()
+        tree = factorization.kind in dmm_privacy.TREE_KINDS
+        f = (0 if tree else 12) if fractional_bits is None else fractional_bits
+        self.mechanism = dmm_privacy.IntegerMechanism(
+            factorization, f, participation or Participation.single()
         )
-        self.scheme = scheme
-        self.clipping_norm = float(clipping_norm)
-        self.noise_multiplier = float(noise_multiplier)
+        self.scheme = PackedShamir(
+            committee_size, threshold, packing, MersenneField(field_exponent)
+        )
+        self.population, self.member_dropouts = population, member_dropouts
+        self.clipping_norm, self.noise_multiplier = float(clipping_norm), float(noise_multiplier)
         self.expected_clients = expected_clients
         self.expected_client_dropout = float(expected_client_dropout)
-        self.member_dropout = float(member_dropout)
-        self.seed = int(seed)
-        self.mode = mode
+        self.seed, self.mode, self.min_clients = int(seed), mode, int(min_clients)
         self.bits, self.beta, self.max_tries = bits, beta, max_tries
         self.failure_probability = failure_probability
-        self.share_rng_seed = share_rng_seed
-        self.committee_actors = committee_actors
-        self.committee_shards = committee_shards
+        self.committee_actors, self.committee_shards = committee_actors, committee_shards
         self.ledger = PrivacyLedger(NeighbouringRelation.ADD_REMOVE, delta)
         self.encoder: DDGaussEncoder | None = None
-        self.protocol: DMMCommitteeProtocol | None = None
-        self.last_release: np.ndarray | None = None
-        self.last_clients: tuple[int, ...] = ()
+        self.server: DMMServer | None = None
+        self.host = None
+        self.committee: list[int] = []
+        self.aborted_rounds = 0
+        self.last_output: RoundOutput | None = None
         self.last_abort: str | None = None
         self.halted: str | None = None
+        self._scaled_noise_std = 0.0
         self._zcdp = 0.0
-        self._global: tuple[str, ArrayRecord] | None = None
-        self._faults = DMMFaults()
-        self._round_keys: RoundKeys | None = None
-        self._parties: dict[int, int] = {}
+        self._accounted: dict[Participation, dmm_privacy.IntegerMechanism] = {}
+        self._global: ArrayRecord | None = None
+        self._round: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ secrets and custody
+    def bind_committee_host(self, host) -> None:
+        """Contract 1: the front end hands the engine-side committee host (it holds the run's
+        secrets; this strategy never does). After ``--resume`` it is bound again and the
+        committee holding the state is re-hosted from its members' sealed states."""
+        self.host = host
+
+    def committee_host_options(self) -> dict[str, Any]:
+        """How the front end should build this run's committee host."""
+        return {"actors": self.committee_actors, "shards": self.committee_shards}
+
+    def __getstate__(self) -> dict:
+        """Checkpoints keep only what the server may know: never the host, a pool (the
+        members' shares are theirs) or a round in flight."""
+        state = dict(self.__dict__)
+        state.update(host=None, _round={})
+        return state
+
+    def close(self) -> None:
+        """Forget the hosted committee (the host ends its actors)."""
+        if self.server is not None and self.server.pool is not None:
+            self.server.pool.close()
+            self.server.pool = None
 
     # ------------------------------------------------------------------ configuration
     @property
     def sensitivity(self) -> float:
-        """sens(C') of the implemented matrix over all n rounds."""
-        return self.noising.sensitivity.value
+        """sens(M) of the implemented integer matrix over all n rounds."""
+        return self.mechanism.sensitivity.value
 
-    @property
-    def client_noise_std(self) -> float:
-        """s (real units): z c sens(C') / sqrt(planned contributing clients)."""
-        planned = max(1.0, (1.0 - self.expected_client_dropout) * self.expected_clients)
-        return self.noise_multiplier * self.clipping_norm * self.sensitivity / math.sqrt(planned)
+    def committee_for(self, server_round: int) -> list[int]:
+        """The committee of ``server_round``: n distinct clients drawn publicly."""
+        rng = public_generator(self.seed, server_round, Stream.COMMITTEE)
+        chosen = rng.choice(self.population, size=self.scheme.n, replace=False)
+        return [int(c) for c in chosen]
+
+    def rotation_seed(self) -> int:
+        """The run's public rotation seed (one basis for every round: releases combine the
+        round sums of several rounds)."""
+        return int(public_generator(self.seed, 0, Stream.ROTATION).integers(2**31))
 
     def check(self, dim: int) -> DDGaussEncoder:
-        """Validate the bit budget for models of ``dim`` parameters and build the encoder;
-        raises ``ValueError`` with the budget when 2^f U_t + w_t could wrap mod p."""
-        # gamma: the sum U_t of m rounded updates fits `bits` signed bits; the noise term w_t
-        # is budgeted in the field check below
+        """Validate the noise and the bit budget for models of ``dim`` parameters and build the
+        encoder; raises ``ValueError`` with the budget when a released row could wrap mod p."""
         gamma = choose_gamma(
             dim, self.expected_clients, self.clipping_norm, 0.0, self.bits, beta=self.beta
         )
         encoder = DDGaussEncoder(dim, self.clipping_norm, gamma, 0.0, self.beta, self.max_tries)
-        scaled = self.client_noise_std / gamma
+        planned = max(1.0, (1.0 - self.expected_client_dropout) * self.expected_clients)
+        scaled = (
+            self.noise_multiplier * (self.clipping_norm / gamma) * self.sensitivity
+        ) / math.sqrt(planned)
         if scaled < 0.5:
             raise ValueError(
                 f"each client's noise is {scaled:.3g} integer steps (gamma={gamma:.3g}); KLS21 "
                 f"needs >= 1/2: raise bits (now {self.bits}) or noise_multiplier"
             )
-        rows = self.noising.integer_matrix.shape[1]
-        tail = noise_tail_bound(
-            scaled * math.sqrt(self.expected_clients),
-            encoder.padded_dim * rows,
+        worst = dmm_privacy.worst_release(
+            self.mechanism,
+            self.expected_clients,
+            encoder.l2_bound,
+            scaled,
+            encoder.padded_dim,
             self.failure_probability,
         )
-        f = self.noising.fractional_bits
-        try:
-            self.scheme.field.sum_headroom_bits(
-                self.expected_clients,
-                encoder.l2_bound * 2.0**f,
-                self.noising.max_row_l1() * tail,
-            )
-        except ValueError as error:
+        field = self.scheme.field
+        if worst > field.max_signed:
             raise ValueError(
-                f"bit budget: 2^f U_t + w_t with fractional_bits={f}, bits={self.bits}, "
-                f"expected_clients={self.expected_clients} and max row |M| = "
-                f"{self.noising.max_row_l1()} does not fit F_p (p = 2^"
-                f"{self.scheme.field.exponent} - 1): {error}"
-            ) from error
+                f"bit budget: a released row can reach {worst:.4g} = 2^{math.log2(worst):.1f} "
+                f"(max row |M|_1 = {self.mechanism.max_row_l1}, expected_clients = "
+                f"{self.expected_clients}, bits = {self.bits}, fractional_bits = "
+                f"{self.mechanism.fractional_bits}, failure probability "
+                f"{self.failure_probability:g}) but F_p with p = 2^{field.exponent} - 1 holds "
+                f"signed values below 2^{field.exponent - 1}; lower bits or fractional_bits"
+            )
         self._scaled_noise_std = scaled
         return encoder
 
-    def encoder_for(self, dim: int) -> DDGaussEncoder:
+    def _ensure(self, dim: int) -> DDGaussEncoder:
         if self.encoder is None or self.encoder.dim != dim:
             self.encoder = self.check(dim)
-            rng = (
-                None if self.share_rng_seed is None else np.random.default_rng(self.share_rng_seed)
+            self.server = DMMServer(
+                self.scheme,
+                Schedule(self.mechanism.integer_matrix),
+                self.encoder.padded_dim,
+                mode=self.mode,
+                min_clients=self.min_clients,
+                decoding=self.mechanism.decoding,
             )
-            self.close()
-            if self.committee_actors:
-                from fedsim.engine.dmm_committee import actor_committee  # noqa: PLC0415
-
-                self.protocol = actor_committee(
-                    self.scheme,
-                    self.noising,
-                    self.encoder.padded_dim,
-                    shards=self.committee_shards,
-                    rng=rng,
-                )
-            else:
-                self.protocol = DMMCommitteeProtocol(
-                    self.scheme,
-                    self.noising,
-                    self.encoder.padded_dim,
-                    mode=self.mode,
-                    rng=rng,
-                    shards=self.committee_shards or 1,
-                )
         return self.encoder
 
-    def close(self) -> None:
-        """Release the committee (ends its actors with ``committee_actors``)."""
-        if self.protocol is not None:
-            self.protocol.close()
-
-    def rotation_seed(self, server_round: int) -> int:
-        """The run's public rotation seed, the same in every round: the noise G'z of round t
-        combines noise rows drawn in earlier rounds, and it only cancels across rounds as the
-        factorization intends when every round uses the same basis."""
-        return int(np.random.SeedSequence([self.seed, 1]).generate_state(1)[0])
+    def _ensure_pool(self, server_round: int) -> None:
+        """Full mode: the committee holding the state is hosted (a fresh committee at step 0;
+        after a resume, the holders re-hosted from their sealed states)."""
+        if self.mode != "full" or self.server.pool is not None:
+            return
+        if self.host is None:
+            raise RuntimeError(
+                "mode='full' needs a committee host: the front end binds one with "
+                "bind_committee_host (fedsim.engine.dmm_committee.CommitteeHost)"
+            )
+        kwargs = self.server.member_kwargs
+        if self.server.step == 0:
+            self.committee = self.committee_for(server_round)
+            self.server.attach(self.host.pool(self.committee, kwargs), range(self.scheme.n))
+        else:
+            pool = self.host.restore(self.committee, self.server.holders, kwargs, self.server.step)
+            self.server.attach(pool)
 
     # ------------------------------------------------------------------ accounting
     def epsilon(self) -> float:
         return self.ledger.epsilon() if len(self.ledger) else 0.0
 
+    def accounting_participation(self) -> Participation:
+        """The schema in mechanism steps: an aborted round shifts later rounds one step
+        closer, so min separation shrinks by the aborted rounds (never below 1)."""
+        p = self.mechanism.participation
+        if p.kind != "min_sep" or not self.aborted_rounds:
+            return p
+        return Participation(
+            kind="min_sep",
+            min_sep=max(1, int(p.min_sep) - self.aborted_rounds),
+            max_participations=p.max_participations,
+        )
+
+    def _account(self, server_round: int) -> None:
+        participation = self.accounting_participation()
+        mechanism = self._accounted.get(participation)
+        if mechanism is None:
+            mechanism = self.mechanism
+            if participation != mechanism.participation:
+                mechanism = dmm_privacy.IntegerMechanism(
+                    mechanism.factorization, mechanism.fractional_bits, participation
+                )
+            self._accounted = {participation: mechanism}
+        steps = self.server.step
+        rows = np.flatnonzero(mechanism.rounds < steps)
+        eps = dmm_privacy.zcdp_epsilon(
+            mechanism,
+            steps,
+            self.encoder.l2_bound,
+            self.encoder.l1_bound,
+            self._scaled_noise_std,
+            [self.server.counts.get(int(i), 0) for i in rows],
+            self.encoder.padded_dim,
+        )
+        self.ledger.record(server_round, dmm_privacy.increment_event(self._zcdp, eps))
+        self._zcdp = max(self._zcdp, eps)
+
     def privacy_report(self) -> dict[str, Any]:
-        counts = self.protocol.noise_counts if self.protocol else {}
+        counts = self.server.counts if self.server else {}
         return {
             "epsilon": self.epsilon(),
             "delta": self.ledger.delta,
             "accountant": "rdp",
             "relation": self.ledger.relation.value,
             "rounds_accounted": len(self.ledger),
-            "steps": self.protocol.step if self.protocol else 0,
-            "factorization": self.noising.factorization.kind,
-            "fractional_bits": self.noising.fractional_bits,
+            "steps": self.server.step if self.server else 0,
+            "factorization": self.mechanism.factorization.kind,
+            "fractional_bits": self.mechanism.fractional_bits,
             "sensitivity_implemented": self.sensitivity,
-            "sensitivity_exact": self.noising.sensitivity.exact,
+            "sensitivity_exact": self.mechanism.sensitivity.exact,
             "fewest_noise_clients": min(counts.values()) if counts else None,
-            "bound": "KLS21 Theorem 1 on C' = implemented integer matrix, noise present only",
+            "mode": self.mode,
+            "aborted_rounds": self.aborted_rounds,
+            "bound": "discrete Gaussian on the integer query M X (KLS21 Thm 1), noise present",
         }
-
-    def _account(self, server_round: int) -> None:
-        steps = self.protocol.step
-        counts = self.protocol.noise_counts
-        eps = dmm_privacy.run_zcdp_epsilon(
-            self.noising,
-            steps,
-            self.encoder.l2_bound,
-            self.encoder.l1_bound,
-            self._scaled_noise_std,
-            min(counts.values()) if counts else 0,
-            self.encoder.padded_dim,
-        )
-        self.ledger.record(server_round, dmm_privacy.increment_event(self._zcdp, eps))
-        self._zcdp = max(self._zcdp, eps)
 
     # ------------------------------------------------------------------ rounds
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         reference = to_numpy(arrays)
-        encoder = self.encoder_for(int(sum(v.size for v in reference.values())))
+        encoder = self._ensure(int(sum(v.size for v in reference.values())))
         if self.halted:
             return []
-        step = self.protocol.step
-        if step >= self.noising.n:
+        step = self.server.step
+        if step >= self.mechanism.n:
             raise ValueError(
                 f"server round {server_round} needs step {step} but the factorization has "
-                f"n = {self.noising.n} rounds; build it for more rounds"
+                f"n = {self.mechanism.n} rounds; build it for more rounds"
             )
+        self._ensure_pool(server_round)
+        if not self.committee:
+            self.committee = self.committee_for(server_round)
         extended = ConfigRecord(dict(config))
         extended["server-round"] = server_round
         extended.update(
@@ -557,24 +616,34 @@ class DMM(StrategyWrapper):
                 PREFIX + "gamma": encoder.gamma,
                 PREFIX + "beta": encoder.beta,
                 PREFIX + "max-tries": encoder.max_tries,
-                PREFIX + "rotation-seed": self.rotation_seed(server_round),
-                PREFIX + "seed": self.seed,
+                PREFIX + "rotation-seed": self.rotation_seed(),
                 PREFIX + "noise-std": self._scaled_noise_std,
-                PREFIX + "rows": int(self.noising.rows_drawn_at(step).size),
+                PREFIX + "rows": len(self.mechanism.released_at(step)),
                 PREFIX + "mode": self.mode,
             }
         )
-        self._global = (getattr(self.strategy, "arrayrecord_key", "arrays"), arrays)
+        self._global = arrays
         messages = list(self.strategy.configure_train(server_round, arrays, extended, grid))
-        self._faults = self.round_faults(server_round)
+        following = self.committee_for(server_round + 1)
+        faults = (
+            self.host.member_faults(server_round, self.committee, following)
+            if self.host is not None
+            else DMMFaults()
+        )
+        sent = {int(m.metadata.dst_node_id): p for p, m in enumerate(messages)}
+        self._round = {
+            "round": server_round,
+            "sent": sent,
+            "faults": faults,
+            "committee": list(self.committee),
+            "next": following,
+        }
         if self.mode != "full":
             return messages
-        # the committee publishes fresh keys; each sampled client gets them and its party id
-        self._round_keys = self.protocol.open_round(self._faults, server_round)
-        self._parties = {}
-        for party, message in enumerate(messages):
-            self._parties[int(message.metadata.dst_node_id)] = party
-            share = round_keys_config(self._round_keys, party, self.share_rng_seed)
+        keys = self.server.open_round(server_round, faults)
+        self._round["keys"] = keys
+        for message in messages:
+            share = round_keys_config(keys, sent[int(message.metadata.dst_node_id)])
             message.content = RecordDict(
                 {
                     name: ConfigRecord({**dict(record), **share})
@@ -585,110 +654,203 @@ class DMM(StrategyWrapper):
             )
         return messages
 
-    def round_faults(self, server_round: int) -> DMMFaults:
-        """Members that drop, each stage with probability ``member_dropout`` (seeded)."""
-        if self.member_dropout == 0:
-            return DMMFaults()
-        rng = np.random.default_rng([self.seed, server_round, 5])
-        plan = {}
-        stages = (DMMStage.SHARE, DMMStage.COMBINE, DMMStage.RELEASE, DMMStage.RESHARE)
-        for j in range(self.scheme.n):
-            for stage in stages:
-                if rng.random() < self.member_dropout:
-                    plan[(j, stage)] = "drop"
-                    break
-        nxt = frozenset(
-            int(j) for j in np.flatnonzero(rng.random(self.scheme.n) < self.member_dropout)
-        )
-        return DMMFaults(member=plan, next_drop=nxt, seed=int(rng.integers(2**31)))
-
-    def _run_protocol(self, server_round: int, valid: list[Message]):
-        """Full mode: relay the replies' sealed shares (the server never holds a plaintext
-        update or noise row; a reply that is not a well-formed sealed message counts as a
-        dropout). Ideal mode: the plaintext integers of the no-cryptography reference."""
-        if self.mode == "full":
-            keys = self._round_keys
-            if keys is None:
-                raise RuntimeError("aggregate_train in full mode before configure_train")
-            self._round_keys = None
-            sealed = {}
-            for reply in valid:
-                node = int(reply.metadata.src_node_id)
-                party = self._parties.get(node)
-                record = reply.content.get(SEALED_KEY)
-                if party is None or not isinstance(record, ConfigRecord):
-                    continue
-                try:
-                    sealed[node] = sealed_from_record(record, party, keys.round)
-                except ValueError:
-                    continue
-            return self.protocol.run_sealed_round(sealed)
-        rows = int(self.noising.rows_drawn_at(self.protocol.step).size)
-        updates, noises = {}, {}
-        for reply in valid:
+    def _validate(self, replies: Iterable[Message]) -> tuple[dict[int, Message], dict[int, str]]:
+        """Contract 3: the replies that pass (node -> reply) and node -> why the others failed."""
+        sent = self._round.get("sent", {})
+        allowed = {SEALED_KEY} if self.mode == "full" else {UPDATE_KEY, NOISE_KEY}
+        valid, rejected = {}, {}
+        for reply in replies:
             node = int(reply.metadata.src_node_id)
-            updates[node] = np.asarray(to_numpy(reply.content[UPDATE_KEY])[UPDATE_KEY])
-            noise = np.asarray(to_numpy(reply.content[NOISE_KEY])[NOISE_KEY])
-            noises[node] = noise.reshape(rows, self.encoder.padded_dim)
-        return self.protocol.run_round(
-            updates, noises, self.round_faults(server_round), server_round
-        )
+            if reply.has_error():
+                continue  # a client that failed or dropped: not a protocol violation
+            keys = set(reply.content.keys()) - {"metrics"}
+            if node not in sent:
+                rejected[node] = "not sampled this round"
+            elif node in valid or node in rejected:
+                rejected[node] = "more than one reply"
+                valid.pop(node, None)
+            elif keys != allowed:
+                got = sorted(reply.content.keys())
+                rejected[node] = f"records {got}, allowed {sorted(allowed)}"
+            else:
+                valid[node] = reply
+        return valid, rejected
+
+    def _sealed(self, valid: dict[int, Message], rejected: dict[int, str]) -> dict:
+        keys: RoundKeys = self._round["keys"]
+        sealed = {}
+        for node, reply in valid.items():
+            try:
+                sealed[node] = sealed_from_record(
+                    reply.content[SEALED_KEY], self._round["sent"][node], keys.round
+                )
+            except (ValueError, TypeError) as error:
+                rejected[node] = f"malformed sealed shares: {error}"
+        return sealed
+
+    def _plain(self, valid: dict[int, Message], rejected: dict[int, str]):
+        """Ideal mode's plaintext integers, each checked: D integers with ||u||_2 <= Delta_2
+        and noise rows inside the tail bound the bit budget assumes."""
+        rows = len(self.mechanism.released_at(self.server.step))
+        dim = self.encoder.padded_dim
+        limit = self._scaled_noise_std * math.sqrt(2 * math.log(2 * dim * max(rows, 1) / 1e-12))
+        updates, noises = {}, {}
+        for node, reply in valid.items():
+            try:
+                update = np.asarray(to_numpy(reply.content[UPDATE_KEY])[UPDATE_KEY])
+                noise = np.asarray(to_numpy(reply.content[NOISE_KEY])[NOISE_KEY])
+            except (KeyError, ValueError, TypeError) as error:
+                rejected[node] = f"unreadable integers: {error}"
+                continue
+            if update.shape != (dim,) or noise.shape != (rows, dim):
+                rejected[node] = (
+                    f"shapes {update.shape}, {noise.shape}; allowed ({dim},), ({rows}, {dim})"
+                )
+            elif update.dtype.kind not in "iu" or (noise.size and noise.dtype.kind not in "iu"):
+                rejected[node] = "not integers"
+            elif float(np.linalg.norm(update.astype(np.float64))) > self.encoder.l2_bound + 1e-9:
+                rejected[node] = f"||update||_2 exceeds Delta_2 = {self.encoder.l2_bound:.6g}"
+            elif noise.size and float(np.max(np.abs(noise))) > max(limit, 1.0):
+                rejected[node] = f"noise beyond its tail bound {limit:.6g}"
+            else:
+                updates[node], noises[node] = update.astype(np.int64), noise.astype(np.int64)
+        return updates, noises
+
+    def _run_protocol(self, server_round: int, valid, rejected) -> RoundOutput:
+        faults = self._round["faults"]
+        if self.mode == "full":
+            sealed = self._sealed(valid, rejected)
+            next_pool = self.host.pool(self._round["next"], self.server.member_kwargs)
+            try:
+                return self.server.finish_round(sealed, next_pool)
+            except BaseException:
+                next_pool.close()
+                raise
+        updates, noises = self._plain(valid, rejected)
+        return self.server.run_plain_round(server_round, updates, noises, faults)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        if self._global is None or self.encoder is None:
-            raise RuntimeError("aggregate_train called before configure_train")
         metrics = MetricRecord({"dmm-planned": self.expected_clients})
         if self.halted:
             metrics["dmm-halted"] = 1
             metrics["epsilon"] = self.epsilon()
             return None, metrics
-        key, global_record = self._global
-        reference = to_numpy(global_record)
-        valid = [r for r in replies if not r.has_error()]
-        handoff_error = None
+        if self._global is None or self.encoder is None or not self._round:
+            raise RuntimeError("aggregate_train called before configure_train")
+        replies = list(replies)
+        valid, rejected = self._validate(replies)
         try:
-            output = self._run_protocol(server_round, valid)
+            output = self._run_protocol(server_round, valid, rejected)
         except (RoundAborted, ReleaseTampering) as error:
-            self.last_release, self.last_clients = None, ()
-            self.last_abort = str(error)
-            metrics["dmm-aborted"] = 1
-            if isinstance(error, StateLost):  # the noise state is gone: no later round can run
-                self.halted = str(error)
-                metrics["dmm-halted"] = 1
-            metrics["epsilon"] = self.epsilon()
-            return None, metrics
-        except (ReshareAbort, ReshareTampering) as error:
-            # the release happened; the state could not be handed on
-            handoff_error = error
-            output = self.protocol.last_output
-        self.last_release = output.release
-        self.last_clients = output.clients
+            return None, self._aborted(server_round, error, rejected, metrics)
+        rejected.update(output.rejected)
+        self.last_output, self.last_abort = output, None
         self._account(server_round)
-        real = output.release.astype(np.float64) / 2.0**self.noising.fractional_bits
-        signs = self.encoder.signs(self.rotation_seed(server_round))
-        mean_update = unrotate(real * self.encoder.gamma, signs, self.encoder.dim)
-        mean_update /= self.expected_clients
-        updates_tree = unflatten(mean_update, reference)
-        new = {
-            k: (v.astype(np.float64) + updates_tree[k]).astype(v.dtype)
-            for k, v in reference.items()
-        }
-        content = RecordDict({key: to_record(new), "metrics": MetricRecord({"num-examples": 1})})
-        reply = partial_reply(valid[0], content) if valid else server_reply(content, server_round)
-        arrays, aggregated = self.strategy.aggregate_train(server_round, [reply])
-        aggregated = aggregated if aggregated is not None else MetricRecord()
+        self._persist(server_round, output)
+        arrays, aggregated = self._apply(server_round, output)
         aggregated.update(dict(metrics))
-        aggregated["dmm-clients"] = len(output.clients)
-        aggregated["dmm-step"] = self.protocol.step
-        aggregated["dmm-bytes"] = output.transcript.nbytes()
-        aggregated["dmm-faulty-members"] = len(output.faulty)
-        aggregated["epsilon"] = self.epsilon()
-        if handoff_error is not None:
-            self.halted = str(handoff_error)
-            aggregated["dmm-halted"] = 1
+        aggregated.update(self._round_metrics(output, rejected, replies))
+        self._round = {}
         return arrays, aggregated
+
+    def _aborted(self, server_round, error, rejected, metrics) -> MetricRecord:
+        self.last_output, self.last_abort = None, str(error)
+        self.aborted_rounds += 1
+        log.warning("DMM round %s aborted: %s", server_round, error)
+        metrics["dmm-aborted"] = 1
+        if isinstance(error, StateLost):  # the state is gone: no later round can run
+            self.halted = str(error)
+            metrics["dmm-halted"] = 1
+        self._log_rejected(server_round, rejected)
+        metrics["rejected"] = sorted(rejected)
+        metrics["epsilon"] = self.epsilon()
+        self._round = {}
+        return metrics
+
+    def _persist(self, server_round: int, output: RoundOutput) -> None:
+        """The committee now holding the state stores it, sealed, as its members' own state."""
+        if output.handed_over:
+            retired, self.committee = self.committee, list(self._round["next"])
+        else:
+            retired = []
+        if self.mode == "full" and self.host is not None:
+            self.host.persist(self.server.pool, output.holders, server_round, forget=retired)
+
+    def _apply(self, server_round: int, output: RoundOutput):
+        """g + gamma * unrotate(x_hat_t) / expected_clients through the wrapped strategy."""
+        reference = to_numpy(self._global)
+        signs = self.encoder.signs(self.rotation_seed())
+        mean = unrotate(output.estimate * self.encoder.gamma, signs, self.encoder.dim)
+        mean /= self.expected_clients
+        tree = unflatten(mean, reference)
+        new = {k: (v.astype(np.float64) + tree[k]).astype(v.dtype) for k, v in reference.items()}
+        key = getattr(self.strategy, "arrayrecord_key", "arrays")
+        content = RecordDict({key: to_record(new), "metrics": MetricRecord({"num-examples": 1})})
+        arrays, aggregated = self.strategy.aggregate_train(
+            server_round, [server_reply(content, server_round)]
+        )
+        return arrays, aggregated if aggregated is not None else MetricRecord()
+
+    def _round_metrics(self, output: RoundOutput, rejected, replies) -> dict[str, Any]:
+        from protocols.resharing import NEW_ID_BASE, OLD_ID_BASE  # noqa: PLC0415
+
+        t = output.transcript
+
+        def mean_over(ids, direction: str) -> float:
+            values = [t.nbytes(**{direction: i}) for i in ids]
+            values = [v for v in values if v]
+            return float(np.mean(values)) if values else 0.0
+
+        seats = range(self.scheme.n)
+        out: dict[str, Any] = {
+            "dmm-clients": len(output.clients),
+            "dmm-step": self.server.step,
+            "dmm-bytes": t.nbytes(),
+            "dmm-bytes-per-client": mean_over(self._round["sent"].values(), "sender"),
+            "dmm-bytes-per-member-sent": float(
+                np.mean([t.nbytes(sender=MEMBER_ID_BASE + j) for j in seats])
+                + np.mean([t.nbytes(sender=OLD_ID_BASE + j) for j in seats])
+            ),
+            "dmm-bytes-per-member-received": mean_over(
+                [MEMBER_ID_BASE + j for j in seats], "receiver"
+            ),
+            "dmm-bytes-per-next-member-received": mean_over(
+                [NEW_ID_BASE + j for j in seats], "receiver"
+            ),
+            "dmm-verified": int(output.verified),
+            "dmm-corrected-members": [self._seat_client(s) for s in output.corrected],
+            "dmm-rejected-members": [self._seat_client(s) for s in sorted(output.rejected_members)],
+            "dmm-member-dropouts": len(output.dropped),
+            "dmm-beyond-bound": int(len(output.dropped) > self.member_dropouts),
+            "dmm-handed-over": int(output.handed_over),
+            "rejected": sorted(rejected),
+            "epsilon": self.epsilon(),
+        }
+        for seat, reason in output.rejected_members.items():
+            log.warning("DMM round %s: member seat %s rejected: %s", output.step, seat, reason)
+        self._log_rejected(self._round["round"], rejected)
+        in_clear = [r for r in replies if not r.has_error() and "metrics" in r.content]
+        if in_clear:
+            out["metrics_in_clear"] = 1
+            losses = [
+                float(r.content["metrics"]["train_loss"])
+                for r in in_clear
+                if "train_loss" in r.content["metrics"]
+            ]
+            if losses:
+                out["train_loss"] = float(np.mean(losses))
+        return out
+
+    def _seat_client(self, seat: int) -> int:
+        """The client id of seat ``seat`` of this round's committee."""
+        return int(self._round["committee"][seat])
+
+    @staticmethod
+    def _log_rejected(server_round: int, rejected: dict[int, str]) -> None:
+        for node, reason in sorted(rejected.items()):
+            log.warning("DMM round %s: reply of node %s rejected: %s", server_round, node, reason)
 
 
 OPTIONS = (
@@ -699,14 +861,13 @@ OPTIONS = (
     "committee_size",
     "threshold",
     "packing",
+    "member_dropouts",
     "fractional_bits",
-    "window",
     "mode",
     "bits",
     "delta",
+    "min_clients",
     "expected_client_dropout",
-    "expected_member_dropout",
-    "member_dropout",
     "committee_actors",
     "committee_shards",
 )
@@ -717,19 +878,19 @@ def from_options(
     *,
     rounds: int,
     expected_clients: float,
+    population: int,
     seed: int,
     min_separation: int | None,
     max_participations: int | None,
     evaluate_fraction: float = 0.0,
 ) -> DMM:
     """ "dmm" from a config's ``strategy.options``: ``clipping_norm``, ``noise_multiplier``
-    (required); ``kind`` ("honaker", default; any kind of :mod:`fedsim.privacy.matrix.build`)
-    and ``bands``; ``committee_size`` (10), ``threshold`` (2), ``packing`` (3),
-    ``fractional_bits`` (12), ``window``, ``mode`` ("full"), ``bits`` (20), ``delta`` (1e-5),
-    ``expected_client_dropout``, ``expected_member_dropout``, ``member_dropout`` (0),
-    ``committee_actors`` (false; true runs the members as Ray actors, full mode and the Ray
-    engine backend) and ``committee_shards`` (actors per committee; default one per member).
-    The participation (min separation, participations) comes from the engine's schedule."""
+    (required); ``kind`` ("banded", default; "toeplitz", "tree", "honaker") and ``bands``
+    (default: the min separation, at most rounds - 1); ``committee_size`` (20), ``threshold``
+    (3), ``packing`` (3), ``member_dropouts`` (3), ``fractional_bits`` (12 banded, 0 tree),
+    ``mode`` ("full"), ``bits`` (20), ``delta`` (1e-5), ``min_clients`` (1),
+    ``expected_client_dropout`` (0), ``committee_actors`` (false; true hosts members on Ray
+    actors) and ``committee_shards`` (4). The participation comes from the engine's schedule."""
     from flwr.serverapp.strategy import FedAvg  # noqa: PLC0415
 
     from fedsim.privacy.matrix.build import Spec, build  # noqa: PLC0415
@@ -740,25 +901,13 @@ def from_options(
     for key in ("clipping_norm", "noise_multiplier"):
         if key not in options:
             raise ValueError(f"strategy.options.{key} is required (a number)")
-    actors = options.get("committee_actors", False)
-    if not isinstance(actors, bool):
-        raise ValueError(f"strategy.options.committee_actors={actors!r}; allowed: true or false")
-    shards = options.get("committee_shards")
-    if shards is not None and (isinstance(shards, bool) or not isinstance(shards, int)):
-        raise ValueError(
-            f"strategy.options.committee_shards={shards!r}; allowed: an integer in "
-            "[1, committee_size]"
-        )
-    # no schedule: every client may be in every round (1-min-separation, `rounds` times)
     sep = 1 if min_separation is None else int(min_separation)
     k = -(-rounds // sep) if max_participations is None else int(max_participations)
-    spec = Spec(
-        kind=options.get("kind", "honaker"),
-        rounds=rounds,
-        bands=options.get("bands"),
-        participations=k,
-        min_sep=sep,
-    )
+    kind = options.get("kind", "banded")
+    bands = options.get("bands")
+    if bands is None and kind in dmm_privacy.BANDED_KINDS:
+        bands = max(1, min(sep, rounds - 1))
+    spec = Spec(kind=kind, rounds=rounds, bands=bands, participations=k, min_sep=sep)
     participation = Participation(kind="min_sep", min_sep=sep, max_participations=k)
     inner = FedAvg(
         fraction_train=1.0,
@@ -770,22 +919,22 @@ def from_options(
     return DMM(
         inner,
         factorization=build(spec),
-        committee_size=int(options.get("committee_size", 10)),
-        threshold=int(options.get("threshold", 2)),
+        population=int(population),
+        committee_size=int(options.get("committee_size", 20)),
+        threshold=int(options.get("threshold", 3)),
         packing=int(options.get("packing", 3)),
-        fractional_bits=int(options.get("fractional_bits", 12)),
+        member_dropouts=int(options.get("member_dropouts", 3)),
+        fractional_bits=options.get("fractional_bits"),
         clipping_norm=float(options["clipping_norm"]),
         noise_multiplier=float(options["noise_multiplier"]),
         expected_clients=max(1, round(expected_clients)),
         seed=seed,
         mode=options.get("mode", "full"),
-        window=options.get("window"),
         participation=participation,
         expected_client_dropout=float(options.get("expected_client_dropout", 0.0)),
-        expected_member_dropout=float(options.get("expected_member_dropout", 0.0)),
+        min_clients=int(options.get("min_clients", 1)),
         bits=int(options.get("bits", 20)),
         delta=float(options.get("delta", 1e-5)),
-        member_dropout=float(options.get("member_dropout", 0.0)),
-        committee_actors=actors,
-        committee_shards=shards,
+        committee_actors=options.get("committee_actors", False),
+        committee_shards=int(options.get("committee_shards", 4)),
     )

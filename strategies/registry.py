@@ -196,12 +196,14 @@ def build_strategy(
             raise ConfigError("strategy.options", dict(options), str(err)) from err
     if name in DISTRIBUTED:
         require(rounds is not None, "rounds", rounds, f"the run's rounds (required by {name})")
+        require(population is not None, "population", population, "the registered clients")
         separated = isinstance(sampling, MinSeparation)
         try:
             return dmm.from_options(
                 dict(options),
                 rounds=rounds,
                 expected_clients=expected_clients,
+                population=population,
                 seed=seed,
                 min_separation=sampling.min_separation if separated else None,
                 max_participations=sampling.max_participations if separated else None,

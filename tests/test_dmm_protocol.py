@@ -1,4 +1,5 @@
-"""DMM committee rounds: exact releases, every stage under member/client dropouts and tampering."""
+"""DMM rounds: exact releases of the integer mechanism, data-only state, dropouts, aborts,
+tampering within and beyond the decoding radius."""
 
 from __future__ import annotations
 
@@ -6,61 +7,54 @@ import itertools
 
 import numpy as np
 import pytest
+from dmm_support import Committees, Reference, assert_same, inputs
 
-from fedsim.privacy.dmm import IntegerNoising
+from fedsim.privacy.dmm import IntegerMechanism
 from fedsim.privacy.matrix.banded import banded
 from fedsim.privacy.matrix.tree import honaker_tree
 from protocols.dmm import (
     ACTIVE,
     TRANSITIONS,
-    DMMCommitteeProtocol,
     DMMFaults,
     DMMStage,
     ReleaseTampering,
     RoundAborted,
+    Schedule,
     StateLost,
     check_transition,
 )
-from protocols.resharing import ReshareAbort
+from protocols.dmm_server import ReleaseDecoder
 from protocols.secagg import StageError
-from protocols.shamir import PackedShamir
 
-D, CLIENTS, ROUNDS, F = 8, 6, 8, 10
-
-
-@pytest.fixture(scope="module")
-def noising():
-    return IntegerNoising(honaker_tree(ROUNDS), F)
+D, CLIENTS, ROUNDS = 8, 6, 8
 
 
-def _inputs(noising, step, seed):
-    rng = np.random.default_rng([seed, step])
-    rows = noising.rows_drawn_at(step).size
-    updates = {i: rng.integers(-100, 100, D) for i in range(CLIENTS)}
-    noises = {i: rng.integers(-30, 30, (rows, D)) for i in range(CLIENTS)}
-    return updates, noises
+def banded_mechanism():
+    return IntegerMechanism(banded(ROUNDS, 3), 10)
 
 
-class Reference:
-    """The plain integers: 2^f U_t + sum_r M[t, r] z_r over the contributing clients."""
-
-    def __init__(self, noising):
-        self.noising, self.z, self.step = noising, {}, 0
-
-    def release(self, updates, noises, clients):
-        t, M = self.step, self.noising.integer_matrix
-        for a, r in enumerate(self.noising.rows_drawn_at(t)):
-            self.z[int(r)] = sum(np.asarray(noises[i][a], dtype=object) for i in clients)
-        out = sum(np.asarray(updates[i], dtype=object) for i in clients) * 2**F
-        for r, row in self.z.items():
-            out = out + int(M[t, r]) * row
-        self.step += 1
-        return np.array(out, dtype=np.int64)
+def tree_mechanism():
+    return IntegerMechanism(honaker_tree(ROUNDS), 0)
 
 
-def _protocol(noising, mode="full", n=10, t=2, k=3, **kw):
-    rng = np.random.default_rng(0) if mode == "full" else None
-    return DMMCommitteeProtocol(PackedShamir(n, t, k), noising, D, mode=mode, rng=rng, **kw)
+def committees(mechanism, **kw) -> Committees:
+    return Committees(mechanism.integer_matrix, D, decoding=mechanism.decoding, **kw)
+
+
+def reconstruct_state(pool, scheme, holders) -> dict[int, np.ndarray]:
+    """What the committee's held shares open to (test-only: all members together)."""
+    rows: dict[int, dict[int, np.ndarray]] = {}
+    for group, obj in zip(pool.groups, pool.objects):
+        _, partials = obj.snapshot()
+        for r, shares in partials.items():
+            for a, seat in enumerate(group):
+                rows.setdefault(r, {})[seat] = shares[a]
+    out = {}
+    for r, by_seat in rows.items():
+        seats = [s for s in holders][: scheme.threshold]
+        values = scheme.reconstruct(np.stack([by_seat[s] for s in seats]), seats, D)
+        out[r] = scheme.field.decode_signed(values)
+    return out
 
 
 def test_every_stage_pair_is_checked():
@@ -72,149 +66,188 @@ def test_every_stage_pair_is_checked():
                 check_transition(current, target, "r")
 
 
-@pytest.mark.parametrize("kind", ["honaker", "banded"])
-def test_full_and_ideal_release_the_reference_integers_every_step(kind):
-    noising = IntegerNoising(honaker_tree(ROUNDS) if kind == "honaker" else banded(ROUNDS, 3), F)
-    full, ideal, ref = _protocol(noising), _protocol(noising, "ideal"), Reference(noising)
+def test_schedule_releases_each_row_once_and_holds_only_open_rows():
+    tree = Schedule(tree_mechanism().integer_matrix)
+    assert [len(tree.released_at(t)) for t in range(ROUNDS)] == [1, 2, 1, 3, 1, 2, 1, 4]
+    assert len(tree.open_after(2)) == 3  # nodes [2,3], [0,3], [0,7]: at most log2 T + 1
+    band = Schedule(banded_mechanism().integer_matrix)
+    assert all(band.released_at(t) == (t,) for t in range(ROUNDS))
+    assert band.open_after(4) == (5, 6) and band.open_after(ROUNDS - 1) == ()
+    with pytest.raises(ValueError, match="all-zero row"):
+        Schedule(np.array([[1, 0], [0, 0]]))
+    with pytest.raises(ValueError, match="ordered by release round"):
+        Schedule(np.array([[0, 1], [1, 0]]))
+    with pytest.raises(ValueError, match="integer matrix"):
+        Schedule(np.eye(2))
+
+
+@pytest.mark.parametrize("make", [banded_mechanism, tree_mechanism], ids=["banded", "tree"])
+def test_releases_are_the_integer_mechanism_and_the_state_is_data_only(make):
+    mechanism = make()
+    run = committees(mechanism)
+    ref = Reference(mechanism.integer_matrix)
+    decoder = ReleaseDecoder(Schedule(mechanism.integer_matrix), mechanism.decoding)
     for step in range(ROUNDS):
-        updates, noises = _inputs(noising, step, 1)
+        updates, noises = inputs(run.full.schedule, step, CLIENTS, D, 1)
         faults = DMMFaults(member={(step % 10, DMMStage.RESHARE): "drop"})
-        a = full.run_round(updates, noises, faults, step)
-        b = ideal.run_round(updates, noises, faults, step)
+        full, ideal = run.both(step, updates, noises, faults)
+        assert_same(full, ideal)
         expected = ref.release(updates, noises, range(CLIENTS))
-        np.testing.assert_array_equal(a.release, expected)
-        np.testing.assert_array_equal(b.release, expected)
-        # state is pruned to what M still uses
-        assert set(full.held_rows) == {int(r) for r in noising.needed_after(step)}
-        assert set(full.member_shares()) == set(full.held_rows)
-
-
-@pytest.mark.parametrize("stage", ACTIVE)
-@pytest.mark.parametrize("fraction", [0.0, 0.2, 0.5, 0.6])
-def test_member_dropout_sweep(noising, stage, fraction):
-    """n = 10, t + k = 5: up to 5 members may drop at any stage; 6 -> the stage's abort."""
-    proto, ref = _protocol(noising), Reference(noising)
-    updates, noises = _inputs(noising, 0, 2)
-    proto.run_round(updates, noises, DMMFaults(), 0)
-    ref.release(updates, noises, range(CLIENTS))
-    updates, noises = _inputs(noising, 1, 2)
-    dropped = round(fraction * 10)
-    faults = DMMFaults(member={(j, stage): "drop" for j in range(dropped)})
-    if 10 - dropped >= 5:
-        out = proto.run_round(updates, noises, faults, 1)
-        np.testing.assert_array_equal(out.release, ref.release(updates, noises, range(CLIENTS)))
-        # and the next committee carries on
-        updates, noises = _inputs(noising, 2, 2)
-        out = proto.run_round(updates, noises, DMMFaults(), 2)
-        np.testing.assert_array_equal(out.release, ref.release(updates, noises, range(CLIENTS)))
-        return
-    expected_error = {
-        DMMStage.SHARE: StateLost,
-        DMMStage.COMBINE: StateLost,
-        DMMStage.RELEASE: RoundAborted,
-        DMMStage.RESHARE: ReshareAbort,
-    }[stage]
-    with pytest.raises(expected_error) as caught:
-        proto.run_round(updates, noises, faults, 1)
-    assert (caught.value.needed, caught.value.answered) == (5, 4)
-    assert proto.stage is DMMStage.ABORTED
-    if stage is DMMStage.RESHARE:  # the release itself was correct and stays valid
-        np.testing.assert_array_equal(
-            proto.last_output.release, ref.release(updates, noises, range(CLIENTS))
+        np.testing.assert_array_equal(full.release, expected)
+        # decoding is x_hat = D y: the round sum plus (D z)_t, exactly as from the releases
+        np.testing.assert_allclose(
+            full.estimate, decoder.add(step, dict(zip(full.rows, expected))), rtol=0, atol=0
         )
-        assert proto.step == 2
+        # the committee holds shares of the open rows' partial sums of the DATA, no noise
+        held = reconstruct_state(run.full.pool, run.full.scheme, run.full.holders)
+        assert held.keys() == ref.partial_sums().keys()
+        for r, value in ref.partial_sums().items():
+            np.testing.assert_array_equal(held[r], value)
+    assert run.full.counts == {i: CLIENTS for i in range(run.full.schedule.rows)}
 
 
-def test_late_releases_abort_the_round_and_keep_the_state(noising):
-    proto, ref = _protocol(noising), Reference(noising)
-    updates, noises = _inputs(noising, 0, 3)
-    proto.run_round(updates, noises, DMMFaults(), 0)
-    ref.release(updates, noises, range(CLIENTS))
-    updates, noises = _inputs(noising, 1, 3)
-    late = DMMFaults(member={(j, DMMStage.RELEASE): "late" for j in range(6)})
-    with pytest.raises(RoundAborted, match="4 members released, t \\+ k = 5 needed"):
-        proto.run_round(updates, noises, late, 1)
-    assert proto.step == 1  # nothing released, the step did not advance
-    out = proto.run_round(updates, noises, DMMFaults(), 2)
-    np.testing.assert_array_equal(out.release, ref.release(updates, noises, range(CLIENTS)))
-
-
-@pytest.mark.parametrize("fraction", [0.5, 1.0])
-def test_next_committee_dropout(noising, fraction):
-    proto = _protocol(noising)
-    updates, noises = _inputs(noising, 0, 4)
-    gone = frozenset(range(round(fraction * 10)))
-    if 10 - len(gone) >= 5:
-        proto.run_round(updates, noises, DMMFaults(next_drop=gone), 0)
-        assert not gone & set(proto.holders)
-    else:
-        with pytest.raises(ReshareAbort) as caught:
-            proto.run_round(updates, noises, DMMFaults(next_drop=gone), 0)
-        assert caught.value.side == "new"
+def test_decoded_estimates_remove_the_round_sums_exactly_in_expectation():
+    mechanism = banded_mechanism()
+    run = committees(mechanism)
+    zero_noise_sums, errors = [], []
+    for step in range(ROUNDS):
+        updates, noises = inputs(run.full.schedule, step, CLIENTS, D, 2)
+        zero = {c: np.zeros_like(n) for c, n in noises.items()}
+        out = run.ideal.run_plain_round(step, updates, zero)
+        zero_noise_sums.append(sum(updates.values()))
+        errors.append(out.estimate - zero_noise_sums[-1])
+    assert np.max(np.abs(errors)) < 1e-6  # without noise x_hat is X exactly
 
 
 @pytest.mark.parametrize("stage", ACTIVE)
-@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
-def test_client_dropout_sweep(noising, stage, fraction):
-    """Clients that stop at SHARE are left out (update and noise); later they change nothing."""
-    for mode in ("full", "ideal"):
-        proto, ref = _protocol(noising, mode), Reference(noising)
-        updates, noises = _inputs(noising, 0, 5)
-        gone = range(round(fraction * CLIENTS))
-        faults = DMMFaults(client_drop={i: stage for i in gone})
-        contributing = [i for i in range(CLIENTS) if stage is not DMMStage.SHARE or i not in gone]
-        if not contributing:
-            with pytest.raises(RoundAborted, match="min_clients = 1"):
-                proto.run_round(updates, noises, faults, 0)
-            assert proto.step == 0
-            continue
-        out = proto.run_round(updates, noises, faults, 0)
-        assert list(out.clients) == contributing
-        np.testing.assert_array_equal(out.release, ref.release(updates, noises, contributing))
-        assert proto.noise_counts[0] == len(contributing)
+@pytest.mark.parametrize("dropped", [0, 2, 5, 6])
+def test_member_dropout_sweep(stage, dropped):
+    """n = 10, t + k = 5: up to 5 members may drop at any stage; 6 -> that stage's abort
+    (RESHARE: the release stands and the old committee keeps the state)."""
+    mechanism = banded_mechanism()
+    run = committees(mechanism)
+    ref = Reference(mechanism.integer_matrix)
+    updates, noises = inputs(run.full.schedule, 0, CLIENTS, D, 3)
+    run.both(0, updates, noises)
+    ref.release(updates, noises, range(CLIENTS))
+    updates, noises = inputs(run.full.schedule, 1, CLIENTS, D, 3)
+    faults = DMMFaults(member={(j, stage): "drop" for j in range(dropped)})
+    full, ideal = run.both(1, updates, noises, faults)
+    assert_same(full, ideal)
+    if dropped > 5 and stage in (DMMStage.SHARE, DMMStage.COMBINE):
+        assert isinstance(full, StateLost) and full.stage is stage
+        return
+    if dropped > 5 and stage is DMMStage.RELEASE:
+        assert isinstance(full, RoundAborted) and full.stage is DMMStage.RELEASE
+        assert run.full.step == 1  # nothing released, the state of step 1 is kept
+        return
+    np.testing.assert_array_equal(full.release, ref.release(updates, noises, range(CLIENTS)))
+    assert full.handed_over == (not (dropped > 5 and stage is DMMStage.RESHARE))
+    if stage is not DMMStage.RESHARE:
+        answers = 10 - dropped
+        assert full.verified == (answers > 5) and full.radius == (answers - 5) // 2
+    # the next round runs on whichever committee holds the state
+    updates, noises = inputs(run.full.schedule, 2, CLIENTS, D, 3)
+    full, ideal = run.both(2, updates, noises)
+    assert_same(full, ideal)
+    np.testing.assert_array_equal(full.release, ref.release(updates, noises, range(CLIENTS)))
 
 
-def test_partial_and_corrupted_client_shares_exclude_the_client(noising):
-    for mode in ("full", "ideal"):
-        proto, ref = _protocol(noising, mode), Reference(noising)
-        updates, noises = _inputs(noising, 0, 6)
-        faults = DMMFaults(client_partial=frozenset({1}), corrupt_in_transit=frozenset({(3, 7)}))
-        out = proto.run_round(updates, noises, faults, 0)
-        if mode == "full":
-            assert out.excluded == (1, 3)
-            keep = [0, 2, 4, 5]
-        else:  # no ciphertexts to corrupt in ideal mode
-            keep = [0, 2, 3, 4, 5]
-        np.testing.assert_array_equal(out.release, ref.release(updates, noises, keep))
+def test_late_releases_abort_the_round_and_keep_the_state():
+    mechanism = banded_mechanism()
+    run = committees(mechanism)
+    ref = Reference(mechanism.integer_matrix)
+    updates, noises = inputs(run.full.schedule, 0, CLIENTS, D, 4)
+    late = DMMFaults(member={(j, DMMStage.RELEASE): "late" for j in range(6)})
+    for outcome in run.both(0, updates, noises, late):
+        assert isinstance(outcome, RoundAborted) and outcome.stage is DMMStage.RELEASE
+    full, ideal = run.both(1, updates, noises)
+    assert_same(full, ideal)
+    np.testing.assert_array_equal(full.release, ref.release(updates, noises, range(CLIENTS)))
+
+
+def test_client_dropouts_partial_and_corrupted_shares_leave_the_client_out():
+    mechanism = tree_mechanism()
+    run = committees(mechanism)
+    ref = Reference(mechanism.integer_matrix)
+    updates, noises = inputs(run.full.schedule, 0, CLIENTS, D, 5)
+    faults = DMMFaults(
+        client_drop={0: DMMStage.SHARE},
+        client_partial=frozenset({1}),
+        corrupt_in_transit=frozenset({(2, 3)}),
+    )
+    full, ideal = run.both(0, updates, noises, faults)
+    assert full.clients == (3, 4, 5) and full.excluded == (1, 2)
+    assert ideal.clients == (2, 3, 4, 5)  # ideal mode has no ciphertexts to corrupt
+    np.testing.assert_array_equal(full.release, ref.release(updates, noises, (3, 4, 5)))
+    assert run.full.counts == {0: 3}  # the noise actually present
+
+
+def test_fewer_than_min_clients_release_nothing():
+    run = committees(banded_mechanism(), min_clients=4)
+    updates, noises = inputs(run.full.schedule, 0, 3, D, 6)
+    for outcome in run.both(0, updates, noises):
+        assert isinstance(outcome, RoundAborted) and outcome.stage is DMMStage.COMBINE
+    assert run.full.step == 0 and run.full.stage is DMMStage.ABORTED
 
 
 @pytest.mark.parametrize("stage", [DMMStage.COMBINE, DMMStage.RELEASE, DMMStage.RESHARE])
-def test_one_tampering_member_is_named_and_the_results_stay_correct(noising, stage):
-    proto, ref = _protocol(noising), Reference(noising)
+def test_one_tampering_member_is_corrected_and_the_results_stay_correct(stage):
+    mechanism = banded_mechanism()
+    run = committees(mechanism)
+    ref = Reference(mechanism.integer_matrix)
     for step in range(3):
-        updates, noises = _inputs(noising, step, 7)
-        faults = DMMFaults(member={(4, stage): "tamper"} if step == 1 else {}, seed=step)
-        out = proto.run_round(updates, noises, faults, step)
+        updates, noises = inputs(run.full.schedule, step, CLIENTS, D, 7)
+        faults = DMMFaults(member={(4, stage): "tamper"}, seed=9) if step == 1 else None
+        out = run.full_round(step, updates, noises, faults)
         np.testing.assert_array_equal(out.release, ref.release(updates, noises, range(CLIENTS)))
         if step == 1 and stage is not DMMStage.RESHARE:
-            assert out.faulty == (4,)
+            assert out.corrected == (4,) and out.verified  # named: the decoding is unique
         if step == 1 and stage is DMMStage.RESHARE:
-            assert out.reshare_attempts == 2  # the check named member 4; DEAL ran again
+            assert out.reshare_attempts == 2  # its wrong deal is caught in VERIFY, not handed on
+        if step == 1 and stage is DMMStage.COMBINE:
+            assert out.reshare_attempts == 1  # a corrected member does not deal its wrong state
 
 
-def test_tampering_beyond_unique_decoding_aborts_without_release(noising):
-    proto = _protocol(noising, n=7)  # 7 answers, t + k = 5: one error correctable
-    updates, noises = _inputs(noising, 0, 8)
-    faults = DMMFaults(member={(1, DMMStage.RELEASE): "tamper", (5, DMMStage.RELEASE): "tamper"})
-    with pytest.raises(ReleaseTampering):
-        proto.run_round(updates, noises, faults, 0)
-    assert proto.step == 0 and proto.stage is DMMStage.ABORTED
+def test_tampering_beyond_the_radius_aborts_without_release_and_names_nobody():
+    run = committees(banded_mechanism())
+    updates, noises = inputs(run.full.schedule, 0, CLIENTS, D, 8)
+    faults = DMMFaults(member={(j, DMMStage.RELEASE): "tamper" for j in (1, 3, 6)}, seed=2)
+    with pytest.raises(ReleaseTampering) as caught:
+        run.full_round(0, updates, noises, faults)
+    assert caught.value.suspects == ()
+    assert run.full.step == 0 and run.full.stage is DMMStage.ABORTED
+
+
+def test_exactly_t_plus_k_answers_release_unverified():
+    run = committees(banded_mechanism())
+    updates, noises = inputs(run.full.schedule, 0, CLIENTS, D, 9)
+    faults = DMMFaults(member={(j, DMMStage.RELEASE): "drop" for j in range(5)})
+    full, ideal = run.both(0, updates, noises, faults)
+    assert not full.verified and not ideal.verified and full.radius == 0
 
 
 def test_fault_plans_are_checked():
-    with pytest.raises(ValueError, match="only RELEASE has a deadline"):
-        DMMFaults(member={(0, DMMStage.SHARE): "late"})
     with pytest.raises(ValueError, match="allowed stages"):
         DMMFaults(member={(0, DMMStage.DONE): "drop"})
-    with pytest.raises(ValueError, match="hold nothing to alter"):
+    with pytest.raises(ValueError, match="nothing to alter"):
         DMMFaults(member={(0, DMMStage.SHARE): "tamper"})
+    with pytest.raises(ValueError, match="only RELEASE"):
+        DMMFaults(member={(0, DMMStage.COMBINE): "late"})
+    with pytest.raises(ValueError, match="client_drop"):
+        DMMFaults(client_drop={0: DMMStage.SETUP})
+
+
+def test_release_decoder_is_forward_substitution_and_refuses_what_it_cannot_decode():
+    M = banded_mechanism().integer_matrix
+    decoder = ReleaseDecoder(Schedule(M))
+    y = np.random.default_rng(0).integers(-1000, 1000, (ROUNDS, 3))
+    x = np.stack([decoder.add(t, {t: y[t]}) for t in range(ROUNDS)])
+    np.testing.assert_allclose(x, np.linalg.solve(M.astype(float), y.astype(float)), rtol=1e-12)
+    tree = tree_mechanism()
+    with pytest.raises(ValueError, match="square lower-triangular"):
+        ReleaseDecoder(Schedule(tree.integer_matrix))
+    late = tree.decoding.copy()
+    late[0, -1] = 1.0
+    with pytest.raises(ValueError, match="not causal"):
+        ReleaseDecoder(Schedule(tree.integer_matrix), late)

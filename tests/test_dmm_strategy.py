@@ -1,175 +1,156 @@
-"""DMM as a Flower strategy: full == ideal for the same seeds, configuration checked up front."""
+"""DMM as a Flower strategy: full == ideal for the same RunSecret under client and member
+dropouts, configuration checked up front, resume from the server's checkpoint and the members'
+own sealed states, and ``fedsim run`` writing epsilon per round."""
 
 from __future__ import annotations
 
+import pickle
+
+import cloudpickle
 import numpy as np
 import pytest
-from flwr.serverapp.strategy import FedAvg
+from dmm_support import SECRETS, digits_setup, make_dmm, run_dmm
 
-from fedsim.data import DatasetSpec, build_dataset
 from fedsim.engine import FaultConfig
-from fedsim.engine.rounds import run_rounds
-from fedsim.models import ModelSpec, initial_arrays
-from fedsim.privacy.matrix.tree import honaker_tree
-from fedsim.records import to_numpy, to_record
-from fedsim.workloads.supervised import LocalTraining, make_client_app
-from strategies.dmm import DMM, SEALED_KEY, dmm_client_app
+from fedsim.engine.dmm_committee import CommitteeHost
+from fedsim.privacy.matrix.build import Spec, build
+from strategies.dmm import committee_bound
 
-CLIENTS, ROUNDS = 10, 3
+CLIENTS, ROUNDS = 12, 4
 
 
 @pytest.fixture(scope="module")
 def digits():
-    data = DatasetSpec(source="digits", partition="iid", num_clients=CLIENTS, seed=0)
-    dataset = build_dataset(data)
-    model = ModelSpec(
-        kind="logreg", input_shape=tuple(dataset.feature_shape), num_classes=dataset.num_classes
-    )
-    inner = make_client_app(model, data, LocalTraining(epochs=1, batch_size=16, lr=0.1, seed=0))
-    return data, dataset, model, dmm_client_app(inner)
+    return digits_setup(CLIENTS)
 
 
-def _dmm(mode, **kwargs):
-    options = dict(
-        factorization=honaker_tree(4),
-        committee_size=10,
-        threshold=2,
-        packing=3,
-        fractional_bits=10,
-        clipping_norm=1.0,
-        noise_multiplier=1.0,
-        expected_clients=CLIENTS,
-        seed=7,
-        mode=mode,
-        share_rng_seed=None,
-    )
-    options.update(kwargs)
-    return DMM(FedAvg(min_available_nodes=0), **options)
+@pytest.mark.parametrize("kind", ["banded", "tree"])
+def test_full_equals_ideal_for_the_same_secrets_and_dropouts_cost_epsilon(
+    local_engine, digits, kind
+):
+    faults = FaultConfig(dropout=0.25, seed=3)
+
+    def run(mode, **kwargs):
+        strategy = make_dmm(mode, CLIENTS, ROUNDS, kind)
+        return run_dmm(local_engine, digits, strategy, ROUNDS, **kwargs)
+
+    full_arrays, full = run("full", faults=faults)
+    ideal_arrays, ideal = run("ideal", faults=faults)
+    for key in full_arrays:
+        np.testing.assert_array_equal(full_arrays[key], ideal_arrays[key])
+    for a, b in zip(full.outputs, ideal.outputs):
+        assert (a is None) == (b is None)
+        if a is not None:
+            np.testing.assert_array_equal(a.release, b.release)
+            assert a.clients == b.clients and a.holders == b.holders
+    assert full.eps == ideal.eps
+    # members dropped too (their clients' availability), and clients: fewer noise shares
+    assert any(m.get("dmm-member-dropouts", 0) for m in full.metrics)
+    _, clean = run("ideal")
+    assert full.inner.privacy_report()["fewest_noise_clients"] < CLIENTS
+    assert clean.eps[-1] < full.eps[-1]
+    assert all(m["rejected"] == [] for m in full.metrics)
+    assert full.metrics[-1]["dmm-bytes-per-client"] > 0
+    assert full.metrics[-1]["dmm-bytes-per-member-sent"] > 0
 
 
-def run(engine, digits, strategy, dropout, alter=None):
-    """Run ROUNDS rounds; ``alter(server_round, replies)`` may change the replies the server
-    receives. Returns the final arrays, (clients, release) per round and epsilon per round;
-    ``strategy.outputs`` holds each round's :class:`protocols.dmm.RoundOutput` (None: aborted)."""
-    data, dataset, model, app = digits
-    grid = engine.open_run(
-        app,
-        CLIENTS,
-        run_config={"seed": 0},
-        faults=FaultConfig(dropout=dropout, seed=3),
-        datasets=((data, dataset),),
-    )
-    releases, eps = [], []
-
-    class Recording:
-        def __getattr__(self, name):
-            return getattr(strategy, name)
-
-        def aggregate_train(self, server_round, replies):
-            replies = list(replies)
-            if strategy.mode == "full":  # the server receives ciphertexts only
-                for reply in replies:
-                    if not reply.has_error():
-                        assert set(reply.content.keys()) == {SEALED_KEY, "metrics"}
-            if alter is not None:
-                replies = alter(server_round, replies)
-            out = strategy.aggregate_train(server_round, replies)
-            released = strategy.last_release is not None
-            strategy.outputs.append(strategy.protocol.last_output if released else None)
-            release = strategy.last_release
-            releases.append((strategy.last_clients, None if release is None else release.copy()))
-            eps.append(out[1]["epsilon"])
-            return out
-
-    strategy.outputs = []
-    final = run_rounds(Recording(), grid, to_record(initial_arrays(model, 0)), ROUNDS)
-    grid.wait_idle()
-    return to_numpy(final), releases, eps
+def test_full_mode_replies_carry_only_ciphertexts_and_a_public_key(local_engine, digits):
+    _, full = run_dmm(local_engine, digits, make_dmm("full", CLIENTS, 2), 2)
+    for replies in full.replies:
+        for reply in replies:
+            assert set(reply.content.keys()) == {"dmm.sealed"}
+            record = reply.content["dmm.sealed"]
+            assert set(record.keys()) == {"public-key", "members", "nonces", "ciphertexts"}
+            assert len(record["public-key"]) == 32
 
 
-def test_full_equals_ideal_for_the_same_seeds_and_dropouts_cost_epsilon(local_engine, digits):
-    full = _dmm("full", member_dropout=0.05)
-    final_full, releases_full, eps_full = run(local_engine, digits, full, 0.2)
-    ideal = _dmm("ideal", member_dropout=0.05)
-    final_ideal, releases_ideal, eps_ideal = run(local_engine, digits, ideal, 0.2)
-    for (clients_a, a), (clients_b, b) in zip(releases_full, releases_ideal):
-        assert clients_a == clients_b
-        np.testing.assert_array_equal(a, b)
-    for key in final_full:
-        np.testing.assert_array_equal(final_full[key], final_ideal[key])
-    assert eps_full == eps_ideal and all(b >= a for a, b in zip(eps_full, eps_full[1:]))
-    assert any(len(c) < CLIENTS for c, _ in releases_full)  # some clients dropped out
-    # the committee's noise state was handed on by resharing between rounds
-    assert max(o.reshare_attempts for o in full.outputs if o is not None) >= 1
-    report = full.privacy_report()
-    assert report["rounds_accounted"] == ROUNDS and report["steps"] == ROUNDS
-    assert report["fewest_noise_clients"] == min(len(c) for c, _ in releases_full)
-    # the same run without dropouts has more noise in every row: smaller epsilon
-    nodrop = _dmm("ideal")
-    run(local_engine, digits, nodrop, 0.0)
-    assert nodrop.epsilon() < full.epsilon()
-
-
-def test_configuration_is_validated_before_the_run():
-    with pytest.raises(ValueError, match="t \\+ k <= 7"):
-        _dmm("full", threshold=3, packing=5, expected_member_dropout=0.3)
-    with pytest.raises(ValueError, match="mode="):
-        _dmm("fast")
-    with pytest.raises(ValueError, match="fractional_bits=0"):
-        _dmm("full", fractional_bits=0)
-    # the bit budget is checked when the model size is known, before any client trains
-    strategy = _dmm("full", fractional_bits=40, bits=30)
-    with pytest.raises(ValueError, match="bit budget"):
+def test_configuration_is_validated_before_the_run(local_engine, digits):
+    with pytest.raises(ValueError, match=r"threshold \+ member_dropouts = 2 \+ 5.*committee_size"):
+        committee_bound(10, 2, 3, 5)
+    committee_bound(20, 3, 3, 3)  # the defaults meet the bound
+    with pytest.raises(ValueError, match="not banded"):
+        make_dmm("full", CLIENTS, ROUNDS, factorization=build(Spec(kind="sqrt", rounds=ROUNDS)))
+    with pytest.raises(ValueError, match="committee_size=11 exceeds the population"):
+        make_dmm("full", 10, ROUNDS)
+    strategy = make_dmm("full", CLIENTS, ROUNDS, bits=40, fractional_bits=20)
+    with pytest.raises(ValueError, match=r"bit budget: a released row can reach .* 2\^60"):
         strategy.check(650)
-    assert _dmm("full").check(650).padded_dim == 1024
+    unhosted = make_dmm("full", CLIENTS, ROUNDS)
+    with pytest.raises(RuntimeError, match="needs a committee host"):
+        from fedsim.engine.rounds import run_rounds  # noqa: PLC0415
+        from fedsim.records import to_record  # noqa: PLC0415
+
+        grid = local_engine.open_run(digits[3], CLIENTS, datasets=((digits[0], digits[1]),))
+        run_rounds(unhosted, grid, to_record({"w": np.zeros(650, dtype=np.float32)}), 1)
 
 
-RUN = """
-name = "dmm"
-seed = 3
-rounds = 4
-
-[data]
-source = "digits"
-partition = "iid"
-num_clients = 20
-
-[model]
-kind = "logreg"
-
-[client]
-epochs = 1
-batch_size = 16
-lr = 0.2
-
-[strategy]
-name = "dmm"
-clients_per_round = 10
-sampling = "min-separation"
-
-[strategy.options]
-clipping_norm = 1.0
-noise_multiplier = 0.5
-committee_size = 8
-threshold = 2
-packing = 3
-mode = "ideal"
-
-[engine]
-backend = "local"
-"""
+def test_resume_from_the_checkpoint_and_the_members_sealed_states(local_engine, digits, tmp_path):
+    """Rounds 1-2, a checkpoint (the strategy pickled; the host dropped), then rounds 3-4 on a
+    fresh host that re-hosts the committee from the sealed member states: the same model as an
+    uninterrupted run."""
+    straight, _ = run_dmm(local_engine, digits, make_dmm("full", CLIENTS, ROUNDS), ROUNDS)
+    host = CommitteeHost(SECRETS, state_path=tmp_path / "dmm_members.sqlite")
+    strategy = make_dmm("full", CLIENTS, ROUNDS)
+    middle, _ = run_dmm(local_engine, digits, strategy, 2, host=host)
+    host.checkpoint(2)
+    blob = cloudpickle.dumps(strategy)
+    host.close()
+    restored = pickle.loads(blob)
+    assert restored.host is None and restored.server.pool is None
+    again = CommitteeHost(SECRETS, state_path=tmp_path / "dmm_members.sqlite")
+    again.rollback(2)
+    resumed, _ = run_dmm(
+        local_engine, digits, restored, ROUNDS, host=again, arrays=middle, first=3
+    )
+    for key in straight:
+        np.testing.assert_array_equal(straight[key], resumed[key])
+    again.close()
 
 
-def test_fedsim_run_writes_epsilon_per_round(tmp_path):
-    from fedsim.cli import main
-    from fedsim.results import read_rounds
+def test_fedsim_run_writes_epsilon_and_the_mode_per_round(tmp_path):
+    from fedsim.experiment import ExperimentConfig, run_experiment  # noqa: PLC0415
+    from fedsim.results import read_rounds  # noqa: PLC0415
 
-    config = tmp_path / "dmm.toml"
-    config.write_text(RUN)
-    out = tmp_path / "run"
-    assert main(["run", str(config), "--out", str(out), "--no-progress"]) == 0
-    rounds = [r for r in read_rounds(out / "rounds.jsonl") if r["round"] >= 1]
+    config = ExperimentConfig.from_dict(
+        {
+            "rounds": 3,
+            "seed": 1,
+            "data": {"source": "digits", "partition": "iid", "num_clients": 24},
+            "model": {"kind": "logreg"},
+            "client": {"epochs": 1, "batch_size": 16, "lr": 0.1},
+            "engine": {"backend": "local"},
+            "strategy": {
+                "name": "dmm",
+                "clients_per_round": 12,
+                "sampling": "min-separation",
+                "options": {
+                    "clipping_norm": 1.0,
+                    "noise_multiplier": 1.0,
+                    "committee_size": 11,
+                    "threshold": 2,
+                    "packing": 1,
+                    "member_dropouts": 2,
+                },
+            },
+        }
+    )
+    summary = run_experiment(config, tmp_path, progress=False, secrets=SECRETS)
+    rounds = [r for r in read_rounds(tmp_path / "rounds.jsonl") if r["round"] >= 1]
     eps = [r["privacy"]["epsilon"] for r in rounds]
-    assert len(eps) == 4 and eps[0] > 0 and all(b >= a for a, b in zip(eps, eps[1:]))
-    assert rounds[-1]["privacy"]["factorization"] == "honaker"
-    assert rounds[0]["aggregated"]["dmm-clients"] == 10
+    assert len(eps) == 3 and all(a < b for a, b in zip(eps, eps[1:]))
+    assert all(r["privacy"]["mode"] == "full" for r in rounds)
+    assert summary["privacy"]["epsilon"] == pytest.approx(eps[-1]) if "privacy" in summary else True
+    assert (tmp_path / "dmm_members.sqlite").is_file()
+
+
+def test_a_lost_committee_state_halts_the_run_cleanly(local_engine, digits):
+    """Members' clients almost all unavailable: the state is lost (fewer than t + k holders),
+    the round aborts cleanly and every later round reports the halt instead of failing."""
+    faults = FaultConfig(dropout=0.95, seed=2)
+    arrays, recorded = run_dmm(
+        local_engine, digits, make_dmm("full", CLIENTS, ROUNDS), ROUNDS, faults=faults
+    )
+    halted = [m.get("dmm-halted", 0) for m in recorded.metrics]
+    assert halted[-1] == 1 and recorded.inner.halted
+    assert recorded.inner.server.stage.name == "ABORTED"
+    assert all(np.isfinite(v).all() for v in arrays.values())

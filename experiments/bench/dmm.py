@@ -1,24 +1,25 @@
-"""Benchmark: per-client compute and bytes of one DMM round against committee size n.
+"""Benchmark: bytes and compute of one DMM round against committee size n.
 
-For n in ``--sizes`` (10, 20, 40, 80) at fixed model size d (``--dim``, 4096 padded
-coordinates), packing k = n / 5 and threshold t = n / 4 (so t + k = 0.45 n: 55 % of a committee
-may drop), one process:
+For n in ``--sizes`` (10, 20, 40, 80) at model size D (``--dim``, 4096 padded coordinates),
+packing k = n / 5 and threshold t = n / 10 (so t + k = 0.3 n and the committee bound
+t + dropouts + k < n / 2 holds with n / 10 planned dropouts), one process runs two rounds of the
+corrected DMM (:class:`protocols.dmm_server.DMMServer`, members in process, everything sealed)
+with a banded M of ``--bands`` bands, so each committee hands on ``bands - 1`` partial sums
+(``(bands - 1) x D`` secrets), and ``--clients`` clients per round. From the second round's
+transcript:
 
-* **client step** (reference/dmm.md step 2): share the rounded update and one noise row
-  (2 x d field elements) with :class:`protocols.shamir.PackedShamir` (OS randomness) and seal
-  one envelope per member (X25519 / HKDF / ChaCha20-Poly1305); ``client_s`` is the mean wall time
-  over ``--clients`` clients, ``client_bytes`` what one client sends (envelopes with headers);
-  the local noise draw (d exact discrete Gaussians) is timed once as ``noise_s``;
-* **secure transfer** (step 6): :class:`protocols.resharing.Resharing` of a state of
-  ``--state-rows`` noise rows (``rows x d`` secrets) from one committee to the next, sealed, with
-  the parity check; ``reshare_bytes_per_secret`` = all DEAL bytes / secrets,
-  ``dealer_bytes_per_secret`` = one dealer's DEAL bytes / secrets, ``member_s`` = the
-  resharing's wall time (all members, one process) divided by n. The same with k = 1
-  (``naive``: unpacked linear resharing, one element per secret per new member from every
-  dealer).
+* **client**: bytes one client sends (its public key and one envelope per seat: 1 + 1 segments of
+  ceil(D / k) field elements) and the seconds it spends sharing and sealing;
+* **member**: bytes a seat receives (the clients' envelopes) and sends (its release share, its
+  deal);
+* **handoff** (linear packed resharing, reference/dmm.md step 7): ``dealer_bytes_per_secret`` --
+  the DEAL bytes of one dealer of the chosen set S / secrets handed on (n / k elements per
+  secret: flat in n when k grows with n) and ``total_bytes_per_secret`` -- every dealer's DEAL
+  (the t + k of S, and the others' check blocks) plus the VERIFY check shares / secrets (grows
+  with n: (t + k) n / k elements per secret). The same with k = 1 (``naive``: unpacked linear
+  resharing, n elements per secret from each of t + 1 dealers).
 
-Fits (least squares over n): slope of ``dealer_bytes_per_secret`` against n for packed (near 0:
-constant overhead) and naive (about 8 bytes per member), and of ``client_bytes / d``.
+Fits (least squares over n): slopes of the per-dealer and total handoff bytes per secret.
 Prints one JSON object and writes it to ``--out`` (default experiments/bench/dmm.json).
 """
 
@@ -35,46 +36,78 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from fedsim.privacy.mechanisms import discrete_gaussian  # noqa: E402
-from protocols.channels import Endpoint, Relay, new_session_id  # noqa: E402
-from protocols.resharing import ReshareStage, Resharing  # noqa: E402
+from protocols.channels import SERVER_ID  # noqa: E402
+from protocols.dmm import MEMBER_ID_BASE, Schedule  # noqa: E402
+from protocols.dmm_client import seal_client_shares  # noqa: E402
+from protocols.dmm_member import MemberPool  # noqa: E402
+from protocols.dmm_server import DMMServer  # noqa: E402
+from protocols.resharing import NEW_ID_BASE, OLD_ID_BASE  # noqa: E402
 from protocols.shamir import PackedShamir  # noqa: E402
 
 
-def client_step(scheme: PackedShamir, dim: int, clients: int) -> tuple[float, int]:
-    """Mean seconds and bytes for one client to share update + one noise row with n members."""
-    session = new_session_id()
-    members = [Endpoint(2**62 + j, session) for j in range(scheme.n)]
-    relay = Relay()
+def banded_matrix(rounds: int, bands: int) -> np.ndarray:
+    """An integer banded M with a dominant diagonal (the cost does not depend on its values)."""
+    M = np.zeros((rounds, rounds), dtype=np.int64)
+    for d in range(bands):
+        M[np.arange(d, rounds), np.arange(rounds - d)] = 4096 >> d
+    return M
+
+
+def one_round(scheme: PackedShamir, dim: int, bands: int, clients: int) -> dict:
+    """Two rounds of DMM; the second round's bytes and times."""
+    schedule = Schedule(banded_matrix(3, bands))
+    server = DMMServer(scheme, schedule, dim)
+    groups = [list(range(scheme.n))]
+    pools = [MemberPool(range(scheme.n), groups, server.member_kwargs) for _ in range(3)]
+    server.attach(pools[0])
     rng = np.random.default_rng(0)
-    elapsed = 0.0
-    for c in range(clients):
-        client = Endpoint(c, session)
-        for m in members:
-            client.connect(m.party_id, m.public_key)
-        vector = rng.integers(0, scheme.field.modulus, size=2 * dim, dtype=np.int64)
+    for step in range(2):
+        keys = server.open_round(step)
         start = time.perf_counter()
-        shares = scheme.share(vector, secure=True)
-        for j, m in enumerate(members):
-            relay.post(client.seal_array(m.party_id, 0, "SHARE", shares[j]))
-        elapsed += time.perf_counter() - start
-    return elapsed / clients, relay.transcript.nbytes() // clients
-
-
-def reshare(scheme: PackedShamir, secrets: int) -> dict:
-    rng = np.random.default_rng(1)
-    state = scheme.share(scheme.field.random(rng, secrets), secure=True)
-    start = time.perf_counter()
-    result = Resharing(scheme, scheme).run({j: state[j] for j in range(scheme.n)}, secure=True)
-    wall = time.perf_counter() - start
+        sealed = {
+            c: seal_client_shares(
+                keys,
+                c,
+                rng.integers(-1000, 1000, dim),
+                rng.integers(-1000, 1000, (keys.rows, dim)),
+                np.random.default_rng([step, c]),
+            )
+            for c in range(clients)
+        }
+        client_s = (time.perf_counter() - start) / clients
+        start = time.perf_counter()
+        out = server.finish_round(sealed, pools[step + 1])
+        members_s = time.perf_counter() - start
+    t = out.transcript
+    secrets = len(schedule.open_after(1)) * dim
+    deal = {i: 0 for i in range(scheme.n)}
+    verify = 0
+    for row in t.rows():
+        sender, receiver = row["sender"], row["receiver"]
+        if OLD_ID_BASE <= sender < NEW_ID_BASE and NEW_ID_BASE <= receiver < MEMBER_ID_BASE:
+            deal[sender - OLD_ID_BASE] += row["bytes"]
+        elif NEW_ID_BASE <= sender < MEMBER_ID_BASE and receiver == SERVER_ID:
+            verify += row["bytes"]
+    dealers = [b for b in deal.values() if b]
+    seats = range(scheme.n)
     return {
         "k": scheme.k,
         "t": scheme.t,
-        "dealers": len(result.dealers),
-        "reshare_bytes_per_secret": result.bytes_per_secret(),
-        "dealer_bytes_per_secret": result.bytes_per_dealer_per_secret(),
-        "verify_bytes": result.transcript.nbytes(stage=ReshareStage.VERIFY),
-        "member_s": wall / scheme.n,
-        "wall_s": wall,
+        "dealers_in_s": scheme.threshold,
+        "client_bytes": t.nbytes(sender=0),
+        "client_s": client_s,
+        "member_received_bytes": float(
+            np.mean([t.nbytes(receiver=MEMBER_ID_BASE + j) for j in seats])
+        ),
+        "member_sent_bytes": float(
+            np.mean([t.nbytes(sender=MEMBER_ID_BASE + j) for j in seats])
+            + np.mean([t.nbytes(sender=OLD_ID_BASE + j) for j in seats])
+        ),
+        "members_s_per_member": members_s / scheme.n,
+        "secrets_handed": secrets,
+        "dealer_bytes_per_secret": max(dealers) / secrets,
+        "total_bytes_per_secret": (sum(dealers) + verify) / secrets,
+        "attempts": out.reshare_attempts,
     }
 
 
@@ -82,57 +115,51 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[10, 20, 40, 80])
     parser.add_argument("--dim", type=int, default=4096)
-    parser.add_argument("--state-rows", type=int, default=2)
+    parser.add_argument("--bands", type=int, default=3)
     parser.add_argument("--clients", type=int, default=5)
     parser.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    discrete_gaussian(args.dim, 40.0, np.random.default_rng(2))
+    discrete_gaussian(args.dim, 4000.0, np.random.default_rng(2))
     noise_s = time.perf_counter() - start
-    secrets = args.state_rows * args.dim
     rows = []
     for n in args.sizes:
-        k, t = max(1, n // 5), max(1, n // 4)
-        packed = PackedShamir(n, t, k)
-        client_s, client_bytes = client_step(packed, args.dim, args.clients)
+        k, t = max(1, n // 5), max(1, n // 10)
         row = {
             "n": n,
-            "client_s": client_s,
-            "client_bytes": client_bytes,
-            "client_bytes_per_coordinate": client_bytes / args.dim,
-            "packed": reshare(packed, secrets),
-            "naive": reshare(PackedShamir(n, t, 1), secrets),
+            "packed": one_round(PackedShamir(n, t, k), args.dim, args.bands, args.clients),
+            "naive": one_round(PackedShamir(n, t, 1), args.dim, args.bands, args.clients),
         }
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
     sizes = np.array(args.sizes, dtype=float)
 
-    def slope(values):
-        return float(np.polyfit(sizes, np.array(values, dtype=float), 1)[0])
+    def slope(kind: str, key: str) -> float:
+        values = np.array([r[kind][key] for r in rows], dtype=float)
+        return float(np.polyfit(sizes, values, 1)[0])
 
-    packed_b = [r["packed"]["dealer_bytes_per_secret"] for r in rows]
-    naive_b = [r["naive"]["dealer_bytes_per_secret"] for r in rows]
     out = {
         "dim": args.dim,
-        "secrets_reshared": secrets,
+        "bands": args.bands,
+        "clients": args.clients,
         "noise_s": noise_s,
         "rows": rows,
         "fit": {
-            "packed_dealer_bytes_per_secret_slope_per_member": slope(packed_b),
-            "naive_dealer_bytes_per_secret_slope_per_member": slope(naive_b),
-            "packed_total_bytes_per_secret_slope": slope(
-                [r["packed"]["reshare_bytes_per_secret"] for r in rows]
-            ),
-            "naive_total_bytes_per_secret_slope": slope(
-                [r["naive"]["reshare_bytes_per_secret"] for r in rows]
-            ),
-            "client_bytes_per_coordinate_slope": slope(
-                [r["client_bytes_per_coordinate"] for r in rows]
-            ),
+            f"{kind}_{key}_slope_per_member": slope(kind, key)
+            for kind in ("packed", "naive")
+            for key in ("dealer_bytes_per_secret", "total_bytes_per_secret")
         },
-        "naive_over_packed_dealer_bytes": [b / a for a, b in zip(packed_b, naive_b)],
     }
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print("n   per-dealer B/secret (packed, naive)   total B/secret (packed, naive)   client B")
+    for r in rows:
+        p, q = r["packed"], r["naive"]
+        print(
+            f"{r['n']:<4}{p['dealer_bytes_per_secret']:>10.1f}"
+            f" {q['dealer_bytes_per_secret']:>10.1f}"
+            f"{p['total_bytes_per_secret']:>20.1f} {q['total_bytes_per_secret']:>10.1f}"
+            f"{p['client_bytes']:>16}"
+        )
     print(json.dumps(out["fit"], indent=2))
     return out
 

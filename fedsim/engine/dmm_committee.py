@@ -1,149 +1,487 @@
-"""DMM committees whose members are Ray actors.
+"""DMM committees of clients, hosted by the engine.
 
-The distributed matrix mechanism (Bienstock, Kumar & Polychroniadou, ICML 2025;
-reference/dmm.md steps 2-6) with every committee member in its own process: each actor runs
-:class:`protocols.dmm.DMMMembers` for one group of members (``shards`` groups per committee;
-``shards = n``: one actor per member). An actor keeps *its own* members' shares of the noise
-state (the window of past noise rows, or the tree nodes) across rounds; it receives the shares the
-clients computed and sealed themselves (:func:`protocols.dmm.seal_client_shares`) as
-envelopes the server relays, opens and sums them locally, seals its release shares to the
-server, and deals its part of the linear resharing to the next committee's actors, which open
-and accumulate their deals. The server (:class:`protocols.dmm.DMMCommitteeProtocol`) only
-orchestrates the stages, relays envelopes and reconstructs the release, so results, dropout
-rules and aborts are those of the in-process committee, bit for bit.
+reference/dmm.md "Our protocol, corrected", step 8: each round's committee is n clients drawn
+publicly from the population (the strategy draws them with ``public_generator(seed, round,
+Stream.COMMITTEE)``); the :class:`CommitteeHost` plays those clients' member side
+(:class:`protocols.dmm_member.MemberGroup`), keyed by client id, on a few Ray actors
+(``actors=True``; ``shards`` actors, seat j on actor j mod shards) or in this process.
 
-Committees change every round. The actors form two pools of ``shards`` actors that take turns:
-the current committee, and the next one, which receives the handoff and then becomes current,
-while the old pool is wiped (state and channel keys) and reassigned to the committee after it.
-So a round spawns no process, and the outgoing and incoming committees are always different
-actors. Actors reserve no CPU (:func:`fedsim.engine.committee.shard_actor`), are never
-restarted (a crashed member is a dropped member) and end with :meth:`ActorPool.close`.
+Secrets. The host is the engine's: the front end builds it with the run's
+:class:`fedsim.randomness.RunSecret` and binds it to the strategy (``bind_committee_host``); the
+strategy never holds the root. Member c's secret is ``secrets.client(c)`` -- the same secret the
+client has as a trainer -- handed to the actor that hosts it as a token; from it the member
+derives its channel keys (``seed_bytes(round, Purpose.KEYS, "dmm", role)``) and its resharing
+randomness (``generator(round, Purpose.RESHARE, "dmm")``), and it seals its own state
+(:meth:`fedsim.randomness.PartySecret.seal`).
 
-An actor that dies (its process crashed or was killed) answers nothing from then on: its
-members count as dropped at whatever stage the server next asks them, exactly like injected
-member dropouts, and the round aborts only when fewer than t + k members remain.
+Custody. A member's state (its shares of the open rows' partial sums) is its own: after every
+round the host stores each holder's state sealed under that member's secret in a
+:class:`fedsim.engine.state.ClientStateStore` keyed by client id and versioned by round
+(``DIR/dmm_members.sqlite`` in a run directory), never in the server's checkpoint; the front end
+confirms versions with :meth:`CommitteeHost.checkpoint` and returns to one with
+:meth:`CommitteeHost.rollback` on ``--resume``, and :meth:`CommitteeHost.restore` re-hosts the
+holders with their opened states. Whoever holds the run directory holds only ciphertexts.
 
-Checkpoints pickle an :class:`ActorPool` as each group's committed state; unpickling spawns
-fresh actors (on first use) that hold that state again (dead groups stay dead).
+Faults. A member's availability follows the run's [faults] (:func:`member_faults`): in each
+round each member client drops with probability ``dropout`` at a stage drawn uniformly, and
+is late at RELEASE like a straggler past the deadline; the next committee's members drop the
+same way. An actor that dies answers nothing: its members count as dropped; a later committee
+gets a fresh actor in its place.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Mapping, Sequence
+import io
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from fedsim.engine.committee import shard_actor
-from protocols.dmm import DMMCommitteeProtocol, DMMMembers, MemberPool
+from fedsim.engine.faults import FaultConfig
+from fedsim.engine.registry import NODE_ID_OFFSET
+from fedsim.engine.state import ClientStateStore
+from fedsim.randomness import PartySecret, Purpose, RunSecret, Stream, public_generator
+from protocols.dmm import ACTIVE, DMMFaults, DMMStage
+from protocols.dmm_member import REFUSALS, MemberGroup
+
+STATE_FILE = "dmm_members.sqlite"
+_MEMBER_FAULTS = 11
+STATE_LABEL = b"fedsim/dmm-member-state/v1/"
 
 
-class ActorPool(MemberPool):
-    """One committee's member groups, each a :class:`protocols.dmm.DMMMembers` Ray actor.
+def member_faults(
+    config: FaultConfig | None,
+    server_round: int,
+    committee: Sequence[int],
+    next_committee: Sequence[int] = (),
+) -> DMMFaults:
+    """The members' faults of one round from the run's fault model (a public stream per
+    (round, client)): each member client drops with probability ``config.dropout`` at a stage
+    drawn uniformly from SHARE..RESHARE, or, when it stays, is late at RELEASE when its straggler
+    delay exceeds ``deadline_s``; a next-committee client is gone with probability ``dropout``."""
+    if config is None:
+        return DMMFaults()
+    plan: dict[tuple[int, DMMStage], str] = {}
+    for seat, client in enumerate(committee):
+        rng = public_generator(config.seed, server_round, Stream.FAULTS, _MEMBER_FAULTS, client)
+        drop, stage = rng.random() < config.dropout, ACTIVE[int(rng.integers(len(ACTIVE)))]
+        slow = rng.random() < config.straggler_fraction
+        delay = rng.exponential(config.straggler_delay_s or 1.0)
+        if drop:
+            plan[(seat, stage)] = "drop"
+        elif slow and config.straggler_delay_s and 0 < config.deadline_s < delay:
+            plan[(seat, DMMStage.RELEASE)] = "late"
+    gone = frozenset(
+        seat
+        for seat, client in enumerate(next_committee)
+        if public_generator(config.seed, server_round, Stream.FAULTS, _MEMBER_FAULTS + 1, client)
+        .random()
+        < config.dropout
+    )
+    return DMMFaults(member=plan, next_drop=gone)
 
-    ``ray_module``: the ``ray`` module (Ray must be initialised; None imports it).
+
+def encode_member_state(step: int, partials: Mapping[int, np.ndarray]) -> bytes:
+    buffer = io.BytesIO()
+    rows = sorted(partials)
+    np.savez(
+        buffer,
+        step=np.array([step], dtype=np.int64),
+        rows=np.array(rows, dtype=np.int64),
+        **{f"r{r}": np.asarray(partials[r], dtype=np.int64) for r in rows},
+    )
+    return buffer.getvalue()
+
+
+def decode_member_state(data: bytes) -> tuple[int, dict[int, np.ndarray]]:
+    with np.load(io.BytesIO(data), allow_pickle=False) as archive:
+        rows = [int(r) for r in archive["rows"]]
+        return int(archive["step"][0]), {r: archive[f"r{r}"] for r in rows}
+
+
+class HostedMembers:
+    """The seats of one committee on one host, each with its client's own secret.
+
+    Wraps a :class:`protocols.dmm_member.MemberGroup` and supplies the member-side randomness
+    from each seat's :class:`fedsim.randomness.PartySecret` (channel keys, resharing streams),
+    and seals / opens each seat's state under it.
+    """
+
+    def __init__(self, seats, clients, tokens, member_kwargs: Mapping[str, Any]) -> None:
+        self.group = MemberGroup(seats, **member_kwargs)
+        self.clients = {int(s): int(c) for s, c in zip(seats, clients)}
+        self.secrets = {
+            int(s): PartySecret.from_token(token, "client") for s, token in zip(seats, tokens)
+        }
+        self._rngs: dict[int, np.random.Generator] = {}
+
+    def _keys(self, round_: int, role: str) -> dict[int, bytes]:
+        return {
+            s: secret.seed_bytes(int(round_), Purpose.KEYS, "dmm", role)
+            for s, secret in self.secrets.items()
+        }
+
+    def call(self, method: str, args: tuple) -> Any:
+        """``method`` of the group with ``args``, adding this host's secrets where the member
+        draws randomness."""
+        if method == "announce":
+            return self.group.announce(*args, private_keys=self._keys(args[0], "current"))
+        if method == "announce_handoff":
+            round_, role = args[0], args[2]
+            self._rngs = {
+                s: secret.generator(int(round_), Purpose.RESHARE, "dmm")
+                for s, secret in self.secrets.items()
+            }
+            return self.group.announce_handoff(*args, private_keys=self._keys(round_, str(role)))
+        if method == "deal":
+            return self.group.deal(*args, rngs=self._rngs)
+        if method.startswith("_") or method in ("load", "snapshot"):
+            raise AttributeError(f"{method} is not a member request")
+        return getattr(self.group, method)(*args)
+
+    def seal_states(self) -> dict[int, bytes]:
+        """client -> its state (step and its own row of every partial sum) sealed under its
+        own secret."""
+        step, partials = self.group.snapshot()
+        out = {}
+        for index, seat in enumerate(self.group.seats):
+            own = {r: rows[index] for r, rows in partials.items()}
+            label = STATE_LABEL + str(self.clients[seat]).encode()
+            out[self.clients[seat]] = self.secrets[seat].seal(encode_member_state(step, own), label)
+        return out
+
+    def load_states(self, sealed: Mapping[int, bytes], step: int) -> None:
+        """Open each seat's sealed state (by client id) and hold it as the state of ``step``;
+        seats without one hold zeros and must never be asked (they are not holders)."""
+        rows_by_seat = {}
+        for seat, client in self.clients.items():
+            blob = sealed.get(client)
+            if blob is None:
+                continue
+            data = self.secrets[seat].open(blob, STATE_LABEL + str(client).encode())
+            saved_step, own = decode_member_state(data)
+            if saved_step != step:
+                raise ValueError(
+                    f"member client {client}'s stored state is for step {saved_step}, the "
+                    f"server's checkpoint for step {step}"
+                )
+            rows_by_seat[seat] = own
+        rows = self.group.schedule.open_after(step - 1)
+        zeros = np.zeros(self.group.blocks, dtype=np.int64)
+        partials = {
+            r: np.stack([rows_by_seat.get(s, {}).get(r, zeros) for s in self.group.seats])
+            for r in rows
+        }
+        self.group.load(step, partials)
+
+
+class CommitteeActor:
+    """One host process: the :class:`HostedMembers` of every committee it serves, by key."""
+
+    def __init__(self) -> None:
+        self.hosted: dict[str, HostedMembers] = {}
+
+    def open(self, key, seats, clients, tokens, member_kwargs) -> None:
+        self.hosted[key] = HostedMembers(seats, clients, tokens, member_kwargs)
+
+    def call(self, key: str, method: str, args: tuple) -> Any:
+        return self.hosted[key].call(method, args)
+
+    def seal_states(self, key: str) -> dict[int, bytes]:
+        return self.hosted[key].seal_states()
+
+    def load_states(self, key: str, sealed: Mapping[int, bytes], step: int) -> None:
+        self.hosted[key].load_states(sealed, step)
+
+    def close(self, key: str) -> None:
+        self.hosted.pop(key, None)
+
+
+class HostedPool:
+    """One committee (``members``: client ids in seat order) on the host's actors or in
+    process: the pool interface of :class:`protocols.dmm_server.DMMServer`."""
+
+    def __init__(self, host: CommitteeHost, key: str, members, groups, handles) -> None:
+        self.host, self.key = host, key
+        self.members = [int(m) for m in members]
+        self.groups = [list(g) for g in groups]
+        self.handles = list(handles)
+        self.dead: set[int] = set()
+        self.refusals: list[tuple[int, str, str]] = []
+        self.closed = False
+
+    def _answer(self, g: int, method: str, run) -> Any:
+        try:
+            return run()
+        except REFUSALS as error:
+            self.refusals.append((g, method, str(error)))
+        except Exception as error:  # a remote refusal arrives wrapped by Ray
+            cause = getattr(error, "cause", None)
+            if isinstance(cause, REFUSALS):
+                self.refusals.append((g, method, str(cause)))
+            elif self.host.is_actor_death(error):
+                self.dead.add(g)
+                self.host.note_dead(self.handles[g])
+            else:
+                raise
+        return MemberGroup.SILENT.get(method)
+
+    def call(self, method: str, args_per_group) -> list:
+        """Run ``method`` on every group at once; a dead or refusing group answers
+        :data:`protocols.dmm_member.MemberGroup.SILENT`."""
+        if self.closed:
+            raise RuntimeError(f"{method}: committee {self.key} was closed")
+        args_per_group = list(args_per_group)
+        if not self.host.actors:
+            return [
+                self._answer(g, method, lambda h=h, a=a: h.call(method, tuple(a)))
+                if g not in self.dead
+                else MemberGroup.SILENT.get(method)
+                for g, (h, a) in enumerate(zip(self.handles, args_per_group))
+            ]
+        futures = [
+            None if g in self.dead else h.call.remote(self.key, method, tuple(a))
+            for g, (h, a) in enumerate(zip(self.handles, args_per_group))
+        ]
+        ray = self.host.ray
+        return [
+            MemberGroup.SILENT.get(method)
+            if f is None
+            else self._answer(g, method, lambda f=f: ray.get(f))
+            for g, f in enumerate(futures)
+        ]
+
+    def broadcast(self, method: str, *args) -> list:
+        return self.call(method, [args] * len(self.groups))
+
+    def close(self) -> None:
+        """The members forget this committee (its shares go with them)."""
+        if self.closed:
+            return
+        self.closed = True
+        for g, handle in enumerate(self.handles):
+            if g in self.dead:
+                continue
+            if self.host.actors:
+                handle.close.remote(self.key)
+
+    def seal_states(self, seats) -> dict[int, bytes]:
+        """client -> sealed state of the live groups' ``seats``."""
+        out: dict[int, bytes] = {}
+        wanted = {self.members[s] for s in seats}
+        for g, handle in enumerate(self.handles):
+            if g in self.dead:
+                continue
+            sealed = self._answer(g, "seal_states", self._sealer(handle)) or {}
+            out.update({c: b for c, b in sealed.items() if c in wanted})
+        return out
+
+    def _sealer(self, handle):
+        """A call that returns ``handle``'s members' sealed states."""
+        if not self.host.actors:
+            return handle.seal_states
+        return lambda: self.host.ray.get(handle.seal_states.remote(self.key))
+
+    def __getstate__(self):
+        raise TypeError("a hosted committee is never pickled: its members' shares are theirs")
+
+
+class CommitteeHost:
+    """Hosts DMM committee members for one run (the engine side of ``bind_committee_host``).
+
+    ``secrets``: the run's :class:`fedsim.randomness.RunSecret` (None: every member gets a fresh
+    OS secret and states cannot be restored); ``faults``: the run's fault model for the members;
+    ``actors``: host on Ray actors (Ray must be running) or in process; ``shards``: actors;
+    ``store``: the store of the members' sealed states (a run's
+    :meth:`fedsim.rundir.RunDirectory.party_store`, which checkpoints and cross-checks it with
+    the run), or ``state_path``: a file for one (None for both: in memory). States are keyed by
+    the member's node id, so the store seals each under that client's own secret as well.
     """
 
     def __init__(
         self,
-        groups: Sequence[Sequence[int]],
-        member_kwargs: Mapping[str, int],
+        secrets: RunSecret | None,
+        faults: FaultConfig | None = None,
+        *,
+        actors: bool = False,
+        shards: int = 4,
+        state_path: str | Path | None = None,
+        store: ClientStateStore | None = None,
         ray_module: Any = None,
     ) -> None:
-        self.groups = [[int(m) for m in g] for g in groups]
-        self.member_kwargs = dict(member_kwargs)
-        self._ray = ray_module
-        self._saved: list[dict] | None = None
-        self.objects: list[Any] = []
-        self.dead: set[int] = set()
-        self._closed = False
-        self._spawn()
+        if secrets is not None and not isinstance(secrets, RunSecret):
+            raise ValueError(f"secrets is a {type(secrets).__name__}; allowed: RunSecret or None")
+        if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+            raise ValueError(f"shards={shards!r}; allowed: an integer >= 1")
+        self._secrets = secrets
+        self.faults = faults if faults is not None and faults.active else None
+        self.actors, self.shards = bool(actors), int(shards)
+        self.ray = ray_module
+        if store is not None and state_path is not None:
+            raise ValueError("give the member-state store or its state_path, not both")
+        self.store = store or ClientStateStore(
+            None if state_path is None else Path(state_path), secrets=secrets
+        )
+        self._handles: list[Any] = []
+        self._dead_handles: set[int] = set()
+        self._count = 0
+        if self.actors:
+            if self.ray is None:
+                import ray  # noqa: PLC0415
 
-    def _spawn(self) -> None:
-        if self._ray is None:
-            import ray  # noqa: PLC0415
+                self.ray = ray
+            if not self.ray.is_initialized():
+                raise RuntimeError(
+                    "committee actors need a running Ray: run with the Ray engine backend, or "
+                    "call fedsim.engine.cluster.ensure_ray() first"
+                )
 
-            self._ray = ray
-        if not self._ray.is_initialized():
-            raise RuntimeError(
-                "committee actors need a running Ray: run with the Ray engine backend, or call "
-                "fedsim.engine.cluster.ensure_ray() before the first round"
-            )
-        actor = shard_actor(self._ray, DMMMembers)
-        self.objects = [
-            None if g in self.dead else actor.remote(group, **self.member_kwargs)
-            for g, group in enumerate(self.groups)
+    def __reduce__(self):
+        raise TypeError("a CommitteeHost is never pickled: it holds the run's secret root")
+
+    def is_actor_death(self, error: Exception) -> bool:
+        return self.ray is not None and isinstance(error, self.ray.exceptions.RayActorError)
+
+    def _token(self, client: int) -> str:
+        if self._secrets is None:
+            return PartySecret.fresh("client").token()
+        return self._secrets.client(int(client)).token()
+
+    def _actor(self, g: int) -> Any:
+        """Actor g, replaced by a fresh one if it died."""
+        while len(self._handles) <= g:
+            self._handles.append(shard_actor(self.ray, CommitteeActor).remote())
+        if g in self._dead_handles:
+            self._handles[g] = shard_actor(self.ray, CommitteeActor).remote()
+            self._dead_handles.discard(g)
+        return self._handles[g]
+
+    def pool(self, members: Sequence[int], member_kwargs: Mapping[str, Any]) -> HostedPool:
+        """Host a committee of ``members`` (client ids, seat order)."""
+        members = [int(m) for m in members]
+        if len(set(members)) != len(members):
+            raise ValueError(f"members={members}; allowed: distinct client ids")
+        self._count += 1
+        key = f"committee-{self._count}"
+        groups = [
+            [s for s in range(len(members)) if s % self.shards == g]
+            for g in range(min(self.shards, len(members)))
         ]
-        if self._saved is not None:
-            self._ray.get(
-                [o.load.remote(s) for o, s in zip(self.objects, self._saved) if o is not None]
+        handles = []
+        for g, seats in enumerate(groups):
+            args = (
+                key,
+                seats,
+                [members[s] for s in seats],
+                [self._token(members[s]) for s in seats],
+                dict(member_kwargs),
             )
-            self._saved = None
+            if self.actors:
+                handle = self._actor(g)
+                self.ray.get(handle.open.remote(*args))
+            else:
+                handle = CommitteeActor()
+                handle.open(*args)
+                handle = _LocalHandle(handle, key)
+            handles.append(handle)
+        return HostedPool(self, key, members, groups, handles)
 
-    def call(self, method: str, args_per_group) -> list:
-        """Run ``method`` on every group's actor at once; a group whose actor has died (or died
-        earlier) answers :data:`protocols.dmm.DMMMembers.SILENT`: its members are dropped."""
-        if self._closed:
-            raise RuntimeError(f"{method}: this committee's actors were closed")
-        if not self.objects:
-            self._spawn()
-        futures = [
-            None if g in self.dead else getattr(o, method).remote(*a)
-            for g, (o, a) in enumerate(zip(self.objects, args_per_group))
-        ]
-        answers = []
-        for g, future in enumerate(futures):
-            if future is not None:
-                try:
-                    answers.append(self._ray.get(future))
-                    continue
-                except self._ray.exceptions.RayActorError:
-                    self.dead.add(g)
-            answers.append(DMMMembers.SILENT.get(method))
-        return answers
+    def note_dead(self, handle: Any) -> None:
+        """An actor found dead is replaced for later committees."""
+        for g, current in enumerate(self._handles):
+            if current is handle:
+                self._dead_handles.add(g)
+
+    def member_faults(self, server_round: int, committee, next_committee=()) -> DMMFaults:
+        return member_faults(self.faults, server_round, committee, next_committee)
+
+    # ------------------------------------------------------------------ custody
+    def persist(self, pool: HostedPool, holders, version: int, forget=()) -> None:
+        """Store every holder's state, sealed under its own secret, at ``version``; clients in
+        ``forget`` (a retired committee) hold nothing any more."""
+        sealed = pool.seal_states(holders)
+        gone = {int(c): None for c in forget if int(c) not in sealed}
+        states = {NODE_ID_OFFSET + int(c): blob for c, blob in {**gone, **sealed}.items()}
+        self.store.put_many(states, version=int(version))
+
+    def restore(self, members, holders, member_kwargs, step: int) -> HostedPool:
+        """Re-host a committee whose ``holders`` seats stored their states for ``step``."""
+        if self._secrets is None:
+            raise ValueError(
+                "restoring DMM members needs the run's secrets (the RunSecret the run used): "
+                "their states are sealed under their own keys"
+            )
+        pool = self.pool(members, member_kwargs)
+        clients = {pool.members[s]: s for s in holders}
+        stored = {
+            node - NODE_ID_OFFSET: blob
+            for node, blob in self.store.get_many([NODE_ID_OFFSET + c for c in clients]).items()
+        }
+        missing = sorted(set(clients) - set(stored))
+        if missing:
+            raise ValueError(
+                f"{STATE_FILE}: no stored state for DMM member clients {missing} of step {step}"
+            )
+        for seats, handle in zip(pool.groups, pool.handles):
+            mine = {pool.members[s]: stored[pool.members[s]] for s in seats if s in holders}
+            if self.actors:
+                self.ray.get(handle.load_states.remote(pool.key, mine, int(step)))
+            else:
+                handle.load_states(mine, int(step))
+        return pool
+
+    def checkpoint(self, version: int) -> None:
+        """Round ``version`` is the server's checkpoint: keep the states it needs."""
+        self.store.checkpoint(int(version))
+
+    def rollback(self, version: int) -> None:
+        """Return the member states to round ``version`` (a resumed run)."""
+        self.store.rollback(int(version))
 
     def close(self) -> None:
-        """End the actors (their shares go with them): each exits once its queued calls are
-        done, which is Ray's graceful termination."""
-        for g, actor in enumerate(self.objects):
-            if g not in self.dead:
-                actor.__ray_terminate__.remote()
-        self.objects, self._closed = [], True
-
-    def __getstate__(self) -> dict:
-        saved = self.call("snapshot", [() for _ in self.groups]) if self.objects else self._saved
-        return {
-            "groups": self.groups,
-            "member_kwargs": self.member_kwargs,
-            "saved": saved,
-            "dead": self.dead,
-        }
-
-    def __setstate__(self, state: dict) -> None:
-        self.groups, self.member_kwargs = state["groups"], state["member_kwargs"]
-        self._saved, self._ray, self.objects = state["saved"], None, []
-        self.dead, self._closed = set(state["dead"]), False
+        """End the actors (their shares go with them) and close the store."""
+        if self.actors and self.ray.is_initialized():  # after a Ray shutdown they are gone
+            for handle in self._handles:
+                handle.__ray_terminate__.remote()
+        self._handles = []
+        self.store.close()
 
 
-def actor_pool_factory(ray_module: Any = None):
-    """The ``pool_factory`` of :class:`protocols.dmm.DMMCommitteeProtocol` for actor pools."""
-    return functools.partial(ActorPool, ray_module=ray_module)
+class _LocalHandle:
+    """A :class:`CommitteeActor` in process with the pool's key bound."""
+
+    def __init__(self, actor: CommitteeActor, key: str) -> None:
+        self.actor, self.key = actor, key
+
+    def call(self, method: str, args: tuple) -> Any:
+        return self.actor.call(self.key, method, args)
+
+    def seal_states(self) -> dict[int, bytes]:
+        return self.actor.seal_states(self.key)
+
+    def load_states(self, sealed, step) -> None:
+        self.actor.load_states(self.key, sealed, step)
 
 
-def actor_committee(
-    scheme, noising, dim: int, *, shards: int | None = None, ray_module: Any = None, **kwargs
-) -> DMMCommitteeProtocol:
-    """A full-mode :class:`protocols.dmm.DMMCommitteeProtocol` whose members are Ray actors,
-    ``shards`` per committee (None: one per member); ``kwargs`` go to the protocol."""
-    if kwargs.get("mode", "full") != "full":
-        raise ValueError(
-            f"mode={kwargs['mode']!r} with committee actors; allowed: 'full' (ideal mode has "
-            "no shares for members to hold)"
-        )
-    return DMMCommitteeProtocol(
-        scheme,
-        noising,
-        dim,
-        shards=scheme.n if shards is None else shards,
-        pool_factory=actor_pool_factory(ray_module),
-        **kwargs,
+def committee_host_for(
+    strategy: Any,
+    secrets: RunSecret | None,
+    faults: FaultConfig | None,
+    store: Callable[[str], ClientStateStore] | None = None,
+) -> CommitteeHost | None:
+    """The :class:`CommitteeHost` that the first object of the wrapper chain (``.strategy``
+    links) defining ``bind_committee_host`` asks for (its ``committee_host_options()``), or None
+    when none does. ``store(STATE_FILE)`` gives the member-state store (a run's
+    :meth:`~fedsim.rundir.RunDirectory.party_store`; None: in memory). The caller binds it
+    (:func:`strategies.server_secret.bind_parties`)."""
+    target = strategy
+    while target is not None and not callable(getattr(type(target), "bind_committee_host", None)):
+        target = target.__dict__.get("strategy")
+    if target is None:
+        return None
+    options = dict(target.committee_host_options())
+    return CommitteeHost(
+        secrets, faults, store=None if store is None else store(STATE_FILE), **options
     )

@@ -1,0 +1,611 @@
+"""Member side of DMM: what the committee members of one round hold and do.
+
+reference/dmm.md "Our protocol, corrected", steps 4-7. A :class:`MemberGroup` hosts some seats
+of one committee (several seats may share an object or an actor; each seat's rows are its own
+shares). A committee holds, between rounds, packed Shamir shares of the partial sums
+P_j = sum_{s < t} M[j, s] X_s of the rows j of M still open (:meth:`protocols.dmm.Schedule.
+open_after`): data, never noise. Round t (its :attr:`step`), as the *current* committee:
+
+1. SHARE (:meth:`announce`, :meth:`connect`, :meth:`share`): publish fresh X25519 keys, open the
+   clients' sealed rows: per client (1 + R_t) segments -- shares of its rounded update and of
+   one fresh noise row for each row released at t.
+2. COMBINE (:meth:`combine`): sum the agreed clients' rows into shares of X_t and z_i, then,
+   with M's integer coefficients (read from the member's own copy of M, never from the server),
+   shares of y_i = P_i + M[i, t] X_t + z_i for the rows released at t and of the updated partial
+   sums of the rows still open. A member refuses to combine fewer than ``min_clients`` clients:
+   a release always carries their fresh noise.
+3. RELEASE (:meth:`release`): send its shares of the y_i, sealed to the server.
+4. RESHARE as the *old* committee (:meth:`announce_handoff`, :meth:`deal`, then :meth:`retire`,
+   or :meth:`keep` when the handoff fails): re-share each seat's partial-sum shares, scaled by
+   its Lagrange column, to the next committee (:class:`protocols.resharing.OldMember`).
+
+As the *next* committee a group only receives (:meth:`announce_handoff` with role 'new',
+:meth:`receive`, :meth:`accumulate`, :meth:`check_shares`, :meth:`commit`).
+
+Every handler checks the stage (:data:`protocols.dmm.TRANSITIONS`), the step, the seats and the
+shapes and field ranges of what it is given; a bad request raises :class:`protocols.dmm.
+MemberRefused` (or :class:`protocols.secagg.StageError`) and changes nothing. Randomness is
+passed in: ``private_keys`` (seat -> 32 bytes of the member's own secret) fix its channel keys,
+``rngs`` (seat -> the member's own Generator) its resharing randomness; None draws from the OS.
+:class:`MemberPool` keeps groups in process; :mod:`fedsim.engine.dmm_committee` hosts them on
+Ray actors, one member per client, with each client's own secret.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from enum import Enum
+
+import numpy as np
+
+from protocols.channels import SERVER_ID, ChannelError, Endpoint, Envelope
+from protocols.dmm import (
+    CLIENT_ID_LIMIT,
+    MEMBER_ID_BASE,
+    PROTOCOL,
+    DMMStage,
+    MemberRefused,
+    Schedule,
+    check_transition,
+)
+from protocols.field import MersenneField
+from protocols.resharing import NEW_ID_BASE, OLD_ID_BASE, NewMember, OldMember, ShareRandomness
+from protocols.secagg import StageError
+from protocols.shamir import PackedShamir
+
+REFUSALS = (MemberRefused, StageError)
+"""What a member raises for a request it will not serve."""
+
+
+def request(handler):
+    """A member request: anything malformed in its arguments is refused as
+    :class:`protocols.dmm.MemberRefused` (handlers check before they change anything)."""
+
+    @functools.wraps(handler)
+    def checked(self, *args, **kwargs):
+        try:
+            return handler(self, *args, **kwargs)
+        except REFUSALS:
+            raise
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError) as err:
+            raise MemberRefused(f"{handler.__name__}: malformed request ({err})") from None
+
+    return checked
+
+ROLE_BASES = {"current": MEMBER_ID_BASE, "old": OLD_ID_BASE, "new": NEW_ID_BASE}
+
+
+class MemberGroup:
+    """Seats ``seats`` of one committee (n, t, k over F_{2^e - 1}, D = ``dim``) for the public
+    integer matrix ``matrix``; ``step`` is the next round this committee runs."""
+
+    SILENT: dict[str, object] = {
+        "announce": {},
+        "announce_handoff": {},
+        "connect": [],
+        "share": {},
+        "combine": [],
+        "release": {"seats": [], "rows": [], "late": []},
+        "deal": {},
+        "receive": [],
+        "check_shares": {},
+        "snapshot": None,
+    }
+    """What each method answers for seats that are gone (a crashed or refusing member)."""
+
+    def __init__(
+        self,
+        seats: Sequence[int],
+        *,
+        n: int,
+        t: int,
+        k: int,
+        field_exponent: int,
+        dim: int,
+        matrix,
+        min_clients: int = 1,
+        step: int = 0,
+    ) -> None:
+        self.scheme = PackedShamir(int(n), int(t), int(k), MersenneField(int(field_exponent)))
+        self.seats = [int(s) for s in seats]
+        if not self.seats or len(set(self.seats)) != len(self.seats):
+            raise ValueError(f"seats={seats!r}; allowed: distinct seats in [0, n={n})")
+        if min(self.seats) < 0 or max(self.seats) >= self.scheme.n:
+            raise ValueError(f"seats={seats!r}; allowed: distinct seats in [0, n={n})")
+        if not isinstance(dim, int | np.integer) or dim < 1:
+            raise ValueError(f"dim={dim!r}; allowed: a positive integer")
+        if not isinstance(min_clients, int | np.integer) or min_clients < 1:
+            raise ValueError(f"min_clients={min_clients!r}; allowed: an integer >= 1")
+        self.schedule = Schedule(matrix)
+        self.dim = int(dim)
+        self.blocks = self.scheme.blocks_for(self.dim)
+        self.min_clients = int(min_clients)
+        self.step = int(step)
+        self.partials: dict[int, np.ndarray] = {}
+        self.retired = False
+        self._index = {s: a for a, s in enumerate(self.seats)}
+        self._clear_round()
+
+    # ------------------------------------------------------------------ state
+    def _clear_round(self) -> None:
+        self.stage = DMMStage.SETUP
+        self.role: str | None = None
+        self._round = -1
+        self._endpoints: dict[int, Endpoint] = {}
+        self._online: set[int] = set()
+        self._received: dict[int, np.ndarray] = {}
+        self._tentative: dict[int, np.ndarray] | None = None
+        self._release: np.ndarray | None = None
+        self._incoming: dict[int, NewMember] = {}
+        self._handed: np.ndarray | None = None
+
+    def __getstate__(self) -> dict:
+        """Pickles keep the committed state only, never a round's channel keys."""
+        return {
+            "seats": self.seats,
+            "scheme": self.scheme,
+            "dim": self.dim,
+            "matrix": self.schedule.matrix,
+            "min_clients": self.min_clients,
+            "step": self.step,
+            "partials": self.partials,
+        }
+
+    def __setstate__(self, saved: dict) -> None:
+        scheme = saved["scheme"]
+        self.__init__(
+            saved["seats"],
+            n=scheme.n,
+            t=scheme.t,
+            k=scheme.k,
+            field_exponent=scheme.field.exponent,
+            dim=saved["dim"],
+            matrix=saved["matrix"],
+            min_clients=saved["min_clients"],
+            step=saved["step"],
+        )
+        self.partials = saved["partials"]
+
+    def snapshot(self) -> tuple[int, dict[int, np.ndarray]]:
+        """(step, row -> (len(seats), blocks) shares): the committed state."""
+        return self.step, {r: v.copy() for r, v in self.partials.items()}
+
+    @request
+    def load(self, step: int, partials: Mapping[int, np.ndarray]) -> None:
+        """Hold ``partials`` (a saved :meth:`snapshot`) as the committed state of ``step``."""
+        expected = self.schedule.open_after(int(step) - 1)
+        if sorted(int(r) for r in partials) != sorted(expected):
+            raise MemberRefused(
+                f"a state for step {step} holds rows {sorted(partials)}; M's open rows are "
+                f"{list(expected)}"
+            )
+        loaded = {}
+        for r, rows in partials.items():
+            rows = self.scheme.field.asarray(rows, f"partials[{r}]")
+            if rows.shape != (len(self.seats), self.blocks):
+                raise MemberRefused(
+                    f"partials[{r}] has shape {rows.shape}; allowed ({len(self.seats)}, "
+                    f"{self.blocks})"
+                )
+            loaded[int(r)] = rows
+        self._clear_round()
+        self.step, self.partials = int(step), loaded
+
+    # ------------------------------------------------------------------ checks
+    def _move(self, target: DMMStage, role: str | None = None) -> None:
+        if self.retired:
+            raise MemberRefused(f"members {self.seats} retired: they hold nothing any more")
+        if role is not None and self.role is not None and self.role != role:
+            raise MemberRefused(f"members {self.seats} act as {self.role!r}, not {role!r}")
+        check_transition(self.stage, target, f"DMM members {self.seats}")
+        self.stage = target
+        if role is not None:
+            self.role = role
+
+    def _expect(self, stage: DMMStage, role: str) -> None:
+        if self.retired or self.stage is not stage or self.role != role:
+            raise StageError(
+                f"DMM members {self.seats} are in stage {self.stage.name} as {self.role!r}; "
+                f"this request needs stage {stage.name} as {role!r}"
+            )
+
+    def _seat_list(self, seats, name: str) -> list[int]:
+        try:
+            out = sorted({int(s) for s in seats})
+        except (TypeError, ValueError):
+            raise MemberRefused(f"{name}={seats!r}; allowed: seat numbers") from None
+        return [s for s in out if s in self._index]
+
+    def _offset(self, rows: np.ndarray, who, seed: int, salt: int) -> np.ndarray:
+        """``rows`` with a non-zero public offset added to the rows of the seats ``who``
+        (simulated tampering)."""
+        rows = rows.copy()
+        for s in sorted(set(who) & set(self.seats)):
+            rows[self._index[s]] = self._offset_row(rows[self._index[s]], s, seed, salt)
+        return rows
+
+    def _offset_row(self, row: np.ndarray, seat: int, seed: int, salt: int) -> np.ndarray:
+        f = self.scheme.field
+        offsets = np.random.default_rng([int(seed), salt, self.step, seat])
+        return f.add(row, offsets.integers(1, f.modulus, size=row.shape[-1]))
+
+    def _open(self, seat: int, item, stage: Enum, sender: int, width: int) -> np.ndarray:
+        if isinstance(item, Envelope):
+            endpoint = self._endpoints.get(seat)
+            if endpoint is None:
+                raise ChannelError(f"seat {seat} has no channel this round")
+            opened = endpoint.open_array(item, round_=self._round, stage=stage, sender=sender)
+        elif not self._endpoints and isinstance(item, np.ndarray):
+            opened = item
+        else:
+            raise ChannelError(f"seat {seat} received a {type(item).__name__}, not an Envelope")
+        if opened.ndim != 1 or opened.shape[0] != width:
+            raise ChannelError(f"a row of {opened.shape} field elements; expected ({width},)")
+        return self.scheme.field.asarray(opened, "share")
+
+    # ------------------------------------------------------------------ channels
+    @request
+    def announce(self, round_: int, session_id, asked, drop, private_keys=None) -> dict:
+        """Start round ``round_`` as the current committee: the asked seats not in ``drop``
+        answer with a fresh channel key (b'' when ``session_id`` is None)."""
+        if self.stage is not DMMStage.SETUP or self.role is not None:
+            raise StageError(f"DMM members {self.seats} are mid-round ({self.stage.name})")
+        expected = self.schedule.open_after(self.step - 1)
+        if sorted(self.partials) != sorted(expected):
+            raise MemberRefused(f"members {self.seats} hold rows {sorted(self.partials)}")
+        if self.step >= self.schedule.rounds:
+            raise MemberRefused(f"step {self.step} is past M's {self.schedule.rounds} rounds")
+        return self._announce(round_, session_id, asked, drop, private_keys, "current")
+
+    @request
+    def announce_handoff(
+        self, round_, session_id, role, step, asked, drop, private_keys=None
+    ) -> dict:
+        """Enter RESHARE of round ``round_`` (mechanism step ``step``) as the ``role`` ('old':
+        the releasing committee, only seats still online; 'new': the next committee, which
+        must hold nothing yet and will hold the state of step + 1)."""
+        if role == "old":
+            self._expect(DMMStage.RELEASE, "current")
+            if int(round_) != self._round or step != self.step:
+                raise MemberRefused(
+                    f"handoff of round {round_}, step {step}; these members run round "
+                    f"{self._round}, step {self.step}"
+                )
+            self.role = None
+        elif role == "new":
+            if self.partials or self.stage is not DMMStage.SETUP or self.role is not None:
+                raise MemberRefused(f"members {self.seats} are not an empty next committee")
+            if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
+                raise MemberRefused(f"step={step!r}; allowed: an integer >= 0")
+            self.step = int(step) + 1
+        else:
+            raise MemberRefused(f"role={role!r}; allowed: 'old', 'new'")
+        return self._announce(round_, session_id, asked, drop, private_keys, role)
+
+    def _announce(self, round_, session_id, asked, drop, private_keys, role) -> dict:
+        if isinstance(round_, bool) or not isinstance(round_, int | np.integer) or round_ < 0:
+            raise MemberRefused(f"round_={round_!r}; allowed: an integer >= 0")
+        if session_id is not None and (not isinstance(session_id, bytes) or len(session_id) < 16):
+            raise MemberRefused("session_id must be None or at least 16 bytes")
+        asked = self._seat_list(asked, "asked")
+        gone = set(self._seat_list(drop, "drop"))
+        if role == "old":
+            asked = [s for s in asked if s in self._online]
+        keys = dict(private_keys or {})
+        if any(k is not None and (not isinstance(k, bytes) or len(k) != 32) for k in keys.values()):
+            raise MemberRefused("private keys must be 32 bytes of the member's own secret")
+        self._move(DMMStage.RESHARE if role != "current" else DMMStage.SHARE, role)
+        self._round = int(round_)
+        self._online = {s for s in asked if s not in gone}
+        if session_id is None:
+            self._endpoints = {}
+            return {s: b"" for s in sorted(self._online)}
+        base = ROLE_BASES[role]
+        self._endpoints = {
+            s: Endpoint(base + s, session_id, protocol=PROTOCOL, private_key=keys.get(s))
+            for s in sorted(self._online)
+        }
+        return {s: self._endpoints[s].public_key for s in sorted(self._online)}
+
+    @request
+    def connect(self, peers: Mapping[int, bytes]) -> list[int]:
+        """Every online seat opens a channel with each ``party -> public key``; returns the
+        parties whose key is unusable (they are refused, nobody else is affected)."""
+        if self.stage not in (DMMStage.SHARE, DMMStage.RESHARE) or self.retired:
+            raise StageError(f"DMM members {self.seats} cannot connect in {self.stage.name}")
+        if not isinstance(peers, Mapping):
+            raise MemberRefused(f"peers is a {type(peers).__name__}; allowed: party -> key")
+        refused = set()
+        for party, key in peers.items():
+            for endpoint in self._endpoints.values():
+                try:
+                    endpoint.connect(int(party), key)
+                except (ChannelError, ValueError, TypeError):
+                    refused.add(party)
+        return sorted(int(p) for p in refused if isinstance(p, int | np.integer))
+
+    # ------------------------------------------------------------------ one round
+    @property
+    def width(self) -> int:
+        """Field elements per client per seat this step: (1 + rows released) * blocks."""
+        return (1 + len(self.schedule.released_at(self.step))) * self.blocks
+
+    @request
+    def share(self, deliveries: Mapping[int, Mapping[int, object]]) -> dict[int, list[int]]:
+        """SHARE: ``deliveries[party][seat]`` is a client's sealed row for an online seat.
+        Returns party -> the seats that lack it or refuse it (unauthentic, misaddressed,
+        replayed, wrong length, out of the field)."""
+        self._expect(DMMStage.SHARE, "current")
+        if not isinstance(deliveries, Mapping):
+            raise MemberRefused(f"deliveries is a {type(deliveries).__name__}; allowed: a dict")
+        refused: dict[int, list[int]] = {}
+        for party, rows_in in deliveries.items():
+            if isinstance(party, bool) or not isinstance(party, int | np.integer):
+                continue
+            party = int(party)
+            if not 0 <= party < CLIENT_ID_LIMIT or party in self._received:
+                refused[party] = sorted(self._online)  # replayed or not a client id
+                continue
+            if not isinstance(rows_in, Mapping):
+                rows_in = {}
+            rows = np.zeros((len(self.seats), self.width), dtype=np.int64)
+            for s in sorted(self._online):
+                try:
+                    item = rows_in.get(s)
+                    if item is None:
+                        raise ChannelError(f"seat {s} received nothing from client {party}")
+                    rows[self._index[s]] = self._open(
+                        s, item, DMMStage.SHARE, party, self.width
+                    )
+                except (ChannelError, ValueError):
+                    refused.setdefault(party, []).append(s)
+            self._received[party] = rows
+        return refused
+
+    @request
+    def combine(self, step: int, clients, drop, tamper, seed: int) -> list[int]:
+        """COMBINE of ``step`` over the agreed ``clients`` (channel party ids). Returns the
+        seats still online."""
+        self._expect(DMMStage.SHARE, "current")
+        if step != self.step:
+            raise MemberRefused(f"combine for step {step}; these members run step {self.step}")
+        chosen = sorted({int(c) for c in clients})
+        if len(chosen) < self.min_clients:
+            raise MemberRefused(
+                f"{len(chosen)} clients agreed, min_clients = {self.min_clients}: a release "
+                "must carry their fresh noise"
+            )
+        missing = [c for c in chosen if c not in self._received]
+        if missing:
+            raise MemberRefused(f"clients {missing} never shared with members {self.seats}")
+        gone, seed = set(self._seat_list(drop, "drop")), int(seed)
+        tamper = self._seat_list(tamper, "tamper")
+        self._move(DMMStage.COMBINE)
+        f = self.scheme.field
+        self._online -= gone
+        total = f.sum(np.stack([self._received[c] for c in chosen]), axis=0)
+        self._received = {}
+        total = self._offset(total, set(tamper) & self._online, seed, 1)
+        released = self.schedule.released_at(self.step)
+        segments = total.reshape(len(self.seats), 1 + len(released), self.blocks)
+        X = segments[:, 0]
+
+        def plus(row: int) -> np.ndarray:
+            held = self.partials.get(row, np.zeros_like(X))
+            coefficient = f.encode_signed(np.array([self.schedule.coefficient(row, self.step)]))
+            return f.add(held, f.mul(X, coefficient))
+
+        parts = [f.add(plus(i), segments[:, 1 + a]) for a, i in enumerate(released)]
+        self._release = np.hstack(parts)
+        self._tentative = {j: plus(j) for j in self.schedule.open_after(self.step)}
+        return sorted(self._online)
+
+    @request
+    def release(self, round_: int, drop, late, tamper, seed: int) -> dict:
+        """RELEASE: each online seat sends its shares of the released rows (sealed to the
+        server); ``late`` lists those whose answer misses the deadline."""
+        self._expect(DMMStage.COMBINE, "current")
+        if round_ != self._round:
+            raise MemberRefused(f"release for round {round_} in round {self._round}")
+        gone, late = set(self._seat_list(drop, "drop")), set(self._seat_list(late, "late"))
+        tamper, seed = self._seat_list(tamper, "tamper"), int(seed)
+        self._move(DMMStage.RELEASE)
+        self._online -= gone
+        rows = self._offset(self._release, set(tamper) & self._online, seed, 2)
+        seats = sorted(self._online)
+        sent = [rows[self._index[s]] for s in seats]
+        if self._endpoints:
+            sent = [
+                self._endpoints[s].seal_array(SERVER_ID, self._round, DMMStage.RELEASE, row)
+                for s, row in zip(seats, sent)
+            ]
+        return {"seats": seats, "rows": sent, "late": sorted(late & self._online)}
+
+    # ------------------------------------------------------------------ handoff, old side
+    @request
+    def deal(self, columns, mix, receivers, tamper, seed: int, rngs=None) -> dict:
+        """DEAL: each online seat in ``columns`` re-shares its partial-sum shares of the rows
+        still open, scaled by its Lagrange column (None: check block only), for the next
+        committee's seats ``receivers``; returns seat -> one sealed row per receiver."""
+        self._expect(DMMStage.RESHARE, "old")
+        f = self.scheme.field
+        mix = f.asarray(mix, "mix")
+        keep = self.schedule.open_after(self.step)
+        if mix.shape != (len(keep) * self.blocks,):
+            raise MemberRefused(f"mix has shape {mix.shape}; allowed ({len(keep) * self.blocks},)")
+        receivers = [int(j) for j in receivers]
+        if len(set(receivers)) != len(receivers) or not all(
+            0 <= j < self.scheme.n for j in receivers
+        ):
+            raise MemberRefused(f"receivers={receivers}; allowed: distinct seats < n")
+        columns, tamper, seed = dict(columns), set(self._seat_list(tamper, "tamper")), int(seed)
+        out = {}
+        for s, column in columns.items():
+            if s not in self._online:
+                continue
+            if column is not None:
+                column = f.asarray(column, "column")
+                if column.shape != (self.scheme.k,):
+                    raise MemberRefused(f"column has shape {column.shape}; allowed (k,)")
+            flat = np.concatenate([self._tentative[r][self._index[s]] for r in keep])
+            if s in tamper:
+                flat = self._offset_row(flat, s, seed, 3)
+            rng = (rngs or {}).get(s)
+            randomness = ShareRandomness(rng, rng is None)
+            rows = OldMember(s, flat).deal(self.scheme, self.scheme, column, mix, randomness)
+            endpoint = self._endpoints.get(s)
+            out[s] = [
+                endpoint.seal_array(NEW_ID_BASE + j, self._round, DMMStage.RESHARE, rows[j])
+                if endpoint is not None
+                else rows[j]
+                for j in receivers
+            ]
+        return out
+
+    @request
+    def retire(self) -> None:
+        """The handoff succeeded: forget everything (state included)."""
+        self._expect(DMMStage.RESHARE, "old")
+        self._move(DMMStage.DONE)
+        self.partials, self.retired = {}, True
+        self._clear_round()
+        self.stage = DMMStage.DONE
+
+    @request
+    def keep(self) -> None:
+        """The release stands but the handoff failed: the combined partial sums become this
+        committee's state for the next step."""
+        if self._tentative is None or self.role not in ("current", "old") or self.stage not in (
+            DMMStage.RELEASE,
+            DMMStage.RESHARE,
+        ):
+            raise StageError(f"DMM members {self.seats}: nothing released to keep")
+        tentative, step = self._tentative, self.step + 1
+        self._clear_round()
+        self.partials, self.step = tentative, step
+
+    @request
+    def discard(self) -> None:
+        """Abort the round: drop what it brought; the committed state is kept."""
+        if self.retired:
+            raise MemberRefused(f"members {self.seats} retired")
+        if self.role == "new":
+            self.partials = {}
+        self._clear_round()
+
+    # ------------------------------------------------------------------ handoff, new side
+    @request
+    def receive(self, deliveries: Mapping[int, Mapping[int, object]]) -> list[int]:
+        """``deliveries[seat][dealer]`` is a deal for an online seat; returns the dealers whose
+        deal some seat here could not authenticate or read."""
+        self._expect(DMMStage.RESHARE, "new")
+        if not isinstance(deliveries, Mapping):
+            raise MemberRefused(f"deliveries is a {type(deliveries).__name__}; allowed: a dict")
+        refused: set[int] = set()
+        self._incoming = {s: NewMember(s) for s in sorted(self._online)}
+        for s, deals in deliveries.items():
+            if s not in self._incoming or not isinstance(deals, Mapping):
+                continue
+            for dealer, item in deals.items():
+                try:
+                    dealer = int(dealer)
+                    opened = self._open_deal(s, item, dealer)
+                    self._incoming[s].received[dealer] = opened
+                except (ChannelError, ValueError, TypeError):
+                    if isinstance(dealer, int):
+                        refused.add(dealer)
+        return sorted(refused)
+
+    def _open_deal(self, seat: int, item, dealer: int) -> np.ndarray:
+        keep = self.schedule.open_after(self.step - 1)
+        full = len(keep) * self.blocks + 1
+        if isinstance(item, Envelope):
+            opened = self._endpoints[seat].open_array(
+                item, round_=self._round, stage=DMMStage.RESHARE, sender=OLD_ID_BASE + dealer
+            )
+        elif not self._endpoints and isinstance(item, np.ndarray):
+            opened = item
+        else:
+            raise ChannelError(f"seat {seat} received a {type(item).__name__} from {dealer}")
+        if opened.ndim != 1 or opened.shape[0] not in (1, full):
+            raise ChannelError(f"a deal of shape {opened.shape}; expected (1,) or ({full},)")
+        return self.scheme.field.asarray(opened, "deal")
+
+    @request
+    def accumulate(self, chosen) -> None:
+        """Each online seat sums the deals of the dealers ``chosen``."""
+        self._expect(DMMStage.RESHARE, "new")
+        chosen = [int(i) for i in chosen]
+        keep = self.schedule.open_after(self.step - 1)
+        full = len(keep) * self.blocks + 1
+        for s, member in self._incoming.items():
+            if any(member.received.get(i, np.zeros(0)).shape != (full,) for i in chosen):
+                raise MemberRefused(f"seat {s} lacks a full deal from some of {chosen}")
+        f = self.scheme.field
+        self._handed = np.zeros((len(self.seats), len(keep) * self.blocks), dtype=np.int64)
+        for s, member in self._incoming.items():
+            self._handed[self._index[s]] = member.accumulate(f, chosen)
+
+    @request
+    def check_shares(self, checks, candidates) -> dict[int, np.ndarray]:
+        """VERIFY: each online seat's shares of the parity-check syndromes."""
+        self._expect(DMMStage.RESHARE, "new")
+        f = self.scheme.field
+        checks = f.asarray(checks, "checks")
+        candidates = [int(i) for i in candidates]
+        if checks.ndim != 2 or checks.shape[1] != len(candidates):
+            raise MemberRefused(f"checks has shape {checks.shape} for {len(candidates)} dealers")
+        out = {}
+        for s, member in self._incoming.items():
+            if any(i not in member.received for i in candidates):
+                raise MemberRefused(f"seat {s} has no check block from some of {candidates}")
+            out[s] = member.check_shares(f, checks, candidates)
+        return out
+
+    @request
+    def commit(self) -> list[int]:
+        """The handoff succeeded: the accumulated rows become this committee's state for its
+        step; returns the seats that hold it."""
+        self._expect(DMMStage.RESHARE, "new")
+        keep = self.schedule.open_after(self.step - 1)
+        if self._handed is None:
+            if keep:
+                raise MemberRefused(f"nothing accumulated for rows {list(keep)}")
+            self._handed = np.zeros((len(self.seats), 0), dtype=np.int64)
+        split = self._handed.reshape(len(self.seats), len(keep), self.blocks)
+        holders = sorted(self._online)
+        self._move(DMMStage.DONE)
+        self._clear_round()
+        self.partials = {int(r): split[:, a].copy() for a, r in enumerate(keep)}
+        return holders
+
+
+class MemberPool:
+    """One committee: ``members`` (client ids, seat order) whose seats are split in ``groups``,
+    each a :class:`MemberGroup` in this process; :meth:`call` runs a method on every group.
+    A group that refuses (:data:`REFUSALS`) answers :data:`MemberGroup.SILENT` and the reason
+    is kept in :attr:`refusals`. :mod:`fedsim.engine.dmm_committee` hosts groups on actors."""
+
+    def __init__(self, members, groups, member_kwargs: Mapping[str, object]) -> None:
+        self.members = [int(m) for m in members]
+        self.groups = [[int(s) for s in g] for g in groups]
+        self.member_kwargs = dict(member_kwargs)
+        self.objects = [MemberGroup(g, **self.member_kwargs) for g in self.groups]
+        self.refusals: list[tuple[int, str, str]] = []
+
+    def call(self, method: str, args_per_group) -> list:
+        answers = []
+        for g, (obj, args) in enumerate(zip(self.objects, args_per_group)):
+            try:
+                answers.append(getattr(obj, method)(*args))
+            except REFUSALS as error:
+                self.refusals.append((g, method, str(error)))
+                answers.append(MemberGroup.SILENT.get(method))
+        return answers
+
+    def broadcast(self, method: str, *args) -> list:
+        return self.call(method, [args] * len(self.groups))
+
+    def close(self) -> None:
+        """Nothing to release in process."""

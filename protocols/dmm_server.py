@@ -1,0 +1,864 @@
+"""Server side of DMM: orchestrate a round, relay ciphertexts, decode the release.
+
+reference/dmm.md "Our protocol, corrected", steps 3-9. The server of round t (:class:`DMMServer`)
+
+1. SHARE: asks the committee holding the state (a :class:`protocols.dmm_member.MemberPool`, or
+   the engine's actor-hosted pool) for fresh channel keys and hands the clients the public
+   :class:`protocols.dmm.RoundKeys` (:meth:`DMMServer.open_round`); it then validates every
+   client's :class:`protocols.dmm.SealedShares` (type, party, public key usable, exactly the
+   announced seats, envelope headers, nonce and ciphertext lengths) -- a bad one is *rejected*
+   with its reason and the round goes on -- and relays the envelopes, which it cannot open;
+2. agrees with the members on the clients whose shares every live member opened;
+3. COMBINE / RELEASE: collects the sealed release shares of the rows of M released at t,
+   validates them, and decodes with :meth:`protocols.shamir.PackedShamir.decode` (corrects at
+   most floor((m - t - k) / 2) wrong shares among m, names members only when the decoding is
+   unique, reports ``verified = False`` when m = t + k; beyond the radius nothing is released
+   and nobody is named: :class:`protocols.dmm.ReleaseTampering`);
+4. RESHARE: runs the linear packed resharing of the open rows' partial sums from the old to the
+   next committee (announce / deal / accumulate / verify of :mod:`protocols.resharing`); if it
+   fails the release stands and the old committee keeps the state;
+5. decodes x_hat_t = (D y)_t with D M = I (:class:`ReleaseDecoder`): post-processing.
+
+``mode="ideal"`` (:meth:`DMMServer.run_plain_round`) is the no-cryptography reference: the
+clients' plaintext integers, the same agreement, dropout and abort rules, and bit-identical
+releases. Nothing here draws randomness except the public resharing check vector and session
+ids (OS CSPRNG).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from protocols.channels import (
+    NONCE_BYTES,
+    PUBLIC_KEY_BYTES,
+    SERVER_ID,
+    TAG_BYTES,
+    ChannelError,
+    Endpoint,
+    Envelope,
+    Relay,
+    Transcript,
+    encode_array,
+    new_session_id,
+    stage_label,
+)
+from protocols.dmm import (
+    CLIENT_ID_LIMIT,
+    MEMBER_ID_BASE,
+    PROTOCOL,
+    DMMFaults,
+    DMMStage,
+    ReleaseTampering,
+    RoundAborted,
+    RoundKeys,
+    Schedule,
+    SealedShares,
+    StateLost,
+    check_transition,
+)
+from protocols.field import DEFAULT_FIELD
+from protocols.resharing import (
+    NEW_ID_BASE,
+    OLD_ID_BASE,
+    ReshareAbort,
+    ReshareTampering,
+    open_parity_checks,
+    parity_checks,
+    reshare_coefficients,
+)
+from protocols.shamir import PackedShamir, UncorrectableSharesError
+
+
+class ReleaseDecoder:
+    """x_hat = D y with D M = I, row by row as releases arrive (post-processing).
+
+    Square lower-triangular M with a non-zero diagonal (banded): forward substitution,
+    x_hat_t = (y_t - sum_{s < t} M[t, s] x_hat_s) / M[t, t], keeping only the x_hat_s later rows
+    still use. Otherwise ``decoding`` (T x m, float64) must be causal -- row t reads only rows
+    released by t -- with D M = I (the tree: D = A^{-1} B of its factorization). float64; the
+    releases are exact integers below 2^53.
+    """
+
+    def __init__(self, schedule: Schedule, decoding: np.ndarray | None = None) -> None:
+        M = schedule.matrix
+        self.schedule = schedule
+        if decoding is None:
+            square = M.shape[0] == M.shape[1]
+            if not (square and np.all(np.triu(M, 1) == 0) and np.all(np.diag(M) != 0)):
+                raise ValueError(
+                    "decoding=None needs a square lower-triangular M with a non-zero diagonal; "
+                    "pass the factorization's causal decoding matrix D (D M = I)"
+                )
+            self.decoding = None
+        else:
+            D = np.asarray(decoding, dtype=np.float64)
+            if D.shape != (M.shape[1], M.shape[0]):
+                raise ValueError(
+                    f"decoding has shape {D.shape}; allowed {(M.shape[1], M.shape[0])}"
+                )
+            late = schedule.release_rounds[None, :] > np.arange(M.shape[1])[:, None]
+            if np.any(D[late] != 0):
+                raise ValueError("decoding reads rows before they are released (not causal)")
+            if not np.allclose(D @ M, np.eye(M.shape[1]), atol=1e-8):
+                raise ValueError("decoding is not a left inverse of M (D M != I)")
+            self.decoding = D
+        self.rows: dict[int, np.ndarray] = {}
+        self.estimates: dict[int, np.ndarray] = {}
+
+    def add(self, t: int, rows: Mapping[int, np.ndarray]) -> np.ndarray:
+        """Take round t's released rows (row -> D signed integers); return x_hat_t."""
+        M = self.schedule.matrix
+        for i, y in rows.items():
+            self.rows[int(i)] = np.asarray(y, dtype=np.float64)
+        if self.decoding is None:
+            y = self.rows.pop(t)
+            for s in np.flatnonzero(M[t, :t]):
+                y = y - float(M[t, s]) * self.estimates[int(s)]
+            estimate = y / float(M[t, t])
+            self.estimates[t] = estimate
+            still = {int(s) for s in np.flatnonzero(np.any(M[t + 1 :] != 0, axis=0))}
+            self.estimates = {s: v for s, v in self.estimates.items() if s in still}
+            return estimate
+        weights = self.decoding[t]
+        estimate = sum(weights[i] * y for i, y in sorted(self.rows.items()) if weights[i] != 0)
+        if isinstance(estimate, int):
+            raise ValueError(f"round {t}: the decoding reads no released row")
+        needed = {int(i) for i in np.flatnonzero(np.any(self.decoding[t + 1 :] != 0, axis=0))}
+        self.rows = {i: y for i, y in self.rows.items() if i in needed}
+        return estimate
+
+
+@dataclass
+class RoundOutput:
+    """What a round released and what it cost.
+
+    ``rows``: rows of M released; ``release``: (len(rows), D) signed integers y_i; ``clients``:
+    the clients (caller's keys) whose update and noise are in it; ``excluded``: clients the
+    members left out (missing, unauthentic or unreadable shares, unusable keys); ``rejected``:
+    client -> reason its message failed the server's validation; ``rejected_members``: seat ->
+    reason; ``corrected``: seats whose release shares were corrected (named only when the
+    decoding is unique); ``verified``/``radius``: of that decoding; ``holders``: seats of the
+    committee holding the state after the round; ``handed_over``: whether that is the next
+    committee; ``handoff_error``: why not; ``dropped``: holders of this committee whose release
+    share did not arrive; ``estimate``: x_hat_t = (D y)_t (float64, integer units of X);
+    ``transcript``: bytes per (sender, receiver, stage).
+    """
+
+    step: int
+    rows: tuple[int, ...]
+    release: np.ndarray
+    clients: tuple[int, ...]
+    excluded: tuple[int, ...] = ()
+    rejected: dict[int, str] = field(default_factory=dict)
+    rejected_members: dict[int, str] = field(default_factory=dict)
+    corrected: tuple[int, ...] = ()
+    verified: bool = True
+    radius: int = 0
+    holders: tuple[int, ...] = ()
+    handed_over: bool = True
+    handoff_error: str | None = None
+    dropped: tuple[int, ...] = ()
+    estimate: np.ndarray | None = None
+    reshare_attempts: int = 0
+    transcript: Transcript = field(default_factory=Transcript)
+
+
+@dataclass
+class _Round:
+    """The open round's bookkeeping (full mode)."""
+
+    keys: RoundKeys
+    faults: DMMFaults
+    transcript: Transcript
+    rejected_members: dict[int, str]
+    holders: tuple[int, ...]
+
+
+def _merge(dicts) -> dict:
+    out: dict = {}
+    for d in dicts:
+        if isinstance(d, Mapping):
+            out.update(d)
+    return out
+
+
+def ciphertext_bytes(width: int) -> int:
+    """Length of the ciphertext of one sealed row of ``width`` int64 field elements."""
+    return len(encode_array(np.zeros(width, dtype=np.int64))) + TAG_BYTES
+
+
+class DMMServer:
+    """The server's driver of DMM rounds over the public integer ``schedule``.
+
+    ``scheme``: (n, t, k) and field of every committee; ``dim``: D; ``mode``: 'full' (members
+    hold shares; call :meth:`attach`, :meth:`open_round`, :meth:`finish_round`) or 'ideal'
+    (:meth:`run_plain_round`); ``encrypt``: seal everything in full mode; ``min_clients``: fewest
+    agreed clients a release may carry; ``decoding``: see :class:`ReleaseDecoder`.
+    """
+
+    def __init__(
+        self,
+        scheme: PackedShamir,
+        schedule: Schedule,
+        dim: int,
+        *,
+        mode: str = "full",
+        encrypt: bool = True,
+        min_clients: int = 1,
+        decoding: np.ndarray | None = None,
+    ) -> None:
+        if mode not in ("full", "ideal"):
+            raise ValueError(f"mode={mode!r}; allowed: 'full', 'ideal'")
+        if not isinstance(dim, int | np.integer) or dim < 1:
+            raise ValueError(f"dim={dim!r}; allowed: a positive integer")
+        if scheme.field != DEFAULT_FIELD and scheme.field.exponent < 31:
+            raise ValueError(f"scheme.field={scheme.field!r} is too small for DMM sums")
+        if not isinstance(min_clients, int | np.integer) or min_clients < 1:
+            raise ValueError(f"min_clients={min_clients!r}; allowed: an integer >= 1")
+        self.scheme, self.schedule, self.dim, self.mode = scheme, schedule, int(dim), mode
+        self.encrypt = bool(encrypt)
+        self.min_clients = int(min_clients)
+        self.blocks = scheme.blocks_for(self.dim)
+        self.decoder = ReleaseDecoder(schedule, decoding)
+        self.step = 0
+        self.stage = DMMStage.SETUP
+        self.holders: tuple[int, ...] = tuple(range(scheme.n))
+        self.counts: dict[int, int] = {}
+        self.plain_state: dict[int, np.ndarray] = {}
+        self.pool = None
+        self.last_output: RoundOutput | None = None
+        self._open: _Round | None = None
+        self._server: Endpoint | None = None
+
+    def __getstate__(self) -> dict:
+        """Checkpoints keep the public state (step, holders, counts, decoder); never a pool
+        (the members' shares are theirs) nor a round's channel keys."""
+        state = dict(self.__dict__)
+        state.update(pool=None, _open=None, _server=None)
+        return state
+
+    @property
+    def member_kwargs(self) -> dict[str, object]:
+        """What a :class:`protocols.dmm_member.MemberGroup` of this run is built with."""
+        return {
+            "n": self.scheme.n,
+            "t": self.scheme.t,
+            "k": self.scheme.k,
+            "field_exponent": self.scheme.field.exponent,
+            "dim": self.dim,
+            "matrix": self.schedule.matrix,
+            "min_clients": self.min_clients,
+        }
+
+    def attach(self, pool, holders=None) -> None:
+        """Full mode: ``pool`` is the committee holding the state of :attr:`step` (its
+        ``holders`` seats; all seats for a fresh committee)."""
+        if self.mode != "full":
+            raise ValueError("mode='ideal' has no committee pools")
+        self.pool = pool
+        if holders is not None:
+            self.holders = tuple(int(s) for s in holders)
+
+    # ------------------------------------------------------------------ helpers
+    def _enter(self, target: DMMStage) -> None:
+        check_transition(self.stage, target, f"DMM round (step {self.step})")
+        self.stage = target
+
+    def _abort(self, error: RoundAborted | ReleaseTampering):
+        self.stage = DMMStage.ABORTED
+        if self.pool is not None:
+            self.pool.broadcast("discard")
+        return error
+
+    def _check_step(self) -> int:
+        if self.step >= self.schedule.rounds:
+            raise ValueError(f"step {self.step} is past M's {self.schedule.rounds} rounds")
+        return self.step
+
+    def _state_lost(self, t: int, stage: DMMStage, live: int) -> StateLost:
+        need = self.scheme.threshold
+        return StateLost(
+            f"step {t}: {live} members alive at {stage.name}, t + k = {need} needed; the "
+            "state is lost",
+            stage,
+            need,
+            live,
+        )
+
+    # ------------------------------------------------------------------ SHARE
+    def open_round(self, round_: int, faults: DMMFaults | None = None) -> RoundKeys:
+        """SETUP -> SHARE of :attr:`step`: the committee's online holders publish fresh
+        channel keys; returns the public :class:`RoundKeys` the clients share with."""
+        if self.pool is None:
+            raise ValueError("open_round needs a committee: call attach(pool) in full mode")
+        faults = faults or DMMFaults()
+        t = self._check_step()
+        self.stage = DMMStage.SETUP
+        self._enter(DMMStage.SHARE)
+        transcript = Transcript()
+        session = new_session_id() if self.encrypt else None
+        self._server = Endpoint(SERVER_ID, session, protocol=PROTOCOL) if session else None
+        answers = self.pool.broadcast(
+            "announce", int(round_), session, list(self.holders), faults.dropped_by(DMMStage.SHARE)
+        )
+        keys, rejected = self._check_keys(
+            self.pool, answers, self.holders, MEMBER_ID_BASE, transcript
+        )
+        round_keys = RoundKeys(
+            round=int(round_),
+            step=t,
+            rows=len(self.schedule.released_at(t)),
+            n=self.scheme.n,
+            t=self.scheme.t,
+            k=self.scheme.k,
+            field_exponent=self.scheme.field.exponent,
+            dim=self.dim,
+            session_id=session,
+            member_keys=keys,
+        )
+        self._open = _Round(round_keys, faults, transcript, rejected, self.holders)
+        return round_keys
+
+    def _check_keys(self, pool, answers, asked, base, transcript) -> tuple[dict[int, bytes], dict]:
+        """Seat -> key from ``pool``'s answers; a seat not asked is ignored and a key the server
+        cannot use is rejected (seat -> reason)."""
+        keys, rejected = {}, {}
+        asked = set(asked)
+        for group, answer in zip(pool.groups, answers):
+            for seat, key in (answer or {}).items() if isinstance(answer, Mapping) else ():
+                if seat not in group or seat not in asked:
+                    continue
+                if self._server is None:
+                    if key == b"":
+                        keys[int(seat)] = b""
+                    continue
+                try:
+                    if not isinstance(key, bytes) or len(key) != PUBLIC_KEY_BYTES:
+                        raise ChannelError(f"a {type(key).__name__} of {len(key or b'')} bytes")
+                    self._server.connect(base + int(seat), key)
+                except (ChannelError, ValueError, TypeError) as error:
+                    rejected[int(seat)] = f"unusable channel key: {error}"
+                    continue
+                keys[int(seat)] = key
+                transcript.record(base + int(seat), SERVER_ID, DMMStage.SHARE, len(key) + 8)
+        return dict(sorted(keys.items())), rejected
+
+    def check_sealed(self, item, keys: RoundKeys) -> str | None:
+        """Why a client's SHARE message is malformed, or None when it is well formed."""
+        if not isinstance(item, SealedShares):
+            return f"a {type(item).__name__}, not SealedShares"
+        if isinstance(item.party, bool) or not isinstance(item.party, int | np.integer):
+            return f"party {item.party!r} is not an integer"
+        if not 0 <= int(item.party) < CLIENT_ID_LIMIT:
+            return f"party {item.party} is outside [0, 2^40)"
+        if not isinstance(item.shares, Mapping) or set(item.shares) != set(keys.member_keys):
+            return f"shares for seats {sorted(getattr(item.shares, 'keys', list)())} != announced"
+        if keys.session_id is None:
+            ok = all(
+                isinstance(r, np.ndarray) and r.shape == (keys.width,) for r in item.shares.values()
+            )
+            return None if ok else "plain rows of the wrong shape"
+        if not isinstance(item.public_key, bytes) or len(item.public_key) != PUBLIC_KEY_BYTES:
+            return "public key is not 32 bytes"
+        try:
+            self._server.connect(int(item.party), item.public_key)
+        except (ChannelError, ValueError) as error:
+            return f"unusable public key: {error}"
+        length = ciphertext_bytes(keys.width)
+        label = stage_label(DMMStage.SHARE)
+        for seat, envelope in item.shares.items():
+            if not isinstance(envelope, Envelope):
+                return f"seat {seat}: a {type(envelope).__name__}, not an Envelope"
+            header = (envelope.sender, envelope.receiver, envelope.round, envelope.stage)
+            if header != (item.party, MEMBER_ID_BASE + seat, keys.round, label):
+                return f"seat {seat}: envelope header {header} is not this round's SHARE"
+            if not isinstance(envelope.nonce, bytes) or len(envelope.nonce) != NONCE_BYTES:
+                return f"seat {seat}: nonce is not {NONCE_BYTES} bytes"
+            if not isinstance(envelope.ciphertext, bytes) or len(envelope.ciphertext) != length:
+                return f"seat {seat}: ciphertext is not {length} bytes"
+        return None
+
+    def finish_round(self, sealed: Mapping[int, SealedShares], next_pool) -> RoundOutput:
+        """Finish the round :meth:`open_round` opened from the clients' sealed shares
+        (``sealed[client]``) and hand the state to ``next_pool`` (the next round's committee).
+        Raises :class:`protocols.dmm.RoundAborted` / :class:`~protocols.dmm.StateLost` /
+        :class:`protocols.dmm.ReleaseTampering` when nothing is released."""
+        opened = self._open
+        if opened is None or self.stage is not DMMStage.SHARE:
+            raise ValueError(f"finish_round at stage {self.stage.name}: call open_round first")
+        self._open = None
+        keys, faults, transcript = opened.keys, opened.faults, opened.transcript
+        if not isinstance(sealed, Mapping):
+            raise ValueError(f"sealed is a {type(sealed).__name__}; allowed: client -> message")
+        rejected: dict[int, str] = {}
+        parties: dict[int, int] = {}
+        for client, item in sealed.items():
+            reason = self.check_sealed(item, keys)
+            if reason is None and int(item.party) in parties:
+                reason = f"party {item.party} already used by client {parties[int(item.party)]}"
+            if reason is not None:
+                rejected[client] = reason
+                continue
+            parties[int(item.party)] = client
+        senders = [
+            c
+            for c in sorted(parties.values())
+            if faults.client_drop.get(c) is not DMMStage.SHARE
+        ]
+        live = sorted(keys.member_keys)
+        if len(live) < self.scheme.threshold:
+            raise self._abort(self._state_lost(keys.step, DMMStage.SHARE, len(live)))
+        excluded = set(faults.client_partial) & set(senders)
+        excluded |= self._relay(sealed, senders, live, faults, transcript)
+        clients = [c for c in senders if c not in excluded]
+        party_of = {c: int(sealed[c].party) for c in clients}
+        combined = self.pool.broadcast(
+            "combine",
+            keys.step,
+            sorted(party_of.values()),
+            faults.members("drop", DMMStage.COMBINE),
+            faults.members("tamper", DMMStage.COMBINE),
+            faults.seed,
+        ) if len(clients) >= self.min_clients else None
+        return self._release_full(keys, faults, transcript, opened, clients, excluded, rejected,
+                                  combined, next_pool)
+
+    def _relay(self, sealed, senders, live, faults, transcript) -> set[int]:
+        """Relay each sender's envelopes to the live seats it reaches; the members open them.
+        Returns the clients some live seat lacks or refused."""
+        n = self.scheme.n
+        relay = Relay(transcript) if self.encrypt else None
+        deliveries: dict[int, dict[int, object]] = {}
+        keys: dict[int, bytes] = {}
+        client_of = {int(sealed[c].party): c for c in senders}
+        for c in senders:
+            item = sealed[c]
+            party = int(item.party)
+            reach = [j for j in live if c not in faults.client_partial or j < n // 2]
+            deliveries[party] = {}
+            if relay is None:
+                for j in reach:
+                    row = item.shares[j]
+                    transcript.record(party, MEMBER_ID_BASE + j, DMMStage.SHARE, row.size * 8)
+                    deliveries[party][j] = row
+                continue
+            transcript.record(party, SERVER_ID, DMMStage.SHARE, len(item.public_key) + 8)
+            keys[party] = item.public_key
+            for j in reach:
+                envelope = item.shares[j]
+                if (c, j) in faults.corrupt_in_transit:
+                    envelope = flip(envelope)
+                relay.post(envelope)
+        if relay is not None:
+            peers = {SERVER_ID: self._server.public_key, **keys}
+            refused_keys = _union(self.pool.broadcast("connect", peers))
+            for j in live:
+                for envelope in relay.deliver(MEMBER_ID_BASE + j):
+                    deliveries[envelope.sender][j] = envelope
+        else:
+            refused_keys = set()
+        parts = [
+            {p: {j: rows[j] for j in group if j in rows} for p, rows in deliveries.items()}
+            for group in self.pool.groups
+        ]
+        answers = self.pool.call("share", [(part,) for part in parts])
+        refused = set(refused_keys)
+        for answer in answers:
+            if isinstance(answer, Mapping):
+                refused |= {p for p, seats in answer.items() if seats}
+        return {client_of[p] for p in refused if p in client_of}
+
+    def _release_full(self, keys, faults, transcript, opened, clients, excluded, rejected,
+                      combined, next_pool) -> RoundOutput:
+        t, need = keys.step, self.scheme.threshold
+        self._enter(DMMStage.COMBINE)
+        if combined is None:
+            raise self._abort(self._too_few_clients(t, len(clients)))
+        live = sorted({int(s) for part in combined if isinstance(part, list) for s in part})
+        live = [s for s in live if s in keys.member_keys]
+        if len(live) < need:
+            raise self._abort(self._state_lost(t, DMMStage.COMBINE, len(live)))
+        self._enter(DMMStage.RELEASE)
+        answered = self.pool.broadcast(
+            "release",
+            keys.round,
+            faults.members("drop", DMMStage.RELEASE),
+            faults.members("late", DMMStage.RELEASE),
+            faults.members("tamper", DMMStage.RELEASE),
+            faults.seed,
+        )
+        rows, sent = self._open_release(answered, live, keys, transcript, opened.rejected_members)
+        if len(rows) < need:
+            self.holders = tuple(sent)
+            raise self._abort(self._too_few_members(t, len(rows)))
+        answering = sorted(rows)
+        released = self.schedule.released_at(t)
+        length = len(released) * self.blocks * self.scheme.k
+        try:
+            decoding = self.scheme.decode(np.stack([rows[j] for j in answering]), answering, length)
+        except UncorrectableSharesError as error:
+            raise self._abort(
+                ReleaseTampering(
+                    f"step {t}: the release shares of seats {answering} hold more errors than "
+                    f"the {len(answering)} answers can correct; nothing released, nobody named, "
+                    "the state is kept"
+                )
+            ) from error
+        values = self.scheme.field.decode_signed(decoding.values)
+        release = values.reshape(len(released), self.blocks * self.scheme.k)[:, : self.dim]
+        output = self._released(t, released, release, clients, excluded, rejected, transcript)
+        output.rejected_members = dict(opened.rejected_members)
+        output.corrected = tuple(int(s) for s in decoding.corrected)
+        output.verified, output.radius = bool(decoding.verified), int(decoding.radius)
+        output.dropped = tuple(s for s in opened.holders if s not in rows)
+        self._enter(DMMStage.RESHARE)
+        dealers = [s for s in live if s in sent and s not in output.corrected]
+        self._handoff(keys.round, t, dealers, faults, transcript, next_pool, output)
+        self._enter(DMMStage.DONE)
+        return output
+
+    def _too_few_clients(self, t: int, count: int) -> RoundAborted:
+        return RoundAborted(
+            f"step {t}: {count} clients' shares reached every member, min_clients = "
+            f"{self.min_clients} needed; nothing released",
+            DMMStage.COMBINE,
+            self.min_clients,
+            count,
+        )
+
+    def _too_few_members(self, t: int, count: int) -> RoundAborted:
+        need = self.scheme.threshold
+        return RoundAborted(
+            f"step {t}: {count} members released, t + k = {need} needed; nothing released, "
+            "the state is kept",
+            DMMStage.RELEASE,
+            need,
+            count,
+        )
+
+    def _open_release(self, answered, live, keys, transcript, rejected_members):
+        """seat -> its opened release row; and the seats that sent (late ones included)."""
+        width = len(self.schedule.released_at(keys.step)) * self.blocks
+        f = self.scheme.field
+        rows, sent = {}, []
+        for group, answer in zip(self.pool.groups, answered):
+            if not isinstance(answer, Mapping):
+                continue
+            seats, items = list(answer.get("seats", [])), list(answer.get("rows", []))
+            late = set(answer.get("late", []))
+            if len(seats) != len(items):
+                rejected_members.update({int(s): "release answer is malformed" for s in group})
+                continue
+            for seat, item in zip(seats, items):
+                if seat not in group or seat not in live:
+                    continue
+                sent.append(int(seat))
+                if seat in late:
+                    continue
+                try:
+                    if isinstance(item, Envelope) and self._server is not None:
+                        transcript.record(item.sender, item.receiver, item.stage, item.nbytes)
+                        row = self._server.open_array(
+                            item,
+                            round_=keys.round,
+                            stage=DMMStage.RELEASE,
+                            sender=MEMBER_ID_BASE + int(seat),
+                        )
+                    elif self._server is None and isinstance(item, np.ndarray):
+                        row = item
+                        transcript.record(
+                            MEMBER_ID_BASE + seat, SERVER_ID, DMMStage.RELEASE, row.size * 8
+                        )
+                    else:
+                        raise ChannelError(f"a {type(item).__name__}, not an Envelope")
+                    if row.shape != (width,):
+                        raise ChannelError(f"a row of shape {row.shape}, not ({width},)")
+                    rows[int(seat)] = f.asarray(row, "release share")
+                except (ChannelError, ValueError) as error:
+                    rejected_members[int(seat)] = f"release share refused: {error}"
+        return rows, sorted(sent)
+
+    def _released(self, t, released, release, clients, excluded, rejected, transcript):
+        """Record a final release: counts, step, decoder."""
+        for i in released:
+            self.counts[int(i)] = len(clients)
+        self.step += 1
+        estimate = self.decoder.add(t, dict(zip(released, release)))
+        self.last_output = RoundOutput(
+            estimate=estimate,
+            step=t,
+            rows=tuple(int(i) for i in released),
+            release=np.asarray(release, dtype=np.int64),
+            clients=tuple(clients),
+            excluded=tuple(sorted(excluded)),
+            rejected=dict(rejected),
+            transcript=transcript,
+        )
+        return self.last_output
+
+    # ------------------------------------------------------------------ RESHARE
+    def _handoff(self, round_, t, dealers, faults, transcript, next_pool, output) -> None:
+        """Hand the open rows' partial sums to ``next_pool``; on failure the old committee
+        keeps them (the release stands)."""
+        try:
+            holders, attempts = self._reshare(round_, t, dealers, faults, transcript, next_pool)
+        except (ReshareAbort, ReshareTampering) as error:
+            self.pool.broadcast("keep")
+            next_pool.broadcast("discard")
+            next_pool.close()
+            self.holders = tuple(dealers)
+            output.holders, output.handed_over = self.holders, False
+            output.handoff_error = str(error)
+            return
+        self.pool.broadcast("retire")
+        self.pool.close()
+        self.pool, self.holders = next_pool, tuple(holders)
+        output.holders, output.reshare_attempts = self.holders, attempts
+
+    def _reshare(self, round_, t, dealers, faults, transcript, new) -> tuple[list[int], int]:
+        """The linear packed resharing of :mod:`protocols.resharing`, run by the members.
+        Returns the new holders and the DEAL attempts."""
+        old, scheme, f = self.pool, self.scheme, self.scheme.field
+        need = scheme.threshold
+        keep = self.schedule.open_after(t)
+        session = new_session_id() if self.encrypt else None
+        self._server = Endpoint(SERVER_ID, session, protocol=PROTOCOL) if session else None
+        old_answers = old.broadcast(
+            "announce_handoff",
+            round_,
+            session,
+            "old",
+            t,
+            dealers,
+            faults.members("drop", DMMStage.RESHARE),
+        )
+        new_answers = new.broadcast(
+            "announce_handoff", round_, session, "new", t, list(range(scheme.n)), faults.next_drop
+        )
+        old_keys, _ = self._check_keys(old, old_answers, dealers, OLD_ID_BASE, transcript)
+        new_keys, _ = self._check_keys(new, new_answers, range(scheme.n), NEW_ID_BASE, transcript)
+        holders, candidates = sorted(new_keys), sorted(old_keys)
+        if len(holders) < need:
+            raise ReshareAbort(
+                f"resharing of round {round_}: {len(holders)} new members answered, t + k = "
+                f"{need} needed; the old committee keeps its shares",
+                "new",
+                need,
+                len(holders),
+            )
+        if not keep:
+            return new_commit(new, holders), 0
+        if session is not None:
+            old.broadcast("connect", {NEW_ID_BASE + j: k for j, k in new_keys.items()})
+            new.broadcast("connect", {OLD_ID_BASE + i: k for i, k in old_keys.items()})
+        removed: list[int] = []
+        attempts = 0
+        while True:
+            if len(candidates) < need:
+                raise ReshareAbort(
+                    f"resharing of round {round_}: {len(candidates)} old members can deal, "
+                    f"t + k = {need} needed (removed after failing: {removed}); the old "
+                    "committee keeps its shares",
+                    "old",
+                    need,
+                    len(candidates),
+                )
+            attempts += 1
+            chosen = candidates[:need]
+            lam = reshare_coefficients(scheme, chosen)
+            mix = f.random_secure(len(keep) * self.blocks)
+            columns = {i: (lam[:, chosen.index(i)] if i in chosen else None) for i in candidates}
+            deals = _merge(
+                old.call(
+                    "deal",
+                    [
+                        (
+                            {i: c for i, c in columns.items() if i in group},
+                            mix,
+                            holders,
+                            faults.members("tamper", DMMStage.RESHARE),
+                            faults.seed,
+                        )
+                        for group in old.groups
+                    ],
+                )
+            )
+            inbox = self._deal_inbox(deals, candidates, holders, transcript)
+            parts = [({j: inbox[j] for j in g if j in inbox},) for g in new.groups]
+            refused = _union(new.call("receive", parts))
+            failed = [i for i in candidates if i not in deals or i in refused]
+            if failed:
+                removed.extend(failed)
+                candidates = [i for i in candidates if i not in failed]
+                continue
+            new.broadcast("accumulate", chosen)
+            checks = parity_checks(scheme, candidates)
+            if checks.shape[0] == 0:
+                break
+            culprit = self._verify(round_, new, checks, candidates, holders, transcript)
+            if culprit is None:
+                break
+            removed.append(culprit)
+            candidates = [i for i in candidates if i != culprit]
+        return new_commit(new, holders), attempts
+
+    def _deal_inbox(self, deals, candidates, holders, transcript) -> dict[int, dict[int, object]]:
+        """new seat -> dealer -> its deal; a dealer whose answer is malformed delivers
+        nothing (it is removed and DEAL restarts)."""
+        inbox: dict[int, dict[int, object]] = {j: {} for j in holders}
+        for i, items in list(deals.items()):
+            if i not in candidates or not isinstance(items, list) or len(items) != len(holders):
+                deals.pop(i, None)
+                continue
+            for j, item in zip(holders, items):
+                if isinstance(item, Envelope):
+                    transcript.record(item.sender, item.receiver, item.stage, item.nbytes)
+                elif isinstance(item, np.ndarray):
+                    transcript.record(
+                        OLD_ID_BASE + i, NEW_ID_BASE + j, DMMStage.RESHARE, item.size * 8
+                    )
+                inbox[j][int(i)] = item
+        return inbox
+
+    def _verify(self, round_, new, checks, candidates, holders, transcript) -> int | None:
+        """VERIFY: the parity checks of the dealings; the single faulty dealer or None."""
+        scheme, need = self.scheme, self.scheme.threshold
+        answers = _merge(new.broadcast("check_shares", checks, candidates))
+        rows = {}
+        for j in holders:
+            row = answers.get(j)
+            if isinstance(row, np.ndarray) and row.shape == (checks.shape[0],):
+                try:
+                    rows[j] = scheme.field.asarray(row, "check share")
+                except ValueError:
+                    continue
+        checked = sorted(rows)
+        if len(checked) < need:
+            raise ReshareAbort(
+                f"resharing of round {round_}: {len(checked)} new members answered the check, "
+                f"t + k = {need} needed; the old committee keeps its shares",
+                "new",
+                need,
+                len(checked),
+            )
+        stacked = np.stack([rows[j] for j in checked])
+        for j in checked:
+            transcript.record(NEW_ID_BASE + j, SERVER_ID, DMMStage.RESHARE, stacked.shape[1] * 8)
+        return open_parity_checks(scheme, scheme, stacked, checked, candidates, checks, round_)
+
+    # ------------------------------------------------------------------ ideal mode
+    def run_plain_round(
+        self,
+        round_: int,
+        updates: Mapping[int, np.ndarray],
+        noises: Mapping[int, np.ndarray],
+        faults: DMMFaults | None = None,
+    ) -> RoundOutput:
+        """Ideal mode: the same round on the clients' plaintext integers (``updates[c]``: D
+        signed ints; ``noises[c]``: rows released this step x D) under the same rules."""
+        if self.mode != "ideal":
+            raise ValueError("run_plain_round is ideal mode's; full mode shares and seals")
+        faults = faults or DMMFaults()
+        t, need = self._check_step(), self.scheme.threshold
+        released = self.schedule.released_at(t)
+        self.stage = DMMStage.SETUP
+        self._enter(DMMStage.SHARE)
+        rejected = {
+            c: reason
+            for c in sorted(updates)
+            if (reason := self._check_plain(updates.get(c), noises.get(c), len(released)))
+        }
+        senders = [
+            c
+            for c in sorted(updates)
+            if c not in rejected and faults.client_drop.get(c) is not DMMStage.SHARE
+        ]
+        live = [j for j in self.holders if j not in faults.dropped_by(DMMStage.SHARE)]
+        if len(live) < need:
+            raise self._abort(self._state_lost(t, DMMStage.SHARE, len(live)))
+        excluded = set(faults.client_partial) & set(senders)
+        clients = [c for c in senders if c not in excluded]
+        self._enter(DMMStage.COMBINE)
+        if len(clients) < self.min_clients:
+            raise self._abort(self._too_few_clients(t, len(clients)))
+        live = [j for j in live if j not in faults.dropped_by(DMMStage.COMBINE)]
+        if len(live) < need:
+            raise self._abort(self._state_lost(t, DMMStage.COMBINE, len(live)))
+        self._enter(DMMStage.RELEASE)
+        sent = [j for j in live if j not in faults.dropped_by(DMMStage.RELEASE)]
+        answering = [j for j in sent if j not in faults.members("late", DMMStage.RELEASE)]
+        if len(answering) < need:
+            self.holders = tuple(sent)
+            raise self._abort(self._too_few_members(t, len(answering)))
+        X = np.sum([np.asarray(updates[c], dtype=np.int64) for c in clients], axis=0)
+        Z = np.sum([np.asarray(noises[c], dtype=np.int64) for c in clients], axis=0)
+        M = self.schedule.matrix
+        release = np.stack(
+            [self.plain_state.get(i, 0) + M[i, t] * X + Z[a] for a, i in enumerate(released)]
+        )
+        tentative = {
+            j: self.plain_state.get(j, 0) + M[j, t] * X for j in self.schedule.open_after(t)
+        }
+        output = self._released(t, released, release, clients, excluded, rejected, Transcript())
+        output.verified = len(answering) > need
+        output.radius = (len(answering) - need) // 2
+        output.dropped = tuple(s for s in self.holders if s not in answering)
+        self._enter(DMMStage.RESHARE)
+        dealers = [j for j in sent if j not in faults.dropped_by(DMMStage.RESHARE)]
+        holders = [j for j in range(self.scheme.n) if j not in faults.next_drop]
+        if len(holders) < need or (tentative and len(dealers) < need):
+            side, count = ("new", len(holders)) if len(holders) < need else ("old", len(dealers))
+            self.plain_state, self.holders = tentative, tuple(sent)
+            output.holders, output.handed_over = self.holders, False
+            output.handoff_error = f"resharing of round {round_}: {count} {side} members"
+        else:
+            self.plain_state, self.holders = tentative, tuple(holders)
+            output.holders = self.holders
+            output.reshare_attempts = 1 if tentative else 0
+        self._enter(DMMStage.DONE)
+        return output
+
+    def _check_plain(self, update, noise, rows: int) -> str | None:
+        """Why an ideal-mode client input is malformed, or None."""
+        expected = (("update", update, (self.dim,)), ("noise", noise, (rows, self.dim)))
+        for name, value, shape in expected:
+            array = np.asarray(value) if value is not None else None
+            if array is None or array.shape != shape or (
+                array.size and array.dtype.kind not in "iu"
+            ):
+                got = None if array is None else (array.shape, str(array.dtype))
+                return f"{name} is {got}; allowed {shape} integers"
+        return None
+
+
+def new_commit(pool, holders) -> list[int]:
+    """The next committee commits the handed state; the seats that hold it."""
+    answers = pool.broadcast("commit")
+    held = sorted({int(s) for part in answers if isinstance(part, list) for s in part})
+    return [s for s in held if s in holders]
+
+
+def _union(answers) -> set[int]:
+    out: set[int] = set()
+    for answer in answers:
+        if isinstance(answer, list):
+            out |= {int(p) for p in answer if isinstance(p, int | np.integer)}
+    return out
+
+
+def flip(envelope: Envelope) -> Envelope:
+    """``envelope`` with its first ciphertext bit flipped (a relay altering it in transit)."""
+    body = bytearray(envelope.ciphertext)
+    body[0] ^= 0x01
+    return Envelope(
+        envelope.sender,
+        envelope.receiver,
+        envelope.round,
+        envelope.stage,
+        envelope.nonce,
+        bytes(body),
+    )
