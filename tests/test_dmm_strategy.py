@@ -107,13 +107,12 @@ def test_resume_from_the_checkpoint_and_the_members_sealed_states(local_engine, 
     again.close()
 
 
-def test_fedsim_run_writes_epsilon_and_the_mode_per_round(tmp_path):
-    from fedsim.experiment import ExperimentConfig, run_experiment  # noqa: PLC0415
-    from fedsim.results import read_rounds  # noqa: PLC0415
+def dmm_run_config(rounds: int):
+    from fedsim.experiment import ExperimentConfig  # noqa: PLC0415
 
-    config = ExperimentConfig.from_dict(
+    return ExperimentConfig.from_dict(
         {
-            "rounds": 3,
+            "rounds": rounds,
             "seed": 1,
             "data": {"source": "digits", "partition": "iid", "num_clients": 24},
             "model": {"kind": "logreg"},
@@ -134,13 +133,67 @@ def test_fedsim_run_writes_epsilon_and_the_mode_per_round(tmp_path):
             },
         }
     )
-    summary = run_experiment(config, tmp_path, progress=False, secrets=SECRETS)
+
+
+def test_fedsim_run_writes_epsilon_and_the_mode_per_round(tmp_path):
+    from fedsim.experiment import run_experiment  # noqa: PLC0415
+    from fedsim.results import read_rounds  # noqa: PLC0415
+
+    summary = run_experiment(dmm_run_config(3), tmp_path, progress=False, secrets=SECRETS)
     rounds = [r for r in read_rounds(tmp_path / "rounds.jsonl") if r["round"] >= 1]
     eps = [r["privacy"]["epsilon"] for r in rounds]
     assert len(eps) == 3 and all(a < b for a, b in zip(eps, eps[1:]))
     assert all(r["privacy"]["mode"] == "full" for r in rounds)
     assert summary["privacy"]["epsilon"] == pytest.approx(eps[-1]) if "privacy" in summary else True
     assert (tmp_path / "dmm_members.sqlite").is_file()
+
+
+def test_a_killed_dmm_run_resumes_from_the_checkpoint_and_the_members_party_store(
+    tmp_path, monkeypatch
+):
+    """``fedsim run`` of DMM killed after round 2's checkpoint resumes from the checkpoint and
+    the members' sealed states (``dmm_members.sqlite``, a party store of the run directory)
+    to the same rounds and model; a members' store of another moment is refused, naming it."""
+    from fedsim.experiment import run_experiment  # noqa: PLC0415
+    from fedsim.results import read_rounds  # noqa: PLC0415
+    from fedsim.rundir import RunDirectory  # noqa: PLC0415
+    from fedsim.runfiles import RunFileError  # noqa: PLC0415
+
+    def untimed(record):
+        if isinstance(record, dict):
+            timing = ("seconds", "time_s", "clients_per_s", "compute_s")
+            return {k: untimed(v) for k, v in record.items() if k not in timing}
+        return record
+
+    def finished(out):
+        rounds = [untimed(r) for r in read_rounds(out / "rounds.jsonl")]
+        return rounds, dict(np.load(out / "model.npz"))
+
+    config = dmm_run_config(4)
+    run_experiment(config, tmp_path / "whole", progress=False, secrets=SECRETS)
+    save = RunDirectory.save
+
+    def stop_after_round_2(self, checkpoint):
+        save(self, checkpoint)
+        if checkpoint.server_round == 2:
+            raise KeyboardInterrupt  # the process dies right after round 2's checkpoint
+
+    for cut in ("cut", "stale"):
+        monkeypatch.setattr(RunDirectory, "save", stop_after_round_2)
+        with pytest.raises(KeyboardInterrupt):
+            run_experiment(config, tmp_path / cut, progress=False, secrets=SECRETS)
+        monkeypatch.setattr(RunDirectory, "save", save)
+    members = "dmm_members.sqlite"
+    (tmp_path / "stale" / members).write_bytes((tmp_path / "whole" / members).read_bytes())
+    with pytest.raises(RunFileError, match=members):
+        run_experiment(config, tmp_path / "stale", resume=True, progress=False, secrets=SECRETS)
+    run_experiment(config, tmp_path / "cut", resume=True, progress=False, secrets=SECRETS)
+    (whole_rounds, whole_model), (cut_rounds, cut_model) = (
+        finished(tmp_path / "whole"),
+        finished(tmp_path / "cut"),
+    )
+    assert cut_rounds == whole_rounds
+    assert all(np.array_equal(whole_model[k], cut_model[k]) for k in whole_model)
 
 
 def test_a_lost_committee_state_halts_the_run_cleanly(local_engine, digits):

@@ -321,9 +321,11 @@ class CommitteeHost:
         self.ray = ray_module
         if store is not None and state_path is not None:
             raise ValueError("give the member-state store or its state_path, not both")
-        self.store = store or ClientStateStore(
-            None if state_path is None else Path(state_path), secrets=secrets
-        )
+        if store is None:
+            store = ClientStateStore(
+                None if state_path is None else Path(state_path), secrets=secrets
+            )
+        self.store = store
         self._handles: list[Any] = []
         self._dead_handles: set[int] = set()
         self._count = 0

@@ -25,7 +25,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.app.metadata import Metadata
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedsim.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from fedsim.checkpoint import Checkpoint
 from fedsim.engine.dmm_committee import STATE_FILE, CommitteeHost, decode_member_state
 from fedsim.engine.registry import NODE_ID_OFFSET
 from fedsim.privacy.dmm import IntegerMechanism
@@ -115,14 +115,16 @@ def _held_shares(pool) -> list[bytes]:
 
 
 def test_the_run_directory_alone_reconstructs_nothing(local_engine, tmp_path):
-    """Whoever holds the run directory -- checkpoint.pkl and the members' state store -- holds no
-    share in the clear and cannot open a member's sealed state; the members' own secrets can
+    """Whoever holds the run directory -- a checkpoint's payload and the members' state store --
+    holds no share in the clear and cannot open the store without the run's root, nor a
+    member's sealed state without that member's own secret; the members' own secrets can
     (so the store does hold the state)."""
     setup = digits_setup(12)
     host = CommitteeHost(SECRETS, state_path=tmp_path / STATE_FILE)
     strategy = make_dmm("full", 12, ROUNDS)
     arrays, _ = run_dmm(local_engine, setup, strategy, 3, host=host)
-    save_checkpoint(tmp_path, Checkpoint(3, arrays, strategy, {}))
+    payload = cloudpickle.dumps(Checkpoint(3, arrays, strategy, {}))  # a checkpoint's payload
+    (tmp_path / "checkpoint.payload").write_bytes(payload)
     host.checkpoint(3)
     held = _held_shares(strategy.server.pool)
     assert held and all(len(row) >= 64 for row in held)
@@ -134,12 +136,18 @@ def test_the_run_directory_alone_reconstructs_nothing(local_engine, tmp_path):
     for row in held:
         for start in range(0, len(row) - 32, 32):
             assert not any(row[start : start + 32] in blob for blob in files.values())
-    checkpoint = load_checkpoint(tmp_path)
+    checkpoint = pickle.loads(payload)
     assert checkpoint.strategy.host is None and checkpoint.strategy.server.pool is None
     from fedsim.engine.state import ClientStateStore  # noqa: PLC0415
+    from fedsim.runfiles import RunFileError  # noqa: PLC0415
 
-    store = ClientStateStore(tmp_path / STATE_FILE)
-    blobs = store.get_many(holders)
+    with pytest.raises(RunFileError, match="fails authentication"):  # no root, no store
+        ClientStateStore(tmp_path / STATE_FILE, secrets=RunSecret.from_passphrase("someone"))
+    store = ClientStateStore(tmp_path / STATE_FILE, secrets=SECRETS)  # the simulation's root
+    blobs = {
+        node - NODE_ID_OFFSET: blob
+        for node, blob in store.get_many([NODE_ID_OFFSET + c for c in holders]).items()
+    }
     assert set(blobs) == set(holders)
     outsider = RunSecret.from_passphrase("someone else")
     for client, blob in blobs.items():
