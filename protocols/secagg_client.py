@@ -338,31 +338,36 @@ class SecAggClient:
     def from_state(cls, state: Mapping[str, np.ndarray]) -> SecAggClient:
         """The client :meth:`to_state` wrote; ``ValueError`` if the arrays are not such a state."""
         try:
-            client = cls(
-                bytes(np.asarray(state["session"], np.uint8)),
-                seed=bytes(np.asarray(state["seed"], np.uint8)),
-            )
-            client.stage = Stage(int(state["stage"]))
-            client_id = int(state["client_id"])
-            client.contributes = bool(int(state["contributes"]))
-            config = np.asarray(state["config"])
-            neighbours = np.asarray(state["neighbours"], dtype=np.int64).ravel()
-            keys = np.asarray(state["neighbour_keys"], dtype=np.uint8)
-            owners = np.asarray(state["share_owners"], dtype=np.int64).ravel()
-            shares = np.asarray(state["shares"], dtype=np.int64)
-        except (KeyError, TypeError, ValueError) as error:
+            return cls._restore(state)
+        except (KeyError, TypeError, ValueError, OverflowError, IndexError) as error:
             raise ValueError(f"not a SecAgg+ client state: {error}") from None
-        if client_id < 0 and neighbours.size:
-            raise ValueError("not a SecAgg+ client state: neighbours without a protocol id")
-        if client_id >= 0:
-            client.client_id = client_id
-            client.config = SecAggConfig.from_array(config)
-            client._endpoint = Endpoint(client_id, client.session_id, PROTOCOL, client._channel_key)
+
+    @classmethod
+    def _restore(cls, state: Mapping[str, np.ndarray]) -> SecAggClient:
+        client = cls(
+            bytes(np.asarray(state["session"], np.uint8)),
+            seed=bytes(np.asarray(state["seed"], np.uint8)),
+        )
+        client.stage = Stage(int(state["stage"]))
+        client_id = int(state["client_id"])
+        client.contributes = bool(int(state["contributes"]))
+        neighbours = np.asarray(state["neighbours"], dtype=np.int64).ravel()
+        keys = np.asarray(state["neighbour_keys"], dtype=np.uint8)
+        owners = np.asarray(state["share_owners"], dtype=np.int64).ravel()
+        shares = np.asarray(state["shares"], dtype=np.int64)
         if keys.shape != (neighbours.size, 2 * PUBLIC_KEY_BYTES) or shares.shape != (
             owners.size,
             SHARE_ROW_LENGTH,
         ):
-            raise ValueError("not a SecAgg+ client state: neighbour keys or shares misshapen")
+            raise ValueError("neighbour keys or shares misshapen")
+        if client_id < 0:
+            early = (Stage.SETUP, Stage.ADVERTISE_KEYS, Stage.ABORTED)
+            if neighbours.size or client.stage not in early:
+                raise ValueError(f"stage {client.stage.name} without a protocol id")
+            return client
+        client.client_id = client_id
+        client.config = SecAggConfig.from_array(state["config"])
+        client._endpoint = Endpoint(client_id, client.session_id, PROTOCOL, client._channel_key)
         for peer, row in zip(neighbours.tolist(), keys):
             raw = bytes(row)
             client._neighbour_keys[peer] = (raw[:PUBLIC_KEY_BYTES], raw[PUBLIC_KEY_BYTES:])

@@ -130,6 +130,19 @@ def _instruction_parts(message: Message) -> tuple[str, ArrayRecord, ConfigRecord
     return arrays[0][0], arrays[0][1], configs[0]
 
 
+def trained_update(
+    inner: ClientApp, message: Message, context: Context, global_record: ArrayRecord
+) -> Message | tuple[np.ndarray, MetricRecord]:
+    """Train with ``inner``: its error reply, or the flattened update (trained minus global)
+    and its metrics."""
+    reply = inner(message, context)
+    if reply.has_error():
+        return reply
+    _, trained = single(reply.content, ArrayRecord)
+    _, metrics = single(reply.content, MetricRecord)
+    return flatten(to_numpy(trained)) - flatten(to_numpy(global_record)), metrics
+
+
 def local_update(
     inner: ClientApp,
     message: Message,
@@ -138,19 +151,16 @@ def local_update(
     config: ConfigRecord,
     prefix: str,
 ) -> Message | tuple[np.ndarray, MetricRecord, np.random.Generator]:
-    """Train with ``inner``: its error reply, or the flattened update (trained minus
-    global), its metrics and the client's own rounding generator of the round,
-    ``client_secret(node_config).generator(server_round, Purpose.ROUNDING, prefix)`` (the
-    strategy's ``prefix`` keeps each strategy's stream apart)."""
-    reply = inner(message, context)
-    if reply.has_error():
-        return reply
-    _, trained = single(reply.content, ArrayRecord)
-    _, metrics = single(reply.content, MetricRecord)
-    update = flatten(to_numpy(trained)) - flatten(to_numpy(global_record))
+    """:func:`trained_update` plus a generator seeded by ``([config[prefix + "seed"],
+    server_round, partition_id])``, for :mod:`strategies.dmm`'s clients (DDGauss's clients draw
+    from their own secret instead)."""
+    local = trained_update(inner, message, context, global_record)
+    if isinstance(local, Message):
+        return local
+    partition = int(context.node_config.get("partition-id", 0))
     server_round = int(config.get("server-round", 0))
-    rng = client_secret(context.node_config).generator(server_round, Purpose.ROUNDING, prefix)
-    return update, metrics, rng
+    rng = np.random.default_rng([int(config[prefix + "seed"]), server_round, partition])
+    return (*local, rng)
 
 
 def ddgauss_client_app(
@@ -176,16 +186,16 @@ def ddgauss_client_app(
         mode = config[PREFIX + "mode"]
         if mode not in MODES:
             raise ValueError(f"ddgauss.mode={mode!r}; allowed: {MODES}")
-        local = local_update(inner, message, context, global_record, config, PREFIX)
+        local = trained_update(inner, message, context, global_record)
         if isinstance(local, Message):
             return local
-        update, metrics, rng = local
+        update, metrics = local
         server_round = int(config["server-round"])
-        noise_rng = (
-            SecureRandom()
-            if secure_noise
-            else client_secret(context.node_config).generator(server_round, Purpose.NOISE, PREFIX)
-        )
+        secret = client_secret(context.node_config)
+        rng = secret.generator(server_round, Purpose.ROUNDING, PREFIX)
+        noise_rng = secret.generator(server_round, Purpose.NOISE, PREFIX)
+        if secure_noise:
+            noise_rng = SecureRandom()
         encoded = encoder.encode(
             update, int(config[PREFIX + "rotation-seed"]), rng, noise_rng=noise_rng
         )

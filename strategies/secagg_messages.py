@@ -467,7 +467,9 @@ def start_client(context: Context, server_round: int, session: bytes, values) ->
     return RecordDict({KEYS_KEY: ConfigRecord({"channel": channel, "agreement": agreement})})
 
 
-def _stage_of(message: Message, context: Context) -> tuple[int, SecAggClient, Any]:
+def _stage_of(
+    stage: Stage, message: Message, context: Context
+) -> tuple[int, SecAggClient, Any]:
     """The stored round, client and input, after checking the message is for them."""
     server_round, client, values = _load(context)
     header = message.content.get(ROUND_KEY)
@@ -475,10 +477,11 @@ def _stage_of(message: Message, context: Context) -> tuple[int, SecAggClient, An
         not isinstance(header, ConfigRecord)
         or header.get("server-round") != server_round
         or header.get("session") != client.session_id
+        or header.get("stage") != stage.name
     ):
         raise RuntimeError(
-            f"a SecAgg+ message for another round or session (this client is in round "
-            f"{server_round})"
+            f"a SecAgg+ message for another round or session, or stage (this client is in "
+            f"round {server_round}, answering {stage.name})"
         )
     return server_round, client, values
 
@@ -522,7 +525,7 @@ def _answer(stage: Stage, message: Message, context: Context) -> RecordDict:
     message the handler refuses (bad, replayed, out of order) leaves the client ABORTED for
     the round -- stored, so that no later message of the round can resume it -- and the reply
     says so (REFUSED_KEY); the input is kept only until it is masked."""
-    server_round, client, values = _stage_of(message, context)
+    server_round, client, values = _stage_of(stage, message, context)
     try:
         if stage is Stage.SHARE_KEYS:
             content = _share_keys(message, client, server_round)
