@@ -218,7 +218,7 @@ def make_strategy(method: str, epsilon: float, seed: int, facs: dict, dim: int, 
             noise_multiplier=z,
             expected_clients=per_round,
             seed=seed,
-            mode="ideal",
+            mode="plaintext",
             delta=DELTA,
         ), z
     fac = facs["tree" if method.endswith("tree") else "bandmf"]
