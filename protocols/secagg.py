@@ -48,7 +48,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from protocols.channels import PUBLIC_KEY_BYTES, TAG_BYTES, ChannelError, Endpoint, encode_array
+from protocols.channels import PUBLIC_KEY_BYTES, TAG_BYTES, encode_array
 from protocols.field import DEFAULT_FIELD, MersenneField
 from protocols.shamir import PackedShamir
 
@@ -395,15 +395,21 @@ def raw_public_key(key: X25519PrivateKey) -> bytes:
 
 
 
-def key_problem(party: int, public_key: object, probe: Endpoint) -> str | None:
-    """Why ``public_key`` cannot serve as party ``party``'s X25519 key (None if it can): not 32
-    bytes, or an all-zero or low-order point (``probe.connect`` raises ChannelError)."""
+_KEY_CHECK = X25519PrivateKey.from_private_bytes(b"fedsim/secagg/public-key-check/1")
+"""A fixed scalar, no one's secret: X25519 with it gives all zeros exactly for the low-order
+points (RFC 7748, Sec. 6.1), which ``cryptography`` refuses."""
+
+
+def key_problem(public_key: object) -> str | None:
+    """Why ``public_key`` cannot serve as an X25519 public key (None if it can): not 32 bytes,
+    or an all-zero or low-order point -- the keys :meth:`protocols.channels.Endpoint.connect`
+    refuses with a ChannelError."""
     if not isinstance(public_key, bytes) or len(public_key) != PUBLIC_KEY_BYTES:
         return f"a public key must be {PUBLIC_KEY_BYTES} bytes, got {type(public_key).__name__}"
     try:
-        probe.connect(party, public_key)
-    except ChannelError as error:
-        return str(error)
+        _KEY_CHECK.exchange(X25519PublicKey.from_public_bytes(public_key))
+    except ValueError as error:
+        return f"unusable X25519 public key (all-zero or low-order point): {error}"
     return None
 
 

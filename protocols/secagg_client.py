@@ -197,7 +197,6 @@ class SecAggClient:
         own = set(self.public_keys)
         seen: set[bytes] = set()
         endpoint = Endpoint(self.client_id, self.session_id, PROTOCOL, self._channel_key)
-        probe = Endpoint(self.client_id, self.session_id, PROTOCOL)
         for peer, keys in neighbour_keys.items():
             if not isinstance(peer, int | np.integer) or not 0 <= peer < SERVER_ID:
                 raise ValueError(f"neighbour id {peer!r} is not a protocol id")
@@ -208,7 +207,7 @@ class SecAggClient:
                     raise ValueError(f"neighbour {peer}'s key repeats another party's key")
                 seen.add(key)
             endpoint.connect(int(peer), keys[0])  # ChannelError (a ValueError) if unusable
-            problem = key_problem(int(peer), keys[1], probe)
+            problem = key_problem(keys[1])
             if problem is not None:
                 raise ChannelError(f"neighbour {peer}'s agreement key: {problem}")
             self._neighbour_keys[int(peer)] = (keys[0], keys[1])

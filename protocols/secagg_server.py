@@ -28,7 +28,6 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from protocols.channels import (
     NONCE_BYTES,
     SERVER_ID,
-    Endpoint,
     Envelope,
     Relay,
     Transcript,
@@ -36,7 +35,6 @@ from protocols.channels import (
 )
 from protocols.secagg import (
     CHUNKS_PER_SECRET,
-    PROTOCOL,
     SHARE_CIPHERTEXT_BYTES,
     RoundAborted,
     SecAggConfig,
@@ -126,7 +124,6 @@ class SecAggServer:
         self.survivors: tuple[int, ...] = ()
         self.dropped: tuple[int, ...] = ()
         self._recipients: dict[int, tuple[int, ...]] = {}
-        self._probe = Endpoint(SERVER_ID, session_id, PROTOCOL)
 
     @property
     def transcript(self) -> Transcript:
@@ -207,7 +204,7 @@ class SecAggServer:
         if not isinstance(keys, tuple | list) or len(keys) != 2:
             return "public keys must be a (channel, agreement) pair"
         for key in keys:
-            problem = key_problem(int(client), key, self._probe)
+            problem = key_problem(key)
             if problem is not None:
                 return problem
         return None
