@@ -74,6 +74,7 @@ from protocols.field import DEFAULT_FIELD
 from protocols.secagg import SecAggConfig, Stage, TooManyDropoutsError, integer_vector
 from strategies.secagg_messages import (
     KEYS_KEY,
+    MALFORMED,
     register_client_stages,
     run_over_grid,
     start_client,
@@ -470,37 +471,37 @@ class DDGauss(StrategyWrapper):
 
     def _first_replies(self, replies: Iterable[Message]) -> tuple[dict, dict, list]:
         """The train replies checked: (node -> public keys or encoding, rejected node ->
-        reason, metric records sent in the clear)."""
+        reason, the metric records clients sent in the clear)."""
         accepted: dict[int, Any] = {}
         rejected: dict[int, str] = {}
-        clear = []
-        length = self.encoder.padded_dim
-        expected = {KEYS_KEY: ConfigRecord} if self.mode == "full" else {ENCODED_KEY: ArrayRecord}
+        clear: dict[int, MetricRecord] = {}
+        seen: set[int] = set()
         for reply in replies:
             if reply.has_error():
                 continue  # the client failed: a dropout
             node = int(reply.metadata.src_node_id)
-            content = reply.content
-            keys = set(content.keys()) - {"metrics"}
-            if node not in self._asked or node in accepted or node in rejected:
-                rejected[node] = "a train reply from a node not asked, or a second one"
-            elif keys != set(expected) or any(
-                not isinstance(content[k], kind) for k, kind in expected.items()
-            ) or ("metrics" in content and not isinstance(content["metrics"], MetricRecord)):
-                rejected[node] = f"the train reply must hold {sorted(expected)} (+ metrics)"
-            else:
-                try:
-                    accepted[node] = self._payload(content, length)
-                except (ValueError, TypeError, KeyError, SyntaxError) as error:
-                    rejected[node] = f"malformed train reply: {error}"
-                    continue
-                if "metrics" in content:
-                    clear.append(content["metrics"])
+            try:
+                if node not in self._asked or node in seen:
+                    raise ValueError("a train reply from a node not asked, or a second one")
+                seen.add(node)
+                accepted[node] = self._payload(reply.content)
+            except MALFORMED as error:
+                rejected[node] = f"train reply: {error}"
+                continue
+            if "metrics" in reply.content:
+                clear[node] = reply.content["metrics"]
         for node in rejected:
             accepted.pop(node, None)
-        return accepted, rejected, clear
+            clear.pop(node, None)
+        return accepted, rejected, list(clear.values())
 
-    def _payload(self, content: RecordDict, length: int) -> Any:
+    def _payload(self, content: RecordDict) -> Any:
+        """A train reply's public keys (full mode) or encoding; ValueError if it is not one."""
+        key, kind = (KEYS_KEY, ConfigRecord) if self.mode == "full" else (ENCODED_KEY, ArrayRecord)
+        if set(content.keys()) - {"metrics"} != {key} or not isinstance(content[key], kind):
+            raise ValueError(f"it must hold exactly {key!r} (and 'metrics')")
+        if "metrics" in content and not isinstance(content["metrics"], MetricRecord):
+            raise ValueError("'metrics' must be a MetricRecord")
         if self.mode == "full":
             record = content[KEYS_KEY]
             if set(record) != {"channel", "agreement"}:
@@ -509,6 +510,7 @@ class DDGauss(StrategyWrapper):
         arrays = to_numpy(content[ENCODED_KEY])
         if list(arrays) != [ENCODED_KEY]:
             raise ValueError(f"the encoding must be one array named {ENCODED_KEY!r}")
+        length = self.encoder.padded_dim
         return integer_vector(arrays[ENCODED_KEY], DEFAULT_FIELD, length, "the encoding")
 
     def _release(self, server_round: int, payloads: dict[int, Any]) -> _Release:

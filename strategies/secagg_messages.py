@@ -95,7 +95,8 @@ _REPLY_RECORDS = {
     Stage.UNMASK: {UNMASK_KEY: ArrayRecord},
 }
 _ENVELOPE_FIELDS = ("senders", "receivers", "rounds", "stages", "nonces", "ciphertexts")
-_MALFORMED = (ValueError, TypeError, KeyError, IndexError, AttributeError, SyntaxError)
+MALFORMED = (ValueError, TypeError, KeyError, IndexError, AttributeError, SyntaxError)
+"""What decoding an untrusted record may raise; each is a malformed reply."""
 
 
 class MalformedReply(ValueError):
@@ -388,7 +389,7 @@ def _run_stages(exchange: _Exchange, config: SecAggConfig, keys: dict[int, objec
     for c, content in exchange.send(Stage.MASKED_INPUT, deliveries).items():
         try:
             arrays = to_numpy(content[MASKED_KEY])
-        except _MALFORMED as error:
+        except MALFORMED as error:
             server.reject(c, Stage.MASKED_INPUT, f"malformed masked input: {error}")
             continue
         if list(arrays) != ["masked"]:
@@ -406,7 +407,7 @@ def _run_stages(exchange: _Exchange, config: SecAggConfig, keys: dict[int, objec
     for c, content in exchange.send(Stage.UNMASK, asked).items():
         try:
             responses[c] = _unmask_from(content[UNMASK_KEY])
-        except _MALFORMED as error:
+        except MALFORMED as error:
             server.reject(c, Stage.UNMASK, f"malformed unmask reply: {error}")
     return server.unmask(responses)
 
