@@ -100,7 +100,8 @@ def records_of(content: RecordDict, kind: type[R]) -> list[tuple[str, R]]:
 
 
 def content_nbytes(content: RecordDict) -> int:
-    """Payload bytes of a message's content: array bytes plus 8 bytes per scalar.
+    """Payload bytes of a message's content: array bytes, the length of each bytes or str
+    value (in lists too), and 8 bytes per other scalar.
 
     This is the size a deployment would ship, not Ray's internal traffic; it is
     what rounds.jsonl reports as bytes sent and received.
@@ -111,10 +112,6 @@ def content_nbytes(content: RecordDict) -> int:
             total += sum(len(a.data) for a in record.values())
         elif isinstance(record, (ConfigRecord, MetricRecord)):
             for value in record.values():
-                if isinstance(value, (bytes, str)):
-                    total += len(value)
-                elif isinstance(value, list):
-                    total += 8 * len(value)
-                else:
-                    total += 8
+                for item in value if isinstance(value, list) else [value]:
+                    total += len(item) if isinstance(item, (bytes, str)) else 8
     return total

@@ -9,9 +9,9 @@ Learning", CCS 2017, for an honest-but-curious server, over F_p (p = 2^61 - 1 by
   permutation of the clients, seeded by the caller's ``numpy.random.Generator``);
 * each client advertises two X25519 public keys: one for its channels (protocols.channels), one
   for mask agreement;
-* each client Shamir-shares (threshold ``threshold`` among its neighbours) a fresh 32-byte
-  self-mask seed b_i and its mask-agreement private key, sending each neighbour its share over
-  an authenticated encrypted channel relayed by the server;
+* each client Shamir-shares (threshold ``threshold`` among its neighbours) a 32-byte self-mask
+  seed b_i and its mask-agreement private key, sending each neighbour its share over an
+  authenticated encrypted channel relayed by the server;
 * each client sends y_i = x_i + PRG(b_i) + sum_{j in N(i)} sign(i, j) PRG(s_ij) (mod p), where
   s_ij = HKDF(X25519(s_i, S_j)) and sign is + for i < j, - otherwise;
 * the server announces who survived; each neighbour returns its share of b_j for survivors and of
@@ -26,20 +26,19 @@ with the single value 2^e - 1 rejected, so masks are uniform in F_p. With
 rejected), arithmetic is native unsigned wrap-around, and an element travels in ceil(b/8)
 bytes. The seeds and key shares stay in F_p. A sum of signed values decodes correctly in
 Z_{2^b} iff it lies in [-2^(b-1), 2^(b-1)), the same bit budget DDGauss plans for
-(:func:`protocols.encoding.sum_headroom_bits` with ``bits=b``). Keys, seeds and shares come
-from the OS CSPRNG; only the graph is drawn from the passed generator.
+(:func:`protocols.encoding.sum_headroom_bits` with ``bits=b``).
 
-Stages run in the order of :class:`Stage`; every handler checks its transition and raises
-:class:`StageError` on an out-of-order call.
+The client side is :mod:`protocols.secagg_client`, the server side (and an in-process round,
+:func:`protocols.secagg_server.run_secagg`) :mod:`protocols.secagg_server`; this module holds
+what both use: stages, parameters, the graph, the PRG, the ring and the pairwise seeds.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import struct
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -49,13 +48,17 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from protocols.channels import SERVER_ID, Endpoint, Envelope, Relay, Transcript, new_session_id
+from protocols.channels import PUBLIC_KEY_BYTES, TAG_BYTES, encode_array
 from protocols.field import DEFAULT_FIELD, MersenneField
 from protocols.shamir import PackedShamir
 
 SEED_BYTES = 32
+PROTOCOL = b"fedsim/secagg+/v2"
+"""Label every SecAgg+ channel binds into its keys and associated data."""
 _CHUNK_BITS = 16
-_CHUNKS_PER_SECRET = SEED_BYTES * 8 // _CHUNK_BITS
+CHUNKS_PER_SECRET = SEED_BYTES * 8 // _CHUNK_BITS
+SHARE_ROW_LENGTH = 2 * CHUNKS_PER_SECRET
+"""Field elements of one share row: a share of b_i's 16 chunks and of the agreement key's 16."""
 _PAIRWISE_LABEL = b"fedsim/secagg/pairwise/v1"
 
 
@@ -87,7 +90,11 @@ class StageError(RuntimeError):
     """A handler was called out of order."""
 
 
-class TooManyDropoutsError(RuntimeError):
+class RoundAborted(RuntimeError):
+    """The round ended in ABORTED: nothing was released."""
+
+
+class TooManyDropoutsError(RoundAborted):
     """Too few parties answered for the round to complete; the round is aborted."""
 
 
@@ -132,6 +139,10 @@ class SecAggConfig:
     ring_bits: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("num_clients", "degree", "threshold", "vector_length", "round"):
+            value = getattr(self, name)
+            if not isinstance(value, int | np.integer) or isinstance(value, bool):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
         if self.ring_bits is not None:
             RingZ2k(self.ring_bits)
         if self.num_clients < 2:
@@ -149,6 +160,8 @@ class SecAggConfig:
             )
         if self.vector_length < 1:
             raise ValueError(f"vector_length must be >= 1, got {self.vector_length}")
+        if not 0 <= self.round < 2**63:
+            raise ValueError(f"round must be in [0, 2^63), got {self.round}")
         if self.field.exponent <= _CHUNK_BITS:
             raise ValueError(
                 f"field={self.field!r} is too small to share {_CHUNK_BITS}-bit key chunks; "
@@ -167,6 +180,39 @@ class SecAggConfig:
     @property
     def survivors_needed(self) -> int:
         return self.threshold if self.min_survivors is None else self.min_survivors
+
+    def to_array(self) -> np.ndarray:
+        """The parameters as 8 int64 (None as -1), for :meth:`SecAggClient.to_state`."""
+        return np.array(
+            [
+                self.num_clients,
+                self.degree,
+                self.threshold,
+                self.vector_length,
+                self.round,
+                -1 if self.min_survivors is None else self.min_survivors,
+                -1 if self.ring_bits is None else self.ring_bits,
+                self.field.exponent,
+            ],
+            dtype=np.int64,
+        )
+
+    @classmethod
+    def from_array(cls, values: np.ndarray) -> SecAggConfig:
+        values = [int(v) for v in np.asarray(values, dtype=np.int64).ravel()]
+        if len(values) != 8:
+            raise ValueError(f"a SecAggConfig is 8 integers, got {len(values)}")
+        n, degree, threshold, length, round_, minimum, ring, exponent = values
+        return cls(
+            n,
+            degree,
+            threshold,
+            length,
+            round_,
+            None if minimum < 0 else minimum,
+            MersenneField(exponent),
+            None if ring < 0 else ring,
+        )
 
 
 def neighbour_graph(
@@ -304,14 +350,14 @@ class RingZ2k:
         return np.where(signed >= 1 << (self.bits - 1), signed - (1 << self.bits), signed)
 
 
-def _expand(space, seed: bytes, length: int) -> np.ndarray:
+def prg(space, seed: bytes, length: int) -> np.ndarray:
     """The mask PRG in the masking space: F_p (:func:`expand_mask`) or a :class:`RingZ2k`."""
     if isinstance(space, RingZ2k):
         return space.expand(seed, length)
     return expand_mask(seed, length, space)
 
 
-def _sum_vectors(space, vectors: list[np.ndarray]) -> np.ndarray:
+def sum_vectors(space, vectors: list[np.ndarray]) -> np.ndarray:
     if isinstance(space, RingZ2k):
         return space.sum_list(vectors)
     return space.sum(np.stack(vectors), axis=0)
@@ -328,24 +374,63 @@ def pairwise_seed(
     )
 
 
-def _secret_to_elements(secret: bytes) -> np.ndarray:
+def secret_to_elements(secret: bytes) -> np.ndarray:
     return np.frombuffer(secret, dtype="<u2").astype(np.int64)
 
 
-def _elements_to_secret(elements: np.ndarray) -> bytes:
+def elements_to_secret(elements: np.ndarray) -> bytes:
     if np.any(elements >= 2**_CHUNK_BITS):
         raise ValueError("reconstructed key chunks exceed 16 bits: shares are inconsistent")
     return elements.astype("<u2").tobytes()
 
 
-def _raw_private(key: X25519PrivateKey) -> bytes:
+def raw_private_key(key: X25519PrivateKey) -> bytes:
     return key.private_bytes(
         serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
     )
 
 
-def _raw_public(key: X25519PrivateKey) -> bytes:
+def raw_public_key(key: X25519PrivateKey) -> bytes:
     return key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+
+_KEY_CHECK = X25519PrivateKey.from_private_bytes(b"fedsim/secagg/public-key-check/1")
+"""A fixed scalar, no one's secret: X25519 with it gives all zeros exactly for the low-order
+points (RFC 7748, Sec. 6.1), which ``cryptography`` refuses."""
+
+
+def key_problem(public_key: object) -> str | None:
+    """Why ``public_key`` cannot serve as an X25519 public key (None if it can): not 32 bytes,
+    or an all-zero or low-order point -- the keys :meth:`protocols.channels.Endpoint.connect`
+    refuses with a ChannelError."""
+    if not isinstance(public_key, bytes) or len(public_key) != PUBLIC_KEY_BYTES:
+        return f"a public key must be {PUBLIC_KEY_BYTES} bytes, got {type(public_key).__name__}"
+    try:
+        _KEY_CHECK.exchange(X25519PublicKey.from_public_bytes(public_key))
+    except ValueError as error:
+        return f"unusable X25519 public key (all-zero or low-order point): {error}"
+    return None
+
+
+def _share_ciphertext_bytes() -> int:
+    return len(encode_array(np.zeros(SHARE_ROW_LENGTH, dtype=np.int64))) + TAG_BYTES
+
+
+SHARE_CIPHERTEXT_BYTES = _share_ciphertext_bytes()
+"""Length of every sealed share row (a .npy int64 row of SHARE_ROW_LENGTH plus the tag)."""
+
+
+def integer_vector(value: object, space, length: int, name: str) -> np.ndarray:
+    """``value`` as ``length`` elements of ``space`` (F_p or Z_{2^b}), or ValueError saying why
+    not (not an integer numpy vector, wrong length, entries out of range)."""
+    if not isinstance(value, np.ndarray) or value.ndim != 1 or value.dtype.kind not in "iu":
+        shape = getattr(value, "shape", None)
+        kind = getattr(getattr(value, "dtype", None), "name", type(value).__name__)
+        raise ValueError(f"{name} must be a 1-D integer array, got {kind} of shape {shape}")
+    if value.size != length:
+        raise ValueError(f"{name} has {value.size} elements; {length} expected")
+    return space.asarray(value, name)
 
 
 @dataclass(frozen=True)
@@ -361,350 +446,7 @@ class UnmaskResponse:
         rows = list(self.self_mask_shares.values()) + list(self.secret_key_shares.values())
         return sum(8 + row.size * 8 for row in rows)
 
-
-class SecAggClient:
-    """One client's side of SecAgg+: one handler per stage, called in order."""
-
-    def __init__(self, client_id: int, config: SecAggConfig, session_id: bytes) -> None:
-        self.client_id = int(client_id)
-        self.config = config
-        self.session_id = session_id
-        self.stage = Stage.SETUP
-        self._endpoint: Endpoint | None = None
-        self._agreement_key: X25519PrivateKey | None = None
-        self._self_mask_seed: bytes | None = None
-        self._recipients: tuple[int, ...] = ()
-        self._agreement_keys: dict[int, bytes] = {}
-        self._held_shares: dict[int, np.ndarray] = {}
-        self.contributes = True
-
-    def _enter(self, target: Stage) -> None:
-        check_transition(self.stage, target, f"client {self.client_id}")
-        self.stage = target
-
-    def abort(self) -> None:
-        self._enter(Stage.ABORTED)
-
-    def advertise_keys(self) -> tuple[bytes, bytes]:
-        """ADVERTISE_KEYS: fresh channel and mask-agreement key pairs; returns the public keys."""
-        self._enter(Stage.ADVERTISE_KEYS)
-        self._endpoint = Endpoint(self.client_id, self.session_id)
-        self._agreement_key = X25519PrivateKey.generate()
-        return self._endpoint.public_key, _raw_public(self._agreement_key)
-
-    def share_keys(
-        self, neighbour_keys: Mapping[int, tuple[bytes, bytes]], *, contribute: bool = True
-    ) -> list[Envelope]:
-        """SHARE_KEYS: connect to the neighbours whose keys arrived; if contributing, draw the
-        self-mask seed and share it and the agreement key among them (one sealed share row per
-        neighbour). A client told not to contribute (too few live neighbours to protect its
-        secrets) sends nothing but still holds and returns its neighbours' shares."""
-        self._enter(Stage.SHARE_KEYS)
-        recipients = tuple(sorted(int(j) for j in neighbour_keys))
-        self._recipients = recipients
-        self.contributes = contribute
-        for peer, (channel_key, agreement_key) in neighbour_keys.items():
-            self._endpoint.connect(int(peer), channel_key)
-            self._agreement_keys[int(peer)] = agreement_key
-        if not contribute:
-            return []
-        if len(recipients) < self.config.threshold:
-            self._enter(Stage.ABORTED)
-            raise TooManyDropoutsError(
-                f"client {self.client_id} has {len(recipients)} live neighbours; sharing needs "
-                f"threshold={self.config.threshold}"
-            )
-        self._self_mask_seed = os.urandom(SEED_BYTES)
-        secrets_ = np.concatenate(
-            [
-                _secret_to_elements(self._self_mask_seed),
-                _secret_to_elements(_raw_private(self._agreement_key)),
-            ]
-        )
-        scheme = _scheme(self.config, len(recipients))
-        shares = scheme.share(secrets_, secure=True)
-        return [
-            self._endpoint.seal_array(peer, self.config.round, Stage.SHARE_KEYS, shares[member])
-            for member, peer in enumerate(recipients)
-        ]
-
-    def masked_input(self, envelopes: Iterable[Envelope], values) -> np.ndarray | None:
-        """MASKED_INPUT: open the neighbours' shares, then return
-        y = x + PRG(b) + sum_j sign(i, j) PRG(s_ij) over neighbours that shared
-        (None, with ``values=None``, for a client that does not contribute)."""
-        self._enter(Stage.MASKED_INPUT)
-        field_ = self.config.field
-        space = self.config.masking
-        if self.contributes:
-            values = space.asarray(values, "values").ravel()
-            if values.size != self.config.vector_length:
-                raise ValueError(
-                    f"values has {values.size} elements; vector_length={self.config.vector_length}"
-                )
-        elif values is not None:
-            raise ValueError(
-                f"client {self.client_id} does not contribute this round; values must be None"
-            )
-        for envelope in envelopes:
-            if envelope.sender not in self._recipients:
-                raise ValueError(
-                    f"client {self.client_id} got shares from sender={envelope.sender}, "
-                    f"not one of its neighbours {list(self._recipients)}"
-                )
-            self._held_shares[envelope.sender] = field_.asarray(
-                self._endpoint.open_array(
-                    envelope, round_=self.config.round, stage=Stage.SHARE_KEYS
-                ),
-                "share",
-            )
-        if not self.contributes:
-            return None
-        masked = space.add(values, _expand(space, self._self_mask_seed, values.size))
-        for peer in sorted(self._held_shares):
-            seed = pairwise_seed(
-                self._agreement_key,
-                self._agreement_keys[peer],
-                self.session_id,
-                self.client_id,
-                peer,
-            )
-            mask = _expand(space, seed, values.size)
-            if self.client_id < peer:
-                masked = space.add(masked, mask)
-            else:
-                masked = space.sub(masked, mask)
-        return masked
-
-    def unmask(self, survivors: Iterable[int], dropped: Iterable[int]) -> UnmaskResponse:
-        """UNMASK: for each neighbour that shared with us, return the share of its self-mask
-        seed if it survived, of its agreement key if it dropped, never both."""
-        self._enter(Stage.UNMASK)
-        survivors, dropped = set(survivors), set(dropped)
-        both = survivors & dropped
-        if both:
-            self._enter(Stage.ABORTED)
-            raise ValueError(
-                f"client {self.client_id} refuses to unmask: clients {sorted(both)} are listed "
-                "as both survived and dropped (that would reveal their inputs)"
-            )
-        self_mask, secret_key = {}, {}
-        for owner, share in self._held_shares.items():
-            if owner in survivors:
-                self_mask[owner] = share[:_CHUNKS_PER_SECRET]
-            elif owner in dropped:
-                secret_key[owner] = share[_CHUNKS_PER_SECRET:]
-        self._enter(Stage.DONE)
-        return UnmaskResponse(self_mask, secret_key)
-
-
-@dataclass
-class ServerView:
-    """Everything the server received or derived, for audits and tests."""
-
-    public_keys: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)
-    masked_inputs: dict[int, np.ndarray] = field(default_factory=dict)
-    responses: dict[int, UnmaskResponse] = field(default_factory=dict)
-    recovered_self_masks: dict[int, bytes] = field(default_factory=dict)
-    recovered_secret_keys: dict[int, bytes] = field(default_factory=dict)
-
-
-class SecAggServer:
-    """The server's side of SecAgg+: relays, bookkeeping, and the final unmasking.
-
-    ``session_id`` is the public per-round salt (HKDF) shared with the clients; the neighbour
-    graph is drawn from ``graph_rng``.
-    """
-
-    def __init__(
-        self,
-        config: SecAggConfig,
-        client_ids: Iterable[int],
-        session_id: bytes,
-        graph_rng: np.random.Generator,
-        relay: Relay | None = None,
-    ) -> None:
-        self.config = config
-        self.session_id = session_id
-        self.client_ids = tuple(int(i) for i in client_ids)
-        if len(self.client_ids) != config.num_clients:
-            raise ValueError(
-                f"client_ids has {len(self.client_ids)} ids; num_clients={config.num_clients}"
-            )
-        self.graph = neighbour_graph(self.client_ids, config.degree, graph_rng)
-        self.relay = relay if relay is not None else Relay()
-        self.view = ServerView()
-        self.stage = Stage.SETUP
-        self.advertised: tuple[int, ...] = ()
-        self.excluded: tuple[int, ...] = ()
-        self.shared: tuple[int, ...] = ()
-        self.survivors: tuple[int, ...] = ()
-        self.dropped: tuple[int, ...] = ()
-        self._recipients: dict[int, tuple[int, ...]] = {}
-
-    @property
-    def transcript(self) -> Transcript:
-        return self.relay.transcript
-
-    def _enter(self, target: Stage) -> None:
-        check_transition(self.stage, target, "server")
-        self.stage = target
-
-    def _require(self, count: int, stage: Stage, what: str) -> None:
-        if count < self.config.survivors_needed:
-            self._enter(Stage.ABORTED)
-            raise TooManyDropoutsError(
-                f"round {self.config.round} aborted in {stage.name}: {what} {count} clients, "
-                f"at least {self.config.survivors_needed} needed"
-            )
-
-    def advertise_keys(
-        self, public_keys: Mapping[int, tuple[bytes, bytes]]
-    ) -> dict[int, dict[int, tuple[bytes, bytes]]]:
-        """ADVERTISE_KEYS: collect public keys; return, per live client, its live neighbours'
-        keys. Clients left with fewer than ``threshold`` live neighbours are excluded."""
-        self._enter(Stage.ADVERTISE_KEYS)
-        for client, keys in public_keys.items():
-            if client not in self.graph:
-                raise ValueError(f"public_keys has unknown client id {client}")
-            self.view.public_keys[int(client)] = keys
-            self.transcript.record(int(client), SERVER_ID, Stage.ADVERTISE_KEYS, 64 + 8)
-        live = set(self.view.public_keys)
-        self.advertised = tuple(sorted(live))
-        self.excluded = tuple(
-            i
-            for i in self.advertised
-            if len(live.intersection(self.graph[i])) < self.config.threshold
-        )
-        self._require(len(live) - len(self.excluded), Stage.ADVERTISE_KEYS, "keys usable from")
-        routed = {}
-        for client in self.advertised:
-            neighbours = {j: self.view.public_keys[j] for j in self.graph[client] if j in live}
-            self._recipients[client] = tuple(sorted(neighbours))
-            routed[client] = neighbours
-            self.transcript.record(SERVER_ID, client, Stage.ADVERTISE_KEYS, 72 * len(neighbours))
-        return routed
-
-    def share_keys(self, envelopes: Mapping[int, list[Envelope]]) -> dict[int, list[Envelope]]:
-        """SHARE_KEYS: relay the sealed share rows; returns each client's incoming envelopes."""
-        self._enter(Stage.SHARE_KEYS)
-        senders = []
-        for sender, batch in envelopes.items():
-            if sender not in self._recipients or sender in self.excluded:
-                raise ValueError(
-                    f"envelopes from client {sender}, which did not advertise keys or was "
-                    "told not to contribute"
-                )
-            receivers = sorted(envelope.receiver for envelope in batch)
-            if receivers != list(self._recipients[sender]) or any(
-                envelope.sender != sender for envelope in batch
-            ):
-                raise ValueError(
-                    f"client {sender} must send one envelope to each of "
-                    f"{list(self._recipients[sender])}, got receivers {receivers}"
-                )
-            senders.append(int(sender))
-            for envelope in batch:
-                self.relay.post(envelope)
-        self.shared = tuple(sorted(senders))
-        self._require(len(self.shared), Stage.SHARE_KEYS, "shares arrived from")
-        # excluded clients contribute nothing but hold their neighbours' shares
-        return {client: self.relay.deliver(client) for client in self.advertised}
-
-    def masked_input(self, masked_inputs: Mapping[int, np.ndarray]) -> tuple[tuple, tuple]:
-        """MASKED_INPUT: collect y_i from clients that shared; returns (survivors, dropped)."""
-        self._enter(Stage.MASKED_INPUT)
-        field_ = self.config.masking
-        for client, masked in masked_inputs.items():
-            if client not in self.shared:
-                raise ValueError(f"masked input from client {client}, which shared no keys")
-            masked = field_.asarray(masked, f"masked_inputs[{client}]").ravel()
-            if masked.size != self.config.vector_length:
-                raise ValueError(
-                    f"masked_inputs[{client}] has {masked.size} elements; "
-                    f"vector_length={self.config.vector_length}"
-                )
-            self.view.masked_inputs[int(client)] = masked
-            self.transcript.record(
-                int(client), SERVER_ID, Stage.MASKED_INPUT, masked.size * field_.bytes_per_element
-            )
-        self.survivors = tuple(sorted(self.view.masked_inputs))
-        self.dropped = tuple(sorted(set(self.shared) - set(self.survivors)))
-        self._require(len(self.survivors), Stage.MASKED_INPUT, "masked inputs arrived from")
-        for client in self.survivors + self.excluded:
-            self.transcript.record(
-                SERVER_ID, client, Stage.MASKED_INPUT, 8 * (len(self.survivors) + len(self.dropped))
-            )
-        return self.survivors, self.dropped
-
-    def unmask(self, responses: Mapping[int, UnmaskResponse]) -> np.ndarray:
-        """UNMASK: reconstruct survivors' self-mask seeds and dropped clients' agreement keys
-        from the neighbours' shares; return sum_{i in survivors} x_i (mod p)."""
-        self._enter(Stage.UNMASK)
-        field_ = self.config.masking
-        for client, response in responses.items():
-            if client not in self.survivors and client not in self.excluded:
-                raise ValueError(
-                    f"unmask response from client {client}, neither a survivor nor a share "
-                    "holder that was excluded from contributing"
-                )
-            self.view.responses[int(client)] = response
-            self.transcript.record(int(client), SERVER_ID, Stage.UNMASK, response.nbytes)
-        total = _sum_vectors(field_, [self.view.masked_inputs[i] for i in self.survivors])
-        length = self.config.vector_length
-        for owner in self.survivors:
-            seed = self._recover(owner, "self_mask_shares")
-            self.view.recovered_self_masks[owner] = seed
-            total = field_.sub(total, _expand(field_, seed, length))
-        for owner in self.dropped:
-            partners = [j for j in self._recipients[owner] if j in self.survivors]
-            if not partners:
-                continue
-            raw_key = self._recover(owner, "secret_key_shares")
-            self.view.recovered_secret_keys[owner] = raw_key
-            key = X25519PrivateKey.from_private_bytes(raw_key)
-            for partner in partners:
-                seed = pairwise_seed(
-                    key, self.view.public_keys[partner][1], self.session_id, owner, partner
-                )
-                mask = _expand(field_, seed, length)
-                # the partner added +mask if partner < owner, else -mask: undo it
-                if partner < owner:
-                    total = field_.sub(total, mask)
-                else:
-                    total = field_.add(total, mask)
-        self._enter(Stage.DONE)
-        return total
-
-    def _recover(self, owner: int, kind: str) -> bytes:
-        members, rows = [], []
-        recipients = self._recipients[owner]
-        for responder, response in self.view.responses.items():
-            share = getattr(response, kind).get(owner)
-            if share is not None:
-                if responder not in recipients:
-                    raise ValueError(
-                        f"client {responder} returned a share of {owner}'s secret "
-                        "without being one of its recipients"
-                    )
-                members.append(recipients.index(responder))
-                rows.append(share)
-        scheme = _scheme(self.config, len(recipients))
-        if len(members) < scheme.threshold:
-            self._enter(Stage.ABORTED)
-            what = "self-mask seed" if kind == "self_mask_shares" else "mask-agreement key"
-            raise TooManyDropoutsError(
-                f"round {self.config.round} aborted in UNMASK: client {owner}'s {what} needs "
-                f"{scheme.threshold} shares, {len(members)} neighbours answered"
-            )
-        try:
-            elements = scheme.reconstruct(np.stack(rows), members, _CHUNKS_PER_SECRET)
-        except ValueError:
-            self._enter(Stage.ABORTED)
-            raise
-        return _elements_to_secret(elements)
-
-
-def _scheme(config: SecAggConfig, recipients: int) -> PackedShamir:
+def shamir_scheme(config: SecAggConfig, recipients: int) -> PackedShamir:
     """Plain Shamir (k = 1) among ``recipients`` neighbours: ``threshold`` shares reconstruct."""
     return _cached_scheme(recipients, config.threshold - 1, config.field)
 
@@ -719,57 +461,3 @@ def _cached_scheme(members: int, privacy: int, field_: MersenneField) -> PackedS
     # one instance per shape, so its share and Lagrange matrices are computed once
     return PackedShamir(n=members, t=privacy, k=1, field=field_)
 
-
-@dataclass
-class SecAggResult:
-    """Outcome of :func:`run_secagg`."""
-
-    aggregate: np.ndarray
-    survivors: tuple[int, ...]
-    dropped: tuple[int, ...]
-    excluded: tuple[int, ...]
-    server: SecAggServer
-    clients: dict[int, SecAggClient]
-
-
-def run_secagg(
-    config: SecAggConfig,
-    inputs: Mapping[int, np.ndarray],
-    graph_rng: np.random.Generator,
-    dropouts: Mapping[Stage, Iterable[int]] | None = None,
-) -> SecAggResult:
-    """One full round in process: every client's handlers and the server's, with clients that
-    stop answering at a given stage (``dropouts[stage]``: they skip that stage and all later
-    ones). Raises :class:`TooManyDropoutsError` when recovery is impossible."""
-    dropouts = {stage: set(ids) for stage, ids in (dropouts or {}).items()}
-    for stage in dropouts:
-        if stage not in (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASK):
-            raise ValueError(f"dropouts has stage {stage.name}; clients drop in stages 1-4")
-    session_id = new_session_id()
-    server = SecAggServer(config, inputs.keys(), session_id, graph_rng)
-    clients = {i: SecAggClient(i, config, session_id) for i in inputs}
-    gone: set[int] = set()
-
-    def live(stage: Stage, candidates: Iterable[int]) -> list[int]:
-        gone.update(dropouts.get(stage, ()))
-        return [i for i in candidates if i not in gone]
-
-    keys = {i: clients[i].advertise_keys() for i in live(Stage.ADVERTISE_KEYS, clients)}
-    routed = server.advertise_keys(keys)
-    excluded = set(server.excluded)
-    outgoing = {}
-    for i in live(Stage.SHARE_KEYS, routed):
-        envelopes = clients[i].share_keys(routed[i], contribute=i not in excluded)
-        if i not in excluded:
-            outgoing[i] = envelopes
-    incoming = server.share_keys(outgoing)
-    masked = {}
-    for i in live(Stage.MASKED_INPUT, incoming):
-        contribution = clients[i].masked_input(incoming[i], None if i in excluded else inputs[i])
-        if contribution is not None:
-            masked[i] = contribution
-    survivors, dropped = server.masked_input(masked)
-    holders = [i for i in incoming if i in survivors or i in excluded]
-    responses = {i: clients[i].unmask(survivors, dropped) for i in live(Stage.UNMASK, holders)}
-    aggregate = server.unmask(responses)
-    return SecAggResult(aggregate, survivors, dropped, server.excluded, server, clients)

@@ -2,17 +2,27 @@
 
 Kairouz, Liu & Steinke, ICML 2021 (KLS21). Each sampled client trains, clips its model update
 to L2 <= c, rotates, scales by 1/gamma, rounds conditionally and adds its own discrete Gaussian
-noise N_Z(0, (sigma/gamma)^2), then sends field elements (:mod:`protocols.encoding`, done by
-:func:`ddgauss_client_app` around any training ClientApp). The server learns only the modular
-sum of the survivors' encodings:
+noise N_Z(0, (sigma/gamma)^2) (:mod:`protocols.encoding`, done by :func:`ddgauss_client_app`
+around any training ClientApp). Rounding and noise come from the client's own secret
+(:func:`fedsim.randomness.client_secret`; streams ``(round, Purpose.ROUNDING | NOISE,
+"ddgauss.")``), never from the run seed or anything in a message. The modes:
 
-* ``mode="full"``: the sum is computed by SecAgg+ (:func:`protocols.secagg.run_secagg`, real
-  X25519 / HKDF / ChaCha20 keys and masks, Shamir-shared seeds, dropout recovery) run by the
-  driver over the clients' state machines;
-* ``mode="committee"``: the clients' encodings are packed-Shamir shared to a committee
-  (:class:`fedsim.engine.committee.Committee`, members simulated by Ray actors or in process,
-  shares over authenticated encrypted channels), which sums them and releases only the sum;
-* ``mode="ideal"``: the same sum mod p without the cryptography. All give the same integers.
+* ``mode="full"``: the clients mask before anything leaves the ClientApp. The train reply holds
+  only two public keys; the strategy then runs SecAgg+ (Bell et al., CCS 2020) as three more
+  message exchanges through the Grid it was given in ``configure_train``
+  (:mod:`strategies.secagg_messages`), and the server holds only public keys, sealed share rows
+  it relays, masked inputs and its own protocol state. It learns the modular sum of the
+  survivors' encodings and nothing else about them, against an honest-but-curious server: the
+  public keys it relays are taken as authentic.
+* ``mode="plaintext"``: for fast studies. Each client's encoding (its rounded update plus its
+  share of the noise, sigma/sqrt(n) per client) reaches the server in the clear, and the server
+  sums them itself; it reproduces full mode's sum and accounting bit for bit on the complete
+  graph (``secagg_degree=None``) with the same client secrets and dropouts. (The earlier name
+  ``"ideal"`` is refused: nothing about the server's view is ideal.)
+* ``mode="committee"``: the encodings reach the server in the clear and are packed-Shamir shared
+  to a :class:`fedsim.engine.committee.Committee` (share randomness from the OS CSPRNG), which
+  sums them and releases only the sum: it exercises the members' side of the protocol, not the
+  clients'.
 
 The server decodes the sum (signed, times gamma, inverse rotation), divides by the planned
 cohort size ``expected_clients`` and hands ``g + mean update`` to the wrapped Flower strategy
@@ -26,14 +36,23 @@ gamma is the finest granularity for which the sum of n encodings fits ``bits`` s
 Accounting (:mod:`fedsim.privacy.ddgauss`): every released round records KLS21 Theorem 1's
 bound as ``GaussianDpEvent(1/eps)`` in a :class:`~fedsim.privacy.accounting.PrivacyLedger`
 (add/remove, no amplification by sampling claimed), with sensitivities Delta_2, Delta_1 of the
-rounded vector and **the number of clients whose noise is in the sum** (the survivors, never
-the planned n). A round with dropouts therefore costs more privacy than a full one.
+rounded vector and **the number of clients whose noise is in the sum** (the survivors, after
+dropouts and rejected replies; never the planned n). A round with dropouts therefore costs more
+privacy than a full one; a round that releases nothing records nothing.
+
+Hostile replies: every reply is checked (form, types, lengths, field ranges, key validity,
+membership, stage) before it is used; a bad one drops its client for the round, named in the
+round metric ``rejected`` (node ids) with the reasons in the log, and the round goes on, or
+releases nothing when too few clients remain. Client replies carry only protocol fields unless
+the client app was built with ``metrics_in_clear=True``.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -43,19 +62,35 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedsim.engine.committee import Committee, TamperingDetected
-from fedsim.engine.reduce import partial_reply, single
+from fedsim.engine.reduce import single
 from fedsim.privacy import ddgauss as ddgauss_privacy
 from fedsim.privacy.accounting import NeighbouringRelation, PrivacyLedger
 from fedsim.privacy.mechanisms import SecureRandom
+from fedsim.randomness import Purpose, Stream, client_secret, public_generator
 from fedsim.records import to_numpy, to_record
+from protocols.channels import new_session_id
 from protocols.encoding import DEFAULT_BETA, DDGaussEncoder, choose_gamma
 from protocols.field import DEFAULT_FIELD
-from protocols.secagg import SecAggConfig, Stage, TooManyDropoutsError, run_secagg
+from protocols.secagg import SecAggConfig, Stage, TooManyDropoutsError, integer_vector
+from strategies.secagg_messages import (
+    KEYS_KEY,
+    MALFORMED,
+    register_client_stages,
+    run_over_grid,
+    start_client,
+)
 from strategies.wrapper import StrategyWrapper, server_reply
+
+log = logging.getLogger(__name__)
 
 ENCODED_KEY = "ddgauss.encoded"
 PREFIX = "ddgauss."
-_KEYS = ("dim", "clip", "gamma", "noise-std", "beta", "max-tries", "rotation-seed", "seed")
+MODES = ("full", "plaintext", "committee")
+_KEYS = ("dim", "clip", "gamma", "noise-std", "beta", "max-tries", "rotation-seed", "mode")
+_RENAMED = (
+    "mode='ideal' is now mode='plaintext': the clients' encodings reach the server in the "
+    "clear (only the sum's arithmetic matches full mode); use 'full' for SecAgg+"
+)
 
 
 def flatten(arrays: dict[str, np.ndarray]) -> np.ndarray:
@@ -74,6 +109,8 @@ def unflatten(vector: np.ndarray, like: dict[str, np.ndarray]) -> dict[str, np.n
 def encoder_from_config(config: ConfigRecord) -> DDGaussEncoder:
     """The encoder a train instruction describes (keys ``ddgauss.*``)."""
     missing = [PREFIX + k for k in _KEYS if PREFIX + k not in config]
+    if "server-round" not in config:
+        missing.append("server-round")
     if missing:
         raise ValueError(f"the instruction's config lacks {missing}; is the server DDGauss?")
     return DDGaussEncoder(
@@ -94,6 +131,19 @@ def _instruction_parts(message: Message) -> tuple[str, ArrayRecord, ConfigRecord
     return arrays[0][0], arrays[0][1], configs[0]
 
 
+def trained_update(
+    inner: ClientApp, message: Message, context: Context, global_record: ArrayRecord
+) -> Message | tuple[np.ndarray, MetricRecord]:
+    """Train with ``inner``: its error reply, or the flattened update (trained minus global)
+    and its metrics."""
+    reply = inner(message, context)
+    if reply.has_error():
+        return reply
+    _, trained = single(reply.content, ArrayRecord)
+    _, metrics = single(reply.content, MetricRecord)
+    return flatten(to_numpy(trained)) - flatten(to_numpy(global_record)), metrics
+
+
 def local_update(
     inner: ClientApp,
     message: Message,
@@ -102,58 +152,87 @@ def local_update(
     config: ConfigRecord,
     prefix: str,
 ) -> Message | tuple[np.ndarray, MetricRecord, np.random.Generator]:
-    """Train with ``inner``: its error reply, or the flattened update (trained minus
-    global), its metrics and the client's generator of the round, seeded by
-    ``([config[prefix + "seed"], server_round, partition_id])``."""
-    reply = inner(message, context)
-    if reply.has_error():
-        return reply
-    _, trained = single(reply.content, ArrayRecord)
-    _, metrics = single(reply.content, MetricRecord)
-    update = flatten(to_numpy(trained)) - flatten(to_numpy(global_record))
+    """:func:`trained_update` plus a generator seeded by ``([config[prefix + "seed"],
+    server_round, partition_id])``, for :mod:`strategies.dmm`'s clients (DDGauss's clients draw
+    from their own secret instead)."""
+    local = trained_update(inner, message, context, global_record)
+    if isinstance(local, Message):
+        return local
     partition = int(context.node_config.get("partition-id", 0))
     server_round = int(config.get("server-round", 0))
     rng = np.random.default_rng([int(config[prefix + "seed"]), server_round, partition])
-    return update, metrics, rng
+    return (*local, rng)
 
 
-def ddgauss_client_app(inner: ClientApp, secure_noise: bool = False) -> ClientApp:
-    """A ClientApp that runs ``inner`` and replies with its DDGauss-encoded model update.
+def ddgauss_client_app(
+    inner: ClientApp, metrics_in_clear: bool = False, secure_noise: bool = False
+) -> ClientApp:
+    """A ClientApp that runs ``inner`` and answers DDGauss's train instructions.
 
-    Train replies carry ``ddgauss.encoded`` (int64 field elements of length D) and the inner
-    reply's metrics plus ``ddgauss.tries`` and ``ddgauss.clipped``. Rounding and noise draw from
-    ``SeedSequence([seed, server_round, partition_id])`` (simulation), or the noise from the OS
-    (``secure_noise``). Evaluate messages go to ``inner`` unchanged.
+    In full mode its train reply holds only the client's two SecAgg+ public keys, and the app
+    answers the SecAgg+ stage messages (``query.secagg_*``) with its state kept in
+    ``context.state``; in plaintext and committee modes the reply carries ``ddgauss.encoded``
+    (D field elements). Rounding and noise come from the client's own secret, or the noise from
+    the OS (``secure_noise``). ``metrics_in_clear``: also reply the inner metrics plus
+    ``ddgauss.tries`` and ``ddgauss.clipped`` un-noised; without it a train reply carries
+    nothing data-dependent but the (masked) encoding. Evaluate messages go to ``inner``
+    unchanged: federated evaluation, when the strategy asks for it, is outside DDGauss.
     """
     app = ClientApp()
 
     @app.train()
     def train(message: Message, context: Context) -> Message:
-        key, global_record, config = _instruction_parts(message)
+        _, global_record, config = _instruction_parts(message)
         encoder = encoder_from_config(config)
-        local = local_update(inner, message, context, global_record, config, PREFIX)
+        mode = config[PREFIX + "mode"]
+        if mode not in MODES:
+            raise ValueError(f"ddgauss.mode={mode!r}; allowed: {MODES}")
+        local = trained_update(inner, message, context, global_record)
         if isinstance(local, Message):
             return local
-        update, metrics, rng = local
+        update, metrics = local
+        server_round = int(config["server-round"])
+        secret = client_secret(context.node_config)
+        rng = secret.generator(server_round, Purpose.ROUNDING, PREFIX)
+        noise_rng = secret.generator(server_round, Purpose.NOISE, PREFIX)
+        if secure_noise:
+            noise_rng = SecureRandom()
         encoded = encoder.encode(
-            update,
-            int(config[PREFIX + "rotation-seed"]),
-            rng,
-            noise_rng=SecureRandom() if secure_noise else None,
+            update, int(config[PREFIX + "rotation-seed"]), rng, noise_rng=noise_rng
         )
-        out_metrics = MetricRecord(dict(metrics))
-        out_metrics["ddgauss.tries"] = encoded.tries
-        out_metrics["ddgauss.clipped"] = int(encoded.clipped)
-        content = RecordDict(
-            {ENCODED_KEY: to_record({ENCODED_KEY: encoded.elements}), "metrics": out_metrics}
-        )
+        if mode == "full":
+            signed = encoder.field.decode_signed(encoded.elements)
+            content = start_client(context, server_round, config[PREFIX + "session"], signed)
+        else:
+            content = RecordDict({ENCODED_KEY: to_record({ENCODED_KEY: encoded.elements})})
+        if metrics_in_clear:
+            out_metrics = MetricRecord(dict(metrics))
+            out_metrics["ddgauss.tries"] = encoded.tries
+            out_metrics["ddgauss.clipped"] = int(encoded.clipped)
+            content["metrics"] = out_metrics
         return Message(content=content, reply_to=message)
+
+    register_client_stages(app)
 
     @app.evaluate()
     def evaluate(message: Message, context: Context) -> Message:
         return inner(message, context)
 
     return app
+
+
+@dataclass
+class _Release:
+    """What one round's secure sum gave: the total in F_p (None: nothing released), the nodes
+    whose noise it holds, the nodes rejected with reasons, why it aborted, and (full mode) the
+    SecAgg+ server's final stage and the nodes that refused a stage."""
+
+    total: np.ndarray | None
+    survivors: tuple[int, ...] = ()
+    rejected: dict[int, str] = field(default_factory=dict)
+    aborted: str | None = None
+    stage: str | None = None
+    refused: dict[int, str] = field(default_factory=dict)
 
 
 class DDGauss(StrategyWrapper):
@@ -164,20 +243,21 @@ class DDGauss(StrategyWrapper):
         clipping_norm: c, the L2 bound of each client's update.
         noise_multiplier: central noise std / c when all ``expected_clients`` contribute.
         expected_clients: n, the planned clients per round (noise is split among them).
-        seed: root of the round's rotation seed and of the clients' rounding/noise streams.
-        mode: "full" (SecAgg+ with real cryptography), "committee" (sum by ``committee``) or
-            "ideal" (sum mod p only).
+        seed: the run seed, root of the round's public streams only (rotation, neighbour graph,
+            simulated protocol dropouts); never of a client's secret.
+        mode: "full" (clients mask; SecAgg+ over the Grid), "plaintext" (encodings in the
+            clear, summed by the server) or "committee" (summed by ``committee``).
         committee: the :class:`~fedsim.engine.committee.Committee` of ``mode="committee"``.
         bits: signed bits the modular sum of n encodings must fit (gamma is chosen from it).
         beta: conditional rounding parameter; max_tries: cap on rounding redraws.
         delta: the run's delta; secagg_degree: neighbours per client in SecAgg+ (None: all).
         ring_bits: in full mode, mask and sum in Z_{2^ring_bits} (>= ``bits``, so the sum cannot
             wrap) instead of F_p: half the bytes at 32 bits; None keeps the field.
-        protocol_dropout: probability that a client whose encoding arrived stops answering
-            inside SecAgg+, at a stage drawn uniformly from its four stages (seeded by
-            ``seed`` and the round). Clients lost before MASKED_INPUT contribute no noise.
-            ``ideal`` mode reproduces full mode's outcome exactly on the complete graph
-            (``secagg_degree=None``).
+        protocol_dropout: probability that a client whose train reply arrived stops answering
+            inside SecAgg+, at a stage drawn uniformly from its four stages (a public schedule
+            from ``seed`` and the round). Clients lost before MASKED_INPUT contribute no noise.
+            Plaintext mode reproduces full mode's outcome exactly on the complete graph.
+        stage_timeout: seconds each SecAgg+ exchange waits for replies (None: no limit).
     """
 
     def __init__(
@@ -188,7 +268,7 @@ class DDGauss(StrategyWrapper):
         noise_multiplier: float,
         expected_clients: int,
         seed: int,
-        mode: Literal["full", "committee", "ideal"] = "full",
+        mode: Literal["full", "plaintext", "committee"] = "full",
         bits: int = 20,
         beta: float = DEFAULT_BETA,
         max_tries: int = 100,
@@ -197,6 +277,7 @@ class DDGauss(StrategyWrapper):
         ring_bits: int | None = None,
         protocol_dropout: float = 0.0,
         committee: Committee | None = None,
+        stage_timeout: float | None = 3600.0,
     ) -> None:
         if not (math.isfinite(clipping_norm) and clipping_norm > 0):
             raise ValueError(f"clipping_norm={clipping_norm!r}; it must be finite and > 0")
@@ -204,8 +285,10 @@ class DDGauss(StrategyWrapper):
             raise ValueError(f"noise_multiplier={noise_multiplier!r}; it must be finite and > 0")
         if not isinstance(expected_clients, int) or expected_clients < 2:
             raise ValueError(f"expected_clients={expected_clients!r}; it must be an integer >= 2")
-        if mode not in ("full", "committee", "ideal"):
-            raise ValueError(f"mode={mode!r}; allowed: 'full', 'committee', 'ideal'")
+        if mode == "ideal":
+            raise ValueError(_RENAMED)
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r}; allowed: {', '.join(map(repr, MODES))}")
         if (mode == "committee") != (committee is not None):
             raise ValueError(
                 f"committee={committee!r} with mode={mode!r}: pass a Committee exactly when "
@@ -220,6 +303,8 @@ class DDGauss(StrategyWrapper):
             )
         if not 0.0 <= protocol_dropout <= 1.0:
             raise ValueError(f"protocol_dropout={protocol_dropout!r}; allowed: a probability")
+        if stage_timeout is not None and not stage_timeout > 0:
+            raise ValueError(f"stage_timeout={stage_timeout!r}; allowed: seconds > 0 or None")
         super().__init__(strategy)
         self.ring_bits = ring_bits
         self.protocol_dropout = float(protocol_dropout)
@@ -233,12 +318,23 @@ class DDGauss(StrategyWrapper):
         self.beta = beta
         self.max_tries = max_tries
         self.secagg_degree = secagg_degree
+        self.stage_timeout = stage_timeout
         self.ledger = PrivacyLedger(NeighbouringRelation.ADD_REMOVE, delta)
         self.encoder: DDGaussEncoder | None = None
         self.last_sum: np.ndarray | None = None
         self.last_survivors: tuple[int, ...] = ()
+        self.last_rejected: dict[int, str] = {}
         self.last_abort: str | None = None
+        self.last_stage: str | None = None
         self._global: tuple[str, ArrayRecord] | None = None
+        self._grid: Grid | None = None
+        self._session: bytes | None = None
+        self._asked: set[int] = set()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_grid"] = None  # the round's transport, never part of a checkpoint
+        return state
 
     @property
     def client_noise_std(self) -> float:
@@ -270,7 +366,7 @@ class DDGauss(StrategyWrapper):
 
     def rotation_seed(self, server_round: int) -> int:
         """The round's public rotation seed, shared by every client."""
-        return int(np.random.SeedSequence([self.seed, server_round, 1]).generate_state(1)[0])
+        return int(public_generator(self.seed, server_round, Stream.ROTATION).integers(2**63))
 
     def epsilon(self) -> float:
         return self.ledger.epsilon() if len(self.ledger) else 0.0
@@ -283,6 +379,7 @@ class DDGauss(StrategyWrapper):
             "relation": self.ledger.relation.value,
             "rounds_accounted": len(self.ledger),
             "bound": "KLS21 Theorem 1 (zCDP), noise of surviving clients only",
+            "mode": self.mode,
         }
 
     def configure_train(
@@ -301,15 +398,21 @@ class DDGauss(StrategyWrapper):
                 PREFIX + "beta": encoder.beta,
                 PREFIX + "max-tries": encoder.max_tries,
                 PREFIX + "rotation-seed": self.rotation_seed(server_round),
-                PREFIX + "seed": self.seed,
+                PREFIX + "mode": self.mode,
             }
         )
+        self._session = new_session_id() if self.mode == "full" else None
+        if self._session is not None:
+            extended[PREFIX + "session"] = self._session
         self._global = (getattr(self.strategy, "arrayrecord_key", "arrays"), arrays)
-        return self.strategy.configure_train(server_round, arrays, extended, grid)
+        self._grid = grid
+        messages = list(self.strategy.configure_train(server_round, arrays, extended, grid))
+        self._asked = {int(m.metadata.dst_node_id) for m in messages}
+        return messages
 
     def protocol_dropouts(self, server_round: int, ids: list[int]) -> dict[Stage, set[int]]:
         """The clients that stop answering inside SecAgg+ this round, by stage."""
-        rng = np.random.default_rng([self.seed, server_round, 3])
+        rng = public_generator(self.seed, server_round, Stream.FAULTS, 1)
         lost = rng.random(len(ids)) < self.protocol_dropout
         stage_index = rng.integers(0, 4, size=len(ids))
         stages = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASK)
@@ -319,7 +422,9 @@ class DDGauss(StrategyWrapper):
                 out.setdefault(stages[index], set()).add(client)
         return out
 
-    def _secagg_config(self, server_round: int, count: int, length: int) -> SecAggConfig:
+    def secagg_config(self, server_round: int, count: int, length: int) -> SecAggConfig:
+        """The SecAgg+ parameters for ``count`` clients: degree ``secagg_degree`` (None: the
+        complete graph), threshold a majority of the neighbours."""
         degree = count - 1 if self.secagg_degree is None else min(self.secagg_degree, count - 1)
         if degree != count - 1 and degree % 2:
             degree -= 1
@@ -332,124 +437,192 @@ class DDGauss(StrategyWrapper):
             ring_bits=self.ring_bits,
         )
 
-    def secure_sum(self, server_round: int, inputs: dict[int, np.ndarray]) -> np.ndarray:
-        """sum_i inputs[i] mod p over the clients that contribute, by SecAgg+ (full) or directly
-        (ideal); sets ``last_survivors`` to those clients. Raises
-        :class:`protocols.secagg.TooManyDropoutsError` when the round cannot complete."""
+    def sum_in_clear(self, server_round: int, inputs: dict[int, np.ndarray]) -> np.ndarray:
+        """sum_i inputs[i] mod p over the clients that contribute, for the modes in which the
+        server holds the encodings (plaintext: the outcome SecAgg+ reaches on the complete
+        graph under the round's protocol dropouts; committee: by the committee); sets
+        ``last_survivors``. Raises :class:`protocols.secagg.TooManyDropoutsError` (or the
+        committee's :class:`TamperingDetected`) when the round cannot complete."""
         ids = sorted(inputs)
+        if self.mode == "full":
+            raise ValueError("in full mode the server never holds the inputs; see aggregate_train")
         if self.mode == "committee":
-            try:
-                result = self.committee.run_round(
-                    server_round, inputs, np.random.default_rng([self.seed, server_round, 4])
-                )
-            except TamperingDetected as error:
-                raise TooManyDropoutsError(f"round {server_round} withheld: {error}") from error
+            result = self.committee.run_round(server_round, inputs, None)
             self.last_survivors = result.clients
             return result.aggregate
         dropouts = self.protocol_dropouts(server_round, ids)
-        config = self._secagg_config(server_round, len(ids), inputs[ids[0]].size)
-        if self.mode == "ideal":
-            # the outcome SecAgg+ reaches on the complete graph, without running it
-            advertised = [i for i in ids if i not in dropouts.get(Stage.ADVERTISE_KEYS, ())]
-            before_input = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT)
-            gone = set().union(*(dropouts.get(stage, set()) for stage in before_input))
-            contributors = [i for i in ids if i not in gone]
-            responders = [i for i in contributors if i not in dropouts.get(Stage.UNMASK, ())]
-            if (
-                len(advertised) - 1 < config.threshold
-                or len(contributors) < config.survivors_needed
-                or len(responders) < config.threshold
-            ):
-                raise TooManyDropoutsError(
-                    f"round {server_round}: {len(contributors)} clients contributed and "
-                    f"{len(responders)} answered in UNMASK; at least {config.threshold} needed"
-                )
-            self.last_survivors = tuple(contributors)
-            return DEFAULT_FIELD.sum(np.stack([inputs[i] for i in contributors]), axis=0)
-        space = config.masking
-        if self.ring_bits is not None:  # signed integers travel in Z_{2^b}
-            inputs = {
-                i: space.encode_signed(DEFAULT_FIELD.decode_signed(v)) for i, v in inputs.items()
-            }
-        result = run_secagg(
-            config, inputs, np.random.default_rng([self.seed, server_round, 2]), dropouts
-        )
-        self.last_survivors = tuple(result.survivors)
-        if self.ring_bits is not None:
-            return DEFAULT_FIELD.encode_signed(space.decode_signed(result.aggregate))
-        return result.aggregate
+        config = self.secagg_config(server_round, len(ids), inputs[ids[0]].size)
+        advertised = [i for i in ids if i not in dropouts.get(Stage.ADVERTISE_KEYS, ())]
+        before_input = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT)
+        gone = set().union(*(dropouts.get(stage, set()) for stage in before_input))
+        contributors = [i for i in ids if i not in gone]
+        responders = [i for i in contributors if i not in dropouts.get(Stage.UNMASK, ())]
+        if (
+            len(advertised) - 1 < config.threshold
+            or len(contributors) < config.survivors_needed
+            or len(responders) < config.threshold
+        ):
+            raise TooManyDropoutsError(
+                f"round {server_round}: {len(contributors)} clients contributed and "
+                f"{len(responders)} answered in UNMASK; at least {config.threshold} needed"
+            )
+        self.last_survivors = tuple(contributors)
+        return DEFAULT_FIELD.sum(np.stack([inputs[i] for i in contributors]), axis=0)
+
+    def _first_replies(self, replies: Iterable[Message]) -> tuple[dict, dict, list]:
+        """The train replies checked: (node -> public keys or encoding, rejected node ->
+        reason, the metric records clients sent in the clear)."""
+        accepted: dict[int, Any] = {}
+        rejected: dict[int, str] = {}
+        clear: dict[int, MetricRecord] = {}
+        seen: set[int] = set()
+        for reply in replies:
+            if reply.has_error():
+                continue  # the client failed: a dropout
+            node = int(reply.metadata.src_node_id)
+            try:
+                if node not in self._asked or node in seen:
+                    raise ValueError("a train reply from a node not asked, or a second one")
+                seen.add(node)
+                accepted[node] = self._payload(reply.content)
+            except MALFORMED as error:
+                rejected[node] = f"train reply: {error}"
+                continue
+            if "metrics" in reply.content:
+                clear[node] = reply.content["metrics"]
+        for node in rejected:
+            accepted.pop(node, None)
+            clear.pop(node, None)
+        return accepted, rejected, list(clear.values())
+
+    def _payload(self, content: RecordDict) -> Any:
+        """A train reply's public keys (full mode) or encoding; ValueError if it is not one."""
+        key, kind = (KEYS_KEY, ConfigRecord) if self.mode == "full" else (ENCODED_KEY, ArrayRecord)
+        if set(content.keys()) - {"metrics"} != {key} or not isinstance(content[key], kind):
+            raise ValueError(f"it must hold exactly {key!r} (and 'metrics')")
+        if "metrics" in content and not isinstance(content["metrics"], MetricRecord):
+            raise ValueError("'metrics' must be a MetricRecord")
+        if self.mode == "full":
+            record = content[KEYS_KEY]
+            if set(record) != {"channel", "agreement"}:
+                raise ValueError("public keys must be 'channel' and 'agreement'")
+            return (record["channel"], record["agreement"])
+        arrays = to_numpy(content[ENCODED_KEY])
+        if list(arrays) != [ENCODED_KEY]:
+            raise ValueError(f"the encoding must be one array named {ENCODED_KEY!r}")
+        length = self.encoder.padded_dim
+        return integer_vector(arrays[ENCODED_KEY], DEFAULT_FIELD, length, "the encoding")
+
+    def _release(self, server_round: int, payloads: dict[int, Any]) -> _Release:
+        """The round's secure sum over the accepted clients, in F_p, or why there is none."""
+        length = self.encoder.padded_dim
+        if self.mode == "full":
+            outcome = run_over_grid(
+                self._grid,
+                server_round=server_round,
+                session=self._session,
+                public_keys=payloads,
+                config_for=lambda count: self.secagg_config(server_round, count, length),
+                graph_rng=public_generator(self.seed, server_round, Stream.COMMITTEE, 1),
+                timeout=self.stage_timeout,
+                silent=self.protocol_dropouts(server_round, sorted(payloads)),
+            )
+            total = outcome.aggregate
+            if total is not None and outcome.config.ring_bits is not None:
+                total = DEFAULT_FIELD.encode_signed(outcome.config.masking.decode_signed(total))
+            return _Release(
+                total,
+                outcome.survivors,
+                outcome.rejected,
+                outcome.aborted,
+                outcome.stage.name,
+                outcome.refused,
+            )
+        if len(payloads) < 1:
+            return _Release(None, aborted=f"round {server_round}: no client contributed")
+        try:
+            total = self.sum_in_clear(server_round, payloads)
+        except (TooManyDropoutsError, TamperingDetected) as error:
+            return _Release(None, aborted=str(error))
+        return _Release(total, self.last_survivors)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         if self._global is None or self.encoder is None:
             raise RuntimeError("aggregate_train called before configure_train")
-        key, global_record = self._global
-        reference = to_numpy(global_record)
-        encoder = self.encoder
-        valid = [r for r in replies if not r.has_error()]
-        inputs = {}
-        for reply in valid:
-            record = reply.content[ENCODED_KEY]
-            inputs[int(reply.metadata.src_node_id)] = np.asarray(to_numpy(record)[ENCODED_KEY])
-        minimum = 2 if self.mode == "full" else 1
-        metrics = MetricRecord({"ddgauss-planned": self.expected_clients})
-        if len(inputs) < minimum:  # nothing is released, so nothing is accounted
-            self.last_survivors = ()
-            metrics["ddgauss-survivors"] = len(inputs)
-            metrics["epsilon"] = self.epsilon()
-            return None, metrics
-        try:
-            total = self.secure_sum(server_round, inputs)
-        except TooManyDropoutsError as error:  # nothing released, so nothing accounted
-            self.last_survivors, self.last_sum = (), None
+        payloads, rejected, clear = self._first_replies(replies)
+        release = self._release(server_round, payloads)
+        rejected.update(release.rejected)
+        for node, reason in sorted(rejected.items()):
+            log.warning("round %d: DDGauss rejected node %d: %s", server_round, node, reason)
+        for node, reason in sorted(release.refused.items()):
+            log.info("round %d: node %d refused a SecAgg+ stage: %s", server_round, node, reason)
+        self.last_rejected, self.last_stage = rejected, release.stage
+        metrics = MetricRecord(
+            {
+                "ddgauss-planned": self.expected_clients,
+                "rejected": sorted(rejected),
+                "ddgauss-rejected": len(rejected),
+                "ddgauss-refused": len(release.refused),
+            }
+        )
+        if release.total is None:  # nothing is released, so nothing is accounted
+            self.last_survivors, self.last_sum, self.last_abort = (), None, release.aborted
             metrics["ddgauss-survivors"] = 0
             metrics["ddgauss-aborted"] = 1
             metrics["epsilon"] = self.epsilon()
-            self.last_abort = str(error)
             return None, metrics
-        self.last_sum = total
-        survivors = len(self.last_survivors)
+        self.last_sum, self.last_survivors, self.last_abort = release.total, release.survivors, None
+        arrays, aggregated = self._apply(server_round, release, clear)
+        aggregated.update(dict(metrics))
+        aggregated["ddgauss-survivors"] = len(release.survivors)
+        aggregated["ddgauss-aborted"] = 0
+        aggregated["ddgauss-gamma"] = self.encoder.gamma
+        aggregated["epsilon"] = self.epsilon()
+        return arrays, aggregated
+
+    def _apply(
+        self, server_round: int, release: _Release, clear: list[MetricRecord]
+    ) -> tuple[ArrayRecord | None, MetricRecord]:
+        """Account the release (survivors' noise only) and hand the mean update to the
+        wrapped strategy; client metrics sent in the clear are averaged and marked."""
+        encoder = self.encoder
+        key, global_record = self._global
         self.ledger.record(
             server_round,
             ddgauss_privacy.round_event(
                 encoder.l2_bound,
                 encoder.l1_bound,
                 encoder.scaled_noise_std,
-                survivors,
+                len(release.survivors),
                 encoder.padded_dim,
             ),
         )
-        mean_update = encoder.decode(total, self.rotation_seed(server_round))
+        reference = to_numpy(global_record)
+        mean_update = encoder.decode(release.total, self.rotation_seed(server_round))
         mean_update /= self.expected_clients
         updates = unflatten(mean_update, reference)
         new = {k: (v.astype(np.float64) + updates[k]).astype(v.dtype) for k, v in reference.items()}
         client_metrics = MetricRecord({"num-examples": 1})
-        losses = [
-            (
-                float(r.content["metrics"].get("num-examples", 1)),
-                r.content["metrics"].get("train_loss"),
-            )
-            for r in valid
-            if "metrics" in r.content
-        ]
-        weighted = [(w, loss) for w, loss in losses if isinstance(loss, int | float)]
+        weighted = [(m.get("num-examples", 1), m.get("train_loss")) for m in clear]
+        weighted = [(w, v) for w, v in weighted if _number(w) and w > 0 and _number(v)]
         if weighted:
-            client_metrics["train_loss"] = sum(w * loss for w, loss in weighted) / sum(
-                w for w, _ in weighted
-            )
+            total = sum(w for w, _ in weighted)
+            client_metrics["train_loss"] = sum(w * v for w, v in weighted) / total
         content = RecordDict({key: to_record(new), "metrics": client_metrics})
-        reply = partial_reply(valid[0], content) if valid else server_reply(content, server_round)
-        arrays, aggregated = self.strategy.aggregate_train(server_round, [reply])
-        aggregated = aggregated if aggregated is not None else MetricRecord()
-        aggregated.update(dict(metrics))
-        aggregated["ddgauss-survivors"] = survivors
-        aggregated["ddgauss-gamma"] = encoder.gamma
-        aggregated["ddgauss-clipped"] = sum(
-            int(r.content["metrics"].get("ddgauss.clipped", 0)) for r in valid
+        arrays, aggregated = self.strategy.aggregate_train(
+            server_round, [server_reply(content, server_round)]
         )
-        aggregated["epsilon"] = self.epsilon()
+        aggregated = aggregated if aggregated is not None else MetricRecord()
+        if clear:
+            aggregated["metrics_in_clear"] = 1
+            aggregated["ddgauss-clipped"] = sum(int(m.get("ddgauss.clipped", 0)) for m in clear)
         return arrays, aggregated
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 #: ``strategy.options`` keys of "ddgauss" (see :func:`from_options`)
@@ -464,6 +637,7 @@ OPTIONS = (
     "secagg_degree",
     "ring_bits",
     "protocol_dropout",
+    "stage_timeout",
 )
 
 
@@ -471,7 +645,7 @@ def from_options(
     options: dict[str, Any], *, expected_clients: float, seed: int, evaluate_fraction: float = 0.0
 ) -> DDGauss:
     """ "ddgauss" from a config's ``strategy.options``: ``clipping_norm`` and
-    ``noise_multiplier`` (required), ``mode`` ("full" or "ideal"; "committee" needs
+    ``noise_multiplier`` (required), ``mode`` ("full" or "plaintext"; "committee" needs
     actors and is for Python use), and the other keyword arguments of :class:`DDGauss`."""
     from flwr.serverapp.strategy import FedAvg  # noqa: PLC0415
 
@@ -481,9 +655,12 @@ def from_options(
     for key in ("clipping_norm", "noise_multiplier"):
         if key not in options:
             raise ValueError(f"strategy.options.{key} is required (a number)")
-    if options.get("mode", "full") not in ("full", "ideal"):
+    if options.get("mode") == "ideal":
+        raise ValueError(f"strategy.options.mode='ideal': {_RENAMED}")
+    if options.get("mode", "full") not in ("full", "plaintext"):
         raise ValueError(
-            f"strategy.options.mode={options['mode']!r}; allowed: 'full' or 'ideal' from a config"
+            f"strategy.options.mode={options['mode']!r}; allowed: 'full' or 'plaintext' from a "
+            "config"
         )
     inner = FedAvg(
         fraction_train=1.0,

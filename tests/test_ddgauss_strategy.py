@@ -1,6 +1,14 @@
-"""DDGauss over SecAgg+ as a Flower strategy: ideal == full bit for bit, dropouts cost epsilon."""
+"""DDGauss as a Flower strategy: full mode (SecAgg+ as message exchanges) equals plaintext mode
+bit for bit, dropouts cost epsilon, aborted rounds release nothing, and it runs under Flower's
+own runtime."""
 
+import json
 import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -8,15 +16,18 @@ from flwr.serverapp.strategy import FedAvg
 
 from fedsim.data import DatasetSpec, build_dataset
 from fedsim.engine import FaultConfig
+from fedsim.engine.registry import NODE_ID_OFFSET
 from fedsim.engine.rounds import run_rounds
 from fedsim.models import ModelSpec, initial_arrays
+from fedsim.privacy import ddgauss as ddgauss_privacy
 from fedsim.records import to_numpy, to_record
 from fedsim.workloads.supervised import LocalTraining, make_client_app
 from protocols.field import DEFAULT_FIELD
 from protocols.secagg import Stage, TooManyDropoutsError
-from strategies.ddgauss import DDGauss, ddgauss_client_app
+from strategies.ddgauss import DDGauss, ddgauss_client_app, from_options
 
 CLIENTS, ROUNDS = 30, 3
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -30,19 +41,20 @@ def digits():
     return data, dataset, model, ddgauss_client_app(inner)
 
 
-def run(engine, digits, mode, dropout, noise_multiplier=1.0, committee=None):
+def run(engine, digits, client_secrets, mode, dropout=0.0, committee=None, **options):
     data, dataset, model, app = digits
     strategy = DDGauss(
-        FedAvg(min_available_nodes=0),
+        FedAvg(min_available_nodes=0, fraction_evaluate=0.0),
         clipping_norm=1.0,
-        noise_multiplier=noise_multiplier,
+        noise_multiplier=options.pop("noise_multiplier", 1.0),
         expected_clients=CLIENTS,
         seed=7,
         mode=mode,
         committee=committee,
+        **options,
     )
     grid = engine.open_run(
-        app,
+        client_secrets(app),
         CLIENTS,
         run_config={"seed": 0},
         faults=FaultConfig(dropout=dropout, seed=3),
@@ -50,58 +62,109 @@ def run(engine, digits, mode, dropout, noise_multiplier=1.0, committee=None):
     )
     sums, survivors = [], []
 
-    class Recording:
-        def __getattr__(self, name):
-            return getattr(strategy, name)
+    def on_round(outcome):
+        sums.append(None if strategy.last_sum is None else strategy.last_sum.copy())
+        survivors.append(strategy.last_survivors)
 
-        def aggregate_train(self, server_round, replies):
-            out = strategy.aggregate_train(server_round, replies)
-            sums.append(strategy.last_sum.copy())
-            survivors.append(strategy.last_survivors)
-            return out
-
-    final = run_rounds(Recording(), grid, to_record(initial_arrays(model, 0)), ROUNDS)
+    initial = to_record(initial_arrays(model, 0))
+    final = run_rounds(strategy, grid, initial, ROUNDS, on_round=on_round)
     grid.wait_idle()
     return strategy, to_numpy(final), sums, survivors
 
 
-def test_full_secagg_equals_ideal_bit_for_bit_and_dropouts_cost_epsilon(local_engine, digits):
-    full, final_full, sums_full, survivors_full = run(local_engine, digits, "full", 0.1)
-    ideal, final_ideal, sums_ideal, survivors_ideal = run(local_engine, digits, "ideal", 0.1)
-    assert survivors_full == survivors_ideal
-    assert any(len(s) < CLIENTS for s in survivors_full)  # some clients dropped out
-    for a, b in zip(sums_full, sums_ideal):
+def test_full_mode_equals_plaintext_bit_for_bit_under_protocol_dropouts(
+    local_engine, digits, client_secrets
+):
+    """The clients' secrets fix their rounding and noise, so SecAgg+ over messages (in the ring
+    Z_2^32) and the plaintext sum give the same integers; dropouts inside SecAgg+ leave out
+    exactly the clients lost before MASKED_INPUT."""
+    options = dict(protocol_dropout=0.3)
+    full, final_full, sums_full, survivors_full = run(
+        local_engine, digits, client_secrets, "full", ring_bits=32, **options
+    )
+    plain, final_plain, sums_plain, survivors_plain = run(
+        local_engine, digits, client_secrets, "plaintext", **options
+    )
+    assert survivors_full == survivors_plain
+    assert any(len(s) < CLIENTS for s in survivors_full)  # some clients dropped inside SecAgg+
+    nodes = [NODE_ID_OFFSET + p for p in range(CLIENTS)]
+    for server_round, (a, b, kept) in enumerate(zip(sums_full, sums_plain, survivors_full), 1):
         np.testing.assert_array_equal(a, b)
+        lost = full.protocol_dropouts(server_round, nodes)
+        before_input = set().union(*(lost.get(s, set()) for s in list(Stage)[1:4]))
+        assert set(kept) == set(nodes) - before_input
     for key in final_full:
-        np.testing.assert_array_equal(final_full[key], final_ideal[key])
-    assert len(full.ledger) == ROUNDS
-    eps_dropout = full.epsilon()
-    nodrop, _, _, survivors = run(local_engine, digits, "ideal", 0.0)
-    assert all(len(s) == CLIENTS for s in survivors)
-    assert math.isfinite(eps_dropout) and eps_dropout > nodrop.epsilon() > 0
-    assert full.privacy_report()["rounds_accounted"] == ROUNDS
+        np.testing.assert_array_equal(final_full[key], final_plain[key])
+    assert full.epsilon() == plain.epsilon() > 0
+    assert full.privacy_report()["mode"] == "full"
+    assert plain.privacy_report()["mode"] == "plaintext"
+
+
+def test_dropouts_at_every_exchange_cost_epsilon_for_the_noise_present(
+    local_engine, digits, client_secrets
+):
+    """With the engine's faults each exchange loses clients; epsilon is that of the survivors'
+    noise, round by round, never the planned cohort's."""
+    lossy, _, _, survivors = run(local_engine, digits, client_secrets, "full", dropout=0.1)
+    assert any(len(s) < CLIENTS for s in survivors)
+    encoder = lossy.encoder
+    expected = DDGauss(
+        FedAvg(), clipping_norm=1.0, noise_multiplier=1.0, expected_clients=CLIENTS, seed=7
+    )
+    for server_round, kept in enumerate(survivors, 1):
+        expected.ledger.record(
+            server_round,
+            ddgauss_privacy.round_event(
+                encoder.l2_bound,
+                encoder.l1_bound,
+                encoder.scaled_noise_std,
+                len(kept),
+                encoder.padded_dim,
+            ),
+        )
+    assert lossy.epsilon() == expected.epsilon()
+    complete, _, _, everyone = run(local_engine, digits, client_secrets, "full")
+    assert all(len(s) == CLIENTS for s in everyone)
+    assert math.isfinite(lossy.epsilon()) and lossy.epsilon() > complete.epsilon() > 0
+
+
+def test_an_aborted_round_releases_nothing_and_accounts_nothing(
+    local_engine, digits, client_secrets
+):
+    strategy, final, sums, survivors = run(
+        local_engine, digits, client_secrets, "full", protocol_dropout=1.0
+    )
+    _, _, model, _ = digits
+    initial = initial_arrays(model, 0)
+    for key in final:
+        np.testing.assert_array_equal(final[key], initial[key])
+    assert sums == [None] * ROUNDS and survivors == [()] * ROUNDS
+    assert len(strategy.ledger) == 0 and strategy.epsilon() == 0.0
+    assert strategy.last_stage == "ABORTED" and "needed" in strategy.last_abort
 
 
 @pytest.mark.ray
 def test_committee_on_ray_actors_with_clients_on_ray_workers(
-    ray_session, ray_engine, local_engine, digits
+    ray_session, ray_engine, local_engine, digits, client_secrets
 ):
     from fedsim.engine.committee import Committee
 
     committee = Committee(8, 3, 2, shards=2, ray_module=ray_session)
     try:
         ray_run, final_ray, sums_ray, survivors_ray = run(
-            ray_engine, digits, "committee", 0.1, committee=committee
+            ray_engine, digits, client_secrets, "committee", 0.1, committee=committee
         )
     finally:
         committee.close()
-    ideal, final_ideal, sums_ideal, survivors_ideal = run(local_engine, digits, "ideal", 0.1)
-    assert survivors_ray == survivors_ideal
-    for a, b in zip(sums_ray, sums_ideal):
+    plain, final_plain, sums_plain, survivors_plain = run(
+        local_engine, digits, client_secrets, "plaintext", 0.1
+    )
+    assert survivors_ray == survivors_plain
+    for a, b in zip(sums_ray, sums_plain):
         np.testing.assert_array_equal(a, b)
-    for key in final_ideal:
-        np.testing.assert_array_equal(final_ray[key], final_ideal[key])
-    assert ray_run.epsilon() == ideal.epsilon() > 0
+    for key in final_plain:
+        np.testing.assert_array_equal(final_ray[key], final_plain[key])
+    assert ray_run.epsilon() == plain.epsilon() > 0
     assert sorted(committee.history) == list(range(1, ROUNDS + 1))
 
 
@@ -110,27 +173,25 @@ def test_decoded_sum_matches_the_clients_updates_without_noise():
 
     rng = np.random.default_rng(0)
     strategy = DDGauss(
-        FedAvg(), clipping_norm=1.0, noise_multiplier=1.0, expected_clients=5, seed=1
+        FedAvg(),
+        clipping_norm=1.0,
+        noise_multiplier=1.0,
+        expected_clients=5,
+        seed=1,
+        mode="plaintext",
     )
     encoder = strategy.encoder_for(50)
     quiet = DDGaussEncoder(50, encoder.clip, encoder.gamma, 0.0, encoder.beta)
     updates = [rng.normal(size=50) * 0.05 for _ in range(5)]
     seed = strategy.rotation_seed(1)
     inputs = {10 + i: quiet.encode(u, seed, rng).elements for i, u in enumerate(updates)}
-    total = strategy.secure_sum(1, inputs)
+    total = strategy.sum_in_clear(1, inputs)
     np.testing.assert_array_equal(total, DEFAULT_FIELD.sum(np.stack(list(inputs.values())), 0))
-    ring = DDGauss(
-        FedAvg(),
-        clipping_norm=1.0,
-        noise_multiplier=1.0,
-        expected_clients=5,
-        seed=1,
-        ring_bits=32,
-    )
-    ring.encoder_for(50)
-    np.testing.assert_array_equal(ring.secure_sum(1, inputs), total)
     decoded = encoder.decode(total, seed)
     np.testing.assert_allclose(decoded, np.sum(updates, axis=0), atol=5 * encoder.gamma * 3)
+    full = DDGauss(FedAvg(), clipping_norm=1, noise_multiplier=1, expected_clients=5, seed=1)
+    with pytest.raises(ValueError, match="never holds the inputs"):
+        full.sum_in_clear(1, inputs)
 
 
 def test_arguments_are_checked():
@@ -138,8 +199,23 @@ def test_arguments_are_checked():
         DDGauss(
             FedAvg(), clipping_norm=1, noise_multiplier=1, expected_clients=4, seed=0, mode="fast"
         )
+    with pytest.raises(ValueError, match="mode='plaintext'"):
+        DDGauss(
+            FedAvg(), clipping_norm=1, noise_multiplier=1, expected_clients=4, seed=0, mode="ideal"
+        )
+    with pytest.raises(ValueError, match="'plaintext'"):
+        from_options(
+            {"clipping_norm": 1, "noise_multiplier": 1, "mode": "ideal"},
+            expected_clients=4,
+            seed=0,
+        )
     with pytest.raises(ValueError, match="expected_clients"):
         DDGauss(FedAvg(), clipping_norm=1, noise_multiplier=1, expected_clients=1, seed=0)
+    with pytest.raises(ValueError, match="stage_timeout"):
+        DDGauss(
+            FedAvg(), clipping_norm=1, noise_multiplier=1, expected_clients=4, seed=0,
+            stage_timeout=0,
+        )
     with pytest.raises(ValueError, match="ring_bits"):
         DDGauss(
             FedAvg(),
@@ -152,108 +228,70 @@ def test_arguments_are_checked():
         )
 
 
-def _strategy(mode, **kwargs):
+def _plaintext(**kwargs):
     strategy = DDGauss(
         FedAvg(),
         clipping_norm=1.0,
         noise_multiplier=1.0,
         expected_clients=12,
         seed=4,
-        mode=mode,
+        mode=kwargs.pop("mode", "plaintext"),
         **kwargs,
     )
     strategy.encoder_for(30)
     return strategy
 
 
-def test_dropouts_inside_secagg_match_ideal_and_count_only_contributors():
+def test_plaintext_protocol_dropouts_count_only_contributors():
     rng = np.random.default_rng(6)
-    encoder = _strategy("ideal").encoder
+    encoder = _plaintext().encoder
     inputs = {
         100 + i: encoder.encode(rng.normal(size=30) * 0.1, 1, rng).elements for i in range(12)
     }
-    full = _strategy("full", protocol_dropout=0.3)
-    ideal = _strategy("ideal", protocol_dropout=0.3)
+    strategy = _plaintext(protocol_dropout=0.3)
     aborted = 0
     for server_round in range(1, 9):
-        outcomes = []
-        for strategy in (full, ideal):
-            try:
-                outcomes.append(
-                    (strategy.secure_sum(server_round, inputs), strategy.last_survivors)
-                )
-            except TooManyDropoutsError:
-                outcomes.append(None)
-        if outcomes[0] is None:
-            assert outcomes[1] is None
+        try:
+            total = strategy.sum_in_clear(server_round, inputs)
+        except TooManyDropoutsError:
             aborted += 1
             continue
-        (a, survivors_a), (b, survivors_b) = outcomes
-        np.testing.assert_array_equal(a, b)
-        assert survivors_a == survivors_b
-        expected = DEFAULT_FIELD.sum(np.stack([inputs[i] for i in survivors_a]), axis=0)
-        np.testing.assert_array_equal(a, expected)
-        lost = full.protocol_dropouts(server_round, sorted(inputs))
+        kept = strategy.last_survivors
+        np.testing.assert_array_equal(
+            total, DEFAULT_FIELD.sum(np.stack([inputs[i] for i in kept]), axis=0)
+        )
+        lost = strategy.protocol_dropouts(server_round, sorted(inputs))
         unmask_only = lost.get(Stage.UNMASK, set())
-        assert set(inputs) - set(survivors_a) == set().union(*lost.values()) - unmask_only
+        assert set(inputs) - set(kept) == set().union(*lost.values()) - unmask_only
     assert aborted < 8
 
 
-def test_an_aborted_round_releases_nothing_and_accounts_nothing():
-    from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
-    from flwr.supercore.task_identity import TaskIdentity
-
-    from strategies.ddgauss import ENCODED_KEY
-
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
-    strategy = _strategy("full", protocol_dropout=1.0)
-    model = {"w": np.zeros(30, dtype=np.float32)}
-
-    class Grid:
-        def get_node_ids(self):
-            return list(range(1, 13))
-
-    strategy.strategy.min_available_nodes = 0
-    strategy.configure_train(1, to_record(model), ConfigRecord(), Grid())
-    rng = np.random.default_rng(0)
-    replies = []
-    for node in range(1, 13):
-        encoded = strategy.encoder.encode(np.zeros(30), 1, rng).elements
-        content = RecordDict(
-            {
-                ENCODED_KEY: to_record({ENCODED_KEY: encoded}),
-                "metrics": MetricRecord({"num-examples": 1}),
-            }
-        )
-        replies.append(Message(content, reply_to=Message(RecordDict(), node, "train")))
-    arrays, metrics = strategy.aggregate_train(1, replies)
-    assert arrays is None and metrics["ddgauss-aborted"] == 1
-    assert len(strategy.ledger) == 0 and "needed" in strategy.last_abort
-
-
-def test_committee_mode_gives_the_ideal_sum_and_excludes_corrupted_clients():
+def test_committee_mode_gives_the_plaintext_sum_and_excludes_corrupted_clients():
     from fedsim.engine.committee import Committee, CommitteeFaults
 
     rng = np.random.default_rng(8)
-    encoder = _strategy("ideal").encoder
+    encoder = _plaintext().encoder
     inputs = {100 + i: encoder.encode(rng.normal(size=30) * 0.1, 1, rng).elements for i in range(6)}
     committee = Committee(7, 2, 2, shards=2)
-    strategy = _strategy("committee", committee=committee)
-    ideal = _strategy("ideal")
-    np.testing.assert_array_equal(strategy.secure_sum(1, inputs), ideal.secure_sum(1, inputs))
+    strategy = _plaintext(mode="committee", committee=committee)
+    plain = _plaintext()
+    np.testing.assert_array_equal(
+        strategy.sum_in_clear(1, inputs), plain.sum_in_clear(1, inputs)
+    )
     assert strategy.last_survivors == tuple(sorted(inputs))
     original = committee.run_round
 
     def corrupted(round_, vectors, rng, faults=None):
+        assert rng is None  # share randomness from the OS, never from the run seed
         return original(round_, vectors, rng, CommitteeFaults(corrupt_in_transit={(102, 0)}))
 
     committee.run_round = corrupted
-    total = strategy.secure_sum(2, inputs)
+    total = strategy.sum_in_clear(2, inputs)
     assert 102 not in strategy.last_survivors  # its noise is not in the sum: not counted
     kept = [inputs[i] for i in strategy.last_survivors]
     np.testing.assert_array_equal(total, DEFAULT_FIELD.sum(np.stack(kept), axis=0))
     with pytest.raises(ValueError, match="committee"):
-        _strategy("committee")
+        _plaintext(mode="committee")
 
 
 RUN = """
@@ -289,22 +327,124 @@ backend = "local"
 """
 
 
-def test_fedsim_run_with_client_dropouts_accounts_the_noise_present(tmp_path):
+def test_fedsim_run_records_the_mode_and_accounts_the_noise_present(tmp_path):
+    """rounds.jsonl and summary.json name the mode; each round's epsilon composes the released
+    rounds with the noise of their survivors (dropouts at every exchange in full mode; a round
+    left with too few releases nothing and costs nothing)."""
     from fedsim.cli import main
     from fedsim.results import read_rounds
 
-    def epsilons(mode, dropout):
+    def recorded(mode, dropout):
         config = tmp_path / f"{mode}-{dropout}.toml"
         config.write_text(RUN.format(mode=mode, dropout=dropout))
         out = tmp_path / f"{mode}-{dropout}"
         assert main(["run", str(config), "--out", str(out), "--no-progress"]) == 0
         rounds = [r for r in read_rounds(out / "rounds.jsonl") if r["round"] >= 1]
         assert len(rounds) == 3
-        return [r["privacy"]["epsilon"] for r in rounds], [r["train"]["clients"] for r in rounds]
+        assert {r["privacy"]["mode"] for r in rounds} == {mode}
+        assert all(r["aggregated"]["rejected"] == [] for r in rounds)
+        assert json.loads((out / "summary.json").read_text())["privacy"]["mode"] == mode
+        reference = from_options(
+            {"clipping_norm": 1.0, "noise_multiplier": 0.5, "mode": mode, "ring_bits": 32},
+            expected_clients=10,
+            seed=4,
+        )
+        encoder = reference.encoder_for(64 * 10 + 10)  # logreg on digits
+        for record in rounds:
+            kept = record["aggregated"]["ddgauss-survivors"]
+            if kept:
+                event = ddgauss_privacy.round_event(
+                    encoder.l2_bound, encoder.l1_bound, encoder.scaled_noise_std, kept, 1024
+                )
+                reference.ledger.record(record["round"], event)
+            assert record["privacy"]["epsilon"] == pytest.approx(reference.epsilon(), rel=1e-12)
+        return [r["aggregated"]["ddgauss-survivors"] for r in rounds]
 
-    full, replied = epsilons("full", 0.3)
-    assert min(replied) < 10  # some clients dropped out
-    ideal, _ = epsilons("ideal", 0.3)
-    none, everyone = epsilons("ideal", 0.0)
-    assert everyone == [10, 10, 10]
-    assert full == ideal and all(a > b for a, b in zip(full, none))  # less noise: larger ε
+    kept_full = recorded("full", 0.3)
+    kept_plain = recorded("plaintext", 0.3)
+    assert recorded("plaintext", 0.0) == [10, 10, 10] and max(kept_plain) < 10
+    # full mode also loses clients inside SecAgg+'s exchanges (or the whole round)
+    assert all(a <= b for a, b in zip(kept_full, kept_plain)) and kept_full != kept_plain
+
+
+FLOWER_RUN = """
+import json, sys
+import numpy as np
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import ServerApp
+from flwr.serverapp.strategy import FedAvg
+from flwr.simulation import run_simulation
+from fedsim.records import to_numpy, to_record
+from strategies.ddgauss import DDGauss, ddgauss_client_app
+
+CLIENTS, DIM = 6, 20
+inner = ClientApp()
+
+@inner.train()
+def train(message, context):
+    arrays = to_numpy(message.content["arrays"])
+    step = np.full(DIM, 0.01 * (1 + int(context.node_config["partition-id"])))
+    return Message(RecordDict({"arrays": to_record({"w": arrays["w"] + step}),
+                               "metrics": MetricRecord({"num-examples": 1})}), reply_to=message)
+
+server = ServerApp()
+seen = []
+
+class Recording:
+    def __init__(self, grid):
+        self.grid = grid
+    def __getattr__(self, name):
+        return getattr(self.grid, name)
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = list(self.grid.send_and_receive(messages, timeout=timeout))
+        seen.extend(replies)
+        return replies
+
+@server.main()
+def main(grid, context):
+    strategy = DDGauss(FedAvg(fraction_evaluate=0.0, min_available_nodes=CLIENTS,
+                              min_train_nodes=CLIENTS),
+                       clipping_norm=1.0, noise_multiplier=0.01, expected_clients=CLIENTS,
+                       seed=3, bits=24)
+    result = strategy.start(Recording(grid), to_record({"w": np.zeros(DIM)}), num_rounds=1)
+    final = to_numpy(result.arrays)["w"]
+    arrays = [a for r in seen if not r.has_error() for rec in r.content.array_records.values()
+              for a in to_numpy(rec).values()]
+    small = [float(np.mean(np.abs(strategy.encoder.field.decode_signed(a)) < 2**40))
+             for a in arrays if a.ndim == 1 and a.size == strategy.encoder.padded_dim]
+    json.dump({"survivors": list(strategy.last_survivors), "rejected": strategy.last_rejected,
+               "types": sorted({r.metadata.message_type for r in seen}),
+               "errors": sum(r.has_error() for r in seen), "masked": len(small),
+               "max_small": max(small), "final": final.tolist(),
+               "noise_std": strategy.noise_multiplier / CLIENTS}, open(sys.argv[1], "w"))
+
+run_simulation(server_app=server, client_app=ddgauss_client_app(inner), num_supernodes=CLIENTS,
+               backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                               "init_args": {"num_cpus": 2, "logging_level": "WARNING"}})
+"""
+
+
+def test_full_mode_runs_under_flowers_own_runtime(tmp_path):
+    """``flwr.simulation.run_simulation`` (its own Ray backend and node state): the SecAgg+
+    exchanges complete, every client's input is in the sum, and the masked inputs the server
+    received look uniform (no coordinate near the small encodings)."""
+    script, out = tmp_path / "flower_run.py", tmp_path / "out.json"
+    script.write_text(textwrap.dedent(FLOWER_RUN))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO="0")
+    done = subprocess.run(
+        [sys.executable, str(script), str(out)], env=env, capture_output=True, text=True,
+        timeout=600,
+    )
+    assert out.exists(), done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert len(result["survivors"]) == 6 and result["rejected"] == {} and result["errors"] == 0
+    assert result["types"] == [
+        "query.secagg_masked_input",
+        "query.secagg_share_keys",
+        "query.secagg_unmask",
+        "train",
+    ]
+    assert result["masked"] == 6 and result["max_small"] < 0.01
+    truth = np.mean([0.01 * (1 + p) for p in range(6)])  # every client clipped below c = 1
+    np.testing.assert_allclose(result["final"], truth, atol=6 * result["noise_std"] + 1e-3)

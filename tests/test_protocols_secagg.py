@@ -12,9 +12,8 @@ from protocols.channels import new_session_id
 from protocols.field import DEFAULT_FIELD
 from protocols.secagg import (
     TRANSITIONS,
-    SecAggClient,
+    RoundAborted,
     SecAggConfig,
-    SecAggServer,
     Stage,
     StageError,
     TooManyDropoutsError,
@@ -22,9 +21,9 @@ from protocols.secagg import (
     expand_mask,
     neighbour_graph,
     pairwise_seed,
-    run_secagg,
 )
-from protocols.shamir import UncorrectableSharesError
+from protocols.secagg_client import SecAggClient
+from protocols.secagg_server import SecAggServer, run_secagg
 
 FIELD = DEFAULT_FIELD
 LENGTH = 300
@@ -40,6 +39,10 @@ def _inputs(count: int, seed: int) -> dict[int, np.ndarray]:
 
 def _sum_of(inputs, ids) -> np.ndarray:
     return FIELD.sum(np.stack([inputs[i] for i in ids]), axis=0)
+
+
+def _share_keys(server, clients, config, routed):
+    return server.share_keys({i: clients[i].share_keys(i, config, routed[i]) for i in routed})
 
 
 def test_sum_without_dropouts_sparse_and_complete_graph():
@@ -95,9 +98,9 @@ def test_too_few_survivors_fail_cleanly_and_abort():
     config = SecAggConfig(8, 7, 4, LENGTH, min_survivors=6)
     session = new_session_id()
     server = SecAggServer(config, inputs, session, np.random.default_rng(0))
-    clients = {i: SecAggClient(i, config, session) for i in inputs}
+    clients = {i: SecAggClient(session) for i in inputs}
     routed = server.advertise_keys({i: c.advertise_keys() for i, c in clients.items()})
-    incoming = server.share_keys({i: clients[i].share_keys(routed[i]) for i in routed})
+    incoming = _share_keys(server, clients, config, routed)
     masked = {i: clients[i].masked_input(incoming[i], inputs[i]) for i in list(incoming)[:5]}
     with pytest.raises(TooManyDropoutsError, match="masked inputs arrived from 5 clients"):
         server.masked_input(masked)
@@ -140,9 +143,9 @@ def test_client_refuses_to_reveal_both_secrets_of_one_client():
     config = SecAggConfig(5, 4, 3, LENGTH)
     session = new_session_id()
     server = SecAggServer(config, inputs, session, np.random.default_rng(0))
-    clients = {i: SecAggClient(i, config, session) for i in inputs}
+    clients = {i: SecAggClient(session) for i in inputs}
     routed = server.advertise_keys({i: c.advertise_keys() for i, c in clients.items()})
-    incoming = server.share_keys({i: clients[i].share_keys(routed[i]) for i in routed})
+    incoming = _share_keys(server, clients, config, routed)
     clients[100].masked_input(incoming[100], inputs[100])
     with pytest.raises(ValueError, match=r"clients \[101\] are listed as both"):
         clients[100].unmask([101, 102], [101])
@@ -154,9 +157,9 @@ def test_late_masked_input_is_refused():
     config = SecAggConfig(6, 4, 3, LENGTH)
     session = new_session_id()
     server = SecAggServer(config, inputs, session, np.random.default_rng(0))
-    clients = {i: SecAggClient(i, config, session) for i in inputs}
+    clients = {i: SecAggClient(session) for i in inputs}
     routed = server.advertise_keys({i: c.advertise_keys() for i, c in clients.items()})
-    incoming = server.share_keys({i: clients[i].share_keys(routed[i]) for i in routed})
+    incoming = _share_keys(server, clients, config, routed)
     masked = {i: clients[i].masked_input(incoming[i], inputs[i]) for i in incoming}
     late = masked.pop(105)
     server.masked_input(masked)
@@ -164,25 +167,44 @@ def test_late_masked_input_is_refused():
         server.masked_input({105: late})
 
 
-def test_tampered_share_is_detected_but_not_attributed_within_the_collusion_bound():
-    """8 shares, t + k = 5: one wrong share is within the radius, but t = 4 colluding clients
-    could have made an honest one look wrong, so it is detected and nobody is named."""
+def test_tampered_share_is_named_and_left_out():
+    """8 shares, 5 needed: one wrong share is within the unique-decoding radius, so it is
+    corrected and its sender named (SecAgg+ decodes to the radius: a lying neighbour can only
+    spoil the sum, as a malicious masked input can)."""
     inputs = _inputs(9, seed=15)
     config = SecAggConfig(9, 8, 5, LENGTH)
     session = new_session_id()
     server = SecAggServer(config, inputs, session, np.random.default_rng(0))
-    clients = {i: SecAggClient(i, config, session) for i in inputs}
+    clients = {i: SecAggClient(session) for i in inputs}
     routed = server.advertise_keys({i: c.advertise_keys() for i, c in clients.items()})
-    incoming = server.share_keys({i: clients[i].share_keys(routed[i]) for i in routed})
+    incoming = _share_keys(server, clients, config, routed)
     masked = {i: clients[i].masked_input(incoming[i], inputs[i]) for i in incoming}
     survivors, dropped = server.masked_input(masked)
     responses = {i: clients[i].unmask(survivors, dropped) for i in survivors}
     row = responses[104].self_mask_shares[100]
     row[3] = (row[3] + 1) % FIELD.modulus
-    with pytest.raises(UncorrectableSharesError, match="cannot be singled out") as caught:
+    assert (server.unmask(responses) == _sum_of(inputs, inputs)).all()
+    assert list(server.rejected) == [104] and "degree check" in server.rejected[104]
+    assert server.stage is Stage.DONE
+
+
+def test_shares_wrong_beyond_the_radius_abort_cleanly_naming_nobody():
+    inputs = _inputs(9, seed=15)
+    config = SecAggConfig(9, 8, 5, LENGTH)
+    session = new_session_id()
+    server = SecAggServer(config, inputs, session, np.random.default_rng(0))
+    clients = {i: SecAggClient(session) for i in inputs}
+    routed = server.advertise_keys({i: c.advertise_keys() for i, c in clients.items()})
+    incoming = _share_keys(server, clients, config, routed)
+    masked = {i: clients[i].masked_input(incoming[i], inputs[i]) for i in incoming}
+    survivors, dropped = server.masked_input(masked)
+    responses = {i: clients[i].unmask(survivors, dropped) for i in survivors}
+    for liar in (104, 105):  # two wrong shares among 8, 5 needed: beyond the radius of 1
+        row = responses[liar].self_mask_shares[100]
+        row[3] = (row[3] + 1) % FIELD.modulus
+    with pytest.raises(RoundAborted, match="cannot be named"):
         server.unmask(responses)
-    assert caught.value.suspects == ()
-    assert server.stage is Stage.ABORTED
+    assert server.rejected == {} and server.stage is Stage.ABORTED
 
 
 def test_transition_table_every_pair():
@@ -194,10 +216,10 @@ def test_transition_table_every_pair():
                 check_transition(current, target, "party")
 
 
-def _client_handlers(client, routed, incoming, values):
+def _client_handlers(client, config, routed, incoming, values):
     return {
         Stage.ADVERTISE_KEYS: lambda: client.advertise_keys(),
-        Stage.SHARE_KEYS: lambda: client.share_keys(routed),
+        Stage.SHARE_KEYS: lambda: client.share_keys(100, config, routed),
         Stage.MASKED_INPUT: lambda: client.masked_input(incoming, values),
         Stage.UNMASK: lambda: client.unmask([], []),
     }
@@ -209,13 +231,13 @@ def test_every_client_handler_out_of_order_raises():
     config = SecAggConfig(5, 4, 3, LENGTH)
     session = new_session_id()
     server = SecAggServer(config, inputs, session, np.random.default_rng(0))
-    clients = {i: SecAggClient(i, config, session) for i in inputs}
+    clients = {i: SecAggClient(session) for i in inputs}
     probe = 100
     checked = set()
 
     def probe_all():
         client = clients[probe]
-        for target, call in _client_handlers(client, {}, [], inputs[probe]).items():
+        for target, call in _client_handlers(client, config, {}, [], inputs[probe]).items():
             if target not in TRANSITIONS[client.stage]:
                 before = client.stage
                 with pytest.raises(StageError):
@@ -226,7 +248,7 @@ def test_every_client_handler_out_of_order_raises():
     probe_all()
     routed = server.advertise_keys({i: c.advertise_keys() for i, c in clients.items()})
     probe_all()
-    incoming = server.share_keys({i: clients[i].share_keys(routed[i]) for i in routed})
+    incoming = _share_keys(server, clients, config, routed)
     probe_all()
     masked = {i: clients[i].masked_input(incoming[i], inputs[i]) for i in incoming}
     probe_all()
@@ -234,7 +256,7 @@ def test_every_client_handler_out_of_order_raises():
     responses = {i: clients[i].unmask(survivors, dropped) for i in survivors}
     probe_all()  # DONE: every handler raises
     assert (server.unmask(responses) == _sum_of(inputs, inputs)).all()
-    aborted = SecAggClient(999, config, session)
+    aborted = SecAggClient(session)
     aborted.abort()
     clients[probe] = aborted
     probe_all()
@@ -254,7 +276,7 @@ def test_every_server_handler_out_of_order_raises():
     config = SecAggConfig(5, 4, 3, LENGTH)
     session = new_session_id()
     server = SecAggServer(config, inputs, session, np.random.default_rng(0))
-    clients = {i: SecAggClient(i, config, session) for i in inputs}
+    clients = {i: SecAggClient(session) for i in inputs}
     handlers = {
         Stage.ADVERTISE_KEYS: lambda: server.advertise_keys({}),
         Stage.SHARE_KEYS: lambda: server.share_keys({}),
@@ -273,7 +295,7 @@ def test_every_server_handler_out_of_order_raises():
     probe_all()
     routed = server.advertise_keys({i: c.advertise_keys() for i, c in clients.items()})
     probe_all()
-    incoming = server.share_keys({i: clients[i].share_keys(routed[i]) for i in routed})
+    incoming = _share_keys(server, clients, config, routed)
     probe_all()
     masked = {i: clients[i].masked_input(incoming[i], inputs[i]) for i in incoming}
     survivors, dropped = server.masked_input(masked)

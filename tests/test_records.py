@@ -90,6 +90,9 @@ def test_records_of_and_payload_size():
     assert [k for k, _ in records_of(content, MetricRecord)] == ["metrics"]
     array_bytes = len(content["arrays"]["w"].data)
     assert content_nbytes(content) == array_bytes + 8 + 8 + 16 + 3
+    # lists of bytes (e.g. sealed shares) count their lengths, not 8 per item
+    sealed = RecordDict({"c": ConfigRecord({"ciphertexts": [b"ab", b"cde"], "ids": [1, 2]})})
+    assert content_nbytes(sealed) == 2 + 3 + 8 + 8
 
 
 def test_fast_arrays_are_indistinguishable_from_flower_arrays():

@@ -4,9 +4,11 @@ Workload: ``--clients`` (100) clients, each with a float32 vector of length d in
 (d in ``--dims``, default 10^5 and 10^6), every client ``--degree`` (16) neighbours and a
 reconstruction threshold of ``--threshold`` (9) shares, no dropouts, one round, one process.
 
-* **ours**: :class:`protocols.secagg.SecAggClient` / :class:`SecAggServer` driven stage by
-  stage (as :func:`protocols.secagg.run_secagg` does). Inputs are fixed-point integers
-  (round(x * 2^q), q = ``--fraction-bits``) masked in the ring Z_{2^32}
+* **ours**: :class:`protocols.secagg_client.SecAggClient` and
+  :class:`protocols.secagg_server.SecAggServer` driven stage by stage (as
+  :func:`protocols.secagg_server.run_secagg` does), the server checking every message as it
+  does in a run. Inputs are fixed-point integers (round(x * 2^q), q = ``--fraction-bits``)
+  masked in the ring Z_{2^32}
   (``SecAggConfig.ring_bits=32``; the bit budget n * 2^q < 2^31 is checked first) with
   ChaCha20 masks; seeds and keys are Shamir-shared over F_p and sent over X25519 +
   ChaCha20-Poly1305 channels. ``--field-dims`` also runs the F_p variant (8-byte elements).
@@ -50,11 +52,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from protocols.channels import new_session_id  # noqa: E402
 from protocols.field import DEFAULT_FIELD  # noqa: E402
-from protocols.secagg import (  # noqa: E402
-    SecAggClient,
-    SecAggConfig,
-    SecAggServer,
-)
+from protocols.secagg import SecAggConfig  # noqa: E402
+from protocols.secagg_client import SecAggClient  # noqa: E402
+from protocols.secagg_server import SecAggServer  # noqa: E402
 
 FLOWER_CLIPPING_RANGE = 8.0
 FLOWER_QUANTIZATION_RANGE = 2**22
@@ -104,10 +104,10 @@ def run_ours(
         return space.encode_signed(integers)
 
     server = SecAggServer(config, ids, session, np.random.default_rng(0))
-    clients = {i: SecAggClient(i, config, session) for i in ids}
+    clients = {i: SecAggClient(session) for i in ids}
     keys = {i: as_client(i, clients[i].advertise_keys) for i in ids}
     routed = as_server(server.advertise_keys, keys)
-    outgoing = {i: as_client(i, clients[i].share_keys, routed[i]) for i in ids}
+    outgoing = {i: as_client(i, clients[i].share_keys, i, config, routed[i]) for i in ids}
     incoming = as_server(server.share_keys, outgoing)
     wire = np.dtype(f"<u{space.bytes_per_element}") if ring else np.dtype("<i8")
     payloads = {

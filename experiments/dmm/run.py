@@ -274,7 +274,7 @@ def make_strategy(method: str, epsilon: float, seed: int, dim: int, st: Setting,
             noise_multiplier=z,
             expected_clients=per_round,
             seed=seed,
-            mode="ideal",
+            mode="plaintext",
             delta=DELTA,
         ), z
     return dmm_strategy(method, epsilon, seed, dim, st, mode)

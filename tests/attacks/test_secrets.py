@@ -55,17 +55,21 @@ STRATEGIES: dict[str, dict[str, Any]] = {
         "name": "matrix-mechanism",
         "options": {"clipping_norm": 0.5, "noise_multiplier": 0.8},
     },
-    "dmm-ideal": {
-        "name": "dmm",
-        "sampling": "min-separation",
-        "options": {
-            "clipping_norm": 1.0,
-            "noise_multiplier": 0.5,
-            "committee_size": 8,
-            "threshold": 2,
-            "packing": 3,
-            "mode": "ideal",
-        },
+    **{
+        f"dmm-{mode}": {
+            "name": "dmm",
+            "sampling": "min-separation",
+            "options": {
+                "clipping_norm": 1.0,
+                "noise_multiplier": 0.5,
+                "committee_size": 11,
+                "threshold": 2,
+                "packing": 1,
+                "member_dropouts": 2,
+                "mode": mode,
+            },
+        }
+        for mode in ("ideal", "full")
     },
     "ddgauss": {
         "name": "ddgauss",

@@ -1,0 +1,387 @@
+"""The client's side of SecAgg+ (Bell et al., CCS 2020) as a state machine that can be stored
+between messages; the protocol itself is described in :mod:`protocols.secagg`.
+
+**Whose randomness.** Every secret of a client in a round -- its channel and mask-agreement
+X25519 private keys, its self-mask seed b_i and the randomness of its Shamir shares -- is derived
+by HKDF-SHA256 (RFC 5869) from one 32-byte seed that belongs to the client
+(``SecAggClient(seed=...)``: derived by the caller from the client's own secret, or drawn from
+the OS CSPRNG). Replaying a stage from the same stored state therefore seals the same bytes
+under the same nonce. The session id (the HKDF salt of the pairwise seeds and channels) is public
+and chosen by the server.
+
+**State between messages.** :meth:`SecAggClient.to_state` writes the protocol state as numeric
+arrays (no pickle; the seed included, so the caller seals it) and :meth:`SecAggClient.from_state`
+restores it, so the client side runs as a sequence of message exchanges. The server numbers the
+clients of a round (protocol ids below 2^63 - 1) and tells each its number with its neighbours'
+keys in SHARE_KEYS.
+
+**Hostile messages.** Each handler checks its stage transition (:class:`StageError`) and what it
+is given -- the parameters, its neighbours' ids and keys (distinct, usable X25519 points: an
+unusable one is a :class:`~protocols.channels.ChannelError` in ``connect``), the envelopes (from
+neighbours only, one each, bound to this round and stage, a share row of the right length in the
+field), the survivor lists (ids, disjoint, at least ``survivors_needed``) -- and refuses a bad
+one by moving to ABORTED and raising (``ValueError``, ``TypeError``, ``ChannelError``,
+:class:`TooManyDropoutsError`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from protocols.channels import PUBLIC_KEY_BYTES, SERVER_ID, ChannelError, Endpoint, Envelope
+from protocols.secagg import (
+    CHUNKS_PER_SECRET,
+    PROTOCOL,
+    SEED_BYTES,
+    SHARE_ROW_LENGTH,
+    TRANSITIONS,
+    RoundAborted,
+    SecAggConfig,
+    Stage,
+    TooManyDropoutsError,
+    UnmaskResponse,
+    check_transition,
+    integer_vector,
+    key_problem,
+    pairwise_seed,
+    prg,
+    raw_private_key,
+    raw_public_key,
+    secret_to_elements,
+    shamir_scheme,
+)
+
+_DERIVE_LABEL = b"fedsim/secagg/client/v2/"
+
+
+def _derive(seed: bytes, label: bytes) -> bytes:
+    """HKDF-SHA256(seed, info = label): one of a client's secrets, 32 bytes."""
+    return HKDF(
+        algorithm=hashes.SHA256(), length=SEED_BYTES, salt=None, info=_DERIVE_LABEL + label
+    ).derive(seed)
+
+
+class SecAggClient:
+    """One client's side of SecAgg+: one handler per stage, called in order.
+
+    ``session_id``: the round's public salt (at least 16 bytes); ``seed``: 32 bytes of the
+    client's own secret for this session, from which every secret it uses is derived (None:
+    drawn from the OS CSPRNG). The server gives the client its protocol id in SHARE_KEYS.
+    """
+
+    def __init__(self, session_id: bytes, *, seed: bytes | None = None) -> None:
+        if not isinstance(session_id, bytes) or len(session_id) < 16:
+            raise ValueError(f"session_id must be at least 16 bytes, got {session_id!r}")
+        if seed is None:
+            seed = os.urandom(SEED_BYTES)
+        if not isinstance(seed, bytes) or len(seed) != SEED_BYTES:
+            raise ValueError(f"seed must be {SEED_BYTES} bytes of the client's own secret")
+        self.session_id = session_id
+        self._seed = seed
+        self.stage = Stage.SETUP
+        self.client_id: int | None = None
+        self.config: SecAggConfig | None = None
+        self.contributes = True
+        self._endpoint: Endpoint | None = None
+        self._neighbour_keys: dict[int, tuple[bytes, bytes]] = {}
+        self._held_shares: dict[int, np.ndarray] = {}
+
+    def __reduce__(self):
+        raise TypeError("a SecAggClient holds secrets: store to_state() sealed, never a pickle")
+
+    @functools.cached_property
+    def _agreement_key(self) -> X25519PrivateKey:
+        return X25519PrivateKey.from_private_bytes(_derive(self._seed, b"agreement"))
+
+    @functools.cached_property
+    def _channel_key(self) -> bytes:
+        return _derive(self._seed, b"channel")
+
+    @functools.cached_property
+    def _self_mask_seed(self) -> bytes:
+        return _derive(self._seed, b"self-mask")
+
+    @property
+    def public_keys(self) -> tuple[bytes, bytes]:
+        """(channel, mask-agreement) X25519 public keys."""
+        channel = X25519PrivateKey.from_private_bytes(self._channel_key)
+        return raw_public_key(channel), raw_public_key(self._agreement_key)
+
+    @property
+    def _recipients(self) -> tuple[int, ...]:
+        return tuple(sorted(self._neighbour_keys))
+
+    def _who(self) -> str:
+        return "client" if self.client_id is None else f"client {self.client_id}"
+
+    def _enter(self, target: Stage) -> None:
+        check_transition(self.stage, target, self._who())
+        self.stage = target
+
+    def abort(self) -> None:
+        self._enter(Stage.ABORTED)
+
+    def _refuse(self, error: Exception) -> Exception:
+        """Move to ABORTED and return ``error`` for the caller to raise."""
+        if Stage.ABORTED in TRANSITIONS[self.stage]:
+            self.stage = Stage.ABORTED
+        return error
+
+    def advertise_keys(self) -> tuple[bytes, bytes]:
+        """ADVERTISE_KEYS: the channel and mask-agreement public keys."""
+        self._enter(Stage.ADVERTISE_KEYS)
+        return self.public_keys
+
+    def share_keys(
+        self,
+        client_id: int,
+        config: SecAggConfig,
+        neighbour_keys: Mapping[int, tuple[bytes, bytes]],
+        *,
+        contribute: bool = True,
+    ) -> list[Envelope]:
+        """SHARE_KEYS: take the protocol id ``client_id`` and the round's ``config``, connect to
+        the neighbours whose keys arrived and, if contributing, share b_i and the agreement key
+        among them (one sealed share row per neighbour). A client told not to contribute (too
+        few live neighbours to protect its secrets) sends nothing but still holds and returns
+        its neighbours' shares."""
+        self._enter(Stage.SHARE_KEYS)
+        try:
+            self._accept_neighbours(client_id, config, neighbour_keys, contribute)
+        except (ValueError, TypeError, RoundAborted) as error:
+            raise self._refuse(error) from None
+        if not contribute:
+            return []
+        secrets_ = np.concatenate(
+            [
+                secret_to_elements(self._self_mask_seed),
+                secret_to_elements(raw_private_key(self._agreement_key)),
+            ]
+        )
+        recipients = self._recipients
+        share_rng = np.random.default_rng(
+            np.random.SeedSequence(int.from_bytes(_derive(self._seed, b"shares"), "little"))
+        )
+        shares = shamir_scheme(config, len(recipients)).share(secrets_, rng=share_rng)
+        return [
+            self._endpoint.seal_array(peer, config.round, Stage.SHARE_KEYS, shares[member])
+            for member, peer in enumerate(recipients)
+        ]
+
+    def _accept_neighbours(
+        self,
+        client_id: int,
+        config: SecAggConfig,
+        neighbour_keys: Mapping[int, tuple[bytes, bytes]],
+        contribute: bool,
+    ) -> None:
+        if not isinstance(config, SecAggConfig):
+            raise TypeError(f"config must be a SecAggConfig, got {type(config).__name__}")
+        if not isinstance(client_id, int | np.integer) or not 0 <= client_id < SERVER_ID:
+            raise ValueError(f"client_id must be an integer in [0, 2^63 - 1), got {client_id!r}")
+        if not isinstance(neighbour_keys, Mapping):
+            raise TypeError("neighbour_keys must map neighbour ids to (channel, agreement) keys")
+        self.client_id, self.config, self.contributes = int(client_id), config, bool(contribute)
+        if len(neighbour_keys) > config.degree:
+            raise ValueError(
+                f"{len(neighbour_keys)} neighbour keys arrived; the round's degree is "
+                f"{config.degree}"
+            )
+        own = set(self.public_keys)
+        seen: set[bytes] = set()
+        endpoint = Endpoint(self.client_id, self.session_id, PROTOCOL, self._channel_key)
+        for peer, keys in neighbour_keys.items():
+            if not isinstance(peer, int | np.integer) or not 0 <= peer < SERVER_ID:
+                raise ValueError(f"neighbour id {peer!r} is not a protocol id")
+            if not isinstance(keys, tuple | list) or len(keys) != 2:
+                raise ValueError(f"neighbour {peer}'s keys must be a (channel, agreement) pair")
+            for key in keys:
+                if key in own or key in seen:
+                    raise ValueError(f"neighbour {peer}'s key repeats another party's key")
+                seen.add(key)
+            endpoint.connect(int(peer), keys[0])  # ChannelError (a ValueError) if unusable
+            problem = key_problem(keys[1])
+            if problem is not None:
+                raise ChannelError(f"neighbour {peer}'s agreement key: {problem}")
+            self._neighbour_keys[int(peer)] = (keys[0], keys[1])
+        self._endpoint = endpoint
+        if contribute and len(self._neighbour_keys) < config.threshold:
+            raise TooManyDropoutsError(
+                f"client {self.client_id} has {len(self._neighbour_keys)} live neighbours; "
+                f"sharing needs threshold={config.threshold}"
+            )
+
+    def masked_input(self, envelopes: Iterable[Envelope], values) -> np.ndarray | None:
+        """MASKED_INPUT: open the neighbours' shares, then return
+        y = x + PRG(b) + sum_j sign(i, j) PRG(s_ij) over neighbours that shared
+        (None, with ``values=None``, for a client that does not contribute)."""
+        self._enter(Stage.MASKED_INPUT)
+        config = self.config
+        try:
+            if self.contributes:
+                values = self._own_input(values)
+            elif values is not None:
+                raise ValueError(f"{self._who()} does not contribute; values must be None")
+            self._open_shares(envelopes)
+        except (ValueError, TypeError) as error:
+            raise self._refuse(error) from None
+        if not self.contributes:
+            return None
+        space = config.masking
+        masked = space.add(values, prg(space, self._self_mask_seed, values.size))
+        for peer in sorted(self._held_shares):
+            seed = pairwise_seed(
+                self._agreement_key,
+                self._neighbour_keys[peer][1],
+                self.session_id,
+                self.client_id,
+                peer,
+            )
+            mask = prg(space, seed, values.size)
+            masked = space.add(masked, mask) if self.client_id < peer else space.sub(masked, mask)
+        return masked
+
+    def _own_input(self, values) -> np.ndarray:
+        """``values`` checked as the round's input; the error never echoes an entry."""
+        try:
+            return integer_vector(
+                np.asarray(values).ravel(), self.config.masking, self.config.vector_length, "x"
+            )
+        except (ValueError, TypeError):
+            raise ValueError(
+                f"values must be {self.config.vector_length} integers in the masking space "
+                f"{self.config.masking!r}"
+            ) from None
+
+    def _open_shares(self, envelopes: Iterable[Envelope]) -> None:
+        if isinstance(envelopes, bytes | str) or not isinstance(envelopes, Iterable):
+            raise TypeError("envelopes must be a list of Envelope objects")
+        for envelope in envelopes:
+            if not isinstance(envelope, Envelope):
+                raise TypeError(f"envelopes holds a {type(envelope).__name__}, not an Envelope")
+            sender = envelope.sender
+            if sender not in self._neighbour_keys or sender in self._held_shares:
+                raise ValueError(
+                    f"{self._who()} got a share from sender={sender!r}: not a neighbour, or "
+                    "a second one"
+                )
+            row = self._endpoint.open_array(
+                envelope, round_=self.config.round, stage=Stage.SHARE_KEYS, sender=sender
+            )
+            self._held_shares[sender] = integer_vector(
+                row, self.config.field, SHARE_ROW_LENGTH, f"the share from {sender}"
+            )
+
+    def unmask(self, survivors: Iterable[int], dropped: Iterable[int]) -> UnmaskResponse:
+        """UNMASK: for each neighbour that shared with us, return the share of its self-mask
+        seed if it survived, of its agreement key if it dropped, never both; refuse to answer
+        when fewer than ``survivors_needed`` clients survived."""
+        self._enter(Stage.UNMASK)
+        try:
+            survivors, dropped = _id_set(survivors, "survivors"), _id_set(dropped, "dropped")
+        except (ValueError, TypeError) as error:
+            raise self._refuse(error) from None
+        both = survivors & dropped
+        if both:
+            raise self._refuse(
+                ValueError(
+                    f"{self._who()} refuses to unmask: clients {sorted(both)} are listed as "
+                    "both survived and dropped (that would reveal their inputs)"
+                )
+            )
+        if len(survivors) < self.config.survivors_needed:
+            raise self._refuse(
+                TooManyDropoutsError(
+                    f"{self._who()} refuses to unmask a sum of {len(survivors)} inputs; at "
+                    f"least {self.config.survivors_needed} needed"
+                )
+            )
+        self_mask, secret_key = {}, {}
+        for owner, share in self._held_shares.items():
+            if owner in survivors:
+                self_mask[owner] = share[:CHUNKS_PER_SECRET]
+            elif owner in dropped:
+                secret_key[owner] = share[CHUNKS_PER_SECRET:]
+        self._enter(Stage.DONE)
+        return UnmaskResponse(self_mask, secret_key)
+
+    def to_state(self) -> dict[str, np.ndarray]:
+        """The client's whole protocol state as numeric arrays (its seed included: seal it)."""
+        owners = sorted(self._held_shares)
+        neighbours = self._recipients
+        return {
+            "seed": np.frombuffer(self._seed, dtype=np.uint8).copy(),
+            "session": np.frombuffer(self.session_id, dtype=np.uint8).copy(),
+            "stage": np.array(self.stage.value, dtype=np.int64),
+            "client_id": np.array(-1 if self.client_id is None else self.client_id, np.int64),
+            "contributes": np.array(int(self.contributes), dtype=np.int64),
+            "config": np.zeros(0, np.int64) if self.config is None else self.config.to_array(),
+            "neighbours": np.array(neighbours, dtype=np.int64),
+            "neighbour_keys": np.frombuffer(
+                b"".join(b"".join(self._neighbour_keys[j]) for j in neighbours), dtype=np.uint8
+            ).reshape(len(neighbours), 2 * PUBLIC_KEY_BYTES),
+            "share_owners": np.array(owners, dtype=np.int64),
+            "shares": np.array(
+                [self._held_shares[j] for j in owners], dtype=np.int64
+            ).reshape(len(owners), SHARE_ROW_LENGTH),
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, np.ndarray]) -> SecAggClient:
+        """The client :meth:`to_state` wrote; ``ValueError`` if the arrays are not such a state."""
+        try:
+            return cls._restore(state)
+        except (KeyError, TypeError, ValueError, OverflowError, IndexError) as error:
+            raise ValueError(f"not a SecAgg+ client state: {error}") from None
+
+    @classmethod
+    def _restore(cls, state: Mapping[str, np.ndarray]) -> SecAggClient:
+        client = cls(
+            bytes(np.asarray(state["session"], np.uint8)),
+            seed=bytes(np.asarray(state["seed"], np.uint8)),
+        )
+        client.stage = Stage(int(state["stage"]))
+        client_id = int(state["client_id"])
+        client.contributes = bool(int(state["contributes"]))
+        neighbours = np.asarray(state["neighbours"], dtype=np.int64).ravel()
+        keys = np.asarray(state["neighbour_keys"], dtype=np.uint8)
+        owners = np.asarray(state["share_owners"], dtype=np.int64).ravel()
+        shares = np.asarray(state["shares"], dtype=np.int64)
+        if keys.shape != (neighbours.size, 2 * PUBLIC_KEY_BYTES) or shares.shape != (
+            owners.size,
+            SHARE_ROW_LENGTH,
+        ):
+            raise ValueError("neighbour keys or shares misshapen")
+        if client_id < 0:
+            early = (Stage.SETUP, Stage.ADVERTISE_KEYS, Stage.ABORTED)
+            if neighbours.size or client.stage not in early:
+                raise ValueError(f"stage {client.stage.name} without a protocol id")
+            return client
+        client.client_id = client_id
+        client.config = SecAggConfig.from_array(state["config"])
+        client._endpoint = Endpoint(client_id, client.session_id, PROTOCOL, client._channel_key)
+        for peer, row in zip(neighbours.tolist(), keys):
+            raw = bytes(row)
+            client._neighbour_keys[peer] = (raw[:PUBLIC_KEY_BYTES], raw[PUBLIC_KEY_BYTES:])
+            client._endpoint.connect(peer, raw[:PUBLIC_KEY_BYTES])
+        client._held_shares = {o: s for o, s in zip(owners.tolist(), shares)}
+        return client
+
+
+def _id_set(ids: object, name: str) -> set[int]:
+    if isinstance(ids, bytes | str) or not isinstance(ids, Iterable):
+        raise TypeError(f"{name} must be a collection of client ids")
+    out = set()
+    for i in ids:
+        if not isinstance(i, int | np.integer) or isinstance(i, bool) or not 0 <= i < SERVER_ID:
+            raise ValueError(f"{name} holds {i!r}, not a client id")
+        out.add(int(i))
+    return out
+

@@ -1,0 +1,471 @@
+"""The server's side of SecAgg+ (Bell et al., CCS 2020) and an in-process round; the protocol
+itself is described in :mod:`protocols.secagg`.
+
+**Hostile messages.** Every handler checks its stage transition (:class:`StageError`) and each
+client's message on its own -- types, lengths, field ranges, key validity (an unusable X25519
+key is a :class:`~protocols.channels.ChannelError` in ``connect``), keys repeated across
+clients, membership, neighbourhood, the round and stage an envelope claims, the size of a sealed
+share -- and a bad message drops that client for the rest of the round, named with the stage and
+reason in :attr:`SecAggServer.rejected`; the round goes on with the rest. A rejected masked input
+counts as a dropout (its pairwise masks are removed); shares that a degree check names as wrong
+reject their sender and the others are used. When fewer clients remain than the round needs, or
+shares of a secret disagree and the wrong ones cannot be named (exactly ``threshold`` shares
+cannot be checked, except that a rebuilt agreement key must match its public key), the server
+moves to ABORTED and raises :class:`RoundAborted` (:class:`TooManyDropoutsError` when too few
+answered): nothing is released. Keys, seeds and shares of the clients never reach the server in
+the clear; public keys relayed by the server are taken as authentic (honest-but-curious server).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from protocols.channels import (
+    NONCE_BYTES,
+    SERVER_ID,
+    Envelope,
+    Relay,
+    Transcript,
+    new_session_id,
+)
+from protocols.secagg import (
+    CHUNKS_PER_SECRET,
+    SHARE_CIPHERTEXT_BYTES,
+    RoundAborted,
+    SecAggConfig,
+    Stage,
+    TooManyDropoutsError,
+    UnmaskResponse,
+    check_transition,
+    elements_to_secret,
+    integer_vector,
+    key_problem,
+    neighbour_graph,
+    pairwise_seed,
+    prg,
+    raw_public_key,
+    shamir_scheme,
+    sum_vectors,
+)
+from protocols.secagg_client import SecAggClient
+from protocols.shamir import InconsistentSharesError
+
+
+@dataclass
+class ServerView:
+    """Everything the server received or derived, for audits and tests."""
+
+    public_keys: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)
+    masked_inputs: dict[int, np.ndarray] = field(default_factory=dict)
+    responses: dict[int, UnmaskResponse] = field(default_factory=dict)
+    recovered_self_masks: dict[int, bytes] = field(default_factory=dict)
+    recovered_secret_keys: dict[int, bytes] = field(default_factory=dict)
+
+
+class _Culprits(Exception):
+    """Responders whose shares a degree check singled out as wrong."""
+
+    def __init__(self, responders: tuple[int, ...]) -> None:
+        super().__init__(responders)
+        self.responders = responders
+
+
+def _client_key(client: object) -> Any:
+    """A client id as the int it is, or its repr when it is no id at all (for ``rejected``)."""
+    if isinstance(client, int | np.integer) and not isinstance(client, bool):
+        return int(client)
+    return repr(client)
+
+
+def _items(messages: Mapping[Any, Any], what: str) -> list[tuple[Any, Any]]:
+    if not isinstance(messages, Mapping):
+        raise TypeError(f"{what} must map client ids to their messages")
+    return list(messages.items())
+
+
+class SecAggServer:
+    """The server's side of SecAgg+: relays, bookkeeping, checks, and the final unmasking.
+
+    ``session_id`` is the public per-round salt (HKDF) shared with the clients; the neighbour
+    graph is drawn from ``graph_rng``. :attr:`rejected` names every client dropped for a bad
+    message, with the stage and the reason.
+    """
+
+    def __init__(
+        self,
+        config: SecAggConfig,
+        client_ids: Iterable[int],
+        session_id: bytes,
+        graph_rng: np.random.Generator,
+        relay: Relay | None = None,
+    ) -> None:
+        self.config = config
+        self.session_id = session_id
+        self.client_ids = tuple(int(i) for i in client_ids)
+        if len(self.client_ids) != config.num_clients:
+            raise ValueError(
+                f"client_ids has {len(self.client_ids)} ids; num_clients={config.num_clients}"
+            )
+        if any(not 0 <= i < SERVER_ID for i in self.client_ids):
+            raise ValueError("client_ids must be protocol ids in [0, 2^63 - 1)")
+        self.graph = neighbour_graph(self.client_ids, config.degree, graph_rng)
+        self.relay = relay if relay is not None else Relay()
+        self.view = ServerView()
+        self.stage = Stage.SETUP
+        self.rejected: dict[Any, str] = {}
+        self.advertised: tuple[int, ...] = ()
+        self.excluded: tuple[int, ...] = ()
+        self.shared: tuple[int, ...] = ()
+        self.survivors: tuple[int, ...] = ()
+        self.dropped: tuple[int, ...] = ()
+        self._recipients: dict[int, tuple[int, ...]] = {}
+
+    @property
+    def transcript(self) -> Transcript:
+        return self.relay.transcript
+
+    def _enter(self, target: Stage) -> None:
+        check_transition(self.stage, target, "server")
+        self.stage = target
+
+    def _abort(self, error: RoundAborted) -> RoundAborted:
+        """Move to ABORTED and return ``error`` for the caller to raise."""
+        self._enter(Stage.ABORTED)
+        return error
+
+    def reject(self, client: object, stage: Stage, reason: str) -> None:
+        """Drop ``client`` for the rest of the round for a bad message (first reason kept)."""
+        self.rejected.setdefault(_client_key(client), f"{stage.name}: {reason}")
+
+    def _require(self, count: int, stage: Stage, what: str) -> None:
+        if count < self.config.survivors_needed:
+            raise self._abort(
+                TooManyDropoutsError(
+                    f"round {self.config.round} aborted in {stage.name}: {what} {count} "
+                    f"clients, at least {self.config.survivors_needed} needed"
+                )
+            )
+
+    def _member(self, client: object) -> int | None:
+        key = _client_key(client)
+        if isinstance(key, int) and key in self.graph and key not in self.rejected:
+            return key
+        return None
+
+    def advertise_keys(
+        self, public_keys: Mapping[int, tuple[bytes, bytes]]
+    ) -> dict[int, dict[int, tuple[bytes, bytes]]]:
+        """ADVERTISE_KEYS: collect public keys; return, per live client, its live neighbours'
+        keys. A client whose keys are malformed, unusable or repeat another client's is
+        rejected; clients left with fewer than ``threshold`` live neighbours are excluded."""
+        self._enter(Stage.ADVERTISE_KEYS)
+        holders: dict[bytes, set[int]] = {}
+        for client, keys in _items(public_keys, "public_keys"):
+            problem = self._keys_problem(client, keys)
+            if problem is not None:
+                self.reject(client, Stage.ADVERTISE_KEYS, problem)
+                continue
+            self.view.public_keys[int(client)] = (keys[0], keys[1])
+            for key in keys:
+                holders.setdefault(key, set()).add(int(client))
+            self.transcript.record(int(client), SERVER_ID, Stage.ADVERTISE_KEYS, 64 + 8)
+        for clients in holders.values():
+            if len(clients) > 1:
+                for client in clients:
+                    self.view.public_keys.pop(client, None)
+                    others = sorted(clients - {client})
+                    self.reject(client, Stage.ADVERTISE_KEYS, f"a key repeats client {others}'s")
+        live = set(self.view.public_keys)
+        self.advertised = tuple(sorted(live))
+        self.excluded = tuple(
+            i
+            for i in self.advertised
+            if len(live.intersection(self.graph[i])) < self.config.threshold
+        )
+        self._require(len(live) - len(self.excluded), Stage.ADVERTISE_KEYS, "keys usable from")
+        routed = {}
+        for client in self.advertised:
+            neighbours = {j: self.view.public_keys[j] for j in self.graph[client] if j in live}
+            self._recipients[client] = tuple(sorted(neighbours))
+            routed[client] = neighbours
+            self.transcript.record(SERVER_ID, client, Stage.ADVERTISE_KEYS, 72 * len(neighbours))
+        return routed
+
+    def _keys_problem(self, client: object, keys: object) -> str | None:
+        if self._member(client) is None:
+            return f"client {client!r} is not a member of this round"
+        if int(client) in self.view.public_keys:
+            return "a second set of public keys"
+        if not isinstance(keys, tuple | list) or len(keys) != 2:
+            return "public keys must be a (channel, agreement) pair"
+        for key in keys:
+            problem = key_problem(key)
+            if problem is not None:
+                return problem
+        return None
+
+    def share_keys(self, envelopes: Mapping[int, list[Envelope]]) -> dict[int, list[Envelope]]:
+        """SHARE_KEYS: relay the sealed share rows (one to each neighbour the client was given,
+        bound to this round and stage, of the right size); returns each live client's incoming
+        envelopes. A client told not to contribute answers with no envelopes."""
+        self._enter(Stage.SHARE_KEYS)
+        senders = []
+        for sender, batch in _items(envelopes, "envelopes"):
+            problem = self._batch_problem(sender, batch)
+            if problem is not None:
+                self.reject(sender, Stage.SHARE_KEYS, problem)
+                continue
+            if batch:
+                senders.append(int(sender))
+                for envelope in batch:
+                    self.relay.post(envelope)
+        self.shared = tuple(sorted(senders))
+        self._require(len(self.shared), Stage.SHARE_KEYS, "shares arrived from")
+        # excluded clients contribute nothing but hold their neighbours' shares
+        delivered = {client: self.relay.deliver(client) for client in self.advertised}
+        return {c: batch for c, batch in delivered.items() if c not in self.rejected}
+
+    def _batch_problem(self, sender: object, batch: object) -> str | None:
+        client = self._member(sender)
+        if client is None or client not in self._recipients:
+            return f"client {sender!r} did not advertise keys this round (or was rejected)"
+        if isinstance(batch, bytes | str) or not isinstance(batch, list | tuple):
+            return "shares must come as a list of envelopes"
+        if client in self.excluded:
+            return None if not batch else "told not to contribute, yet it sent shares"
+        expected = list(self._recipients[client])
+        receivers = [getattr(envelope, "receiver", None) for envelope in batch]
+        ids = all(isinstance(r, int | np.integer) and not isinstance(r, bool) for r in receivers)
+        if not ids or sorted(receivers) != expected:
+            return f"must send one envelope to each of {expected}, got receivers {receivers}"
+        for envelope in batch:
+            if not isinstance(envelope, Envelope):
+                return f"a share is a {type(envelope).__name__}, not an Envelope"
+            if envelope.sender != client or envelope.round != self.config.round:
+                return (
+                    f"an envelope claims sender {envelope.sender!r}, round {envelope.round!r}; "
+                    f"expected sender {client}, round {self.config.round}"
+                )
+            if envelope.stage != Stage.SHARE_KEYS.name:
+                return f"an envelope is bound to stage {envelope.stage!r}, not SHARE_KEYS"
+            if not isinstance(envelope.nonce, bytes) or len(envelope.nonce) != NONCE_BYTES:
+                return f"a nonce must be {NONCE_BYTES} bytes"
+            if (
+                not isinstance(envelope.ciphertext, bytes)
+                or len(envelope.ciphertext) != SHARE_CIPHERTEXT_BYTES
+            ):
+                return f"a sealed share must be {SHARE_CIPHERTEXT_BYTES} bytes"
+        return None
+
+    def masked_input(self, masked_inputs: Mapping[int, np.ndarray]) -> tuple[tuple, tuple]:
+        """MASKED_INPUT: collect y_i from clients that shared (integer vectors of
+        ``vector_length`` in the masking space); returns (survivors, dropped). A rejected input
+        counts as a dropout: its client's pairwise masks are removed in UNMASK."""
+        self._enter(Stage.MASKED_INPUT)
+        space = self.config.masking
+        for client, masked in _items(masked_inputs, "masked_inputs"):
+            member = self._member(client)
+            if member is None or member not in self.shared or member in self.view.masked_inputs:
+                self.reject(client, Stage.MASKED_INPUT, "it shared no keys this round")
+                continue
+            try:
+                masked = integer_vector(
+                    masked, space, self.config.vector_length, f"the masked input of {member}"
+                )
+            except ValueError as error:
+                self.reject(member, Stage.MASKED_INPUT, str(error))
+                continue
+            self.view.masked_inputs[member] = masked
+            self.transcript.record(
+                member, SERVER_ID, Stage.MASKED_INPUT, masked.size * space.bytes_per_element
+            )
+        self.survivors = tuple(sorted(self.view.masked_inputs))
+        self.dropped = tuple(sorted(set(self.shared) - set(self.survivors)))
+        self._require(len(self.survivors), Stage.MASKED_INPUT, "masked inputs arrived from")
+        for client in self.survivors + self.excluded:
+            self.transcript.record(
+                SERVER_ID, client, Stage.MASKED_INPUT, 8 * (len(self.survivors) + len(self.dropped))
+            )
+        return self.survivors, self.dropped
+
+    def unmask(self, responses: Mapping[int, UnmaskResponse]) -> np.ndarray:
+        """UNMASK: reconstruct survivors' self-mask seeds and dropped clients' agreement keys
+        from the neighbours' shares; return sum_{i in survivors} x_i (mod p). A response with
+        a share it may not give (of a non-neighbour, of the wrong kind, misshapen) is rejected
+        whole; shares a degree check names as wrong reject their sender and the rest are used."""
+        self._enter(Stage.UNMASK)
+        for responder, response in _items(responses, "responses"):
+            problem = self._response_problem(responder, response)
+            if problem is not None:
+                self.reject(responder, Stage.UNMASK, problem)
+                continue
+            self.view.responses[int(responder)] = response
+            self.transcript.record(int(responder), SERVER_ID, Stage.UNMASK, response.nbytes)
+        while True:
+            try:
+                total = self._unmasked_sum()
+            except _Culprits as found:
+                for responder in found.responders:
+                    self.view.responses.pop(responder, None)
+                    self.reject(responder, Stage.UNMASK, "a share failed the degree check")
+                continue
+            self._enter(Stage.DONE)
+            return total
+
+    def _response_problem(self, responder: object, response: object) -> str | None:
+        client = self._member(responder)
+        if client is None or (client not in self.survivors and client not in self.excluded):
+            return (
+                f"client {responder!r} is neither a survivor nor a share holder that was "
+                "excluded from contributing"
+            )
+        if client in self.view.responses:
+            return "a second response"
+        if not isinstance(response, UnmaskResponse):
+            return f"the response is a {type(response).__name__}, not an UnmaskResponse"
+        for kind, owners in (
+            ("self_mask_shares", self.survivors),
+            ("secret_key_shares", self.dropped),
+        ):
+            shares = getattr(response, kind)
+            if not isinstance(shares, dict):
+                return f"{kind} must be a dict"
+            for owner, row in shares.items():
+                if owner not in owners or client not in self._recipients.get(owner, ()):
+                    return f"a share in {kind} of {owner!r}, which it may not give"
+                try:
+                    integer_vector(row, self.config.field, CHUNKS_PER_SECRET, "a share")
+                except ValueError as error:
+                    return str(error)
+        return None
+
+    def _unmasked_sum(self) -> np.ndarray:
+        space = self.config.masking
+        total = sum_vectors(space, [self.view.masked_inputs[i] for i in self.survivors])
+        length = self.config.vector_length
+        for owner in self.survivors:
+            seed = self._recover(owner, "self_mask_shares")
+            self.view.recovered_self_masks[owner] = seed
+            total = space.sub(total, prg(space, seed, length))
+        for owner in self.dropped:
+            partners = [j for j in self._recipients[owner] if j in self.survivors]
+            if not partners:
+                continue
+            raw_key = self._recover(owner, "secret_key_shares")
+            key = X25519PrivateKey.from_private_bytes(raw_key)
+            if raw_public_key(key) != self.view.public_keys[owner][1]:
+                raise self._abort(
+                    RoundAborted(
+                        f"round {self.config.round} aborted in UNMASK: client {owner}'s "
+                        "mask-agreement key rebuilt from its neighbours' shares does not match "
+                        "its public key (shares were altered; with threshold shares nobody can "
+                        "be named)"
+                    )
+                )
+            self.view.recovered_secret_keys[owner] = raw_key
+            for partner in partners:
+                seed = pairwise_seed(
+                    key, self.view.public_keys[partner][1], self.session_id, owner, partner
+                )
+                mask = prg(space, seed, length)
+                # the partner added +mask if partner < owner, else -mask: undo it
+                total = space.sub(total, mask) if partner < owner else space.add(total, mask)
+        return total
+
+    def _recover(self, owner: int, kind: str) -> bytes:
+        members, rows = [], []
+        recipients = self._recipients[owner]
+        for responder, response in self.view.responses.items():
+            share = getattr(response, kind).get(owner)
+            if share is not None:
+                members.append(recipients.index(responder))
+                rows.append(share)
+        scheme = shamir_scheme(self.config, len(recipients))
+        what = "self-mask seed" if kind == "self_mask_shares" else "mask-agreement key"
+        if len(members) < scheme.threshold:
+            raise self._abort(
+                TooManyDropoutsError(
+                    f"round {self.config.round} aborted in UNMASK: client {owner}'s {what} "
+                    f"needs {scheme.threshold} shares, {len(members)} neighbours answered"
+                )
+            )
+        # Plain unique decoding (max_faulty = the radius), unlike the committee protocols: a
+        # neighbour that lies in UNMASK can at worst spoil the sum, which a malicious client can
+        # do anyway through its masked input, and being named only drops its shares.
+        radius = (len(members) - scheme.threshold) // 2
+        try:
+            decoding = scheme.decode(
+                np.stack(rows), members, CHUNKS_PER_SECRET, max_faulty=radius
+            )
+        except ValueError as error:  # incl. InconsistentSharesError: beyond the radius
+            problem = str(error)
+        else:
+            if decoding.corrected:
+                raise _Culprits(tuple(recipients[m] for m in decoding.corrected))
+            return elements_to_secret(decoding.values)
+        raise self._abort(
+            RoundAborted(
+                f"round {self.config.round} aborted in UNMASK: the shares of client {owner}'s "
+                f"{what} disagree and the wrong ones cannot be named ({problem})"
+            )
+        )
+
+
+@dataclass
+class SecAggResult:
+    """Outcome of :func:`run_secagg`."""
+
+    aggregate: np.ndarray
+    survivors: tuple[int, ...]
+    dropped: tuple[int, ...]
+    excluded: tuple[int, ...]
+    server: SecAggServer
+    clients: dict[int, SecAggClient]
+
+
+def run_secagg(
+    config: SecAggConfig,
+    inputs: Mapping[int, np.ndarray],
+    graph_rng: np.random.Generator,
+    dropouts: Mapping[Stage, Iterable[int]] | None = None,
+) -> SecAggResult:
+    """One full round in process: every client's handlers and the server's, with clients that
+    stop answering at a given stage (``dropouts[stage]``: they skip that stage and all later
+    ones); client secrets from the OS CSPRNG. Raises :class:`TooManyDropoutsError` when
+    recovery is impossible."""
+    dropouts = {stage: set(ids) for stage, ids in (dropouts or {}).items()}
+    for stage in dropouts:
+        if stage not in (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASK):
+            raise ValueError(f"dropouts has stage {stage.name}; clients drop in stages 1-4")
+    session_id = new_session_id()
+    server = SecAggServer(config, inputs.keys(), session_id, graph_rng)
+    clients = {i: SecAggClient(session_id) for i in inputs}
+    gone: set[int] = set()
+
+    def live(stage: Stage, candidates: Iterable[int]) -> list[int]:
+        gone.update(dropouts.get(stage, ()))
+        return [i for i in candidates if i not in gone]
+
+    keys = {i: clients[i].advertise_keys() for i in live(Stage.ADVERTISE_KEYS, clients)}
+    routed = server.advertise_keys(keys)
+    excluded = set(server.excluded)
+    outgoing = {
+        i: clients[i].share_keys(i, config, routed[i], contribute=i not in excluded)
+        for i in live(Stage.SHARE_KEYS, routed)
+    }
+    incoming = server.share_keys(outgoing)
+    masked = {}
+    for i in live(Stage.MASKED_INPUT, incoming):
+        contribution = clients[i].masked_input(incoming[i], None if i in excluded else inputs[i])
+        if contribution is not None:
+            masked[i] = contribution
+    survivors, dropped = server.masked_input(masked)
+    holders = [i for i in incoming if i in survivors or i in excluded]
+    responses = {i: clients[i].unmask(survivors, dropped) for i in live(Stage.UNMASK, holders)}
+    aggregate = server.unmask(responses)
+    return SecAggResult(aggregate, survivors, dropped, server.excluded, server, clients)

@@ -1,0 +1,554 @@
+"""SecAgg+ (Bell et al., CCS 2020; :mod:`protocols.secagg`) as Flower message exchanges.
+
+A secure-aggregation strategy runs one SecAgg+ round per FL round. Its train instruction
+carries the round's public ``session`` id; each client trains, draws its protocol secrets from
+its own secret and answers with its two public keys only (:func:`start_client`, ADVERTISE_KEYS).
+The strategy then drives three more exchanges through the Grid it was given
+(:func:`run_over_grid`), one per stage, each a ``query`` message the client app answers with
+:func:`register_client_stages`'s handlers:
+
+=============================  =====================================  ========================
+message (server -> client)     content                                reply (client -> server)
+=============================  =====================================  ========================
+``query.secagg_share_keys``    its protocol id, the round's           one sealed share row per
+                               parameters, its neighbours' keys       neighbour (envelopes)
+``query.secagg_masked_input``  the envelopes addressed to it          y_i, the masked input
+``query.secagg_unmask``        survivors and dropped (shared)         shares of their secrets
+=============================  =====================================  ========================
+
+so the server holds only public keys, envelopes it relays, masked inputs and its own state
+(:class:`protocols.secagg_server.SecAggServer`). Protocol ids are 1..n in the order of the
+clients' node ids (Flower's node ids may exceed the channels' 2^63 - 1).
+
+**Client state.** Between messages a client keeps its protocol state and its input in
+``context.state[STATE_KEY]``. When the runtime gives the client a persistent secret
+(``node_config[NODE_SECRET_KEY]``, as fedsim's engine does) the state is sealed with it
+(:meth:`fedsim.randomness.PartySecret.seal`), so a state store held by the server opens
+nothing; otherwise (Flower's own runtime, where ``context.state`` stays in the node's own
+memory) it is stored as is. The protocol seed is ``secret.seed_bytes(round, Purpose.KEYS,
+session)``. A client answers a round's train instruction once: an instruction for a round it
+has already begun is refused.
+
+**Checks.** Every reply is checked at this boundary before the protocol sees it: it must answer
+a message of this stage, come from a node asked in it (once), and hold exactly the records of
+the stage with the right types; anything else rejects that client for the round, named with the
+reason, and the server state machine checks the rest (:mod:`protocols.secagg_server`). A client
+refuses a bad, replayed or out-of-order message by answering ``REFUSED_KEY`` and storing itself
+ABORTED for the round; refusals and error replies count as dropouts. With fedsim's grid each
+exchange is declared as phase ``(round, PHASE_KIND[stage])``: clients' states are filed under
+the round, and injected faults are drawn per exchange, so a client can also drop out inside
+SecAgg+.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid
+
+from fedsim.randomness import NODE_SECRET_KEY, PartySecret, Purpose, client_secret
+from fedsim.records import to_numpy, to_record
+from protocols.channels import Envelope
+from protocols.secagg import (
+    CHUNKS_PER_SECRET,
+    TRANSITIONS,
+    RoundAborted,
+    SecAggConfig,
+    Stage,
+    UnmaskResponse,
+)
+from protocols.secagg_client import SecAggClient
+from protocols.secagg_server import SecAggServer
+
+KEYS_KEY = "secagg.keys"
+"""Reply record of ADVERTISE_KEYS: ConfigRecord with ``channel`` and ``agreement`` (32 bytes)."""
+ROUND_KEY = "secagg"
+SETUP_KEY = "secagg.setup"
+NEIGHBOURS_KEY = "secagg.neighbours"
+ENVELOPES_KEY = "secagg.envelopes"
+MASKED_KEY = "secagg.masked"
+SURVIVORS_KEY = "secagg.survivors"
+UNMASK_KEY = "secagg.unmask"
+STATE_KEY = "secagg.state"
+REFUSED_KEY = "secagg.refused"
+"""Reply record of a client that refuses a stage's message (it is ABORTED for the round)."""
+_STATE_LABEL = b"fedsim/secagg/client-state/v1"
+
+ACTIONS = {
+    Stage.SHARE_KEYS: "secagg_share_keys",
+    Stage.MASKED_INPUT: "secagg_masked_input",
+    Stage.UNMASK: "secagg_unmask",
+}
+MESSAGE_TYPES = {stage: f"query.{action}" for stage, action in ACTIONS.items()}
+PHASE_KIND = {Stage.SHARE_KEYS: 2, Stage.MASKED_INPUT: 3, Stage.UNMASK: 4}
+"""fedsim phase kinds of the exchanges (0 and 1 are training and evaluation)."""
+
+_REPLY_RECORDS = {
+    Stage.SHARE_KEYS: {ENVELOPES_KEY: ConfigRecord},
+    Stage.MASKED_INPUT: {MASKED_KEY: ArrayRecord},
+    Stage.UNMASK: {UNMASK_KEY: ArrayRecord},
+}
+_ENVELOPE_FIELDS = ("senders", "receivers", "rounds", "stages", "nonces", "ciphertexts")
+MALFORMED = (ValueError, TypeError, KeyError, IndexError, AttributeError, SyntaxError)
+"""What decoding an untrusted record may raise; each is a malformed reply."""
+
+
+class MalformedReply(ValueError):
+    """A reply that does not have the form its stage requires."""
+
+
+# ----------------------------------------------------------------------------- wire formats
+def envelopes_record(envelopes: Iterable[Envelope]) -> ConfigRecord:
+    """Envelopes as a ConfigRecord of parallel lists (no pickle)."""
+    envelopes = list(envelopes)
+    return ConfigRecord(
+        {
+            "senders": [e.sender for e in envelopes],
+            "receivers": [e.receiver for e in envelopes],
+            "rounds": [e.round for e in envelopes],
+            "stages": [e.stage for e in envelopes],
+            "nonces": [e.nonce for e in envelopes],
+            "ciphertexts": [e.ciphertext for e in envelopes],
+        }
+    )
+
+
+def envelopes_from(record: object) -> list[Envelope]:
+    """The envelopes of :func:`envelopes_record`; :class:`MalformedReply` if it is not one."""
+    if not isinstance(record, ConfigRecord) or set(record) != set(_ENVELOPE_FIELDS):
+        raise MalformedReply(f"envelopes must be a ConfigRecord with {list(_ENVELOPE_FIELDS)}")
+    columns = [record[name] for name in _ENVELOPE_FIELDS]
+    if any(not isinstance(c, list) for c in columns) or len({len(c) for c in columns}) != 1:
+        raise MalformedReply("the envelope lists must be lists of one length")
+    types = (int, int, int, str, bytes, bytes)
+    for name, column, kind in zip(_ENVELOPE_FIELDS, columns, types):
+        if any(not isinstance(v, kind) or isinstance(v, bool) for v in column):
+            raise MalformedReply(f"envelope field {name} must hold {kind.__name__} values")
+    return [Envelope(*values) for values in zip(*columns)]
+
+
+def _config_record(config: SecAggConfig, client_id: int, contribute: bool) -> ConfigRecord:
+    names = ("num-clients", "degree", "threshold", "vector-length", "round", "min-survivors")
+    values = config.to_array().tolist()
+    record = ConfigRecord(dict(zip(names, values[:6])))
+    record.update(
+        {
+            "ring-bits": values[6],
+            "field-exponent": values[7],
+            "client-id": client_id,
+            "contribute": contribute,
+        }
+    )
+    return record
+
+
+def _config_from(record: ConfigRecord) -> tuple[SecAggConfig, int, bool]:
+    names = ("num-clients", "degree", "threshold", "vector-length", "round", "min-survivors")
+    values = [record[name] for name in (*names, "ring-bits", "field-exponent")]
+    if any(not isinstance(v, int) or isinstance(v, bool) for v in values):
+        raise ValueError(f"the round's parameters must be integers, got {values}")
+    config = SecAggConfig.from_array(np.array(values, dtype=np.int64))
+    client_id, contribute = record["client-id"], record["contribute"]
+    if not isinstance(client_id, int) or not isinstance(contribute, bool):
+        raise ValueError("client-id must be an integer and contribute a bool")
+    return config, client_id, contribute
+
+
+def _unmask_record(response: UnmaskResponse) -> ArrayRecord:
+    arrays = {}
+    for name, shares in (
+        ("self-mask", response.self_mask_shares),
+        ("secret-key", response.secret_key_shares),
+    ):
+        owners = sorted(shares)
+        arrays[f"{name}-owners"] = np.array(owners, dtype=np.int64)
+        arrays[f"{name}-shares"] = np.array(
+            [shares[o] for o in owners], dtype=np.int64
+        ).reshape(len(owners), CHUNKS_PER_SECRET)
+    return to_record(arrays)
+
+
+def _unmask_from(record: ArrayRecord) -> UnmaskResponse:
+    arrays = to_numpy(record)
+    names = {f"{n}-{p}" for n in ("self-mask", "secret-key") for p in ("owners", "shares")}
+    if set(arrays) != names:
+        raise MalformedReply(f"an unmask reply holds exactly the arrays {sorted(names)}")
+    parts = []
+    for name in ("self-mask", "secret-key"):
+        owners, shares = arrays[f"{name}-owners"], arrays[f"{name}-shares"]
+        if (
+            owners.ndim != 1
+            or owners.dtype.kind not in "iu"
+            or shares.ndim != 2
+            or shares.shape[0] != owners.size
+            or len(set(owners.tolist())) != owners.size
+        ):
+            raise MalformedReply(f"{name} owners and shares must be one row per distinct owner")
+        parts.append({int(o): np.array(row) for o, row in zip(owners.tolist(), shares)})
+    return UnmaskResponse(*parts)
+
+
+# ----------------------------------------------------------------------------- server side
+@dataclass
+class SecAggOutcome:
+    """One SecAgg+ round over a Grid, in node ids: the aggregate (in the round's masking
+    space; None if the round aborted), the nodes whose inputs it sums, the nodes rejected for
+    a bad reply with the reasons, why the round aborted (None if it completed), the server
+    state machine's final stage, how many messages each exchange sent, and the nodes that
+    refused a stage (dropouts) with their reasons."""
+
+    aggregate: np.ndarray | None
+    survivors: tuple[int, ...]
+    rejected: dict[int, str]
+    aborted: str | None
+    config: SecAggConfig | None = None
+    stage: Stage = Stage.SETUP
+    messages: dict[str, int] = field(default_factory=dict)
+    refused: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Exchange:
+    """The server's bookkeeping of one SecAgg+ round over a Grid."""
+
+    grid: Grid
+    server_round: int
+    session: bytes
+    timeout: float | None
+    silent: Mapping[Stage, set[int]]
+    server: SecAggServer
+    node_of: dict[int, int]
+    messages: dict[str, int] = field(default_factory=dict)
+    foreign: dict[int, str] = field(default_factory=dict)
+    refused: dict[int, str] = field(default_factory=dict)
+
+    def message(self, node: int, stage: Stage, records: dict[str, Any]) -> Message:
+        content = RecordDict(
+            {
+                ROUND_KEY: ConfigRecord(
+                    {
+                        "server-round": self.server_round,
+                        "session": self.session,
+                        "stage": stage.name,
+                    }
+                ),
+                **records,
+            }
+        )
+        return Message(
+            content=content,
+            dst_node_id=node,
+            message_type=MESSAGE_TYPES[stage],
+            group_id=str(self.server_round),
+        )
+
+    def send(self, stage: Stage, targets: dict[int, dict[str, Any]]) -> dict[int, RecordDict]:
+        """Send each protocol id in ``targets`` its records (skipping clients scheduled to be
+        silent in ``stage``); return the accepted replies' contents by protocol id and reject
+        the clients whose replies do not have the stage's form."""
+        silent = self.silent.get(stage, set())
+        outgoing = [
+            self.message(self.node_of[c], stage, records)
+            for c, records in targets.items()
+            if self.node_of[c] not in silent
+        ]
+        declare = getattr(self.grid, "begin_phase", None)  # fedsim's grid files it by round
+        if declare is not None:
+            declare(self.server_round, PHASE_KIND[stage])
+        replies = list(self.grid.send_and_receive(outgoing, timeout=self.timeout))
+        self.messages[stage.name] = len(outgoing)
+        asked = {m.metadata.dst_node_id for m in outgoing}
+        client_of = {node: c for c, node in self.node_of.items()}
+        accepted: dict[int, RecordDict] = {}
+        for reply in replies:
+            node = int(reply.metadata.src_node_id)
+            if reply.has_error():
+                continue  # the client failed or refused: a dropout
+            problem = reply_problem(reply, stage, asked, accepted, client_of)
+            if problem is not None and node in client_of:
+                self.server.reject(client_of[node], stage, problem)
+            elif problem is not None:
+                self.foreign[node] = f"{stage.name}: {problem}"
+            if problem is not None:
+                continue
+            if REFUSED_KEY in reply.content:
+                self.refused[node] = str(reply.content[REFUSED_KEY].get("reason"))[:500]
+                continue
+            accepted[client_of[node]] = reply.content
+        return accepted
+
+
+def reply_problem(
+    reply: Message,
+    stage: Stage,
+    asked: set[int],
+    accepted: Mapping[int, Any],
+    client_of: Mapping[int, int],
+) -> str | None:
+    """Why ``reply`` is no answer to this stage (None if its form is right)."""
+    node = int(reply.metadata.src_node_id)
+    if node not in asked or node not in client_of:
+        return f"node {node} was not asked in {stage.name}"
+    if client_of[node] in accepted:
+        return "a second reply"
+    if reply.metadata.message_type != MESSAGE_TYPES[stage]:
+        return f"a {reply.metadata.message_type!r} reply in stage {stage.name}"
+    expected = _REPLY_RECORDS[stage]
+    content = reply.content
+    if set(content.keys()) == {REFUSED_KEY} and isinstance(content[REFUSED_KEY], ConfigRecord):
+        return None  # the client refused the stage: a dropout
+    if set(content.keys()) != set(expected) or any(
+        not isinstance(content[k], kind) for k, kind in expected.items()
+    ):
+        return f"the reply must hold exactly {sorted(expected)}, got {sorted(content.keys())}"
+    return None
+
+
+def run_over_grid(
+    grid: Grid,
+    *,
+    server_round: int,
+    session: bytes,
+    public_keys: Mapping[int, object],
+    config_for: Callable[[int], SecAggConfig],
+    graph_rng: np.random.Generator,
+    timeout: float | None,
+    silent: Mapping[Stage, set[int]] | None = None,
+) -> SecAggOutcome:
+    """SHARE_KEYS, MASKED_INPUT and UNMASK over ``grid`` for the nodes whose ADVERTISE_KEYS
+    replies gave ``public_keys`` (node id -> (channel, agreement), unchecked); ``config_for(n)``
+    gives the round's parameters for n clients. ``silent[stage]``: nodes that stop answering
+    from that stage on (simulated protocol dropouts). Never raises for a client's reply: a bad
+    one is rejected, and a round that cannot complete ends ABORTED with nothing released."""
+    silent = {stage: set(nodes) for stage, nodes in (silent or {}).items()}
+    nodes = sorted(public_keys)
+    node_of = {index + 1: node for index, node in enumerate(nodes)}
+    try:
+        config = config_for(len(nodes))
+    except ValueError as error:
+        return SecAggOutcome(None, (), {}, f"round {server_round} not run: {error}")
+    server = SecAggServer(config, node_of, session, graph_rng)
+    exchange = _Exchange(grid, server_round, session, timeout, silent, server, node_of)
+    gone = silent.get(Stage.ADVERTISE_KEYS, set())
+    keys = {c: public_keys[n] for c, n in node_of.items() if n not in gone}
+    aggregate, aborted = None, None
+    try:
+        aggregate = _run_stages(exchange, config, keys)
+    except RoundAborted as error:
+        aborted = str(error)
+    rejected = dict(exchange.foreign)
+    rejected.update({node_of[c]: why for c, why in server.rejected.items() if c in node_of})
+    survivors = tuple(node_of[c] for c in server.survivors) if aggregate is not None else ()
+    return SecAggOutcome(
+        aggregate,
+        survivors,
+        rejected,
+        aborted,
+        config,
+        server.stage,
+        exchange.messages,
+        exchange.refused,
+    )
+
+
+def _run_stages(exchange: _Exchange, config: SecAggConfig, keys: dict[int, object]) -> np.ndarray:
+    server = exchange.server
+    routed = server.advertise_keys(keys)
+    excluded = set(server.excluded)
+    setups = {
+        c: {
+            SETUP_KEY: _config_record(config, c, c not in excluded),
+            NEIGHBOURS_KEY: ConfigRecord(
+                {
+                    "ids": list(neighbours),
+                    "channel-keys": [neighbours[j][0] for j in neighbours],
+                    "agreement-keys": [neighbours[j][1] for j in neighbours],
+                }
+            ),
+        }
+        for c, neighbours in routed.items()
+    }
+    envelopes = {}
+    for c, content in exchange.send(Stage.SHARE_KEYS, setups).items():
+        try:
+            envelopes[c] = envelopes_from(content[ENVELOPES_KEY])
+        except MalformedReply as error:
+            server.reject(c, Stage.SHARE_KEYS, str(error))
+    incoming = server.share_keys(envelopes)
+    answered = {c for c in envelopes if c not in server.rejected}
+    deliveries = {
+        c: {ENVELOPES_KEY: envelopes_record(incoming[c])} for c in incoming if c in answered
+    }
+    masked, holders = {}, []
+    for c, content in exchange.send(Stage.MASKED_INPUT, deliveries).items():
+        try:
+            arrays = to_numpy(content[MASKED_KEY])
+        except MALFORMED as error:
+            server.reject(c, Stage.MASKED_INPUT, f"malformed masked input: {error}")
+            continue
+        if list(arrays) != ["masked"]:
+            server.reject(c, Stage.MASKED_INPUT, "the reply must hold one array, 'masked'")
+            continue
+        value = arrays["masked"]
+        if c in excluded and isinstance(value, np.ndarray) and value.size == 0:
+            holders.append(c)  # excluded: holds shares, contributes nothing
+        else:
+            masked[c] = value
+    survivors, dropped = server.masked_input(masked)
+    listing = ConfigRecord({"survivors": list(survivors), "dropped": list(dropped)})
+    asked = {c: {SURVIVORS_KEY: listing} for c in (*survivors, *holders)}
+    responses = {}
+    for c, content in exchange.send(Stage.UNMASK, asked).items():
+        try:
+            responses[c] = _unmask_from(content[UNMASK_KEY])
+        except MALFORMED as error:
+            server.reject(c, Stage.UNMASK, f"malformed unmask reply: {error}")
+    return server.unmask(responses)
+
+
+# ----------------------------------------------------------------------------- client side
+def _secret(context: Context) -> tuple[PartySecret, bool]:
+    """The client's secret and whether it persists across messages (the runtime gave it)."""
+    return client_secret(context.node_config), NODE_SECRET_KEY in context.node_config
+
+
+def _save(
+    context: Context, server_round: int, client: SecAggClient, values: np.ndarray | None
+) -> None:
+    arrays = dict(client.to_state())
+    arrays["round"] = np.array(server_round, dtype=np.int64)
+    if values is not None:
+        arrays["input"] = np.asarray(values, dtype=np.int64)
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    payload = buffer.getvalue()
+    secret, persistent = _secret(context)
+    record = ConfigRecord({"round": server_round, "sealed": persistent})
+    record["state"] = secret.seal(payload, _STATE_LABEL) if persistent else payload
+    context.state[STATE_KEY] = record
+
+
+def _load(context: Context) -> tuple[int, SecAggClient, np.ndarray | None]:
+    record = context.state.get(STATE_KEY)
+    if not isinstance(record, ConfigRecord) or "state" not in record:
+        raise RuntimeError("no SecAgg+ round in progress on this client")
+    secret, persistent = _secret(context)
+    if bool(record["sealed"]) != persistent:
+        raise RuntimeError("this client's secret changed in the middle of a SecAgg+ round")
+    payload = secret.open(record["state"], _STATE_LABEL) if persistent else record["state"]
+    with np.load(io.BytesIO(payload), allow_pickle=False) as stored:
+        arrays = {name: stored[name] for name in stored.files}
+    values = arrays.pop("input", None)
+    return int(arrays.pop("round")), SecAggClient.from_state(arrays), values
+
+
+def start_client(context: Context, server_round: int, session: bytes, values) -> RecordDict:
+    """ADVERTISE_KEYS on the client: draw the round's protocol seed from the client's own
+    secret, keep the signed integer input ``values`` in the client's state, and return the
+    reply content (its two public keys). Refuses a round it has already begun."""
+    previous = context.state.get(STATE_KEY)
+    if isinstance(previous, ConfigRecord) and int(previous.get("round", -1)) >= server_round:
+        raise RuntimeError(
+            f"this client already began round {previous['round']}; it answers round "
+            f"{server_round}'s instruction only once"
+        )
+    if not isinstance(session, bytes) or len(session) < 16:
+        raise ValueError("the instruction's SecAgg+ session must be at least 16 bytes")
+    secret, _ = _secret(context)
+    seed = secret.seed_bytes(server_round, Purpose.KEYS, session.hex())
+    client = SecAggClient(session, seed=seed)
+    channel, agreement = client.advertise_keys()
+    _save(context, server_round, client, np.asarray(values, dtype=np.int64))
+    return RecordDict({KEYS_KEY: ConfigRecord({"channel": channel, "agreement": agreement})})
+
+
+def _stage_of(
+    stage: Stage, message: Message, context: Context
+) -> tuple[int, SecAggClient, Any]:
+    """The stored round, client and input, after checking the message is for them."""
+    server_round, client, values = _load(context)
+    header = message.content.get(ROUND_KEY)
+    if (
+        not isinstance(header, ConfigRecord)
+        or header.get("server-round") != server_round
+        or header.get("session") != client.session_id
+        or header.get("stage") != stage.name
+    ):
+        raise RuntimeError(
+            f"a SecAgg+ message for another round or session, or stage (this client is in "
+            f"round {server_round}, answering {stage.name})"
+        )
+    return server_round, client, values
+
+
+def _share_keys(message: Message, client: SecAggClient, server_round: int) -> RecordDict:
+    config, client_id, contribute = _config_from(message.content[SETUP_KEY])
+    if config.round != server_round:
+        raise ValueError(f"the parameters are for round {config.round}, not {server_round}")
+    neighbours = message.content[NEIGHBOURS_KEY]
+    ids, channel, agreement = (neighbours[k] for k in ("ids", "channel-keys", "agreement-keys"))
+    if not (isinstance(ids, list) and len(ids) == len(channel) == len(agreement)):
+        raise ValueError("neighbour ids and keys must be lists of one length")
+    keys = {j: (c, a) for j, c, a in zip(ids, channel, agreement)}
+    if len(keys) != len(ids):
+        raise ValueError("a neighbour id is repeated")
+    envelopes = client.share_keys(client_id, config, keys, contribute=contribute)
+    return RecordDict({ENVELOPES_KEY: envelopes_record(envelopes)})
+
+
+def _masked_input(message: Message, client: SecAggClient, values: np.ndarray) -> RecordDict:
+    envelopes = envelopes_from(message.content[ENVELOPES_KEY])
+    own = None
+    if client.contributes and client.stage is Stage.SHARE_KEYS:
+        try:
+            own = client.config.masking.encode_signed(values)
+        except ValueError:
+            raise ValueError("this client's input does not fit the round's masking space") from None
+    masked = client.masked_input(envelopes, own)
+    out = np.zeros(0, dtype=np.int64) if masked is None else masked
+    return RecordDict({MASKED_KEY: to_record({"masked": out})})
+
+
+def _unmask(message: Message, client: SecAggClient) -> RecordDict:
+    listing = message.content[SURVIVORS_KEY]
+    response = client.unmask(listing["survivors"], listing["dropped"])
+    return RecordDict({UNMASK_KEY: _unmask_record(response)})
+
+
+def _answer(stage: Stage, message: Message, context: Context) -> RecordDict:
+    """Run the client's handler of ``stage`` on its stored state and store the result. A
+    message the handler refuses (bad, replayed, out of order) leaves the client ABORTED for
+    the round -- stored, so that no later message of the round can resume it -- and the reply
+    says so (REFUSED_KEY); the input is kept only until it is masked."""
+    server_round, client, values = _stage_of(stage, message, context)
+    try:
+        if stage is Stage.SHARE_KEYS:
+            content = _share_keys(message, client, server_round)
+        elif stage is Stage.MASKED_INPUT:
+            content, values = _masked_input(message, client, values), None
+        else:
+            content = _unmask(message, client)
+    except (ValueError, TypeError, KeyError, RuntimeError) as error:
+        if Stage.ABORTED in TRANSITIONS[client.stage]:
+            client.abort()
+        _save(context, server_round, client, None)
+        reason = f"{type(error).__name__}: {error}"
+        return RecordDict({REFUSED_KEY: ConfigRecord({"stage": stage.name, "reason": reason})})
+    _save(context, server_round, client, values)
+    return content
+
+
+def register_client_stages(app: ClientApp) -> None:
+    """Add the client's SecAgg+ stage handlers (``query.secagg_*``) to ``app``."""
+    for stage, action in ACTIONS.items():
+
+        def answer(message: Message, context: Context, stage: Stage = stage) -> Message:
+            return Message(content=_answer(stage, message, context), reply_to=message)
+
+        app.query(action)(answer)
