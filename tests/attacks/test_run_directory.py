@@ -521,8 +521,11 @@ def test_a_given_config_that_differs_from_config_json_is_refused_naming_it(
 
 def test_resuming_under_another_secret_root_opens_nothing(copy_of, reference):
     out = copy_of()
-    with pytest.raises(ConfigError, match=STATE_FILE) as err:
-        resume(out, RunSecret.from_passphrase("guess"))
+    guess = RunSecret.from_passphrase("guess")
+    with pytest.raises(ConfigError, match="the root this run was started with"):
+        resume(out, guess)  # refused by the root's fingerprint before any file is opened
+    with pytest.raises(ConfigError, match=STATE_FILE) as err:  # and the files open nothing
+        RunDirectory.reopen(out, guess, 0)
     assert "fails authentication" in str(err.value)
     check("another root", outcome(out, (STATE_FILE,), reference), "same")  # nothing was touched
 
