@@ -52,6 +52,7 @@ from fedsim.engine import (
     PoissonCohort,
     UniformCohort,
 )
+from fedsim.engine.committee import committee_for
 from fedsim.engine.dmm_committee import committee_host_for
 from fedsim.engine.participation import TRAIN, Participation
 from fedsim.engine.registry import ClientRegistry
@@ -386,7 +387,7 @@ def run_experiment(
         run_dir = RunDirectory.create(out, config_text, root, budget)
     started = time.perf_counter()
     store = run_dir.store
-    strategy = committee_host = None
+    strategy = committee_host = committee = None
     try:
         dataset = build_dataset(config.data)
         spec = model_spec(config, dataset)
@@ -418,7 +419,8 @@ def run_experiment(
         # the server's secret and DMM's engine-side committee host, bound again after a
         # resume (pickling drops them)
         committee_host = committee_host_for(strategy, root, config.faults, run_dir.party_store)
-        bind_parties(strategy, root.server(), committee_host)
+        committee = committee_for(strategy, root)  # DDGauss's members, secrets from the root
+        bind_parties(strategy, root.server(), committee_host, committee)
         with RunProgress(config.rounds, done=start_round - 1, enabled=progress) as bar:
             recorder = RoundRecorder(
                 [writer.write_round, bar],
@@ -498,6 +500,8 @@ def run_experiment(
             close()
         if committee_host is not None:
             committee_host.close()
+        if committee is not None:
+            committee.close()
         writer.close()
         run_dir.close()
 

@@ -19,10 +19,19 @@ around any training ClientApp). Rounding and noise come from the client's own se
   sums them itself; it reproduces full mode's sum and accounting bit for bit on the complete
   graph (``secagg_degree=None``) with the same client secrets and dropouts. (The earlier name
   ``"ideal"`` is refused: nothing about the server's view is ideal.)
-* ``mode="committee"``: the encodings reach the server in the clear and are packed-Shamir shared
-  to a :class:`fedsim.engine.committee.Committee` (share randomness from the OS CSPRNG), which
-  sums them and releases only the sum: it exercises the members' side of the protocol, not the
-  clients'.
+* ``mode="committee"``: the clients share and seal before anything leaves the ClientApp. The
+  train instruction carries the round's public committee parameters (n, t, k, the field, the
+  channel session id and the members' X25519 keys) and the client's channel id; each client
+  packed-Shamir-shares its encoding with share randomness from its own secret (``(round,
+  Purpose.SHARES, "ddgauss.")``) and seals row j for member j under its own X25519 key
+  (``(round, Purpose.KEYS, "ddgauss.", session)``; :func:`protocols.committee.seal_input`),
+  and its reply holds only that public key and the ciphertexts. A
+  :class:`fedsim.engine.committee.Committee` (members' keys from their own secrets; built and
+  bound by the run's front end from ``committee_spec()``, or passed in) checks each sealed input,
+  sums the shares and releases only the sum. The server holds ciphertexts, public keys and
+  the released sum; it and at most t colluding members learn nothing else about one client's
+  encoding (the members' keys it relays are taken as authentic). ``member_dropout`` drops
+  members from a public schedule.
 
 The server decodes the sum (signed, times gamma, inverse rotation), divides by the planned
 cohort size ``expected_clients`` and hands ``g + mean update`` to the wrapped Flower strategy
@@ -61,20 +70,29 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedsim.engine.committee import Committee, TamperingDetected
+from fedsim.engine.committee import (
+    Committee,
+    CommitteeAbort,
+    CommitteeFaults,
+    CommitteeSpec,
+    TamperingDetected,
+)
 from fedsim.engine.reduce import single
 from fedsim.privacy import ddgauss as ddgauss_privacy
 from fedsim.privacy.accounting import NeighbouringRelation, PrivacyLedger
 from fedsim.privacy.mechanisms import SecureRandom
-from fedsim.randomness import Purpose, Stream, client_secret, public_generator
+from fedsim.randomness import PartySecret, Purpose, Stream, client_secret, public_generator
 from fedsim.records import to_numpy, to_record
 from protocols.channels import new_session_id
+from protocols.committee import MEMBER_ID_BASE, CommitteeKeys, SealedInput, seal_input
 from protocols.encoding import DEFAULT_BETA, DDGaussEncoder, choose_gamma
 from protocols.field import DEFAULT_FIELD
 from protocols.secagg import SecAggConfig, Stage, TooManyDropoutsError, integer_vector
 from strategies.secagg_messages import (
     KEYS_KEY,
     MALFORMED,
+    envelopes_from,
+    envelopes_record,
     register_client_stages,
     run_over_grid,
     start_client,
@@ -84,7 +102,11 @@ from strategies.wrapper import StrategyWrapper, server_reply
 log = logging.getLogger(__name__)
 
 ENCODED_KEY = "ddgauss.encoded"
+SEALED_KEY = "ddgauss.sealed"
+"""Committee mode's reply: ConfigRecord of the client's ``public-key`` and its envelopes."""
 PREFIX = "ddgauss."
+COMMITTEE_PREFIX = "ddgauss.committee."
+_COMMITTEE_KEYS = ("n", "t", "k", "field-exponent", "session", "member-keys", "party")
 MODES = ("full", "plaintext", "committee")
 _KEYS = ("dim", "clip", "gamma", "noise-std", "beta", "max-tries", "rotation-seed", "mode")
 _RENAMED = (
@@ -144,24 +166,80 @@ def trained_update(
     return flatten(to_numpy(trained)) - flatten(to_numpy(global_record)), metrics
 
 
-def local_update(
-    inner: ClientApp,
-    message: Message,
-    context: Context,
-    global_record: ArrayRecord,
-    config: ConfigRecord,
-    prefix: str,
-) -> Message | tuple[np.ndarray, MetricRecord, np.random.Generator]:
-    """:func:`trained_update` plus a generator seeded by ``([config[prefix + "seed"],
-    server_round, partition_id])``, for :mod:`strategies.dmm`'s clients (DDGauss's clients draw
-    from their own secret instead)."""
-    local = trained_update(inner, message, context, global_record)
-    if isinstance(local, Message):
-        return local
-    partition = int(context.node_config.get("partition-id", 0))
-    server_round = int(config.get("server-round", 0))
-    rng = np.random.default_rng([int(config[prefix + "seed"]), server_round, partition])
-    return (*local, rng)
+def committee_keys_config(keys: CommitteeKeys, party: int) -> dict[str, Any]:
+    """The ``ddgauss.committee.*`` entries of one client's committee-mode instruction: the
+    round's public :class:`protocols.committee.CommitteeKeys` (the round is ``server-round``)
+    and the client's channel id. Nothing secret."""
+    values = {
+        "n": keys.n,
+        "t": keys.t,
+        "k": keys.k,
+        "field-exponent": keys.field_exponent,
+        "session": keys.session_id,
+        "member-keys": list(keys.member_keys),
+        "party": int(party),
+    }
+    return {COMMITTEE_PREFIX + name: value for name, value in values.items()}
+
+
+def committee_keys_from(config: ConfigRecord) -> tuple[CommitteeKeys, int]:
+    """(keys, party) from an instruction's ``ddgauss.committee.*`` entries; ValueError naming
+    what is missing or malformed."""
+    missing = [COMMITTEE_PREFIX + k for k in _COMMITTEE_KEYS if COMMITTEE_PREFIX + k not in config]
+    if missing:
+        raise ValueError(f"the committee-mode instruction's config lacks {missing}")
+    member_keys = config[COMMITTEE_PREFIX + "member-keys"]
+    if not isinstance(member_keys, list):
+        raise ValueError(f"{COMMITTEE_PREFIX}member-keys must be a list of public keys")
+    keys = CommitteeKeys(
+        round=int(config["server-round"]),
+        n=int(config[COMMITTEE_PREFIX + "n"]),
+        t=int(config[COMMITTEE_PREFIX + "t"]),
+        k=int(config[COMMITTEE_PREFIX + "k"]),
+        field_exponent=int(config[COMMITTEE_PREFIX + "field-exponent"]),
+        session_id=config[COMMITTEE_PREFIX + "session"],
+        member_keys=tuple(member_keys),
+    )
+    return keys, int(config[COMMITTEE_PREFIX + "party"])
+
+
+def sealed_record(sealed: SealedInput) -> ConfigRecord:
+    """A client's sealed input as its reply record: its public key and its envelopes (member
+    order) as parallel lists (:func:`strategies.secagg_messages.envelopes_record`)."""
+    record = envelopes_record(sealed.envelopes[j] for j in sorted(sealed.envelopes))
+    record["public-key"] = sealed.public_key
+    return record
+
+
+def sealed_from(record: object) -> SealedInput:
+    """The :class:`~protocols.committee.SealedInput` of a committee-mode reply record;
+    ValueError if it is not one (what the envelopes say is the committee's to check)."""
+    if not isinstance(record, ConfigRecord) or "public-key" not in record:
+        raise ValueError(f"{SEALED_KEY} must be a ConfigRecord with a 'public-key'")
+    key = record["public-key"]
+    if not isinstance(key, bytes):
+        raise ValueError(f"{SEALED_KEY}'s public-key is a {type(key).__name__}, not bytes")
+    envelopes = envelopes_from(ConfigRecord({k: v for k, v in record.items() if k != "public-key"}))
+    members = [e.receiver - MEMBER_ID_BASE for e in envelopes]
+    if len(set(members)) != len(members):
+        raise ValueError(f"{SEALED_KEY} holds two envelopes for one member")
+    return SealedInput(key, dict(zip(members, envelopes)))
+
+
+def _committee_content(
+    secret: PartySecret, config: ConfigRecord, elements: np.ndarray, server_round: int
+) -> RecordDict:
+    """Committee mode on the client: share ``elements`` and seal each member's row, with
+    share randomness and key from the client's own ``secret``."""
+    keys, party = committee_keys_from(config)
+    sealed = seal_input(
+        keys,
+        party,
+        elements,
+        secret.generator(server_round, Purpose.SHARES, PREFIX),
+        secret.seed_bytes(server_round, Purpose.KEYS, PREFIX, keys.session_id.hex()),
+    )
+    return RecordDict({SEALED_KEY: sealed_record(sealed)})
 
 
 def ddgauss_client_app(
@@ -171,11 +249,13 @@ def ddgauss_client_app(
 
     In full mode its train reply holds only the client's two SecAgg+ public keys, and the app
     answers the SecAgg+ stage messages (``query.secagg_*``) with its state kept in
-    ``context.state``; in plaintext and committee modes the reply carries ``ddgauss.encoded``
-    (D field elements). Rounding and noise come from the client's own secret, or the noise from
-    the OS (``secure_noise``). ``metrics_in_clear``: also reply the inner metrics plus
-    ``ddgauss.tries`` and ``ddgauss.clipped`` un-noised; without it a train reply carries
-    nothing data-dependent but the (masked) encoding. Evaluate messages go to ``inner``
+    ``context.state``; in committee mode it holds only the client's channel public key and one
+    sealed share row per committee member (``ddgauss.sealed``); in plaintext mode it carries
+    ``ddgauss.encoded`` (D field elements). Rounding, noise, share randomness and keys come
+    from the client's own secret, or the noise from the OS (``secure_noise``).
+    ``metrics_in_clear``: also reply the inner metrics plus ``ddgauss.tries`` and
+    ``ddgauss.clipped`` un-noised; without it a train reply carries nothing data-dependent but
+    the (masked, sealed or, in plaintext mode, clear) encoding. Evaluate messages go to ``inner``
     unchanged: federated evaluation, when the strategy asks for it, is outside DDGauss.
     """
     app = ClientApp()
@@ -203,6 +283,8 @@ def ddgauss_client_app(
         if mode == "full":
             signed = encoder.field.decode_signed(encoded.elements)
             content = start_client(context, server_round, config[PREFIX + "session"], signed)
+        elif mode == "committee":
+            content = _committee_content(secret, config, encoded.elements, server_round)
         else:
             content = RecordDict({ENCODED_KEY: to_record({ENCODED_KEY: encoded.elements})})
         if metrics_in_clear:
@@ -224,8 +306,9 @@ def ddgauss_client_app(
 @dataclass
 class _Release:
     """What one round's secure sum gave: the total in F_p (None: nothing released), the nodes
-    whose noise it holds, the nodes rejected with reasons, why it aborted, and (full mode) the
-    SecAgg+ server's final stage and the nodes that refused a stage."""
+    whose noise it holds, the nodes rejected with reasons, why it aborted, (full mode) the
+    SecAgg+ server's final stage and the nodes that refused a stage, and (committee mode) the
+    members' counts for the round metrics."""
 
     total: np.ndarray | None
     survivors: tuple[int, ...] = ()
@@ -233,6 +316,7 @@ class _Release:
     aborted: str | None = None
     stage: str | None = None
     refused: dict[int, str] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
 
 
 class DDGauss(StrategyWrapper):
@@ -246,8 +330,15 @@ class DDGauss(StrategyWrapper):
         seed: the run seed, root of the round's public streams only (rotation, neighbour graph,
             simulated protocol dropouts); never of a client's secret.
         mode: "full" (clients mask; SecAgg+ over the Grid), "plaintext" (encodings in the
-            clear, summed by the server) or "committee" (summed by ``committee``).
-        committee: the :class:`~fedsim.engine.committee.Committee` of ``mode="committee"``.
+            clear, summed by the server) or "committee" (clients share and seal to
+            ``committee``, which sums).
+        committee: ``mode="committee"`` only: a
+            :class:`~fedsim.engine.committee.Committee`, or the
+            :class:`~fedsim.engine.committee.CommitteeSpec` from which the run's front end
+            builds one (members' secrets from the run's root) and binds it
+            (:meth:`bind_committee`).
+        member_dropout: ``mode="committee"`` only: probability that a member drops out at
+            each of SHARE, COMBINE, RELEASE (a public schedule from ``seed`` and the round).
         bits: signed bits the modular sum of n encodings must fit (gamma is chosen from it).
         beta: conditional rounding parameter; max_tries: cap on rounding redraws.
         delta: the run's delta; secagg_degree: neighbours per client in SecAgg+ (None: all).
@@ -276,8 +367,9 @@ class DDGauss(StrategyWrapper):
         secagg_degree: int | None = None,
         ring_bits: int | None = None,
         protocol_dropout: float = 0.0,
-        committee: Committee | None = None,
+        committee: Committee | CommitteeSpec | None = None,
         stage_timeout: float | None = 3600.0,
+        member_dropout: float = 0.0,
     ) -> None:
         if not (math.isfinite(clipping_norm) and clipping_norm > 0):
             raise ValueError(f"clipping_norm={clipping_norm!r}; it must be finite and > 0")
@@ -291,8 +383,17 @@ class DDGauss(StrategyWrapper):
             raise ValueError(f"mode={mode!r}; allowed: {', '.join(map(repr, MODES))}")
         if (mode == "committee") != (committee is not None):
             raise ValueError(
-                f"committee={committee!r} with mode={mode!r}: pass a Committee exactly when "
-                "mode='committee'"
+                f"committee={committee!r} with mode={mode!r}: pass a Committee or CommitteeSpec "
+                "exactly when mode='committee'"
+            )
+        if committee is not None and not isinstance(committee, Committee | CommitteeSpec):
+            raise ValueError(
+                f"committee is a {type(committee).__name__}; allowed: Committee or CommitteeSpec"
+            )
+        if not 0.0 <= member_dropout <= 1.0 or (member_dropout and mode != "committee"):
+            raise ValueError(
+                f"member_dropout={member_dropout!r} with mode={mode!r}; allowed: a probability, "
+                "non-zero only in mode='committee'"
             )
         if secagg_degree is not None and (secagg_degree < 2 or secagg_degree % 2):
             raise ValueError(f"secagg_degree={secagg_degree!r}; it must be an even integer >= 2")
@@ -308,7 +409,11 @@ class DDGauss(StrategyWrapper):
         super().__init__(strategy)
         self.ring_bits = ring_bits
         self.protocol_dropout = float(protocol_dropout)
-        self.committee = committee
+        self.member_dropout = float(member_dropout)
+        self._spec = committee if isinstance(committee, CommitteeSpec) else None
+        if isinstance(committee, Committee):
+            self._spec = committee.spec()
+        self.committee = committee if isinstance(committee, Committee) else None
         self.clipping_norm = float(clipping_norm)
         self.noise_multiplier = float(noise_multiplier)
         self.expected_clients = expected_clients
@@ -330,11 +435,32 @@ class DDGauss(StrategyWrapper):
         self._grid: Grid | None = None
         self._session: bytes | None = None
         self._asked: set[int] = set()
+        self._party: dict[int, int] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_grid"] = None  # the round's transport, never part of a checkpoint
+        state["committee"] = None  # the members' keys and shares are theirs; bound again
         return state
+
+    def committee_spec(self) -> CommitteeSpec | None:
+        """The committee the front end should build and bind (None outside committee mode)."""
+        return self._spec
+
+    def bind_committee(self, committee: Committee) -> None:
+        """Sum through ``committee`` (engine-side: it holds the members' keys, this strategy
+        never holds their secrets); the front end binds one again after ``--resume``."""
+        if self._spec is None:
+            raise ValueError(f"bind_committee with mode={self.mode!r}; only mode='committee'")
+        if not isinstance(committee, Committee):
+            raise ValueError(f"committee is a {type(committee).__name__}, not a Committee")
+        scheme, spec = committee.scheme, self._spec
+        if (scheme.n, scheme.t, scheme.k) != (spec.size, spec.threshold, spec.packing):
+            raise ValueError(
+                f"the committee has (n, t, k) = {(scheme.n, scheme.t, scheme.k)}; this strategy "
+                f"is configured for {(spec.size, spec.threshold, spec.packing)}"
+            )
+        self.committee = committee
 
     @property
     def client_noise_std(self) -> float:
@@ -404,11 +530,37 @@ class DDGauss(StrategyWrapper):
         self._session = new_session_id() if self.mode == "full" else None
         if self._session is not None:
             extended[PREFIX + "session"] = self._session
+        if self.mode == "committee" and self.committee is None:
+            raise RuntimeError(
+                "mode='committee' needs a committee: pass committee=Committee(...), or run "
+                "through fedsim's front end, which builds one from committee_spec() and binds "
+                "it (bind_committee)"
+            )
         self._global = (getattr(self.strategy, "arrayrecord_key", "arrays"), arrays)
         self._grid = grid
         messages = list(self.strategy.configure_train(server_round, arrays, extended, grid))
         self._asked = {int(m.metadata.dst_node_id) for m in messages}
+        if self.mode == "committee":
+            self._party = {int(m.metadata.dst_node_id): p for p, m in enumerate(messages)}
+            keys = self.committee.keys_for(server_round)
+            for message in messages:
+                own = committee_keys_config(keys, self._party[int(message.metadata.dst_node_id)])
+                message.content = RecordDict(
+                    {
+                        name: ConfigRecord({**dict(record), **own})
+                        if isinstance(record, ConfigRecord)
+                        else record
+                        for name, record in message.content.items()
+                    }
+                )
         return messages
+
+    def member_faults(self, server_round: int) -> CommitteeFaults:
+        """The committee members that drop out this round, by stage (a public schedule)."""
+        if not self.member_dropout:
+            return CommitteeFaults()
+        rng = public_generator(self.seed, server_round, Stream.FAULTS, 2)
+        return CommitteeFaults.random(self.committee.scheme.n, rng, drop=self.member_dropout)
 
     def protocol_dropouts(self, server_round: int, ids: list[int]) -> dict[Stage, set[int]]:
         """The clients that stop answering inside SecAgg+ this round, by stage."""
@@ -438,18 +590,15 @@ class DDGauss(StrategyWrapper):
         )
 
     def sum_in_clear(self, server_round: int, inputs: dict[int, np.ndarray]) -> np.ndarray:
-        """sum_i inputs[i] mod p over the clients that contribute, for the modes in which the
-        server holds the encodings (plaintext: the outcome SecAgg+ reaches on the complete
-        graph under the round's protocol dropouts; committee: by the committee); sets
-        ``last_survivors``. Raises :class:`protocols.secagg.TooManyDropoutsError` (or the
-        committee's :class:`TamperingDetected`) when the round cannot complete."""
+        """sum_i inputs[i] mod p over the clients that contribute, in plaintext mode (the only
+        one in which the server holds the encodings): the outcome SecAgg+ reaches on the
+        complete graph under the round's protocol dropouts; sets ``last_survivors``. Raises
+        :class:`protocols.secagg.TooManyDropoutsError` when the round cannot complete."""
         ids = sorted(inputs)
-        if self.mode == "full":
-            raise ValueError("in full mode the server never holds the inputs; see aggregate_train")
-        if self.mode == "committee":
-            result = self.committee.run_round(server_round, inputs, None)
-            self.last_survivors = result.clients
-            return result.aggregate
+        if self.mode != "plaintext":
+            raise ValueError(
+                f"in {self.mode} mode the server never holds the inputs; see aggregate_train"
+            )
         dropouts = self.protocol_dropouts(server_round, ids)
         config = self.secagg_config(server_round, len(ids), inputs[ids[0]].size)
         advertised = [i for i in ids if i not in dropouts.get(Stage.ADVERTISE_KEYS, ())]
@@ -496,8 +645,13 @@ class DDGauss(StrategyWrapper):
         return accepted, rejected, list(clear.values())
 
     def _payload(self, content: RecordDict) -> Any:
-        """A train reply's public keys (full mode) or encoding; ValueError if it is not one."""
-        key, kind = (KEYS_KEY, ConfigRecord) if self.mode == "full" else (ENCODED_KEY, ArrayRecord)
+        """A train reply's public keys (full mode), sealed input (committee mode) or encoding
+        (plaintext mode); ValueError if it is not one."""
+        key, kind = {
+            "full": (KEYS_KEY, ConfigRecord),
+            "committee": (SEALED_KEY, ConfigRecord),
+            "plaintext": (ENCODED_KEY, ArrayRecord),
+        }[self.mode]
         if set(content.keys()) - {"metrics"} != {key} or not isinstance(content[key], kind):
             raise ValueError(f"it must hold exactly {key!r} (and 'metrics')")
         if "metrics" in content and not isinstance(content["metrics"], MetricRecord):
@@ -507,6 +661,8 @@ class DDGauss(StrategyWrapper):
             if set(record) != {"channel", "agreement"}:
                 raise ValueError("public keys must be 'channel' and 'agreement'")
             return (record["channel"], record["agreement"])
+        if self.mode == "committee":
+            return sealed_from(content[SEALED_KEY])
         arrays = to_numpy(content[ENCODED_KEY])
         if list(arrays) != [ENCODED_KEY]:
             raise ValueError(f"the encoding must be one array named {ENCODED_KEY!r}")
@@ -540,11 +696,34 @@ class DDGauss(StrategyWrapper):
             )
         if len(payloads) < 1:
             return _Release(None, aborted=f"round {server_round}: no client contributed")
+        if self.mode == "committee":
+            return self._committee_release(server_round, payloads)
         try:
             total = self.sum_in_clear(server_round, payloads)
-        except (TooManyDropoutsError, TamperingDetected) as error:
+        except TooManyDropoutsError as error:
             return _Release(None, aborted=str(error))
         return _Release(total, self.last_survivors)
+
+    def _committee_release(self, server_round: int, sealed: dict[int, SealedInput]) -> _Release:
+        """The committee's sum of the clients' sealed inputs (by node id); clients whose input
+        the committee excluded are rejected with its reason."""
+        node_of = {party: node for node, party in self._party.items()}
+        inputs = {self._party[node]: value for node, value in sealed.items()}
+        length = self.encoder.padded_dim
+        faults = self.member_faults(server_round)
+        try:
+            result = self.committee.run_round_sealed(server_round, inputs, length, faults)
+        except (CommitteeAbort, TamperingDetected) as error:
+            rejected = {node_of[c]: why for c, why in error.excluded.items()}
+            return _Release(None, rejected=rejected, aborted=str(error))
+        rejected = {node_of[c]: _reason(result.reasons, c) for c in result.excluded}
+        clients = tuple(sorted(node_of[c] for c in result.clients))
+        counts = {
+            "ddgauss-member-dropouts": len(result.dropped) + len(result.late),
+            "ddgauss-members-rejected": len(result.rejected) + len(result.tampered),
+            "ddgauss-verified": int(result.verified),
+        }
+        return _Release(result.aggregate, clients, rejected, counts=counts)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -576,6 +755,7 @@ class DDGauss(StrategyWrapper):
         self.last_sum, self.last_survivors, self.last_abort = release.total, release.survivors, None
         arrays, aggregated = self._apply(server_round, release, clear)
         aggregated.update(dict(metrics))
+        aggregated.update(release.counts)
         aggregated["ddgauss-survivors"] = len(release.survivors)
         aggregated["ddgauss-aborted"] = 0
         aggregated["ddgauss-gamma"] = self.encoder.gamma
@@ -621,6 +801,12 @@ class DDGauss(StrategyWrapper):
         return arrays, aggregated
 
 
+def _reason(reasons: Iterable[str], client: int) -> str:
+    """The committee's reason for excluding ``client`` (``"client C: ..."`` entries)."""
+    prefix = f"client {client}: "
+    return "; ".join(r[len(prefix) :] for r in reasons if r.startswith(prefix))
+
+
 def _number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -638,15 +824,33 @@ OPTIONS = (
     "ring_bits",
     "protocol_dropout",
     "stage_timeout",
+    "committee_size",
+    "threshold",
+    "packing",
+    "detect",
+    "committee_shards",
+    "committee_actors",
+    "member_dropout",
 )
+_COMMITTEE_OPTIONS = {
+    "committee_size": "size",
+    "threshold": "threshold",
+    "packing": "packing",
+    "detect": "detect",
+    "committee_shards": "shards",
+    "committee_actors": "actors",
+}
 
 
 def from_options(
     options: dict[str, Any], *, expected_clients: float, seed: int, evaluate_fraction: float = 0.0
 ) -> DDGauss:
     """ "ddgauss" from a config's ``strategy.options``: ``clipping_norm`` and
-    ``noise_multiplier`` (required), ``mode`` ("full" or "plaintext"; "committee" needs
-    actors and is for Python use), and the other keyword arguments of :class:`DDGauss`."""
+    ``noise_multiplier`` (required), ``mode`` ("full", "plaintext" or "committee"), the other
+    keyword arguments of :class:`DDGauss` and, in committee mode, the committee's
+    ``committee_size`` (required), ``threshold`` (required), ``packing`` (1), ``detect`` (1),
+    ``committee_shards`` (1) and ``committee_actors`` (false; true hosts the members on Ray
+    actors): a :class:`~fedsim.engine.committee.CommitteeSpec` the front end builds."""
     from flwr.serverapp.strategy import FedAvg  # noqa: PLC0415
 
     for key in options:
@@ -657,11 +861,26 @@ def from_options(
             raise ValueError(f"strategy.options.{key} is required (a number)")
     if options.get("mode") == "ideal":
         raise ValueError(f"strategy.options.mode='ideal': {_RENAMED}")
-    if options.get("mode", "full") not in ("full", "plaintext"):
+    mode = options.get("mode", "full")
+    if mode not in MODES:
         raise ValueError(
-            f"strategy.options.mode={options['mode']!r}; allowed: 'full' or 'plaintext' from a "
-            "config"
+            f"strategy.options.mode={mode!r}; allowed: {', '.join(map(repr, MODES))}"
         )
+    given = [k for k in (*_COMMITTEE_OPTIONS, "member_dropout") if k in options]
+    if mode != "committee" and given:
+        raise ValueError(f"strategy.options.{given[0]} is for mode = 'committee' only")
+    committee = None
+    if mode == "committee":
+        for key in ("committee_size", "threshold"):
+            if key not in options:
+                raise ValueError(f"strategy.options.{key} is required in mode 'committee'")
+        try:
+            committee = CommitteeSpec(
+                **{_COMMITTEE_OPTIONS[k]: v for k, v in options.items() if k in _COMMITTEE_OPTIONS}
+            )
+        except ValueError as error:
+            names = ", ".join(f"{v} = strategy.options.{k}" for k, v in _COMMITTEE_OPTIONS.items())
+            raise ValueError(f"the committee's options: {error} ({names})") from None
     inner = FedAvg(
         fraction_train=1.0,
         fraction_evaluate=evaluate_fraction,
@@ -669,12 +888,14 @@ def from_options(
         min_evaluate_nodes=0,
         min_available_nodes=0,
     )
-    kwargs = {k: v for k, v in options.items() if k not in ("clipping_norm", "noise_multiplier")}
+    fixed = ("clipping_norm", "noise_multiplier", *_COMMITTEE_OPTIONS)
+    kwargs = {k: v for k, v in options.items() if k not in fixed}
     return DDGauss(
         inner,
         clipping_norm=float(options["clipping_norm"]),
         noise_multiplier=float(options["noise_multiplier"]),
         expected_clients=max(2, round(expected_clients)),
         seed=seed,
+        committee=committee,
         **kwargs,
     )

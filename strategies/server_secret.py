@@ -9,10 +9,10 @@ run seed and never anything a client can see.
 
 The front end binds the run's :meth:`~fedsim.randomness.RunSecret.server` secret with
 :func:`bind_parties`, which walks the wrapper chain (``.strategy`` links) and calls
-``bind_server_secret`` (and ``bind_committee_host``) on every object that defines it. A
-strategy used on its own, unbound, binds a fresh OS secret the first time it needs one (never
-a seeded fallback). Pickling (checkpoints) drops the bound secret; the front end binds again
-after ``--resume``.
+``bind_server_secret`` (and ``bind_committee_host``, ``bind_committee``) on every object that
+defines it. A strategy used on its own, unbound, binds a fresh OS secret the first time it
+needs one (never a seeded fallback). Pickling (checkpoints) drops the bound secret; the front
+end binds again after ``--resume``.
 """
 
 from __future__ import annotations
@@ -52,10 +52,13 @@ class ServerNoise:
         return state
 
 
-def bind_parties(strategy: Any, server: PartySecret, committee_host: Any = None) -> None:
-    """Bind ``server`` (and ``committee_host``, when given) to every object of ``strategy``'s
-    wrapper chain that accepts it; the methods are looked up on each object's class, so a
-    wrapper does not pass an inner strategy's method off as its own."""
+def bind_parties(
+    strategy: Any, server: PartySecret, committee_host: Any = None, committee: Any = None
+) -> None:
+    """Bind ``server`` (and ``committee_host`` -- DMM's -- and ``committee`` -- DDGauss's --
+    when given) to every object of ``strategy``'s wrapper chain that accepts it; the methods
+    are looked up on each object's class, so a wrapper does not pass an inner strategy's
+    method off as its own."""
     seen: set[int] = set()
     current = strategy
     while current is not None and id(current) not in seen:
@@ -66,4 +69,6 @@ def bind_parties(strategy: Any, server: PartySecret, committee_host: Any = None)
             getattr(type(current), "bind_committee_host", None)
         ):
             current.bind_committee_host(committee_host)
+        if committee is not None and callable(getattr(type(current), "bind_committee", None)):
+            current.bind_committee(committee)
         current = getattr(current, "strategy", None)

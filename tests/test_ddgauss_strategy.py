@@ -1,6 +1,6 @@
-"""DDGauss as a Flower strategy: full mode (SecAgg+ as message exchanges) equals plaintext mode
-bit for bit, dropouts cost epsilon, aborted rounds release nothing, and it runs under Flower's
-own runtime."""
+"""DDGauss as a Flower strategy: full mode (SecAgg+ as message exchanges) and committee mode
+(clients share and seal to a committee) equal plaintext mode bit for bit, dropouts cost
+epsilon, aborted rounds release nothing, and it runs under Flower's own runtime."""
 
 import json
 import math
@@ -16,10 +16,12 @@ from flwr.serverapp.strategy import FedAvg
 
 from fedsim.data import DatasetSpec, build_dataset
 from fedsim.engine import FaultConfig
+from fedsim.engine.committee import Committee, CommitteeSpec
 from fedsim.engine.registry import NODE_ID_OFFSET
 from fedsim.engine.rounds import run_rounds
 from fedsim.models import ModelSpec, initial_arrays
 from fedsim.privacy import ddgauss as ddgauss_privacy
+from fedsim.randomness import RunSecret
 from fedsim.records import to_numpy, to_record
 from fedsim.workloads.supervised import LocalTraining, make_client_app
 from protocols.field import DEFAULT_FIELD
@@ -143,29 +145,71 @@ def test_an_aborted_round_releases_nothing_and_accounts_nothing(
     assert strategy.last_stage == "ABORTED" and "needed" in strategy.last_abort
 
 
+def members(phrase: str = "tests", n: int = 8) -> dict:
+    root = RunSecret.from_passphrase(phrase)
+    return {m: root.member(m) for m in range(n)}
+
+
+def assert_same_run(a, b):
+    """Two runs of :func:`run` released the same integers from the same clients, ended with
+    the same model and the same epsilon."""
+    (first, final_a, sums_a, survivors_a), (second, final_b, sums_b, survivors_b) = a, b
+    assert survivors_a == survivors_b
+    for x, y in zip(sums_a, sums_b):
+        np.testing.assert_array_equal(x, y)
+    for key in final_a:
+        np.testing.assert_array_equal(final_a[key], final_b[key])
+    assert first.epsilon() == second.epsilon() > 0
+
+
+def test_committee_mode_equals_plaintext_bit_for_bit_under_client_and_member_dropouts(
+    local_engine, digits, client_secrets
+):
+    """With a fixed RunSecret the clients' rounding and noise are fixed, so the committee's
+    sum of the clients' sealed shares is the plaintext sum of the same survivors, though some
+    clients drop out (the engine's faults) and some members drop out (member_dropout), and
+    the server never held an encoding."""
+    committee = Committee(8, 2, 2, shards=2, member_secrets=members())
+    sealed = run(  # the public schedule drops 0, 2 and 2 of the 8 members; 5 must answer
+        local_engine, digits, client_secrets, "committee", 0.1, committee, member_dropout=0.03
+    )
+    plain = run(local_engine, digits, client_secrets, "plaintext", 0.1)
+    assert_same_run(sealed, plain)
+    assert any(len(kept) < CLIENTS for kept in sealed[3])  # clients dropped out
+    results = [committee.history[r] for r in range(1, ROUNDS + 1)]
+    assert any(result.dropped for result in results)  # and members did
+    assert all(result.excluded == () for result in results)
+    assert committee.relay.transcript.messages(stage="SHARE") == 8 * sum(map(len, sealed[3]))
+    assert sealed[0].privacy_report()["mode"] == "committee"
+
+
 @pytest.mark.ray
 def test_committee_on_ray_actors_with_clients_on_ray_workers(
     ray_session, ray_engine, local_engine, digits, client_secrets
 ):
-    from fedsim.engine.committee import Committee
-
-    committee = Committee(8, 3, 2, shards=2, ray_module=ray_session)
+    committee = Committee(8, 3, 2, shards=2, ray_module=ray_session, member_secrets=members())
     try:
-        ray_run, final_ray, sums_ray, survivors_ray = run(
-            ray_engine, digits, client_secrets, "committee", 0.1, committee=committee
-        )
+        on_ray = run(ray_engine, digits, client_secrets, "committee", 0.1, committee=committee)
     finally:
         committee.close()
-    plain, final_plain, sums_plain, survivors_plain = run(
-        local_engine, digits, client_secrets, "plaintext", 0.1
-    )
-    assert survivors_ray == survivors_plain
-    for a, b in zip(sums_ray, sums_plain):
-        np.testing.assert_array_equal(a, b)
-    for key in final_plain:
-        np.testing.assert_array_equal(final_ray[key], final_plain[key])
-    assert ray_run.epsilon() == plain.epsilon() > 0
+    assert_same_run(on_ray, run(local_engine, digits, client_secrets, "plaintext", 0.1))
     assert sorted(committee.history) == list(range(1, ROUNDS + 1))
+
+
+def test_a_committee_round_the_members_cannot_finish_releases_nothing(
+    local_engine, digits, client_secrets
+):
+    committee = Committee(8, 2, 2, member_secrets=members())
+    strategy, final, sums, survivors = run(
+        local_engine, digits, client_secrets, "committee", committee=committee, member_dropout=1.0
+    )
+    _, _, model, _ = digits
+    initial = initial_arrays(model, 0)
+    for key in final:
+        np.testing.assert_array_equal(final[key], initial[key])
+    assert sums == [None] * ROUNDS and len(strategy.ledger) == 0
+    assert "5 committee members needed" in strategy.last_abort
+    assert all(committee.stage(r).name == "ABORTED" for r in range(1, ROUNDS + 1))
 
 
 def test_decoded_sum_matches_the_clients_updates_without_noise():
@@ -209,6 +253,17 @@ def test_arguments_are_checked():
             expected_clients=4,
             seed=0,
         )
+    base = {"clipping_norm": 1, "noise_multiplier": 1}
+    committee = {**base, "mode": "committee", "committee_size": 5, "threshold": 2, "packing": 2}
+    assert from_options(committee, expected_clients=4, seed=0).committee_spec() == CommitteeSpec(
+        5, 2, 2
+    )
+    with pytest.raises(ValueError, match="committee_size is required"):
+        from_options({**base, "mode": "committee", "threshold": 2}, expected_clients=4, seed=0)
+    with pytest.raises(ValueError, match="threshold is for mode = 'committee' only"):
+        from_options({**base, "threshold": 2}, expected_clients=4, seed=0)
+    with pytest.raises(ValueError, match=r"detect=2 .* detect = strategy.options.detect"):
+        from_options({**committee, "detect": 2}, expected_clients=4, seed=0)
     with pytest.raises(ValueError, match="expected_clients"):
         DDGauss(FedAvg(), clipping_norm=1, noise_multiplier=1, expected_clients=1, seed=0)
     with pytest.raises(ValueError, match="stage_timeout"):
@@ -266,32 +321,31 @@ def test_plaintext_protocol_dropouts_count_only_contributors():
     assert aborted < 8
 
 
-def test_committee_mode_gives_the_plaintext_sum_and_excludes_corrupted_clients():
-    from fedsim.engine.committee import Committee, CommitteeFaults
+def test_a_committee_is_bound_by_the_front_end_and_never_checkpointed():
+    """From a CommitteeSpec the strategy asks the front end for its committee; it accepts only
+    a matching one, and pickling (checkpoints) drops it: the members' keys are theirs."""
+    import pickle
 
-    rng = np.random.default_rng(8)
-    encoder = _plaintext().encoder
-    inputs = {100 + i: encoder.encode(rng.normal(size=30) * 0.1, 1, rng).elements for i in range(6)}
-    committee = Committee(7, 2, 2, shards=2)
-    strategy = _plaintext(mode="committee", committee=committee)
-    plain = _plaintext()
-    np.testing.assert_array_equal(
-        strategy.sum_in_clear(1, inputs), plain.sum_in_clear(1, inputs)
-    )
-    assert strategy.last_survivors == tuple(sorted(inputs))
-    original = committee.run_round
+    from strategies.server_secret import bind_parties
 
-    def corrupted(round_, vectors, rng, faults=None):
-        assert rng is None  # share randomness from the OS, never from the run seed
-        return original(round_, vectors, rng, CommitteeFaults(corrupt_in_transit={(102, 0)}))
-
-    committee.run_round = corrupted
-    total = strategy.sum_in_clear(2, inputs)
-    assert 102 not in strategy.last_survivors  # its noise is not in the sum: not counted
-    kept = [inputs[i] for i in strategy.last_survivors]
-    np.testing.assert_array_equal(total, DEFAULT_FIELD.sum(np.stack(kept), axis=0))
+    spec = CommitteeSpec(size=7, threshold=2, packing=2)
+    strategy = _plaintext(mode="committee", committee=spec)
+    assert strategy.committee_spec() == spec
+    with pytest.raises(RuntimeError, match="needs a committee"):
+        strategy.configure_train(1, to_record({"w": np.zeros(30)}), {}, None)
+    with pytest.raises(ValueError, match=r"\(n, t, k\) = \(7, 3, 2\)"):
+        strategy.bind_committee(Committee(7, 3, 2))
+    committee = spec.build(RunSecret.from_passphrase("bound"))
+    bind_parties(strategy, RunSecret.from_passphrase("bound").server(), None, committee)
+    assert strategy.committee is committee
+    restored = pickle.loads(pickle.dumps(strategy))
+    assert restored.committee is None and restored.committee_spec() == spec
     with pytest.raises(ValueError, match="committee"):
         _plaintext(mode="committee")
+    with pytest.raises(ValueError, match="member_dropout"):
+        _plaintext(member_dropout=0.1)
+    with pytest.raises(ValueError, match="in committee mode the server never holds"):
+        strategy.sum_in_clear(1, {1: np.zeros(30, dtype=np.int64)})
 
 
 RUN = """
@@ -365,6 +419,38 @@ def test_fedsim_run_records_the_mode_and_accounts_the_noise_present(tmp_path):
     assert recorded("plaintext", 0.0) == [10, 10, 10] and max(kept_plain) < 10
     # full mode also loses clients inside SecAgg+'s exchanges (or the whole round)
     assert all(a <= b for a, b in zip(kept_full, kept_plain)) and kept_full != kept_plain
+
+
+def test_fedsim_run_in_committee_mode_equals_plaintext(tmp_path):
+    """``fedsim run`` with ``mode = "committee"``: the front end builds the committee (members'
+    keys from the run's root), the clients share and seal, and with the same --secrets file
+    the run releases exactly what plaintext mode releases, under client and member dropouts."""
+    from fedsim.cli import main
+    from fedsim.results import read_rounds
+
+    secrets = tmp_path / "root.hex"
+    committee_options = "committee_size = 8\nthreshold = 2\npacking = 2\nmember_dropout = 0.05\n"
+
+    def finished(mode, extra=""):
+        config = tmp_path / f"{mode}.toml"
+        text = RUN.format(mode=mode, dropout=0.3)
+        config.write_text(text.replace("ring_bits = 32\n", "ring_bits = 32\n" + extra))
+        out = tmp_path / mode
+        command = ["run", str(config), "--out", str(out), "--no-progress"]
+        assert main([*command, "--secrets", str(secrets)]) == 0
+        rounds = [r for r in read_rounds(out / "rounds.jsonl") if r["round"] >= 1]
+        return rounds, dict(np.load(out / "model.npz"))
+
+    sealed, sealed_model = finished("committee", committee_options)
+    plain, plain_model = finished("plaintext")
+    assert {r["privacy"]["mode"] for r in sealed} == {"committee"}
+    assert all(r["aggregated"]["rejected"] == [] for r in sealed)
+    kept = [r["aggregated"]["ddgauss-survivors"] for r in sealed]
+    assert kept == [r["aggregated"]["ddgauss-survivors"] for r in plain] and min(kept) < 10
+    assert sum(r["aggregated"]["ddgauss-member-dropouts"] for r in sealed) > 0
+    assert [r["privacy"]["epsilon"] for r in sealed] == [r["privacy"]["epsilon"] for r in plain]
+    assert sealed_model.keys() == plain_model.keys()
+    assert all(np.array_equal(sealed_model[k], plain_model[k]) for k in sealed_model)
 
 
 FLOWER_RUN = """

@@ -1,19 +1,25 @@
-"""Committee members as actors: packed Shamir shares in, a reconstructed sum out, under faults.
+"""Committee members as actors: client-sealed packed Shamir shares in, a decoded sum out, faults.
 
 A committee of ``n`` members holds packed Shamir shares (:mod:`protocols.shamir`, privacy
-threshold ``t``, ``k`` secrets per polynomial) of the clients' field vectors. One round:
+threshold ``t``, ``k`` secrets per polynomial) of the clients' field vectors. The clients share
+and seal inside their own ClientApps (:func:`protocols.committee.seal_input`, share randomness
+and X25519 key from each client's own secret); the committee only ever receives their
+:class:`protocols.committee.SealedInput` messages -- never a plaintext vector or share. One
+round (:meth:`Committee.run_round_sealed`):
 
-1. **SHARE**: each client's vector is shared; member j receives row j of every client's shares;
+1. **SHARE**: the server checks each client's sealed input (usable key, one envelope per member
+   and none for anyone else, headers for this round and stage, ciphertexts of the right length)
+   and relays member j's envelope to member j, who opens it;
 2. **COMBINE**: the members agree (on the driver's list) on the clients whose shares reached
    every live member, and each sums its rows of those clients locally: shares of sum_i x_i;
-3. **RELEASE**: members send their summed rows; the server reconstructs from the answers.
+3. **RELEASE**: members seal their summed rows for the server, which decodes the sum.
 
-Transport (``encrypt=True``, the default): every share travels over an authenticated encrypted
-channel (:mod:`protocols.channels`: X25519, HKDF, ChaCha20-Poly1305, bound to sender, receiver,
-round and stage) relayed by the server, which counts bytes in a transcript: client -> member in
-SHARE, member -> server in RELEASE. A member's channel key comes from its own secret
-(``member_secrets``, :class:`fedsim.randomness.PartySecret`, derived per session) or from the
-OS CSPRNG; a client's share randomness from the caller's generator or the OS CSPRNG.
+Transport: every share travels over an authenticated encrypted channel
+(:mod:`protocols.channels`: X25519, HKDF, ChaCha20-Poly1305, bound to protocol, session,
+sender, receiver, round and stage) relayed by the server, which counts bytes in a transcript:
+client -> member in SHARE, member -> server in RELEASE. A member's channel key comes from its
+own secret (``member_secrets``, :class:`fedsim.randomness.PartySecret`, derived per session) or
+from the OS CSPRNG; :meth:`Committee.keys_for` publishes the members' public keys for a round.
 
 Members are simulated in groups: one :class:`CommitteeShard` holds many members and works on
 all of them at once (an array with one row per member), and runs as a Ray actor (no CPU
@@ -24,13 +30,13 @@ at a stage is silent from then on; one that is **late** at a stage answers after
 so its share does not count this round (nothing sleeps); one that **tampers** adds a random
 non-zero offset to what it holds (SHARE, COMBINE) or sends (RELEASE).
 
-Replies are validated where they arrive. A client whose input is not ``length`` field elements,
-or whose share a live member cannot open or finds malformed (unauthenticated, replayed, wrong
-round or stage, wrong length, dtype or range: e.g. ``corrupt_in_transit``, the relay flipping a
-byte), is left out of the sum (:attr:`CommitteeResult.excluded`); a member whose release does
-not open or is malformed is not counted as an answer (:attr:`CommitteeResult.rejected`); the
-reasons are in :attr:`CommitteeResult.reasons`. Nothing a party sends raises out of the
-committee.
+Replies are validated where they arrive. A client whose sealed input the server finds
+malformed, or whose share a live member cannot open or finds malformed (unusable key,
+unauthenticated, replayed, wrong round or stage, wrong length, dtype or range: e.g.
+``corrupt_in_transit``, the relay flipping a byte), is left out of the sum
+(:attr:`CommitteeResult.excluded`); a member whose release does not open or is malformed is
+not counted as an answer (:attr:`CommitteeResult.rejected`); the reasons are in
+:attr:`CommitteeResult.reasons`. Nothing a party sends raises out of the committee.
 
 Outcomes. The server needs ``t + k + detect`` answers: ``t + k`` to reconstruct and ``detect``
 more so that up to ``detect`` tampered shares are always caught. Fewer answers ->
@@ -40,62 +46,70 @@ needed and how many answered. The answers are decoded by Berlekamp-Welch
 named only within the sound radius min(floor((m - t - k) / 2), m - t - k - max(t, detect)), so
 neither t colluding members nor ``detect`` tampered shares can choose the release or get an
 honest member blamed; beyond it :class:`TamperingDetected` is raised naming nobody, and
-nothing is released. With
-exactly t + k answers nothing can be checked: the result says ``verified=False``. A round that
-fails is left ABORTED (:meth:`Committee.stage`) on the server and in every shard, and earlier
-rounds' results stay in :attr:`Committee.history`.
+nothing is released. With exactly t + k answers nothing can be checked: the result says
+``verified=False``. A round that fails is left ABORTED (:meth:`Committee.stage`) on the server
+and in every shard, the exception names the clients excluded before it (``excluded``), and
+earlier rounds' results stay in :attr:`Committee.history`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from fedsim.randomness import PartySecret, Purpose
-from protocols.channels import SERVER_ID, Endpoint, Envelope, Relay, new_session_id
+from fedsim.randomness import PartySecret, Purpose, RunSecret
+from protocols.channels import (
+    NONCE_BYTES,
+    PUBLIC_KEY_BYTES,
+    SERVER_ID,
+    Endpoint,
+    Envelope,
+    Relay,
+    new_session_id,
+)
+from protocols.committee import (
+    ACTIVE_STAGES,
+    CHANNEL_PROTOCOL,
+    MEMBER_ID_BASE,
+    TRANSITIONS,
+    CommitteeKeys,
+    CommitteeStage,
+    SealedInput,
+    check_client_id,
+    check_transition,
+    sealed_row_bytes,
+)
 from protocols.field import DEFAULT_FIELD, MersenneField
-from protocols.secagg import TooManyDropoutsError, check_move
+from protocols.secagg import TooManyDropoutsError
 from protocols.shamir import PackedShamir, UncorrectableSharesError
 
-CHANNEL_PROTOCOL = b"fedsim/committee"
-"""The protocol label every committee channel binds (protocols.channels associated data)."""
-
-
-class CommitteeStage(enum.Enum):
-    """Stages of one committee round, in order; ABORTED is reachable from every live stage."""
-
-    SETUP = 0
-    SHARE = 1
-    COMBINE = 2
-    RELEASE = 3
-    DONE = 4
-    ABORTED = 5
-
-
-TRANSITIONS: dict[CommitteeStage, frozenset[CommitteeStage]] = {
-    CommitteeStage.SETUP: frozenset({CommitteeStage.SHARE, CommitteeStage.ABORTED}),
-    CommitteeStage.SHARE: frozenset({CommitteeStage.COMBINE, CommitteeStage.ABORTED}),
-    CommitteeStage.COMBINE: frozenset({CommitteeStage.RELEASE, CommitteeStage.ABORTED}),
-    CommitteeStage.RELEASE: frozenset({CommitteeStage.DONE, CommitteeStage.ABORTED}),
-    CommitteeStage.DONE: frozenset(),
-    CommitteeStage.ABORTED: frozenset(),
-}
-
-ACTIVE_STAGES = (CommitteeStage.SHARE, CommitteeStage.COMBINE, CommitteeStage.RELEASE)
-
-
-def check_transition(current: CommitteeStage, target: CommitteeStage, who: str) -> None:
-    """Raise :class:`protocols.secagg.StageError` unless ``current -> target`` is allowed."""
-    check_move(TRANSITIONS, current, target, who)
-
-
-MEMBER_ID_BASE = 2**62
-"""Channel party id of member j: MEMBER_ID_BASE + j (clients use their own ids, never these)."""
+__all__ = [
+    "ACTIVE_STAGES",
+    "CHANNEL_PROTOCOL",
+    "MEMBER_ID_BASE",
+    "TRANSITIONS",
+    "Committee",
+    "CommitteeAbort",
+    "CommitteeFaults",
+    "CommitteeKeys",
+    "CommitteeResult",
+    "CommitteeShard",
+    "CommitteeSpec",
+    "CommitteeStage",
+    "MemberFault",
+    "SealedInput",
+    "SealedShares",
+    "StageFaults",
+    "TamperingDetected",
+    "check_transition",
+    "committee_for",
+    "shard_actor",
+]
 
 
 class MemberFault(enum.Enum):
@@ -105,7 +119,10 @@ class MemberFault(enum.Enum):
 
 
 class CommitteeAbort(TooManyDropoutsError):
-    """Too few members answered; ``needed`` and ``answered`` say how many."""
+    """Too few members answered (or no client input was usable); ``needed`` and ``answered``
+    say how many; ``excluded``: client -> reason, the clients left out before the abort."""
+
+    excluded: Mapping[int, str] = {}
 
     def __init__(self, message: str, needed: int, answered: int) -> None:
         super().__init__(message)
@@ -115,7 +132,10 @@ class CommitteeAbort(TooManyDropoutsError):
 
 class TamperingDetected(RuntimeError):
     """Released shares do not lie on one polynomial and correcting them would go beyond the
-    sound decoding radius: detected, nothing released, nobody named (``suspects == ()``)."""
+    sound decoding radius: detected, nothing released, nobody named (``suspects == ()``);
+    ``excluded``: client -> reason, the clients left out before it."""
+
+    excluded: Mapping[int, str] = {}
 
     def __init__(self, message: str, blocks: np.ndarray, suspects: tuple[int, ...]) -> None:
         super().__init__(message)
@@ -190,10 +210,10 @@ class StageFaults:
     seed: int = 0
 
 
-
 @dataclass(frozen=True)
 class SealedShares:
-    """One client's shares for the members of a shard, one envelope each (shard order)."""
+    """One client's sealed shares as delivered to the members of a shard: its public key, one
+    envelope per member (shard order) and the field elements each row must hold."""
 
     public_key: bytes
     envelopes: tuple[Envelope, ...]
@@ -204,30 +224,27 @@ class CommitteeShard:
     """Members ``members`` (global indices) of one committee, held as one array per client.
 
     A plain class; :func:`shard_actor` makes it a Ray actor. Rounds are independent: each has
-    its own stored rows, summed state and stage, and :meth:`abort` ends one. ``private_keys``:
-    member -> 32 bytes of that member's own secret for its channel key (else the OS CSPRNG).
+    its own stored rows, summed state and stage, and :meth:`abort` ends one. ``session_id``:
+    the committee's channel session; ``private_keys``: member -> 32 bytes of that member's own
+    secret for its channel key (else the OS CSPRNG).
     """
 
     def __init__(
         self,
         members: Sequence[int],
-        field_exponent: int = DEFAULT_FIELD.exponent,
-        session_id: bytes | None = None,
+        field_exponent: int,
+        session_id: bytes,
         private_keys: Mapping[int, bytes] | None = None,
     ):
         self.members = np.asarray(members, dtype=np.int64)
         self.field = MersenneField(field_exponent)
         keys = private_keys or {}
-        self._endpoints = (
-            {}
-            if session_id is None
-            else {
-                int(m): Endpoint(
-                    MEMBER_ID_BASE + int(m), session_id, CHANNEL_PROTOCOL, keys.get(int(m))
-                )
-                for m in self.members
-            }
-        )
+        self._endpoints = {
+            int(m): Endpoint(
+                MEMBER_ID_BASE + int(m), session_id, CHANNEL_PROTOCOL, keys.get(int(m))
+            )
+            for m in self.members
+        }
         self._rows: dict[int, dict[int, np.ndarray]] = {}
         self._width: dict[int, int] = {}
         self._sum: dict[int, np.ndarray] = {}
@@ -256,7 +273,7 @@ class CommitteeShard:
         return rows
 
     def public_keys(self) -> dict[int, bytes]:
-        """Each member's channel public key (empty without encryption)."""
+        """Each member's channel public key."""
         return {m: e.public_key for m, e in self._endpoints.items()}
 
     def connect(self, party_id: int, public_key: bytes) -> None:
@@ -287,31 +304,18 @@ class CommitteeShard:
     def _client_rows(self, round_: int, client: int, delivered: Any) -> tuple[np.ndarray, list]:
         """SHARE for one client: its rows for this shard (zeros where refused) and the members
         that refused them: a sealed share that does not open or is malformed is refused by its
-        member; plain rows that are not (members, width) field elements, or that reach a shard
-        whose members only take sealed shares, by every member."""
+        member; a delivery that is not one sealed envelope per member of ``width`` elements
+        (plain rows included: members take only sealed shares), by every member."""
         width = self._width.setdefault(round_, _width_of(delivered))
-        everyone = [int(m) for m in self.members]
-        zeros = np.zeros((self.members.size, width), dtype=np.int64)
-        if isinstance(delivered, SealedShares):
-            if (
-                not self._endpoints
-                or not isinstance(delivered.envelopes, tuple | list)
-                or len(delivered.envelopes) != self.members.size
-                or delivered.width != width
-            ):
-                return zeros, everyone
-            return self._open(round_, client, delivered, width)
         if (
-            self._endpoints
-            or not isinstance(delivered, np.ndarray)
-            or delivered.dtype.kind not in "iu"
-            or delivered.shape != zeros.shape
+            not isinstance(delivered, SealedShares)
+            or not isinstance(delivered.envelopes, tuple | list)
+            or len(delivered.envelopes) != self.members.size
+            or delivered.width != width
         ):
-            return zeros, everyone
-        try:
-            return self.field.asarray(delivered, f"shares[{client}]"), []
-        except ValueError:
-            return zeros, everyone
+            everyone = [int(m) for m in self.members]
+            return np.zeros((self.members.size, width), dtype=np.int64), everyone
+        return self._open(round_, client, delivered, width)
 
     def share(
         self,
@@ -321,9 +325,9 @@ class CommitteeShard:
         width: int | None = None,
     ) -> dict:
         """SHARE handler: store this shard's rows of each client's shares (``shares[client]``:
-        an array with one row per member of the shard, or :class:`SealedShares`; ``width``
-        field elements per row, by default that of the first client); returns the members
-        still online and, per client, the online members that refused its share."""
+        a :class:`SealedShares`; ``width`` field elements per row, by default that of the first
+        client); returns the members still online and, per client, the online members that
+        refused its share."""
         self._enter(round_, CommitteeStage.SHARE)
         if width is not None:
             self._width[round_] = int(width)
@@ -384,11 +388,7 @@ class CommitteeShard:
 
 def _width_of(delivered: Any) -> int:
     """Elements per row that a client's delivery claims (0 when it claims nothing usable)."""
-    if isinstance(delivered, SealedShares):
-        width = delivered.width
-    else:
-        plain = isinstance(delivered, np.ndarray) and delivered.ndim == 2
-        width = delivered.shape[1] if plain else 0
+    width = delivered.width if isinstance(delivered, SealedShares) else 0
     return int(width) if isinstance(width, int | np.integer) and width >= 0 else 0
 
 
@@ -403,10 +403,10 @@ class CommitteeResult:
     """One released round: the sum (field elements), whose inputs it holds, and the members
     that answered, were late, or were caught tampering (and corrected away).
 
-    ``excluded``: clients left out (invalid input, or a share some live member refused);
-    ``rejected``: members whose release did not open or was malformed; ``verified``: False when
-    exactly t + k shares were decoded (nothing could be checked); ``reasons``: why each party
-    was excluded or rejected, for the log.
+    ``excluded``: clients left out (a malformed sealed input, or a share some live member
+    refused); ``rejected``: members whose release did not open or was malformed; ``verified``:
+    False when exactly t + k shares were decoded (nothing could be checked); ``reasons``: why
+    each party was excluded or rejected, for the log (``"client C: ..."``, ``"member M: ..."``).
     """
 
     round: int
@@ -422,16 +422,36 @@ class CommitteeResult:
     reasons: tuple[str, ...] = ()
 
 
+def _check_layout(n: int, t: int, k: int, shards: Any, detect: Any) -> PackedShamir:
+    """The scheme of a committee of n members, threshold t, packing k, after checking that
+    ``shards`` groups and ``detect`` extra answers fit it."""
+    scheme = PackedShamir(n=n, t=t, k=k)
+    if isinstance(shards, bool) or not isinstance(shards, int) or not 1 <= shards <= n:
+        raise ValueError(f"shards={shards!r} must be an integer in [1, n={n}]")
+    if (
+        isinstance(detect, bool)
+        or not isinstance(detect, int)
+        or detect < 0
+        or scheme.threshold + detect > n
+    ):
+        raise ValueError(
+            f"detect={detect!r} must be an integer >= 0 with t + k + detect <= n "
+            f"(t + k = {scheme.threshold}, n = {n})"
+        )
+    return scheme
+
+
 class Committee:
     """A committee of ``n`` members with privacy threshold ``t`` and packing ``k``, split into
     ``shards`` groups, each a Ray actor (``ray_module`` given) or an in-process object.
 
     ``detect``: extra answers required beyond t + k, so that up to ``detect`` tampered shares
-    are always caught (0 trusts every answer). ``encrypt``: shares travel over authenticated
-    encrypted channels through :attr:`relay`, whose transcript counts the bytes.
-    ``member_secrets``: member -> its own :class:`~fedsim.randomness.PartySecret`, from which
-    its channel key is derived per session (None: keys from the OS CSPRNG). ``shard_class``:
-    the class simulating each group (a :class:`CommitteeShard` subclass plays hostile members).
+    are always caught (0 trusts every answer). Shares travel over authenticated encrypted
+    channels through :attr:`relay`, whose transcript counts the bytes. ``member_secrets``:
+    member -> its own :class:`~fedsim.randomness.PartySecret`, from which its channel key is
+    derived per session (None: keys from the OS CSPRNG). ``shard_class``: the class simulating
+    each group (a :class:`CommitteeShard` subclass plays hostile members). A committee is never
+    pickled: its members' keys and shares are theirs.
     """
 
     def __init__(
@@ -444,23 +464,15 @@ class Committee:
         detect: int = 1,
         ray_module: Any = None,
         field_: MersenneField = DEFAULT_FIELD,
-        encrypt: bool = True,
         member_secrets: Mapping[int, PartySecret] | None = None,
         shard_class: type = CommitteeShard,
     ) -> None:
+        _check_layout(n, t, k, shards, detect)
         self.scheme = PackedShamir(n=n, t=t, k=k, field=field_)
-        if not isinstance(shards, int) or not 1 <= shards <= n:
-            raise ValueError(f"shards={shards!r} must be an integer in [1, n={n}]")
-        if not isinstance(detect, int) or detect < 0 or self.scheme.threshold + detect > n:
-            raise ValueError(
-                f"detect={detect!r} must be an integer >= 0 with t + k + detect <= n "
-                f"(t + k = {self.scheme.threshold}, n = {n})"
-            )
         self.detect = detect
         self.groups = [g.tolist() for g in np.array_split(np.arange(n), shards)]
         self._ray = ray_module
-        self.encrypt = encrypt
-        self.session_id = new_session_id() if encrypt else None
+        self.session_id = new_session_id()
         keys = self._member_keys(member_secrets)
         arguments = [
             (g, field_.exponent, self.session_id, keys and {m: keys[m] for m in g})
@@ -475,18 +487,20 @@ class Committee:
         self.stages: dict[int, CommitteeStage] = {}
         self.relay = Relay()
         self.member_keys: dict[int, bytes] = {}
-        if encrypt:
-            self._server = Endpoint(SERVER_ID, self.session_id, CHANNEL_PROTOCOL)
-            for part in self._call("public_keys", [() for _ in self.groups]):
-                self.member_keys.update(part)
-            for member, key in sorted(self.member_keys.items()):
-                self.relay.publish(MEMBER_ID_BASE + member, key)
-                self._server.connect(MEMBER_ID_BASE + member, key)
-            self._call("connect", [(SERVER_ID, self._server.public_key) for _ in self.groups])
+        self._server = Endpoint(SERVER_ID, self.session_id, CHANNEL_PROTOCOL)
+        for part in self._call("public_keys", [() for _ in self.groups]):
+            self.member_keys.update(part)
+        for member, key in sorted(self.member_keys.items()):
+            self.relay.publish(MEMBER_ID_BASE + member, key)
+            self._server.connect(MEMBER_ID_BASE + member, key)
+        self._call("connect", [(SERVER_ID, self._server.public_key) for _ in self.groups])
+
+    def __reduce__(self):
+        raise TypeError("a Committee is never pickled: its members' keys and shares are theirs")
 
     def _member_keys(self, member_secrets) -> dict[int, bytes] | None:
         """Each member's channel private key for this session, from its own secret."""
-        if member_secrets is None or not self.encrypt:
+        if member_secrets is None:
             return None
         if not isinstance(member_secrets, Mapping):
             raise ValueError(
@@ -514,6 +528,24 @@ class Committee:
         """Where round ``round_`` stands: SETUP before it runs, DONE or ABORTED after."""
         return self.stages.get(round_, CommitteeStage.SETUP)
 
+    def spec(self) -> CommitteeSpec:
+        """The :class:`CommitteeSpec` this committee was built to."""
+        scheme = self.scheme
+        actors = self._ray is not None
+        return CommitteeSpec(scheme.n, scheme.t, scheme.k, self.detect, len(self.groups), actors)
+
+    def keys_for(self, round_: int) -> CommitteeKeys:
+        """What the clients of ``round_`` need to share with this committee (all public)."""
+        return CommitteeKeys(
+            round=int(round_),
+            n=self.scheme.n,
+            t=self.scheme.t,
+            k=self.scheme.k,
+            field_exponent=self.scheme.field.exponent,
+            session_id=self.session_id,
+            member_keys=tuple(self.member_keys[m] for m in range(self.scheme.n)),
+        )
+
     def _advance(self, round_: int, target: CommitteeStage) -> None:
         check_transition(self.stage(round_), target, f"committee round {round_}")
         self.stages[round_] = target
@@ -530,40 +562,57 @@ class Committee:
                 self._ray.kill(shard)
         self.shards = []
 
-    def run_round(
+    def run_round_sealed(
         self,
         round_: int,
-        inputs: Mapping[int, np.ndarray],
-        rng: np.random.Generator | None,
+        sealed: Mapping[int, SealedInput],
+        length: int,
         faults: CommitteeFaults | None = None,
-        *,
-        length: int | None = None,
     ) -> CommitteeResult:
-        """Share every client's vector (``length`` field elements, by default the most common
-        length; randomness from ``rng``, or from the OS CSPRNG when ``rng`` is None), combine,
-        release, decode sum_i inputs[i] mod p. Each round number runs once; a failed round is
-        left ABORTED. Raises :class:`CommitteeAbort` or :class:`TamperingDetected`."""
-        if not isinstance(round_, int | np.integer) or not 0 <= round_ < 2**63:
+        """Run round ``round_`` on the clients' sealed inputs (client channel id ->
+        :class:`~protocols.committee.SealedInput`, made by
+        :func:`protocols.committee.seal_input` against :meth:`keys_for`) of ``length`` field
+        elements each: relay each member's envelopes, combine, release, decode
+        sum_i x_i mod p. A malformed sealed input excludes its client with a reason. Each round
+        number runs once; a failed round is left ABORTED. Raises :class:`CommitteeAbort` or
+        :class:`TamperingDetected` (each with ``excluded``, client -> reason)."""
+        if isinstance(round_, bool) or not isinstance(round_, int | np.integer):
             raise ValueError(f"round_={round_!r} must be an integer in [0, 2^63)")
+        if not 0 <= round_ < 2**63:
+            raise ValueError(f"round_={round_!r} must be an integer in [0, 2^63)")
+        if isinstance(length, bool) or not isinstance(length, int | np.integer) or length < 1:
+            raise ValueError(f"length={length!r} must be a positive integer")
         if round_ in self.stages:
             raise ValueError(
                 f"round {round_} was already run (it is {self.stages[round_].name}); each "
                 "round number runs once"
             )
-        if not inputs:
-            raise ValueError("inputs is empty: no client to aggregate")
+        if not isinstance(sealed, Mapping) or not sealed:
+            raise ValueError("sealed is empty: no client to aggregate")
+        for client in sealed:
+            check_client_id(client)
         self.stages[round_] = CommitteeStage.SETUP
+        excluded: dict[int, str] = {}
         try:
-            result = self._run_round(int(round_), inputs, rng, faults or CommitteeFaults(), length)
-        except BaseException:
+            result = self._run_round(
+                int(round_), sealed, int(length), faults or CommitteeFaults(), excluded
+            )
+        except BaseException as error:
             self.stages[round_] = CommitteeStage.ABORTED
             self._call("abort", [(round_,) for _ in self.groups])
+            if isinstance(error, CommitteeAbort | TamperingDetected):
+                error.excluded = dict(excluded)
             raise
         self.history[round_] = result
         return result
 
-    def _run_round(self, round_, inputs, rng, faults, length) -> CommitteeResult:
-        vectors, length, excluded, reasons = self._client_inputs(inputs, length)
+    def _run_round(self, round_, sealed, length, faults, excluded) -> CommitteeResult:
+        parts, width = self._relay_shares(round_, sealed, length, faults, excluded)
+        if not parts[0]:
+            reasons = "; ".join(f"client {c}: {r}" for c, r in sorted(excluded.items()))
+            raise CommitteeAbort(
+                f"round {round_}: no usable client input: {reasons[:500]}", needed=1, answered=0
+            )
         per_stage = {
             stage: StageFaults(
                 drop=frozenset(faults.members_with(MemberFault.DROP, stage)),
@@ -574,17 +623,21 @@ class Committee:
             for stage in ACTIVE_STAGES
         }
         self._advance(round_, CommitteeStage.SHARE)
-        answers = self._share(round_, vectors, rng, faults, per_stage[CommitteeStage.SHARE])
+        answers = self._call(
+            "share", [(round_, part, per_stage[CommitteeStage.SHARE], width) for part in parts]
+        )
         late = set(per_stage[CommitteeStage.SHARE].late)
         online = sorted(m for part in answers for m in part["online"] if m not in late)
         self._require(len(online), CommitteeStage.SHARE, round_)
         # a client counts when its shares reached every member that is online and on time
+        refusals: dict[int, set[int]] = {}
         for part in answers:
             for client, who in part["refused"].items():
-                if set(who) - late:
-                    excluded.add(client)
-                    reasons.append(f"client {client}: members {sorted(who)} refused its share")
-        clients = tuple(sorted(set(vectors) - excluded))
+                refusals.setdefault(client, set()).update(who)
+        for client, who in refusals.items():
+            if who - late:
+                excluded[client] = f"members {sorted(who)} refused its share"
+        clients = tuple(sorted(set(parts[0]) - set(excluded)))
         self._advance(round_, CommitteeStage.COMBINE)
         self._call(
             "combine",
@@ -595,6 +648,7 @@ class Committee:
             "release", [(round_, per_stage[CommitteeStage.RELEASE]) for _ in self.groups]
         )
         late |= per_stage[CommitteeStage.COMBINE].late
+        reasons = [f"client {c}: {r}" for c, r in sorted(excluded.items())]
         members, rows, rejected = self._open_release(round_, released, late, length, reasons)
         self._require(len(members), CommitteeStage.RELEASE, round_)
         aggregate, tampered = self._reconstruct(np.stack(rows), members, length, round_)
@@ -614,92 +668,86 @@ class Committee:
             reasons=tuple(reasons),
         )
 
-    def _client_inputs(
-        self, inputs: Mapping[int, Any], length: int | None
-    ) -> tuple[dict[int, np.ndarray], int, set[int], list[str]]:
-        """The clients' vectors that are ``length`` field elements (by default the most common
-        length, the smaller on a tie); the others are excluded with a reason."""
-        vectors, excluded, reasons = {}, set(), []
-        for client, vector in inputs.items():
-            if isinstance(client, bool) or not isinstance(client, int | np.integer):
-                raise ValueError(f"inputs has client id {client!r}; allowed: integers")
-            if not 0 <= client < SERVER_ID or 0 <= client - MEMBER_ID_BASE < self.scheme.n:
-                raise ValueError(
-                    f"inputs has client id {client}; allowed: [0, 2^63 - 1) except the members' "
-                    f"channel ids [2^62, 2^62 + {self.scheme.n})"
-                )
-            try:
-                vectors[int(client)] = self.scheme.field.asarray(vector, "input").ravel()
-            except (ValueError, TypeError, OverflowError) as error:
-                excluded.add(int(client))
-                reasons.append(f"client {client}: {error}")
-        if length is not None and (
-            isinstance(length, bool) or not isinstance(length, int | np.integer) or length < 1
-        ):
-            raise ValueError(f"length={length!r} must be a positive integer")
-        if length is None:
-            counts = Counter(v.size for v in vectors.values() if v.size)
-            length = min(counts, key=lambda size: (-counts[size], size)) if counts else 1
-        for client in [c for c, v in vectors.items() if v.size != length]:
-            reasons.append(f"client {client}: {vectors[client].size} elements, {length} expected")
-            excluded.add(client)
-            del vectors[client]
-        if not vectors:
-            raise CommitteeAbort(
-                f"no usable client input: {'; '.join(reasons)[:500]}", needed=1, answered=0
-            )
-        return vectors, int(length), excluded, reasons
-
-    def _share(self, round_, vectors, rng, faults, stage_faults) -> list[dict]:
-        """SHARE: every client shares its vector (and seals each member's row); the shards
-        store them and report who is online and whose shares they refused."""
-        if rng is None:
-            shares = {c: self.scheme.share(v, secure=True) for c, v in vectors.items()}
-        else:
-            shares = {c: self.scheme.share(v, rng=rng) for c, v in vectors.items()}
-        if self.encrypt:
-            outgoing = self._seal_shares(round_, shares, faults.corrupt_in_transit)
-        else:
-            outgoing = [{c: s[g] for c, s in shares.items()} for g in self.groups]
-        width = next(iter(shares.values())).shape[1]
-        return self._call("share", [(round_, part, stage_faults, width) for part in outgoing])
-
-    def _seal_shares(
-        self, round_: int, shares: dict[int, np.ndarray], corrupt: frozenset[tuple[int, int]]
-    ) -> list[dict[int, SealedShares]]:
-        """Each client seals row j of its shares for member j; the relay carries (and counts)
-        the envelopes, altering those in ``corrupt``; returns each shard's deliveries."""
-        keys = {}
-        for client, rows in shares.items():
-            endpoint = Endpoint(client, self.session_id, CHANNEL_PROTOCOL)
-            keys[client] = endpoint.public_key
+    def _relay_shares(
+        self,
+        round_: int,
+        sealed: Mapping[int, Any],
+        length: int,
+        faults: CommitteeFaults,
+        excluded: dict[int, str],
+    ) -> tuple[list[dict[int, SealedShares]], int]:
+        """SHARE at the server: check each client's sealed input (excluding it, with the
+        reason, when malformed), relay the envelopes (counted; those in
+        ``faults.corrupt_in_transit`` altered on the way) and group them per shard. Returns
+        each shard's deliveries and the field elements per share row."""
+        width = self.scheme.blocks_for(length)
+        size = sealed_row_bytes(width)
+        accepted = {}
+        for client, delivery in sealed.items():
+            problem = self._sealed_problem(round_, int(client), delivery, size)
+            if problem is None:
+                accepted[int(client)] = delivery
+            else:
+                excluded[int(client)] = problem
+        for client, delivery in accepted.items():
             for member in range(self.scheme.n):
-                party = MEMBER_ID_BASE + member
-                endpoint.connect(party, self.member_keys[member])
-                envelope = endpoint.seal_array(party, round_, CommitteeStage.SHARE, rows[member])
-                if (client, member) in corrupt:
+                envelope = delivery.envelopes[member]
+                if (client, member) in faults.corrupt_in_transit:
                     flipped = bytes([envelope.ciphertext[0] ^ 1]) + envelope.ciphertext[1:]
-                    envelope = Envelope(
-                        envelope.sender,
-                        envelope.receiver,
-                        envelope.round,
-                        envelope.stage,
-                        envelope.nonce,
-                        flipped,
-                    )
+                    envelope = dataclasses.replace(envelope, ciphertext=flipped)
                 self.relay.post(envelope)
         inbox = {
             member: {e.sender: e for e in self.relay.deliver(MEMBER_ID_BASE + member)}
             for member in range(self.scheme.n)
         }
-        width = next(iter(shares.values())).shape[1]
-        return [
+        parts = [
             {
-                client: SealedShares(keys[client], tuple(inbox[m][client] for m in group), width)
-                for client in shares
+                client: SealedShares(
+                    delivery.public_key, tuple(inbox[m][client] for m in group), width
+                )
+                for client, delivery in accepted.items()
             }
             for group in self.groups
         ]
+        return parts, width
+
+    def _sealed_problem(self, round_: int, client: int, delivery: Any, size: int) -> str | None:
+        """Why a client's sealed input is no SHARE message of this round (None if its form is
+        right): a public key of 32 bytes, exactly one envelope per member, each from the
+        client to that member for this round and stage SHARE, with a nonce and ``size``
+        ciphertext bytes. Whether it opens is for its member to find."""
+        if not isinstance(delivery, SealedInput):
+            return f"its input is a {type(delivery).__name__}, not a SealedInput"
+        key, envelopes = delivery.public_key, delivery.envelopes
+        if not isinstance(key, bytes) or len(key) != PUBLIC_KEY_BYTES:
+            return f"its public key is not {PUBLIC_KEY_BYTES} bytes"
+        if not isinstance(envelopes, Mapping):
+            return "its envelopes are not a mapping member -> envelope"
+        members = range(self.scheme.n)
+        strangers = [j for j in envelopes if j not in members]
+        if strangers:
+            return f"envelopes for non-members {strangers[:5]}"
+        missing = [j for j in members if j not in envelopes]
+        if missing:
+            return f"no envelope for members {missing[:5]}"
+        for j in members:
+            envelope = envelopes[j]
+            if not isinstance(envelope, Envelope):
+                return f"its envelope for member {j} is a {type(envelope).__name__}"
+            header = (envelope.sender, envelope.receiver, envelope.round, envelope.stage)
+            expected = (client, MEMBER_ID_BASE + j, round_, CommitteeStage.SHARE.name)
+            if header != expected:
+                return (
+                    f"its envelope for member {j} has header (sender, receiver, round, stage) "
+                    f"= {header!r}; expected {expected!r}"
+                )
+            nonce, body = envelope.nonce, envelope.ciphertext
+            if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
+                return f"its envelope for member {j} has no {NONCE_BYTES}-byte nonce"
+            if not isinstance(body, bytes) or len(body) != size:
+                got = len(body) if isinstance(body, bytes) else type(body).__name__
+                return f"its envelope for member {j} holds {got} ciphertext bytes, {size} expected"
+        return None
 
     def _open_release(
         self, round_: int, released: list[Any], late: set[int], length: int, reasons: list[str]
@@ -730,13 +778,12 @@ class Committee:
         return members, rows, rejected
 
     def _open_row(self, round_: int, member: int, row: Any, width: int) -> np.ndarray:
-        if self.encrypt:
-            self.relay.post(row)  # counted; refuses anything that is not an Envelope
-            self.relay.deliver(SERVER_ID)
-            row = self._server.open_array(
-                row, round_=round_, stage=CommitteeStage.RELEASE, sender=MEMBER_ID_BASE + member
-            )
-        return self.scheme.field.vector(row, width, f"release of member {member}")
+        self.relay.post(row)  # counted; refuses anything that is not an Envelope
+        self.relay.deliver(SERVER_ID)
+        opened = self._server.open_array(
+            row, round_=round_, stage=CommitteeStage.RELEASE, sender=MEMBER_ID_BASE + member
+        )
+        return self.scheme.field.vector(opened, width, f"release of member {member}")
 
     def _require(self, answered: int, stage: CommitteeStage, round_: int) -> None:
         if answered < self.needed:
@@ -765,3 +812,65 @@ class Committee:
                 (),
             ) from error
         return decoding.values, decoding.corrected
+
+
+@dataclass(frozen=True)
+class CommitteeSpec:
+    """How a run's committee is built (:func:`committee_for`): ``size`` members, privacy
+    threshold ``threshold``, ``packing`` secrets per polynomial, ``detect`` extra answers,
+    ``shards`` groups, on Ray actors when ``actors`` (Ray must be running)."""
+
+    size: int
+    threshold: int
+    packing: int = 1
+    detect: int = 1
+    shards: int = 1
+    actors: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("size", "threshold", "packing"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name}={value!r}; allowed: an integer")
+        if not isinstance(self.actors, bool):
+            raise ValueError(f"actors={self.actors!r}; allowed: True or False")
+        _check_layout(self.size, self.threshold, self.packing, self.shards, self.detect)
+
+    def build(self, secrets: RunSecret | None) -> Committee:
+        """The committee, member m's channel keys from ``secrets.member(m)`` (None: from the
+        OS CSPRNG)."""
+        if secrets is not None and not isinstance(secrets, RunSecret):
+            raise ValueError(f"secrets is a {type(secrets).__name__}; allowed: RunSecret or None")
+        ray_module = None
+        if self.actors:
+            import ray as ray_module  # noqa: PLC0415
+
+            if not ray_module.is_initialized():
+                raise RuntimeError(
+                    "committee actors need a running Ray: run with the Ray engine backend, or "
+                    "call fedsim.engine.cluster.ensure_ray() first"
+                )
+        member_secrets = (
+            None if secrets is None else {m: secrets.member(m) for m in range(self.size)}
+        )
+        return Committee(
+            self.size,
+            self.threshold,
+            self.packing,
+            shards=self.shards,
+            detect=self.detect,
+            ray_module=ray_module,
+            member_secrets=member_secrets,
+        )
+
+
+def committee_for(strategy: Any, secrets: RunSecret | None) -> Committee | None:
+    """The :class:`Committee` that the first object of the wrapper chain (``.strategy`` links)
+    defining ``bind_committee`` asks for (its ``committee_spec()``, None: no committee), each
+    member with its own secret from the run's root; None when no object asks. The caller binds
+    it (:func:`strategies.server_secret.bind_parties`) and closes it after the run."""
+    target = strategy
+    while target is not None and not callable(getattr(type(target), "bind_committee", None)):
+        target = getattr(target, "__dict__", {}).get("strategy")
+    spec = None if target is None else target.committee_spec()
+    return None if spec is None else spec.build(secrets)

@@ -1,8 +1,8 @@
 """Against the DDGauss committee (fedsim.engine.committee): a relay replaying an old round's
 envelope, colluding members who try to choose the release or blame an honest member, tampering
-with exactly t + k answers, and clients and members sending garbage. Each test fails if the
-attack works or if garbage gets anything but a clean rejection (a dropped party with a reason,
-or a documented exception with the round left ABORTED)."""
+with exactly t + k answers, and clients (their sealed inputs) and members sending garbage. Each
+test fails if the attack works or if garbage gets anything but a clean rejection (a dropped
+party with a reason, or a documented exception with the round left ABORTED)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from fedsim.engine.committee import (
     TamperingDetected,
 )
 from protocols.channels import SERVER_ID, Endpoint, Envelope, new_session_id
+from protocols.committee import SealedInput, seal_input
 from protocols.field import DEFAULT_FIELD
 from protocols.secagg import StageError
 
@@ -40,6 +41,19 @@ def inputs(rng, clients=5, length=12):
 
 def total(vectors):
     return F.sum(np.stack(list(vectors.values())), axis=0)
+
+
+def sealed(committee, round_, vectors, rng):
+    """Each client's own SHARE message (share randomness from ``rng``)."""
+    keys = committee.keys_for(round_)
+    return {c: seal_input(keys, c, v, rng) for c, v in vectors.items()}
+
+
+def run(committee, round_, vectors, rng, faults=None):
+    length = len(next(iter(vectors.values())))
+    return committee.run_round_sealed(
+        round_, sealed(committee, round_, vectors, rng), length, faults
+    )
 
 
 class OffsetShard(CommitteeShard):
@@ -100,7 +114,7 @@ def test_colluders_cannot_choose_the_release_or_blame_an_honest_member():
     OffsetShard.offsets = framing(committee, {2, 5, 7}, {0}, range(8))
     try:
         with pytest.raises(TamperingDetected, match="cannot be singled out") as caught:
-            committee.run_round(1, inputs(rng), rng)
+            run(committee, 1, inputs(rng), rng)
     finally:
         OffsetShard.offsets = {}
     assert caught.value.suspects == ()
@@ -123,7 +137,7 @@ def test_tampering_members_within_the_sound_radius_are_corrected_and_exactly_nam
     OffsetShard.offsets = {m: 17 + m for m in colluders}
     try:
         vectors = inputs(rng)
-        result = committee.run_round(1, vectors, rng)
+        result = run(committee, 1, vectors, rng)
     finally:
         OffsetShard.offsets = {}
     np.testing.assert_array_equal(result.aggregate, total(vectors))
@@ -143,42 +157,109 @@ def test_tampering_with_exactly_t_plus_k_answers_is_reported_unverified():
         seed=4,
     )
     vectors = inputs(rng)
-    result = committee.run_round(1, vectors, rng, plan)
+    result = run(committee, 1, vectors, rng, plan)
     assert not result.verified and result.tampered == ()
     assert not np.array_equal(result.aggregate, total(vectors))  # nothing could tell
     one_spare = CommitteeFaults({(6, S.RELEASE): MemberFault.DROP})
-    checked = committee.run_round(2, vectors, rng, one_spare)
+    checked = run(committee, 2, vectors, rng, one_spare)
     assert checked.verified and np.array_equal(checked.aggregate, total(vectors))
 
 
-BAD_INPUTS = [
-    np.arange(11),  # wrong length
-    np.arange(12, dtype=np.float64),
-    np.full(12, F.modulus),
-    -np.ones(12, dtype=np.int64),
-    None,
-    "twelve",
-    np.array([[1, 2], [3, 4]]),
-    np.array([1, "2"], dtype=object),
-]
+LOW_ORDER = bytes.fromhex("e0eb7a7c3b41b8ae1656e3faf19fc46ada098deb9c32b1fd866205165f49b800")
 
 
-def test_malformed_client_inputs_drop_that_client_with_a_reason():
+def _hostile_inputs(committee, round_, rng, length, earlier):
+    """Client 999's SHARE message, honest but for one thing (a list of (label, input));
+    ``earlier``: its honest input of an earlier round, for the replay."""
+    keys = committee.keys_for(round_)
+    n, width = committee.scheme.n, committee.scheme.blocks_for(length)
+    vector = F.random(rng, length)
+    rows = committee.scheme.share(vector, rng=rng)
+    client = Endpoint(999, keys.session_id, CHANNEL_PROTOCOL)
+    for j, key in enumerate(keys.member_keys):
+        client.connect(MEMBER_ID_BASE + j, key)
+
+    def sealed_with(row=lambda j: rows[j], at=round_, stage=S.SHARE, to=lambda j: j, header=None):
+        envelopes = {}
+        for j in range(n):
+            envelope = client.seal_array(MEMBER_ID_BASE + to(j), at, stage, row(j))
+            header_j = {**(header or {}), "receiver": MEMBER_ID_BASE + j}
+            envelopes[j] = dataclasses.replace(envelope, **header_j)
+        return SealedInput(client.public_key, envelopes)
+
+    honest = sealed_with()
+    envelopes = dict(honest.envelopes)
+    key = honest.public_key
+
+    def each(**change):
+        return SealedInput(key, {j: dataclasses.replace(e, **change) for j, e in envelopes.items()})
+
+    flipped = dict(envelopes)
+    body = envelopes[2].ciphertext
+    flipped[2] = dataclasses.replace(envelopes[2], ciphertext=bytes([body[0] ^ 1]) + body[1:])
+    swapped = {**envelopes, 0: envelopes[1], 1: envelopes[0]}
+    return [
+        ("the plaintext vector", vector),
+        ("nothing", None),
+        ("all-zero key", SealedInput(bytes(32), envelopes)),
+        ("low-order key", SealedInput(LOW_ORDER, envelopes)),
+        ("short key", SealedInput(b"k", envelopes)),
+        ("text key", SealedInput("key", envelopes)),
+        ("envelopes in a list", SealedInput(key, list(envelopes.values()))),
+        ("one envelope missing", SealedInput(key, {j: e for j, e in envelopes.items() if j})),
+        ("an envelope for a non-member", SealedInput(key, {**envelopes, n: envelopes[0]})),
+        ("two members' envelopes swapped", SealedInput(key, swapped)),
+        ("header of another round", each(round=round_ + 1)),
+        ("header of another stage", each(stage="RELEASE")),
+        ("header of another sender", each(sender=100)),
+        ("sealed for another round", sealed_with(at=round_ + 1, header={"round": round_})),
+        ("sealed for stage RELEASE", sealed_with(stage=S.RELEASE, header={"stage": "SHARE"})),
+        ("sealed to the next member's key", sealed_with(to=lambda j: (j + 1) % n)),
+        ("truncated ciphertexts", each(ciphertext=envelopes[0].ciphertext[:-1])),
+        ("a longer share row", sealed_with(row=lambda j: np.append(rows[j], 1))),
+        ("float shares", sealed_with(row=lambda j: rows[j].astype(np.float64))),
+        ("out-of-field shares", sealed_with(row=lambda j: np.full(width, F.modulus))),
+        ("a flipped bit", SealedInput(key, flipped)),
+        ("a short nonce", each(nonce=bytes(8))),
+        ("bytes for an envelope", SealedInput(key, {**envelopes, 3: b"envelope"})),
+        ("last round's input replayed", earlier),
+    ]
+
+
+def test_malformed_sealed_inputs_drop_that_client_with_a_reason(capsys):
+    """Every way a client's SHARE message can be wrong in form, binding or content -- unusable
+    keys, missing, extra, swapped or misaddressed envelopes, headers or AAD of another round,
+    stage or sender, wrong lengths, dtypes or field ranges, a flipped bit, a replay -- drops
+    that client, named with a reason, and the round releases the others' sum."""
     rng = np.random.default_rng(5)
-    committee = Committee(7, 2, 2)
-    for round_, bad in enumerate(BAD_INPUTS):
+    committee = Committee(7, 2, 2, shards=2)
+    earlier = sealed(committee, 0, {999: F.random(rng, 12)}, rng)[999]
+    run(committee, 0, inputs(rng), rng)
+    labels = [label for label, _ in _hostile_inputs(committee, 1, rng, 12, earlier)]
+    dropped = 0
+    for round_, label in enumerate(labels, start=1):  # each against its own round's keys
+        bad = dict(_hostile_inputs(committee, round_, rng, 12, earlier))[label]
         vectors = inputs(rng)
-        result = committee.run_round(round_, {**vectors, 999: bad}, rng, length=12)
-        assert result.excluded == (999,) and result.clients == tuple(vectors)
-        assert any(reason.startswith("client 999") for reason in result.reasons)
+        result = committee.run_round_sealed(
+            round_, {**sealed(committee, round_, vectors, rng), 999: bad}, 12
+        )
+        assert result.excluded == (999,) and result.clients == tuple(vectors), label
+        assert any(reason.startswith("client 999: ") for reason in result.reasons), label
         np.testing.assert_array_equal(result.aggregate, total(vectors))
-    for round_, garbage in ((50, {1: None, 2: "x"}), (51, {1: np.zeros(0, dtype=np.int64)})):
-        with pytest.raises(CommitteeAbort, match="no usable client input"):
-            committee.run_round(round_, garbage, rng)
-        assert committee.stage(round_) is S.ABORTED
-    vectors = inputs(rng)  # without length: the most common one; the odd client is dropped
-    result = committee.run_round(52, {**vectors, 7: np.arange(3), 8: np.arange(0)}, rng)
-    assert result.excluded == (7, 8) and result.clients == tuple(vectors)
+        dropped += 1
+    with capsys.disabled():
+        print(f"\n[fuzz committee sealed inputs] tried {len(labels)}, dropped {dropped}")
+    with pytest.raises(CommitteeAbort, match="no usable client input") as caught:
+        committee.run_round_sealed(50, {1: None, 2: SealedInput(b"k", {})}, 12)
+    assert sorted(caught.value.excluded) == [1, 2] and committee.stage(50) is S.ABORTED
+    for bad_call, message in (
+        (lambda: committee.run_round_sealed(51, {}, 12), "sealed is empty"),
+        (lambda: committee.run_round_sealed(51, {2**62: None}, 12), "client id"),
+        (lambda: committee.run_round_sealed(51, {1: None}, 0), "length"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            bad_call()
+    assert committee.stage(51) is S.SETUP
 
 
 def _hostile_shares(rng, shard, session, round_, width):
@@ -266,6 +347,7 @@ def test_fuzzed_client_deliveries_are_refused_by_the_member(capsys):
 
 
 PLAIN_GARBAGE = [
+    np.arange(12, dtype=np.int64).reshape(3, 4),  # well-formed plain rows
     np.zeros((2, 4), dtype=np.int64),
     np.zeros((3, 3), dtype=np.float64),
     np.full((3, 4), F.modulus),
@@ -281,9 +363,19 @@ PLAIN_GARBAGE = [
 
 
 def test_fuzzed_plain_rows_are_refused_by_every_member_of_the_shard(capsys):
-    shard = CommitteeShard([0, 1, 2])
+    """Members take only sealed shares: plain rows (even well-formed ones) and malformed
+    deliveries are refused by every member of the shard; the sealed client counts."""
+    session = new_session_id()
+    shard = CommitteeShard([0, 1, 2], 61, session)
     batch = {i: rows for i, rows in enumerate(PLAIN_GARBAGE)}
-    batch[99] = np.arange(12, dtype=np.int64).reshape(3, 4)
+    client = Endpoint(99, session, CHANNEL_PROTOCOL)
+    envelopes = []
+    for member, key in shard.public_keys().items():
+        client.connect(MEMBER_ID_BASE + member, key)
+        envelopes.append(
+            client.seal_array(MEMBER_ID_BASE + member, 0, S.SHARE, np.arange(4) + member)
+        )
+    batch[99] = SealedShares(client.public_key, tuple(envelopes), 4)
     answer = shard.share(0, batch, StageFaults(), 4)
     assert set(answer["refused"]) == set(range(len(PLAIN_GARBAGE)))
     assert all(who == [0, 1, 2] for who in answer["refused"].values())
@@ -358,11 +450,11 @@ def test_fuzzed_member_releases_reject_that_member_and_the_round_goes_on(capsys)
     tally = Counter()
     try:
         GarbageShard.earlier = {}
-        committee.run_round(0, inputs(rng), rng)  # gives the replay something to replay
+        run(committee, 0, inputs(rng), rng)  # gives the replay something to replay
         for round_, kind in enumerate(RELEASE_GARBAGE, start=1):
             GarbageShard.garbage = {3: kind}
             vectors = inputs(rng)
-            result = committee.run_round(round_, vectors, rng)
+            result = run(committee, round_, vectors, rng)
             tally["tried"] += 1
             tally["rejected"] += result.rejected == (3,)
             assert result.rejected == (3,) and 3 not in result.answered, kind
@@ -371,13 +463,13 @@ def test_fuzzed_member_releases_reject_that_member_and_the_round_goes_on(capsys)
         GarbageShard.garbage, GarbageShard.impostor = {}, 8  # shard 0 answers for member 8
         vectors = inputs(rng)
         dropped = CommitteeFaults({(8, S.RELEASE): MemberFault.DROP})
-        result = committee.run_round(50, vectors, rng, dropped)
+        result = run(committee, 50, vectors, rng, dropped)
         assert 8 not in result.answered and 8 in result.dropped
         np.testing.assert_array_equal(result.aggregate, total(vectors))
         GarbageShard.impostor = None
         GarbageShard.garbage = dict(zip(range(5), RELEASE_GARBAGE))  # 4 left < 5 needed
         with pytest.raises(CommitteeAbort, match="5 committee members needed.*4 answered"):
-            committee.run_round(51, inputs(rng), rng)
+            run(committee, 51, inputs(rng), rng)
         tally["tried"] += 1
         tally["rejected"] += committee.stage(51) is S.ABORTED
     finally:

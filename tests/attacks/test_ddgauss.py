@@ -4,7 +4,10 @@
   round, the partition, every public stream, the instruction) and subtracts it: the attack of
   ``../shared/attacks/noise_seed.py``, which recovered the update to within gamma. It now fails.
 * In full mode no message the server receives holds a client's encoding, rounded update, noise
-  or secret: it sees two public keys, sealed shares, masked inputs and unmasking shares.
+  or secret: it sees two public keys, sealed shares, masked inputs and unmasking shares. In
+  committee mode it sees one public key and sealed share rows per client (no share row, no
+  member's secret) and the members' sealed releases. The same scan finds every encoding in
+  plaintext mode.
 * Hostile clients (``../shared/attacks/ddgauss_bad_client.py`` and more): a malformed reply at
   any stage drops that client, named in ``rejected``; the round goes on with the others and
   epsilon counts the noise actually in the sum; with too few left the round releases nothing.
@@ -18,14 +21,23 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 
+from fedsim.engine.committee import Committee
 from fedsim.engine.registry import NODE_ID_OFFSET
 from fedsim.engine.rounds import run_rounds
 from fedsim.privacy import ddgauss as ddgauss_privacy
 from fedsim.privacy.mechanisms import discrete_gaussian
 from fedsim.randomness import NODE_SECRET_KEY, Purpose, RunSecret, Stream, public_generator
 from fedsim.records import to_numpy, to_record
+from protocols.committee import MEMBER_ID_BASE
 from protocols.field import DEFAULT_FIELD
-from strategies.ddgauss import ENCODED_KEY, PREFIX, DDGauss, ddgauss_client_app
+from strategies.ddgauss import (
+    COMMITTEE_PREFIX,
+    ENCODED_KEY,
+    PREFIX,
+    SEALED_KEY,
+    DDGauss,
+    ddgauss_client_app,
+)
 from strategies.secagg_messages import KEYS_KEY, STATE_KEY
 
 D, CLIENTS, SEED, PHRASE = 12, 8, 7, "tests"
@@ -51,6 +63,10 @@ def _train(message: Message, context: Context) -> Message:
 
 
 def strategy(mode: str, **options) -> DDGauss:
+    if mode == "committee":  # members' keys from their own secrets under the run's root
+        root = RunSecret.from_passphrase(PHRASE)
+        secrets = {m: root.member(m) for m in range(7)}
+        options.setdefault("committee", Committee(7, 2, 2, shards=2, member_secrets=secrets))
     out = DDGauss(
         FedAvg(min_available_nodes=0, fraction_evaluate=0.0),
         clipping_norm=1.0,
@@ -145,13 +161,13 @@ def task_identity(monkeypatch):
 def test_the_server_cannot_replay_a_clients_noise_or_recover_its_update(task_identity):
     """noise_seed.py (DDGauss part), adapted: in plaintext mode the server sees the encoding
     and replays every stream it can compute; the noise it subtracts is never the client's, so
-    its estimate of the update stays off by the noise. In full mode the reply holds no
-    encoding at all."""
+    its estimate of the update stays off by the noise. In full and committee modes the reply
+    holds no encoding at all: public keys, and in committee mode ciphertexts."""
     plain = strategy("plaintext")
     encoder = plain.encoder
     app = ddgauss_client_app(inner)
     partition, server_round = 5, 3
-    for mode in ("plaintext", "full"):
+    for mode in ("plaintext", "full", "committee"):
         server = strategy(mode)
         messages = list(
             server.configure_train(
@@ -177,6 +193,13 @@ def test_the_server_cannot_replay_a_clients_noise_or_recover_its_update(task_ide
             keys = reply.content[KEYS_KEY]
             assert sorted(keys) == ["agreement", "channel"]
             assert all(isinstance(v, bytes) and len(v) == 32 for v in keys.values())
+            continue
+        if mode == "committee":
+            assert set(reply.content.keys()) == {SEALED_KEY}
+            sealed = reply.content[SEALED_KEY]
+            assert len(sealed["public-key"]) == 32 and len(sealed["ciphertexts"]) == 7
+            assert sealed["receivers"] == [MEMBER_ID_BASE + j for j in range(7)]
+            assert sealed["senders"] == [config[COMMITTEE_PREFIX + "party"]] * 7
             continue
         assert set(reply.content.keys()) == {ENCODED_KEY}  # no metrics next to it
         encoded = to_numpy(reply.content[ENCODED_KEY])[ENCODED_KEY]
@@ -228,13 +251,21 @@ def _bytes_in(content: RecordDict) -> list[bytes]:
     return out
 
 
-def what_leaks(grid: Recording, server: DDGauss) -> list[str]:
-    """Every place where a message the server received or sent holds a client's encoding,
-    rounded update, noise (as int64, field or ring elements, or their bytes), or its secret,
-    or a masked input that agrees with its encoding in more than a fifth of coordinates."""
+def share_rows(server: DDGauss, partition: int) -> np.ndarray:
+    """Committee mode: client ``partition``'s packed shares of its round-1 encoding, one row
+    per member (from its own share stream, as the test plays every party)."""
+    secret = RunSecret.from_passphrase(PHRASE).client(partition)
+    encoding = oracle(server.encoder, partition)["encoding"]
+    rng = secret.generator(1, Purpose.SHARES, PREFIX)
+    return server.committee.scheme.share(encoding, rng=rng)
+
+
+def _party_needles(server: DDGauss, session: bytes) -> dict[str, tuple[list, list]]:
+    """Per party, (arrays, byte strings) that only it may know: a client's encoding, signed
+    sum, rounded update and noise (as int64, field or ring elements), its secret and derived
+    keys, in committee mode its share rows; a committee member's secret and channel key."""
     root = RunSecret.from_passphrase(PHRASE)
-    session = grid.sent[0].content["config"].get(PREFIX + "session", b"")
-    found = []
+    needles = {}
     for p in range(CLIENTS):
         secret, truth = root.client(p), oracle(server.encoder, p)
         signed = truth["rounded"] + truth["noise"]
@@ -242,10 +273,32 @@ def what_leaks(grid: Recording, server: DDGauss) -> list[str]:
         forms += [DEFAULT_FIELD.encode_signed(truth["rounded"]), signed % 2**32]
         keys = [secret.token().encode(), bytes.fromhex(secret.token())]
         keys += [secret.seed_bytes(1, Purpose.KEYS, session.hex())]
+        keys += [secret.seed_bytes(1, Purpose.KEYS, PREFIX, session.hex())]
         keys += [f.astype(np.int64).tobytes() for f in forms[:2]]
+        if server.mode == "committee":
+            rows = list(share_rows(server, p))
+            forms += rows
+            keys += [row.astype(np.int64).tobytes() for row in rows]
+        needles[f"client {p}"] = (forms, keys)
+    if server.mode == "committee":
+        for m in range(server.committee.scheme.n):
+            secret = root.member(m)
+            channel = secret.seed_bytes(Purpose.KEYS, "committee-channel", session.hex())
+            needles[f"member {m}"] = ([], [bytes.fromhex(secret.token()), channel])
+    return needles
+
+
+def what_leaks(grid: Recording, server: DDGauss) -> list[str]:
+    """Every place where a message the server received or sent holds what only a party may
+    know (:func:`_party_needles`): as bytes anywhere, or as an array that agrees with a
+    client's in more than a fifth of coordinates (a masked input that is no mask)."""
+    config = grid.sent[0].content["config"]
+    session = config.get(PREFIX + "session", config.get(COMMITTEE_PREFIX + "session", b""))
+    found = []
+    for party, (forms, keys) in _party_needles(server, session).items():
         for direction, messages in (("received", grid.received), ("sent", grid.sent)):
             for message in messages:
-                where = f"client {p}'s secret in a {message.metadata.message_type} {direction}"
+                where = f"{party}'s secret in a {message.metadata.message_type} {direction}"
                 arrays = _arrays_in(message.content) if direction == "received" else []
                 for array, form in ((a, f) for a in arrays for f in forms):
                     if array.shape == form.shape and np.mean(
@@ -257,20 +310,32 @@ def what_leaks(grid: Recording, server: DDGauss) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("ring_bits", [None, 32])
+@pytest.mark.parametrize(
+    "mode,ring_bits", [("full", None), ("full", 32), ("committee", None)],
+    ids=["full", "full-ring32", "committee"],
+)
 def test_no_message_the_server_receives_holds_an_encoding_noise_or_secret(
-    local_engine, client_secrets, ring_bits
+    local_engine, client_secrets, mode, ring_bits
 ):
-    server = strategy("full", ring_bits=ring_bits)
+    server = strategy(mode, ring_bits=ring_bits)
     grid, _, metrics = one_round(local_engine, client_secrets, server)
     assert metrics["ddgauss-survivors"] == CLIENTS and metrics["rejected"] == []
-    assert {r.metadata.message_type for r in grid.received} == {TRAIN, SHARE, MASKED, UNMASK}
+    types = {TRAIN, SHARE, MASKED, UNMASK} if mode == "full" else {TRAIN}
+    assert {r.metadata.message_type for r in grid.received} == types
     assert not any(r.has_error() for r in grid.received)
     assert what_leaks(grid, server) == []
     # the released sum is every client's encoding, summed: their noise is in it
     encodings = [oracle(server.encoder, p)["encoding"] for p in range(CLIENTS)]
     np.testing.assert_array_equal(server.last_sum, DEFAULT_FIELD.sum(np.stack(encodings), 0))
-    # the same scan sees every encoding in plaintext mode, which says so in its name
+    if mode == "committee":  # the scan would see one plaintext share row
+        row = share_rows(server, 5)[3].astype(np.int64).tobytes()
+        grid.received.append(Message(RecordDict({"x": ConfigRecord({"r": row})}), 1, "train"))
+        assert what_leaks(grid, server) == ["client 5's secret in a train received (bytes)"]
+
+
+def test_the_same_scan_finds_every_encoding_in_plaintext_mode(local_engine, client_secrets):
+    """Plaintext mode, which says so in its name, hands the server every encoding: the scan
+    above sees them."""
     plain = strategy("plaintext")
     grid, _, _ = one_round(local_engine, client_secrets, plain)
     leaks = set(what_leaks(grid, plain))
@@ -339,6 +404,7 @@ TRAIN, SHARE, MASKED, UNMASK = (
 # (name, kind of message whose reply is rewritten, rewrite (None: below), mode)
 _ENCODING = (ENCODED_KEY, ENCODED_KEY)
 _MASKED = ("secagg.masked", "masked")
+_PLAIN_NEXT = (ENCODED_KEY, to_record({ENCODED_KEY: np.zeros(16, dtype=np.int64)}))
 BAD_REPLIES = [
     ("plaintext out of field", TRAIN, _set(*_ENCODING, lambda a: a * 0 + 2**62), "plaintext"),
     ("plaintext wrong length", TRAIN, _set(*_ENCODING, lambda a: a[:-1]), "plaintext"),
@@ -359,6 +425,21 @@ BAD_REPLIES = [
     ("share of a stranger", UNMASK, None, "full"),
     ("short share", UNMASK, None, "full"),
     ("altered share", UNMASK, None, "full"),
+    ("committee all-zero key", TRAIN, _set(SEALED_KEY, "public-key", bytes(32)), "committee"),
+    ("committee low-order key", TRAIN, _set(SEALED_KEY, "public-key", LOW_ORDER), "committee"),
+    ("committee short key", TRAIN, _set(SEALED_KEY, "public-key", bytes(31)), "committee"),
+    ("committee text key", TRAIN, _set(SEALED_KEY, "public-key", "key"), "committee"),
+    ("committee encoding next to the envelopes", TRAIN, _add(*_PLAIN_NEXT), "committee"),
+    ("committee no envelopes", TRAIN, _add(SEALED_KEY, ConfigRecord({"public-key": LOW_ORDER})),
+     "committee"),
+    ("committee one envelope missing", TRAIN, None, "committee"),
+    ("committee two envelopes to one member", TRAIN, None, "committee"),
+    ("committee envelope for a non-member", TRAIN, None, "committee"),
+    ("committee envelope for another stage", TRAIN, None, "committee"),
+    ("committee envelope for another round", TRAIN, None, "committee"),
+    ("committee envelope from another client", TRAIN, None, "committee"),
+    ("committee truncated ciphertext", TRAIN, None, "committee"),
+    ("committee flipped bit", TRAIN, None, "committee"),
 ]
 
 
@@ -377,6 +458,35 @@ def _envelope_tamper(name):
         else:
             record["ciphertexts"] = [c[:-1] for c in record["ciphertexts"]]
         content["secagg.envelopes"] = record
+
+    return tamper
+
+
+def _first(receiver: int, record: ConfigRecord) -> list[int]:
+    """The record's receivers with the first one replaced by ``receiver``."""
+    return [receiver, *record["receivers"][1:]]
+
+
+def _sealed_tamper(name):
+    """Rewrite one of a committee-mode reply's envelope fields (``name`` minus "committee ")."""
+    change = {
+        "one envelope missing": lambda r: {k: v[1:] for k, v in r.items() if isinstance(v, list)},
+        "two envelopes to one member": lambda r: {"receivers": _first(r["receivers"][1], r)},
+        "envelope for a non-member": lambda r: {"receivers": _first(MEMBER_ID_BASE + 7, r)},
+        "envelope for another stage": lambda r: {"stages": ["RELEASE", *r["stages"][1:]]},
+        "envelope for another round": lambda r: {"rounds": [2, *r["rounds"][1:]]},
+        "envelope from another client": lambda r: {"senders": [s + 1 for s in r["senders"]]},
+        "truncated ciphertext": lambda r: {"ciphertexts": [c[:-1] for c in r["ciphertexts"]]},
+        "flipped bit": lambda r: {
+            "ciphertexts": [bytes([r["ciphertexts"][0][0] ^ 1]) + r["ciphertexts"][0][1:],
+                            *r["ciphertexts"][1:]]
+        },
+    }[name.removeprefix("committee ")]
+
+    def tamper(content: RecordDict, partition: int) -> None:
+        record = ConfigRecord(dict(content[SEALED_KEY]))
+        record.update(change(record))
+        content[SEALED_KEY] = record
 
     return tamper
 
@@ -400,7 +510,9 @@ def _unmask_tamper(name):
 def test_a_bad_reply_drops_its_client_and_the_round_goes_on(
     local_engine, client_secrets, name, kind, tamper, mode
 ):
-    if tamper is None:
+    if tamper is None and mode == "committee":
+        tamper = _sealed_tamper(name)
+    elif tamper is None:
         tamper = _envelope_tamper(name) if kind == SHARE else _unmask_tamper(name)
     hostile = 3
     app = Hostile(client_secrets(ddgauss_client_app(inner), PHRASE), {hostile}, kind, tamper)

@@ -75,6 +75,17 @@ STRATEGIES: dict[str, dict[str, Any]] = {
         "name": "ddgauss",
         "options": {"clipping_norm": 1.0, "noise_multiplier": 0.5, "mode": "full", "ring_bits": 32},
     },
+    "ddgauss-committee": {
+        "name": "ddgauss",
+        "options": {
+            "clipping_norm": 1.0,
+            "noise_multiplier": 0.5,
+            "mode": "committee",
+            "committee_size": 7,
+            "threshold": 2,
+            "packing": 2,
+        },
+    },
 }
 
 
@@ -205,7 +216,7 @@ def finished(out: Path) -> tuple[list[dict[str, Any]], dict[str, np.ndarray]]:
     return rounds, dict(np.load(out / "model.npz"))
 
 
-@pytest.mark.parametrize("name", ["dp-fedavg-adaptive", "matrix-mechanism"])
+@pytest.mark.parametrize("name", ["dp-fedavg-adaptive", "matrix-mechanism", "ddgauss-committee"])
 def test_resume_with_the_same_root_is_bit_identical(tmp_path, monkeypatch, name):
     from fedsim.rundir import RunDirectory
 
