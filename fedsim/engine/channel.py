@@ -307,14 +307,14 @@ class WorkerChannel:
         try:
             while True:
                 try:
-                    batch = pickle.loads(conn.recv())
+                    payload = conn.recv()
                 except FrameError as err:
                     log.warning("channel: dropping the connection from %s: %s", peer, err)
                     return
                 except (EOFError, OSError):
                     return  # the driver went away; wait for the next one
-                try:
-                    reply = dumps((True, self._worker.run_batch(batch)))
+                try:  # the payload verified: it is the driver's own batch
+                    reply = dumps((True, self._worker.run_batch(pickle.loads(payload))))
                 except Exception as ex:  # the driver re-raises it
                     try:
                         reply = dumps((False, ex))
