@@ -41,7 +41,9 @@ reordered or dropped frame ends the connection without anything of it being
 unpickled. Handshakes run under a timeout in their own threads, so a peer that
 connects and stays silent blocks neither the worker's accept loop nor the
 driver. (HMAC-SHA256 after Krawczyk et al., RFC 2104; frames as in TLS's
-record MAC, RFC 5246 §6.2.3.1, with an explicit sequence number.)
+record MAC, RFC 5246 §6.2.3.1, with an explicit sequence number.) Frames are
+authenticated, not encrypted: like Ray's own transport without TLS, whoever can
+read the network between driver and workers can read the batches.
 """
 
 from __future__ import annotations
