@@ -82,3 +82,15 @@ def test_strangers_cannot_send_batches():
     future = channel.send("ok")
     finish(channel, [future])
     assert future.value() == ("done", "ok")
+
+
+def test_large_batches_travel_intact():
+    import numpy as np
+
+    channel, _ = open_pair()
+    batches = [np.arange(n, dtype=np.float64) for n in (1, 9_000, 600_000)]  # up to 4.8 MB
+    futures = [channel.send(("array", b)) for b in batches]
+    finish(channel, futures, timeout=30.0)
+    for batch, future in zip(batches, futures):
+        tag, (_, echoed) = future.value()
+        assert tag == "done" and np.array_equal(echoed, batch)

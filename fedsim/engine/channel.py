@@ -74,6 +74,7 @@ MAX_HANDSHAKES = 32
 MAX_FRAME_BYTES = 1 << 36
 
 _HEADER = 16  # seq (8) || length (8), big-endian
+_JOIN_BYTES = 1 << 16  # frames up to this size go out in one joined buffer
 _DRIVER_PROOF = b"fedsim-chan driver proof"
 _WORKER_PROOF = b"fedsim-chan worker proof"
 _TO_WORKER = b"fedsim-chan driver->worker"
@@ -118,6 +119,15 @@ def _mac(key: bytes, label: bytes, *parts: bytes | bytearray | memoryview) -> by
     return mac.digest()
 
 
+def _frame_tag(keyed: Any, header: bytes, payload: bytes | bytearray) -> bytes:
+    """``HMAC-SHA256(k, label | header | payload)`` from the direction's keyed state, one
+    pass over the payload (a memoryview: no copy)."""
+    mac = keyed.copy()
+    mac.update(header)
+    mac.update(memoryview(payload))
+    return mac.digest()
+
+
 def _read_handshake(sock: socket.socket, size: int) -> bytes:
     """``size`` bytes of a handshake; ChannelAuthError if the peer hangs up first
     (TimeoutError, an OSError, if it stays silent past the socket's timeout)."""
@@ -140,16 +150,17 @@ def _read_exact(sock: socket.socket, size: int) -> bytearray:
     return buffer
 
 
-def _send_parts(sock: socket.socket, parts: list[bytes | bytearray | memoryview]) -> None:
-    """Send ``parts`` back to back without joining them (one syscall when it fits)."""
-    views = [memoryview(p).cast("B") for p in parts if len(p)]
-    while views:
-        sent = sock.sendmsg(views)
-        while views and sent >= len(views[0]):
-            sent -= len(views[0])
-            views.pop(0)
-        if views and sent:
-            views[0] = views[0][sent:]
+def _send_frame(sock: socket.socket, head: bytes, payload: bytes | bytearray) -> None:
+    """Send ``head`` then ``payload``: joined when small (one copy is cheaper than a
+    scatter list), else by one ``sendmsg`` without copying the payload."""
+    if len(payload) <= _JOIN_BYTES:
+        sock.sendall(head + payload)
+        return
+    sent = sock.sendmsg([head, payload])
+    if sent < len(head):
+        sock.sendall(head[sent:])
+        sent = len(head)
+    sock.sendall(memoryview(payload)[sent - len(head) :])
 
 
 class FramedSocket:
@@ -163,8 +174,9 @@ class FramedSocket:
         self, sock: socket.socket, send: tuple[bytes, bytes], receive: tuple[bytes, bytes]
     ) -> None:
         self.sock = sock
-        self._send_key, self._send_label = send
-        self._recv_key, self._recv_label = receive
+        # HMAC states keyed and fed the direction's label once; each frame continues a copy
+        self._send_mac = hmac.new(send[0], send[1], "sha256")
+        self._recv_mac = hmac.new(receive[0], receive[1], "sha256")
         self._send_seq = 0
         self._recv_seq = 0
         self.closed = False
@@ -175,8 +187,7 @@ class FramedSocket:
     def send(self, payload: bytes | bytearray) -> None:
         """Send one frame (OSError if the connection is gone)."""
         header = self._send_seq.to_bytes(8, "big") + len(payload).to_bytes(8, "big")
-        tag = _mac(self._send_key, self._send_label, header, memoryview(payload))
-        _send_parts(self.sock, [header, tag, payload])
+        _send_frame(self.sock, header + _frame_tag(self._send_mac, header, payload), payload)
         self._send_seq += 1
 
     def recv(self) -> bytearray:
@@ -189,7 +200,7 @@ class FramedSocket:
         if length > MAX_FRAME_BYTES:
             raise FrameError(f"frame announces {length} bytes (at most {MAX_FRAME_BYTES})")
         payload = _read_exact(self.sock, length)
-        expected = _mac(self._recv_key, self._recv_label, header, memoryview(payload))
+        expected = _frame_tag(self._recv_mac, header, payload)
         if not hmac.compare_digest(tag, expected):
             raise FrameError(f"frame {self._recv_seq} fails its MAC (tampered or forged)")
         if seq != self._recv_seq:
