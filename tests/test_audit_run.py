@@ -80,7 +80,8 @@ def test_audit_of_an_overfit_run_finds_its_members(runs, capsys):
     assert result["member_mean_loss"] < result["non_member_mean_loss"]
     assert result["auc"] > 0.6 and result["tpr_at_5pct_fpr"] > 0.05
     assert math.isinf(result["epsilon"]) and result["epsilon_infinite"] is True
-    assert result["epsilon_text"] == "inf" and '"epsilon": 1e999' in (run_dir / "audit.json").read_text()
+    written = (run_dir / "audit.json").read_text()
+    assert result["epsilon_text"] == "inf" and '"epsilon": 1e999' in written
     # Members are exactly the training rows: the run's dataset has that many.
     dataset = build_dataset(load_finished_run(run_dir).config.data)
     assert result["member_rows_available"] == len(dataset.train.y)
