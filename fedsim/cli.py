@@ -18,7 +18,6 @@ outside DIR; created if missing); both write ``DIR/rounds.jsonl`` as rounds fini
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -27,8 +26,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedsim.config import ConfigError
+from fedsim.engine.rounds import RunStopped
 from fedsim.privacy import account_cli
 from fedsim.privacy.matrix import cli as factorize_cli
+from fedsim.results import dumps
 from fedsim.workloads import minmax_run
 from fedsim.workloads.audits import cli as audit_cli
 
@@ -178,7 +179,7 @@ def cmd_account(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"fedsim: error: {err}", file=sys.stderr)
         return 2
-    print(json.dumps(result, indent=2) if args.json else account_cli.format_text(result))
+    print(dumps(result, indent=2) if args.json else account_cli.format_text(result))
     return 0
 
 
@@ -189,7 +190,7 @@ def cmd_factorize(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"fedsim: error: {err}", file=sys.stderr)
         return 2
-    print(json.dumps(result, indent=2) if args.json else factorize_cli.format_text(result))
+    print(dumps(result, indent=2) if args.json else factorize_cli.format_text(result))
     return 0
 
 
@@ -215,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"fedsim: error: {err}", file=sys.stderr)
         return 2
+    except RunStopped as err:  # the rounds before it are on disk
+        print(f"fedsim: error: {err}; earlier rounds: {args.out or args.resume}", file=sys.stderr)
+        return 1
     out = Path(args.out or args.resume)
     print(
         f"fedsim: {summary.get('rounds', 0)} rounds in {time.perf_counter() - started:.1f} s; "

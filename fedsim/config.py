@@ -5,19 +5,35 @@ builds one from a plain mapping and rejects unknown keys, wrong types and values
 outside their range with a :class:`ConfigError` that names the key, the value and
 what is allowed. Range checks live in each dataclass's ``__post_init__`` and
 raise through :func:`require`.
+
+Floats must be finite: TOML's ``nan``, ``inf`` and ``-inf`` are refused for every
+``float`` field except one annotated :data:`InfFloat`, which accepts ``+inf``
+(e.g. a list of privacy budgets where ``inf`` means "no noise").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 T = TypeVar("T")
+
+
+class _AllowsInfinity:
+    """Marker in ``Annotated[float, ...]``: the field accepts ``+inf``."""
+
+    def __repr__(self) -> str:
+        return "allows +inf"
+
+
+#: a float config field that also accepts ``+inf`` (never NaN or ``-inf``)
+InfFloat = Annotated[float, _AllowsInfinity()]
 
 
 class ConfigError(ValueError):
@@ -57,8 +73,20 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError("config", str(path), f"valid TOML ({err})") from err
 
 
+def is_finite_number(value: Any) -> bool:
+    """An int or float (not a bool) that is finite as a float."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an integer beyond the float range
+        return False
+
+
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
+    if origin is Annotated:
+        return _type_name(typing.get_args(tp)[0])
     if origin is Literal:
         return " | ".join(repr(a) for a in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
@@ -68,11 +96,18 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _convert(tp: Any, value: Any, key: str) -> Any:
+def _convert(tp: Any, value: Any, key: str, number: str = "a number (finite)") -> Any:
     """Check ``value`` against the annotation ``tp`` and convert where lossless."""
     origin = typing.get_origin(tp)
     if tp is Any:
         return value
+    if origin is Annotated:
+        inner, *marks = typing.get_args(tp)
+        if inner is float and any(isinstance(m, _AllowsInfinity) for m in marks):
+            if isinstance(value, float) and value == math.inf:
+                return value
+            return _convert(float, value, key, "a number (finite, or inf)")
+        return _convert(inner, value, key)
     if origin is Literal:
         allowed = typing.get_args(tp)
         require(value in allowed, key, value, f"one of {', '.join(map(repr, allowed))}")
@@ -89,7 +124,11 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
                 return _convert(arg, value, key)
             except ConfigError as err:
                 errors.append(err)
-        raise ConfigError(key, value, f"a value of type {_type_name(tp)}")
+        deeper = [err for err in errors if err.key != key]
+        if deeper:  # a table of the right kind with a bad key inside: name that key
+            raise deeper[0]
+        allowed = " or ".join(dict.fromkeys(err.allowed for err in errors))
+        raise ConfigError(key, value, f"{allowed} ({_type_name(tp)})")
     if dataclasses.is_dataclass(tp):
         require(isinstance(value, Mapping), key, value, f"a table of {tp.__name__} keys")
         return from_mapping(tp, value, key)
@@ -105,12 +144,15 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
         require(isinstance(value, bool), key, value, "true or false")
         return value
     if tp is int:
-        require(isinstance(value, int) and not isinstance(value, bool), key, value, "an integer")
+        require(
+            isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63,
+            key,
+            value,
+            "an integer (64-bit)",
+        )
         return value
     if tp is float:
-        require(
-            isinstance(value, (int, float)) and not isinstance(value, bool), key, value, "a number"
-        )
+        require(is_finite_number(value), key, value, number)
         return float(value)
     if tp is str:
         require(isinstance(value, str), key, value, "a string")
@@ -126,7 +168,7 @@ def from_mapping(cls: type[T], mapping: Mapping[str, Any], where: str = "") -> T
     """
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"{cls!r} is not a dataclass")
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     prefix = f"{where}." if where else ""
     kwargs: dict[str, Any] = {}

@@ -10,25 +10,33 @@ and ``num-partitions``, as in Flower's simulation, and its own secret
 (:func:`fedsim.randomness.client_secret` reads it), derived from the run's secret
 root; the ServerApp's context holds the server's
 (:func:`fedsim.randomness.server_secret`). Neither is in the run config.
+
+``--run-config`` is checked more strictly than ``flwr run`` does: every token must be a
+``key=value`` pair (Flower drops a token without ``=`` silently), every key one of
+``[tool.flwr.app.config]``, every value a TOML value of the default's type (an integer
+for an integer, a finite number for a number, true/false, a quoted string), and
+``num-server-rounds`` an integer >= 1.
 """
 
 from __future__ import annotations
 
 import platform
+import re
 import time
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from flwr.clientapp import ClientApp
 from flwr.clientapp.client_app import LoadClientAppError
-from flwr.common.config import get_fused_config_from_dir, get_project_config, parse_config_args
+from flwr.common.config import flatten_dict, get_project_config, parse_config_args
 from flwr.serverapp import ServerApp
 from flwr.serverapp.server_app import LoadServerAppError
 from flwr.supercore.object_ref import load_app
 
 from fedsim import __version__
-from fedsim.config import ConfigError
+from fedsim.config import ConfigError, is_finite_number
 from fedsim.engine import ClientAppSource, Engine, EngineConfig
 from fedsim.progress import RunProgress
 from fedsim.randomness import RunSecret
@@ -67,17 +75,8 @@ class FlowerApp:
                 raise ConfigError(
                     f"{_COMPONENTS} {name}", components.get(name), "a 'module:attribute' reference"
                 )
-        try:
-            override_config = parse_config_args([overrides] if overrides else None)
-            run_config = get_fused_config_from_dir(app_dir, override_config)
-        except ValueError as err:
-            raise ConfigError(
-                "--run-config", overrides, f"keys of [tool.flwr.app.config] ({err})"
-            ) from err
-        except Exception as err:  # click's error for unparsable strings
-            raise ConfigError(
-                "--run-config", overrides, f"space-separated key=value pairs ({err})"
-            ) from err
+        defaults = flatten_dict(project["tool"]["flwr"]["app"].get("config", {}))
+        run_config = fuse_run_config(defaults, overrides)
         server_app = _load(
             components["serverapp"], app_dir, ServerApp, LoadServerAppError, "serverapp"
         )
@@ -88,6 +87,87 @@ class FlowerApp:
 
     def client_source(self) -> ClientAppSource:
         return ClientAppSource(reference=self.clientapp, app_dir=str(self.app_dir))
+
+
+#: one ``key=value`` token of --run-config, as ``flwr run`` splits them
+_PAIR = re.compile(r"(\S+?)=('[^']*'|\"[^\"]*\"|\S+)")
+ROUNDS_KEY = "num-server-rounds"
+
+
+def fuse_run_config(defaults: dict[str, Any], overrides: str | None) -> dict[str, Any]:
+    """``defaults`` (the app's flattened ``[tool.flwr.app.config]``) with ``overrides``
+    (``--run-config``: ``"k=v k2=v2"`` or one ``.toml`` file) applied and checked."""
+    fused = dict(defaults)
+    if overrides and overrides.strip().endswith(".toml") and "=" not in overrides:
+        try:
+            given = parse_config_args([overrides.strip()])
+        except (OSError, ValueError) as err:
+            raise ConfigError("--run-config", overrides, f"a readable TOML file ({err})") from err
+    else:
+        given = _parse_pairs(overrides or "")
+    for key, value in given.items():
+        fused[key] = _checked_override(key, value, defaults)
+    rounds = fused.get(ROUNDS_KEY)
+    if ROUNDS_KEY in fused and not (
+        isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 1
+    ):
+        where = "--run-config" if ROUNDS_KEY in given else "[tool.flwr.app.config]"
+        raise ConfigError(f"{where} {ROUNDS_KEY}", rounds, "an integer >= 1")
+    return fused
+
+
+def _parse_pairs(text: str) -> dict[str, Any]:
+    """``"k=v k2=v2"`` as a dict of TOML values; every token must be a pair."""
+    parsed: dict[str, Any] = {}
+    position = 0
+    for match in _PAIR.finditer(text):
+        stray = text[position : match.start()].strip()
+        if stray:
+            raise ConfigError(
+                "--run-config", stray, "key=value pairs separated by spaces (this token has no '=')"
+            )
+        position = match.end()
+        key, raw = match.group(1), match.group(2)
+        try:
+            parsed[key] = tomllib.loads(f"value = {raw}")["value"]
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(
+                f"--run-config {key}",
+                raw,
+                "a TOML value: an integer, a number, true/false or a quoted string "
+                f"({err})",
+            ) from err
+    stray = text[position:].strip()
+    if stray:
+        raise ConfigError(
+            "--run-config", stray, "key=value pairs separated by spaces (this token has no '=')"
+        )
+    return parsed
+
+
+def _checked_override(key: str, value: Any, defaults: dict[str, Any]) -> Any:
+    """``value`` for ``key`` if the key exists and the value has its default's type."""
+    flag = f"--run-config {key}"
+    if key not in defaults:
+        raise ConfigError(
+            flag, value, f"a key of [tool.flwr.app.config]: {', '.join(sorted(defaults))}"
+        )
+    default = defaults[key]
+    if isinstance(default, bool):
+        ok, kind = isinstance(value, bool), "true or false"
+    elif isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**63
+        kind = "an integer (64-bit)"
+    elif isinstance(default, float):
+        ok = is_finite_number(value) or (isinstance(value, float) and value == default)
+        kind = "a number (finite)"
+    elif isinstance(default, str):
+        ok, kind = isinstance(value, str), "a string (quoted)"
+    else:
+        ok, kind = type(value) is type(default), f"a {type(default).__name__}"
+    if not ok:
+        raise ConfigError(flag, value, f"{kind}, like the app's default {default!r}")
+    return float(value) if isinstance(default, float) else value
 
 
 def _load(reference: str, app_dir: Path, kind: type, error: type[Exception], name: str) -> Any:

@@ -25,6 +25,11 @@ The server's ``central`` evaluation on its own held-out set is always written.
 ``infer_rounds`` (a Flower ServerApp whose loop fedsim does not see) a round
 ends when a phase of a later round starts, after its evaluate phase, or when the
 run closes.
+
+Every epsilon (a key containing ``epsilon``) is written with a boolean
+``<key>_infinite`` next to it, and an infinite epsilon (no noise) as ``1e999``,
+which JSON readers parse as infinity (``json.loads`` gives ``math.inf``); other
+non-finite numbers are written as null.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -47,10 +53,53 @@ ROUNDS_FILE = "rounds.jsonl"
 SUMMARY_FILE = "summary.json"
 
 
+#: how an infinite epsilon is written: a number that JSON readers parse as infinite
+INFINITE_TEXT = "1e999"
+#: the flag written next to every epsilon: ``<key>_infinite``
+INFINITE_SUFFIX = "_infinite"
+# JSON strings (left alone) or the bare token json.dumps writes for infinity
+_INFINITY_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|-?Infinity')
+
+
+def is_epsilon_key(key: str) -> bool:
+    """Whether ``key`` names an epsilon (``epsilon``, ``max_client_epsilon``, ...)."""
+    return "epsilon" in key.lower() and not key.endswith(INFINITE_SUFFIX)
+
+
+def _epsilon_value(value: Any) -> tuple[Any, Any] | None:
+    """``(value, infinite flag)`` for a number or list of numbers under an epsilon key
+    (+inf kept, NaN and -inf null); None for anything else."""
+    if isinstance(value, (list, tuple)):
+        pairs = [_epsilon_value(v) for v in value]
+        if not value or any(p is None for p in pairs):
+            return None
+        return [p[0] for p in pairs], [p[1] for p in pairs]  # type: ignore[index]
+    if hasattr(value, "item") and callable(value.item):  # numpy scalars
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if value == math.inf:
+        return math.inf, True
+    return (value if math.isfinite(value) else None), False
+
+
 def json_ready(value: Any) -> Any:
-    """Plain JSON types (non-finite floats become null)."""
+    """Plain JSON types: non-finite floats become null, except epsilons.
+
+    Under a key naming an epsilon (:func:`is_epsilon_key`) ``+inf`` is kept (:func:`dumps`
+    writes it as ``1e999``) and the key gains a boolean sibling ``<key>_infinite``
+    (a list of booleans for a list of epsilons), so "no privacy" is never written as null.
+    """
     if isinstance(value, Mapping):
-        return {str(k): json_ready(v) for k, v in value.items()}
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            key = str(key)
+            epsilon = _epsilon_value(item) if is_epsilon_key(key) else None
+            if epsilon is None:
+                out.setdefault(key, json_ready(item))
+            else:
+                out[key], out[key + INFINITE_SUFFIX] = epsilon
+        return out
     if isinstance(value, (list, tuple)):
         return [json_ready(v) for v in value]
     if isinstance(value, float):
@@ -58,6 +107,17 @@ def json_ready(value: Any) -> Any:
     if hasattr(value, "item") and callable(value.item):  # numpy scalars
         return json_ready(value.item())
     return value
+
+
+def dumps(value: Any, **kwargs: Any) -> str:
+    """JSON text of :func:`json_ready` ``(value)``, an infinite epsilon written as ``1e999``
+    (``json.loads`` and every JSON reader that parses doubles read it back as infinity)."""
+    return _INFINITY_TOKEN.sub(_number_text, json.dumps(json_ready(value), **kwargs))
+
+
+def _number_text(match: re.Match[str]) -> str:
+    token = match.group(0)
+    return token if token.startswith('"') else token.replace("Infinity", INFINITE_TEXT)
 
 
 def metrics_dict(record: MetricRecord | None) -> dict[str, Any] | None:
@@ -68,7 +128,8 @@ class RunWriter:
     """Writes ``rounds.jsonl`` line by line and ``summary.json`` at the end.
 
     A new run refuses a directory that already holds results, so nothing
-    written before is ever overwritten. A resumed run (``resume_after``, the
+    written before is ever overwritten (an empty ``rounds.jsonl``, left by a run
+    refused before its first round, is not a result). A resumed run (``resume_after``, the
     round of its checkpoint) keeps the lines up to that round and drops any
     later ones, which the resumed run writes again, identically.
     """
@@ -80,7 +141,8 @@ class RunWriter:
         self.rounds_path = self.out_dir / ROUNDS_FILE
         self.summary_path = self.out_dir / SUMMARY_FILE
         if resume_after is None:
-            if self.rounds_path.exists() or self.summary_path.exists():
+            written = self.rounds_path.is_file() and self.rounds_path.stat().st_size > 0
+            if written or self.summary_path.exists():
                 raise ConfigError(
                     key, str(out_dir), "a new or empty directory (this one already holds results)"
                 )
@@ -89,12 +151,12 @@ class RunWriter:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         else:
             kept = [r for r in read_rounds(self.rounds_path) if r["round"] <= resume_after]
-            text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept)
+            text = "".join(dumps(r, sort_keys=True) + "\n" for r in kept)
             write_atomic(self.rounds_path, text.encode())
         self._rounds = self.rounds_path.open("a", encoding="utf-8")
 
     def write_round(self, record: Mapping[str, Any]) -> None:
-        self._rounds.write(json.dumps(json_ready(record), sort_keys=True) + "\n")
+        self._rounds.write(dumps(record, sort_keys=True) + "\n")
         self._rounds.flush()
 
     def sync(self) -> None:
@@ -103,7 +165,7 @@ class RunWriter:
         os.fsync(self._rounds.fileno())
 
     def write_summary(self, summary: Mapping[str, Any]) -> None:
-        text = json.dumps(json_ready(summary), indent=2, sort_keys=True) + "\n"
+        text = dumps(summary, indent=2, sort_keys=True) + "\n"
         write_atomic(self.summary_path, text.encode())
 
     def close(self) -> None:

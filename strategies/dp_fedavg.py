@@ -92,7 +92,11 @@ from fedsim.engine.reduce import (
     Reducer,
     ReductionError,
     attach_reducer,
+    folded_reply,
+    is_partial,
     partial_reply,
+    refuse,
+    reserved_keys,
     single,
 )
 from fedsim.privacy.accounting import (
@@ -123,9 +127,13 @@ def clip_factor(norm: float, clipping_norm: float) -> float:
 class ClippedSum(Reducer):
     """``sum_i clip(x_i - g, C)`` over raw replies, plus the sums in partial replies.
 
-    A partial reply carries float64 sums and the metrics ``fedsim.clients``
-    (updates folded) and ``fedsim.clipped`` (how many had norm > C). Client
-    metrics are folded as weighted means (weight ``weight_key``).
+    A partial reply (a :class:`~fedsim.engine.reduce.PartialReply`, which only an
+    accumulator makes) carries float64 sums and the metrics ``fedsim.clients``
+    (updates folded) and ``fedsim.clipped`` (how many had norm > C). Every other
+    reply is a client's and is clipped; one that carries a reserved ``fedsim.*``
+    key, or arrays that are not finite and shaped like the global model's, is
+    refused (its node is listed in the fold's ``rejected``). Client metrics are
+    folded as weighted means (weight ``weight_key``).
     """
 
     params = ("clipping_norm", "weight_key")
@@ -148,46 +156,83 @@ class _ClippedSumAccumulator(Accumulator):
         self.total = {k: np.zeros(v.shape, dtype=np.float64) for k, v in self.reference.items()}
         self.clients = 0
         self.clipped = 0
+        self.rejected: list[int] = []
         self.metrics = MetricSums()
-        self.metric_key: str | None = None
+        self.metric_key = "metrics"
         self.template: Message | None = None
 
     def add(self, reply: Message) -> None:
+        if self.template is None:
+            self.template = reply
+        if is_partial(reply):
+            self._add_partial(reply)
+            return
+        checked = self._check_raw(reply)
+        if isinstance(checked, str):
+            refuse(self.rejected, reply, checked)
+            return
+        deltas, metrics, weight = checked
+        norm = float(np.sqrt(sum(float(np.vdot(d, d)) for d in deltas.values())))
+        factor = clip_factor(norm, self.reducer.clipping_norm)
+        for k in self.total:
+            self.total[k] += factor * deltas[k]
+        self.clients += 1
+        self.clipped += int(norm > self.reducer.clipping_norm)
+        self.metrics.add(metrics, weight=weight, skip=(*_BOOKKEEPING, self.reducer.weight_key))
+
+    def _add_partial(self, reply: Message) -> None:
         _, arrays = single(reply.content, ArrayRecord)
-        metric_key, metrics = single(reply.content, MetricRecord)
+        self.metric_key, metrics = single(reply.content, MetricRecord)
         values = to_numpy(arrays)
         if values.keys() != self.total.keys():
-            raise ReductionError("reply arrays do not match the global model's keys")
-        if CLIENTS_KEY in metrics:  # already a clipped partial sum
-            for k in self.total:
-                self.total[k] += values[k]
-            self.clients += int(metrics[CLIENTS_KEY])
-            self.clipped += int(metrics[CLIPPED_KEY])
-        else:
-            deltas = {k: values[k].astype(np.float64) - self.reference[k] for k in self.total}
-            norm = float(np.sqrt(sum(float(np.vdot(d, d)) for d in deltas.values())))
-            factor = clip_factor(norm, self.reducer.clipping_norm)
-            for k in self.total:
-                self.total[k] += factor * deltas[k]
-            self.clients += 1
-            self.clipped += int(norm > self.reducer.clipping_norm)
+            raise ReductionError("partial sum arrays do not match the global model's keys")
+        for k in self.total:
+            self.total[k] += values[k]
+        self.clients += int(metrics[CLIENTS_KEY])
+        self.clipped += int(metrics[CLIPPED_KEY])
+        self.rejected.extend(reply.rejected)
         weight = metrics.get(self.reducer.weight_key, 1)
         self.metrics.add(
             metrics,
             weight=float(weight) if isinstance(weight, (int, float)) else 1.0,
             skip=(*_BOOKKEEPING, self.reducer.weight_key),
         )
-        if self.template is None:
-            self.template, self.metric_key = reply, metric_key
+
+    def _check_raw(self, reply: Message) -> tuple[dict[str, np.ndarray], MetricRecord, float] | str:
+        """A client reply's update ``x_i - g``, metrics and weight, or why it is refused."""
+        reserved = reserved_keys(reply.content)
+        if reserved:
+            return f"it carries keys reserved for the engine: {', '.join(reserved)}"
+        try:
+            _, arrays = single(reply.content, ArrayRecord)
+            _, record = single(reply.content, MetricRecord)
+            values = to_numpy(arrays)
+        except (ReductionError, ValueError, TypeError) as err:
+            return str(err)
+        if values.keys() != self.total.keys():
+            return f"its arrays {sorted(values)} are not the global model's {sorted(self.total)}"
+        for key, value in values.items():
+            expected = self.reference[key].shape
+            if value.shape != expected or value.dtype.kind not in "iuf":
+                return f"array {key!r} is {value.dtype}{list(value.shape)}, not {list(expected)}"
+            if not np.isfinite(value).all():
+                return f"array {key!r} holds NaN or infinite values"
+        weight = record.get(self.reducer.weight_key, 1)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (
+            0 <= weight < math.inf
+        ):
+            return f"its weight {self.reducer.weight_key!r} = {weight!r} is not a number >= 0"
+        deltas = {k: values[k].astype(np.float64) - self.reference[k] for k in self.total}
+        return deltas, record, float(weight)
 
     def result(self) -> Message:
-        if self.template is None or self.metric_key is None:
+        if self.template is None:
             raise ReductionError("nothing to reduce")
         folded = self.metrics.record(self.reducer.weight_key)
         folded[CLIENTS_KEY] = self.clients
         folded[CLIPPED_KEY] = self.clipped
         content = RecordDict({self.global_key: to_record(self.total), self.metric_key: folded})
-        return partial_reply(self.template, content)
+        return folded_reply(self.template, content, self.rejected)
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,8 +435,10 @@ class DPFedAvg(ServerNoise, StrategyWrapper):
         valid = [r for r in replies if not r.has_error()]
         key, global_record = self._global
         reference = to_numpy(global_record)
+        rejected: list[int] = []  # clients whose replies the clipped sum refused
         if valid:
             summed = self.reducer.reduce(RecordDict({key: global_record}), valid)
+            rejected = list(getattr(summed, "rejected", ()))
             total = to_numpy(single(summed.content, ArrayRecord)[1])
             metrics = single(summed.content, MetricRecord)[1]
             clients, clipped = int(metrics[CLIENTS_KEY]), int(metrics[CLIPPED_KEY])
@@ -422,6 +469,7 @@ class DPFedAvg(ServerNoise, StrategyWrapper):
         arrays, aggregated = self.strategy.aggregate_train(server_round, [synthetic])
         aggregated = aggregated if aggregated is not None else MetricRecord()
         aggregated["dp-clients"] = clients
+        aggregated["rejected"] = rejected
         if clients and self.metrics_in_clear:
             aggregated["dp-clipped-fraction"] = clipped / clients
         aggregated["dp-clipping-norm"] = clipping_norm

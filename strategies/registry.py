@@ -285,8 +285,9 @@ def _dp_strategy(
         options,
         "noise_multiplier",
         None,
-        lambda v: v >= 0,
-        "a number >= 0 (noise std / clipping norm)",
+        lambda v: v == 0 or accounting.Z_MIN <= v <= accounting.Z_MAX,
+        f"0 (no noise) or a number in [{accounting.Z_MIN:g}, {accounting.Z_MAX:g}] (noise std / "
+        "clipping norm; below, dp_accounting's epsilon loses its precision)",
     )
     adaptive_on = options.pop("adaptive_clipping", False)
     require(

@@ -1,6 +1,7 @@
 """``fedsim audit RUN_DIR``: membership inference against finished ``fedsim run`` directories."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -78,7 +79,9 @@ def test_audit_of_an_overfit_run_finds_its_members(runs, capsys):
     assert result["clients_trained"] == 4
     assert result["member_mean_loss"] < result["non_member_mean_loss"]
     assert result["auc"] > 0.6 and result["tpr_at_5pct_fpr"] > 0.05
-    assert result["epsilon"] is None and result["epsilon_text"] == "inf"
+    assert math.isinf(result["epsilon"]) and result["epsilon_infinite"] is True
+    written = (run_dir / "audit.json").read_text()
+    assert result["epsilon_text"] == "inf" and '"epsilon": 1e999' in written
     # Members are exactly the training rows: the run's dataset has that many.
     dataset = build_dataset(load_finished_run(run_dir).config.data)
     assert result["member_rows_available"] == len(dataset.train.y)

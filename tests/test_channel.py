@@ -1,14 +1,24 @@
-"""The direct driver-worker channel: batches in order, errors, loss, authentication."""
+"""The direct driver-worker channel: batches in order, errors, loss, authentication.
+
+The adversarial cases (impostors, squatters, tampered frames) are in
+tests/attacks/test_worker_channel.py."""
 
 import socket
 import threading
 import time
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
 import pytest
 
-from fedsim.engine.channel import ChannelLost, DriverChannel, WorkerChannel, new_key, wait_any
+from fedsim.engine.channel import (
+    ChannelAuthError,
+    ChannelLost,
+    DriverChannel,
+    WorkerChannel,
+    driver_handshake,
+    new_key,
+    wait_any,
+    worker_handshake,
+)
 
 
 class EchoWorker:
@@ -47,9 +57,8 @@ def test_a_closed_worker_loses_pending_batches():
 
     def accept_then_die():
         sock, _ = listener.accept()
-        conn = Connection(sock.detach())
-        deliver_challenge(conn, key)
-        conn.recv_bytes()
+        conn = worker_handshake(sock, key, 5.0)
+        conn.recv()
         conn.close()  # the worker process died mid-batch
 
     threading.Thread(target=accept_then_die, daemon=True).start()
@@ -65,11 +74,23 @@ def test_strangers_cannot_send_batches():
     key = new_key()
     server = WorkerChannel(EchoWorker(), "127.0.0.1", key)
     sock = socket.create_connection(server.address)
-    conn = Connection(sock.detach())
-    with pytest.raises(AuthenticationError):
-        answer_challenge(conn, b"not the key")
+    with pytest.raises(ChannelAuthError):
+        driver_handshake(sock, new_key(), 5.0)  # the worker refuses, so its proof is missing
+    sock.close()
     # and the worker still serves its own driver afterwards
     channel = DriverChannel(0, server.address, key)
     future = channel.send("ok")
     finish(channel, [future])
     assert future.value() == ("done", "ok")
+
+
+def test_large_batches_travel_intact():
+    import numpy as np
+
+    channel, _ = open_pair()
+    batches = [np.arange(n, dtype=np.float64) for n in (1, 9_000, 600_000)]  # up to 4.8 MB
+    futures = [channel.send(("array", b)) for b in batches]
+    finish(channel, futures, timeout=30.0)
+    for batch, future in zip(batches, futures):
+        tag, (_, echoed) = future.value()
+        assert tag == "done" and np.array_equal(echoed, batch)

@@ -8,7 +8,7 @@ import pytest
 
 from fedsim.config import ConfigError
 from fedsim.engine.grid import PhaseReport
-from fedsim.results import RoundRecorder, RunWriter, json_ready
+from fedsim.results import RoundRecorder, RunWriter, json_ready, read_rounds
 
 
 def report(phase, kind, server_round, clients=4):
@@ -77,3 +77,40 @@ def test_writer_appends_lines_and_refuses_old_results(tmp_path):
 
 def test_json_ready_handles_numpy_and_non_finite():
     assert json_ready({"a": (np.int64(3), math.inf)}) == {"a": [3, None]}
+
+
+def test_an_infinite_epsilon_is_written_as_1e999_with_its_flag_and_read_back_as_inf(tmp_path):
+    writer = RunWriter(tmp_path / "run")
+    writer.write_round({"round": 1, "privacy": {"epsilon": math.inf, "delta": 1e-5}})
+    writer.write_round({"round": 2, "privacy": {"epsilon": 2.5}, "note": "Infinity"})
+    writer.write_summary({"privacy": {"epsilon": math.inf}, "max_client_epsilon": math.inf})
+    writer.close()
+    text = (tmp_path / "run" / "rounds.jsonl").read_text()
+    assert '"epsilon": 1e999' in text and "null" not in text and "Infinity," not in text
+    first, second = read_rounds(tmp_path / "run" / "rounds.jsonl")
+    assert first["privacy"]["epsilon"] == math.inf and first["privacy"]["epsilon_infinite"] is True
+    assert second["privacy"] == {"epsilon": 2.5, "epsilon_infinite": False}
+    assert second["note"] == "Infinity"  # a string is left alone
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["privacy"]["epsilon"] == math.inf and summary["privacy"]["epsilon_infinite"]
+    assert summary["max_client_epsilon"] == math.inf and summary["max_client_epsilon_infinite"]
+    # a resumed run rewrites the kept lines the same way
+    RunWriter(tmp_path / "run", "--resume", resume_after=2).close()
+    assert (tmp_path / "run" / "rounds.jsonl").read_text() == text
+
+
+def test_a_dp_run_without_noise_reports_epsilon_infinite(tmp_path):
+    from fedsim.cli import main
+
+    config = tmp_path / "z0.toml"
+    config.write_text(
+        'rounds = 1\n[data]\nsource = "digits"\npartition = "iid"\nnum_clients = 6\n'
+        '[model]\nkind = "logreg"\n[strategy]\nname = "dp-fedavg"\nclients_per_round = 3\n'
+        "[strategy.options]\nclipping_norm = 1.0\nnoise_multiplier = 0.0\n"
+        '[engine]\nbackend = "local"\n'
+    )
+    assert main(["run", str(config), "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+    last = read_rounds(tmp_path / "out" / "rounds.jsonl")[-1]
+    assert last["privacy"]["epsilon"] == math.inf and last["privacy"]["epsilon_infinite"] is True
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["privacy"]["epsilon"] == math.inf and summary["privacy"]["epsilon_infinite"]

@@ -5,6 +5,9 @@ partition-id + 1``, counts its calls in ``context.state``, fails for the
 partitions listed in ``run_config["fail"]`` (space-separated), sleeps
 ``slow-seconds`` for ``slow-partition`` and, once per file named by
 ``run_config["crash-file"]``, kills its worker process at ``crash-partition``.
+Hostile clients: ``spoof-partition`` sends a 1e6-times larger update whose metrics
+pose as a worker's partial sum (``fedsim.clients``); ``forge-partition`` returns
+the engine's own :class:`~fedsim.engine.reduce.PartialReply` type.
 evaluate: replies the sum of the arrays as a metric.
 query: replies the first draw of the client's own secret stream (round 0, noise), to check
 which secret the runtime gave it.
@@ -21,6 +24,7 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedsim.randomness import Purpose, client_secret
+from fedsim.engine.reduce import folded_reply
 from fedsim.records import to_numpy, to_record
 
 app = ClientApp()
@@ -49,9 +53,17 @@ def train(message: Message, context: Context) -> Message:
     step = float(message.content["config"].get("step", 1.0))
     if context.run_config.get("mutate"):  # a careless client edits its instruction
         message.content["config"]["step"] = 100.0
+    spoof = pid == int(context.run_config.get("spoof-partition", -1))
+    step *= 1e6 if spoof else 1.0
     new = {k: (v + (pid + 1) * step).astype(v.dtype) for k, v in arrays.items()}
     metrics = MetricRecord({"num-examples": pid + 1, "calls": counter["n"], "pid": pid})
-    return Message(RecordDict({"arrays": to_record(new), "metrics": metrics}), reply_to=message)
+    if spoof:
+        metrics["fedsim.clients"], metrics["fedsim.clipped"] = 0, 0
+    content = RecordDict({"arrays": to_record(new), "metrics": metrics})
+    reply = Message(content, reply_to=message)
+    if pid == int(context.run_config.get("forge-partition", -1)):
+        return folded_reply(reply, content)
+    return reply
 
 
 @app.evaluate()

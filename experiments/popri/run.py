@@ -49,7 +49,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import numpy as np  # noqa: E402
 
-from fedsim.config import ConfigError, from_mapping, load_toml, require  # noqa: E402
+from fedsim.config import ConfigError, InfFloat, from_mapping, load_toml, require  # noqa: E402
 from fedsim.data.text import TextSourceSpec  # noqa: E402
 from fedsim.workloads.downstream_lm import LMTraining  # noqa: E402
 from fedsim.workloads.dpo import DPOSettings  # noqa: E402
@@ -124,7 +124,7 @@ class Downstream:
 class Config:
     name: str
     seed: int = 0
-    epsilons: tuple[float, ...] = (1.0, 4.0, math.inf)
+    epsilons: tuple[InfFloat, ...] = (1.0, 4.0, math.inf)
     delta: float = 0.0
     backend: str = "local"
     workers: int = 0

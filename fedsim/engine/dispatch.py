@@ -32,11 +32,7 @@ def batch_sizes(num_messages: int, num_workers: int) -> list[int]:
     sizes: list[int] = []
     remaining = num_messages
     while remaining > 0:
-        import os as _os
-
-        size = max(
-            1, math.ceil(remaining / (float(_os.environ.get("FEDSIM_GSS", "2")) * num_workers))
-        )
+        size = max(1, math.ceil(remaining / (2 * num_workers)))
         sizes.append(size)
         remaining -= size
     return sizes

@@ -4,16 +4,23 @@ Used twice: each worker adds the metrics of the replies it produced (weighted by
 ``num-examples``) so run records show client-weighted means whether or not
 replies were folded on the workers; and reducers fold metrics the way Flower's
 ``aggregate_metricrecords`` does (scalars and lists, weighted means).
+
+A metric whose values disagree in shape between replies (a list of 3 where
+others sent 2) cannot be averaged: it is left out of the means from then on
+(``conflicts``, logged once) rather than failing the fold for everyone.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
 from flwr.app import MetricRecord
 
 WEIGHT_KEY = "num-examples"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -23,6 +30,24 @@ class MetricSums:
     weighted: dict[str, float | np.ndarray] = field(default_factory=dict)
     weights: dict[str, float] = field(default_factory=dict)
     total: float = 0.0
+    conflicts: set[str] = field(default_factory=set)
+
+    def _accumulate(self, key: str, term: float | np.ndarray, weight: float) -> None:
+        if key in self.conflicts:
+            return
+        previous = self.weighted.get(key)
+        if previous is not None and np.shape(previous) != np.shape(term):
+            log.warning(
+                "metric %r has shape %s in one reply and %s in another; it is left out",
+                key,
+                np.shape(term),
+                np.shape(previous),
+            )
+            self.conflicts.add(key)
+            del self.weighted[key], self.weights[key]
+            return
+        self.weighted[key] = term if previous is None else previous + term
+        self.weights[key] = self.weights.get(key, 0.0) + weight
 
     def add(
         self, record: MetricRecord, weight: float | None = None, skip: tuple[str, ...] = ()
@@ -38,16 +63,16 @@ class MetricSums:
             term = weight * (
                 np.asarray(value, dtype=np.float64) if isinstance(value, list) else float(value)
             )
-            previous = self.weighted.get(key)
-            self.weighted[key] = term if previous is None else previous + term
-            self.weights[key] = self.weights.get(key, 0.0) + weight
+            self._accumulate(key, term, weight)
 
     def merge(self, other: MetricSums) -> None:
         self.total += other.total
+        for key in other.conflicts - self.conflicts:
+            self.conflicts.add(key)
+            self.weighted.pop(key, None)
+            self.weights.pop(key, None)
         for key, value in other.weighted.items():
-            previous = self.weighted.get(key)
-            self.weighted[key] = value if previous is None else previous + value
-            self.weights[key] = self.weights.get(key, 0.0) + other.weights[key]
+            self._accumulate(key, value, other.weights[key])
 
     def means(self) -> dict[str, float | list[float]]:
         """Weighted mean of each metric (keys with zero total weight are left out)."""

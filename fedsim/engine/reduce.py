@@ -22,11 +22,20 @@ weighted mean of its clients' arrays and metrics, with the weight key set to the
 sum of their weights, so FedAvg's own ``aggregate_train`` over partial replies
 gives the same result as over raw ones. :class:`WorkerReduced` opts any such
 strategy in without changing it.
+
+Partial sums that skip a per-client step (clipping, counting) are trusted only
+as :class:`PartialReply` objects, which only an accumulator makes: a client's
+reply is a plain Flower ``Message`` whatever its content says (Flower's runtime
+delivers nothing else, and the worker refuses a ClientApp that returns a
+PartialReply), so no client can pass its update off as an already-clipped sum.
+Keys under ``fedsim.`` are reserved for the engine's own bookkeeping; a raw
+reply that carries one is refused (:func:`reserved_keys`).
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from copy import copy
@@ -43,6 +52,10 @@ from strategies.wrapper import StrategyWrapper
 
 REDUCER_KEY = "fedsim.reducer"
 _CLASS_KEY = "class"
+#: names and keys starting with this are the engine's; a client reply carrying one is refused
+RESERVED_PREFIX = "fedsim."
+
+log = logging.getLogger(__name__)
 
 
 class ReductionError(ValueError):
@@ -126,6 +139,46 @@ def attach_reducer(messages: Iterable[Message], reducer: Reducer) -> list[Messag
 def partial_reply(template: Message, content: RecordDict) -> Message:
     """A reply carrying ``content`` with the metadata of reply ``template``."""
     return Message(content=content, metadata=copy(template.metadata))
+
+
+class PartialReply(Message):
+    """A fold of client replies, made by an :class:`Accumulator` (:func:`folded_reply`).
+
+    ``rejected`` holds the node ids of the raw replies the fold refused, in the
+    order met. Reducers take the partial-sum path for this type only.
+    """
+
+    rejected: tuple[int, ...] = ()
+
+
+def folded_reply(
+    template: Message, content: RecordDict, rejected: Iterable[int] = ()
+) -> PartialReply:
+    """A :class:`PartialReply` carrying ``content``, with the metadata of ``template``."""
+    reply = PartialReply(content=content, metadata=copy(template.metadata))
+    reply.rejected = tuple(int(node) for node in rejected)
+    return reply
+
+
+def is_partial(reply: Message) -> bool:
+    """Whether ``reply`` is an accumulator's fold (never true of a client's reply)."""
+    return isinstance(reply, PartialReply)
+
+
+def reserved_keys(content: RecordDict) -> list[str]:
+    """Record names, and keys of metric and config records, under :data:`RESERVED_PREFIX`."""
+    found = [name for name in content if name.startswith(RESERVED_PREFIX)]
+    for name, record in content.items():
+        if isinstance(record, (MetricRecord, ConfigRecord)):
+            found += [f"{name}.{k}" for k in record if k.startswith(RESERVED_PREFIX)]
+    return found
+
+
+def refuse(rejected: list[int], reply: Message, reason: str) -> None:
+    """Drop a raw ``reply`` from a fold: name its node in ``rejected`` and log why."""
+    node = int(reply.metadata.src_node_id)
+    rejected.append(node)
+    log.warning("reply of node %d refused: %s", node, reason)
 
 
 def single(content: RecordDict, kind: type[R]) -> tuple[str, R]:

@@ -12,6 +12,13 @@ A strategy may end the run early by defining ``should_stop(server_round) -> bool
 before each round, and a True ends the loop before that round's first message.
 Such a strategy should also send nothing from ``configure_train`` for that
 round, so that Flower's own ``Strategy.start`` stops spending on it too.
+
+Two outcomes stop the run (:class:`RunStopped`) before the round is reported, so
+it is neither recorded nor checkpointed, because every later round would be
+garbage: aggregated arrays with NaN or infinite values (:class:`NonFiniteModel`,
+training diverged), and a training phase in which the ClientApp raised for every
+client that ran (:class:`EveryClientFailed`; crashed workers, dropouts and late
+replies do not count, they are faults a run is meant to survive).
 """
 
 from __future__ import annotations
@@ -19,11 +26,61 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedsim.engine.participation import EVALUATE, TRAIN
+from fedsim.records import to_numpy
+
+
+class RunStopped(RuntimeError):
+    """A round whose outcome makes the rest of the run meaningless."""
+
+
+class EveryClientFailed(RunStopped):
+    """The ClientApp raised for every client of a training phase."""
+
+    def __init__(self, server_round: int, count: int, reason: str) -> None:
+        self.server_round, self.count = server_round, count
+        first = reason.strip().splitlines()[0] if reason.strip() else "no reason given"
+        super().__init__(
+            f"round {server_round}: the ClientApp raised for all {count} clients that trained "
+            f"(the first: {first}); the run stopped"
+        )
+
+
+def check_replies(server_round: int, replies: list[Message]) -> None:
+    """Raise :class:`EveryClientFailed` if every reply is a ClientApp exception."""
+    if replies and all(
+        r.has_error() and r.error.code == ErrorCode.CLIENT_APP_RAISED_EXCEPTION for r in replies
+    ):
+        raise EveryClientFailed(server_round, len(replies), replies[0].error.reason)
+
+
+class NonFiniteModel(RunStopped):
+    """The strategy returned arrays with NaN or infinite values (training diverged)."""
+
+    def __init__(self, server_round: int, arrays: list[str]) -> None:
+        self.server_round, self.arrays = server_round, arrays
+        super().__init__(
+            f"round {server_round}: the aggregated model has NaN or infinite values in "
+            f"{', '.join(map(repr, arrays))}; the run stopped (training diverged: a step "
+            "size such as the learning rate is likely too large)"
+        )
+
+
+def check_finite(server_round: int, arrays: ArrayRecord) -> None:
+    """Raise :class:`NonFiniteModel` if a floating array of ``arrays`` is not finite."""
+    bad = [
+        key
+        for key, value in to_numpy(arrays).items()
+        if value.dtype.kind in "fc" and not np.isfinite(value).all()
+    ]
+    if bad:
+        raise NonFiniteModel(server_round, bad)
 
 
 @dataclass(frozen=True)
@@ -74,11 +131,16 @@ def run_rounds(
             break
         if declare is not None:
             declare(server_round, TRAIN)
-        replies = grid.send_and_receive(
-            strategy.configure_train(server_round, arrays, train_config, grid), timeout=timeout
+        replies = list(
+            grid.send_and_receive(
+                strategy.configure_train(server_round, arrays, train_config, grid),
+                timeout=timeout,
+            )
         )
+        check_replies(server_round, replies)
         new_arrays, train_metrics = strategy.aggregate_train(server_round, replies)
         if new_arrays is not None:
+            check_finite(server_round, new_arrays)
             arrays = new_arrays
         if declare is not None:
             declare(server_round, EVALUATE)

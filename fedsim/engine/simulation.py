@@ -37,6 +37,11 @@ from fedsim.randomness import NODE_SECRET_KEY, RunSecret
 log = logging.getLogger(__name__)
 
 
+#: the most a worker (one process on one machine) can use
+MAX_CPUS_PER_WORKER = 4096
+MAX_GPUS_PER_WORKER = 64
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """How to run clients.
@@ -71,13 +76,16 @@ class EngineConfig:
             self.workers >= 0, "engine.workers", self.workers, "an integer >= 0 (0: one per CPU)"
         )
         require(
-            self.cpus_per_worker > 0, "engine.cpus_per_worker", self.cpus_per_worker, "a number > 0"
+            0 < self.cpus_per_worker <= MAX_CPUS_PER_WORKER,
+            "engine.cpus_per_worker",
+            self.cpus_per_worker,
+            f"a number in (0, {MAX_CPUS_PER_WORKER}] (cores of one machine)",
         )
         require(
-            self.gpus_per_worker >= 0,
+            0 <= self.gpus_per_worker <= MAX_GPUS_PER_WORKER,
             "engine.gpus_per_worker",
             self.gpus_per_worker,
-            "a number >= 0",
+            f"a number in [0, {MAX_GPUS_PER_WORKER}] (GPUs of one machine)",
         )
         require(
             self.num_cpus >= 0, "engine.num_cpus", self.num_cpus, "an integer >= 0 (0: all CPUs)"

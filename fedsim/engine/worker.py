@@ -30,7 +30,7 @@ from flwr.supercore.object_ref import load_app
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedsim.engine.metrics import MetricSums
-from fedsim.engine.reduce import Reducer, ReductionError
+from fedsim.engine.reduce import Reducer, ReductionError, is_partial
 from fedsim.engine.registry import NODE_ID_OFFSET
 from fedsim.randomness import NODE_SECRET_KEY, RunSecret
 from fedsim.records import content_nbytes, records_of
@@ -223,8 +223,8 @@ class ClientWorker:
 
     def open_channel(self, key: bytes, host: str | None = None) -> tuple[str, int]:
         """Also serve batches on a socket (:mod:`fedsim.engine.channel`) at
-        ``host`` (default: this Ray node's address) to whoever knows ``key``;
-        returns the address."""
+        ``host`` (default: this Ray node's address) to a driver that proves it
+        holds ``key`` (and to which this worker proves the same); returns the address."""
         from fedsim.engine.channel import WorkerChannel  # noqa: PLC0415
 
         if host is None:
@@ -317,8 +317,10 @@ class ClientWorker:
             start = time.perf_counter()
             try:
                 reply = app(message, context)
-                if not isinstance(reply, Message):
-                    raise TypeError(f"the ClientApp returned {type(reply).__name__}, not a Message")
+                if not isinstance(reply, Message) or is_partial(reply):
+                    raise TypeError(
+                        f"the ClientApp returned a {type(reply).__name__}, not a flwr Message"
+                    )
             except Exception as ex:  # a client's failure is its reply, as in Flower
                 if run.raise_errors:
                     raise

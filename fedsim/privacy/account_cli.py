@@ -187,12 +187,35 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------------------------
 
 
-def _check_noise(z: Any) -> float:
+#: the smallest noise multiplier the PLD accountant is asked about: its grid grows as 1/z^2
+#: (z = 0.05 over 1000 Poisson rounds takes minutes and over 4 GB)
+PLD_MIN_NOISE = 0.1
+
+
+def _check_noise(z: Any, accountant: str) -> float:
+    """A noise multiplier the accountant handles soundly, else a ConfigError.
+
+    The range is the one noise calibration searches, ``[Z_MIN, Z_MAX]``: below ``Z_MIN``
+    epsilon exceeds 1e5 per round and dp_accounting's RDP bound loses its precision (it
+    reports epsilon = 0 for Poisson sampling at z = 1e-154 and divides by zero at 1e-300),
+    so the command refuses rather than print a meaningless or optimistic number. ``z = 0``
+    (no noise, epsilon infinite) is what a run reports; here it is refused too."""
     require(
-        isinstance(z, (int, float)) and math.isfinite(z) and z > 0,
+        isinstance(z, (int, float))
+        and not isinstance(z, bool)
+        and math.isfinite(z)
+        and acc.Z_MIN <= z <= acc.Z_MAX,
         "--noise-multiplier",
         z,
-        "a finite number > 0 (noise std / clipping norm)",
+        f"a number in [{acc.Z_MIN:g}, {acc.Z_MAX:g}] (noise std / clipping norm; below "
+        f"{acc.Z_MIN:g} epsilon exceeds 1e5 and dp_accounting's bound loses its precision)",
+    )
+    require(
+        accountant != "pld" or z >= PLD_MIN_NOISE,
+        "--noise-multiplier",
+        z,
+        f"a number >= {PLD_MIN_NOISE:g} with --accountant pld (its grid grows as 1/z^2; "
+        "--accountant rdp takes smaller ones)",
     )
     return float(z)
 
@@ -304,7 +327,7 @@ def _sgd_setting(
 
 def _epsilon(args: argparse.Namespace) -> dict[str, Any]:
     delta, accountant = _check_common(args)
-    z = _check_noise(args.noise_multiplier)
+    z = _check_noise(args.noise_multiplier, accountant)
     if args.mechanism == "dp-fedavg":
         sampling, relation, echo = _fedavg_setting(args, args.sampling_rate)
         rounds, flags = args.rounds, _FEDAVG_FLAGS
@@ -340,6 +363,15 @@ def _calibrate(args: argparse.Namespace) -> dict[str, Any]:
         sampling, rounds, echo = _sgd_setting(args, args.batch_size)
         relation, flags = acc.NeighbouringRelation.ADD_REMOVE, _SGD_FLAGS
     with _flags(flags):
+        if accountant == "pld":  # PLD's answer lies below RDP's: refuse before PLD sees tiny z
+            z_rdp = _rdp_calibration(float(target), delta, sampling, rounds, relation)
+            require(
+                z_rdp is None or z_rdp >= PLD_MIN_NOISE,
+                "--target-epsilon",
+                target,
+                f"a target that needs a noise multiplier >= {PLD_MIN_NOISE:g} with --accountant "
+                f"pld (rdp calibrates it to {z_rdp:.4g}; use --accountant rdp)",
+            )
         z = acc.calibrate_noise(float(target), delta, sampling, rounds, accountant, relation)
         eps = acc.epsilon(z, sampling, rounds, delta, accountant, relation)
     return {
@@ -354,6 +386,22 @@ def _calibrate(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _rdp_calibration(
+    target: float,
+    delta: float,
+    sampling: acc.Sampling,
+    rounds: int,
+    relation: acc.NeighbouringRelation,
+) -> float | None:
+    """The RDP calibration of the setting, or None where RDP does not account it."""
+    try:
+        return acc.calibrate_noise(target, delta, sampling, rounds, "rdp", relation)
+    except ConfigError as err:
+        if err.key == "target_epsilon":
+            raise  # out of range for RDP: out of range for PLD too
+        return None
+
+
 def _matrix(args: argparse.Namespace) -> dict[str, Any]:
     """The whole run is one Gaussian mechanism: fresh noise std ``z c sens(C)`` on ``C X``, so
     epsilon after all n rounds is the Gaussian's with ``z``; after T rounds the rows released
@@ -366,7 +414,7 @@ def _matrix(args: argparse.Namespace) -> dict[str, Any]:
     from fedsim.privacy.matrix.sensitivity import Participation  # noqa: PLC0415
 
     delta, accountant = _check_common(args)
-    z = _check_noise(args.noise_multiplier)
+    z = _check_noise(args.noise_multiplier, accountant)
     path = Path(args.factorization)
     require(path.is_file(), "--factorization", args.factorization, "an existing .npz file")
     try:
@@ -449,7 +497,7 @@ def _sweep(args: argparse.Namespace) -> dict[str, Any]:
     )
     plot = Path(args.plot)
     require(plot.suffix.lower() == ".png", "--plot", args.plot, "a path ending in .png")
-    zs = [_check_noise(z) for z in args.noise_multiplier]
+    zs = [_check_noise(z, accountant) for z in args.noise_multiplier]
     curves: list[dict[str, Any]] = []
     if args.mechanism == "dp-fedavg":
         require(args.rounds >= 1, "--rounds", args.rounds, "an integer >= 1 to sweep")

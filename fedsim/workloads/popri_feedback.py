@@ -35,7 +35,16 @@ from flwr.clientapp import ClientApp
 from fedsim.config import require
 from fedsim.data.text import TextSourceSpec, cached_text_federation
 from fedsim.engine.metrics import MetricSums
-from fedsim.engine.reduce import Accumulator, Reducer, ReductionError, partial_reply, single
+from fedsim.engine.reduce import (
+    Accumulator,
+    Reducer,
+    ReductionError,
+    folded_reply,
+    is_partial,
+    refuse,
+    reserved_keys,
+    single,
+)
 from fedsim.records import to_numpy, to_record
 
 CANDIDATES_KEY = "candidates"
@@ -191,7 +200,10 @@ def make_feedback_app(text: TextSourceSpec, embedder: EmbedderSpec) -> ClientApp
 
 class ClippedScoreSum(Reducer):
     """``sum_i clip(v_i, 1)`` over raw replies plus the sums carried by partial replies
-    (metric ``fedsim.clients`` counts the clients folded). Client metrics are averaged."""
+    (:class:`~fedsim.engine.reduce.PartialReply`, whose metric ``fedsim.clients`` counts
+    the clients folded). A raw reply with a reserved ``fedsim.*`` key, or scores that are
+    not ``size`` numbers, is refused (listed in the fold's ``rejected``); non-finite
+    entries count as 0 (:func:`clip_l2`). Client metrics are averaged."""
 
     params = ()
 
@@ -207,27 +219,45 @@ class _ScoreSumAccumulator(Accumulator):
         self.size = int(to_numpy(candidates)[EMBEDDINGS_ARRAY].shape[0])
         self.total = np.zeros(self.size, dtype=np.float64)
         self.clients = 0
+        self.rejected: list[int] = []
         self.metrics = MetricSums()
         self.template: Message | None = None
 
     def add(self, reply: Message) -> None:
-        record = reply.content.get(SCORES_KEY)
-        if not isinstance(record, ArrayRecord) or SCORES_ARRAY not in record:
-            raise ReductionError(f"reply has no {SCORES_KEY!r} array")
-        scores = to_numpy(record)[SCORES_ARRAY]
-        if scores.shape != (self.size,):
-            raise ReductionError(f"scores have shape {scores.shape}, expected ({self.size},)")
-        _, metrics = single(reply.content, MetricRecord)
-        if CLIENTS_KEY in metrics:  # already a clipped partial sum
-            self.total += scores
+        if self.template is None:
+            self.template = reply
+        if is_partial(reply):  # already a clipped partial sum
+            self.total += to_numpy(reply.content[SCORES_KEY])[SCORES_ARRAY]
+            _, metrics = single(reply.content, MetricRecord)
             folded = int(metrics[CLIENTS_KEY])
+            self.rejected.extend(reply.rejected)
         else:
+            checked = self._check_raw(reply)
+            if isinstance(checked, str):
+                refuse(self.rejected, reply, checked)
+                return
+            scores, metrics = checked
             self.total += clip_l2(scores, 1.0)
             folded = 1
         self.clients += folded
         self.metrics.add(metrics, weight=float(folded), skip=(CLIENTS_KEY,))
-        if self.template is None:
-            self.template = reply
+
+    def _check_raw(self, reply: Message) -> tuple[np.ndarray, MetricRecord] | str:
+        """A client's feedback vector and metrics, or why the reply is refused."""
+        reserved = reserved_keys(reply.content)
+        if reserved:
+            return f"it carries keys reserved for the engine: {', '.join(reserved)}"
+        record = reply.content.get(SCORES_KEY)
+        if not isinstance(record, ArrayRecord) or SCORES_ARRAY not in record:
+            return f"it has no {SCORES_KEY!r} array"
+        try:
+            scores = to_numpy(record)[SCORES_ARRAY]
+            _, metrics = single(reply.content, MetricRecord)
+        except (ReductionError, ValueError, TypeError) as err:
+            return str(err)
+        if scores.shape != (self.size,) or scores.dtype.kind not in "iuf":
+            return f"scores are {scores.dtype}{list(scores.shape)}, expected {self.size} numbers"
+        return scores, metrics
 
     def result(self) -> Message:
         if self.template is None:
@@ -236,7 +266,7 @@ class _ScoreSumAccumulator(Accumulator):
         folded.pop("fedsim.weight", None)
         folded[CLIENTS_KEY] = self.clients
         content = RecordDict({SCORES_KEY: to_record({SCORES_ARRAY: self.total}), "metrics": folded})
-        return partial_reply(self.template, content)
+        return folded_reply(self.template, content, self.rejected)
 
 
 def summed_scores(instruction: RecordDict, replies: list[Message]) -> tuple[np.ndarray, int]:

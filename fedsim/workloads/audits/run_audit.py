@@ -270,11 +270,11 @@ def _run_facts(rows: _AuditRows) -> dict[str, Any]:
     """The keys every audit result shares: the run, its members and its epsilon."""
     run = rows.run
     privacy = run.summary.get("privacy") or {}
-    epsilon = privacy.get("epsilon")
+    epsilon = privacy.get("epsilon")  # results files write an unbounded epsilon as 1e999 (inf)
     if epsilon is None and privacy.get("rounds_accounted"):
-        epsilon = math.inf  # results files write an unbounded epsilon (no noise) as null
+        epsilon = math.inf  # files written before that wrote it as null
     finite = epsilon is not None and math.isfinite(epsilon)
-    return {
+    return _json_ready({
         "run_dir": str(run.path),
         "members": int(len(rows.y_in)),
         "non_members": int(len(rows.y_out)),
@@ -285,12 +285,12 @@ def _run_facts(rows: _AuditRows) -> dict[str, Any]:
         "non_member_mean_loss": float(rows.loss_out.mean()),
         "rounds": rows.rounds,
         "strategy": run.config.strategy.name,
-        # JSON has no infinity: a DP run without noise reports epsilon null, "inf" here.
-        "epsilon": float(epsilon) if finite else None,
+        # a DP run without noise: epsilon inf (audit.json writes 1e999 and epsilon_infinite)
+        "epsilon": None if epsilon is None else float(epsilon),
         "epsilon_text": None if epsilon is None else (f"{epsilon:.6g}" if finite else "inf"),
         "delta": privacy.get("delta"),
         "max_client_epsilon": run.summary.get("max_client_epsilon"),
-    }
+    })
 
 
 def _membership_inference(rows: _AuditRows, attack: str) -> dict[str, Any]:
@@ -396,7 +396,7 @@ def run_configured_audit(run_dir: str | Path, audit: AuditConfig) -> dict[str, A
     rows = _audit_rows(run_dir, audit.members or None, audit.seed, "audit.members")
     results = {a: _attack_result(rows, a, 10, "audit.members") for a in audit.attacks}
     path = Path(run_dir) / AUDIT_FILE
-    path.write_text(json.dumps({"attacks": results}, indent=2, sort_keys=True))
+    path.write_text(_dumps({"attacks": results}, indent=2, sort_keys=True))
     short: dict[str, Any] = {"file": AUDIT_FILE, "members": int(len(rows.y_in))}
     for name, result in results.items():
         if name == DATASET_INFERENCE:
@@ -413,8 +413,22 @@ def write_audit(result: dict[str, Any], out: str | Path | None = None) -> Path:
     """Write ``result`` as JSON to ``out`` (default ``RUN_DIR/audit.json``); returns the path."""
     path = Path(out) if out is not None else Path(result["run_dir"]) / AUDIT_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2, sort_keys=True))
+    path.write_text(_dumps(result, indent=2, sort_keys=True))
     return path
+
+
+def _dumps(value: Any, **kwargs: Any) -> str:
+    """JSON as results files write it (an infinite epsilon as 1e999, :mod:`fedsim.results`)."""
+    from fedsim.results import dumps  # noqa: PLC0415  (the run front end)
+
+    return dumps(value, **kwargs)
+
+
+def _json_ready(facts: dict[str, Any]) -> dict[str, Any]:
+    """``facts`` as audit.json holds them (each epsilon with its ``*_infinite`` flag)."""
+    from fedsim.results import json_ready  # noqa: PLC0415  (the run front end)
+
+    return json_ready(facts)
 
 
 def format_audit(result: dict[str, Any]) -> str:
