@@ -338,9 +338,10 @@ class MatrixMechanism(ServerNoise, StrategyWrapper):
             total = to_numpy(single(summed.content, ArrayRecord)[1])
             metrics = single(summed.content, MetricRecord)[1]
             clients, clipped = int(metrics[CLIENTS_KEY]), int(metrics[CLIPPED_KEY])
+            rejected = list(getattr(summed, "rejected", ()))  # replies the clipped sum refused
         else:  # nobody replied: the round still releases its noise
             total = {k: np.zeros(v.shape, dtype=np.float64) for k, v in reference.items()}
-            metrics, clients, clipped = MetricRecord(), 0, 0
+            metrics, clients, clipped, rejected = MetricRecord(), 0, 0, []
         noise = self._noise(server_round, reference)
         if self.momentum_buffer is None:
             self.momentum_buffer = {
@@ -362,6 +363,7 @@ class MatrixMechanism(ServerNoise, StrategyWrapper):
             }
         )
         aggregated["dp-clients"] = clients
+        aggregated["rejected"] = rejected
         if clients and self.metrics_in_clear:
             aggregated["dp-clipped-fraction"] = clipped / clients
         aggregated["dp-clipping-norm"] = self.clipping_norm

@@ -14,6 +14,8 @@ from fedsim.privacy.accounting import (
     NeighbouringRelation,
     PoissonSampling,
     PrivacyLedger,
+    Z_MAX,
+    Z_MIN,
     adaptive_clipping_round_event,
     calibrate_noise,
     effective_noise_multiplier,
@@ -390,3 +392,13 @@ def test_epsilon_curve_checks_its_rounds():
         with pytest.raises(ConfigError) as err:
             epsilon_curve(1.0, POISSON, rounds, DELTA)
         assert err.value.key == key
+
+
+@pytest.mark.parametrize("z", [1e-300, 1e-154, 1e-3, Z_MIN / 2, Z_MAX * 2])
+def test_noise_multipliers_dp_accounting_cannot_bound_are_refused_not_reported_as_small_epsilon(z):
+    # dp_accounting returns epsilon 0.0 for z = 1e-154 (and divides by zero at 1e-300): such
+    # a noise multiplier must be refused, never accounted optimistically
+    with pytest.raises(ConfigError, match="noise_multiplier"):
+        epsilon(z, POISSON, 10, DELTA)
+    assert epsilon(Z_MIN, POISSON, 10, DELTA) > 100
+    assert epsilon(0.0, POISSON, 10, DELTA) == math.inf

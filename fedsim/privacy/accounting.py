@@ -195,11 +195,17 @@ _SAMPLINGS = (PoissonSampling, FixedSizeSampling, FullParticipation, MinSeparati
 
 
 def _check_noise_multiplier(value: Any, key: str = "noise_multiplier") -> float:
+    """0 (no noise: epsilon is infinite) or a number in [Z_MIN, Z_MAX]: below Z_MIN epsilon
+    exceeds 1e5 and dp_accounting's RDP bound loses its precision (it reports 0 for
+    z = 1e-154), so a smaller noise multiplier would be accounted optimistically."""
     require(
-        _is_number(value) and math.isfinite(value) and value >= 0,
+        _is_number(value)
+        and math.isfinite(value)
+        and (value == 0 or Z_MIN <= value <= Z_MAX),
         key,
         value,
-        "a finite number >= 0 (noise std / clipping norm; 0 means no noise, epsilon inf)",
+        f"0 (no noise, epsilon inf) or a number in [{Z_MIN:g}, {Z_MAX:g}] (noise std / "
+        "clipping norm; below that dp_accounting's bound loses its precision)",
     )
     return float(value)
 

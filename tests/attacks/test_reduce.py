@@ -174,15 +174,17 @@ def test_popri_feedback_sums_refuse_a_spoofed_partial_sum():
 # -- through the engine: a worker folds, the grid folds, the strategy reduces ------------
 
 
-def dp_round(engine, run_config, clients=6):
-    """One DP-FedAvg round (C = 1, no noise, worker-side sums) of the toy app."""
+def dp_round(engine, run_config, clients=6, name="dp-fedavg"):
+    """One round of a clipped-sum strategy (C = 1, no noise, worker-side sums) of the toy
+    app."""
     strategy = build_strategy(
-        "dp-fedavg",
+        name,
         {"clipping_norm": C, "noise_multiplier": 0.0},
         expected_clients=clients,
         evaluate_fraction=0.0,
         seed=0,
         partial_aggregation="on",
+        rounds=1,
     )
     grid = engine.open_run(TOY, clients, run_config=run_config)
     start = {"w": np.zeros(3, np.float32)}
@@ -194,20 +196,23 @@ def dp_round(engine, run_config, clients=6):
     return moved, metrics, replies
 
 
-def check_the_attack_fails(engine):
-    moved, metrics, replies = dp_round(engine, {"spoof-partition": 2, "forge-partition": 4})
+def check_the_attack_fails(engine, name="dp-fedavg"):
+    moved, metrics, replies = dp_round(
+        engine, {"spoof-partition": 2, "forge-partition": 4}, name=name
+    )
     assert metrics["rejected"] == [NODE_ID_OFFSET + 2]  # the spoofer, refused and named
     assert metrics["dp-clients"] == 4  # the forger's reply was an error: never folded
     assert sum(r.has_error() for r in replies) == 1
     assert "PartialReply" in next(r for r in replies if r.has_error()).error.reason
     # every counted update clipped to C, the mean over m = 6 expected clients
     assert moved <= C * 4 / 6 + 1e-6
-    honest_moved, honest_metrics, _ = dp_round(engine, {})
+    honest_moved, honest_metrics, _ = dp_round(engine, {}, name=name)
     assert honest_metrics["rejected"] == [] and honest_metrics["dp-clients"] == 6
 
 
-def test_the_engine_folds_refuse_a_spoofing_client_in_process(local_engine):
-    check_the_attack_fails(local_engine)
+@pytest.mark.parametrize("name", ["dp-fedavg", "matrix-mechanism"])
+def test_the_engine_folds_refuse_a_spoofing_client_in_process(local_engine, name):
+    check_the_attack_fails(local_engine, name)
 
 
 @pytest.mark.ray
