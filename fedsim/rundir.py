@@ -76,8 +76,16 @@ class RunDirectory:
     def create(
         cls, out: str | Path, config_text: str, secrets: RunSecret, memory_budget: int
     ) -> RunDirectory:
-        """Lay out a new run in ``out``: the state database, then ``config.json``."""
+        """Lay out a new run in ``out``: the state database, then ``config.json``.
+
+        A directory holding what a run refused before its first round left (no results, no
+        checkpoint: its ``config.json`` and fedsim state databases, which hold nothing yet) is
+        taken over; anything else already there is refused."""
         out = Path(out)
+        rounds = out / "rounds.jsonl"
+        results = (rounds.is_file() and rounds.stat().st_size > 0) or (out / "summary.json").exists()
+        if not results and not checkpoint_files(out):
+            _clear_unstarted(out)
         taken = [p for p in (out / STATE_FILE, out / CONFIG_FILE) if p.exists()]
         taken += checkpoint_files(out)
         if taken:
@@ -248,6 +256,19 @@ class RunDirectory:
     def close(self) -> None:
         for store in (self.store, *self.parties.values()):
             store.close()
+
+
+def _clear_unstarted(out: Path) -> None:
+    """Remove the files of a run that never ran a round from ``out``: fedsim state databases
+    (recognised by their format) and, when one was there, the ``config.json`` beside it."""
+    stores = [p for p in out.glob("*.sqlite") if ClientStateStore.is_state_file(p)]
+    if not stores:
+        return
+    for store in stores:
+        for path in (store, store.with_name(store.name + "-wal"), store.with_name(store.name + "-shm")):
+            path.unlink(missing_ok=True)
+    (out / CONFIG_FILE).unlink(missing_ok=True)
+    fsync_directory(out)
 
 
 def _config_digest(out: Path) -> str:

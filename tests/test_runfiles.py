@@ -1,7 +1,10 @@
 """Authenticated records and atomic writes of run-directory files."""
 
+import sqlite3
+
 import pytest
 
+from fedsim.config import ConfigError
 from fedsim.runfiles import RunFileError, open_record, seal_record, write_atomic
 
 KEY = bytes(range(32))
@@ -50,3 +53,23 @@ def test_a_missing_record_is_refused_naming_the_file(tmp_path):
     with pytest.raises(RunFileError, match="cannot be read") as err:
         open_record(tmp_path / "gone.rec", "ckpt", 3, KEY, "a test record")
     assert "gone.rec" in str(err.value)
+
+
+def test_a_new_run_takes_over_only_what_an_unstarted_run_left(tmp_path):
+    from fedsim.rundir import RunDirectory  # noqa: PLC0415
+    from fedsim.randomness import RunSecret  # noqa: PLC0415
+
+    root = RunSecret.from_passphrase("tests")
+    unstarted = RunDirectory.create(tmp_path / "a", '{"a": 1}', root, 0)
+    unstarted.close()  # refused before its first round: a config and an empty state store
+    again = RunDirectory.create(tmp_path / "a", '{"a": 2}', root, 0)
+    again.close()
+    assert (tmp_path / "a" / "config.json").read_text() == '{"a": 2}'
+    # someone else's files are never removed: a foreign database and a config beside it
+    other = tmp_path / "b"
+    other.mkdir()
+    sqlite3.connect(other / "notes.sqlite").execute("CREATE TABLE t (x)").connection.close()
+    (other / "config.json").write_text("mine")
+    with pytest.raises(ConfigError, match="config.json"):
+        RunDirectory.create(other, "{}", root, 0)
+    assert (other / "config.json").read_text() == "mine" and (other / "notes.sqlite").exists()

@@ -433,3 +433,16 @@ class ClientStateStore:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+    @staticmethod
+    def is_state_file(path: str | Path) -> bool:
+        """Whether ``path`` is a fedsim state database (by its recorded format; read only)."""
+        try:
+            db = sqlite3.connect(f"file:{Path(path)}?mode=ro", uri=True)
+            try:
+                row = db.execute("SELECT value FROM meta WHERE key = 'format'").fetchone()
+            finally:
+                db.close()
+        except sqlite3.Error:
+            return False
+        return row is not None and row[0] == FORMAT
