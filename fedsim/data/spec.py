@@ -28,7 +28,7 @@ from fedsim.data.sources import (
 )
 
 Source = Literal["digits", "synthetic", "femnist", "leaf", "table", "npy"]
-PartitionName = Literal["iid", "dirichlet", "shards", "quantity", "natural"]
+PartitionName = Literal["iid", "dirichlet", "shards", "quantity", "split-classes", "natural"]
 
 #: Sources whose samples come with a writer / user / device (a natural partition).
 NATURAL_SOURCES = ("synthetic", "femnist", "leaf", "table", "npy")
@@ -50,7 +50,9 @@ class DatasetSpec:
 
     partition: iid / dirichlet (``alpha``) / shards (``classes_per_client``;
     ``shard_sigma > 0`` also skews client sizes, lognormal) / quantity
-    (``quantity_sigma``) re-split the pooled samples among
+    (``quantity_sigma``) / split-classes (``classes_per_client``: groups of
+    C / k clients split the C classes, pairs for k = C / 2, each class cut into
+    random unequal chunks: the pFedVEM / pFedHB reference split) re-split the pooled samples among
     ``num_clients`` clients; natural keeps the source's own writers: the first
     ``num_clients`` of them (sorted ids for leaf/table, saved order for npy; for
     synthetic and femnist exactly ``num_clients`` are generated). Generated
@@ -89,13 +91,13 @@ class DatasetSpec:
             self.partition in ("natural", *PARTITIONERS),
             "data.partition",
             self.partition,
-            "one of iid, dirichlet, shards, quantity, natural",
+            "one of iid, dirichlet, shards, quantity, split-classes, natural",
         )
         require(
             self.partition != "natural" or self.source in NATURAL_SOURCES,
             "data.partition",
             self.partition,
-            f"a partitioner (iid, dirichlet, shards, quantity) for the "
+            f"a partitioner (iid, dirichlet, shards, quantity, split-classes) for the "
             f"centralised source {self.source!r}; natural needs one of "
             f"{', '.join(NATURAL_SOURCES)}",
         )
@@ -209,6 +211,7 @@ def _resplit(
         "dirichlet": {"alpha": spec.alpha},
         "shards": {"classes_per_client": spec.classes_per_client, "sigma": spec.shard_sigma},
         "quantity": {"sigma": spec.quantity_sigma},
+        "split-classes": {"classes_per_client": spec.classes_per_client},
     }[spec.partition]
     try:
         parts = PARTITIONERS[spec.partition](y, spec.num_clients, part_rng, **params)
