@@ -10,13 +10,16 @@ one round to the next. A train instruction carries the global posterior
 Client steps (``q_i`` personal posterior, ``q_g`` global posterior):
 
 * pfedhb (reference code ``hb/hb_client.py``): the body is reset to the global
-  body; ``head_steps`` full-batch Adam steps on the head's negative ELBO
+  body, the head is the client's own from its last round; ``head_steps`` full-batch
+  Adam steps on the head's negative ELBO
   ``sum_n E_q[-log p(y_n | x_n)] + KL(q_i,head || prior)`` (MC over
   ``mc_samples`` reparameterised draws), the prior being ``q_g,head`` or, with
   ``head-prior = "per-client"``, ``N(mu_g, rho_i^2 I)``; then ``body_epochs``
   minibatch Adam epochs on ``mean_n E_q[-log p] + body_kl * KL(q_i,body || q_g,body)``.
 * pfedvem: the same with the per-client prior and a deterministic body (its
-  means, no KL); the reply adds ``head-prior-var`` = ``rho_i^2`` (pFedVEM's M-step).
+  means, no KL); the reply adds ``head-prior-var`` = ``rho_i^2``, pFedVEM's M-step
+  against the received ``mu_g`` at the start of the round, the variance the head was
+  trained against and the server weighs it by (``vem/vem_client.py``).
 * pfedbayes: personal ``q_i`` (whole network) and the localised global ``w_i``
   (from ``q_g``); per minibatch one Adam step on
   ``sum_batch E_q[-log p] + (zeta / N_b) KL(q_i || w_i)`` and one on ``KL(q_i || w_i)``
@@ -25,7 +28,10 @@ Client steps (``q_i`` personal posterior, ``q_g`` global posterior):
   model in the client state and never reports.
 
 Evaluation (every method) on the client's test rows: accuracy and NLL of the
-posterior mean and of the MC predictive, and ECE bin sums of both.
+posterior mean and of the MC predictive, and ECE bin sums of both. The personal model
+of pfedhb / pfedvem is the head and the body the client trained in its last round (the
+reference's clients test before the server overwrites their bodies), of pfedbayes and
+local its own model; fedavg fine-tunes the global model (``finetune-epochs``) first.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ from fedsim.workloads.bayesian import (
 )
 
 PERSONAL = "fedsim.personal"
+PRIOR_VAR = "head-prior-var"
 METHODS = ("pfedhb", "pfedvem", "pfedbayes", "fedavg", "local")
 
 
@@ -377,11 +384,11 @@ def make_personal_app(model: BayesSpec, data: DatasetSpec, training: PersonalTra
                     prior_var=prior_var,
                 )
                 reply = model_arrays(net)
-                context.state[PERSONAL] = to_record(
-                    {k: v for k, v in reply.items() if k.startswith("head.")}
-                )
-                if head_prior == "per-client":
-                    metrics["head-prior-var"] = prior_variance(reply, g)
+                # the personal head and the body trained this round: the reference's clients
+                # test with both before the server overwrites their bodies
+                context.state[PERSONAL] = to_record(reply)
+                if prior_var is not None:  # the variance its head was trained against
+                    metrics[PRIOR_VAR] = prior_var
             elif method == "pfedbayes":
                 load_arrays(net, personal if personal is not None else g)
                 local_global = cached_model(model, slot=1)
@@ -417,9 +424,7 @@ def make_personal_app(model: BayesSpec, data: DatasetSpec, training: PersonalTra
         load_arrays(net, g)
         bayesian = method in ("pfedhb", "pfedvem", "pfedbayes")
         with seeded(training.seed, server_round, partition, 1) as gen:
-            if personal is not None and method in ("pfedhb", "pfedvem"):
-                load_arrays(net, personal, only="head.")
-            elif personal is not None and method in ("pfedbayes", "local"):
+            if personal is not None and method in ("pfedhb", "pfedvem", "pfedbayes", "local"):
                 load_arrays(net, personal)
             elif method == "fedavg" and int(config.get("finetune-epochs", 0)) > 0:
                 xt, yt = _tensors(*dataset.train.client(partition))
