@@ -56,6 +56,7 @@ from fedsim.workloads.bayesian import (
     BayesMLP,
     BayesSpec,
     calibration_bins,
+    expected_calibration_error,
     kl_normal,
     kl_to,
     load_arrays,
@@ -72,7 +73,8 @@ METHODS = ("pfedhb", "pfedvem", "pfedbayes", "fedavg", "local")
 
 @dataclass(frozen=True, kw_only=True)
 class PersonalTraining:
-    """Client hyper-parameters (defaults: the pFedHB reference code).
+    """Client hyper-parameters (defaults: the pFedHB reference code); a run config's
+    ``[personal]`` table.
 
     Attributes:
         head_steps: full-batch Adam steps on the head per round.
@@ -114,13 +116,13 @@ class PersonalTraining:
             "personal_steps",
         ):
             value = getattr(self, key)
-            require(value >= 1, f"client.{key}", value, "an integer >= 1")
+            require(value >= 1, f"personal.{key}", value, "an integer >= 1")
         for key in ("head_lr", "body_lr", "sgd_lr", "zeta"):
             value = getattr(self, key)
-            require(value > 0, f"client.{key}", value, "a number > 0")
-        require(self.body_kl >= 0, "client.body_kl", self.body_kl, "a number >= 0")
-        require(self.eval_samples >= 0, "client.eval_samples", self.eval_samples, "an integer >= 0")
-        require(self.ece_bins >= 1, "client.ece_bins", self.ece_bins, "an integer >= 1")
+            require(value > 0, f"personal.{key}", value, "a number > 0")
+        require(self.body_kl >= 0, "personal.body_kl", self.body_kl, "a number >= 0")
+        require(self.eval_samples >= 0, "personal.eval_samples", self.eval_samples, "an integer >= 0")
+        require(self.ece_bins >= 1, "personal.ece_bins", self.ece_bins, "an integer >= 1")
 
 
 @contextlib.contextmanager
@@ -439,9 +441,13 @@ def make_personal_app(model: BayesSpec, data: DatasetSpec, training: PersonalTra
 
 
 def global_metrics(
-    model: BayesMLP, arrays: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray
+    model: BayesMLP,
+    arrays: dict[str, np.ndarray],
+    x: np.ndarray,
+    y: np.ndarray,
+    ece_bins: int = 10,
 ) -> dict[str, float]:
-    """Posterior-mean accuracy and NLL of the global model on (x, y)."""
+    """Posterior-mean accuracy, NLL and ECE (``ece_bins`` bins) of the global model on (x, y)."""
     load_arrays(model, arrays)
     xt, yt = _tensors(x, y)
     p = predict_proba(model, xt).numpy().astype(np.float64)
@@ -449,4 +455,5 @@ def global_metrics(
     return {
         "global_acc": float(np.mean(p.argmax(1) == labels)),
         "global_nll": float(-np.mean(np.log(np.maximum(p[np.arange(len(labels)), labels], 1e-12)))),
+        "global_ece": expected_calibration_error(*calibration_bins(p, labels, ece_bins)),
     }
