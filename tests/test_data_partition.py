@@ -185,6 +185,29 @@ def test_split_classes_pairs_split_the_classes_in_random_chunks(digit_labels):
     assert max(held) > 2 * min(held)
 
 
+def test_femnist_digits_split_in_pairs():
+    """The FEMNIST-like source with its 10 digit classes, pairs of writers splitting them."""
+    spec = DatasetSpec(
+        source="femnist",
+        partition="split-classes",
+        femnist_classes=10,
+        classes_per_client=5,
+        num_clients=6,
+        samples_per_client=40,
+        test_fraction=0.25,
+    )
+    dataset = build_dataset(spec)
+    assert dataset.num_classes == 10 and dataset.feature_shape == (1, 28, 28)
+    classes = [
+        set(np.unique(np.concatenate([dataset.train.client(k)[1], dataset.test.client(k)[1]])))
+        for k in range(6)
+    ]
+    for a, b in zip(classes[::2], classes[1::2], strict=True):
+        assert len(a) == len(b) == 5 and a | b == set(range(10))
+    with pytest.raises(ConfigError, match="data.femnist_classes"):
+        DatasetSpec(source="femnist", partition="natural", num_clients=2, femnist_classes=1)
+
+
 def test_split_classes_refuses_what_it_cannot_split(digit_labels):
     rng = np.random.default_rng(0)
     with pytest.raises(ConfigError, match=r"classes_per_client = 3 .*divisor .*\(10\)"):

@@ -61,6 +61,7 @@ class DatasetSpec:
     test_fraction: share of each client's rows held out for testing (not used
     by leaf/npy with the natural partition, which bring their own test split).
     samples_per_client: femnist only; 0 draws per-writer sizes from a lognormal.
+    femnist_classes: femnist only; classes generated (62, FEMNIST's; 10: its digits).
     """
 
     source: Source
@@ -75,6 +76,7 @@ class DatasetSpec:
     synthetic_alpha: float = 1.0
     synthetic_beta: float = 1.0
     samples_per_client: int = 0
+    femnist_classes: int = _FEMNIST_CLASSES
     path: str = ""
     client_column: str = "client_id"
     label_column: str = "label"
@@ -105,6 +107,7 @@ class DatasetSpec:
         _int(self.seed, "data.seed", 0)
         _int(self.classes_per_client, "data.classes_per_client", 1)
         _int(self.samples_per_client, "data.samples_per_client", 0)
+        _int(self.femnist_classes, "data.femnist_classes", 2)
         _number(
             self.test_fraction,
             "data.test_fraction",
@@ -262,9 +265,9 @@ def build_dataset(spec: DatasetSpec) -> FederatedDataset:
             num_classes = _SYNTHETIC_CLASSES
         else:
             parts = femnist_like(
-                spec.num_clients, src_rng, spec.samples_per_client or None, _FEMNIST_CLASSES
+                spec.num_clients, src_rng, spec.samples_per_client or None, spec.femnist_classes
             )
-            num_classes = _FEMNIST_CLASSES
+            num_classes = spec.femnist_classes
         if natural:
             return _natural(parts, spec, split_rng, num_classes, name)
         x, y = _pool(parts)
