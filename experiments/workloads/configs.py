@@ -7,7 +7,7 @@ the local engine and the seed written in the config) from the repository root, s
 and the run's seconds are stored in ``configs.json`` next to this file; ``--tables`` prints
 the README's values from that file without running anything::
 
-    nice -n 19 python experiments/workloads/configs.py      # about 5 min on 2 busy cores
+    nice -n 19 python experiments/workloads/configs.py      # 7.5 min wall on 2 busy cores
     python experiments/workloads/configs.py --tables
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -63,6 +64,7 @@ def run(name: str) -> dict[str, Any]:
     from fedsim.results import read_rounds  # noqa: PLC0415
 
     torch.set_num_threads(1)
+    logging.getLogger("flwr").setLevel(logging.WARNING)
     file, overrides, out = RUNS[name]
     config = ExperimentConfig.from_dict(_merge(load_toml(HERE / "configs" / file), overrides))
     out_dir = ROOT / out
