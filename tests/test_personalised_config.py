@@ -163,6 +163,7 @@ def test_each_method_runs_from_a_config_and_writes_its_evaluation(tmp_path, run)
         ({"model": {"head_layers": 2}}, "model.head_layers", "the body keeps at least one"),
         ({"model": {"rho_init": -200.0}}, "model.rho_init", "rho >= -87"),
         ({"personal": {"head_lr": 0.0}}, "personal.head_lr", "> 0"),
+        ({"personal": {"head_kl": -1.0}}, "personal.head_kl", ">= 0"),
         ({"personal": {"steps": 3}}, "personal.steps", "known keys"),
         ({"client": {"epochs": 3}}, "client", "configured by [personal]"),
         ({"evaluation": {"clients": 2}}, "evaluation.clients", "every client evaluates"),

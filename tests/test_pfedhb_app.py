@@ -104,6 +104,20 @@ def test_personal_model_is_evaluated_with_the_body_it_trained(method):
     assert scores[0]["nll-mean"] == scores[1]["nll-mean"]
 
 
+def test_head_kl_weighs_the_pull_of_the_global_head():
+    """``head_kl`` scales KL(q_i,head || q_g,head) in the head's loss: without it the head
+    strays further from the global head than with the reference's weight 1."""
+    g = model_arrays(build_bayes_model(SPEC, 0))
+    moved = {}
+    for weight in (0.0, 1.0):
+        training = PersonalTraining(**{**TRAINING.__dict__, "head_kl": weight, "head_lr": 0.05})
+        context = _context()
+        reply = make_personal_app(SPEC, DATA, training)(_instruction(g, 1), context)
+        head = to_numpy(reply.content["posterior"])["head.0.weight_mu"]
+        moved[weight] = float(np.abs(head - g["head.0.weight_mu"]).mean())
+    assert moved[0.0] > 2 * moved[1.0]
+
+
 def test_pfedvem_reports_the_prior_variance_its_head_was_trained_against():
     """pFedVEM's M-step runs at the start of the round (``vem/vem_client.py``): in round 1
     the head is the global one, so rho_i^2 is the mean of its sigma^2 = softplus(rho_init)^2."""

@@ -12,7 +12,7 @@ Client steps (``q_i`` personal posterior, ``q_g`` global posterior):
 * pfedhb (reference code ``hb/hb_client.py``): the body is reset to the global
   body, the head is the client's own from its last round; ``head_steps`` full-batch
   Adam steps on the head's negative ELBO
-  ``sum_n E_q[-log p(y_n | x_n)] + KL(q_i,head || prior)`` (MC over
+  ``sum_n E_q[-log p(y_n | x_n)] + head_kl * KL(q_i,head || prior)`` (MC over
   ``mc_samples`` reparameterised draws), the prior being ``q_g,head`` or, with
   ``head-prior = "per-client"``, ``N(mu_g, rho_i^2 I)``; then ``body_epochs``
   minibatch Adam epochs on ``mean_n E_q[-log p] + body_kl * KL(q_i,body || q_g,body)``.
@@ -82,6 +82,8 @@ class PersonalTraining:
         body_epochs: minibatch epochs on the body per round.
         batch_size: rows per body minibatch.
         mc_samples: reparameterised draws per loss evaluation.
+        head_kl: weight of the head's ``KL(q_i,head || prior)`` (``kl_coeff_head``: 1 in
+            the reference, the negative ELBO).
         body_kl: weight of ``KL(q_i,body || q_g,body)`` (1e-6 in the reference).
         zeta: pFedBayes's KL weight.
         personal_steps: pFedBayes's personal steps per local-global step (K).
@@ -97,6 +99,7 @@ class PersonalTraining:
     body_epochs: int = 2
     batch_size: int = 50
     mc_samples: int = 5
+    head_kl: float = 1.0
     body_kl: float = 1e-6
     zeta: float = 10.0
     personal_steps: int = 5
@@ -121,6 +124,7 @@ class PersonalTraining:
             value = getattr(self, key)
             require(value > 0, f"personal.{key}", value, "a number > 0")
         require(self.body_kl >= 0, "personal.body_kl", self.body_kl, "a number >= 0")
+        require(self.head_kl >= 0, "personal.head_kl", self.head_kl, "a number >= 0")
         require(self.eval_samples >= 0, "personal.eval_samples", self.eval_samples, "an integer >= 0")
         require(self.ece_bins >= 1, "personal.ece_bins", self.ece_bins, "an integer >= 1")
 
@@ -190,7 +194,8 @@ def hb_client_step(
     for _ in range(cfg.head_steps):
         opt.zero_grad(set_to_none=True)
         loss = _nll(model, x, y, cfg.mc_samples, body_bayesian)
-        loss = loss + kl_to(model, "head", prior, prior_var if head_prior == "per-client" else None)
+        variance = prior_var if head_prior == "per-client" else None
+        loss = loss + cfg.head_kl * kl_to(model, "head", prior, variance)
         loss.backward()
         opt.step()
     body = _params(model, "body", means_only=not body_bayesian)
