@@ -4,8 +4,8 @@ Thapa & Li, "Harnessing Heterogeneous Statistical Strength for Personalized
 Federated Learning via Hierarchical Bayesian Inference", ICML 2025. Clients hold
 personal mean-field posteriors ``q_i = N(mu_i, sigma_i^2)`` (per coordinate)
 trained against the global posterior ``q_g = N(mu_g, sigma_g^2)`` as their
-prior; the server computes ``q_g`` from the reporting clients' posteriors,
-separately for the head and the body, in closed form, coordinate by coordinate:
+prior; the server fits ``q_g`` to the reporting clients' posteriors, separately
+for the head and the body, coordinate by coordinate:
 
 L2 hyper-prior (the reference code's objective, weights ``w_i = n_i / n_S``)::
 
