@@ -244,9 +244,17 @@ def tables(runs: list[dict[str, Any]]) -> str:
         if not mine:
             continue
         rounds = {r["rounds"] for r in mine}
+        sizes = [r["dataset"]["train"]["sizes"] for r in mine if r["method"] == "pfedhb-adam"]
+        rows = (
+            f"; training rows per client: mean {np.mean([z['mean'] for z in sizes]):.1f}, "
+            f"{min(z['min'] for z in sizes):.0f}–{max(z['max'] for z in sizes):.0f} over "
+            f"{len(sizes)} seeds"
+            if sizes
+            else ""
+        )
         lines += [
             f"\n**{federation}** (round {', '.join(map(str, sorted(rounds)))}; "
-            "mean ± sample std, ddof = 1, over seeds)\n",
+            f"mean ± sample std, ddof = 1, over seeds{rows})\n",
             "| method | seeds | " + " | ".join(m[1] for m in METRICS) + " |",
             "|---" * (len(METRICS) + 2) + "|",
         ]
