@@ -7,7 +7,7 @@ the local engine and the seed written in the config) from the repository root, s
 and the run's seconds are stored in ``configs.json`` next to this file; ``--tables`` prints
 the README's values from that file without running anything::
 
-    nice -n 19 python experiments/workloads/configs.py      # 7.5 min wall on 2 busy cores
+    nice -n 19 python experiments/workloads/configs.py      # 380 s wall on 2 busy cores
     python experiments/workloads/configs.py --tables
 """
 
