@@ -131,8 +131,46 @@ def result_path(federation: str, method: str, seed: int) -> Path:
     return RUNS / f"{federation}__{method}__s{seed}.json"
 
 
+def _claim(lock: Path) -> bool:
+    """Take a job's lock file (its holder's pid), or take it over from a holder that died."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                os.kill(int(lock.read_text() or 0), 0)
+                return False  # its holder is alive
+            except (ProcessLookupError, ValueError, OSError):
+                lock.unlink(missing_ok=True)
+            continue
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        return True
+    return False
+
+
 def run_one(job: tuple[str, str, int, int, str]) -> dict[str, Any]:
-    """Run (or resume) one config and store its evaluations; returns the stored record."""
+    """Run (or resume) one config and store its evaluations; returns the stored record.
+
+    Several invocations may share the runs: a job another live process holds is waited for,
+    a job already stored is returned as stored (``"skipped": True``)."""
+    federation, method, seed, rounds, work = job
+    path = result_path(federation, method, seed)
+    lock = Path(work) / federation / method / f"s{seed}.lock"
+    while not path.exists() and not _claim(lock):
+        time.sleep(30)
+    if path.exists():
+        if lock.exists() and lock.read_text() == str(os.getpid()):
+            lock.unlink()
+        return {**json.loads(path.read_text()), "skipped": True}
+    try:
+        return _run_and_store(job)
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def _run_and_store(job: tuple[str, str, int, int, str]) -> dict[str, Any]:
     federation, method, seed, rounds, work = job
     import torch  # noqa: PLC0415
 
@@ -188,6 +226,8 @@ def cmd_run(args: argparse.Namespace) -> None:
         for m in args.methods
         if args.force or not result_path(f, m, s).exists()
     ]
+    if args.reverse:  # a second invocation starts from the other end of the list
+        jobs.reverse()
     print(f"{len(jobs)} runs to do", flush=True)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     start = time.perf_counter()
@@ -366,6 +406,7 @@ def main() -> None:
     run.add_argument("--processes", type=int, default=2)
     run.add_argument("--work", type=Path, default=ROOT / "results" / "pfedhb-study")
     run.add_argument("--force", action="store_true", help="rerun stored runs too")
+    run.add_argument("--reverse", action="store_true", help="last jobs first")
     sub.add_parser("table", help="README tables and accuracy.png from the stored runs")
     args = parser.parse_args()
     {"run": cmd_run, "table": cmd_table, "config": cmd_config}[args.command](args)
