@@ -4,8 +4,11 @@ A config file has top-level ``name``, ``seed`` and ``rounds`` and one table per
 part of the pipeline::
 
     [data]        source, partition, num_clients, ...  (fedsim.data.DatasetSpec)
-    [model]       kind = "logreg" | "mlp" | "cnn", hidden, channels
+    [model]       kind = "logreg" | "mlp" | "cnn" | "bayes-mlp", hidden, channels, ...
     [client]      epochs, batch_size, lr, ...          (LocalTraining)
+    [personal]    head_steps, head_lr, mc_samples, ... (PersonalTraining; the clients of
+                  the personalised strategies pfedhb, pfedvem, pfedbayes, fedavg-ft,
+                  local-only: see fedsim.personalised_run)
     [strategy]    name, clients_per_round, sampling, partial_aggregation, [strategy.options]
     [evaluation]  clients (federated), every (central, rounds), central_rows
     [engine]      backend, workers, cpus_per_worker, ray_address, ...
@@ -14,8 +17,8 @@ part of the pipeline::
     [privacy]     metrics_in_clear: release private runs' client metrics un-noised
 
 plus ``checkpoint_every`` (rounds) and ``state_memory_mb`` (client states kept
-in memory before they spill to disk). The seeds of [data], [client] and
-[faults] default to the top-level seed. Everything is validated before any work
+in memory before they spill to disk). The seeds of [data], [client], [personal]
+and [faults] default to the top-level seed. Everything is validated before any work
 starts.
 
 Secrets: every party's secret derives from the run's secret root
@@ -48,6 +51,7 @@ from fedsim.engine import (
     Engine,
     EngineConfig,
     FaultConfig,
+    FullParticipation,
     MinSeparationCohort,
     PoissonCohort,
     UniformCohort,
@@ -59,6 +63,7 @@ from fedsim.engine.registry import ClientRegistry
 from fedsim.engine.rounds import RoundOutcome, run_rounds
 from fedsim.engine.seeding import SeededSampling
 from fedsim.models import ModelSpec, build_model, initial_arrays, load_arrays
+from fedsim.personalised_run import check_personalised, is_personalised, personalised_parts
 from fedsim.privacy import accounting
 from fedsim.progress import RunProgress
 from fedsim.randomness import RunSecret
@@ -72,21 +77,29 @@ from fedsim.workloads.averaging import Averaging
 from fedsim.workloads.conformal import OnlineConformal
 from fedsim.workloads.coto import build_lora_model, initial_adapter_arrays, load_adapter_arrays
 from fedsim.workloads.dp_sgd import DPSGD, epsilon_of
+from fedsim.workloads.personalised import PersonalTraining
 from fedsim.workloads.supervised import LocalTraining, as_tensors, evaluate_model, make_client_app
 from strategies.averaging import AveragedGlobalModel, averaged_evaluation
 from strategies.conformal import ConformalEvaluation
 from strategies.quantized import DequantizedUploads
-from strategies.registry import NAMES, PRIVATE, build_strategy
+from strategies.registry import NAMES, PRIVATE, build_personalised_strategy, build_strategy
 from strategies.server_secret import bind_parties
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """The model; its input shape and classes come from the dataset."""
+    """The model; its input shape and classes come from the dataset.
 
-    kind: Literal["logreg", "mlp", "cnn"] = "mlp"
+    ``kind = "bayes-mlp"`` is the personalised strategies' mean-field Gaussian MLP
+    (:class:`~fedsim.workloads.bayesian.BayesSpec`): ``hidden``, the last ``head_layers``
+    linear layers as the personal head, every ``rho`` starting at ``rho_init``.
+    """
+
+    kind: Literal["logreg", "mlp", "cnn", "bayes-mlp"] = "mlp"
     hidden: tuple[int, ...] = (64,)
     channels: tuple[int, ...] = (6, 16)
+    head_layers: int = 1
+    rho_init: float = -4.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,6 +204,7 @@ class ExperimentConfig:
     data: DatasetSpec
     model: ModelConfig = field(default_factory=ModelConfig)
     client: LocalTraining = field(default_factory=LocalTraining)
+    personal: PersonalTraining | dict[str, Any] | None = None
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -203,6 +217,10 @@ class ExperimentConfig:
     def __post_init__(self) -> None:
         if isinstance(self.audit, dict):  # [audit]: errors name audit.<key>
             object.__setattr__(self, "audit", from_mapping(AuditConfig, self.audit, "audit"))
+        if isinstance(self.personal, dict):  # [personal]: errors name personal.<key>
+            personal = from_mapping(PersonalTraining, self.personal, "personal")
+            object.__setattr__(self, "personal", personal)
+        check_personalised(self)
         require(self.rounds >= 1, "rounds", self.rounds, "an integer >= 1")
         require(
             self.checkpoint_every >= 1,
@@ -283,7 +301,7 @@ class ExperimentConfig:
         default to ``seed``."""
         raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
         seed = raw.get("seed", 0)
-        for section in ("data", "client", "faults"):
+        for section in ("data", "client", "personal", "faults"):
             table = raw.get(section)
             if isinstance(table, dict) and "seed" not in table:
                 table["seed"] = seed
@@ -307,13 +325,22 @@ class ExperimentConfig:
 
 
 def participation_for(config: ExperimentConfig, population: int) -> Participation:
-    """The engine's cohort model for this config."""
+    """The engine's cohort model for this config (personalised strategies: the reporting
+    clients' draw; every client stays reachable, see :func:`engine_participation`)."""
     k = config.strategy.clients_per_round
     if config.strategy.sampling == "poisson":
         return PoissonCohort(population, k / population, config.seed)
     if config.strategy.sampling == "min-separation":
         return MinSeparationCohort(population, max(1, round(population / k)), config.seed)
     return UniformCohort(population, k, config.seed)
+
+
+def engine_participation(config: ExperimentConfig, participation: Participation) -> Participation:
+    """Whom the grid offers each phase: everyone for a personalised strategy (it draws its
+    reporting clients itself and, by default, every client personalises each round)."""
+    if is_personalised(config):
+        return FullParticipation(participation.num_clients)
+    return participation
 
 
 def model_spec(config: ExperimentConfig, dataset: FederatedDataset) -> ModelSpec:
@@ -390,7 +417,8 @@ def run_experiment(
     strategy = committee_host = committee = None
     try:
         dataset = build_dataset(config.data)
-        spec = model_spec(config, dataset)
+        personal = personalised_parts(config, dataset) if is_personalised(config) else None
+        spec = None if personal else model_spec(config, dataset)
         population = dataset.num_clients
         participation = participation_for(config, population)
         if checkpoint is not None:
@@ -398,12 +426,18 @@ def run_experiment(
         else:
             strategy = build_experiment_strategy(config, participation)
             arrays = to_record(
-                initial_arrays(spec, config.seed)
+                personal.initial
+                if personal
+                else initial_arrays(spec, config.seed)
                 if config.client.lora is None
                 else initial_adapter_arrays(spec, config.client.lora, config.seed)
             )
         in_clear = config.privacy.metrics_in_clear
-        client_app = make_client_app(spec, config.data, config.client, in_clear)
+        client_app = (
+            personal.app
+            if personal
+            else make_client_app(spec, config.data, config.client, in_clear)
+        )
         # the wrappers release their clients' metrics only when told to
         clear = {"metrics_in_clear": True} if in_clear else {}
         if config.strategy.name == "dmm":  # clients share their rounded updates and noise
@@ -432,7 +466,7 @@ def run_experiment(
                 client_app,
                 population,
                 run_config={"seed": config.seed},
-                participation=participation,
+                participation=engine_participation(config, participation),
                 observer=recorder,
                 state_store=store,
                 faults=config.faults,
@@ -475,7 +509,10 @@ def run_experiment(
                 arrays,
                 config.rounds,
                 timeout=config.timeout,
-                evaluate_fn=averaged_evaluation(strategy, central_evaluator(config, spec, dataset)),
+                evaluate_fn=averaged_evaluation(
+                    strategy,
+                    personal.evaluate if personal else central_evaluator(config, spec, dataset),
+                ),
                 on_round=on_round,
                 first_round=start_round,
             )
@@ -513,6 +550,19 @@ def _file_backed(dataset: FederatedDataset) -> bool:
 def build_experiment_strategy(config: ExperimentConfig, participation: Participation) -> Strategy:
     """The configured strategy, with seeded sampling, for this participation model."""
     k = config.strategy.clients_per_round
+    if is_personalised(config):
+        personalised = build_personalised_strategy(
+            config.strategy.name,
+            config.strategy.options,
+            clients_per_round=k,
+            sampling=config.strategy.sampling,
+            population=participation.num_clients,
+            seed=config.seed,
+            rounds=config.rounds,
+            evaluate_every=config.evaluation.every,
+            head_layers=config.model.head_layers,
+        )
+        return SeededSampling(personalised, config.seed)
     expected = participation.group_size(0) if isinstance(participation, MinSeparationCohort) else k
     compressed = config.client.compression is not None
     strategy = build_strategy(

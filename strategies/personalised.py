@@ -33,6 +33,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedsim.config import require
+from fedsim.randomness import Stream, public_generator
 from fedsim.records import to_numpy, to_record
 from fedsim.workloads.bayesian import expected_calibration_error
 from strategies.wrapper import train_message
@@ -54,7 +55,8 @@ class Cohorts:
         min_clients: at least this many report (the reference redraws below 2).
         evaluate_every: rounds between evaluations (0: never).
         num_rounds: the last round, always evaluated (0: unknown).
-        seed: root of the sampling stream ``default_rng([seed, round])``.
+        seed: the run seed; the reporting clients are the public stream
+            ``public_generator(seed, round, Stream.COHORT)``.
     """
 
     schedule: Literal["all", "sampled"] = "all"
@@ -90,7 +92,7 @@ class Cohorts:
 
     def reporting(self, server_round: int, nodes: list[int]) -> list[int]:
         """The sorted node ids that update the server in ``server_round``."""
-        rng = np.random.default_rng([self.seed, server_round])
+        rng = public_generator(self.seed, server_round, Stream.COHORT)
         n = len(nodes)
         want = min(self.min_clients, n)
         if self.sampling == "binomial":

@@ -7,8 +7,9 @@ scalar variance per client; the body is a deterministic network shared by FedAvg
 
 * Client (E-step, :mod:`fedsim.workloads.personalised`): train the head on
   summed NLL + ``KL(q_i || N(mu_g, rho_i^2 I))``, the body on the mean NLL;
-  report ``mu_i``, ``sigma_i`` and ``rho_i^2 = (sum_d sigma_id^2 + sum_d (mu_id - mu_gd)^2) / D``
-  computed against the ``mu_g`` it received (its M-step for ``rho_i``).
+  report ``mu_i``, ``sigma_i`` and ``rho_i^2 = (sum_d sigma_id^2 + sum_d (mu_id - mu_gd)^2) / D``,
+  its M-step against the ``mu_g`` it received, taken at the start of the round with the
+  head it kept from its last round (the reference's ``client.rho``).
 * Server (M-step for ``mu_g``): the precision-weighted mean
   ``mu_g = sum_i (mu_i / rho_i^2) / sum_i (1 / rho_i^2)``; the body is FedAvg of
   the reported body weights with server momentum ``beta``:
@@ -24,10 +25,9 @@ import numpy as np
 
 from fedsim.config import require
 from fedsim.workloads.bayesian import MU, RHO, check_split, softplus_inverse, split_names
+from fedsim.workloads.personalised import PRIOR_VAR
 from strategies.personalised import Cohorts, PersonalisedStrategy, Report
 from strategies.pfedhb import unstack_part
-
-PRIOR_VAR = "head-prior-var"
 
 
 def vem_head_mean(mu: np.ndarray, rho2: np.ndarray) -> np.ndarray:

@@ -33,7 +33,7 @@ from fedsim.config import ConfigError, require
 from fedsim.engine.reduce import WorkerReduced
 from fedsim.privacy import accounting
 from fedsim.privacy.accounting import FullParticipation, MinSeparation, Sampling
-from strategies import ddgauss, dmm, matrix_mechanism
+from strategies import ddgauss, dmm, matrix_mechanism, personalised_config
 from strategies.dp_fedavg import AdaptiveClipping, DPFedAvg, relation_for
 
 #: strategies whose aggregation is FedAvg's weighted mean (followed by a server update)
@@ -61,19 +61,20 @@ MATRIX = ("matrix-mechanism",)
 #: committees (strategies/dmm.py) and the distributed discrete Gaussian over SecAgg+
 #: (strategies/ddgauss.py); clients need their ``*_client_app`` wrappers
 DISTRIBUTED = ("dmm", "ddgauss")
-NAMES = (*WEIGHTED_MEAN, *ROBUST, *DP, *MATRIX, *DISTRIBUTED)
-#: private strategies: their clients' metrics are not released in the clear by default
-PRIVATE = (*DP, *MATRIX, *DISTRIBUTED)
 #: personalised Bayesian methods and their references ("module:Class"); their clients run
-#: fedsim.workloads.personalised.make_personal_app (see experiments/pfedhb/run.py), so they
-#: are built directly rather than from a config file's [strategy] table
+#: fedsim.workloads.personalised.make_personal_app and their options are read by
+#: strategies.personalised_config.from_options (build them with
+#: :func:`build_personalised_strategy`)
 PERSONALISED = {
     "pfedhb": "strategies.pfedhb:PFedHB",
     "pfedvem": "strategies.pfedvem:PFedVEM",
     "pfedbayes": "strategies.pfedbayes:PFedBayes",
-    "fedavg-personal": "strategies.personalised:FedAvgReference",
+    "fedavg-ft": "strategies.personalised:FedAvgReference",
     "local-only": "strategies.personalised:LocalOnly",
 }
+NAMES = (*WEIGHTED_MEAN, *ROBUST, *DP, *MATRIX, *DISTRIBUTED, *PERSONALISED)
+#: private strategies: their clients' metrics are not released in the clear by default
+PRIVATE = (*DP, *MATRIX, *DISTRIBUTED)
 _SET_BY_ENGINE = (
     "fraction_train",
     "fraction_evaluate",
@@ -160,6 +161,13 @@ def build_strategy(
             exact clipped fraction, un-noised.
     """
     require(name in NAMES, "strategy.name", name, f"one of {', '.join(NAMES)}")
+    require(
+        name not in PERSONALISED,
+        "strategy.name",
+        name,
+        "a strategy for build_strategy; personalised strategies are built by "
+        "build_personalised_strategy (their clients run make_personal_app)",
+    )
     summable = name in WEIGHTED_MEAN or name in DP or name in MATRIX
     if partial_aggregation == "on" and not summable:
         raise ConfigError(
@@ -224,6 +232,13 @@ def build_strategy(
         )
     strategy: Strategy = _flower_strategy(name, options, evaluate_fraction)
     return WorkerReduced(strategy) if use_partial else strategy
+
+
+def build_personalised_strategy(name: str, options: Mapping[str, Any], **cohort: Any) -> Strategy:
+    """The personalised strategy ``name`` (one of :data:`PERSONALISED`) with ``options``;
+    ``cohort`` as :func:`strategies.personalised_config.from_options` takes it."""
+    require(name in PERSONALISED, "strategy.name", name, f"one of {', '.join(PERSONALISED)}")
+    return personalised_config.from_options(name, options, **cohort)
 
 
 def _value(options: dict[str, Any], key: str, default: float | None) -> float | None:

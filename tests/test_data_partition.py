@@ -10,12 +10,15 @@ import pytest
 from fedsim.config import ConfigError
 from fedsim.data import (
     PARTITIONERS,
+    DatasetSpec,
+    build_dataset,
     dirichlet_partition,
     iid_partition,
     load_digits,
     partition_stats,
     quantity_skew_partition,
     shard_partition,
+    split_classes_partition,
 )
 
 PARAMS = {
@@ -23,6 +26,7 @@ PARAMS = {
     "dirichlet": {"alpha": 0.3},
     "shards": {"classes_per_client": 2},
     "quantity": {"sigma": 1.0},
+    "split-classes": {"classes_per_client": 2},
 }
 
 
@@ -52,7 +56,7 @@ def _check_partition(parts, labels, num_clients, covering=True):
 def test_partition_is_disjoint_covering_nonempty(name, num_clients, digit_labels):
     parts = PARTITIONERS[name](digit_labels, num_clients, np.random.default_rng(3), **PARAMS[name])
     # shards leave out labels no client holds when num_clients * k < num_classes (documented)
-    covering = not (name == "shards" and num_clients * 2 < 10)
+    covering = not (name in ("shards", "split-classes") and num_clients * 2 < 10)
     _check_partition(parts, digit_labels, num_clients, covering)
     if not covering:
         assert np.unique(digit_labels[np.concatenate(parts)]).size == num_clients * 2
@@ -165,6 +169,57 @@ def test_shards_with_sigma_keep_k_classes_and_skew_sizes(num_clients, digit_labe
     assert cv(0.0) < 0.2 < cv(0.5) < cv(1.0) < cv(2.0)
     with pytest.raises(ConfigError, match="sigma"):
         run(-1.0)
+
+
+def test_split_classes_pairs_split_the_classes_in_random_chunks(digit_labels):
+    parts = split_classes_partition(digit_labels, 20, np.random.default_rng(4), 5)
+    _check_partition(parts, digit_labels, 20)
+    sets = [set(np.unique(digit_labels[p]).tolist()) for p in parts]
+    assert all(len(s) == 5 for s in sets)
+    for a, b in zip(sets[::2], sets[1::2], strict=True):  # each pair splits the ten classes
+        assert a.isdisjoint(b) and a | b == set(range(10))
+    assert len({frozenset(s) for s in sets}) > 2  # every pair draws its own split
+    # each class is cut at random points: its holders' chunks differ in size
+    held = [c for c in (np.count_nonzero(digit_labels[p] == 3) for p in parts) if c > 0]
+    assert len(held) == 10 and sum(held) == np.count_nonzero(digit_labels == 3)
+    assert max(held) > 2 * min(held)
+
+
+def test_femnist_digits_split_in_pairs():
+    """The FEMNIST-like source with its 10 digit classes, pairs of writers splitting them."""
+    spec = DatasetSpec(
+        source="femnist",
+        partition="split-classes",
+        femnist_classes=10,
+        classes_per_client=5,
+        num_clients=6,
+        samples_per_client=40,
+        test_fraction=0.25,
+    )
+    dataset = build_dataset(spec)
+    assert dataset.num_classes == 10 and dataset.feature_shape == (1, 28, 28)
+    classes = [
+        set(np.unique(np.concatenate([dataset.train.client(k)[1], dataset.test.client(k)[1]])))
+        for k in range(6)
+    ]
+    for a, b in zip(classes[::2], classes[1::2], strict=True):
+        assert len(a) == len(b) == 5 and a | b == set(range(10))
+    with pytest.raises(ConfigError, match="data.femnist_classes"):
+        DatasetSpec(source="femnist", partition="natural", num_clients=2, femnist_classes=1)
+
+
+def test_split_classes_refuses_what_it_cannot_split(digit_labels):
+    rng = np.random.default_rng(0)
+    with pytest.raises(ConfigError, match=r"classes_per_client = 3 .*divisor .*\(10\)"):
+        split_classes_partition(digit_labels, 4, rng, 3)
+    with pytest.raises(ConfigError, match=r"classes_per_client = 5 .*fewer rows than clients"):
+        split_classes_partition(digit_labels[:60], 40, rng, 5)
+    with pytest.raises(ConfigError, match="data.classes_per_client"):
+        build_dataset(
+            DatasetSpec(
+                source="digits", partition="split-classes", classes_per_client=4, num_clients=4
+            )
+        )
 
 
 def test_quantity_skew_spread_grows_with_sigma(digit_labels):

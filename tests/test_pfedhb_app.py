@@ -12,7 +12,7 @@ from fedsim.data import DatasetSpec
 from fedsim.engine.rounds import run_rounds
 from fedsim.records import to_numpy, to_record
 from fedsim.workloads.bayesian import BayesSpec, build_bayes_model, model_arrays
-from fedsim.workloads.personalised import PersonalTraining, make_personal_app
+from fedsim.workloads.personalised import PersonalTraining, make_personal_app, prior_variance
 from strategies.personalised import Cohorts, FedAvgReference, LocalOnly
 from strategies.pfedbayes import PFedBayes
 from strategies.pfedhb import HBConfig, PFedHB
@@ -63,14 +63,75 @@ def test_methods_run_and_evaluate_every_client(local_engine, strategy, trained_p
     assert np.all(np.isfinite(np.concatenate([v.ravel() for v in arrays.values()])))
 
 
-def _instruction(arrays, server_round, method="pfedhb"):
+def _instruction(arrays, server_round, method="pfedhb", kind=MessageType.TRAIN, **extra):
     config = ConfigRecord(
-        {"method": method, "server-round": server_round, "report": 1, "head-prior": "global"}
+        {
+            "method": method,
+            "server-round": server_round,
+            "report": 1,
+            "head-prior": "global",
+            **extra,
+        }
     )
     content = RecordDict({"global": to_record(arrays), "config": config})
-    message = Message(content=content, dst_node_id=1, message_type=MessageType.TRAIN)
-    message.metadata.__dict__["_message_id"] = f"m{server_round}"
+    message = Message(content=content, dst_node_id=1, message_type=kind)
+    message.metadata.__dict__["_message_id"] = f"m{server_round}{kind}"
     return message
+
+
+def _context():
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
+    return Context(
+        run_id=1, node_id=1, node_config={"partition-id": 0}, state=RecordDict(), run_config={}
+    )
+
+
+@pytest.mark.parametrize("method", ["pfedhb", "pfedvem"])
+def test_personal_model_is_evaluated_with_the_body_it_trained(method):
+    """As the reference's clients, which test before the server overwrites their bodies:
+    the global body in the evaluate message does not change the personal model's score."""
+    app = make_personal_app(SPEC, DATA, TRAINING)
+    g = model_arrays(build_bayes_model(SPEC, 0))
+    context = _context()
+    prior = "per-client" if method == "pfedvem" else "global"
+    app(_instruction(g, 1, method, **{"head-prior": prior}), context)
+    other = {k: v + 0.5 if k.startswith("body.") and k.endswith("_mu") else v for k, v in g.items()}
+    scores = [
+        dict(app(_instruction(a, 1, method, MessageType.EVALUATE), context).content["metrics"])
+        for a in (g, other)
+    ]
+    assert scores[0]["acc-mean"] == scores[1]["acc-mean"]
+    assert scores[0]["nll-mean"] == scores[1]["nll-mean"]
+
+
+def test_head_kl_weighs_the_pull_of_the_global_head():
+    """``head_kl`` scales KL(q_i,head || q_g,head) in the head's loss: without it the head
+    strays further from the global head than with the reference's weight 1."""
+    g = model_arrays(build_bayes_model(SPEC, 0))
+    moved = {}
+    for weight in (0.0, 1.0):
+        training = PersonalTraining(**{**TRAINING.__dict__, "head_kl": weight, "head_lr": 0.05})
+        context = _context()
+        reply = make_personal_app(SPEC, DATA, training)(_instruction(g, 1), context)
+        head = to_numpy(reply.content["posterior"])["head.0.weight_mu"]
+        moved[weight] = float(np.abs(head - g["head.0.weight_mu"]).mean())
+    assert moved[0.0] > 2 * moved[1.0]
+
+
+def test_pfedvem_reports_the_prior_variance_its_head_was_trained_against():
+    """pFedVEM's M-step runs at the start of the round (``vem/vem_client.py``): in round 1
+    the head is the global one, so rho_i^2 is the mean of its sigma^2 = softplus(rho_init)^2."""
+    app = make_personal_app(SPEC, DATA, TRAINING)
+    g = model_arrays(build_bayes_model(SPEC, 0))
+    context = _context()
+    reply = app(_instruction(g, 1, "pfedvem", **{"head-prior": "per-client"}), context)
+    sigma2 = float(np.logaddexp(0.0, np.float32(SPEC.rho_init))) ** 2
+    assert reply.content["metrics"]["head-prior-var"] == pytest.approx(sigma2, rel=1e-6)
+    trained = to_numpy(reply.content["posterior"])
+    again = app(_instruction(g, 2, "pfedvem", **{"head-prior": "per-client"}), context)
+    assert again.content["metrics"]["head-prior-var"] == pytest.approx(
+        prior_variance(trained, g), rel=1e-6
+    )
 
 
 def test_personal_heads_persist_across_rounds():
@@ -82,7 +143,7 @@ def test_personal_heads_persist_across_rounds():
     )
     first = to_numpy(app(_instruction(g, 1), context).content["posterior"])
     kept = to_numpy(context.state["fedsim.personal"])
-    assert set(kept) == {k for k in g if k.startswith("head.")}
+    assert set(kept) == set(g)  # the personal head and the body trained this round
     for key in kept:
         np.testing.assert_array_equal(kept[key], first[key])
     # round 2 starts the head from the kept one, not from the global head

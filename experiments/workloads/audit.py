@@ -21,8 +21,9 @@ other unseen canaries (at most 200 steps); then the canaries' AUC is measured ag
 Dataset inference: the 40 inserted canaries (members) and the 40 non-member canaries as
 suspect sets, digit-perturbed synthetic held-out copies, 5 splits.
 
-Usage: ``python experiments/workloads/audit.py [--part dp|canary|all] [--seeds 0 1 2]``;
-writes ``audit.json`` next to this file (parts merge into it) and prints the tables.
+Usage: ``python experiments/workloads/audit.py [--part dp|canary|all|tables] [--seeds 0 1 2]``;
+writes ``audit.json`` next to this file (parts merge into it) and prints the tables (mean ±
+sample std, ddof = 1, over the seeds); ``--part tables`` prints them from ``audit.json`` only.
 """
 
 from __future__ import annotations
@@ -202,7 +203,8 @@ def canary_part(seeds: list[int]) -> list[dict]:
 
 
 def _mean_std(values: list[float]) -> str:
-    return f"{np.mean(values):.3f} ± {np.std(values):.3f}"
+    """Mean ± sample standard deviation (ddof = 1)."""
+    return f"{np.mean(values):.3f} ± {np.std(values, ddof=1):.3f}"
 
 
 def print_tables(results: dict) -> None:
@@ -245,7 +247,12 @@ def print_tables(results: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("dp", "canary", "all"), default="all")
+    parser.add_argument(
+        "--part",
+        choices=("dp", "canary", "all", "tables"),
+        default="all",
+        help="tables: print the tables from the stored JSON, run nothing",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", type=Path, default=OUT, help="JSON file (parts merge into it)")
     args = parser.parse_args()
@@ -255,7 +262,7 @@ def main() -> None:
 
     FLOWER_LOGGER.setLevel(logging.WARNING)
     parts = {"dp": dp_part, "canary": canary_part}
-    for name in parts if args.part == "all" else [args.part]:
+    for name in {"all": list(parts), "tables": []}.get(args.part, [args.part]):
         rows = parts[name](args.seeds)
         # Re-read before writing: another part may have finished meanwhile.
         results = json.loads(args.out.read_text()) if args.out.exists() else {}

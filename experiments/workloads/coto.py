@@ -17,10 +17,11 @@ Scored on the 361 pooled test rows (all classes, and the new classes 5-9):
     adapter (seed s) with client seeds s and s + 100 (shuffling, CoTo draws); the two
     adapters are linearly interpolated (A and B, weight 0.5), and their merged weight
     deltas averaged (W + (dW_1 + dW_2) / 2).
-Seeds 0, 1, 2 (base pre-training, adapter init, shuffling, CoTo draws); mean +- std.
+Seeds 0, 1, 2 (base pre-training, adapter init, shuffling, CoTo draws); mean +- sample std
+(ddof = 1).
 
 Writes ``coto.json`` (``--rounds 40``, the default; ``coto_<rounds>.json`` otherwise) next to
-this file and prints the README's table.
+this file and prints the README's table; ``--tables`` prints it from that file only.
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ def full_setting(engine, dataset, model, base, seed, test, rounds):
 def summarise(runs: list[dict]) -> dict:
     keys = [k for k, v in runs[0].items() if isinstance(v, float)]
     out = {f"{k}_mean": float(np.mean([r[k] for r in runs])) for k in keys}
-    out |= {f"{k}_std": float(np.std([r[k] for r in runs])) for k in keys}
+    out |= {f"{k}_std": float(np.std([r[k] for r in runs], ddof=1)) for k in keys}
     return {**out, "bytes_up": runs[0]["bytes_up"], "runs": runs}
 
 
@@ -213,8 +214,19 @@ def main(rounds: int) -> None:
     name = "coto.json" if rounds == 40 else f"coto_{rounds}.json"
     Path(__file__).with_name(name).write_text(json.dumps(results, indent=2) + "\n")
 
-    def cell(r, key):
-        return f"{r[key + '_mean']:.3f} ± {r[key + '_std']:.3f}" if key + "_mean" in r else "—"
+    print_tables(results)
+    print(f"\n{results['seconds']:.0f} s")
+
+
+def print_tables(results: dict) -> None:
+    """The README's table, recomputed from the per-seed runs (mean ± sample std, ddof = 1)."""
+    rounds = results["rounds"]
+
+    def cell(r: dict, key: str) -> str:
+        if key not in r["runs"][0]:
+            return "—"
+        values = np.array([run[key] for run in r["runs"]])
+        return f"{values.mean():.3f} ± {values.std(ddof=1):.3f}"
 
     print(
         "| setting | accuracy | new classes | merged into base | 1 of 4 adapters pruned "
@@ -235,10 +247,16 @@ def main(rounds: int) -> None:
             )
         ]
         print(f"| {name} | {' | '.join(cells)} | {r['bytes_up'] / rounds / 1e3:.1f} kB |")
-    print(f"\n{results['seconds']:.0f} s")
-
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=40)
-    main(parser.parse_args().rounds)
+    parser.add_argument(
+        "--tables", action="store_true", help="print the table from the stored JSON only"
+    )
+    args = parser.parse_args()
+    if args.tables:
+        name = "coto.json" if args.rounds == 40 else f"coto_{args.rounds}.json"
+        print_tables(json.loads(Path(__file__).with_name(name).read_text()))
+    else:
+        main(args.rounds)

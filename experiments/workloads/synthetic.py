@@ -91,6 +91,10 @@ def zo_table():
 def main() -> None:
     results = {"qoda": qoda_table(), "zeroth_order": zo_table()}
     Path(__file__).with_name("synthetic.json").write_text(json.dumps(results, indent=2) + "\n")
+    print_tables(results)
+
+
+def print_tables(results: dict) -> None:
     print("| game | method | last / d0 | average / d0 | kbit per worker |")
     print("|---|---|---|---|---|")
     for r in results["qoda"]:
@@ -105,6 +109,8 @@ def main() -> None:
     for r in results["zeroth_order"]:
         print(f"| {r['lr']:g} | {r['r_adazo']:.3g} | {r['zo_adamm']:.3g} |")
 
-
 if __name__ == "__main__":
-    main()
+    if "--tables" in sys.argv[1:]:  # from synthetic.json, nothing run
+        print_tables(json.loads(Path(__file__).with_name("synthetic.json").read_text()))
+    else:
+        main()

@@ -9,6 +9,7 @@ from fedsim.data.partition import (
     partition_stats,
     quantity_skew_partition,
     shard_partition,
+    split_classes_partition,
 )
 from fedsim.data.sources import (
     femnist_like,
@@ -37,5 +38,6 @@ __all__ = [
     "quantity_skew_partition",
     "register_dataset",
     "shard_partition",
+    "split_classes_partition",
     "synthetic_fedprox",
 ]

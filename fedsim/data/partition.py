@@ -280,6 +280,74 @@ def quantity_skew_partition(
     return _split_by_owner(owner, num_clients)
 
 
+def split_classes_partition(
+    labels: np.ndarray, num_clients: int, rng: np.random.Generator, classes_per_client: int
+) -> list[np.ndarray]:
+    """Groups of ``g = C / k`` clients, each group splitting the ``C`` classes among its members.
+
+    The label skew of the pFedVEM / pFedHB reference code (``get_split_datasets`` and
+    ``RandomDataSplit`` there): clients ``g j .. g j + g - 1`` form group ``j``, which shuffles
+    the classes and gives each member ``k = classes_per_client`` of them, so the members'
+    class sets are disjoint and together cover every class (``k = C / 2``: pairs of clients
+    splitting the classes, 5 of 10 each in the reference). Every class's rows are then cut at
+    ``m_c - 1`` distinct uniformly random points into one chunk per client holding it (``m_c``
+    holders), so chunk sizes are unequal (a uniform random composition of ``n_c``): quantity
+    skew on top of the label skew, as the reference's random clipper.
+
+    ``k`` must divide the number of classes present. When ``num_clients`` is not a multiple
+    of ``g`` the last group is incomplete and the classes no client holds are left out (not
+    covering). Raises if a class has fewer rows than holders.
+    """
+    labels = _check(labels, num_clients)
+    ok = isinstance(classes_per_client, (int, np.integer)) and classes_per_client >= 1
+    require(ok, "classes_per_client", classes_per_client, "an integer >= 1")
+    class_counts = np.bincount(labels)
+    present = np.flatnonzero(class_counts)
+    k = int(classes_per_client)
+    require(
+        present.size % k == 0,
+        "classes_per_client",
+        k,
+        f"a divisor of the number of classes present ({present.size}), so that each group "
+        "of clients splits the classes exactly",
+    )
+    g = present.size // k
+    client = np.arange(num_clients)
+    shuffled = np.argsort(rng.random((-(-num_clients // g), present.size)), axis=1)
+    member = (client % g)[:, None] * k + np.arange(k)[None, :]
+    slot_class = present[np.take_along_axis(shuffled[client // g], member, axis=1)].ravel()
+    slot_client = np.repeat(client, k)
+    by_class = np.argsort(slot_class, kind="stable")
+    slot_class, slot_client = slot_class[by_class], slot_client[by_class]
+    holders = np.bincount(slot_class, minlength=class_counts.size)
+    short = np.flatnonzero((holders > 0) & (class_counts < holders))
+    require(
+        short.size == 0,
+        "classes_per_client",
+        k,
+        f"a value for which every class has at least one row per holder (class "
+        f"{int(short[0]) if short.size else -1} has fewer rows than clients holding it; "
+        "use fewer clients)",
+    )
+    first_slot = np.concatenate([[0], np.cumsum(holders)[:-1]])
+    order = _class_sorted(labels, rng)
+    label = labels[order]
+    used = holders[label] > 0
+    order, label = order[used], label[used]
+    start = np.concatenate([[0], np.cumsum(np.bincount(label, minlength=class_counts.size))])
+    position = np.arange(label.size) - start[label]  # within the class, 0 .. n_c - 1
+    # cut before position p (p >= 1) if its random key is among the class's m_c - 1 smallest
+    keys = np.where(position > 0, rng.random(label.size), np.inf)
+    by_key = np.lexsort((keys, label))
+    rank = np.empty(label.size, dtype=np.int64)
+    rank[by_key] = np.arange(label.size) - start[label[by_key]]
+    cuts = np.cumsum(rank < holders[label] - 1)  # position 0 of a class is never a cut
+    chunk = cuts - cuts[start[label]]
+    owner = np.full(labels.size, -1, dtype=np.int64)
+    owner[order] = slot_client[first_slot[label] + chunk]
+    return _split_by_owner(owner, num_clients)
+
+
 def partition_stats(
     parts: Sequence[np.ndarray], labels: np.ndarray, num_classes: int
 ) -> dict[str, Any]:
@@ -308,4 +376,5 @@ PARTITIONERS: dict[str, Partitioner] = {
     "dirichlet": dirichlet_partition,
     "shards": shard_partition,
     "quantity": quantity_skew_partition,
+    "split-classes": split_classes_partition,
 }

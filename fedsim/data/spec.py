@@ -28,7 +28,7 @@ from fedsim.data.sources import (
 )
 
 Source = Literal["digits", "synthetic", "femnist", "leaf", "table", "npy"]
-PartitionName = Literal["iid", "dirichlet", "shards", "quantity", "natural"]
+PartitionName = Literal["iid", "dirichlet", "shards", "quantity", "split-classes", "natural"]
 
 #: Sources whose samples come with a writer / user / device (a natural partition).
 NATURAL_SOURCES = ("synthetic", "femnist", "leaf", "table", "npy")
@@ -50,7 +50,9 @@ class DatasetSpec:
 
     partition: iid / dirichlet (``alpha``) / shards (``classes_per_client``;
     ``shard_sigma > 0`` also skews client sizes, lognormal) / quantity
-    (``quantity_sigma``) re-split the pooled samples among
+    (``quantity_sigma``) / split-classes (``classes_per_client``: groups of
+    C / k clients split the C classes, pairs for k = C / 2, each class cut into
+    random unequal chunks: the pFedVEM / pFedHB reference split) re-split the pooled samples among
     ``num_clients`` clients; natural keeps the source's own writers: the first
     ``num_clients`` of them (sorted ids for leaf/table, saved order for npy; for
     synthetic and femnist exactly ``num_clients`` are generated). Generated
@@ -59,6 +61,7 @@ class DatasetSpec:
     test_fraction: share of each client's rows held out for testing (not used
     by leaf/npy with the natural partition, which bring their own test split).
     samples_per_client: femnist only; 0 draws per-writer sizes from a lognormal.
+    femnist_classes: femnist only; classes generated (62, FEMNIST's; 10: its digits).
     """
 
     source: Source
@@ -73,6 +76,7 @@ class DatasetSpec:
     synthetic_alpha: float = 1.0
     synthetic_beta: float = 1.0
     samples_per_client: int = 0
+    femnist_classes: int = _FEMNIST_CLASSES
     path: str = ""
     client_column: str = "client_id"
     label_column: str = "label"
@@ -89,13 +93,13 @@ class DatasetSpec:
             self.partition in ("natural", *PARTITIONERS),
             "data.partition",
             self.partition,
-            "one of iid, dirichlet, shards, quantity, natural",
+            "one of iid, dirichlet, shards, quantity, split-classes, natural",
         )
         require(
             self.partition != "natural" or self.source in NATURAL_SOURCES,
             "data.partition",
             self.partition,
-            f"a partitioner (iid, dirichlet, shards, quantity) for the "
+            f"a partitioner (iid, dirichlet, shards, quantity, split-classes) for the "
             f"centralised source {self.source!r}; natural needs one of "
             f"{', '.join(NATURAL_SOURCES)}",
         )
@@ -103,6 +107,7 @@ class DatasetSpec:
         _int(self.seed, "data.seed", 0)
         _int(self.classes_per_client, "data.classes_per_client", 1)
         _int(self.samples_per_client, "data.samples_per_client", 0)
+        _int(self.femnist_classes, "data.femnist_classes", 2)
         _number(
             self.test_fraction,
             "data.test_fraction",
@@ -209,6 +214,7 @@ def _resplit(
         "dirichlet": {"alpha": spec.alpha},
         "shards": {"classes_per_client": spec.classes_per_client, "sigma": spec.shard_sigma},
         "quantity": {"sigma": spec.quantity_sigma},
+        "split-classes": {"classes_per_client": spec.classes_per_client},
     }[spec.partition]
     try:
         parts = PARTITIONERS[spec.partition](y, spec.num_clients, part_rng, **params)
@@ -259,9 +265,9 @@ def build_dataset(spec: DatasetSpec) -> FederatedDataset:
             num_classes = _SYNTHETIC_CLASSES
         else:
             parts = femnist_like(
-                spec.num_clients, src_rng, spec.samples_per_client or None, _FEMNIST_CLASSES
+                spec.num_clients, src_rng, spec.samples_per_client or None, spec.femnist_classes
             )
-            num_classes = _FEMNIST_CLASSES
+            num_classes = spec.femnist_classes
         if natural:
             return _natural(parts, spec, split_rng, num_classes, name)
         x, y = _pool(parts)

@@ -10,13 +10,16 @@ one round to the next. A train instruction carries the global posterior
 Client steps (``q_i`` personal posterior, ``q_g`` global posterior):
 
 * pfedhb (reference code ``hb/hb_client.py``): the body is reset to the global
-  body; ``head_steps`` full-batch Adam steps on the head's negative ELBO
-  ``sum_n E_q[-log p(y_n | x_n)] + KL(q_i,head || prior)`` (MC over
+  body, the head is the client's own from its last round; ``head_steps`` full-batch
+  Adam steps on the head's negative ELBO
+  ``sum_n E_q[-log p(y_n | x_n)] + head_kl * KL(q_i,head || prior)`` (MC over
   ``mc_samples`` reparameterised draws), the prior being ``q_g,head`` or, with
   ``head-prior = "per-client"``, ``N(mu_g, rho_i^2 I)``; then ``body_epochs``
   minibatch Adam epochs on ``mean_n E_q[-log p] + body_kl * KL(q_i,body || q_g,body)``.
 * pfedvem: the same with the per-client prior and a deterministic body (its
-  means, no KL); the reply adds ``head-prior-var`` = ``rho_i^2`` (pFedVEM's M-step).
+  means, no KL); the reply adds ``head-prior-var`` = ``rho_i^2``, pFedVEM's M-step
+  against the received ``mu_g`` at the start of the round, the variance the head was
+  trained against and the server weighs it by (``vem/vem_client.py``).
 * pfedbayes: personal ``q_i`` (whole network) and the localised global ``w_i``
   (from ``q_g``); per minibatch one Adam step on
   ``sum_batch E_q[-log p] + (zeta / N_b) KL(q_i || w_i)`` and one on ``KL(q_i || w_i)``
@@ -25,7 +28,10 @@ Client steps (``q_i`` personal posterior, ``q_g`` global posterior):
   model in the client state and never reports.
 
 Evaluation (every method) on the client's test rows: accuracy and NLL of the
-posterior mean and of the MC predictive, and ECE bin sums of both.
+posterior mean and of the MC predictive, and ECE bin sums of both. The personal model
+of pfedhb / pfedvem is the head and the body the client trained in its last round (the
+reference's clients test before the server overwrites their bodies), of pfedbayes and
+local its own model; fedavg fine-tunes the global model (``finetune-epochs``) first.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from fedsim.workloads.bayesian import (
     BayesMLP,
     BayesSpec,
     calibration_bins,
+    expected_calibration_error,
     kl_normal,
     kl_to,
     load_arrays,
@@ -60,12 +67,14 @@ from fedsim.workloads.bayesian import (
 )
 
 PERSONAL = "fedsim.personal"
+PRIOR_VAR = "head-prior-var"
 METHODS = ("pfedhb", "pfedvem", "pfedbayes", "fedavg", "local")
 
 
 @dataclass(frozen=True, kw_only=True)
 class PersonalTraining:
-    """Client hyper-parameters (defaults: the pFedHB reference code).
+    """Client hyper-parameters (defaults: the pFedHB reference code); a run config's
+    ``[personal]`` table.
 
     Attributes:
         head_steps: full-batch Adam steps on the head per round.
@@ -73,6 +82,8 @@ class PersonalTraining:
         body_epochs: minibatch epochs on the body per round.
         batch_size: rows per body minibatch.
         mc_samples: reparameterised draws per loss evaluation.
+        head_kl: weight of the head's ``KL(q_i,head || prior)`` (``kl_coeff_head``: 1 in
+            the reference, the negative ELBO).
         body_kl: weight of ``KL(q_i,body || q_g,body)`` (1e-6 in the reference).
         zeta: pFedBayes's KL weight.
         personal_steps: pFedBayes's personal steps per local-global step (K).
@@ -88,6 +99,7 @@ class PersonalTraining:
     body_epochs: int = 2
     batch_size: int = 50
     mc_samples: int = 5
+    head_kl: float = 1.0
     body_kl: float = 1e-6
     zeta: float = 10.0
     personal_steps: int = 5
@@ -107,13 +119,14 @@ class PersonalTraining:
             "personal_steps",
         ):
             value = getattr(self, key)
-            require(value >= 1, f"client.{key}", value, "an integer >= 1")
+            require(value >= 1, f"personal.{key}", value, "an integer >= 1")
         for key in ("head_lr", "body_lr", "sgd_lr", "zeta"):
             value = getattr(self, key)
-            require(value > 0, f"client.{key}", value, "a number > 0")
-        require(self.body_kl >= 0, "client.body_kl", self.body_kl, "a number >= 0")
-        require(self.eval_samples >= 0, "client.eval_samples", self.eval_samples, "an integer >= 0")
-        require(self.ece_bins >= 1, "client.ece_bins", self.ece_bins, "an integer >= 1")
+            require(value > 0, f"personal.{key}", value, "a number > 0")
+        require(self.body_kl >= 0, "personal.body_kl", self.body_kl, "a number >= 0")
+        require(self.head_kl >= 0, "personal.head_kl", self.head_kl, "a number >= 0")
+        require(self.eval_samples >= 0, "personal.eval_samples", self.eval_samples, "an integer >= 0")
+        require(self.ece_bins >= 1, "personal.ece_bins", self.ece_bins, "an integer >= 1")
 
 
 @contextlib.contextmanager
@@ -181,7 +194,8 @@ def hb_client_step(
     for _ in range(cfg.head_steps):
         opt.zero_grad(set_to_none=True)
         loss = _nll(model, x, y, cfg.mc_samples, body_bayesian)
-        loss = loss + kl_to(model, "head", prior, prior_var if head_prior == "per-client" else None)
+        variance = prior_var if head_prior == "per-client" else None
+        loss = loss + cfg.head_kl * kl_to(model, "head", prior, variance)
         loss.backward()
         opt.step()
     body = _params(model, "body", means_only=not body_bayesian)
@@ -377,11 +391,11 @@ def make_personal_app(model: BayesSpec, data: DatasetSpec, training: PersonalTra
                     prior_var=prior_var,
                 )
                 reply = model_arrays(net)
-                context.state[PERSONAL] = to_record(
-                    {k: v for k, v in reply.items() if k.startswith("head.")}
-                )
-                if head_prior == "per-client":
-                    metrics["head-prior-var"] = prior_variance(reply, g)
+                # the personal head and the body trained this round: the reference's clients
+                # test with both before the server overwrites their bodies
+                context.state[PERSONAL] = to_record(reply)
+                if prior_var is not None:  # the variance its head was trained against
+                    metrics[PRIOR_VAR] = prior_var
             elif method == "pfedbayes":
                 load_arrays(net, personal if personal is not None else g)
                 local_global = cached_model(model, slot=1)
@@ -417,9 +431,7 @@ def make_personal_app(model: BayesSpec, data: DatasetSpec, training: PersonalTra
         load_arrays(net, g)
         bayesian = method in ("pfedhb", "pfedvem", "pfedbayes")
         with seeded(training.seed, server_round, partition, 1) as gen:
-            if personal is not None and method in ("pfedhb", "pfedvem"):
-                load_arrays(net, personal, only="head.")
-            elif personal is not None and method in ("pfedbayes", "local"):
+            if personal is not None and method in ("pfedhb", "pfedvem", "pfedbayes", "local"):
                 load_arrays(net, personal)
             elif method == "fedavg" and int(config.get("finetune-epochs", 0)) > 0:
                 xt, yt = _tensors(*dataset.train.client(partition))
@@ -434,9 +446,13 @@ def make_personal_app(model: BayesSpec, data: DatasetSpec, training: PersonalTra
 
 
 def global_metrics(
-    model: BayesMLP, arrays: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray
+    model: BayesMLP,
+    arrays: dict[str, np.ndarray],
+    x: np.ndarray,
+    y: np.ndarray,
+    ece_bins: int = 10,
 ) -> dict[str, float]:
-    """Posterior-mean accuracy and NLL of the global model on (x, y)."""
+    """Posterior-mean accuracy, NLL and ECE (``ece_bins`` bins) of the global model on (x, y)."""
     load_arrays(model, arrays)
     xt, yt = _tensors(x, y)
     p = predict_proba(model, xt).numpy().astype(np.float64)
@@ -444,4 +460,5 @@ def global_metrics(
     return {
         "global_acc": float(np.mean(p.argmax(1) == labels)),
         "global_nll": float(-np.mean(np.log(np.maximum(p[np.arange(len(labels)), labels], 1e-12)))),
+        "global_ece": expected_calibration_error(*calibration_bins(p, labels, ece_bins)),
     }
