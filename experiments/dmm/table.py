@@ -5,11 +5,12 @@ source, population and rounds) it reads ``setup.json``, the runs (``{method}_eps
 and the full-vs-ideal checks (``check_*.json``) and writes ``tables.md`` next to this script:
 
 * test accuracy, mean ± standard deviation over seeds, per method and epsilon;
-* DMM-banded minus DDGauss and minus central BandMF (and DMM-tree minus the central tree) per
-  epsilon: difference of the means ± its standard error sqrt(s_a^2 / n_a + s_b^2 / n_b);
+* DMM-banded minus DDGauss and minus central BandMF, DMM-tree minus DDGauss and minus the
+  central tree, per epsilon: difference of the means ± its standard error
+  sqrt(s_a^2 / n_a + s_b^2 / n_b), s^2 the sample variances over seeds (ddof = 1);
 * the full mode's cost per round (wall seconds, bytes per client, bytes per committee member sent
   and received, total protocol bytes), mean over the DMM runs;
-* the checks that full and ideal mode gave bit-identical models.
+* the mode checks: DMM full against ideal, DDGauss plaintext against full, same root.
 
     python experiments/dmm/table.py [--results DIR] [--out FILE]
 """
@@ -35,6 +36,7 @@ METHODS = (
 DIFFERENCES = (
     ("dmm-banded", "ddgauss"),
     ("dmm-banded", "central-bandmf"),
+    ("dmm-tree", "ddgauss"),
     ("dmm-tree", "central-tree"),
 )
 COSTS = (
@@ -69,8 +71,9 @@ def accuracy_table(runs: list[dict], epsilons: list[float]) -> str:
     def cell(values):
         if not values:
             return "-"
-        spread = statistics.stdev(values) if len(values) > 1 else 0.0
-        return f"{statistics.mean(values):.3f} ± {spread:.3f} (n={len(values)})"
+        if len(values) == 1:
+            return f"{values[0]:.3f} (n=1)"
+        return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f} (n={len(values)})"
 
     lines = ["| method | " + " | ".join(f"ε = {e:g}" for e in epsilons) + " |"]
     lines.append("|---" * (len(epsilons) + 1) + "|")
@@ -114,12 +117,13 @@ def cost_table(runs: list[dict]) -> str:
 
 def checks_table(checks: list[dict]) -> str:
     if not checks:
-        return "(no full-vs-ideal checks stored)"
-    lines = ["| method | ε | seed | bit-identical | full s | ideal s |", "|---" * 6 + "|"]
+        return "(no mode checks stored)"
+    lines = ["| method | ε | seed | modes | bit-identical | seconds |", "|---" * 6 + "|"]
     for c in checks:
         lines.append(
-            f"| {c['method']} | {c['target_epsilon']:g} | {c['seed']} | {c['identical']} | "
-            f"{c['full_seconds']:.0f} | {c['ideal_seconds']:.0f} |"
+            f"| {c['method']} | {c['target_epsilon']:g} | {c['seed']} | "
+            f"{' vs '.join(c['modes'])} | {c['identical']} | "
+            f"{' / '.join(f'{x:.0f}' for x in c['seconds'])} |"
         )
     return "\n".join(lines)
 
@@ -134,13 +138,14 @@ def section(directory: Path) -> str:
     return "\n\n".join(
         [
             title,
-            "Test accuracy (mean ± std over seeds):",
+            "Test accuracy (mean ± sample std over seeds, ddof = 1):",
             accuracy_table(runs, epsilons),
-            "Differences (mean ± s.e.):",
+            "Differences of mean accuracy ± the standard error of that difference, "
+            "sqrt(s_a²/n_a + s_b²/n_b) with sample variances (ddof = 1) over seeds:",
             difference_table(runs, epsilons),
             "DMM full-mode cost per round (committee actors):",
             cost_table(runs),
-            "Full vs ideal mode (same RunSecret):",
+            "Mode checks (the same run in the other mode, same root):",
             checks_table(checks),
         ]
     )
