@@ -26,10 +26,10 @@ private method is calibrated to the target epsilon under that participation:
   on :func:`fedsim.privacy.dmm.zcdp_epsilon` of that integer M.
 
 Secrets: one study root (``--secrets FILE``, kept outside the results; created with OS randomness
-if missing) gives each seed its own root (:func:`seed_root`). The engine gives client i its own
-secret from it (``Engine.open_run(..., secrets=...)``), the server's noise secret and DMM's
-committee host are bound with :func:`strategies.server_secret.bind_parties`; the stored results
-carry only the roots' fingerprints. The same root repeats every run bit for bit.
+if missing) gives each seed its own root (:mod:`experiments.roots`). The engine gives client i
+its own secret from it (``Engine.open_run(..., secrets=...)``), the server's noise secret and
+DMM's committee host are bound with :func:`strategies.server_secret.bind_parties`; the stored
+results carry only the roots' fingerprints. The same root repeats every run bit for bit.
 
 Every run is stored as one JSON file ``{results}/{source}/{method}_eps{e}_seed{s}.json``
 (``non-private_seed{s}.json``) as soon as it ends; a run whose file exists is skipped, so the
@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import hmac
 import json
 import math
 import shutil
@@ -91,7 +90,10 @@ from strategies.dp_fedavg import DPFedAvg  # noqa: E402
 from strategies.matrix_mechanism import MatrixMechanism  # noqa: E402
 from strategies.server_secret import bind_parties  # noqa: E402
 
+from experiments.roots import default_key, seed_root, study_root  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
+STUDY = "dmm-study"  # its roots: experiments/roots.py
 SEP, DELTA, CLIP = 5, 1e-5, 1.0
 METHODS = (
     "non-private",
@@ -150,15 +152,6 @@ class Setting:
     @property
     def participation(self) -> Participation:
         return Participation(kind="min_sep", min_sep=SEP, max_participations=self.k)
-
-
-def seed_root(root: RunSecret, seed: int) -> RunSecret:
-    """The secret root of seed ``seed``'s runs: HMAC-SHA256 of the study root (``--secrets``)
-    and the seed. Every method of one seed gets the same clients' and server's secrets; seeds
-    get independent ones (one root for all seeds would give every seed the same server noise
-    and the same client noise streams)."""
-    word = f"fedsim-dmm-study/seed/{int(seed)}".encode()
-    return RunSecret(hmac.new(root.transport(), word, hashlib.sha256).digest())
 
 
 def pooled_femnist(clients: int, pool: int, cache: Path) -> DatasetSpec:
@@ -324,7 +317,7 @@ def run_one(engine, setup, method, epsilon, seed, st: Setting, mode=None) -> dic
     family = method.split("-")[0]
     if mode is None and family in MODES:
         mode = MODES[family][0]
-    secrets = seed_root(root, seed)
+    secrets = seed_root(root, STUDY, seed)
     dim = sum(v.size for v in to_numpy(to_record(initial_arrays(model, 0))).values())
     strategy, z = make_strategy(method, epsilon, seed, dim, st, mode)
     host = None
@@ -491,7 +484,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--results", type=Path, default=HERE / "results")
     parser.add_argument("--check-identical", type=int, default=0, metavar="N")
     parser.add_argument("--check-ddgauss-full", type=int, default=0, metavar="N")
-    parser.add_argument("--secrets", type=Path, default=Path.home() / ".fedsim" / "dmm-study.key")
+    parser.add_argument("--secrets", type=Path, default=default_key(STUDY))
     parser.add_argument("--cache", type=Path, default=Path("/tmp/fedsim-dmm-data"))
     args = parser.parse_args(argv)
     clients = args.clients or CLIENTS[args.source]
@@ -499,7 +492,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error(f"--clients {clients}: need a multiple of {SEP} that is >= {2 * SEP}")
     st = Setting(args.source, clients, args.rounds)
     results = args.results / f"{args.source}-{clients}-r{args.rounds}"
-    root = RunSecret.load_or_create(args.secrets, run_dir=results)
+    root = study_root(args.secrets, results)
     setup_path = results / "setup.json"
     if setup_path.is_file():  # a resumed study must use the root its stored runs used
         stored = json.loads(setup_path.read_text()).get("secrets_fingerprint")
