@@ -18,22 +18,31 @@ private method is calibrated to the target epsilon under that participation:
 * ``dp-fedavg``: Gaussian noise each round, ``calibrate_noise`` over k compositions;
 * ``central-bandmf`` / ``central-tree``: :class:`strategies.matrix_mechanism.MatrixMechanism` with
   a 5-banded BandMF C / Honaker's tree;
-* ``ddgauss``: :class:`strategies.ddgauss.DDGauss` (20-bit sum), z bisected on the KLS21 bound;
+* ``ddgauss``: :class:`strategies.ddgauss.DDGauss` (20-bit sum) in ``mode="plaintext"`` (the
+  same sum and accounting as full mode's SecAgg+), z bisected on the KLS21 bound;
 * ``dmm-banded`` / ``dmm-tree``: :class:`strategies.dmm.DMM` in ``mode="full"``: committees of 20
   clients (t = 3, k = 3, planned for 3 member dropouts) drawn from the population each round and
   hosted on 4 Ray actors, M = round(2^12 C) of the same BandMF / the 0/1 Honaker tree; z bisected
   on :func:`fedsim.privacy.dmm.zcdp_epsilon` of that integer M.
 
+Secrets: one study root (``--secrets FILE``, kept outside the results; created with OS randomness
+if missing) gives each seed its own root (:mod:`experiments.roots`). The engine gives client i
+its own secret from it (``Engine.open_run(..., secrets=...)``), the server's noise secret and
+DMM's committee host are bound with :func:`strategies.server_secret.bind_parties`; the stored
+results carry only the roots' fingerprints. The same root repeats every run bit for bit.
+
 Every run is stored as one JSON file ``{results}/{source}/{method}_eps{e}_seed{s}.json``
 (``non-private_seed{s}.json``) as soon as it ends; a run whose file exists is skipped, so the
 study resumes where it stopped. A DMM run records its wall time and, per round, seconds, bytes
 per client, bytes per committee member (sent and received) and total protocol bytes.
-``--check-identical N`` also runs the first N (method, epsilon, seed) DMM cells in ideal mode with
-the same RunSecret and stores ``check_{method}_eps{e}_seed{s}.json`` saying whether the two final
+``--check-identical N`` reruns N DMM cells (spread over methods, seeds and epsilons) in ideal
+mode, ``--check-ddgauss-full N`` N DDGauss cells in full mode (SecAgg+ in the ClientApp), with
+the same root, and stores ``check_{method}_eps{e}_seed{s}.json`` saying whether the two final
 models are bit-identical. :mod:`experiments.dmm.table` turns the stored results into tables.
 
     python experiments/dmm/run.py --source digits [--epsilons 1 2 4 8] [--seeds 0 1 2]
-        [--methods ...] [--rounds 20] [--results DIR] [--check-identical N]
+        [--methods ...] [--rounds 20] [--results DIR] [--secrets FILE]
+        [--check-identical N] [--check-ddgauss-full N]
 """
 
 from __future__ import annotations
@@ -56,7 +65,6 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import dp_accounting as dpa  # noqa: E402
-from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
 from fedsim.data import DatasetSpec, build_dataset  # noqa: E402
@@ -73,15 +81,19 @@ from fedsim.privacy import dmm as dmm_privacy  # noqa: E402
 from fedsim.privacy.matrix.banded import banded  # noqa: E402
 from fedsim.privacy.matrix.sensitivity import Participation  # noqa: E402
 from fedsim.privacy.matrix.tree import honaker_tree  # noqa: E402
-from fedsim.randomness import NODE_SECRET_KEY, RunSecret  # noqa: E402
+from fedsim.randomness import RunSecret  # noqa: E402
 from fedsim.records import to_numpy, to_record  # noqa: E402
 from fedsim.workloads.supervised import LocalTraining, evaluate_model, make_client_app  # noqa: E402
 from strategies.ddgauss import DDGauss, ddgauss_client_app  # noqa: E402
 from strategies.dmm import DMM, dmm_client_app  # noqa: E402
 from strategies.dp_fedavg import DPFedAvg  # noqa: E402
 from strategies.matrix_mechanism import MatrixMechanism  # noqa: E402
+from strategies.server_secret import bind_parties  # noqa: E402
+
+from experiments.roots import default_key, seed_root, study_root  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
+STUDY = "dmm-study"  # its roots: experiments/roots.py
 SEP, DELTA, CLIP = 5, 1e-5, 1.0
 METHODS = (
     "non-private",
@@ -140,28 +152,6 @@ class Setting:
     @property
     def participation(self) -> Participation:
         return Participation(kind="min_sep", min_sep=SEP, max_participations=self.k)
-
-
-def with_secrets(app: ClientApp, secrets: RunSecret) -> ClientApp:
-    """``app`` with each client's own secret in its node_config, as the engine gives it for a
-    run with a RunSecret (``setdefault``: an engine that already does keeps its own)."""
-    out = ClientApp()
-
-    def give(context) -> None:
-        partition = int(context.node_config["partition-id"])
-        context.node_config.setdefault(NODE_SECRET_KEY, secrets.client(partition).token())
-
-    @out.train()
-    def train(message, context):
-        give(context)
-        return app(message, context)
-
-    @out.evaluate()
-    def evaluate(message, context):
-        give(context)
-        return app(message, context)
-
-    return out
 
 
 def pooled_femnist(clients: int, pool: int, cache: Path) -> DatasetSpec:
@@ -227,6 +217,8 @@ def dmm_strategy(method: str, epsilon: float, seed: int, dim: int, st: Setting, 
 
 
 def make_strategy(method: str, epsilon: float, seed: int, dim: int, st: Setting, mode: str):
+    """``method``'s strategy calibrated to ``epsilon`` and its noise multiplier; ``mode`` is
+    DDGauss's ("plaintext" or "full") or DMM's ("full" or "ideal"), unused otherwise."""
     rounds, per_round, k = st.rounds, st.per_round, st.k
     inner = FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=0)
     if method == "non-private":
@@ -274,7 +266,7 @@ def make_strategy(method: str, epsilon: float, seed: int, dim: int, st: Setting,
             noise_multiplier=z,
             expected_clients=per_round,
             seed=seed,
-            mode="plaintext",
+            mode=mode,
             delta=DELTA,
         ), z
     return dmm_strategy(method, epsilon, seed, dim, st, mode)
@@ -313,21 +305,32 @@ COST_KEYS = (
 )
 
 
-def run_one(engine, setup, method, epsilon, seed, st: Setting, mode="full") -> dict:
-    data, dataset, model, apps, test, secrets = setup
+#: Each secure method's mode in the accuracy rows, and the mode its sampled runs are checked
+#: against (the same integers, so the same model bit for bit with the same RunSecret).
+MODES = {"ddgauss": ("plaintext", "full"), "dmm": ("full", "ideal")}
+
+
+def run_one(engine, setup, method, epsilon, seed, st: Setting, mode=None) -> dict:
+    """One run of ``method`` at ``epsilon`` with seed ``seed``'s root; ``mode`` None: the
+    method's study mode (:data:`MODES`)."""
+    data, dataset, model, apps, test, root = setup
+    family = method.split("-")[0]
+    if mode is None and family in MODES:
+        mode = MODES[family][0]
+    secrets = seed_root(root, STUDY, seed)
     dim = sum(v.size for v in to_numpy(to_record(initial_arrays(model, 0))).values())
     strategy, z = make_strategy(method, epsilon, seed, dim, st, mode)
     host = None
-    if method.startswith("dmm"):
+    if family == "dmm":
         host = CommitteeHost(secrets, actors=mode == "full", shards=ACTOR_SHARDS)
-        strategy.bind_committee_host(host)
-    app = apps.get(method.split("-")[0], apps["plain"])
+    bind_parties(strategy, secrets.server(), host)  # the server's noise, DMM's committees
     grid = engine.open_run(
-        app,
+        apps.get(family, apps["plain"]),
         st.clients,
         run_config={"seed": seed},
         participation=MinSeparationCohort(st.clients, SEP, seed),
         datasets=((data, dataset),),
+        secrets=secrets,  # client i's own secret in its node_config
     )
     per_round: list[dict] = []
     clock = [time.perf_counter()]
@@ -356,7 +359,8 @@ def run_one(engine, setup, method, epsilon, seed, st: Setting, mode="full") -> d
     load_arrays(net, arrays)
     out = {
         "method": method,
-        "mode": mode if method.startswith("dmm") else None,
+        "mode": mode,
+        "secrets_fingerprint": secrets.fingerprint(),
         "target_epsilon": epsilon,
         "epsilon": reported_epsilon(method, strategy, st),
         "noise_multiplier": z,
@@ -366,7 +370,7 @@ def run_one(engine, setup, method, epsilon, seed, st: Setting, mode="full") -> d
         "model_sha256": model_digest(arrays),
         "rounds": per_round,
     }
-    if method.startswith("dmm"):
+    if family == "dmm":
         out["cost_per_round"] = {
             key: float(np.mean([r[key] for r in per_round if key in r]))
             for key in ("seconds", *COST_KEYS[:5])
@@ -388,7 +392,7 @@ def write_json(path: Path, data: dict) -> None:
     tmp.replace(path)
 
 
-def build_setup(source: str, st: Setting, local: LocalTraining, cache: Path, secrets: RunSecret):
+def build_setup(source: str, st: Setting, local: LocalTraining, cache: Path, root: RunSecret):
     torch.set_num_threads(1)
     if source == "digits":
         data = DatasetSpec(source="digits", partition="iid", num_clients=st.clients, seed=0)
@@ -399,16 +403,12 @@ def build_setup(source: str, st: Setting, local: LocalTraining, cache: Path, sec
         kind="logreg", input_shape=tuple(dataset.feature_shape), num_classes=dataset.num_classes
     )
     inner = make_client_app(model, data, local)
-    apps = {
-        "plain": inner,
-        "ddgauss": ddgauss_client_app(inner),
-        "dmm": with_secrets(dmm_client_app(inner), secrets),
-    }
+    apps = {"plain": inner, "ddgauss": ddgauss_client_app(inner), "dmm": dmm_client_app(inner)}
     test = (
         torch.as_tensor(np.array(dataset.test.x), dtype=torch.float32),
         torch.as_tensor(np.array(dataset.test.y), dtype=torch.int64),
     )
-    return data, dataset, model, apps, test, secrets
+    return data, dataset, model, apps, test, root
 
 
 def plan(args) -> list[tuple[str, float | None, int]]:
@@ -421,6 +421,58 @@ def plan(args) -> list[tuple[str, float | None, int]]:
     return cells
 
 
+def sampled(cells: list[tuple[str, float | None, int]], family: str, count: int):
+    """``count`` of ``family``'s cells for the mode checks, spread over seeds and epsilons:
+    evenly spaced positions in each method's (seed-major) list, methods taken in turn."""
+    by_method: dict[str, list] = {}
+    for cell in cells:
+        if cell[0].split("-")[0] == family:
+            by_method.setdefault(cell[0], []).append(cell)
+    chosen = []
+    for i, method in enumerate(sorted(by_method)):
+        mine = by_method[method]
+        share = count // len(by_method) + (i < count % len(by_method))
+        positions = np.linspace(0, len(mine) - 1, share) if share > 1 else [0] * share
+        chosen += [mine[round(float(x))] for x in positions]
+    return set(chosen)
+
+
+def check_modes(engine, setup, cell, st: Setting, results: Path) -> dict:
+    """Run ``cell`` again in its family's other mode (same seed root) and compare models."""
+    method, eps, seed = cell
+    study_mode, other_mode = MODES[method.split("-")[0]]
+    stored = json.loads(result_path(results, method, eps, seed).read_text())
+    other = run_one(engine, setup, method, eps, seed, st, mode=other_mode)
+    return {
+        "method": method,
+        "target_epsilon": eps,
+        "seed": seed,
+        "modes": [study_mode, other_mode],
+        "sha256": [stored["model_sha256"], other["model_sha256"]],
+        "seconds": [stored["seconds"], other["seconds"]],
+        "identical": stored["model_sha256"] == other["model_sha256"],
+    }
+
+
+def study_setup(st: Setting, dataset, secrets: RunSecret) -> dict:
+    return {
+        "source": st.source,
+        "clients": st.clients,
+        "rounds": st.rounds,
+        "min_separation": SEP,
+        "participations": st.k,
+        "per_round": st.per_round,
+        "model": f"logreg on {list(dataset.feature_shape)}",
+        "local": asdict(LOCAL[st.source]),
+        "clip": CLIP,
+        "delta": DELTA,
+        "committee": COMMITTEE,
+        "actors": ACTOR_SHARDS,
+        "modes": {family: modes[0] for family, modes in MODES.items()},
+        "secrets_fingerprint": secrets.fingerprint(),
+    }
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source", choices=tuple(CLIENTS), default="digits")
@@ -431,7 +483,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--results", type=Path, default=HERE / "results")
     parser.add_argument("--check-identical", type=int, default=0, metavar="N")
-    parser.add_argument("--secrets", type=Path, default=Path.home() / ".fedsim" / "dmm-study.key")
+    parser.add_argument("--check-ddgauss-full", type=int, default=0, metavar="N")
+    parser.add_argument("--secrets", type=Path, default=default_key(STUDY))
     parser.add_argument("--cache", type=Path, default=Path("/tmp/fedsim-dmm-data"))
     args = parser.parse_args(argv)
     clients = args.clients or CLIENTS[args.source]
@@ -439,59 +492,37 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error(f"--clients {clients}: need a multiple of {SEP} that is >= {2 * SEP}")
     st = Setting(args.source, clients, args.rounds)
     results = args.results / f"{args.source}-{clients}-r{args.rounds}"
-    secrets = RunSecret.load_or_create(args.secrets, run_dir=results)
-    setup = build_setup(args.source, st, LOCAL[args.source], args.cache, secrets)
-    write_json(
-        results / "setup.json",
-        {
-            "source": st.source,
-            "clients": st.clients,
-            "rounds": st.rounds,
-            "min_separation": SEP,
-            "participations": st.k,
-            "per_round": st.per_round,
-            "model": f"logreg on {list(setup[1].feature_shape)}",
-            "local": asdict(LOCAL[args.source]),
-            "clip": CLIP,
-            "delta": DELTA,
-            "committee": COMMITTEE,
-            "actors": ACTOR_SHARDS,
-            "secrets_fingerprint": secrets.fingerprint(),
-        },
-    )
+    root = study_root(args.secrets, results)
+    setup_path = results / "setup.json"
+    if setup_path.is_file():  # a resumed study must use the root its stored runs used
+        stored = json.loads(setup_path.read_text()).get("secrets_fingerprint")
+        if stored != root.fingerprint():
+            parser.error(
+                f"--secrets {args.secrets}: root {root.fingerprint()} is not the root "
+                f"{stored} of the runs stored in {results}"
+            )
+    setup = build_setup(args.source, st, LOCAL[args.source], args.cache, root)
+    write_json(setup_path, study_setup(st, setup[1], root))
     if any(m.startswith("dmm") for m in args.methods):
         ensure_ray(num_cpus=2)  # the committee actors (clients train in this process)
+    cells = plan(args)
+    checks = sampled(cells, "dmm", args.check_identical) | sampled(
+        cells, "ddgauss", args.check_ddgauss_full
+    )
     done = []
-    checks = [c for c in plan(args) if c[0].startswith("dmm")][: args.check_identical]
     with Engine(EngineConfig(backend="local")) as engine:
-        for method, eps, seed in plan(args):
-            path = result_path(results, method, eps, seed)
-            if path.is_file():
-                continue
-            row = run_one(engine, setup, method, eps, seed, st)
-            write_json(path, row)
-            keys = ("method", "target_epsilon", "seed", "accuracy", "seconds")
-            print(json.dumps({k: row[k] for k in keys}), flush=True)
-            done.append(row)
-        for method, eps, seed in checks:
-            path = result_path(results, method, eps, seed, prefix="check_")
-            if path.is_file():
-                continue
-            full = json.loads(result_path(results, method, eps, seed).read_text())
-            ideal = run_one(engine, setup, method, eps, seed, st, mode="ideal")
-            write_json(
-                path,
-                {
-                    "method": method,
-                    "target_epsilon": eps,
-                    "seed": seed,
-                    "full_sha256": full["model_sha256"],
-                    "ideal_sha256": ideal["model_sha256"],
-                    "identical": full["model_sha256"] == ideal["model_sha256"],
-                    "full_seconds": full["seconds"],
-                    "ideal_seconds": ideal["seconds"],
-                },
-            )
+        for cell in cells:
+            path = result_path(results, *cell)
+            if not path.is_file():
+                row = run_one(engine, setup, *cell, st)
+                write_json(path, row)
+                keys = ("method", "target_epsilon", "seed", "accuracy", "seconds")
+                print(json.dumps({k: row[k] for k in keys}), flush=True)
+                done.append(row)
+            check = result_path(results, *cell, prefix="check_")
+            if cell in checks and not check.is_file():
+                write_json(check, check_modes(engine, setup, cell, st, results))
+                print(json.loads(check.read_text()), flush=True)
     return done
 
 

@@ -2,16 +2,22 @@
 
 For every setting directory under ``--results`` (default experiments/dmm/results; one per
 source, population and rounds) it reads ``setup.json``, the runs (``{method}_eps{e}_seed{s}.json``)
-and the full-vs-ideal checks (``check_*.json``) and writes ``tables.md`` next to this script:
+and the mode checks (``check_*.json``) and builds:
 
-* test accuracy, mean ± standard deviation over seeds, per method and epsilon;
-* DMM-banded minus DDGauss and minus central BandMF (and DMM-tree minus the central tree) per
-  epsilon: difference of the means ± its standard error sqrt(s_a^2 / n_a + s_b^2 / n_b);
-* the full mode's cost per round (wall seconds, bytes per client, bytes per committee member sent
-  and received, total protocol bytes), mean over the DMM runs;
-* the checks that full and ideal mode gave bit-identical models.
+* test accuracy, mean ± sample standard deviation (ddof = 1) over seeds, per method and epsilon;
+* DMM-banded minus DDGauss and minus central BandMF, DMM-tree minus DDGauss and minus the
+  central tree, per epsilon: difference of the means ± its standard error
+  sqrt(s_a^2 / n_a + s_b^2 / n_b), s^2 the sample variances over seeds (ddof = 1);
+* the full mode's cost per round (wall seconds, bytes per client, bytes per committee member
+  sent and received, bytes per member of the next committee received, total protocol bytes),
+  mean over the DMM runs;
+* the mode checks: DMM full against ideal, DDGauss plaintext against full, same root.
 
-    python experiments/dmm/table.py [--results DIR] [--out FILE]
+It writes all of it to ``tables.md`` next to this script and into ``README.md`` here, and the
+differences and costs of every source into the repository's README.md, each between its
+markers (``--no-readme``: tables.md only).
+
+    python experiments/dmm/table.py [--results DIR] [--out FILE] [--no-readme]
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ METHODS = (
 DIFFERENCES = (
     ("dmm-banded", "ddgauss"),
     ("dmm-banded", "central-bandmf"),
+    ("dmm-tree", "ddgauss"),
     ("dmm-tree", "central-tree"),
 )
 COSTS = (
@@ -42,7 +49,16 @@ COSTS = (
     ("dmm-bytes-per-client", "B / client"),
     ("dmm-bytes-per-member-sent", "B sent / member"),
     ("dmm-bytes-per-member-received", "B received / member"),
+    ("dmm-bytes-per-next-member-received", "B received / next member"),
     ("dmm-bytes", "protocol B / round"),
+)
+SOURCES = {"digits": "digits", "femnist-like": "FEMNIST-like"}
+#: (file, begin marker, end marker) of the generated blocks.
+STUDY_README = (HERE / "README.md", "<!-- dmm-tables:begin -->", "<!-- dmm-tables:end -->")
+MAIN_README = (HERE.parents[1] / "README.md", "<!-- dmm-study:begin -->", "<!-- dmm-study:end -->")
+SPREAD = (
+    "mean difference of test accuracy ± the standard error of that difference, "
+    "sqrt(s_a²/n_a + s_b²/n_b), with s² the sample variances (ddof = 1) over the seeds"
 )
 
 
@@ -65,12 +81,19 @@ def _accuracies(runs, method, eps) -> list[float]:
     ]
 
 
-def accuracy_table(runs: list[dict], epsilons: list[float]) -> str:
+def _epsilons(runs: list[dict]) -> list[float]:
+    return sorted({r["target_epsilon"] for r in runs if r["target_epsilon"] is not None})
+
+
+def accuracy_table(runs: list[dict]) -> str:
+    epsilons = _epsilons(runs)
+
     def cell(values):
         if not values:
             return "-"
-        spread = statistics.stdev(values) if len(values) > 1 else 0.0
-        return f"{statistics.mean(values):.3f} ± {spread:.3f} (n={len(values)})"
+        if len(values) == 1:
+            return f"{values[0]:.3f} (n=1)"
+        return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f} (n={len(values)})"
 
     lines = ["| method | " + " | ".join(f"ε = {e:g}" for e in epsilons) + " |"]
     lines.append("|---" * (len(epsilons) + 1) + "|")
@@ -81,82 +104,152 @@ def accuracy_table(runs: list[dict], epsilons: list[float]) -> str:
     return "\n".join(lines)
 
 
-def difference_table(runs: list[dict], epsilons: list[float]) -> str:
+def difference(runs: list[dict], a: str, b: str, eps: float) -> str:
+    """``a`` minus ``b`` at ``eps``: mean difference ± its standard error (ddof = 1)."""
+    xa, xb = _accuracies(runs, a, eps), _accuracies(runs, b, eps)
+    if len(xa) < 2 or len(xb) < 2:
+        return "-"
+    se = math.sqrt(statistics.variance(xa) / len(xa) + statistics.variance(xb) / len(xb))
+    return f"{statistics.mean(xa) - statistics.mean(xb):+.3f} ± {se:.3f} (n={len(xa)})"
+
+
+def difference_table(studies: list[tuple[dict, list[dict]]]) -> str:
+    """One line per source and epsilon, one column per pair of :data:`DIFFERENCES`."""
     head = " | ".join(f"{a} − {b}" for a, b in DIFFERENCES)
-    lines = [f"| ε | {head} |", "|---" * (len(DIFFERENCES) + 1) + "|"]
-    for eps in epsilons:
-        cells = []
-        for a, b in DIFFERENCES:
-            xa, xb = _accuracies(runs, a, eps), _accuracies(runs, b, eps)
-            if len(xa) < 2 or len(xb) < 2:
-                cells.append("-")
-                continue
-            se = math.sqrt(statistics.variance(xa) / len(xa) + statistics.variance(xb) / len(xb))
-            cells.append(f"{statistics.mean(xa) - statistics.mean(xb):+.3f} ± {se:.3f}")
-        lines.append(f"| {eps:g} | " + " | ".join(cells) + " |")
+    lines = [f"| source | ε | {head} |", "|---" * (len(DIFFERENCES) + 2) + "|"]
+    for setup, runs in studies:
+        for eps in _epsilons(runs):
+            cells = [difference(runs, a, b, eps) for a, b in DIFFERENCES]
+            lines.append(f"| {_source(setup)} | {eps:g} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def cost_table(runs: list[dict]) -> str:
-    lines = ["| method | runs | " + " | ".join(label for _, label in COSTS) + " |"]
-    lines.append("|---" * (len(COSTS) + 2) + "|")
-    for method in ("dmm-banded", "dmm-tree"):
-        mine = [r for r in runs if r["method"] == method and r.get("mode") == "full"]
-        if not mine:
-            continue
-        cells = []
-        for key, _ in COSTS:
-            values = [r["cost_per_round"][key] for r in mine if key in r.get("cost_per_round", {})]
-            cells.append(f"{statistics.mean(values):,.1f}" if values else "-")
-        lines.append(f"| {method} | {len(mine)} | " + " | ".join(cells) + " |")
+def cost_table(studies: list[tuple[dict, list[dict]]]) -> str:
+    """Full mode's cost per round, mean over the DMM runs of each source and method (wall
+    seconds also with the range of the runs' means)."""
+    labels = " | ".join(label for _, label in COSTS)
+    lines = [f"| source | method | runs | {labels} |", "|---" * (len(COSTS) + 3) + "|"]
+    for setup, runs in studies:
+        for method in ("dmm-banded", "dmm-tree"):
+            mine = [r for r in runs if r["method"] == method and r.get("mode") == "full"]
+            if not mine:
+                continue
+            cells = []
+            for key, _ in COSTS:
+                values = [r["cost_per_round"][key] for r in mine if key in r["cost_per_round"]]
+                if not values:
+                    cells.append("-")
+                elif key == "seconds":
+                    cells.append(
+                        f"{statistics.mean(values):.1f} ({min(values):.1f}–{max(values):.1f})"
+                    )
+                else:
+                    cells.append(f"{statistics.mean(values):,.0f}")
+            lines.append(
+                f"| {_source(setup)} | {method} | {len(mine)} | " + " | ".join(cells) + " |"
+            )
     return "\n".join(lines)
 
 
 def checks_table(checks: list[dict]) -> str:
     if not checks:
-        return "(no full-vs-ideal checks stored)"
-    lines = ["| method | ε | seed | bit-identical | full s | ideal s |", "|---" * 6 + "|"]
+        return "(no mode checks stored)"
+    lines = ["| method | ε | seed | modes | bit-identical | seconds |", "|---" * 6 + "|"]
     for c in checks:
         lines.append(
-            f"| {c['method']} | {c['target_epsilon']:g} | {c['seed']} | {c['identical']} | "
-            f"{c['full_seconds']:.0f} | {c['ideal_seconds']:.0f} |"
+            f"| {c['method']} | {c['target_epsilon']:g} | {c['seed']} | "
+            f"{' vs '.join(c['modes'])} | {c['identical']} | "
+            f"{' / '.join(f'{x:.0f}' for x in c['seconds'])} |"
         )
     return "\n".join(lines)
 
 
-def section(directory: Path) -> str:
-    setup, runs, checks = load(directory)
-    epsilons = sorted({r["target_epsilon"] for r in runs if r["target_epsilon"] is not None})
+def checks_sentence(studies_checks: list[tuple[dict, list[dict]]]) -> str:
+    """How many sampled runs gave bit-identical models in both modes, per family."""
+    parts = []
+    for family, label in (("dmm", "DMM full vs ideal"), ("ddgauss", "DDGauss plaintext vs full")):
+        mine = [c for _, cs in studies_checks for c in cs if c["method"].split("-")[0] == family]
+        if mine:
+            same = sum(bool(c["identical"]) for c in mine)
+            parts.append(f"{label}: {same} of {len(mine)} sampled runs bit-identical")
+    return "; ".join(parts) + " (same root, final models compared by sha256)."
+
+
+def _source(setup: dict) -> str:
+    return SOURCES.get(setup["source"], setup["source"])
+
+
+def _hours(runs: list[dict], checks: list[dict]) -> float:
+    seconds = sum(r["seconds"] for r in runs)
+    return (seconds + sum(c["seconds"][1] for c in checks)) / 3600
+
+
+def source_section(setup: dict, runs: list[dict], checks: list[dict]) -> str:
     title = (
-        f"## {setup['source']}: {setup['clients']} clients, {setup['per_round']} per round, "
+        f"### {_source(setup)}: {setup['clients']} clients, {setup['per_round']} per round, "
         f"{setup['rounds']} rounds, {setup['min_separation']}-min-separation"
+    )
+    note = (
+        f"{len(runs)} stored runs and {len(checks)} mode checks, "
+        f"{_hours(runs, checks):.2f} h of wall time in all; root fingerprint "
+        f"`{setup['secrets_fingerprint']}`."
     )
     return "\n\n".join(
         [
             title,
-            "Test accuracy (mean ± std over seeds):",
-            accuracy_table(runs, epsilons),
-            "Differences (mean ± s.e.):",
-            difference_table(runs, epsilons),
-            "DMM full-mode cost per round (committee actors):",
-            cost_table(runs),
-            "Full vs ideal mode (same RunSecret):",
+            note,
+            "Test accuracy (mean ± sample std over seeds, ddof = 1):",
+            accuracy_table(runs),
+            f"Differences ({SPREAD}):",
+            difference_table([(setup, runs)]),
+            "DMM full-mode cost per round (committee actors; wall seconds mean and range):",
+            cost_table([(setup, runs)]),
+            "Mode checks (the same run in the other mode, same root):",
             checks_table(checks),
         ]
     )
+
+
+def summary(studies: list[tuple[dict, list[dict], list[dict]]]) -> str:
+    """The repository README's block: differences and costs of every source."""
+    pairs = [(s, r) for s, r, _ in studies]
+    return "\n\n".join(
+        [
+            f"Differences in the full-mode study ({SPREAD}):",
+            difference_table(pairs),
+            "Full-mode cost per round (wall seconds: mean and range over the runs):",
+            cost_table(pairs),
+            checks_sentence([(s, c) for s, _, c in studies]),
+        ]
+    )
+
+
+def write_between(target: tuple[Path, str, str], text: str) -> None:
+    path, begin, end = target
+    content = path.read_text()
+    head, found, rest = content.partition(begin)
+    if not found or end not in rest:
+        raise SystemExit(f"{path}: markers {begin} ... {end} not found")
+    _, _, tail = rest.partition(end)
+    path.write_text(f"{head}{begin}\n{text}\n{end}{tail}")
 
 
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=HERE / "results")
     parser.add_argument("--out", type=Path, default=HERE / "tables.md")
+    parser.add_argument("--no-readme", action="store_true", help="write tables.md only")
     args = parser.parse_args(argv)
     settings = sorted(p for p in args.results.iterdir() if (p / "setup.json").is_file())
     if not settings:
         raise SystemExit(f"--results {args.results}: no stored study (setup.json) found")
-    text = "# DMM study tables (generated by experiments/dmm/table.py)\n\n"
-    text += "\n\n".join(section(p) for p in settings) + "\n"
+    studies = [load(p) for p in settings]
+    sections = "\n\n".join(source_section(*study) for study in studies)
+    text = "# DMM study tables (generated by experiments/dmm/table.py)\n\n" + sections + "\n"
     args.out.write_text(text)
+    if not args.no_readme:
+        write_between(STUDY_README, sections)
+        write_between(MAIN_README, summary(studies))
     print(text)
     return text
 

@@ -12,10 +12,16 @@ the noise differs. For each target epsilon (delta = 1e-5, RDP):
   column-normalised C, correlated across rounds through ``C^{-1}``.
 
 Each run's reported epsilon is read back from its summary.json (its ledger), not assumed.
-Writes ``results.json`` and the table in ``README.md`` (between the markers) with the mean and
-standard deviation of the final central test accuracy over ``--seeds``.
+Secrets: the study root in ``--secrets`` (default ``~/.fedsim/matrix.key``, kept outside the
+results) gives each seed its own root (:mod:`experiments.roots`): the clients' secrets and the
+server's noise of both methods at that seed come from it, so the same root repeats every run
+bit for bit; ``results.json`` records only the root's fingerprint. Writes ``results.json`` and
+the table in ``README.md`` (between the markers) with the mean and sample standard deviation
+(ddof = 1) of the final central test accuracy over ``--seeds``; ``--table-only`` rebuilds the
+README table from the stored ``results.json``.
 
     python experiments/matrix/compare.py [--epsilons 2 4 8] [--seeds 0 1 2] [--backend ray]
+        [--secrets FILE] [--table-only]
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))
+STUDY = "matrix"  # its roots: experiments/roots.py
 DELTA = 1e-5
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
@@ -48,10 +56,10 @@ def noise_multipliers(epsilon: float, rounds: int, min_separation: int) -> dict[
     }
 
 
-def run_one(config, out: Path, engine) -> dict:
+def run_one(config, out: Path, engine, secrets) -> dict:
     from fedsim.experiment import run_experiment  # noqa: PLC0415
 
-    summary = run_experiment(config, out, progress=False, engine=engine)
+    summary = run_experiment(config, out, progress=False, engine=engine, secrets=secrets)
     return {
         "accuracy": summary["final"]["central"]["accuracy"],
         "epsilon": summary.get("privacy", {}).get("epsilon"),
@@ -68,7 +76,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", default=str(HERE / "results.json"))
     parser.add_argument("--no-readme", action="store_true", help="do not rewrite README.md")
+    parser.add_argument("--secrets", type=Path, help="study root (default ~/.fedsim/matrix.key)")
+    parser.add_argument(
+        "--table-only", action="store_true", help="rebuild the README table from --out"
+    )
     args = parser.parse_args(argv)
+    if args.table_only:
+        write_table(json.loads(Path(args.out).read_text()), not args.no_readme)
+        return 0
+    from experiments.roots import default_key, seed_root, study_root  # noqa: PLC0415
+
+    root = study_root(args.secrets or default_key(STUDY), HERE)
     logging.getLogger("absl").setLevel(logging.ERROR)
     from flwr.supercore.logger import FLOWER_LOGGER  # noqa: PLC0415
 
@@ -107,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                             config, seed=seed, strategy=strategy, name=f"{method}-{seed}"
                         )
                         out = Path(tmp) / f"{method}-{epsilon}-{seed}"
-                        runs.append(run_one(config, out, engine))
+                        secrets = seed_root(root, STUDY, seed)
+                        runs.append(run_one(config, out, engine, secrets))
                         print(method, epsilon, seed, runs[-1], file=sys.stderr, flush=True)
                     accs = [r["accuracy"] for r in runs]
                     rows.append(
@@ -133,19 +152,25 @@ def main(argv: list[str] | None = None) -> int:
         "clipping_norm": base["bandmf"].strategy.options["clipping_norm"],
         "bands": base["bandmf"].strategy.options["bands"],
         "backend": args.backend,
+        "secrets_fingerprint": root.fingerprint(),
         "seconds": time.perf_counter() - started,
         "rows": rows,
     }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_table(result, not args.no_readme)
+    return 0
+
+
+def write_table(result: dict, readme: bool) -> None:
+    """Print the table of ``result`` and, with ``readme``, put it between the markers."""
     table = markdown(result)
     print(table)
-    if not args.no_readme:
-        readme = HERE / "README.md"
-        text = readme.read_text()
+    if readme:
+        path = HERE / "README.md"
+        text = path.read_text()
         head, _, rest = text.partition(BEGIN)
         _, _, tail = rest.partition(END)
-        readme.write_text(f"{head}{BEGIN}\n{table}\n{END}{tail}")
-    return 0
+        path.write_text(f"{head}{BEGIN}\n{table}\n{END}{tail}")
 
 
 def markdown(result: dict) -> str:

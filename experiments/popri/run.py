@@ -26,6 +26,12 @@ Every finished stage is stored in ``OUT/stages/<stage>.json`` (``OUT`` defaults 
 ``experiments/popri/runs/<config name>``) and skipped when the command runs again, so a
 run can be resumed or split over several processes (``--only``); the table
 (``OUT/table.md``, ``OUT/results.json``) is rebuilt from the stages at the end.
+
+Secrets: the study root in ``--secrets`` (default ``~/.fedsim/popri.key``, kept outside the
+results) gives the config's seed its own root (:mod:`experiments.roots`); the server's noise
+of POPri, PE and DP-FedAvg (bound with :func:`strategies.server_secret.bind_parties`) and the
+clients' secrets (given by the engine) come from it, so the same root repeats every stage bit
+for bit. A stage records only the root's fingerprint (``secrets_fingerprint``).
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ from fedsim.workloads.downstream_lm import LMTraining  # noqa: E402
 from fedsim.workloads.dpo import DPOSettings  # noqa: E402
 
 METHODS = ("nonprivate", "base", "popri", "pe", "dp-fedavg", "spread")
+STUDY = "popri"  # its roots: experiments/roots.py
 PRIVATE_METHODS = ("popri", "pe", "dp-fedavg")
 SPREAD_SEEDS = 3
 
@@ -170,10 +177,30 @@ def eps_key(epsilon: float) -> str:
 class Context:
     """The federation, tokenised data and models one process needs, built on first use."""
 
-    def __init__(self, config: Config, out: Path) -> None:
+    def __init__(self, config: Config, out: Path, root=None) -> None:
         self.config = config
         self.out = out
+        self.root = root  # the study's RunSecret (None: fresh OS secrets, not repeatable)
         self._cache: dict[str, Any] = {}
+
+    @property
+    def secrets(self):
+        """This seed's root (:mod:`experiments.roots`), or None without a study root."""
+        from experiments.roots import seed_root  # noqa: PLC0415
+
+        return None if self.root is None else seed_root(self.root, STUDY, self.config.seed)
+
+    def open_run(self, app, num_clients: int, strategy, **options):
+        """A run on the engine whose clients get their secrets from :attr:`secrets`, with
+        ``strategy``'s server noise bound to the seed root's server secret."""
+        from strategies.server_secret import bind_parties  # noqa: PLC0415
+
+        secrets = self.secrets
+        if secrets is not None:
+            bind_parties(strategy, secrets.server())
+        return self.engine().open_run(
+            app, num_clients, raise_errors=True, secrets=secrets, **options
+        )
 
     def get(self, key: str, build: Any) -> Any:
         if key not in self._cache:
@@ -487,7 +514,7 @@ def stage_popri(ctx: Context, epsilon: float) -> dict[str, Any]:
         settings=popri_settings(ctx, epsilon),
     )
     app = make_feedback_app(ctx.config.data, EmbedderSpec("minilm"))
-    grid = ctx.engine().open_run(app, fed.num_clients, raise_errors=True)
+    grid = ctx.open_run(app, fed.num_clients, strategy)
     rounds: list[dict[str, Any]] = []
 
     def on_round(outcome) -> None:
@@ -543,7 +570,7 @@ def stage_pe(ctx: Context, epsilon: float, index: int) -> dict[str, Any]:
     strategy = PrivateEvolution(population, ctx.embedder, vary, config, ctx.rng(5, index))
     embeddings_of = _ClientEmbeddings(ctx.config.data, EmbedderSpec("minilm"), client_embeddings)
     app = make_vote_client_app(embeddings_of)
-    grid = ctx.engine().open_run(app, fed.num_clients, raise_errors=True)
+    grid = ctx.open_run(app, fed.num_clients, strategy)
     rounds: list[dict[str, Any]] = []
 
     def on_round(outcome) -> None:
@@ -603,7 +630,6 @@ def stage_dp_fedavg(ctx: Context, epsilon: float) -> dict[str, Any]:
     clients = [ctx.sequences(list(fed.client_texts(i))) for i in range(n)]
     app = make_lm_client_app(ctx.spec, clients, s.local, seed=ctx.config.seed)
     participation = UniformCohort(n, k, ctx.config.seed)
-    grid = ctx.engine().open_run(app, n, participation=participation, raise_errors=True)
     strategy = DPFedAvg(
         FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=0, min_train_nodes=1),
         clipping_norm=s.clipping_norm,
@@ -612,6 +638,7 @@ def stage_dp_fedavg(ctx: Context, epsilon: float) -> dict[str, Any]:
         sampling=sampling,
         delta=ctx.delta,
     )
+    grid = ctx.open_run(app, n, strategy, participation=participation)
     rounds: list[dict[str, Any]] = []
 
     def on_round(outcome) -> None:
@@ -683,6 +710,8 @@ def run_stages(ctx: Context, only: tuple[str, ...]) -> None:
             start = time.perf_counter()
             result = run(ctx)
             result["seconds"] = time.perf_counter() - start
+            if ctx.root is not None:
+                result["secrets_fingerprint"] = ctx.root.fingerprint()
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps(result, indent=1, default=float))
             os.replace(tmp, path)
@@ -824,6 +853,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=[], help=f"a subset of {METHODS}")
     parser.add_argument("--table-only", action="store_true")
     parser.add_argument("--seed", type=int, default=None, help="override the config's seed")
+    parser.add_argument("--secrets", type=Path, help="study root (default ~/.fedsim/popri.key)")
     parser.add_argument(
         "--replicates",
         type=Path,
@@ -847,7 +877,9 @@ def main() -> None:
         )
     stamp.write_text(settings)
     if not args.table_only:
-        ctx = Context(config, out)
+        from experiments.roots import default_key, study_root  # noqa: PLC0415
+
+        ctx = Context(config, out, study_root(args.secrets or default_key(STUDY), out))
         start = time.perf_counter()
         try:
             if set(args.only or METHODS) & {"base", "pe", "popri"}:

@@ -21,9 +21,16 @@ other unseen canaries (at most 200 steps); then the canaries' AUC is measured ag
 Dataset inference: the 40 inserted canaries (members) and the 40 non-member canaries as
 suspect sets, digit-perturbed synthetic held-out copies, 5 splits.
 
-Usage: ``python experiments/workloads/audit.py [--part dp|canary|all|tables] [--seeds 0 1 2]``;
-writes ``audit.json`` next to this file (parts merge into it) and prints the tables (mean ±
-sample std, ddof = 1, over the seeds); ``--part tables`` prints them from ``audit.json`` only.
+Secrets (part ``dp``): the study root in ``--secrets`` (default ``~/.fedsim/audit.key``, kept
+outside the results) gives each seed its own root (:mod:`experiments.roots`), from which the
+engine gives the clients their secrets and the server its noise: the same root repeats every
+run bit for bit; ``audit.json`` records only the root's fingerprint.
+
+Usage: ``python experiments/workloads/audit.py [--part dp|canary|all] [--seeds 0 1 2]
+[--secrets FILE] [--table-only]``; writes ``audit.json`` next to this file (parts merge into
+it), prints the tables (mean ± sample std, ddof = 1, over the seeds) and puts the ``dp`` table
+into README.md between its markers (``--table-only``: from the stored ``audit.json``, running
+nothing).
 """
 
 from __future__ import annotations
@@ -56,7 +63,12 @@ from fedsim.workloads.audits.run_audit import audit_run  # noqa: E402
 from fedsim.workloads.audits.unlearn import unlearn  # noqa: E402
 from strategies.dp_fedavg import relation_for  # noqa: E402
 
+from experiments.roots import default_key, seed_root, study_root  # noqa: E402
+
 OUT = Path(__file__).with_name("audit.json")
+README = Path(__file__).with_name("README.md")
+BEGIN, END = "<!-- audit-dp:begin -->", "<!-- audit-dp:end -->"
+STUDY = "audit"  # its roots: experiments/roots.py
 EPSILONS = (math.inf, 16.0, 4.0, 1.0)  # run order: the non-private model first
 CLIENTS, ROUNDS, CLIP, DELTA = 100, 30, 3.0, 1e-5
 
@@ -101,7 +113,7 @@ def noise_for(epsilon: float) -> float:
     )
 
 
-def dp_part(seeds: list[int]) -> list[dict]:
+def dp_part(seeds: list[int], root) -> list[dict]:
     rows = []
     for epsilon in EPSILONS:
         z = noise_for(epsilon)
@@ -109,7 +121,10 @@ def dp_part(seeds: list[int]) -> list[dict]:
             started = time.perf_counter()
             with tempfile.TemporaryDirectory() as tmp:
                 run_dir = Path(tmp) / "run"
-                summary = run_experiment(dp_config(seed, z), run_dir, progress=False)
+                secrets = seed_root(root, STUDY, seed)
+                summary = run_experiment(
+                    dp_config(seed, z), run_dir, progress=False, secrets=secrets
+                )
                 audits = {a: audit_run(run_dir, attack=a) for a in ("loss", "zlib")}
             row = {
                 "target_epsilon": "inf" if math.isinf(epsilon) else epsilon,
@@ -122,6 +137,7 @@ def dp_part(seeds: list[int]) -> list[dict]:
                 "members": audits["loss"]["members"],
                 **{f"{a}_auc": audits[a]["auc"] for a in audits},
                 **{f"{a}_tpr_at_5pct_fpr": audits[a]["tpr_at_5pct_fpr"] for a in audits},
+                "secrets_fingerprint": root.fingerprint(),
                 "seconds": time.perf_counter() - started,
             }
             print(json.dumps(row), flush=True)
@@ -207,20 +223,40 @@ def _mean_std(values: list[float]) -> str:
     return f"{np.mean(values):.3f} ± {np.std(values, ddof=1):.3f}"
 
 
+def dp_table(rows: list[dict]) -> str:
+    """The MIA table of part ``dp``: one line per target epsilon, mean ± std over seeds."""
+    lines = [
+        "| target ε | z | ε of the run | accuracy | loss AUC | loss TPR@5%FPR | zlib AUC |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for eps in ("1.0", "4.0", "16.0", "inf"):
+        sel = [r for r in rows if str(r["target_epsilon"]) == eps]
+        if sel:
+            label = "∞" if eps == "inf" else f"{float(eps):g}"
+            measured = "∞" if sel[0]["epsilon"] == "inf" else sel[0]["epsilon"]
+            z = sel[0]["noise_multiplier"]
+            lines.append(
+                f"| {label} | {f'{z:.3f}' if z else '0'} | {measured} | "
+                f"{_mean_std([r['accuracy'] for r in sel])} | "
+                f"{_mean_std([r['loss_auc'] for r in sel])} | "
+                f"{_mean_std([r['loss_tpr_at_5pct_fpr'] for r in sel])} | "
+                f"{_mean_std([r['zlib_auc'] for r in sel])} |"
+            )
+    return "\n".join(lines)
+
+
+def write_readme_table(rows: list[dict]) -> None:
+    text = README.read_text()
+    head, found, rest = text.partition(BEGIN)
+    if not found:
+        raise SystemExit(f"{README}: no {BEGIN} marker for the dp table")
+    _, _, tail = rest.partition(END)
+    README.write_text(f"{head}{BEGIN}\n{dp_table(rows)}\n{END}{tail}")
+
+
 def print_tables(results: dict) -> None:
     if "dp" in results:
-        print("\n| target ε | z | measured ε | accuracy | loss AUC | loss TPR@5%FPR | zlib AUC |")
-        print("|---|---|---|---|---|---|---|")
-        for eps in ("1.0", "4.0", "16.0", "inf"):
-            rows = [r for r in results["dp"] if str(r["target_epsilon"]) == eps]
-            if rows:
-                print(
-                    f"| {eps} | {rows[0]['noise_multiplier']:.3f} | {rows[0]['epsilon']} | "
-                    f"{_mean_std([r['accuracy'] for r in rows])} | "
-                    f"{_mean_std([r['loss_auc'] for r in rows])} | "
-                    f"{_mean_std([r['loss_tpr_at_5pct_fpr'] for r in rows])} | "
-                    f"{_mean_std([r['zlib_auc'] for r in rows])} |"
-                )
+        print("\n" + dp_table(results["dp"]))
     if "canary" in results:
         rows = [r for r in results["canary"] if "model" in r]
         print("\n| model | canaries | loss AUC | zlib AUC | min-k% AUC | loss TPR@5%FPR |")
@@ -247,28 +283,35 @@ def print_tables(results: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--part",
-        choices=("dp", "canary", "all", "tables"),
-        default="all",
-        help="tables: print the tables from the stored JSON, run nothing",
-    )
+    parser.add_argument("--part", choices=("dp", "canary", "all"), default="all")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", type=Path, default=OUT, help="JSON file (parts merge into it)")
+    parser.add_argument("--secrets", type=Path, default=default_key(STUDY), help="study root")
+    parser.add_argument("--table-only", action="store_true", help="tables from --out only")
     args = parser.parse_args()
+    if args.table_only:
+        results = json.loads(args.out.read_text())
+        print_tables(results)
+        if "dp" in results:
+            write_readme_table(results["dp"])
+        return
+    root = study_root(args.secrets, args.out.parent)
     torch.set_num_threads(1)
     logging.getLogger("flwr").setLevel(logging.WARNING)
     from flwr.supercore.logger import FLOWER_LOGGER  # noqa: PLC0415
 
     FLOWER_LOGGER.setLevel(logging.WARNING)
-    parts = {"dp": dp_part, "canary": canary_part}
-    for name in {"all": list(parts), "tables": []}.get(args.part, [args.part]):
+    parts = {"dp": lambda seeds: dp_part(seeds, root), "canary": canary_part}
+    for name in parts if args.part == "all" else [args.part]:
         rows = parts[name](args.seeds)
         # Re-read before writing: another part may have finished meanwhile.
         results = json.loads(args.out.read_text()) if args.out.exists() else {}
         results[name] = rows
         args.out.write_text(json.dumps(results, indent=2))
-    print_tables(json.loads(args.out.read_text()))
+    results = json.loads(args.out.read_text())
+    print_tables(results)
+    if "dp" in results and args.out == OUT:
+        write_readme_table(results["dp"])
 
 
 if __name__ == "__main__":
