@@ -84,6 +84,7 @@ from protocols.encoding import (
 from protocols.field import MersenneField
 from protocols.shamir import PackedShamir
 from strategies.ddgauss import flatten, unflatten
+from strategies.participation_guard import ParticipationGuard
 from strategies.wrapper import StrategyWrapper, server_reply
 
 log = logging.getLogger(__name__)
@@ -323,7 +324,8 @@ class DMM(StrategyWrapper):
             z * (c / gamma) * sens(M) (integer units) when the planned clients contribute.
         expected_clients: m, the planned cohort (the mean's denominator).
         expected_client_dropout: fraction of clients the noise is planned to lose.
-        participation: the schema sens(M) is computed for (single by default).
+        participation: the schema sens(M) is computed for (single by default); enforced:
+            an instruction that would break it does not leave (``participation-refused``).
         seed: the run's public seed (committees, rotation).
         mode: 'full' (clients share and seal; members on the committee host) or 'ideal'.
         min_clients: fewest agreed clients a release may carry.
@@ -396,6 +398,10 @@ class DMM(StrategyWrapper):
         self.mechanism = dmm_privacy.IntegerMechanism(
             factorization, f, participation or Participation.single()
         )
+        #: the schema sens(M) assumes, enforced on every instruction (in server rounds, as the
+        #: engine's cohort schedules them; aborted rounds are handled by the accounting)
+        self.guard = ParticipationGuard(self.mechanism.participation, self.mechanism.n)
+        self.participation_refused: list[int] = []
         self.scheme = PackedShamir(
             committee_size, threshold, packing, MersenneField(field_exponent)
         )
@@ -623,7 +629,9 @@ class DMM(StrategyWrapper):
             }
         )
         self._global = arrays
-        messages = list(self.strategy.configure_train(server_round, arrays, extended, grid))
+        messages, self.participation_refused = self.guard.admit(
+            server_round - 1, self.strategy.configure_train(server_round, arrays, extended, grid)
+        )
         following = self.committee_for(server_round + 1)
         faults = (
             self.host.member_faults(server_round, self.committee, following)
@@ -732,7 +740,12 @@ class DMM(StrategyWrapper):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        metrics = MetricRecord({"dmm-planned": self.expected_clients})
+        metrics = MetricRecord(
+            {
+                "dmm-planned": self.expected_clients,
+                "participation-refused": self.participation_refused,
+            }
+        )
         if self.halted:
             metrics["dmm-halted"] = 1
             metrics["epsilon"] = self.epsilon()

@@ -110,7 +110,9 @@ from fedsim.privacy.accounting import (
     round_event,
     split_noise_multiplier,
 )
+from fedsim.privacy.matrix.sensitivity import Participation
 from fedsim.records import to_numpy, to_record
+from strategies.participation_guard import ParticipationGuard
 from strategies.server_secret import ServerNoise
 from strategies.wrapper import StrategyWrapper, server_reply
 
@@ -288,7 +290,8 @@ class DPFedAvg(ServerNoise, StrategyWrapper):
         adaptive: adaptive clipping settings; None keeps ``C`` fixed.
         sampling: how each round's clients are drawn. A :class:`MinSeparation`
             schedule is accounted by the ledger's worst-case participation (each
-            round then records an unsampled event). Default: full participation
+            round then records an unsampled event) and enforced on every instruction
+            (``participation-refused``). Default: full participation
             (no amplification claimed).
         delta: the run's ``delta`` in (0, 1) for the epsilon it reports.
         accountant: "rdp" or "pld".
@@ -344,6 +347,15 @@ class DPFedAvg(ServerNoise, StrategyWrapper):
         schedule = sampling if isinstance(sampling, MinSeparation) else None
         self.sampling: Sampling = FullParticipation() if schedule is not None else sampling
         self.ledger = PrivacyLedger(relation_for(self.sampling), delta, schedule)
+        #: a min-separation schedule is enforced on every instruction, not assumed
+        self.guard = (
+            None
+            if schedule is None
+            else ParticipationGuard(
+                Participation.separated(schedule.min_separation, schedule.max_participations)
+            )
+        )
+        self.participation_refused: list[int] = []
         self.accountant = accountant
         self.max_epsilon = None if max_epsilon is None else float(max_epsilon)
         self.stop_reason: str | None = None
@@ -419,6 +431,8 @@ class DPFedAvg(ServerNoise, StrategyWrapper):
         if self.should_stop(server_round):
             return []
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
+        if self.guard is not None:
+            messages, self.participation_refused = self.guard.admit(server_round - 1, messages)
         key = getattr(self.strategy, "arrayrecord_key", "arrays")
         self._global = (key, arrays)
         if self.worker_reduction:
@@ -470,6 +484,8 @@ class DPFedAvg(ServerNoise, StrategyWrapper):
         aggregated = aggregated if aggregated is not None else MetricRecord()
         aggregated["dp-clients"] = clients
         aggregated["rejected"] = rejected
+        if self.guard is not None:
+            aggregated["participation-refused"] = self.participation_refused
         if clients and self.metrics_in_clear:
             aggregated["dp-clipped-fraction"] = clipped / clients
         aggregated["dp-clipping-norm"] = clipping_norm

@@ -36,9 +36,11 @@ so the ledger's epsilon after T rounds is exactly the Gaussian epsilon above, an
 
 Participation: b-min-separation, at most ``max_participations`` (default ``ceil(n / b)``)
 rounds ``b`` apart -- what :class:`fedsim.engine.participation.MinSeparationCohort` with
-``min_separation = b`` guarantees -- or single participation (``min_separation=None``; the
-caller's schedule must put each client in at most one round). A banded C with at most ``b``
-bands then has the exact sensitivity ``sqrt(k)`` after column normalisation.
+``min_separation = b`` guarantees -- or single participation (``min_separation=None``). A
+banded C with at most ``b`` bands then has the exact sensitivity ``sqrt(k)`` after column
+normalisation. The schema is enforced, not assumed
+(:class:`~strategies.participation_guard.ParticipationGuard`): an instruction that would break
+it does not leave, and its node is named under ``participation-refused``.
 
 Dropouts contribute nothing but their update; the noise and the denominator ``m`` are fixed.
 Round t's fresh noise is the server's own: ``server_secret.generator(t, Purpose.NOISE,
@@ -75,6 +77,7 @@ from fedsim.privacy.matrix import (
 from fedsim.privacy.matrix.streaming import NoiseStream
 from fedsim.records import to_numpy, to_record
 from strategies.dp_fedavg import CLIENTS_KEY, CLIPPED_KEY, ClippedSum
+from strategies.participation_guard import ParticipationGuard
 from strategies.server_secret import ServerNoise
 from strategies.wrapper import StrategyWrapper
 
@@ -192,6 +195,9 @@ class MatrixMechanism(ServerNoise, StrategyWrapper):
         self.worker_reduction = worker_reduction
         self.accountant = accountant
         self.ledger = PrivacyLedger(NeighbouringRelation.parse(relation), delta)
+        #: the schema sens(C) assumes, enforced on every instruction (refused: named per round)
+        self.guard = ParticipationGuard(self.participation, factorization.n)
+        self.participation_refused: list[int] = []
         full = factorization.sensitivity(self.participation)
         self.sensitivity = full.value
         self.sensitivity_exact = full.exact
@@ -283,7 +289,9 @@ class MatrixMechanism(ServerNoise, StrategyWrapper):
     ) -> Iterable[Message]:
         if self.should_stop(server_round):
             return []
-        messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
+        messages, self.participation_refused = self.guard.admit(
+            server_round - 1, self.strategy.configure_train(server_round, arrays, config, grid)
+        )
         key = getattr(self.strategy, "arrayrecord_key", "arrays")
         self._global = (key, arrays)
         if self.worker_reduction:
@@ -364,6 +372,7 @@ class MatrixMechanism(ServerNoise, StrategyWrapper):
         )
         aggregated["dp-clients"] = clients
         aggregated["rejected"] = rejected
+        aggregated["participation-refused"] = self.participation_refused
         if clients and self.metrics_in_clear:
             aggregated["dp-clipped-fraction"] = clipped / clients
         aggregated["dp-clipping-norm"] = self.clipping_norm

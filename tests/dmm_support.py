@@ -162,15 +162,19 @@ def digits_setup(clients: int):
 
 
 def make_dmm(mode: str, clients: int, rounds: int, kind: str = "banded", **kwargs):
-    """A DMM over FedAvg for ``clients`` clients (all of them each round)."""
+    """A DMM over FedAvg for ``clients`` clients (all of them each round, as its
+    participation says)."""
     from flwr.serverapp.strategy import FedAvg  # noqa: PLC0415
 
     from fedsim.privacy.matrix.banded import banded  # noqa: PLC0415
     from fedsim.privacy.matrix.tree import honaker_tree  # noqa: PLC0415
     from strategies.dmm import DMM  # noqa: PLC0415
 
+    from fedsim.privacy.matrix.sensitivity import Participation  # noqa: PLC0415
+
     options = dict(
         factorization=banded(rounds, 2) if kind == "banded" else honaker_tree(rounds),
+        participation=Participation.separated(1),  # every client may train every round
         population=clients,
         committee_size=11,
         threshold=2,
