@@ -61,7 +61,6 @@ from fedsim.engine.dmm_committee import committee_host_for
 from fedsim.engine.participation import TRAIN, Participation
 from fedsim.engine.registry import ClientRegistry
 from fedsim.engine.rounds import RoundOutcome, run_rounds
-from fedsim.engine.seeding import SeededSampling
 from fedsim.models import ModelSpec, build_model, initial_arrays, load_arrays
 from fedsim.personalised_run import check_personalised, is_personalised, personalised_parts
 from fedsim.privacy import accounting
@@ -83,6 +82,7 @@ from strategies.averaging import AveragedGlobalModel, averaged_evaluation
 from strategies.conformal import ConformalEvaluation
 from strategies.quantized import DequantizedUploads
 from strategies.registry import NAMES, PRIVATE, build_personalised_strategy, build_strategy
+from strategies.seeded_sampling import SeededSampling
 from strategies.server_secret import bind_parties
 
 
