@@ -1,7 +1,8 @@
 """Membership audit of a finished ``fedsim run`` directory (``fedsim audit RUN_DIR``).
 
 The run's saved config (``config.json``) rebuilds its federated dataset and model exactly
-(``build_dataset`` is deterministic in the spec), ``model.npz`` holds the final global weights
+(``build_dataset`` is deterministic in the spec; the run front end rebuilds them,
+:func:`fedsim.experiment.load_finished_run`), ``model.npz`` holds the final global weights
 and ``summary.json`` the number of rounds run and, for DP runs, the final epsilon. Members are
 the training rows of the clients that the run's cohort model put in at least one training
 round (every client, after enough rounds); non-members are the held-out test rows, which no
