@@ -82,8 +82,12 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
 
 def layer_of(path: str) -> str:
     """The layer whose longest prefix matches ``path`` (ValueError if none does)."""
-    matches = [(len(p), name) for name, prefixes in LAYERS.items() for p in prefixes
-               if path.startswith(p)]
+    matches = [
+        (len(prefix), name)
+        for name, prefixes in LAYERS.items()
+        for prefix in prefixes
+        if path.startswith(prefix)
+    ]
     if not matches:
         raise ValueError(f"{path} is in no layer of LAYERS")
     return max(matches)[1]
