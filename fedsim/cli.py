@@ -29,7 +29,7 @@ from fedsim.config import ConfigError
 from fedsim.engine.rounds import RunStopped
 from fedsim.privacy import account_cli
 from fedsim.privacy.matrix import cli as factorize_cli
-from fedsim.results import dumps
+from fedsim.results_json import dumps
 from fedsim.workloads import minmax_run
 from fedsim.workloads.audits import cli as audit_cli
 

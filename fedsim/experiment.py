@@ -61,7 +61,6 @@ from fedsim.engine.dmm_committee import committee_host_for
 from fedsim.engine.participation import TRAIN, Participation
 from fedsim.engine.registry import ClientRegistry
 from fedsim.engine.rounds import RoundOutcome, run_rounds
-from fedsim.engine.seeding import SeededSampling
 from fedsim.models import ModelSpec, build_model, initial_arrays, load_arrays
 from fedsim.personalised_run import check_personalised, is_personalised, personalised_parts
 from fedsim.privacy import accounting
@@ -72,7 +71,13 @@ from fedsim.results import RoundRecorder, RunWriter, metrics_dict, read_rounds
 from fedsim.run_root import resume_root, start_root
 from fedsim.rundir import RunDirectory
 from fedsim.runfiles import RunFileError
-from fedsim.workloads.audits.run_audit import AuditConfig, run_configured_audit
+from fedsim.workloads.audits.run_audit import (
+    MODEL_FILE,
+    SUMMARY_FILE,
+    AuditConfig,
+    FinishedRun,
+    run_configured_audit,
+)
 from fedsim.workloads.averaging import Averaging
 from fedsim.workloads.conformal import OnlineConformal
 from fedsim.workloads.coto import build_lora_model, initial_adapter_arrays, load_adapter_arrays
@@ -83,6 +88,7 @@ from strategies.averaging import AveragedGlobalModel, averaged_evaluation
 from strategies.conformal import ConformalEvaluation
 from strategies.quantized import DequantizedUploads
 from strategies.registry import NAMES, PRIVATE, build_personalised_strategy, build_strategy
+from strategies.seeded_sampling import SeededSampling
 from strategies.server_secret import bind_parties
 
 
@@ -354,6 +360,50 @@ def model_spec(config: ExperimentConfig, dataset: FederatedDataset) -> ModelSpec
     )
 
 
+def trained_clients(config: ExperimentConfig, population: int, rounds: int) -> np.ndarray:
+    """Sorted client indices in at least one training cohort of rounds ``1..rounds``."""
+    participation = participation_for(config, population)
+    seen = np.zeros(population, dtype=bool)
+    for r in range(1, rounds + 1):
+        seen[participation.cohort(r, TRAIN)] = True
+    return np.flatnonzero(seen)
+
+
+def load_finished_run(run_dir: str | Path) -> FinishedRun:
+    """Read a finished run and rebuild its model, federation and trained clients for its audit
+    (:mod:`fedsim.workloads.audits.run_audit`); a missing directory or file, or weights that do
+    not fit the saved config's model, raise ConfigError naming the path."""
+    path = Path(run_dir)
+    if not path.is_dir():
+        raise ConfigError("RUN_DIR", str(run_dir), "an existing directory written by `fedsim run`")
+    missing = [n for n in (CONFIG_FILE, MODEL_FILE, SUMMARY_FILE) if not (path / n).is_file()]
+    if missing:
+        raise ConfigError(
+            "RUN_DIR",
+            str(run_dir),
+            f"a finished `fedsim run` directory; it has no {', '.join(missing)} "
+            f"(missing: {', '.join(str(path / n) for n in missing)})",
+        )
+    try:
+        config = ExperimentConfig.from_dict(json.loads((path / CONFIG_FILE).read_text()))
+        summary = json.loads((path / SUMMARY_FILE).read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError("RUN_DIR", str(run_dir), f"readable JSON files ({err})") from err
+    with np.load(path / MODEL_FILE) as saved:
+        arrays = {k: np.array(saved[k]) for k in saved.files}
+    dataset = build_dataset(config.data)
+    model = build_model(model_spec(config, dataset))
+    try:
+        load_arrays(model, arrays)
+    except ValueError as err:
+        raise ConfigError(
+            "RUN_DIR", str(run_dir), f"a {MODEL_FILE} that fits the saved config's model ({err})"
+        ) from err
+    rounds = int(summary.get("rounds", config.rounds))
+    clients = trained_clients(config, dataset.num_clients, rounds)
+    return FinishedRun(path, config, arrays, summary, dataset, model, rounds, clients)
+
+
 def central_evaluator(config: ExperimentConfig, spec: ModelSpec, dataset: FederatedDataset):
     """The server-side ``evaluate_fn`` on a seeded subset of the central test set."""
     x_all, y_all = dataset.central_test
@@ -526,7 +576,7 @@ def run_experiment(
         summary.update(_privacy_summary(strategy, read_rounds(writer.rounds_path)))
         writer.write_summary(summary)
         if config.audit is not None:  # reads the files just written; adds audit.json
-            summary["audit"] = run_configured_audit(out, config.audit)
+            summary["audit"] = run_configured_audit(load_finished_run(out), config.audit)
             writer.write_summary(summary)
         if own_engine:
             engine.close()

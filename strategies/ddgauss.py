@@ -77,12 +77,12 @@ from fedsim.engine.committee import (
     CommitteeSpec,
     TamperingDetected,
 )
-from fedsim.engine.reduce import single
 from fedsim.privacy import ddgauss as ddgauss_privacy
 from fedsim.privacy.accounting import NeighbouringRelation, PrivacyLedger
 from fedsim.privacy.mechanisms import SecureRandom
 from fedsim.randomness import PartySecret, Purpose, Stream, client_secret, public_generator
 from fedsim.records import to_numpy, to_record
+from fedsim.worker_reduce import single
 from protocols.channels import new_session_id
 from protocols.committee import MEMBER_ID_BASE, CommitteeKeys, SealedInput, seal_input
 from protocols.encoding import DEFAULT_BETA, DDGaussEncoder, choose_gamma

@@ -52,7 +52,6 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedsim.engine.reduce import single
 from fedsim.privacy import dmm as dmm_privacy
 from fedsim.privacy.accounting import NeighbouringRelation, PrivacyLedger
 from fedsim.privacy.matrix.factorization import Factorization
@@ -60,6 +59,7 @@ from fedsim.privacy.matrix.sensitivity import Participation
 from fedsim.privacy.mechanisms import discrete_gaussian
 from fedsim.randomness import Purpose, Stream, client_secret, public_generator
 from fedsim.records import to_numpy, to_record
+from fedsim.worker_reduce import single
 from protocols.channels import Envelope, stage_label
 from protocols.dmm import (
     MEMBER_ID_BASE,

@@ -60,7 +60,7 @@ replied still releases ``g + N(0, (z_D C)^2 I) / m`` and is accounted; a round
 is never skipped because of who replied, as that would itself depend on the
 participants.
 
-The clipped sum is a :class:`~fedsim.engine.reduce.Reducer`: each worker can
+The clipped sum is a :class:`~fedsim.worker_reduce.Reducer`: each worker can
 fold its clients' replies into one partial sum (:class:`ClippedSum`, which
 also counts the clipped updates, so the bits ``b_i`` need no extra message),
 and the strategy applies the same reducer to whatever it receives, so the
@@ -86,19 +86,6 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedsim.config import require
-from fedsim.engine.metrics import MetricSums
-from fedsim.engine.reduce import (
-    Accumulator,
-    Reducer,
-    ReductionError,
-    attach_reducer,
-    folded_reply,
-    is_partial,
-    partial_reply,
-    refuse,
-    reserved_keys,
-    single,
-)
 from fedsim.privacy.accounting import (
     FixedSizeSampling,
     FullParticipation,
@@ -112,6 +99,19 @@ from fedsim.privacy.accounting import (
 )
 from fedsim.privacy.matrix.sensitivity import Participation
 from fedsim.records import to_numpy, to_record
+from fedsim.worker_reduce import (
+    Accumulator,
+    MetricSums,
+    Reducer,
+    ReductionError,
+    attach_reducer,
+    folded_reply,
+    is_partial,
+    partial_reply,
+    refuse,
+    reserved_keys,
+    single,
+)
 from strategies.participation_guard import ParticipationGuard
 from strategies.server_secret import ServerNoise
 from strategies.wrapper import StrategyWrapper, server_reply
@@ -129,7 +129,7 @@ def clip_factor(norm: float, clipping_norm: float) -> float:
 class ClippedSum(Reducer):
     """``sum_i clip(x_i - g, C)`` over raw replies, plus the sums in partial replies.
 
-    A partial reply (a :class:`~fedsim.engine.reduce.PartialReply`, which only an
+    A partial reply (a :class:`~fedsim.worker_reduce.PartialReply`, which only an
     accumulator makes) carries float64 sums and the metrics ``fedsim.clients``
     (updates folded) and ``fedsim.clipped`` (how many had norm > C). Every other
     reply is a client's and is clipped; one that carries a reserved ``fedsim.*``

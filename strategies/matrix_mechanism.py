@@ -65,7 +65,6 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Strategy
 
 from fedsim.config import ConfigError, require
-from fedsim.engine.reduce import attach_reducer, single
 from fedsim.privacy.accounting import ACCOUNTANTS, NeighbouringRelation, PrivacyLedger
 from fedsim.privacy.matrix import (
     Factorization,
@@ -76,6 +75,7 @@ from fedsim.privacy.matrix import (
 )
 from fedsim.privacy.matrix.streaming import NoiseStream
 from fedsim.records import to_numpy, to_record
+from fedsim.worker_reduce import attach_reducer, single
 from strategies.dp_fedavg import CLIENTS_KEY, CLIPPED_KEY, ClippedSum
 from strategies.participation_guard import ParticipationGuard
 from strategies.server_secret import ServerNoise

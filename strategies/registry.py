@@ -30,11 +30,11 @@ from flwr.serverapp.strategy import (
 )
 
 from fedsim.config import ConfigError, require
-from fedsim.engine.reduce import WorkerReduced
 from fedsim.privacy import accounting
 from fedsim.privacy.accounting import FullParticipation, MinSeparation, Sampling
 from strategies import ddgauss, dmm, matrix_mechanism, personalised_config
 from strategies.dp_fedavg import AdaptiveClipping, DPFedAvg, relation_for
+from strategies.worker_reduced import WorkerReduced
 
 #: strategies whose aggregation is FedAvg's weighted mean (followed by a server update)
 WEIGHTED_MEAN: dict[str, type[FedAvg]] = {

@@ -9,13 +9,13 @@ import pytest
 from fedsim.cli import main
 from fedsim.config import ConfigError, load_toml
 from fedsim.data import build_dataset
-from fedsim.experiment import ExperimentConfig
+from fedsim.experiment import ExperimentConfig, load_finished_run, trained_clients
 from fedsim.workloads.audits.dataset_inference import (
     dataset_inference,
     resample_features,
     row_classifier,
 )
-from fedsim.workloads.audits.run_audit import audit_run, load_finished_run, trained_clients
+from fedsim.workloads.audits.run_audit import audit_run
 
 CONFIG = """
 name = "audit"
@@ -85,7 +85,7 @@ def test_audit_of_an_overfit_run_finds_its_members(runs, capsys):
     # Members are exactly the training rows: the run's dataset has that many.
     dataset = build_dataset(load_finished_run(run_dir).config.data)
     assert result["member_rows_available"] == len(dataset.train.y)
-    assert result == audit_run(run_dir)  # the same rows are drawn again
+    assert result == audit_run(load_finished_run(run_dir))  # the same rows are drawn again
 
 
 def test_audit_options_and_the_dp_epsilon(runs, tmp_path):
@@ -222,7 +222,7 @@ def test_configured_audit_runs_after_the_run(tmp_path):
     loss, inference = written["loss"], written["dataset-inference"]
     assert 0.0 <= loss["auc"] <= 1.0 and loss["members"] == loss["non_members"] == 60
     # The configured audit draws the same rows as `fedsim audit --members 60`.
-    assert loss == audit_run(run_dir, "loss", members=60)
+    assert loss == audit_run(load_finished_run(run_dir), "loss", members=60)
     assert len(inference["split_p_values"]) == inference["splits"] == 10
     assert all(0.0 <= p <= 1.0 for p in _p_values(inference))
     assert inference["members"] == inference["non_members"] == 60
@@ -247,7 +247,9 @@ def test_cli_dataset_inference(runs, tmp_path, capsys):
     assert result["attack"] == "dataset-inference" and result["members"] == 30
     assert all(0.0 <= p <= 1.0 for p in _p_values(result))
     assert 0.0 <= result["auc_combined"] <= 1.0
-    assert result == audit_run(runs["noisy"], "dataset-inference", members=30, seed=7)
+    assert result == audit_run(
+        load_finished_run(runs["noisy"]), "dataset-inference", members=30, seed=7
+    )
     assert main([*args[:-1], "10"]) == 2
     assert "--members = 10 is not allowed: at least 14 rows" in capsys.readouterr().err
 

@@ -6,8 +6,8 @@ import pytest
 
 from fedsim.engine.backend import Backend, WorkerLost
 from fedsim.engine.dispatch import Dispatcher, batch_sizes
-from fedsim.engine.metrics import MetricSums
 from fedsim.engine.worker import BatchResult, ClientBatch
+from fedsim.worker_reduce import MetricSums
 
 
 @pytest.mark.parametrize("n,w", [(1, 1), (50, 2), (1000, 2), (7, 8), (333, 5)])

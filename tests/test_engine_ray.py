@@ -10,13 +10,14 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
 from fedsim.data import DatasetSpec, build_dataset
-from fedsim.engine import NODE_ID_OFFSET, ClientAppSource, WorkerReduced
+from fedsim.engine import NODE_ID_OFFSET, ClientAppSource
 from fedsim.engine.rounds import run_rounds
 from fedsim.models import ModelSpec, initial_arrays
 from fedsim.randomness import NODE_SECRET_KEY, Purpose, RunSecret, server_secret
 from fedsim.records import to_numpy, to_record
 from fedsim.workloads.supervised import LocalTraining, make_client_app
 from strategies.dp_fedavg import DPFedAvg
+from strategies.worker_reduced import WorkerReduced
 
 QUICKSTART = Path(__file__).parent / "apps" / "quickstart"
 

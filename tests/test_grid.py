@@ -7,14 +7,9 @@ import pytest
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
-from fedsim.engine import (
-    NODE_ID_OFFSET,
-    ClientAppSource,
-    UniformCohort,
-    WeightedMean,
-    attach_reducer,
-)
+from fedsim.engine import NODE_ID_OFFSET, ClientAppSource, UniformCohort
 from fedsim.records import to_numpy, to_record
+from fedsim.worker_reduce import WeightedMean, attach_reducer
 
 HERE = str(Path(__file__).parent)
 TOY = ClientAppSource(reference="toy_app:app", app_dir=HERE)
@@ -121,7 +116,7 @@ def test_seeded_sampling_repeats_flower_fedavg_and_restores_random(local_engine)
 
     from flwr.serverapp.strategy import FedAvg
 
-    from fedsim.engine.seeding import SeededSampling
+    from strategies.seeded_sampling import SeededSampling
 
     grid = local_engine.open_run(TOY, 100)
     strategy = SeededSampling(FedAvg(fraction_train=0.1, fraction_evaluate=0.05), seed=9)

@@ -6,7 +6,8 @@ from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords, aggregate_metricrecords
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedsim.engine.reduce import (
+from fedsim.records import to_numpy, to_record
+from fedsim.worker_reduce import (
     REDUCER_KEY,
     Reducer,
     ReductionError,
@@ -14,7 +15,6 @@ from fedsim.engine.reduce import (
     attach_reducer,
     reducer_of,
 )
-from fedsim.records import to_numpy, to_record
 
 
 @pytest.fixture(autouse=True)

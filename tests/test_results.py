@@ -8,7 +8,8 @@ import pytest
 
 from fedsim.config import ConfigError
 from fedsim.engine.grid import PhaseReport
-from fedsim.results import RoundRecorder, RunWriter, json_ready, read_rounds
+from fedsim.results import RoundRecorder, RunWriter, read_rounds
+from fedsim.results_json import json_ready
 
 
 def report(phase, kind, server_round, clients=4):

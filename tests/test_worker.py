@@ -8,12 +8,12 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedsim.engine import ClientAppSource, ClientWorker, WeightedMean
-from fedsim.engine.reduce import attach_reducer
+from fedsim.engine import ClientAppSource, ClientWorker
 from fedsim.engine.registry import NODE_ID_OFFSET
 from fedsim.engine.worker import ClientBatch, Content, RunSpec
 from fedsim.randomness import NODE_SECRET_KEY, RunSecret
 from fedsim.records import to_numpy, to_record
+from fedsim.worker_reduce import WeightedMean, attach_reducer
 
 
 @pytest.fixture(autouse=True)

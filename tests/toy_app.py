@@ -7,7 +7,7 @@ partitions listed in ``run_config["fail"]`` (space-separated), sleeps
 ``run_config["crash-file"]``, kills its worker process at ``crash-partition``.
 Hostile clients: ``spoof-partition`` sends a 1e6-times larger update whose metrics
 pose as a worker's partial sum (``fedsim.clients``); ``forge-partition`` returns
-the engine's own :class:`~fedsim.engine.reduce.PartialReply` type.
+the engine's own :class:`~fedsim.worker_reduce.PartialReply` type.
 evaluate: replies the sum of the arrays as a metric.
 query: replies the first draw of the client's own secret stream (round 0, noise), to check
 which secret the runtime gave it.
@@ -24,8 +24,8 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedsim.randomness import Purpose, client_secret
-from fedsim.engine.reduce import folded_reply
 from fedsim.records import to_numpy, to_record
+from fedsim.worker_reduce import folded_reply
 
 app = ClientApp()
 

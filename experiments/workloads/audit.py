@@ -52,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 from fedsim.experiment import (  # noqa: E402
     ExperimentConfig,
+    load_finished_run,
     participation_for,
     privacy_sampling,
     run_experiment,
@@ -125,7 +126,8 @@ def dp_part(seeds: list[int], root) -> list[dict]:
                 summary = run_experiment(
                     dp_config(seed, z), run_dir, progress=False, secrets=secrets
                 )
-                audits = {a: audit_run(run_dir, attack=a) for a in ("loss", "zlib")}
+                finished = load_finished_run(run_dir)
+                audits = {a: audit_run(finished, attack=a) for a in ("loss", "zlib")}
             row = {
                 "target_epsilon": "inf" if math.isinf(epsilon) else epsilon,
                 "noise_multiplier": z,

@@ -10,7 +10,6 @@ from fedsim.engine.participation import (
     PoissonCohort,
     UniformCohort,
 )
-from fedsim.engine.reduce import Reducer, WeightedMean, WorkerReduced, attach_reducer
 from fedsim.engine.registry import NODE_ID_OFFSET, ClientRegistry
 from fedsim.engine.simulation import Engine, EngineConfig
 from fedsim.engine.state import ClientStateStore
@@ -34,11 +33,7 @@ __all__ = [
     "PhaseReport",
     "PoissonCohort",
     "RayBackend",
-    "Reducer",
     "SimulationGrid",
     "UniformCohort",
-    "WeightedMean",
     "WorkerLost",
-    "WorkerReduced",
-    "attach_reducer",
 ]

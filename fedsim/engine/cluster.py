@@ -9,8 +9,10 @@ travel to the cluster's workers through Ray's runtime environment
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +30,19 @@ _ADDRESS_HELP = (
 )
 
 
-def _packages() -> list[str]:
-    import fedsim  # noqa: PLC0415
-    import protocols  # noqa: PLC0415
-    import strategies  # noqa: PLC0415
+#: the project's top-level packages, shipped to a cluster's workers
+PACKAGES = ("fedsim", "protocols", "strategies")
 
-    return [str(Path(m.__file__).parent) for m in (fedsim, protocols, strategies)]
+
+def _packages() -> list[str]:
+    """The folders of :data:`PACKAGES`, found without importing them."""
+    folders = []
+    for name in PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None:
+            raise RuntimeError(f"package {name!r} cannot be found on sys.path {sys.path}")
+        folders.append(str(Path(spec.origin).parent))
+    return folders
 
 
 def check_reachable(address: str, key: str = "engine.ray_address", timeout: float = 5.0) -> None:

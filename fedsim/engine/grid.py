@@ -15,7 +15,7 @@ for the addressed virtual clients on the backend's workers:
   late replies) and returns the replies ordered by node id, so a run's result
   does not depend on which worker finished first.
 
-When the instructions carry a reducer (:mod:`fedsim.engine.reduce`), each batch
+When the instructions carry a reducer (:mod:`fedsim.worker_reduce`), each batch
 returns one partial reply in place of its clients' replies: ``pull_messages``
 then gives one reply per batch, whose ``reply_to_message_id`` is that of the
 batch's first message.
@@ -43,13 +43,12 @@ from flwr.supercore.run import Run
 from fedsim.engine.backend import Backend
 from fedsim.engine.dispatch import Dispatcher, batch_sizes
 from fedsim.engine.faults import FaultConfig, client_faults, crash_point
-from fedsim.engine.metrics import MetricSums
 from fedsim.engine.participation import Participation
-from fedsim.engine.reduce import Accumulator, Reducer, ReductionError, reducer_of
 from fedsim.engine.registry import ClientRegistry
 from fedsim.engine.state import ClientStateStore
 from fedsim.engine.worker import BatchResult, ClientBatch, Content
 from fedsim.records import content_nbytes, records_of
+from fedsim.worker_reduce import Accumulator, MetricSums, Reducer, ReductionError, reducer_of
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ batches: for every message it deserialises the batch's shared content anew
 Flower's records), builds the client's :class:`flwr.app.Context` from its persistent
 state, calls the app, and collects the reply. Models, data and buffers that the
 app caches at module level stay alive across clients and rounds, because the
-process does. When the instruction opts into a :class:`~fedsim.engine.reduce.Reducer`,
+process does. When the instruction opts into a :class:`~fedsim.worker_reduce.Reducer`,
 the successful replies of the batch are folded into one partial reply.
 """
 
@@ -29,11 +29,10 @@ from flwr.common.constant import NUM_PARTITIONS_KEY, PARTITION_ID_KEY, ErrorCode
 from flwr.supercore.object_ref import load_app
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedsim.engine.metrics import MetricSums
-from fedsim.engine.reduce import Reducer, ReductionError, is_partial
 from fedsim.engine.registry import NODE_ID_OFFSET
 from fedsim.randomness import NODE_SECRET_KEY, RunSecret
 from fedsim.records import content_nbytes, records_of
+from fedsim.worker_reduce import MetricSums, Reducer, ReductionError, is_partial
 
 
 @dataclass(frozen=True)

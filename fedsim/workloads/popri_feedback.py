@@ -14,7 +14,7 @@ so the sum ``sum_i v_i`` has L2 sensitivity 1 under adding or removing one clien
 what the server's Gaussian noise is calibrated to (:mod:`strategies.popri`). The server
 applies the same clipping again when it sums (:class:`ClippedScoreSum`), so the bound holds
 whatever a client sends. Workers may fold their clients' replies into one partial sum
-(:mod:`fedsim.engine.reduce`).
+(:mod:`fedsim.worker_reduce`).
 
 Each worker process embeds a client's texts the first time it serves the client and keeps
 the result (:func:`client_embeddings`); models and federations are built once per process
@@ -34,9 +34,10 @@ from flwr.clientapp import ClientApp
 
 from fedsim.config import require
 from fedsim.data.text import TextSourceSpec, cached_text_federation
-from fedsim.engine.metrics import MetricSums
-from fedsim.engine.reduce import (
+from fedsim.records import to_numpy, to_record
+from fedsim.worker_reduce import (
     Accumulator,
+    MetricSums,
     Reducer,
     ReductionError,
     folded_reply,
@@ -45,7 +46,6 @@ from fedsim.engine.reduce import (
     reserved_keys,
     single,
 )
-from fedsim.records import to_numpy, to_record
 
 CANDIDATES_KEY = "candidates"
 EMBEDDINGS_ARRAY = "embeddings"
@@ -200,7 +200,7 @@ def make_feedback_app(text: TextSourceSpec, embedder: EmbedderSpec) -> ClientApp
 
 class ClippedScoreSum(Reducer):
     """``sum_i clip(v_i, 1)`` over raw replies plus the sums carried by partial replies
-    (:class:`~fedsim.engine.reduce.PartialReply`, whose metric ``fedsim.clients`` counts
+    (:class:`~fedsim.worker_reduce.PartialReply`, whose metric ``fedsim.clients`` counts
     the clients folded). A raw reply with a reserved ``fedsim.*`` key, or scores that are
     not ``size`` numbers, is refused (listed in the fold's ``rejected``); non-finite
     entries count as 0 (:func:`clip_l2`). Client metrics are averaged."""

@@ -43,6 +43,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``fedsim audit``; errors print ``fedsim: error: ...`` and return 2."""
+    from fedsim.experiment import load_finished_run  # noqa: PLC0415
     from fedsim.workloads.audits.run_audit import (  # noqa: PLC0415
         audit_run,
         format_audit,
@@ -50,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
     )
 
     try:
-        result = audit_run(args.run_dir, attack=args.attack, members=args.members, seed=args.seed)
+        run = load_finished_run(args.run_dir)
+        result = audit_run(run, attack=args.attack, members=args.members, seed=args.seed)
     except ConfigError as err:
         print(f"fedsim: error: {err}", file=sys.stderr)
         return 2

@@ -1,7 +1,8 @@
 """Membership audit of a finished ``fedsim run`` directory (``fedsim audit RUN_DIR``).
 
 The run's saved config (``config.json``) rebuilds its federated dataset and model exactly
-(``build_dataset`` is deterministic in the spec), ``model.npz`` holds the final global weights
+(``build_dataset`` is deterministic in the spec; the run front end rebuilds them,
+:func:`fedsim.experiment.load_finished_run`), ``model.npz`` holds the final global weights
 and ``summary.json`` the number of rounds run and, for DP runs, the final epsilon. Members are
 the training rows of the clients that the run's cohort model put in at least one training
 round (every client, after enough rounds); non-members are the held-out test rows, which no
@@ -34,7 +35,6 @@ so ``mink`` is refused for these runs (it applies to the audit's language models
 
 from __future__ import annotations
 
-import json
 import math
 import zlib
 from dataclasses import dataclass
@@ -45,8 +45,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedsim.checkpoint import CONFIG_FILE
 from fedsim.config import ConfigError, require
+from fedsim.results_json import dumps, json_ready
 from fedsim.workloads.audits.dataset_inference import (
     dataset_inference,
     resample_features,
@@ -69,49 +69,18 @@ AUDIT_FILE = "audit.json"
 
 @dataclass(frozen=True)
 class FinishedRun:
-    """What ``fedsim run`` left in a directory: its config, final weights and summary."""
+    """What ``fedsim run`` left in a directory, rebuilt by the run front end
+    (:func:`fedsim.experiment.load_finished_run`): its config and summary, its final model,
+    the federation it trained on and the clients of its training cohorts."""
 
     path: Path
     config: Any  # fedsim.experiment.ExperimentConfig
     arrays: dict[str, np.ndarray]
     summary: dict[str, Any]
-
-
-def load_finished_run(run_dir: str | Path) -> FinishedRun:
-    """Read a finished run; a missing directory or file raises ConfigError naming the path."""
-    from fedsim.experiment import ExperimentConfig  # noqa: PLC0415  (imports the engine)
-
-    path = Path(run_dir)
-    if not path.is_dir():
-        raise ConfigError("RUN_DIR", str(run_dir), "an existing directory written by `fedsim run`")
-    missing = [n for n in (CONFIG_FILE, MODEL_FILE, SUMMARY_FILE) if not (path / n).is_file()]
-    if missing:
-        raise ConfigError(
-            "RUN_DIR",
-            str(run_dir),
-            f"a finished `fedsim run` directory; it has no {', '.join(missing)} "
-            f"(missing: {', '.join(str(path / n) for n in missing)})",
-        )
-    try:
-        config = ExperimentConfig.from_dict(json.loads((path / CONFIG_FILE).read_text()))
-        summary = json.loads((path / SUMMARY_FILE).read_text())
-    except json.JSONDecodeError as err:
-        raise ConfigError("RUN_DIR", str(run_dir), f"readable JSON files ({err})") from err
-    with np.load(path / MODEL_FILE) as saved:
-        arrays = {k: np.array(saved[k]) for k in saved.files}
-    return FinishedRun(path, config, arrays, summary)
-
-
-def trained_clients(config: Any, population: int, rounds: int) -> np.ndarray:
-    """Sorted client indices in at least one training cohort of rounds ``1..rounds``."""
-    from fedsim.engine.participation import TRAIN  # noqa: PLC0415
-    from fedsim.experiment import participation_for  # noqa: PLC0415
-
-    participation = participation_for(config, population)
-    seen = np.zeros(population, dtype=bool)
-    for r in range(1, rounds + 1):
-        seen[participation.cohort(r, TRAIN)] = True
-    return np.flatnonzero(seen)
+    dataset: Any  # fedsim.data.FederatedDataset, rebuilt from the config
+    model: nn.Module  # the config's model holding ``arrays``
+    rounds: int  # rounds run
+    clients: np.ndarray  # sorted indices of the clients in at least one training cohort
 
 
 def _rows_of(offsets: np.ndarray, clients: np.ndarray) -> np.ndarray:
@@ -205,24 +174,10 @@ class _AuditRows:
 
 
 def _audit_rows(
-    run_dir: str | Path, members: int | None, seed: int | None, members_key: str
+    run: FinishedRun, members: int | None, seed: int | None, members_key: str
 ) -> _AuditRows:
-    from fedsim.data import build_dataset  # noqa: PLC0415
-    from fedsim.experiment import model_spec  # noqa: PLC0415
-    from fedsim.models import build_model, load_arrays  # noqa: PLC0415
-
-    run = load_finished_run(run_dir)
-    config = run.config
-    dataset = build_dataset(config.data)
-    model = build_model(model_spec(config, dataset))
-    try:
-        load_arrays(model, run.arrays)
-    except ValueError as err:
-        raise ConfigError(
-            "RUN_DIR", str(run_dir), f"a {MODEL_FILE} that fits the saved config's model ({err})"
-        ) from err
-    rounds = int(run.summary.get("rounds", config.rounds))
-    clients = trained_clients(config, dataset.num_clients, rounds)
+    config, dataset, model, clients = run.config, run.dataset, run.model, run.clients
+    run_dir = run.path
     member_rows = _rows_of(dataset.train.offsets, clients)
     nonmember_rows = np.arange(len(dataset.test.y))
     available = min(len(member_rows), len(nonmember_rows))
@@ -252,7 +207,7 @@ def _audit_rows(
     return _AuditRows(
         run=run,
         model=model,
-        rounds=rounds,
+        rounds=run.rounds,
         clients=clients,
         member_rows=member_rows,
         nonmember_rows=nonmember_rows,
@@ -274,7 +229,7 @@ def _run_facts(rows: _AuditRows) -> dict[str, Any]:
     if epsilon is None and privacy.get("rounds_accounted"):
         epsilon = math.inf  # files written before that wrote it as null
     finite = epsilon is not None and math.isfinite(epsilon)
-    return _json_ready({
+    return json_ready({
         "run_dir": str(run.path),
         "members": int(len(rows.y_in)),
         "non_members": int(len(rows.y_out)),
@@ -370,13 +325,13 @@ def _check_attack(attack: str, key: str) -> None:
 
 
 def audit_run(
-    run_dir: str | Path,
+    run: FinishedRun,
     attack: str = "loss",
     members: int | None = None,
     seed: int | None = None,
     splits: int = 10,
 ) -> dict[str, Any]:
-    """One audit (``attack`` in ``AUDIT_ATTACKS``) of the final model of the run in ``run_dir``.
+    """One audit (``attack`` in ``AUDIT_ATTACKS``) of the final model of ``run``.
 
     ``members``: rows drawn from each side (default: as many as the smaller side holds);
     ``seed``: draws the rows and the synthetic copies (default: the run's seed); ``splits``:
@@ -385,18 +340,18 @@ def audit_run(
     a non-member control's; both with counts, mean losses and the run's epsilon and delta.
     """
     _check_attack(attack, "--attack")
-    rows = _audit_rows(run_dir, members, seed, "--members")
+    rows = _audit_rows(run, members, seed, "--members")
     return _attack_result(rows, attack, splits, "--members")
 
 
-def run_configured_audit(run_dir: str | Path, audit: AuditConfig) -> dict[str, Any]:
-    """Run the ``[audit]`` table's attacks on a finished run directory: writes
-    ``RUN_DIR/audit.json`` (``{"attacks": {name: result}}``) and returns the short summary
-    that ``summary.json`` keeps under ``audit``."""
-    rows = _audit_rows(run_dir, audit.members or None, audit.seed, "audit.members")
+def run_configured_audit(run: FinishedRun, audit: AuditConfig) -> dict[str, Any]:
+    """Run the ``[audit]`` table's attacks on a finished run: writes ``RUN_DIR/audit.json``
+    (``{"attacks": {name: result}}``) and returns the short summary that ``summary.json``
+    keeps under ``audit``."""
+    rows = _audit_rows(run, audit.members or None, audit.seed, "audit.members")
     results = {a: _attack_result(rows, a, 10, "audit.members") for a in audit.attacks}
-    path = Path(run_dir) / AUDIT_FILE
-    path.write_text(_dumps({"attacks": results}, indent=2, sort_keys=True))
+    path = run.path / AUDIT_FILE
+    path.write_text(dumps({"attacks": results}, indent=2, sort_keys=True))
     short: dict[str, Any] = {"file": AUDIT_FILE, "members": int(len(rows.y_in))}
     for name, result in results.items():
         if name == DATASET_INFERENCE:
@@ -413,22 +368,8 @@ def write_audit(result: dict[str, Any], out: str | Path | None = None) -> Path:
     """Write ``result`` as JSON to ``out`` (default ``RUN_DIR/audit.json``); returns the path."""
     path = Path(out) if out is not None else Path(result["run_dir"]) / AUDIT_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(_dumps(result, indent=2, sort_keys=True))
+    path.write_text(dumps(result, indent=2, sort_keys=True))
     return path
-
-
-def _dumps(value: Any, **kwargs: Any) -> str:
-    """JSON as results files write it (an infinite epsilon as 1e999, :mod:`fedsim.results`)."""
-    from fedsim.results import dumps  # noqa: PLC0415  (the run front end)
-
-    return dumps(value, **kwargs)
-
-
-def _json_ready(facts: dict[str, Any]) -> dict[str, Any]:
-    """``facts`` as audit.json holds them (each epsilon with its ``*_infinite`` flag)."""
-    from fedsim.results import json_ready  # noqa: PLC0415  (the run front end)
-
-    return json_ready(facts)
 
 
 def format_audit(result: dict[str, Any]) -> str:

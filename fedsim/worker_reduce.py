@@ -1,4 +1,4 @@
-"""Worker-side partial aggregation: the opt-in interface.
+"""Worker-side partial aggregation: the contract between strategies, workloads and the engine.
 
 A strategy whose aggregation is a (weighted) sum can let each worker fold the
 replies of the clients it ran into one *partial reply*, so a round ships
@@ -20,8 +20,17 @@ may call the same reducer itself on whatever it receives.
 :class:`WeightedMean` matches Flower's FedAvg family: a partial reply carries the
 weighted mean of its clients' arrays and metrics, with the weight key set to the
 sum of their weights, so FedAvg's own ``aggregate_train`` over partial replies
-gives the same result as over raw ones. :class:`WorkerReduced` opts any such
-strategy in without changing it.
+gives the same result as over raw ones. ``strategies.worker_reduced.WorkerReduced`` opts
+any such strategy in without changing it.
+
+:class:`MetricSums` are weighted metric sums, additive so they can be split and merged
+freely: each worker adds the metrics of the replies it produced (weighted by
+``num-examples``) so run records show client-weighted means whether or not replies were
+folded on the workers, and reducers fold metrics the way Flower's
+``aggregate_metricrecords`` does (scalars and lists, weighted means). A metric whose values
+disagree in shape between replies (a list of 3 where others sent 2) cannot be averaged: it
+is left out of the means from then on (``conflicts``, logged once) rather than failing the
+fold for everyone.
 
 Partial sums that skip a per-client step (clipping, counting) are trusted only
 as :class:`PartialReply` objects, which only an accumulator makes: a client's
@@ -30,6 +39,9 @@ delivers nothing else, and the worker refuses a ClientApp that returns a
 PartialReply), so no client can pass its update off as an already-clipped sum.
 Keys under ``fedsim.`` are reserved for the engine's own bookkeeping; a raw
 reply that carries one is refused (:func:`reserved_keys`).
+
+This module imports nothing of fedsim's but :mod:`fedsim.records` (both flwr and numpy
+only), so strategies and workloads use it without importing the engine.
 """
 
 from __future__ import annotations
@@ -39,23 +51,91 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from copy import copy
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
 
-from fedsim.engine.metrics import MetricSums
 from fedsim.records import R, records_of, to_numpy, to_record
-from strategies.wrapper import StrategyWrapper
 
 REDUCER_KEY = "fedsim.reducer"
 _CLASS_KEY = "class"
 #: names and keys starting with this are the engine's; a client reply carrying one is refused
 RESERVED_PREFIX = "fedsim."
 
+#: the metric a reply's weight is read from when no other key is named
+WEIGHT_KEY = "num-examples"
+
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class MetricSums:
+    """``sum_i w_i m_i`` and ``sum_i w_i`` per metric key (scalars and lists)."""
+
+    weighted: dict[str, float | np.ndarray] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)
+    total: float = 0.0
+    conflicts: set[str] = field(default_factory=set)
+
+    def _accumulate(self, key: str, term: float | np.ndarray, weight: float) -> None:
+        if key in self.conflicts:
+            return
+        previous = self.weighted.get(key)
+        if previous is not None and np.shape(previous) != np.shape(term):
+            log.warning(
+                "metric %r has shape %s in one reply and %s in another; it is left out",
+                key,
+                np.shape(term),
+                np.shape(previous),
+            )
+            self.conflicts.add(key)
+            del self.weighted[key], self.weights[key]
+            return
+        self.weighted[key] = term if previous is None else previous + term
+        self.weights[key] = self.weights.get(key, 0.0) + weight
+
+    def add(
+        self, record: MetricRecord, weight: float | None = None, skip: tuple[str, ...] = ()
+    ) -> None:
+        """Add a record with ``weight`` (default: its ``num-examples``, else 1)."""
+        if weight is None:
+            value = record.get(WEIGHT_KEY, 1)
+            weight = float(value) if isinstance(value, (int, float)) else 1.0
+        self.total += weight
+        for key, value in record.items():
+            if key == WEIGHT_KEY or key in skip:
+                continue
+            term = weight * (
+                np.asarray(value, dtype=np.float64) if isinstance(value, list) else float(value)
+            )
+            self._accumulate(key, term, weight)
+
+    def merge(self, other: MetricSums) -> None:
+        self.total += other.total
+        for key in other.conflicts - self.conflicts:
+            self.conflicts.add(key)
+            self.weighted.pop(key, None)
+            self.weights.pop(key, None)
+        for key, value in other.weighted.items():
+            self._accumulate(key, value, other.weights[key])
+
+    def means(self) -> dict[str, float | list[float]]:
+        """Weighted mean of each metric (keys with zero total weight are left out)."""
+        out: dict[str, float | list[float]] = {}
+        for key, value in self.weighted.items():
+            if self.weights[key] > 0:
+                mean = value / self.weights[key]
+                out[key] = mean.tolist() if isinstance(mean, np.ndarray) else float(mean)
+        return out
+
+    def record(self, weight_key: str) -> MetricRecord:
+        """The means as a MetricRecord with ``weight_key`` set to the total weight."""
+        record = MetricRecord(self.means())
+        total = self.total
+        record[weight_key] = int(total) if float(total).is_integer() else total
+        return record
 
 
 class ReductionError(ValueError):
@@ -270,24 +350,3 @@ def weighted_mean(arrays: Sequence[np.ndarray], weights: np.ndarray) -> np.ndarr
     factors = weights / total if total > 0 else np.full(len(weights), 1.0 / len(weights))
     stacked = np.stack([np.asarray(a, dtype=dtype).reshape(-1) for a in arrays])
     return (factors.astype(dtype) @ stacked).reshape(first.shape).astype(first.dtype, copy=False)
-
-
-class WorkerReduced(StrategyWrapper):
-    """Opt a strategy whose aggregation is a weighted mean into worker-side sums.
-
-    Wraps e.g. ``FedAvg``, ``FedProx``, ``FedAvgM``, ``FedAdam``, ``FedYogi`` or
-    ``FedAdagrad`` (all aggregate client arrays with FedAvg's weighted mean before
-    their server update) and changes nothing but the instruction messages, which
-    gain the :data:`REDUCER_KEY` record. Replies pass to the wrapped strategy
-    untouched. Evaluation messages are left alone (their metrics are cheap).
-    """
-
-    def __init__(self, strategy: Strategy, reducer: Reducer | None = None) -> None:
-        super().__init__(strategy)
-        self.reducer = reducer or WeightedMean(getattr(strategy, "weighted_by_key", "num-examples"))
-
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        messages = self.strategy.configure_train(server_round, arrays, config, grid)
-        return attach_reducer(messages, self.reducer)
