@@ -80,7 +80,7 @@ from fedsim.engine.committee import (
 from fedsim.engine.reduce import single
 from fedsim.privacy import ddgauss as ddgauss_privacy
 from fedsim.privacy.accounting import NeighbouringRelation, PrivacyLedger
-from fedsim.privacy.mechanisms import SecureRandom
+from fedsim.privacy.mechanisms import SecureRandom, discrete_gaussian
 from fedsim.randomness import PartySecret, Purpose, Stream, client_secret, public_generator
 from fedsim.records import to_numpy, to_record
 from protocols.channels import new_session_id
@@ -278,7 +278,11 @@ def ddgauss_client_app(
         if secure_noise:
             noise_rng = SecureRandom()
         encoded = encoder.encode(
-            update, int(config[PREFIX + "rotation-seed"]), rng, noise_rng=noise_rng
+            update,
+            int(config[PREFIX + "rotation-seed"]),
+            rng,
+            noise_rng=noise_rng,
+            sampler=discrete_gaussian,
         )
         if mode == "full":
             signed = encoder.field.decode_signed(encoded.elements)
