@@ -228,21 +228,17 @@ def shard_arguments(
 
 class ShardPool:
     """A committee's shards hosted in this process: ``groups[i]`` (member indices) held by
-    ``shards[i]``, built from :func:`shard_arguments` as ``shard_class`` (a
-    :class:`CommitteeShard` subclass plays hostile members); :meth:`call` runs one method on
-    every shard -- the pool interface of :class:`protocols.committee_server.CommitteeServer`."""
+    ``shards[i]`` (built from :func:`shard_arguments`; a :class:`CommitteeShard` subclass plays
+    hostile members); :meth:`call` runs one method on every shard -- the pool interface of
+    :class:`protocols.committee_server.CommitteeServer`."""
 
-    def __init__(
-        self,
-        groups: Sequence[Sequence[int]],
-        field_exponent: int,
-        session_id: bytes,
-        private_keys: Mapping[int, bytes] | None = None,
-        shard_class: type = CommitteeShard,
-    ) -> None:
+    def __init__(self, groups: Sequence[Sequence[int]], shards: Sequence[Any]) -> None:
         self.groups = [[int(m) for m in g] for g in groups]
-        arguments = shard_arguments(self.groups, field_exponent, session_id, private_keys)
-        self.shards = [shard_class(*a) for a in arguments]
+        self.shards = list(shards)
+        if len(self.shards) != len(self.groups):
+            raise ValueError(
+                f"{len(self.shards)} shards for {len(self.groups)} groups; allowed: one per group"
+            )
 
     def call(self, method: str, args_per_shard: Sequence[tuple]) -> list[Any]:
         """``method`` of each shard with its arguments; the answers in shard order."""

@@ -46,25 +46,14 @@ def shard_actor(ray_module: Any, shard_class: type = CommitteeShard) -> Any:
     return ray_module.remote(shard_class).options(num_cpus=0, max_restarts=0)
 
 
-class ActorShardPool:
-    """A committee's shards on Ray actors (:func:`shard_actor`), one per group: the pool
-    interface of :class:`protocols.committee_server.CommitteeServer`; :meth:`call` dispatches a
-    method to every actor at once and waits for the answers."""
+class ActorShardPool(ShardPool):
+    """A committee's shards on Ray actors (handles of :func:`shard_actor` actors, one per
+    group): :meth:`call` dispatches a method to every actor at once and waits for the answers;
+    :meth:`close` kills them."""
 
-    def __init__(
-        self,
-        ray_module: Any,
-        groups: Sequence[Sequence[int]],
-        field_exponent: int,
-        session_id: bytes,
-        private_keys: Mapping[int, bytes] | None = None,
-        shard_class: type = CommitteeShard,
-    ) -> None:
+    def __init__(self, ray_module: Any, groups: Sequence[Sequence[int]], shards: Sequence[Any]):
+        super().__init__(groups, shards)
         self._ray = ray_module
-        self.groups = [[int(m) for m in g] for g in groups]
-        actor = shard_actor(ray_module, shard_class)
-        arguments = shard_arguments(self.groups, field_exponent, session_id, private_keys)
-        self.shards = [actor.remote(*a) for a in arguments]
 
     def call(self, method: str, args_per_shard: Sequence[tuple]) -> list[Any]:
         futures = [getattr(s, method).remote(*a) for s, a in zip(self.shards, args_per_shard)]
@@ -130,12 +119,12 @@ class Committee(CommitteeServer):
         groups = [g.tolist() for g in np.array_split(np.arange(n), shards)]
         session_id = new_session_id()
         keys = member_channel_keys(member_secrets, n, session_id)
+        arguments = shard_arguments(groups, field_.exponent, session_id, keys)
         if ray_module is not None:
-            pool: ShardPool | ActorShardPool = ActorShardPool(
-                ray_module, groups, field_.exponent, session_id, keys, shard_class
-            )
+            actor = shard_actor(ray_module, shard_class)
+            pool = ActorShardPool(ray_module, groups, [actor.remote(*a) for a in arguments])
         else:
-            pool = ShardPool(groups, field_.exponent, session_id, keys, shard_class)
+            pool = ShardPool(groups, [shard_class(*a) for a in arguments])
         super().__init__(
             n, t, k, members=pool, session_id=session_id, detect=detect, field_=field_
         )
