@@ -51,7 +51,9 @@ class ActorShardPool(ShardPool):
     group): :meth:`call` dispatches a method to every actor at once and waits for the answers;
     :meth:`close` kills them."""
 
-    def __init__(self, ray_module: Any, groups: Sequence[Sequence[int]], shards: Sequence[Any]):
+    def __init__(
+        self, ray_module: Any, groups: Sequence[Sequence[int]], shards: Sequence[Any]
+    ) -> None:
         super().__init__(groups, shards)
         self._ray = ray_module
 
@@ -125,9 +127,7 @@ class Committee(CommitteeServer):
             pool = ActorShardPool(ray_module, groups, [actor.remote(*a) for a in arguments])
         else:
             pool = ShardPool(groups, [shard_class(*a) for a in arguments])
-        super().__init__(
-            n, t, k, members=pool, session_id=session_id, detect=detect, field_=field_
-        )
+        super().__init__(n, t, k, members=pool, session_id=session_id, detect=detect, field_=field_)
 
     @property
     def shards(self) -> list[Any]:
