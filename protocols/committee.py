@@ -219,6 +219,15 @@ class CommitteeFaults:
     def members_with(self, fault: MemberFault, stage: CommitteeStage) -> set[int]:
         return {m for (m, s), f in self.plan.items() if s == stage and f == fault}
 
+    def at(self, stage: CommitteeStage) -> StageFaults:
+        """The faults of ``stage``, as shipped to the shards."""
+        return StageFaults(
+            drop=frozenset(self.members_with(MemberFault.DROP, stage)),
+            late=frozenset(self.members_with(MemberFault.LATE, stage)),
+            tamper=frozenset(self.members_with(MemberFault.TAMPER, stage)),
+            seed=self.seed,
+        )
+
 
 @dataclass(frozen=True)
 class StageFaults:

@@ -54,7 +54,6 @@ import numpy as np
 
 from protocols.channels import NONCE_BYTES, PUBLIC_KEY_BYTES, SERVER_ID, Endpoint, Envelope, Relay
 from protocols.committee import (
-    ACTIVE_STAGES,
     CHANNEL_PROTOCOL,
     MEMBER_ID_BASE,
     CommitteeAbort,
@@ -62,7 +61,6 @@ from protocols.committee import (
     CommitteeKeys,
     CommitteeResult,
     CommitteeStage,
-    MemberFault,
     SealedInput,
     SealedShares,
     StageFaults,
@@ -164,6 +162,7 @@ class CommitteeServer:
         self.stages[round_] = target
 
     def close(self) -> None:
+        """Forget the members (on Ray, their actors are killed)."""
         self.pool.close()
 
     def run_round_sealed(
@@ -211,29 +210,37 @@ class CommitteeServer:
         return result
 
     def _run_round(self, round_, sealed, length, faults, excluded) -> CommitteeResult:
+        """One round, one handler per stage: SHARE (relay, open), COMBINE, RELEASE (decode)."""
         parts, width = self._relay_shares(round_, sealed, length, faults, excluded)
         if not parts[0]:
             reasons = "; ".join(f"client {c}: {r}" for c, r in sorted(excluded.items()))
             raise CommitteeAbort(
                 f"round {round_}: no usable client input: {reasons[:500]}", needed=1, answered=0
             )
-        per_stage = {
-            stage: StageFaults(
-                drop=frozenset(faults.members_with(MemberFault.DROP, stage)),
-                late=frozenset(faults.members_with(MemberFault.LATE, stage)),
-                tamper=frozenset(faults.members_with(MemberFault.TAMPER, stage)),
-                seed=faults.seed,
-            )
-            for stage in ACTIVE_STAGES
-        }
-        self._advance(round_, CommitteeStage.SHARE)
-        answers = self.pool.call(
-            "share", [(round_, part, per_stage[CommitteeStage.SHARE], width) for part in parts]
+        clients, late = self._share(round_, parts, width, faults.at(CommitteeStage.SHARE), excluded)
+        combine = faults.at(CommitteeStage.COMBINE)
+        self._combine(round_, clients, combine)
+        late |= combine.late
+        return self._release(
+            round_, clients, length, late, faults.at(CommitteeStage.RELEASE), excluded
         )
-        late = set(per_stage[CommitteeStage.SHARE].late)
+
+    def _share(
+        self,
+        round_: int,
+        parts: list[dict[int, SealedShares]],
+        width: int,
+        faults: StageFaults,
+        excluded: dict[int, str],
+    ) -> tuple[tuple[int, ...], set[int]]:
+        """SHARE at the members: each shard opens its envelopes. Returns the clients whose
+        shares reached every member that is online and on time (the others are ``excluded``)
+        and the members late at SHARE; aborts when too few members are online."""
+        self._advance(round_, CommitteeStage.SHARE)
+        answers = self.pool.call("share", [(round_, part, faults, width) for part in parts])
+        late = set(faults.late)
         online = sorted(m for part in answers for m in part["online"] if m not in late)
         self._require(len(online), CommitteeStage.SHARE, round_)
-        # a client counts when its shares reached every member that is online and on time
         refusals: dict[int, set[int]] = {}
         for part in answers:
             for client, who in part["refused"].items():
@@ -241,17 +248,27 @@ class CommitteeServer:
         for client, who in refusals.items():
             if who - late:
                 excluded[client] = f"members {sorted(who)} refused its share"
-        clients = tuple(sorted(set(parts[0]) - set(excluded)))
+        return tuple(sorted(set(parts[0]) - set(excluded))), late
+
+    def _combine(self, round_: int, clients: tuple[int, ...], faults: StageFaults) -> None:
+        """COMBINE: every shard sums its members' rows of ``clients``."""
         self._advance(round_, CommitteeStage.COMBINE)
-        self.pool.call(
-            "combine",
-            [(round_, list(clients), per_stage[CommitteeStage.COMBINE]) for _ in self.groups],
-        )
+        self.pool.call("combine", [(round_, list(clients), faults) for _ in self.groups])
+
+    def _release(
+        self,
+        round_: int,
+        clients: tuple[int, ...],
+        length: int,
+        late: set[int],
+        faults: StageFaults,
+        excluded: dict[int, str],
+    ) -> CommitteeResult:
+        """RELEASE: the members seal their summed rows, the server opens the on-time ones
+        (adding the late members to ``late``) and decodes the sum; aborts when too few
+        answered."""
         self._advance(round_, CommitteeStage.RELEASE)
-        released = self.pool.call(
-            "release", [(round_, per_stage[CommitteeStage.RELEASE]) for _ in self.groups]
-        )
-        late |= per_stage[CommitteeStage.COMBINE].late
+        released = self.pool.call("release", [(round_, faults) for _ in self.groups])
         reasons = [f"client {c}: {r}" for c, r in sorted(excluded.items())]
         members, rows, rejected = self._open_release(round_, released, late, length, reasons)
         self._require(len(members), CommitteeStage.RELEASE, round_)
