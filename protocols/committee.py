@@ -133,6 +133,10 @@ class SealedInput:
 
 
 class MemberFault(enum.Enum):
+    """How a faulty member misbehaves at a stage (:class:`CommitteeFaults`): it drops (silent
+    from then on), is late (its answer misses the deadline) or tampers (a random non-zero
+    offset added to what it holds or sends)."""
+
     DROP = "drop"
     LATE = "late"
     TAMPER = "tamper"
