@@ -1,38 +1,41 @@
-"""The packed-Shamir sum committee: its public round parameters and the client's SHARE step.
+"""The packed-Shamir sum committee: what clients, members and the server share.
 
 A committee of ``n`` members (privacy threshold ``t``, ``k`` secrets per polynomial,
 :mod:`protocols.shamir`) sums vectors of field elements (F_p, p = 2^e - 1) that clients share
-with it; the server relays and sees only ciphertexts (members' side:
-:mod:`fedsim.engine.committee`). A round moves through :class:`CommitteeStage`:
+with it; the server relays and sees only ciphertexts. A round moves through
+:class:`CommitteeStage` (an explicit state machine, :data:`TRANSITIONS`):
 
-1. **SHARE** (the client, :func:`seal_input`): the client packed-Shamir-shares its vector --
-   share randomness from *its own* secret stream -- and seals row j of the shares for member j
-   under a key agreed between its X25519 key and member j's public key (:class:`CommitteeKeys`,
-   published for the round), bound to (``CHANNEL_PROTOCOL``, session, client, member, round,
-   SHARE) (:mod:`protocols.channels`). What leaves the client is a :class:`SealedInput`: its
-   public key and one envelope per member.
-2. **COMBINE**: each member sums its rows of the agreed clients (shares of the sum).
+1. **SHARE** (the client, :func:`protocols.committee_client.seal_input`): the client
+   packed-Shamir-shares its vector -- share randomness from *its own* secret stream -- and seals
+   row j of the shares for member j under a key agreed between its X25519 key and member j's
+   public key (:class:`CommitteeKeys`, published for the round), bound to (``CHANNEL_PROTOCOL``,
+   session, client, member, round, SHARE) (:mod:`protocols.channels`). What leaves the client is
+   a :class:`SealedInput`: its public key and one envelope per member. The server relays each
+   member's envelopes (:class:`SealedShares`) to it;
+2. **COMBINE**: each member sums its rows of the agreed clients (shares of the sum);
 3. **RELEASE**: each member seals its summed row for the server, which decodes the sum.
 
 Any t members' rows are uniformly distributed whatever the vector; the server together with at
 most t members learns nothing of one client's vector beyond the released sum.
 
-Randomness is passed in: ``rng`` (the client's share stream) draws the share polynomials,
-``private_key`` (32 bytes of the client's secret) fixes its X25519 key, or None for a key from
-the OS CSPRNG.
+This module holds the stages, the public round parameters, the messages, the simulation's
+faults (:class:`CommitteeFaults`), the outcome (:class:`CommitteeResult`) and the errors. The
+client side is :mod:`protocols.committee_client`, the member side
+:mod:`protocols.committee_member`, the server side :mod:`protocols.committee_server`.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from protocols.channels import PUBLIC_KEY_BYTES, TAG_BYTES, Endpoint, Envelope, encode_array
+from protocols.channels import PUBLIC_KEY_BYTES, TAG_BYTES, Envelope, encode_array
 from protocols.field import MersenneField
-from protocols.secagg import check_move
+from protocols.secagg import TooManyDropoutsError, check_move
 from protocols.shamir import PackedShamir
 
 CHANNEL_PROTOCOL = b"fedsim/committee"
@@ -129,32 +132,165 @@ class SealedInput:
     envelopes: Mapping[int, Envelope]
 
 
-def seal_input(
-    keys: CommitteeKeys,
-    party: int,
-    vector,
-    rng: np.random.Generator,
-    private_key: bytes | None = None,
-) -> SealedInput:
-    """The client's SHARE message: packed shares of ``vector`` (field elements of F_p), row j
-    sealed for member j. ``party``: the client's channel id for the round (assigned by the
-    server); ``rng``: the client's own share stream; ``private_key``: 32 bytes of its secret
-    for its X25519 key (None: from the OS CSPRNG)."""
-    party = check_client_id(party)
-    if not isinstance(rng, np.random.Generator):
+class MemberFault(enum.Enum):
+    """How a faulty member misbehaves at a stage (:class:`CommitteeFaults`): it drops (silent
+    from then on), is late (its answer misses the deadline) or tampers (a random non-zero
+    offset added to what it holds or sends)."""
+
+    DROP = "drop"
+    LATE = "late"
+    TAMPER = "tamper"
+
+
+class CommitteeAbort(TooManyDropoutsError):
+    """Too few members answered (or no client input was usable); ``needed`` and ``answered``
+    say how many; ``excluded``: client -> reason, the clients left out before the abort."""
+
+    excluded: Mapping[int, str] = {}
+
+    def __init__(self, message: str, needed: int, answered: int) -> None:
+        super().__init__(message)
+        self.needed = needed
+        self.answered = answered
+
+
+class TamperingDetected(RuntimeError):
+    """Released shares do not lie on one polynomial and correcting them would go beyond the
+    sound decoding radius: detected, nothing released, nobody named (``suspects == ()``);
+    ``excluded``: client -> reason, the clients left out before it."""
+
+    excluded: Mapping[int, str] = {}
+
+    def __init__(self, message: str, blocks: np.ndarray, suspects: tuple[int, ...]) -> None:
+        super().__init__(message)
+        self.blocks = blocks
+        self.suspects = suspects
+
+
+@dataclass(frozen=True)
+class CommitteeFaults:
+    """Which member misbehaves at which stage: ``plan[(member, stage)] = fault``.
+
+    ``seed`` drives the tampering offsets, so a faulty round is reproducible;
+    ``corrupt_in_transit`` lists (client, member) pairs whose sealed share the relay alters.
+    """
+
+    plan: Mapping[tuple[int, CommitteeStage], MemberFault] = field(default_factory=dict)
+    seed: int = 0
+    corrupt_in_transit: frozenset[tuple[int, int]] = frozenset()
+
+    def __post_init__(self) -> None:
+        for (member, stage), fault in self.plan.items():
+            if stage not in ACTIVE_STAGES:
+                raise ValueError(
+                    f"plan has stage {stage!r} for member {member}; allowed: "
+                    f"{[s.name for s in ACTIVE_STAGES]}"
+                )
+            if not isinstance(fault, MemberFault):
+                raise ValueError(f"plan[({member}, {stage.name})] = {fault!r}; use a MemberFault")
+
+    @classmethod
+    def random(
+        cls,
+        members: int,
+        rng: np.random.Generator,
+        *,
+        drop: float = 0.0,
+        late: float = 0.0,
+        tamper: float = 0.0,
+        stages: Sequence[CommitteeStage] = ACTIVE_STAGES,
+    ) -> CommitteeFaults:
+        """Each (member, stage) independently drops, is late or tampers with the given
+        probabilities (a member's first fault wins; later stages of a dropped member are moot)."""
+        for name, value in (("drop", drop), ("late", late), ("tamper", tamper)):
+            if not 0 <= value <= 1:
+                raise ValueError(f"{name}={value!r} must be a probability in [0, 1]")
+        if drop + late + tamper > 1:
+            raise ValueError(f"drop + late + tamper = {drop + late + tamper} exceeds 1")
+        plan: dict[tuple[int, CommitteeStage], MemberFault] = {}
+        for member in range(members):
+            for stage in stages:
+                u = rng.random()
+                if u < drop:
+                    plan[(member, stage)] = MemberFault.DROP
+                    break
+                if u < drop + late:
+                    plan[(member, stage)] = MemberFault.LATE
+                elif u < drop + late + tamper:
+                    plan[(member, stage)] = MemberFault.TAMPER
+        return cls(plan, int(rng.integers(2**32)))
+
+    def members_with(self, fault: MemberFault, stage: CommitteeStage) -> set[int]:
+        return {m for (m, s), f in self.plan.items() if s == stage and f == fault}
+
+    def at(self, stage: CommitteeStage) -> StageFaults:
+        """The faults of ``stage``, as shipped to the shards."""
+        return StageFaults(
+            drop=frozenset(self.members_with(MemberFault.DROP, stage)),
+            late=frozenset(self.members_with(MemberFault.LATE, stage)),
+            tamper=frozenset(self.members_with(MemberFault.TAMPER, stage)),
+            seed=self.seed,
+        )
+
+
+@dataclass(frozen=True)
+class StageFaults:
+    """The faults of one stage, as sets of member indices, shipped to the shards."""
+
+    drop: frozenset[int] = frozenset()
+    late: frozenset[int] = frozenset()
+    tamper: frozenset[int] = frozenset()
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class SealedShares:
+    """One client's sealed shares as delivered to the members of a shard: its public key, one
+    envelope per member (shard order) and the field elements each row must hold."""
+
+    public_key: bytes
+    envelopes: tuple[Envelope, ...]
+    width: int
+
+
+@dataclass(frozen=True)
+class CommitteeResult:
+    """One released round: the sum (field elements), whose inputs it holds, and the members
+    that answered, were late, or were caught tampering (and corrected away).
+
+    ``excluded``: clients left out (a malformed sealed input, or a share some live member
+    refused); ``rejected``: members whose release did not open or was malformed; ``verified``:
+    False when exactly t + k shares were decoded (nothing could be checked); ``reasons``: why
+    each party was excluded or rejected, for the log (``"client C: ..."``, ``"member M: ..."``).
+    """
+
+    round: int
+    aggregate: np.ndarray
+    clients: tuple[int, ...]
+    answered: tuple[int, ...]
+    late: tuple[int, ...]
+    dropped: tuple[int, ...]
+    tampered: tuple[int, ...]
+    excluded: tuple[int, ...] = ()
+    rejected: tuple[int, ...] = ()
+    verified: bool = False
+    reasons: tuple[str, ...] = ()
+
+
+def check_layout(n: int, t: int, k: int, shards: Any, detect: Any) -> PackedShamir:
+    """The scheme of a committee of n members, threshold t, packing k, after checking that
+    ``shards`` groups and ``detect`` extra answers fit it."""
+    scheme = PackedShamir(n=n, t=t, k=k)
+    if isinstance(shards, bool) or not isinstance(shards, int) or not 1 <= shards <= n:
+        raise ValueError(f"shards={shards!r} must be an integer in [1, n={n}]")
+    if (
+        isinstance(detect, bool)
+        or not isinstance(detect, int)
+        or detect < 0
+        or scheme.threshold + detect > n
+    ):
         raise ValueError(
-            f"rng is a {type(rng).__name__}; allowed: the sharing client's numpy Generator"
+            f"detect={detect!r} must be an integer >= 0 with t + k + detect <= n "
+            f"(t + k = {scheme.threshold}, n = {n})"
         )
-    scheme = keys.scheme()
-    values = scheme.field.asarray(vector, "vector")
-    if values.ndim != 1 or values.size == 0:
-        raise ValueError(f"vector has shape {values.shape}; allowed: a non-empty 1-D vector")
-    shares = scheme.share(values, rng=rng)
-    endpoint = Endpoint(party, keys.session_id, CHANNEL_PROTOCOL, private_key)
-    envelopes = {}
-    for j, member_key in enumerate(keys.member_keys):
-        endpoint.connect(MEMBER_ID_BASE + j, member_key)
-        envelopes[j] = endpoint.seal_array(
-            MEMBER_ID_BASE + j, keys.round, CommitteeStage.SHARE, shares[j]
-        )
-    return SealedInput(endpoint.public_key, envelopes)
+    return scheme

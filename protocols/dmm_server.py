@@ -622,25 +622,13 @@ class DMMServer:
     def _reshare(self, round_, t, dealers, faults, transcript, new) -> tuple[list[int], int]:
         """The linear packed resharing of :mod:`protocols.resharing`, run by the members.
         Returns the new holders and the DEAL attempts."""
-        old, scheme, f = self.pool, self.scheme, self.scheme.field
-        need = scheme.threshold
+        need = self.scheme.threshold
         keep = self.schedule.open_after(t)
         session = new_session_id() if self.encrypt else None
         self._server = Endpoint(SERVER_ID, session, protocol=PROTOCOL) if session else None
-        old_answers = old.broadcast(
-            "announce_handoff",
-            round_,
-            session,
-            "old",
-            t,
-            dealers,
-            faults.members("drop", DMMStage.RESHARE),
+        old_keys, new_keys = self._announce_handoff(
+            round_, t, dealers, faults, transcript, new, session
         )
-        new_answers = new.broadcast(
-            "announce_handoff", round_, session, "new", t, list(range(scheme.n)), faults.next_drop
-        )
-        old_keys, _ = self._check_keys(old, old_answers, dealers, OLD_ID_BASE, transcript)
-        new_keys, _ = self._check_keys(new, new_answers, range(scheme.n), NEW_ID_BASE, transcript)
         holders, candidates = sorted(new_keys), sorted(old_keys)
         if len(holders) < need:
             raise ReshareAbort(
@@ -653,8 +641,45 @@ class DMMServer:
         if not keep:
             return new_commit(new, holders), 0
         if session is not None:
-            old.broadcast("connect", {NEW_ID_BASE + j: k for j, k in new_keys.items()})
+            self.pool.broadcast("connect", {NEW_ID_BASE + j: k for j, k in new_keys.items()})
             new.broadcast("connect", {OLD_ID_BASE + i: k for i, k in old_keys.items()})
+        attempts = self._deal_until_verified(
+            round_, len(keep), candidates, holders, faults, transcript, new
+        )
+        return new_commit(new, holders), attempts
+
+    def _announce_handoff(
+        self, round_, t, dealers, faults, transcript, new, session
+    ) -> tuple[dict[int, bytes], dict[int, bytes]]:
+        """ANNOUNCE: the old committee's ``dealers`` and every seat of ``new`` take fresh
+        channel keys for ``session``; returns old seat -> key and new seat -> key of the
+        members that answered with a usable one."""
+        old, n = self.pool, self.scheme.n
+        old_answers = old.broadcast(
+            "announce_handoff",
+            round_,
+            session,
+            "old",
+            t,
+            dealers,
+            faults.members("drop", DMMStage.RESHARE),
+        )
+        new_answers = new.broadcast(
+            "announce_handoff", round_, session, "new", t, list(range(n)), faults.next_drop
+        )
+        old_keys, _ = self._check_keys(old, old_answers, dealers, OLD_ID_BASE, transcript)
+        new_keys, _ = self._check_keys(new, new_answers, range(n), NEW_ID_BASE, transcript)
+        return old_keys, new_keys
+
+    def _deal_until_verified(
+        self, round_, rows, candidates, holders, faults, transcript, new
+    ) -> int:
+        """DEAL, ACCUMULATE and VERIFY of ``rows`` open rows from the first t + k
+        ``candidates`` to ``holders``, again without every dealer that fails to deal or is
+        caught by the parity checks until a dealing verifies; returns the DEAL attempts.
+        Raises :class:`protocols.resharing.ReshareAbort` when fewer than t + k can deal."""
+        old, scheme = self.pool, self.scheme
+        need = scheme.threshold
         removed: list[int] = []
         attempts = 0
         while True:
@@ -670,23 +695,14 @@ class DMMServer:
             attempts += 1
             chosen = candidates[:need]
             lam = reshare_coefficients(scheme, chosen)
-            mix = f.random_secure(len(keep) * self.blocks)
+            mix = scheme.field.random_secure(rows * self.blocks)
             columns = {i: (lam[:, chosen.index(i)] if i in chosen else None) for i in candidates}
-            deals = _merge(
-                old.call(
-                    "deal",
-                    [
-                        (
-                            {i: c for i, c in columns.items() if i in group},
-                            mix,
-                            holders,
-                            faults.members("tamper", DMMStage.RESHARE),
-                            faults.seed,
-                        )
-                        for group in old.groups
-                    ],
-                )
-            )
+            tamper = faults.members("tamper", DMMStage.RESHARE)
+            deal_args = [
+                ({i: c for i, c in columns.items() if i in g}, mix, holders, tamper, faults.seed)
+                for g in old.groups
+            ]
+            deals = _merge(old.call("deal", deal_args))
             inbox = self._deal_inbox(deals, candidates, holders, transcript)
             parts = [({j: inbox[j] for j in g if j in inbox},) for g in new.groups]
             refused = _union(new.call("receive", parts))
@@ -698,13 +714,12 @@ class DMMServer:
             new.broadcast("accumulate", chosen)
             checks = parity_checks(scheme, candidates)
             if checks.shape[0] == 0:
-                break
+                return attempts
             culprit = self._verify(round_, new, checks, candidates, holders, transcript)
             if culprit is None:
-                break
+                return attempts
             removed.append(culprit)
             candidates = [i for i in candidates if i != culprit]
-        return new_commit(new, holders), attempts
 
     def _deal_inbox(self, deals, candidates, holders, transcript) -> dict[int, dict[int, object]]:
         """new seat -> dealer -> its deal; a dealer whose answer is malformed delivers

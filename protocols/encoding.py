@@ -14,8 +14,9 @@ x in R^d becomes a vector of field elements in five steps:
    fractional part (unbiased), and the whole vector is redrawn until
    ||round(x)||_2 <= Delta_2 (:func:`rounding_norm_bound`, KLS21 Sec. 4.1); a draw fails with
    probability at most beta, so ``max_tries`` redraws fail with probability beta^max_tries;
-5. **noise and field**: add N_Z(0, (sigma/gamma)^2) per coordinate (exact discrete Gaussian,
-   :func:`fedsim.privacy.mechanisms.discrete_gaussian`) and map the signed integers to F_p.
+5. **noise and field**: add N_Z(0, (sigma/gamma)^2) per coordinate (exact discrete Gaussian
+   draws from the sampler the caller passes in: :data:`NoiseSampler`, e.g.
+   ``fedsim.privacy.mechanisms.discrete_gaussian``) and map the signed integers to F_p.
 
 The server decodes the modular sum of n encodings: centered representative (signed), times
 gamma, inverse rotation diag(s) H_D / sqrt(D), drop the padding. Units: ``clip`` and ``noise_std``
@@ -31,12 +32,13 @@ for the field itself.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 
-from fedsim.privacy.mechanisms import discrete_gaussian
 from protocols.field import DEFAULT_FIELD, MersenneField
 
 DEFAULT_BETA = math.exp(-0.5)
@@ -44,6 +46,10 @@ DEFAULT_BETA = math.exp(-0.5)
 
 DEFAULT_FAILURE_PROBABILITY = 1e-12
 """Chance, per round, that the summed noise exceeds the tail bound used by :func:`choose_gamma`."""
+
+NoiseSampler = Callable[[int, float, Any], np.ndarray]
+"""``sampler(count, sigma, rng)``: ``count`` independent exact N_Z(0, sigma^2) draws (int64),
+randomness from ``rng`` (e.g. :func:`fedsim.privacy.mechanisms.discrete_gaussian`)."""
 
 
 def padded_dimension(dim: int) -> int:
@@ -261,13 +267,29 @@ class DDGaussEncoder:
         rotation_seed: int | np.random.SeedSequence,
         rng: np.random.Generator,
         noise_rng=None,
+        *,
+        sampler: NoiseSampler | None = None,
     ) -> EncodedUpdate:
-        """All five steps; rounding draws from ``rng``, noise from ``noise_rng`` (default
-        ``rng``; pass a :class:`fedsim.privacy.mechanisms.SecureRandom` for secure mode)."""
+        """All five steps; rounding draws from ``rng``, noise from ``sampler`` with ``noise_rng``
+        (default ``rng``; pass a :class:`fedsim.privacy.mechanisms.SecureRandom` for secure
+        mode). ``sampler`` (:data:`NoiseSampler`) is required when ``noise_std > 0``; with no
+        noise nothing is drawn."""
+        if self.scaled_noise_std > 0 and not callable(sampler):
+            raise ValueError(
+                f"sampler={sampler!r} with noise_std={self.noise_std!r}; allowed: a discrete "
+                "Gaussian sampler(count, sigma, rng), e.g. "
+                "fedsim.privacy.mechanisms.discrete_gaussian"
+            )
         rounded, tries, clipped = self.quantise(x, rotation_seed, rng)
-        noise = discrete_gaussian(
-            self.padded_dim, self.scaled_noise_std, rng if noise_rng is None else noise_rng
-        )
+        if self.scaled_noise_std == 0:
+            noise = np.zeros(self.padded_dim, dtype=np.int64)
+        else:
+            noise = np.asarray(
+                sampler(
+                    self.padded_dim, self.scaled_noise_std, rng if noise_rng is None else noise_rng
+                ),
+                dtype=np.int64,
+            )
         return EncodedUpdate(self.field.encode_signed(rounded + noise), tries, clipped)
 
     def decode(self, total, rotation_seed: int | np.random.SeedSequence) -> np.ndarray:

@@ -24,7 +24,7 @@ around any training ClientApp). Rounding and noise come from the client's own se
   channel session id and the members' X25519 keys) and the client's channel id; each client
   packed-Shamir-shares its encoding with share randomness from its own secret (``(round,
   Purpose.SHARES, "ddgauss.")``) and seals row j for member j under its own X25519 key
-  (``(round, Purpose.KEYS, "ddgauss.", session)``; :func:`protocols.committee.seal_input`),
+  (``(round, Purpose.KEYS, "ddgauss.", session)``; :func:`protocols.committee_client.seal_input`),
   and its reply holds only that public key and the ciphertexts. A
   :class:`fedsim.engine.committee.Committee` (members' keys from their own secrets; built and
   bound by the run's front end from ``committee_spec()``, or passed in) checks each sealed input,
@@ -70,21 +70,23 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedsim.engine.committee import (
-    Committee,
-    CommitteeAbort,
-    CommitteeFaults,
-    CommitteeSpec,
-    TamperingDetected,
-)
+from fedsim.engine.committee import Committee, CommitteeSpec
 from fedsim.privacy import ddgauss as ddgauss_privacy
 from fedsim.privacy.accounting import NeighbouringRelation, PrivacyLedger
-from fedsim.privacy.mechanisms import SecureRandom
+from fedsim.privacy.mechanisms import SecureRandom, discrete_gaussian
 from fedsim.randomness import PartySecret, Purpose, Stream, client_secret, public_generator
 from fedsim.records import to_numpy, to_record
 from fedsim.worker_reduce import single
 from protocols.channels import new_session_id
-from protocols.committee import MEMBER_ID_BASE, CommitteeKeys, SealedInput, seal_input
+from protocols.committee import (
+    MEMBER_ID_BASE,
+    CommitteeAbort,
+    CommitteeFaults,
+    CommitteeKeys,
+    SealedInput,
+    TamperingDetected,
+)
+from protocols.committee_client import seal_input
 from protocols.encoding import DEFAULT_BETA, DDGaussEncoder, choose_gamma
 from protocols.field import DEFAULT_FIELD
 from protocols.secagg import SecAggConfig, Stage, TooManyDropoutsError, integer_vector
@@ -278,7 +280,11 @@ def ddgauss_client_app(
         if secure_noise:
             noise_rng = SecureRandom()
         encoded = encoder.encode(
-            update, int(config[PREFIX + "rotation-seed"]), rng, noise_rng=noise_rng
+            update,
+            int(config[PREFIX + "rotation-seed"]),
+            rng,
+            noise_rng=noise_rng,
+            sampler=discrete_gaussian,
         )
         if mode == "full":
             signed = encoder.field.decode_signed(encoded.elements)

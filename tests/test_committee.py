@@ -6,22 +6,22 @@ import itertools
 import numpy as np
 import pytest
 
-from fedsim.engine.committee import (
+from fedsim.engine.committee import Committee
+from fedsim.randomness import PartySecret, RunSecret
+from protocols.channels import SERVER_ID, Endpoint, new_session_id
+from protocols.committee import (
     ACTIVE_STAGES,
     CHANNEL_PROTOCOL,
     TRANSITIONS,
-    Committee,
     CommitteeAbort,
     CommitteeFaults,
-    CommitteeShard,
     CommitteeStage,
     MemberFault,
     StageFaults,
     TamperingDetected,
 )
-from fedsim.randomness import PartySecret, RunSecret
-from protocols.channels import SERVER_ID, Endpoint, new_session_id
-from protocols.committee import seal_input
+from protocols.committee_client import seal_input
+from protocols.committee_member import CommitteeShard
 from protocols.field import DEFAULT_FIELD
 from protocols.secagg import StageError, TooManyDropoutsError
 

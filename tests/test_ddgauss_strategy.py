@@ -21,6 +21,7 @@ from fedsim.engine.registry import NODE_ID_OFFSET
 from fedsim.engine.rounds import run_rounds
 from fedsim.models import ModelSpec, initial_arrays
 from fedsim.privacy import ddgauss as ddgauss_privacy
+from fedsim.privacy.mechanisms import discrete_gaussian
 from fedsim.randomness import RunSecret
 from fedsim.records import to_numpy, to_record
 from fedsim.workloads.supervised import LocalTraining, make_client_app
@@ -301,7 +302,10 @@ def test_plaintext_protocol_dropouts_count_only_contributors():
     rng = np.random.default_rng(6)
     encoder = _plaintext().encoder
     inputs = {
-        100 + i: encoder.encode(rng.normal(size=30) * 0.1, 1, rng).elements for i in range(12)
+        100 + i: encoder.encode(
+            rng.normal(size=30) * 0.1, 1, rng, sampler=discrete_gaussian
+        ).elements
+        for i in range(12)
     }
     strategy = _plaintext(protocol_dropout=0.3)
     aborted = 0

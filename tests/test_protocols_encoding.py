@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 
+from fedsim.privacy.mechanisms import discrete_gaussian
 from protocols.encoding import (
     DDGaussEncoder,
     choose_gamma,
@@ -105,15 +106,16 @@ def test_clipping_and_noise_scale():
     assert out.clipped
     assert np.linalg.norm(enc.decode(out.elements, 1)) <= 1.0 + enc.gamma * math.sqrt(32)
     noisy = DDGaussEncoder(dim=1000, clip=1.0, gamma=0.01, noise_std=0.5)
-    decoded = noisy.decode(noisy.encode(np.zeros(1000), 1, rng).elements, 1)
+    encoded = noisy.encode(np.zeros(1000), 1, rng, sampler=discrete_gaussian)
+    decoded = noisy.decode(encoded.elements, 1)
     assert abs(decoded.std() - 0.5) < 0.05  # sigma/gamma = 50 integer steps, times gamma
 
 
 def test_same_seed_same_encoding_and_signed_field_mapping():
     x = np.linspace(-1, 1, 10)
     enc = DDGaussEncoder(dim=10, clip=1.0, gamma=0.05, noise_std=0.1)
-    a = enc.encode(x, 3, np.random.default_rng(9)).elements
-    b = enc.encode(x, 3, np.random.default_rng(9)).elements
+    a = enc.encode(x, 3, np.random.default_rng(9), sampler=discrete_gaussian).elements
+    b = enc.encode(x, 3, np.random.default_rng(9), sampler=discrete_gaussian).elements
     np.testing.assert_array_equal(a, b)
     signed = DEFAULT_FIELD.decode_signed(a)
     assert signed.min() < 0 and np.all(np.abs(signed) < 1000)
@@ -126,7 +128,9 @@ def test_encoder_validates_arguments():
         DDGaussEncoder(dim=4, clip=1.0, gamma=0.1, noise_std=0.1, beta=1.0)
     enc = DDGaussEncoder(dim=4, clip=1.0, gamma=0.1, noise_std=0.1)
     with pytest.raises(ValueError, match="dim=4"):
-        enc.encode(np.zeros(5), 0, np.random.default_rng(0))
+        enc.encode(np.zeros(5), 0, np.random.default_rng(0), sampler=discrete_gaussian)
+    with pytest.raises(ValueError, match="sampler=None with noise_std=0.1"):
+        enc.encode(np.zeros(4), 0, np.random.default_rng(0))
 
 
 def test_choose_gamma_fits_the_bit_budget_exactly():
@@ -154,7 +158,9 @@ def test_secure_mode_noise_comes_from_the_os():
     enc = DDGaussEncoder(dim=64, clip=1.0, gamma=0.01, noise_std=0.5)
     x = np.zeros(64)
     draws = [
-        enc.encode(x, 1, np.random.default_rng(0), noise_rng=SecureRandom()).elements
+        enc.encode(
+            x, 1, np.random.default_rng(0), noise_rng=SecureRandom(), sampler=discrete_gaussian
+        ).elements
         for _ in range(2)
     ]
     assert not np.array_equal(draws[0], draws[1])  # the same seed, different OS noise

@@ -99,6 +99,33 @@ class EngineConfig:
         require(self.depth >= 1, "engine.depth", self.depth, "an integer >= 1")
 
 
+def share_datasets(
+    backend: Backend, datasets: tuple[tuple[Any, Any], ...]
+) -> tuple[SharedDataset, ...]:
+    """Each ``(DatasetSpec, FederatedDataset)`` pair with its arrays put into the backend's
+    object store once, to be registered on every worker."""
+    return tuple(
+        SharedDataset(
+            spec=spec,
+            arrays={k: backend.share(v) for k, v in dataset.to_arrays().items()},
+            num_classes=dataset.num_classes,
+            name=dataset.name,
+        )
+        for spec, dataset in datasets
+    )
+
+
+def server_run(run_id: int, run_config: dict[str, Any] | None) -> Run:
+    """The server side's Flower :class:`Run` of ``run_id`` (its config overridden by
+    ``run_config``), with this process's task identity set to the SuperLink's."""
+    TaskIdentity.run_id = run_id
+    TaskIdentity.node_id = SUPERLINK_NODE_ID
+    TaskIdentity.task_id = run_id
+    run = Run.create_empty(run_id)
+    run.override_config = dict(run_config or {})
+    return run
+
+
 @dataclass
 class Engine:
     """A started backend that runs Flower ServerApps and ClientApps."""
@@ -200,35 +227,21 @@ class Engine:
             if isinstance(client_app, ClientAppSource)
             else ClientAppSource(app=client_app)
         )
-        shared = tuple(
-            SharedDataset(
-                spec=spec,
-                arrays={k: backend.share(v) for k, v in dataset.to_arrays().items()},
-                num_classes=dataset.num_classes,
-                name=dataset.name,
-            )
-            for spec, dataset in datasets
-        )
         backend.start_run(
             RunSpec(
                 run_id=run_id,
                 num_clients=num_clients,
                 run_config=dict(run_config or {}),
                 app=source,
-                datasets=shared,
+                datasets=share_datasets(backend, datasets),
                 raise_errors=raise_errors,
                 secret=None if secrets is None else secrets.transport(),
             )
         )
-        TaskIdentity.run_id = run_id
-        TaskIdentity.node_id = SUPERLINK_NODE_ID
-        TaskIdentity.task_id = run_id
-        run = Run.create_empty(run_id)
-        run.override_config = dict(run_config or {})
         return SimulationGrid(
             backend,
             registry,
-            run,
+            server_run(run_id, run_config),
             participation=participation,
             state_store=state_store,
             observer=observer,

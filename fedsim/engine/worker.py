@@ -279,11 +279,42 @@ class ClientWorker:
             raise RuntimeError(f"content {content.key} was neither sent nor kept")
         return self._content_cache[content.key]
 
+    def _run_client(
+        self, message: Message, stored: bytes | None
+    ) -> tuple[Message, Context, float]:
+        """One client's reply to ``message`` (its failure as an Error reply, as in Flower), its
+        context after the call (``stored``: its pickled state, if any) and the call's seconds."""
+        run, app = self._run, self._app
+        node_id = message.metadata.dst_node_id
+        context = Context(
+            run_id=run.run_id,
+            node_id=node_id,
+            node_config=run.node_config(node_id, self._secrets),
+            state=pickle.loads(stored) if stored is not None else RecordDict(),
+            run_config=run.run_config,
+        )
+        TaskIdentity.node_id = node_id
+        start = time.perf_counter()
+        try:
+            reply = app(message, context)
+            if not isinstance(reply, Message) or is_partial(reply):
+                raise TypeError(
+                    f"the ClientApp returned a {type(reply).__name__}, not a flwr Message"
+                )
+        except Exception as ex:  # a client's failure is its reply, as in Flower
+            if run.raise_errors:
+                raise
+            reason = f"{type(ex).__name__}: {ex}\n{traceback.format_exc(limit=8)}"
+            reply = Message(
+                Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason),
+                reply_to=message,
+            )
+        return reply, context, time.perf_counter() - start
+
     def run_batch(self, batch: ClientBatch) -> BatchResult:
         """Run every message of ``batch`` through the ClientApp, in order."""
         if self._run is None or self._app is None:
             raise RuntimeError("start_run must be called before run_batch")
-        run, app = self._run, self._app
         blobs = [self._content(c) for c in batch.contents]
         replies: list[Message] = []
         failures: list[Message] = []
@@ -303,32 +334,9 @@ class ClientWorker:
                     os._exit(70)  # an injected worker crash: the process dies here
                 raise InjectedCrash(f"worker crash injected before client {position} of the batch")
             node_id = metadata.dst_node_id
-            stored = batch.states.get(node_id)
             message = Message(content=pickle.loads(blobs[index]), metadata=metadata)
-            context = Context(
-                run_id=run.run_id,
-                node_id=node_id,
-                node_config=run.node_config(node_id, self._secrets),
-                state=pickle.loads(stored) if stored is not None else RecordDict(),
-                run_config=run.run_config,
-            )
-            TaskIdentity.node_id = node_id
-            start = time.perf_counter()
-            try:
-                reply = app(message, context)
-                if not isinstance(reply, Message) or is_partial(reply):
-                    raise TypeError(
-                        f"the ClientApp returned a {type(reply).__name__}, not a flwr Message"
-                    )
-            except Exception as ex:  # a client's failure is its reply, as in Flower
-                if run.raise_errors:
-                    raise
-                reason = f"{type(ex).__name__}: {ex}\n{traceback.format_exc(limit=8)}"
-                reply = Message(
-                    Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason),
-                    reply_to=message,
-                )
-            compute += time.perf_counter() - start
+            reply, context, seconds = self._run_client(message, batch.states.get(node_id))
+            compute += seconds
             if reply.has_error():
                 failures.append(reply)  # as in Flower, a failed client's state is not kept
                 continue

@@ -13,21 +13,22 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from fedsim.engine.committee import (
+from fedsim.engine.committee import Committee
+from protocols.channels import SERVER_ID, Endpoint, Envelope, new_session_id
+from protocols.committee import (
     CHANNEL_PROTOCOL,
     MEMBER_ID_BASE,
-    Committee,
     CommitteeAbort,
     CommitteeFaults,
-    CommitteeShard,
     CommitteeStage,
     MemberFault,
+    SealedInput,
     SealedShares,
     StageFaults,
     TamperingDetected,
 )
-from protocols.channels import SERVER_ID, Endpoint, Envelope, new_session_id
-from protocols.committee import SealedInput, seal_input
+from protocols.committee_client import seal_input
+from protocols.committee_member import CommitteeShard
 from protocols.field import DEFAULT_FIELD
 from protocols.secagg import StageError
 
