@@ -111,8 +111,7 @@ def train_with_methods(
     before_step: Callable[[int], object] | None = None,
     after_step: Callable[[torch.optim.Optimizer], object] | None = None,
 ) -> tuple[float, int, dict[str, Any] | None]:
-    """Minibatch training with the given methods; returns (mean loss, steps, averaged arrays
-    or None).
+    """Minibatch training with the given methods; returns (mean loss, steps, averaged arrays).
 
     ``generator`` draws the shuffling and, for zeroth-order optimisers, the directions (and
     SST's pair draws); ``lr`` (the instruction's ``lr``) overrides the optimiser's.
@@ -149,10 +148,9 @@ def train_with_methods(
     )
     budget = max(training.budget(len(y)), 1)
     averager = averaging.for_budget(budget) if averaging is not None else None
-    steps, total = 0, 0.0
-    for idx in minibatches(
-        len(y), training.batch_size, generator, epochs=training.epochs, max_steps=training.max_steps
-    ):
+    steps, total, size = 0, 0.0, training.batch_size
+    epochs, cap = training.epochs, training.max_steps
+    for idx in minibatches(len(y), size, generator, epochs=epochs, max_steps=cap):
         xb, yb = x[idx], y[idx]
         if before_step is not None:
             before_step(steps)
