@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+import torch
 from flwr.clientapp import ClientApp
 from torch import nn
 
@@ -71,7 +72,7 @@ def train_task(message: Message, context: Context, data: DatasetSpec) -> TrainTa
     )
 
 
-def evaluation_rows(data: DatasetSpec, partition: int):
+def evaluation_rows(data: DatasetSpec, partition: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Client ``partition``'s evaluation rows: its test rows, else its training rows."""
     dataset = cached_dataset(data)
     split = dataset.test if dataset.test.sizes()[partition] > 0 else dataset.train
