@@ -83,7 +83,8 @@ from fedsim.workloads.conformal import OnlineConformal
 from fedsim.workloads.coto import build_lora_model, initial_adapter_arrays, load_adapter_arrays
 from fedsim.workloads.dp_sgd import DPSGD, epsilon_of
 from fedsim.workloads.personalised import PersonalTraining
-from fedsim.workloads.supervised import LocalTraining, as_tensors, evaluate_model, make_client_app
+from fedsim.workloads.supervised import LocalTraining, check_parts, make_client_app
+from fedsim.workloads.training import as_tensors, evaluate_model
 from strategies.averaging import AveragedGlobalModel, averaged_evaluation
 from strategies.conformal import ConformalEvaluation
 from strategies.quantized import DequantizedUploads
@@ -255,30 +256,7 @@ class ExperimentConfig:
             f"at most strategy.clients_per_round = {self.strategy.clients_per_round}",
         )
         proximal = "fedprox" in (self.strategy.name, self.strategy.options.get("server_optimizer"))
-        require(
-            self.client.dp_sgd is None or not proximal,
-            "client.dp_sgd",
-            to_mapping(self.client.dp_sgd),
-            "none with FedProx (DP-SGD's per-example gradients do not include its proximal term)",
-        )
-        require(
-            not self.client.uses_methods or not proximal,
-            "client.optimizer/averaging/compression",
-            "set",
-            "unset with FedProx (client methods add no proximal term)",
-        )
-        require(
-            self.client.lora is None or not proximal,
-            "client.lora",
-            to_mapping(self.client.lora),
-            "unset with FedProx (LoRA clients add no proximal term)",
-        )
-        require(
-            self.client.constraints is None or not proximal,
-            "client.constraints",
-            "set",
-            "unset with FedProx (the smoothed primal-dual has its own proximal centre)",
-        )
+        check_parts(self.client, fedprox=proximal)
         require(
             self.client.constraints is None or self.model.kind == "logreg",
             "model.kind",

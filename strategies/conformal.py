@@ -70,7 +70,7 @@ class ConformalEvaluation(StrategyWrapper):
             raise RuntimeError(
                 f"{plain} of {len(replies)} evaluate replies carry no conformal scores "
                 f"({SCORES_RECORD!r}): run clients whose ClientApp answers {SCORES_REQUEST!r} "
-                "(fedsim.workloads.supervised.make_client_app or make_methods_client_app)"
+                "(fedsim.workloads.supervised.make_client_app)"
             )
         streams = []
         for reply in replies:

@@ -20,7 +20,7 @@ from fedsim.randomness import RunSecret
 from fedsim.results import read_rounds
 from fedsim.rundir import RunDirectory
 from fedsim.workloads import dp_sgd
-from fedsim.workloads.dp_sgd import DPSGD, client_epsilon, epsilon_of, history_of, train_client
+from fedsim.workloads.dp_sgd import DPSGD, client_epsilon, epsilon_of, history_of
 from fedsim.workloads.supervised import LocalTraining
 
 SPEC = ModelSpec(kind="mlp", input_shape=(64,), num_classes=10, hidden=(16,))
@@ -40,6 +40,11 @@ def rows(n, seed=0):
 def training(**dp):
     settings = {"noise_multiplier": 1.0, "max_grad_norm": 1.0, **dp}
     return LocalTraining(epochs=1, batch_size=5, lr=0.1, dp_sgd=DPSGD(**settings))
+
+
+def train_client(spec, arrays, x, y, plan, state, **secret):
+    """A client's DP-SGD round with ``plan``'s ``[client.dp_sgd]`` table."""
+    return dp_sgd.train_client(spec, arrays, x, y, plan, state, dp=plan.dp_sgd, **secret)
 
 
 def own(client=0, server_round=1, root="dp-sgd"):

@@ -35,8 +35,9 @@ from fedsim.workloads.conformal import (
     soft_set_size,
     split_conformal_threshold,
 )
-from fedsim.workloads.methods import ClientMethods, make_methods_client_app, train_with_methods
-from fedsim.workloads.supervised import LocalTraining, as_tensors, make_client_app
+from fedsim.workloads.methods import train_with_methods
+from fedsim.workloads.supervised import LocalTraining, make_client_app
+from fedsim.workloads.training import as_tensors
 from strategies.conformal import ConformalEvaluation
 from strategies.wrapper import server_reply
 
@@ -203,15 +204,13 @@ def test_dpsm_trained_model_is_covered_after_split_conformal_calibration(digits)
     spec = ModelSpec(kind="mlp", input_shape=dataset.feature_shape, num_classes=10, hidden=(32,))
     model = build_model(spec)
     load_arrays(model, initial_arrays(spec, seed=0))
-    methods = ClientMethods(conformal={"alpha": 0.1, "mu_size": 0.1, "lr_qr": 0.05})
-    objective = DPSM(methods.conformal)
+    objective = DPSM(ConformalTraining(alpha=0.1, mu_size=0.1, lr_qr=0.05))
     training = LocalTraining(epochs=4, batch_size=32, lr=0.1, seed=0)
     loss, steps, _ = train_with_methods(
         model,
         x_train,
         y_train,
         training,
-        methods,
         torch.Generator().manual_seed(0),
         objective=objective,
     )
@@ -277,7 +276,7 @@ def test_conformal_tables_become_configs_and_bad_values_name_their_key():
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             experiment(client, evaluation)
     with pytest.raises(ValueError, match="client.optimizer.name"):
-        ClientMethods(optimizer={"name": "zo-adamm"}, conformal={})
+        LocalTraining(optimizer={"name": "zo-adamm"}, conformal={})
 
 
 def test_conformal_keys_from_config_reach_rounds_jsonl(tmp_path, local_engine):
@@ -339,10 +338,8 @@ def test_multigroup_calibration_over_client_evaluations_on_ray(ray_engine, digit
 def test_dpsm_training_runs_in_a_client_app_on_ray_and_keeps_tau(ray_engine, digits):
     spec, dataset = digits
     model = ModelSpec(kind="mlp", input_shape=dataset.feature_shape, num_classes=10, hidden=(16,))
-    methods = ClientMethods(conformal={"alpha": 0.1, "lr_qr": 0.04, "initial_tau": 0.0})
-    app = make_methods_client_app(
-        model, spec, LocalTraining(epochs=1, batch_size=16, seed=1), methods
-    )
+    methods = {"conformal": {"alpha": 0.1, "lr_qr": 0.04, "initial_tau": 0.0}}
+    app = make_client_app(model, spec, LocalTraining(epochs=1, batch_size=16, seed=1, **methods))
     phases = Phases()
     random.seed(0)
     grid = ray_engine.open_run(app, 8, datasets=((spec, dataset),), observer=phases)

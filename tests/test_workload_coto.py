@@ -31,9 +31,11 @@ from fedsim.workloads.coto import (
     merged_arrays,
     prune_adapters,
 )
-from fedsim.workloads.lora_client import make_lora_client_app, train_lora
-from fedsim.workloads.methods import ClientMethods, train_with_methods
+from fedsim.workloads.lora_client import train_lora
+from fedsim.workloads.methods import train_with_methods
+from fedsim.workloads.optim import ClientOptimizer
 from fedsim.workloads.supervised import LocalTraining, make_client_app
+from fedsim.workloads.training import client_generator
 
 SPEC = ModelSpec(kind="mlp", input_shape=(64,), num_classes=10, hidden=(16, 16))
 
@@ -139,8 +141,8 @@ def test_optimiser_leaves_inactive_adapters_untouched():
         x,
         y,
         training,
-        ClientMethods(optimizer={"name": "mars-adamw", "lr": 1e-2, "weight_decay": 0.1}),
         torch.Generator().manual_seed(0),
+        optimizer=ClientOptimizer(name="mars-adamw", lr=1e-2, weight_decay=0.1),
         before_step=lambda step: flags.append(controller.activate(step)),
     )
     after = adapter_arrays(model)
@@ -165,7 +167,11 @@ def test_p0_one_is_plain_lora_exactly():
     ):
         model = build_lora_model(spec, lora, adapter_seed=2)
         training = LocalTraining(epochs=2, batch_size=16, lr=0.2, momentum=0.5, lora=lora)
-        metrics = train_lora(model, x, y, training, server_round=1, partition_id=0)
+        shuffling = client_generator(training.seed, 1, 0)
+        result = train_lora(
+            model, x, y, training, lora, shuffling, server_round=1, partition_id=0
+        )
+        metrics = {"train_loss": result.loss, **result.metrics}
         results[name] = (adapter_arrays(model), metrics, model(x[:20]).detach())
     plain, ones, coto = results["plain"], results["coto-p0-1"], results["coto"]
     for key, value in plain[0].items():
@@ -278,7 +284,7 @@ def test_lora_config_keys_are_validated():
     with pytest.raises(ValueError, match=r"client.lora.targets .*'fc9'"):
         make_client_app(SPEC, data, LocalTraining(lora={"targets": ["fc9"], "rounds": 2}))
     with pytest.raises(ConfigError, match="client.lora.rounds"):
-        make_lora_client_app(SPEC, data, LocalTraining(lora={}))
+        make_client_app(SPEC, data, LocalTraining(lora={}))
     with pytest.raises(ConfigError, match=r"client.lora = .*FedProx"):
         ExperimentConfig.from_dict(
             {

@@ -12,9 +12,9 @@ from fedsim.data import DatasetSpec, build_dataset
 from fedsim.engine.rounds import run_rounds
 from fedsim.models import ModelSpec, build_model, initial_arrays, load_arrays
 from fedsim.records import to_numpy, to_record
-from fedsim.workloads.methods import ClientMethods, make_methods_client_app, train_with_methods
+from fedsim.workloads.methods import train_with_methods
 from fedsim.workloads.optim import HDMHB, ClientOptimizer, build_optimizer
-from fedsim.workloads.supervised import LocalTraining
+from fedsim.workloads.supervised import LocalTraining, make_client_app
 
 
 def spd_quadratic(seed, dim=40, condition=100.0):
@@ -139,16 +139,16 @@ def test_full_batch_client_training_is_monotone_in_the_full_loss():
             return float(torch.nn.functional.cross_entropy(model(x), y))
 
     start = full_loss()
-    methods = ClientMethods(optimizer={"name": "hdm-hb"})
+    hdm = ClientOptimizer(name="hdm-hb")
     first = LocalTraining(epochs=1, batch_size=len(y), seed=0)
     before = [p.detach().clone() for p in model.parameters()]
-    _, steps, _ = train_with_methods(model, x, y, first, methods, torch.Generator())
+    _, steps, _ = train_with_methods(model, x, y, first, torch.Generator(), optimizer=hdm)
     # a fresh optimiser's first trial is x itself (P = 0, no momentum yet): a null step
     assert steps == 1 and all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     training = LocalTraining(epochs=5, batch_size=len(y), seed=0)
     losses = [start]
     for _ in range(6):  # 6 rounds of 5 full-batch steps on the same client
-        _, steps, _ = train_with_methods(model, x, y, training, methods, torch.Generator())
+        _, steps, _ = train_with_methods(model, x, y, training, torch.Generator(), optimizer=hdm)
         assert steps == 5
         losses.append(full_loss())
     assert np.all(np.diff(losses) <= 0.0)
@@ -160,10 +160,9 @@ def test_hdm_hb_clients_run_in_a_client_app_on_ray(ray_engine):
     spec = DatasetSpec(source="digits", partition="dirichlet", alpha=0.5, num_clients=8, seed=4)
     dataset = build_dataset(spec)
     model = ModelSpec(kind="logreg", input_shape=dataset.feature_shape, num_classes=10)
-    methods = ClientMethods(optimizer={"name": "hdm-hb"})
-    app = make_methods_client_app(
-        model, spec, LocalTraining(epochs=10, batch_size=10_000, seed=1), methods
-    )
+    methods = {"optimizer": {"name": "hdm-hb"}}
+    training = LocalTraining(epochs=10, batch_size=10_000, seed=1, **methods)
+    app = make_client_app(model, spec, training)
 
     class Phases:
         def __init__(self):

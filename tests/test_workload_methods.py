@@ -1,6 +1,7 @@
 """Client methods in a ClientApp: MARS, R-AdaZO, local LAWA/EMA, quantised uploads."""
 
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -13,8 +14,10 @@ from fedsim.models import ModelSpec, build_model, initial_arrays, load_arrays, m
 from fedsim.records import to_numpy, to_record
 from fedsim.workloads.averaging import Averaging
 from fedsim.workloads.compression import Quantization
-from fedsim.workloads.methods import ClientMethods, make_methods_client_app, train_with_methods
-from fedsim.workloads.supervised import LocalTraining, as_tensors, evaluate_model
+from fedsim.workloads.client_app import training_app
+from fedsim.workloads.methods import MethodsTraining, train_with_methods
+from fedsim.workloads.supervised import LocalTraining, make_client_app
+from fedsim.workloads.training import as_tensors, evaluate_model
 from strategies.averaging import AveragedGlobalModel
 from strategies.quantized import DequantizedUploads
 
@@ -39,7 +42,10 @@ class Phases:
 def run(engine, federation, methods, strategy, rounds=2, training=None):
     dataset, model = federation
     training = training or LocalTraining(epochs=1, batch_size=16, lr=0.1, seed=3)
-    app = make_methods_client_app(model, SPEC, training, methods)
+    if methods:  # the [client] tables, checked and selected as from a config
+        app = make_client_app(model, SPEC, replace(training, **methods))
+    else:  # the methods' training loop with no method: as plain SGD
+        app = training_app(MethodsTraining(model, training), SPEC)
     phases = Phases()
     random.seed(0)
     grid = engine.open_run(app, dataset.num_clients, datasets=((SPEC, dataset),), observer=phases)
@@ -56,11 +62,9 @@ def central_accuracy(federation, arrays):
 
 
 def test_default_methods_match_plain_sgd_training(local_engine, federation):
-    from fedsim.workloads.supervised import make_client_app
-
     dataset, model = federation
     training = LocalTraining(epochs=1, batch_size=16, lr=0.1, seed=3)
-    ours, _ = run(local_engine, federation, ClientMethods(), FedAvg(fraction_evaluate=0.0))
+    ours, _ = run(local_engine, federation, {}, FedAvg(fraction_evaluate=0.0))
     app = make_client_app(model, SPEC, training)
     random.seed(0)
     grid = local_engine.open_run(app, dataset.num_clients, datasets=((SPEC, dataset),))
@@ -74,7 +78,7 @@ def test_default_methods_match_plain_sgd_training(local_engine, federation):
 @pytest.mark.parametrize("name", ["mars-adamw", "mars-lion", "r-adazo"])
 def test_client_optimizers_train_in_a_client_app(local_engine, federation, name):
     lr = {"mars-adamw": 1e-2, "mars-lion": 1e-2, "r-adazo": 1e-3}[name]
-    methods = ClientMethods(optimizer={"name": name, "lr": lr})
+    methods = {"optimizer": {"name": name, "lr": lr}}
     start = initial_arrays(federation[1], 0)
     final, reports = run(local_engine, federation, methods, FedAvg(fraction_evaluate=0.0), rounds=3)
     assert all(np.all(np.isfinite(v)) for v in final.values())
@@ -92,26 +96,28 @@ def test_local_iterate_averaging_uploads_the_average():
     start = initial_arrays(model, 0)
     load_arrays(raw_net, start)
     load_arrays(avg_net, start)
-    _, steps, none = train_with_methods(
-        raw_net, x, y, training, ClientMethods(), torch.Generator().manual_seed(1)
-    )
+    _, steps, none = train_with_methods(raw_net, x, y, training, torch.Generator().manual_seed(1))
     assert none is None
-    one = ClientMethods(averaging=Averaging(kind="lawa", k=1, every=1, burn_in=0))
-    _, _, last = train_with_methods(avg_net, x, y, training, one, torch.Generator().manual_seed(1))
+    one = Averaging(kind="lawa", k=1, every=1, burn_in=0)
+    _, _, last = train_with_methods(
+        avg_net, x, y, training, torch.Generator().manual_seed(1), averaging=one
+    )
     for name, value in model_arrays(raw_net).items():  # k = 1: the last iterate
         np.testing.assert_array_equal(last[name], value)
     net = build_model(model)
     load_arrays(net, start)
-    ema = ClientMethods(averaging=Averaging(kind="ema", beta=0.9, every=1, burn_in=0))
-    _, _, smooth = train_with_methods(net, x, y, training, ema, torch.Generator().manual_seed(1))
+    ema = Averaging(kind="ema", beta=0.9, every=1, burn_in=0)
+    _, _, smooth = train_with_methods(
+        net, x, y, training, torch.Generator().manual_seed(1), averaging=ema
+    )
     assert any(not np.array_equal(smooth[k], v) for k, v in model_arrays(net).items())
 
 
 def test_server_lawa_and_quantised_uploads_on_the_local_engine(local_engine, federation):
     dense_final, dense = run(
-        local_engine, federation, ClientMethods(), FedAvg(fraction_evaluate=0.0)
+        local_engine, federation, {}, FedAvg(fraction_evaluate=0.0)
     )
-    methods = ClientMethods(compression=Quantization(bits=4))
+    methods = {"compression": Quantization(bits=4)}
     strategy = AveragedGlobalModel(
         DequantizedUploads(FedAvg(fraction_evaluate=0.0)), Averaging(kind="lawa", k=2), num_rounds=2
     )

@@ -10,8 +10,7 @@ from fedsim.data import DatasetSpec, build_dataset
 from fedsim.engine.rounds import run_rounds
 from fedsim.models import ModelSpec, initial_arrays
 from fedsim.records import to_numpy, to_record
-from fedsim.workloads.methods import ClientMethods, make_methods_client_app
-from fedsim.workloads.supervised import LocalTraining
+from fedsim.workloads.supervised import LocalTraining, make_client_app
 from strategies.quantized import DequantizedUploads
 
 pytestmark = pytest.mark.ray
@@ -29,14 +28,12 @@ def test_mars_lawa_and_quantised_uploads_run_in_a_client_app_on_ray(ray_engine):
     spec = DatasetSpec(source="digits", partition="dirichlet", alpha=0.5, num_clients=16, seed=2)
     dataset = build_dataset(spec)
     model = ModelSpec(kind="mlp", input_shape=dataset.feature_shape, num_classes=10, hidden=(16,))
-    methods = ClientMethods(
+    methods = dict(
         optimizer={"name": "mars-adamw", "lr": 1e-2},
         averaging={"kind": "lawa", "k": 3, "every": 1, "burn_in": 0},
         compression={"bits": 4, "seed": 5},
     )
-    app = make_methods_client_app(
-        model, spec, LocalTraining(epochs=1, batch_size=16, seed=1), methods
-    )
+    app = make_client_app(model, spec, LocalTraining(epochs=1, batch_size=16, seed=1, **methods))
 
     def federate():
         phases = Phases()

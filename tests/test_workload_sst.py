@@ -12,14 +12,14 @@ from fedsim.data import DatasetSpec, build_dataset
 from fedsim.engine.rounds import run_rounds
 from fedsim.models import ModelSpec, build_model, initial_arrays, load_arrays
 from fedsim.records import to_numpy, to_record
-from fedsim.workloads.methods import ClientMethods, make_methods_client_app, train_with_methods
+from fedsim.workloads.methods import train_with_methods
 from fedsim.workloads.sst import (
     SparseSpectral,
     SparseSpectralTraining,
     SpectralLinear,
     sampling_probabilities,
 )
-from fedsim.workloads.supervised import LocalTraining
+from fedsim.workloads.supervised import LocalTraining, make_client_app
 
 
 def mlp(seed=0):
@@ -141,9 +141,9 @@ def test_sst_config_errors_name_key_value_and_allowed():
     with pytest.raises(ConfigError, match=r"client\.sst\.ranks"):
         from_mapping(SparseSpectral, {"ranks": 2}, "client.sst")
     with pytest.raises(ConfigError, match=r"client\.optimizer\.name.*r-adazo"):
-        ClientMethods(optimizer={"name": "r-adazo"}, sst={"rank": 2})
+        LocalTraining(optimizer={"name": "r-adazo"}, sst={"rank": 2})
     with pytest.raises(ConfigError, match=r"client\.averaging"):
-        ClientMethods(averaging={"kind": "ema"}, sst={"rank": 2})
+        LocalTraining(averaging={"kind": "ema"}, sst={"rank": 2})
     with pytest.raises(ConfigError, match=r"client\.sst\.rank"):
         LocalTraining(sst={"rank": -1})
     with pytest.raises(ValueError, match="nn.Linear"):
@@ -159,10 +159,10 @@ def test_client_training_with_sst_lowers_the_loss_and_writes_dense_weights():
     start = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         before = float(torch.nn.functional.cross_entropy(model(x), y))
-    methods = ClientMethods(sst={"rank": 2, "period": 3})
+    sst = SparseSpectral(rank=2, period=3)
     training = LocalTraining(epochs=10, batch_size=32, lr=0.2, seed=0)
     loss, steps, averaged = train_with_methods(
-        model, x, y, training, methods, torch.Generator().manual_seed(0)
+        model, x, y, training, torch.Generator().manual_seed(0), sst=sst
     )
     with torch.no_grad():
         after = float(torch.nn.functional.cross_entropy(model(x), y))
@@ -176,10 +176,9 @@ def test_sst_clients_run_in_a_client_app_on_ray(ray_engine):
     spec = DatasetSpec(source="digits", partition="dirichlet", alpha=0.5, num_clients=8, seed=5)
     dataset = build_dataset(spec)
     model = ModelSpec(kind="mlp", input_shape=dataset.feature_shape, num_classes=10, hidden=(16,))
-    methods = ClientMethods(sst={"rank": 4, "period": 2})
-    app = make_methods_client_app(
-        model, spec, LocalTraining(epochs=1, batch_size=16, lr=0.1, seed=1), methods
-    )
+    methods = {"sst": {"rank": 4, "period": 2}}
+    training = LocalTraining(epochs=1, batch_size=16, lr=0.1, seed=1, **methods)
+    app = make_client_app(model, spec, training)
 
     class Phases:
         def __init__(self):

@@ -122,7 +122,8 @@ def raw_loop(data_dir: Path, rounds: int) -> float:
 
     from fedsim.data import FederatedDataset  # noqa: PLC0415
     from fedsim.models import build_model, initial_arrays, load_arrays, model_arrays  # noqa: PLC0415
-    from fedsim.workloads.supervised import as_tensors, client_generator, train_epochs  # noqa: PLC0415
+    from fedsim.workloads.sgd import train_epochs  # noqa: PLC0415
+    from fedsim.workloads.training import as_tensors, client_generator  # noqa: PLC0415
 
     torch.set_num_threads(1)
     _, _, model_spec, _, training = apps(data_dir, rounds, False)

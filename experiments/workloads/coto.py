@@ -60,11 +60,8 @@ from fedsim.workloads.coto import (  # noqa: E402
     merged_arrays,
     prune_adapters,
 )
-from fedsim.workloads.supervised import (  # noqa: E402
-    LocalTraining,
-    evaluate_model,
-    make_client_app,
-)
+from fedsim.workloads.supervised import LocalTraining, make_client_app  # noqa: E402
+from fedsim.workloads.training import evaluate_model  # noqa: E402
 
 CLIENTS, SEEDS, SECOND_RUN = 30, (0, 1, 2), 100
 DATA = DatasetSpec(source="digits", partition="dirichlet", alpha=0.5, num_clients=CLIENTS, seed=1)

@@ -48,7 +48,8 @@ from fedsim.workloads.constrained import LinearConstraints, train_constrained  #
 from fedsim.workloads.coto import LoRATraining, build_lora_model  # noqa: E402
 from fedsim.workloads.optim import HDMHB  # noqa: E402
 from fedsim.workloads.sst import SparseSpectral, SparseSpectralTraining  # noqa: E402
-from fedsim.workloads.supervised import LocalTraining, train_epochs  # noqa: E402
+from fedsim.workloads.sgd import train_epochs  # noqa: E402
+from fedsim.workloads.supervised import LocalTraining  # noqa: E402
 
 SEEDS = (0, 1, 2)
 L2 = 1e-3

@@ -42,8 +42,10 @@ from fedsim.engine.rounds import run_rounds  # noqa: E402
 from fedsim.models import ModelSpec, build_model, initial_arrays, load_arrays  # noqa: E402
 from fedsim.records import to_numpy, to_record  # noqa: E402
 from fedsim.workloads.averaging import Averaging  # noqa: E402
-from fedsim.workloads.methods import ClientMethods, make_methods_client_app  # noqa: E402
-from fedsim.workloads.supervised import LocalTraining, evaluate_model  # noqa: E402
+from fedsim.workloads.client_app import training_app  # noqa: E402
+from fedsim.workloads.methods import MethodsTraining  # noqa: E402
+from fedsim.workloads.supervised import METHODS, LocalTraining  # noqa: E402
+from fedsim.workloads.training import evaluate_model  # noqa: E402
 from strategies.averaging import AveragedGlobalModel  # noqa: E402
 from strategies.quantized import DequantizedUploads  # noqa: E402
 
@@ -60,10 +62,11 @@ class Phases:
 
 
 def run_setting(engine, dataset, model, *, rounds, seed, methods, server_averaging=None):
-    training = LocalTraining(epochs=1, batch_size=16, lr=0.1, seed=seed)
-    app = make_methods_client_app(model, DATA, training, methods)
+    training = LocalTraining(epochs=1, batch_size=16, lr=0.1, seed=seed, **methods)
+    parts = {key: getattr(training, key) for key in METHODS}
+    app = training_app(MethodsTraining(model, training, **parts), DATA)  # SGD when none is set
     strategy = FedAvg(fraction_evaluate=0.0)
-    if methods.compression is not None:
+    if training.compression is not None:
         strategy = DequantizedUploads(strategy)
     if server_averaging is not None:
         strategy = AveragedGlobalModel(strategy, server_averaging, rounds)
@@ -105,28 +108,28 @@ def main() -> None:
     model = ModelSpec(kind="mlp", input_shape=dataset.feature_shape, num_classes=10, hidden=(32,))
     lawa10 = Averaging(kind="lawa", k=10, every=1, burn_in=0)
     table1 = {
-        "FedAvg (SGD)": dict(methods=ClientMethods()),
-        "+ MARS-AdamW": dict(methods=ClientMethods(optimizer={"name": "mars-adamw", "lr": 1e-2})),
-        "+ MARS-Lion": dict(methods=ClientMethods(optimizer={"name": "mars-lion", "lr": 3e-3})),
-        "+ server LAWA k=10": dict(methods=ClientMethods(), server_averaging=lawa10),
+        "FedAvg (SGD)": dict(methods=dict()),
+        "+ MARS-AdamW": dict(methods=dict(optimizer={"name": "mars-adamw", "lr": 1e-2})),
+        "+ MARS-Lion": dict(methods=dict(optimizer={"name": "mars-lion", "lr": 3e-3})),
+        "+ server LAWA k=10": dict(methods=dict(), server_averaging=lawa10),
         "+ server EMA 0.9": dict(
-            methods=ClientMethods(),
+            methods=dict(),
             server_averaging=Averaging(kind="ema", beta=0.9, every=1, burn_in=0),
         ),
-        "+ client LAWA k=10": dict(methods=ClientMethods(averaging=lawa10)),
+        "+ client LAWA k=10": dict(methods=dict(averaging=lawa10)),
     }
     table2 = {
-        "dense 32-bit, 5 rounds": dict(rounds=5, methods=ClientMethods()),
-        "QODA 8-bit, 20 rounds": dict(rounds=20, methods=ClientMethods(compression={"bits": 8})),
-        "QODA 4-bit, 40 rounds": dict(rounds=40, methods=ClientMethods(compression={"bits": 4})),
+        "dense 32-bit, 5 rounds": dict(rounds=5, methods=dict()),
+        "QODA 8-bit, 20 rounds": dict(rounds=20, methods=dict(compression={"bits": 8})),
+        "QODA 4-bit, 40 rounds": dict(rounds=40, methods=dict(compression={"bits": 4})),
         "QODA 4-bit adaptive, 40 rounds": dict(
-            rounds=40, methods=ClientMethods(compression={"bits": 4, "levels": "adaptive"})
+            rounds=40, methods=dict(compression={"bits": 4, "levels": "adaptive"})
         ),
-        "dense 32-bit, 40 rounds (8x bits)": dict(rounds=40, methods=ClientMethods()),
+        "dense 32-bit, 40 rounds (8x bits)": dict(rounds=40, methods=dict()),
     }
     table1b = {
-        "FedAvg (SGD)": dict(methods=ClientMethods()),
-        "+ server LAWA k=10": dict(methods=ClientMethods(), server_averaging=lawa10),
+        "FedAvg (SGD)": dict(methods=dict()),
+        "+ server LAWA k=10": dict(methods=dict(), server_averaging=lawa10),
         "+ server EMA 0.9": table1["+ server EMA 0.9"],
     }
     results: dict = {"table1_rounds": 20, "table1": {}, "table1b": {}, "table2": {}}

@@ -24,9 +24,9 @@ inequalities. Defaults c 0.05, alpha 0.5, beta 0.5, p 1: for a convex QP with ex
 per-client fairness constraint on a linear model — for every class ``k`` the gap between the
 mean logit of the client's rows in group 1 and in group 0 is at most ``epsilon``
 (``|(mu_1 - mu_0)^T W_k| <= epsilon``, two rows of ``A`` per class; the group of a row is
-``x[feature] > threshold``). :func:`make_constrained_client_app` trains such clients; each
-keeps its dual ``y`` in its ``context.state`` across rounds and reports
-``constraint-violation`` (``max [A w - b]_+``, before and after its local steps).
+``x[feature] > threshold``). :class:`ConstrainedTraining` trains such clients; each keeps
+its dual ``y`` in its ``context.state`` across rounds and reports ``constraint-violation``
+(``max [A w - b]_+``, before and after its local steps).
 """
 
 from __future__ import annotations
@@ -37,14 +37,22 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from flwr.app import Context, Message, MetricRecord, RecordDict
-from flwr.clientapp import ClientApp
+from flwr.app import RecordDict
 from torch import nn
 
 from fedsim.config import require
 from fedsim.data import DatasetSpec, cached_dataset
-from fedsim.models import ModelSpec, load_arrays, model_arrays
+from fedsim.models import ModelSpec
 from fedsim.records import to_numpy, to_record
+from fedsim.workloads.training import (
+    ClientTraining,
+    Exclusion,
+    LocalSteps,
+    TrainResult,
+    TrainTask,
+    as_tensors,
+    minibatches,
+)
 
 
 class SmoothedPrimalDual(torch.optim.Optimizer):
@@ -261,19 +269,14 @@ def train_constrained(
         dual=None if dual is None or len(dual) != len(b) else torch.from_numpy(np.array(dual)),
     )
     before = optimizer.violation()
-    steps, total, n = 0, 0.0, len(y)
-    for _ in range(epochs):
-        order = torch.randperm(n, generator=generator)
-        for start in range(0, n, batch_size):
-            if max_steps and steps >= max_steps:
-                break
-            idx = order[start : start + batch_size]
-            optimizer.zero_grad(set_to_none=True)
-            loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
-            loss.backward()
-            optimizer.step()
-            total += float(loss.detach())
-            steps += 1
+    steps, total = 0, 0.0
+    for idx in minibatches(len(y), batch_size, generator, epochs=epochs, max_steps=max_steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
+        loss.backward()
+        optimizer.step()
+        total += float(loss.detach())
+        steps += 1
     return {
         "loss": total / steps if steps else 0.0,
         "steps": steps,
@@ -283,82 +286,67 @@ def train_constrained(
     }
 
 
-def make_constrained_client_app(
-    model: ModelSpec, data: DatasetSpec, training: Any, constraints: LinearConstraints
-) -> ClientApp:
-    """A ClientApp whose clients train under their own :class:`LinearConstraints`.
+_ALONE = "unset with client.constraints (smoothed primal-dual training)"
+_OTHER_PARTS = ("dp_sgd", "optimizer", "averaging", "compression", "conformal", "sst", "lora")
 
-    ``training`` is a :class:`~fedsim.workloads.supervised.LocalTraining` (epochs,
-    batch_size, max_steps, seed are used; the step size is ``constraints.lr``).
-    """
-    from fedsim.workloads.supervised import (
-        _arrays_key,
-        as_tensors,
-        cached_model,
-        client_generator,
-        evaluation_reply,
-        evaluation_rows,
-        train_instruction,
+EXCLUDES = {
+    "constraints": (
+        *(Exclusion(key, _ALONE, named=key) for key in _OTHER_PARTS),
+        Exclusion(
+            "fedprox", "unset with FedProx (the smoothed primal-dual has its own proximal centre)"
+        ),
     )
+}
+"""What ``[client.constraints]`` cannot be combined with: it replaces SGD and combines with no
+other client method (checked by :func:`fedsim.workloads.supervised.check_parts`)."""
 
-    if model.kind != "logreg":
-        raise ValueError(
-            f"model.kind = {model.kind!r} with client.constraints: expected 'logreg' "
-            "(the constraints are linear in a linear model's weights)"
-        )
-    app = ClientApp()
 
-    @app.train()
-    def train(message: Message, context: Context) -> Message:
-        task = train_instruction(
-            message,
-            context,
-            data,
-            no_proximal="client.constraints (the smoothed primal-dual has its own proximal centre)",
-        )
-        partition, x, y, key = task.partition, task.x, task.y, task.key
-        server_round = task.server_round
-        net = cached_model(model)
-        load_arrays(net, to_numpy(message.content[key]))
-        dual = None
-        if constraints.keep_dual and DUAL_STATE in context.state:
-            dual = to_numpy(context.state[DUAL_STATE])["y"]
+class ConstrainedTraining(ClientTraining):
+    """Clients trained under their own :class:`LinearConstraints` (``[client.constraints]``;
+    the steps' epochs, batch_size, max_steps and seed are used, the step size is
+    ``constraints.lr``). Needs a linear model (``model.kind = 'logreg'``)."""
+
+    name = "client.constraints (the smoothed primal-dual has its own proximal centre)"
+
+    def __init__(self, spec: ModelSpec, steps: LocalSteps, constraints: LinearConstraints) -> None:
+        if spec.kind != "logreg":
+            raise ValueError(
+                f"model.kind = {spec.kind!r} with client.constraints: expected 'logreg' "
+                "(the constraints are linear in a linear model's weights)"
+            )
+        super().__init__(spec, steps)
+        self.constraints = constraints
+
+    def train(
+        self, model: nn.Module, task: TrainTask, generator: torch.Generator, state: RecordDict
+    ) -> TrainResult:
+        keep = self.constraints.keep_dual
+        dual = to_numpy(state[DUAL_STATE])["y"] if keep and DUAL_STATE in state else None
         result = train_constrained(
-            net,
-            x,
-            y,
-            constraints,
-            epochs=training.epochs,
-            batch_size=training.batch_size,
-            max_steps=training.max_steps,
-            generator=client_generator(training.seed, server_round, partition),
+            model,
+            task.x,
+            task.y,
+            self.constraints,
+            epochs=self.steps.epochs,
+            batch_size=self.steps.batch_size,
+            max_steps=self.steps.max_steps,
+            generator=generator,
             dual=dual,
         )
-        if constraints.keep_dual:
-            context.state[DUAL_STATE] = to_record({"y": result["dual"]})
-        metrics = MetricRecord(
-            {
-                "num-examples": int(len(y)),
-                "train_loss": result["loss"],
-                "steps": result["steps"],
-                "constraint-violation-start": result["violation_before"],
-                "constraint-violation": result["violation"],
-                "dual-norm": float(np.linalg.norm(result["dual"])) if len(result["dual"]) else 0.0,
-            }
-        )
-        content = RecordDict({key: to_record(model_arrays(net)), "metrics": metrics})
-        return Message(content=content, reply_to=message)
+        if keep:
+            state[DUAL_STATE] = to_record({"y": result["dual"]})
+        metrics = {
+            "constraint-violation-start": result["violation_before"],
+            "constraint-violation": result["violation"],
+            "dual-norm": float(np.linalg.norm(result["dual"])) if len(result["dual"]) else 0.0,
+        }
+        return TrainResult(result["loss"], result["steps"], metrics)
 
-    @app.evaluate()
-    def evaluate(message: Message, context: Context) -> Message:
-        partition = int(context.node_config["partition-id"])
-        x, y = evaluation_rows(data, partition)
-        net = cached_model(model)
-        load_arrays(net, to_numpy(message.content[_arrays_key(message)]))
+    def evaluation_metrics(
+        self, model: nn.Module, data: DatasetSpec, partition: int
+    ) -> dict[str, float]:
+        """The global model's ``constraint-violation`` on the client's training rows."""
         train_x = as_tensors(*cached_dataset(data).train.client(partition))[0]
-        A, b = constraints.matrices(net, train_x)
-        w = torch.cat([p.detach().reshape(-1) for p in net.parameters()]).to(torch.float64)
-        violation = float((A @ w - b).clamp(min=0).max()) if len(b) else 0.0
-        return evaluation_reply(message, net, x, y, partition, {"constraint-violation": violation})
-
-    return app
+        A, b = self.constraints.matrices(model, train_x)
+        w = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).to(torch.float64)
+        return {"constraint-violation": float((A @ w - b).clamp(min=0).max()) if len(b) else 0.0}

@@ -34,7 +34,7 @@ import functools
 import importlib.util
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -45,11 +45,17 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedsim.config import require
-from fedsim.models import ModelSpec, build_model, load_arrays
+from fedsim.models import ModelSpec, build_model, load_arrays, model_arrays
 from fedsim.randomness import PartySecret, Purpose
-
-if TYPE_CHECKING:
-    from fedsim.workloads.supervised import LocalTraining
+from fedsim.workloads.sgd import final_buffers, load_momentum, sgd_optimizer, store_momentum
+from fedsim.workloads.training import (
+    ClientTraining,
+    Exclusion,
+    LocalSteps,
+    TrainResult,
+    TrainTask,
+    cached_model,
+)
 
 #: the client's context.state record with its accountant history and epsilon
 STATE_KEY = "fedsim.dp_sgd"
@@ -217,7 +223,7 @@ def train_private(
     arrays: dict[str, np.ndarray],
     x: torch.Tensor,
     y: torch.Tensor,
-    training: LocalTraining,
+    training: LocalSteps,
     dp: DPSGD,
     *,
     history: list[tuple[float, float, int]],
@@ -233,21 +239,13 @@ def train_private(
     ``history`` is the client's accountant history before this round; the returned one
     includes it. Batches and noise of round ``server_round`` come from the client's
     ``secret`` (unless ``dp.secure_mode``). ``momentum_buffers`` as in
-    :func:`~fedsim.workloads.supervised.train_epochs`.
+    :func:`~fedsim.workloads.sgd.train_epochs`.
     """
     module = private_model(spec)
     load_arrays(module._module, arrays)
     module.train()
     params = list(module.parameters())
-    optimizer = torch.optim.SGD(
-        params,
-        lr=training.lr if lr is None else lr,
-        momentum=training.momentum,
-        weight_decay=training.weight_decay,
-    )
-    if momentum_buffers:
-        for p, buf in zip(params, momentum_buffers, strict=True):
-            optimizer.state[p]["momentum_buffer"] = torch.from_numpy(np.array(buf))
+    optimizer = sgd_optimizer(params, training, lr, momentum_buffers)
     secure = dp.secure_mode
     loader = DataLoader(
         TensorDataset(x, y),
@@ -292,16 +290,69 @@ def train_private(
         _PRIVATE_MODELS.pop(spec, None)  # hooks may hold a half-done step
         raise
     if momentum_buffers is not None:
-        momentum_buffers[:] = [
-            optimizer.state[p]["momentum_buffer"].numpy().copy()
-            if "momentum_buffer" in optimizer.state[p]
-            else np.zeros(tuple(p.shape), np.float32)
-            for p in params
-        ]
+        momentum_buffers[:] = final_buffers(optimizer, params)
     new_history = [(float(z), float(q), int(s)) for z, q, s in engine.accountant.history]
     epsilon = client_epsilon(new_history, dp.delta, dp.accountant)
     loss_mean = float(torch.stack(losses).mean()) if losses else 0.0
     return PrivateRound(module._module, loss_mean, steps, epsilon, new_history)
+
+
+EXCLUDES = {
+    "dp_sgd": (
+        Exclusion(
+            "fedprox",
+            "none with FedProx (DP-SGD's per-example gradients do not include its proximal term)",
+        ),
+    )
+}
+"""What ``[client.dp_sgd]`` cannot be combined with (checked by
+:func:`fedsim.workloads.supervised.check_parts`)."""
+
+
+class PrivateSGD(ClientTraining):
+    """Sample-level DP-SGD (``[client.dp_sgd]``) with the client's accountant state.
+
+    Batches and noise come from the client's own secret (:meth:`TrainTask.secret`), not from
+    the public ``generator``; the new accountant history and epsilon go into ``state``
+    (:data:`STATE_KEY`) and the reply carries ``dp-sgd-epsilon`` and ``dp-sgd-steps``. The
+    un-noised train loss leaves the client only with ``metrics_in_clear``.
+    """
+
+    name = "client.dp_sgd"
+
+    def __init__(
+        self, spec: ModelSpec, steps: LocalSteps, dp: DPSGD, metrics_in_clear: bool = False
+    ) -> None:
+        super().__init__(spec, steps)
+        self.dp, self.metrics_in_clear = dp, metrics_in_clear
+
+    def model(self) -> nn.Module:
+        return private_model(self.spec)._module
+
+    def evaluation_model(self) -> nn.Module:
+        return cached_model(self.spec)
+
+    def train(
+        self, model: nn.Module, task: TrainTask, generator: torch.Generator, state: RecordDict
+    ) -> TrainResult:
+        buffers = load_momentum(state) if self.steps.keep_momentum else None
+        result, metrics = train_client(
+            self.spec,
+            model_arrays(model),
+            task.x,
+            task.y,
+            self.steps,
+            state,
+            dp=self.dp,
+            secret=task.secret(),
+            server_round=task.server_round,
+            lr=task.lr,
+            momentum_buffers=buffers,
+        )
+        if buffers is not None:
+            store_momentum(state, buffers)
+        loss = result.loss if self.metrics_in_clear else None
+        return TrainResult(loss, result.steps, metrics, upload=model_arrays(result.model))
 
 
 def train_client(
@@ -309,9 +360,10 @@ def train_client(
     arrays: dict[str, np.ndarray],
     x: torch.Tensor,
     y: torch.Tensor,
-    training: LocalTraining,
+    training: LocalSteps,
     state: RecordDict,
     *,
+    dp: DPSGD,
     secret: PartySecret,
     server_round: int,
     lr: float | None = None,
@@ -320,9 +372,6 @@ def train_client(
     """A client's DP-SGD round with its accountant state: trains with its own ``secret``,
     stores the new history and epsilon in ``state``, and returns the round with the metrics
     its reply carries."""
-    dp = training.dp_sgd
-    if not isinstance(dp, DPSGD):
-        raise ValueError("client.dp_sgd is not set")
     result = train_private(
         spec,
         arrays,

@@ -33,7 +33,7 @@ from fedsim.workloads.downstream_lm import (
     next_token_accuracy,
     train_lm,
 )
-from fedsim.workloads.supervised import client_generator
+from fedsim.workloads.training import client_generator
 
 
 def _arrays_of(message: Message) -> tuple[str, ArrayRecord]:

@@ -1,4 +1,4 @@
-"""Federated LoRA fine-tuning with CoTo: a ClientApp whose global arrays are the adapters.
+"""Federated LoRA fine-tuning with CoTo: a client training whose global arrays are the adapters.
 
 The base model (:class:`~fedsim.models.ModelSpec` with the weights of
 ``LoRATraining.base``) is frozen and never sent: each instruction carries the
@@ -21,13 +21,11 @@ from __future__ import annotations
 import numpy as np
 import peft
 import torch
-from flwr.app import Context, Message, MetricRecord, RecordDict
-from flwr.clientapp import ClientApp
+from flwr.app import RecordDict
+from torch import nn
 
 from fedsim.config import require
-from fedsim.data import DatasetSpec
 from fedsim.models import ModelSpec
-from fedsim.records import to_numpy, to_record
 from fedsim.workloads.coto import (
     CoToController,
     CoToSchedule,
@@ -36,15 +34,34 @@ from fedsim.workloads.coto import (
     build_lora_model,
     load_adapter_arrays,
 )
-from fedsim.workloads.methods import ClientMethods, step_budget, train_with_methods
-from fedsim.workloads.supervised import (
-    LocalTraining,
-    _arrays_key,
-    client_generator,
-    evaluation_reply,
-    evaluation_rows,
-    train_instruction,
+from fedsim.workloads.methods import train_with_methods
+from fedsim.workloads.optim.choice import ClientOptimizer
+from fedsim.workloads.training import (
+    ClientTraining,
+    Exclusion,
+    LocalSteps,
+    TrainResult,
+    TrainTask,
 )
+
+_WITH_OPTIMIZER_ONLY = "unset with client.lora (LoRA clients combine with client.optimizer only)"
+
+EXCLUDES = {
+    "lora": (
+        *(
+            Exclusion(key, _WITH_OPTIMIZER_ONLY, named=key)
+            for key in ("dp_sgd", "keep_momentum", "averaging", "compression", "conformal")
+        ),
+        Exclusion(
+            "whole-batch-optimizer",
+            "a minibatch gradient optimiser with client.lora (sgd, mars-adamw, mars-lion)",
+            named="optimizer.name",
+        ),
+        Exclusion("fedprox", "unset with FedProx (LoRA clients add no proximal term)"),
+    )
+}
+"""What ``[client.lora]`` cannot be combined with (checked by
+:func:`fedsim.workloads.supervised.check_parts`)."""
 
 _LORA_MODELS: dict[tuple[ModelSpec, LoRATraining], peft.PeftModel] = {}
 
@@ -65,31 +82,36 @@ def coto_generator(seed: int, server_round: int, partition_id: int) -> torch.Gen
     return torch.Generator().manual_seed(int(state[0] >> np.uint64(1)))
 
 
-def train_lora(
-    model: peft.PeftModel,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    training: LocalTraining,
-    *,
-    server_round: int,
-    partition_id: int,
-    lr: float | None = None,
-) -> dict[str, float | int]:
-    """One round of local LoRA training (CoTo if ``training.lora.coto``); returns its metrics.
-
-    Every adapter is switched back on before returning, so the model then computes
-    the full adapted output.
-    """
-    lora = training.lora
-    if not isinstance(lora, LoRATraining):
-        raise ValueError(f"training.lora = {lora!r} is not allowed: a LoRATraining")
+def _require_rounds(lora: LoRATraining) -> None:
     require(
         lora.rounds >= 1,
         "client.lora.rounds",
         lora.rounds,
         "an integer >= 1 from Python (the run's rounds, CoTo's horizon)",
     )
-    budget = max(step_budget(len(y), training), 1)
+
+
+def train_lora(
+    model: peft.PeftModel,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    training: LocalSteps,
+    lora: LoRATraining,
+    generator: torch.Generator,
+    *,
+    server_round: int,
+    partition_id: int,
+    optimizer: ClientOptimizer | None = None,
+    lr: float | None = None,
+) -> TrainResult:
+    """One round of local LoRA training (CoTo if ``lora.coto``) with ``optimizer`` (None:
+    SGD), shuffled by ``generator``.
+
+    Every adapter is switched back on before returning, so the model then computes
+    the full adapted output.
+    """
+    _require_rounds(lora)
+    budget = max(training.budget(len(y)), 1)
     controller: CoToController | None = None
     if lora.coto:
         schedule = CoToSchedule(lora.coto_p0, lora.rounds * budget, lora.coto_ramp)
@@ -105,62 +127,60 @@ def train_lora(
             x,
             y,
             training,
-            ClientMethods(optimizer=training.optimizer),
-            client_generator(training.seed, server_round, partition_id),
+            generator,
+            optimizer=optimizer,
             lr=lr,
             before_step=None if controller is None else lambda s: controller.activate(offset + s),
         )
     finally:
         if controller is not None:
             controller.enable_all()
-    metrics: dict[str, float | int] = {"num-examples": int(len(y)), "train_loss": loss}
-    metrics["steps"] = steps
+    metrics: dict[str, float | int] = {}
     if controller is not None:
         metrics["coto-active-fraction"] = controller.active_fraction
         metrics["coto-p"] = controller.schedule.probability(offset + max(steps - 1, 0))
-    return metrics
+    return TrainResult(loss, steps, metrics)
 
 
-def make_lora_client_app(model: ModelSpec, data: DatasetSpec, training: LocalTraining) -> ClientApp:
-    """A ClientApp fine-tuning LoRA adapters of ``model`` on ``data``'s clients (training.lora)."""
-    lora = training.lora
-    if not isinstance(lora, LoRATraining):
-        raise ValueError(f"training.lora = {lora!r} is not allowed: a LoRATraining or its table")
-    require(
-        lora.rounds >= 1,
-        "client.lora.rounds",
-        lora.rounds,
-        "an integer >= 1 from Python (the run's rounds, CoTo's horizon)",
-    )
-    build_lora_model(model, lora)  # checks targets and base weights before any round runs
-    app = ClientApp()
+class AdapterTraining(ClientTraining):
+    """Clients fine-tuning LoRA adapters of ``spec`` (``[client.lora]``) with an optional
+    minibatch ``[client.optimizer]``; the arrays in and out are the adapters only."""
 
-    @app.train()
-    def train(message: Message, context: Context) -> Message:
-        task = train_instruction(message, context, data, no_proximal="client.lora")
-        key = task.key
-        net = cached_lora_model(model, lora)
-        load_adapter_arrays(net, to_numpy(message.content[key]))
-        metrics = train_lora(
-            net,
+    name = "client.lora"
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        steps: LocalSteps,
+        lora: LoRATraining,
+        optimizer: ClientOptimizer | None = None,
+    ) -> None:
+        _require_rounds(lora)
+        build_lora_model(spec, lora)  # checks targets and base weights before any round runs
+        super().__init__(spec, steps)
+        self.lora, self.optimizer = lora, optimizer
+
+    def model(self) -> nn.Module:
+        return cached_lora_model(self.spec, self.lora)
+
+    def load(self, model: nn.Module, arrays: dict[str, np.ndarray]) -> None:
+        load_adapter_arrays(model, arrays)
+
+    def arrays(self, model: nn.Module) -> dict[str, np.ndarray]:
+        return adapter_arrays(model)
+
+    def train(
+        self, model: nn.Module, task: TrainTask, generator: torch.Generator, state: RecordDict
+    ) -> TrainResult:
+        return train_lora(
+            model,
             task.x,
             task.y,
-            training,
+            self.steps,
+            self.lora,
+            generator,
             server_round=task.server_round,
             partition_id=task.partition,
+            optimizer=self.optimizer,
             lr=task.lr,
         )
-        content = RecordDict(
-            {key: to_record(adapter_arrays(net)), "metrics": MetricRecord(metrics)}
-        )
-        return Message(content=content, reply_to=message)
-
-    @app.evaluate()
-    def evaluate(message: Message, context: Context) -> Message:
-        partition = int(context.node_config["partition-id"])
-        x, y = evaluation_rows(data, partition)
-        net = cached_lora_model(model, lora)
-        load_adapter_arrays(net, to_numpy(message.content[_arrays_key(message)]))
-        return evaluation_reply(message, net, x, y, partition)
-
-    return app

@@ -65,6 +65,7 @@ from fedsim.workloads.bayesian import (
     prior_tensors,
     split_names,
 )
+from fedsim.workloads.training import minibatches
 
 PERSONAL = "fedsim.personal"
 PRIOR_VAR = "head-prior-var"
@@ -202,18 +203,15 @@ def hb_client_step(
     _freeze(model, body)
     opt = torch.optim.Adam(body, lr=cfg.body_lr)
     total, steps = 0.0, 0
-    for _ in range(cfg.body_epochs):
-        order = torch.randperm(len(y), generator=generator)
-        for start in range(0, len(y), cfg.batch_size):
-            idx = order[start : start + cfg.batch_size]
-            opt.zero_grad(set_to_none=True)
-            loss = _nll(model, x[idx], y[idx], cfg.mc_samples, body_bayesian) / len(idx)
-            if body_bayesian and cfg.body_kl > 0:
-                loss = loss + cfg.body_kl * kl_to(model, "body", prior)
-            loss.backward()
-            opt.step()
-            total += float(loss.detach())
-            steps += 1
+    for idx in minibatches(len(y), cfg.batch_size, generator, epochs=cfg.body_epochs):
+        opt.zero_grad(set_to_none=True)
+        loss = _nll(model, x[idx], y[idx], cfg.mc_samples, body_bayesian) / len(idx)
+        if body_bayesian and cfg.body_kl > 0:
+            loss = loss + cfg.body_kl * kl_to(model, "body", prior)
+        loss.backward()
+        opt.step()
+        total += float(loss.detach())
+        steps += 1
     return total / max(steps, 1)
 
 
@@ -232,25 +230,22 @@ def bayes_client_step(
     total, steps = 0.0, 0
     for p in (*personal.parameters(), *local_global.parameters()):
         p.requires_grad_(True)
-    for _ in range(cfg.body_epochs):
-        order = torch.randperm(len(y), generator=generator)
-        for start in range(0, len(y), cfg.batch_size):
-            idx = order[start : start + cfg.batch_size]
-            w = {k: v.detach() for k, v in local_global.state_dict().items()}
-            for _ in range(cfg.personal_steps):
-                opt_q.zero_grad(set_to_none=True)
-                kl = sum(kl_to(personal, part, w) for part in ("body", "head"))
-                nll = _nll(personal, x[idx], y[idx], cfg.mc_samples, True)
-                loss = nll + cfg.zeta / batches * kl
-                loss.backward()
-                opt_q.step()
-            q = {k: v.detach() for k, v in personal.state_dict().items()}
-            opt_w.zero_grad(set_to_none=True)
-            kl_w = sum(_kl_from(q, local_global, part) for part in ("body", "head"))
-            kl_w.backward()
-            opt_w.step()
-            total += float(loss.detach()) / len(idx)
-            steps += 1
+    for idx in minibatches(len(y), cfg.batch_size, generator, epochs=cfg.body_epochs):
+        w = {k: v.detach() for k, v in local_global.state_dict().items()}
+        for _ in range(cfg.personal_steps):
+            opt_q.zero_grad(set_to_none=True)
+            kl = sum(kl_to(personal, part, w) for part in ("body", "head"))
+            nll = _nll(personal, x[idx], y[idx], cfg.mc_samples, True)
+            loss = nll + cfg.zeta / batches * kl
+            loss.backward()
+            opt_q.step()
+        q = {k: v.detach() for k, v in personal.state_dict().items()}
+        opt_w.zero_grad(set_to_none=True)
+        kl_w = sum(_kl_from(q, local_global, part) for part in ("body", "head"))
+        kl_w.backward()
+        opt_w.step()
+        total += float(loss.detach()) / len(idx)
+        steps += 1
     return total / max(steps, 1)
 
 
@@ -280,16 +275,13 @@ def sgd_step(
     _freeze(model, means)
     opt = torch.optim.SGD(means, lr=cfg.sgd_lr)
     total, steps = 0.0, 0
-    for _ in range(cfg.sgd_epochs):
-        order = torch.randperm(len(y), generator=generator)
-        for start in range(0, len(y), cfg.batch_size):
-            idx = order[start : start + cfg.batch_size]
-            opt.zero_grad(set_to_none=True)
-            loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
-            loss.backward()
-            opt.step()
-            total += float(loss.detach())
-            steps += 1
+    for idx in minibatches(len(y), cfg.batch_size, generator, epochs=cfg.sgd_epochs):
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
+        loss.backward()
+        opt.step()
+        total += float(loss.detach())
+        steps += 1
     return total / max(steps, 1)
 
 
