@@ -943,10 +943,6 @@ def _build(options: Mapping[str, Any], facts: RunFacts) -> DDGauss:
         raise ConfigError("strategy.options", dict(options), str(err)) from err
 
 
-def _client_app(inner: ClientApp, metrics_in_clear: bool) -> ClientApp:
-    return ddgauss_client_app(inner, metrics_in_clear=metrics_in_clear)
-
-
 SPEC = StrategySpec(
     name=NAME,
     build=_build,
@@ -954,5 +950,5 @@ SPEC = StrategySpec(
         ledger="per round, the distributed discrete Gaussian's zCDP bound (KLS21 Thm. 1) for "
         "the noise of the clients that survived into the sum",
     ),
-    client_app=_client_app,
+    client_app=ddgauss_client_app,
 )

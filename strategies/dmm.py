@@ -985,10 +985,6 @@ def _build(options: Mapping[str, Any], facts: RunFacts) -> DMM:
         raise ConfigError("strategy.options", dict(options), str(err)) from err
 
 
-def _client_app(inner: ClientApp, metrics_in_clear: bool) -> ClientApp:
-    return dmm_client_app(inner, metrics_in_clear=metrics_in_clear)
-
-
 SPEC = StrategySpec(
     name=NAME,
     build=_build,
@@ -996,5 +992,5 @@ SPEC = StrategySpec(
         ledger="per round, the increase of the discrete-Gaussian zCDP bound of the integer "
         "matrix's rows released so far, counting only the noise actually present (KLS21)",
     ),
-    client_app=_client_app,
+    client_app=dmm_client_app,
 )

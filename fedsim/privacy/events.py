@@ -42,7 +42,7 @@ import dp_accounting as dpa
 
 from fedsim.config import ConfigError, require
 
-#: a nested field's kind: one event ("event") or a list of events ("events")
+#: the fields that nest events: one event ("event") or a list of events ("events")
 EVENT, EVENTS = "event", "events"
 
 
@@ -130,9 +130,9 @@ def _composed_noise(event: Any, noise_of: Callable[[Any], float | None]) -> floa
 class EventKind:
     """One supported event class and everything fedsim does with it.
 
-    ``fields`` are the constructor's arguments in order (also the JSON object's order);
-    ``nested`` names those holding an event (:data:`EVENT`) or a list of events
-    (:data:`EVENTS`); ``check`` raises :class:`ConfigError` on a bad scalar field; ``noise``
+    ``fields`` are the constructor's arguments in order (also the JSON object's order); a
+    field named :data:`EVENT` holds an event, one named :data:`EVENTS` a list of them;
+    ``check`` raises :class:`ConfigError` on a bad scalar field; ``noise``
     reduces the event to one Gaussian noise multiplier (given the reduction of a nested event;
     None: not a Gaussian composition); ``sampled``: a sampling wrapper, whose nested event is
     what sampling amplifies.
@@ -141,27 +141,25 @@ class EventKind:
     name: str
     cls: type[dpa.DpEvent]
     fields: tuple[str, ...] = ()
-    nested: tuple[tuple[str, str], ...] = ()
     check: Callable[[Mapping[str, Any], str], None] = _check_nothing
     noise: Callable[[Any, Callable[[Any], float | None]], float | None] | None = None
     sampled: bool = False
 
     def rebuild(self, event: dpa.DpEvent, inner: Callable[[dpa.DpEvent], dpa.DpEvent]):
         """``event`` with ``inner`` applied to each nested event (itself if it has none)."""
-        if not self.nested:
+        if EVENT not in self.fields and EVENTS not in self.fields:
             return event
         return self.cls(*_mapped(self, {f: getattr(event, f) for f in self.fields}, inner))
 
 
 def _mapped(kind: EventKind, values: Mapping[str, Any], inner: Callable[[Any], Any]) -> list:
     """The constructor arguments of ``kind`` from ``values``, ``inner`` applied to events."""
-    nested = dict(kind.nested)
     out = []
     for field in kind.fields:
         value = values[field]
-        if nested.get(field) == EVENT:
+        if field == EVENT:
             value = inner(value)
-        elif nested.get(field) == EVENTS:
+        elif field == EVENTS:
             value = [inner(e) for e in value]
         out.append(value)
     return out
@@ -182,7 +180,6 @@ KINDS: dict[str, EventKind] = {
             "poisson_sampled",
             dpa.PoissonSampledDpEvent,
             ("sampling_probability", "event"),
-            ((EVENT, EVENT),),
             check=_check_probability,
             sampled=True,
         ),
@@ -190,7 +187,6 @@ KINDS: dict[str, EventKind] = {
             "sampled_without_replacement",
             dpa.SampledWithoutReplacementDpEvent,
             ("source_dataset_size", "sample_size", "event"),
-            ((EVENT, EVENT),),
             check=_check_sizes,
             sampled=True,
         ),
@@ -198,13 +194,10 @@ KINDS: dict[str, EventKind] = {
             "self_composed",
             dpa.SelfComposedDpEvent,
             ("event", "count"),
-            ((EVENT, EVENT),),
             check=_check_count,
             noise=_repeated_noise,
         ),
-        EventKind(
-            "composed", dpa.ComposedDpEvent, ("events",), ((EVENTS, EVENTS),), noise=_composed_noise
-        ),
+        EventKind("composed", dpa.ComposedDpEvent, ("events",), noise=_composed_noise),
         EventKind("non_private", dpa.NonPrivateDpEvent),
         EventKind("no_op", dpa.NoOpDpEvent, noise=_no_release),
     )
@@ -220,15 +213,10 @@ def kind_of(event: Any) -> EventKind | None:
     return _BY_CLASS.get(type(event))
 
 
-def _check_nested(kind: EventKind, values: Mapping[str, Any], key: str, lists: tuple) -> None:
-    for field, what in kind.nested:
-        if what == EVENTS:
-            require(
-                isinstance(values[field], lists),
-                f"{key}.{field}",
-                values[field],
-                "a list of events",
-            )
+def _check_list(kind: EventKind, values: Mapping[str, Any], key: str, lists: tuple) -> None:
+    if EVENTS in kind.fields:
+        events = values[EVENTS]
+        require(isinstance(events, lists), f"{key}.{EVENTS}", events, "a list of events")
 
 
 def check_event(event: Any, key: str = "event") -> None:
@@ -238,13 +226,11 @@ def check_event(event: Any, key: str = "event") -> None:
         raise ConfigError(key, event, _ALLOWED)
     values = {f: getattr(event, f) for f in kind.fields}
     kind.check(values, key)
-    _check_nested(kind, values, key, (list, tuple))
-    for field, what in kind.nested:
-        if what == EVENT:
-            check_event(values[field], f"{key}.{field}")
-        else:
-            for i, sub in enumerate(values[field]):
-                check_event(sub, f"{key}.{field}[{i}]")
+    _check_list(kind, values, key, (list, tuple))
+    if EVENT in values:
+        check_event(values[EVENT], f"{key}.{EVENT}")
+    for i, sub in enumerate(values.get(EVENTS, ())):
+        check_event(sub, f"{key}.{EVENTS}[{i}]")
 
 
 def event_to_dict(event: dpa.DpEvent) -> dict[str, Any]:
@@ -276,14 +262,13 @@ def event_from_dict(data: Any, key: str = "event") -> dpa.DpEvent:
     for field in sorted(expected - fields):
         raise ConfigError(f"{key}.{field}", None, "a value (this field is required)")
     kind.check(data, key)
-    _check_nested(kind, data, key, (list,))
-    nested = dict(kind.nested)
+    _check_list(kind, data, key, (list,))
     args = []
     for field in kind.fields:
         value = data[field]
-        if nested.get(field) == EVENT:
-            value = event_from_dict(value, f"{key}.{field}")
-        elif nested.get(field) == EVENTS:
-            value = [event_from_dict(e, f"{key}.{field}[{i}]") for i, e in enumerate(value)]
+        if field == EVENT:
+            value = event_from_dict(value, f"{key}.{EVENT}")
+        elif field == EVENTS:
+            value = [event_from_dict(e, f"{key}.{EVENTS}[{i}]") for i, e in enumerate(value)]
         args.append(value)
     return kind.cls(*args)
