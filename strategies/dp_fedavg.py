@@ -117,7 +117,6 @@ from strategies.spec import Accounting, RunFacts, StrategySpec
 from strategies.wrapper import server_reply
 
 
-
 def clip_factor(norm: float, clipping_norm: float) -> float:
     """``min(1, C / norm)``, with 1 for a zero update."""
     return 1.0 if norm <= clipping_norm else clipping_norm / norm

@@ -51,9 +51,8 @@ PRIVATE = tuple(spec.name for spec in SPECS if spec.private)
 
 def spec_for(name: str) -> StrategySpec:
     """The spec of ``strategy.name`` (a ConfigError naming the methods when unknown)."""
-    require(
-        isinstance(name, str) and name in BY_NAME, "strategy.name", name, f"one of {', '.join(NAMES)}"
-    )
+    known = isinstance(name, str) and name in BY_NAME
+    require(known, "strategy.name", name, f"one of {', '.join(NAMES)}")
     return BY_NAME[name]
 
 
