@@ -88,7 +88,7 @@ from fedsim.workloads.training import as_tensors, evaluate_model
 from strategies.averaging import AveragedGlobalModel, averaged_evaluation
 from strategies.conformal import ConformalEvaluation
 from strategies.quantized import DequantizedUploads
-from strategies.registry import NAMES, PRIVATE, build_personalised_strategy, build_strategy
+from strategies.registry import build_personalised_strategy, build_strategy, spec_for
 from strategies.seeded_sampling import SeededSampling
 from strategies.server_secret import bind_parties
 
@@ -141,7 +141,7 @@ class StrategyConfig:
         if isinstance(self.averaging, dict):
             averaging = Averaging.from_table(self.averaging, "strategy.averaging")
             object.__setattr__(self, "averaging", averaging)
-        require(self.name in NAMES, "strategy.name", self.name, f"one of {', '.join(NAMES)}")
+        spec_for(self.name)  # a known method
         require(
             self.clients_per_round >= 1,
             "strategy.clients_per_round",
@@ -255,7 +255,7 @@ class ExperimentConfig:
             self.evaluation.clients,
             f"at most strategy.clients_per_round = {self.strategy.clients_per_round}",
         )
-        proximal = "fedprox" in (self.strategy.name, self.strategy.options.get("server_optimizer"))
+        proximal = spec_for(self.strategy.name).proximal(self.strategy.options)
         check_parts(self.client, fedprox=proximal)
         require(
             self.client.constraints is None or self.model.kind == "logreg",
@@ -305,7 +305,7 @@ class ExperimentConfig:
     @property
     def private(self) -> bool:
         """Whether the run is private: a DP or secure strategy, or DP-SGD clients."""
-        return self.strategy.name in PRIVATE or self.client.dp_sgd is not None
+        return spec_for(self.strategy.name).private or self.client.dp_sgd is not None
 
 
 def participation_for(config: ExperimentConfig, population: int) -> Participation:
@@ -466,16 +466,8 @@ def run_experiment(
             if personal
             else make_client_app(spec, config.data, config.client, in_clear)
         )
-        # the wrappers release their clients' metrics only when told to
-        clear = {"metrics_in_clear": True} if in_clear else {}
-        if config.strategy.name == "dmm":  # clients share their rounded updates and noise
-            from strategies.dmm import dmm_client_app  # noqa: PLC0415
-
-            client_app = dmm_client_app(client_app, **clear)
-        if config.strategy.name == "ddgauss":  # clients encode, noise and round their updates
-            from strategies.ddgauss import ddgauss_client_app  # noqa: PLC0415
-
-            client_app = ddgauss_client_app(client_app, **clear)
+        # the protocol's client wrapper (DMM, DDGauss) releases metrics only when told to
+        client_app = spec_for(config.strategy.name).wrap_client_app(client_app, in_clear)
         own_engine = engine is None
         engine = (engine or Engine(config.engine)).start()
         # the server's secret and DMM's engine-side committee host, bound again after a

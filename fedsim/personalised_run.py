@@ -31,7 +31,7 @@ from fedsim.records import to_numpy
 from fedsim.workloads.bayesian import BayesSpec, build_bayes_model, model_arrays
 from fedsim.workloads.personalised import PersonalTraining, global_metrics, make_personal_app
 from fedsim.workloads.supervised import LocalTraining
-from strategies.registry import PERSONALISED
+from strategies.registry import PERSONALISED, spec_for
 
 if TYPE_CHECKING:
     from fedsim.experiment import ExperimentConfig
@@ -40,7 +40,7 @@ BAYES_MLP = "bayes-mlp"
 
 
 def is_personalised(config: ExperimentConfig) -> bool:
-    return config.strategy.name in PERSONALISED
+    return spec_for(config.strategy.name).personalised
 
 
 def check_personalised(config: ExperimentConfig) -> None:

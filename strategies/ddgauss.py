@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -70,6 +70,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
+from fedsim.config import ConfigError
 from fedsim.engine.committee import Committee, CommitteeSpec
 from fedsim.privacy import ddgauss as ddgauss_privacy
 from fedsim.privacy.accounting import NeighbouringRelation, PrivacyLedger
@@ -99,7 +100,9 @@ from strategies.secagg_messages import (
     run_over_grid,
     start_client,
 )
-from strategies.wrapper import StrategyWrapper, server_reply
+from strategies.dp_shell import LedgerShell
+from strategies.spec import Accounting, RunFacts, StrategySpec
+from strategies.wrapper import server_reply
 
 log = logging.getLogger(__name__)
 
@@ -325,7 +328,59 @@ class _Release:
     counts: dict[str, int] = field(default_factory=dict)
 
 
-class DDGauss(StrategyWrapper):
+def _check_arguments(
+    *,
+    clipping_norm: float,
+    noise_multiplier: float,
+    expected_clients: int,
+    mode: str,
+    committee: Any,
+    member_dropout: float,
+    secagg_degree: int | None,
+    ring_bits: int | None,
+    bits: int,
+    protocol_dropout: float,
+    stage_timeout: float | None,
+) -> None:
+    """Raise ValueError on a :class:`DDGauss` argument out of its range."""
+    if not (math.isfinite(clipping_norm) and clipping_norm > 0):
+        raise ValueError(f"clipping_norm={clipping_norm!r}; it must be finite and > 0")
+    if not (math.isfinite(noise_multiplier) and noise_multiplier > 0):
+        raise ValueError(f"noise_multiplier={noise_multiplier!r}; it must be finite and > 0")
+    if not isinstance(expected_clients, int) or expected_clients < 2:
+        raise ValueError(f"expected_clients={expected_clients!r}; it must be an integer >= 2")
+    if mode == "ideal":
+        raise ValueError(_RENAMED)
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r}; allowed: {', '.join(map(repr, MODES))}")
+    if (mode == "committee") != (committee is not None):
+        raise ValueError(
+            f"committee={committee!r} with mode={mode!r}: pass a Committee or CommitteeSpec "
+            "exactly when mode='committee'"
+        )
+    if committee is not None and not isinstance(committee, Committee | CommitteeSpec):
+        raise ValueError(
+            f"committee is a {type(committee).__name__}; allowed: Committee or CommitteeSpec"
+        )
+    if not 0.0 <= member_dropout <= 1.0 or (member_dropout and mode != "committee"):
+        raise ValueError(
+            f"member_dropout={member_dropout!r} with mode={mode!r}; allowed: a probability, "
+            "non-zero only in mode='committee'"
+        )
+    if secagg_degree is not None and (secagg_degree < 2 or secagg_degree % 2):
+        raise ValueError(f"secagg_degree={secagg_degree!r}; it must be an even integer >= 2")
+    if ring_bits is not None and not (isinstance(ring_bits, int) and bits <= ring_bits <= 64):
+        raise ValueError(
+            f"ring_bits={ring_bits!r}; it must be an integer in [bits={bits}, 64] so that the "
+            "planned sum cannot wrap"
+        )
+    if not 0.0 <= protocol_dropout <= 1.0:
+        raise ValueError(f"protocol_dropout={protocol_dropout!r}; allowed: a probability")
+    if stage_timeout is not None and not stage_timeout > 0:
+        raise ValueError(f"stage_timeout={stage_timeout!r}; allowed: seconds > 0 or None")
+
+
+class DDGauss(LedgerShell):
     """Wrap a FedAvg-family strategy with DDGauss over SecAgg+ and a privacy ledger.
 
     Args:
@@ -377,41 +432,19 @@ class DDGauss(StrategyWrapper):
         stage_timeout: float | None = 3600.0,
         member_dropout: float = 0.0,
     ) -> None:
-        if not (math.isfinite(clipping_norm) and clipping_norm > 0):
-            raise ValueError(f"clipping_norm={clipping_norm!r}; it must be finite and > 0")
-        if not (math.isfinite(noise_multiplier) and noise_multiplier > 0):
-            raise ValueError(f"noise_multiplier={noise_multiplier!r}; it must be finite and > 0")
-        if not isinstance(expected_clients, int) or expected_clients < 2:
-            raise ValueError(f"expected_clients={expected_clients!r}; it must be an integer >= 2")
-        if mode == "ideal":
-            raise ValueError(_RENAMED)
-        if mode not in MODES:
-            raise ValueError(f"mode={mode!r}; allowed: {', '.join(map(repr, MODES))}")
-        if (mode == "committee") != (committee is not None):
-            raise ValueError(
-                f"committee={committee!r} with mode={mode!r}: pass a Committee or CommitteeSpec "
-                "exactly when mode='committee'"
-            )
-        if committee is not None and not isinstance(committee, Committee | CommitteeSpec):
-            raise ValueError(
-                f"committee is a {type(committee).__name__}; allowed: Committee or CommitteeSpec"
-            )
-        if not 0.0 <= member_dropout <= 1.0 or (member_dropout and mode != "committee"):
-            raise ValueError(
-                f"member_dropout={member_dropout!r} with mode={mode!r}; allowed: a probability, "
-                "non-zero only in mode='committee'"
-            )
-        if secagg_degree is not None and (secagg_degree < 2 or secagg_degree % 2):
-            raise ValueError(f"secagg_degree={secagg_degree!r}; it must be an even integer >= 2")
-        if ring_bits is not None and not (isinstance(ring_bits, int) and bits <= ring_bits <= 64):
-            raise ValueError(
-                f"ring_bits={ring_bits!r}; it must be an integer in [bits={bits}, 64] so that the "
-                "planned sum cannot wrap"
-            )
-        if not 0.0 <= protocol_dropout <= 1.0:
-            raise ValueError(f"protocol_dropout={protocol_dropout!r}; allowed: a probability")
-        if stage_timeout is not None and not stage_timeout > 0:
-            raise ValueError(f"stage_timeout={stage_timeout!r}; allowed: seconds > 0 or None")
+        _check_arguments(
+            clipping_norm=clipping_norm,
+            noise_multiplier=noise_multiplier,
+            expected_clients=expected_clients,
+            mode=mode,
+            committee=committee,
+            member_dropout=member_dropout,
+            secagg_degree=secagg_degree,
+            ring_bits=ring_bits,
+            bits=bits,
+            protocol_dropout=protocol_dropout,
+            stage_timeout=stage_timeout,
+        )
         super().__init__(strategy)
         self.ring_bits = ring_bits
         self.protocol_dropout = float(protocol_dropout)
@@ -500,16 +533,9 @@ class DDGauss(StrategyWrapper):
         """The round's public rotation seed, shared by every client."""
         return int(public_generator(self.seed, server_round, Stream.ROTATION).integers(2**63))
 
-    def epsilon(self) -> float:
-        return self.ledger.epsilon() if len(self.ledger) else 0.0
-
-    def privacy_report(self) -> dict[str, Any]:
+    def report_details(self) -> dict[str, Any]:
+        """The bound epsilon rests on, and the protocol's mode."""
         return {
-            "epsilon": self.epsilon(),
-            "delta": self.ledger.delta,
-            "accountant": "rdp",
-            "relation": self.ledger.relation.value,
-            "rounds_accounted": len(self.ledger),
             "bound": "KLS21 Theorem 1 (zCDP), noise of surviving clients only",
             "mode": self.mode,
         }
@@ -905,3 +931,30 @@ def from_options(
         committee=committee,
         **kwargs,
     )
+
+
+NAME = "ddgauss"
+
+
+def _build(options: Mapping[str, Any], facts: RunFacts) -> DDGauss:
+    """:func:`from_options` with the run's facts; a bad option is a ConfigError."""
+    try:
+        return from_options(
+            dict(options),
+            expected_clients=facts.expected_clients,
+            seed=facts.seed,
+            evaluate_fraction=facts.evaluate_fraction,
+        )
+    except ValueError as err:
+        raise ConfigError("strategy.options", dict(options), str(err)) from err
+
+
+SPEC = StrategySpec(
+    name=NAME,
+    build=_build,
+    accounting=Accounting(
+        ledger="per round, the distributed discrete Gaussian's zCDP bound (KLS21 Thm. 1) for "
+        "the noise of the clients that survived into the sum",
+    ),
+    client_app=ddgauss_client_app,
+)

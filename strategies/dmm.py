@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 import numpy as np
@@ -52,6 +52,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
+from fedsim.config import ConfigError
 from fedsim.privacy import dmm as dmm_privacy
 from fedsim.privacy.accounting import NeighbouringRelation, PrivacyLedger
 from fedsim.privacy.matrix.factorization import Factorization
@@ -84,8 +85,10 @@ from protocols.encoding import (
 from protocols.field import MersenneField
 from protocols.shamir import PackedShamir
 from strategies.ddgauss import flatten, unflatten
+from strategies.dp_shell import LedgerShell
 from strategies.participation_guard import ParticipationGuard
-from strategies.wrapper import StrategyWrapper, server_reply
+from strategies.spec import Accounting, RunFacts, StrategySpec
+from strategies.wrapper import server_reply
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +312,50 @@ def committee_bound(n: int, t: int, k: int, dropouts: int) -> None:
         )
 
 
-class DMM(StrategyWrapper):
+def _check_arguments(
+    *,
+    clipping_norm: float,
+    noise_multiplier: float,
+    expected_clients: int,
+    population: int,
+    committee_size: int,
+    expected_client_dropout: float,
+    mode: str,
+    committee_actors: bool,
+    committee_shards: int,
+) -> None:
+    """Raise ValueError on a :class:`DMM` argument out of its range."""
+    for name, value in (
+        ("clipping_norm", clipping_norm),
+        ("noise_multiplier", noise_multiplier),
+    ):
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name}={value!r}; it must be finite and > 0")
+    for name, value in (("expected_clients", expected_clients), ("population", population)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}; it must be an integer >= 1")
+    if committee_size > population:
+        raise ValueError(
+            f"committee_size={committee_size} exceeds the population of {population} clients"
+        )
+    if not 0.0 <= expected_client_dropout < 1.0:
+        raise ValueError(
+            f"expected_client_dropout={expected_client_dropout!r}; allowed: [0, 1)"
+        )
+    if mode not in ("full", "ideal"):
+        raise ValueError(f"mode={mode!r}; allowed: 'full', 'ideal'")
+    if not isinstance(committee_actors, bool):
+        raise ValueError(f"committee_actors={committee_actors!r}; allowed: True or False")
+    if isinstance(committee_shards, bool) or not isinstance(committee_shards, int) or not (
+        1 <= committee_shards <= committee_size
+    ):
+        raise ValueError(
+            f"committee_shards={committee_shards!r}; allowed: an integer in "
+            f"[1, committee_size={committee_size}]"
+        )
+
+
+class DMM(LedgerShell):
     """Wrap a FedAvg-family strategy with the distributed matrix mechanism.
 
     Args:
@@ -363,34 +409,17 @@ class DMM(StrategyWrapper):
         committee_actors: bool = False,
         committee_shards: int = 4,
     ) -> None:
-        for name, value in (
-            ("clipping_norm", clipping_norm),
-            ("noise_multiplier", noise_multiplier),
-        ):
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name}={value!r}; it must be finite and > 0")
-        for name, value in (("expected_clients", expected_clients), ("population", population)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r}; it must be an integer >= 1")
-        if committee_size > population:
-            raise ValueError(
-                f"committee_size={committee_size} exceeds the population of {population} clients"
-            )
-        if not 0.0 <= expected_client_dropout < 1.0:
-            raise ValueError(
-                f"expected_client_dropout={expected_client_dropout!r}; allowed: [0, 1)"
-            )
-        if mode not in ("full", "ideal"):
-            raise ValueError(f"mode={mode!r}; allowed: 'full', 'ideal'")
-        if not isinstance(committee_actors, bool):
-            raise ValueError(f"committee_actors={committee_actors!r}; allowed: True or False")
-        if isinstance(committee_shards, bool) or not isinstance(committee_shards, int) or not (
-            1 <= committee_shards <= committee_size
-        ):
-            raise ValueError(
-                f"committee_shards={committee_shards!r}; allowed: an integer in "
-                f"[1, committee_size={committee_size}]"
-            )
+        _check_arguments(
+            clipping_norm=clipping_norm,
+            noise_multiplier=noise_multiplier,
+            expected_clients=expected_clients,
+            population=population,
+            committee_size=committee_size,
+            expected_client_dropout=expected_client_dropout,
+            mode=mode,
+            committee_actors=committee_actors,
+            committee_shards=committee_shards,
+        )
         committee_bound(committee_size, threshold, packing, member_dropouts)
         super().__init__(strategy)
         tree = factorization.kind in dmm_privacy.TREE_KINDS
@@ -538,9 +567,6 @@ class DMM(StrategyWrapper):
             self.server.attach(pool)
 
     # ------------------------------------------------------------------ accounting
-    def epsilon(self) -> float:
-        return self.ledger.epsilon() if len(self.ledger) else 0.0
-
     def accounting_participation(self) -> Participation:
         """The schema in mechanism steps: an aborted round shifts later rounds one step
         closer, so min separation shrinks by the aborted rounds (never below 1)."""
@@ -577,14 +603,10 @@ class DMM(StrategyWrapper):
         self.ledger.record(server_round, dmm_privacy.increment_event(self._zcdp, eps))
         self._zcdp = max(self._zcdp, eps)
 
-    def privacy_report(self) -> dict[str, Any]:
+    def report_details(self) -> dict[str, Any]:
+        """Steps, the integer matrix's sensitivity, the fewest noise contributors, aborts."""
         counts = self.server.counts if self.server else {}
         return {
-            "epsilon": self.epsilon(),
-            "delta": self.ledger.delta,
-            "accountant": "rdp",
-            "relation": self.ledger.relation.value,
-            "rounds_accounted": len(self.ledger),
             "steps": self.server.step if self.server else 0,
             "factorization": self.mechanism.factorization.kind,
             "fractional_bits": self.mechanism.fractional_bits,
@@ -951,3 +973,37 @@ def from_options(
         committee_actors=options.get("committee_actors", False),
         committee_shards=int(options.get("committee_shards", 4)),
     )
+
+
+NAME = "dmm"
+
+
+def _build(options: Mapping[str, Any], facts: RunFacts) -> DMM:
+    """:func:`from_options` with the run's facts; a bad option is a ConfigError."""
+    rounds = facts.required("rounds", f"the run's rounds (required by {NAME})")
+    population = facts.required("population", "the registered clients")
+    min_separation, max_participations = facts.separation()
+    try:
+        return from_options(
+            dict(options),
+            rounds=rounds,
+            expected_clients=facts.expected_clients,
+            population=population,
+            seed=facts.seed,
+            min_separation=min_separation,
+            max_participations=max_participations,
+            evaluate_fraction=facts.evaluate_fraction,
+        )
+    except ValueError as err:
+        raise ConfigError("strategy.options", dict(options), str(err)) from err
+
+
+SPEC = StrategySpec(
+    name=NAME,
+    build=_build,
+    accounting=Accounting(
+        ledger="per round, the increase of the discrete-Gaussian zCDP bound of the integer "
+        "matrix's rows released so far, counting only the noise actually present (KLS21)",
+    ),
+    client_app=dmm_client_app,
+)

@@ -75,17 +75,17 @@ server optimisers apply their update to the pseudo-gradient ``Delta_bar``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import dp_accounting as dpa
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-from flwr.serverapp import Grid
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import Strategy
 
-from fedsim.config import require
+from fedsim.config import ConfigError, require
+from fedsim.privacy import accounting
 from fedsim.privacy.accounting import (
     FixedSizeSampling,
     FullParticipation,
@@ -104,7 +104,6 @@ from fedsim.worker_reduce import (
     MetricSums,
     Reducer,
     ReductionError,
-    attach_reducer,
     folded_reply,
     is_partial,
     partial_reply,
@@ -112,13 +111,12 @@ from fedsim.worker_reduce import (
     reserved_keys,
     single,
 )
+from strategies import flower
+from strategies.dp_shell import BOOKKEEPING, CLIENTS_KEY, CLIPPED_KEY, ClippedSumShell
+from strategies.options import pop_number, pop_value
 from strategies.participation_guard import ParticipationGuard
-from strategies.server_secret import ServerNoise
-from strategies.wrapper import StrategyWrapper, server_reply
-
-CLIENTS_KEY = "fedsim.clients"
-CLIPPED_KEY = "fedsim.clipped"
-_BOOKKEEPING = (CLIENTS_KEY, CLIPPED_KEY)
+from strategies.spec import Accounting, RunFacts, StrategySpec
+from strategies.wrapper import server_reply
 
 
 def clip_factor(norm: float, clipping_norm: float) -> float:
@@ -180,7 +178,7 @@ class _ClippedSumAccumulator(Accumulator):
             self.total[k] += factor * deltas[k]
         self.clients += 1
         self.clipped += int(norm > self.reducer.clipping_norm)
-        self.metrics.add(metrics, weight=weight, skip=(*_BOOKKEEPING, self.reducer.weight_key))
+        self.metrics.add(metrics, weight=weight, skip=(*BOOKKEEPING, self.reducer.weight_key))
 
     def _add_partial(self, reply: Message) -> None:
         _, arrays = single(reply.content, ArrayRecord)
@@ -197,7 +195,7 @@ class _ClippedSumAccumulator(Accumulator):
         self.metrics.add(
             metrics,
             weight=float(weight) if isinstance(weight, (int, float)) else 1.0,
-            skip=(*_BOOKKEEPING, self.reducer.weight_key),
+            skip=(*BOOKKEEPING, self.reducer.weight_key),
         )
 
     def _check_raw(self, reply: Message) -> tuple[dict[str, np.ndarray], MetricRecord, float] | str:
@@ -275,7 +273,7 @@ def relation_for(sampling: Sampling) -> NeighbouringRelation:
     return NeighbouringRelation.ADD_REMOVE
 
 
-class DPFedAvg(ServerNoise, StrategyWrapper):
+class DPFedAvg(ClippedSumShell):
     """Wrap a FedAvg-family strategy with client-level DP and a privacy ledger.
 
     Args:
@@ -361,12 +359,6 @@ class DPFedAvg(ServerNoise, StrategyWrapper):
         self.stop_reason: str | None = None
         self._stopped_at: int | None = None
         self._epsilons: dict[tuple[int, int], float] = {}  # (entries before, round) -> epsilon
-        self._global: tuple[str, ArrayRecord] | None = None
-
-    @property
-    def clipping_norm(self) -> float:
-        """The clipping norm the next round uses."""
-        return self.reducer.clipping_norm
 
     def round_event(self) -> dpa.DpEvent:
         """The ``dp_accounting`` event of one round as this strategy releases it."""
@@ -414,85 +406,37 @@ class DPFedAvg(ServerNoise, StrategyWrapper):
                 return self._epsilons[key]
         return self.ledger.epsilon(accountant=self.accountant)
 
-    def privacy_report(self) -> dict[str, Any]:
-        """What a round record shows: epsilon so far and how it was computed."""
-        return {
-            "epsilon": self.epsilon(),
-            "delta": self.ledger.delta,
-            "accountant": self.accountant,
-            "relation": self.ledger.relation.value,
-            "rounds_accounted": len(self.ledger),
-        }
-
     # -- the Message-API hooks ---------------------------------------------------------
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        if self.should_stop(server_round):
-            return []
-        messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
-        if self.guard is not None:
-            messages, self.participation_refused = self.guard.admit(server_round - 1, messages)
-        key = getattr(self.strategy, "arrayrecord_key", "arrays")
-        self._global = (key, arrays)
-        if self.worker_reduction:
-            attach_reducer(messages, self.reducer)
-        return messages
-
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         if self._stopped_at is not None and server_round >= self._stopped_at:
             return None, None
-        if self._global is None:
-            raise RuntimeError("aggregate_train called before configure_train")
-        valid = [r for r in replies if not r.has_error()]
-        key, global_record = self._global
-        reference = to_numpy(global_record)
-        rejected: list[int] = []  # clients whose replies the clipped sum refused
-        if valid:
-            summed = self.reducer.reduce(RecordDict({key: global_record}), valid)
-            rejected = list(getattr(summed, "rejected", ()))
-            total = to_numpy(single(summed.content, ArrayRecord)[1])
-            metrics = single(summed.content, MetricRecord)[1]
-            clients, clipped = int(metrics[CLIENTS_KEY]), int(metrics[CLIPPED_KEY])
-        else:  # nobody replied: the round still releases noise
-            total = {k: np.zeros(v.shape, dtype=np.float64) for k, v in reference.items()}
-            metrics, clients, clipped = MetricRecord(), 0, 0
+        round_, valid = self.clipped_round(replies)
         clipping_norm = self.clipping_norm
         std = self.update_noise_multiplier * clipping_norm
         rng = self.noise_generator(server_round, "update")
         updated = {}
-        for name, value in reference.items():
+        for name, value in round_.reference.items():
             noise = rng.normal(0.0, std, size=value.shape) if std > 0 else 0.0
-            mean_update = (total[name] + noise) / self.expected_clients
+            mean_update = (round_.total[name] + noise) / self.expected_clients
             updated[name] = (value.astype(np.float64) + mean_update).astype(value.dtype)
         self.ledger.record(server_round, self.round_event())
-        client_metrics = MetricRecord(
-            {
-                k: v
-                for k, v in metrics.items()
-                if self.metrics_in_clear and k not in _BOOKKEEPING and k != self.weight_key
-            }
-        )
+        client_metrics = self.clients_metrics(round_)
         client_metrics[self.weight_key] = 1
-        content = RecordDict({key: to_record(updated), "metrics": client_metrics})
+        content = RecordDict({round_.key: to_record(updated), "metrics": client_metrics})
         synthetic = (
             partial_reply(valid[0], content) if valid else server_reply(content, server_round)
         )
         arrays, aggregated = self.strategy.aggregate_train(server_round, [synthetic])
         aggregated = aggregated if aggregated is not None else MetricRecord()
-        aggregated["dp-clients"] = clients
-        aggregated["rejected"] = rejected
-        if self.guard is not None:
-            aggregated["participation-refused"] = self.participation_refused
-        if clients and self.metrics_in_clear:
-            aggregated["dp-clipped-fraction"] = clipped / clients
-        aggregated["dp-clipping-norm"] = clipping_norm
-        aggregated["dp-noise-multiplier"] = self.update_noise_multiplier
-        aggregated["dp-noise-std"] = std / self.expected_clients
+        self.add_round_metrics(
+            aggregated, round_, clipping_norm, self.update_noise_multiplier, std
+        )
         if self.adaptive is not None:
-            estimate = self._adapt_clipping_norm(self.adaptive, server_round, clients, clipped)
+            estimate = self._adapt_clipping_norm(
+                self.adaptive, server_round, round_.clients, round_.clipped
+            )
             aggregated["dp-unclipped-estimate"] = estimate
         return arrays, aggregated
 
@@ -507,3 +451,155 @@ class DPFedAvg(ServerNoise, StrategyWrapper):
         factor = math.exp(-adaptive.learning_rate * (estimate - adaptive.target_unclipped_quantile))
         self.reducer = ClippedSum(self.clipping_norm * factor, self.weight_key)
         return estimate
+
+
+# -- from a run config ---------------------------------------------------------------------
+NAME = "dp-fedavg"
+_REQUIRED = ("clipping_norm", "noise_multiplier")
+_ADAPTIVE = ("target_unclipped_quantile", "clip_learning_rate", "clipped_count_stddev")
+
+
+def from_options(options: Mapping[str, Any], facts: RunFacts) -> DPFedAvg:
+    """DP-FedAvg from ``strategy.options``.
+
+    Options: ``clipping_norm`` and ``noise_multiplier`` (required);
+    ``adaptive_clipping`` (false) with ``target_unclipped_quantile`` (0.5),
+    ``clip_learning_rate`` (0.2) and ``clipped_count_stddev`` (clients per
+    round / 20, Andrew et al. 2021's choice); ``delta`` (min(1e-5, 1 / population));
+    ``accountant`` ("rdp" or "pld"); ``max_epsilon`` (none); ``server_optimizer``
+    (a weighted-mean strategy of :mod:`strategies.flower`, default "fedavg"). Every other
+    option goes to the server optimiser (e.g. ``server_momentum``, ``eta``).
+    """
+    options = dict(options)
+    for key in _REQUIRED:
+        if key not in options:
+            raise ConfigError(f"strategy.options.{key}", None, f"a number (required by {NAME})")
+    clipping_norm = pop_number(options, "clipping_norm", None, lambda v: v > 0, "a number > 0")
+    z = pop_number(
+        options,
+        "noise_multiplier",
+        None,
+        lambda v: v == 0 or accounting.Z_MIN <= v <= accounting.Z_MAX,
+        f"0 (no noise) or a number in [{accounting.Z_MIN:g}, {accounting.Z_MAX:g}] (noise std / "
+        "clipping norm; below, dp_accounting's epsilon loses its precision)",
+    )
+    adaptive = _adaptive_from(options, z, facts.expected_clients)
+    delta, accountant, max_epsilon, sampling = _budget_from(options, facts)
+    optimizer = options.pop("server_optimizer", "fedavg")
+    cls = flower.server_optimizer(optimizer)
+    require(
+        cls is not None,
+        "strategy.options.server_optimizer",
+        optimizer,
+        f"one of {', '.join(flower.WEIGHTED_MEAN)}",
+    )
+    return DPFedAvg(
+        flower.flower_strategy(cls, options, facts.evaluate_fraction),
+        clipping_norm=clipping_norm,
+        noise_multiplier=z,
+        expected_clients=facts.expected_clients,
+        worker_reduction=facts.worker_reduction,
+        adaptive=adaptive,
+        sampling=sampling,
+        delta=delta,
+        accountant=accountant,
+        max_epsilon=max_epsilon,
+        metrics_in_clear=facts.metrics_in_clear,
+    )
+
+
+def _adaptive_from(
+    options: dict[str, Any], z: float, expected_clients: float
+) -> AdaptiveClipping | None:
+    """Pop ``adaptive_clipping`` and, when true, its settings (refused when false)."""
+    adaptive_on = options.pop("adaptive_clipping", False)
+    require(
+        isinstance(adaptive_on, bool),
+        "strategy.options.adaptive_clipping",
+        adaptive_on,
+        "true or false",
+    )
+    if not adaptive_on:
+        for key in _ADAPTIVE:
+            if key in options:
+                raise ConfigError(
+                    f"strategy.options.{key}",
+                    options[key],
+                    "nothing unless strategy.options.adaptive_clipping = true",
+                )
+        return None
+    require(
+        z > 0,
+        "strategy.options.noise_multiplier",
+        z,
+        "a number > 0 with adaptive_clipping = true (the clipped count is noised too)",
+    )
+    gamma = pop_number(
+        options, "target_unclipped_quantile", 0.5, lambda v: 0 <= v <= 1, "a number in [0, 1]"
+    )
+    eta = pop_number(options, "clip_learning_rate", 0.2, lambda v: v > 0, "a number > 0")
+    sigma_b = pop_number(
+        options,
+        "clipped_count_stddev",
+        expected_clients / 20,
+        lambda v: 2 * v > z,
+        f"a number > noise_multiplier / 2 = {z / 2:g} (the default is "
+        f"clients_per_round / 20 = {expected_clients / 20:g}; at or below z / 2 the "
+        "clipped count alone would use the whole privacy budget)",
+    )
+    return AdaptiveClipping(
+        target_unclipped_quantile=gamma, learning_rate=eta, count_stddev=sigma_b
+    )
+
+
+def _budget_from(
+    options: dict[str, Any], facts: RunFacts
+) -> tuple[float, str, float | None, Sampling | MinSeparation]:
+    """Pop ``delta``, ``accountant`` and ``max_epsilon``; check that the accountant supports
+    the run's sampling. Returns them with that sampling."""
+    population = facts.population
+    default_delta = 1e-5 if population is None else min(1e-5, 1.0 / population)
+    delta = pop_number(options, "delta", default_delta, lambda v: 0 < v < 1, "a number in (0, 1)")
+    accountant = options.pop("accountant", "rdp")
+    require(
+        accountant in accounting.ACCOUNTANTS,
+        "strategy.options.accountant",
+        accountant,
+        "one of 'rdp', 'pld'",
+    )
+    max_epsilon = pop_value(options, "max_epsilon", None)
+    require(
+        max_epsilon is None or max_epsilon > 0,
+        "strategy.options.max_epsilon",
+        max_epsilon,
+        "a number > 0 (epsilon at which the run stops)",
+    )
+    sampling = FullParticipation() if facts.sampling is None else facts.sampling
+    event_sampling = FullParticipation() if isinstance(sampling, MinSeparation) else sampling
+    try:  # the accountant must support this participation model
+        accounting.epsilon(1.0, event_sampling, 1, delta, accountant, relation_for(event_sampling))
+    except ConfigError as err:
+        raise ConfigError(
+            "strategy.options.accountant",
+            accountant,
+            f"an accountant for {type(event_sampling).__name__} ({err.allowed})",
+        ) from err
+    return delta, accountant, max_epsilon, sampling
+
+
+def _proximal(options: Mapping[str, Any]) -> bool:
+    cls = flower.server_optimizer(options.get("server_optimizer", "fedavg"))
+    return cls is not None and issubclass(cls, flower.FedProx)
+
+
+SPEC = StrategySpec(
+    name=NAME,
+    build=from_options,
+    summable=True,
+    accounting=Accounting(
+        ledger="one sampled Gaussian per released round (with adaptive clipping: composed "
+        "with the clipped count's Gaussian), under the cohorts' sampling",
+        command="dp-fedavg",
+    ),
+    proximal=_proximal,
+)

@@ -60,8 +60,7 @@ from typing import Any
 
 import dp_accounting as dpa
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-from flwr.serverapp import Grid
+from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAvg, Strategy
 
 from fedsim.config import ConfigError, require
@@ -74,14 +73,11 @@ from fedsim.privacy.matrix import (
     noise_stream,
 )
 from fedsim.privacy.matrix.streaming import NoiseStream
-from fedsim.records import to_numpy, to_record
-from fedsim.worker_reduce import attach_reducer, single
-from strategies.dp_fedavg import CLIENTS_KEY, CLIPPED_KEY, ClippedSum
+from fedsim.records import to_record
+from strategies.dp_fedavg import ClippedSum
+from strategies.dp_shell import ClippedSumShell
 from strategies.participation_guard import ParticipationGuard
-from strategies.server_secret import ServerNoise
-from strategies.wrapper import StrategyWrapper
-
-_BOOKKEEPING = (CLIENTS_KEY, CLIPPED_KEY)
+from strategies.spec import Accounting, RunFacts, StrategySpec
 
 
 def matrix_participation(
@@ -119,7 +115,7 @@ def _learning_rates(value: float | Sequence[float], n: int) -> np.ndarray:
     return eta
 
 
-class MatrixMechanism(ServerNoise, StrategyWrapper):
+class MatrixMechanism(ClippedSumShell):
     """Central matrix-mechanism DP (DP-FTRL, BandMF, BLT, trees) around a sampling strategy.
 
     Args:
@@ -208,13 +204,7 @@ class MatrixMechanism(ServerNoise, StrategyWrapper):
         self.released_sensitivity = 0.0  # sens_T of the rounds released so far
         self.released_exact = True
         self.stop_reason: str | None = None
-        self._epsilon: tuple[int, float] | None = None  # (entries, epsilon) cache
         self._sens_cache: dict[int, Sensitivity] = {}
-        self._global: tuple[str, ArrayRecord] | None = None
-
-    @property
-    def clipping_norm(self) -> float:
-        return self.reducer.clipping_norm
 
     @property
     def rounds(self) -> int:
@@ -245,26 +235,15 @@ class MatrixMechanism(ServerNoise, StrategyWrapper):
             return dpa.NoOpDpEvent()
         return dpa.GaussianDpEvent(self.noise_multiplier * self.sensitivity / math.sqrt(growth))
 
-    def epsilon(self) -> float:
-        """Epsilon (nats) at the ledger's delta of every round released so far."""
-        if self._epsilon is None or self._epsilon[0] != len(self.ledger):
-            self._epsilon = (len(self.ledger), self.ledger.epsilon(accountant=self.accountant))
-        return self._epsilon[1]
-
     def effective_noise_multiplier(self) -> float:
         """``z sens(C) / sens_T`` for the rounds released so far (inf before any)."""
         if self.released_sensitivity == 0:
             return math.inf
         return self.noise_multiplier * self.sensitivity / self.released_sensitivity
 
-    def privacy_report(self) -> dict[str, Any]:
-        """What a round record shows: epsilon so far and what it rests on."""
+    def report_details(self) -> dict[str, Any]:
+        """The factorization and the sensitivities epsilon rests on."""
         return {
-            "epsilon": self.epsilon(),
-            "delta": self.ledger.delta,
-            "accountant": self.accountant,
-            "relation": self.ledger.relation.value,
-            "rounds_accounted": len(self.ledger),
             "factorization": self.factorization.kind,
             "sensitivity": self.sensitivity,
             "sensitivity_exact": self.sensitivity_exact,
@@ -284,20 +263,6 @@ class MatrixMechanism(ServerNoise, StrategyWrapper):
         return False
 
     # -- the Message-API hooks -------------------------------------------------------------
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        if self.should_stop(server_round):
-            return []
-        messages, self.participation_refused = self.guard.admit(
-            server_round - 1, self.strategy.configure_train(server_round, arrays, config, grid)
-        )
-        key = getattr(self.strategy, "arrayrecord_key", "arrays")
-        self._global = (key, arrays)
-        if self.worker_reduction:
-            attach_reducer(messages, self.reducer)
-        return messages
-
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["stream"] = None  # its buffers hold past noise: redrawn from the secret instead
@@ -336,20 +301,8 @@ class MatrixMechanism(ServerNoise, StrategyWrapper):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         if server_round > self.rounds:
             return None, None
-        if self._global is None:
-            raise RuntimeError("aggregate_train called before configure_train")
-        valid = [r for r in replies if not r.has_error()]
-        key, global_record = self._global
-        reference = to_numpy(global_record)
-        if valid:
-            summed = self.reducer.reduce(RecordDict({key: global_record}), valid)
-            total = to_numpy(single(summed.content, ArrayRecord)[1])
-            metrics = single(summed.content, MetricRecord)[1]
-            clients, clipped = int(metrics[CLIENTS_KEY]), int(metrics[CLIPPED_KEY])
-            rejected = list(getattr(summed, "rejected", ()))  # replies the clipped sum refused
-        else:  # nobody replied: the round still releases its noise
-            total = {k: np.zeros(v.shape, dtype=np.float64) for k, v in reference.items()}
-            metrics, clients, clipped, rejected = MetricRecord(), 0, 0, []
+        round_, _ = self.clipped_round(replies)
+        reference = round_.reference
         noise = self._noise(server_round, reference)
         if self.momentum_buffer is None:
             self.momentum_buffer = {
@@ -358,26 +311,15 @@ class MatrixMechanism(ServerNoise, StrategyWrapper):
         eta = float(self.learning_rates[server_round - 1])
         updated = {}
         for name, value in reference.items():
-            noisy = (total[name] + self.noise_std * noise[name]) / self.expected_clients
+            noisy = (round_.total[name] + self.noise_std * noise[name]) / self.expected_clients
             buffer = self.server_momentum * self.momentum_buffer[name] + noisy
             self.momentum_buffer[name] = buffer
             updated[name] = (value.astype(np.float64) + eta * buffer).astype(value.dtype)
         self._account(server_round)
-        aggregated = MetricRecord(
-            {
-                k: v
-                for k, v in metrics.items()
-                if self.metrics_in_clear and k not in _BOOKKEEPING and k != self.weight_key
-            }
+        aggregated = self.clients_metrics(round_)
+        self.add_round_metrics(
+            aggregated, round_, self.clipping_norm, self.noise_multiplier, self.noise_std
         )
-        aggregated["dp-clients"] = clients
-        aggregated["rejected"] = rejected
-        aggregated["participation-refused"] = self.participation_refused
-        if clients and self.metrics_in_clear:
-            aggregated["dp-clipped-fraction"] = clipped / clients
-        aggregated["dp-clipping-norm"] = self.clipping_norm
-        aggregated["dp-noise-multiplier"] = self.noise_multiplier
-        aggregated["dp-noise-std"] = self.noise_std / self.expected_clients
         aggregated["mm-sensitivity"] = self.released_sensitivity
         return to_record(updated), aggregated
 
@@ -413,79 +355,35 @@ def _option_number(options: Mapping[str, Any], key: str, default: float | None) 
     return float(value)
 
 
-def from_options(
-    options: Mapping[str, Any],
-    *,
-    rounds: int,
-    expected_clients: float,
-    evaluate_fraction: float,
-    worker_reduction: bool,
-    min_separation: int | None,
-    max_participations: int | None,
-    population: int | None,
-    metrics_in_clear: bool = False,
-) -> MatrixMechanism:
+NAME = "matrix-mechanism"
+
+
+def from_options(options: Mapping[str, Any], facts: RunFacts) -> MatrixMechanism:
     """ "matrix-mechanism" from a config's ``strategy.options``.
 
     Options: ``clipping_norm`` and ``noise_multiplier`` (required, the whole run's ``z``);
-    ``factorization`` (an ``.npz`` written by ``fedsim factorize``, for at least ``rounds``
+    ``factorization`` (an ``.npz`` written by ``fedsim factorize``, for at least the run's
     rounds) or ``kind`` (default "banded"; see :mod:`fedsim.privacy.matrix.build`) with
     ``bands`` (default: the min separation) and ``buffers``; ``server_learning_rate`` (1.0),
     ``server_momentum`` (0.0), ``delta`` (min(1e-5, 1 / population)), ``accountant`` ("rdp").
-    ``min_separation`` / ``max_participations`` come from the engine's schedule (None:
+    ``min_separation`` / ``max_participations`` come from the engine's schedule (none:
     every client may be in every round, ``min_separation = 1``).
     """
-    from fedsim.privacy.matrix.build import Spec, build  # noqa: PLC0415
-
+    rounds = facts.required("rounds", f"the run's rounds (required by {NAME})")
     for key in options:
         require(key in OPTIONS, f"strategy.options.{key}", options[key], f"one of {OPTIONS}")
     for key in ("clipping_norm", "noise_multiplier"):
         if key not in options:
             raise ConfigError(f"strategy.options.{key}", None, "a number (required)")
+    min_separation, max_participations = facts.separation()
     sep = 1 if min_separation is None else int(min_separation)
     k = -(-rounds // sep) if max_participations is None else int(max_participations)
-    if "factorization" in options:
-        for key in ("kind", "bands", "buffers"):
-            require(
-                key not in options,
-                f"strategy.options.{key}",
-                options.get(key),
-                "nothing with strategy.options.factorization (the file fixes it)",
-            )
-        path = options["factorization"]
-        require(
-            isinstance(path, str) and Path(path).is_file(),
-            "strategy.options.factorization",
-            path,
-            "the path of an .npz written by fedsim factorize",
-        )
-        f = Factorization.load(path)
-        require(
-            f.n >= rounds,
-            "strategy.options.factorization",
-            path,
-            f"a factorization for at least rounds = {rounds} rounds (it has n = {f.n})",
-        )
-    else:
-        kind = options.get("kind", "banded")
-        bands = options.get("bands")
-        try:
-            spec = Spec(
-                kind=kind,
-                rounds=rounds,
-                bands=bands if bands is not None else min(sep, rounds),
-                participations=k,
-                min_sep=sep,
-                buffers=options.get("buffers", 3),
-            )
-            f = build(spec)
-        except ConfigError as err:
-            raise ConfigError(f"strategy.options.{err.key}", err.value, err.allowed) from err
+    f = _factorization_from(options, rounds, sep, k)
+    population = facts.population
     default_delta = 1e-5 if population is None else min(1e-5, 1.0 / population)
-    accountant = options.get("accountant", "rdp")
     inner = FedAvg(
         fraction_train=1.0,
-        fraction_evaluate=evaluate_fraction,
+        fraction_evaluate=facts.evaluate_fraction,
         min_train_nodes=0,
         min_evaluate_nodes=0,
         min_available_nodes=0,
@@ -496,16 +394,75 @@ def from_options(
             factorization=f,
             clipping_norm=_option_number(options, "clipping_norm", None),
             noise_multiplier=_option_number(options, "noise_multiplier", None),
-            expected_clients=expected_clients,
+            expected_clients=facts.expected_clients,
             min_separation=sep,
             max_participations=k,
             server_learning_rate=_option_number(options, "server_learning_rate", 1.0),
             server_momentum=_option_number(options, "server_momentum", 0.0),
-            worker_reduction=worker_reduction,
+            worker_reduction=facts.worker_reduction,
             delta=_option_number(options, "delta", default_delta),
-            accountant=accountant,
-            metrics_in_clear=metrics_in_clear,
+            accountant=options.get("accountant", "rdp"),
+            metrics_in_clear=facts.metrics_in_clear,
         )
     except ConfigError as err:
         key = err.key if err.key.startswith("strategy.") else f"strategy.options.{err.key}"
         raise ConfigError(key, err.value, err.allowed) from err
+
+
+def _factorization_from(
+    options: Mapping[str, Any], rounds: int, sep: int, k: int
+) -> Factorization:
+    """The file ``strategy.options.factorization`` (for at least ``rounds`` rounds), or the
+    ``kind`` built for ``rounds`` rounds, ``k`` participations ``sep`` apart."""
+    from fedsim.privacy.matrix.build import Spec, build  # noqa: PLC0415
+
+    if "factorization" not in options:
+        kind = options.get("kind", "banded")
+        bands = options.get("bands")
+        try:
+            return build(
+                Spec(
+                    kind=kind,
+                    rounds=rounds,
+                    bands=bands if bands is not None else min(sep, rounds),
+                    participations=k,
+                    min_sep=sep,
+                    buffers=options.get("buffers", 3),
+                )
+            )
+        except ConfigError as err:
+            raise ConfigError(f"strategy.options.{err.key}", err.value, err.allowed) from err
+    for key in ("kind", "bands", "buffers"):
+        require(
+            key not in options,
+            f"strategy.options.{key}",
+            options.get(key),
+            "nothing with strategy.options.factorization (the file fixes it)",
+        )
+    path = options["factorization"]
+    require(
+        isinstance(path, str) and Path(path).is_file(),
+        "strategy.options.factorization",
+        path,
+        "the path of an .npz written by fedsim factorize",
+    )
+    f = Factorization.load(path)
+    require(
+        f.n >= rounds,
+        "strategy.options.factorization",
+        path,
+        f"a factorization for at least rounds = {rounds} rounds (it has n = {f.n})",
+    )
+    return f
+
+
+SPEC = StrategySpec(
+    name=NAME,
+    build=from_options,
+    summable=True,
+    accounting=Accounting(
+        ledger="per round, the Gaussian whose precision is the growth of the released rows' "
+        "sensitivity under the run's participation (they compose to z over all rounds)",
+        command="matrix",
+    ),
+)

@@ -1,7 +1,9 @@
 """The personalised strategies from a run config's ``[strategy]`` table.
 
-``[strategy] name`` is one of :data:`NAMES`; ``clients_per_round`` is the number of
-*reporting* clients (those whose posteriors update the server), drawn each round as
+``[strategy] name`` is a personalised method (each method's module builds its
+:class:`~strategies.spec.StrategySpec` with :func:`personalised_spec`; FedAvg + fine-tuning
+and local-only, the reference baselines, are :data:`SPECS` here); ``clients_per_round`` is
+the number of *reporting* clients (those whose posteriors update the server), drawn each round as
 ``sampling = "poisson"`` (Binomial(N, k / N), at least ``min_clients``: the reference
 sampler) or ``"uniform"`` (exactly k). ``[strategy.options]`` holds the method's own keys:
 
@@ -23,43 +25,47 @@ Errors name the key as ``strategy.options.<key>``, with its value and what is al
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-from fedsim.config import ConfigError, from_mapping, require
+from fedsim.config import ConfigError, require
 from strategies.personalised import Cohorts, FedAvgReference, LocalOnly, PersonalisedStrategy
-from strategies.pfedbayes import PFedBayes
-from strategies.pfedhb import HBConfig, NormalInverseGamma, PFedHB
-from strategies.pfedvem import PFedVEM
+from strategies.spec import StrategySpec
 
-NAMES = ("pfedhb", "pfedvem", "pfedbayes", "fedavg-ft", "local-only")
-_HB_KEYS = tuple(f.name for f in dataclasses.fields(HBConfig) if f.name != "head_layers")
-_NIG_KEYS = tuple(f.name for f in dataclasses.fields(NormalInverseGamma))
-OPTIONS: dict[str, tuple[str, ...]] = {
-    "pfedhb": ("schedule", "min_clients", *_HB_KEYS),
-    "pfedvem": ("schedule", "min_clients", "beta"),
-    "pfedbayes": ("schedule", "min_clients"),
-    "fedavg-ft": ("min_clients", "finetune_epochs"),
-    "local-only": (),
-}
 _WHERE = "strategy.options"
+#: ``make(options, cohorts, head_layers)``: the method from its remaining options
+Make = Callable[[dict[str, Any], Cohorts, int], PersonalisedStrategy]
 
 
-def _option_key(key: str) -> str:
-    """``strategy.options.<key>`` for an error raised under a class's own key name."""
-    for prefix in ("pfedhb.", "pfedvem.", "clients.", f"{_WHERE}."):
-        if key.startswith(prefix):
-            key = key[len(prefix) :]
-    if key in _NIG_KEYS:
-        key = f"nig.{key}"
-    return f"{_WHERE}.{key}"
+def personalised_spec(
+    name: str,
+    allowed: tuple[str, ...],
+    make: Make,
+    *,
+    schedule: Literal["all", "sampled"] = "all",
+    option_key: Callable[[str], str] = lambda key: key,
+) -> StrategySpec:
+    """The spec of the personalised method ``name``: its ``strategy.options`` keys
+    ``allowed`` (besides ``schedule``/``min_clients`` when listed), ``make`` building it,
+    its default ``schedule``, and ``option_key`` naming the option behind a key its classes
+    raise errors under (after their ``<name>.`` prefix is removed)."""
+
+    def build(options: Mapping[str, Any], **cohort: Any) -> PersonalisedStrategy:
+        return from_options(
+            name, allowed, make, options, schedule=schedule, option_key=option_key, **cohort
+        )
+
+    return StrategySpec(name=name, build=build, personalised=True)
 
 
 def from_options(
     name: str,
+    allowed: tuple[str, ...],
+    make: Make,
     options: Mapping[str, Any],
     *,
+    schedule: Literal["all", "sampled"],
+    option_key: Callable[[str], str],
     clients_per_round: int,
     sampling: Literal["poisson", "uniform"],
     population: int,
@@ -68,7 +74,7 @@ def from_options(
     evaluate_every: int,
     head_layers: int,
 ) -> PersonalisedStrategy:
-    """The personalised strategy ``name`` configured by ``options``.
+    """The personalised method ``name`` configured by ``options``.
 
     Args:
         clients_per_round, sampling: reporting clients per round and how they are drawn.
@@ -78,14 +84,12 @@ def from_options(
             in the last round (0: only in the last).
         head_layers: the model's personal head (last linear layers).
     """
-    require(name in NAMES, "strategy.name", name, f"one of {', '.join(NAMES)}")
     require(
         sampling in ("poisson", "uniform"),
         "strategy.sampling",
         sampling,
         "'poisson' (Binomial, the reference sampler) or 'uniform' with a personalised strategy",
     )
-    allowed = OPTIONS[name]
     for key, value in options.items():
         if key.replace("-", "_") not in allowed:
             raise ConfigError(
@@ -98,38 +102,45 @@ def from_options(
     opts = {k.replace("-", "_"): v for k, v in options.items()}
     try:
         cohorts = Cohorts(
-            schedule=opts.pop("schedule", "sampled" if name == "fedavg-ft" else "all"),
+            schedule=opts.pop("schedule", schedule),
             fraction=clients_per_round / population,
             sampling="binomial" if sampling == "poisson" else "fixed",
-            min_clients=_integer(opts.pop("min_clients", 2), "min_clients"),
+            min_clients=integer(opts.pop("min_clients", 2), "min_clients"),
             evaluate_every=evaluate_every,
             num_rounds=rounds,
             seed=seed,
         )
-        if name == "pfedhb":
-            config = from_mapping(HBConfig, {**opts, "head_layers": head_layers}, _WHERE)
-            return PFedHB(config, cohorts)
-        if name == "pfedvem":
-            beta = opts.pop("beta", 0.0)
-            require(
-                isinstance(beta, (int, float)) and not isinstance(beta, bool),
-                "beta",
-                beta,
-                "a number in [0, 1)",
-            )
-            return PFedVEM(cohorts, beta=float(beta), head_layers=head_layers)
-        if name == "pfedbayes":
-            return PFedBayes(cohorts)
-        if name == "fedavg-ft":
-            epochs = _integer(opts.pop("finetune_epochs", 1), "finetune_epochs")
-            return FedAvgReference(cohorts, finetune_epochs=epochs)
-        return LocalOnly(cohorts)
+        return make(opts, cohorts, head_layers)
     except ConfigError as err:
         if err.key.startswith("model."):
             raise
-        raise ConfigError(_option_key(err.key), err.value, err.allowed) from err
+        key = err.key
+        for prefix in (f"{name}.", "clients.", f"{_WHERE}."):
+            if key.startswith(prefix):
+                key = key[len(prefix) :]
+        raise ConfigError(f"{_WHERE}.{option_key(key)}", err.value, err.allowed) from err
 
 
-def _integer(value: Any, key: str) -> int:
+def integer(value: Any, key: str) -> int:
+    """``value`` if it is an integer (not a bool), else a ConfigError for ``key``."""
     require(isinstance(value, int) and not isinstance(value, bool), key, value, "an integer")
     return value
+
+
+def _fedavg_ft(opts: dict[str, Any], cohorts: Cohorts, head_layers: int) -> FedAvgReference:
+    epochs = integer(opts.pop("finetune_epochs", 1), "finetune_epochs")
+    return FedAvgReference(cohorts, finetune_epochs=epochs)
+
+
+def _local_only(opts: dict[str, Any], cohorts: Cohorts, head_layers: int) -> LocalOnly:
+    return LocalOnly(cohorts)
+
+
+#: the reference baselines: FedAvg + fine-tuning (only the reporting clients train) and
+#: local-only
+SPECS: tuple[StrategySpec, ...] = (
+    personalised_spec(
+        "fedavg-ft", ("min_clients", "finetune_epochs"), _fedavg_ft, schedule="sampled"
+    ),
+    personalised_spec("local-only", (), _local_only),
+)

@@ -15,9 +15,12 @@ and reports ``w_i``. The server averages the reported parameters, means and
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-from strategies.personalised import PersonalisedStrategy, Report
+from strategies.personalised import Cohorts, PersonalisedStrategy, Report
+from strategies.personalised_config import personalised_spec
 
 
 class PFedBayes(PersonalisedStrategy):
@@ -33,3 +36,10 @@ class PFedBayes(PersonalisedStrategy):
         return {
             k: sum(wi * r.arrays[k] for wi, r in zip(w, reports, strict=True)) for k in previous
         }
+
+
+def _from_options(opts: dict[str, Any], cohorts: Cohorts, head_layers: int) -> PFedBayes:
+    return PFedBayes(cohorts)
+
+
+SPEC = personalised_spec("pfedbayes", ("schedule", "min_clients"), _from_options)

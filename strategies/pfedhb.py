@@ -67,14 +67,16 @@ Special cases (``tests/test_pfedhb_server.py`` checks each on the same inputs):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
-from fedsim.config import require
+from fedsim.config import from_mapping, require
 from fedsim.workloads.bayesian import MU, RHO, check_split, softplus, softplus_inverse, split_names
 from strategies.personalised import Cohorts, PersonalisedStrategy, Report
+from strategies.personalised_config import personalised_spec
 
 Variance = Literal["shared", "per-client", "rho-average"]
 
@@ -545,3 +547,20 @@ class PFedHB(PersonalisedStrategy):
                 )
             )
         return out
+
+
+_HB_KEYS = tuple(f.name for f in dataclasses.fields(HBConfig) if f.name != "head_layers")
+_NIG_KEYS = tuple(f.name for f in dataclasses.fields(NormalInverseGamma))
+
+
+def _from_options(opts: dict[str, Any], cohorts: Cohorts, head_layers: int) -> PFedHB:
+    config = from_mapping(HBConfig, {**opts, "head_layers": head_layers}, "strategy.options")
+    return PFedHB(config, cohorts)
+
+
+SPEC = personalised_spec(
+    "pfedhb",
+    ("schedule", "min_clients", *_HB_KEYS),
+    _from_options,
+    option_key=lambda key: f"nig.{key}" if key in _NIG_KEYS else key,
+)

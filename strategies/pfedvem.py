@@ -21,12 +21,15 @@ the ``rho_i^2``, as pFedHB's per-client mode reports it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from fedsim.config import require
 from fedsim.workloads.bayesian import MU, RHO, check_split, softplus_inverse, split_names
 from fedsim.workloads.personalised import PRIOR_VAR
 from strategies.personalised import Cohorts, PersonalisedStrategy, Report
+from strategies.personalised_config import personalised_spec
 from strategies.pfedhb import unstack_part
 
 
@@ -80,3 +83,17 @@ class PFedVEM(PersonalisedStrategy):
             self.velocity[key] = v
             out[key] = previous[key] + v
         return out
+
+
+def _from_options(opts: dict[str, Any], cohorts: Cohorts, head_layers: int) -> PFedVEM:
+    beta = opts.pop("beta", 0.0)
+    require(
+        isinstance(beta, (int, float)) and not isinstance(beta, bool),
+        "beta",
+        beta,
+        "a number in [0, 1)",
+    )
+    return PFedVEM(cohorts, beta=float(beta), head_layers=head_layers)
+
+
+SPEC = personalised_spec("pfedvem", ("schedule", "min_clients", "beta"), _from_options)

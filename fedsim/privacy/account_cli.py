@@ -29,7 +29,8 @@ import argparse
 import contextlib
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,8 @@ _FEDAVG_FLAGS = {
     "target_epsilon": "--target-epsilon",
 }
 _SGD_FLAGS = {**_FEDAVG_FLAGS, "rate": "--batch-size", "rounds": "--epochs"}
+#: one accounted setting: (sampling, neighbouring relation, echoed inputs, rounds or steps)
+Setting = tuple[acc.Sampling, acc.NeighbouringRelation, dict[str, Any], int]
 
 
 @contextlib.contextmanager
@@ -128,7 +131,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         description="Privacy accounting with dp_accounting's RDP and PLD accountants.",
     )
     commands = account.add_subparsers(dest="account_command", required=True)
-    for name, add in (("dp-fedavg", _fedavg_args), ("dp-sgd", _sgd_args)):
+    for name, mechanism in MECHANISMS.items():
         parser = commands.add_parser(name, help=f"epsilon of {name}")
         parser.add_argument(
             "--noise-multiplier",
@@ -136,21 +139,21 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
             required=True,
             help="z = noise std / clipping norm, > 0",
         )
-        add(parser, many=False)
+        mechanism.add_args(parser, many=False)
         parser.set_defaults(mechanism=name)
 
     calibrate = commands.add_parser("calibrate", help="noise multiplier for a target epsilon")
     mechanisms = calibrate.add_subparsers(dest="mechanism", required=True)
-    for name, add in (("dp-fedavg", _fedavg_args), ("dp-sgd", _sgd_args)):
+    for name, mechanism in MECHANISMS.items():
         parser = mechanisms.add_parser(name, help=f"calibrate {name}")
         parser.add_argument(
             "--target-epsilon", type=float, required=True, help="the epsilon to meet, > 0"
         )
-        add(parser, many=False)
+        mechanism.add_args(parser, many=False)
 
     sweep = commands.add_parser("sweep", help="epsilon against rounds, as JSON and a PNG plot")
     mechanisms = sweep.add_subparsers(dest="mechanism", required=True)
-    for name, add in (("dp-fedavg", _fedavg_args), ("dp-sgd", _sgd_args)):
+    for name, mechanism in MECHANISMS.items():
         parser = mechanisms.add_parser(name, help=f"sweep {name}")
         parser.add_argument(
             "--noise-multiplier",
@@ -159,7 +162,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
             required=True,
             help="one or more noise multipliers",
         )
-        add(parser, many=True)
+        mechanism.add_args(parser, many=True)
         parser.add_argument("--plot", required=True, help="PNG file to write")
         parser.add_argument("--points", type=int, default=50, help="points per curve (default 50)")
 
@@ -229,10 +232,8 @@ def _check_common(args: argparse.Namespace) -> tuple[float, str]:
     return float(delta), args.accountant
 
 
-def _fedavg_setting(
-    args: argparse.Namespace, rate: float | None
-) -> tuple[acc.Sampling, acc.NeighbouringRelation, dict[str, Any]]:
-    """The sampling model, relation and echoed inputs of a dp-fedavg invocation."""
+def _fedavg_setting(args: argparse.Namespace, rate: float | None) -> Setting:
+    """The sampling model, relation, echoed inputs and rounds of a dp-fedavg invocation."""
     kind = args.sampling
     require(kind in ("poisson", "fixed", "full"), "--sampling", kind, "one of poisson, fixed, full")
     require(
@@ -284,13 +285,12 @@ def _fedavg_setting(
     default = "replace_one" if kind == "fixed" else "add_remove"
     relation = acc.NeighbouringRelation.parse(args.relation or default, "--relation")
     echo["relation"] = relation.value
-    return sampling, relation, echo
+    return sampling, relation, echo, args.rounds
 
 
-def _sgd_setting(
-    args: argparse.Namespace, batch_size: int
-) -> tuple[acc.Sampling, int, dict[str, Any]]:
-    """Poisson sampling q = B/N, the number of steps ceil(E N / B), and the echoed inputs."""
+def _sgd_setting(args: argparse.Namespace, batch_size: int) -> Setting:
+    """Poisson sampling q = B/N (add/remove neighbours), the echoed inputs and the number of
+    steps ceil(E N / B)."""
     n = args.dataset_size
     require(isinstance(n, int) and n >= 1, "--dataset-size", n, "an integer >= 1")
     require(
@@ -317,7 +317,69 @@ def _sgd_setting(
         "sampling": "poisson",
         "relation": "add_remove",
     }
-    return acc.PoissonSampling(q), steps, echo
+    return acc.PoissonSampling(q), acc.NeighbouringRelation.ADD_REMOVE, echo, steps
+
+
+def _fedavg_rounds(args: argparse.Namespace, verb: str) -> None:
+    require(args.rounds >= 1, "--rounds", args.rounds, f"an integer >= 1 to {verb}")
+
+
+def _any_steps(args: argparse.Namespace, verb: str) -> None:
+    """Steps are ceil(E N / B) >= 1 for any valid --epochs: nothing to check."""
+
+
+@dataclass(frozen=True)
+class AccountedMechanism:
+    """One mechanism the ``account`` command accounts, and everything it needs of it.
+
+    Attributes:
+        add_args: adds its flags to a parser (``many``: the sweep's lists).
+        value: the flag its settings vary over (one value, or the sweep's list).
+        setting: ``(sampling, relation, echoed inputs, length)`` for one value of it.
+        length: what its releases are counted in ("rounds" or "steps").
+        check_length: refuses a length that cannot be calibrated or swept (``verb``).
+        flags: library keys -> the flags that set them, for error messages.
+        inputs: the inputs a sweep's result echoes.
+    """
+
+    add_args: Callable[..., None]
+    value: Callable[[argparse.Namespace], Any]
+    setting: Callable[[argparse.Namespace, Any], Setting]
+    length: str
+    check_length: Callable[[argparse.Namespace, str], None]
+    flags: dict[str, str]
+    inputs: Callable[[argparse.Namespace], dict[str, Any]]
+
+
+#: the mechanisms by subcommand name
+MECHANISMS: dict[str, AccountedMechanism] = {
+    "dp-fedavg": AccountedMechanism(
+        add_args=_fedavg_args,
+        value=lambda args: args.sampling_rate,
+        setting=_fedavg_setting,
+        length="rounds",
+        check_length=_fedavg_rounds,
+        flags=_FEDAVG_FLAGS,
+        inputs=lambda args: {
+            "rounds": args.rounds,
+            "sampling": args.sampling,
+            "sampling_rate": args.sampling_rate,
+        },
+    ),
+    "dp-sgd": AccountedMechanism(
+        add_args=_sgd_args,
+        value=lambda args: args.batch_size,
+        setting=_sgd_setting,
+        length="steps",
+        check_length=_any_steps,
+        flags=_SGD_FLAGS,
+        inputs=lambda args: {
+            "batch_size": args.batch_size,
+            "dataset_size": args.dataset_size,
+            "epochs": float(args.epochs),
+        },
+    ),
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -328,13 +390,9 @@ def _sgd_setting(
 def _epsilon(args: argparse.Namespace) -> dict[str, Any]:
     delta, accountant = _check_common(args)
     z = _check_noise(args.noise_multiplier, accountant)
-    if args.mechanism == "dp-fedavg":
-        sampling, relation, echo = _fedavg_setting(args, args.sampling_rate)
-        rounds, flags = args.rounds, _FEDAVG_FLAGS
-    else:
-        sampling, rounds, echo = _sgd_setting(args, args.batch_size)
-        relation, flags = acc.NeighbouringRelation.ADD_REMOVE, _SGD_FLAGS
-    with _flags(flags):
+    mechanism = MECHANISMS[args.mechanism]
+    sampling, relation, echo, rounds = mechanism.setting(args, mechanism.value(args))
+    with _flags(mechanism.flags):
         eps = acc.epsilon(z, sampling, rounds, delta, accountant, relation)
     return {
         "command": args.mechanism,
@@ -355,14 +413,10 @@ def _calibrate(args: argparse.Namespace) -> dict[str, Any]:
         target,
         "a finite number > 0",
     )
-    if args.mechanism == "dp-fedavg":
-        sampling, relation, echo = _fedavg_setting(args, args.sampling_rate)
-        rounds, flags = args.rounds, _FEDAVG_FLAGS
-        require(rounds >= 1, "--rounds", rounds, "an integer >= 1 to calibrate")
-    else:
-        sampling, rounds, echo = _sgd_setting(args, args.batch_size)
-        relation, flags = acc.NeighbouringRelation.ADD_REMOVE, _SGD_FLAGS
-    with _flags(flags):
+    mechanism = MECHANISMS[args.mechanism]
+    sampling, relation, echo, rounds = mechanism.setting(args, mechanism.value(args))
+    mechanism.check_length(args, "calibrate")
+    with _flags(mechanism.flags):
         if accountant == "pld":  # PLD's answer lies below RDP's: refuse before PLD sees tiny z
             z_rdp = _rdp_calibration(float(target), delta, sampling, rounds, relation)
             require(
@@ -499,21 +553,10 @@ def _sweep(args: argparse.Namespace) -> dict[str, Any]:
     require(plot.suffix.lower() == ".png", "--plot", args.plot, "a path ending in .png")
     zs = [_check_noise(z, accountant) for z in args.noise_multiplier]
     curves: list[dict[str, Any]] = []
-    if args.mechanism == "dp-fedavg":
-        require(args.rounds >= 1, "--rounds", args.rounds, "an integer >= 1 to sweep")
-        rates = args.sampling_rate or [None]
-        settings = []
-        for rate in rates:
-            sampling, relation, echo = _fedavg_setting(args, rate)
-            settings.append((sampling, relation, echo, args.rounds))
-        x_name = "rounds"
-    else:
-        settings = []
-        for b in args.batch_size:
-            sampling, steps, echo = _sgd_setting(args, b)
-            settings.append((sampling, acc.NeighbouringRelation.ADD_REMOVE, echo, steps))
-        x_name = "steps"
-    flags = _FEDAVG_FLAGS if args.mechanism == "dp-fedavg" else _SGD_FLAGS
+    mechanism = MECHANISMS[args.mechanism]
+    mechanism.check_length(args, "sweep")
+    settings = [mechanism.setting(args, value) for value in mechanism.value(args) or [None]]
+    x_name, flags = mechanism.length, mechanism.flags
     for z in zs:
         for sampling, relation, echo, total in settings:
             grid = _grid(total, points)
@@ -534,12 +577,7 @@ def _sweep(args: argparse.Namespace) -> dict[str, Any]:
         "noise_multiplier": zs,
         "curves": curves,
     }
-    if args.mechanism == "dp-fedavg":
-        result.update(rounds=args.rounds, sampling=args.sampling, sampling_rate=args.sampling_rate)
-    else:
-        result.update(
-            batch_size=args.batch_size, dataset_size=args.dataset_size, epochs=float(args.epochs)
-        )
+    result.update(mechanism.inputs(args))
     return result
 
 
@@ -586,8 +624,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Execute a parsed ``fedsim account ...`` command; returns a JSON-ready dict."""
     command = args.account_command
     handlers = {
-        "dp-fedavg": _epsilon,
-        "dp-sgd": _epsilon,
+        **dict.fromkeys(MECHANISMS, _epsilon),
         "calibrate": _calibrate,
         "sweep": _sweep,
         "matrix": _matrix,
@@ -620,7 +657,8 @@ def format_text(result: dict[str, Any]) -> str:
             f"{result['noise_multiplier']:.4f} gives epsilon = {result['epsilon']:.4f} "
             f"<= {result['target_epsilon']:g} {where}"
         )
-    length = f"{result['rounds']} rounds" if command == "dp-fedavg" else f"{result['steps']} steps"
+    unit = MECHANISMS[command].length
+    length = f"{result[unit]} {unit}"
     return (
         f"{command}: epsilon = {result['epsilon']:.4f} {where}; noise multiplier "
         f"{result['noise_multiplier']:g}, sampling {result['sampling']} q = "

@@ -54,7 +54,7 @@ from dp_accounting.rdp import RdpAccountant
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_accountant
 
 from fedsim.config import ConfigError, require
-from fedsim.privacy.events import check_event, event_from_dict, event_to_dict
+from fedsim.privacy.events import check_event, event_from_dict, event_to_dict, kind_of
 
 Accountant = Literal["rdp", "pld"]
 ACCOUNTANTS: tuple[str, ...] = ("rdp", "pld")
@@ -345,26 +345,10 @@ def effective_noise_multiplier(event: dpa.DpEvent) -> float | None:
     RDP accountant applies inside sampled events. ``NoOpDpEvent`` gives ``inf`` (no release);
     ``0`` means no noise. Returns ``None`` for events that are not such a composition.
     """
-    if isinstance(event, dpa.GaussianDpEvent):
-        return float(event.noise_multiplier)
-    if isinstance(event, dpa.NoOpDpEvent):
-        return math.inf
-    if isinstance(event, dpa.SelfComposedDpEvent):
-        z = effective_noise_multiplier(event.event)
-        if z is None:
-            return None
-        return math.inf if event.count == 0 else z / math.sqrt(event.count)
-    if isinstance(event, dpa.ComposedDpEvent):
-        precision = 0.0  # sum of z^-2
-        for sub in event.events:
-            z = effective_noise_multiplier(sub)
-            if z is None:
-                return None
-            if z == 0:
-                return 0.0
-            precision += z**-2
-        return math.inf if precision == 0 else precision**-0.5
-    return None
+    kind = kind_of(event)
+    if kind is None or kind.noise is None:
+        return None
+    return kind.noise(event, effective_noise_multiplier)
 
 
 # --------------------------------------------------------------------------------------------
@@ -400,24 +384,19 @@ def for_accountant(
     halve = accountant == "rdp" and relation is NeighbouringRelation.REPLACE_ONE
 
     def convert(e: dpa.DpEvent) -> dpa.DpEvent:
-        if isinstance(e, dpa.GaussianDpEvent):
+        kind = kind_of(e)
+        if kind is None:
+            return e
+        if kind.cls is dpa.GaussianDpEvent:
             return _gaussian_for(e.noise_multiplier, halve)
-        if isinstance(e, (dpa.PoissonSampledDpEvent, dpa.SampledWithoutReplacementDpEvent)):
+        if kind.sampled:
             z = effective_noise_multiplier(e.event)
             if z is None:
                 return e
             if z == 0 or math.isinf(z):
                 return _gaussian_for(z, halve)  # no noise: no amplification; no release: no-op
-            if isinstance(e, dpa.PoissonSampledDpEvent):
-                return dpa.PoissonSampledDpEvent(e.sampling_probability, _gaussian_for(z, halve))
-            return dpa.SampledWithoutReplacementDpEvent(
-                e.source_dataset_size, e.sample_size, _gaussian_for(z, halve)
-            )
-        if isinstance(e, dpa.SelfComposedDpEvent):
-            return dpa.SelfComposedDpEvent(convert(e.event), e.count)
-        if isinstance(e, dpa.ComposedDpEvent):
-            return dpa.ComposedDpEvent([convert(x) for x in e.events])
-        return e
+            return kind.rebuild(e, lambda _: _gaussian_for(z, halve))
+        return kind.rebuild(e, convert)
 
     return convert(event)
 

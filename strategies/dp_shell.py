@@ -1,0 +1,169 @@
+"""The shell the DP strategies share around a wrapped Flower strategy.
+
+:class:`LedgerShell` holds the privacy ledger and what a round record shows of it
+(DP-FedAvg, the matrix mechanism, DMM, DDGauss). :class:`ClippedSumShell` adds the central-DP
+round of DP-FedAvg and the matrix mechanism: the clients' updates are clipped and summed by
+:class:`~strategies.dp_fedavg.ClippedSum` (on the workers when ``worker_reduction``), the
+server adds noise drawn from its own secret (:class:`~strategies.server_secret.ServerNoise`)
+and divides by the *expected* cohort size ``m``; refused replies are listed as ``rejected``
+and the clients' own metrics and the exact clipped fraction are released only with
+``metrics_in_clear``. Each strategy keeps only its noise and its ledger events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+
+from fedsim.privacy.accounting import PrivacyLedger
+from fedsim.records import to_numpy
+from fedsim.worker_reduce import attach_reducer, single
+from strategies.participation_guard import ParticipationGuard
+from strategies.server_secret import ServerNoise
+from strategies.wrapper import StrategyWrapper
+
+#: the clipped sum's bookkeeping metrics: clients summed, clients clipped
+CLIENTS_KEY = "fedsim.clients"
+CLIPPED_KEY = "fedsim.clipped"
+BOOKKEEPING = (CLIENTS_KEY, CLIPPED_KEY)
+
+
+class LedgerShell(StrategyWrapper):
+    """A wrapped strategy whose releases are recorded in ``self.ledger``.
+
+    Subclasses set ``ledger`` (and ``accountant``, "rdp" unless they say otherwise) and add
+    their own fields to the report with :meth:`report_details`.
+    """
+
+    ledger: PrivacyLedger
+    accountant: str = "rdp"
+    _epsilon_cache: tuple[int, float] | None = None
+
+    def epsilon(self) -> float:
+        """Epsilon (nats) at the ledger's delta of every round released so far (0: none)."""
+        entries = len(self.ledger)
+        if self._epsilon_cache is None or self._epsilon_cache[0] != entries:
+            eps = self.ledger.epsilon(accountant=self.accountant) if entries else 0.0
+            self._epsilon_cache = (entries, eps)
+        return self._epsilon_cache[1]
+
+    def report_details(self) -> dict[str, Any]:
+        """What this mechanism's report adds to the ledger's (none by default)."""
+        return {}
+
+    def privacy_report(self) -> dict[str, Any]:
+        """What a round record shows: epsilon so far and how it was computed."""
+        return {
+            "epsilon": self.epsilon(),
+            "delta": self.ledger.delta,
+            "accountant": self.accountant,
+            "relation": self.ledger.relation.value,
+            "rounds_accounted": len(self.ledger),
+            **self.report_details(),
+        }
+
+
+@dataclass(frozen=True)
+class ClippedRound:
+    """One round's clipped sum: ``total`` (float64, shaped like ``reference``, the global
+    model), the reducer's ``metrics``, how many ``clients`` were summed and ``clipped``, and
+    the ``rejected`` clients whose replies it refused."""
+
+    key: str
+    reference: dict[str, np.ndarray]
+    total: dict[str, np.ndarray]
+    metrics: MetricRecord
+    clients: int
+    clipped: int
+    rejected: list[int]
+
+
+class ClippedSumShell(ServerNoise, LedgerShell):
+    """Central DP over a clipped sum (see the module docstring).
+
+    Subclasses set ``reducer`` (a :class:`~strategies.dp_fedavg.ClippedSum`), ``weight_key``,
+    ``expected_clients``, ``worker_reduction`` and ``metrics_in_clear``, and implement
+    ``aggregate_train`` with :meth:`clipped_round` and :meth:`add_round_metrics`.
+    """
+
+    _global: tuple[str, ArrayRecord] | None = None
+    #: the participation schema the ledger assumes, enforced on every instruction (None:
+    #: nothing to enforce); refused nodes are named under ``participation-refused``
+    guard: ParticipationGuard | None = None
+    participation_refused: list[int] = []  # noqa: RUF012 - replaced, never mutated
+
+    @property
+    def clipping_norm(self) -> float:
+        """The clipping norm the next round uses."""
+        return self.reducer.clipping_norm
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        if self.should_stop(server_round):
+            return []
+        messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
+        if self.guard is not None:
+            messages, self.participation_refused = self.guard.admit(server_round - 1, messages)
+        key = getattr(self.strategy, "arrayrecord_key", "arrays")
+        self._global = (key, arrays)
+        if self.worker_reduction:
+            attach_reducer(messages, self.reducer)
+        return messages
+
+    def clipped_round(self, replies: Iterable[Message]) -> tuple[ClippedRound, list[Message]]:
+        """The clipped sum of the valid ``replies`` (zeros when none replied: the round
+        still releases its noise), and those replies."""
+        if self._global is None:
+            raise RuntimeError("aggregate_train called before configure_train")
+        valid = [r for r in replies if not r.has_error()]
+        key, global_record = self._global
+        reference = to_numpy(global_record)
+        if not valid:
+            zeros = {k: np.zeros(v.shape, dtype=np.float64) for k, v in reference.items()}
+            return ClippedRound(key, reference, zeros, MetricRecord(), 0, 0, []), valid
+        summed = self.reducer.reduce(RecordDict({key: global_record}), valid)
+        metrics = single(summed.content, MetricRecord)[1]
+        return ClippedRound(
+            key,
+            reference,
+            to_numpy(single(summed.content, ArrayRecord)[1]),
+            metrics,
+            int(metrics[CLIENTS_KEY]),
+            int(metrics[CLIPPED_KEY]),
+            list(getattr(summed, "rejected", ())),
+        ), valid
+
+    def clients_metrics(self, round_: ClippedRound) -> MetricRecord:
+        """The clients' own metrics (only with ``metrics_in_clear``; never the bookkeeping)."""
+        return MetricRecord(
+            {
+                k: v
+                for k, v in round_.metrics.items()
+                if self.metrics_in_clear and k not in BOOKKEEPING and k != self.weight_key
+            }
+        )
+
+    def add_round_metrics(
+        self,
+        aggregated: MetricRecord,
+        round_: ClippedRound,
+        clipping_norm: float,
+        noise_multiplier: float,
+        sum_noise_std: float,
+    ) -> None:
+        """The mechanism's own round metrics: clients, rejected, clipping, noise of the mean."""
+        aggregated["dp-clients"] = round_.clients
+        aggregated["rejected"] = round_.rejected
+        if self.guard is not None:
+            aggregated["participation-refused"] = self.participation_refused
+        if round_.clients and self.metrics_in_clear:
+            aggregated["dp-clipped-fraction"] = round_.clipped / round_.clients
+        aggregated["dp-clipping-norm"] = clipping_norm
+        aggregated["dp-noise-multiplier"] = noise_multiplier
+        aggregated["dp-noise-std"] = sum_noise_std / self.expected_clients

@@ -1,0 +1,116 @@
+"""What the front end knows of a strategy: one :class:`StrategySpec` per method.
+
+Each strategy module exposes its spec (``SPEC``, or ``SPECS`` for a module holding a family
+such as Flower's own strategies) and :mod:`strategies.registry` lists them; nothing else
+tests a strategy's name. A spec builds the strategy from a config's ``strategy.options``
+(errors name ``strategy.options.<key>``, its value and what is allowed), says what its
+clients run, whether worker-side sums apply and how its privacy is accounted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from flwr.clientapp import ClientApp
+from flwr.serverapp.strategy import Strategy
+
+from fedsim.config import require
+from fedsim.privacy.accounting import MinSeparation, Sampling
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunFacts:
+    """What a (non-personalised) strategy's builder is told about the run.
+
+    Attributes:
+        expected_clients: expected cohort size per round (DP noise divides by it).
+        evaluate_fraction: share of each evaluation phase's clients that evaluate, <= 1.
+        seed: the run seed (public streams only; a strategy's own noise comes from the
+            server's secret, bound by the front end).
+        worker_reduction: workers fold their clients' replies (the spec is summable and
+            partial aggregation is not off).
+        sampling: the accountant's model of the cohorts (None: full participation).
+        population: registered clients (None: unknown).
+        rounds: the run's rounds (None: unknown).
+        metrics_in_clear: private strategies also release their clients' metrics.
+    """
+
+    expected_clients: float
+    evaluate_fraction: float
+    seed: int
+    worker_reduction: bool
+    sampling: Sampling | MinSeparation | None = None
+    population: int | None = None
+    rounds: int | None = None
+    metrics_in_clear: bool = False
+
+    def required(self, name: str, allowed: str) -> Any:
+        """The fact ``name`` (``rounds`` or ``population``); ``allowed`` says why it is needed."""
+        value = getattr(self, name)
+        require(value is not None, name, value, allowed)
+        return value
+
+    def separation(self) -> tuple[int | None, int | None]:
+        """``(min_separation, max_participations)`` of a min-separation schedule, else Nones."""
+        if isinstance(self.sampling, MinSeparation):
+            return self.sampling.min_separation, self.sampling.max_participations
+        return None, None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Accounting:
+    """How a private strategy's epsilon is computed.
+
+    Attributes:
+        ledger: what each round records in the strategy's
+            :class:`~fedsim.privacy.accounting.PrivacyLedger`.
+        command: the ``fedsim account`` subcommand that recomputes the epsilon offline
+            (None: none does).
+    """
+
+    ledger: str
+    command: str | None = None
+
+
+def _no_proximal_term(options: Mapping[str, Any]) -> bool:
+    return False
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrategySpec:
+    """One method as a run config names it.
+
+    Attributes:
+        name: ``[strategy] name``.
+        build: ``build(options, facts)`` -> the strategy (a :class:`RunFacts`), or for a
+            personalised method ``build(options, **cohort)`` as
+            :func:`strategies.personalised_config.from_options` takes the cohort.
+        summable: its aggregation is a sum, so workers may fold their clients' replies.
+        accounting: how its privacy is accounted (None: not a private strategy).
+        client_app: wraps the training client app for this method's protocol
+            (``client_app(inner, metrics_in_clear)``; None: the app is used as it is).
+        personalised: its clients run
+            :func:`fedsim.workloads.personalised.make_personal_app`, every client is
+            reachable every round and the strategy draws its reporting clients itself.
+        proximal: whether, with these options, its clients must add a proximal term
+            (FedProx), which DP-SGD, LoRA, constrained and client-method training lack.
+    """
+
+    name: str
+    build: Callable[..., Strategy]
+    summable: bool = False
+    accounting: Accounting | None = None
+    client_app: Callable[[ClientApp, bool], ClientApp] | None = None
+    personalised: bool = False
+    proximal: Callable[[Mapping[str, Any]], bool] = _no_proximal_term
+
+    @property
+    def private(self) -> bool:
+        """A DP or secure-aggregation method: its clients' metrics stay private by default."""
+        return self.accounting is not None
+
+    def wrap_client_app(self, inner: ClientApp, metrics_in_clear: bool) -> ClientApp:
+        """The client app this method's clients run around the training app ``inner``."""
+        return inner if self.client_app is None else self.client_app(inner, metrics_in_clear)
