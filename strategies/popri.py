@@ -64,7 +64,7 @@ from fedsim.privacy.accounting import (
     round_event,
 )
 from fedsim.privacy.mechanisms import gaussian_noise
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from fedsim.workloads.dpo import DPOSettings, PreferencePair, add_lora, train_dpo
 from fedsim.workloads.popri_feedback import feedback_instruction, summed_scores
 from fedsim.workloads.text_models import build_prompt, generate

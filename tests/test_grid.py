@@ -8,7 +8,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from fedsim.engine import NODE_ID_OFFSET, ClientAppSource, UniformCohort
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from fedsim.worker_reduce import WeightedMean, attach_reducer
 
 HERE = str(Path(__file__).parent)
