@@ -431,7 +431,7 @@ def first_round_samples(ctx: Context) -> tuple[list[str], list[list[str]]]:
     """
     from types import SimpleNamespace  # noqa: PLC0415
 
-    from strategies.popri import POPri, _int_seed, _stream  # noqa: PLC0415
+    from strategies.popri import POPri, int_seed, round_stream  # noqa: PLC0415
 
     path = ctx.out / "cache" / "first_round.json"
     lock = path.with_suffix(".lock")
@@ -447,7 +447,7 @@ def first_round_samples(ctx: Context) -> tuple[list[str], list[list[str]]]:
             settings = popri_settings(ctx, math.inf)
             view = SimpleNamespace(settings=settings, public_texts=ctx.prompt_examples)
             prompts = POPri.make_prompts(view, 1)
-            seed = _int_seed(_stream(settings.seed, 1, 1))
+            seed = int_seed(round_stream(settings.seed, 1, 1))
             model, _ = ctx.get("base_generator", lambda: device_generator(ctx))
             g = ctx.config.generation
             samples = ctx.generate_prompts(model, prompts, g.samples_per_prompt, seed)
