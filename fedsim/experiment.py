@@ -56,17 +56,17 @@ from fedsim.engine import (
     PoissonCohort,
     UniformCohort,
 )
+from fedsim.engine.client_registry import ClientRegistry
 from fedsim.engine.committee import committee_for
 from fedsim.engine.dmm_committee import committee_host_for
 from fedsim.engine.participation import TRAIN, Participation
-from fedsim.engine.registry import ClientRegistry
 from fedsim.engine.rounds import RoundOutcome, run_rounds
 from fedsim.models import ModelSpec, build_model, initial_arrays, load_arrays
 from fedsim.personalised_run import check_personalised, is_personalised, personalised_parts
 from fedsim.privacy import accounting
 from fedsim.progress import RunProgress
 from fedsim.randomness import RunSecret
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from fedsim.results import RoundRecorder, RunWriter, metrics_dict, read_rounds
 from fedsim.run_root import resume_root, start_root
 from fedsim.rundir import RunDirectory

@@ -27,7 +27,7 @@ from flwr.clientapp import ClientApp
 from fedsim.config import ConfigError, require, to_mapping
 from fedsim.data import FederatedDataset
 from fedsim.randomness import Stream, public_generator
-from fedsim.records import to_numpy
+from fedsim.record_codec import to_numpy
 from fedsim.workloads.bayesian import BayesSpec, build_bayes_model, model_arrays
 from fedsim.workloads.personalised import PersonalTraining, global_metrics, make_personal_app
 from fedsim.workloads.supervised import LocalTraining

@@ -40,7 +40,7 @@ PartialReply), so no client can pass its update off as an already-clipped sum.
 Keys under ``fedsim.`` are reserved for the engine's own bookkeeping; a raw
 reply that carries one is refused (:func:`reserved_keys`).
 
-This module imports nothing of fedsim's but :mod:`fedsim.records` (both flwr and numpy
+This module imports nothing of fedsim's but :mod:`fedsim.record_codec` (both flwr and numpy
 only), so strategies and workloads use it without importing the engine.
 """
 
@@ -57,7 +57,7 @@ from typing import Any, ClassVar
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from fedsim.records import R, records_of, to_numpy, to_record
+from fedsim.record_codec import R, records_of, to_numpy, to_record
 
 REDUCER_KEY = "fedsim.reducer"
 _CLASS_KEY = "class"

@@ -11,7 +11,7 @@ with it; the server relays and sees only ciphertexts. A round moves through
    public key (:class:`CommitteeKeys`, published for the round), bound to (``CHANNEL_PROTOCOL``,
    session, client, member, round, SHARE) (:mod:`protocols.channels`). What leaves the client is
    a :class:`SealedInput`: its public key and one envelope per member. The server relays each
-   member's envelopes (:class:`SealedShares`) to it;
+   member's envelopes (:class:`ShardSealedShares`) to it;
 2. **COMBINE**: each member sums its rows of the agreed clients (shares of the sum);
 3. **RELEASE**: each member seals its summed row for the server, which decodes the sum.
 
@@ -244,7 +244,7 @@ class StageFaults:
 
 
 @dataclass(frozen=True)
-class SealedShares:
+class ShardSealedShares:
     """One client's sealed shares as delivered to the members of a shard: its public key, one
     envelope per member (shard order) and the field elements each row must hold."""
 

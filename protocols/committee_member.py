@@ -7,7 +7,7 @@ from 32 bytes of the member's own secret, or from the OS CSPRNG). A :class:`Shar
 committee's shards in this process; :mod:`fedsim.engine.committee` hosts them on Ray actors.
 
 1. **SHARE** (:meth:`CommitteeShard.share`): each member opens its envelope of every client's
-   :class:`protocols.committee.SealedShares`; one that cannot open it, or finds no ``width``
+   :class:`protocols.committee.ShardSealedShares`; one that cannot open it, or finds no ``width``
    field elements in it (unusable key, unauthenticated, replayed, wrong round or stage, wrong
    length, dtype or range), refuses it and the server leaves the client out;
 2. **COMBINE** (:meth:`CommitteeShard.combine`): each online member sums its rows of the
@@ -33,7 +33,7 @@ from protocols.committee import (
     CHANNEL_PROTOCOL,
     MEMBER_ID_BASE,
     CommitteeStage,
-    SealedShares,
+    ShardSealedShares,
     StageFaults,
     check_transition,
 )
@@ -102,7 +102,7 @@ class CommitteeShard:
             endpoint.connect(party_id, public_key)
 
     def _open(
-        self, round_: int, client: int, sealed: SealedShares, width: int
+        self, round_: int, client: int, sealed: ShardSealedShares, width: int
     ) -> tuple[np.ndarray, list[int]]:
         """One client's sealed rows, opened and checked by each member; a member that cannot
         open its envelope, or finds no ``width`` field elements in it, refuses it (its row
@@ -128,7 +128,7 @@ class CommitteeShard:
         (plain rows included: members take only sealed shares), by every member."""
         width = self._width.setdefault(round_, _width_of(delivered))
         if (
-            not isinstance(delivered, SealedShares)
+            not isinstance(delivered, ShardSealedShares)
             or not isinstance(delivered.envelopes, tuple | list)
             or len(delivered.envelopes) != self.members.size
             or delivered.width != width
@@ -145,7 +145,7 @@ class CommitteeShard:
         width: int | None = None,
     ) -> dict:
         """SHARE handler: store this shard's rows of each client's shares (``shares[client]``:
-        a :class:`SealedShares`; ``width`` field elements per row, by default that of the first
+        a :class:`ShardSealedShares`; ``width`` field elements per row, by default that of the first
         client); returns the members still online and, per client, the online members that
         refused its share."""
         self._enter(round_, CommitteeStage.SHARE)
@@ -208,7 +208,7 @@ class CommitteeShard:
 
 def _width_of(delivered: Any) -> int:
     """Elements per row that a client's delivery claims (0 when it claims nothing usable)."""
-    width = delivered.width if isinstance(delivered, SealedShares) else 0
+    width = delivered.width if isinstance(delivered, ShardSealedShares) else 0
     return int(width) if isinstance(width, int | np.integer) and width >= 0 else 0
 
 

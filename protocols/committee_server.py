@@ -62,7 +62,7 @@ from protocols.committee import (
     CommitteeResult,
     CommitteeStage,
     SealedInput,
-    SealedShares,
+    ShardSealedShares,
     StageFaults,
     TamperingDetected,
     check_client_id,
@@ -228,7 +228,7 @@ class CommitteeServer:
     def _share(
         self,
         round_: int,
-        parts: list[dict[int, SealedShares]],
+        parts: list[dict[int, ShardSealedShares]],
         width: int,
         faults: StageFaults,
         excluded: dict[int, str],
@@ -296,7 +296,7 @@ class CommitteeServer:
         length: int,
         faults: CommitteeFaults,
         excluded: dict[int, str],
-    ) -> tuple[list[dict[int, SealedShares]], int]:
+    ) -> tuple[list[dict[int, ShardSealedShares]], int]:
         """SHARE at the server: check each client's sealed input (excluding it, with the
         reason, when malformed), relay the envelopes (counted; those in
         ``faults.corrupt_in_transit`` altered on the way) and group them per shard. Returns
@@ -323,7 +323,7 @@ class CommitteeServer:
         }
         parts = [
             {
-                client: SealedShares(
+                client: ShardSealedShares(
                     delivery.public_key, tuple(inbox[m][client] for m in group), width
                 )
                 for client, delivery in accepted.items()

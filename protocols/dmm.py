@@ -24,7 +24,7 @@ released M^{-1}-weighted noise on the lattice M Z^m and leaked frac(M^{-1} y) wi
 
 This module holds what every side needs: the public :class:`Schedule` of M, the round's stages
 (:class:`DMMStage`, an explicit state machine), the public :class:`RoundKeys` a client shares
-with, the :class:`SealedShares` message, the simulation's :class:`DMMFaults` and the errors.
+with, the :class:`DMMSealedShares` message, the simulation's :class:`DMMFaults` and the errors.
 The client side is :mod:`protocols.dmm_client`, the member side :mod:`protocols.dmm_member`,
 the server side :mod:`protocols.dmm_server`.
 """
@@ -204,7 +204,7 @@ class RoundKeys:
 
 
 @dataclass(frozen=True)
-class SealedShares:
+class DMMSealedShares:
     """One client's SHARE message as the server holds it: its channel party id, its public
     key, and per seat j one :class:`protocols.channels.Envelope` addressed to
     ``MEMBER_ID_BASE + j`` (plain share rows only when the round runs without encryption)."""

@@ -7,7 +7,7 @@ the client's *own* secret generator. It packed-Shamir-shares each of those 1 + r
 (ceil(D / k) blocks each) for the round's committee and seals seat j's row of shares under a
 key agreed between the client's X25519 key and seat j's fresh public key, bound to
 (protocol, session, client, seat, round, SHARE). The server relays only the ciphertexts and
-the client's public key (:class:`protocols.dmm.SealedShares`).
+the client's public key (:class:`protocols.dmm.DMMSealedShares`).
 
 Randomness is passed in: ``rng`` (the client's secret share stream) draws the share polynomials;
 ``private_key`` (32 bytes of the client's secret) fixes its X25519 key, or None for a key from the
@@ -23,9 +23,9 @@ from protocols.dmm import (
     CLIENT_ID_LIMIT,
     MEMBER_ID_BASE,
     PROTOCOL,
+    DMMSealedShares,
     DMMStage,
     RoundKeys,
-    SealedShares,
 )
 from protocols.shamir import PackedShamir
 
@@ -48,7 +48,7 @@ def seal_client_shares(
     noise,
     rng: np.random.Generator,
     private_key: bytes | None = None,
-) -> SealedShares:
+) -> DMMSealedShares:
     """The client's SHARE message: shares of ``update`` (D signed ints) and ``noise``
     (``keys.rows`` x D signed ints) sealed per seat (plain rows when the round has no session
     id). ``party``: the channel id the server assigned this client for the round."""
@@ -72,7 +72,7 @@ def seal_client_shares(
     segments = [update.astype(np.int64), *noise.astype(np.int64)]
     shares = share_segments(scheme, segments, rng)
     if keys.session_id is None:
-        return SealedShares(int(party), b"", {int(j): shares[j] for j in keys.member_keys})
+        return DMMSealedShares(int(party), b"", {int(j): shares[j] for j in keys.member_keys})
     endpoint = Endpoint(int(party), keys.session_id, protocol=PROTOCOL, private_key=private_key)
     sealed = {}
     for j, key in sorted(keys.member_keys.items()):
@@ -80,4 +80,4 @@ def seal_client_shares(
         sealed[int(j)] = endpoint.seal_array(
             MEMBER_ID_BASE + int(j), keys.round, DMMStage.SHARE, shares[int(j)]
         )
-    return SealedShares(int(party), endpoint.public_key, sealed)
+    return DMMSealedShares(int(party), endpoint.public_key, sealed)

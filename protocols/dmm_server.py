@@ -5,7 +5,7 @@ reference/dmm.md "Our protocol, corrected", steps 3-9. The server of round t (:c
 1. SHARE: asks the committee holding the state (a :class:`protocols.dmm_member.MemberPool`, or
    the engine's actor-hosted pool) for fresh channel keys and hands the clients the public
    :class:`protocols.dmm.RoundKeys` (:meth:`DMMServer.open_round`); it then validates every
-   client's :class:`protocols.dmm.SealedShares` (type, party, public key usable, exactly the
+   client's :class:`protocols.dmm.DMMSealedShares` (type, party, public key usable, exactly the
    announced seats, envelope headers, nonce and ciphertext lengths) -- a bad one is *rejected*
    with its reason and the round goes on -- and relays the envelopes, which it cannot open;
 2. agrees with the members on the clients whose shares every live member opened;
@@ -51,12 +51,12 @@ from protocols.dmm import (
     MEMBER_ID_BASE,
     PROTOCOL,
     DMMFaults,
+    DMMSealedShares,
     DMMStage,
     ReleaseTampering,
     RoundAborted,
     RoundKeys,
     Schedule,
-    SealedShares,
     StateLost,
     check_transition,
 )
@@ -349,8 +349,8 @@ class DMMServer:
 
     def check_sealed(self, item, keys: RoundKeys) -> str | None:
         """Why a client's SHARE message is malformed, or None when it is well formed."""
-        if not isinstance(item, SealedShares):
-            return f"a {type(item).__name__}, not SealedShares"
+        if not isinstance(item, DMMSealedShares):
+            return f"a {type(item).__name__}, not DMMSealedShares"
         if isinstance(item.party, bool) or not isinstance(item.party, int | np.integer):
             return f"party {item.party!r} is not an integer"
         if not 0 <= int(item.party) < CLIENT_ID_LIMIT:
@@ -382,7 +382,7 @@ class DMMServer:
                 return f"seat {seat}: ciphertext is not {length} bytes"
         return None
 
-    def finish_round(self, sealed: Mapping[int, SealedShares], next_pool) -> RoundOutput:
+    def finish_round(self, sealed: Mapping[int, DMMSealedShares], next_pool) -> RoundOutput:
         """Finish the round :meth:`open_round` opened from the clients' sealed shares
         (``sealed[client]``) and hand the state to ``next_pool`` (the next round's committee).
         Raises :class:`protocols.dmm.RoundAborted` / :class:`~protocols.dmm.StateLost` /

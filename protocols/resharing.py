@@ -303,7 +303,11 @@ def open_parity_checks(
     return culprits[0] if culprits else None
 
 
-class _Randomness:
+class ShareRandomness:
+    """Where a dealer's sharing randomness comes from: its own generator ``rng`` (simulation)
+    or the OS with ``secure`` (exactly one of them); share polynomials and field vectors are
+    drawn from it."""
+
     def __init__(self, rng: np.random.Generator | None, secure: bool) -> None:
         if secure == (rng is not None):
             raise ValueError(
@@ -323,11 +327,6 @@ class _Randomness:
         return scheme.field.random(self.rng, size)
 
 
-ShareRandomness = _Randomness
-"""Where a dealer's sharing randomness comes from (its own generator, or the OS with
-``secure``): the name the DMM members use."""
-
-
 class OldMember:
     """Old member ``index`` holding its shares (blocks,) of the committee's state."""
 
@@ -342,7 +341,7 @@ class OldMember:
         new: PackedShamir,
         coefficients: np.ndarray | None,
         mix: np.ndarray,
-        randomness: _Randomness,
+        randomness: ShareRandomness,
     ) -> np.ndarray:
         """(n_new, blocks + 1): row j for new member j -- the packed sharing of this member's
         block scaled by ``coefficients`` (its column of the Lagrange matrix of S), then its share
@@ -460,14 +459,17 @@ class Resharing:
     ) -> ReshareResult:
         """Reshare ``old_shares`` (old member -> shares (blocks,)) to the new committee."""
         try:
-            return self._run(old_shares, faults or ReshareFaults(), _Randomness(rng, secure))
+            return self._run(old_shares, faults or ReshareFaults(), ShareRandomness(rng, secure))
         except BaseException:
             if self.stage is not ReshareStage.DONE:
                 self.stage = ReshareStage.ABORTED
             raise
 
     def _run(
-        self, old_shares: Mapping[int, np.ndarray], faults: ReshareFaults, randomness: _Randomness
+        self,
+        old_shares: Mapping[int, np.ndarray],
+        faults: ReshareFaults,
+        randomness: ShareRandomness,
     ) -> ReshareResult:
         old, new = self.old, self.new
         olds, blocks = self._old_members(old_shares, faults)

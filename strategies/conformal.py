@@ -27,7 +27,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedsim.records import to_numpy
+from fedsim.record_codec import to_numpy
 from fedsim.workloads.conformal import (
     SCORES_RECORD,
     SCORES_REQUEST,

@@ -76,7 +76,7 @@ from fedsim.privacy import ddgauss as ddgauss_privacy
 from fedsim.privacy.accounting import NeighbouringRelation, PrivacyLedger
 from fedsim.privacy.mechanisms import SecureRandom, discrete_gaussian
 from fedsim.randomness import PartySecret, Purpose, Stream, client_secret, public_generator
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from fedsim.worker_reduce import single
 from protocols.channels import new_session_id
 from protocols.committee import (

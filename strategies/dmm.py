@@ -59,18 +59,18 @@ from fedsim.privacy.matrix.factorization import Factorization
 from fedsim.privacy.matrix.sensitivity import Participation
 from fedsim.privacy.mechanisms import discrete_gaussian
 from fedsim.randomness import Purpose, Stream, client_secret, public_generator
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from fedsim.worker_reduce import single
 from protocols.channels import Envelope, stage_label
 from protocols.dmm import (
     MEMBER_ID_BASE,
     DMMFaults,
+    DMMSealedShares,
     DMMStage,
     ReleaseTampering,
     RoundAborted,
     RoundKeys,
     Schedule,
-    SealedShares,
     StateLost,
 )
 from protocols.dmm_client import seal_client_shares
@@ -151,7 +151,7 @@ def round_keys_from_config(config: ConfigRecord, rows: int) -> tuple[RoundKeys, 
     return keys, int(config[SHARE_PREFIX + "party"])
 
 
-def sealed_to_record(sealed: SealedShares) -> ConfigRecord:
+def sealed_to_record(sealed: DMMSealedShares) -> ConfigRecord:
     """A client's sealed shares as its reply record: its public key and, per seat, the
     envelope's nonce and ciphertext (the header is the server's to rebuild)."""
     seats = sorted(sealed.shares)
@@ -168,7 +168,7 @@ def sealed_to_record(sealed: SealedShares) -> ConfigRecord:
     )
 
 
-def sealed_from_record(record: ConfigRecord, party: int, round_: int) -> SealedShares:
+def sealed_from_record(record: ConfigRecord, party: int, round_: int) -> DMMSealedShares:
     """The server's view of a reply: envelopes from the client's *assigned* ``party`` to each
     seat for ``round_`` at SHARE. Raises ``ValueError`` naming what is malformed."""
     if not isinstance(record, ConfigRecord):
@@ -193,7 +193,7 @@ def sealed_from_record(record: ConfigRecord, party: int, round_: int) -> SealedS
         j: Envelope(party, MEMBER_ID_BASE + j, int(round_), label, nonce, body)
         for j, nonce, body in zip(seats, nonces, bodies)
     }
-    return SealedShares(int(party), key, shares)
+    return DMMSealedShares(int(party), key, shares)
 
 
 def _instruction(message: Message) -> tuple[ArrayRecord, ConfigRecord]:

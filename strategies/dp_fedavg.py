@@ -98,7 +98,7 @@ from fedsim.privacy.accounting import (
     split_noise_multiplier,
 )
 from fedsim.privacy.matrix.sensitivity import Participation
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from fedsim.worker_reduce import (
     Accumulator,
     MetricSums,

@@ -21,7 +21,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 
 from fedsim.privacy.accounting import PrivacyLedger
-from fedsim.records import to_numpy
+from fedsim.record_codec import to_numpy
 from fedsim.worker_reduce import attach_reducer, single
 from strategies.participation_guard import ParticipationGuard
 from strategies.server_secret import ServerNoise

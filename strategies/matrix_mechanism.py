@@ -12,8 +12,8 @@ with bounded state by :mod:`fedsim.privacy.matrix.streaming`. Round t (1-based; 
     v_t   = beta v_{t-1} + xhat_t,   theta_t = theta_{t-1} + eta_t v_t
 
 so that ``theta_t - theta_0 = (A (x + (sigma / m) G z))_t`` with ``A =
-momentum(n, beta, eta)`` (:func:`fedsim.privacy.matrix.workloads.momentum`; ``eta`` times the
-prefix sums for ``beta = 0``). This is the noisy-gradient form of DP-FTRL (Kairouz et al.
+momentum(n, beta, eta)`` (:func:`fedsim.privacy.matrix.workload_matrices.momentum`; ``eta``
+times the prefix sums for ``beta = 0``). This is the noisy-gradient form of DP-FTRL (Kairouz et al.
 2021, "Practical and Private (Deep) Learning without Sampling or Shuffling", Alg. 1, which
 keeps the noisy prefix sum instead: the same model for ``beta = 0``) and the BandMF update of
 Choquette-Choo et al. 2023, "(Amplified) Banded Matrix Factorization: A unified approach to
@@ -73,7 +73,7 @@ from fedsim.privacy.matrix import (
     noise_stream,
 )
 from fedsim.privacy.matrix.streaming import NoiseStream
-from fedsim.records import to_record
+from fedsim.record_codec import to_record
 from strategies.dp_fedavg import ClippedSum
 from strategies.dp_shell import ClippedSumShell
 from strategies.participation_guard import ParticipationGuard

@@ -34,7 +34,7 @@ from flwr.serverapp.strategy import Strategy
 
 from fedsim.config import require
 from fedsim.randomness import Stream, public_generator
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from fedsim.workloads.bayesian import expected_calibration_error
 from strategies.wrapper import train_message
 

@@ -64,7 +64,7 @@ from fedsim.privacy.accounting import (
     round_event,
 )
 from fedsim.privacy.mechanisms import gaussian_noise
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from fedsim.workloads.dpo import DPOSettings, PreferencePair, add_lora, train_dpo
 from fedsim.workloads.popri_feedback import feedback_instruction, summed_scores
 from fedsim.workloads.text_models import build_prompt, generate
@@ -251,11 +251,15 @@ def noisy_mean_scores(
     )
 
 
-def _stream(seed: int, server_round: int, purpose: int) -> np.random.Generator:
+def round_stream(seed: int, server_round: int, purpose: int) -> np.random.Generator:
+    """POPri's public stream ``purpose`` of round ``server_round`` (0: the prompts' public
+    examples, 1: the round's generation seed, 2: the cohort, 4: the DPO seed) from the
+    strategy's ``seed``: ``default_rng(SeedSequence([seed, server_round, purpose]))``."""
     return np.random.default_rng(np.random.SeedSequence([seed, server_round, purpose]))
 
 
-def _int_seed(rng: np.random.Generator) -> int:
+def int_seed(rng: np.random.Generator) -> int:
+    """An integer seed in [0, 2^62) drawn from ``rng`` (for torch and the text generator)."""
     return int(rng.integers(0, 2**62))
 
 
@@ -420,7 +424,7 @@ class POPri(ServerNoise, Strategy):
     # -- generation ----------------------------------------------------------------------------
     def make_prompts(self, server_round: int) -> list[str]:
         """The round's ``K`` prompts, each with public examples drawn without replacement."""
-        rng = _stream(self.settings.seed, server_round, 0)
+        rng = round_stream(self.settings.seed, server_round, 0)
         n = len(self.public_texts)
         return [
             build_prompt(
@@ -452,7 +456,7 @@ class POPri(ServerNoise, Strategy):
 
     def _sample_nodes(self, server_round: int, grid: Grid) -> list[int]:
         nodes = sorted(int(n) for n in grid.get_node_ids())
-        rng = _stream(self.settings.seed, server_round, 2)
+        rng = round_stream(self.settings.seed, server_round, 2)
         if isinstance(self.sampling, FixedSizeSampling):
             require(
                 len(nodes) >= self.sampling.sample_size,
@@ -475,7 +479,7 @@ class POPri(ServerNoise, Strategy):
         timings: dict[str, float] = {}
         start = time.perf_counter()
         prompts = self.make_prompts(server_round)
-        samples = self.sample(prompts, _int_seed(_stream(self.settings.seed, server_round, 1)))
+        samples = self.sample(prompts, int_seed(round_stream(self.settings.seed, server_round, 1)))
         timings["generate_s"] = time.perf_counter() - start
         start = time.perf_counter()
         flat = [t for row in samples for t in row]
@@ -511,7 +515,7 @@ class POPri(ServerNoise, Strategy):
             self.tokenizer,
             pairs,
             self.settings.dpo,
-            seed=_int_seed(_stream(self.settings.seed, server_round, 4)),
+            seed=int_seed(round_stream(self.settings.seed, server_round, 4)),
         )
         dpo_s = time.perf_counter() - start
         mean, cov = gaussian_stats(current.embeddings)
@@ -570,7 +574,7 @@ class POPri(ServerNoise, Strategy):
             )
             for _ in range(prompts_needed)
         ]
-        rows = self.sample(prompts, _int_seed(rng))
+        rows = self.sample(prompts, int_seed(rng))
         return [t for row in rows for t in row][:num_texts]
 
 

@@ -45,7 +45,7 @@ from flwr.serverapp.strategy import Strategy
 from fedsim.config import positive_int, require
 from fedsim.privacy.accounting import FullParticipation, PrivacyLedger, Sampling, round_event
 from fedsim.privacy.mechanisms import gaussian_noise
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from fedsim.workloads.pe_votes import CANDIDATES, EMBEDDINGS, Embedder, votes_of
 from strategies.dp_fedavg import relation_for
 from strategies.server_secret import ServerNoise

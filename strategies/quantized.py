@@ -17,7 +17,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedsim.records import to_numpy
+from fedsim.record_codec import to_numpy
 from fedsim.workloads.upload import QUANTIZED, UPLOAD_BITS, dequantize_reply
 from strategies.wrapper import StrategyWrapper
 

@@ -53,7 +53,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 
 from fedsim.randomness import NODE_SECRET_KEY, PartySecret, Purpose, client_secret
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from protocols.channels import Envelope
 from protocols.secagg import (
     CHUNKS_PER_SECRET,

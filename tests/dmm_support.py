@@ -222,7 +222,7 @@ def run_dmm(
     from fedsim.engine.dmm_committee import CommitteeHost  # noqa: PLC0415
     from fedsim.engine.rounds import run_rounds  # noqa: PLC0415
     from fedsim.models import initial_arrays  # noqa: PLC0415
-    from fedsim.records import to_numpy, to_record  # noqa: PLC0415
+    from fedsim.record_codec import to_numpy, to_record  # noqa: PLC0415
     from strategies.dmm import dmm_client_app  # noqa: PLC0415
 
     data, dataset, model, inner = setup

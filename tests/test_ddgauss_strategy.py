@@ -16,14 +16,14 @@ from flwr.serverapp.strategy import FedAvg
 
 from fedsim.data import DatasetSpec, build_dataset
 from fedsim.engine import FaultConfig
+from fedsim.engine.client_registry import NODE_ID_OFFSET
 from fedsim.engine.committee import Committee, CommitteeSpec
-from fedsim.engine.registry import NODE_ID_OFFSET
 from fedsim.engine.rounds import run_rounds
 from fedsim.models import ModelSpec, initial_arrays
 from fedsim.privacy import ddgauss as ddgauss_privacy
 from fedsim.privacy.mechanisms import discrete_gaussian
 from fedsim.randomness import RunSecret
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from fedsim.workloads.supervised import LocalTraining, make_client_app
 from protocols.field import DEFAULT_FIELD
 from protocols.secagg import Stage, TooManyDropoutsError
@@ -465,7 +465,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import ServerApp
 from flwr.serverapp.strategy import FedAvg
 from flwr.simulation import run_simulation
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from strategies.ddgauss import DDGauss, ddgauss_client_app
 
 CLIENTS, DIM = 6, 20

@@ -12,7 +12,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from fedsim.models import initial_arrays
 from fedsim.randomness import NODE_SECRET_KEY, RunSecret
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from protocols.channels import ChannelError, Endpoint, new_session_id
 from protocols.dmm import MEMBER_ID_BASE, PROTOCOL, DMMStage, RoundKeys
 from protocols.dmm_client import seal_client_shares

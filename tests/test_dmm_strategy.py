@@ -78,7 +78,7 @@ def test_configuration_is_validated_before_the_run(local_engine, digits):
     unhosted = make_dmm("full", CLIENTS, ROUNDS)
     with pytest.raises(RuntimeError, match="needs a committee host"):
         from fedsim.engine.rounds import run_rounds  # noqa: PLC0415
-        from fedsim.records import to_record  # noqa: PLC0415
+        from fedsim.record_codec import to_record  # noqa: PLC0415
 
         grid = local_engine.open_run(digits[3], CLIENTS, datasets=((digits[0], digits[1]),))
         run_rounds(unhosted, grid, to_record({"w": np.zeros(650, dtype=np.float32)}), 1)

@@ -10,7 +10,7 @@ from torch import nn
 
 from fedsim.engine.rounds import run_rounds
 from fedsim.randomness import RunSecret
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from fedsim.workloads.downstream_lm import (
     BOS,
     UNK,

@@ -8,7 +8,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from fedsim.engine import ClientRegistry
 from fedsim.randomness import RunSecret
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from strategies.dp_fedavg import CLIENTS_KEY, CLIPPED_KEY, ClippedSum, DPFedAvg
 
 

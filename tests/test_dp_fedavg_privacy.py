@@ -23,7 +23,7 @@ from fedsim.privacy.accounting import (
     split_noise_multiplier,
 )
 from fedsim.randomness import RunSecret
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from strategies.dp_fedavg import AdaptiveClipping, DPFedAvg
 from strategies.registry import build_strategy
 

@@ -14,7 +14,7 @@ from fedsim.engine import NODE_ID_OFFSET, ClientAppSource
 from fedsim.engine.rounds import run_rounds
 from fedsim.models import ModelSpec, initial_arrays
 from fedsim.randomness import NODE_SECRET_KEY, Purpose, RunSecret, server_secret
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from fedsim.workloads.supervised import LocalTraining, make_client_app
 from strategies.dp_fedavg import DPFedAvg
 from strategies.worker_reduced import WorkerReduced

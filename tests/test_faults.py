@@ -9,7 +9,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from fedsim.config import ConfigError
 from fedsim.engine import NODE_ID_OFFSET, ClientAppSource, FaultConfig
 from fedsim.engine.faults import client_faults, crash_point
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from fedsim.worker_reduce import WeightedMean, attach_reducer
 
 TOY = ClientAppSource(reference="toy_app:app", app_dir=str(Path(__file__).parent))

@@ -8,7 +8,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from fedsim.engine import NODE_ID_OFFSET, ClientAppSource, UniformCohort
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from fedsim.worker_reduce import WeightedMean, attach_reducer
 
 HERE = str(Path(__file__).parent)
@@ -116,7 +116,7 @@ def test_seeded_sampling_repeats_flower_fedavg_and_restores_random(local_engine)
 
     from flwr.serverapp.strategy import FedAvg
 
-    from strategies.seeded_sampling import SeededSampling
+    from strategies.seeded_sampling import SeededSampling, sampling_seed
 
     grid = local_engine.open_run(TOY, 100)
     strategy = SeededSampling(FedAvg(fraction_train=0.1, fraction_evaluate=0.05), seed=9)
@@ -135,3 +135,7 @@ def test_seeded_sampling_repeats_flower_fedavg_and_restores_random(local_engine)
     assert random.random() == expected_next  # the process-wide generator is untouched
     assert first == picked(1) and len(first) == 10
     assert picked(2) != first and picked(1, evaluate=True) != first[:5]
+    # the draw is Flower's random.sample on an explicit generator seeded from (seed, round, phase)
+    messages = strategy.configure_train(3, arrays, ConfigRecord(), grid)
+    explicit = random.Random(sampling_seed(9, 3, 0)).sample(list(grid.get_node_ids()), 10)
+    assert [m.metadata.dst_node_id for m in messages] == explicit

@@ -30,7 +30,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # numpy + cryptography only; a sampler or generator is passed in
     "protocols": ("protocols/",),
     # what strategies, workloads and the engine share for worker-side folding (flwr + numpy)
-    "aggregation contract": ("fedsim/records.py", "fedsim/worker_reduce.py"),
+    "aggregation contract": ("fedsim/record_codec.py", "fedsim/worker_reduce.py"),
     # errors and checks of configuration, and the owners of randomness
     "foundation": ("fedsim/__init__.py", "fedsim/config.py", "fedsim/randomness.py"),
     # pure privacy math and dp_accounting

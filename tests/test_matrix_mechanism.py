@@ -26,7 +26,7 @@ from fedsim.privacy.matrix import (
 from fedsim.privacy.matrix.sensitivity import brute_force
 from fedsim.privacy.matrix.streaming import dense_fresh_noise
 from fedsim.randomness import RunSecret
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from strategies.matrix_mechanism import MatrixMechanism, matrix_participation
 
 GLOBAL = {"w": np.zeros((3, 4), dtype=np.float64), "b": np.zeros(5, dtype=np.float64)}

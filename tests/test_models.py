@@ -10,7 +10,7 @@ from fedsim.config import ConfigError
 from fedsim.data import DatasetSpec
 from fedsim.engine import NODE_ID_OFFSET
 from fedsim.models import ModelSpec, build_model, initial_arrays, load_arrays, model_arrays
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from fedsim.workloads.supervised import LocalTraining, make_client_app
 
 

@@ -10,7 +10,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from fedsim.data import DatasetSpec
 from fedsim.engine.rounds import run_rounds
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from fedsim.workloads.bayesian import BayesSpec, build_bayes_model, model_arrays
 from fedsim.workloads.personalised import PersonalTraining, make_personal_app, prior_variance
 from strategies.personalised import Cohorts, FedAvgReference, LocalOnly

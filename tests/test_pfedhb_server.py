@@ -12,7 +12,7 @@ from scipy.optimize import minimize
 from torch.distributions import Normal, kl_divergence
 
 from fedsim.config import ConfigError
-from fedsim.records import to_record
+from fedsim.record_codec import to_record
 from fedsim.workloads.bayesian import BayesSpec, build_bayes_model, model_arrays, softplus
 from strategies.personalised import Cohorts, reports_of
 from strategies.pfedbayes import PFedBayes

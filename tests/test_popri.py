@@ -19,7 +19,7 @@ from fedsim.data.text import TextSourceSpec, cached_text_federation
 from fedsim.engine.rounds import run_rounds
 from fedsim.privacy.accounting import FullParticipation, calibrate_noise
 from fedsim.randomness import Purpose, RunSecret
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from fedsim.worker_reduce import attach_reducer
 from fedsim.workloads import text_models
 from fedsim.workloads.dpo import DPOSettings

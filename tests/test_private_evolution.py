@@ -10,7 +10,7 @@ from flwr.clientapp import ClientApp
 from fedsim.engine.rounds import run_rounds
 from fedsim.privacy.accounting import FullParticipation, calibrate_noise
 from fedsim.randomness import RunSecret
-from fedsim.records import to_record
+from fedsim.record_codec import to_record
 from fedsim.workloads.pe_votes import (
     VOTES,
     cached_text_embeddings,

@@ -6,7 +6,7 @@ from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords, aggregate_metricrecords
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from fedsim.worker_reduce import (
     REDUCER_KEY,
     Reducer,

@@ -9,10 +9,10 @@ from flwr.common.constant import ErrorCode
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedsim.engine import ClientAppSource, ClientWorker
-from fedsim.engine.registry import NODE_ID_OFFSET
+from fedsim.engine.client_registry import NODE_ID_OFFSET
 from fedsim.engine.worker import ClientBatch, Content, RunSpec
 from fedsim.randomness import NODE_SECRET_KEY, RunSecret
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from fedsim.worker_reduce import WeightedMean, attach_reducer
 
 

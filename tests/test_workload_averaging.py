@@ -5,7 +5,7 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 
 from fedsim.config import ConfigError, from_mapping
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from fedsim.workloads.averaging import EMA, LAWA, Averaging
 from strategies.averaging import AveragedGlobalModel
 

@@ -7,7 +7,7 @@ from flwr.clientapp import ClientApp
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedsim.config import ConfigError
-from fedsim.records import content_nbytes, to_numpy, to_record
+from fedsim.record_codec import content_nbytes, to_numpy, to_record
 from fedsim.workloads.compression import (
     Quantization,
     adapt_levels,

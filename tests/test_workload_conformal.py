@@ -20,7 +20,7 @@ from fedsim.experiment import (
     run_experiment,
 )
 from fedsim.models import ModelSpec, build_model, initial_arrays, load_arrays
-from fedsim.records import to_record
+from fedsim.record_codec import to_record
 from fedsim.results import read_rounds
 from fedsim.workloads.conformal import (
     DPSM,

@@ -15,7 +15,7 @@ from fedsim.data import DatasetSpec, build_dataset
 from fedsim.engine.rounds import run_rounds
 from fedsim.experiment import ExperimentConfig, run_experiment
 from fedsim.models import ModelSpec, build_model, initial_arrays, load_arrays
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from fedsim.results import read_rounds
 from fedsim.workloads.coto import (
     CoToController,

@@ -11,7 +11,7 @@ from flwr.serverapp.strategy import FedAvg
 from fedsim.data import DatasetSpec, build_dataset
 from fedsim.engine.rounds import run_rounds
 from fedsim.models import ModelSpec, build_model, initial_arrays, load_arrays, model_arrays
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from fedsim.workloads.averaging import Averaging
 from fedsim.workloads.compression import Quantization
 from fedsim.workloads.client_app import training_app

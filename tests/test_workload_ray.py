@@ -9,7 +9,7 @@ from flwr.serverapp.strategy import FedAvg
 from fedsim.data import DatasetSpec, build_dataset
 from fedsim.engine.rounds import run_rounds
 from fedsim.models import ModelSpec, initial_arrays
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from fedsim.workloads.supervised import LocalTraining, make_client_app
 from strategies.quantized import DequantizedUploads
 

@@ -11,7 +11,7 @@ from fedsim.config import ConfigError, from_mapping
 from fedsim.data import DatasetSpec, build_dataset
 from fedsim.engine.rounds import run_rounds
 from fedsim.models import ModelSpec, build_model, initial_arrays, load_arrays
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from fedsim.workloads.methods import train_with_methods
 from fedsim.workloads.sst import (
     SparseSpectral,

@@ -24,7 +24,7 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedsim.randomness import Purpose, client_secret
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from fedsim.worker_reduce import folded_reply
 
 app = ClientApp()

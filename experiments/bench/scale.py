@@ -97,7 +97,7 @@ def one_population(data_dir: Path, population: int, args: argparse.Namespace) ->
     from fedsim.engine.metrics import peak_rss_mb  # noqa: PLC0415
     from fedsim.engine.rounds import run_rounds  # noqa: PLC0415
     from fedsim.models import ModelSpec, initial_arrays  # noqa: PLC0415
-    from fedsim.records import to_record  # noqa: PLC0415
+    from fedsim.record_codec import to_record  # noqa: PLC0415
     from fedsim.workloads.supervised import LocalTraining, make_client_app  # noqa: PLC0415
     from strategies.seeded_sampling import SeededSampling  # noqa: PLC0415
 

@@ -38,7 +38,7 @@ from fedsim.engine import Engine, EngineConfig, FaultConfig  # noqa: E402
 from fedsim.engine.rounds import run_rounds  # noqa: E402
 from fedsim.models import ModelSpec, build_model, initial_arrays, load_arrays  # noqa: E402
 from fedsim.randomness import NODE_SECRET_KEY, RunSecret  # noqa: E402
-from fedsim.records import to_numpy, to_record  # noqa: E402
+from fedsim.record_codec import to_numpy, to_record  # noqa: E402
 from fedsim.workloads.supervised import LocalTraining, make_client_app  # noqa: E402
 from fedsim.workloads.training import evaluate_model  # noqa: E402
 from strategies.ddgauss import DDGauss, ddgauss_client_app  # noqa: E402

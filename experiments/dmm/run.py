@@ -82,7 +82,7 @@ from fedsim.privacy.matrix.banded import banded  # noqa: E402
 from fedsim.privacy.matrix.sensitivity import Participation  # noqa: E402
 from fedsim.privacy.matrix.tree import honaker_tree  # noqa: E402
 from fedsim.randomness import RunSecret  # noqa: E402
-from fedsim.records import to_numpy, to_record  # noqa: E402
+from fedsim.record_codec import to_numpy, to_record  # noqa: E402
 from fedsim.workloads.supervised import LocalTraining, make_client_app  # noqa: E402
 from fedsim.workloads.training import evaluate_model  # noqa: E402
 from strategies.ddgauss import DDGauss, ddgauss_client_app  # noqa: E402

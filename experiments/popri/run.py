@@ -431,7 +431,7 @@ def first_round_samples(ctx: Context) -> tuple[list[str], list[list[str]]]:
     """
     from types import SimpleNamespace  # noqa: PLC0415
 
-    from strategies.popri import POPri, _int_seed, _stream  # noqa: PLC0415
+    from strategies.popri import POPri, int_seed, round_stream  # noqa: PLC0415
 
     path = ctx.out / "cache" / "first_round.json"
     lock = path.with_suffix(".lock")
@@ -447,7 +447,7 @@ def first_round_samples(ctx: Context) -> tuple[list[str], list[list[str]]]:
             settings = popri_settings(ctx, math.inf)
             view = SimpleNamespace(settings=settings, public_texts=ctx.prompt_examples)
             prompts = POPri.make_prompts(view, 1)
-            seed = _int_seed(_stream(settings.seed, 1, 1))
+            seed = int_seed(round_stream(settings.seed, 1, 1))
             model, _ = ctx.get("base_generator", lambda: device_generator(ctx))
             g = ctx.config.generation
             samples = ctx.generate_prompts(model, prompts, g.samples_per_prompt, seed)
@@ -610,7 +610,7 @@ def stage_dp_fedavg(ctx: Context, epsilon: float) -> dict[str, Any]:
     from fedsim.engine import UniformCohort  # noqa: PLC0415
     from fedsim.engine.rounds import run_rounds  # noqa: PLC0415
     from fedsim.privacy.accounting import FixedSizeSampling, calibrate_noise  # noqa: PLC0415
-    from fedsim.records import to_numpy, to_record  # noqa: PLC0415
+    from fedsim.record_codec import to_numpy, to_record  # noqa: PLC0415
     from fedsim.workloads.downstream_lm import load_lm_arrays, next_token_accuracy  # noqa: PLC0415
     from fedsim.workloads.lm_client import make_lm_client_app  # noqa: PLC0415
     from strategies.dp_fedavg import DPFedAvg, relation_for  # noqa: PLC0415

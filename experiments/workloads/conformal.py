@@ -42,7 +42,7 @@ from fedsim.data import DatasetSpec, build_dataset  # noqa: E402
 from fedsim.engine import Engine, EngineConfig  # noqa: E402
 from fedsim.engine.rounds import run_rounds  # noqa: E402
 from fedsim.models import ModelSpec, build_model, initial_arrays, load_arrays  # noqa: E402
-from fedsim.records import to_numpy, to_record  # noqa: E402
+from fedsim.record_codec import to_numpy, to_record  # noqa: E402
 from fedsim.workloads.conformal import (  # noqa: E402
     OnlineCalibrator,
     OnlineConformal,

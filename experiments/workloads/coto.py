@@ -49,7 +49,7 @@ from fedsim.data import DatasetSpec, build_dataset  # noqa: E402
 from fedsim.engine import Engine, EngineConfig  # noqa: E402
 from fedsim.engine.rounds import run_rounds  # noqa: E402
 from fedsim.models import ModelSpec, build_model, load_arrays, model_arrays  # noqa: E402
-from fedsim.records import to_numpy, to_record  # noqa: E402
+from fedsim.record_codec import to_numpy, to_record  # noqa: E402
 from fedsim.workloads.coto import (  # noqa: E402
     LoRATraining,
     adapter_groups,

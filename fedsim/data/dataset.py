@@ -135,7 +135,7 @@ def read_rows(arr: np.ndarray, lo: int, hi: int) -> np.ndarray:
     return out
 
 
-def _concat_clients(
+def concat_clients(
     parts: Sequence[tuple[np.ndarray, np.ndarray]], feature_shape: tuple[int, ...], dtype: np.dtype
 ) -> ClientArrays:
     """Stack per-client ``(x_k, y_k)`` pairs into one :class:`ClientArrays`."""

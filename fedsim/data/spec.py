@@ -16,7 +16,7 @@ from typing import Literal
 import numpy as np
 
 from fedsim.config import ConfigError, require
-from fedsim.data.dataset import FederatedDataset, _concat_clients, from_partition, release_pages
+from fedsim.data.dataset import FederatedDataset, concat_clients, from_partition, release_pages
 from fedsim.data.partition import PARTITIONERS
 from fedsim.data.sources import (
     ClientData,
@@ -288,8 +288,8 @@ def build_dataset(spec: DatasetSpec) -> FederatedDataset:
             train, test = _first(train, spec, "users"), _first(test, spec, "users")
             shape = train[0][0].shape[1:]
             return FederatedDataset(
-                _concat_clients(train, shape, np.float32),
-                _concat_clients(test, shape, np.float32),
+                concat_clients(train, shape, np.float32),
+                concat_clients(test, shape, np.float32),
                 num_classes,
                 name,
             )

@@ -1,6 +1,7 @@
 """The simulation engine: Flower's Grid on Ray actors (or in-process)."""
 
 from fedsim.engine.backend import Backend, LocalBackend, RayBackend, WorkerLost
+from fedsim.engine.client_registry import NODE_ID_OFFSET, ClientRegistry
 from fedsim.engine.faults import FaultConfig
 from fedsim.engine.grid import PhaseObserver, PhaseReport, SimulationGrid
 from fedsim.engine.participation import (
@@ -10,7 +11,6 @@ from fedsim.engine.participation import (
     PoissonCohort,
     UniformCohort,
 )
-from fedsim.engine.registry import NODE_ID_OFFSET, ClientRegistry
 from fedsim.engine.simulation import Engine, EngineConfig
 from fedsim.engine.state import ClientStateStore
 from fedsim.engine.worker import ClientAppSource, ClientWorker

@@ -38,9 +38,9 @@ from typing import Any
 
 import numpy as np
 
+from fedsim.engine.client_registry import NODE_ID_OFFSET
 from fedsim.engine.committee import shard_actor
 from fedsim.engine.faults import FaultConfig
-from fedsim.engine.registry import NODE_ID_OFFSET
 from fedsim.engine.state import ClientStateStore
 from fedsim.randomness import PartySecret, Purpose, RunSecret, Stream, public_generator
 from protocols.dmm import ACTIVE, DMMFaults, DMMStage

@@ -41,13 +41,13 @@ from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 
 from fedsim.engine.backend import Backend
+from fedsim.engine.client_registry import ClientRegistry
 from fedsim.engine.dispatch import Dispatcher, batch_sizes
 from fedsim.engine.faults import FaultConfig, client_faults, crash_point
 from fedsim.engine.participation import Participation
-from fedsim.engine.registry import ClientRegistry
 from fedsim.engine.state import ClientStateStore
 from fedsim.engine.worker import BatchResult, ClientBatch, Content
-from fedsim.records import content_nbytes, records_of
+from fedsim.record_codec import content_nbytes, records_of
 from fedsim.worker_reduce import Accumulator, MetricSums, Reducer, ReductionError, reducer_of
 
 

@@ -33,7 +33,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedsim.engine.participation import EVALUATE, TRAIN
-from fedsim.records import to_numpy
+from fedsim.record_codec import to_numpy
 
 
 class RunStopped(RuntimeError):

@@ -25,11 +25,11 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from fedsim.config import require
 from fedsim.engine.backend import Backend, LocalBackend, RayBackend
+from fedsim.engine.client_registry import ClientRegistry
 from fedsim.engine.cluster import ensure_ray
 from fedsim.engine.faults import FaultConfig
 from fedsim.engine.grid import PhaseObserver, SimulationGrid
 from fedsim.engine.participation import Participation
-from fedsim.engine.registry import ClientRegistry
 from fedsim.engine.state import ClientStateStore
 from fedsim.engine.worker import ClientAppSource, RunSpec, SharedDataset
 from fedsim.randomness import NODE_SECRET_KEY, RunSecret

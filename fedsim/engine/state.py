@@ -42,7 +42,7 @@ from pathlib import Path
 
 from fedsim.checkpoint import StateMark
 from fedsim.config import require
-from fedsim.engine.registry import NODE_ID_OFFSET
+from fedsim.engine.client_registry import NODE_ID_OFFSET
 from fedsim.randomness import RunSecret
 from fedsim.runfiles import RunFileError, fsync_directory
 

@@ -29,9 +29,9 @@ from flwr.common.constant import NUM_PARTITIONS_KEY, PARTITION_ID_KEY, ErrorCode
 from flwr.supercore.object_ref import load_app
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedsim.engine.registry import NODE_ID_OFFSET
+from fedsim.engine.client_registry import NODE_ID_OFFSET
 from fedsim.randomness import NODE_SECRET_KEY, RunSecret
-from fedsim.records import content_nbytes, records_of
+from fedsim.record_codec import content_nbytes, records_of
 from fedsim.worker_reduce import MetricSums, Reducer, ReductionError, is_partial
 
 

@@ -27,7 +27,7 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from fedsim.data import DatasetSpec, cached_dataset
-from fedsim.records import records_of, to_numpy, to_record
+from fedsim.record_codec import records_of, to_numpy, to_record
 from fedsim.workloads.conformal import SCORES_RECORD, SCORES_REQUEST, score_reply_record
 from fedsim.workloads.training import (
     ClientTraining,

@@ -40,7 +40,7 @@ from flwr.app import ArrayRecord
 from torch import nn
 
 from fedsim.config import require
-from fedsim.records import to_record
+from fedsim.record_codec import to_record
 
 SCORES_REQUEST = "fedsim.conformal-scores"
 """Config key of an evaluate instruction asking the client for its scores."""

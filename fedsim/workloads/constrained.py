@@ -43,7 +43,7 @@ from torch import nn
 from fedsim.config import require
 from fedsim.data import DatasetSpec, cached_dataset
 from fedsim.models import ModelSpec
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from fedsim.workloads.training import (
     ClientTraining,
     Exclusion,

@@ -24,7 +24,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedsim.records import records_of, to_numpy, to_record
+from fedsim.record_codec import records_of, to_numpy, to_record
 from fedsim.workloads.downstream_lm import (
     LMSpec,
     LMTraining,

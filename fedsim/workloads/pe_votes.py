@@ -27,7 +27,7 @@ import numpy as np
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 
 CANDIDATES, EMBEDDINGS, VOTES = "candidates", "embeddings", "votes"
 

@@ -49,7 +49,7 @@ from torch import nn
 
 from fedsim.config import require
 from fedsim.data import DatasetSpec, cached_dataset
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from fedsim.workloads.bayesian import (
     MU,
     RHO,

@@ -34,7 +34,7 @@ from flwr.clientapp import ClientApp
 
 from fedsim.config import require
 from fedsim.data.text import TextSourceSpec, cached_text_federation
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from fedsim.worker_reduce import (
     Accumulator,
     MetricSums,

@@ -14,7 +14,7 @@ import torch
 from flwr.app import RecordDict
 from torch import nn
 
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from fedsim.workloads.training import (
     ClientTraining,
     LocalSteps,

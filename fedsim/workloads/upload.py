@@ -26,7 +26,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp.typing import ClientAppCallable, Mod
 
-from fedsim.records import records_of, to_numpy, to_record
+from fedsim.record_codec import records_of, to_numpy, to_record
 from fedsim.workloads.compression import (
     Quantization,
     decode,

@@ -23,7 +23,7 @@ from protocols.committee import (
     CommitteeStage,
     MemberFault,
     SealedInput,
-    SealedShares,
+    ShardSealedShares,
     StageFaults,
     TamperingDetected,
 )
@@ -95,13 +95,15 @@ def test_a_round_1_envelope_replayed_in_round_3_is_refused():
         client = Endpoint(7, session, CHANNEL_PROTOCOL)  # a fresh key per round
         client.connect(MEMBER_ID_BASE, member_key)
         envelope = client.seal_array(MEMBER_ID_BASE, round_, S.SHARE, np.array([value]))
-        return SealedShares(client.public_key, (envelope,), 1)
+        return ShardSealedShares(client.public_key, (envelope,), 1)
 
     old = sealed(1, 111)
     assert shard.share(1, {7: old}, StageFaults(), 1)["refused"] == {}
     assert shard.share(2, {7: sealed(2, 222)}, StageFaults(), 1)["refused"] == {}
     assert shard.share(3, {7: old}, StageFaults(), 1)["refused"] == {7: [0]}
-    relabelled = SealedShares(old.public_key, (dataclasses.replace(old.envelopes[0], round=4),), 1)
+    relabelled = ShardSealedShares(
+        old.public_key, (dataclasses.replace(old.envelopes[0], round=4),), 1
+    )
     assert shard.share(4, {7: relabelled}, StageFaults(), 1)["refused"] == {7: [0]}
     assert shard._rows[3][7].tolist() == [[0]] and shard._rows[4][7].tolist() == [[0]]
 
@@ -292,16 +294,16 @@ def _hostile_shares(rng, shard, session, round_, width):
         ("typed garbage", Envelope("42", None, 1.5, 7, "nonce", 3)),
         ("not an envelope", rng.bytes(40)),
     ]
-    deliveries = [(label, SealedShares(key, (envelope,), width)) for label, envelope in cases]
+    deliveries = [(label, ShardSealedShares(key, (envelope,), width)) for label, envelope in cases]
     envelope = seal(good)
     deliveries += [
-        ("bad key", SealedShares(bytes(32), (envelope,), width)),
-        ("short key", SealedShares(b"k", (envelope,), width)),
-        ("claims a wider share", SealedShares(key, (envelope,), width + 3)),
-        ("two envelopes for one member", SealedShares(key, (envelope, envelope), width)),
-        ("no envelope", SealedShares(key, (), width)),
-        ("envelopes not a sequence", SealedShares(key, None, width)),
-        ("width not a number", SealedShares(key, (envelope,), "3")),
+        ("bad key", ShardSealedShares(bytes(32), (envelope,), width)),
+        ("short key", ShardSealedShares(b"k", (envelope,), width)),
+        ("claims a wider share", ShardSealedShares(key, (envelope,), width + 3)),
+        ("two envelopes for one member", ShardSealedShares(key, (envelope, envelope), width)),
+        ("no envelope", ShardSealedShares(key, (), width)),
+        ("envelopes not a sequence", ShardSealedShares(key, None, width)),
+        ("width not a number", ShardSealedShares(key, (envelope,), "3")),
         ("plain rows to a sealed shard", np.zeros((1, width), dtype=np.int64)),
         ("a float", 3.5),
     ]
@@ -324,7 +326,7 @@ def test_fuzzed_client_deliveries_are_refused_by_the_member(capsys):
         honest.connect(MEMBER_ID_BASE + 2, shard.public_keys()[2])
         accepted = honest.seal_array(MEMBER_ID_BASE + 2, round_, S.SHARE, np.arange(width))
         batch = {1000 + i: d for i, (_, d) in enumerate(deliveries)}
-        batch[43] = SealedShares(honest.public_key, (accepted,), width)
+        batch[43] = ShardSealedShares(honest.public_key, (accepted,), width)
         answer = shard.share(round_, batch, StageFaults(), width)
         tally["tried"] += len(deliveries)
         tally["refused"] += sum(1 for c in answer["refused"] if c != 43)
@@ -359,7 +361,7 @@ PLAIN_GARBAGE = [
     [[0] * 4] * 3,
     [[0] * 4, [0] * 3, [0]],
     None,
-    SealedShares(bytes(32), (), 4),
+    ShardSealedShares(bytes(32), (), 4),
 ]
 
 
@@ -376,7 +378,7 @@ def test_fuzzed_plain_rows_are_refused_by_every_member_of_the_shard(capsys):
         envelopes.append(
             client.seal_array(MEMBER_ID_BASE + member, 0, S.SHARE, np.arange(4) + member)
         )
-    batch[99] = SealedShares(client.public_key, tuple(envelopes), 4)
+    batch[99] = ShardSealedShares(client.public_key, tuple(envelopes), 4)
     answer = shard.share(0, batch, StageFaults(), 4)
     assert set(answer["refused"]) == set(range(len(PLAIN_GARBAGE)))
     assert all(who == [0, 1, 2] for who in answer["refused"].values())

@@ -21,13 +21,13 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 
+from fedsim.engine.client_registry import NODE_ID_OFFSET
 from fedsim.engine.committee import Committee
-from fedsim.engine.registry import NODE_ID_OFFSET
 from fedsim.engine.rounds import run_rounds
 from fedsim.privacy import ddgauss as ddgauss_privacy
 from fedsim.privacy.mechanisms import discrete_gaussian
 from fedsim.randomness import NODE_SECRET_KEY, Purpose, RunSecret, Stream, public_generator
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from protocols.committee import MEMBER_ID_BASE
 from protocols.field import DEFAULT_FIELD
 from strategies.ddgauss import (

@@ -26,20 +26,20 @@ from flwr.app.metadata import Metadata
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedsim.checkpoint import Checkpoint
+from fedsim.engine.client_registry import NODE_ID_OFFSET
 from fedsim.engine.dmm_committee import STATE_FILE, CommitteeHost, decode_member_state
-from fedsim.engine.registry import NODE_ID_OFFSET
 from fedsim.privacy.dmm import IntegerMechanism
 from fedsim.privacy.matrix.banded import banded
 from fedsim.randomness import NODE_SECRET_KEY, Purpose, RunSecret, Stream, public_generator
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from protocols.channels import Envelope
 from protocols.dmm import (
     DMMFaults,
+    DMMSealedShares,
     DMMStage,
     MemberRefused,
     ReleaseTampering,
     Schedule,
-    SealedShares,
 )
 from protocols.dmm_member import REFUSALS, MemberGroup, MemberPool
 from protocols.dmm_server import DMMServer
@@ -168,7 +168,7 @@ def test_an_all_zero_public_key_drops_only_that_client():
     updates, noises = inputs(run.full.schedule, 0, CLIENTS, D, 1)
     keys = run.full.open_round(0)
     sealed = seal_all(keys, updates, noises)
-    sealed[2] = SealedShares(2, bytes(32), sealed[2].shares)
+    sealed[2] = DMMSealedShares(2, bytes(32), sealed[2].shares)
     out = run.full.finish_round(sealed, run.new_pool())
     assert "unusable public key" in out.rejected[2]
     assert out.clients == (0, 1, 3, 4) and run.full.stage is DMMStage.DONE
@@ -286,7 +286,7 @@ def test_a_round_1_envelope_is_refused_in_round_2():
         j: Envelope(e.sender, e.receiver, 2, e.stage, e.nonce, e.ciphertext)
         for j, e in old[1].shares.items()
     }
-    sealed[1] = SealedShares(old[1].party, old[1].public_key, relabelled)  # header rewritten
+    sealed[1] = DMMSealedShares(old[1].party, old[1].public_key, relabelled)  # header rewritten
     out = run.full.finish_round(sealed, run.new_pool())
     assert 0 in out.rejected and 1 in out.excluded and out.clients == (2, 3, 4)
     np.testing.assert_array_equal(out.release, ref.release(updates, noises, (2, 3, 4)))
@@ -354,20 +354,20 @@ def test_fuzz_the_server_rejects_every_malformed_client_message_and_finishes_the
     some_envelope = next(iter(good.shares.values()))
     bad = {
         100: _garbage(rng),
-        101: SealedShares(2**41, good.public_key, good.shares),  # not a client id
-        102: SealedShares(0, good.public_key, good.shares),  # the same party twice
-        103: SealedShares(103, good.public_key, {0: some_envelope}),  # missing seats
-        104: SealedShares(104, rng.bytes(31), good.shares),  # a short key
-        105: SealedShares(105, good.public_key, {j: rng.bytes(60) for j in good.shares}),
-        106: SealedShares(106, good.public_key, {
+        101: DMMSealedShares(2**41, good.public_key, good.shares),  # not a client id
+        102: DMMSealedShares(0, good.public_key, good.shares),  # the same party twice
+        103: DMMSealedShares(103, good.public_key, {0: some_envelope}),  # missing seats
+        104: DMMSealedShares(104, rng.bytes(31), good.shares),  # a short key
+        105: DMMSealedShares(105, good.public_key, {j: rng.bytes(60) for j in good.shares}),
+        106: DMMSealedShares(106, good.public_key, {
             j: Envelope(106, e.receiver, e.round, e.stage, e.nonce, e.ciphertext[:-1])
             for j, e in good.shares.items()
         }),  # wrong length
-        107: SealedShares(107, good.public_key, {
+        107: DMMSealedShares(107, good.public_key, {
             j: Envelope(107, e.receiver, e.round, "RELEASE", e.nonce, e.ciphertext)
             for j, e in good.shares.items()
         }),  # wrong stage
-        108: SealedShares(True, good.public_key, good.shares),
+        108: DMMSealedShares(True, good.public_key, good.shares),
     }
     out = run.full.finish_round({**sealed, **bad}, run.new_pool())
     assert set(out.rejected) == set(bad)

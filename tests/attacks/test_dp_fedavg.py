@@ -24,7 +24,7 @@ from fedsim.experiment import ExperimentConfig, run_experiment
 from fedsim.privacy.accounting import MinSeparation, PoissonSampling
 from fedsim.privacy.matrix import noise_stream
 from fedsim.randomness import RunSecret, Stream, public_generator
-from fedsim.records import to_numpy, to_record
+from fedsim.record_codec import to_numpy, to_record
 from fedsim.results import read_rounds
 from strategies.registry import build_strategy
 from strategies.server_secret import bind_parties

@@ -20,7 +20,7 @@ from fedsim.engine import ClientRegistry
 from fedsim.privacy.accounting import MinSeparation
 from fedsim.privacy.matrix.banded import banded
 from fedsim.privacy.matrix.sensitivity import Participation
-from fedsim.records import to_record
+from fedsim.record_codec import to_record
 from strategies.matrix_mechanism import MatrixMechanism
 from strategies.participation_guard import ParticipationGuard
 from strategies.registry import build_strategy

@@ -19,8 +19,8 @@ from flwr.common.serde import message_from_proto, message_to_proto
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedsim.engine import ClientAppSource
-from fedsim.engine.registry import NODE_ID_OFFSET
-from fedsim.records import to_numpy, to_record
+from fedsim.engine.client_registry import NODE_ID_OFFSET
+from fedsim.record_codec import to_numpy, to_record
 from fedsim.worker_reduce import PartialReply, folded_reply, is_partial
 from fedsim.workloads.popri_feedback import CLIENTS_KEY as SCORE_CLIENTS_KEY
 from fedsim.workloads.popri_feedback import ClippedScoreSum

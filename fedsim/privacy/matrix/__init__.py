@@ -2,7 +2,7 @@
 
 Modules (pure numpy / scipy, float64; no Ray, no Flower):
 
-- :mod:`.workloads` -- prefix sums, SGD with momentum and a learning-rate schedule;
+- :mod:`.workload_matrices` -- prefix sums, SGD with momentum and a learning-rate schedule;
 - :mod:`.factorization` -- :class:`Factorization` (C, B, noising matrix, loss, per-round RMSE);
 - :mod:`.tree` -- binary tree and Honaker's online tree;
 - :mod:`.toeplitz` -- square-root closed form, optimised banded Toeplitz;
@@ -36,7 +36,7 @@ from fedsim.privacy.matrix.sensitivity import Participation, Sensitivity
 from fedsim.privacy.matrix.streaming import noise_stream
 from fedsim.privacy.matrix.toeplitz import banded_toeplitz, sqrt_factorization
 from fedsim.privacy.matrix.tree import binary_tree, honaker_tree
-from fedsim.privacy.matrix.workloads import momentum, prefix_sum
+from fedsim.privacy.matrix.workload_matrices import momentum, prefix_sum
 
 __all__ = [
     "Factorization",

@@ -1,4 +1,4 @@
-"""fedsim.records: the fast codec must match Flower's np.save encoding exactly."""
+"""fedsim.record_codec: the fast codec must match Flower's np.save encoding exactly."""
 
 import io
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from fedsim.records import (
+from fedsim.record_codec import (
     array_to_numpy,
     content_nbytes,
     numpy_to_array,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fedsim.config import ConfigError
-from fedsim.privacy.matrix.workloads import momentum, prefix_sum
+from fedsim.privacy.matrix.workload_matrices import momentum, prefix_sum
 
 
 def test_prefix_sum_answers_running_totals():

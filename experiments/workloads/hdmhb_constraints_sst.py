@@ -24,8 +24,9 @@
    20 steps, re-SVD every period), LoRA at rank 8 on both Linear layers (peft, base frozen
    at its random initialisation). Test accuracy on the pooled test rows.
 
-Writes ``item7.json`` next to this file and prints the README's tables (mean ± sample std,
-ddof = 1, over the seeds); ``--tables`` prints them from ``item7.json`` only.
+Writes ``hdmhb_constraints_sst.json`` next to this file and prints the README's tables (mean ±
+sample std, ddof = 1, over the seeds); ``--tables`` prints them from
+``hdmhb_constraints_sst.json`` only.
 """
 
 from __future__ import annotations
@@ -387,7 +388,7 @@ def main() -> None:
     out["constrained"] = constrained_study()
     out["sst"] = sst_study()
     out["seconds"] = time.time() - started
-    Path(__file__).with_name("item7.json").write_text(json.dumps(out, indent=1))
+    Path(__file__).with_name("hdmhb_constraints_sst.json").write_text(json.dumps(out, indent=1))
     print_tables(out)
     print(f"\n{out['seconds']:.0f} s")
 
@@ -440,6 +441,6 @@ def print_tables(out: dict) -> None:
 
 if __name__ == "__main__":
     if "--tables" in sys.argv[1:]:
-        print_tables(json.loads(Path(__file__).with_name("item7.json").read_text()))
+        print_tables(json.loads(Path(__file__).with_name("hdmhb_constraints_sst.json").read_text()))
     else:
         main()
