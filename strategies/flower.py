@@ -28,8 +28,8 @@ from flwr.serverapp.strategy import (
 )
 
 from fedsim.config import ConfigError
-from fedsim.engine.reduce import WorkerReduced
 from strategies.spec import RunFacts, StrategySpec
+from strategies.worker_reduced import WorkerReduced
 
 #: strategies whose aggregation is FedAvg's weighted mean (followed by a server update)
 WEIGHTED_MEAN: dict[str, type[FedAvg]] = {
