@@ -113,12 +113,8 @@ def _secrets(args: argparse.Namespace, resuming: bool = False) -> RunSecret | No
 
 
 def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
-    from fedsim.experiment import (  # noqa: PLC0415
-        ExperimentConfig,
-        load_run_config,
-        run_experiment,
-        with_engine,
-    )
+    from fedsim.experiment import load_run_config, run_experiment  # noqa: PLC0415
+    from fedsim.run_config import ExperimentConfig, with_engine  # noqa: PLC0415
 
     _check_workers(args.workers)
     if args.resume:

@@ -51,13 +51,13 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from fedsim.experiment import (  # noqa: E402
-    ExperimentConfig,
     load_finished_run,
     participation_for,
     privacy_sampling,
     run_experiment,
 )
 from fedsim.privacy import accounting  # noqa: E402
+from fedsim.run_config import ExperimentConfig  # noqa: E402
 from fedsim.workloads.audits import canaries, lm, mia  # noqa: E402
 from fedsim.workloads.audits import dataset_inference as di  # noqa: E402
 from fedsim.workloads.audits.run_audit import audit_run  # noqa: E402
