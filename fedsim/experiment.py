@@ -1,10 +1,11 @@
 """fedsim's own experiments: a validated run config in (:mod:`fedsim.run_config`), results
 on disk out.
 
-:func:`run_experiment` sets a run up (:func:`set_up_run`: its directory, dataset, strategy,
-client app, engine and the parties' secrets), runs its rounds (:func:`run_loop`, writing
-rounds.jsonl and checkpoints as it goes) and finishes it (:func:`finish_run`: model.npz,
-summary.json and the configured audit).
+:func:`run_experiment` opens a run (:func:`open_run`: its directory, rounds writer and secret
+root), sets it up (:func:`set_up_run`: dataset, strategy, client app, engine and the parties'
+secrets), runs its rounds (:func:`run_loop`: rounds.jsonl and checkpoints as it goes), finishes
+it (:func:`finish_run`: model.npz, summary.json and the configured audit) and closes what it
+opened (:func:`close_run`), whether it finished or failed.
 
 Secrets: every party's secret derives from the run's secret root
 (:class:`~fedsim.randomness.RunSecret`), which never enters the run directory
@@ -18,12 +19,15 @@ import json
 import pickle
 import platform
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, MetricRecord
+from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import Strategy
 
 from fedsim import __version__
@@ -38,13 +42,13 @@ from fedsim.engine import (
     PoissonCohort,
     UniformCohort,
 )
-from fedsim.engine.committee import committee_for
-from fedsim.engine.dmm_committee import committee_host_for
+from fedsim.engine.committee import Committee, committee_for
+from fedsim.engine.dmm_committee import CommitteeHost, committee_host_for
 from fedsim.engine.participation import TRAIN, Participation
 from fedsim.engine.registry import ClientRegistry
 from fedsim.engine.rounds import RoundOutcome, run_rounds
 from fedsim.models import ModelSpec, build_model, initial_arrays, load_arrays
-from fedsim.personalised_run import personalised_parts
+from fedsim.personalised_run import PersonalisedParts, personalised_parts
 from fedsim.privacy import accounting
 from fedsim.progress import RunProgress
 from fedsim.randomness import RunSecret
@@ -188,9 +192,59 @@ def run_experiment(
     same root and config repeat a run bit for bit; it also seals the clients' states
     and authenticates the checkpoints). None: a fresh root, kept in the user's secrets
     directory so that ``resume`` finds it (:mod:`fedsim.run_root`); a resumed run needs
-    the root it started with.
+    the root it started with. ``engine``: a started engine to run on (left open); None:
+    one of ``config.engine``, closed when the run finishes.
     """
-    out = Path(out_dir)
+    run = open_run(config, Path(out_dir), resume=resume, secrets=secrets)
+    try:
+        set_up_run(run, engine)
+        final, ready = run_loop(run, progress)
+        summary = finish_run(run, final, ready)
+        if engine is None:
+            run.engine.close()
+        return summary
+    finally:
+        close_run(run)
+
+
+@dataclass
+class ExperimentRun:
+    """A run of :func:`run_experiment` while it is open.
+
+    :func:`open_run` makes its directory, writer and secret root; :func:`set_up_run` fills
+    in the rest (each field None until built, so that :func:`close_run` closes exactly
+    what was opened).
+    """
+
+    config: ExperimentConfig
+    out: Path
+    root: RunSecret
+    run_dir: RunDirectory
+    writer: RunWriter
+    #: the checkpoint a resumed run continues from (None: a fresh run, or none written yet)
+    checkpoint: Checkpoint | None
+    #: the first round this invocation runs (1 for a fresh run)
+    start_round: int
+    resumed: bool
+    #: time.perf_counter() when the directory was ready
+    started: float
+    dataset: FederatedDataset | None = None
+    personal: PersonalisedParts | None = None
+    spec: ModelSpec | None = None
+    participation: Participation | None = None
+    strategy: Strategy | None = None
+    arrays: ArrayRecord | None = None
+    client_app: ClientApp | None = None
+    engine: Engine | None = None
+    committee_host: CommitteeHost | None = None
+    committee: Committee | None = None
+
+
+def open_run(
+    config: ExperimentConfig, out: Path, *, resume: bool, secrets: RunSecret | None
+) -> ExperimentRun:
+    """The run directory (created, or reopened at its last checkpoint with ``resume``), its
+    rounds writer and its secret root; a resumed run takes its config from the directory."""
     budget = config.state_memory_mb * 2**20
     if resume:
         root = resume_root(out, secrets)  # before anything in the directory changes
@@ -205,127 +259,160 @@ def run_experiment(
         root = start_root(out, secrets)
         config_text = json.dumps(to_mapping(config), indent=2, sort_keys=True)
         run_dir = RunDirectory.create(out, config_text, root, budget)
-    started = time.perf_counter()
-    store = run_dir.store
-    strategy = committee_host = committee = None
-    try:
-        dataset = build_dataset(config.data)
-        personal = personalised_parts(config, dataset) if is_personalised(config) else None
-        spec = None if personal else model_spec(config, dataset)
-        population = dataset.num_clients
-        participation = participation_for(config, population)
-        if checkpoint is not None:
-            strategy, arrays = checkpoint.strategy, to_record(checkpoint.arrays)
-        else:
-            strategy = build_experiment_strategy(config, participation)
-            arrays = to_record(
-                personal.initial
-                if personal
-                else initial_arrays(spec, config.seed)
-                if config.client.lora is None
-                else initial_adapter_arrays(spec, config.client.lora, config.seed)
-            )
-        in_clear = config.privacy.metrics_in_clear
-        client_app = (
-            personal.app
-            if personal
-            else make_client_app(spec, config.data, config.client, in_clear)
+    return ExperimentRun(
+        config, out, root, run_dir, writer, checkpoint, start_round, resume, time.perf_counter()
+    )
+
+
+def set_up_run(run: ExperimentRun, engine: Engine | None) -> None:
+    """Build the dataset, the strategy and its starting arrays (from the checkpoint when
+    resuming), the client app, the started engine (``engine``, or one of ``[engine]``) and
+    the parties bound to their secrets."""
+    config = run.config
+    run.dataset = build_dataset(config.data)
+    run.personal = personalised_parts(config, run.dataset) if is_personalised(config) else None
+    run.spec = None if run.personal else model_spec(config, run.dataset)
+    run.participation = participation_for(config, run.dataset.num_clients)
+    if run.checkpoint is not None:
+        run.strategy, run.arrays = run.checkpoint.strategy, to_record(run.checkpoint.arrays)
+    else:
+        run.strategy = build_experiment_strategy(config, run.participation)
+        run.arrays = to_record(initial_model(config, run.spec, run.personal))
+    in_clear = config.privacy.metrics_in_clear
+    client_app = (
+        run.personal.app
+        if run.personal
+        else make_client_app(run.spec, config.data, config.client, in_clear)
+    )
+    # the protocol's client wrapper (DMM, DDGauss) releases metrics only when told to
+    run.client_app = spec_for(config.strategy.name).wrap_client_app(client_app, in_clear)
+    run.engine = (engine or Engine(config.engine)).start()
+    # the server's secret and DMM's engine-side committee host, bound again after a
+    # resume (pickling drops them)
+    run.committee_host = committee_host_for(
+        run.strategy, run.root, config.faults, run.run_dir.party_store
+    )
+    run.committee = committee_for(run.strategy, run.root)  # DDGauss's members, from the root
+    bind_parties(run.strategy, run.root.server(), run.committee_host, run.committee)
+
+
+def initial_model(
+    config: ExperimentConfig, spec: ModelSpec | None, personal: PersonalisedParts | None
+) -> dict[str, np.ndarray]:
+    """A fresh run's global arrays: the personalised strategies' initial posterior, the
+    initial model, or (federated LoRA) the initial adapters; each drawn from the run seed."""
+    if personal:
+        return personal.initial
+    if config.client.lora is None:
+        return initial_arrays(spec, config.seed)
+    return initial_adapter_arrays(spec, config.client.lora, config.seed)
+
+
+def run_loop(run: ExperimentRun, progress: bool) -> tuple[ArrayRecord, float]:
+    """Run the rounds from ``run.start_round`` on: rounds.jsonl gets a line per round and the
+    directory a checkpoint every ``checkpoint_every`` rounds and after the last. Returns the
+    final global arrays and the time.perf_counter() at which the grid was ready."""
+    config = run.config
+    with RunProgress(config.rounds, done=run.start_round - 1, enabled=progress) as bar:
+        recorder = RoundRecorder(
+            [run.writer.write_round, bar],
+            infer_rounds=False,
+            private=config.private,
+            metrics_in_clear=config.privacy.metrics_in_clear,
         )
-        # the protocol's client wrapper (DMM, DDGauss) releases metrics only when told to
-        client_app = spec_for(config.strategy.name).wrap_client_app(client_app, in_clear)
-        own_engine = engine is None
-        engine = (engine or Engine(config.engine)).start()
-        # the server's secret and DMM's engine-side committee host, bound again after a
-        # resume (pickling drops them)
-        committee_host = committee_host_for(strategy, root, config.faults, run_dir.party_store)
-        committee = committee_for(strategy, root)  # DDGauss's members, secrets from the root
-        bind_parties(strategy, root.server(), committee_host, committee)
-        with RunProgress(config.rounds, done=start_round - 1, enabled=progress) as bar:
-            recorder = RoundRecorder(
-                [writer.write_round, bar],
-                infer_rounds=False,
-                private=config.private,
-                metrics_in_clear=in_clear,
-            )
-            grid = engine.open_run(
-                client_app,
-                population,
-                run_config={"seed": config.seed},
-                participation=engine_participation(config, participation),
-                observer=recorder,
-                state_store=store,
-                faults=config.faults,
-                # Memory-mapped files are opened by each worker, not copied to it.
-                datasets=() if _file_backed(dataset) else ((config.data, dataset),),
-                secrets=root,
-            )
-            ready = time.perf_counter()
-
-            privacy_report = getattr(strategy, "privacy_report", None)
-            should_stop = getattr(strategy, "should_stop", None)
-            registry = ClientRegistry(population)
-
-            def on_round(outcome: RoundOutcome) -> None:
-                recorder.end_round(
-                    outcome.server_round,
-                    aggregated=metrics_dict(outcome.train_metrics),
-                    aggregated_evaluate=metrics_dict(outcome.evaluate_metrics),
-                    central=metrics_dict(outcome.central_metrics),
-                    privacy=privacy_report() if privacy_report is not None else None,
-                    client_privacy=_client_privacy(
-                        config, participation, registry, store, outcome.server_round
-                    ),
-                )
-                last = outcome.server_round == config.rounds or (
-                    should_stop is not None
-                    and outcome.server_round >= 1
-                    and should_stop(outcome.server_round + 1)  # the budget ends the run here
-                )
-                if outcome.server_round and (
-                    outcome.server_round % config.checkpoint_every == 0 or last
-                ):
-                    arrays_now = {k: np.array(v) for k, v in to_numpy(outcome.arrays).items()}
-                    writer.sync()  # the checkpoint must never be ahead of rounds.jsonl
-                    run_dir.save(Checkpoint(outcome.server_round, arrays_now, strategy, {}))
-
-            final = run_rounds(
-                strategy,
-                grid,
-                arrays,
-                config.rounds,
-                timeout=config.timeout,
-                evaluate_fn=averaged_evaluation(
-                    strategy,
-                    personal.evaluate if personal else central_evaluator(config, spec, dataset),
-                ),
-                on_round=on_round,
-                first_round=start_round,
-            )
-            grid.wait_idle()
-        finished = time.perf_counter()
-        np.savez(out / "model.npz", **to_numpy(final))
-        summary = _summary(
-            config, dataset, engine, read_rounds(writer.rounds_path), started, ready, finished
+        grid = run.engine.open_run(
+            run.client_app,
+            run.dataset.num_clients,
+            run_config={"seed": config.seed},
+            participation=engine_participation(config, run.participation),
+            observer=recorder,
+            state_store=run.run_dir.store,
+            faults=config.faults,
+            # Memory-mapped files are opened by each worker, not copied to it.
+            datasets=() if _file_backed(run.dataset) else ((config.data, run.dataset),),
+            secrets=run.root,
         )
-        summary["resumed_after_round"] = start_round - 1 if resume else None
-        summary.update(_privacy_summary(strategy, read_rounds(writer.rounds_path)))
-        writer.write_summary(summary)
-        if config.audit is not None:  # reads the files just written; adds audit.json
-            summary["audit"] = run_configured_audit(load_finished_run(out), config.audit)
-            writer.write_summary(summary)
-        if own_engine:
-            engine.close()
-        return summary
-    finally:
-        close = getattr(strategy, "close", None)  # e.g. DMM's committee actors
-        if close is not None:
-            close()
-        if committee_host is not None:
-            committee_host.close()
-        if committee is not None:
-            committee.close()
-        writer.close()
-        run_dir.close()
+        ready = time.perf_counter()
+        evaluate = (
+            run.personal.evaluate
+            if run.personal
+            else central_evaluator(config, run.spec, run.dataset)
+        )
+        final = run_rounds(
+            run.strategy,
+            grid,
+            run.arrays,
+            config.rounds,
+            timeout=config.timeout,
+            evaluate_fn=averaged_evaluation(run.strategy, evaluate),
+            on_round=_round_handler(run, recorder),
+            first_round=run.start_round,
+        )
+        grid.wait_idle()
+    return final, ready
+
+
+def _round_handler(run: ExperimentRun, recorder: RoundRecorder) -> Callable[[RoundOutcome], None]:
+    """What happens after each round: its line in rounds.jsonl, then a checkpoint when one
+    is due (every ``checkpoint_every`` rounds, and at the last round, also when the
+    strategy's privacy budget ends the run early)."""
+    config, strategy = run.config, run.strategy
+    privacy_report = getattr(strategy, "privacy_report", None)
+    should_stop = getattr(strategy, "should_stop", None)
+    registry = ClientRegistry(run.dataset.num_clients)
+
+    def on_round(outcome: RoundOutcome) -> None:
+        recorder.end_round(
+            outcome.server_round,
+            aggregated=metrics_dict(outcome.train_metrics),
+            aggregated_evaluate=metrics_dict(outcome.evaluate_metrics),
+            central=metrics_dict(outcome.central_metrics),
+            privacy=privacy_report() if privacy_report is not None else None,
+            client_privacy=_client_privacy(
+                config, run.participation, registry, run.run_dir.store, outcome.server_round
+            ),
+        )
+        last = outcome.server_round == config.rounds or (
+            should_stop is not None
+            and outcome.server_round >= 1
+            and should_stop(outcome.server_round + 1)  # the budget ends the run here
+        )
+        if outcome.server_round and (outcome.server_round % config.checkpoint_every == 0 or last):
+            arrays_now = {k: np.array(v) for k, v in to_numpy(outcome.arrays).items()}
+            run.writer.sync()  # the checkpoint must never be ahead of rounds.jsonl
+            run.run_dir.save(Checkpoint(outcome.server_round, arrays_now, strategy, {}))
+
+    return on_round
+
+
+def finish_run(run: ExperimentRun, final: ArrayRecord, ready: float) -> dict[str, Any]:
+    """Write model.npz and summary.json (then the configured audit's audit.json, whose
+    result the summary also gets); returns the summary."""
+    finished = time.perf_counter()
+    np.savez(run.out / "model.npz", **to_numpy(final))
+    records = read_rounds(run.writer.rounds_path)
+    summary = _summary(run.config, run.dataset, run.engine, records, run.started, ready, finished)
+    summary["resumed_after_round"] = run.start_round - 1 if run.resumed else None
+    summary.update(_privacy_summary(run.strategy, records))
+    run.writer.write_summary(summary)
+    if run.config.audit is not None:  # reads the files just written; adds audit.json
+        summary["audit"] = run_configured_audit(load_finished_run(run.out), run.config.audit)
+        run.writer.write_summary(summary)
+    return summary
+
+
+def close_run(run: ExperimentRun) -> None:
+    """Close what the run opened, whether it finished or failed: the strategy's own actors
+    (e.g. DMM's committee), the committee host and committee, the writer and the directory."""
+    close = getattr(run.strategy, "close", None)  # e.g. DMM's committee actors
+    if close is not None:
+        close()
+    if run.committee_host is not None:
+        run.committee_host.close()
+    if run.committee is not None:
+        run.committee.close()
+    run.writer.close()
+    run.run_dir.close()
 
 
 def _file_backed(dataset: FederatedDataset) -> bool:
