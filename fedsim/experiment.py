@@ -31,6 +31,12 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import Strategy
 
 from fedsim import __version__
+from fedsim.audits.run_audit import (
+    MODEL_FILE,
+    SUMMARY_FILE,
+    FinishedRun,
+    run_configured_audit,
+)
 from fedsim.checkpoint import CONFIG_FILE, Checkpoint
 from fedsim.config import ConfigError, to_mapping
 from fedsim.data import FederatedDataset, build_dataset
@@ -58,12 +64,6 @@ from fedsim.run_config import ExperimentConfig, is_personalised
 from fedsim.run_root import resume_root, start_root
 from fedsim.rundir import RunDirectory
 from fedsim.runfiles import RunFileError
-from fedsim.workloads.audits.run_audit import (
-    MODEL_FILE,
-    SUMMARY_FILE,
-    FinishedRun,
-    run_configured_audit,
-)
 from fedsim.workloads.coto import build_lora_model, initial_adapter_arrays, load_adapter_arrays
 from fedsim.workloads.dp_sgd import DPSGD, epsilon_of
 from fedsim.workloads.supervised import make_client_app
@@ -118,7 +118,7 @@ def trained_clients(config: ExperimentConfig, population: int, rounds: int) -> n
 
 def load_finished_run(run_dir: str | Path) -> FinishedRun:
     """Read a finished run and rebuild its model, federation and trained clients for its audit
-    (:mod:`fedsim.workloads.audits.run_audit`); a missing directory or file, or weights that do
+    (:mod:`fedsim.audits.run_audit`); a missing directory or file, or weights that do
     not fit the saved config's model, raise ConfigError naming the path."""
     path = Path(run_dir)
     if not path.is_dir():

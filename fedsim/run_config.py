@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from fedsim.audits.run_audit import AuditConfig
 from fedsim.config import ConfigError, from_mapping, load_toml, require, to_mapping
 from fedsim.data import DatasetSpec
 from fedsim.engine import EngineConfig, FaultConfig
-from fedsim.workloads.audits.run_audit import AuditConfig
 from fedsim.workloads.averaging import Averaging
 from fedsim.workloads.bayesian import BayesSpec
 from fedsim.workloads.conformal import OnlineConformal

@@ -6,17 +6,17 @@ import math
 import numpy as np
 import pytest
 
+from fedsim.audits.dataset_inference import (
+    dataset_inference,
+    resample_features,
+    row_classifier,
+)
+from fedsim.audits.run_audit import audit_run
 from fedsim.cli import main
 from fedsim.config import ConfigError, load_toml
 from fedsim.data import build_dataset
 from fedsim.experiment import load_finished_run, trained_clients
 from fedsim.run_config import ExperimentConfig
-from fedsim.workloads.audits.dataset_inference import (
-    dataset_inference,
-    resample_features,
-    row_classifier,
-)
-from fedsim.workloads.audits.run_audit import audit_run
 
 CONFIG = """
 name = "audit"

@@ -462,9 +462,9 @@ def _matrix(args: argparse.Namespace) -> dict[str, Any]:
     so far have sensitivity ``sens_T`` and the multiplier is ``z sens(C) / sens_T``
     (:mod:`strategies.matrix_mechanism`). RMSE per round is ``z sens(C) ||B[t]||`` in units of
     the clipping norm."""
+    from fedsim.commands.factorize import flags  # noqa: PLC0415
     from fedsim.privacy.matrix import Factorization  # noqa: PLC0415
     from fedsim.privacy.matrix.build import spec_of  # noqa: PLC0415
-    from fedsim.privacy.matrix.cli import flags  # noqa: PLC0415
     from fedsim.privacy.matrix.sensitivity import Participation  # noqa: PLC0415
 
     delta, accountant = _check_common(args)
