@@ -43,19 +43,18 @@ from fedsim.data import FederatedDataset, build_dataset
 from fedsim.engine import (
     ClientStateStore,
     Engine,
-    FullParticipation,
+    FullCohort,
     MinSeparationCohort,
     PoissonCohort,
     UniformCohort,
 )
 from fedsim.engine.committee import Committee, committee_for
 from fedsim.engine.dmm_committee import CommitteeHost, committee_host_for
-from fedsim.engine.participation import TRAIN, Participation
+from fedsim.engine.participation import TRAIN, CohortModel
 from fedsim.engine.registry import ClientRegistry
 from fedsim.engine.rounds import RoundOutcome, run_rounds
 from fedsim.models import ModelSpec, build_model, initial_arrays, load_arrays
 from fedsim.personalised_run import PersonalisedParts, personalised_parts
-from fedsim.privacy import accounting
 from fedsim.progress import RunProgress
 from fedsim.randomness import RunSecret
 from fedsim.records import to_numpy, to_record
@@ -77,7 +76,7 @@ from strategies.server_secret import bind_parties
 
 
 
-def participation_for(config: ExperimentConfig, population: int) -> Participation:
+def participation_for(config: ExperimentConfig, population: int) -> CohortModel:
     """The engine's cohort model for this config (personalised strategies: the reporting
     clients' draw; every client stays reachable, see :func:`engine_participation`)."""
     k = config.strategy.clients_per_round
@@ -88,11 +87,11 @@ def participation_for(config: ExperimentConfig, population: int) -> Participatio
     return UniformCohort(population, k, config.seed)
 
 
-def engine_participation(config: ExperimentConfig, participation: Participation) -> Participation:
+def engine_participation(config: ExperimentConfig, participation: CohortModel) -> CohortModel:
     """Whom the grid offers each phase: everyone for a personalised strategy (it draws its
     reporting clients itself and, by default, every client personalises each round)."""
     if is_personalised(config):
-        return FullParticipation(participation.num_clients)
+        return FullCohort(participation.num_clients)
     return participation
 
 
@@ -231,7 +230,7 @@ class ExperimentRun:
     dataset: FederatedDataset | None = None
     personal: PersonalisedParts | None = None
     spec: ModelSpec | None = None
-    participation: Participation | None = None
+    participation: CohortModel | None = None
     strategy: Strategy | None = None
     arrays: ArrayRecord | None = None
     client_app: ClientApp | None = None
@@ -419,7 +418,7 @@ def _file_backed(dataset: FederatedDataset) -> bool:
     return any(isinstance(a, np.memmap) for a in dataset.to_arrays().values())
 
 
-def build_experiment_strategy(config: ExperimentConfig, participation: Participation) -> Strategy:
+def build_experiment_strategy(config: ExperimentConfig, participation: CohortModel) -> Strategy:
     """The configured strategy, with seeded sampling, for this participation model."""
     k = config.strategy.clients_per_round
     if is_personalised(config):
@@ -446,7 +445,7 @@ def build_experiment_strategy(config: ExperimentConfig, participation: Participa
         else 0.0,
         seed=config.seed,
         partial_aggregation="off" if compressed else config.strategy.partial_aggregation,
-        sampling=privacy_sampling(participation, config.rounds),
+        sampling=participation.accounting(config.rounds),
         population=participation.num_clients,
         rounds=config.rounds,
         metrics_in_clear=config.privacy.metrics_in_clear,
@@ -460,29 +459,9 @@ def build_experiment_strategy(config: ExperimentConfig, participation: Participa
     return SeededSampling(strategy, config.seed)
 
 
-def privacy_sampling(
-    participation: Participation, rounds: int
-) -> accounting.Sampling | accounting.MinSeparation:
-    """The accountant's model of the engine's training cohorts.
-
-    Uniform cohorts of ``k`` of ``N`` are fixed-size sampling without replacement,
-    Poisson cohorts are Poisson sampling at the same rate, a min-separation schedule
-    puts each client in at most ``ceil(rounds / b)`` rounds ``b`` apart, and anything
-    else is accounted as full participation (no amplification claimed).
-    """
-    if isinstance(participation, UniformCohort):
-        return accounting.FixedSizeSampling(participation.cohort_size, participation.num_clients)
-    if isinstance(participation, PoissonCohort):
-        return accounting.PoissonSampling(participation.rate)
-    if isinstance(participation, MinSeparationCohort):
-        b = participation.min_separation
-        return accounting.MinSeparation(b, -(-rounds // b))
-    return accounting.FullParticipation()
-
-
 def _client_privacy(
     config: ExperimentConfig,
-    participation: Participation,
+    participation: CohortModel,
     registry: ClientRegistry,
     store: ClientStateStore,
     server_round: int,

@@ -97,7 +97,6 @@ from fedsim.privacy.accounting import (
     round_event,
     split_noise_multiplier,
 )
-from fedsim.privacy.matrix.sensitivity import Participation
 from fedsim.records import to_numpy, to_record
 from fedsim.worker_reduce import (
     Accumulator,
@@ -346,13 +345,7 @@ class DPFedAvg(ClippedSumShell):
         self.sampling: Sampling = FullParticipation() if schedule is not None else sampling
         self.ledger = PrivacyLedger(relation_for(self.sampling), delta, schedule)
         #: a min-separation schedule is enforced on every instruction, not assumed
-        self.guard = (
-            None
-            if schedule is None
-            else ParticipationGuard(
-                Participation.separated(schedule.min_separation, schedule.max_participations)
-            )
-        )
+        self.guard = None if schedule is None else ParticipationGuard(schedule.matrix_participation())
         self.participation_refused: list[int] = []
         self.accountant = accountant
         self.max_epsilon = None if max_epsilon is None else float(max_epsilon)

@@ -57,7 +57,6 @@ from fedsim.audits.unlearn import unlearn  # noqa: E402
 from fedsim.experiment import (  # noqa: E402
     load_finished_run,
     participation_for,
-    privacy_sampling,
     run_experiment,
 )
 from fedsim.privacy import accounting  # noqa: E402
@@ -108,7 +107,7 @@ def noise_for(epsilon: float) -> float:
     if math.isinf(epsilon):
         return 0.0
     config = dp_config(0, 1.0)
-    sampling = privacy_sampling(participation_for(config, CLIENTS), ROUNDS)
+    sampling = participation_for(config, CLIENTS).accounting(ROUNDS)
     return accounting.calibrate_noise(
         epsilon, DELTA, sampling, ROUNDS, "rdp", relation_for(sampling)
     )

@@ -4,9 +4,9 @@ from fedsim.engine.backend import Backend, LocalBackend, RayBackend, WorkerLost
 from fedsim.engine.faults import FaultConfig
 from fedsim.engine.grid import PhaseObserver, PhaseReport, SimulationGrid
 from fedsim.engine.participation import (
-    FullParticipation,
+    CohortModel,
+    FullCohort,
     MinSeparationCohort,
-    Participation,
     PoissonCohort,
     UniformCohort,
 )
@@ -22,13 +22,13 @@ __all__ = [
     "ClientRegistry",
     "ClientStateStore",
     "ClientWorker",
+    "CohortModel",
     "Engine",
     "EngineConfig",
     "FaultConfig",
-    "FullParticipation",
+    "FullCohort",
     "LocalBackend",
     "MinSeparationCohort",
-    "Participation",
     "PhaseObserver",
     "PhaseReport",
     "PoissonCohort",
