@@ -75,7 +75,6 @@ from strategies.seeded_sampling import SeededSampling
 from strategies.server_secret import bind_parties
 
 
-
 def participation_for(config: ExperimentConfig, population: int) -> CohortModel:
     """The engine's cohort model for this config (personalised strategies: the reporting
     clients' draw; every client stays reachable, see :func:`engine_participation`)."""

@@ -345,7 +345,9 @@ class DPFedAvg(ClippedSumShell):
         self.sampling: Sampling = FullParticipation() if schedule is not None else sampling
         self.ledger = PrivacyLedger(relation_for(self.sampling), delta, schedule)
         #: a min-separation schedule is enforced on every instruction, not assumed
-        self.guard = None if schedule is None else ParticipationGuard(schedule.matrix_participation())
+        self.guard = (
+            None if schedule is None else ParticipationGuard(schedule.matrix_participation())
+        )
         self.participation_refused: list[int] = []
         self.accountant = accountant
         self.max_epsilon = None if max_epsilon is None else float(max_epsilon)
