@@ -25,13 +25,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fedsim.commands import account, audit, factorize, minmax
 from fedsim.config import ConfigError
 from fedsim.engine.rounds import RunStopped
-from fedsim.privacy import account_cli
-from fedsim.privacy.matrix import cli as factorize_cli
 from fedsim.results_json import dumps
-from fedsim.workloads import minmax_run
-from fedsim.workloads.audits import cli as audit_cli
 
 if TYPE_CHECKING:
     from fedsim.randomness import RunSecret
@@ -82,10 +79,10 @@ def _parser() -> argparse.ArgumentParser:
         help='overrides of [tool.flwr.app.config], e.g. "num-server-rounds=5 lr=0.1"',
     )
     _engine_args(flwr_run)
-    account_cli.register(commands)
-    factorize_cli.register(commands)
-    audit_cli.register(commands)
-    minmax_run.register(commands)
+    account.register(commands)
+    factorize.register(commands)
+    audit.register(commands)
+    minmax.register(commands)
     return parser
 
 
@@ -113,12 +110,8 @@ def _secrets(args: argparse.Namespace, resuming: bool = False) -> RunSecret | No
 
 
 def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
-    from fedsim.experiment import (  # noqa: PLC0415
-        ExperimentConfig,
-        load_run_config,
-        run_experiment,
-        with_engine,
-    )
+    from fedsim.experiment import load_run_config, run_experiment  # noqa: PLC0415
+    from fedsim.run_config import ExperimentConfig, with_engine  # noqa: PLC0415
 
     _check_workers(args.workers)
     if args.resume:
@@ -175,22 +168,22 @@ def cmd_flwr_run(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_account(args: argparse.Namespace) -> int:
     """``fedsim account ...``: print the result as text, or as JSON with ``--json``."""
     try:
-        result = account_cli.run(args)
+        result = account.run(args)
     except ConfigError as err:
         print(f"fedsim: error: {err}", file=sys.stderr)
         return 2
-    print(dumps(result, indent=2) if args.json else account_cli.format_text(result))
+    print(dumps(result, indent=2) if args.json else account.format_text(result))
     return 0
 
 
 def cmd_factorize(args: argparse.Namespace) -> int:
     """``fedsim factorize ...``: build or reuse the file, print its summary."""
     try:
-        result = factorize_cli.run(args)
+        result = factorize.run(args)
     except ConfigError as err:
         print(f"fedsim: error: {err}", file=sys.stderr)
         return 2
-    print(dumps(result, indent=2) if args.json else factorize_cli.format_text(result))
+    print(dumps(result, indent=2) if args.json else factorize.format_text(result))
     return 0
 
 
@@ -203,9 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "factorize":
         return cmd_factorize(args)
     if args.command == "audit":
-        return audit_cli.run(args)
+        return audit.run(args)
     if args.command == "minmax":
-        return minmax_run.run(args)
+        return minmax.run(args)
     if not args.verbose:
         from flwr.supercore.logger import FLOWER_LOGGER  # noqa: PLC0415  (sets its level on import)
 

@@ -1,25 +1,11 @@
-"""fedsim's own experiments: a TOML config in, results on disk out.
+"""fedsim's own experiments: a validated run config in (:mod:`fedsim.run_config`), results
+on disk out.
 
-A config file has top-level ``name``, ``seed`` and ``rounds`` and one table per
-part of the pipeline::
-
-    [data]        source, partition, num_clients, ...  (fedsim.data.DatasetSpec)
-    [model]       kind = "logreg" | "mlp" | "cnn" | "bayes-mlp", hidden, channels, ...
-    [client]      epochs, batch_size, lr, ...          (LocalTraining)
-    [personal]    head_steps, head_lr, mc_samples, ... (PersonalTraining; the clients of
-                  the personalised strategies pfedhb, pfedvem, pfedbayes, fedavg-ft,
-                  local-only: see fedsim.personalised_run)
-    [strategy]    name, clients_per_round, sampling, partial_aggregation, [strategy.options]
-    [evaluation]  clients (federated), every (central, rounds), central_rows
-    [engine]      backend, workers, cpus_per_worker, ray_address, ...
-    [faults]      dropout, straggler_fraction, straggler_delay_s, deadline_s, crash_probability
-    [audit]       attacks, members, seed: audits of the finished run (audit.json)
-    [privacy]     metrics_in_clear: release private runs' client metrics un-noised
-
-plus ``checkpoint_every`` (rounds) and ``state_memory_mb`` (client states kept
-in memory before they spill to disk). The seeds of [data], [client], [personal]
-and [faults] default to the top-level seed. Everything is validated before any work
-starts.
+:func:`run_experiment` opens a run (:func:`open_run`: its directory, rounds writer and secret
+root), sets it up (:func:`set_up_run`: dataset, strategy, client app, engine and the parties'
+secrets), runs its rounds (:func:`run_loop`: rounds.jsonl and checkpoints as it goes), finishes
+it (:func:`finish_run`: model.npz, summary.json and the configured audit) and closes what it
+opened (:func:`close_run`), whether it finished or failed.
 
 Secrets: every party's secret derives from the run's secret root
 (:class:`~fedsim.randomness.RunSecret`), which never enters the run directory
@@ -33,57 +19,53 @@ import json
 import pickle
 import platform
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, MetricRecord
+from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import Strategy
 
 from fedsim import __version__
+from fedsim.audits.run_audit import (
+    MODEL_FILE,
+    SUMMARY_FILE,
+    FinishedRun,
+    run_configured_audit,
+)
 from fedsim.checkpoint import CONFIG_FILE, Checkpoint
-from fedsim.config import ConfigError, from_mapping, load_toml, require, to_mapping
-from fedsim.data import DatasetSpec, FederatedDataset, build_dataset
+from fedsim.config import ConfigError, to_mapping
+from fedsim.data import FederatedDataset, build_dataset
 from fedsim.engine import (
     ClientStateStore,
     Engine,
-    EngineConfig,
-    FaultConfig,
-    FullParticipation,
+    FullCohort,
     MinSeparationCohort,
     PoissonCohort,
     UniformCohort,
 )
 from fedsim.engine.client_registry import ClientRegistry
-from fedsim.engine.committee import committee_for
-from fedsim.engine.dmm_committee import committee_host_for
-from fedsim.engine.participation import TRAIN, Participation
+from fedsim.engine.committee import Committee, committee_for
+from fedsim.engine.dmm_committee import CommitteeHost, committee_host_for
+from fedsim.engine.participation import TRAIN, CohortModel
 from fedsim.engine.rounds import RoundOutcome, run_rounds
 from fedsim.models import ModelSpec, build_model, initial_arrays, load_arrays
-from fedsim.personalised_run import check_personalised, is_personalised, personalised_parts
-from fedsim.privacy import accounting
+from fedsim.personalised_run import PersonalisedParts, personalised_parts
 from fedsim.progress import RunProgress
 from fedsim.randomness import RunSecret
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.results import RoundRecorder, RunWriter, metrics_dict, read_rounds
+from fedsim.run_config import ExperimentConfig, is_personalised
 from fedsim.run_root import resume_root, start_root
 from fedsim.rundir import RunDirectory
 from fedsim.runfiles import RunFileError
-from fedsim.workloads.audits.run_audit import (
-    MODEL_FILE,
-    SUMMARY_FILE,
-    AuditConfig,
-    FinishedRun,
-    run_configured_audit,
-)
-from fedsim.workloads.averaging import Averaging
-from fedsim.workloads.conformal import OnlineConformal
 from fedsim.workloads.coto import build_lora_model, initial_adapter_arrays, load_adapter_arrays
 from fedsim.workloads.dp_sgd import DPSGD, epsilon_of
-from fedsim.workloads.personalised import PersonalTraining
-from fedsim.workloads.supervised import LocalTraining, check_parts, make_client_app
+from fedsim.workloads.supervised import make_client_app
 from fedsim.workloads.training import as_tensors, evaluate_model
 from strategies.averaging import AveragedGlobalModel, averaged_evaluation
 from strategies.conformal import ConformalEvaluation
@@ -93,222 +75,7 @@ from strategies.seeded_sampling import SeededSampling
 from strategies.server_secret import bind_parties
 
 
-@dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    """The model; its input shape and classes come from the dataset.
-
-    ``kind = "bayes-mlp"`` is the personalised strategies' mean-field Gaussian MLP
-    (:class:`~fedsim.workloads.bayesian.BayesSpec`): ``hidden``, the last ``head_layers``
-    linear layers as the personal head, every ``rho`` starting at ``rho_init``.
-    """
-
-    kind: Literal["logreg", "mlp", "cnn", "bayes-mlp"] = "mlp"
-    hidden: tuple[int, ...] = (64,)
-    channels: tuple[int, ...] = (6, 16)
-    head_layers: int = 1
-    rho_init: float = -4.0
-
-
-@dataclass(frozen=True, kw_only=True)
-class StrategyConfig:
-    """The server strategy and the cohort it trains each round.
-
-    Attributes:
-        name: a strategy of :mod:`strategies.registry`.
-        clients_per_round: cohort size (uniform), expected size (Poisson, rate
-            clients_per_round / population), or about the size of each group
-            of the min-separation schedule (population / clients_per_round
-            groups, rounded).
-        sampling: "uniform" (fixed size, without replacement), "poisson", or
-            "min-separation" (each client every b rounds, b = the number of groups).
-        partial_aggregation: worker-side sums: "auto" (when the aggregation is
-            a sum), "on" (required) or "off".
-        options: the strategy's own arguments (e.g. proximal_mu, eta,
-            clipping_norm, noise_multiplier).
-        averaging: ``[strategy.averaging]`` LAWA/EMA of the global models over
-            rounds (:class:`~fedsim.workloads.averaging.Averaging`, in rounds);
-            evaluation scores the average, training continues from the raw model.
-    """
-
-    name: str = "fedavg"
-    clients_per_round: int = 10
-    sampling: Literal["uniform", "poisson", "min-separation"] = "uniform"
-    partial_aggregation: Literal["auto", "on", "off"] = "auto"
-    options: dict[str, Any] = field(default_factory=dict)
-    averaging: Averaging | dict[str, Any] | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.averaging, dict):
-            averaging = Averaging.from_table(self.averaging, "strategy.averaging")
-            object.__setattr__(self, "averaging", averaging)
-        spec_for(self.name)  # a known method
-        require(
-            self.clients_per_round >= 1,
-            "strategy.clients_per_round",
-            self.clients_per_round,
-            "an integer >= 1",
-        )
-
-
-@dataclass(frozen=True, kw_only=True)
-class EvaluationConfig:
-    """How the global model is evaluated.
-
-    Attributes:
-        clients: clients per round that evaluate on their local test rows (0: none).
-        every: evaluate on the central test set every this many rounds (0: never).
-        central_rows: rows of the central test set used (a seeded subset).
-        conformal: ``[evaluation.conformal]`` online conformal calibration of the
-            evaluating clients' scores on the server, each client a group
-            (:class:`~fedsim.workloads.conformal.OnlineConformal`: kind
-            "multigroup" or "aci", alpha, eta, global_group); needs clients > 0.
-    """
-
-    clients: int = 0
-    every: int = 1
-    central_rows: int = 10_000
-    conformal: OnlineConformal | dict[str, Any] | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.conformal, dict):
-            made = from_mapping(OnlineConformal, self.conformal, "evaluation.conformal")
-            object.__setattr__(self, "conformal", made)
-        require(
-            self.conformal is None or self.clients > 0,
-            "evaluation.clients",
-            self.clients,
-            "an integer >= 1 with [evaluation.conformal] (it calibrates the clients' scores)",
-        )
-        require(self.clients >= 0, "evaluation.clients", self.clients, "an integer >= 0")
-        require(self.every >= 0, "evaluation.every", self.every, "an integer >= 0 (0: never)")
-        require(
-            self.central_rows >= 1, "evaluation.central_rows", self.central_rows, "an integer >= 1"
-        )
-
-
-@dataclass(frozen=True, kw_only=True)
-class PrivacyConfig:
-    """What a private run (DP or secure strategies, DP-SGD clients) releases.
-
-    Attributes:
-        metrics_in_clear: write the clients' own metrics (train loss, federated
-            evaluation, the exact clipped fraction) to rounds.jsonl and summary.json
-            un-noised and outside the ledger; every line holding them is marked
-            ``"metrics_in_clear": true``. Off: they are not released.
-    """
-
-    metrics_in_clear: bool = False
-
-
-@dataclass(frozen=True, kw_only=True)
-class ExperimentConfig:
-    """A whole run."""
-
-    name: str = "experiment"
-    seed: int = 0
-    rounds: int
-    timeout: float = 3600.0
-    data: DatasetSpec
-    model: ModelConfig = field(default_factory=ModelConfig)
-    client: LocalTraining = field(default_factory=LocalTraining)
-    personal: PersonalTraining | dict[str, Any] | None = None
-    strategy: StrategyConfig = field(default_factory=StrategyConfig)
-    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    faults: FaultConfig = field(default_factory=FaultConfig)
-    audit: AuditConfig | dict[str, Any] | None = None
-    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
-    checkpoint_every: int = 1
-    state_memory_mb: int = 256
-
-    def __post_init__(self) -> None:
-        if isinstance(self.audit, dict):  # [audit]: errors name audit.<key>
-            object.__setattr__(self, "audit", from_mapping(AuditConfig, self.audit, "audit"))
-        if isinstance(self.personal, dict):  # [personal]: errors name personal.<key>
-            personal = from_mapping(PersonalTraining, self.personal, "personal")
-            object.__setattr__(self, "personal", personal)
-        check_personalised(self)
-        require(self.rounds >= 1, "rounds", self.rounds, "an integer >= 1")
-        require(
-            self.checkpoint_every >= 1,
-            "checkpoint_every",
-            self.checkpoint_every,
-            "an integer >= 1 (rounds between checkpoints)",
-        )
-        require(
-            self.state_memory_mb >= 0,
-            "state_memory_mb",
-            self.state_memory_mb,
-            "MiB of client states kept in memory (>= 0)",
-        )
-        require(self.timeout > 0, "timeout", self.timeout, "a number of seconds > 0")
-        population = self.data.num_clients
-        require(
-            self.strategy.clients_per_round <= population,
-            "strategy.clients_per_round",
-            self.strategy.clients_per_round,
-            f"at most the population, data.num_clients = {population}",
-        )
-        require(
-            self.evaluation.clients <= self.strategy.clients_per_round,
-            "evaluation.clients",
-            self.evaluation.clients,
-            f"at most strategy.clients_per_round = {self.strategy.clients_per_round}",
-        )
-        proximal = spec_for(self.strategy.name).proximal(self.strategy.options)
-        check_parts(self.client, fedprox=proximal)
-        require(
-            self.client.constraints is None or self.model.kind == "logreg",
-            "model.kind",
-            self.model.kind,
-            "'logreg' with client.constraints (linear constraints on a linear model)",
-        )
-        require(
-            self.client.dp_sgd is None
-            or self.evaluation.clients == 0
-            or self.privacy.metrics_in_clear,
-            "evaluation.clients",
-            self.evaluation.clients,
-            "0 with client.dp_sgd (federated evaluation sends each client's un-noised test "
-            "loss and accuracy to the server), unless [privacy] metrics_in_clear = true",
-        )
-        require(
-            self.client.compression is None or self.strategy.partial_aggregation != "on",
-            "strategy.partial_aggregation",
-            "on",
-            "'auto' or 'off' with client.compression (packed uploads cannot be summed on workers)",
-        )
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> ExperimentConfig:
-        """Validate a parsed config; the seeds of [data], [client] and [faults]
-        default to ``seed``."""
-        raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
-        seed = raw.get("seed", 0)
-        for section in ("data", "client", "personal", "faults"):
-            table = raw.get(section)
-            if isinstance(table, dict) and "seed" not in table:
-                table["seed"] = seed
-        if "client" not in raw:
-            raw["client"] = {"seed": seed}
-        lora = raw["client"].get("lora") if isinstance(raw["client"], dict) else None
-        if isinstance(lora, dict):  # CoTo's horizon defaults to the run's rounds
-            raw["client"]["lora"] = {"rounds": raw.get("rounds", 0), **lora}
-        if "data" not in raw:
-            raise ConfigError("data", None, "a [data] table (this section is required)")
-        return from_mapping(cls, raw)
-
-    @classmethod
-    def load(cls, path: str | Path) -> ExperimentConfig:
-        return cls.from_dict(load_toml(path))
-
-    @property
-    def private(self) -> bool:
-        """Whether the run is private: a DP or secure strategy, or DP-SGD clients."""
-        return spec_for(self.strategy.name).private or self.client.dp_sgd is not None
-
-
-def participation_for(config: ExperimentConfig, population: int) -> Participation:
+def participation_for(config: ExperimentConfig, population: int) -> CohortModel:
     """The engine's cohort model for this config (personalised strategies: the reporting
     clients' draw; every client stays reachable, see :func:`engine_participation`)."""
     k = config.strategy.clients_per_round
@@ -319,11 +86,11 @@ def participation_for(config: ExperimentConfig, population: int) -> Participatio
     return UniformCohort(population, k, config.seed)
 
 
-def engine_participation(config: ExperimentConfig, participation: Participation) -> Participation:
+def engine_participation(config: ExperimentConfig, participation: CohortModel) -> CohortModel:
     """Whom the grid offers each phase: everyone for a personalised strategy (it draws its
     reporting clients itself and, by default, every client personalises each round)."""
     if is_personalised(config):
-        return FullParticipation(participation.num_clients)
+        return FullCohort(participation.num_clients)
     return participation
 
 
@@ -349,7 +116,7 @@ def trained_clients(config: ExperimentConfig, population: int, rounds: int) -> n
 
 def load_finished_run(run_dir: str | Path) -> FinishedRun:
     """Read a finished run and rebuild its model, federation and trained clients for its audit
-    (:mod:`fedsim.workloads.audits.run_audit`); a missing directory or file, or weights that do
+    (:mod:`fedsim.audits.run_audit`); a missing directory or file, or weights that do
     not fit the saved config's model, raise ConfigError naming the path."""
     path = Path(run_dir)
     if not path.is_dir():
@@ -423,9 +190,59 @@ def run_experiment(
     same root and config repeat a run bit for bit; it also seals the clients' states
     and authenticates the checkpoints). None: a fresh root, kept in the user's secrets
     directory so that ``resume`` finds it (:mod:`fedsim.run_root`); a resumed run needs
-    the root it started with.
+    the root it started with. ``engine``: a started engine to run on (left open); None:
+    one of ``config.engine``, closed when the run finishes.
     """
-    out = Path(out_dir)
+    run = open_run(config, Path(out_dir), resume=resume, secrets=secrets)
+    try:
+        set_up_run(run, engine)
+        final, ready = run_loop(run, progress)
+        summary = finish_run(run, final, ready)
+        if engine is None:
+            run.engine.close()
+        return summary
+    finally:
+        close_run(run)
+
+
+@dataclass
+class ExperimentRun:
+    """A run of :func:`run_experiment` while it is open.
+
+    :func:`open_run` makes its directory, writer and secret root; :func:`set_up_run` fills
+    in the rest (each field None until built, so that :func:`close_run` closes exactly
+    what was opened).
+    """
+
+    config: ExperimentConfig
+    out: Path
+    root: RunSecret
+    run_dir: RunDirectory
+    writer: RunWriter
+    #: the checkpoint a resumed run continues from (None: a fresh run, or none written yet)
+    checkpoint: Checkpoint | None
+    #: the first round this invocation runs (1 for a fresh run)
+    start_round: int
+    resumed: bool
+    #: time.perf_counter() when the directory was ready
+    started: float
+    dataset: FederatedDataset | None = None
+    personal: PersonalisedParts | None = None
+    spec: ModelSpec | None = None
+    participation: CohortModel | None = None
+    strategy: Strategy | None = None
+    arrays: ArrayRecord | None = None
+    client_app: ClientApp | None = None
+    engine: Engine | None = None
+    committee_host: CommitteeHost | None = None
+    committee: Committee | None = None
+
+
+def open_run(
+    config: ExperimentConfig, out: Path, *, resume: bool, secrets: RunSecret | None
+) -> ExperimentRun:
+    """The run directory (created, or reopened at its last checkpoint with ``resume``), its
+    rounds writer and its secret root; a resumed run takes its config from the directory."""
     budget = config.state_memory_mb * 2**20
     if resume:
         root = resume_root(out, secrets)  # before anything in the directory changes
@@ -440,134 +257,167 @@ def run_experiment(
         root = start_root(out, secrets)
         config_text = json.dumps(to_mapping(config), indent=2, sort_keys=True)
         run_dir = RunDirectory.create(out, config_text, root, budget)
-    started = time.perf_counter()
-    store = run_dir.store
-    strategy = committee_host = committee = None
-    try:
-        dataset = build_dataset(config.data)
-        personal = personalised_parts(config, dataset) if is_personalised(config) else None
-        spec = None if personal else model_spec(config, dataset)
-        population = dataset.num_clients
-        participation = participation_for(config, population)
-        if checkpoint is not None:
-            strategy, arrays = checkpoint.strategy, to_record(checkpoint.arrays)
-        else:
-            strategy = build_experiment_strategy(config, participation)
-            arrays = to_record(
-                personal.initial
-                if personal
-                else initial_arrays(spec, config.seed)
-                if config.client.lora is None
-                else initial_adapter_arrays(spec, config.client.lora, config.seed)
-            )
-        in_clear = config.privacy.metrics_in_clear
-        client_app = (
-            personal.app
-            if personal
-            else make_client_app(spec, config.data, config.client, in_clear)
+    return ExperimentRun(
+        config, out, root, run_dir, writer, checkpoint, start_round, resume, time.perf_counter()
+    )
+
+
+def set_up_run(run: ExperimentRun, engine: Engine | None) -> None:
+    """Build the dataset, the strategy and its starting arrays (from the checkpoint when
+    resuming), the client app, the started engine (``engine``, or one of ``[engine]``) and
+    the parties bound to their secrets."""
+    config = run.config
+    run.dataset = build_dataset(config.data)
+    run.personal = personalised_parts(config, run.dataset) if is_personalised(config) else None
+    run.spec = None if run.personal else model_spec(config, run.dataset)
+    run.participation = participation_for(config, run.dataset.num_clients)
+    if run.checkpoint is not None:
+        run.strategy, run.arrays = run.checkpoint.strategy, to_record(run.checkpoint.arrays)
+    else:
+        run.strategy = build_experiment_strategy(config, run.participation)
+        run.arrays = to_record(initial_model(config, run.spec, run.personal))
+    in_clear = config.privacy.metrics_in_clear
+    client_app = (
+        run.personal.app
+        if run.personal
+        else make_client_app(run.spec, config.data, config.client, in_clear)
+    )
+    # the protocol's client wrapper (DMM, DDGauss) releases metrics only when told to
+    run.client_app = spec_for(config.strategy.name).wrap_client_app(client_app, in_clear)
+    run.engine = (engine or Engine(config.engine)).start()
+    # the server's secret and DMM's engine-side committee host, bound again after a
+    # resume (pickling drops them)
+    run.committee_host = committee_host_for(
+        run.strategy, run.root, config.faults, run.run_dir.party_store
+    )
+    run.committee = committee_for(run.strategy, run.root)  # DDGauss's members, from the root
+    bind_parties(run.strategy, run.root.server(), run.committee_host, run.committee)
+
+
+def initial_model(
+    config: ExperimentConfig, spec: ModelSpec | None, personal: PersonalisedParts | None
+) -> dict[str, np.ndarray]:
+    """A fresh run's global arrays: the personalised strategies' initial posterior, the
+    initial model, or (federated LoRA) the initial adapters; each drawn from the run seed."""
+    if personal:
+        return personal.initial
+    if config.client.lora is None:
+        return initial_arrays(spec, config.seed)
+    return initial_adapter_arrays(spec, config.client.lora, config.seed)
+
+
+def run_loop(run: ExperimentRun, progress: bool) -> tuple[ArrayRecord, float]:
+    """Run the rounds from ``run.start_round`` on: rounds.jsonl gets a line per round and the
+    directory a checkpoint every ``checkpoint_every`` rounds and after the last. Returns the
+    final global arrays and the time.perf_counter() at which the grid was ready."""
+    config = run.config
+    with RunProgress(config.rounds, done=run.start_round - 1, enabled=progress) as bar:
+        recorder = RoundRecorder(
+            [run.writer.write_round, bar],
+            infer_rounds=False,
+            private=config.private,
+            metrics_in_clear=config.privacy.metrics_in_clear,
         )
-        # the protocol's client wrapper (DMM, DDGauss) releases metrics only when told to
-        client_app = spec_for(config.strategy.name).wrap_client_app(client_app, in_clear)
-        own_engine = engine is None
-        engine = (engine or Engine(config.engine)).start()
-        # the server's secret and DMM's engine-side committee host, bound again after a
-        # resume (pickling drops them)
-        committee_host = committee_host_for(strategy, root, config.faults, run_dir.party_store)
-        committee = committee_for(strategy, root)  # DDGauss's members, secrets from the root
-        bind_parties(strategy, root.server(), committee_host, committee)
-        with RunProgress(config.rounds, done=start_round - 1, enabled=progress) as bar:
-            recorder = RoundRecorder(
-                [writer.write_round, bar],
-                infer_rounds=False,
-                private=config.private,
-                metrics_in_clear=in_clear,
-            )
-            grid = engine.open_run(
-                client_app,
-                population,
-                run_config={"seed": config.seed},
-                participation=engine_participation(config, participation),
-                observer=recorder,
-                state_store=store,
-                faults=config.faults,
-                # Memory-mapped files are opened by each worker, not copied to it.
-                datasets=() if _file_backed(dataset) else ((config.data, dataset),),
-                secrets=root,
-            )
-            ready = time.perf_counter()
-
-            privacy_report = getattr(strategy, "privacy_report", None)
-            should_stop = getattr(strategy, "should_stop", None)
-            registry = ClientRegistry(population)
-
-            def on_round(outcome: RoundOutcome) -> None:
-                recorder.end_round(
-                    outcome.server_round,
-                    aggregated=metrics_dict(outcome.train_metrics),
-                    aggregated_evaluate=metrics_dict(outcome.evaluate_metrics),
-                    central=metrics_dict(outcome.central_metrics),
-                    privacy=privacy_report() if privacy_report is not None else None,
-                    client_privacy=_client_privacy(
-                        config, participation, registry, store, outcome.server_round
-                    ),
-                )
-                last = outcome.server_round == config.rounds or (
-                    should_stop is not None
-                    and outcome.server_round >= 1
-                    and should_stop(outcome.server_round + 1)  # the budget ends the run here
-                )
-                if outcome.server_round and (
-                    outcome.server_round % config.checkpoint_every == 0 or last
-                ):
-                    arrays_now = {k: np.array(v) for k, v in to_numpy(outcome.arrays).items()}
-                    writer.sync()  # the checkpoint must never be ahead of rounds.jsonl
-                    run_dir.save(Checkpoint(outcome.server_round, arrays_now, strategy, {}))
-
-            final = run_rounds(
-                strategy,
-                grid,
-                arrays,
-                config.rounds,
-                timeout=config.timeout,
-                evaluate_fn=averaged_evaluation(
-                    strategy,
-                    personal.evaluate if personal else central_evaluator(config, spec, dataset),
-                ),
-                on_round=on_round,
-                first_round=start_round,
-            )
-            grid.wait_idle()
-        finished = time.perf_counter()
-        np.savez(out / "model.npz", **to_numpy(final))
-        summary = _summary(
-            config, dataset, engine, read_rounds(writer.rounds_path), started, ready, finished
+        grid = run.engine.open_run(
+            run.client_app,
+            run.dataset.num_clients,
+            run_config={"seed": config.seed},
+            participation=engine_participation(config, run.participation),
+            observer=recorder,
+            state_store=run.run_dir.store,
+            faults=config.faults,
+            # Memory-mapped files are opened by each worker, not copied to it.
+            datasets=() if _file_backed(run.dataset) else ((config.data, run.dataset),),
+            secrets=run.root,
         )
-        summary["resumed_after_round"] = start_round - 1 if resume else None
-        summary.update(_privacy_summary(strategy, read_rounds(writer.rounds_path)))
-        writer.write_summary(summary)
-        if config.audit is not None:  # reads the files just written; adds audit.json
-            summary["audit"] = run_configured_audit(load_finished_run(out), config.audit)
-            writer.write_summary(summary)
-        if own_engine:
-            engine.close()
-        return summary
-    finally:
-        close = getattr(strategy, "close", None)  # e.g. DMM's committee actors
-        if close is not None:
-            close()
-        if committee_host is not None:
-            committee_host.close()
-        if committee is not None:
-            committee.close()
-        writer.close()
-        run_dir.close()
+        ready = time.perf_counter()
+        evaluate = (
+            run.personal.evaluate
+            if run.personal
+            else central_evaluator(config, run.spec, run.dataset)
+        )
+        final = run_rounds(
+            run.strategy,
+            grid,
+            run.arrays,
+            config.rounds,
+            timeout=config.timeout,
+            evaluate_fn=averaged_evaluation(run.strategy, evaluate),
+            on_round=_round_handler(run, recorder),
+            first_round=run.start_round,
+        )
+        grid.wait_idle()
+    return final, ready
+
+
+def _round_handler(run: ExperimentRun, recorder: RoundRecorder) -> Callable[[RoundOutcome], None]:
+    """What happens after each round: its line in rounds.jsonl, then a checkpoint when one
+    is due (every ``checkpoint_every`` rounds, and at the last round, also when the
+    strategy's privacy budget ends the run early)."""
+    config, strategy = run.config, run.strategy
+    privacy_report = getattr(strategy, "privacy_report", None)
+    should_stop = getattr(strategy, "should_stop", None)
+    registry = ClientRegistry(run.dataset.num_clients)
+
+    def on_round(outcome: RoundOutcome) -> None:
+        recorder.end_round(
+            outcome.server_round,
+            aggregated=metrics_dict(outcome.train_metrics),
+            aggregated_evaluate=metrics_dict(outcome.evaluate_metrics),
+            central=metrics_dict(outcome.central_metrics),
+            privacy=privacy_report() if privacy_report is not None else None,
+            client_privacy=_client_privacy(
+                config, run.participation, registry, run.run_dir.store, outcome.server_round
+            ),
+        )
+        last = outcome.server_round == config.rounds or (
+            should_stop is not None
+            and outcome.server_round >= 1
+            and should_stop(outcome.server_round + 1)  # the budget ends the run here
+        )
+        if outcome.server_round and (outcome.server_round % config.checkpoint_every == 0 or last):
+            arrays_now = {k: np.array(v) for k, v in to_numpy(outcome.arrays).items()}
+            run.writer.sync()  # the checkpoint must never be ahead of rounds.jsonl
+            run.run_dir.save(Checkpoint(outcome.server_round, arrays_now, strategy, {}))
+
+    return on_round
+
+
+def finish_run(run: ExperimentRun, final: ArrayRecord, ready: float) -> dict[str, Any]:
+    """Write model.npz and summary.json (then the configured audit's audit.json, whose
+    result the summary also gets); returns the summary."""
+    finished = time.perf_counter()
+    np.savez(run.out / "model.npz", **to_numpy(final))
+    records = read_rounds(run.writer.rounds_path)
+    summary = _summary(run.config, run.dataset, run.engine, records, run.started, ready, finished)
+    summary["resumed_after_round"] = run.start_round - 1 if run.resumed else None
+    summary.update(_privacy_summary(run.strategy, records))
+    run.writer.write_summary(summary)
+    if run.config.audit is not None:  # reads the files just written; adds audit.json
+        summary["audit"] = run_configured_audit(load_finished_run(run.out), run.config.audit)
+        run.writer.write_summary(summary)
+    return summary
+
+
+def close_run(run: ExperimentRun) -> None:
+    """Close what the run opened, whether it finished or failed: the strategy's own actors
+    (e.g. DMM's committee), the committee host and committee, the writer and the directory."""
+    close = getattr(run.strategy, "close", None)  # e.g. DMM's committee actors
+    if close is not None:
+        close()
+    if run.committee_host is not None:
+        run.committee_host.close()
+    if run.committee is not None:
+        run.committee.close()
+    run.writer.close()
+    run.run_dir.close()
 
 
 def _file_backed(dataset: FederatedDataset) -> bool:
     return any(isinstance(a, np.memmap) for a in dataset.to_arrays().values())
 
 
-def build_experiment_strategy(config: ExperimentConfig, participation: Participation) -> Strategy:
+def build_experiment_strategy(config: ExperimentConfig, participation: CohortModel) -> Strategy:
     """The configured strategy, with seeded sampling, for this participation model."""
     k = config.strategy.clients_per_round
     if is_personalised(config):
@@ -594,7 +444,7 @@ def build_experiment_strategy(config: ExperimentConfig, participation: Participa
         else 0.0,
         seed=config.seed,
         partial_aggregation="off" if compressed else config.strategy.partial_aggregation,
-        sampling=privacy_sampling(participation, config.rounds),
+        sampling=participation.accounting(config.rounds),
         population=participation.num_clients,
         rounds=config.rounds,
         metrics_in_clear=config.privacy.metrics_in_clear,
@@ -608,29 +458,9 @@ def build_experiment_strategy(config: ExperimentConfig, participation: Participa
     return SeededSampling(strategy, config.seed)
 
 
-def privacy_sampling(
-    participation: Participation, rounds: int
-) -> accounting.Sampling | accounting.MinSeparation:
-    """The accountant's model of the engine's training cohorts.
-
-    Uniform cohorts of ``k`` of ``N`` are fixed-size sampling without replacement,
-    Poisson cohorts are Poisson sampling at the same rate, a min-separation schedule
-    puts each client in at most ``ceil(rounds / b)`` rounds ``b`` apart, and anything
-    else is accounted as full participation (no amplification claimed).
-    """
-    if isinstance(participation, UniformCohort):
-        return accounting.FixedSizeSampling(participation.cohort_size, participation.num_clients)
-    if isinstance(participation, PoissonCohort):
-        return accounting.PoissonSampling(participation.rate)
-    if isinstance(participation, MinSeparationCohort):
-        b = participation.min_separation
-        return accounting.MinSeparation(b, -(-rounds // b))
-    return accounting.FullParticipation()
-
-
 def _client_privacy(
     config: ExperimentConfig,
-    participation: Participation,
+    participation: CohortModel,
     registry: ClientRegistry,
     store: ClientStateStore,
     server_round: int,
@@ -743,9 +573,3 @@ def _summary(
             "numpy": np.__version__,
         },
     }
-
-
-def with_engine(config: ExperimentConfig, **overrides: Any) -> ExperimentConfig:
-    """``config`` with [engine] keys replaced (command-line overrides)."""
-    changes = {k: v for k, v in overrides.items() if v is not None}
-    return dataclasses.replace(config, engine=dataclasses.replace(config.engine, **changes))

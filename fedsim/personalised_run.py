@@ -24,82 +24,15 @@ import numpy as np
 from flwr.app import ArrayRecord, MetricRecord
 from flwr.clientapp import ClientApp
 
-from fedsim.config import ConfigError, require, to_mapping
+from fedsim.config import ConfigError
 from fedsim.data import FederatedDataset
 from fedsim.randomness import Stream, public_generator
 from fedsim.record_codec import to_numpy
 from fedsim.workloads.bayesian import BayesSpec, build_bayes_model, model_arrays
 from fedsim.workloads.personalised import PersonalTraining, global_metrics, make_personal_app
-from fedsim.workloads.supervised import LocalTraining
-from strategies.registry import PERSONALISED, spec_for
 
 if TYPE_CHECKING:
-    from fedsim.experiment import ExperimentConfig
-
-BAYES_MLP = "bayes-mlp"
-
-
-def is_personalised(config: ExperimentConfig) -> bool:
-    return spec_for(config.strategy.name).personalised
-
-
-def check_personalised(config: ExperimentConfig) -> None:
-    """The config checks of a run with a personalised strategy (and of ``[personal]``)."""
-    name = config.strategy.name
-    if not is_personalised(config):
-        require(
-            config.personal is None,
-            "personal",
-            to_mapping(config.personal),
-            f"no [personal] table with strategy.name = {name!r} (it configures the clients "
-            f"of {', '.join(PERSONALISED)})",
-        )
-        require(
-            config.model.kind != BAYES_MLP,
-            "model.kind",
-            BAYES_MLP,
-            f"'logreg', 'mlp' or 'cnn' with strategy.name = {name!r} "
-            f"('{BAYES_MLP}' is the model of {', '.join(PERSONALISED)})",
-        )
-        return
-    require(
-        config.model.kind == BAYES_MLP,
-        "model.kind",
-        config.model.kind,
-        f"'{BAYES_MLP}' with strategy.name = {name!r} (a Bayesian body and personal head)",
-    )
-    BayesSpec(  # checks model.hidden / head_layers / rho_init before anything runs
-        in_features=1,
-        hidden=config.model.hidden,
-        num_classes=2,
-        head_layers=config.model.head_layers,
-        rho_init=config.model.rho_init,
-    )
-    require(
-        config.client == LocalTraining(seed=config.client.seed),
-        "client",
-        "set",
-        f"unset with strategy.name = {name!r}: its clients are configured by [personal]",
-    )
-    require(
-        config.evaluation.clients == 0,
-        "evaluation.clients",
-        config.evaluation.clients,
-        f"0 with strategy.name = {name!r}: every client evaluates its personal model every "
-        "evaluation.every rounds",
-    )
-    require(
-        config.evaluation.conformal is None and config.strategy.averaging is None,
-        "evaluation.conformal/strategy.averaging",
-        "set",
-        f"unset with strategy.name = {name!r}",
-    )
-    require(
-        config.strategy.sampling in ("poisson", "uniform"),
-        "strategy.sampling",
-        config.strategy.sampling,
-        f"'poisson' (Binomial, the reference sampler) or 'uniform' with strategy.name = {name!r}",
-    )
+    from fedsim.run_config import ExperimentConfig
 
 
 def personal_training(config: ExperimentConfig) -> PersonalTraining:

@@ -97,7 +97,6 @@ from fedsim.privacy.accounting import (
     round_event,
     split_noise_multiplier,
 )
-from fedsim.privacy.matrix.sensitivity import Participation
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.worker_reduce import (
     Accumulator,
@@ -347,11 +346,7 @@ class DPFedAvg(ClippedSumShell):
         self.ledger = PrivacyLedger(relation_for(self.sampling), delta, schedule)
         #: a min-separation schedule is enforced on every instruction, not assumed
         self.guard = (
-            None
-            if schedule is None
-            else ParticipationGuard(
-                Participation.separated(schedule.min_separation, schedule.max_participations)
-            )
+            None if schedule is None else ParticipationGuard(schedule.matrix_participation())
         )
         self.participation_refused: list[int] = []
         self.accountant = accountant

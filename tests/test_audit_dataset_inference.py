@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedsim.workloads.audits import dataset_inference as di
+from fedsim.audits import dataset_inference as di
 
 
 @pytest.fixture(autouse=True, scope="module")

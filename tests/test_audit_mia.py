@@ -8,8 +8,8 @@ import pytest
 import torch
 from sklearn.metrics import roc_auc_score
 
-from fedsim.workloads.audits import canaries, lm, mia, unlearn
-from fedsim.workloads.audits import dataset_inference as di
+from fedsim.audits import canaries, lm, mia, unlearn
+from fedsim.audits import dataset_inference as di
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -6,16 +6,17 @@ import math
 import numpy as np
 import pytest
 
-from fedsim.cli import main
-from fedsim.config import ConfigError, load_toml
-from fedsim.data import build_dataset
-from fedsim.experiment import ExperimentConfig, load_finished_run, trained_clients
-from fedsim.workloads.audits.dataset_inference import (
+from fedsim.audits.dataset_inference import (
     dataset_inference,
     resample_features,
     row_classifier,
 )
-from fedsim.workloads.audits.run_audit import audit_run
+from fedsim.audits.run_audit import audit_run
+from fedsim.cli import main
+from fedsim.config import ConfigError, load_toml
+from fedsim.data import build_dataset
+from fedsim.experiment import load_finished_run, trained_clients
+from fedsim.run_config import ExperimentConfig
 
 CONFIG = """
 name = "audit"
@@ -256,7 +257,8 @@ def test_cli_dataset_inference(runs, tmp_path, capsys):
 
 @pytest.mark.ray
 def test_configured_audit_of_a_federation_trained_on_the_ray_engine(tmp_path, ray_engine):
-    from fedsim.experiment import ExperimentConfig, run_experiment
+    from fedsim.experiment import run_experiment
+    from fedsim.run_config import ExperimentConfig
 
     path = tmp_path / "ray.toml"
     audit = '\n[audit]\nattacks = ["loss"]\n'

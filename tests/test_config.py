@@ -6,7 +6,7 @@ from typing import Literal
 import pytest
 
 from fedsim.config import ConfigError, from_mapping, load_toml, to_mapping
-from fedsim.experiment import ExperimentConfig
+from fedsim.run_config import ExperimentConfig
 
 BASE = {
     "rounds": 2,

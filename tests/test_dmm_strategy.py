@@ -108,7 +108,7 @@ def test_resume_from_the_checkpoint_and_the_members_sealed_states(local_engine, 
 
 
 def dmm_run_config(rounds: int):
-    from fedsim.experiment import ExperimentConfig  # noqa: PLC0415
+    from fedsim.run_config import ExperimentConfig  # noqa: PLC0415
 
     return ExperimentConfig.from_dict(
         {

@@ -49,16 +49,18 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "workloads": ("fedsim/workloads/",),
     # Flower Message-API strategies
     "strategies": ("strategies/",),
-    # the run front end: every other fedsim module (experiment.py, results.py, ...)
+    # privacy audits of finished runs (membership inference, canaries, dataset inference,
+    # unlearning): they take the rebuilt run (FinishedRun) as an argument; the front end
+    # rebuilds it (fedsim.experiment.load_finished_run) and runs the configured audit, and
+    # ``fedsim audit`` (commands) does both, so every arrow points down
+    "audits": ("fedsim/audits/",),
+    # the run front end: every other fedsim module (run_config.py, experiment.py, ...)
     "front end": ("fedsim/",),
-    # command-line modules and the studies under experiments/
+    # the command-line entry point, its subcommands and the studies under experiments/
     "commands": (
         "fedsim/__main__.py",
         "fedsim/cli.py",
-        "fedsim/privacy/account_cli.py",
-        "fedsim/privacy/matrix/cli.py",
-        "fedsim/workloads/audits/cli.py",
-        "fedsim/workloads/minmax_run.py",
+        "fedsim/commands/",
         "experiments/",
     ),
 }
@@ -75,8 +77,9 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "engine": _BASE,  # never strategies, workloads, the front end or commands
     "workloads": _BASE,  # never the engine
     "strategies": (*_BASE, "engine", "workloads"),
-    "front end": (*_BASE, "engine", "workloads", "strategies"),
-    "commands": (*_BASE, "engine", "workloads", "strategies", "front end"),
+    "audits": _BASE,  # nothing of the engine, workloads, strategies or front end
+    "front end": (*_BASE, "engine", "workloads", "strategies", "audits"),
+    "commands": (*_BASE, "engine", "workloads", "strategies", "audits", "front end"),
 }
 
 

@@ -8,9 +8,10 @@ import pytest
 from dp_accounting.rdp import RdpAccountant
 
 from fedsim.cli import main
-from fedsim.experiment import ExperimentConfig, run_experiment
+from fedsim.experiment import run_experiment
 from fedsim.randomness import RunSecret
 from fedsim.results import read_rounds
+from fedsim.run_config import ExperimentConfig
 from fedsim.rundir import RunDirectory
 
 RUN = """

@@ -5,7 +5,7 @@ import pytest
 
 from fedsim.config import ConfigError
 from fedsim.engine import NODE_ID_OFFSET, ClientRegistry, PoissonCohort, UniformCohort
-from fedsim.engine.participation import FullParticipation
+from fedsim.engine.participation import FullCohort
 
 
 def test_registry_maps_both_ways_and_rejects_strangers():
@@ -63,7 +63,7 @@ def test_bad_parameters_name_themselves():
         UniformCohort(10, 11, seed=0)
     with pytest.raises(ConfigError, match="rate"):
         PoissonCohort(10, 0.0, seed=0)
-    assert np.array_equal(FullParticipation(4).cohort(9), np.arange(4))
+    assert np.array_equal(FullCohort(4).cohort(9), np.arange(4))
 
 
 @pytest.mark.parametrize("n,b", [(1000, 7), (12, 12), (1_000_000, 1000), (5, 1)])
@@ -81,3 +81,48 @@ def test_min_separation_schedule(n, b):
     for r, group in enumerate(groups, start=1):
         assert all(model.group_of(int(k)) == r - 1 for k in group[:20])
     assert len(model.cohort(3, kind=1)) == model.group_size(0)
+
+
+def test_each_cohort_model_gives_the_accounting_view_of_its_draws():
+    """One sampling fact: the sampler the accountant is told about is the one that draws."""
+    from fedsim.engine.participation import MinSeparationCohort
+    from fedsim.privacy import accounting
+
+    uniform = UniformCohort(50, 7, seed=1).accounting(rounds=9)
+    assert uniform == accounting.FixedSizeSampling(7, 50)
+    assert all(len(UniformCohort(50, 7, seed=1).cohort(r)) == uniform.sample_size for r in (1, 2))
+    assert PoissonCohort(50, 0.2, seed=1).accounting(9) == accounting.PoissonSampling(0.2)
+    assert FullCohort(50).accounting(9) == accounting.FullParticipation()
+    # min-separation: b rounds apart, ceil(T / b) participations, as the schedule draws them
+    model = MinSeparationCohort(40, 4, seed=3)
+    view = model.accounting(rounds=10)
+    assert view == accounting.MinSeparation(4, 3)
+    rounds_of: dict[int, list[int]] = {}
+    for r in range(1, 11):
+        for k in model.cohort(r):
+            rounds_of.setdefault(int(k), []).append(r)
+    assert max(map(len, rounds_of.values())) == view.participations(10)
+    assert min(b - a for rs in rounds_of.values() for a, b in zip(rs, rs[1:])) == 4
+
+
+def test_the_min_separation_view_gives_the_matrix_schema_the_guard_enforces():
+    """The matrix mechanism's schema of the schedule (matrix_participation) admits every
+    training cohort the engine draws, and nothing more: a client whose k participations are
+    spent, or one asked back before b rounds have passed, is refused."""
+    from fedsim.engine.participation import MinSeparationCohort
+    from fedsim.privacy.matrix.sensitivity import Participation
+    from strategies.participation_guard import ParticipationGuard
+
+    model = MinSeparationCohort(30, 3, seed=5)
+    schema = model.accounting(rounds=9).matrix_participation()
+    assert schema == Participation.separated(3, 3)
+    guard = ParticipationGuard(schema, rounds=9)
+    for row in range(9):  # round row + 1
+        for k in map(int, model.cohort(row + 1)):
+            assert guard.refusal(k, row) is None
+            first, _, count = guard.history.get(k, (row, row, 0))
+            guard.history[k] = (first, row, count + 1)
+    spent = int(model.cohort(1)[0])  # trained at rows 0, 3 and 6
+    assert "trained 3 times" in guard.refusal(spent, 9)
+    early = ParticipationGuard(schema, rounds=9, history={spent: (0, 0, 1)})
+    assert "min-separation" in early.refusal(spent, 2)

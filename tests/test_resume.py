@@ -15,9 +15,10 @@ import fedsim
 import fedsim.rundir as rundir
 from fedsim.cli import main
 from fedsim.config import ConfigError
-from fedsim.experiment import ExperimentConfig, run_experiment
+from fedsim.experiment import run_experiment
 from fedsim.randomness import RunSecret
 from fedsim.results import read_rounds
+from fedsim.run_config import ExperimentConfig
 
 CONFIG = """
 seed = 11
@@ -73,7 +74,8 @@ ROOT = Path(fedsim.__file__).resolve().parent.parent
 # A run in its own process, with the fixed secret root that resuming needs.
 PROCESS = """
 import sys
-from fedsim.experiment import ExperimentConfig, run_experiment
+from fedsim.experiment import run_experiment
+from fedsim.run_config import ExperimentConfig
 from fedsim.randomness import RunSecret
 config, out, mode = sys.argv[1:]
 run_experiment(ExperimentConfig.load(config), out, resume=mode == "resume", progress=False,

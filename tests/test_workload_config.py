@@ -4,8 +4,9 @@
 import pytest
 
 from fedsim.config import ConfigError, from_mapping
-from fedsim.experiment import ExperimentConfig, run_experiment
+from fedsim.experiment import run_experiment
 from fedsim.results import read_rounds
+from fedsim.run_config import ExperimentConfig
 from fedsim.workloads.averaging import Averaging
 from fedsim.workloads.compression import Quantization
 from fedsim.workloads.optim import ClientOptimizer

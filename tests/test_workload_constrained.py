@@ -223,7 +223,7 @@ def test_experiment_config_selects_constraints_and_checks_the_model():
     import tomllib
     from pathlib import Path
 
-    from fedsim.experiment import ExperimentConfig
+    from fedsim.run_config import ExperimentConfig
 
     path = Path(__file__).parents[1] / "experiments/workloads/configs/constrained.toml"
     config = ExperimentConfig.load(path)

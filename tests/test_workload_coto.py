@@ -13,10 +13,11 @@ from torch import nn
 from fedsim.config import ConfigError
 from fedsim.data import DatasetSpec, build_dataset
 from fedsim.engine.rounds import run_rounds
-from fedsim.experiment import ExperimentConfig, run_experiment
+from fedsim.experiment import run_experiment
 from fedsim.models import ModelSpec, build_model, initial_arrays, load_arrays
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.results import read_rounds
+from fedsim.run_config import ExperimentConfig
 from fedsim.workloads.coto import (
     CoToController,
     CoToSchedule,

@@ -187,7 +187,7 @@ def test_hdm_hb_clients_run_in_a_client_app_on_ray(ray_engine):
 def test_experiment_config_selects_hdm_hb():
     from pathlib import Path
 
-    from fedsim.experiment import ExperimentConfig
+    from fedsim.run_config import ExperimentConfig
 
     path = Path(__file__).parents[1] / "experiments/workloads/configs/hdm_hb.toml"
     config = ExperimentConfig.load(path)

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from fedsim.cli import main
+from fedsim.commands.minmax import GameConfig, MinmaxConfig
 from fedsim.config import ConfigError
 from fedsim.workloads.compression import Quantization, wire_bits
 from fedsim.workloads.minmax import LinearGame, qoda
-from fedsim.workloads.minmax_run import GameConfig, MinmaxConfig
 
 
 def distance(point, target):

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
     FLOWER_LOGGER.setLevel(logging.WARNING)
     from fedsim.engine import Engine  # noqa: PLC0415
-    from fedsim.experiment import ExperimentConfig  # noqa: PLC0415
+    from fedsim.run_config import ExperimentConfig  # noqa: PLC0415
 
     base = {
         "bandmf": ExperimentConfig.load(HERE / "configs" / "bandmf.toml"),

@@ -7,9 +7,9 @@ in all, so the non-private model overfits), an MLP with 32 hidden units, DP-FedA
 clients every round for 30 rounds, 10 local epochs (batch 8, lr 0.1), clipping norm 3, noise
 multiplier calibrated (RDP, the run's own sampling model and relation, delta 1e-5) to epsilon
 1, 4, 16, and 0 for epsilon = inf (clipping only). The loss and zlib attacks score the 397
-member rows against 397 of the held-out rows (``fedsim.workloads.audits.run_audit``).
+member rows against 397 of the held-out rows (``fedsim.audits.run_audit``).
 
-Part ``canary``: the byte-level GPT-2 of ``fedsim.workloads.audits.lm`` (1 layer, width 32),
+Part ``canary``: the byte-level GPT-2 of ``fedsim.audits.lm`` (1 layer, width 32),
 FedAvg over 2 clients (4 rounds x 40 local AdamW steps, batch 16, lr 5e-3) on 30 synthetic PII
 records per client, plus 20 minority canaries (rarest name origin, email, phone and ID
 formats) and 20 random canaries (drawn like the population), each repeated 3 times in client
@@ -50,18 +50,17 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from fedsim.audits import canaries, lm, mia  # noqa: E402
+from fedsim.audits import dataset_inference as di  # noqa: E402
+from fedsim.audits.run_audit import audit_run  # noqa: E402
+from fedsim.audits.unlearn import unlearn  # noqa: E402
 from fedsim.experiment import (  # noqa: E402
-    ExperimentConfig,
     load_finished_run,
     participation_for,
-    privacy_sampling,
     run_experiment,
 )
 from fedsim.privacy import accounting  # noqa: E402
-from fedsim.workloads.audits import canaries, lm, mia  # noqa: E402
-from fedsim.workloads.audits import dataset_inference as di  # noqa: E402
-from fedsim.workloads.audits.run_audit import audit_run  # noqa: E402
-from fedsim.workloads.audits.unlearn import unlearn  # noqa: E402
+from fedsim.run_config import ExperimentConfig  # noqa: E402
 from strategies.dp_fedavg import relation_for  # noqa: E402
 
 from experiments.roots import default_key, seed_root, study_root  # noqa: E402
@@ -108,7 +107,7 @@ def noise_for(epsilon: float) -> float:
     if math.isinf(epsilon):
         return 0.0
     config = dp_config(0, 1.0)
-    sampling = privacy_sampling(participation_for(config, CLIENTS), ROUNDS)
+    sampling = participation_for(config, CLIENTS).accounting(ROUNDS)
     return accounting.calibrate_noise(
         epsilon, DELTA, sampling, ROUNDS, "rdp", relation_for(sampling)
     )

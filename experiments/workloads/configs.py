@@ -60,8 +60,9 @@ def run(name: str) -> dict[str, Any]:
     import torch  # noqa: PLC0415
 
     from fedsim.config import load_toml  # noqa: PLC0415
-    from fedsim.experiment import ExperimentConfig, run_experiment  # noqa: PLC0415
+    from fedsim.experiment import run_experiment  # noqa: PLC0415
     from fedsim.results import read_rounds  # noqa: PLC0415
+    from fedsim.run_config import ExperimentConfig  # noqa: PLC0415
 
     torch.set_num_threads(1)
     logging.getLogger("flwr").setLevel(logging.WARNING)

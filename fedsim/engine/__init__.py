@@ -5,9 +5,9 @@ from fedsim.engine.client_registry import NODE_ID_OFFSET, ClientRegistry
 from fedsim.engine.faults import FaultConfig
 from fedsim.engine.grid import PhaseObserver, PhaseReport, SimulationGrid
 from fedsim.engine.participation import (
-    FullParticipation,
+    CohortModel,
+    FullCohort,
     MinSeparationCohort,
-    Participation,
     PoissonCohort,
     UniformCohort,
 )
@@ -22,13 +22,13 @@ __all__ = [
     "ClientRegistry",
     "ClientStateStore",
     "ClientWorker",
+    "CohortModel",
     "Engine",
     "EngineConfig",
     "FaultConfig",
-    "FullParticipation",
+    "FullCohort",
     "LocalBackend",
     "MinSeparationCohort",
-    "Participation",
     "PhaseObserver",
     "PhaseReport",
     "PoissonCohort",

@@ -20,7 +20,7 @@ returns one partial reply in place of its clients' replies: ``pull_messages``
 then gives one reply per batch, whose ``reply_to_message_id`` is that of the
 batch's first message.
 
-Each push is one *phase*. A :class:`~fedsim.engine.participation.Participation`
+Each push is one *phase*. A :class:`~fedsim.engine.participation.CohortModel`
 model decides which node ids ``get_node_ids`` reports in each phase; every
 finished phase is reported to an observer as a :class:`PhaseReport`.
 """
@@ -44,7 +44,7 @@ from fedsim.engine.backend import Backend
 from fedsim.engine.client_registry import ClientRegistry
 from fedsim.engine.dispatch import Dispatcher, batch_sizes
 from fedsim.engine.faults import FaultConfig, client_faults, crash_point
-from fedsim.engine.participation import Participation
+from fedsim.engine.participation import CohortModel
 from fedsim.engine.state import ClientStateStore
 from fedsim.engine.worker import BatchResult, ClientBatch, Content
 from fedsim.record_codec import content_nbytes, records_of
@@ -179,7 +179,7 @@ class SimulationGrid(Grid):
         registry: ClientRegistry,
         run: Run,
         *,
-        participation: Participation | None = None,
+        participation: CohortModel | None = None,
         state_store: ClientStateStore | None = None,
         observer: PhaseObserver | None = None,
         faults: FaultConfig | None = None,

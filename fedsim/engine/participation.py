@@ -14,6 +14,12 @@ fedsim's round loop declares each phase (:meth:`SimulationGrid.begin_phase`);
 for a ServerApp whose loop fedsim does not see, the grid uses the number of the
 phase (one per ``send_and_receive`` or ``push_messages``) as the round and 0 as
 the kind. Every model costs O(cohort) time and memory per draw.
+
+Each model also gives its accounting view (:meth:`CohortModel.accounting`): the sampling
+model of :mod:`fedsim.privacy.accounting` that describes its training cohorts, so that the
+cohorts drawn and the amplification claimed are one fact. The names of the models here say
+*cohort*; the names ``FullParticipation`` and ``Participation`` belong to the privacy side
+(:mod:`fedsim.privacy.accounting`, :mod:`fedsim.privacy.matrix.sensitivity`).
 """
 
 from __future__ import annotations
@@ -25,11 +31,18 @@ from math import gcd
 import numpy as np
 
 from fedsim.config import require
+from fedsim.privacy.accounting import (
+    FixedSizeSampling,
+    FullParticipation,
+    MinSeparation,
+    PoissonSampling,
+    Sampling,
+)
 
 TRAIN, EVALUATE = 0, 1
 
 
-class Participation(ABC):
+class CohortModel(ABC):
     """Draws the partition ids available in one phase."""
 
     num_clients: int
@@ -38,9 +51,14 @@ class Participation(ABC):
     def cohort(self, server_round: int, kind: int = TRAIN) -> np.ndarray:
         """Sorted int64 partition ids available (deterministic in the seed)."""
 
+    @abstractmethod
+    def accounting(self, rounds: int) -> Sampling:
+        """The privacy accountant's model of the training cohorts of a ``rounds``-round run
+        (the amplification, if any, that these draws justify)."""
+
 
 @dataclass(frozen=True, slots=True)
-class FullParticipation(Participation):
+class FullCohort(CohortModel):
     """Every client is available in every phase (Flower's default)."""
 
     num_clients: int
@@ -48,9 +66,13 @@ class FullParticipation(Participation):
     def cohort(self, server_round: int, kind: int = TRAIN) -> np.ndarray:
         return np.arange(self.num_clients, dtype=np.int64)
 
+    def accounting(self, rounds: int) -> FullParticipation:
+        """Every client in every round: no amplification claimed."""
+        return FullParticipation()
+
 
 @dataclass(frozen=True, slots=True)
-class UniformCohort(Participation):
+class UniformCohort(CohortModel):
     """``cohort_size`` clients drawn uniformly without replacement."""
 
     num_clients: int
@@ -70,9 +92,13 @@ class UniformCohort(Participation):
         rng = np.random.default_rng([self.seed, server_round, kind])
         return np.sort(rng.choice(self.num_clients, size=self.cohort_size, replace=False))
 
+    def accounting(self, rounds: int) -> FixedSizeSampling:
+        """Fixed-size sampling of ``cohort_size`` of ``num_clients`` without replacement."""
+        return FixedSizeSampling(self.cohort_size, self.num_clients)
+
 
 @dataclass(frozen=True, slots=True)
-class PoissonCohort(Participation):
+class PoissonCohort(CohortModel):
     """Each client independently with probability ``rate`` (Poisson sampling).
 
     Drawn as ``n ~ Binomial(N, rate)`` followed by a uniform ``n``-subset, which
@@ -92,9 +118,13 @@ class PoissonCohort(Participation):
         size = int(rng.binomial(self.num_clients, self.rate))
         return np.sort(rng.choice(self.num_clients, size=size, replace=False))
 
+    def accounting(self, rounds: int) -> PoissonSampling:
+        """Poisson sampling at ``rate``."""
+        return PoissonSampling(self.rate)
+
 
 @dataclass(frozen=True, slots=True)
-class MinSeparationCohort(Participation):
+class MinSeparationCohort(CohortModel):
     """A fixed schedule in which a client trains at most once every ``b`` rounds.
 
     The population is split by a seeded permutation into ``b`` groups of equal
@@ -148,3 +178,10 @@ class MinSeparationCohort(Participation):
         """The group (0..b-1) of a client; it trains in rounds r with (r-1) mod b == group."""
         a, c = self._permutation()
         return ((a * partition_id + c) % self.num_clients) % self.min_separation
+
+    def accounting(self, rounds: int) -> MinSeparation:
+        """b-min-separation with at most ``ceil(rounds / b)`` participations per client (its
+        :meth:`~fedsim.privacy.accounting.MinSeparation.matrix_participation` is the matrix
+        mechanism's schema of the same schedule)."""
+        b = self.min_separation
+        return MinSeparation(b, -(-rounds // b))

@@ -29,7 +29,7 @@ from fedsim.engine.client_registry import ClientRegistry
 from fedsim.engine.cluster import ensure_ray
 from fedsim.engine.faults import FaultConfig
 from fedsim.engine.grid import PhaseObserver, SimulationGrid
-from fedsim.engine.participation import Participation
+from fedsim.engine.participation import CohortModel
 from fedsim.engine.state import ClientStateStore
 from fedsim.engine.worker import ClientAppSource, RunSpec, SharedDataset
 from fedsim.randomness import NODE_SECRET_KEY, RunSecret
@@ -185,7 +185,7 @@ class Engine:
         num_clients: int,
         *,
         run_config: dict[str, Any] | None = None,
-        participation: Participation | None = None,
+        participation: CohortModel | None = None,
         observer: PhaseObserver | None = None,
         state_store: ClientStateStore | None = None,
         faults: FaultConfig | None = None,
@@ -256,7 +256,7 @@ class Engine:
         num_supernodes: int,
         *,
         run_config: dict[str, Any] | None = None,
-        participation: Participation | None = None,
+        participation: CohortModel | None = None,
         observer: PhaseObserver | None = None,
         faults: FaultConfig | None = None,
         raise_errors: bool = False,

@@ -6,8 +6,9 @@ Modules:
   ``dp_accounting`` events, the run's :class:`~fedsim.privacy.accounting.PrivacyLedger`,
   epsilon and noise calibration;
 - :mod:`fedsim.privacy.events` -- an explicit JSON (de)serialiser for the event classes used;
-- :mod:`fedsim.privacy.mechanisms` -- Gaussian, exact discrete Gaussian and Skellam noise;
-- :mod:`fedsim.privacy.account_cli` -- the ``fedsim account`` command.
+- :mod:`fedsim.privacy.mechanisms` -- Gaussian, exact discrete Gaussian and Skellam noise.
+
+The ``fedsim account`` command over these is :mod:`fedsim.commands.account`.
 
 Nothing here imports Ray or Flower.
 """

@@ -55,6 +55,7 @@ from dp_accounting.rdp import rdp_privacy_accountant as rdp_accountant
 
 from fedsim.config import ConfigError, require
 from fedsim.privacy.events import check_event, event_from_dict, event_to_dict, kind_of
+from fedsim.privacy.matrix.sensitivity import Participation
 
 Accountant = Literal["rdp", "pld"]
 ACCOUNTANTS: tuple[str, ...] = ("rdp", "pld")
@@ -183,6 +184,11 @@ class MinSeparation:
     def participations(self, rounds: int) -> int:
         """The most rounds out of ``rounds`` consecutive ones that one client can be in."""
         return min(self.max_participations, -(-rounds // self.min_separation))
+
+    def matrix_participation(self) -> Participation:
+        """The same schedule as the matrix mechanism's participation schema (its sensitivity
+        and the participation guard read this): ``min_sep`` = b, at most k participations."""
+        return Participation.separated(self.min_separation, self.max_participations)
 
 
 Sampling = PoissonSampling | FixedSizeSampling | FullParticipation | MinSeparation

@@ -39,9 +39,10 @@ import fedsim
 from fedsim.checkpoint import STATE_FILE, checkpoint_path
 from fedsim.config import ConfigError, to_mapping
 from fedsim.engine import NODE_ID_OFFSET
-from fedsim.experiment import ExperimentConfig, load_run_config, run_experiment
+from fedsim.experiment import load_run_config, run_experiment
 from fedsim.randomness import RunSecret
 from fedsim.results import read_rounds
+from fedsim.run_config import ExperimentConfig
 from fedsim.rundir import RunDirectory
 
 ROOT = Path(fedsim.__file__).resolve().parent.parent

@@ -21,11 +21,12 @@ import pytest
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
 from fedsim.engine import Engine, EngineConfig
-from fedsim.experiment import ExperimentConfig, run_experiment
+from fedsim.experiment import run_experiment
 from fedsim.models import ModelSpec, initial_arrays
 from fedsim.randomness import NODE_SECRET_KEY, RunSecret
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.results import read_rounds
+from fedsim.run_config import ExperimentConfig
 from fedsim.run_root import RUN_FILE
 from fedsim.workloads.supervised import LocalTraining, make_client_app
 

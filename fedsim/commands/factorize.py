@@ -14,11 +14,9 @@ build took and whether it came from the cache. Bad input raises
 from __future__ import annotations
 
 import argparse
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
-from fedsim.config import ConfigError
+from fedsim.commands.flags import flags
 from fedsim.privacy.matrix.build import KINDS, Spec, cached
 
 FLAGS = {
@@ -33,17 +31,6 @@ FLAGS = {
     "buffers": "--buffers",
     "out": "--out",
 }
-
-
-@contextlib.contextmanager
-def flags(names: dict[str, str] = FLAGS) -> Iterator[None]:
-    """Re-raise the library's ConfigErrors under the flag that set the value."""
-    try:
-        yield
-    except ConfigError as err:
-        if err.key in names:
-            raise ConfigError(names[err.key], err.value, err.allowed) from err
-        raise
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -72,7 +59,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Execute a parsed ``fedsim factorize``; returns the JSON-ready summary."""
-    with flags():
+    with flags(FLAGS):
         spec = Spec(
             kind=args.kind,
             rounds=args.rounds,

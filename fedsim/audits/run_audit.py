@@ -14,7 +14,7 @@ run's seed, and each row gets a membership score (higher = member):
   features (Carlini et al., USENIX Security 2021), a reference-free difficulty calibration.
 
 ``dataset-inference`` asks whether the member rows, as a set, were trained on: post-hoc
-dataset inference (Zhao et al., ICML 2025; :mod:`fedsim.workloads.audits.dataset_inference`)
+dataset inference (Zhao et al., ICML 2025; :mod:`fedsim.audits.dataset_inference`)
 with synthetic held-out copies of the rows (:func:`resample_features`: each feature, with
 probability ``SYNTHETIC_RATE``, taken from another row of the same set), the loss and zlib
 scores as MIA features and logistic regression on the raw rows as the real-vs-synthetic
@@ -30,7 +30,7 @@ The ``[audit]`` table of an experiment config (:class:`AuditConfig`) runs these 
 
 Min-k% prob needs a sequence of token predictions; a classifier gives one prediction per row,
 so ``mink`` is refused for these runs (it applies to the audit's language models,
-:mod:`fedsim.workloads.audits.lm`).
+:mod:`fedsim.audits.lm`).
 """
 
 from __future__ import annotations
@@ -45,14 +45,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedsim.config import ConfigError, require
-from fedsim.results_json import dumps, json_ready
-from fedsim.workloads.audits.dataset_inference import (
+from fedsim.audits.dataset_inference import (
     dataset_inference,
     resample_features,
     row_classifier,
 )
-from fedsim.workloads.audits.mia import attack_metrics
+from fedsim.audits.mia import attack_metrics
+from fedsim.config import ConfigError, require
+from fedsim.results_json import dumps, json_ready
 
 RUN_ATTACKS = ("loss", "zlib")
 DATASET_INFERENCE = "dataset-inference"

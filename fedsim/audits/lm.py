@@ -10,7 +10,7 @@ few small layers, initialised from a seed. :func:`federated_train` runs FedAvg (
 al., AISTATS 2017: each round every client takes ``local_steps`` AdamW steps from the global
 weights, the server averages the client weights weighted by the clients' text counts) in this
 process; :func:`token_log_probs` gives every sequence's ``log p(x_t | x_<t)`` for the attacks
-of :mod:`fedsim.workloads.audits.mia`.
+of :mod:`fedsim.audits.mia`.
 """
 
 from __future__ import annotations

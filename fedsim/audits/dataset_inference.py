@@ -13,7 +13,7 @@ in-distribution held-out set; the post-hoc variant needs no such set:
    from a character n-gram model fitted to the suspect set (the paper's suffix-completion
    generator, with an n-gram model in place of a fine-tuned LLM).
 2. **MIA features** of every text under the audited model (:func:`mia_features`): the loss,
-   zlib and min-k% (several k) scores of :mod:`fedsim.workloads.audits.mia`.
+   zlib and min-k% (several k) scores of :mod:`fedsim.audits.mia`.
 3. **Real-vs-synthetic text classifier** (post-hoc calibration): logistic regression on
    character 1-4-gram TF-IDF features, fitted on split A; its probability that a text is
    synthetic captures the generator's distribution shift, which is not membership.
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy import stats
 
-from fedsim.workloads.audits import mia
+from fedsim.audits import mia
 
 CHARACTER_CLASSES = {
     "digit": "0123456789",
@@ -302,8 +302,8 @@ def run_dataset_inference(
     splits: int = 10,
 ) -> DatasetInferenceResult:
     """Generate the synthetic held-out set (``perturb`` or ``markov``), score both sets with
-    the language ``model`` (:func:`fedsim.workloads.audits.lm.token_log_probs`) and test."""
-    from fedsim.workloads.audits.lm import token_log_probs  # noqa: PLC0415
+    the language ``model`` (:func:`fedsim.audits.lm.token_log_probs`) and test."""
+    from fedsim.audits.lm import token_log_probs  # noqa: PLC0415
 
     if generator == "perturb":
         synthetic = perturb_characters(suspect_texts, rng)

@@ -2,7 +2,7 @@
 [--out FILE]``.
 
 Registers the subcommand (no heavy imports here) and runs it: loads the finished run,
-computes the membership-inference audit (:mod:`fedsim.workloads.audits.run_audit`), writes
+computes the membership-inference audit (:mod:`fedsim.audits.run_audit`), writes
 ``audit.json`` (or ``--out``) and prints a summary.
 """
 
@@ -43,12 +43,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``fedsim audit``; errors print ``fedsim: error: ...`` and return 2."""
-    from fedsim.experiment import load_finished_run  # noqa: PLC0415
-    from fedsim.workloads.audits.run_audit import (  # noqa: PLC0415
+    from fedsim.audits.run_audit import (  # noqa: PLC0415
         audit_run,
         format_audit,
         write_audit,
     )
+    from fedsim.experiment import load_finished_run  # noqa: PLC0415
 
     try:
         run = load_finished_run(args.run_dir)

@@ -13,7 +13,7 @@ after the baselines of Maini et al. ("TOFU", 2024):
   random byte (plus ``retain_weight * L(retain batch)`` when a retain set is given), so the
   model unlearns the texts by fitting noise instead of ascending without bound.
 
-``L`` is the mean token NLL of :func:`fedsim.workloads.audits.lm.mean_loss`. The audit then
+``L`` is the mean token NLL of :func:`fedsim.audits.lm.mean_loss`. The audit then
 compares the forget set's MIA AUC (forget vs unseen texts of the same kind) after unlearning
 with that of a model retrained without the forget set, the gold standard (AUC near 0.5).
 Gradient ascent has no natural end; ``stop_at_loss`` stops it once the forget set's loss
@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from fedsim.workloads.audits.lm import batch_tensors, max_len_of, mean_loss, sequence_losses
+from fedsim.audits.lm import batch_tensors, max_len_of, mean_loss, sequence_losses
 
 METHODS = ("gradient_ascent", "ascent_descent", "random_label")
 

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from fedsim.commands.flags import flags
 from fedsim.config import ConfigError, require
 from fedsim.privacy import accounting as acc
 
@@ -54,17 +55,6 @@ _FEDAVG_FLAGS = {
 _SGD_FLAGS = {**_FEDAVG_FLAGS, "rate": "--batch-size", "rounds": "--epochs"}
 #: one accounted setting: (sampling, neighbouring relation, echoed inputs, rounds or steps)
 Setting = tuple[acc.Sampling, acc.NeighbouringRelation, dict[str, Any], int]
-
-
-@contextlib.contextmanager
-def _flags(names: dict[str, str]) -> Iterator[None]:
-    """Re-raise the library's ConfigErrors under the name of the flag that set the value."""
-    try:
-        yield
-    except ConfigError as err:
-        if err.key in names:
-            raise ConfigError(names[err.key], err.value, err.allowed) from err
-        raise
 
 
 def _common(parser: argparse.ArgumentParser, *, relation: bool) -> None:
@@ -392,7 +382,7 @@ def _epsilon(args: argparse.Namespace) -> dict[str, Any]:
     z = _check_noise(args.noise_multiplier, accountant)
     mechanism = MECHANISMS[args.mechanism]
     sampling, relation, echo, rounds = mechanism.setting(args, mechanism.value(args))
-    with _flags(mechanism.flags):
+    with flags(mechanism.flags):
         eps = acc.epsilon(z, sampling, rounds, delta, accountant, relation)
     return {
         "command": args.mechanism,
@@ -416,7 +406,7 @@ def _calibrate(args: argparse.Namespace) -> dict[str, Any]:
     mechanism = MECHANISMS[args.mechanism]
     sampling, relation, echo, rounds = mechanism.setting(args, mechanism.value(args))
     mechanism.check_length(args, "calibrate")
-    with _flags(mechanism.flags):
+    with flags(mechanism.flags):
         if accountant == "pld":  # PLD's answer lies below RDP's: refuse before PLD sees tiny z
             z_rdp = _rdp_calibration(float(target), delta, sampling, rounds, relation)
             require(
@@ -464,7 +454,6 @@ def _matrix(args: argparse.Namespace) -> dict[str, Any]:
     the clipping norm."""
     from fedsim.privacy.matrix import Factorization  # noqa: PLC0415
     from fedsim.privacy.matrix.build import spec_of  # noqa: PLC0415
-    from fedsim.privacy.matrix.cli import flags  # noqa: PLC0415
     from fedsim.privacy.matrix.sensitivity import Participation  # noqa: PLC0415
 
     delta, accountant = _check_common(args)
@@ -556,11 +545,11 @@ def _sweep(args: argparse.Namespace) -> dict[str, Any]:
     mechanism = MECHANISMS[args.mechanism]
     mechanism.check_length(args, "sweep")
     settings = [mechanism.setting(args, value) for value in mechanism.value(args) or [None]]
-    x_name, flags = mechanism.length, mechanism.flags
+    x_name, names = mechanism.length, mechanism.flags
     for z in zs:
         for sampling, relation, echo, total in settings:
             grid = _grid(total, points)
-            with _flags(flags):
+            with flags(names):
                 eps = acc.epsilon_curve(z, sampling, grid, delta, accountant, relation)
             label = f"z={z:g}, q={echo['sampling_rate']:g}"
             curves.append(
