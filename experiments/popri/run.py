@@ -479,7 +479,8 @@ def stage_spread(ctx: Context) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, texts in (("base", base), ("nonprivate", private)):
         accs = [ctx.finetune(texts, purpose=100 + k)["accuracy"] for k in range(SPREAD_SEEDS)]
-        out[name] = {"accuracies": accs, "mean": float(np.mean(accs)), "std": float(np.std(accs))}
+        std = float(np.std(accs, ddof=1))  # sample standard deviation
+        out[name] = {"accuracies": accs, "mean": float(np.mean(accs)), "std": std}
     return out
 
 
