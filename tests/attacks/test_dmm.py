@@ -103,6 +103,42 @@ def test_the_server_cannot_replay_a_clients_noise(local_engine):
         assert token not in text
 
 
+def _unchanged_model_app():
+    """A ClientApp whose update is zero: the model after a DMM round is the decoded noise."""
+    from flwr.clientapp import ClientApp  # noqa: PLC0415
+
+    app = ClientApp()
+
+    @app.train()
+    def train(message, context):
+        arrays = next(v for v in message.content.values() if isinstance(v, ArrayRecord))
+        content = RecordDict({"arrays": arrays, "metrics": MetricRecord({"num-examples": 1})})
+        return Message(content, reply_to=message)
+
+    return app
+
+
+def test_the_release_carries_the_noise_the_ledger_accounts_for(local_engine):
+    """An optimistic ledger is an attack on every client: with zero updates, the model after
+    round 1 is exactly the decoded noise gamma * z_0 / (M[0, 0] m) (rotated), and its spread must
+    be the std the accounting assumes, z * c * sens(M) / (M[0, 0] m), not less."""
+    from fedsim.models import initial_arrays  # noqa: PLC0415
+    from fedsim.privacy.matrix.sensitivity import Participation  # noqa: PLC0415
+
+    clients, z = 12, 1.0
+    data, dataset, model, _ = digits_setup(clients)
+    strategy = make_dmm("ideal", clients, 2, noise_multiplier=z,
+                        participation=Participation.separated(1, 2))
+    final, recorded = run_dmm(local_engine, (data, dataset, model, _unchanged_model_app()),
+                              strategy, 1)
+    start = initial_arrays(model, 0)
+    delta = np.concatenate([(final[k] - start[k]).ravel() for k in start])
+    assert recorded.metrics[0]["dmm-clients"] == clients
+    m00 = float(strategy.mechanism.integer_matrix[0, 0])
+    accounted = z * 1.0 * strategy.sensitivity / (m00 * clients)
+    assert 0.9 * accounted < float(np.std(delta)) < 1.1 * accounted
+
+
 # --------------------------------------------------------------------- dmm_ckpt.py
 def _held_shares(pool) -> list[bytes]:
     """Test-only: every share row the members of an in-process hosted pool hold."""
