@@ -77,16 +77,22 @@ class ParticipationGuard:
             )
         return None
 
+    def take(self, node: int, row: int) -> str | None:
+        """Record that ``node`` trains at ``row`` if it may (None), else return why not."""
+        refusal = self.refusal(node, row)
+        if refusal is None:
+            first, _, count = self.history.get(node, (row, row, 0))
+            self.history[node] = (first, row, count + 1)
+        return refusal
+
     def admit(self, row: int, messages: Iterable[Message]) -> tuple[list[Message], list[int]]:
         """(the instructions that may leave, the nodes refused); records the admitted ones."""
         admitted: list[Message] = []
         refused: list[int] = []
         for message in messages:
             node = int(message.metadata.dst_node_id)
-            if self.refusal(node, row) is not None:
+            if self.take(node, row) is None:
+                admitted.append(message)
+            else:
                 refused.append(node)
-                continue
-            first, _, count = self.history.get(node, (row, row, 0))
-            self.history[node] = (first, row, count + 1)
-            admitted.append(message)
         return admitted, sorted(refused)
