@@ -10,15 +10,19 @@
     fedsim minmax CONFIG.toml [--out DIR]
 
 ``run`` and ``flwr-run`` accept ``--ray-address`` (join an existing Ray cluster), ``--workers``,
-``--backend {ray,local}``, ``--no-progress`` and ``--secrets FILE`` (the run's secret root, kept
-outside DIR; created if missing); both write ``DIR/rounds.jsonl`` as rounds finish and
-``DIR/summary.json`` at the end.
+``--backend {ray,local}``, ``--no-progress``, ``--progress-every N|Ss`` and ``--secrets FILE``
+(the run's secret root, kept outside DIR; created if missing); both write ``DIR/rounds.jsonl``
+as rounds finish and ``DIR/summary.json`` at the end.
+
+Every command takes ``--quiet`` (errors and the result only) and ``--verbose`` (debug logs,
+Flower's and absl's included), before or after its name; ``fedsim --version`` prints the
+version (:mod:`fedsim.commands.console`).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
+import importlib.metadata
 import os
 import sys
 import time
@@ -26,12 +30,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedsim.commands import account, audit, factorize, minmax
+from fedsim.commands.console import Verbosity, console
 from fedsim.config import ConfigError
 from fedsim.engine.rounds import RunStopped
+from fedsim.progress import Cadence
 from fedsim.results_json import dumps
 
 if TYPE_CHECKING:
     from fedsim.randomness import RunSecret
+
+
+def _cadence(text: str) -> Cadence:
+    try:
+        return Cadence.parse(text)
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
 
 
 def _engine_args(parser: argparse.ArgumentParser, resumable: bool = False) -> None:
@@ -54,6 +67,14 @@ def _engine_args(parser: argparse.ArgumentParser, resumable: bool = False) -> No
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
+        "--progress-every",
+        metavar="N|Ss",
+        type=_cadence,
+        default=Cadence(),
+        help="when stderr is not a terminal, a progress line every N rounds (default 1) or "
+        "at most one per S seconds (e.g. 30s)",
+    )
+    parser.add_argument(
         "--secrets",
         metavar="FILE",
         default=None,
@@ -61,11 +82,37 @@ def _engine_args(parser: argparse.ArgumentParser, resumable: bool = False) -> No
         "the results directory: the same root repeats a run exactly (default: a fresh root, "
         "kept under $FEDSIM_SECRETS_DIR for --resume)",
     )
-    parser.add_argument("--verbose", action="store_true", help="show Flower's per-round log")
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("fedsim")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        from fedsim import __version__  # noqa: PLC0415
+
+        return __version__
+
+
+def _output_flags(parser: argparse.ArgumentParser, top: bool) -> None:
+    """``--quiet`` and ``--verbose`` on ``parser`` and, recursively, on its subcommands; below
+    the top their default is left unset, so that a flag given before the command name stays."""
+    default = {} if top else {"default": argparse.SUPPRESS}
+    flags = {
+        "--quiet": "only errors and the final result",
+        "--verbose": "debug logs too (Flower's per-round log, absl, dp_accounting's warnings)",
+    }
+    for flag, text in flags.items():
+        if flag not in parser._option_string_actions:
+            parser.add_argument(flag, action="store_true", help=text, **default)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _output_flags(sub, top=False)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedsim", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"fedsim {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run a fedsim experiment config")
     run.add_argument("config", nargs="?", help="experiment TOML file (optional with --resume)")
@@ -83,6 +130,7 @@ def _parser() -> argparse.ArgumentParser:
     factorize.register(commands)
     audit.register(commands)
     minmax.register(commands)
+    _output_flags(parser, top=True)
     return parser
 
 
@@ -107,6 +155,11 @@ def _secrets(args: argparse.Namespace, resuming: bool = False) -> RunSecret | No
 
     run_dir = args.resume if resuming else args.out
     return RunSecret.load_or_create(args.secrets, run_dir, create=not resuming)
+
+
+def _progress(args: argparse.Namespace) -> bool | Cadence:
+    """Off with ``--no-progress`` or ``--quiet``; else at the ``--progress-every`` cadence."""
+    return False if args.no_progress or args.quiet else args.progress_every
 
 
 def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
@@ -136,7 +189,7 @@ def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
         config,
         args.resume or args.out,
         resume=args.resume is not None,
-        progress=not args.no_progress,
+        progress=_progress(args),
         secrets=_secrets(args, resuming=args.resume is not None),
     )
 
@@ -160,7 +213,7 @@ def cmd_flwr_run(args: argparse.Namespace) -> dict[str, Any]:
         ray_address=args.ray_address,
         workers=args.workers,
         backend=args.backend,
-        progress=not args.no_progress,
+        progress=_progress(args),
         secrets=_secrets(args),
     )
 
@@ -189,8 +242,18 @@ def cmd_factorize(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.quiet and args.verbose:
+        parser.error("--quiet and --verbose exclude each other")
+    verbosity = (
+        Verbosity.QUIET if args.quiet else Verbosity.VERBOSE if args.verbose else Verbosity.NORMAL
+    )
+    with console(verbosity):
+        return _dispatch(args)
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "account":
         return cmd_account(args)
     if args.command == "factorize":
@@ -199,10 +262,6 @@ def main(argv: list[str] | None = None) -> int:
         return audit.run(args)
     if args.command == "minmax":
         return minmax.run(args)
-    if not args.verbose:
-        from flwr.supercore.logger import FLOWER_LOGGER  # noqa: PLC0415  (sets its level on import)
-
-        FLOWER_LOGGER.setLevel(logging.WARNING)
     started = time.perf_counter()
     try:
         summary = cmd_run(args) if args.command == "run" else cmd_flwr_run(args)

@@ -55,7 +55,7 @@ from fedsim.engine.participation import TRAIN, CohortModel
 from fedsim.engine.rounds import RoundOutcome, run_rounds
 from fedsim.models import ModelSpec, build_model, initial_arrays, load_arrays
 from fedsim.personalised_run import PersonalisedParts, personalised_parts
-from fedsim.progress import RunProgress
+from fedsim.progress import Cadence, RunProgress
 from fedsim.randomness import RunSecret
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.results import RoundRecorder, RunWriter, metrics_dict, read_rounds
@@ -176,7 +176,7 @@ def run_experiment(
     out_dir: str | Path,
     *,
     resume: bool = False,
-    progress: bool = True,
+    progress: bool | Cadence = True,
     engine: Engine | None = None,
     secrets: RunSecret | None = None,
 ) -> dict[str, Any]:
@@ -306,7 +306,7 @@ def initial_model(
     return initial_adapter_arrays(spec, config.client.lora, config.seed)
 
 
-def run_loop(run: ExperimentRun, progress: bool) -> tuple[ArrayRecord, float]:
+def run_loop(run: ExperimentRun, progress: bool | Cadence) -> tuple[ArrayRecord, float]:
     """Run the rounds from ``run.start_round`` on: rounds.jsonl gets a line per round and the
     directory a checkpoint every ``checkpoint_every`` rounds and after the last. Returns the
     final global arrays and the time.perf_counter() at which the grid was ready."""

@@ -38,7 +38,7 @@ from flwr.supercore.object_ref import load_app
 from fedsim import __version__
 from fedsim.config import ConfigError, is_finite_number
 from fedsim.engine import ClientAppSource, Engine, EngineConfig
-from fedsim.progress import RunProgress
+from fedsim.progress import Cadence, RunProgress
 from fedsim.randomness import RunSecret
 from fedsim.results import RoundRecorder, RunWriter
 
@@ -192,7 +192,7 @@ def run_flower_app(
     ray_address: str | None = None,
     workers: int | None = None,
     backend: str | None = None,
-    progress: bool = True,
+    progress: bool | Cadence = True,
     engine: Engine | None = None,
     secrets: RunSecret | None = None,
 ) -> dict[str, Any]:

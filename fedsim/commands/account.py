@@ -598,10 +598,14 @@ def quiet_dp_accounting() -> Iterator[None]:
 
     Its RDP code logs (through absl) every fractional order whose series fails to converge and
     drops that order from the minimum over orders; the bound stays valid, and a calibration or
-    sweep would print hundreds of such lines. Errors still show.
+    sweep would print hundreds of such lines. Errors still show; a level set below WARNING
+    (``fedsim --verbose``) is left as it is.
     """
     logger = logging.getLogger("absl")
     level = logger.level
+    if logging.NOTSET < level < logging.WARNING:
+        yield
+        return
     logger.setLevel(logging.ERROR)
     try:
         yield

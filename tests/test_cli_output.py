@@ -1,0 +1,235 @@
+"""What the command line prints: each log line once, dependencies' chatter only with
+--verbose, plain progress lines when stderr is not a terminal, --quiet, --version."""
+
+import importlib.metadata
+import io
+import logging
+import os
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from fedsim.commands.console import Verbosity, console
+from fedsim.config import ConfigError
+from fedsim.progress import Cadence, RunProgress
+
+ROOT = Path(__file__).resolve().parents[1]
+ROUNDS = 3
+DP_CONFIG = f"""
+name = "tiny-dp"
+seed = 3
+rounds = {ROUNDS}
+
+[data]
+source = "digits"
+partition = "iid"
+num_clients = 20
+
+[model]
+kind = "logreg"
+
+[client]
+epochs = 1
+batch_size = 16
+lr = 0.1
+
+[strategy]
+name = "dp-fedavg"
+clients_per_round = 5
+sampling = "poisson"
+
+[strategy.options]
+clipping_norm = 1.0
+noise_multiplier = 1.0
+
+[engine]
+backend = "local"
+"""
+
+
+def fedsim(*args: str) -> subprocess.CompletedProcess:
+    """``python -m fedsim ARGS`` with stdout and stderr as pipes (not terminals)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"}
+    return subprocess.run(
+        [sys.executable, "-m", "fedsim", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
+
+
+@pytest.fixture(scope="module")
+def dp_runs(tmp_path_factory):
+    """The same 3-round DP-FedAvg run (Poisson sampling: dp_accounting's absl warnings) at
+    each verbosity."""
+    base = tmp_path_factory.mktemp("dp")
+    config = base / "dp.toml"
+    config.write_text(DP_CONFIG)
+    runs = {}
+    for name, flags in {"normal": [], "verbose": ["--verbose"], "quiet": ["--quiet"]}.items():
+        runs[name] = fedsim("run", str(config), "--out", str(base / name), *flags)
+        assert runs[name].returncode == 0, runs[name].stderr
+    return runs
+
+
+def lines(text: str) -> list[str]:
+    return text.splitlines()
+
+
+def test_each_flower_line_is_printed_once(dp_runs):
+    err = lines(dp_runs["verbose"].stderr)
+    sampled = [line for line in err if "configure_train: Sampled" in line]
+    assert len(sampled) == ROUNDS, err  # once per round, not twice
+    assert all(line.startswith("INFO flwr: ") for line in sampled)
+    assert "\x1b[" not in dp_runs["verbose"].stderr  # no colour codes on a pipe
+
+
+def test_fraction_evaluate_advisory_only_with_verbose_and_once(dp_runs):
+    def advisories(run):
+        return [line for line in lines(run.stderr) if "fraction_evaluate is set to 0.0" in line]
+
+    assert advisories(dp_runs["normal"]) == []
+    assert len(advisories(dp_runs["verbose"])) == 1
+    assert advisories(dp_runs["verbose"])[0].startswith("DEBUG flwr: ")
+
+
+def test_absl_warnings_only_with_verbose(dp_runs):
+    assert not [line for line in lines(dp_runs["normal"].stderr) if "absl" in line]
+    absl = [line for line in lines(dp_runs["verbose"].stderr) if line.startswith("WARNING absl:")]
+    assert absl and all("failed to converge" in line for line in absl)
+
+
+def test_plain_progress_lines_per_round_when_stderr_is_a_pipe(dp_runs):
+    err = dp_runs["normal"].stderr
+    progress = [line for line in lines(err) if line.startswith("fedsim: round ")]
+    assert [re.match(r"fedsim: round (\d+)/3, ", p).group(1) for p in progress] == ["1", "2", "3"]
+    for line in progress:  # whole lines: the rate and the metrics at the end, nothing cut
+        assert re.fullmatch(
+            r"fedsim: round \d/3, [\d.]+ s, \d+ clients/s, central\.accuracy=[\d.e-]+ "
+            r"central\.loss=[\d.e+-]+",
+            line,
+        ), line
+    assert "\r" not in err and "\x1b[" not in err  # no cursor control
+    assert err.strip() == "\n".join(progress)  # nothing else without --verbose
+    assert "results in" in dp_runs["normal"].stdout
+
+
+def test_quiet_prints_only_the_final_summary(dp_runs):
+    quiet = dp_runs["quiet"]
+    assert quiet.stderr == ""
+    assert re.fullmatch(r"fedsim: 3 rounds in [\d.]+ s; results in \S+ and \S+\n", quiet.stdout)
+    assert "INFO" in dp_runs["verbose"].stderr and "INFO" not in quiet.stdout + quiet.stderr
+
+
+def test_version_is_the_package_version():
+    result = fedsim("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"fedsim {importlib.metadata.version('fedsim')}"
+
+
+def test_quiet_and_verbose_exclude_each_other_and_go_after_the_command():
+    result = fedsim(
+        "account", "--quiet", "dp-fedavg", "--verbose", "--noise-multiplier", "1",
+        "--sampling-rate", "0.01", "--rounds", "10", "--delta", "1e-5",
+    )  # fmt: skip
+    assert result.returncode == 2 and "--quiet and --verbose" in result.stderr
+
+
+def test_console_logs_flower_records_once_and_restores_flowers_handler(capsys):
+    from flwr.supercore.logger import FLOWER_LOGGER, console_handler  # noqa: PLC0415
+
+    with console(Verbosity.VERBOSE):
+        FLOWER_LOGGER.info("one line")
+        FLOWER_LOGGER.warning("fraction_evaluate is set to 0.0. Federated evaluation ...")
+        FLOWER_LOGGER.warning("fraction_evaluate is set to 0.0. Federated evaluation ...")
+    err = capsys.readouterr().err
+    assert err.count("one line") == 1 and err.count("fraction_evaluate") == 1
+    assert "DEBUG flwr: fraction_evaluate" in err
+    assert console_handler in FLOWER_LOGGER.handlers  # put back after the command
+
+
+def test_dp_accounting_python_warnings_go_to_debug(capsys):
+    path = str(Path("site-packages") / "dp_accounting" / "rdp" / "rdp_privacy_accountant.py")
+    for verbosity in (Verbosity.NORMAL, Verbosity.VERBOSE):
+        with console(verbosity), warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn_explicit("overflow in exp", RuntimeWarning, path, 7)
+            warnings.warn_explicit("a user's own warning", UserWarning, "mine.py", 3)
+        err = capsys.readouterr().err
+        assert "WARNING py.warnings: mine.py:3: UserWarning: a user's own warning" in err
+        shown = "DEBUG py.warnings: " in err and "overflow in exp" in err
+        assert shown == (verbosity is Verbosity.VERBOSE), err
+
+
+def test_absl_level_follows_the_verbosity_and_is_restored():
+    absl = logging.getLogger("absl")
+    before = absl.level
+    with console(Verbosity.NORMAL):
+        assert not absl.isEnabledFor(logging.WARNING)
+    with console(Verbosity.VERBOSE):
+        assert absl.isEnabledFor(logging.DEBUG)
+    assert absl.level == before
+
+
+class Pipe(io.StringIO):
+    def isatty(self) -> bool:
+        return False
+
+
+def record(round_: int) -> dict:
+    return {"round": round_, "clients_per_s": 10.0, "central": {"accuracy": 0.5, "loss": 1.0}}
+
+
+def test_plain_progress_every_n_rounds_keeps_the_first_and_the_last():
+    stream = Pipe()
+    with RunProgress(10, enabled=Cadence(rounds=4), stream=stream) as bar:
+        for r in range(11):
+            bar(record(r))
+    shown = [int(re.match(r"fedsim: round (\d+)/10", x).group(1)) for x in lines(stream.getvalue())]
+    assert shown == [1, 5, 9, 10]
+
+
+def test_plain_progress_every_s_seconds():
+    times = iter([0.0, 1.0, 2.0, 40.0, 45.0, 75.0, 80.0])  # start, then one per round
+    stream, every = Pipe(), Cadence(rounds=None, seconds=30)
+    with RunProgress(None, enabled=every, stream=stream, clock=lambda: next(times)) as bar:
+        for r in range(1, 7):
+            bar(record(r))
+    shown = [int(re.match(r"fedsim: round (\d+),", x).group(1)) for x in lines(stream.getvalue())]
+    assert shown == [1, 3, 5]  # 1 first; 3 at 40 s (39 after 1); 5 at 75 s (35 after 3)
+
+
+def test_progress_off_writes_nothing_and_a_terminal_gets_no_plain_lines():
+    stream = Pipe()
+    with RunProgress(3, enabled=False, stream=stream) as bar:
+        bar(record(1))
+    assert stream.getvalue() == ""
+
+    class Terminal(Pipe):
+        def isatty(self) -> bool:
+            return True
+
+    tty = Terminal()
+    with RunProgress(3, stream=tty) as bar:
+        bar(record(1))
+    assert "fedsim: round" not in tty.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("text", "cadence"),
+    [("1", Cadence()), ("25", Cadence(rounds=25)), ("30s", Cadence(rounds=None, seconds=30.0))],
+)
+def test_progress_every_parses_rounds_or_seconds(text, cadence):
+    assert Cadence.parse(text) == cadence
+
+
+@pytest.mark.parametrize("text", ["0", "-3", "ten", "5m", "0s", ""])
+def test_bad_progress_every_is_refused_by_name(text):
+    with pytest.raises(ConfigError, match="--progress-every"):
+        Cadence.parse(text)
