@@ -14,8 +14,8 @@ and the mode checks (``check_*.json``) and builds:
 * the mode checks: DMM full against ideal, DDGauss plaintext against full, same root.
 
 It writes all of it to ``tables.md`` next to this script and into ``README.md`` here, and the
-differences and costs of every source into the repository's README.md, each between its
-markers (``--no-readme``: tables.md only).
+differences and costs of every source into the repository's docs/methods.md (the DMM
+section), each between its markers (``--no-readme``: tables.md only).
 
     python experiments/dmm/table.py [--results DIR] [--out FILE] [--no-readme]
 """
@@ -55,7 +55,11 @@ COSTS = (
 SOURCES = {"digits": "digits", "femnist-like": "FEMNIST-like"}
 #: (file, begin marker, end marker) of the generated blocks.
 STUDY_README = (HERE / "README.md", "<!-- dmm-tables:begin -->", "<!-- dmm-tables:end -->")
-MAIN_README = (HERE.parents[1] / "README.md", "<!-- dmm-study:begin -->", "<!-- dmm-study:end -->")
+METHODS_DOC = (
+    HERE.parents[1] / "docs" / "methods.md",
+    "<!-- dmm-study:begin -->",
+    "<!-- dmm-study:end -->",
+)
 SPREAD = (
     "mean difference of test accuracy ± the standard error of that difference, "
     "sqrt(s_a²/n_a + s_b²/n_b), with s² the sample variances (ddof = 1) over the seeds"
@@ -211,7 +215,7 @@ def source_section(setup: dict, runs: list[dict], checks: list[dict]) -> str:
 
 
 def summary(studies: list[tuple[dict, list[dict], list[dict]]]) -> str:
-    """The repository README's block: differences and costs of every source."""
+    """The block of docs/methods.md: differences and costs of every source."""
     pairs = [(s, r) for s, r, _ in studies]
     return "\n\n".join(
         [
@@ -249,7 +253,7 @@ def main(argv: list[str] | None = None) -> str:
     args.out.write_text(text)
     if not args.no_readme:
         write_between(STUDY_README, sections)
-        write_between(MAIN_README, summary(studies))
+        write_between(METHODS_DOC, summary(studies))
     print(text)
     return text
 
