@@ -254,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
+    if getattr(args, "func", None) is not None:  # commands that set their handler
+        return args.func(args)
     if args.command == "account":
         return cmd_account(args)
     if args.command == "factorize":
