@@ -191,7 +191,9 @@ def run_experiment(
     and authenticates the checkpoints). None: a fresh root, kept in the user's secrets
     directory so that ``resume`` finds it (:mod:`fedsim.run_root`); a resumed run needs
     the root it started with. ``engine``: a started engine to run on (left open); None:
-    one of ``config.engine``, closed when the run finishes.
+    one of ``config.engine``, closed when the run finishes. ``progress``: False for none,
+    else a bar on a terminal and plain lines elsewhere (at a :class:`~fedsim.progress.Cadence`
+    when one is given).
     """
     run = open_run(config, Path(out_dir), resume=resume, secrets=secrets)
     try:

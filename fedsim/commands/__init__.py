@@ -7,5 +7,6 @@ console-script entry point, registers and dispatches them):
 - :mod:`fedsim.commands.minmax` -- ``fedsim minmax``: QODA on a min-max game.
 
 Each module has ``register(subparsers)`` and ``run(args)``; they sit on top of the layers
-(tests/test_layers.py) and nothing below imports them.
+(tests/test_layers.py) and nothing below imports them. :mod:`fedsim.commands.console` sets
+up what every command writes to stderr (``--quiet``, ``--verbose``).
 """
