@@ -154,6 +154,35 @@ def test_console_logs_flower_records_once_and_restores_flowers_handler(capsys):
     assert console_handler in FLOWER_LOGGER.handlers  # put back after the command
 
 
+WORKER = """
+import logging
+from flwr.supercore.logger import log
+log(logging.INFO, "a worker's info")
+log(logging.WARNING, "a worker's warning")
+log(logging.ERROR, "a worker's error")
+"""
+
+
+@pytest.mark.parametrize(
+    ("verbosity", "shown"),
+    [
+        (Verbosity.QUIET, ["error"]),
+        (Verbosity.NORMAL, ["warning", "error"]),
+        (Verbosity.VERBOSE, ["info", "warning", "error"]),
+    ],
+)
+def test_processes_a_command_starts_log_flower_at_its_verbosity(monkeypatch, verbosity, shown):
+    """A local Ray instance's workers inherit the environment, as this child process does."""
+    monkeypatch.delenv("FLWR_LOG_LEVEL", raising=False)
+    with console(verbosity):
+        child = subprocess.run(
+            [sys.executable, "-c", WORKER], capture_output=True, text=True, timeout=120
+        )
+    assert "FLWR_LOG_LEVEL" not in os.environ  # restored
+    printed = [kind for kind in ("info", "warning", "error") if f"a worker's {kind}" in child.stderr]
+    assert printed == shown, child.stderr
+
+
 def test_dp_accounting_python_warnings_go_to_debug(capsys):
     path = str(Path("site-packages") / "dp_accounting" / "rdp" / "rdp_privacy_accountant.py")
     for verbosity in (Verbosity.NORMAL, Verbosity.VERBOSE):

@@ -14,6 +14,10 @@ point of a command), and its records also reach the root: that printed each line
 filter on the ``flwr`` logger detaches Flower's handler the first time a record passes it,
 before any handler runs, so each line is printed once and none is lost.
 
+Processes the command starts (a local Ray instance's workers) inherit ``FLWR_LOG_LEVEL``, the
+level of Flower's own console handler there: ERROR, WARNING or INFO by verbosity, unless the
+user has set it.
+
 Kept at DEBUG (shown only with ``--verbose``):
 
 - absl's log, where dp_accounting reports each fractional RDP order whose series did not
@@ -28,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import os
 import sys
 import warnings
 from collections.abc import Iterator
@@ -52,6 +57,14 @@ class Verbosity(enum.Enum):
     QUIET = logging.ERROR
     NORMAL = logging.WARNING
     VERBOSE = logging.DEBUG
+
+
+#: FLWR_LOG_LEVEL for the processes a command starts (Flower's DEBUG level adds a warning)
+_CHILD_FLOWER_LEVEL = {
+    Verbosity.QUIET: "ERROR",
+    Verbosity.NORMAL: "WARNING",
+    Verbosity.VERBOSE: "INFO",
+}
 
 
 class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
@@ -141,6 +154,9 @@ def console(verbosity: Verbosity) -> Iterator[None]:
     before = {name: logging.getLogger(name).level for name in levels}
     flower_propagate = flower.propagate
     shown = warnings.showwarning
+    child_level = os.environ.get("FLWR_LOG_LEVEL")
+    if child_level is None:
+        os.environ["FLWR_LOG_LEVEL"] = _CHILD_FLOWER_LEVEL[verbosity]
     root.addHandler(handler)
     flower.addFilter(flower_filter)
     for name, level in levels.items():
@@ -149,6 +165,8 @@ def console(verbosity: Verbosity) -> Iterator[None]:
     try:
         yield
     finally:
+        if child_level is None:
+            os.environ.pop("FLWR_LOG_LEVEL", None)
         warnings.showwarning = shown
         root.removeHandler(handler)
         flower.removeFilter(flower_filter)
