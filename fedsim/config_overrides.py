@@ -65,9 +65,7 @@ class Override:
         """The parts with the schema's keys in their field spelling (``a-b`` is ``a_b``); a
         free table's keys (``strategy.options``) as written."""
         schema_parts = schema_walk(self.key, self.flag)[1]
-        return tuple(
-            _normal(p) if i < schema_parts else p for i, p in enumerate(self.parts)
-        )
+        return tuple(_normal(p) if i < schema_parts else p for i, p in enumerate(self.parts))
 
 
 def parse_toml_value(text: str) -> tuple[bool, Any]:
@@ -118,32 +116,31 @@ def _takes_strings(tp: Any) -> bool:
     return False
 
 
-def schema_type(key: str, flag: str = SET_FLAG) -> Any:
-    """The annotation of the dotted ``key`` in :class:`ExperimentConfig` (``Any`` below a free
-    table); a ConfigError naming ``flag`` and the key when a part is no key of its table."""
-    return schema_walk(key, flag)[0]
+def _field_type(table: type, parts: list[str], depth: int, key: str, flag: str) -> Any:
+    """The annotation of ``parts[depth]`` in the config dataclass ``table``."""
+    part = parts[depth]
+    fields = {f.name for f in dataclasses.fields(table) if f.init}
+    if not part or _normal(part) not in fields:
+        where = ".".join(parts[:depth]) or "the top level"
+        raise ConfigError(
+            flag,
+            key,
+            f"a known key; {part!r} is no key of {where}, whose keys are "
+            f"{', '.join(sorted(fields))}",
+        )
+    return typing.get_type_hints(table, include_extras=True)[_normal(part)]
 
 
 def schema_walk(key: str, flag: str = SET_FLAG) -> tuple[Any, int]:
-    """``(annotation, n)``: :func:`schema_type` and how many leading parts of ``key`` are
-    schema keys (where ``-`` and ``_`` are one; the parts after them are a free table's keys,
-    taken as written)."""
+    """``(annotation, n)``: the annotation of the dotted ``key`` in :class:`ExperimentConfig`
+    (``Any`` below a free table such as ``strategy.options``) and how many leading parts of
+    ``key`` are schema keys (where ``-`` and ``_`` are one; the parts after them are the free
+    table's keys, taken as written). A ConfigError naming ``flag`` and the key when a part is
+    no key of its table, or a value is used as a table."""
     table: type = ExperimentConfig
     parts = key.split(".")
-    for depth, part in enumerate(parts):
-        where = ".".join(parts[:depth]) or "the top level"
-        hints = typing.get_type_hints(table, include_extras=True)
-        fields = {f.name for f in dataclasses.fields(table) if f.init}
-        if not part or _normal(part) not in fields:
-            raise ConfigError(
-                flag,
-                key,
-                f"a known key; {part!r} is no key of {where}, whose keys are "
-                f"{', '.join(sorted(fields))}",
-            )
-        tp = hints[_normal(part)]
-        if depth == len(parts) - 1:
-            return tp, len(parts)
+    for depth in range(len(parts) - 1):
+        tp = _field_type(table, parts, depth, key, flag)
         inner = _dataclass_in(tp)
         if inner is not None:
             table = inner
@@ -155,13 +152,13 @@ def schema_walk(key: str, flag: str = SET_FLAG) -> tuple[Any, int]:
                 key,
                 f"a path into a table; {'.'.join(parts[: depth + 1])} is a value, not a table",
             )
-    raise ConfigError(flag, key, "a dotted key such as strategy.clients_per_round")
+    return _field_type(table, parts, len(parts) - 1, key, flag), len(parts)
 
 
 def typed_value(key: str, text: str, flag: str = SET_FLAG) -> Any:
     """``text`` as the value of ``key``: TOML, or the text itself for a bare word or a string
     key; its type checked against the schema (ranges are checked with the whole config)."""
-    tp = schema_type(key, flag)
+    tp = schema_walk(key, flag)[0]
     parsed, value = parse_toml_value(text)
     if not parsed or (_takes_strings(tp) and not isinstance(value, str)):
         value = text

@@ -83,7 +83,10 @@ def test_values_are_typed_by_the_schema(config_file):
         ("strategy.clients_per_rnd=3", ["strategy.clients_per_rnd", "clients_per_round, name"]),
         ("nosuch=1", ["nosuch", "checkpoint_every", "strategy"]),
         # a wrong type: key, value and the type
-        ("strategy.clients_per_round=abc", ["--set strategy.clients_per_round", "'abc'", "integer"]),
+        (
+            "strategy.clients_per_round=abc",
+            ["--set strategy.clients_per_round", "'abc'", "integer"],
+        ),
         ("data.alpha=[1, 2]", ["--set data.alpha", "[1, 2]", "number"]),
         ("privacy.metrics_in_clear=1", ["--set privacy.metrics_in_clear", "1", "true or false"]),
         ("model.kind=lstm", ["--set model.kind", "'lstm'", "'logreg'"]),

@@ -76,13 +76,25 @@ def test_seeds_and_grid_values_parse():
     ("flags", "needles"),
     [
         (["--seeds", "3..x"], ["--seeds", "'3..x'", "0..4"]),
-        (["--grid", "strategy.clients_per_round=5,abc"], ["--grid strategy.clients_per_round", "'abc'", "integer"]),
-        (["--grid", "strategy.clients_per_rnd=5"], ["--grid", "clients_per_rnd", "clients_per_round"]),
+        (
+            ["--grid", "strategy.clients_per_round=5,abc"],
+            ["--grid strategy.clients_per_round", "'abc'", "integer"],
+        ),
+        (
+            ["--grid", "strategy.clients_per_rnd=5"],
+            ["--grid", "clients_per_rnd", "clients_per_round"],
+        ),
         (["--grid", "engine.workers=1,2"], ["--grid engine.workers", "share one engine"]),
         (["--grid", "client.lr=0.1,0.1"], ["--grid", "distinct values"]),
         (["--grid", "client.lr="], ["--grid", "at least one value"]),
-        (["--grid", "seed=1,2", "--seeds", "0..1"], ["--seeds seed", "already set by --grid seed"]),
-        (["--set", "client.lr=0.2", "--grid", "client.lr=0.1,0.3"], ["already set by --set client.lr"]),
+        (
+            ["--grid", "seed=1,2", "--seeds", "0..1"],
+            ["--seeds seed", "already set by --grid seed"],
+        ),
+        (
+            ["--set", "client.lr=0.2", "--grid", "client.lr=0.1,0.3"],
+            ["already set by --set client.lr"],
+        ),
         ([], ["--grid", "at least one --grid"]),
     ],
 )
@@ -186,5 +198,7 @@ def test_every_point_runs_on_one_ray_start_and_one_worker_pool(tmp_path, ray_ses
     points = index(out)["points"]
     assert [p["status"] for p in points] == ["finished", "finished"]
     assert len(starts) == 1 and len(pools) == 1  # Ray and the workers started once for both
-    engines = [json.loads((out / p["run_dir"] / "summary.json").read_text())["engine"] for p in points]
+    engines = [
+        json.loads((out / p["run_dir"] / "summary.json").read_text())["engine"] for p in points
+    ]
     assert engines[0]["backend"] == "ray" and engines[0]["workers"] == 1

@@ -48,7 +48,7 @@ from fedsim.models import ModelSpec, initial_arrays  # noqa: E402
 from fedsim.randomness import RunSecret  # noqa: E402
 from fedsim.record_codec import to_numpy, to_record  # noqa: E402
 from fedsim.workloads.supervised import LocalTraining, make_client_app  # noqa: E402
-from protocols.dmm import ACTIVE, DMMFaults, DMMStage  # noqa: E402
+from protocols.dmm import ACTIVE, DMMFaults  # noqa: E402
 from strategies.registry import build_strategy, spec_for  # noqa: E402
 
 STAGES = {stage.name.lower(): stage for stage in ACTIVE}
@@ -229,12 +229,13 @@ def describe(outcome: dict[str, Any]) -> str:
         text = head + f"ABORTED, nothing released: {outcome['reason']}"
     else:
         named = outcome["corrected"]
+        redealt = outcome["reshare_attempts"] > 1
         text = head + (
             f"released and decoded ({'verified' if outcome['verified'] else 'UNVERIFIED'}); "
             f"tamperer named: {', '.join(f'seat {s}' for s in named) if named else 'none'}; "
             f"member dropouts {outcome['member_dropouts']}; resharing attempts "
             f"{outcome['reshare_attempts']}"
-            f"{' (a dealing failed VERIFY: dealt again without its dealer)' if outcome['reshare_attempts'] > 1 else ''}"
+            f"{' (a dealing failed VERIFY: dealt again without its dealer)' if redealt else ''}"
             f"; handed over: "
             f"{'yes' if outcome['handed_over'] else 'no (the old committee keeps the state)'}; "
             f"final model equals the fault-free ideal run's: {'yes' if outcome['exact'] else 'NO'}"

@@ -157,7 +157,9 @@ def parse_seeds(text: str) -> list[int]:
         raise ConfigError("--seeds", text, "a range such as 0..4 or a list such as 0,2,5") from None
     if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
         raise ConfigError(
-            "--seeds", text, "at least one seed, each an integer >= 0, none twice (0..4: low <= high)"
+            "--seeds",
+            text,
+            "at least one seed, each an integer >= 0, none twice (0..4: low <= high)",
         )
     return seeds
 
@@ -190,15 +192,11 @@ def point_name(overrides: tuple[Override, ...]) -> str:
     """``noise_multiplier=1.2,seed=3``: each key by its last part (its whole path when two
     keys of the sweep share the last part), then its value."""
     last = [o.parts[-1] for o in overrides]
-    names = [
-        (o.parts[-1] if last.count(o.parts[-1]) == 1 else o.key) for o in overrides
-    ]
+    names = [(o.parts[-1] if last.count(o.parts[-1]) == 1 else o.key) for o in overrides]
     return ",".join(f"{n}={_label(o.value)}" for n, o in zip(names, overrides, strict=True))
 
 
-def plan(
-    config_path: str, sets: list[str], grids: list[str], seeds: str | None
-) -> list[Point]:
+def plan(config_path: str, sets: list[str], grids: list[str], seeds: str | None) -> list[Point]:
     """Every point of the sweep, each config validated before anything runs."""
     from fedsim.config import load_toml  # noqa: PLC0415
     from fedsim.config_overrides import (  # noqa: PLC0415
