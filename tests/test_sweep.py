@@ -202,3 +202,18 @@ def test_every_point_runs_on_one_ray_start_and_one_worker_pool(tmp_path, ray_ses
         json.loads((out / p["run_dir"] / "summary.json").read_text())["engine"] for p in points
     ]
     assert engines[0]["backend"] == "ray" and engines[0]["workers"] == 1
+
+
+def test_a_secrets_dir_gives_each_point_its_own_root_outside_the_sweep(tmp_path, capsys):
+    from fedsim.randomness import RunSecret
+
+    config, out, keys = write(tmp_path), tmp_path / "sweep", tmp_path / "keys"
+    inside = ["sweep", str(config), "--out", str(out), "--seeds", "0,1"]
+    assert main([*inside, "--secrets-dir", str(out / "keys")]) == 2
+    assert "--secrets-dir" in capsys.readouterr().err and not out.exists()
+    assert main([*inside, "--secrets-dir", str(keys), "--no-progress"]) == 0
+    assert sorted(p.name for p in keys.iterdir()) == ["seed=0.hex", "seed=1.hex"]
+    for name in ("seed=0", "seed=1"):
+        record = json.loads((out / name / RUN_FILE).read_text())
+        root = RunSecret.load_or_create(keys / f"{name}.hex")
+        assert record == {"root": "given", "fingerprint": root.fingerprint()}

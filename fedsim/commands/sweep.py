@@ -349,6 +349,17 @@ def _result_text(entry: dict[str, Any]) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
+def _secrets_dir(given: str | None, out: Path) -> Path | None:
+    """``--secrets-dir``: outside the sweep's directory (whoever holds the run directories
+    must not hold the parties' secrets)."""
+    if given is None:
+        return None
+    path, home = Path(given).expanduser().resolve(), out.expanduser().resolve()
+    if path == home or home in path.parents:
+        raise ConfigError("--secrets-dir", given, f"a directory outside the sweep's {out}")
+    return path
+
+
 def run(args: argparse.Namespace) -> int:
     """``fedsim sweep``: exit 0 when every point finished, 1 when a run stopped, 2 on a bad
     flag or config."""
@@ -372,7 +383,7 @@ def run(args: argparse.Namespace) -> int:
             "grid": list(args.grid),
             "seeds": args.seeds,
         }
-        secrets_dir = Path(args.secrets_dir) if args.secrets_dir else None
+        secrets_dir = _secrets_dir(args.secrets_dir, out)
         engine = Engine(engine_config)
         try:
             entries = sweep(
