@@ -1,7 +1,8 @@
 """The ``fedsim`` command line.
 
-    fedsim run CONFIG.toml --out DIR
-    fedsim run [CONFIG.toml] --resume DIR
+    fedsim run CONFIG.toml --out DIR [--set KEY=VALUE ...]
+    fedsim run [CONFIG.toml] --resume DIR [--set KEY=VALUE ...]
+    fedsim sweep CONFIG.toml --grid KEY=V1,V2 ... [--seeds 0..4] [--set KEY=VALUE ...] [--out DIR]
     fedsim flwr-run APP_DIR --num-supernodes N [--run-config "k=v ..."] --out DIR
     fedsim account {dp-fedavg,dp-sgd,calibrate,sweep,matrix} ... [--json]
     fedsim factorize --kind KIND --rounds N [--bands B] [--participations K --min-sep S]
@@ -29,7 +30,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedsim.commands import account, audit, factorize, minmax
+from fedsim.commands import account, audit, factorize, minmax, sweep
 from fedsim.commands.console import Verbosity, console
 from fedsim.config import ConfigError
 from fedsim.engine.rounds import RunStopped
@@ -116,6 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run a fedsim experiment config")
     run.add_argument("config", nargs="?", help="experiment TOML file (optional with --resume)")
+    sweep.add_set_flag(run)
     _engine_args(run, resumable=True)
     flwr_run = commands.add_parser("flwr-run", help="run a Flower app project on fedsim's engine")
     flwr_run.add_argument("app_dir", help="directory with the app's pyproject.toml")
@@ -127,6 +129,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _engine_args(flwr_run)
     account.register(commands)
+    sweep.add_parser(commands)
     factorize.register(commands)
     audit.register(commands)
     minmax.register(commands)
@@ -163,15 +166,21 @@ def _progress(args: argparse.Namespace) -> bool | Cadence:
 
 
 def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
+    from fedsim.config_overrides import (  # noqa: PLC0415
+        load_config,
+        parse_overrides,
+        resume_config,
+    )
     from fedsim.experiment import load_run_config, run_experiment  # noqa: PLC0415
-    from fedsim.run_config import ExperimentConfig, with_engine  # noqa: PLC0415
+    from fedsim.run_config import with_engine  # noqa: PLC0415
 
     _check_workers(args.workers)
+    overrides = parse_overrides(args.set)
     if args.resume:
-        given = ExperimentConfig.load(args.config) if args.config else None
+        given = resume_config(args.resume, args.config, overrides)
         base = load_run_config(args.resume, given)
     elif args.config:
-        base = ExperimentConfig.load(args.config)
+        base = load_config(args.config, overrides)
     else:
         raise ConfigError("CONFIG", None, "an experiment TOML file (or --resume DIR)")
     config = with_engine(
@@ -264,6 +273,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return audit.run(args)
     if args.command == "minmax":
         return minmax.run(args)
+    if args.command == "sweep":
+        return args.func(args)
     started = time.perf_counter()
     try:
         summary = cmd_run(args) if args.command == "run" else cmd_flwr_run(args)

@@ -160,6 +160,24 @@ def _convert(tp: Any, value: Any, key: str, number: str = "a number (finite)") -
     raise TypeError(f"unsupported config annotation {tp!r} for {key}")
 
 
+def check_type(tp: Any, value: Any, key: str) -> Any:
+    """``value`` checked against the annotation ``tp`` as a config value of ``key`` (the
+    checks of :func:`from_mapping`; a ConfigError naming ``key``, the value and the type)."""
+    return _convert(tp, value, key)
+
+
+def differing_keys(ours: Any, theirs: Any, prefix: str = "") -> list[str]:
+    """The dotted keys at which two :func:`to_mapping` trees differ (a table that is a value
+    on one side only is one key)."""
+    if not isinstance(ours, Mapping) or not isinstance(theirs, Mapping):
+        return [] if ours == theirs else [prefix]
+    keys = sorted(set(ours) | set(theirs))
+    out: list[str] = []
+    for key in keys:
+        out += differing_keys(ours.get(key), theirs.get(key), f"{prefix}.{key}" if prefix else key)
+    return out
+
+
 def from_mapping(cls: type[T], mapping: Mapping[str, Any], where: str = "") -> T:
     """Build the frozen dataclass ``cls`` from ``mapping``, checking every key.
 

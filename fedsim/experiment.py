@@ -38,7 +38,7 @@ from fedsim.audits.run_audit import (
     run_configured_audit,
 )
 from fedsim.checkpoint import CONFIG_FILE, Checkpoint
-from fedsim.config import ConfigError, to_mapping
+from fedsim.config import ConfigError, differing_keys, to_mapping
 from fedsim.data import FederatedDataset, build_dataset
 from fedsim.engine import (
     ClientStateStore,
@@ -519,14 +519,14 @@ def load_run_config(out_dir: str | Path, given: ExperimentConfig | None) -> Expe
     if given is None:
         return saved
     ours, theirs = to_mapping(given), to_mapping(saved)
-    differing = sorted(
-        k for k in set(ours) | set(theirs) if k != "engine" and ours.get(k) != theirs.get(k)
-    )
+    differing = [
+        k for k in differing_keys(ours, theirs) if k != "engine" and not k.startswith("engine.")
+    ]
     if differing:
         raise ConfigError(
             "--resume",
             str(path),
-            f"a run of the same config; these tables differ: {', '.join(differing)}",
+            f"a run of the same config; these keys differ: {', '.join(differing)}",
         )
     return dataclasses.replace(saved, engine=given.engine)
 
