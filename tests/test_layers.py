@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 #: the top-level packages whose modules are checked
-PACKAGES = ("fedsim", "protocols", "strategies", "experiments")
+PACKAGES = ("fedsim", "protocols", "strategies", "experiments", "examples")
 
 #: layer name -> path prefixes (relative to the repository root), bottom layer first
 LAYERS: dict[str, tuple[str, ...]] = {
@@ -62,6 +62,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "fedsim/cli.py",
         "fedsim/commands/",
         "experiments/",
+        "examples/",
     ),
 }
 
