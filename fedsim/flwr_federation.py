@@ -183,16 +183,17 @@ def with_flags(
     require(
         merged.num_supernodes >= 1, "--num-supernodes", merged.num_supernodes, "an integer >= 1"
     )
+    cpus, gpus = merged.client_cpus, merged.client_gpus
     require(
-        merged.client_cpus is None or is_finite_number(merged.client_cpus) and merged.client_cpus > 0,
+        cpus is None or (is_finite_number(cpus) and cpus > 0),
         "--client-cpus",
-        merged.client_cpus,
+        cpus,
         "a number > 0 (Ray CPUs of each worker)",
     )
     require(
-        merged.client_gpus is None or is_finite_number(merged.client_gpus) and merged.client_gpus >= 0,
+        gpus is None or (is_finite_number(gpus) and gpus >= 0),
         "--client-gpus",
-        merged.client_gpus,
+        gpus,
         "a number >= 0 (Ray GPUs of each worker; a fraction shares a GPU)",
     )
     return merged

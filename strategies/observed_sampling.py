@@ -42,9 +42,7 @@ from fedsim.privacy.accounting import (
 
 #: ``configure_train`` implementations that draw with Flower's ``sample_nodes`` (uniform,
 #: without replacement, ``max(int(N * fraction_train), min_train_nodes)`` nodes)
-UNIFORM_SAMPLERS = frozenset(
-    cls.configure_train for cls in (FedAvg, FedAvgM, FedOpt, FedProx)
-)
+UNIFORM_SAMPLERS = frozenset(cls.configure_train for cls in (FedAvg, FedAvgM, FedOpt, FedProx))
 KEY = "sampling"
 
 
@@ -151,12 +149,18 @@ def _engine_plan(
             "an explicit sampling=MinSeparation(...) for a min-separation schedule (the "
             "ledger and its participation guard need it before the first round)",
         )
-    fraction = getattr(strategy, "fraction_train", 1.0)
-    minimum = max(getattr(strategy, "min_train_nodes", 0), getattr(strategy, "min_available_nodes", 0))
+    settings = tuple(
+        getattr(strategy, name, default)
+        for name, default in (
+            ("fraction_train", 1.0),
+            ("min_train_nodes", 0),
+            ("min_available_nodes", 0),
+        )
+    )
     require(
-        fraction == 1.0 and minimum == 0,
+        settings == (1.0, 0, 0),
         f"{type(strategy).__name__}.fraction_train / min_train_nodes / min_available_nodes",
-        (fraction, getattr(strategy, "min_train_nodes", 0), getattr(strategy, "min_available_nodes", 0)),
+        settings,
         "1.0 / 0 / 0 under an engine cohort (the engine draws the cohort; Flower would "
         "subsample it, or wait forever when a cohort is smaller than its minimum)",
     )

@@ -70,7 +70,7 @@ def recorded_start(
                 aggregated=outcome.train_metrics,
                 aggregated_evaluate=outcome.evaluate_metrics,
                 central=outcome.central_metrics,
-                privacy=report() if report is not None and outcome.server_round else None,
+                privacy=report() if report is not None else None,
             )
 
     result.arrays = run_rounds(

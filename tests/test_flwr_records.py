@@ -80,6 +80,8 @@ def assert_same_privacy_lines(flwr_out: Path, run_out: Path) -> list[float]:
     """Every round's privacy report and mechanism metrics are the same; returns the epsilons."""
     ours, theirs = lines(flwr_out), lines(run_out)
     assert [r["round"] for r in ours] == [r["round"] for r in theirs] == list(range(ROUNDS + 1))
+    assert ours[0]["privacy"] == theirs[0]["privacy"]  # round 0: nothing released yet
+    assert ours[0]["privacy"]["epsilon"] == 0 and set(ours[0]) == set(theirs[0])
     for mine, twin in zip(ours[1:], theirs[1:]):
         assert set(mine) == set(twin)  # the same sections, the clients' metrics left out
         assert mine["privacy"] == twin["privacy"]
