@@ -11,8 +11,9 @@ reads them (Flower 1.42, ``flwr.cli.config_utils.validate_federation_in_project_
     options.backend.client-resources.num-cpus = 1
     options.backend.client-resources.num-gpus = 0.25
 
-``--federation NAME`` picks one (without it: the ``default``; without a default: none, and
-the command-line flags must say everything). Flags override the federation's values.
+``--federation NAME`` picks one (without it: the ``default``; without a default, or when
+the default is a deployment, none, and the command-line flags must say everything). Flags
+override the federation's values.
 On fedsim's engine, ``num-supernodes`` is the number of virtual clients; a worker actor
 runs one client at a time, so a client's resources are its worker's Ray resources:
 ``client-resources.num-cpus`` -> ``cpus_per_worker`` (> 0) and ``num-gpus`` ->
@@ -83,6 +84,8 @@ def read_federation(project: dict[str, Any], name: str | None) -> Federation:
             default,
             f"the name of a federation of the app: {', '.join(known) or 'none is declared'}",
         )
+        if "address" in federations[default]:  # a deployment: `flwr run`'s default, not ours
+            return Federation()
         name = default
     elif name not in known:
         raise ConfigError(

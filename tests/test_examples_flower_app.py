@@ -12,10 +12,10 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "flower_app_dp"
 ROUNDS, NODES = 2, 12
 
 
-def run(out: Path, strategy: str) -> list[dict]:
+def run(out: Path, strategy: str, backend: str = "local") -> list[dict]:
     argv = ["flwr-run", str(EXAMPLE), "--federation", "local", "--num-supernodes", str(NODES)]
     overrides = f'strategy="{strategy}" num-server-rounds={ROUNDS}'
-    code = main([*argv, "--run-config", overrides, "--backend", "local", "--out", str(out),
+    code = main([*argv, "--run-config", overrides, "--backend", backend, "--out", str(out),
                  "--no-progress"])
     assert code == 0
     return [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
@@ -40,3 +40,11 @@ def test_fedavg_has_no_privacy_lines(tmp_path):
     assert [r["round"] for r in lines] == list(range(1, ROUNDS + 1))  # Flower's own FedAvg
     assert all("privacy" not in r for r in lines)
     assert all("train_loss" in r["train"]["metrics"] for r in lines)
+
+
+@pytest.mark.ray
+def test_on_ray_workers_dp_fedavg_reports_the_same_privacy_lines(tmp_path, ray_session):
+    """Ray workers fold the clipped sums (worker-side reduction); the records are the same."""
+    on_ray, local = run(tmp_path / "ray", "dp-fedavg", "ray"), run(tmp_path / "local", "dp-fedavg")
+    assert [r["privacy"] for r in on_ray] == [r["privacy"] for r in local]
+    assert [r["aggregated"]["dp-clients"] for r in on_ray[1:]] == [NODES // 2] * ROUNDS

@@ -40,6 +40,8 @@ def test_the_default_federation_and_a_named_one_are_read():
     assert read_federation(project(SIMULATION), None) == Federation("local", 10)
     assert read_federation(project(SIMULATION), "gpu") == Federation("gpu", 4, 2.0, 0.25, 8)
     assert read_federation(project({}), None) == Federation()  # no federations: flags only
+    deployment = {**SIMULATION, "default": "remote"}  # `flwr run`'s default, not a simulation
+    assert read_federation(project(deployment), None) == Federation()
 
 
 @pytest.mark.parametrize(
