@@ -13,8 +13,8 @@ grid has one under ``fedsim flwr-run``) with the sections ``fedsim run`` writes:
 ``aggregated``, ``aggregated_evaluate``, ``central`` and ``privacy`` (the strategy's
 ``privacy_report()``). A strategy with a privacy report is private: the log then keeps the
 clients' own metrics out unless the strategy's ``metrics_in_clear`` says otherwise, as
-``fedsim run`` does. Under Flower's own runtime the grid has no round log and only the
-Result is kept, as Flower's ``start`` keeps it.
+``fedsim run`` does. Under Flower's own runtime the grid has no round log: the Result is
+kept, as Flower's ``start`` keeps it, and each round's privacy report goes to Flower's log.
 """
 
 from __future__ import annotations
@@ -64,6 +64,8 @@ def recorded_start(
 
     def on_round(outcome: RoundOutcome) -> None:
         _keep(result, outcome)
+        if round_log is None and report is not None and outcome.server_round:
+            log(INFO, "\t└──> Privacy: %s", report())
         if round_log is not None:
             round_log.end_round(
                 outcome.server_round,

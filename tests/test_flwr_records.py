@@ -3,13 +3,15 @@
 cannot be accounted refused."""
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
 import pytest
-from flwr.app import ConfigRecord, RecordDict
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.app.message_type import MessageType
 from flwr.serverapp.strategy import FedAvg
+from flwr.supercore.task_identity import TaskIdentity
 
 from fedsim.cli import main
 from fedsim.config import ConfigError
@@ -134,6 +136,12 @@ def test_a_fraction_of_an_engine_cohort_is_refused(tmp_path, capsys):
 # -- what cannot be accounted is refused, before anything is released ------------------------
 
 
+@pytest.fixture(autouse=True)
+def _identity():
+    """The server's task identity, which Flower's Message needs outside a ServerApp."""
+    TaskIdentity.run_id = TaskIdentity.task_id = TaskIdentity.node_id = 1
+
+
 class Grid:
     """The node ids a grid offers (and, optionally, the engine's cohort model)."""
 
@@ -200,3 +208,27 @@ def test_an_explicit_fixed_size_sampling_that_sends_more_is_refused():
     strategy = dp(FedAvg(min_available_nodes=0), sampling=FixedSizeSampling(3, 10))
     with pytest.raises(ConfigError, match="at most the accounted sample size 3"):
         configure(strategy, Grid(10))
+
+
+class ReplyingGrid(Grid):
+    """A grid without fedsim's round log (as Flower's own runtime): every node replies."""
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = []
+        for message in messages:
+            content = RecordDict(
+                {"arrays": message.content["arrays"], "metrics": MetricRecord({"num-examples": 1})}
+            )
+            replies.append(Message(content, reply_to=message))
+        return replies
+
+
+def test_without_a_round_log_the_privacy_report_goes_to_flowers_log(caplog):
+    strategy = dp(FedAvg(fraction_train=0.5, fraction_evaluate=0.0, min_available_nodes=0))
+    arrays = to_record({"w": np.zeros(3, dtype=np.float32)})
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        result = strategy.start(ReplyingGrid(10), arrays, num_rounds=2)
+    reports = [r.getMessage() for r in caplog.records if "Privacy:" in r.getMessage()]
+    assert len(reports) == 2 and f"'epsilon': {strategy.epsilon()!r}" in reports[-1]
+    assert "'sample_size': 5, 'population': 10" in reports[-1]
+    assert sorted(result.train_metrics_clientapp) == [1, 2]
