@@ -31,10 +31,10 @@ accounted as ``adaptive_clipping_round_event(z, sigma_b, sampling)``.
 Accounting. The strategy holds a :class:`~fedsim.privacy.accounting.PrivacyLedger`
 and records one event per round in which it released an update, with the
 round's sampling model (Poisson rate ``q``, fixed-size ``m`` of ``N``, full
-participation, or b-min-separation) and noise. Without an explicit sampling model (a plain
-Flower app), the model is the sampling that happens, planned from the grid and the wrapped
-strategy and checked on every round (:mod:`strategies.observed_sampling`). The neighbouring relation
-follows the sampling: add/remove for Poisson sampling, full participation and
+participation, or b-min-separation) and noise. Without an explicit sampling model (a
+plain Flower app), the model is the sampling that happens, planned from the grid and the
+wrapped strategy and checked on every round (:mod:`strategies.observed_sampling`). The
+neighbouring relation follows the sampling: add/remove for Poisson sampling, full participation and
 min-separation; replace-one for fixed-size sampling of fewer than ``N`` clients
 (the only relation dp_accounting can amplify it under; the sum then moves by up
 to ``2C``, which the ledger accounts for). With ``max_epsilon``, a round whose
