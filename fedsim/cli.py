@@ -3,7 +3,8 @@
     fedsim run CONFIG.toml --out DIR [--set KEY=VALUE ...]
     fedsim run [CONFIG.toml] --resume DIR [--set KEY=VALUE ...]
     fedsim sweep CONFIG.toml --grid KEY=V1,V2 ... [--seeds 0..4] [--set KEY=VALUE ...] [--out DIR]
-    fedsim flwr-run APP_DIR --num-supernodes N [--run-config "k=v ..."] --out DIR
+    fedsim flwr-run APP_DIR [--federation NAME] [--num-supernodes N] [--run-config "k=v ..."]
+                    --out DIR
     fedsim account {dp-fedavg,dp-sgd,calibrate,sweep,matrix} ... [--json]
     fedsim factorize --kind KIND --rounds N [--bands B] [--participations K --min-sep S]
                      --out FILE.npz [--json]
@@ -121,7 +122,30 @@ def _parser() -> argparse.ArgumentParser:
     _engine_args(run, resumable=True)
     flwr_run = commands.add_parser("flwr-run", help="run a Flower app project on fedsim's engine")
     flwr_run.add_argument("app_dir", help="directory with the app's pyproject.toml")
-    flwr_run.add_argument("--num-supernodes", type=int, required=True, help="virtual clients")
+    flwr_run.add_argument(
+        "--federation",
+        default=None,
+        help="a federation of the app's [tool.flwr.federations] (default: its default)",
+    )
+    flwr_run.add_argument(
+        "--num-supernodes", type=int, default=None, help="virtual clients (default: federation's)"
+    )
+    flwr_run.add_argument(
+        "--client-cpus", type=float, default=None, help="Ray CPUs per client worker"
+    )
+    flwr_run.add_argument(
+        "--client-gpus", type=float, default=None, help="Ray GPUs per client worker (fractional)"
+    )
+    flwr_run.add_argument(
+        "--sampling",
+        choices=("uniform", "poisson"),
+        default=None,
+        help="the engine draws each round's cohort (default: the grid offers every node)",
+    )
+    flwr_run.add_argument(
+        "--clients-per-round", type=int, default=None, help="cohort size (expected, poisson)"
+    )
+    flwr_run.add_argument("--seed", type=int, default=0, help="public seed of the cohorts")
     flwr_run.add_argument(
         "--run-config",
         default=None,
@@ -204,26 +228,38 @@ def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_flwr_run(args: argparse.Namespace) -> dict[str, Any]:
-    from fedsim.flwr_app import FlowerApp, run_flower_app  # noqa: PLC0415
+    from fedsim.flwr_app import FlowerApp, cohort_model, run_flower_app  # noqa: PLC0415
+    from fedsim.flwr_federation import with_flags  # noqa: PLC0415
 
     _check_workers(args.workers)
-    if args.num_supernodes < 1:
+    if args.num_supernodes is not None and args.num_supernodes < 1:
         raise ConfigError("--num-supernodes", args.num_supernodes, "an integer >= 1")
     _check_address(
         args.ray_address or os.environ.get("RAY_ADDRESS", ""),
         args.backend or "ray",
         "--ray-address",
     )
-    app = FlowerApp.load(args.app_dir, args.run_config)
+    app = FlowerApp.load(args.app_dir, args.run_config, args.federation)
+    federation = with_flags(
+        app.federation,
+        num_supernodes=args.num_supernodes,
+        client_cpus=args.client_cpus,
+        client_gpus=args.client_gpus,
+    )
+    n = federation.num_supernodes
     return run_flower_app(
         app,
-        args.num_supernodes,
+        n,
         args.out,
         ray_address=args.ray_address,
         workers=args.workers,
         backend=args.backend,
         progress=_progress(args),
         secrets=_secrets(args),
+        client_cpus=federation.client_cpus,
+        client_gpus=federation.client_gpus,
+        ray_cpus=federation.ray_cpus,
+        participation=cohort_model(args.sampling, args.clients_per_round, n, args.seed),
     )
 
 

@@ -70,6 +70,7 @@ from fedsim.workloads.training import as_tensors, evaluate_model
 from strategies.averaging import AveragedGlobalModel, averaged_evaluation
 from strategies.conformal import ConformalEvaluation
 from strategies.quantized import DequantizedUploads
+from strategies.recorded_start import run_summary
 from strategies.registry import build_personalised_strategy, build_strategy, spec_for
 from strategies.seeded_sampling import SeededSampling
 from strategies.server_secret import bind_parties
@@ -488,10 +489,7 @@ def _client_privacy(
 def _privacy_summary(strategy: Strategy, records: list[dict[str, Any]]) -> dict[str, Any]:
     """summary.json's privacy keys: the run's epsilon (when the strategy keeps a ledger),
     why it stopped early (if it did), and the worst client's own epsilon (client DP-SGD)."""
-    out: dict[str, Any] = {"stopped_reason": getattr(strategy, "stop_reason", None)}
-    report = getattr(strategy, "privacy_report", None)
-    if report is not None:
-        out["privacy"] = report()
+    out = run_summary(strategy)
     client = [r["client_privacy"] for r in records if "client_privacy" in r]
     if client:
         out["max_client_epsilon"] = max(c["max_epsilon"] for c in client)

@@ -16,6 +16,19 @@ root; the ServerApp's context holds the server's
 ``[tool.flwr.app.config]``, every value a TOML value of the default's type (an integer
 for an integer, a finite number for a number, true/false, a quoted string), and
 ``num-server-rounds`` an integer >= 1.
+
+The app's ``[tool.flwr.federations]`` (:mod:`fedsim.flwr_federation`) gives the number of
+supernodes and each client's Ray resources, as ``flwr run`` reads them; flags override it.
+With ``sampling`` the engine draws each phase's cohort (:mod:`fedsim.engine.participation`:
+``uniform``, a fixed-size cohort without replacement, or ``poisson``) and the grid offers only
+it, so a strategy that takes every node it is offered (``fraction_train=1``) is accounted
+with that cohort model's amplification.
+
+A fedsim strategy started inside the ServerApp (``strategy.start``, see
+:mod:`strategies.recorded_start`) reports each round to the run's
+:class:`~fedsim.results.RoundRecorder`: rounds.jsonl gets the sections ``fedsim run`` writes
+(``aggregated``, ``aggregated_evaluate``, ``central``, ``privacy``) and summary.json its
+``privacy`` and ``stopped_reason``.
 """
 
 from __future__ import annotations
@@ -36,8 +49,10 @@ from flwr.serverapp.server_app import LoadServerAppError
 from flwr.supercore.object_ref import load_app
 
 from fedsim import __version__
-from fedsim.config import ConfigError, is_finite_number
-from fedsim.engine import ClientAppSource, Engine, EngineConfig
+from fedsim.config import ConfigError, is_finite_number, require
+from fedsim.engine import ClientAppSource, Engine, EngineConfig, PoissonCohort, UniformCohort
+from fedsim.engine.participation import CohortModel
+from fedsim.flwr_federation import Federation, read_federation
 from fedsim.progress import Cadence, RunProgress
 from fedsim.randomness import RunSecret
 from fedsim.results import RoundRecorder, RunWriter
@@ -54,10 +69,15 @@ class FlowerApp:
     clientapp: str
     run_config: dict[str, Any]
     server_app: ServerApp
+    #: the federation ``--federation`` (or the app's default) names; empty without one
+    federation: Federation = Federation()
 
     @classmethod
-    def load(cls, app_dir: str | Path, overrides: str | None = None) -> FlowerApp:
-        """Read ``app_dir/pyproject.toml``, import the components, fuse the config."""
+    def load(
+        cls, app_dir: str | Path, overrides: str | None = None, federation: str | None = None
+    ) -> FlowerApp:
+        """Read ``app_dir/pyproject.toml``, import the components, fuse the config and read
+        the federation ``federation`` (None: the app's default federation, if any)."""
         app_dir = Path(app_dir).resolve()
         if not (app_dir / "pyproject.toml").is_file():
             raise ConfigError(
@@ -77,12 +97,18 @@ class FlowerApp:
                 )
         defaults = flatten_dict(project["tool"]["flwr"]["app"].get("config", {}))
         run_config = fuse_run_config(defaults, overrides)
+        chosen = read_federation(project, federation)
         server_app = _load(
             components["serverapp"], app_dir, ServerApp, LoadServerAppError, "serverapp"
         )
         _load(components["clientapp"], app_dir, ClientApp, LoadClientAppError, "clientapp")
         return cls(
-            app_dir, components["serverapp"], components["clientapp"], run_config, server_app
+            app_dir,
+            components["serverapp"],
+            components["clientapp"],
+            run_config,
+            server_app,
+            chosen,
         )
 
     def client_source(self) -> ClientAppSource:
@@ -184,6 +210,37 @@ def _load(reference: str, app_dir: Path, kind: type, error: type[Exception], nam
     return obj
 
 
+#: the engine's cohort models a Flower app can run under (``--sampling``)
+SAMPLINGS = ("uniform", "poisson")
+
+
+def cohort_model(
+    sampling: str | None, clients_per_round: int | None, num_supernodes: int, seed: int
+) -> CohortModel | None:
+    """The engine's cohort model for ``--sampling`` (None: the grid offers every node):
+    ``uniform``, ``clients_per_round`` nodes without replacement, or ``poisson``, each node
+    with probability ``clients_per_round / num_supernodes``; cohorts are drawn from the
+    public ``seed``."""
+    if sampling is None:
+        require(
+            clients_per_round is None,
+            "--clients-per-round",
+            clients_per_round,
+            f"nothing without --sampling (one of {', '.join(SAMPLINGS)})",
+        )
+        return None
+    require(sampling in SAMPLINGS, "--sampling", sampling, f"one of {', '.join(SAMPLINGS)}")
+    require(
+        isinstance(clients_per_round, int) and 1 <= clients_per_round <= num_supernodes,
+        "--clients-per-round",
+        clients_per_round,
+        f"an integer in [1, {num_supernodes}] (the number of supernodes) with --sampling",
+    )
+    if sampling == "poisson":
+        return PoissonCohort(num_supernodes, clients_per_round / num_supernodes, seed)
+    return UniformCohort(num_supernodes, clients_per_round, seed)
+
+
 def run_flower_app(
     app: FlowerApp,
     num_supernodes: int,
@@ -195,25 +252,33 @@ def run_flower_app(
     progress: bool | Cadence = True,
     engine: Engine | None = None,
     secrets: RunSecret | None = None,
+    client_cpus: float | None = None,
+    client_gpus: float | None = None,
+    ray_cpus: int | None = None,
+    participation: CohortModel | None = None,
 ) -> dict[str, Any]:
     """Run ``app`` with ``num_supernodes`` virtual nodes; rounds are inferred from
-    the messages' ``server-round``. ``secrets``: the run's secret root (None: a fresh
-    one from the OS; the run cannot be repeated)."""
+    the messages' ``server-round`` unless a fedsim strategy reports them. ``secrets``: the
+    run's secret root (None: a fresh one from the OS; the run cannot be repeated).
+    ``client_cpus``/``client_gpus``: Ray resources of each worker (None: the engine's
+    defaults); ``ray_cpus``: CPUs of a Ray fedsim starts (None: all); ``participation``: the
+    cohort the grid offers each phase (None: every node)."""
     writer = RunWriter(out_dir)
     started = time.perf_counter()
     try:
+        own_engine = engine is None
         if engine is None:
             engine = Engine(
                 EngineConfig(
                     backend=backend or "ray",  # type: ignore[arg-type]
                     workers=workers or 0,
                     ray_address=ray_address or "",
+                    cpus_per_worker=1.0 if client_cpus is None else client_cpus,
+                    gpus_per_worker=0.0 if client_gpus is None else client_gpus,
+                    num_cpus=ray_cpus or 0,
                 ),
                 extra_modules=(str(app.app_dir),),
             )
-            own_engine = True
-        else:
-            own_engine = False
         engine.start()
         rounds = app.run_config.get("num-server-rounds")
         with RunProgress(rounds if isinstance(rounds, int) else None, enabled=progress) as bar:
@@ -223,27 +288,49 @@ def run_flower_app(
                 app.client_source(),
                 num_supernodes,
                 run_config=app.run_config,
+                participation=participation,
                 observer=recorder,
+                round_log=recorder,
                 secrets=RunSecret.fresh() if secrets is None else secrets,
             )
             recorder.close()
         finished = time.perf_counter()
-        trained = sum(r.get("train", {}).get("clients", 0) for r in recorder.records)
-        summary = {
-            "app_dir": str(app.app_dir),
-            "components": {"serverapp": app.serverapp, "clientapp": app.clientapp},
-            "run_config": app.run_config,
-            "num_supernodes": num_supernodes,
-            "rounds": len(recorder.records),
-            "clients_trained": trained,
-            "seconds": {"total": finished - started},
-            "final": recorder.records[-1] if recorder.records else None,
-            "engine": engine.describe(),
-            "versions": {"fedsim": __version__, "python": platform.python_version()},
-        }
+        summary = _summary(app, num_supernodes, recorder, engine, finished - started)
+        summary["participation"] = _described(participation)
         writer.write_summary(summary)
         if own_engine:
             engine.close()
         return summary
     finally:
         writer.close()
+
+
+def _summary(
+    app: FlowerApp, num_supernodes: int, recorder: RoundRecorder, engine: Engine, seconds: float
+) -> dict[str, Any]:
+    """summary.json of a Flower app's run (with what a fedsim strategy adds: its final
+    privacy report and why it stopped, as ``fedsim run`` writes them)."""
+    rounds = [r for r in recorder.records if r["round"] >= 1]
+    return {
+        "app_dir": str(app.app_dir),
+        "components": {"serverapp": app.serverapp, "clientapp": app.clientapp},
+        "run_config": app.run_config,
+        "federation": app.federation.name,
+        "num_supernodes": num_supernodes,
+        "rounds": len(rounds),
+        "clients_trained": sum(r.get("train", {}).get("clients", 0) for r in rounds),
+        "seconds": {"total": seconds},
+        "final": recorder.records[-1] if recorder.records else None,
+        "engine": engine.describe(),
+        "versions": {"fedsim": __version__, "python": platform.python_version()},
+        **recorder.run_summary,
+    }
+
+
+def _described(participation: CohortModel | None) -> dict[str, Any] | None:
+    """The cohort model the grid used, as summary.json records it (None: every node)."""
+    if participation is None:
+        return None
+    if isinstance(participation, PoissonCohort):
+        return {"sampling": "poisson", "rate": participation.rate}
+    return {"sampling": "uniform", "clients_per_round": participation.cohort_size}

@@ -24,7 +24,9 @@ The server's ``central`` evaluation on its own held-out set is always written.
 :class:`RoundRecorder` builds these lines from the grid's phase reports. With
 ``infer_rounds`` (a Flower ServerApp whose loop fedsim does not see) a round
 ends when a phase of a later round starts, after its evaluate phase, or when the
-run closes.
+run closes. A fedsim strategy started inside such a ServerApp reports its rounds itself
+(the recorder is the grid's :class:`~fedsim.engine.grid.RoundLog`), with the same sections
+as ``fedsim run``.
 
 Every epsilon is written as :mod:`fedsim.results_json` says (an infinite one as ``1e999``
 with a boolean ``<key>_infinite`` next to it).
@@ -161,6 +163,8 @@ class RoundRecorder:
         self._round: int | None = None
         self._phases: list[PhaseReport] = []
         self._round_start = self.started
+        #: what the strategy adds to summary.json (its final privacy report, ...)
+        self.run_summary: dict[str, Any] = {}
 
     # PhaseObserver
     def phase_finished(self, report: PhaseReport) -> None:
@@ -178,9 +182,27 @@ class RoundRecorder:
         return int(self.records[-1]["round"]) if self.records else 0
 
     def end_round(self, server_round: int, **sections: Any) -> dict[str, Any]:
-        """Close round ``server_round`` with extra sections (strategy metrics, ...)."""
+        """Close round ``server_round`` with extra sections (strategy metrics, ...; a
+        MetricRecord is written as its dict)."""
         self._round = server_round
-        return self._flush(sections)
+        return self._flush(
+            {
+                name: metrics_dict(value) if isinstance(value, MetricRecord) else value
+                for name, value in sections.items()
+            }
+        )
+
+    # RoundLog (fedsim.engine.grid): a fedsim strategy inside a Flower ServerApp
+    def open_rounds(self, *, private: bool, metrics_in_clear: bool) -> None:
+        """From now on the strategy closes each round (:meth:`end_round`), and a private
+        one's clients' metrics are left out unless ``metrics_in_clear``."""
+        self.infer_rounds = False
+        self.client_metrics = not private or metrics_in_clear
+        self.mark_in_clear = private and metrics_in_clear
+
+    def end_run(self, **summary: Any) -> None:
+        """Keep what the strategy adds to the run's summary (:attr:`run_summary`)."""
+        self.run_summary.update(json_ready(summary))
 
     def _flush(self, sections: dict[str, Any] | None) -> dict[str, Any]:
         now = time.perf_counter()

@@ -31,8 +31,10 @@ accounted as ``adaptive_clipping_round_event(z, sigma_b, sampling)``.
 Accounting. The strategy holds a :class:`~fedsim.privacy.accounting.PrivacyLedger`
 and records one event per round in which it released an update, with the
 round's sampling model (Poisson rate ``q``, fixed-size ``m`` of ``N``, full
-participation, or b-min-separation) and noise. The neighbouring relation
-follows the sampling: add/remove for Poisson sampling, full participation and
+participation, or b-min-separation) and noise. Without an explicit sampling model (a
+plain Flower app), the model is the sampling that happens, planned from the grid and the
+wrapped strategy and checked on every round (:mod:`strategies.observed_sampling`). The
+neighbouring relation follows the sampling: add/remove for Poisson sampling, full participation and
 min-separation; replace-one for fixed-size sampling of fewer than ``N`` clients
 (the only relation dp_accounting can amplify it under; the sum then moves by up
 to ``2C``, which the ledger accounts for). With ``max_epsilon``, a round whose
@@ -81,7 +83,8 @@ from typing import Any
 
 import dp_accounting as dpa
 import numpy as np
-from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedsim.config import ConfigError, require
@@ -112,6 +115,7 @@ from fedsim.worker_reduce import (
 )
 from strategies import flower
 from strategies.dp_shell import BOOKKEEPING, CLIENTS_KEY, CLIPPED_KEY, ClippedSumShell
+from strategies.observed_sampling import SamplingPlan, describe, planned_sampling
 from strategies.options import pop_number, pop_value
 from strategies.participation_guard import ParticipationGuard
 from strategies.spec import Accounting, RunFacts, StrategySpec
@@ -288,8 +292,13 @@ class DPFedAvg(ClippedSumShell):
         sampling: how each round's clients are drawn. A :class:`MinSeparation`
             schedule is accounted by the ledger's worst-case participation (each
             round then records an unsampled event) and enforced on every instruction
-            (``participation-refused``). Default: full participation
-            (no amplification claimed).
+            (``participation-refused``); a :class:`FixedSizeSampling` round that sends
+            more than its sample size is refused. None (default): the sampling that
+            happens, planned from the grid and the wrapped strategy before the first
+            round and checked on every round (:mod:`strategies.observed_sampling`:
+            Flower's uniform draw of ``fraction_train`` of the nodes is fixed-size
+            sampling, an engine cohort taken whole is the engine's model; anything
+            else is refused).
         delta: the run's ``delta`` in (0, 1) for the epsilon it reports.
         accountant: "rdp" or "pld".
         max_epsilon: stop before a round that would bring epsilon above this (None: never).
@@ -340,6 +349,9 @@ class DPFedAvg(ClippedSumShell):
         self.expected_clients = float(expected_clients)
         self.worker_reduction = worker_reduction
         self.metrics_in_clear = bool(metrics_in_clear)
+        #: sampling=None: account the sampling that happens (planned at the first round)
+        self.observe_sampling = sampling is None
+        self._plan: SamplingPlan | None = None
         sampling = FullParticipation() if sampling is None else sampling
         schedule = sampling if isinstance(sampling, MinSeparation) else None
         self.sampling: Sampling = FullParticipation() if schedule is not None else sampling
@@ -354,6 +366,52 @@ class DPFedAvg(ClippedSumShell):
         self.stop_reason: str | None = None
         self._stopped_at: int | None = None
         self._epsilons: dict[tuple[int, int], float] = {}  # (entries before, round) -> epsilon
+
+    # -- the sampling that happens (sampling=None) -------------------------------------
+    def bind_grid(self, grid: Grid) -> SamplingPlan | None:
+        """With ``sampling=None``: plan the accounting of the sampling the wrapped strategy
+        does on ``grid`` (once, before the first round; :func:`recorded_start` calls this
+        before the round loop, ``configure_train`` otherwise). Returns the plan (None with an
+        explicit ``sampling``)."""
+        if not self.observe_sampling or self._plan is not None:
+            return self._plan
+        plan = planned_sampling(self.strategy, grid)
+        if len(self.ledger):
+            raise RuntimeError(
+                f"the sampling is planned before the first release; {len(self.ledger)} "
+                "rounds were already recorded"
+            )
+        check_accountant(self.accountant, plan.sampling, self.ledger.delta)
+        self.sampling = plan.sampling
+        self.ledger = PrivacyLedger(relation_for(plan.sampling), self.ledger.delta)
+        self._epsilons = {}
+        self._stopped_at, self.stop_reason = None, None
+        self._plan = plan
+        return plan
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        if self.should_stop(server_round):
+            return []
+        plan = self.bind_grid(grid)
+        offered = [int(n) for n in grid.get_node_ids()] if plan is not None else []
+        messages = list(super().configure_train(server_round, arrays, config, grid))
+        sent = [int(m.metadata.dst_node_id) for m in messages]
+        if plan is not None:
+            plan.check_round(server_round, offered, sent)
+        elif isinstance(self.sampling, FixedSizeSampling):
+            require(
+                len(sent) <= self.sampling.sample_size,
+                f"sampling (round {server_round})",
+                f"{len(sent)} nodes sent",
+                f"at most the accounted sample size {self.sampling.sample_size}",
+            )
+        return messages
+
+    def report_details(self) -> dict[str, Any]:
+        """The sampling model the ledger accounts."""
+        return {"sampling": describe(self.ledger.participation or self.sampling)}
 
     def round_event(self) -> dpa.DpEvent:
         """The ``dp_accounting`` event of one round as this strategy releases it."""
@@ -571,15 +629,20 @@ def _budget_from(
     )
     sampling = FullParticipation() if facts.sampling is None else facts.sampling
     event_sampling = FullParticipation() if isinstance(sampling, MinSeparation) else sampling
-    try:  # the accountant must support this participation model
-        accounting.epsilon(1.0, event_sampling, 1, delta, accountant, relation_for(event_sampling))
+    check_accountant(accountant, event_sampling, delta, "strategy.options.accountant")
+    return delta, accountant, max_epsilon, sampling
+
+
+def check_accountant(
+    accountant: str, sampling: Sampling, delta: float, key: str = "accountant"
+) -> None:
+    """Refuse ``accountant`` (named ``key``) when it cannot account ``sampling``."""
+    try:
+        accounting.epsilon(1.0, sampling, 1, delta, accountant, relation_for(sampling))
     except ConfigError as err:
         raise ConfigError(
-            "strategy.options.accountant",
-            accountant,
-            f"an accountant for {type(event_sampling).__name__} ({err.allowed})",
+            key, accountant, f"an accountant for {type(sampling).__name__} ({err.allowed})"
         ) from err
-    return delta, accountant, max_epsilon, sampling
 
 
 def _proximal(options: Mapping[str, Any]) -> bool:

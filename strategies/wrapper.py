@@ -3,18 +3,23 @@
 Wrappers (DP, worker-side sums, seeded sampling) change one or two of the
 Message-API hooks and pass the others through; attributes they do not define
 (``weighted_by_key``, ``arrayrecord_key``, ...) are read from the wrapped strategy.
+Their ``start`` (what a Flower ServerApp calls) is
+:func:`~strategies.recorded_start.recorded_start`: Flower's calls, with every round in the
+run's records under fedsim.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.app.message_type import MessageType
 from flwr.app.metadata import Metadata
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy import Result, Strategy
+
+from strategies.recorded_start import recorded_start
 
 
 class StrategyWrapper(Strategy):
@@ -51,6 +56,22 @@ class StrategyWrapper(Strategy):
 
     def summary(self) -> None:
         self.strategy.summary()
+
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Flower's ``Strategy.start``, with every round reported to fedsim's records."""
+        return recorded_start(
+            self, grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
+            evaluate_fn,
+        )
 
 
 def server_reply(content: RecordDict, server_round: int) -> Message:

@@ -75,7 +75,9 @@ def with_norms(rng, norms) -> list[np.ndarray]:
 
 def one_round(strategy, server_round, updates, arrays=None):
     arrays = to_record(GLOBAL) if arrays is None else arrays
-    messages = strategy.configure_train(server_round, arrays, ConfigRecord(), _Grid(50))
+    # the grid offers as many nodes as the accounted fixed-size sampling draws (50 otherwise)
+    offered = getattr(strategy.sampling, "sample_size", 50)
+    messages = strategy.configure_train(server_round, arrays, ConfigRecord(), _Grid(offered))
     if not list(messages):
         return None, None
     base = to_numpy(arrays)

@@ -3,7 +3,7 @@
 from fedsim.engine.backend import Backend, LocalBackend, RayBackend, WorkerLost
 from fedsim.engine.client_registry import NODE_ID_OFFSET, ClientRegistry
 from fedsim.engine.faults import FaultConfig
-from fedsim.engine.grid import PhaseObserver, PhaseReport, SimulationGrid
+from fedsim.engine.grid import PhaseObserver, PhaseReport, RoundLog, SimulationGrid
 from fedsim.engine.participation import (
     CohortModel,
     FullCohort,
@@ -30,6 +30,7 @@ __all__ = [
     "LocalBackend",
     "MinSeparationCohort",
     "PhaseObserver",
+    "RoundLog",
     "PhaseReport",
     "PoissonCohort",
     "RayBackend",

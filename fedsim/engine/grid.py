@@ -31,7 +31,7 @@ import pickle
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 from uuid import uuid4
 
 from flwr.app import ConfigRecord, Error, Message, RecordDict
@@ -74,6 +74,24 @@ class PhaseObserver(Protocol):
     """Receives a report after each phase."""
 
     def phase_finished(self, report: PhaseReport) -> None: ...
+
+
+class RoundLog(Protocol):
+    """Where a strategy that runs its own round loop inside a ServerApp (``Strategy.start``)
+    reports each round it finished, so the run's records hold what the strategy returned.
+
+    ``open_rounds`` comes first: from then on the strategy closes every round itself
+    (``end_round``, with its sections: aggregated metrics, privacy, ...), ``private`` says
+    that the clients' own metrics stay out of the records unless ``metrics_in_clear``.
+    ``end_run`` gives what the run's summary adds (the final privacy report, why it stopped).
+    The values are the strategy's own (MetricRecords, dicts); the log makes them JSON.
+    """
+
+    def open_rounds(self, *, private: bool, metrics_in_clear: bool) -> None: ...
+
+    def end_round(self, server_round: int, **sections: Any) -> None: ...
+
+    def end_run(self, **summary: Any) -> None: ...
 
 
 def server_round_of(content: RecordDict, group_id: str) -> int | None:
@@ -169,6 +187,7 @@ class SimulationGrid(Grid):
             reports the whole population.
         state_store: where clients' ``context.state`` persists.
         observer: receives a :class:`PhaseReport` after each phase.
+        round_log: where a strategy running its own loop reports its rounds (None: nowhere).
         faults: dropouts, stragglers and crashes to inject (:mod:`fedsim.engine.faults`).
         depth: batches queued per worker.
     """
@@ -182,6 +201,7 @@ class SimulationGrid(Grid):
         participation: CohortModel | None = None,
         state_store: ClientStateStore | None = None,
         observer: PhaseObserver | None = None,
+        round_log: RoundLog | None = None,
         faults: FaultConfig | None = None,
         depth: int = 2,
     ) -> None:
@@ -191,6 +211,7 @@ class SimulationGrid(Grid):
         self.faults = faults if faults is not None and faults.active else None
         self.state_store = state_store if state_store is not None else ClientStateStore()
         self.observer = observer
+        self.round_log = round_log
         self._run = run
         self._dispatcher = Dispatcher(backend, depth=depth)
         self._phase_counter = 0

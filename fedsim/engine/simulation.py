@@ -28,7 +28,7 @@ from fedsim.engine.backend import Backend, LocalBackend, RayBackend
 from fedsim.engine.client_registry import ClientRegistry
 from fedsim.engine.cluster import ensure_ray
 from fedsim.engine.faults import FaultConfig
-from fedsim.engine.grid import PhaseObserver, SimulationGrid
+from fedsim.engine.grid import PhaseObserver, RoundLog, SimulationGrid
 from fedsim.engine.participation import CohortModel
 from fedsim.engine.state import ClientStateStore
 from fedsim.engine.worker import ClientAppSource, RunSpec, SharedDataset
@@ -187,6 +187,7 @@ class Engine:
         run_config: dict[str, Any] | None = None,
         participation: CohortModel | None = None,
         observer: PhaseObserver | None = None,
+        round_log: RoundLog | None = None,
         state_store: ClientStateStore | None = None,
         faults: FaultConfig | None = None,
         datasets: tuple[tuple[Any, Any], ...] = (),
@@ -201,6 +202,9 @@ class Engine:
             num_clients: registered virtual clients (node ids from the registry).
             run_config: the run's ``context.run_config`` for every client.
             participation: which clients ``get_node_ids`` reports per phase.
+            observer: receives each phase's report.
+            round_log: where a strategy running its own loop (``Strategy.start``) reports
+                the rounds it finished.
             state_store: where clients' states live (default: in memory, spilling
                 to a temporary file past 256 MiB).
             faults: dropouts, stragglers and worker crashes to inject.
@@ -245,6 +249,7 @@ class Engine:
             participation=participation,
             state_store=state_store,
             observer=observer,
+            round_log=round_log,
             faults=faults,
             depth=self.config.depth,
         )
@@ -258,6 +263,7 @@ class Engine:
         run_config: dict[str, Any] | None = None,
         participation: CohortModel | None = None,
         observer: PhaseObserver | None = None,
+        round_log: RoundLog | None = None,
         faults: FaultConfig | None = None,
         raise_errors: bool = False,
         secrets: RunSecret | None = None,
@@ -274,6 +280,7 @@ class Engine:
             run_config=run_config,
             participation=participation,
             observer=observer,
+            round_log=round_log,
             faults=faults,
             raise_errors=raise_errors,
             secrets=secrets,
