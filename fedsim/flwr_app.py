@@ -192,13 +192,15 @@ def run_flower_app(
     ray_address: str | None = None,
     workers: int | None = None,
     backend: str | None = None,
+    device: str | None = None,
     progress: bool = True,
     engine: Engine | None = None,
     secrets: RunSecret | None = None,
 ) -> dict[str, Any]:
     """Run ``app`` with ``num_supernodes`` virtual nodes; rounds are inferred from
     the messages' ``server-round``. ``secrets``: the run's secret root (None: a fresh
-    one from the OS; the run cannot be repeated)."""
+    one from the OS; the run cannot be repeated). ``device = "cuda"`` gives each worker a
+    share of the GPUs (the app's ClientApp places its model itself)."""
     writer = RunWriter(out_dir)
     started = time.perf_counter()
     try:
@@ -208,6 +210,7 @@ def run_flower_app(
                     backend=backend or "ray",  # type: ignore[arg-type]
                     workers=workers or 0,
                     ray_address=ray_address or "",
+                    device=device or "cpu",
                 ),
                 extra_modules=(str(app.app_dir),),
             )
