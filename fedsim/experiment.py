@@ -205,8 +205,11 @@ def run_experiment(
     and authenticates the checkpoints). None: a fresh root, kept in the user's secrets
     directory so that ``resume`` finds it (:mod:`fedsim.run_root`); a resumed run needs
     the root it started with. ``engine``: a started engine to run on (left open); None:
-    one of ``config.engine``, closed when the run finishes.
+    one of ``config.engine``, closed when the run finishes. A device this machine lacks
+    (``[engine] device``, when the workers run here) is refused before anything is written.
     """
+    if _local_devices(config.engine):  # a cluster's workers check their own
+        check_device_available(config.engine.device)
     run = open_run(config, Path(out_dir), resume=resume, secrets=secrets)
     try:
         set_up_run(run, engine)
@@ -281,8 +284,6 @@ def set_up_run(run: ExperimentRun, engine: Engine | None) -> None:
     resuming), the client app, the started engine (``engine``, or one of ``[engine]``) and
     the parties bound to their secrets."""
     config = run.config
-    if _local_devices(config.engine):  # a cluster's workers check their own
-        check_device_available(config.engine.device)
     run.dataset = build_dataset(config.data)
     run.personal = personalised_parts(config, run.dataset) if is_personalised(config) else None
     run.spec = None if run.personal else model_spec(config, run.dataset)
