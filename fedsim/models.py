@@ -214,7 +214,8 @@ def check_model(spec: ModelSpec) -> None:
     """Refuse a model whose output on a batch of 2 zero examples is not (2, num_classes)
     logits, or that has no parameters to train (the key named is ``model.factory`` for a
     factory model, else ``model.kind``)."""
-    key, value = ("model.factory", spec.factory) if spec.kind == "factory" else ("model.kind", spec.kind)
+    factory = spec.kind == "factory"
+    key, value = ("model.factory", spec.factory) if factory else ("model.kind", spec.kind)
     model = build_model(spec)
     require(
         any(p.requires_grad for p in model.parameters()),
@@ -234,12 +235,13 @@ def check_model(spec: ModelSpec) -> None:
                 f"({type(err).__name__}: {err})",
             ) from err
     want = (2, spec.num_classes)
+    got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
     require(
-        isinstance(out, torch.Tensor) and tuple(out.shape) == want,
+        got == want,
         key,
         value,
         f"a model returning logits of shape (n, num_classes) = {want} for a batch of 2 "
-        f"(it returned {tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__})",
+        f"(it returned {got})",
     )
 
 
@@ -267,6 +269,15 @@ def place(model: nn.Module, device: str) -> nn.Module:
             f"engine.device = {device!r}: this worker cannot use it ({err}); use 'cpu', or run "
             "where that device exists (a CUDA build of torch for 'cuda')"
         ) from err
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of ``model``'s parameters (input tensors are built there; CPU for a model
+    without parameters)."""
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        return torch.device("cpu")
 
 
 def check_device_available(device: str, key: str = "engine.device") -> None:

@@ -14,7 +14,13 @@ from fedsim.config import ConfigError
 from fedsim.engine import EngineConfig
 from fedsim.engine.simulation import gpu_share
 from fedsim.experiment import run_experiment
-from fedsim.models import ModelSpec, check_device_available, load_arrays, model_arrays
+from fedsim.models import (
+    ModelSpec,
+    build_model,
+    check_device_available,
+    load_arrays,
+    model_arrays,
+)
 from fedsim.randomness import RunSecret
 from fedsim.run_config import ExperimentConfig
 
@@ -200,8 +206,6 @@ def test_weights_cross_devices_through_load_and_model_arrays():
     ``model_arrays`` reads them back as numpy arrays; on the meta device the copy runs but
     holds no data, so reading back must fail loudly, never return stale CPU values."""
     spec = ModelSpec(kind="mlp", input_shape=(3,), num_classes=2, hidden=(4,))
-    from fedsim.models import build_model
-
     model = build_model(spec)
     arrays = {k: v.copy() + 1.0 for k, v in model_arrays(model).items()}
     on_meta = build_model(spec).to("meta")

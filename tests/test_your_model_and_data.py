@@ -14,6 +14,7 @@ from byo_support import write_tables, write_user_module
 from fedsim.config import ConfigError
 from fedsim.data import DatasetSpec, build_dataset
 from fedsim.experiment import run_experiment
+from fedsim.models import ModelSpec, build_model
 from fedsim.randomness import RunSecret
 from fedsim.results import read_rounds
 from fedsim.run_config import ExperimentConfig
@@ -201,7 +202,8 @@ def test_what_a_loader_returns_is_checked_and_the_error_names_the_loader(code, l
     spec = DatasetSpec(
         source="python", loader=loader, python_path=(code,), partition="natural", num_clients=1
     )
-    with pytest.raises(ConfigError, match=rf"data\.loader = '{loader}' is not allowed: .*{message}"):
+    expected = rf"data\.loader = '{loader}' is not allowed: .*{message}"
+    with pytest.raises(ConfigError, match=expected):
         build_dataset(spec)
 
 
@@ -231,25 +233,38 @@ def test_a_bad_loader_or_factory_reference_is_refused_naming_the_key(code, refer
 def test_the_module_is_imported_only_from_python_path(code, tmp_path):
     """Without python_path the user's module is not found (it is not installed), and the
     error says where to put its directory."""
+    common = {"source": "python", "partition": "iid", "num_clients": 2}
     with pytest.raises(ConfigError, match=r"data\.loader .*python_path"):
-        DatasetSpec(source="python", loader="byo_user_elsewhere:clients", partition="iid",
-                    num_clients=2)
+        DatasetSpec(loader="byo_user_elsewhere:clients", **common)
+    nowhere = (str(tmp_path / "nowhere"),)
     with pytest.raises(ConfigError, match=r"data\.python_path = '.*nowhere' .*existing directory"):
-        DatasetSpec(source="python", loader="byo_user:clients", python_path=(str(tmp_path / "nowhere"),),
-                    partition="iid", num_clients=2)
+        DatasetSpec(loader="byo_user:clients", python_path=nowhere, **common)
 
 
 @pytest.mark.parametrize(
     "model, key, message",
     [
-        ({"factory": "byo_user:not_a_module"}, "model.factory",
-         r"returning a torch.nn.Module \(it returned a str\)"),
-        ({"factory": "byo_user:wrong_output"}, "model.factory",
-         r"logits of shape \(n, num_classes\) = \(2, 3\) for a batch of 2 \(it returned \(2, 4\)\)"),
-        ({"factory": "byo_user:make", "depth": 3}, "model.factory",
-         r"accepting the keyword arguments \['depth', 'input_shape', 'num_classes'\]"),
-        ({"factory": "byo_user:make", "num_classes": 3}, "model.num_classes",
-         r"the factory gets it from the data"),
+        (
+            {"factory": "byo_user:not_a_module"},
+            "model.factory",
+            r"returning a torch.nn.Module \(it returned a str\)",
+        ),
+        (
+            {"factory": "byo_user:wrong_output"},
+            "model.factory",
+            r"logits of shape \(n, num_classes\) = \(2, 3\) for a batch of 2 "
+            r"\(it returned \(2, 4\)\)",
+        ),
+        (
+            {"factory": "byo_user:make", "depth": 3},
+            "model.factory",
+            r"accepting the keyword arguments \['depth', 'input_shape', 'num_classes'\]",
+        ),
+        (
+            {"factory": "byo_user:make", "num_classes": 3},
+            "model.num_classes",
+            r"the factory gets it from the data",
+        ),
     ],
 )
 def test_a_factory_that_does_not_fit_the_data_is_refused_before_the_rounds(
@@ -278,11 +293,15 @@ def test_a_factory_that_does_not_fit_the_data_is_refused_before_the_rounds(
     assert not (tmp_path / "run" / "rounds.jsonl").exists() or not rounds_of(tmp_path / "run")
 
 
-def test_a_factory_gets_only_the_data_arguments_its_signature_names(code, tmp_path):
-    from fedsim.models import ModelSpec, build_model
-
-    spec = ModelSpec(kind="factory", factory="byo_user:make_without_data_arguments",
-                     python_path=(code,), options={"width": 7}, input_shape=(5,), num_classes=3)
+def test_a_factory_gets_only_the_data_arguments_its_signature_names(code):
+    spec = ModelSpec(
+        kind="factory",
+        factory="byo_user:make_without_data_arguments",
+        python_path=(code,),
+        options={"width": 7},
+        input_shape=(5,),
+        num_classes=3,
+    )
     model = build_model(spec)
     assert model[1].out_features == 7
     out = model(torch.zeros(2, 5))
@@ -299,8 +318,11 @@ def test_a_factory_gets_only_the_data_arguments_its_signature_names(code, tmp_pa
     ],
 )
 def test_model_tables_that_contradict_themselves_are_refused(code, model, key):
-    raw = {"rounds": 1, "data": {"source": "digits", "partition": "iid", "num_clients": 4},
-           "model": {"python_path": [code], **model}}
+    raw = {
+        "rounds": 1,
+        "data": {"source": "digits", "partition": "iid", "num_clients": 4},
+        "model": {"python_path": [code], **model},
+    }
     if "factory" not in model:
         raw["model"].pop("python_path")
     with pytest.raises(ConfigError) as err:
@@ -316,7 +338,7 @@ def test_model_tables_that_contradict_themselves_are_refused(code, model, key):
         ({"source": "python"}, "data.loader"),
     ],
 )
-def test_loader_keys_belong_to_source_python(code, data, key):
+def test_loader_keys_belong_to_source_python(data, key):
     with pytest.raises(ConfigError) as err:
         DatasetSpec(partition="iid", num_clients=2, **data)
     assert err.value.key == key
@@ -324,8 +346,12 @@ def test_loader_keys_belong_to_source_python(code, data, key):
 
 def test_a_table_error_names_the_data_key(tmp_path):
     paths = write_tables(tmp_path / "tables")
-    spec = DatasetSpec(source="table", path=str(paths["csv"]), client_column="user",
-                       partition="natural", num_clients=2)
-    with pytest.raises(ConfigError, match=r"data\.label_column = 'label' .*columns present: user, "
-                       r"target"):
+    spec = DatasetSpec(
+        source="table",
+        path=str(paths["csv"]),
+        client_column="user",
+        partition="natural",
+        num_clients=2,
+    )
+    with pytest.raises(ConfigError, match=r"data\.label_column = 'label' .*present: user, target"):
         build_dataset(spec)

@@ -6,7 +6,7 @@
 * :func:`femnist_like` — a generated stand-in for FEMNIST: 62 glyph classes rendered with
   per-writer style; one part per writer.
 * :func:`load_leaf` — LEAF JSON files, one part per user.
-* :func:`load_table` — a local Parquet / CSV / JSON Lines file, with or without a client-id column.
+* :func:`load_table` — a local Parquet / CSV / JSON Lines file, with or without client ids.
 
 Per-client sources return ``list[(x_k, y_k)]`` with ``y_k`` int64; the arrays of all
 parts are views of one pooled array where possible.

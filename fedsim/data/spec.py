@@ -231,7 +231,8 @@ def _first(parts: ClientData, spec: DatasetSpec, what: str) -> ClientData:
         spec.num_clients <= len(parts),
         "data.num_clients",
         spec.num_clients,
-        f"at most the {len(parts)} {what}" + ("" if spec.source == "python" else f" in {spec.path or spec.source}"),
+        f"at most the {len(parts)} {what}"
+        + ("" if spec.source == "python" else f" in {spec.path or spec.source}"),
     )
     return parts[: spec.num_clients]
 

@@ -277,7 +277,8 @@ def train_private(
             for xb, yb in dp_loader:
                 if training.max_steps and steps >= training.max_steps:
                     break
-                xb, yb = xb.to(spec.device), yb.to(spec.device)  # an empty batch is built on the CPU
+                # the rows are on the model's device; an empty Poisson batch is built on the CPU
+                xb, yb = xb.to(spec.device), yb.to(spec.device)
                 dp_optimizer.zero_grad(set_to_none=True)
                 out = module(xb)
                 if len(yb):
