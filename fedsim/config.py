@@ -261,9 +261,7 @@ def import_reference(reference: Any, key: str, search: tuple[str, ...] = ()) -> 
                 key, reference, f"a name defined in module {module_name!r} (it has no {part!r})"
             )
         found = getattr(found, part)
-    require(
-        callable(found), key, reference, f"a callable (it names a {type(found).__name__})"
-    )
+    require(callable(found), key, reference, f"a callable (it names a {type(found).__name__})")
     return found
 
 

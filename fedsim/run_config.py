@@ -117,7 +117,7 @@ class ModelConfig:
         import_reference(self.factory, "model.factory", self.python_path)
 
     @classmethod
-    def from_table(cls, table: dict[str, Any]) -> dict[str, Any]:
+    def stored_table(cls, table: dict[str, Any]) -> dict[str, Any]:
         """A TOML ``[model]`` table in its stored form: with ``factory`` and no ``kind``,
         every key but ``factory``, ``python_path`` and ``options`` is one of the factory's
         options (moved into ``options``; a key given both ways is refused)."""
@@ -322,7 +322,7 @@ class ExperimentConfig:
         if "data" not in raw:
             raise ConfigError("data", None, "a [data] table (this section is required)")
         if isinstance(raw.get("model"), dict):
-            raw["model"] = ModelConfig.from_table(raw["model"])
+            raw["model"] = ModelConfig.stored_table(raw["model"])
         return from_mapping(cls, raw)
 
     @classmethod

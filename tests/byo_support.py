@@ -13,14 +13,17 @@ import numpy as np
 USER_MODULE = textwrap.dedent(
     '''
     """A user's model and data, outside fedsim."""
+    import os
+
     import numpy as np
     import torch
     from torch import nn
 
 
     class Recorder(nn.Module):
-        """A small MLP that appends, per forward call, the device of its input batch and of
-        its first parameter to the file ``log`` (when given)."""
+        """A small MLP that appends, per forward call, the device of its input batch, of its
+        first parameter, the batch's shape and the process id to the file ``log`` (when
+        given)."""
 
         def __init__(self, features, num_classes, width, log):
             super().__init__()
@@ -31,7 +34,10 @@ USER_MODULE = textwrap.dedent(
         def forward(self, x):
             if self.log:
                 with open(self.log, "a") as fh:
-                    fh.write(f"{x.device} {self.hidden.weight.device} {tuple(x.shape)}\\n")
+                    fh.write(
+                        f"{x.device} {self.hidden.weight.device} {os.getpid()} "
+                        f"{tuple(x.shape)}\\n"
+                    )
             return self.out(torch.relu(self.hidden(x.flatten(1))))
 
 

@@ -5,6 +5,7 @@ that name the key, the value and what is allowed."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -74,6 +75,7 @@ def test_a_custom_model_on_python_data_runs_dp_fedavg(code, tmp_path):
     assert model["hidden.weight"].shape == (6, 5) and model["out.weight"].shape == (3, 6)
     seen = log.read_text().split("\n")[:-1]
     assert seen and all(line.split()[:2] == ["cpu", "cpu"] for line in seen)
+    assert {int(line.split()[2]) for line in seen} == {os.getpid()}  # in-process workers
     # training batches (at most batch_size rows) reached the model, not only evaluation
     assert any(line.endswith("(8, 5)") for line in seen)
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
@@ -115,6 +117,21 @@ def test_a_custom_model_on_python_data_runs_dmm(code, tmp_path):
     model = np.load(tmp_path / "run" / "model.npz")
     assert set(model.files) == {"hidden.weight", "hidden.bias", "out.weight", "out.bias"}
     assert all(np.all(np.isfinite(model[k])) for k in model.files)
+
+
+def test_ray_workers_import_the_factory_from_python_path(code, tmp_path, ray_engine):
+    """On Ray's worker processes (started before the user's directory was known, so never
+    with it on their sys.path) the spec's import string is resolved again from python_path
+    and the factory's model trains there."""
+    log = tmp_path / "forward.log"
+    cfg = config(code, log=str(log), rounds=1)
+    run_experiment(cfg, tmp_path / "run", progress=False, engine=ray_engine, secrets=SECRETS)
+    lines = [line.split(" ", 3) for line in log.read_text().split("\n")[:-1]]
+    # training batches (at most batch_size = 8 rows; the driver's central evaluation
+    # scores the whole held-out set at once)
+    train_pids = {int(pid) for _, _, pid, shape in lines if int(shape[1:].split(",")[0]) <= 8}
+    assert train_pids and os.getpid() not in train_pids
+    assert rounds_of(tmp_path / "run")[0]["train"]["clients"] == 4
 
 
 def test_fedavg_learns_from_a_csv_table_with_natural_clients(code, tmp_path):

@@ -51,6 +51,7 @@ class LoadedData:
 
 def _arrays(pair: Any, where: str, loader: str, empty_ok: bool) -> tuple[np.ndarray, np.ndarray]:
     """``pair`` as checked (x float32, y int64) arrays; ``where`` names them in errors."""
+
     def fail(what: str) -> ConfigError:
         return ConfigError("data.loader", loader, f"{_CONTRACT}; {where}: {what}")
 
@@ -104,14 +105,13 @@ def _same_features(parts: ClientData, clients: tuple[str, ...], loader: str) -> 
 
 def check_loaded(value: Any, loader: str) -> LoadedData:
     """Check what the loader returned against the contract (module docstring)."""
-    is_map = isinstance
-    if is_map(value, Mapping):
+    if isinstance(value, Mapping):
         clients, train = _clients(value, loader, "the mapping", empty_ok=False)
         _same_features(train, clients, loader)
         return LoadedData(None, train, None, clients)
     if isinstance(value, (tuple, list)) and len(value) == 2:
         first, second = value
-        if is_map(first, Mapping) and is_map(second, Mapping):
+        if isinstance(first, Mapping) and isinstance(second, Mapping):
             clients, train = _clients(first, loader, "the training mapping", empty_ok=False)
             unknown = sorted(str(k) for k in second if str(k) not in clients)
             require(
@@ -134,9 +134,7 @@ def check_loaded(value: Any, loader: str) -> LoadedData:
             return LoadedData(None, train, test, clients)
         pooled = _arrays(value, "the pooled rows", loader, empty_ok=False)
         return LoadedData(pooled, None, None, ())
-    raise ConfigError(
-        "data.loader", loader, f"{_CONTRACT}; it returned a {type(value).__name__}"
-    )
+    raise ConfigError("data.loader", loader, f"{_CONTRACT}; it returned a {type(value).__name__}")
 
 
 def load_python(

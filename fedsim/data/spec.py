@@ -163,7 +163,6 @@ class DatasetSpec:
             )
             require(exists, "data.path", self.path, f"an existing path: {want}")
 
-
     def _check_python(self) -> None:
         """``loader`` (importable and callable), ``options`` and ``python_path``: set with
         source python only."""
@@ -172,9 +171,7 @@ class DatasetSpec:
         if self.source != "python":
             for key in ("loader", "options", "python_path"):
                 value = getattr(self, key)
-                require(
-                    not value, f"data.{key}", value, "unset unless data.source = 'python'"
-                )
+                require(not value, f"data.{key}", value, "unset unless data.source = 'python'")
             return
         require(
             bool(self.loader),
@@ -368,7 +365,7 @@ def _python(
     pooled rows re-split; with the loader's own test rows, its clients as they are."""
     loaded = load_python(spec.loader, spec.options, spec.python_path)
     natural = spec.partition == "natural"
-    labels = [loaded.pooled[1]] if loaded.pooled else [y for _, y in loaded.train]
+    labels = [loaded.pooled[1]] if loaded.pooled is not None else [y for _, y in loaded.train]
     labels += [y for _, y in loaded.test or ()]
     num_classes = _num_classes(*labels)
     require(
