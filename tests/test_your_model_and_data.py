@@ -127,10 +127,11 @@ def test_ray_workers_import_the_factory_from_python_path(code, tmp_path, ray_eng
     cfg = config(code, log=str(log), rounds=1)
     run_experiment(cfg, tmp_path / "run", progress=False, engine=ray_engine, secrets=SECRETS)
     lines = [line.split(" ", 3) for line in log.read_text().split("\n")[:-1]]
-    # training batches (at most batch_size = 8 rows; the driver's central evaluation
-    # scores the whole held-out set at once)
-    train_pids = {int(pid) for _, _, pid, shape in lines if int(shape[1:].split(",")[0]) <= 8}
+    # training batches: 24 training rows per client in batches of 8 (the driver's model
+    # check runs 2 rows, its central evaluation the 48 held-out rows at once)
+    train_pids = {int(pid) for _, _, pid, shape in lines if shape == "(8, 5)"}
     assert train_pids and os.getpid() not in train_pids
+    assert os.getpid() in {int(pid) for _, _, pid, shape in lines if shape == "(2, 5)"}
     assert rounds_of(tmp_path / "run")[0]["train"]["clients"] == 4
 
 
