@@ -39,14 +39,13 @@ class LoadedData:
     """What a loader returned, checked: pooled rows, or per-client rows (and test rows).
 
     ``pooled`` is ``(x, y)`` for form 1 (``train`` and ``test`` are then None); ``train``
-    holds one ``(x_k, y_k)`` per client for forms 2 and 3, ``test`` the same clients' test
-    rows for form 3 (empty arrays for a client without test rows); ``clients`` their ids.
+    holds one ``(x_k, y_k)`` per client for forms 2 and 3 (in the loader's order), ``test``
+    the same clients' test rows for form 3 (empty arrays for a client without test rows).
     """
 
     pooled: tuple[np.ndarray, np.ndarray] | None
     train: ClientData | None
     test: ClientData | None
-    clients: tuple[str, ...]
 
 
 def _arrays(pair: Any, where: str, loader: str, empty_ok: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -108,7 +107,7 @@ def check_loaded(value: Any, loader: str) -> LoadedData:
     if isinstance(value, Mapping):
         clients, train = _clients(value, loader, "the mapping", empty_ok=False)
         _same_features(train, clients, loader)
-        return LoadedData(None, train, None, clients)
+        return LoadedData(None, train, None)
     if isinstance(value, (tuple, list)) and len(value) == 2:
         first, second = value
         if isinstance(first, Mapping) and isinstance(second, Mapping):
@@ -131,9 +130,9 @@ def check_loaded(value: Any, loader: str) -> LoadedData:
                 for c in clients
             ]
             _same_features(train + test, clients + clients, loader)
-            return LoadedData(None, train, test, clients)
+            return LoadedData(None, train, test)
         pooled = _arrays(value, "the pooled rows", loader, empty_ok=False)
-        return LoadedData(pooled, None, None, ())
+        return LoadedData(pooled, None, None)
     raise ConfigError("data.loader", loader, f"{_CONTRACT}; it returned a {type(value).__name__}")
 
 
