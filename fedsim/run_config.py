@@ -364,12 +364,6 @@ def check_personalised(config: ExperimentConfig) -> None:
         config.model.kind,
         f"'{BAYES_MLP}' with strategy.name = {name!r} (a Bayesian body and personal head)",
     )
-    require(
-        config.engine.device == "cpu",
-        "engine.device",
-        config.engine.device,
-        f"'cpu' with strategy.name = {name!r} (its Bayesian clients train on the CPU)",
-    )
     BayesSpec(  # checks model.hidden / head_layers / rho_init before anything runs
         in_features=1,
         hidden=config.model.hidden,

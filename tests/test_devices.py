@@ -126,13 +126,31 @@ def test_run_with_cuda_on_a_machine_without_it_fails_before_anything_runs(
         ExperimentConfig.from_dict(digits_config(gpus_per_worker=1))
 
 
-def test_personalised_clients_refuse_a_device_they_do_not_follow():
-    raw = digits_config(device="cuda")
-    raw["model"] = {"kind": "bayes-mlp"}
-    raw["strategy"] = {"name": "pfedhb", "clients_per_round": 2}
-    with pytest.raises(ConfigError) as err:
-        ExperimentConfig.from_dict(raw)
-    assert err.value.key == "engine.device"
+@pytest.mark.parametrize("strategy", ["pfedhb", "pfedbayes"])
+def test_personalised_clients_follow_the_device(moves, tmp_path, strategy):
+    """The Bayesian clients of the personalised strategies place their models on the device
+    once per process (at most two: pFedBayes's personal and local-global models) and move
+    every client's training and test rows there."""
+    raw = {
+        "seed": 3,
+        "rounds": 1,
+        "data": {"source": "digits", "partition": "iid", "num_clients": 4, "test_fraction": 0.25},
+        "model": {"kind": "bayes-mlp", "hidden": [6]},
+        "personal": {"head_steps": 1, "body_epochs": 1, "mc_samples": 2, "eval_samples": 2},
+        "strategy": {"name": strategy, "clients_per_round": 2, "sampling": "uniform"},
+        "evaluation": {"every": 1},
+        "engine": {"backend": "local", "device": FAKE},
+    }
+    run_experiment(
+        ExperimentConfig.from_dict(raw), tmp_path / "run", progress=False, secrets=SECRETS
+    )
+    modules = [name for kind, _, name in moves if kind == "module"]
+    assert modules and set(modules) == {"BayesMLP"} and len(modules) <= 2  # one per slot
+    rows = [s for kind, s, dtype in moves if kind == "tensor" and dtype == "torch.float32"]
+    labels = [s for kind, s, dtype in moves if kind == "tensor" and dtype == "torch.int64"]
+    assert rows and len(rows) == len(labels)
+    assert all(len(s) == 2 and s[1] == 64 for s in rows)  # digits' 8x8 features, flattened
+    assert sorted(s[0] for s in rows) == sorted(s[0] for s in labels)
 
 
 @pytest.fixture()
