@@ -46,8 +46,8 @@ def config(code, log="", rounds=2, strategy=None, data=None, **tables):
         "client": {"epochs": 1, "batch_size": 8, "lr": 0.1},
         "engine": {"backend": "local", "device": "cpu"},
         "strategy": strategy or {"name": "fedavg", "clients_per_round": 4},
-        **tables,
     }
+    raw.update(tables)
     return ExperimentConfig.from_dict(raw)
 
 
@@ -117,6 +117,17 @@ def test_a_custom_model_on_python_data_runs_dmm(code, tmp_path):
     model = np.load(tmp_path / "run" / "model.npz")
     assert set(model.files) == {"hidden.weight", "hidden.bias", "out.weight", "out.bias"}
     assert all(np.all(np.isfinite(model[k])) for k in model.files)
+
+
+def test_a_custom_model_trains_with_client_dp_sgd(code, tmp_path):
+    """Opacus wraps the factory's model (per-example gradients of its Linear layers); every
+    round line carries the worst client's own epsilon."""
+    client = {"batch_size": 8, "dp_sgd": {"noise_multiplier": 1.0, "max_grad_norm": 1.0}}
+    cfg = config(code, rounds=1, client=client)
+    summary = run_experiment(cfg, tmp_path / "run", progress=False, secrets=SECRETS)
+    [line] = rounds_of(tmp_path / "run")
+    assert line["client_privacy"]["clients"] == 4 and line["client_privacy"]["max_epsilon"] > 0
+    assert summary["max_client_epsilon"] == line["client_privacy"]["max_epsilon"]
 
 
 def test_ray_workers_import_the_factory_from_python_path(code, tmp_path, ray_engine):
