@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from fedsim.commands import account, audit, factorize, minmax, sweep
 from fedsim.commands.console import Verbosity, console
-from fedsim.config import ConfigError
+from fedsim.config import ConfigError, device_name
 from fedsim.engine.rounds import RunStopped
 from fedsim.progress import Cadence
 from fedsim.results_json import dumps
@@ -66,6 +66,11 @@ def _engine_args(parser: argparse.ArgumentParser, resumable: bool = False) -> No
     )
     parser.add_argument(
         "--backend", choices=("ray", "local"), default=None, help="ray (default) or local"
+    )
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="where clients train: cpu, cuda, cuda:N or mps (default: [engine] device, cpu)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
@@ -207,11 +212,14 @@ def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
         base = load_config(args.config, overrides)
     else:
         raise ConfigError("CONFIG", None, "an experiment TOML file (or --resume DIR)")
+    if args.device is not None:
+        device_name(args.device, "--device")
     config = with_engine(
         base,
         ray_address=args.ray_address,
         workers=args.workers,
         backend=args.backend,
+        device=args.device,
     )
     _check_address(
         config.engine.ray_address or os.environ.get("RAY_ADDRESS", ""),
@@ -239,6 +247,8 @@ def cmd_flwr_run(args: argparse.Namespace) -> dict[str, Any]:
         args.backend or "ray",
         "--ray-address",
     )
+    if args.device is not None:
+        device_name(args.device, "--device")
     app = FlowerApp.load(args.app_dir, args.run_config, args.federation)
     federation = with_flags(
         app.federation,
@@ -254,6 +264,7 @@ def cmd_flwr_run(args: argparse.Namespace) -> dict[str, Any]:
         ray_address=args.ray_address,
         workers=args.workers,
         backend=args.backend,
+        device=args.device,
         progress=_progress(args),
         secrets=_secrets(args),
         client_cpus=federation.client_cpus,

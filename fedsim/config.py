@@ -220,3 +220,88 @@ def to_mapping(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [to_mapping(v) for v in obj]
     return obj
+
+
+# --------------------------------------------------------------------------- user code
+
+
+def python_path(value: Any, key: str) -> tuple[str, ...]:
+    """``value`` (a list of directories) as absolute paths, each an existing directory.
+
+    Relative entries are relative to the current working directory; the absolute form is
+    what a run stores, so its workers and a resumed run find the same directories.
+    """
+    require(
+        isinstance(value, (list, tuple)) and all(isinstance(v, str) and v for v in value),
+        key,
+        value,
+        "a list of directories (strings) to put on sys.path",
+    )
+    resolved = []
+    for entry in value:
+        path = Path(entry).expanduser().resolve()
+        require(path.is_dir(), key, entry, "an existing directory")
+        resolved.append(str(path))
+    return tuple(resolved)
+
+
+def import_reference(reference: Any, key: str, search: tuple[str, ...] = ()) -> Any:
+    """The callable named by ``reference`` = ``"package.module:function"`` (the attribute may
+    be dotted: ``"module:Class.method"``), imported with the directories ``search`` first on
+    ``sys.path``; every failure is a :class:`ConfigError` naming ``key`` and the reference.
+
+    Used for the user's model factory and data loader: the same string is resolved in the
+    driver and again in each worker process, so the module must be importable there
+    (installed, on ``PYTHONPATH``, or in a ``python_path`` directory)."""
+    import importlib  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    shape = "'package.module:function' (a module path, a colon, a callable's name)"
+    require(isinstance(reference, str), key, reference, f"a string {shape}")
+    module_name, colon, attribute = reference.partition(":")
+    require(bool(colon and module_name and attribute), key, reference, shape)
+    for entry in reversed(search):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    try:
+        found: Any = importlib.import_module(module_name)
+    except ImportError as err:
+        where = f"; searched python_path {list(search)}" if search else ""
+        raise ConfigError(
+            key,
+            reference,
+            f"an importable module: importing {module_name!r} failed ({err}){where}; put its "
+            "directory in the table's python_path, or install it",
+        ) from err
+    for part in attribute.split("."):
+        if not hasattr(found, part):
+            raise ConfigError(
+                key, reference, f"a name defined in module {module_name!r} (it has no {part!r})"
+            )
+        found = getattr(found, part)
+    require(callable(found), key, reference, f"a callable (it names a {type(found).__name__})")
+    return found
+
+
+def frozen(value: Any) -> Any:
+    """A hashable copy of a TOML value (tables and lists become sorted / plain tuples), for
+    hashing config objects that hold a table of free-form options."""
+    if isinstance(value, Mapping):
+        return tuple(sorted((str(k), frozen(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(frozen(v) for v in value)
+    return value
+
+
+#: the torch devices a run may name (``cuda:N``: N a GPU index)
+DEVICE_HELP = "one of 'cpu', 'cuda', 'cuda:N' (N = 0, 1, ...: one GPU of the machine), 'mps'"
+
+
+def device_name(value: Any, key: str) -> str:
+    """``value`` if it names a device clients may train on (:data:`DEVICE_HELP`)."""
+    ok = isinstance(value, str) and (
+        value in ("cpu", "cuda", "mps")
+        or (value.startswith("cuda:") and value[5:].isdigit() and value[5:] == str(int(value[5:])))
+    )
+    require(ok, key, value, DEVICE_HELP)
+    return value

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pickle
 import platform
 import time
@@ -43,6 +44,7 @@ from fedsim.data import FederatedDataset, build_dataset
 from fedsim.engine import (
     ClientStateStore,
     Engine,
+    EngineConfig,
     FullCohort,
     MinSeparationCohort,
     PoissonCohort,
@@ -53,7 +55,14 @@ from fedsim.engine.committee import Committee, committee_for
 from fedsim.engine.dmm_committee import CommitteeHost, committee_host_for
 from fedsim.engine.participation import TRAIN, CohortModel
 from fedsim.engine.rounds import RoundOutcome, run_rounds
-from fedsim.models import ModelSpec, build_model, initial_arrays, load_arrays
+from fedsim.models import (
+    ModelSpec,
+    build_model,
+    check_device_available,
+    check_model,
+    initial_arrays,
+    load_arrays,
+)
 from fedsim.personalised_run import PersonalisedParts, personalised_parts
 from fedsim.progress import Cadence, RunProgress
 from fedsim.randomness import RunSecret
@@ -96,13 +105,18 @@ def engine_participation(config: ExperimentConfig, participation: CohortModel) -
 
 
 def model_spec(config: ExperimentConfig, dataset: FederatedDataset) -> ModelSpec:
-    """The ``[model]`` table's model for ``dataset``'s features and classes."""
+    """The ``[model]`` table's model for ``dataset``'s features and classes, trained on
+    ``[engine] device``."""
     return ModelSpec(
         kind=config.model.kind,
         input_shape=tuple(dataset.feature_shape),
         num_classes=dataset.num_classes,
         hidden=config.model.hidden,
         channels=config.model.channels,
+        factory=config.model.factory,
+        options=config.model.options,
+        python_path=config.model.python_path,
+        device=config.engine.device,
     )
 
 
@@ -194,8 +208,11 @@ def run_experiment(
     the root it started with. ``engine``: a started engine to run on (left open); None:
     one of ``config.engine``, closed when the run finishes. ``progress``: False for none,
     else a bar on a terminal and plain lines elsewhere (at a :class:`~fedsim.progress.Cadence`
-    when one is given).
+    when one is given). A device this machine lacks (``[engine] device``, when the workers run
+    here) is refused before anything is written.
     """
+    if _local_devices(config.engine):  # a cluster's workers check their own
+        check_device_available(config.engine.device)
     run = open_run(config, Path(out_dir), resume=resume, secrets=secrets)
     try:
         set_up_run(run, engine)
@@ -273,6 +290,8 @@ def set_up_run(run: ExperimentRun, engine: Engine | None) -> None:
     run.dataset = build_dataset(config.data)
     run.personal = personalised_parts(config, run.dataset) if is_personalised(config) else None
     run.spec = None if run.personal else model_spec(config, run.dataset)
+    if run.spec is not None:
+        check_model(run.spec)
     run.participation = participation_for(config, run.dataset.num_clients)
     if run.checkpoint is not None:
         run.strategy, run.arrays = run.checkpoint.strategy, to_record(run.checkpoint.arrays)
@@ -414,6 +433,11 @@ def close_run(run: ExperimentRun) -> None:
         run.committee.close()
     run.writer.close()
     run.run_dir.close()
+
+
+def _local_devices(engine: EngineConfig) -> bool:
+    """Whether the workers run on this machine (in-process, or a Ray that fedsim starts)."""
+    return engine.backend == "local" or not (engine.ray_address or os.environ.get("RAY_ADDRESS"))
 
 
 def _file_backed(dataset: FederatedDataset) -> bool:

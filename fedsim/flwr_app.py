@@ -249,6 +249,7 @@ def run_flower_app(
     ray_address: str | None = None,
     workers: int | None = None,
     backend: str | None = None,
+    device: str | None = None,
     progress: bool | Cadence = True,
     engine: Engine | None = None,
     secrets: RunSecret | None = None,
@@ -260,9 +261,11 @@ def run_flower_app(
     """Run ``app`` with ``num_supernodes`` virtual nodes; rounds are inferred from
     the messages' ``server-round`` unless a fedsim strategy reports them. ``secrets``: the
     run's secret root (None: a fresh one from the OS; the run cannot be repeated).
-    ``client_cpus``/``client_gpus``: Ray resources of each worker (None: the engine's
-    defaults); ``ray_cpus``: CPUs of a Ray fedsim starts (None: all); ``participation``: the
-    cohort the grid offers each phase (None: every node)."""
+    ``device = "cuda"`` gives each worker a share of the GPUs (the app's ClientApp places its
+    model itself); ``client_cpus``/``client_gpus``: Ray resources of each worker (None: the
+    engine's defaults; GPUs make ``device`` default to "cuda"); ``ray_cpus``: CPUs of a Ray
+    fedsim starts (None: all); ``participation``: the cohort the grid offers each phase (None:
+    every node)."""
     writer = RunWriter(out_dir)
     started = time.perf_counter()
     try:
@@ -274,8 +277,9 @@ def run_flower_app(
                     workers=workers or 0,
                     ray_address=ray_address or "",
                     cpus_per_worker=1.0 if client_cpus is None else client_cpus,
-                    gpus_per_worker=0.0 if client_gpus is None else client_gpus,
+                    gpus_per_worker=client_gpus,
                     num_cpus=ray_cpus or 0,
+                    device=device or ("cuda" if client_gpus else "cpu"),
                 ),
                 extra_modules=(str(app.app_dir),),
             )

@@ -63,7 +63,7 @@ def personalised_parts(config: ExperimentConfig, dataset: FederatedDataset) -> P
     spec = bayes_spec(config, dataset)
     training = personal_training(config)
     return PersonalisedParts(
-        make_personal_app(spec, config.data, training),
+        make_personal_app(spec, config.data, training, config.engine.device),
         model_arrays(build_bayes_model(spec, config.seed)),
         _global_evaluator(config, spec, dataset, training.ece_bins),
     )

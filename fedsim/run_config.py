@@ -6,13 +6,14 @@ part of the pipeline::
 
     [data]        source, partition, num_clients, ...  (fedsim.data.DatasetSpec)
     [model]       kind = "logreg" | "mlp" | "cnn" | "bayes-mlp", hidden, channels, ...
+                  or factory = "package.module:function" with its options, python_path
     [client]      epochs, batch_size, lr, ...          (LocalTraining)
     [personal]    head_steps, head_lr, mc_samples, ... (PersonalTraining; the clients of
                   the personalised strategies pfedhb, pfedvem, pfedbayes, fedavg-ft,
                   local-only: see fedsim.personalised_run)
     [strategy]    name, clients_per_round, sampling, partial_aggregation, [strategy.options]
     [evaluation]  clients (federated), every (central, rounds), central_rows
-    [engine]      backend, workers, cpus_per_worker, ray_address, ...
+    [engine]      backend, workers, cpus_per_worker, gpus_per_worker, device, ray_address, ...
     [faults]      dropout, straggler_fraction, straggler_delay_s, deadline_s, crash_probability
     [audit]       attacks, members, seed: audits of the finished run (audit.json)
     [privacy]     metrics_in_clear: release private runs' client metrics un-noised
@@ -31,7 +32,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fedsim.audits.run_audit import AuditConfig
-from fedsim.config import ConfigError, from_mapping, load_toml, require, to_mapping
+from fedsim.config import (
+    ConfigError,
+    from_mapping,
+    import_reference,
+    load_toml,
+    python_path,
+    require,
+    to_mapping,
+)
 from fedsim.data import DatasetSpec
 from fedsim.engine import EngineConfig, FaultConfig
 from fedsim.workloads.averaging import Averaging
@@ -45,6 +54,10 @@ from strategies.registry import PERSONALISED, spec_for
 BAYES_MLP = "bayes-mlp"
 
 
+#: the [model] keys of a factory model that are not the factory's own options
+FACTORY_KEYS = ("kind", "factory", "python_path", "options")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """The model; its input shape and classes come from the dataset.
@@ -52,13 +65,73 @@ class ModelConfig:
     ``kind = "bayes-mlp"`` is the personalised strategies' mean-field Gaussian MLP
     (:class:`~fedsim.workloads.bayesian.BayesSpec`): ``hidden``, the last ``head_layers``
     linear layers as the personal head, every ``rho`` starting at ``rho_init``.
+
+    ``factory = "package.module:function"`` is the user's own model (``kind`` is then
+    "factory"): any ``torch.nn.Module`` the function returns, called with ``options`` as
+    keyword arguments (in a TOML ``[model]`` table every key other than ``factory`` and
+    ``python_path`` is an option) and with ``input_shape`` and ``num_classes`` when its
+    signature names them; ``python_path`` directories are put first on ``sys.path`` of the
+    driver and the workers to import it (see docs/your-model-and-data.md).
     """
 
-    kind: Literal["logreg", "mlp", "cnn", "bayes-mlp"] = "mlp"
+    kind: Literal["logreg", "mlp", "cnn", "bayes-mlp", "factory"] = "mlp"
     hidden: tuple[int, ...] = (64,)
     channels: tuple[int, ...] = (6, 16)
     head_layers: int = 1
     rho_init: float = -4.0
+    factory: str = ""
+    python_path: tuple[str, ...] = ()
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "python_path", python_path(self.python_path, "model.python_path"))
+        if not self.factory:
+            require(
+                self.kind != "factory",
+                "model.factory",
+                self.factory,
+                "a 'package.module:function' reference returning a torch.nn.Module",
+            )
+            require(
+                not self.options and not self.python_path,
+                "model.options" if self.options else "model.python_path",
+                self.options or list(self.python_path),
+                "unset unless model.factory is set (the built-in models take hidden, channels)",
+            )
+            return
+        require(
+            self.kind == "factory",
+            "model.kind",
+            self.kind,
+            "unset (or 'factory') with model.factory: the factory builds the model",
+        )
+        defaults = ModelConfig()
+        for key in ("hidden", "channels", "head_layers", "rho_init"):
+            require(
+                getattr(self, key) == getattr(defaults, key),
+                f"model.{key}",
+                getattr(self, key),
+                "a key of the built-in models: with kind = 'factory' give the factory's options "
+                "in [model.options] (or next to factory, without kind)",
+            )
+        import_reference(self.factory, "model.factory", self.python_path)
+
+    @classmethod
+    def stored_table(cls, table: dict[str, Any]) -> dict[str, Any]:
+        """A TOML ``[model]`` table in its stored form: with ``factory`` and no ``kind``,
+        every key but ``factory``, ``python_path`` and ``options`` is one of the factory's
+        options (moved into ``options``; a key given both ways is refused)."""
+        if "factory" not in table or "kind" in table:
+            return table
+        options = table.get("options", {})
+        require(isinstance(options, dict), "model.options", options, "a table")
+        loose = {k: v for k, v in table.items() if k not in FACTORY_KEYS}
+        for key in sorted(set(loose) & set(options)):
+            raise ConfigError(
+                f"model.{key}", loose[key], "given once: next to factory or in [model.options]"
+            )
+        kept = {k: v for k, v in table.items() if k in FACTORY_KEYS}
+        return {**kept, "kind": "factory", "options": {**options, **loose}}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -248,6 +321,8 @@ class ExperimentConfig:
             raw["client"]["lora"] = {"rounds": raw.get("rounds", 0), **lora}
         if "data" not in raw:
             raise ConfigError("data", None, "a [data] table (this section is required)")
+        if isinstance(raw.get("model"), dict):
+            raw["model"] = ModelConfig.stored_table(raw["model"])
         return from_mapping(cls, raw)
 
     @classmethod

@@ -292,18 +292,35 @@ def test_load_table_errors_name_the_column(tmp_path, suffix):
     with pytest.raises(ConfigError, match="feature_columns"):
         load_table(path, feature_columns=("client_id",))
     del rows["features"]
-    bare = _write(tmp_path / f"bare{suffix}", rows)
-    with pytest.raises(ConfigError, match="feature_columns"):
-        load_table(bare)
+    bare = _write(tmp_path / f"bare{suffix}", rows)  # every other column is a feature
+    assert np.allclose(load_table(bare)[1][0], [[0.5, 1], [1.5, 3], [3.0, 6]])
+    rows["note"] = ["x"] * len(rows["label"])
+    noted = _write(tmp_path / f"noted{suffix}", rows)
+    with pytest.raises(ConfigError, match="feature_columns = 'note'"):
+        load_table(noted)
 
 
 def test_load_table_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="path"):
         load_table(tmp_path / "missing.parquet")
+    text = tmp_path / "data.txt"
+    text.write_text("a,b\n1,2\n")
+    with pytest.raises(ConfigError, match=r"\.parquet, \.csv or \.jsonl"):
+        load_table(text)
+
+
+def test_load_table_reads_csv_with_or_without_client_ids(tmp_path):
     csv = tmp_path / "data.csv"
-    csv.write_text("a,b\n1,2\n")
-    with pytest.raises(ConfigError, match=r"\.parquet or \.jsonl"):
-        load_table(csv)
+    csv.write_text("client_id,label,a,b\nu2,1,0.5,1\nu1,0,1.5,2\nu2,2,2.5,3\n")
+    (x1, y1), (x2, y2) = load_table(csv)  # clients u1, u2 (sorted), rows in file order
+    assert y1.tolist() == [0] and y2.tolist() == [1, 2]
+    assert np.allclose(x2, [[0.5, 1], [2.5, 3]]) and x2.dtype == np.float32
+    pooled = tmp_path / "pooled.csv"
+    pooled.write_text("label,a,b\n1,0.5,1\n0,1.5,2\n")
+    [(x, y)] = load_table(pooled, require_clients=False)  # one pool of rows
+    assert y.tolist() == [1, 0] and x.shape == (2, 2)
+    with pytest.raises(ConfigError, match="client_column = 'client_id'"):
+        load_table(pooled)
 
 
 def test_table_spec_build(tmp_path):

@@ -6,7 +6,7 @@
 * :func:`femnist_like` — a generated stand-in for FEMNIST: 62 glyph classes rendered with
   per-writer style; one part per writer.
 * :func:`load_leaf` — LEAF JSON files, one part per user.
-* :func:`load_table` — a local Parquet / JSON Lines file with a client-id column.
+* :func:`load_table` — a local Parquet / CSV / JSON Lines file, with or without client ids.
 
 Per-client sources return ``list[(x_k, y_k)]`` with ``y_k`` int64; the arrays of all
 parts are views of one pooled array where possible.
@@ -403,28 +403,34 @@ def load_table(
     client_column: str = "client_id",
     label_column: str = "label",
     feature_columns: tuple[str, ...] | None = None,
+    require_clients: bool = True,
 ) -> ClientData:
-    """Read a local Parquet (``.parquet``) or JSON Lines (``.jsonl``) table, one part per client.
+    """Read a local Parquet (``.parquet``), CSV (``.csv``, with a header row) or JSON Lines
+    (``.jsonl``) table, one part per client.
 
     Feature rule: with ``feature_columns`` the listed numeric columns are stacked
     into (n, F) features; otherwise a single list-valued column named ``"x"`` (or,
     if absent, ``"features"``) holds each row's feature vector (all of one length,
-    kept flat). Features are float32, labels (``label_column``, integers >= 0)
-    int64. Clients are the sorted unique values of ``client_column``; each part
-    is a view into the pooled arrays, rows kept in file order within a client.
+    kept flat); without either, every column other than the label and client columns
+    is a feature (all must be numeric). Features are float32, labels (``label_column``,
+    integers >= 0) int64. Clients are the sorted unique values of ``client_column``; each
+    part is a view into the pooled arrays, rows kept in file order within a client. A table
+    without ``client_column`` is one part holding every row, unless ``require_clients``.
     """
     import pyarrow as pa
+    import pyarrow.csv as pacsv
     import pyarrow.json as pajson
     import pyarrow.parquet as pq
 
     path = Path(path)
-    require(path.is_file(), "path", str(path), "an existing .parquet or .jsonl file")
+    require(path.is_file(), "path", str(path), "an existing .parquet, .csv or .jsonl file")
     suffix = path.suffix.lower()
+    readers = {".parquet": pq.read_table, ".csv": pacsv.read_csv, ".jsonl": pajson.read_json}
     require(
-        suffix in (".parquet", ".jsonl"), "path", str(path), "a file ending in .parquet or .jsonl"
+        suffix in readers, "path", str(path), "a file ending in .parquet, .csv or .jsonl"
     )
     try:
-        table = pq.read_table(path) if suffix == ".parquet" else pajson.read_json(path)
+        table = readers[suffix](path)
     except (pa.ArrowInvalid, OSError) as err:
         raise ConfigError("path", str(path), f"a readable {suffix} file ({err})") from err
     present = list(table.column_names)
@@ -438,7 +444,8 @@ def load_table(
         )
         return table.column(name).combine_chunks()
 
-    ids = column("client_column", client_column)
+    has_clients = client_column in present or require_clients
+    ids = column("client_column", client_column) if has_clients else None
     label_col = column("label_column", label_column)
     require(
         pa.types.is_integer(label_col.type),
@@ -447,7 +454,7 @@ def load_table(
         f"a column of integer labels (it holds {label_col.type})",
     )
     require(
-        label_col.null_count == 0 and ids.null_count == 0,
+        label_col.null_count == 0 and (ids is None or ids.null_count == 0),
         "path",
         str(path),
         f"no missing values in {client_column!r} and {label_column!r}",
@@ -456,6 +463,27 @@ def load_table(
     require(
         y.size == 0 or int(y.min()) >= 0, "label_column", label_column, "a column of labels >= 0"
     )
+    if not feature_columns and "x" not in present and "features" not in present:
+        feature_columns = tuple(c for c in present if c not in (label_column, client_column))
+        require(
+            bool(feature_columns),
+            "feature_columns",
+            (),
+            f"feature columns: {path.name} has only {', '.join(present)}",
+        )
+    x = _table_features(table, present, feature_columns, column, len(y))
+    if ids is None:
+        return [(x, y)]
+    unique, inverse = np.unique(ids.to_numpy(zero_copy_only=False), return_inverse=True)
+    order = np.argsort(inverse, kind="stable")
+    sizes = np.bincount(inverse.reshape(-1), minlength=unique.size)
+    return _split_rows(x[order], y[order], sizes)
+
+
+def _table_features(table, present, feature_columns, column, rows: int) -> np.ndarray:
+    """The (rows, F) float32 features of :func:`load_table`'s feature rule."""
+    import pyarrow as pa
+
     if feature_columns:
         cols = []
         for name in feature_columns:
@@ -470,34 +498,22 @@ def load_table(
             )
             require(col.null_count == 0, "feature_columns", name, "a column without nulls")
             cols.append(col.to_numpy(zero_copy_only=False).astype(np.float32))
-        x = np.stack(cols, axis=1)
-    else:
-        name = "x" if "x" in present else "features"
-        require(
-            name in present,
-            "feature_columns",
-            (),
-            f"feature column names, or a list-valued column 'x' or 'features'; "
-            f"columns present: {', '.join(present)}",
-        )
-        col = table.column(name).combine_chunks()
-        require(
-            pa.types.is_list(col.type) or pa.types.is_large_list(col.type),
-            "feature_columns",
-            name,
-            f"a list-valued column ({name!r} holds {col.type})",
-        )
-        lengths = np.diff(col.offsets.to_numpy())
-        require(
-            col.null_count == 0 and (lengths.size == 0 or np.all(lengths == lengths[0])),
-            "feature_columns",
-            name,
-            "a column of equal-length feature lists",
-        )
-        width = int(lengths[0]) if lengths.size else 0
-        values = col.flatten().to_numpy(zero_copy_only=False)
-        x = values.astype(np.float32).reshape(len(y), width)
-    unique, inverse = np.unique(ids.to_numpy(zero_copy_only=False), return_inverse=True)
-    order = np.argsort(inverse, kind="stable")
-    sizes = np.bincount(inverse.reshape(-1), minlength=unique.size)
-    return _split_rows(x[order], y[order], sizes)
+        return np.stack(cols, axis=1)
+    name = "x" if "x" in present else "features"
+    col = table.column(name).combine_chunks()
+    require(
+        pa.types.is_list(col.type) or pa.types.is_large_list(col.type),
+        "feature_columns",
+        name,
+        f"a list-valued column ({name!r} holds {col.type})",
+    )
+    lengths = np.diff(col.offsets.to_numpy())
+    require(
+        col.null_count == 0 and (lengths.size == 0 or np.all(lengths == lengths[0])),
+        "feature_columns",
+        name,
+        "a column of equal-length feature lists",
+    )
+    width = int(lengths[0]) if lengths.size else 0
+    values = col.flatten().to_numpy(zero_copy_only=False)
+    return values.astype(np.float32).reshape(rows, width)

@@ -9,15 +9,16 @@ dataset is built (or registered, after being shipped) once per process.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
-from fedsim.config import ConfigError, require
+from fedsim.config import ConfigError, frozen, import_reference, python_path, require
 from fedsim.data.dataset import FederatedDataset, concat_clients, from_partition, release_pages
 from fedsim.data.partition import PARTITIONERS
+from fedsim.data.python_source import load_python
 from fedsim.data.sources import (
     ClientData,
     femnist_like,
@@ -27,11 +28,11 @@ from fedsim.data.sources import (
     synthetic_fedprox,
 )
 
-Source = Literal["digits", "synthetic", "femnist", "leaf", "table", "npy"]
+Source = Literal["digits", "synthetic", "femnist", "leaf", "table", "npy", "python"]
 PartitionName = Literal["iid", "dirichlet", "shards", "quantity", "split-classes", "natural"]
 
 #: Sources whose samples come with a writer / user / device (a natural partition).
-NATURAL_SOURCES = ("synthetic", "femnist", "leaf", "table", "npy")
+NATURAL_SOURCES = ("synthetic", "femnist", "leaf", "table", "npy", "python")
 #: Sources read from ``path``.
 FILE_SOURCES = ("leaf", "table", "npy")
 
@@ -45,8 +46,13 @@ class DatasetSpec:
 
     source: digits (bundled, centralised), synthetic (synthetic(alpha, beta) of
     FedProx, one device per client), femnist (generated FEMNIST-like writers),
-    leaf (LEAF JSON under ``path``), table (Parquet / JSONL file at ``path``),
-    npy (a directory written by ``FederatedDataset.save``).
+    leaf (LEAF JSON under ``path``), table (Parquet / CSV / JSONL file at ``path``:
+    ``label_column``, ``client_column`` (a natural partition's clients; a file without it is
+    re-split by ``partition``), ``feature_columns`` (default: a list column ``x`` or
+    ``features``, else every other column)), npy (a directory written by
+    ``FederatedDataset.save``), python (the user's ``loader = "package.module:function"``,
+    called with ``options``, imported with ``python_path`` first on ``sys.path``; what it
+    may return: :mod:`fedsim.data.python_source`).
 
     partition: iid / dirichlet (``alpha``) / shards (``classes_per_client``;
     ``shard_sigma > 0`` also skews client sizes, lognormal) / quantity
@@ -81,14 +87,22 @@ class DatasetSpec:
     client_column: str = "client_id"
     label_column: str = "label"
     feature_columns: tuple[str, ...] = ()
+    loader: str = ""
+    options: dict[str, Any] = field(default_factory=dict)
+    python_path: tuple[str, ...] = ()
+
+    def __hash__(self) -> int:  # options is a table: hash its frozen copy
+        values = [getattr(self, f) for f in self.__dataclass_fields__ if f != "options"]
+        return hash((*values, frozen(self.options)))
 
     def __post_init__(self) -> None:
         require(
             self.source in ("digits", *NATURAL_SOURCES),
             "data.source",
             self.source,
-            "one of digits, synthetic, femnist, leaf, table, npy",
+            "one of digits, synthetic, femnist, leaf, table, npy, python",
         )
+        self._check_python()
         require(
             self.partition in ("natural", *PARTITIONERS),
             "data.partition",
@@ -135,7 +149,7 @@ class DatasetSpec:
         if self.source in FILE_SOURCES:
             want = {
                 "leaf": "a directory with train/ and test/ folders of LEAF JSON",
-                "table": "a .parquet or .jsonl file",
+                "table": "a .parquet, .csv or .jsonl file",
                 "npy": "a directory written by FederatedDataset.save",
             }[self.source]
             require(
@@ -148,6 +162,25 @@ class DatasetSpec:
                 Path(self.path).is_file() if self.source == "table" else Path(self.path).is_dir()
             )
             require(exists, "data.path", self.path, f"an existing path: {want}")
+
+    def _check_python(self) -> None:
+        """``loader`` (importable and callable), ``options`` and ``python_path``: set with
+        source python only."""
+        object.__setattr__(self, "python_path", python_path(self.python_path, "data.python_path"))
+        require(isinstance(self.options, dict), "data.options", self.options, "a table")
+        if self.source != "python":
+            for key in ("loader", "options", "python_path"):
+                value = getattr(self, key)
+                require(not value, f"data.{key}", value, "unset unless data.source = 'python'")
+            return
+        require(
+            bool(self.loader),
+            "data.loader",
+            self.loader,
+            "a 'package.module:function' reference returning the clients' arrays "
+            "(required for source 'python')",
+        )
+        import_reference(self.loader, "data.loader", self.python_path)
 
 
 def _int(value: object, key: str, minimum: int) -> None:
@@ -195,7 +228,8 @@ def _first(parts: ClientData, spec: DatasetSpec, what: str) -> ClientData:
         spec.num_clients <= len(parts),
         "data.num_clients",
         spec.num_clients,
-        f"at most the {len(parts)} {what} in {spec.path or spec.source}",
+        f"at most the {len(parts)} {what}"
+        + ("" if spec.source == "python" else f" in {spec.path or spec.source}"),
     )
     return parts[: spec.num_clients]
 
@@ -272,10 +306,19 @@ def build_dataset(spec: DatasetSpec) -> FederatedDataset:
             return _natural(parts, spec, split_rng, num_classes, name)
         x, y = _pool(parts)
         return _resplit(x, y, spec, part_rng, split_rng, num_classes, name)
+    if spec.source == "python":
+        return _python(spec, part_rng, split_rng, name)
     if spec.source == "table":
-        parts = load_table(
-            spec.path, spec.client_column, spec.label_column, spec.feature_columns or None
-        )
+        try:
+            parts = load_table(
+                spec.path,
+                spec.client_column,
+                spec.label_column,
+                spec.feature_columns or None,
+                require_clients=natural,
+            )
+        except ConfigError as err:  # name the [data] key
+            raise ConfigError(f"data.{err.key}", err.value, err.allowed) from err
         num_classes = _num_classes(*(y for _, y in parts))
         if natural:
             return _natural(_first(parts, spec, "clients"), spec, split_rng, num_classes, name)
@@ -313,6 +356,53 @@ def build_dataset(spec: DatasetSpec) -> FederatedDataset:
     x = np.concatenate([saved.train.x, saved.test.x])
     y = np.concatenate([saved.train.y, saved.test.y])
     return _resplit(x, y, spec, part_rng, split_rng, saved.num_classes, name)
+
+
+def _python(
+    spec: DatasetSpec, part_rng: np.random.Generator, split_rng: np.random.Generator, name: str
+) -> FederatedDataset:
+    """Source python: the loader's pooled rows re-split, or its clients (natural), or their
+    pooled rows re-split; with the loader's own test rows, its clients as they are."""
+    loaded = load_python(spec.loader, spec.options, spec.python_path)
+    natural = spec.partition == "natural"
+    labels = [loaded.pooled[1]] if loaded.pooled is not None else [y for _, y in loaded.train]
+    labels += [y for _, y in loaded.test or ()]
+    num_classes = _num_classes(*labels)
+    require(
+        num_classes >= 2,
+        "data.loader",
+        spec.loader,
+        f"labels of at least 2 classes (the largest label is {num_classes - 1})",
+    )
+    if loaded.pooled is not None:
+        require(
+            not natural,
+            "data.partition",
+            spec.partition,
+            "a partitioner (iid, dirichlet, shards, quantity, split-classes): the loader "
+            "returned pooled (x, y) rows without clients",
+        )
+        return _resplit(*loaded.pooled, spec, part_rng, split_rng, num_classes, name)
+    what = f"clients {spec.loader} returned"
+    if loaded.test is not None:
+        require(
+            natural,
+            "data.partition",
+            spec.partition,
+            "natural: the loader returned each client's own test rows",
+        )
+        train, test = _first(loaded.train, spec, what), _first(loaded.test, spec, what)
+        shape = train[0][0].shape[1:]
+        return FederatedDataset(
+            concat_clients(train, shape, np.float32),
+            concat_clients(test, shape, np.float32),
+            num_classes,
+            name,
+        )
+    if natural:
+        return _natural(_first(loaded.train, spec, what), spec, split_rng, num_classes, name)
+    x, y = _pool(loaded.train)
+    return _resplit(x, y, spec, part_rng, split_rng, num_classes, name)
 
 
 # --------------------------------------------------------------------------- cache

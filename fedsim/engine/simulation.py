@@ -13,6 +13,7 @@ way a Ray cluster serves many jobs.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -23,7 +24,7 @@ from flwr.serverapp import ServerApp
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedsim.config import require
+from fedsim.config import ConfigError, device_name, require
 from fedsim.engine.backend import Backend, LocalBackend, RayBackend
 from fedsim.engine.client_registry import ClientRegistry
 from fedsim.engine.cluster import ensure_ray
@@ -50,7 +51,11 @@ class EngineConfig:
         backend: "ray" (worker actors) or "local" (in the driver, for debugging).
         workers: worker actors; 0 means one per CPU of the cluster.
         cpus_per_worker: Ray CPUs per worker (torch uses as many threads).
-        gpus_per_worker: Ray GPUs per worker (a fraction shares a GPU).
+        gpus_per_worker: Ray GPUs per worker (a fraction shares a GPU); unset: 0 unless
+            ``device = "cuda"``, then an equal share of the cluster's GPUs
+            (:func:`gpu_share`). Ray makes a worker's GPUs its only visible ones.
+        device: where the built-in workloads train: "cpu", "cuda" (the worker's GPU),
+            "cuda:N" (GPU N of the machine; Ray reserves none) or "mps".
         ray_address: '' starts a local Ray (or joins ``RAY_ADDRESS`` if set);
             otherwise the address of an existing cluster.
         num_cpus: CPUs of a locally started Ray; 0 means all.
@@ -64,7 +69,8 @@ class EngineConfig:
     backend: Literal["ray", "local"] = "ray"
     workers: int = 0
     cpus_per_worker: float = 1.0
-    gpus_per_worker: float = 0.0
+    gpus_per_worker: float | None = None
+    device: str = "cpu"
     ray_address: str = ""
     num_cpus: int = 0
     object_store_mb: int = 512
@@ -82,11 +88,12 @@ class EngineConfig:
             f"a number in (0, {MAX_CPUS_PER_WORKER}] (cores of one machine)",
         )
         require(
-            0 <= self.gpus_per_worker <= MAX_GPUS_PER_WORKER,
+            self.gpus_per_worker is None or 0 <= self.gpus_per_worker <= MAX_GPUS_PER_WORKER,
             "engine.gpus_per_worker",
             self.gpus_per_worker,
             f"a number in [0, {MAX_GPUS_PER_WORKER}] (GPUs of one machine)",
         )
+        check_device_and_gpus(self.device, self.gpus_per_worker)
         require(
             self.num_cpus >= 0, "engine.num_cpus", self.num_cpus, "an integer >= 0 (0: all CPUs)"
         )
@@ -97,6 +104,43 @@ class EngineConfig:
             "an integer >= 80 (MiB; Ray's minimum is 75 MiB)",
         )
         require(self.depth >= 1, "engine.depth", self.depth, "an integer >= 1")
+
+
+def check_device_and_gpus(device: str, gpus_per_worker: float | None) -> None:
+    """Refuse a device and a GPU reservation that contradict each other: GPUs reserved for
+    workers that train on the CPU (or on Apple's ``mps``, which Ray does not count), or
+    ``cuda:N`` (N > 0) for workers that Ray restricts to their own GPU (seen as ``cuda:0``)."""
+    device_name(device, "engine.device")
+    gpus = gpus_per_worker or 0.0
+    require(
+        gpus == 0 or device.startswith("cuda"),
+        "engine.gpus_per_worker",
+        gpus_per_worker,
+        f"0 or unset with engine.device = {device!r} (workers would hold GPUs they never use); "
+        "set engine.device = 'cuda' to train on them",
+    )
+    require(
+        gpus == 0 or device in ("cuda", "cuda:0"),
+        "engine.device",
+        device,
+        f"'cuda' with engine.gpus_per_worker = {gpus_per_worker}: Ray shows each worker only "
+        "the GPU it reserved, as cuda:0 (or set gpus_per_worker = 0 to address GPU N yourself)",
+    )
+
+
+def gpu_share(cluster_gpus: float, num_workers: int) -> float:
+    """Each worker's Ray GPUs when ``device = "cuda"`` leaves ``gpus_per_worker`` unset: the
+    workers spread over the cluster's GPUs, ``1 / ceil(workers / GPUs)`` each (a fraction
+    shares a GPU; Ray packs a fraction within one GPU, so the share divides 1)."""
+    whole = int(cluster_gpus)
+    if whole < 1:
+        raise ConfigError(
+            "engine.device",
+            "cuda",
+            f"a Ray cluster with GPUs (it has {cluster_gpus}); use 'cpu', or start Ray where "
+            "the GPUs are (`ray start --num-gpus N`)",
+        )
+    return 1.0 / math.ceil(num_workers / whole)
 
 
 def share_datasets(
@@ -154,10 +198,24 @@ class Engine:
         self.backend = RayBackend(
             num_workers=cfg.workers or None,
             cpus_per_worker=cfg.cpus_per_worker,
-            gpus_per_worker=cfg.gpus_per_worker,
+            gpus_per_worker=self._worker_gpus(),
             pin_workers=pin,
         )
         return self
+
+    def _worker_gpus(self) -> float:
+        """Ray GPUs per worker: ``gpus_per_worker`` if set, else :func:`gpu_share` of the
+        cluster's GPUs for ``device = "cuda"``, else 0."""
+        cfg = self.config
+        if cfg.gpus_per_worker is not None:
+            return cfg.gpus_per_worker
+        if cfg.device != "cuda":
+            return 0.0
+        import ray  # noqa: PLC0415
+
+        resources = ray.cluster_resources()
+        workers = cfg.workers or max(1, int(resources.get("CPU", 0.0) // cfg.cpus_per_worker))
+        return gpu_share(resources.get("GPU", 0.0), workers)
 
     def __enter__(self) -> Engine:
         return self.start()

@@ -191,7 +191,7 @@ def build_bayes_model(spec: BayesSpec, seed: int) -> BayesMLP:
 
 def model_arrays(model: nn.Module) -> dict[str, np.ndarray]:
     """The model's parameters as float32 numpy copies, keyed by name."""
-    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
 
 
 def load_arrays(model: nn.Module, arrays: dict[str, np.ndarray], only: str = "") -> None:
@@ -271,9 +271,13 @@ def kl_to(
     return total
 
 
-def prior_tensors(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-    """Numpy arrays as (detached, float32) tensors."""
-    return {k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in arrays.items()}
+def prior_tensors(
+    arrays: dict[str, np.ndarray], device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Numpy arrays as (detached, float32) tensors on ``device`` (the model's)."""
+    return {
+        k: torch.from_numpy(np.array(v, dtype=np.float32)).to(device) for k, v in arrays.items()
+    }
 
 
 # --------------------------------------------------------------------------- evaluation

@@ -72,19 +72,29 @@ def train_task(message: Message, context: Context, data: DatasetSpec) -> TrainTa
     )
 
 
-def evaluation_rows(data: DatasetSpec, partition: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Client ``partition``'s evaluation rows: its test rows, else its training rows."""
+def evaluation_rows(
+    data: DatasetSpec, partition: int, device: str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Client ``partition``'s evaluation rows on ``device``: its test rows, else its training
+    rows."""
     dataset = cached_dataset(data)
     split = dataset.test if dataset.test.sizes()[partition] > 0 else dataset.train
-    return as_tensors(*split.client(partition))
+    x, y = as_tensors(*split.client(partition))
+    return x.to(device), y.to(device)
 
 
 def evaluation_reply(
-    message: Message, net: nn.Module, data: DatasetSpec, partition: int, extra: dict[str, float]
+    message: Message,
+    net: nn.Module,
+    data: DatasetSpec,
+    partition: int,
+    extra: dict[str, float],
+    device: str = "cpu",
 ) -> Message:
     """The evaluate reply: loss, accuracy and ``extra`` metrics on the client's evaluation
-    rows, plus the conformal scores when the server asks for them."""
-    x, y = evaluation_rows(data, partition)
+    rows (moved to ``device``, the model's), plus the conformal scores when the server asks
+    for them."""
+    x, y = evaluation_rows(data, partition, device)
     metrics = MetricRecord({"num-examples": int(len(y)), **evaluate_model(net, x, y), **extra})
     content = RecordDict({"metrics": metrics})
     if instruction_config(message).get(SCORES_REQUEST):
@@ -98,7 +108,7 @@ def training_app(training: ClientTraining, data: DatasetSpec) -> ClientApp:
 
     @app.train()
     def train(message: Message, context: Context) -> Message:
-        task = train_task(message, context, data)
+        task = train_task(message, context, data).to(training.device)
         if task.proximal_mu > 0 and not training.proximal:
             raise ValueError(
                 f"proximal-mu = {task.proximal_mu} (FedProx) is not supported with "
@@ -125,6 +135,6 @@ def training_app(training: ClientTraining, data: DatasetSpec) -> ClientApp:
         net = training.evaluation_model()
         training.load(net, to_numpy(message.content[arrays_key(message)]))
         extra = training.evaluation_metrics(net, data, partition)
-        return evaluation_reply(message, net, data, partition, extra)
+        return evaluation_reply(message, net, data, partition, extra, training.device)
 
     return app

@@ -60,7 +60,7 @@ def class_scores(model: nn.Module, x: torch.Tensor, batch_size: int = 1024) -> n
     with torch.no_grad():
         for start in range(0, len(x), batch_size):
             probs = torch.softmax(model(x[start : start + batch_size]).double(), dim=1)
-            chunks.append((1.0 - probs).numpy())
+            chunks.append((1.0 - probs).cpu().numpy())
     if not chunks:
         raise ValueError("x has no rows: scores need at least one example")
     return np.concatenate(chunks)
@@ -265,7 +265,7 @@ def score_reply_record(
     every = class_scores(model, x).astype(np.float32)
     return to_record(
         {
-            "scores": label_scores(every, y.numpy()),
+            "scores": label_scores(every, y.cpu().numpy()),
             "class-scores": every,
             "group": np.array([group], dtype=np.int64),
         }

@@ -135,7 +135,7 @@ class SmoothedPrimalDual(torch.optim.Optimizer):
         w = self._flat()
         grad = torch.cat(
             [
-                torch.zeros(p.numel(), dtype=w.dtype)
+                torch.zeros(p.numel(), dtype=w.dtype, device=w.device)
                 if p.grad is None
                 else p.grad.detach().reshape(-1).to(w.dtype)
                 for p in params
@@ -219,8 +219,9 @@ class LinearConstraints:
             f"an index < {features} (the input's flattened size)",
         )
         group = flat[:, self.feature] > self.threshold
+        on = {"dtype": torch.float64, "device": flat.device}  # where the rows (and model) are
         if bool(group.all()) or not bool(group.any()):
-            return torch.zeros(0, total, dtype=torch.float64), torch.zeros(0, dtype=torch.float64)
+            return torch.zeros(0, total, **on), torch.zeros(0, **on)
         gap = flat[group].mean(0) - flat[~group].mean(0)
         offsets = {id(p): 0 for p in model.parameters()}
         offset = 0
@@ -228,12 +229,12 @@ class LinearConstraints:
             offsets[id(p)] = offset
             offset += p.numel()
         start = offsets[id(layer.weight)]
-        A = torch.zeros(2 * classes, total, dtype=torch.float64)
+        A = torch.zeros(2 * classes, total, **on)
         for k in range(classes):
             cols = slice(start + k * features, start + (k + 1) * features)
             A[2 * k, cols] = gap
             A[2 * k + 1, cols] = -gap
-        return A, torch.full((2 * classes,), float(self.epsilon), dtype=torch.float64)
+        return A, torch.full((2 * classes,), float(self.epsilon), **on)
 
 
 DUAL_STATE = "fedsim.constraints.dual"
@@ -266,7 +267,9 @@ def train_constrained(
         smoothing=constraints.smoothing,
         proximal=constraints.proximal,
         penalty=constraints.penalty,
-        dual=None if dual is None or len(dual) != len(b) else torch.from_numpy(np.array(dual)),
+        dual=None
+        if dual is None or len(dual) != len(b)
+        else torch.from_numpy(np.array(dual)).to(b.device),
     )
     before = optimizer.violation()
     steps, total = 0, 0.0
@@ -282,7 +285,7 @@ def train_constrained(
         "steps": steps,
         "violation_before": before,
         "violation": optimizer.violation(),
-        "dual": optimizer.dual.numpy().copy(),
+        "dual": optimizer.dual.cpu().numpy().copy(),
     }
 
 
@@ -346,7 +349,7 @@ class ConstrainedTraining(ClientTraining):
         self, model: nn.Module, data: DatasetSpec, partition: int
     ) -> dict[str, float]:
         """The global model's ``constraint-violation`` on the client's training rows."""
-        train_x = as_tensors(*cached_dataset(data).train.client(partition))[0]
+        train_x = as_tensors(*cached_dataset(data).train.client(partition))[0].to(self.device)
         A, b = self.constraints.matrices(model, train_x)
         w = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).to(torch.float64)
         return {"constraint-violation": float((A @ w - b).clamp(min=0).max()) if len(b) else 0.0}

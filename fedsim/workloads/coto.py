@@ -41,7 +41,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from fedsim.config import require
-from fedsim.models import ModelSpec, build_model, initial_arrays, load_arrays
+from fedsim.models import ModelSpec, build_model, copy_into, initial_arrays, load_arrays
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -242,7 +242,9 @@ def _is_adapter_key(key: str) -> bool:
 def adapter_arrays(model: nn.Module) -> dict[str, np.ndarray]:
     """The LoRA matrices of ``model`` as numpy arrays (copies), keyed by state-dict name."""
     return {
-        k: v.detach().numpy().copy() for k, v in model.state_dict().items() if _is_adapter_key(k)
+        k: v.detach().cpu().numpy().copy()
+        for k, v in model.state_dict().items()
+        if _is_adapter_key(k)
     }
 
 
@@ -255,7 +257,7 @@ def load_adapter_arrays(model: nn.Module, arrays: Mapping[str, np.ndarray]) -> N
             f"arrays do not match the model's adapters; differing keys: {differing[:5]}"
         )
     for key, tensor in state.items():
-        np.copyto(tensor.detach().numpy(), arrays[key], casting="same_kind")
+        copy_into(tensor, arrays[key], key)
 
 
 def initial_adapter_arrays(spec: ModelSpec, lora: LoRATraining, seed: int) -> dict[str, np.ndarray]:
@@ -274,7 +276,7 @@ def merged_arrays(model: peft.PeftModel) -> dict[str, np.ndarray]:
         for layer in layers:
             layer.enable_adapters(True)
     plain = merged.merge_and_unload()
-    return {k: v.detach().numpy().copy() for k, v in plain.state_dict().items()}
+    return {k: v.detach().cpu().numpy().copy() for k, v in plain.state_dict().items()}
 
 
 def interpolate_adapters(

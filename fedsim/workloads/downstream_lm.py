@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from fedsim.config import positive_int, require
+from fedsim.models import model_device, place
 
 UNK, BOS = 0, 1
 IGNORE = -100
@@ -177,8 +178,9 @@ def next_token_accuracy(
     model.eval()
     correct = predictions = oov = 0
     loss_sum, loss_count = 0.0, 0
+    device = model_device(model)
     for start in range(0, len(sequences), batch_size):
-        ids, mask, labels = batch(sequences[start : start + batch_size])
+        ids, mask, labels = (t.to(device) for t in batch(sequences[start : start + batch_size]))
         logits = _logits(model, ids, mask).float()
         valid = labels != IGNORE
         known = valid & (labels != UNK)
@@ -267,7 +269,7 @@ class LMSpec:
 
 def lm_arrays(model: nn.Module) -> dict[str, np.ndarray]:
     """The model's trainable parameters as float32 arrays (tied weights once)."""
-    return {k: v.detach().numpy().copy() for k, v in model.named_parameters()}
+    return {k: v.detach().cpu().numpy().copy() for k, v in model.named_parameters()}
 
 
 def load_lm_arrays(model: nn.Module, arrays: Mapping[str, np.ndarray]) -> None:
@@ -347,6 +349,7 @@ def train_lm(
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     model.train()
+    device = model_device(model)  # batches go where the model is
     losses: list[float] = []
     step = 0
     while step < total:
@@ -354,8 +357,9 @@ def train_lm(
         for start in range(0, len(order), training.batch_size):
             if step >= total:
                 break
-            ids, mask, labels = batch(
-                [sequences[i] for i in order[start : start + training.batch_size]]
+            ids, mask, labels = (
+                t.to(device)
+                for t in batch([sequences[i] for i in order[start : start + training.batch_size]])
             )
             labels = labels.masked_fill(labels == UNK, IGNORE)  # <unk> is never a target
             logits = _logits(model, ids, mask)
@@ -388,10 +392,12 @@ def train_and_evaluate(
     training: LMTraining,
     seed: int,
     initial: Mapping[str, np.ndarray] | None = None,
+    device: str = "cpu",
 ) -> tuple[Evaluation, dict[str, np.ndarray], list[float]]:
-    """Build the model (from ``seed``, or ``initial`` weights), train it on ``train_sequences``
-    and evaluate on ``eval_sequences``; returns (evaluation, final weights, step losses)."""
-    model = spec.build(seed)
+    """Build the model (from ``seed``, or ``initial`` weights) on ``device``, train it on
+    ``train_sequences`` and evaluate on ``eval_sequences``; returns (evaluation, final
+    weights, step losses)."""
+    model = place(spec.build(seed), device)
     if initial is not None:
         load_lm_arrays(model, initial)
     losses = train_lm(model, train_sequences, training, torch_generator(seed))

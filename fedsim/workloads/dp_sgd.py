@@ -45,7 +45,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedsim.config import require
-from fedsim.models import ModelSpec, build_model, load_arrays, model_arrays
+from fedsim.models import ModelSpec, build_model, load_arrays, model_arrays, place
 from fedsim.randomness import PartySecret, Purpose
 from fedsim.workloads.sgd import final_buffers, load_momentum, sgd_optimizer, store_momentum
 from fedsim.workloads.training import (
@@ -194,14 +194,16 @@ def private_model(spec: ModelSpec) -> GradSampleModule:
     """
     module = _PRIVATE_MODELS.get(spec)
     if module is None:
-        module = _PRIVATE_MODELS[spec] = GradSampleModule(build_model(spec))
+        module = GradSampleModule(place(build_model(spec), spec.device))
+        _PRIVATE_MODELS[spec] = module
     return module
 
 
-def secret_generator(secret: PartySecret, *words: Any) -> torch.Generator:
-    """A torch generator seeded with 63 bits of ``secret``'s stream for ``words``."""
+def secret_generator(secret: PartySecret, *words: Any, device: str = "cpu") -> torch.Generator:
+    """A torch generator on ``device`` seeded with 63 bits of ``secret``'s stream for
+    ``words`` (Opacus draws each step's noise on the parameters' device)."""
     seed = int.from_bytes(secret.seed_bytes(*words)[:8], "little") >> 1
-    return torch.Generator().manual_seed(seed)
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 @dataclass(frozen=True)
@@ -265,7 +267,9 @@ def train_private(
             max_grad_norm=dp.max_grad_norm,
             poisson_sampling=True,
             noise_generator=(
-                None if secure else secret_generator(secret, server_round, Purpose.NOISE)
+                None
+                if secure
+                else secret_generator(secret, server_round, Purpose.NOISE, device=spec.device)
             ),
         )
         steps, losses = 0, []
@@ -273,6 +277,8 @@ def train_private(
             for xb, yb in dp_loader:
                 if training.max_steps and steps >= training.max_steps:
                     break
+                # the rows are on the model's device; an empty Poisson batch is built on the CPU
+                xb, yb = xb.to(spec.device), yb.to(spec.device)
                 dp_optimizer.zero_grad(set_to_none=True)
                 out = module(xb)
                 if len(yb):

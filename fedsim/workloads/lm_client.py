@@ -24,6 +24,8 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from fedsim.config import device_name
+from fedsim.models import place
 from fedsim.record_codec import records_of, to_numpy, to_record
 from fedsim.workloads.downstream_lm import (
     LMSpec,
@@ -55,14 +57,17 @@ def make_lm_client_app(
     client_sequences: Sequence[Sequence[np.ndarray]],
     training: LMTraining,
     seed: int,
+    device: str = "cpu",
 ) -> ClientApp:
-    """A ClientApp training ``spec``'s model on ``client_sequences[partition-id]``.
+    """A ClientApp training ``spec``'s model on ``client_sequences[partition-id]``, on
+    ``device`` (the model is built on the CPU from ``seed``, then moved; batches follow it).
 
     ``client_sequences[i]`` are client ``i``'s texts as compact-id sequences
     (:func:`~fedsim.workloads.downstream_lm.to_sequences`).
     """
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"seed = {seed!r} is not allowed: an integer")
+    device_name(device, "device")
     clients = [list(group) for group in client_sequences]
     for i, group in enumerate(clients):
         for s in group:
@@ -81,7 +86,7 @@ def make_lm_client_app(
 
     def model_with(arrays: ArrayRecord) -> Any:
         if cache["model"] is None:
-            cache["model"] = spec.build(seed)
+            cache["model"] = place(spec.build(seed), device)
         load_lm_arrays(cache["model"], to_numpy(arrays))
         return cache["model"]
 

@@ -25,7 +25,7 @@ from flwr.app import RecordDict
 from torch import nn
 
 from fedsim.config import require
-from fedsim.models import ModelSpec
+from fedsim.models import ModelSpec, place
 from fedsim.workloads.coto import (
     CoToController,
     CoToSchedule,
@@ -67,11 +67,12 @@ _LORA_MODELS: dict[tuple[ModelSpec, LoRATraining], peft.PeftModel] = {}
 
 
 def cached_lora_model(spec: ModelSpec, lora: LoRATraining) -> peft.PeftModel:
-    """This process's LoRA model for (spec, lora), built once; adapters overwritten per client."""
+    """This process's LoRA model for (spec, lora) on ``spec.device``, built once; adapters
+    overwritten per client."""
     key = (spec, lora)
     model = _LORA_MODELS.get(key)
     if model is None:
-        model = _LORA_MODELS[key] = build_lora_model(spec, lora)
+        model = _LORA_MODELS[key] = place(build_lora_model(spec, lora), spec.device)
     return model
 
 

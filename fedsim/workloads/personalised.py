@@ -47,8 +47,9 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from torch import nn
 
-from fedsim.config import require
+from fedsim.config import device_name, require
 from fedsim.data import DatasetSpec, cached_dataset
+from fedsim.models import model_device, place
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.workloads.bayesian import (
     MU,
@@ -132,7 +133,9 @@ class PersonalTraining:
 
 @contextlib.contextmanager
 def seeded(*words: int) -> Iterator[torch.Generator]:
-    """Torch's RNG seeded from ``SeedSequence(words)`` inside the block (restored after).
+    """Torch's RNG seeded from ``SeedSequence(words)`` inside the block (the CPU's restored
+    after; on a GPU the block's weight draws come from its CUDA generator, which
+    ``torch.manual_seed`` seeds too, so they repeat as well).
 
     Yields a generator from the same words for minibatch orders.
     """
@@ -188,7 +191,7 @@ def hb_client_step(
     prior_var: float | None,
 ) -> float:
     """pFedHB's (and pFedVEM's) head ELBO steps then body steps, in place; mean body loss."""
-    prior = prior_tensors(global_arrays)
+    prior = prior_tensors(global_arrays, model_device(model))
     head = _params(model, "head")
     _freeze(model, head)
     opt = torch.optim.Adam(head, lr=cfg.head_lr)
@@ -302,8 +305,8 @@ def evaluate_personal(
         else mean
     )
     for kind, probs in (("mean", mean), ("mc", mc)):
-        p = probs.numpy().astype(np.float64)
-        labels = y.numpy()
+        p = probs.cpu().numpy().astype(np.float64)
+        labels = y.cpu().numpy()
         if len(labels):
             out[f"acc-{kind}"] = float(np.mean(p.argmax(1) == labels))
             out[f"nll-{kind}"] = float(
@@ -318,21 +321,24 @@ def evaluate_personal(
     return out
 
 
-_MODELS: dict[tuple[BayesSpec, int], BayesMLP] = {}
+_MODELS: dict[tuple[BayesSpec, int, str], BayesMLP] = {}
 
 
-def cached_model(spec: BayesSpec, slot: int = 0) -> BayesMLP:
-    """This process's model number ``slot`` for ``spec`` (weights overwritten per client)."""
-    key = (spec, slot)
+def cached_model(spec: BayesSpec, slot: int = 0, device: str = "cpu") -> BayesMLP:
+    """This process's model number ``slot`` for ``spec`` on ``device`` (weights overwritten
+    per client)."""
+    key = (spec, slot, device)
     if key not in _MODELS:
-        _MODELS[key] = BayesMLP(spec)
+        _MODELS[key] = place(BayesMLP(spec), device)
     return _MODELS[key]
 
 
-def _tensors(x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+def _tensors(
+    x: np.ndarray, y: np.ndarray, device: str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     return (
-        torch.from_numpy(np.array(x, dtype=np.float32)).flatten(1),
-        torch.from_numpy(np.array(y, dtype=np.int64)),
+        torch.from_numpy(np.array(x, dtype=np.float32)).flatten(1).to(device),
+        torch.from_numpy(np.array(y, dtype=np.int64)).to(device),
     )
 
 
@@ -342,8 +348,12 @@ def _personal(context: Context) -> dict[str, np.ndarray] | None:
     return {k: np.array(v) for k, v in to_numpy(context.state[PERSONAL]).items()}
 
 
-def make_personal_app(model: BayesSpec, data: DatasetSpec, training: PersonalTraining) -> ClientApp:
-    """A ClientApp running every personalised method on ``data``'s clients."""
+def make_personal_app(
+    model: BayesSpec, data: DatasetSpec, training: PersonalTraining, device: str = "cpu"
+) -> ClientApp:
+    """A ClientApp running every personalised method on ``data``'s clients, training and
+    evaluating on ``device`` (the model once per process, each client's rows per call)."""
+    device_name(device, "device")
     app = ClientApp()
 
     @app.train()
@@ -355,8 +365,8 @@ def make_personal_app(model: BayesSpec, data: DatasetSpec, training: PersonalTra
         server_round = int(config["server-round"])
         report = bool(int(config.get("report", 0)))
         g = {k: np.asarray(v) for k, v in to_numpy(message.content["global"]).items()}
-        x, y = _tensors(*cached_dataset(data).train.client(partition))
-        net = cached_model(model)
+        x, y = _tensors(*cached_dataset(data).train.client(partition), device)
+        net = cached_model(model, device=device)
         personal = _personal(context)
         metrics: dict[str, float | int] = {"num-examples": int(len(y))}
         reply = g
@@ -390,7 +400,7 @@ def make_personal_app(model: BayesSpec, data: DatasetSpec, training: PersonalTra
                     metrics[PRIOR_VAR] = prior_var
             elif method == "pfedbayes":
                 load_arrays(net, personal if personal is not None else g)
-                local_global = cached_model(model, slot=1)
+                local_global = cached_model(model, slot=1, device=device)
                 load_arrays(local_global, g)
                 loss = bayes_client_step(net, local_global, x, y, training, gen)
                 context.state[PERSONAL] = to_record(model_arrays(net))
@@ -416,17 +426,17 @@ def make_personal_app(model: BayesSpec, data: DatasetSpec, training: PersonalTra
         require(method in METHODS, "method", method, f"one of {', '.join(METHODS)}")
         server_round = int(config["server-round"])
         dataset = cached_dataset(data)
-        x, y = _tensors(*dataset.test.client(partition))
+        x, y = _tensors(*dataset.test.client(partition), device)
         g = {k: np.asarray(v) for k, v in to_numpy(message.content["global"]).items()}
         personal = _personal(context)
-        net = cached_model(model)
+        net = cached_model(model, device=device)
         load_arrays(net, g)
         bayesian = method in ("pfedhb", "pfedvem", "pfedbayes")
         with seeded(training.seed, server_round, partition, 1) as gen:
             if personal is not None and method in ("pfedhb", "pfedvem", "pfedbayes", "local"):
                 load_arrays(net, personal)
             elif method == "fedavg" and int(config.get("finetune-epochs", 0)) > 0:
-                xt, yt = _tensors(*dataset.train.client(partition))
+                xt, yt = _tensors(*dataset.train.client(partition), device)
                 tune = PersonalTraining(
                     **{**training.__dict__, "sgd_epochs": int(config["finetune-epochs"])}
                 )

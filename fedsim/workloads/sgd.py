@@ -42,14 +42,14 @@ def sgd_optimizer(
     )
     if momentum_buffers:
         for p, buf in zip(params, momentum_buffers, strict=True):
-            optimizer.state[p]["momentum_buffer"] = torch.from_numpy(np.array(buf))
+            optimizer.state[p]["momentum_buffer"] = torch.from_numpy(np.array(buf)).to(p.device)
     return optimizer
 
 
 def final_buffers(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> list[np.ndarray]:
     """SGD's momentum buffers after a round (zeros for a parameter that never stepped)."""
     return [
-        optimizer.state[p]["momentum_buffer"].numpy().copy()
+        optimizer.state[p]["momentum_buffer"].cpu().numpy().copy()
         if "momentum_buffer" in optimizer.state[p]
         else np.zeros(tuple(p.shape), np.float32)
         for p in params
@@ -90,7 +90,7 @@ def train_epochs(
     optimizer = sgd_optimizer(params, training, lr, momentum_buffers)
     anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else None
     steps = 0
-    total = torch.zeros(())
+    total = torch.zeros((), device=y.device)
     for idx in minibatches(
         len(y),
         training.batch_size,

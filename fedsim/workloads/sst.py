@@ -91,7 +91,8 @@ class SpectralLinear(nn.Module):
         self.sigma = nn.Parameter(sigma.contiguous())
         self.vh = nn.Parameter(vh.contiguous())
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
-        self.register_buffer("active", torch.ones(len(sigma), dtype=torch.bool))
+        active = torch.ones(len(sigma), dtype=torch.bool, device=sigma.device)
+        self.register_buffer("active", active)
 
     @property
     def pairs(self) -> int:

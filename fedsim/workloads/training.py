@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -28,7 +28,7 @@ from torch import nn
 
 from fedsim.config import require
 from fedsim.data import DatasetSpec
-from fedsim.models import ModelSpec, build_model, load_arrays, model_arrays
+from fedsim.models import ModelSpec, build_model, load_arrays, model_arrays, place
 from fedsim.randomness import PartySecret, client_secret
 
 
@@ -133,10 +133,11 @@ _MODELS: dict[ModelSpec, nn.Module] = {}
 
 
 def cached_model(spec: ModelSpec) -> nn.Module:
-    """This process's model for ``spec`` (built once, weights overwritten per client)."""
+    """This process's model for ``spec`` on ``spec.device`` (built once, weights overwritten
+    per client)."""
     model = _MODELS.get(spec)
     if model is None:
-        model = _MODELS[spec] = build_model(spec)
+        model = _MODELS[spec] = place(build_model(spec), spec.device)
     return model
 
 
@@ -157,6 +158,10 @@ class TrainTask:
     def secret(self) -> PartySecret:
         """The client's own secret (:func:`fedsim.randomness.client_secret`)."""
         return client_secret(self.node_config)
+
+    def to(self, device: str) -> TrainTask:
+        """This task with its rows on ``device`` (where the model trains)."""
+        return replace(self, x=self.x.to(device), y=self.y.to(device))
 
 
 @dataclass(frozen=True)
@@ -206,8 +211,14 @@ class ClientTraining(ABC):
     def __init__(self, spec: ModelSpec, steps: LocalSteps) -> None:
         self.spec, self.steps = spec, steps
 
+    @property
+    def device(self) -> str:
+        """Where the model trains and the client's rows go (``spec.device``)."""
+        return self.spec.device
+
     def model(self) -> nn.Module:
-        """This process's model to train (weights are loaded into it per client)."""
+        """This process's model to train, on :attr:`device` (weights are loaded into it per
+        client)."""
         return cached_model(self.spec)
 
     def evaluation_model(self) -> nn.Module:
