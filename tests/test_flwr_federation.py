@@ -102,11 +102,13 @@ def test_flwr_run_takes_the_supernodes_and_resources_from_the_federation(tmp_pat
     summary = json.loads((tmp_path / "default" / "summary.json").read_text())
     assert summary["federation"] == "local" and summary["num_supernodes"] == 20
     assert summary["final"]["train"]["messages"] == 10  # fraction-train 0.5 of 20
-    assert engine_configs[-1].cpus_per_worker == 1.0 and engine_configs[-1].gpus_per_worker == 0
+    assert engine_configs[-1].cpus_per_worker == 1.0 and not engine_configs[-1].gpus_per_worker
+    assert engine_configs[-1].device == "cpu"
     assert flwr_run(tmp_path / "gpu", "--federation", "local-gpu", "--num-supernodes", "8") == 0
     summary = json.loads((tmp_path / "gpu" / "summary.json").read_text())
     assert summary["federation"] == "local-gpu" and summary["num_supernodes"] == 8
     assert engine_configs[-1].gpus_per_worker == 0.25  # a quarter GPU per worker, via Ray
+    assert engine_configs[-1].device == "cuda"  # GPUs reserved for the workers' own use
     args = ("--federation", "local-gpu", "--client-gpus", "0.5", "--client-cpus", "2")
     assert flwr_run(tmp_path / "flags", *args) == 0
     assert engine_configs[-1].gpus_per_worker == 0.5 and engine_configs[-1].cpus_per_worker == 2
