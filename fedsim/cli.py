@@ -8,6 +8,8 @@
                      --out FILE.npz [--json]
     fedsim audit RUN_DIR [--attack loss|zlib|mink] [--members N] [--out FILE]
     fedsim minmax CONFIG.toml [--out DIR]
+    fedsim plot RUN_DIR... [--metric NAME ...] [--out FILE.png]
+    fedsim compare RUN_DIR... [--json]
 
 ``run`` and ``flwr-run`` accept ``--ray-address`` (join an existing Ray cluster), ``--workers``,
 ``--backend {ray,local}``, ``--no-progress`` and ``--secrets FILE`` (the run's secret root, kept
@@ -25,7 +27,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedsim.commands import account, audit, factorize, minmax
+from fedsim.commands import account, audit, compare, factorize, minmax, plot
 from fedsim.config import ConfigError
 from fedsim.engine.rounds import RunStopped
 from fedsim.results_json import dumps
@@ -83,6 +85,8 @@ def _parser() -> argparse.ArgumentParser:
     factorize.register(commands)
     audit.register(commands)
     minmax.register(commands)
+    plot.add_parser(commands)
+    compare.add_parser(commands)
     return parser
 
 
@@ -191,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = _parser().parse_args(argv)
+    if getattr(args, "func", None) is not None:  # commands that set their handler
+        return args.func(args)
     if args.command == "account":
         return cmd_account(args)
     if args.command == "factorize":
