@@ -19,7 +19,8 @@ the line joined with ``/``:
 
 An infinite epsilon (no noise) reads back as ``math.inf``. The config of a run is its
 ``config.json`` (``fedsim run``), or the Flower app's run config and node count from
-``summary.json`` (``fedsim flwr-run``), flattened to dotted keys (``strategy.options.noise_multiplier``).
+``summary.json`` (``fedsim flwr-run``), flattened to dotted keys
+(``strategy.options.noise_multiplier``).
 """
 
 from __future__ import annotations
@@ -159,7 +160,9 @@ def load_run(path: str | Path, key: str = "RUN_DIR") -> RunSeries:
         raise ConfigError(key, str(path), f"{what} (it has no {ROUNDS_FILE})")
     records = read_rounds(rounds_path)
     if not records:
-        raise ConfigError(key, str(path), f"{what} with at least one round ({ROUNDS_FILE} is empty)")
+        raise ConfigError(
+            key, str(path), f"{what} with at least one round ({ROUNDS_FILE} is empty)"
+        )
     for number, record in enumerate(records, 1):
         if not isinstance(record, dict) or not isinstance(record.get("round"), int):
             raise RunFileError(rounds_path, f"line {number} is not a round record")
@@ -189,7 +192,8 @@ def _config(path: Path, summary: dict[str, Any] | None) -> dict[str, Any]:
     """The run's flattened config: config.json, else a Flower app's run config."""
     config = _read_json(path / CONFIG_FILE)
     if config is None and summary is not None and "run_config" in summary:
-        config = {k: summary[k] for k in ("app_dir", "num_supernodes", "run_config") if k in summary}
+        keys = ("app_dir", "num_supernodes", "run_config")
+        config = {k: summary[k] for k in keys if k in summary}
     return flatten(config or {})
 
 

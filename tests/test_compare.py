@@ -3,6 +3,7 @@ config section lists exactly the keys that differ, and it refuses what is not a 
 
 import io
 import json
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -41,9 +42,11 @@ def test_totals_are_the_summaries(runs, capsys):
     for facts, name in ((fedavg, "fedavg"), (dp, "dp")):
         done = summary(runs[name])
         assert facts["rounds"] == done["rounds"] == 3
-        assert (facts["bytes_up"], facts["bytes_down"]) == (done["bytes"]["up"], done["bytes"]["down"])
+        assert facts["bytes_up"] == done["bytes"]["up"]
+        assert facts["bytes_down"] == done["bytes"]["down"]
         assert facts["seconds_total"] == done["seconds"]["total"]
-        assert facts["seconds_rounds"] == pytest.approx(sum(expected(rounds(runs[name]), "seconds")[1]))
+        per_round = expected(rounds(runs[name]), "seconds")[1]
+        assert facts["seconds_rounds"] == pytest.approx(sum(per_round))
     assert dp["epsilon"] == summary(runs["dp"])["privacy"]["epsilon"] > 0
     assert dp["delta"] == summary(runs["dp"])["privacy"]["delta"]
     assert fedavg["epsilon"] is None and fedavg["delta"] is None
@@ -82,7 +85,11 @@ def test_config_differences_are_exactly_the_changed_keys(runs, capsys):
 
     dp = compare_json(capsys, runs["fedavg"], runs["dp"])
     differences = {d["key"]: d["values"] for d in dp["config_differences"]}
-    changed = {"strategy.name", "strategy.options.clipping_norm", "strategy.options.noise_multiplier"}
+    changed = {
+        "strategy.name",
+        "strategy.options.clipping_norm",
+        "strategy.options.noise_multiplier",
+    }
     assert set(differences) == SEEDS | changed
     assert differences["strategy.options.noise_multiplier"] == {"dp": 1.2}  # fedavg has none
     assert differences["strategy.name"] == {"fedavg": "fedavg", "dp": "dp-fedavg"}
@@ -97,7 +104,8 @@ def test_plain_tables_when_not_a_terminal(runs, capsys):
     assert header.split() == ["key", "fedavg", "other-seed"]
     assert {row.split()[0] for row in rows} == SEEDS
     assert all(row.split()[1:] == ["0", "1"] for row in rows)
-    accuracy = next(r for r in blocks["metrics (final and best, @round)"] if r.startswith("central/accuracy"))
+    metrics = blocks["metrics (final and best, @round)"]
+    accuracy = next(r for r in metrics if r.startswith("central/accuracy"))
     assert accuracy.split()[1] == "max"
     result = compare_runs(load_runs([runs["fedavg"], runs["other-seed"]]))
     cell = next(r for r in result["metrics"] if r["metric"] == "central/accuracy")["runs"][0]
@@ -124,3 +132,23 @@ def test_what_is_not_a_run_directory_is_refused(runs, capsys, tmp_path):
     (tmp_path / "rounds.jsonl").write_text('{"round": 0}\n[1, 2]\n')
     assert main(["compare", str(tmp_path)]) == 2
     assert "rounds.jsonl: line 2 is not a round record" in capsys.readouterr().err
+
+
+def test_flower_app_runs_differ_by_their_run_config(tmp_path, capsys):
+    app = Path(__file__).parent / "apps" / "quickstart"
+    for name, lr in (("lr-0.1", "0.1"), ("lr-0.05", "0.05")):
+        args = ["flwr-run", str(app), "--num-supernodes", "4", "--backend", "local"]
+        flags = ["--run-config", f"num-server-rounds=1 local-epochs=1 lr={lr}", "--no-progress"]
+        assert main([*args, *flags, "--out", str(tmp_path / name)]) == 0
+    capsys.readouterr()
+    result = compare_json(capsys, tmp_path / "lr-0.1", tmp_path / "lr-0.05")
+    assert result["config_differences"] == [
+        {"key": "run_config.lr", "values": {"lr-0.1": 0.1, "lr-0.05": 0.05}}
+    ]
+    assert [r["label"] for r in result["runs"]] == ["lr=0.1", "lr=0.05"]
+    rows = {row["metric"]: row for row in result["metrics"]}
+    for i, name in enumerate(("lr-0.1", "lr-0.05")):
+        (line,) = rounds(tmp_path / name)  # a Flower app's run has no round 0
+        final = rows["train/train_loss"]["runs"][i]["final"]
+        assert final == line["train"]["metrics"]["train_loss"]
+        assert result["runs"][i]["bytes_up"] == line["bytes_up"]

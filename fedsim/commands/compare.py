@@ -134,7 +134,8 @@ def tables(result: dict[str, Any]) -> list[Table]:
                 cells += [MISSING, MISSING]
             else:
                 cells.append(_at(cell["final"], cell["final_round"]))
-                cells.append(MISSING if cell["best"] is None else _at(cell["best"], cell["best_round"]))
+                best = cell["best"]
+                cells.append(MISSING if best is None else _at(best, cell["best_round"]))
         metric_table.append(cells)
     config_rows = [
         [d["key"], *(format_value(d["values"][n]) if n in d["values"] else ABSENT for n in names)]

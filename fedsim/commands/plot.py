@@ -117,7 +117,10 @@ def plot_runs(runs: Sequence[RunSeries], metrics: Sequence[str]) -> RunPlot:
         ax.grid(True, alpha=0.3)
         if len(names) > 1 or len(runs) == 1:
             shade = "C0" if len(runs) == 1 else "0.3"
-            styles = [Line2D([], [], color=shade, linestyle=_STYLES[k % len(_STYLES)]) for k in range(len(names))]
+            styles = [
+                Line2D([], [], color=shade, linestyle=_STYLES[k % len(_STYLES)])
+                for k in range(len(names))
+            ]
             ax.legend(styles, names, fontsize="small")
     if len(runs) > 1:
         colours = [Line2D([], [], color=f"C{i % 10}") for i in range(len(runs))]
