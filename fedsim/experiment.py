@@ -309,9 +309,10 @@ def initial_model(
 
 
 def run_loop(run: ExperimentRun, progress: bool) -> tuple[ArrayRecord, float]:
-    """Run the rounds from ``run.start_round`` on: rounds.jsonl gets a line per round and the
-    directory a checkpoint every ``checkpoint_every`` rounds and after the last. Returns the
-    final global arrays and the time.perf_counter() at which the grid was ready."""
+    """Run the rounds from ``run.start_round`` on: rounds.jsonl gets a line per round (and
+    ``tensorboard/`` its scalars, with ``[output] tensorboard``) and the directory a checkpoint
+    every ``checkpoint_every`` rounds and after the last. Returns the final global arrays and
+    the time.perf_counter() at which the grid was ready."""
     config = run.config
     events = (  # [output] tensorboard: the rounds kept so far, then each new one
         TensorBoardEvents(run.out, read_rounds(run.writer.rounds_path))
