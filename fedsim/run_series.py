@@ -32,10 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from fedsim.checkpoint import CONFIG_FILE
 from fedsim.config import ConfigError
-from fedsim.results import ROUNDS_FILE, SUMMARY_FILE, read_rounds
-from fedsim.runfiles import RunFileError
+from fedsim.results_json import ROUNDS_FILE, SUMMARY_FILE, read_rounds
+from fedsim.runfiles import CONFIG_FILE, RunFileError
 
 #: sections of a round line holding the phases' clients' metrics (under ``metrics``)
 PHASES = ("train", "evaluate", "query")

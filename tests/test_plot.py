@@ -1,6 +1,7 @@
 """``fedsim plot``: the PNG it writes draws exactly the values of the runs' rounds.jsonl, names
 the runs by their config differences, and refuses what it cannot draw."""
 
+import ast
 import os
 import subprocess
 import sys
@@ -149,8 +150,16 @@ def test_what_is_not_a_run_directory_is_refused(runs, capsys, tmp_path):
     assert "--out" in capsys.readouterr().err
 
 
-def test_importing_the_cli_leaves_matplotlib_out():
-    code = "import sys, fedsim.cli; print('matplotlib' in sys.modules)"
+def imported_after(statement):
+    """The heavy packages in sys.modules after ``statement``, in a fresh interpreter."""
+    heavy = ("matplotlib", "flwr", "ray", "torch", "tensorboard")
+    code = f"import sys; {statement}; print(sorted(set({heavy!r}) & set(sys.modules)))"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert shown.stdout.strip() == "False", shown.stderr
+    assert shown.returncode == 0, shown.stderr
+    return ast.literal_eval(shown.stdout)
+
+
+def test_the_commands_import_no_heavy_package_until_they_draw():
+    assert imported_after("import fedsim.commands.plot, fedsim.commands.compare") == []
+    assert "matplotlib" not in imported_after("import fedsim.cli")
