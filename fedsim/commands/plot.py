@@ -88,7 +88,7 @@ def plot_runs(runs: Sequence[RunSeries], metrics: Sequence[str]) -> RunPlot:
     from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
 
     grouped = panels(metrics)
-    columns = min(len(grouped), 3)
+    columns = 2 if len(grouped) == 4 else min(len(grouped), 3)
     rows = -(-len(grouped) // columns)
     labels = run_labels(runs)
     legend_rows = -(-len(runs) // 2) if len(runs) > 1 else 0
