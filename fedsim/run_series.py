@@ -52,7 +52,7 @@ ABSENT = "(absent)"
 Best = Literal["max", "min"]
 
 
-def _number(value: Any) -> float | None:
+def as_number(value: Any) -> float | None:
     """``value`` as a float when it is a JSON number (not a bool), else None."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
@@ -63,25 +63,28 @@ def round_values(record: Mapping[str, Any]) -> dict[str, float]:
     """The metrics of one round line, by name (see the module docstring)."""
     out: dict[str, float] = {}
     for phase in PHASES:
-        metrics = (record.get(phase) or {}).get("metrics") or {}
-        out.update(_numbers(phase, metrics))
+        out.update(_numbers(phase, _mapping(_mapping(record.get(phase)).get("metrics"))))
     for section in AGGREGATES:
-        out.update(_numbers(section, record.get(section) or {}))
+        out.update(_numbers(section, _mapping(record.get(section))))
     for name, section in EPSILONS.items():
-        key = name.split("/")[1]
-        value = _number((record.get(section) or {}).get(key))
+        value = as_number(_mapping(record.get(section)).get(name.split("/")[1]))
         if value is not None:
             out[name] = value
     if int(record.get("round", 0)) >= 1:
-        out.update((key, v) for key in COSTS if (v := _number(record.get(key))) is not None)
+        out.update((key, v) for key in COSTS if (v := as_number(record.get(key))) is not None)
     return out
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    """``value`` if it is a mapping, else an empty one (a line's file is not trusted)."""
+    return value if isinstance(value, Mapping) else {}
 
 
 def _numbers(section: str, mapping: Mapping[str, Any]) -> dict[str, float]:
     return {
         f"{section}/{key}": value
         for key, item in mapping.items()
-        if (value := _number(item)) is not None
+        if (value := as_number(item)) is not None
     }
 
 
@@ -139,11 +142,17 @@ class RunSeries:
     def name(self) -> str:
         return self.path.resolve().name
 
-    def last(self, section: str) -> dict[str, Any] | None:
-        """The ``section`` (e.g. ``privacy``) of the last round line that has one."""
+    def final(self, metric: str) -> float | None:
+        """The last recorded value of ``metric`` (None: the run has none)."""
+        return self.series[metric].final[1] if metric in self.series else None
+
+    def delta(self, epsilon: str) -> float | None:
+        """The delta of the epsilon metric ``epsilon`` (:data:`EPSILONS`) in the last round
+        line that has its section (None: none has, or it holds no number)."""
         for record in reversed(self.records):
-            if isinstance(record.get(section), dict):
-                return record[section]
+            section = record.get(EPSILONS[epsilon])
+            if isinstance(section, Mapping):
+                return as_number(section.get("delta"))
         return None
 
 

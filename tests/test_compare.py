@@ -3,6 +3,7 @@ config section lists exactly the keys that differ, and it refuses what is not a 
 
 import io
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from run_dir_support import expected, private, rounds, run, small_quickstart, su
 
 from fedsim.cli import main
 from fedsim.commands.compare import compare_runs, render_rich
+from fedsim.results import RunWriter
 from fedsim.run_series import load_runs
 
 SEEDS = {"seed", "data.seed", "client.seed"}  # no [faults] table: faults.seed stays 0
@@ -152,3 +154,18 @@ def test_flower_app_runs_differ_by_their_run_config(tmp_path, capsys):
         final = rows["train/train_loss"]["runs"][i]["final"]
         assert final == line["train"]["metrics"]["train_loss"]
         assert result["runs"][i]["bytes_up"] == line["bytes_up"]
+
+
+def test_an_infinite_epsilon_reads_back_as_infinite(tmp_path, capsys):
+    writer = RunWriter(tmp_path)  # the writer of every run: epsilon inf as 1e999 and a flag
+    for r in (1, 2):
+        privacy = {"epsilon": math.inf, "delta": 1e-5}
+        writer.write_round({"round": r, "seconds": 0.5, "bytes_up": 8, "privacy": privacy})
+    writer.close()
+    assert "1e999" in (tmp_path / "rounds.jsonl").read_text()
+    (facts,) = compare_json(capsys, tmp_path)["runs"]
+    assert facts["epsilon"] == math.inf and facts["epsilon_infinite"] is True
+    assert (facts["rounds"], facts["bytes_up"], facts["seconds_total"]) == (2, 16, None)
+    assert main(["compare", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert next(line for line in lines if line.startswith("epsilon")).split() == ["epsilon", "inf"]

@@ -23,6 +23,7 @@ from fedsim.run_series import (
     COSTS,
     EPSILONS,
     RunSeries,
+    as_number,
     best_is,
     config_differences,
     format_value,
@@ -41,18 +42,16 @@ def run_facts(run: RunSeries) -> dict[str, Any]:
     ``seconds_rounds`` and the bytes add up the rounds' lines (rounds >= 1);
     ``seconds_total`` is summary.json's (set-up and rounds of the invocation that finished
     the run; None while it has not finished)."""
-    privacy = run.last("privacy") or {}
-    client = run.last("client_privacy") or {}
     totals = {key: sum(run.series[key].values) if key in run.series else 0 for key in COSTS}
     seconds = (run.summary or {}).get("seconds")
     return {
         "rounds": run.records[-1]["round"],
-        "epsilon": privacy.get("epsilon"),
-        "delta": privacy.get("delta"),
-        "client_max_epsilon": client.get("max_epsilon"),
-        "client_delta": client.get("delta"),
+        "epsilon": run.final("privacy/epsilon"),
+        "delta": run.delta("privacy/epsilon"),
+        "client_max_epsilon": run.final("client_privacy/max_epsilon"),
+        "client_delta": run.delta("client_privacy/max_epsilon"),
         "seconds_rounds": totals["seconds"],
-        "seconds_total": seconds.get("total") if isinstance(seconds, dict) else None,
+        "seconds_total": as_number(seconds.get("total")) if isinstance(seconds, dict) else None,
         "bytes_up": int(totals["bytes_up"]),
         "bytes_down": int(totals["bytes_down"]),
     }

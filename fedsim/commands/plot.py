@@ -132,13 +132,9 @@ def plot_runs(runs: Sequence[RunSeries], metrics: Sequence[str]) -> RunPlot:
 def _y_label(title: str, names: Sequence[str], runs: Sequence[RunSeries]) -> str:
     """The panel's unit; for epsilon, the delta it is at (when the runs share one)."""
     if title == "epsilon":
-        deltas = {
-            (run.last(EPSILONS[name]) or {}).get("delta")
-            for name in names
-            for run in runs
-            if name in run.series
-        }
-        return f"epsilon at delta = {deltas.pop():g}" if len(deltas) == 1 else "epsilon"
+        deltas = {run.delta(name) for name in names for run in runs if name in run.series}
+        (delta,) = deltas if len(deltas) == 1 else (None,)
+        return "epsilon" if delta is None else f"epsilon at delta = {delta:g}"
     return {"bytes per round": "bytes", "seconds per round": "seconds"}.get(title, title)
 
 
