@@ -33,10 +33,16 @@ import numpy as np
 from flwr.serverapp.strategy import Strategy
 
 from fedsim.randomness import RunSecret
-from fedsim.runfiles import RunFileError, fsync_directory, open_record, seal_record, write_atomic
+from fedsim.runfiles import (
+    CONFIG_FILE,
+    RunFileError,
+    fsync_directory,
+    open_record,
+    seal_record,
+    write_atomic,
+)
 
 STATE_FILE = "client_state.sqlite"
-CONFIG_FILE = "config.json"
 LEGACY_CHECKPOINT_FILE = "checkpoint.pkl"
 """What fedsim before authenticated checkpoints wrote: a bare pickle, never loaded now."""
 KEEP = 2

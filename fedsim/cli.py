@@ -10,6 +10,8 @@
                      --out FILE.npz [--json]
     fedsim audit RUN_DIR [--attack loss|zlib|mink] [--members N] [--out FILE]
     fedsim minmax CONFIG.toml [--out DIR]
+    fedsim plot RUN_DIR... [--metric NAME ...] [--out FILE.png]
+    fedsim compare RUN_DIR... [--json]
 
 ``run`` and ``flwr-run`` accept ``--ray-address`` (join an existing Ray cluster), ``--workers``,
 ``--backend {ray,local}``, ``--no-progress``, ``--progress-every N|Ss`` and ``--secrets FILE``
@@ -31,7 +33,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedsim.commands import account, audit, factorize, minmax, sweep
+from fedsim.commands import account, audit, compare, factorize, minmax, plot, sweep
 from fedsim.commands.console import Verbosity, console
 from fedsim.config import ConfigError, device_name
 from fedsim.engine.rounds import RunStopped
@@ -162,6 +164,8 @@ def _parser() -> argparse.ArgumentParser:
     factorize.register(commands)
     audit.register(commands)
     minmax.register(commands)
+    plot.add_parser(commands)
+    compare.add_parser(commands)
     _output_flags(parser, top=True)
     return parser
 
@@ -320,8 +324,6 @@ def _dispatch(args: argparse.Namespace) -> int:
         return audit.run(args)
     if args.command == "minmax":
         return minmax.run(args)
-    if args.command == "sweep":
-        return args.func(args)
     started = time.perf_counter()
     try:
         summary = cmd_run(args) if args.command == "run" else cmd_flwr_run(args)

@@ -14,6 +14,7 @@ Secrets: every party's secret derives from the run's secret root
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -72,6 +73,7 @@ from fedsim.run_config import ExperimentConfig, is_personalised
 from fedsim.run_root import resume_root, start_root
 from fedsim.rundir import RunDirectory
 from fedsim.runfiles import RunFileError
+from fedsim.tensorboard_events import TensorBoardEvents
 from fedsim.workloads.coto import build_lora_model, initial_adapter_arrays, load_adapter_arrays
 from fedsim.workloads.dp_sgd import DPSGD, epsilon_of
 from fedsim.workloads.supervised import make_client_app
@@ -329,13 +331,22 @@ def initial_model(
 
 
 def run_loop(run: ExperimentRun, progress: bool | Cadence) -> tuple[ArrayRecord, float]:
-    """Run the rounds from ``run.start_round`` on: rounds.jsonl gets a line per round and the
-    directory a checkpoint every ``checkpoint_every`` rounds and after the last. Returns the
-    final global arrays and the time.perf_counter() at which the grid was ready."""
+    """Run the rounds from ``run.start_round`` on: rounds.jsonl gets a line per round (and
+    ``tensorboard/`` its scalars, with ``[output] tensorboard``) and the directory a checkpoint
+    every ``checkpoint_every`` rounds and after the last. Returns the final global arrays and
+    the time.perf_counter() at which the grid was ready."""
     config = run.config
-    with RunProgress(config.rounds, done=run.start_round - 1, enabled=progress) as bar:
+    events = (  # [output] tensorboard: the rounds kept so far, then each new one
+        TensorBoardEvents(run.out, read_rounds(run.writer.rounds_path))
+        if config.output.tensorboard
+        else None
+    )
+    with (
+        RunProgress(config.rounds, done=run.start_round - 1, enabled=progress) as bar,
+        events or contextlib.nullcontext(),
+    ):
         recorder = RoundRecorder(
-            [run.writer.write_round, bar],
+            [run.writer.write_round, bar, *([events] if events else [])],
             infer_rounds=False,
             private=config.private,
             metrics_in_clear=config.privacy.metrics_in_clear,

@@ -34,7 +34,6 @@ with a boolean ``<key>_infinite`` next to it).
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -45,11 +44,8 @@ from flwr.app import MetricRecord
 
 from fedsim.config import ConfigError
 from fedsim.engine.grid import PhaseReport
-from fedsim.results_json import dumps, json_ready
+from fedsim.results_json import ROUNDS_FILE, SUMMARY_FILE, dumps, json_ready, read_rounds
 from fedsim.runfiles import write_atomic
-
-ROUNDS_FILE = "rounds.jsonl"
-SUMMARY_FILE = "summary.json"
 
 
 def metrics_dict(record: MetricRecord | None) -> dict[str, Any] | None:
@@ -102,20 +98,6 @@ class RunWriter:
 
     def close(self) -> None:
         self._rounds.close()
-
-
-def read_rounds(path: str | Path) -> list[dict[str, Any]]:
-    """The round records of a ``rounds.jsonl`` (a torn last line is ignored)."""
-    path = Path(path)
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            break  # the process died while writing this line
-    return records
 
 
 def _phase_section(report: PhaseReport, client_metrics: bool) -> dict[str, Any]:

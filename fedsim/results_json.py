@@ -1,4 +1,5 @@
-"""How results files write JSON: every epsilon with its infinite flag.
+"""How results files write JSON (every epsilon with its infinite flag) and how
+``rounds.jsonl`` is read back.
 
 Every epsilon (a key containing ``epsilon``) is written with a boolean
 ``<key>_infinite`` next to it, and an infinite epsilon (no noise) as ``1e999``,
@@ -12,7 +13,11 @@ import json
 import math
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
+
+ROUNDS_FILE = "rounds.jsonl"
+SUMMARY_FILE = "summary.json"
 
 #: how an infinite epsilon is written: a number that JSON readers parse as infinite
 INFINITE_TEXT = "1e999"
@@ -79,3 +84,17 @@ def dumps(value: Any, **kwargs: Any) -> str:
 def _number_text(match: re.Match[str]) -> str:
     token = match.group(0)
     return token if token.startswith('"') else token.replace("Infinity", INFINITE_TEXT)
+
+
+def read_rounds(path: str | Path) -> list[dict[str, Any]]:
+    """The round records of a ``rounds.jsonl`` (a torn last line is ignored)."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # the process died while writing this line
+    return records

@@ -17,6 +17,7 @@ part of the pipeline::
     [faults]      dropout, straggler_fraction, straggler_delay_s, deadline_s, crash_probability
     [audit]       attacks, members, seed: audits of the finished run (audit.json)
     [privacy]     metrics_in_clear: release private runs' client metrics un-noised
+    [output]      tensorboard: also write TensorBoard event files (RUN_DIR/tensorboard/)
 
 plus ``checkpoint_every`` (rounds) and ``state_memory_mb`` (client states kept
 in memory before they spill to disk). The seeds of [data], [client], [personal]
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Literal
 
@@ -226,6 +228,28 @@ class PrivacyConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class OutputConfig:
+    """What a run writes besides rounds.jsonl and summary.json.
+
+    Attributes:
+        tensorboard: also write every round's metrics, epsilon, bytes and seconds as
+            TensorBoard scalars under ``RUN_DIR/tensorboard/`` (:mod:`fedsim.tensorboard_events`);
+            needs the ``tensorboard`` package (the extra ``fedsim[tensorboard]``).
+    """
+
+    tensorboard: bool = False
+
+    def __post_init__(self) -> None:
+        require(
+            not self.tensorboard or find_spec("tensorboard") is not None,
+            "output.tensorboard",
+            self.tensorboard,
+            "false: the tensorboard package is not installed "
+            "(pip install 'fedsim[tensorboard]', or tensorboard==2.21.0)",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
 class ExperimentConfig:
     """A whole run."""
 
@@ -243,6 +267,7 @@ class ExperimentConfig:
     faults: FaultConfig = field(default_factory=FaultConfig)
     audit: AuditConfig | dict[str, Any] | None = None
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
     checkpoint_every: int = 1
     state_memory_mb: int = 256
 

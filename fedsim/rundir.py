@@ -7,6 +7,7 @@ What a run directory holds (``fedsim run --out DIR``)::
     client_state.sqlite        the clients' states, each sealed with its client's own secret
     checkpoint-NNNNNN.ckpt     the last two checkpoints, authenticated records
     model.npz                  the final global arrays
+    tensorboard/               TensorBoard events of rounds.jsonl ([output] tensorboard = true)
 
 None of it is trusted on ``--resume``. The secret root the run started with (kept outside the
 directory) authenticates the checkpoints and the state database's identity and opens the

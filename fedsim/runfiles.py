@@ -30,6 +30,8 @@ from typing import Any
 
 from fedsim.config import ConfigError
 
+CONFIG_FILE = "config.json"
+"""The run's validated config, written once (what its other files are bound to)."""
 MAGIC = b"\x89fedsim\n"
 """First 8 bytes of every authenticated record (not text, not a pickle opcode stream)."""
 _FRAME = struct.Struct(">8s8sIIQ")  # magic, kind, schema, header length, payload length
