@@ -8,7 +8,8 @@ Each check runs in a fresh interpreter, so what another test imported does not c
 * a logistic-regression FedAvg run (config parsed, dataset, model, strategy, ClientApp and
   the engine built, one round trained in-process) loads neither the text extra nor Opacus;
 * a worker process (``fedsim.engine.worker``) loads none of the driver's modules (grid,
-  cohorts, privacy accounting, strategies);
+  cohorts, privacy accounting, strategies), and ``fedsim flwr-run``'s driver
+  (``fedsim.flwr_app``) neither dp_accounting nor the strategies;
 * a method that needs the text extra says so when it is missing.
 """
 
@@ -140,7 +141,18 @@ def test_a_worker_process_loads_none_of_the_drivers_modules():
     assert not any(loaded.values()), [m for m, yes in loaded.items() if yes]
     # the package still exports the driver's names, loaded on first use
     loaded = loaded_after("from fedsim.engine import UniformCohort", driver_side)
-    assert loaded["fedsim.engine.participation"] and loaded["dp_accounting"]
+    assert loaded["fedsim.engine.participation"] and not loaded["dp_accounting"]
+    loaded = loaded_after(
+        "from fedsim.engine import UniformCohort\nUniformCohort(10, 2, 0).accounting(1)",
+        driver_side,
+    )
+    assert loaded["dp_accounting"]
+
+
+def test_the_flower_app_driver_loads_no_accounting_and_no_text_stack():
+    watched = (*TEXT_STACK, "opacus", "dp_accounting", "scipy", "strategies", "ray")
+    loaded = loaded_after("import fedsim.flwr_app", watched)
+    assert not any(loaded.values()), [m for m, yes in loaded.items() if yes]
 
 
 def test_factorize_help_lists_every_kind():
