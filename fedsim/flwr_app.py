@@ -37,6 +37,7 @@ import platform
 import re
 import time
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,10 +75,18 @@ class FlowerApp:
 
     @classmethod
     def load(
-        cls, app_dir: str | Path, overrides: str | None = None, federation: str | None = None
+        cls,
+        app_dir: str | Path,
+        overrides: str | None = None,
+        federation: str | None = None,
+        checked: Callable[[Federation], object] | None = None,
     ) -> FlowerApp:
-        """Read ``app_dir/pyproject.toml``, import the components, fuse the config and read
-        the federation ``federation`` (None: the app's default federation, if any)."""
+        """Read ``app_dir/pyproject.toml``, fuse the config, read the federation
+        ``federation`` (None: the app's default federation, if any), import the components.
+
+        ``checked(federation)`` is called once the project, the config and the federation have
+        passed their checks and before the components are imported (``fedsim flwr-run`` starts
+        the engine there, so that its workers come up while the app's modules import)."""
         app_dir = Path(app_dir).resolve()
         if not (app_dir / "pyproject.toml").is_file():
             raise ConfigError(
@@ -98,6 +107,8 @@ class FlowerApp:
         defaults = flatten_dict(project["tool"]["flwr"]["app"].get("config", {}))
         run_config = fuse_run_config(defaults, overrides)
         chosen = read_federation(project, federation)
+        if checked is not None:
+            checked(chosen)
         server_app = _load(
             components["serverapp"], app_dir, ServerApp, LoadServerAppError, "serverapp"
         )
@@ -241,6 +252,36 @@ def cohort_model(
     return UniformCohort(num_supernodes, clients_per_round, seed)
 
 
+def flower_engine(
+    app_dir: str | Path,
+    *,
+    ray_address: str | None = None,
+    workers: int | None = None,
+    backend: str | None = None,
+    device: str | None = None,
+    client_cpus: float | None = None,
+    client_gpus: float | None = None,
+    ray_cpus: int | None = None,
+) -> Engine:
+    """The engine (not started) that runs the app in ``app_dir``: Ray workers by default; on
+    a cluster, the app's directory travels to the nodes with fedsim's packages.
+    ``client_cpus``/``client_gpus``: Ray resources of each worker (None: the engine's
+    defaults; GPUs make ``device`` default to "cuda": the app's ClientApp places its model
+    itself); ``ray_cpus``: CPUs of a Ray fedsim starts (None: all)."""
+    return Engine(
+        EngineConfig(
+            backend=backend or "ray",  # type: ignore[arg-type]
+            workers=workers or 0,
+            ray_address=ray_address or "",
+            cpus_per_worker=1.0 if client_cpus is None else client_cpus,
+            gpus_per_worker=client_gpus,
+            num_cpus=ray_cpus or 0,
+            device=device or ("cuda" if client_gpus else "cpu"),
+        ),
+        extra_modules=(str(Path(app_dir).resolve()),),
+    )
+
+
 def run_flower_app(
     app: FlowerApp,
     num_supernodes: int,
@@ -261,27 +302,23 @@ def run_flower_app(
     """Run ``app`` with ``num_supernodes`` virtual nodes; rounds are inferred from
     the messages' ``server-round`` unless a fedsim strategy reports them. ``secrets``: the
     run's secret root (None: a fresh one from the OS; the run cannot be repeated).
-    ``device = "cuda"`` gives each worker a share of the GPUs (the app's ClientApp places its
-    model itself); ``client_cpus``/``client_gpus``: Ray resources of each worker (None: the
-    engine's defaults; GPUs make ``device`` default to "cuda"); ``ray_cpus``: CPUs of a Ray
-    fedsim starts (None: all); ``participation``: the cohort the grid offers each phase (None:
-    every node)."""
+    ``engine``: the engine to run on (started or not; left open), else one of
+    :func:`flower_engine` (with ``device`` and the resources), closed at the end.
+    ``participation``: the cohort the grid offers each phase (None: every node)."""
     writer = RunWriter(out_dir)
     started = time.perf_counter()
     try:
         own_engine = engine is None
         if engine is None:
-            engine = Engine(
-                EngineConfig(
-                    backend=backend or "ray",  # type: ignore[arg-type]
-                    workers=workers or 0,
-                    ray_address=ray_address or "",
-                    cpus_per_worker=1.0 if client_cpus is None else client_cpus,
-                    gpus_per_worker=client_gpus,
-                    num_cpus=ray_cpus or 0,
-                    device=device or ("cuda" if client_gpus else "cpu"),
-                ),
-                extra_modules=(str(app.app_dir),),
+            engine = flower_engine(
+                app.app_dir,
+                ray_address=ray_address,
+                workers=workers,
+                backend=backend,
+                device=device,
+                client_cpus=client_cpus,
+                client_gpus=client_gpus,
+                ray_cpus=ray_cpus,
             )
         engine.start()
         rounds = app.run_config.get("num-server-rounds")
@@ -323,7 +360,7 @@ def _summary(
         "num_supernodes": num_supernodes,
         "rounds": len(rounds),
         "clients_trained": sum(r.get("train", {}).get("clients", 0) for r in rounds),
-        "seconds": {"total": seconds},
+        "seconds": {"total": seconds, "engine_startup": dict(engine.startup_s)},
         "final": recorder.records[-1] if recorder.records else None,
         "engine": engine.describe(),
         "versions": {"fedsim": __version__, "python": platform.python_version()},

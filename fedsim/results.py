@@ -69,19 +69,25 @@ class RunWriter:
         self.rounds_path = self.out_dir / ROUNDS_FILE
         self.summary_path = self.out_dir / SUMMARY_FILE
         if resume_after is None:
-            written = self.rounds_path.is_file() and self.rounds_path.stat().st_size > 0
-            if written or self.summary_path.exists():
-                raise ConfigError(
-                    key, str(out_dir), "a new or empty directory (this one already holds results)"
-                )
-            if self.out_dir.exists() and not self.out_dir.is_dir():
-                raise ConfigError(key, str(out_dir), "a directory path (a file has this name)")
+            self.check_new(out_dir, key)
             self.out_dir.mkdir(parents=True, exist_ok=True)
         else:
             kept = [r for r in read_rounds(self.rounds_path) if r["round"] <= resume_after]
             text = "".join(dumps(r, sort_keys=True) + "\n" for r in kept)
             write_atomic(self.rounds_path, text.encode())
         self._rounds = self.rounds_path.open("a", encoding="utf-8")
+
+    @staticmethod
+    def check_new(out_dir: str | Path, key: str = "--out") -> None:
+        """Raise :class:`ConfigError` on ``key`` unless ``out_dir`` can hold a new run."""
+        out = Path(out_dir)
+        rounds = out / ROUNDS_FILE
+        if (rounds.is_file() and rounds.stat().st_size > 0) or (out / SUMMARY_FILE).exists():
+            raise ConfigError(
+                key, str(out_dir), "a new or empty directory (this one already holds results)"
+            )
+        if out.exists() and not out.is_dir():
+            raise ConfigError(key, str(out_dir), "a directory path (a file has this name)")
 
     def write_round(self, record: Mapping[str, Any]) -> None:
         self._rounds.write(dumps(record, sort_keys=True) + "\n")

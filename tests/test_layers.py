@@ -32,7 +32,12 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # what strategies, workloads and the engine share for worker-side folding (flwr + numpy)
     "aggregation contract": ("fedsim/record_codec.py", "fedsim/worker_reduce.py"),
     # errors and checks of configuration, and the owners of randomness
-    "foundation": ("fedsim/__init__.py", "fedsim/config.py", "fedsim/randomness.py"),
+    "foundation": (
+        "fedsim/__init__.py",
+        "fedsim/config.py",
+        "fedsim/extras.py",
+        "fedsim/randomness.py",
+    ),
     # pure privacy math and dp_accounting
     "privacy": ("fedsim/privacy/",),
     # datasets, models and the files of a run directory

@@ -20,8 +20,18 @@ FedAvg samples with), so fedsim and the raw loop train the same cohorts.
   ``raw_s / workers`` is the limit any engine with that many workers can reach.
 
 Prints one JSON object with medians over ``--reps`` repetitions:
-``speedup_vs_flower = flower_s / fedsim_s`` and
-``overhead_vs_limit = fedsim_s / (raw_s / workers)``.
+``speedup_vs_flower = flower_s / fedsim_s``,
+``overhead_vs_limit = fedsim_s / (raw_s / workers)`` and
+``cold_overhead_s = fedsim_cold_s - fedsim_s`` (what starting Ray and the workers adds),
+with ``cold_breakdown``: the engine's start-up steps (``ray_init``, ``workers_spawn``,
+``workers_ready``: the wait for the workers after the driver's own set-up) and the cold run's
+first and later rounds.
+
+``--app`` times a small plain Flower app (``experiments/bench/app``: Message-API FedAvg, an
+MLP on 32 generated rows per node) end to end, each run a fresh process as a user starts it:
+``fedsim flwr-run`` against Flower's ``run_simulation`` (``--supernodes``, ``--app-rounds``,
+``--clients-per-round``), alternating, and prints the medians and
+``speedup_vs_flower = flower_s / fedsim_s`` (also the median of the per-pair ratios).
 """
 
 from __future__ import annotations
@@ -172,9 +182,9 @@ def flower_once(data_dir: Path, rounds: int, cpus: int) -> float:
 
 def fedsim_and_raw(
     data_dir: Path, rounds: int, reps: int, workers: int, worker_sums: bool
-) -> tuple[float, list[float], list[float], list[float]]:
-    """(cold seconds, warm seconds, raw seconds, seconds inside the ClientApp),
-    the last three per repetition.
+) -> tuple[float, dict[str, float], list[float], list[float], list[float]]:
+    """(cold seconds, where they went, warm seconds, raw seconds, seconds inside the
+    ClientApp), the last three per repetition.
 
     fedsim's and the raw loop's repetitions alternate, so that a slow spell of
     this shared machine affects both alike.
@@ -189,8 +199,10 @@ def fedsim_and_raw(
     server_app, client_app, *_ = apps(data_dir, rounds, worker_sums)
     start = time.perf_counter()
     engine = Engine(EngineConfig(workers=workers, num_cpus=workers)).start()  # starts Ray too
-    engine.run_server_app(server_app, client_app, NUM_CLIENTS)
+    rounds_seen = _RoundTimes()
+    engine.run_server_app(server_app, client_app, NUM_CLIENTS, observer=rounds_seen)
     cold = time.perf_counter() - start
+    breakdown = {**engine.startup_s, **rounds_seen.summary()}
     warm, raw, compute = [], [], []
     for _ in range(reps):
         raw.append(raw_loop(data_dir, rounds))
@@ -200,7 +212,29 @@ def fedsim_and_raw(
         warm.append(time.perf_counter() - start)
         compute.append(observer.seconds)
     engine.close()
-    return cold, warm, raw, compute
+    return cold, breakdown, warm, raw, compute
+
+
+class _RoundTimes:
+    """Seconds from the observer's creation to the end of each training phase."""
+
+    def __init__(self) -> None:
+        self.last = time.perf_counter()
+        self.rounds: list[float] = []
+
+    def phase_finished(self, report) -> None:
+        now = time.perf_counter()
+        self.rounds.append(now - self.last)
+        self.last = now
+
+    def summary(self) -> dict[str, float]:
+        """The first round (counted from the run's call: it includes ``workers_ready`` and
+        loading the run on the workers) and the median later one."""
+        later = self.rounds[1:]
+        return {
+            "call_to_first_round_end": self.rounds[0] if self.rounds else 0.0,
+            "later_round_median": statistics.median(later) if later else 0.0,
+        }
 
 
 class _ComputeTotal:
@@ -211,6 +245,135 @@ class _ComputeTotal:
 
     def phase_finished(self, report) -> None:
         self.seconds += report.compute_s
+
+
+APP_DIR = Path(__file__).resolve().parent / "app"
+
+
+def app_run_config(rounds: int, supernodes: int, clients_per_round: int) -> dict:
+    """The bench app's run config for ``rounds`` rounds of ``clients_per_round`` clients."""
+    if not 1 <= clients_per_round <= supernodes:
+        raise ValueError(
+            f"--clients-per-round = {clients_per_round} is not allowed: "
+            f"an integer in [1, --supernodes = {supernodes}]"
+        )
+    return {"num-server-rounds": rounds, "fraction-train": clients_per_round / supernodes}
+
+
+def flower_app_once(app_dir: Path, supernodes: int, run_config: dict, cpus: int) -> None:
+    """Flower's ``run_simulation`` on the app project in ``app_dir``, loaded as ``flwr run``
+    loads it (its ``[tool.flwr.app.config]`` with ``run_config`` applied: run_simulation
+    takes no run config, so the ServerApp gets it through a wrapper)."""
+    import logging  # noqa: PLC0415
+
+    from flwr.clientapp.client_app import LoadClientAppError  # noqa: PLC0415
+    from flwr.common.config import flatten_dict, get_project_config  # noqa: PLC0415
+    from flwr.serverapp import ServerApp  # noqa: PLC0415
+    from flwr.serverapp.server_app import LoadServerAppError  # noqa: PLC0415
+    from flwr.simulation import run_simulation  # noqa: PLC0415
+    from flwr.supercore.logger import FLOWER_LOGGER  # noqa: PLC0415
+    from flwr.supercore.object_ref import load_app  # noqa: PLC0415
+
+    FLOWER_LOGGER.setLevel(logging.WARNING)
+    project = get_project_config(app_dir)["tool"]["flwr"]["app"]
+    config = {**flatten_dict(project.get("config", {})), **run_config}
+    server = load_app(project["components"]["serverapp"], LoadServerAppError, str(app_dir))
+    client = load_app(project["components"]["clientapp"], LoadClientAppError, str(app_dir))
+    with_config = ServerApp()
+
+    @with_config.main()
+    def main(grid, context) -> None:
+        context.run_config.update(config)
+        server(grid, context)
+
+    run_simulation(
+        server_app=with_config,
+        client_app=client,
+        num_supernodes=supernodes,
+        backend_config={
+            "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+            "init_args": {"num_cpus": cpus, "logging_level": "WARNING"},
+        },
+    )
+
+
+def _timed(command: list[str]) -> float:
+    """Wall seconds of ``command`` as a fresh process, from spawn to exit."""
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+    return seconds
+
+
+def app_mode(args: argparse.Namespace) -> dict:
+    """``fedsim flwr-run`` against ``run_simulation`` on the bench app, end to end."""
+    run_config = app_run_config(args.app_rounds, args.supernodes, args.clients_per_round)
+    pairs = " ".join(f"{k}={v!r}" for k, v in run_config.items())
+    env_python = [sys.executable]
+    flower = [
+        *env_python,
+        __file__,
+        "--flower-app-once",
+        str(APP_DIR),
+        "--supernodes",
+        str(args.supernodes),
+        "--app-rounds",
+        str(args.app_rounds),
+        "--clients-per-round",
+        str(args.clients_per_round),
+        "--workers",
+        str(args.workers),
+    ]
+    times: dict[str, list[float]] = {"fedsim_s": [], "flower_s": []}
+    backends = ["ray", "local"] if args.also_local else ["ray"]
+    if args.also_local:
+        times["fedsim_local_s"] = []
+    with tempfile.TemporaryDirectory(prefix="fedsim-bench-app-") as tmp:
+        for rep in range(args.reps):
+            for backend in backends:
+                fedsim = [
+                    *env_python,
+                    "-m",
+                    "fedsim",
+                    "flwr-run",
+                    str(APP_DIR),
+                    "--num-supernodes",
+                    str(args.supernodes),
+                    "--run-config",
+                    pairs,
+                    "--out",
+                    str(Path(tmp) / f"{backend}-{rep}"),
+                    "--no-progress",
+                    "--workers",
+                    str(args.workers),
+                    "--backend",
+                    backend,
+                ]
+                key = "fedsim_s" if backend == "ray" else "fedsim_local_s"
+                times[key].append(_timed(fedsim))
+            times["flower_s"].append(_timed(flower))
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    result = {
+        "workload": {
+            "app": "experiments/bench/app (Message-API FedAvg, MLP 16-32-4, 32 rows per node)",
+            "supernodes": args.supernodes,
+            "rounds": args.app_rounds,
+            "clients_per_round": args.clients_per_round,
+        },
+        "workers": args.workers,
+        "repetitions": args.reps,
+        **medians,
+        "speedup_vs_flower": medians["flower_s"] / medians["fedsim_s"],
+        "speedup_vs_flower_pairs": statistics.median(
+            f / s for f, s in zip(times["flower_s"], times["fedsim_s"], strict=True)
+        ),
+        "all": times,
+    }
+    if args.also_local:
+        result["speedup_vs_flower_local"] = medians["flower_s"] / medians["fedsim_local_s"]
+    return result
 
 
 def main() -> None:
@@ -229,8 +392,33 @@ def main() -> None:
         "--no-worker-sums", action="store_true", help="send every reply to the server"
     )
     parser.add_argument("--skip-flower", action="store_true")
+    parser.add_argument(
+        "--app",
+        action="store_true",
+        help="time `fedsim flwr-run` against Flower's run_simulation on a small Flower app, "
+        "end to end (fresh processes)",
+    )
+    parser.add_argument("--supernodes", type=int, default=50, help="--app: virtual nodes")
+    parser.add_argument("--app-rounds", type=int, default=5, help="--app: rounds")
+    parser.add_argument(
+        "--clients-per-round", type=int, default=10, help="--app: clients trained per round"
+    )
+    parser.add_argument(
+        "--also-local",
+        action="store_true",
+        help="--app: also time `fedsim flwr-run --backend local` (clients in the driver)",
+    )
     parser.add_argument("--flower-once", metavar="DATA_DIR", help=argparse.SUPPRESS)
+    parser.add_argument("--flower-app-once", metavar="APP_DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
+
+    if args.flower_app_once:
+        run_config = app_run_config(args.app_rounds, args.supernodes, args.clients_per_round)
+        flower_app_once(Path(args.flower_app_once), args.supernodes, run_config, args.workers)
+        return
+    if args.app:
+        print(json.dumps(app_mode(args), indent=2))
+        return
 
     if args.flower_once:
         print(
@@ -240,7 +428,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="fedsim-bench-") as tmp:
         data_dir, sizes = make_data(Path(tmp) / "femnist", args.seed, args.rows_per_client)
-        cold, warm, raw, compute = fedsim_and_raw(
+        cold, breakdown, warm, raw, compute = fedsim_and_raw(
             data_dir, args.rounds, args.reps, args.workers, not args.no_worker_sums
         )
         flower: list[float] = []
@@ -280,6 +468,8 @@ def main() -> None:
         "repetitions": args.reps,
         "fedsim_s": fedsim_s,
         "fedsim_cold_s": cold,
+        "cold_overhead_s": cold - fedsim_s,
+        "cold_breakdown": breakdown,
         "raw_s": raw_s,
         "limit_s": raw_s / args.workers,
         "overhead_vs_limit": fedsim_s / (raw_s / args.workers),

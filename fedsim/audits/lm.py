@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedsim.extras import require_extra
+
 BOS = 256
 EOS = 257
 VOCAB_SIZE = 258
@@ -81,6 +83,7 @@ class TinyLMConfig:
 
 def build_lm(config: TinyLMConfig, seed: int) -> nn.Module:
     """A freshly initialised causal LM of ``config`` (weights drawn from ``seed``)."""
+    require_extra("the language-model audits", modules=("transformers",))
     from transformers import (  # noqa: PLC0415  (heavy import, only when an LM is built)
         GPT2Config,
         GPT2LMHeadModel,

@@ -33,13 +33,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fedsim.commands.flags import flags
 from fedsim.config import ConfigError, require
-from fedsim.privacy import accounting as acc
+
+if TYPE_CHECKING:  # dp_accounting (and scipy) load when a subcommand runs, not for --help
+    from fedsim.privacy import accounting as acc
 
 _FEDAVG_FLAGS = {
     "noise_multiplier": "--noise-multiplier",
@@ -54,7 +56,7 @@ _FEDAVG_FLAGS = {
 }
 _SGD_FLAGS = {**_FEDAVG_FLAGS, "rate": "--batch-size", "rounds": "--epochs"}
 #: one accounted setting: (sampling, neighbouring relation, echoed inputs, rounds or steps)
-Setting = tuple[acc.Sampling, acc.NeighbouringRelation, dict[str, Any], int]
+Setting = tuple["acc.Sampling", "acc.NeighbouringRelation", dict[str, Any], int]
 
 
 def _common(parser: argparse.ArgumentParser, *, relation: bool) -> None:
@@ -193,6 +195,8 @@ def _check_noise(z: Any, accountant: str) -> float:
     reports epsilon = 0 for Poisson sampling at z = 1e-154 and divides by zero at 1e-300),
     so the command refuses rather than print a meaningless or optimistic number. ``z = 0``
     (no noise, epsilon infinite) is what a run reports; here it is refused too."""
+    from fedsim.privacy import accounting as acc  # noqa: PLC0415
+
     require(
         isinstance(z, (int, float))
         and not isinstance(z, bool)
@@ -214,6 +218,8 @@ def _check_noise(z: Any, accountant: str) -> float:
 
 
 def _check_common(args: argparse.Namespace) -> tuple[float, str]:
+    from fedsim.privacy import accounting as acc  # noqa: PLC0415
+
     delta = args.delta
     require(
         isinstance(delta, (int, float)) and 0 < delta < 1, "--delta", delta, "a number in (0, 1)"
@@ -224,6 +230,8 @@ def _check_common(args: argparse.Namespace) -> tuple[float, str]:
 
 def _fedavg_setting(args: argparse.Namespace, rate: float | None) -> Setting:
     """The sampling model, relation, echoed inputs and rounds of a dp-fedavg invocation."""
+    from fedsim.privacy import accounting as acc  # noqa: PLC0415
+
     kind = args.sampling
     require(kind in ("poisson", "fixed", "full"), "--sampling", kind, "one of poisson, fixed, full")
     require(
@@ -281,6 +289,8 @@ def _fedavg_setting(args: argparse.Namespace, rate: float | None) -> Setting:
 def _sgd_setting(args: argparse.Namespace, batch_size: int) -> Setting:
     """Poisson sampling q = B/N (add/remove neighbours), the echoed inputs and the number of
     steps ceil(E N / B)."""
+    from fedsim.privacy import accounting as acc  # noqa: PLC0415
+
     n = args.dataset_size
     require(isinstance(n, int) and n >= 1, "--dataset-size", n, "an integer >= 1")
     require(
@@ -378,6 +388,8 @@ MECHANISMS: dict[str, AccountedMechanism] = {
 
 
 def _epsilon(args: argparse.Namespace) -> dict[str, Any]:
+    from fedsim.privacy import accounting as acc  # noqa: PLC0415
+
     delta, accountant = _check_common(args)
     z = _check_noise(args.noise_multiplier, accountant)
     mechanism = MECHANISMS[args.mechanism]
@@ -395,6 +407,8 @@ def _epsilon(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _calibrate(args: argparse.Namespace) -> dict[str, Any]:
+    from fedsim.privacy import accounting as acc  # noqa: PLC0415
+
     delta, accountant = _check_common(args)
     target = args.target_epsilon
     require(
@@ -438,6 +452,8 @@ def _rdp_calibration(
     relation: acc.NeighbouringRelation,
 ) -> float | None:
     """The RDP calibration of the setting, or None where RDP does not account it."""
+    from fedsim.privacy import accounting as acc  # noqa: PLC0415
+
     try:
         return acc.calibrate_noise(target, delta, sampling, rounds, "rdp", relation)
     except ConfigError as err:
@@ -452,6 +468,7 @@ def _matrix(args: argparse.Namespace) -> dict[str, Any]:
     so far have sensitivity ``sens_T`` and the multiplier is ``z sens(C) / sens_T``
     (:mod:`strategies.matrix_mechanism`). RMSE per round is ``z sens(C) ||B[t]||`` in units of
     the clipping norm."""
+    from fedsim.privacy import accounting as acc  # noqa: PLC0415
     from fedsim.privacy.matrix import Factorization  # noqa: PLC0415
     from fedsim.privacy.matrix.build import spec_of  # noqa: PLC0415
     from fedsim.privacy.matrix.sensitivity import Participation  # noqa: PLC0415
@@ -530,6 +547,8 @@ def _grid(total: int, points: int) -> list[int]:
 
 
 def _sweep(args: argparse.Namespace) -> dict[str, Any]:
+    from fedsim.privacy import accounting as acc  # noqa: PLC0415
+
     delta, accountant = _check_common(args)
     points = args.points
     require(

@@ -17,7 +17,10 @@ import argparse
 from typing import Any
 
 from fedsim.commands.flags import flags
-from fedsim.privacy.matrix.build import KINDS, Spec, cached
+
+#: what ``--kind`` accepts (fedsim.privacy.matrix.build.KINDS, which imports scipy: it loads
+#: when the command runs, not for ``fedsim --help``)
+KIND_HELP = "one of tree, honaker, sqrt, toeplitz, banded, dense, blt"
 
 FLAGS = {
     "kind": "--kind",
@@ -40,7 +43,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         help="optimise a matrix-mechanism factorization (cached in an .npz)",
         description="Build a factorization A = B C of prefix sums, or reuse the cached file.",
     )
-    parser.add_argument("--kind", required=True, help=f"one of {', '.join(KINDS)}")
+    parser.add_argument("--kind", required=True, help=KIND_HELP)
     parser.add_argument("--rounds", type=int, required=True, help="number of rounds n")
     parser.add_argument(
         "--bands", type=int, default=None, help="bands of C (banded, toeplitz; default --min-sep)"
@@ -59,6 +62,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Execute a parsed ``fedsim factorize``; returns the JSON-ready summary."""
+    from fedsim.privacy.matrix.build import Spec, cached  # noqa: PLC0415
+
     with flags(FLAGS):
         spec = Spec(
             kind=args.kind,

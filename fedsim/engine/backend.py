@@ -46,6 +46,9 @@ class Backend(ABC):
     def num_workers(self) -> int:
         """How many batches can run at once."""
 
+    def ready(self) -> None:
+        """Block until the workers are up (backends that start them asynchronously)."""
+
     @abstractmethod
     def start_run(self, run: RunSpec) -> None:
         """Load the run on every worker (blocks until all are ready)."""
@@ -173,14 +176,28 @@ class RayBackend(Backend):
         self._actor_cls = ray.remote(ClientWorker).options(
             num_cpus=cpus_per_worker, num_gpus=gpus_per_worker, max_restarts=0
         )
+        # Spawn the workers and let them import without waiting: the driver goes on with
+        # its own set-up and meets them in ready() (start_run calls it).
         self._actors = [self._actor_cls.remote(self._threads) for _ in range(num_workers)]
+        self._warming = [actor.warm_up.remote() for actor in self._actors]
+        self._pin_workers = pin_workers
         self._owner: dict[Any, int] = {}
         self._sent: list[OrderedDict[int, None]] = [OrderedDict() for _ in self._actors]
         self._run: RunSpec | None = None
-        self.pinned = self._pin(self._actors) if pin_workers else False
-        ray.get([actor.warm_up.remote() for actor in self._actors])
+        self._channels: list[DriverChannel | None] = [None] * num_workers
+        self.pinned = False
+        self.nodes = 0
+
+    def ready(self) -> None:
+        """Wait until every worker has started and imported, pin them, open the channels."""
+        if self._warming is None:
+            return
+        ray = self._ray
+        self.pinned = self._pin(self._actors) if self._pin_workers else False
+        ray.get(self._warming)
+        self._warming = None
         self.nodes = len(set(ray.get([actor.ray_node.remote() for actor in self._actors])))
-        self._channels = [self._connect(i) for i in range(num_workers)]
+        self._channels = [self._connect(i) for i in range(len(self._actors))]
 
     def _check_free(self, num_workers: int, wait_s: float = 5.0) -> None:
         """Refuse (instead of waiting forever for actors that cannot be placed)
@@ -249,6 +266,7 @@ class RayBackend(Backend):
         return len(self._actors)
 
     def start_run(self, run: RunSpec) -> None:
+        self.ready()
         self._run = run
         self._sent = [OrderedDict() for _ in self._actors]
         self._ray.get([actor.start_run.remote(run) for actor in self._actors])
@@ -303,6 +321,7 @@ class RayBackend(Backend):
             raise WorkerLost(worker, err) from err
 
     def restart(self, worker: int) -> None:
+        self.ready()
         channel = self._channels[worker]
         if channel is not None:
             channel.fail(ChannelLost(f"worker {worker} was replaced"))
@@ -324,6 +343,7 @@ class RayBackend(Backend):
         for actor in self._actors:
             self._ray.kill(actor, no_restart=True)
         self._actors = []
+        self._warming = None
         self._owner.clear()
 
     def worker_peak_rss_mb(self) -> list[float]:
@@ -331,6 +351,7 @@ class RayBackend(Backend):
         return self._ray.get([actor.peak_rss_mb.remote() for actor in self._actors])
 
     def describe(self) -> dict[str, Any]:
+        self.ready()
         return {
             "backend": "ray",
             "workers": self.num_workers,

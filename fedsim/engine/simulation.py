@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -179,21 +180,34 @@ class Engine:
     backend: Backend | None = None
     _ray_mode: str | None = None  # "local" or "cluster" when this engine initialised Ray
     _runs: int = 0
+    #: seconds of the start-up steps: ``ray_init`` (0 when Ray was already up),
+    #: ``workers_spawn`` (asking Ray for the actors), ``workers_ready`` (waiting for them
+    #: in :meth:`ready`, after whatever the driver did meanwhile)
+    startup_s: dict[str, float] = field(default_factory=dict)
 
     def start(self) -> Engine:
-        """Start Ray (if needed) and the workers; idempotent."""
+        """Start Ray (if needed) and the workers; idempotent.
+
+        Returns as soon as the worker actors are requested: they start and import while the
+        caller goes on (building its dataset and strategy); :meth:`ready`, which every run
+        calls first, waits for them. When Ray is already initialised (``ray.init`` by the
+        caller, or by an earlier engine) it is joined as it is and left running by
+        :meth:`close`, so one Ray start can serve many engines.
+        """
         if self.backend is not None:
             return self
         cfg = self.config
         if cfg.backend == "local":
             self.backend = LocalBackend(torch_threads=max(1, int(cfg.cpus_per_worker)))
             return self
+        began = time.perf_counter()
         self._ray_mode = ensure_ray(
             cfg.ray_address,
             cfg.num_cpus or None,
             self.extra_modules,
             object_store_mb=cfg.object_store_mb,
         )
+        spawned = time.perf_counter()
         pin = cfg.pin_workers == "on" or (cfg.pin_workers == "auto" and self._ray_mode == "local")
         self.backend = RayBackend(
             num_workers=cfg.workers or None,
@@ -201,6 +215,20 @@ class Engine:
             gpus_per_worker=self._worker_gpus(),
             pin_workers=pin,
         )
+        self.startup_s = {
+            "ray_init": spawned - began,
+            "workers_spawn": time.perf_counter() - spawned,
+        }
+        return self
+
+    def ready(self) -> Engine:
+        """Start (if needed) and wait until the workers are up; idempotent."""
+        backend = self.start().backend
+        assert backend is not None
+        if "workers_ready" not in self.startup_s and self.config.backend == "ray":
+            waited = time.perf_counter()
+            backend.ready()
+            self.startup_s["workers_ready"] = time.perf_counter() - waited
         return self
 
     def _worker_gpus(self) -> float:
@@ -274,7 +302,7 @@ class Engine:
                 ``secrets.client(i)`` in ``node_config`` (None: clients draw theirs from
                 the OS). The root reaches the workers only inside the engine's run spec.
         """
-        backend = self.start().backend
+        backend = self.ready().backend
         assert backend is not None
         registry = ClientRegistry(num_clients)
         if participation is not None and participation.num_clients != num_clients:

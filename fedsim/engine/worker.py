@@ -233,8 +233,12 @@ class ClientWorker:
         self._channel = WorkerChannel(self, host, key)
         return self._channel.address
 
-    def warm_up(self, modules: tuple[str, ...] = ("torch",)) -> int:
-        """Import heavy modules ahead of the first batch; set torch's thread count."""
+    def warm_up(self, modules: tuple[str, ...] = ("torch", "torch._dynamo")) -> int:
+        """Import heavy modules ahead of the first batch; set torch's thread count.
+
+        The backend calls it as the worker starts, while the driver sets up its run, so the
+        imports leave the first round: torch, and ``torch._dynamo``, which torch imports the
+        first time any process builds an optimiser (about as long as torch itself)."""
         import importlib  # noqa: PLC0415
 
         for name in modules:

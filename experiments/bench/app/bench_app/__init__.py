@@ -1,0 +1,1 @@
+"""bench-app: a small plain Flower app (no fedsim imports) for start-up benchmarks."""
