@@ -144,6 +144,8 @@ def test_quiet_and_verbose_exclude_each_other_and_go_after_the_command():
 def test_console_logs_flower_records_once_and_restores_flowers_handler(capsys):
     from flwr.supercore.logger import FLOWER_LOGGER, console_handler  # noqa: PLC0415
 
+    level = FLOWER_LOGGER.level
+    FLOWER_LOGGER.setLevel(logging.WARNING)  # as when Flower was imported inside a quiet command
     with console(Verbosity.VERBOSE):
         FLOWER_LOGGER.info("one line")
         FLOWER_LOGGER.warning("fraction_evaluate is set to 0.0. Federated evaluation ...")
@@ -152,6 +154,8 @@ def test_console_logs_flower_records_once_and_restores_flowers_handler(capsys):
     assert err.count("one line") == 1 and err.count("fraction_evaluate") == 1
     assert "DEBUG flwr: fraction_evaluate" in err
     assert console_handler in FLOWER_LOGGER.handlers  # put back after the command
+    assert FLOWER_LOGGER.level == logging.WARNING
+    FLOWER_LOGGER.setLevel(level)
 
 
 WORKER = """

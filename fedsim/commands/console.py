@@ -149,6 +149,9 @@ def console(verbosity: Verbosity) -> Iterator[None]:
     levels: dict[str, Any] = {
         "": logging.INFO if verbose else verbosity.value,
         "absl": logging.DEBUG if verbose else logging.ERROR,
+        # Flower sets its logger's level from FLWR_LOG_LEVEL when first imported, which may
+        # be inside an earlier command of this process: set it for this one
+        "flwr": logging.DEBUG if verbose else verbosity.value,
         **{name: logging.DEBUG for name in _VERBOSE_LOGGERS if verbose and name != "flwr"},
     }
     before = {name: logging.getLogger(name).level for name in levels}
