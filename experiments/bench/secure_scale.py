@@ -133,6 +133,7 @@ class Point:
     secagg_degree: int
     ring_bits: int
     noise_multiplier: float
+    backend: str = "ray"
 
 
 @dataclass
@@ -238,7 +239,12 @@ def run_point(point: Point) -> dict[str, Any]:
     mode = MODES[point.mode](point)
     observer = _Rounds()
     engine = Engine(
-        EngineConfig(workers=point.workers, num_cpus=point.workers, object_store_mb=1024)
+        EngineConfig(
+            backend=point.backend,
+            workers=point.workers,
+            num_cpus=point.workers,
+            object_store_mb=1024,
+        )
     ).start()
     total_rounds = point.warmup + point.rounds
     rows: list[dict[str, Any]] = []
@@ -277,7 +283,7 @@ def run_point(point: Point) -> dict[str, Any]:
 
         run_rounds(mode.strategy, grid, to_record(initial), total_rounds, on_round=on_round)
         grid.wait_idle()
-        workers = engine.backend.worker_peak_rss_mb()
+        workers = getattr(engine.backend, "worker_peak_rss_mb", list)()
         stored = len(store)
         store.close()
     engine.close()
@@ -452,6 +458,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here too")
     parser.add_argument("--plot", type=Path, default=None, help="write the log-log curve here")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="instead: run the first point in this process (clients in the driver, the "
+        "engine's local backend) under cProfile and write the profile here",
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     unknown = [m for m in args.modes if m not in MODES]
@@ -473,6 +486,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(json.dumps(run_point(Point(**json.loads(args.one)))))
         return {}
     points = _points(args)
+    if args.profile is not None:
+        return profile(points[-1], args.profile)
     sweep = [
         _point(args, mode, min(args.cohorts), min(args.dims), population)
         for population in args.populations
@@ -527,6 +542,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.out.write_text(text + "\n")
     if args.plot is not None:
         plot(rows, fits, args.plot)
+    return result
+
+
+def profile(point: Point, path: Path) -> dict[str, Any]:
+    """Run ``point`` with the clients in this process under cProfile: the stats go to
+    ``path`` (pstats) and the top functions by own time to stdout."""
+    import cProfile  # noqa: PLC0415
+    import io  # noqa: PLC0415
+    import pstats  # noqa: PLC0415
+
+    local = Point(**{**point.__dict__, "backend": "local"})
+    profiler = cProfile.Profile()
+    result = profiler.runcall(run_point, local)
+    profiler.dump_stats(path)
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text).sort_stats("tottime")
+    stats.print_stats(30)
+    print(text.getvalue())
+    print(json.dumps(summarise([result]), indent=1)[:2000])
     return result
 
 
