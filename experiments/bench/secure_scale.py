@@ -2,7 +2,8 @@
 
 Every point runs in a fresh process: the engine (``--workers`` Ray workers, one CPU each)
 registers ``--population`` stateful clients (the engine's client registry; node ids are
-computed, states live in the client-state store: 64 MiB in memory, then SQLite), draws a
+computed, states live in the client-state store: ``--state-memory-mb`` (256) MiB in memory,
+then SQLite), draws a
 uniform cohort of C clients per round, injects the dropout model ``[faults] dropout =
 --dropout`` (a sampled client never answers; in DDGauss full mode this applies to every
 SecAgg+ exchange, so clients also drop out inside the protocol), and runs ``--warmup`` +
@@ -133,6 +134,7 @@ class Point:
     secagg_degree: int
     ring_bits: int
     noise_multiplier: float
+    state_memory_mb: int = 256
     backend: str = "ray"
 
 
@@ -211,6 +213,9 @@ class _Rounds:
                 {"client_s": 0.0, "bytes_up": 0, "bytes_down": 0, "exchanges": 0, "failed": 0},
             )
             row["client_s"] += report.compute_s
+            kind = report.message_type.removeprefix("query.")
+            row[f"client_s.{kind}"] = row.get(f"client_s.{kind}", 0.0) + report.compute_s
+            row[f"wall_s.{kind}"] = row.get(f"wall_s.{kind}", 0.0) + report.wall_s
             row["bytes_up"] += report.bytes_up
             row["bytes_down"] += report.bytes_down
             row["exchanges"] += 1
@@ -249,7 +254,9 @@ def run_point(point: Point) -> dict[str, Any]:
     total_rounds = point.warmup + point.rounds
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="fedsim-secure-scale-") as tmp:
-        store = ClientStateStore(Path(tmp) / "state.sqlite", memory_budget=64 * 2**20)
+        store = ClientStateStore(
+            Path(tmp) / "state.sqlite", memory_budget=point.state_memory_mb * 2**20
+        )
         grid = engine.open_run(
             mode.client_app,
             point.population,
@@ -290,6 +297,9 @@ def run_point(point: Point) -> dict[str, Any]:
     for row in rows:
         phases = observer.phases.get(row["round"], {})
         row["client_s"] = phases.get("client_s", 0.0)
+        row["by_exchange"] = {
+            k: v for k, v in phases.items() if k.startswith(("client_s.", "wall_s."))
+        }
         row["exchanges"] = phases.get("exchanges", 0)
         row["bytes_up_per_client"] = phases.get("bytes_up", 0) / point.cohort
         row["bytes_down_per_client"] = phases.get("bytes_down", 0) / point.cohort
@@ -315,6 +325,10 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     for key in (*_PER_ROUND, *_COMMITTEE):
         values = [row[key] for row in rounds if row.get(key) is not None]
         out[key] = statistics.median(values) if values else None
+    exchanges = sorted({k for row in rounds for k in row.get("by_exchange", {})})
+    out["by_exchange"] = {
+        k: statistics.median(row["by_exchange"].get(k, 0.0) for row in rounds) for k in exchanges
+    }
     survivors = [row["survivors"] for row in rounds if row.get("survivors") is not None]
     out["median_survivors"] = statistics.median(survivors) if survivors else None
     out["aborted_rounds"] = sum(int(row.get("aborted") or 0) for row in rounds)
@@ -413,6 +427,7 @@ def _point(args: argparse.Namespace, mode: str, cohort: int, dim: int, populatio
         secagg_degree=args.secagg_degree,
         ring_bits=args.ring_bits,
         noise_multiplier=args.noise_multiplier,
+        state_memory_mb=args.state_memory_mb,
     )
 
 
@@ -455,6 +470,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--secagg-degree", type=int, default=16)
     parser.add_argument("--ring-bits", type=int, default=32)
     parser.add_argument("--noise-multiplier", type=float, default=1.0)
+    parser.add_argument(
+        "--state-memory-mb",
+        type=int,
+        default=256,
+        help="client states kept in memory (MiB, the engine's default) before SQLite",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here too")
     parser.add_argument("--plot", type=Path, default=None, help="write the log-log curve here")
@@ -493,74 +514,67 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for population in args.populations
         for mode in args.modes
     ]
-    runs: dict[Point, list[dict]] = {p: [] for p in (*points, *sweep)}
+    # the cheap memory sweep first; a sweep point equal to a grid point runs once
+    runs: dict[Point, list[dict]] = {p: [] for p in (*sweep, *points)}
+    result: dict[str, Any] = {}
     for _ in range(args.repeats):
         for point in runs:
-            result = _in_subprocess(point)
-            runs[point].append(result)
-            brief = summarise([result])
+            measured = _in_subprocess(point)
+            runs[point].append(measured)
+            brief = summarise([measured])
             print(
                 f"{point.mode} C={point.cohort} d={point.dim} N={point.population}: "
                 f"{brief['round_s']:.3f} s/round, peak {brief['peak_rss_mb']['total']:.0f} MiB",
                 file=sys.stderr,
                 flush=True,
             )
+            result = report(args, points, sweep, runs)  # written after every point
+            if args.out is not None:
+                args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    if args.plot is not None:
+        plot(result["points"], result["exponents"], args.plot)
+    return result
+
+
+def report(
+    args: argparse.Namespace, points: list[Point], sweep: list[Point], runs: dict[Point, list]
+) -> dict[str, Any]:
+    """The JSON of the points measured so far (a mode's ratio once FedAvg's point is in)."""
     rows = [
         {**{k: getattr(p, k) for k in ("mode", "cohort", "dim", "population")},
          "summary": summarise(runs[p])}
         for p in points
+        if runs[p]
     ]  # fmt: skip
     for row in rows:
-        reference = next(
+        reference = [
             r for r in rows
             if r["mode"] == "fedavg" and (r["cohort"], r["dim"]) == (row["cohort"], row["dim"])
-        )  # fmt: skip
-        row["ratio_round_s"] = row["summary"]["round_s"] / reference["summary"]["round_s"]
-    fits = exponents(rows)
+        ]  # fmt: skip
+        row["ratio_round_s"] = (
+            row["summary"]["round_s"] / reference[0]["summary"]["round_s"] if reference else None
+        )
     result = {
         "settings": {
             k: getattr(args, k)
             for k in (
                 "population", "rounds", "warmup", "repeats", "workers", "dropout",
-                "secagg_degree", "ring_bits", "noise_multiplier", "seed",
+                "secagg_degree", "ring_bits", "noise_multiplier", "seed", "state_memory_mb",
             )
         },  # fmt: skip
         "cpu_count": os.cpu_count(),
         "points": rows,
-        "exponents": fits,
+        "exponents": exponents(rows),
         "ratios": {
             f"{r['mode']} C={r['cohort']} d={r['dim']}": r["ratio_round_s"]
             for r in rows
             if r["mode"] != "fedavg"
         },
     }
-    if sweep:
-        result["population_sweep"] = _population_sweep(sweep, runs)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
-    if args.plot is not None:
-        plot(rows, fits, args.plot)
-    return result
-
-
-def profile(point: Point, path: Path) -> dict[str, Any]:
-    """Run ``point`` with the clients in this process under cProfile: the stats go to
-    ``path`` (pstats) and the top functions by own time to stdout."""
-    import cProfile  # noqa: PLC0415
-    import io  # noqa: PLC0415
-    import pstats  # noqa: PLC0415
-
-    local = Point(**{**point.__dict__, "backend": "local"})
-    profiler = cProfile.Profile()
-    result = profiler.runcall(run_point, local)
-    profiler.dump_stats(path)
-    text = io.StringIO()
-    stats = pstats.Stats(profiler, stream=text).sort_stats("tottime")
-    stats.print_stats(30)
-    print(text.getvalue())
-    print(json.dumps(summarise([result]), indent=1)[:2000])
+    done = [p for p in sweep if runs[p]]
+    if done:
+        result["population_sweep"] = _population_sweep(done, runs)
     return result
 
 
