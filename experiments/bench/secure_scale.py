@@ -486,6 +486,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="instead: run the first point in this process (clients in the driver, the "
         "engine's local backend) under cProfile and write the profile here",
     )
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="instead: combine the JSON of earlier runs (e.g. small d with more rounds, large d "
+        "with fewer) into one --out and --plot, exponents fitted over all their points",
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     unknown = [m for m in args.modes if m not in MODES]
@@ -506,6 +514,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.one:
         print(json.dumps(run_point(Point(**json.loads(args.one)))))
         return {}
+    if args.merge:
+        return merge(args.merge, args.out, args.plot)
     points = _points(args)
     if args.profile is not None:
         return profile(points[-1], args.profile)
@@ -575,6 +585,40 @@ def report(
     done = [p for p in sweep if runs[p]]
     if done:
         result["population_sweep"] = _population_sweep(done, runs)
+    return result
+
+
+def merge(paths: list[Path], out: Path | None, plot_path: Path | None) -> dict[str, Any]:
+    """One result from several runs' JSON: their points (a later run's point replaces an
+    earlier one at the same mode, cohort, d and population), each run's settings, the
+    exponents refitted over all points, and the first memory sweep found."""
+    runs = [json.loads(Path(path).read_text()) for path in paths]
+    points: dict[tuple, dict[str, Any]] = {}
+    for run in runs:
+        for row in run["points"]:
+            row = {**row, "settings": run["settings"]}
+            points[(row["mode"], row["cohort"], row["dim"], row["population"])] = row
+    rows = sorted(points.values(), key=lambda r: (r["dim"], r["cohort"], r["mode"] != "fedavg"))
+    result = {
+        "merged_from": [str(p) for p in paths],
+        "cpu_count": os.cpu_count(),
+        "points": rows,
+        "exponents": exponents(rows),
+        "ratios": {
+            f"{r['mode']} C={r['cohort']} d={r['dim']}": r["ratio_round_s"]
+            for r in rows
+            if r["mode"] != "fedavg"
+        },
+    }
+    sweeps = [run["population_sweep"] for run in runs if "population_sweep" in run]
+    if sweeps:
+        result["population_sweep"] = sweeps[0]
+    text = json.dumps(result, indent=2)
+    print(text)
+    if out is not None:
+        out.write_text(text + "\n")
+    if plot_path is not None:
+        plot(rows, result["exponents"], plot_path)
     return result
 
 
