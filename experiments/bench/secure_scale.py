@@ -588,6 +588,24 @@ def report(
     return result
 
 
+def profile(point: Point, path: Path) -> dict[str, Any]:
+    """Run ``point`` with the clients in this process under cProfile: the stats go to
+    ``path`` (pstats) and the top functions by own time to stdout."""
+    import cProfile  # noqa: PLC0415
+    import io  # noqa: PLC0415
+    import pstats  # noqa: PLC0415
+
+    local = Point(**{**point.__dict__, "backend": "local"})
+    profiler = cProfile.Profile()
+    result = profiler.runcall(run_point, local)
+    profiler.dump_stats(path)
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+    print(text.getvalue())
+    print(json.dumps(summarise([result]), indent=1))
+    return result
+
+
 def merge(paths: list[Path], out: Path | None, plot_path: Path | None) -> dict[str, Any]:
     """One result from several runs' JSON: their points (a later run's point replaces an
     earlier one at the same mode, cohort, d and population), each run's settings, the
