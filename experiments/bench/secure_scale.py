@@ -373,7 +373,7 @@ def plot(points: list[dict[str, Any]], fits: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    fig, ax = plt.subplots(figsize=(8.4, 4.4))
     styles = {"fedavg": "o-", "ddgauss": "s-", "dmm": "^-"}
     for mode in sorted({p["mode"] for p in points}):
         for dim in sorted({p["dim"] for p in points}):
@@ -395,7 +395,7 @@ def plot(points: list[dict[str, Any]], fits: dict, path: Path) -> None:
     ax.set_ylabel("seconds per round (median)")
     ax.set_title("Secure aggregation at scale: time per round (2 workers)")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
