@@ -37,7 +37,10 @@ within a repetition, so a slow spell of the shared machine hits all modes alike;
 ``--populations`` also runs the smallest cohort and d at each population for the "memory
 flat in the registered clients" check (``population_sweep``). The curve (time per round
 against cohort, log-log, with the fitted exponent t ∝ C^a per mode and d) goes to
-``--plot``; the JSON to stdout and ``--out``.
+``--plot``; the JSON to stdout and ``--out`` (rewritten after every point). ``--merge`` combines
+runs made with different settings per d into one JSON and plot; ``--profile`` runs one point
+with the clients in the driver under cProfile. Results and the profile:
+``experiments/bench/secure_scale.md``.
 
     nice -n 10 .venv/bin/python experiments/bench/secure_scale.py \
         --cohorts 100 --dims 10000 --rounds 2
@@ -221,6 +224,18 @@ class _Rounds:
             row["exchanges"] += 1
             row["failed"] += report.failed + report.dropped
 
+    def attach(self, row: dict[str, Any], cohort: int) -> None:
+        """Add round ``row["round"]``'s client seconds (total and by exchange), exchanges and
+        bytes per cohort client to ``row``."""
+        phases = self.phases.get(row["round"], {})
+        row["client_s"] = phases.get("client_s", 0.0)
+        row["by_exchange"] = {
+            k: v for k, v in phases.items() if k.startswith(("client_s.", "wall_s."))
+        }
+        row["exchanges"] = phases.get("exchanges", 0)
+        row["bytes_up_per_client"] = phases.get("bytes_up", 0) / cohort
+        row["bytes_down_per_client"] = phases.get("bytes_down", 0) / cohort
+
 
 def run_point(point: Point) -> dict[str, Any]:
     """Run ``point`` in this process and return its measurements."""
@@ -295,14 +310,7 @@ def run_point(point: Point) -> dict[str, Any]:
         store.close()
     engine.close()
     for row in rows:
-        phases = observer.phases.get(row["round"], {})
-        row["client_s"] = phases.get("client_s", 0.0)
-        row["by_exchange"] = {
-            k: v for k, v in phases.items() if k.startswith(("client_s.", "wall_s."))
-        }
-        row["exchanges"] = phases.get("exchanges", 0)
-        row["bytes_up_per_client"] = phases.get("bytes_up", 0) / point.cohort
-        row["bytes_down_per_client"] = phases.get("bytes_down", 0) / point.cohort
+        observer.attach(row, point.cohort)
     driver = peak_rss_mb()
     return {
         "rounds": rows[point.warmup :],
