@@ -75,10 +75,11 @@ HERE = Path(__file__).resolve().parent
 
 
 # ----------------------------------------------------------------------------- the workload
-def synthetic_client_app(dim: int):
+def synthetic_client_app(dim: int, seed: int):
     """A real Flower ClientApp whose train reply is the global vector plus a fixed update of
-    norm :data:`UPDATE_NORM` drawn from the client's partition and the round; the client counts
-    its rounds in ``context.state`` (so every client is stateful)."""
+    norm :data:`UPDATE_NORM`, the client's simulated data: the public stream ``(seed, round,
+    Stream.PARTITION, partition)``; the client counts its rounds in ``context.state`` (so every
+    client is stateful)."""
     from flwr.app import (  # noqa: PLC0415
         ArrayRecord,
         ConfigRecord,
@@ -89,6 +90,7 @@ def synthetic_client_app(dim: int):
     )
     from flwr.clientapp import ClientApp  # noqa: PLC0415
 
+    from fedsim.randomness import Stream, public_generator  # noqa: PLC0415
     from fedsim.record_codec import to_numpy, to_record  # noqa: PLC0415
 
     app = ClientApp()
@@ -103,7 +105,8 @@ def synthetic_client_app(dim: int):
             raise ValueError(f"the global vector has shape {weights.shape}, expected ({dim},)")
         config = message.content["config"]
         partition = int(context.node_config["partition-id"])
-        rng = np.random.default_rng([partition, int(config.get("server-round", 0))])
+        server_round = int(config.get("server-round", 0))
+        rng = public_generator(seed, server_round, Stream.PARTITION, partition)
         update = rng.standard_normal(dim, dtype=np.float32)
         update *= UPDATE_NORM / float(np.linalg.norm(update))
         seen = context.state.get("synthetic")
@@ -166,7 +169,7 @@ def fedavg_mode(point: Point) -> ModeRun:
 
     inner = FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=1)
     strategy = SeededSampling(WorkerReduced(inner), point.seed)
-    return ModeRun(strategy, synthetic_client_app(point.dim))
+    return ModeRun(strategy, synthetic_client_app(point.dim, point.seed))
 
 
 def ddgauss_mode(point: Point) -> ModeRun:
@@ -184,8 +187,8 @@ def ddgauss_mode(point: Point) -> ModeRun:
         "bits": min(point.ring_bits, 20),
     }
     strategy = from_options(options, expected_clients=point.cohort, seed=point.seed)
-    app = ddgauss_client_app(synthetic_client_app(point.dim))
-    secrets = RunSecret(os.urandom(32), reproducible=False)
+    app = ddgauss_client_app(synthetic_client_app(point.dim, point.seed))
+    secrets = RunSecret.fresh()  # each client's own secret comes from it, never the seed
     return ModeRun(
         SeededSampling(strategy, point.seed),
         app,
@@ -203,7 +206,7 @@ MODES: dict[str, Callable[[Point], ModeRun]] = {
 
 # ----------------------------------------------------------------------------- one point
 class _Rounds:
-    """Per-round totals of the grid's phase reports, and the main thread's CPU clock."""
+    """Per-round totals of the grid's phase reports (a :class:`PhaseObserver`)."""
 
     def __init__(self) -> None:
         self.phases: dict[int, dict[str, float]] = {}
