@@ -31,6 +31,7 @@ for the field itself.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,9 +80,23 @@ def hadamard_transform(x: np.ndarray) -> np.ndarray:
 
 def rotation_signs(padded_dim: int, seed: int | np.random.SeedSequence) -> np.ndarray:
     """Rademacher signs (+1.0/-1.0) of the randomised Hadamard rotation, drawn from ``seed``
-    (the round's public seed, the same for every client)."""
+    (the round's public seed, the same for every client). Integer seeds are cached: every
+    client of a worker rotates with the round's one vector (returned read-only)."""
+    if isinstance(seed, int | np.integer):
+        return _cached_signs(int(padded_dim), int(seed))
+    return _draw_signs(padded_dim, seed)
+
+
+def _draw_signs(padded_dim: int, seed: int | np.random.SeedSequence) -> np.ndarray:
     rng = np.random.default_rng(seed)
     return np.where(rng.integers(0, 2, size=padded_dim) == 1, 1.0, -1.0)
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_signs(padded_dim: int, seed: int) -> np.ndarray:
+    signs = _draw_signs(padded_dim, seed)
+    signs.flags.writeable = False
+    return signs
 
 
 def rotate(x: np.ndarray, signs: np.ndarray) -> np.ndarray:

@@ -260,6 +260,15 @@ class SecAggClient:
                 f"{self.config.masking!r}"
             ) from None
 
+    def _connected(self) -> Endpoint:
+        """The endpoint, connected to every neighbour whose keys it holds (a ChannelError,
+        a ValueError, for an unusable key)."""
+        connected = set(self._endpoint.peers)
+        for peer, (channel, _) in self._neighbour_keys.items():
+            if peer not in connected:
+                self._endpoint.connect(peer, channel)
+        return self._endpoint
+
     def _open_shares(self, envelopes: Iterable[Envelope]) -> None:
         if isinstance(envelopes, bytes | str) or not isinstance(envelopes, Iterable):
             raise TypeError("envelopes must be a list of Envelope objects")
@@ -272,7 +281,7 @@ class SecAggClient:
                     f"{self._who()} got a share from sender={sender!r}: not a neighbour, or "
                     "a second one"
                 )
-            row = self._endpoint.open_array(
+            row = self._connected().open_array(
                 envelope, round_=self.config.round, stage=Stage.SHARE_KEYS, sender=sender
             )
             self._held_shares[sender] = integer_vector(
@@ -366,11 +375,12 @@ class SecAggClient:
             return client
         client.client_id = client_id
         client.config = SecAggConfig.from_array(state["config"])
+        # the channel keys to the neighbours are derived when a stage first seals or opens
+        # (_connected), not on every restore: UNMASK uses none of them
         client._endpoint = Endpoint(client_id, client.session_id, PROTOCOL, client._channel_key)
         for peer, row in zip(neighbours.tolist(), keys):
             raw = bytes(row)
             client._neighbour_keys[peer] = (raw[:PUBLIC_KEY_BYTES], raw[PUBLIC_KEY_BYTES:])
-            client._endpoint.connect(peer, raw[:PUBLIC_KEY_BYTES])
         client._held_shares = {o: s for o, s in zip(owners.tolist(), shares)}
         return client
 

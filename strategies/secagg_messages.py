@@ -42,7 +42,8 @@ SecAgg+.
 
 from __future__ import annotations
 
-import io
+import json
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,7 +79,7 @@ UNMASK_KEY = "secagg.unmask"
 STATE_KEY = "secagg.state"
 REFUSED_KEY = "secagg.refused"
 """Reply record of a client that refuses a stage's message (it is ABORTED for the round)."""
-_STATE_LABEL = b"fedsim/secagg/client-state/v1"
+_STATE_LABEL = b"fedsim/secagg/client-state/v2"
 
 ACTIONS = {
     Stage.SHARE_KEYS: "secagg_share_keys",
@@ -424,10 +425,8 @@ def _save(
     arrays = dict(client.to_state())
     arrays["round"] = np.array(server_round, dtype=np.int64)
     if values is not None:
-        arrays["input"] = np.asarray(values, dtype=np.int64)
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
-    payload = buffer.getvalue()
+        arrays["input"] = narrowest(values)
+    payload = pack_arrays(arrays)
     secret, persistent = _secret(context)
     record = ConfigRecord({"round": server_round, "sealed": persistent})
     record["state"] = secret.seal(payload, _STATE_LABEL) if persistent else payload
@@ -442,10 +441,64 @@ def _load(context: Context) -> tuple[int, SecAggClient, np.ndarray | None]:
     if bool(record["sealed"]) != persistent:
         raise RuntimeError("this client's secret changed in the middle of a SecAgg+ round")
     payload = secret.open(record["state"], _STATE_LABEL) if persistent else record["state"]
-    with np.load(io.BytesIO(payload), allow_pickle=False) as stored:
-        arrays = {name: stored[name] for name in stored.files}
+    arrays = unpack_arrays(payload)
     values = arrays.pop("input", None)
     return int(arrays.pop("round")), SecAggClient.from_state(arrays), values
+
+
+_STATE_DTYPES = (np.int8, np.int16, np.int32, np.int64)
+
+
+def narrowest(values) -> np.ndarray:
+    """Signed integers in the narrowest of int8..int64 that holds them all (a DDGauss encoding
+    of ~12 bits is stored in 2 bytes an entry, not 8)."""
+    values = np.asarray(values)
+    if values.dtype.kind not in "iu":
+        raise ValueError(f"the input must hold integers, got dtype {values.dtype}")
+    low, high = (int(values.min()), int(values.max())) if values.size else (0, 0)
+    for dtype in _STATE_DTYPES:
+        info = np.iinfo(dtype)
+        if info.min <= low and high <= info.max:
+            return values.astype(dtype, copy=False)
+    raise ValueError(f"the input has entries in [{low}, {high}], outside int64")
+
+
+def pack_arrays(arrays: Mapping[str, np.ndarray]) -> bytes:
+    """Named integer arrays as bytes: a 4-byte length, a JSON index of (name, dtype, shape),
+    then each array's C-ordered bytes (no zip, no pickle, no per-array header to parse)."""
+    index, parts = [], []
+    for name, value in arrays.items():
+        value = np.asarray(value)
+        if value.dtype.kind not in "iu":
+            raise ValueError(f"state array {name!r} has dtype {value.dtype}; integers only")
+        index.append([name, value.dtype.str, list(value.shape)])
+        parts.append(value.tobytes(order="C"))
+    head = json.dumps(index).encode()
+    return len(head).to_bytes(4, "little") + head + b"".join(parts)
+
+
+def unpack_arrays(payload: bytes) -> dict[str, np.ndarray]:
+    """The arrays :func:`pack_arrays` wrote, as read-only views of ``payload``; ValueError if
+    the bytes are not such a pack (bad index, a non-integer dtype, sizes that disagree)."""
+    try:
+        size = int.from_bytes(payload[:4], "little")
+        index = json.loads(payload[4 : 4 + size])
+        offset, out = 4 + size, {}
+        for name, dtype, shape in index:
+            dtype = np.dtype(dtype)
+            if dtype.kind not in "iu" or any(not isinstance(n, int) or n < 0 for n in shape):
+                raise ValueError(f"array {name!r}: dtype {dtype}, shape {shape}")
+            count = math.prod(shape)
+            if offset + count * dtype.itemsize > len(payload):
+                raise ValueError(f"array {name!r} runs past the end of the state")
+            flat = np.frombuffer(payload, dtype=dtype, count=count, offset=offset)
+            out[str(name)] = flat.reshape(tuple(shape))
+            offset += count * dtype.itemsize
+    except (TypeError, ValueError, json.JSONDecodeError) as error:
+        raise ValueError(f"not a SecAgg+ client state: {error}") from None
+    if offset != len(payload):
+        raise ValueError("not a SecAgg+ client state: trailing bytes")
+    return out
 
 
 def start_client(context: Context, server_round: int, session: bytes, values) -> RecordDict:
@@ -464,7 +517,7 @@ def start_client(context: Context, server_round: int, session: bytes, values) ->
     seed = secret.seed_bytes(server_round, Purpose.KEYS, session.hex())
     client = SecAggClient(session, seed=seed)
     channel, agreement = client.advertise_keys()
-    _save(context, server_round, client, np.asarray(values, dtype=np.int64))
+    _save(context, server_round, client, values)
     return RecordDict({KEYS_KEY: ConfigRecord({"channel": channel, "agreement": agreement})})
 
 

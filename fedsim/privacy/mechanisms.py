@@ -374,7 +374,7 @@ def _exact_uniform_below_exp(top: int, gamma: Fraction, rng: np.random.Generator
 
 
 def _bernoulli_exp_batch(
-    gamma: np.ndarray, exact_gamma: Any, rng: np.random.Generator
+    gamma: np.ndarray | float, exact_gamma: Any, rng: np.random.Generator, size: int | None = None
 ) -> np.ndarray:
     """Independent Bernoulli(exp(-gamma_i)) decisions, exact given a float64 error bound.
 
@@ -383,9 +383,12 @@ def _bernoulli_exp_batch(
     ``|p_hat - exp(-gamma_i)| <= 2^-40`` (see :func:`_batched_discrete_gaussian`), every ``u_i``
     below ``floor(p_hat 2^53) - 2^13`` accepts and every ``u_i`` from ``ceil(p_hat 2^53) + 2^13``
     on rejects, whatever ``W_i`` is; the rest (probability about 2^-39 each) are settled by
-    :func:`_exact_uniform_below_exp` on the rational ``exact_gamma(i)``.
+    :func:`_exact_uniform_below_exp` on the rational ``exact_gamma(i)``. A scalar ``gamma``
+    with ``size`` decides ``size`` Bernoulli(exp(-gamma)) with one window (the same draws and
+    decisions as an array of ``size`` equal gammas, without the per-element exp).
     """
-    top = rng.integers(0, 1 << _UNIFORM_BITS, size=gamma.size)
+    count = gamma.size if size is None else size
+    top = rng.integers(0, 1 << _UNIFORM_BITS, size=count)
     scaled = np.exp(-gamma) * float(1 << _UNIFORM_BITS)
     margin = float(1 << (_UNIFORM_BITS - _MARGIN_BITS))
     lower, upper = np.floor(scaled) - margin, np.ceil(scaled) + margin
@@ -437,7 +440,7 @@ def _batched_discrete_gaussian(count: int, s2: Fraction, rng: np.random.Generato
         v = np.zeros(size, dtype=np.int64)
         active = np.arange(size)
         while active.size:  # V: Bernoulli(exp(-1)) successes until the first failure
-            success = _bernoulli_exp_batch(np.ones(active.size), lambda i: Fraction(1), rng)
+            success = _bernoulli_exp_batch(1.0, lambda i: Fraction(1), rng, size=active.size)
             active = active[success]
             v[active] += 1
         negative = rng.integers(0, 2, size=size).astype(bool)

@@ -38,7 +38,7 @@ from strategies.ddgauss import (
     DDGauss,
     ddgauss_client_app,
 )
-from strategies.secagg_messages import KEYS_KEY, STATE_KEY
+from strategies.secagg_messages import KEYS_KEY, STATE_KEY, narrowest
 
 D, CLIENTS, SEED, PHRASE = 12, 8, 7, "tests"
 LOW_ORDER = bytes.fromhex("e0eb7a7c3b41b8ae1656e3faf19fc46ada098deb9c32b1fd866205165f49b800")
@@ -363,13 +363,14 @@ def test_the_client_keeps_its_secagg_state_sealed_and_answers_a_round_once(task_
     stored = context.state[STATE_KEY]
     assert stored["sealed"] is True
     truth = oracle(server.encoder, 2)
-    signed = (truth["rounded"] + truth["noise"]).astype(np.int64).tobytes()
+    signed = (truth["rounded"] + truth["noise"]).astype(np.int64)
     session = messages[0].content["config"][PREFIX + "session"]
-    assert signed not in stored["state"]
+    assert signed.tobytes() not in stored["state"]
+    assert narrowest(signed).tobytes() not in stored["state"]  # the form the state holds
     assert secret.seed_bytes(1, Purpose.KEYS, session.hex()) not in stored["state"]
     other = RunSecret.from_passphrase(PHRASE).client(3)
     with pytest.raises(ValueError, match="failed authentication"):
-        other.open(stored["state"], b"fedsim/secagg/client-state/v1")
+        other.open(stored["state"], b"fedsim/secagg/client-state/v2")
     with pytest.raises(RuntimeError, match="answers round 1's instruction only once"):
         app(Message(messages[0].content, node(2), "train"), context)
 

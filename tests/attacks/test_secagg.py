@@ -567,6 +567,40 @@ def test_a_client_state_that_is_not_one_is_refused():
     assert tried == clean
 
 
+def test_a_stored_state_pack_that_is_not_one_is_refused():
+    """The bytes a client keeps between exchanges (sealed under fedsim, plain in Flower's own
+    runtime) round-trip exactly, input in its narrowest type; truncated, extended or rewritten
+    bytes are a ValueError naming the state, never another exception or a silent misread."""
+    from strategies.secagg_messages import narrowest, pack_arrays, unpack_arrays
+
+    trial = Round()
+    _client_before(Stage.MASKED_INPUT, trial)
+    state = dict(trial.clients[1].to_state())
+    state["input"] = narrowest(np.array([-300, 5, 299]))
+    assert state["input"].dtype == np.int16
+    payload = pack_arrays(state)
+    back = unpack_arrays(payload)
+    assert back.keys() == state.keys()
+    for key, value in state.items():
+        assert back[key].dtype == value.dtype and np.array_equal(back[key], value)
+    assert SecAggClient.from_state({k: v for k, v in back.items() if k != "input"}).client_id == 1
+    head = int.from_bytes(payload[:4], "little")
+    broken = [
+        payload[:-1],
+        payload + b"\x00",
+        payload[: 4 + head],
+        (head + 7).to_bytes(4, "little") + payload[4:],
+        payload.replace(b"<i8", b"<f8", 1),
+        payload.replace(b'"input", "<i2", [3]', b'"input", "<i2", [99]', 1),
+        b"",
+    ]
+    for junk_bytes in broken:
+        with pytest.raises(ValueError, match="not a SecAgg\\+ client state"):
+            unpack_arrays(junk_bytes)
+    with pytest.raises(ValueError, match="integers only"):
+        pack_arrays({"input": np.zeros(3)})
+
+
 # ----------------------------------------------------------------------- message layer
 def test_fuzz_the_message_layer(monkeypatch):
     from flwr.supercore.task_identity import TaskIdentity
