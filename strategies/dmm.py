@@ -10,7 +10,9 @@ protocol, corrected"). Each round:
   secret (``client_secret(node_config).generator(round, Purpose.X)``), never from anything the
   server knows; in ``mode="full"`` they packed-Shamir-share both and seal each share to its
   committee seat (:func:`protocols.dmm_client.seal_client_shares`): the reply carries only
-  ciphertexts and the client's public key;
+  ciphertexts and the client's public key (with ``worker_fold`` the clients of a fedsim worker
+  batch hand their sharing inputs to the worker, which deals their sum once and seals one row
+  per seat: :mod:`strategies.dmm_fold`);
 * the round's committee -- n clients drawn publicly from the population with
   ``public_generator(seed, round, Stream.COMMITTEE)`` and hosted by the engine's
   :class:`fedsim.engine.dmm_committee.CommitteeHost` (bound with :meth:`DMM.bind_committee_host`)
@@ -788,14 +790,19 @@ class DMM(LedgerShell):
     def _sealed(self, valid: dict[int, Message], rejected: dict[int, str]) -> dict:
         keys: RoundKeys = self._round["keys"]
         sealed = {}
-        sent, batches = self._round["sent"], self._round.get("batches", {})
+        batches = self._round.get("batches", {})
         for node, reply in valid.items():
-            party = min(sent[n] for n in batches.get(node, [node]))
+            party = self._party(batches.get(node, [node]))
             try:
                 sealed[node] = sealed_from_record(reply.content[SEALED_KEY], party, keys.round)
             except (ValueError, TypeError) as error:
                 rejected[node] = f"malformed sealed shares: {error}"
         return sealed
+
+    def _party(self, nodes) -> int:
+        """The channel party of a message from ``nodes``: a client's own, or a folded batch's,
+        the smallest of its clients' (as :class:`strategies.dmm_fold.ShareFoldReducer` seals)."""
+        return min(self._round["sent"][n] for n in nodes)
 
     def _plain(self, valid: dict[int, Message], rejected: dict[int, str]):
         """Ideal mode's plaintext integers, each checked: D integers with ||u||_2 <= Delta_2
@@ -963,7 +970,7 @@ class DMM(LedgerShell):
         """SHARE bytes the clients (or their workers' folds) sent, per client that sent."""
         sent = self._round["sent"]
         batches = self._round.get("batches", {})
-        senders = {sent[node]: len(nodes) for node, nodes in batches.items()}
+        senders = {self._party(nodes): len(nodes) for nodes in batches.values()}
         folded = {n for nodes in batches.values() for n in nodes}
         senders.update({p: 1 for node, p in sent.items() if node not in folded})
         counted = {p: w for p, w in senders.items() if transcript.nbytes(sender=p)}

@@ -215,7 +215,7 @@ def dmm_mode(point: Point, worker_fold: bool = True) -> ModeRun:
     }
     strategy = from_options(
         dict(options),
-        rounds=point.warmup + point.rounds,
+        rounds=point.warmup + point.rounds + 1,  # the last measured round hands off too
         expected_clients=point.cohort,
         population=point.population,
         seed=point.seed,

@@ -375,6 +375,8 @@ class ClientWorker:
         if batch.reducer is not None and batch.reducer.confidential and replies:
             if accumulator is None:  # fail closed: nothing unfolded leaves the worker
                 failures += [_unfolded(reply) for reply in replies]
+                for reply in replies:  # as for any failed client, its state is not kept
+                    states.pop(int(reply.metadata.src_node_id), None)
                 succeeded, replies = 0, []
             bytes_up = sum(content_nbytes(reply.content) for reply in replies)
         return BatchResult(

@@ -78,6 +78,7 @@ def test_a_worker_withholds_replies_a_confidential_fold_cannot_take(stage):
     assert len(result.replies) == 3 and all(r.has_error() for r in result.replies)
     assert "withheld" in result.replies[0].error.reason
     assert result.succeeded == 0 and result.bytes_up == 0
+    assert result.states == {}  # failed clients keep no state, as any failed client
 
 
 def _instruction(local_engine):
