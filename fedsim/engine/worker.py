@@ -17,8 +17,8 @@ import os
 import pickle
 import time
 import traceback
-from copy import copy
 from collections import OrderedDict
+from copy import copy
 from dataclasses import dataclass, field
 from typing import Any
 
