@@ -60,6 +60,10 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from fedsim.record_codec import R, records_of, to_numpy, to_record
 
 REDUCER_KEY = "fedsim.reducer"
+#: set (True) in every client's ``node_config`` by fedsim's workers: they fold the replies to an
+#: instruction with a :attr:`Reducer.confidential` reducer inside the worker and never let those
+#: raw replies out (Flower's runtime does not set it, so a client there must seal by itself)
+FOLDS_KEY = "fedsim.worker-folds"
 _CLASS_KEY = "class"
 #: names and keys starting with this are the engine's; a client reply carrying one is refused
 RESERVED_PREFIX = "fedsim."
@@ -159,6 +163,10 @@ class Reducer(ABC):
 
     #: the parameters ``to_config`` writes and ``__init__`` accepts
     params: ClassVar[tuple[str, ...]] = ()
+    #: True: raw replies hold what only the fold may see (a secure protocol's inputs, which the
+    #: fold seals); a worker never ships them: replies it cannot fold become failed replies,
+    #: and its ``bytes_up`` counts the folded reply, the bytes that leave it
+    confidential: ClassVar[bool] = False
 
     def to_config(self) -> ConfigRecord:
         """This reducer as a ConfigRecord: its import path plus its parameters."""

@@ -9,6 +9,12 @@ key agreed between the client's X25519 key and seat j's fresh public key, bound 
 (protocol, session, client, seat, round, SHARE). The server relays only the ciphertexts and
 the client's public key (:class:`protocols.dmm.DMMSealedShares`).
 
+Folding (a simulation's worker batch): sharing is linear, so the clients a worker runs may add
+their sharing inputs -- segments and share randomness, each drawn from the client's own secret
+stream -- into a :class:`ShareFold` that deals the sum once and seals one row per seat from the
+batch's channel (:func:`seal_rows`): each seat receives one share of the batch's sum instead of
+one share per client, which tells it (and any coalition of seats) less, never more.
+
 Randomness is passed in: ``rng`` (the client's secret share stream) draws the share polynomials;
 ``private_key`` (32 bytes of the client's secret) fixes its X25519 key, or None for a key from the
 OS CSPRNG.
@@ -33,12 +39,84 @@ from protocols.shamir import PackedShamir
 def share_segments(scheme: PackedShamir, segments: list[np.ndarray], rng) -> np.ndarray:
     """(n, len(segments) * blocks) packed shares of the signed integer ``segments``, each
     padded to whole blocks; ``rng`` a numpy Generator (the owner's secret stream)."""
+    secrets, randomness = sharing_inputs(scheme, segments, rng)
+    return deal_shares(scheme, secrets, randomness)
+
+
+def sharing_inputs(
+    scheme: PackedShamir, segments: list[np.ndarray], rng
+) -> tuple[np.ndarray, np.ndarray]:
+    """What fixes the packed sharing of ``segments``: the (k, S) field matrix of their blocks
+    (block b of segment g in column g * blocks + b, zero-padded) and the (t, S) uniform values
+    at the first t share points, drawn from ``rng`` segment by segment (S = segments x blocks).
+
+    Sharing is linear (Franklin-Yung 1992): the shares dealt from the element-wise sums (mod p)
+    of several parties' inputs are the sums of their shares, so a batch of clients may add
+    their inputs (:class:`ShareFold`) and deal once; every value of the sum's polynomial at the
+    first t share points is then uniform as long as one party's randomness is."""
     if not isinstance(rng, np.random.Generator):
         raise ValueError(
             f"rng is a {type(rng).__name__}; allowed: the sharing party's numpy Generator"
         )
-    parts = [scheme.share(scheme.field.encode_signed(s), rng=rng) for s in segments]
-    return np.hstack(parts)
+    randomness = [
+        scheme.field.random(rng, (scheme.t, scheme.blocks_for(np.asarray(s).size)))
+        for s in segments
+    ]
+    return secret_blocks(scheme, segments), np.hstack(randomness)
+
+
+def secret_blocks(scheme: PackedShamir, segments) -> np.ndarray:
+    """The (k, S) field matrix of the signed ``segments``' blocks (see :func:`sharing_inputs`)."""
+    k, columns = scheme.k, []
+    for segment in segments:
+        encoded = scheme.field.encode_signed(np.asarray(segment).ravel())
+        padded = np.zeros(scheme.blocks_for(encoded.size) * k, dtype=np.int64)
+        padded[: encoded.size] = encoded
+        columns.append(padded.reshape(-1, k).T)
+    return np.hstack(columns)
+
+
+def deal_shares(scheme: PackedShamir, secrets: np.ndarray, randomness: np.ndarray) -> np.ndarray:
+    """(n, S) shares: the share matrix times [secrets (k, S); randomness (t, S)] mod p, one
+    matrix product for every block of every segment."""
+    return scheme.field.matmul(scheme.share_matrix, np.vstack([secrets, randomness]))
+
+
+class ShareFold:
+    """The sum of several parties' sharing inputs (:func:`sharing_inputs`) for one round:
+    signed segments summed in int64 (|sum| stays far below 2^62 for the bit budgets DMM
+    checks), randomness summed mod p; :meth:`shares` deals the sum once."""
+
+    def __init__(self, keys: RoundKeys) -> None:
+        self.keys = keys
+        self.scheme = keys.scheme()
+        self.count = 0
+        self._segments: np.ndarray | None = None
+        self._randomness: np.ndarray | None = None
+
+    def add(self, update, noise, randomness) -> None:
+        """One party's segments (``update``: D ints, ``noise``: rows x D ints) and its (t, S)
+        share randomness (field elements). Raises ``ValueError`` naming what is malformed."""
+        segments = np.vstack([_update(self.keys, update)[None, :], _noise(self.keys, noise)])
+        columns = (1 + self.keys.rows) * self.scheme.blocks_for(self.keys.dim)
+        randomness = self.scheme.field.asarray(randomness, "randomness")
+        if randomness.shape != (self.scheme.t, columns):
+            raise ValueError(
+                f"randomness has shape {randomness.shape}; allowed ({self.scheme.t}, {columns})"
+            )
+        if self._segments is None:
+            self._segments, self._randomness = segments.copy(), randomness.copy()
+        else:
+            self._segments += segments
+            self._randomness = self.scheme.field.add(self._randomness, randomness)
+        self.count += 1
+
+    def shares(self) -> np.ndarray:
+        """(n, S) shares of the summed segments, dealt with the summed randomness."""
+        if self._segments is None:
+            raise ValueError("nothing was added to the fold")
+        secrets = secret_blocks(self.scheme, list(self._segments))
+        return deal_shares(self.scheme, secrets, self._randomness)
 
 
 def seal_client_shares(
@@ -52,32 +130,56 @@ def seal_client_shares(
     """The client's SHARE message: shares of ``update`` (D signed ints) and ``noise``
     (``keys.rows`` x D signed ints) sealed per seat (plain rows when the round has no session
     id). ``party``: the channel id the server assigned this client for the round."""
-    if isinstance(party, bool) or not isinstance(party, int | np.integer):
-        raise ValueError(f"party={party!r}; allowed: an integer in [0, 2^40)")
-    if not 0 <= int(party) < CLIENT_ID_LIMIT:
-        raise ValueError(f"party={party!r}; allowed: an integer in [0, 2^40)")
-    update = np.asarray(update)
-    noise = np.asarray(noise)
-    if update.shape != (keys.dim,) or update.dtype.kind not in "iu":
-        raise ValueError(
-            f"update has shape {update.shape} and dtype {update.dtype}; allowed: ({keys.dim},) "
-            "integers"
-        )
-    if noise.shape != (keys.rows, keys.dim) or (noise.size and noise.dtype.kind not in "iu"):
-        raise ValueError(
-            f"noise has shape {noise.shape} and dtype {noise.dtype}; allowed: "
-            f"({keys.rows}, {keys.dim}) integers"
-        )
-    scheme = keys.scheme()
-    segments = [update.astype(np.int64), *noise.astype(np.int64)]
-    shares = share_segments(scheme, segments, rng)
+    _party(party)
+    segments = [_update(keys, update), *_noise(keys, noise)]
+    return seal_rows(keys, party, share_segments(keys.scheme(), segments, rng), private_key)
+
+
+def seal_rows(
+    keys: RoundKeys, party: int, shares: np.ndarray, private_key: bytes | None = None
+) -> DMMSealedShares:
+    """Seal row j of ``shares`` ((n, width) field elements) to seat j, from channel ``party``
+    (a client's, or a worker batch's that folded its clients' inputs): one AEAD call per seat
+    over the whole row. ``private_key``: 32 bytes of the sealing party's secret, or None for a
+    key from the OS CSPRNG."""
+    party = _party(party)
+    if shares.shape != (keys.n, keys.width):
+        raise ValueError(f"shares has shape {shares.shape}; allowed ({keys.n}, {keys.width})")
     if keys.session_id is None:
-        return DMMSealedShares(int(party), b"", {int(j): shares[j] for j in keys.member_keys})
-    endpoint = Endpoint(int(party), keys.session_id, protocol=PROTOCOL, private_key=private_key)
+        return DMMSealedShares(party, b"", {int(j): shares[j] for j in keys.member_keys})
+    endpoint = Endpoint(party, keys.session_id, protocol=PROTOCOL, private_key=private_key)
     sealed = {}
     for j, key in sorted(keys.member_keys.items()):
         endpoint.connect(MEMBER_ID_BASE + int(j), key)
         sealed[int(j)] = endpoint.seal_array(
             MEMBER_ID_BASE + int(j), keys.round, DMMStage.SHARE, shares[int(j)]
         )
-    return DMMSealedShares(int(party), endpoint.public_key, sealed)
+    return DMMSealedShares(party, endpoint.public_key, sealed)
+
+
+def _party(party) -> int:
+    if isinstance(party, bool) or not isinstance(party, int | np.integer):
+        raise ValueError(f"party={party!r}; allowed: an integer in [0, 2^40)")
+    if not 0 <= int(party) < CLIENT_ID_LIMIT:
+        raise ValueError(f"party={party!r}; allowed: an integer in [0, 2^40)")
+    return int(party)
+
+
+def _update(keys: RoundKeys, update) -> np.ndarray:
+    update = np.asarray(update)
+    if update.shape != (keys.dim,) or update.dtype.kind not in "iu":
+        raise ValueError(
+            f"update has shape {update.shape} and dtype {update.dtype}; allowed: ({keys.dim},) "
+            "integers"
+        )
+    return update.astype(np.int64)
+
+
+def _noise(keys: RoundKeys, noise) -> np.ndarray:
+    noise = np.asarray(noise)
+    if noise.shape != (keys.rows, keys.dim) or (noise.size and noise.dtype.kind not in "iu"):
+        raise ValueError(
+            f"noise has shape {noise.shape} and dtype {noise.dtype}; allowed: "
+            f"({keys.rows}, {keys.dim}) integers"
+        )
+    return noise.astype(np.int64).reshape(keys.rows, keys.dim)

@@ -364,16 +364,21 @@ class MemberGroup:
         return refused
 
     @request
-    def combine(self, step: int, clients, drop, tamper, seed: int) -> list[int]:
-        """COMBINE of ``step`` over the agreed ``clients`` (channel party ids). Returns the
-        seats still online."""
+    def combine(self, step: int, clients, drop, tamper, seed: int, weights=None) -> list[int]:
+        """COMBINE of ``step`` over the agreed ``clients`` (channel party ids). ``weights``:
+        party -> the clients whose inputs it folded (a worker batch; default 1 each). Returns
+        the seats still online."""
         self._expect(DMMStage.SHARE, "current")
         if step != self.step:
             raise MemberRefused(f"combine for step {step}; these members run step {self.step}")
         chosen = sorted({int(c) for c in clients})
-        if len(chosen) < self.min_clients:
+        weights = {int(p): int(w) for p, w in dict(weights or {}).items()}
+        if any(w < 1 for w in weights.values()):
+            raise MemberRefused(f"weights={weights!r}; allowed: party -> an integer >= 1")
+        carried = sum(weights.get(c, 1) for c in chosen)
+        if carried < self.min_clients:
             raise MemberRefused(
-                f"{len(chosen)} clients agreed, min_clients = {self.min_clients}: a release "
+                f"{carried} clients agreed, min_clients = {self.min_clients}: a release "
                 "must carry their fresh noise"
             )
         missing = [c for c in chosen if c not in self._received]

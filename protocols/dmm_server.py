@@ -27,6 +27,7 @@ ids (OS CSPRNG).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -152,6 +153,7 @@ class RoundOutput:
     rows: tuple[int, ...]
     release: np.ndarray
     clients: tuple[int, ...]
+    contributors: int = 0
     excluded: tuple[int, ...] = ()
     rejected: dict[int, str] = field(default_factory=dict)
     rejected_members: dict[int, str] = field(default_factory=dict)
@@ -186,6 +188,19 @@ def _merge(dicts) -> dict:
     return out
 
 
+def _weights(weights, sealed) -> dict:
+    """client -> clients folded in its message (default 1), each an integer >= 1."""
+    out = {c: 1 for c in sealed}
+    for c, w in dict(weights or {}).items():
+        if isinstance(w, bool) or not isinstance(w, int | np.integer) or w < 1:
+            raise ValueError(f"weights[{c!r}]={w!r}; allowed: an integer >= 1")
+        if c not in out:
+            raise ValueError(f"weights[{c!r}] names no message in sealed")
+        out[c] = int(w)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
 def ciphertext_bytes(width: int) -> int:
     """Length of the ciphertext of one sealed row of ``width`` int64 field elements."""
     return len(encode_array(np.zeros(width, dtype=np.int64))) + TAG_BYTES
@@ -382,10 +397,17 @@ class DMMServer:
                 return f"seat {seat}: ciphertext is not {length} bytes"
         return None
 
-    def finish_round(self, sealed: Mapping[int, DMMSealedShares], next_pool) -> RoundOutput:
+    def finish_round(
+        self,
+        sealed: Mapping[int, DMMSealedShares],
+        next_pool,
+        weights: Mapping[int, int] | None = None,
+    ) -> RoundOutput:
         """Finish the round :meth:`open_round` opened from the clients' sealed shares
         (``sealed[client]``) and hand the state to ``next_pool`` (the next round's committee).
-        Raises :class:`protocols.dmm.RoundAborted` / :class:`~protocols.dmm.StateLost` /
+        ``weights[client]``: how many clients' inputs that message folded (a worker batch,
+        :class:`protocols.dmm_client.ShareFold`; default 1). Raises
+        :class:`protocols.dmm.RoundAborted` / :class:`~protocols.dmm.StateLost` /
         :class:`protocols.dmm.ReleaseTampering` when nothing is released."""
         opened = self._open
         if opened is None or self.stage is not DMMStage.SHARE:
@@ -394,6 +416,7 @@ class DMMServer:
         keys, faults, transcript = opened.keys, opened.faults, opened.transcript
         if not isinstance(sealed, Mapping):
             raise ValueError(f"sealed is a {type(sealed).__name__}; allowed: client -> message")
+        weights = _weights(weights, sealed)
         rejected: dict[int, str] = {}
         parties: dict[int, int] = {}
         for client, item in sealed.items():
@@ -416,6 +439,7 @@ class DMMServer:
         excluded |= self._relay(sealed, senders, live, faults, transcript)
         clients = [c for c in senders if c not in excluded]
         party_of = {c: int(sealed[c].party) for c in clients}
+        carried = sum(weights[c] for c in clients)
         combined = self.pool.broadcast(
             "combine",
             keys.step,
@@ -423,9 +447,12 @@ class DMMServer:
             faults.members("drop", DMMStage.COMBINE),
             faults.members("tamper", DMMStage.COMBINE),
             faults.seed,
-        ) if len(clients) >= self.min_clients else None
-        return self._release_full(keys, faults, transcript, opened, clients, excluded, rejected,
-                                  combined, next_pool)
+            {party_of[c]: weights[c] for c in clients},
+        ) if carried >= self.min_clients else None
+        output = self._release_full(keys, faults, transcript, opened, clients, excluded,
+                                    rejected, combined, next_pool, carried)
+        output.contributors = carried
+        return output
 
     def _relay(self, sealed, senders, live, faults, transcript) -> set[int]:
         """Relay each sender's envelopes to the live seats it reaches; the members open them.
@@ -473,11 +500,11 @@ class DMMServer:
         return {client_of[p] for p in refused if p in client_of}
 
     def _release_full(self, keys, faults, transcript, opened, clients, excluded, rejected,
-                      combined, next_pool) -> RoundOutput:
+                      combined, next_pool, carried) -> RoundOutput:
         t, need = keys.step, self.scheme.threshold
         self._enter(DMMStage.COMBINE)
         if combined is None:
-            raise self._abort(self._too_few_clients(t, len(clients)))
+            raise self._abort(self._too_few_clients(t, carried))
         live = sorted({int(s) for part in combined if isinstance(part, list) for s in part})
         live = [s for s in live if s in keys.member_keys]
         if len(live) < need:
@@ -510,7 +537,8 @@ class DMMServer:
             ) from error
         values = self.scheme.field.decode_signed(decoding.values)
         release = values.reshape(len(released), self.blocks * self.scheme.k)[:, : self.dim]
-        output = self._released(t, released, release, clients, excluded, rejected, transcript)
+        output = self._released(t, released, release, clients, excluded, rejected, transcript,
+                                carried)
         output.rejected_members = dict(opened.rejected_members)
         output.corrected = tuple(int(s) for s in decoding.corrected)
         output.verified, output.radius = bool(decoding.verified), int(decoding.radius)
@@ -582,10 +610,12 @@ class DMMServer:
                     rejected_members[int(seat)] = f"release share refused: {error}"
         return rows, sorted(sent)
 
-    def _released(self, t, released, release, clients, excluded, rejected, transcript):
-        """Record a final release: counts, step, decoder."""
+    def _released(self, t, released, release, clients, excluded, rejected, transcript,
+                  carried=None):
+        """Record a final release: counts (``carried``: the clients whose noise it holds,
+        default one per entry of ``clients``), step, decoder."""
         for i in released:
-            self.counts[int(i)] = len(clients)
+            self.counts[int(i)] = len(clients) if carried is None else int(carried)
         self.step += 1
         estimate = self.decoder.add(t, dict(zip(released, release)))
         self.last_output = RoundOutput(
@@ -594,6 +624,7 @@ class DMMServer:
             rows=tuple(int(i) for i in released),
             release=np.asarray(release, dtype=np.int64),
             clients=tuple(clients),
+            contributors=len(clients) if carried is None else int(carried),
             excluded=tuple(sorted(excluded)),
             rejected=dict(rejected),
             transcript=transcript,

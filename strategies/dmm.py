@@ -10,7 +10,9 @@ protocol, corrected"). Each round:
   secret (``client_secret(node_config).generator(round, Purpose.X)``), never from anything the
   server knows; in ``mode="full"`` they packed-Shamir-share both and seal each share to its
   committee seat (:func:`protocols.dmm_client.seal_client_shares`): the reply carries only
-  ciphertexts and the client's public key;
+  ciphertexts and the client's public key (with ``worker_fold`` the clients of a fedsim worker
+  batch hand their sharing inputs to the worker, which deals their sum once and seals one row
+  per seat: :mod:`strategies.dmm_fold`);
 * the round's committee -- n clients drawn publicly from the population with
   ``public_generator(seed, round, Stream.COMMITTEE)`` and hosted by the engine's
   :class:`fedsim.engine.dmm_committee.CommitteeHost` (bound with :meth:`DMM.bind_committee_host`)
@@ -60,7 +62,7 @@ from fedsim.privacy.matrix.sensitivity import Participation
 from fedsim.privacy.mechanisms import discrete_gaussian
 from fedsim.randomness import Purpose, Stream, client_secret, public_generator
 from fedsim.record_codec import to_numpy, to_record
-from fedsim.worker_reduce import single
+from fedsim.worker_reduce import FOLDS_KEY, attach_reducer, is_partial, single
 from protocols.channels import Envelope, stage_label
 from protocols.dmm import (
     MEMBER_ID_BASE,
@@ -73,7 +75,7 @@ from protocols.dmm import (
     Schedule,
     StateLost,
 )
-from protocols.dmm_client import seal_client_shares
+from protocols.dmm_client import seal_client_shares, sharing_inputs
 from protocols.dmm_server import DMMServer, RoundOutput
 from protocols.encoding import (
     DEFAULT_BETA,
@@ -85,6 +87,13 @@ from protocols.encoding import (
 from protocols.field import MersenneField
 from protocols.shamir import PackedShamir
 from strategies.ddgauss import flatten, unflatten
+from strategies.dmm_fold import (
+    BATCH_KEY,
+    FOLD_KEY,
+    SEALED_KEY,
+    ShareFoldReducer,
+    sealed_to_record,
+)
 from strategies.dp_shell import LedgerShell
 from strategies.participation_guard import ParticipationGuard
 from strategies.spec import Accounting, RunFacts, StrategySpec
@@ -94,7 +103,6 @@ log = logging.getLogger(__name__)
 
 UPDATE_KEY = "dmm.update"
 NOISE_KEY = "dmm.noise"
-SEALED_KEY = "dmm.sealed"
 PREFIX = "dmm."
 SHARE_PREFIX = "dmm.share."
 _KEYS = ("dim", "clip", "gamma", "beta", "max-tries", "rotation-seed", "noise-std", "rows", "mode")
@@ -124,9 +132,32 @@ def round_keys_config(keys: RoundKeys, party: int) -> dict[str, Any]:
     return {SHARE_PREFIX + k: v for k, v in out.items()}
 
 
-def round_keys_from_config(config: ConfigRecord, rows: int) -> tuple[RoundKeys, int]:
-    """(keys, party) from an instruction's ``dmm.share.*`` entries."""
-    missing = [SHARE_PREFIX + k for k in _SHARE_KEYS if SHARE_PREFIX + k not in config]
+def cohort_config(keys: RoundKeys, cohort: list[int]) -> dict[str, Any]:
+    """The ``dmm.share.*`` entries of a folded round's one shared instruction: the round's
+    public keys and the cohort's node ids in order (client ``cohort[p]`` has channel party p)."""
+    out = round_keys_config(keys, 0)
+    del out[SHARE_PREFIX + "party"]
+    out[SHARE_PREFIX + "cohort"] = [int(node) for node in cohort]
+    return out
+
+
+def round_keys_from_config(
+    config: ConfigRecord, rows: int, node: int | None = None
+) -> tuple[RoundKeys, int]:
+    """(keys, party) from an instruction's ``dmm.share.*`` entries; in a folded round (a
+    ``cohort`` list instead of a ``party``) the party of ``node`` is its place in the cohort."""
+    keys = _round_keys(config, rows)
+    if SHARE_PREFIX + "party" in config:
+        return keys, int(config[SHARE_PREFIX + "party"])
+    cohort = [int(c) for c in config[SHARE_PREFIX + "cohort"]]
+    if node is None or int(node) not in cohort:
+        raise ValueError(f"node {node} is not in the round's {SHARE_PREFIX}cohort")
+    return keys, cohort.index(int(node))
+
+
+def _round_keys(config: ConfigRecord, rows: int) -> RoundKeys:
+    required = [k for k in _SHARE_KEYS if k != "party" or SHARE_PREFIX + "cohort" not in config]
+    missing = [SHARE_PREFIX + k for k in required if SHARE_PREFIX + k not in config]
     if missing:
         raise ValueError(f"the full-mode instruction's config lacks {missing}")
     seats = [int(j) for j in config[SHARE_PREFIX + "members"]]
@@ -136,7 +167,7 @@ def round_keys_from_config(config: ConfigRecord, rows: int) -> tuple[RoundKeys, 
             f"{SHARE_PREFIX}members has {len(seats)} entries but {SHARE_PREFIX}member-keys "
             f"has {len(member_keys)}; allowed: one key per seat"
         )
-    keys = RoundKeys(
+    return RoundKeys(
         round=int(config[SHARE_PREFIX + "round"]),
         step=int(config[SHARE_PREFIX + "step"]),
         rows=int(rows),
@@ -147,24 +178,6 @@ def round_keys_from_config(config: ConfigRecord, rows: int) -> tuple[RoundKeys, 
         dim=int(config[SHARE_PREFIX + "dim"]),
         session_id=bytes(config[SHARE_PREFIX + "session"]),
         member_keys=dict(zip(seats, (bytes(key) for key in member_keys))),
-    )
-    return keys, int(config[SHARE_PREFIX + "party"])
-
-
-def sealed_to_record(sealed: DMMSealedShares) -> ConfigRecord:
-    """A client's sealed shares as its reply record: its public key and, per seat, the
-    envelope's nonce and ciphertext (the header is the server's to rebuild)."""
-    seats = sorted(sealed.shares)
-    envelopes = [sealed.shares[j] for j in seats]
-    if not all(isinstance(e, Envelope) for e in envelopes):
-        raise ValueError("sealed.shares must all be Envelopes; clients never send plain shares")
-    return ConfigRecord(
-        {
-            "public-key": sealed.public_key,
-            "members": seats,
-            "nonces": [e.nonce for e in envelopes],
-            "ciphertexts": [e.ciphertext for e in envelopes],
-        }
     )
 
 
@@ -196,9 +209,9 @@ def sealed_from_record(record: ConfigRecord, party: int, round_: int) -> DMMSeal
     return DMMSealedShares(int(party), key, shares)
 
 
-def _instruction(message: Message) -> tuple[ArrayRecord, ConfigRecord]:
-    arrays = [v for v in message.content.values() if isinstance(v, ArrayRecord)]
-    configs = [v for v in message.content.values() if isinstance(v, ConfigRecord)]
+def _instruction(content: RecordDict) -> tuple[ArrayRecord, ConfigRecord]:
+    arrays = [v for v in content.values() if isinstance(v, ArrayRecord)]
+    configs = [v for v in content.values() if isinstance(v, ConfigRecord)]
     if len(arrays) != 1 or not configs:
         raise ValueError("a DMM instruction needs one ArrayRecord and a ConfigRecord")
     config = configs[0]
@@ -223,7 +236,7 @@ def dmm_client_app(inner: ClientApp, metrics_in_clear: bool = False) -> ClientAp
 
     @app.train()
     def train(message: Message, context: Context) -> Message:
-        global_record, config = _instruction(message)
+        global_record, config = _instruction(message.content)
         secret = client_secret(context.node_config)
         round_ = int(config["server-round"])
         encoder = DDGaussEncoder(
@@ -252,20 +265,28 @@ def dmm_client_app(inner: ClientApp, metrics_in_clear: bool = False) -> ClientAp
         )
         mode = str(config[PREFIX + "mode"])
         if mode == "full":
-            keys, party = round_keys_from_config(config, rows)
+            keys, party = round_keys_from_config(config, rows, context.node_id)
             if keys.dim != encoder.padded_dim:
                 raise ValueError(
                     f"{SHARE_PREFIX}dim={keys.dim} but the encoder pads to {encoder.padded_dim}"
                 )
-            sealed = seal_client_shares(
-                keys,
-                party,
-                rounded.astype(np.int64),
-                noise.astype(np.int64),
-                secret.generator(round_, Purpose.SHARES, "dmm"),
-                secret.seed_bytes(round_, Purpose.KEYS, "dmm", "client"),
-            )
-            content = RecordDict({SEALED_KEY: sealed_to_record(sealed)})
+            segments = [rounded.astype(np.int64), *noise.astype(np.int64)]
+            shares = secret.generator(round_, Purpose.SHARES, "dmm")
+            if SHARE_PREFIX + "cohort" in config and context.node_config.get(FOLDS_KEY) is True:
+                _, randomness = sharing_inputs(keys.scheme(), segments, shares)
+                fold = {"update": segments[0], "noise": noise.astype(np.int64)}
+                fold["randomness"] = randomness
+                content = RecordDict({FOLD_KEY: to_record(fold)})
+            else:
+                sealed = seal_client_shares(
+                    keys,
+                    party,
+                    segments[0],
+                    noise.astype(np.int64),
+                    shares,
+                    secret.seed_bytes(round_, Purpose.KEYS, "dmm", "client"),
+                )
+                content = RecordDict({SEALED_KEY: sealed_to_record(sealed)})
         elif mode == "ideal":
             content = RecordDict(
                 {
@@ -379,6 +400,9 @@ class DMM(LedgerShell):
         field_exponent: p = 2^e - 1; delta: the run's delta.
         committee_actors, committee_shards: how the front end's committee host runs members
             (Ray actors, and how many).
+        worker_fold: full mode: the clients of a fedsim worker batch fold their sharing
+            inputs and the worker seals one message per batch (:mod:`strategies.dmm_fold`);
+            elsewhere (Flower's runtime) each client still seals its own.
     """
 
     def __init__(
@@ -408,7 +432,10 @@ class DMM(LedgerShell):
         failure_probability: float = DEFAULT_FAILURE_PROBABILITY,
         committee_actors: bool = False,
         committee_shards: int = 4,
+        worker_fold: bool = False,
     ) -> None:
+        if not isinstance(worker_fold, bool):
+            raise ValueError(f"worker_fold={worker_fold!r}; allowed: True or False")
         _check_arguments(
             clipping_norm=clipping_norm,
             noise_multiplier=noise_multiplier,
@@ -442,6 +469,7 @@ class DMM(LedgerShell):
         self.bits, self.beta, self.max_tries = bits, beta, max_tries
         self.failure_probability = failure_probability
         self.committee_actors, self.committee_shards = committee_actors, committee_shards
+        self.worker_fold = worker_fold
         self.ledger = PrivacyLedger(NeighbouringRelation.ADD_REMOVE, delta)
         self.encoder: DDGaussEncoder | None = None
         self.server: DMMServer | None = None
@@ -672,6 +700,8 @@ class DMM(LedgerShell):
             return messages
         keys = self.server.open_round(server_round, faults)
         self._round["keys"] = keys
+        if self.worker_fold:
+            return self._folded_instructions(messages, keys)
         for message in messages:
             share = round_keys_config(keys, sent[int(message.metadata.dst_node_id)])
             message.content = RecordDict(
@@ -684,15 +714,66 @@ class DMM(LedgerShell):
             )
         return messages
 
+    def _folded_instructions(self, messages: list[Message], keys: RoundKeys) -> list[Message]:
+        """One shared instruction for the whole cohort (so a worker's batch can fold): the
+        round's keys, the cohort in party order and the :class:`ShareFoldReducer`."""
+        if not messages:
+            return messages
+        cohort = sorted(self._round["sent"], key=self._round["sent"].get)
+        share = cohort_config(keys, cohort)
+        content = RecordDict(
+            {
+                name: ConfigRecord({**dict(record), **share})
+                if isinstance(record, ConfigRecord)
+                else record
+                for name, record in messages[0].content.items()
+            }
+        )
+        for message in messages:
+            message.content = content
+        return attach_reducer(messages, ShareFoldReducer.for_round(keys, cohort))
+
+    def _batch(self, reply: Message, node: int, rejected: dict[int, str]) -> list[int] | None:
+        """The nodes a worker's folded reply holds (each sampled, none seen before), or None
+        (then ``rejected[node]`` says why); the nodes its fold refused are rejected."""
+        for refused in reply.rejected:
+            rejected[int(refused)] = "its reply was refused by its worker's fold"
+        record = reply.content.get(BATCH_KEY)
+        nodes = record.get("nodes") if isinstance(record, ConfigRecord) else None
+        if not isinstance(nodes, list) or not nodes:
+            rejected[node] = f"a folded reply without its {BATCH_KEY} nodes"
+            return None
+        seen = self._round.setdefault("folded", {})
+        nodes = [int(n) for n in nodes]
+        if len(set(nodes)) != len(nodes) or any(
+            n not in self._round["sent"] or n in seen for n in nodes
+        ):
+            rejected[node] = f"a folded reply for nodes {nodes}: unsampled or repeated"
+            return None
+        seen.update({n: node for n in nodes})
+        return nodes
+
     def _validate(self, replies: Iterable[Message]) -> tuple[dict[int, Message], dict[int, str]]:
-        """Contract 3: the replies that pass (node -> reply) and node -> why the others failed."""
+        """Contract 3: the replies that pass (node -> reply) and node -> why the others failed.
+        A worker's folded reply is keyed by its first node (``_round['batches']``: its nodes)."""
         sent = self._round.get("sent", {})
         allowed = {SEALED_KEY} if self.mode == "full" else {UPDATE_KEY, NOISE_KEY}
         valid, rejected = {}, {}
+        batches = self._round.setdefault("batches", {})
         for reply in replies:
             node = int(reply.metadata.src_node_id)
             if reply.has_error():
                 continue  # a client that failed or dropped: not a protocol violation
+            if is_partial(reply) and self.worker_fold and self.mode == "full":
+                nodes = self._batch(reply, node, rejected)
+                if nodes is not None and set(reply.content.keys()) - {"metrics"} == {
+                    SEALED_KEY,
+                    BATCH_KEY,
+                }:
+                    valid[node], batches[node] = reply, nodes
+                elif nodes is not None:
+                    rejected[node] = f"records {sorted(reply.content.keys())} in a folded reply"
+                continue
             keys = set(reply.content.keys()) - {"metrics"}
             if node not in sent:
                 rejected[node] = "not sampled this round"
@@ -709,14 +790,19 @@ class DMM(LedgerShell):
     def _sealed(self, valid: dict[int, Message], rejected: dict[int, str]) -> dict:
         keys: RoundKeys = self._round["keys"]
         sealed = {}
+        batches = self._round.get("batches", {})
         for node, reply in valid.items():
+            party = self._party(batches.get(node, [node]))
             try:
-                sealed[node] = sealed_from_record(
-                    reply.content[SEALED_KEY], self._round["sent"][node], keys.round
-                )
+                sealed[node] = sealed_from_record(reply.content[SEALED_KEY], party, keys.round)
             except (ValueError, TypeError) as error:
                 rejected[node] = f"malformed sealed shares: {error}"
         return sealed
+
+    def _party(self, nodes) -> int:
+        """The channel party of a message from ``nodes``: a client's own, or a folded batch's,
+        the smallest of its clients' (as :class:`strategies.dmm_fold.ShareFoldReducer` seals)."""
+        return min(self._round["sent"][n] for n in nodes)
 
     def _plain(self, valid: dict[int, Message], rejected: dict[int, str]):
         """Ideal mode's plaintext integers, each checked: D integers with ||u||_2 <= Delta_2
@@ -751,8 +837,10 @@ class DMM(LedgerShell):
         if self.mode == "full":
             sealed = self._sealed(valid, rejected)
             next_pool = self.host.pool(self._round["next"], self.server.member_kwargs)
+            batches = self._round.get("batches", {})
+            weights = {node: len(batches.get(node, [node])) for node in sealed}
             try:
-                return self.server.finish_round(sealed, next_pool)
+                return self.server.finish_round(sealed, next_pool, weights)
             except BaseException:
                 next_pool.close()
                 raise
@@ -840,10 +928,10 @@ class DMM(LedgerShell):
 
         seats = range(self.scheme.n)
         out: dict[str, Any] = {
-            "dmm-clients": len(output.clients),
+            "dmm-clients": output.contributors or len(output.clients),
             "dmm-step": self.server.step,
             "dmm-bytes": t.nbytes(),
-            "dmm-bytes-per-client": mean_over(self._round["sent"].values(), "sender"),
+            "dmm-bytes-per-client": self._bytes_per_client(t),
             "dmm-bytes-per-member-sent": float(
                 np.mean([t.nbytes(sender=MEMBER_ID_BASE + j) for j in seats])
                 + np.mean([t.nbytes(sender=OLD_ID_BASE + j) for j in seats])
@@ -878,6 +966,17 @@ class DMM(LedgerShell):
                 out["train_loss"] = float(np.mean(losses))
         return out
 
+    def _bytes_per_client(self, transcript) -> float:
+        """SHARE bytes the clients (or their workers' folds) sent, per client that sent."""
+        sent = self._round["sent"]
+        batches = self._round.get("batches", {})
+        senders = {self._party(nodes): len(nodes) for nodes in batches.values()}
+        folded = {n for nodes in batches.values() for n in nodes}
+        senders.update({p: 1 for node, p in sent.items() if node not in folded})
+        counted = {p: w for p, w in senders.items() if transcript.nbytes(sender=p)}
+        total = sum(transcript.nbytes(sender=p) for p in counted)
+        return float(total / sum(counted.values())) if counted else 0.0
+
     def _seat_client(self, seat: int) -> int:
         """The client id of seat ``seat`` of this round's committee."""
         return int(self._round["committee"][seat])
@@ -905,6 +1004,7 @@ OPTIONS = (
     "expected_client_dropout",
     "committee_actors",
     "committee_shards",
+    "worker_fold",
 )
 
 
@@ -925,7 +1025,9 @@ def from_options(
     (3), ``packing`` (3), ``member_dropouts`` (3), ``fractional_bits`` (12 banded, 0 tree),
     ``mode`` ("full"), ``bits`` (20), ``delta`` (1e-5), ``min_clients`` (1),
     ``expected_client_dropout`` (0), ``committee_actors`` (false; true hosts members on Ray
-    actors) and ``committee_shards`` (4). The participation comes from the engine's schedule."""
+    actors), ``committee_shards`` (4) and ``worker_fold`` (false; true folds each worker
+    batch's sharing inputs into one sealed message, :mod:`strategies.dmm_fold`). The
+    participation comes from the engine's schedule."""
     from flwr.serverapp.strategy import FedAvg  # noqa: PLC0415
 
     from fedsim.privacy.matrix.build import Spec, build  # noqa: PLC0415
@@ -972,6 +1074,7 @@ def from_options(
         delta=float(options.get("delta", 1e-5)),
         committee_actors=options.get("committee_actors", False),
         committee_shards=int(options.get("committee_shards", 4)),
+        worker_fold=options.get("worker_fold", False),
     )
 
 

@@ -197,9 +197,85 @@ def ddgauss_mode(point: Point) -> ModeRun:
     )
 
 
+def dmm_mode(point: Point, worker_fold: bool = True) -> ModeRun:
+    """DMM in full mode with committees of clients: n = 20, t = 3, k = 3, 3 planned member
+    dropouts (the defaults), a banded M of 2 bands (each committee hands one partial sum to
+    the next by linear packed resharing), members hosted on 2 committee actors, each with its
+    client's own secret and the run's dropout, and the clients of each worker batch folding
+    their sharing inputs into one sealed message per batch (``worker_fold``; mode
+    ``dmm-unfolded``: every client shares and seals its own, as it must under a runtime
+    whose workers do not fold)."""
+    from fedsim.engine import FaultConfig  # noqa: PLC0415
+    from fedsim.engine.dmm_committee import CommitteeHost  # noqa: PLC0415
+    from fedsim.randomness import RunSecret  # noqa: PLC0415
+    from protocols.dmm import MEMBER_ID_BASE  # noqa: PLC0415
+    from protocols.resharing import NEW_ID_BASE, OLD_ID_BASE  # noqa: PLC0415
+    from strategies.dmm import dmm_client_app, from_options  # noqa: PLC0415
+    from strategies.seeded_sampling import SeededSampling  # noqa: PLC0415
+
+    options = {
+        "clipping_norm": 1.0,
+        "noise_multiplier": point.noise_multiplier,
+        "mode": "full",
+        "bands": 2,
+        "committee_actors": True,
+        "committee_shards": 2,
+        "worker_fold": worker_fold,
+    }
+    strategy = from_options(
+        dict(options),
+        rounds=point.warmup + point.rounds + 1,  # the last measured round hands off too
+        expected_clients=point.cohort,
+        population=point.population,
+        seed=point.seed,
+        min_separation=2,  # the bands of M; a client sampled twice in a row is refused
+        max_participations=None,
+    )
+    secrets = RunSecret.fresh()  # each client's own secret comes from it, never the seed
+    state: dict[str, Any] = {"cpu": 0.0}
+
+    def bind(engine, grid) -> None:
+        faults = FaultConfig(dropout=point.dropout, seed=point.seed)
+        state["host"] = CommitteeHost(secrets, faults, actors=True, shards=2)
+        strategy.bind_committee_host(state["host"])
+
+    def committee() -> dict[str, float]:
+        cpu = state["host"].cpu_seconds() if "host" in state else 0.0
+        spent, state["cpu"] = cpu - state["cpu"], cpu
+        output = strategy.last_output
+        if output is None:
+            return {"committee_cpu_s": spent, "bytes_per_member": None}
+        t, seats = output.transcript, range(strategy.scheme.n)
+        per_member = [
+            sum(
+                t.nbytes(receiver=base + j) + t.nbytes(sender=base + j)
+                for base in (MEMBER_ID_BASE, OLD_ID_BASE)
+            )
+            for j in seats
+        ]
+        nxt = [t.nbytes(receiver=NEW_ID_BASE + j) + t.nbytes(sender=NEW_ID_BASE + j) for j in seats]
+        return {
+            "committee_cpu_s": spent,
+            "bytes_per_member": float(np.mean(per_member)),
+            "bytes_per_next_member": float(np.mean(nxt)),
+            "noise_clients": output.contributors,
+        }
+
+    return ModeRun(
+        SeededSampling(strategy, point.seed),
+        dmm_client_app(synthetic_client_app(point.dim, point.seed)),
+        secrets,
+        committee=committee,
+        bind=bind,
+        details={"options": options, "n": 20, "t": 3, "k": 3},
+    )
+
+
 MODES: dict[str, Callable[[Point], ModeRun]] = {
     "fedavg": fedavg_mode,
     "ddgauss": ddgauss_mode,
+    "dmm": dmm_mode,
+    "dmm-unfolded": lambda point: dmm_mode(point, worker_fold=False),
 }
 """Benchmark modes by name; ``fedavg`` is the reference of every ratio."""
 
@@ -385,7 +461,7 @@ def plot(points: list[dict[str, Any]], fits: dict, path: Path) -> None:
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     fig, ax = plt.subplots(figsize=(8.4, 4.4))
-    styles = {"fedavg": "o-", "ddgauss": "s-", "dmm": "^-"}
+    styles = {"fedavg": "o-", "ddgauss": "s-", "dmm": "^-", "dmm-unfolded": "v--"}
     for mode in sorted({p["mode"] for p in points}):
         for dim in sorted({p["dim"] for p in points}):
             rows = sorted(

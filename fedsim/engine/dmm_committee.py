@@ -32,6 +32,7 @@ gets a fresh actor in its place.
 from __future__ import annotations
 
 import io
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -197,6 +198,10 @@ class CommitteeActor:
 
     def close(self, key: str) -> None:
         self.hosted.pop(key, None)
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds this host process has used (its members' work, when it is an actor)."""
+        return time.process_time()
 
 
 class HostedPool:
@@ -437,6 +442,14 @@ class CommitteeHost:
     def checkpoint(self, version: int) -> None:
         """Round ``version`` is the server's checkpoint: keep the states it needs."""
         self.store.checkpoint(int(version))
+
+    def cpu_seconds(self) -> float | None:
+        """CPU seconds the committee actors have used so far (None in process: the members'
+        work is then the caller's own)."""
+        if not self.actors:
+            return None
+        live = [h for g, h in enumerate(self._handles) if g not in self._dead_handles]
+        return float(sum(self.ray.get([h.cpu_seconds.remote() for h in live])))
 
     def rollback(self, version: int) -> None:
         """Return the member states to round ``version`` (a resumed run)."""

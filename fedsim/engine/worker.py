@@ -18,6 +18,7 @@ import pickle
 import time
 import traceback
 from collections import OrderedDict
+from copy import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +33,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from fedsim.engine.client_registry import NODE_ID_OFFSET
 from fedsim.randomness import NODE_SECRET_KEY, RunSecret
 from fedsim.record_codec import content_nbytes, records_of
-from fedsim.worker_reduce import MetricSums, Reducer, ReductionError, is_partial
+from fedsim.worker_reduce import FOLDS_KEY, MetricSums, Reducer, ReductionError, is_partial
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,7 @@ class RunSpec:
         config: dict[str, Any] = {PARTITION_ID_KEY: partition, NUM_PARTITIONS_KEY: self.num_clients}
         if secrets is not None:
             config[NODE_SECRET_KEY] = secrets.client(partition).token()
+        config[FOLDS_KEY] = True  # replies to a confidential reducer never leave unfolded
         return config
 
 
@@ -169,6 +171,14 @@ def _resolve(handle: Any) -> Any:
 
         return ray.get(handle)
     return handle
+
+
+def _unfolded(reply: Message) -> Message:
+    """The failed reply that stands for a client whose reply a confidential fold could not
+    take: its content stays in the worker."""
+    reason = "the worker could not fold this reply for a confidential reducer; it is withheld"
+    error = Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason)
+    return Message(error=error, metadata=copy(reply.metadata))
 
 
 class InjectedCrash(RuntimeError):
@@ -362,7 +372,17 @@ class ClientWorker:
                     accumulator = None  # the strategy gets raw replies and reports the problem
         succeeded = len(replies)
         if accumulator is not None and replies:
-            replies = [accumulator.result()]
+            try:
+                replies = [accumulator.result()]
+            except ReductionError:
+                accumulator = None
+        if batch.reducer is not None and batch.reducer.confidential and replies:
+            if accumulator is None:  # fail closed: nothing unfolded leaves the worker
+                failures += [_unfolded(reply) for reply in replies]
+                for reply in replies:  # as for any failed client, its state is not kept
+                    states.pop(int(reply.metadata.src_node_id), None)
+                succeeded, replies = 0, []
+            bytes_up = sum(content_nbytes(reply.content) for reply in replies)
         return BatchResult(
             batch_id=batch.batch_id,
             replies=replies + failures,

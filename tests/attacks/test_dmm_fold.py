@@ -1,0 +1,136 @@
+"""DMM's worker-side fold (strategies/dmm_fold.py) against the server: a client's sharing inputs
+never leave a worker unsealed -- not when the fold fails, not under a runtime whose workers do
+not fold -- and a folded reply cannot claim clients it does not hold."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+from dmm_support import SECRETS, digits_setup, make_dmm, run_dmm
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.supercore.task_identity import TaskIdentity
+
+from fedsim.engine import ClientAppSource, ClientWorker
+from fedsim.engine.client_registry import NODE_ID_OFFSET
+from fedsim.engine.dmm_committee import CommitteeHost
+from fedsim.engine.worker import ClientBatch, Content, RunSpec
+from fedsim.randomness import NODE_SECRET_KEY
+from fedsim.record_codec import to_record
+from fedsim.worker_reduce import FOLDS_KEY, Accumulator, Reducer, ReductionError, attach_reducer
+from strategies.dmm import SEALED_KEY, dmm_client_app
+from strategies.dmm_fold import BATCH_KEY, FOLD_KEY
+
+
+class _Unfoldable(Reducer):
+    """A confidential reducer whose fold fails (at ``add`` or at ``result``)."""
+
+    confidential = True
+    params = ("stage",)
+
+    def __init__(self, stage: str = "add") -> None:
+        self.stage = stage
+
+    def accumulator(self, instruction: RecordDict) -> Accumulator:
+        stage = self.stage
+
+        class Failing(Accumulator):
+            def add(self, reply: Message) -> None:
+                if stage == "add":
+                    raise ReductionError("cannot fold")
+
+            def result(self) -> Message:
+                raise ReductionError("cannot fold")
+
+        return Failing()
+
+
+@pytest.mark.parametrize("stage", ["add", "result"])
+def test_a_worker_withholds_replies_a_confidential_fold_cannot_take(stage):
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
+    worker = ClientWorker()
+    tests = str(Path(__file__).resolve().parents[1])
+    source = ClientAppSource("toy_app:app", tests)
+    spec = RunSpec(run_id=1, num_clients=10, run_config={}, app=source)
+    assert spec.node_config(NODE_ID_OFFSET + 1, None)[FOLDS_KEY] is True
+    worker.start_run(spec)
+    content = RecordDict(
+        {"arrays": to_record({"w": np.zeros(3, np.float32)}), "config": ConfigRecord({"step": 1.0})}
+    )
+    messages = attach_reducer(
+        [Message(content, NODE_ID_OFFSET + p, "train") for p in range(3)], _Unfoldable(stage)
+    )
+    for i, m in enumerate(messages):
+        m.metadata.__dict__["_message_id"] = f"m{i}"
+    result = worker.run_batch(
+        ClientBatch(
+            batch_id=0,
+            metadata=[m.metadata for m in messages],
+            content_index=[0, 0, 0],
+            contents=[Content(1, pickle.dumps(content))],
+            states={},
+            reducer=_Unfoldable(stage),
+        )
+    )
+    assert len(result.replies) == 3 and all(r.has_error() for r in result.replies)
+    assert "withheld" in result.replies[0].error.reason
+    assert result.succeeded == 0 and result.bytes_up == 0
+    assert result.states == {}  # failed clients keep no state, as any failed client
+
+
+def _instruction(local_engine):
+    """A folded round's shared instruction, as the strategy builds it."""
+    strategy = make_dmm("full", 12, 3, worker_fold=True)
+    strategy.bind_committee_host(CommitteeHost(SECRETS))
+    grid = local_engine.open_run(ClientApp(), 12)
+    arrays = ArrayRecord({"w": to_record({"w": np.zeros(8)})["w"]})
+    messages = list(strategy.configure_train(1, arrays, ConfigRecord(), grid))
+    assert len({id(m.content) for m in messages}) == 1  # one content: batches can fold
+    return messages[0]
+
+
+def test_a_client_outside_a_folding_worker_seals_its_own_shares(local_engine):
+    message = _instruction(local_engine)
+    inner = ClientApp()
+
+    @inner.train()
+    def train(msg: Message, context: Context) -> Message:
+        arrays = msg.content["arrays"]
+        metrics = MetricRecord({"num-examples": 1})
+        return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
+
+    app = dmm_client_app(inner)
+
+    def reply(node_config):
+        node = message.metadata.dst_node_id
+        config = {"partition-id": node - NODE_ID_OFFSET, NODE_SECRET_KEY: SECRETS.client(0).token()}
+        context = Context(1, node, {**config, **node_config}, RecordDict(), {})
+        return app(message, context)
+
+    assert set(reply({}).content.keys()) == {SEALED_KEY}  # e.g. Flower's runtime
+    assert set(reply({FOLDS_KEY: "yes"}).content.keys()) == {SEALED_KEY}  # only True counts
+    assert set(reply({FOLDS_KEY: True}).content.keys()) == {FOLD_KEY}
+
+
+def test_a_folded_reply_cannot_claim_unsampled_clients(local_engine):
+    setup = digits_setup(12)
+    forged = {}
+
+    def claim(server_round, replies):
+        if server_round == 2:
+            good = [r for r in replies if not r.has_error()]
+            assert len(good) >= 2
+            victim = good[0]
+            forged["node"] = int(victim.metadata.src_node_id)
+            forged["held"] = list(victim.content[BATCH_KEY]["nodes"])
+            victim.content[BATCH_KEY] = ConfigRecord({"nodes": [*forged["held"], 10**9]})
+        return replies
+
+    strategy = make_dmm("full", 12, 3, worker_fold=True)
+    _, recorded = run_dmm(local_engine, setup, strategy, 3, alter=claim)
+    assert recorded.metrics[1]["rejected"] == [forged["node"]]
+    assert recorded.outputs[1].contributors == 12 - len(forged["held"])
+    assert recorded.metrics[2]["rejected"] == [] and recorded.outputs[2].contributors == 12
