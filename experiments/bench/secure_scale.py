@@ -701,7 +701,7 @@ def merge(paths: list[Path], out: Path | None, plot_path: Path | None) -> dict[s
     points: dict[tuple, dict[str, Any]] = {}
     for run in runs:
         for row in run["points"]:
-            row = {**row, "settings": run["settings"]}
+            row = {"settings": run.get("settings"), **row}  # a merged run's rows keep theirs
             points[(row["mode"], row["cohort"], row["dim"], row["population"])] = row
     rows = sorted(points.values(), key=lambda r: (r["dim"], r["cohort"], r["mode"] != "fedavg"))
     result = {
