@@ -663,11 +663,7 @@ def report(
         "cpu_count": os.cpu_count(),
         "points": rows,
         "exponents": exponents(rows),
-        "ratios": {
-            f"{r['mode']} C={r['cohort']} d={r['dim']}": r["ratio_round_s"]
-            for r in rows
-            if r["mode"] != "fedavg"
-        },
+        "ratios": _ratios(rows),
     }
     done = [p for p in sweep if runs[p]]
     if done:
@@ -693,6 +689,15 @@ def profile(point: Point, path: Path) -> dict[str, Any]:
     return result
 
 
+def _ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Each secure point's round time over FedAvg's at the same (C, d), keyed for reading."""
+    return {
+        f"{r['mode']} C={r['cohort']} d={r['dim']}": r["ratio_round_s"]
+        for r in rows
+        if r["mode"] != "fedavg"
+    }
+
+
 def merge(paths: list[Path], out: Path | None, plot_path: Path | None) -> dict[str, Any]:
     """One result from several runs' JSON: their points (a later run's point replaces an
     earlier one at the same mode, cohort, d and population), each run's settings, the
@@ -709,11 +714,7 @@ def merge(paths: list[Path], out: Path | None, plot_path: Path | None) -> dict[s
         "cpu_count": os.cpu_count(),
         "points": rows,
         "exponents": exponents(rows),
-        "ratios": {
-            f"{r['mode']} C={r['cohort']} d={r['dim']}": r["ratio_round_s"]
-            for r in rows
-            if r["mode"] != "fedavg"
-        },
+        "ratios": _ratios(rows),
     }
     sweeps = [run["population_sweep"] for run in runs if "population_sweep" in run]
     if sweeps:

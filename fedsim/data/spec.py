@@ -234,6 +234,17 @@ def _first(parts: ClientData, spec: DatasetSpec, what: str) -> ClientData:
     return parts[: spec.num_clients]
 
 
+def _own_rows(train: ClientData, test: ClientData, num_classes: int, name: str) -> FederatedDataset:
+    """Each client's own train and test rows (features as float32), kept as they came."""
+    shape = train[0][0].shape[1:]
+    return FederatedDataset(
+        concat_clients(train, shape, np.float32),
+        concat_clients(test, shape, np.float32),
+        num_classes,
+        name,
+    )
+
+
 def _resplit(
     x: np.ndarray,
     y: np.ndarray,
@@ -329,13 +340,7 @@ def build_dataset(spec: DatasetSpec) -> FederatedDataset:
         num_classes = _num_classes(*(y for _, y in train), *(y for _, y in test))
         if natural:
             train, test = _first(train, spec, "users"), _first(test, spec, "users")
-            shape = train[0][0].shape[1:]
-            return FederatedDataset(
-                concat_clients(train, shape, np.float32),
-                concat_clients(test, shape, np.float32),
-                num_classes,
-                name,
-            )
+            return _own_rows(train, test, num_classes, name)
         x, y = _pool([*train, *test])
         return _resplit(x, y, spec, part_rng, split_rng, num_classes, name)
     # npy: a saved FederatedDataset
@@ -392,13 +397,7 @@ def _python(
             "natural: the loader returned each client's own test rows",
         )
         train, test = _first(loaded.train, spec, what), _first(loaded.test, spec, what)
-        shape = train[0][0].shape[1:]
-        return FederatedDataset(
-            concat_clients(train, shape, np.float32),
-            concat_clients(test, shape, np.float32),
-            num_classes,
-            name,
-        )
+        return _own_rows(train, test, num_classes, name)
     if natural:
         return _natural(_first(loaded.train, spec, what), spec, split_rng, num_classes, name)
     x, y = _pool(loaded.train)
