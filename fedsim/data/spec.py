@@ -234,7 +234,9 @@ def _first(parts: ClientData, spec: DatasetSpec, what: str) -> ClientData:
     return parts[: spec.num_clients]
 
 
-def _own_rows(train: ClientData, test: ClientData, num_classes: int, name: str) -> FederatedDataset:
+def _own_rows(
+    train: ClientData, test: ClientData, num_classes: int, name: str
+) -> FederatedDataset:
     """Each client's own train and test rows (features as float32), kept as they came."""
     shape = train[0][0].shape[1:]
     return FederatedDataset(
