@@ -57,8 +57,8 @@ round that aborts in UNMASK after the shares of every secret arrived
 (:attr:`protocols.secagg_server.SecAggServer.opened`). Such a round updates no model but is
 accounted for the noise of the clients in that sum; its metrics say ``ddgauss-aborted = 1``,
 ``ddgauss-opened = 1`` and the epsilon it cost (``ddgauss-epsilon-cost``), and the privacy
-report lists it under ``aborted_releases``. A round whose sum the server cannot determine
-records nothing.
+report lists it under ``aborted_releases`` (round, clients, epsilon cost). A round whose sum
+the server cannot determine records nothing.
 
 **Per-client metrics**: clients reply nothing data-dependent but their (masked, sealed or clear)
 encoding unless their app has ``metrics_in_clear``; federated evaluation, which replies each
@@ -516,8 +516,9 @@ class DDGauss(LedgerShell):
         self.last_abort: str | None = None
         self.last_stage: str | None = None
         self.last_opened: tuple[int, ...] = ()
-        #: rounds that aborted after the server held their sum (accounted): round, clients
-        self.aborted_releases: list[dict[str, int]] = []
+        #: rounds that aborted after the server held their sum (accounted): round, clients,
+        #: the epsilon it cost
+        self.aborted_releases: list[dict[str, float]] = []
         #: client content that reached the server outside the secure sum (epsilon = inf)
         self.unaccounted: list[str] = []
         self._global: tuple[str, ArrayRecord] | None = None
@@ -871,13 +872,19 @@ class DDGauss(LedgerShell):
             self.last_survivors, self.last_sum, self.last_abort = (), None, release.aborted
             metrics["ddgauss-survivors"] = len(release.opened)
             metrics["ddgauss-aborted"] = 1
-            if release.opened:  # opened is released, whatever the round is called
-                self._record(server_round, len(release.opened))
-                self.aborted_releases.append(
-                    {"round": server_round, "clients": len(release.opened)}
-                )
-                metrics["ddgauss-opened"] = 1
-            return None, self._with_epsilon(metrics, before)
+            if not release.opened:
+                return None, self._with_epsilon(metrics, before)
+            self._record(server_round, len(release.opened))  # opened is released
+            metrics["ddgauss-opened"] = 1
+            metrics = self._with_epsilon(metrics, before)
+            self.aborted_releases.append(
+                {
+                    "round": server_round,
+                    "clients": len(release.opened),
+                    "epsilon_cost": metrics["ddgauss-epsilon-cost"],
+                }
+            )
+            return None, metrics
         self.last_sum, self.last_survivors, self.last_abort = release.total, release.survivors, None
         arrays, aggregated = self._apply(server_round, release, clear)
         aggregated.update(dict(metrics))

@@ -179,7 +179,8 @@ def test_fedsim_run_accounts_the_committee_rounds_the_server_decoded(
         assert record["aggregated"]["ddgauss-survivors"] == 10
         cost = record["aggregated"]["ddgauss-epsilon-cost"]
         assert cost == pytest.approx(held - plain[round_ - 2]["privacy"]["epsilon"]) and cost > 0
-        assert {"round": round_, "clients": 10} in record["privacy"]["aborted_releases"]
+        listed = {e["round"]: e for e in record["privacy"]["aborted_releases"]}[round_]
+        assert (listed["clients"], listed["epsilon_cost"]) == (10, cost)
     summary = (tmp_path / "committee" / "summary.json").read_text()
     assert '"aborted_releases"' in summary
 
@@ -343,5 +344,7 @@ def test_full_mode_accounts_a_secagg_round_aborted_after_the_shares_arrived(
         f"is {full.epsilon()}; the release it holds costs {plain.epsilon()}"
     )
     assert metrics["ddgauss-opened"] == 1 and metrics["ddgauss-survivors"] == CLIENTS
-    assert full.privacy_report()["aborted_releases"] == [{"round": 1, "clients": CLIENTS}]
-    assert math.isfinite(metrics["ddgauss-epsilon-cost"])
+    cost = metrics["ddgauss-epsilon-cost"]
+    assert cost == plain.epsilon() and math.isfinite(cost)
+    entry = {"round": 1, "clients": CLIENTS, "epsilon_cost": cost}
+    assert full.privacy_report()["aborted_releases"] == [entry]
