@@ -27,13 +27,14 @@ in full (as if every client took part in every round).
 
 Units: Delta_1, Delta_2 and sigma in integer (granularity) units, D the padded dimension.
 
-**Neighbouring: zero-out** (:data:`RELATION`; Kairouz et al., ICML 2021, "Practical and private
-(deep) learning without sampling or shuffling", Sec. 2): one client's rounded vector is zeroed
-(a change Delta with ||Delta||_2 <= Delta_2, ||Delta||_1 <= Delta_1) while every client's noise,
-its own share included, stays in the sum -- exactly what Proposition 14 bounds. It is not
-add/remove: removing the client removes its noise share too (n - 1 shares against n: a wider
-distribution against a narrower one, whose Renyi divergence exceeds the bound above and, for
-Gaussians, is infinite from order n on), and the server sees who contributed anyway. The
+**Neighbouring: zero-out** (:data:`RELATION`; the relation of Kairouz et al., ICML 2021,
+"Practical and private (deep) learning without sampling or shuffling"): one client's rounded
+vector is zeroed (a change Delta with ||Delta||_2 <= Delta_2, ||Delta||_1 <= Delta_1) while
+every client's noise, its own share included, stays in the sum -- what Proposition 14 bounds.
+It is not add/remove: removing the client removes its noise share too (n - 1 shares against
+n: a wider distribution against a narrower one, whose Renyi divergence exceeds the bound
+above and, for Gaussians, is infinite from order n on), and the server sees who contributed
+anyway. The
 ledger's Gaussian of sensitivity Delta is the same arithmetic under either name, so a ledger
 may keep dp_accounting's add/remove convention; what a report states is :data:`RELATION`.
 Replace-one neighbours would need 2 Delta_2 and 2 Delta_1. **Dropout rule**: ``count`` is the
