@@ -323,6 +323,16 @@ class ExperimentConfig:
             "loss and accuracy to the server), unless [privacy] metrics_in_clear = true",
         )
         require(
+            not spec_for(self.strategy.name).secure_replies(self.strategy.options)
+            or self.evaluation.clients == 0
+            or self.privacy.metrics_in_clear,
+            "evaluation.clients",
+            self.evaluation.clients,
+            f"0 with strategy.name = {self.strategy.name!r} (federated evaluation sends each "
+            "client's un-noised test loss and accuracy to the server, outside the strategy's "
+            "mechanism), unless [privacy] metrics_in_clear = true, which makes epsilon infinite",
+        )
+        require(
             self.client.compression is None or self.strategy.partial_aggregation != "on",
             "strategy.partial_aggregation",
             "on",

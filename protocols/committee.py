@@ -18,6 +18,11 @@ with it; the server relays and sees only ciphertexts. A round moves through
 Any t members' rows are uniformly distributed whatever the vector; the server together with at
 most t members learns nothing of one client's vector beyond the released sum.
 
+**Opened is released.** Once more than t members' release rows have reached the server, it
+holds enough to determine (part of) the sum, whatever the round is then called: such a round
+leaves an :class:`OpenedRelease` (on the server, and on the abort it raises), which the
+strategy accounts as a release of the sum.
+
 This module holds the stages, the public round parameters, the messages, the simulation's
 faults (:class:`CommitteeFaults`), the outcome (:class:`CommitteeResult`) and the errors. The
 client side is :mod:`protocols.committee_client`, the member side
@@ -142,11 +147,34 @@ class MemberFault(enum.Enum):
     TAMPER = "tamper"
 
 
+@dataclass(frozen=True)
+class OpenedRelease:
+    """A round whose sum the server holds enough to determine: the release rows of more than t
+    members reached it. Rows of a packed sharing lie on polynomials of degree < t + k, so any
+    t + 1 of them give the server a linear combination of each block's k secrets and t + k give
+    the sum itself (:mod:`protocols.shamir`); whatever it computes from them is post-processing
+    of the sum of ``clients``' inputs, so that sum counts as released whatever the round is
+    then called.
+
+    ``round``; ``clients``: the clients whose inputs the members summed; ``members``: those
+    whose rows reached the server (on time or late, opened or not: it holds its channel key);
+    ``outcome``: ``"released"``, or why the round aborted after the rows reached it.
+    """
+
+    round: int
+    clients: tuple[int, ...]
+    members: tuple[int, ...]
+    outcome: str = "released"
+
+
 class CommitteeAbort(TooManyDropoutsError):
     """Too few members answered (or no client input was usable); ``needed`` and ``answered``
-    say how many; ``excluded``: client -> reason, the clients left out before the abort."""
+    say how many; ``excluded``: client -> reason, the clients left out before the abort;
+    ``opened``: the :class:`OpenedRelease` when more than t members' rows had reached the
+    server before it aborted (a release, to be accounted), else None."""
 
     excluded: Mapping[int, str] = {}
+    opened: OpenedRelease | None = None
 
     def __init__(self, message: str, needed: int, answered: int) -> None:
         super().__init__(message)
@@ -156,10 +184,13 @@ class CommitteeAbort(TooManyDropoutsError):
 
 class TamperingDetected(RuntimeError):
     """Released shares do not lie on one polynomial and correcting them would go beyond the
-    sound decoding radius: detected, nothing released, nobody named (``suspects == ()``);
-    ``excluded``: client -> reason, the clients left out before it."""
+    sound decoding radius: detected, no sum decoded, nobody named (``suspects == ()``);
+    ``excluded``: client -> reason, the clients left out before it; ``opened``: the
+    :class:`OpenedRelease` of the rows the server holds -- a server colluding with the
+    tampering member decodes the others, so the sum counts as released."""
 
     excluded: Mapping[int, str] = {}
+    opened: OpenedRelease | None = None
 
     def __init__(self, message: str, blocks: np.ndarray, suspects: tuple[int, ...]) -> None:
         super().__init__(message)

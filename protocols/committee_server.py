@@ -32,16 +32,22 @@ not counted as an answer (:attr:`CommitteeResult.rejected`); the reasons are in
 Outcomes. The server needs ``t + k + detect`` answers: ``t + k`` to reconstruct and ``detect``
 more so that up to ``detect`` tampered shares are always caught. Fewer answers ->
 :class:`protocols.committee.CommitteeAbort` (a :class:`protocols.secagg.TooManyDropoutsError`)
-naming how many were needed and how many answered. The answers are decoded by
+naming how many were needed and how many answered. The quorum is checked on the members online
+after COMBINE, before any member is asked to release, and again on the on-time envelopes at
+RELEASE before the server opens any. **Opened is released**: once more than t members' rows
+have reached the server (on time or late; it holds the key that opens them) the round is an
+:class:`protocols.committee.OpenedRelease` in :attr:`CommitteeServer.opened`, and an abort after
+that point carries it (``error.opened``) for the strategy to account. The answers are decoded by
 Berlekamp-Welch (:meth:`protocols.shamir.PackedShamir.decode`): wrong shares are corrected and
 their members named only within the sound radius
 min(floor((m - t - k) / 2), m - t - k - max(t, detect)), so neither t colluding members nor
 ``detect`` tampered shares can choose the release or get an honest member blamed; beyond it
-:class:`protocols.committee.TamperingDetected` is raised naming nobody, and nothing is
-released. With exactly t + k answers nothing can be checked: the result says
-``verified=False``. A round that fails is left ABORTED (:meth:`CommitteeServer.stage`) on the
-server and in every shard, the exception names the clients excluded before it (``excluded``),
-and earlier rounds' results stay in :attr:`CommitteeServer.history`.
+:class:`protocols.committee.TamperingDetected` is raised naming nobody and no sum is decoded
+(the rows it holds still count as opened). With exactly t + k answers nothing can be checked:
+the result says ``verified=False``. A round that fails is left ABORTED
+(:meth:`CommitteeServer.stage`) on the server and in every shard, the exception names the
+clients excluded before it (``excluded``), and earlier rounds' results stay in
+:attr:`CommitteeServer.history`.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ from protocols.committee import (
     CommitteeKeys,
     CommitteeResult,
     CommitteeStage,
+    OpenedRelease,
     SealedInput,
     ShardSealedShares,
     StageFaults,
@@ -122,6 +129,8 @@ class CommitteeServer:
         self.pool = members
         self.session_id = session_id
         self.history: dict[int, CommitteeResult] = {}
+        #: every round whose sum the server holds enough to determine, completed or aborted
+        self.opened: dict[int, OpenedRelease] = {}
         self.stages: dict[int, CommitteeStage] = {}
         self.relay = Relay()
         self.member_keys: dict[int, bytes] = {}
@@ -203,8 +212,12 @@ class CommitteeServer:
         except BaseException as error:
             self.stages[round_] = CommitteeStage.ABORTED
             self.pool.call("abort", [(round_,) for _ in self.groups])
+            if round_ in self.opened:  # the rows reached the server before the abort
+                opened = dataclasses.replace(self.opened[round_], outcome=str(error)[:500])
+                self.opened[round_] = opened
             if isinstance(error, CommitteeAbort | TamperingDetected):
                 error.excluded = dict(excluded)
+                error.opened = self.opened.get(round_)
             raise
         self.history[round_] = result
         return result
@@ -219,8 +232,8 @@ class CommitteeServer:
             )
         clients, late = self._share(round_, parts, width, faults.at(CommitteeStage.SHARE), excluded)
         combine = faults.at(CommitteeStage.COMBINE)
-        self._combine(round_, clients, combine)
         late |= combine.late
+        self._combine(round_, clients, combine, late)
         return self._release(
             round_, clients, length, late, faults.at(CommitteeStage.RELEASE), excluded
         )
@@ -250,10 +263,18 @@ class CommitteeServer:
                 excluded[client] = f"members {sorted(who)} refused its share"
         return tuple(sorted(set(parts[0]) - set(excluded))), late
 
-    def _combine(self, round_: int, clients: tuple[int, ...], faults: StageFaults) -> None:
-        """COMBINE: every shard sums its members' rows of ``clients``."""
+    def _combine(
+        self, round_: int, clients: tuple[int, ...], faults: StageFaults, late: set[int]
+    ) -> None:
+        """COMBINE: every shard sums its members' rows of ``clients``; aborts, before any
+        member is asked to release, when too few are online and on time."""
         self._advance(round_, CommitteeStage.COMBINE)
-        self.pool.call("combine", [(round_, list(clients), faults) for _ in self.groups])
+        answers = self.pool.call("combine", [(round_, list(clients), faults) for _ in self.groups])
+        online: set[int] = set()
+        for group, part in zip(self.groups, answers):
+            if isinstance(part, list | tuple):  # a malformed answer: its members are offline
+                online |= {int(m) for m in part if isinstance(m, int | np.integer) and m in group}
+        self._require(len(online - late), CommitteeStage.COMBINE, round_)
 
     def _release(
         self,
@@ -264,13 +285,19 @@ class CommitteeServer:
         faults: StageFaults,
         excluded: dict[int, str],
     ) -> CommitteeResult:
-        """RELEASE: the members seal their summed rows, the server opens the on-time ones
-        (adding the late members to ``late``) and decodes the sum; aborts when too few
+        """RELEASE: the members seal their summed rows; once more than t of them reach the
+        server the round is an :class:`OpenedRelease` (:attr:`opened`), whatever follows. The
+        server checks the quorum on the on-time envelopes before opening any (adding the late
+        members to ``late``), then opens them and decodes the sum; aborts when too few
         answered."""
         self._advance(round_, CommitteeStage.RELEASE)
         released = self.pool.call("release", [(round_, faults) for _ in self.groups])
         reasons = [f"client {c}: {r}" for c, r in sorted(excluded.items())]
-        members, rows, rejected = self._open_release(round_, released, late, length, reasons)
+        arrived, on_time, rejected = self._arrivals(round_, released, late, reasons)
+        self._note_opened(round_, clients, arrived)
+        self._require(len(on_time), CommitteeStage.RELEASE, round_)  # nothing opened yet
+        members, rows, unopened = self._open_release(round_, on_time, length, reasons)
+        rejected += unopened
         self._require(len(members), CommitteeStage.RELEASE, round_)
         aggregate, tampered = self._reconstruct(np.stack(rows), members, length, round_)
         self._advance(round_, CommitteeStage.DONE)
@@ -370,14 +397,17 @@ class CommitteeServer:
                 return f"its envelope for member {j} holds {got} ciphertext bytes, {size} expected"
         return None
 
-    def _open_release(
-        self, round_: int, released: list[Any], late: set[int], length: int, reasons: list[str]
-    ) -> tuple[list[int], list[np.ndarray], list[int]]:
-        """RELEASE at the server: each on-time member's row, opened and checked (blocks field
-        elements); a row that does not open or is malformed rejects its member. Adds the
-        members that answered late to ``late``."""
-        width = self.scheme.blocks_for(length)
-        members, rows, rejected = [], [], []
+    def _arrivals(
+        self, round_: int, released: list[Any], late: set[int], reasons: list[str]
+    ) -> tuple[set[int], list[tuple[int, Envelope]], list[int]]:
+        """RELEASE at the server, before anything is opened: the members whose rows reached it
+        (on time or late, whatever their form), the on-time envelopes that claim to be a
+        member's release of this round for the server, and the on-time members whose reply is
+        no such envelope (rejected, with the reason in ``reasons``). Adds the members that
+        answered late to ``late``."""
+        arrived: set[int] = set()
+        on_time: list[tuple[int, Envelope]] = []
+        rejected: list[int] = []
         for group, part in zip(self.groups, released):
             try:
                 pairs = list(zip(part["members"], part["rows"], strict=True))
@@ -388,19 +418,44 @@ class CommitteeServer:
             for member, row in pairs:
                 if not isinstance(member, int | np.integer) or member not in group:
                     continue
-                if member in late or member in members or member in rejected:
+                if int(member) in arrived:
                     continue
-                try:
-                    rows.append(self._open_row(round_, int(member), row, width))
-                    members.append(int(member))
-                except ValueError as error:  # ChannelError is a ValueError
+                arrived.add(int(member))
+                if member in late:
+                    continue
+                problem = _release_problem(round_, int(member), row)
+                if problem is None:
+                    self.relay.post(row)  # counted
+                    on_time.append((int(member), row))
+                else:
                     rejected.append(int(member))
-                    reasons.append(f"member {member}: {error}")
+                    reasons.append(f"member {member}: {problem}")
+        self.relay.deliver(SERVER_ID)  # the server holds them all now, opened or not
+        return arrived, on_time, rejected
+
+    def _note_opened(self, round_: int, clients: tuple[int, ...], arrived: set[int]) -> None:
+        """Record round ``round_`` as opened when more than t members' rows reached the server
+        (:class:`OpenedRelease`)."""
+        if len(arrived) > self.scheme.t:
+            self.opened[round_] = OpenedRelease(round_, clients, tuple(sorted(arrived)))
+
+    def _open_release(
+        self, round_: int, on_time: list[tuple[int, Envelope]], length: int, reasons: list[str]
+    ) -> tuple[list[int], list[np.ndarray], list[int]]:
+        """Each on-time member's row, opened and checked (blocks field elements); a row that
+        does not open or is malformed rejects its member."""
+        width = self.scheme.blocks_for(length)
+        members, rows, rejected = [], [], []
+        for member, row in on_time:
+            try:
+                rows.append(self._open_row(round_, member, row, width))
+                members.append(member)
+            except ValueError as error:  # ChannelError is a ValueError
+                rejected.append(member)
+                reasons.append(f"member {member}: {error}")
         return members, rows, rejected
 
-    def _open_row(self, round_: int, member: int, row: Any, width: int) -> np.ndarray:
-        self.relay.post(row)  # counted; refuses anything that is not an Envelope
-        self.relay.deliver(SERVER_ID)
+    def _open_row(self, round_: int, member: int, row: Envelope, width: int) -> np.ndarray:
         opened = self._server.open_array(
             row, round_=round_, stage=CommitteeStage.RELEASE, sender=MEMBER_ID_BASE + member
         )
@@ -433,3 +488,17 @@ class CommitteeServer:
                 (),
             ) from error
         return decoding.values, decoding.corrected
+
+
+def _release_problem(round_: int, member: int, row: Any) -> str | None:
+    """Why ``row`` is no sealed release of ``member`` for the server in ``round_`` (None if its
+    form is right; whether it opens is checked only after the quorum)."""
+    if not isinstance(row, Envelope):
+        return f"its release is a {type(row).__name__}, not an Envelope"
+    header = (row.sender, row.receiver, row.round, row.stage)
+    expected = (MEMBER_ID_BASE + member, SERVER_ID, round_, CommitteeStage.RELEASE.name)
+    if header != expected:
+        return f"its release has header {header!r}; expected {expected!r}"
+    if not isinstance(row.nonce, bytes) or not isinstance(row.ciphertext, bytes):
+        return "its release has no nonce and ciphertext bytes"
+    return None

@@ -14,6 +14,13 @@ cannot be checked, except that a rebuilt agreement key must match its public key
 moves to ABORTED and raises :class:`RoundAborted` (:class:`TooManyDropoutsError` when too few
 answered): nothing is released. Keys, seeds and shares of the clients never reach the server in
 the clear; public keys relayed by the server are taken as authentic (honest-but-curious server).
+
+**Opened is released.** A round that aborts in UNMASK may abort after the server already holds
+enough to determine the sum: ``threshold`` shares of every survivor's self-mask seed and of
+every mask key it must remove. Shares that disagree only hide which subset is right, and the
+server can try every subset (a rebuilt agreement key must match its public key, an unmasked sum
+must fit the encoding). :attr:`SecAggServer.opened` says so, set as UNMASK's responses arrive,
+so that the caller accounts the sum of the survivors' inputs whatever the round is then called.
 """
 
 from __future__ import annotations
@@ -53,7 +60,6 @@ from protocols.secagg import (
     sum_vectors,
 )
 from protocols.secagg_client import SecAggClient
-from protocols.shamir import InconsistentSharesError
 
 
 @dataclass
@@ -123,6 +129,8 @@ class SecAggServer:
         self.shared: tuple[int, ...] = ()
         self.survivors: tuple[int, ...] = ()
         self.dropped: tuple[int, ...] = ()
+        #: the unmasking shares held determine the survivors' sum (released, even on abort)
+        self.opened = False
         self._recipients: dict[int, tuple[int, ...]] = {}
 
     @property
@@ -306,6 +314,7 @@ class SecAggServer:
                 continue
             self.view.responses[int(responder)] = response
             self.transcript.record(int(responder), SERVER_ID, Stage.UNMASK, response.nbytes)
+        self.opened = self._determined()
         while True:
             try:
                 total = self._unmasked_sum()
@@ -316,6 +325,23 @@ class SecAggServer:
                 continue
             self._enter(Stage.DONE)
             return total
+
+    def _determined(self) -> bool:
+        """Whether the responses held give ``threshold`` shares of every secret the sum needs:
+        each survivor's self-mask seed and each dropped client's mask key that a survivor's
+        input holds (right or wrong shares alike: the server may try every subset)."""
+        needed = [(owner, "self_mask_shares") for owner in self.survivors]
+        needed += [
+            (owner, "secret_key_shares")
+            for owner in self.dropped
+            if any(j in self.survivors for j in self._recipients[owner])
+        ]
+        for owner, kind in needed:
+            scheme = shamir_scheme(self.config, len(self._recipients[owner]))
+            held = sum(owner in getattr(r, kind) for r in self.view.responses.values())
+            if held < scheme.threshold:
+                return False
+        return True
 
     def _response_problem(self, responder: object, response: object) -> str | None:
         client = self._member(responder)

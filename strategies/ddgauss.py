@@ -44,16 +44,35 @@ gamma is the finest granularity for which the sum of n encodings fits ``bits`` s
 
 Accounting (:mod:`fedsim.privacy.ddgauss`): every released round records KLS21 Theorem 1's
 bound as ``GaussianDpEvent(1/eps)`` in a :class:`~fedsim.privacy.accounting.PrivacyLedger`
-(add/remove, no amplification by sampling claimed), with sensitivities Delta_2, Delta_1 of the
-rounded vector and **the number of clients whose noise is in the sum** (the survivors, after
-dropouts and rejected replies; never the planned n). A round with dropouts therefore costs more
-privacy than a full one; a round that releases nothing records nothing.
+(no amplification by sampling claimed), with sensitivities Delta_2, Delta_1 of the rounded
+vector and **the number of clients whose noise is in the sum** (the survivors, after dropouts
+and rejected replies; never the planned n). A round with dropouts therefore costs more privacy
+than a full one. The neighbouring relation reported is the one proved, **zero-out** (one
+client's update zeroed, its noise share still in the sum; ``ddgauss_privacy.RELATION``).
+
+**Opened is released**: a round counts as released as soon as the server holds enough to
+determine its sum, whatever the round is then called -- a committee round that aborts after more
+than t members' rows reached the server (:class:`protocols.committee.OpenedRelease`), a SecAgg+
+round that aborts in UNMASK after the shares of every secret arrived
+(:attr:`protocols.secagg_server.SecAggServer.opened`). Such a round updates no model but is
+accounted for the noise of the clients in that sum; its metrics say ``ddgauss-aborted = 1``,
+``ddgauss-opened = 1`` and the epsilon it cost (``ddgauss-epsilon-cost``), and the privacy
+report lists it under ``aborted_releases`` (round, clients, epsilon cost). A round whose sum
+the server cannot determine records nothing.
+
+**Per-client metrics**: clients reply nothing data-dependent but their (masked, sealed or clear)
+encoding unless their app has ``metrics_in_clear``; federated evaluation, which replies each
+client's un-noised loss and accuracy, is refused (by the config, the strategy and the client
+app) unless ``metrics_in_clear``, and any per-client metric that reaches the strategy makes
+epsilon infinite for the protected unit (a ``NonPrivateDpEvent``; the report's
+``unaccounted``).
 
 Hostile replies: every reply is checked (form, types, lengths, field ranges, key validity,
 membership, stage) before it is used; a bad one drops its client for the round, named in the
 round metric ``rejected`` (node ids) with the reasons in the log, and the round goes on, or
-releases nothing when too few clients remain. Client replies carry only protocol fields unless
-the client app was built with ``metrics_in_clear=True``.
+releases nothing when too few clients remain. Each client answers a round once
+(:mod:`strategies.answered_rounds`): a round number sent again, with any model, is refused
+before anything is drawn for it.
 """
 
 from __future__ import annotations
@@ -64,6 +83,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import dp_accounting as dpa
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -91,6 +111,8 @@ from protocols.committee_client import seal_input
 from protocols.encoding import DEFAULT_BETA, DDGaussEncoder, choose_gamma
 from protocols.field import DEFAULT_FIELD
 from protocols.secagg import SecAggConfig, Stage, TooManyDropoutsError, integer_vector
+from strategies.answered_rounds import claim_round
+from strategies.dp_shell import LedgerShell
 from strategies.secagg_messages import (
     KEYS_KEY,
     MALFORMED,
@@ -100,7 +122,6 @@ from strategies.secagg_messages import (
     run_over_grid,
     start_client,
 )
-from strategies.dp_shell import LedgerShell
 from strategies.spec import Accounting, RunFacts, StrategySpec
 from strategies.wrapper import server_reply
 
@@ -114,6 +135,11 @@ COMMITTEE_PREFIX = "ddgauss.committee."
 _COMMITTEE_KEYS = ("n", "t", "k", "field-exponent", "session", "member-keys", "party")
 MODES = ("full", "plaintext", "committee")
 _KEYS = ("dim", "clip", "gamma", "noise-std", "beta", "max-tries", "rotation-seed", "mode")
+_EVALUATION = (
+    "{} with DDGauss: federated evaluation sends each evaluating client's un-noised loss and "
+    "accuracy to the server; set fraction_evaluate = 0 ([evaluation] clients = 0), or pass "
+    "metrics_in_clear=True ([privacy] metrics_in_clear = true), which makes epsilon infinite"
+)
 _RENAMED = (
     "mode='ideal' is now mode='plaintext': the clients' encodings reach the server in the "
     "clear (only the sum's arithmetic matches full mode); use 'full' for SecAgg+"
@@ -259,9 +285,10 @@ def ddgauss_client_app(
     ``ddgauss.encoded`` (D field elements). Rounding, noise, share randomness and keys come
     from the client's own secret, or the noise from the OS (``secure_noise``).
     ``metrics_in_clear``: also reply the inner metrics plus ``ddgauss.tries`` and
-    ``ddgauss.clipped`` un-noised; without it a train reply carries nothing data-dependent but
-    the (masked, sealed or, in plaintext mode, clear) encoding. Evaluate messages go to ``inner``
-    unchanged: federated evaluation, when the strategy asks for it, is outside DDGauss.
+    ``ddgauss.clipped`` un-noised, and answer federated evaluation (``inner``'s evaluate, un-noised
+    too); without it a train reply carries nothing data-dependent but the (masked, sealed or, in
+    plaintext mode, clear) encoding and an evaluate message is refused. A round already answered
+    (or an earlier one) is refused before anything is drawn (:func:`claim_round`).
     """
     app = ClientApp()
 
@@ -272,11 +299,12 @@ def ddgauss_client_app(
         mode = config[PREFIX + "mode"]
         if mode not in MODES:
             raise ValueError(f"ddgauss.mode={mode!r}; allowed: {MODES}")
+        server_round = int(config["server-round"])
+        claim_round(context.state, NAME, server_round)  # never the same streams twice
         local = trained_update(inner, message, context, global_record)
         if isinstance(local, Message):
             return local
         update, metrics = local
-        server_round = int(config["server-round"])
         secret = client_secret(context.node_config)
         rng = secret.generator(server_round, Purpose.ROUNDING, PREFIX)
         noise_rng = secret.generator(server_round, Purpose.NOISE, PREFIX)
@@ -307,6 +335,12 @@ def ddgauss_client_app(
 
     @app.evaluate()
     def evaluate(message: Message, context: Context) -> Message:
+        if not metrics_in_clear:
+            raise RuntimeError(
+                "a DDGauss client answers no federated evaluation: it would send its un-noised "
+                "loss and accuracy to the server (build the client app with "
+                "metrics_in_clear=True to allow it; epsilon is then infinite)"
+            )
         return inner(message, context)
 
     return app
@@ -314,10 +348,11 @@ def ddgauss_client_app(
 
 @dataclass
 class _Release:
-    """What one round's secure sum gave: the total in F_p (None: nothing released), the nodes
+    """What one round's secure sum gave: the total in F_p (None: no sum decoded), the nodes
     whose noise it holds, the nodes rejected with reasons, why it aborted, (full mode) the
-    SecAgg+ server's final stage and the nodes that refused a stage, and (committee mode) the
-    members' counts for the round metrics."""
+    SecAgg+ server's final stage and the nodes that refused a stage, (committee mode) the
+    members' counts for the round metrics, and ``opened``: when it aborted after the server
+    held enough to determine the sum, the nodes whose noise that sum holds (accounted)."""
 
     total: np.ndarray | None
     survivors: tuple[int, ...] = ()
@@ -326,6 +361,7 @@ class _Release:
     stage: str | None = None
     refused: dict[int, str] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
+    opened: tuple[int, ...] = ()
 
 
 def _check_arguments(
@@ -410,6 +446,10 @@ class DDGauss(LedgerShell):
             from ``seed`` and the round). Clients lost before MASKED_INPUT contribute no noise.
             Plaintext mode reproduces full mode's outcome exactly on the complete graph.
         stage_timeout: seconds each SecAgg+ exchange waits for replies (None: no limit).
+        metrics_in_clear: allow federated evaluation (``strategy``'s evaluate phase), which
+            gives the server each evaluating client's un-noised metrics: epsilon becomes
+            infinite once any arrive. Without it a ``strategy`` whose ``fraction_evaluate`` is
+            > 0, or that sends evaluate messages, is refused.
     """
 
     def __init__(
@@ -431,6 +471,7 @@ class DDGauss(LedgerShell):
         committee: Committee | CommitteeSpec | None = None,
         stage_timeout: float | None = 3600.0,
         member_dropout: float = 0.0,
+        metrics_in_clear: bool = False,
     ) -> None:
         _check_arguments(
             clipping_norm=clipping_norm,
@@ -445,7 +486,11 @@ class DDGauss(LedgerShell):
             protocol_dropout=protocol_dropout,
             stage_timeout=stage_timeout,
         )
+        fraction = getattr(strategy, "fraction_evaluate", 0.0)
+        if not metrics_in_clear and isinstance(fraction, int | float) and fraction > 0:
+            raise ValueError(_EVALUATION.format(f"strategy.fraction_evaluate={fraction!r}"))
         super().__init__(strategy)
+        self.metrics_in_clear = bool(metrics_in_clear)
         self.ring_bits = ring_bits
         self.protocol_dropout = float(protocol_dropout)
         self.member_dropout = float(member_dropout)
@@ -470,6 +515,12 @@ class DDGauss(LedgerShell):
         self.last_rejected: dict[int, str] = {}
         self.last_abort: str | None = None
         self.last_stage: str | None = None
+        self.last_opened: tuple[int, ...] = ()
+        #: rounds that aborted after the server held their sum (accounted): round, clients,
+        #: the epsilon it cost
+        self.aborted_releases: list[dict[str, float]] = []
+        #: client content that reached the server outside the secure sum (epsilon = inf)
+        self.unaccounted: list[str] = []
         self._global: tuple[str, ArrayRecord] | None = None
         self._grid: Grid | None = None
         self._session: bytes | None = None
@@ -534,11 +585,39 @@ class DDGauss(LedgerShell):
         return int(public_generator(self.seed, server_round, Stream.ROTATION).integers(2**63))
 
     def report_details(self) -> dict[str, Any]:
-        """The bound epsilon rests on, and the protocol's mode."""
-        return {
-            "bound": "KLS21 Theorem 1 (zCDP), noise of surviving clients only",
+        """The bound epsilon rests on, the neighbouring relation it proves (zero-out; it
+        overrides the ledger's add/remove, whose Gaussian arithmetic it shares), the protocol's
+        mode, the rounds accounted though they aborted, and any client content that reached
+        the server unaccounted (the count and the first)."""
+        details: dict[str, Any] = {
+            "bound": "KLS21 Theorem 1 (zCDP), noise of the clients in each opened sum only",
+            "relation": ddgauss_privacy.RELATION,
             "mode": self.mode,
+            "aborted_releases": list(self.aborted_releases),
         }
+        if self.unaccounted:
+            details["unaccounted"] = {
+                "releases": len(self.unaccounted),
+                "first": self.unaccounted[0],
+            }
+        return details
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        messages = list(self.strategy.configure_evaluate(server_round, arrays, config, grid))
+        if messages and not self.metrics_in_clear:
+            raise RuntimeError(_EVALUATION.format(f"{len(messages)} evaluate messages"))
+        return messages
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        replies = list(replies)
+        answered = sum(not reply.has_error() for reply in replies)
+        if answered:
+            self._unaccounted(server_round, f"evaluation metrics of {answered} clients")
+        return self.strategy.aggregate_evaluate(server_round, replies)
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -725,6 +804,7 @@ class DDGauss(LedgerShell):
                 outcome.aborted,
                 outcome.stage.name,
                 outcome.refused,
+                opened=outcome.opened,
             )
         if len(payloads) < 1:
             return _Release(None, aborted=f"round {server_round}: no client contributed")
@@ -747,7 +827,13 @@ class DDGauss(LedgerShell):
             result = self.committee.run_round_sealed(server_round, inputs, length, faults)
         except (CommitteeAbort, TamperingDetected) as error:
             rejected = {node_of[c]: why for c, why in error.excluded.items()}
-            return _Release(None, rejected=rejected, aborted=str(error))
+            opened = () if error.opened is None else error.opened.clients
+            return _Release(
+                None,
+                rejected=rejected,
+                aborted=str(error),
+                opened=tuple(sorted(node_of[c] for c in opened)),
+            )
         rejected = {node_of[c]: _reason(result.reasons, c) for c in result.excluded}
         clients = tuple(sorted(node_of[c] for c in result.clients))
         counts = {
@@ -763,6 +849,9 @@ class DDGauss(LedgerShell):
         if self._global is None or self.encoder is None:
             raise RuntimeError("aggregate_train called before configure_train")
         payloads, rejected, clear = self._first_replies(replies)
+        before = self.epsilon()
+        if clear:
+            self._unaccounted(server_round, f"train metrics of {len(clear)} clients in the clear")
         release = self._release(server_round, payloads)
         rejected.update(release.rejected)
         for node, reason in sorted(rejected.items()):
@@ -778,11 +867,23 @@ class DDGauss(LedgerShell):
                 "ddgauss-refused": len(release.refused),
             }
         )
-        if release.total is None:  # nothing is released, so nothing is accounted
+        self.last_opened = release.opened
+        if release.total is None:  # no model update; accounted if the server holds the sum
             self.last_survivors, self.last_sum, self.last_abort = (), None, release.aborted
-            metrics["ddgauss-survivors"] = 0
+            metrics["ddgauss-survivors"] = len(release.opened)
             metrics["ddgauss-aborted"] = 1
-            metrics["epsilon"] = self.epsilon()
+            if not release.opened:
+                return None, self._with_epsilon(metrics, before)
+            self._record(server_round, len(release.opened))  # opened is released
+            metrics["ddgauss-opened"] = 1
+            metrics = self._with_epsilon(metrics, before)
+            self.aborted_releases.append(
+                {
+                    "round": server_round,
+                    "clients": len(release.opened),
+                    "epsilon_cost": metrics["ddgauss-epsilon-cost"],
+                }
+            )
             return None, metrics
         self.last_sum, self.last_survivors, self.last_abort = release.total, release.survivors, None
         arrays, aggregated = self._apply(server_round, release, clear)
@@ -791,8 +892,33 @@ class DDGauss(LedgerShell):
         aggregated["ddgauss-survivors"] = len(release.survivors)
         aggregated["ddgauss-aborted"] = 0
         aggregated["ddgauss-gamma"] = self.encoder.gamma
-        aggregated["epsilon"] = self.epsilon()
-        return arrays, aggregated
+        return arrays, self._with_epsilon(aggregated, before)
+
+    def _with_epsilon(self, metrics: MetricRecord, before: float) -> MetricRecord:
+        """``metrics`` with epsilon so far and what this round cost (``ddgauss-epsilon-cost``:
+        the increase, infinite once epsilon is)."""
+        now = self.epsilon()
+        metrics["epsilon"] = now
+        metrics["ddgauss-epsilon-cost"] = now - before if math.isfinite(before) else math.inf
+        return metrics
+
+    def _record(self, server_round: int, count: int) -> None:
+        """Account one release of a sum holding the noise of ``count`` clients (KLS21)."""
+        encoder = self.encoder
+        event = ddgauss_privacy.round_event(
+            encoder.l2_bound,
+            encoder.l1_bound,
+            encoder.scaled_noise_std,
+            count,
+            encoder.padded_dim,
+        )
+        self.ledger.record(server_round, event)
+
+    def _unaccounted(self, server_round: int, what: str) -> None:
+        """Client content reached the server outside the secure sum: epsilon is infinite."""
+        self.ledger.record(server_round, dpa.NonPrivateDpEvent())
+        self.unaccounted.append(f"round {server_round}: {what}")
+        log.warning("round %d: DDGauss received %s: epsilon is now infinite", server_round, what)
 
     def _apply(
         self, server_round: int, release: _Release, clear: list[MetricRecord]
@@ -801,16 +927,7 @@ class DDGauss(LedgerShell):
         wrapped strategy; client metrics sent in the clear are averaged and marked."""
         encoder = self.encoder
         key, global_record = self._global
-        self.ledger.record(
-            server_round,
-            ddgauss_privacy.round_event(
-                encoder.l2_bound,
-                encoder.l1_bound,
-                encoder.scaled_noise_std,
-                len(release.survivors),
-                encoder.padded_dim,
-            ),
-        )
+        self._record(server_round, len(release.survivors))
         reference = to_numpy(global_record)
         mean_update = encoder.decode(release.total, self.rotation_seed(server_round))
         mean_update /= self.expected_clients
@@ -875,14 +992,20 @@ _COMMITTEE_OPTIONS = {
 
 
 def from_options(
-    options: dict[str, Any], *, expected_clients: float, seed: int, evaluate_fraction: float = 0.0
+    options: dict[str, Any],
+    *,
+    expected_clients: float,
+    seed: int,
+    evaluate_fraction: float = 0.0,
+    metrics_in_clear: bool = False,
 ) -> DDGauss:
     """ "ddgauss" from a config's ``strategy.options``: ``clipping_norm`` and
     ``noise_multiplier`` (required), ``mode`` ("full", "plaintext" or "committee"), the other
     keyword arguments of :class:`DDGauss` and, in committee mode, the committee's
     ``committee_size`` (required), ``threshold`` (required), ``packing`` (1), ``detect`` (1),
     ``committee_shards`` (1) and ``committee_actors`` (false; true hosts the members on Ray
-    actors): a :class:`~fedsim.engine.committee.CommitteeSpec` the front end builds."""
+    actors): a :class:`~fedsim.engine.committee.CommitteeSpec` the front end builds.
+    ``evaluate_fraction`` > 0 (federated evaluation) needs ``metrics_in_clear``."""
     from flwr.serverapp.strategy import FedAvg  # noqa: PLC0415
 
     for key in options:
@@ -929,11 +1052,17 @@ def from_options(
         expected_clients=max(2, round(expected_clients)),
         seed=seed,
         committee=committee,
+        metrics_in_clear=metrics_in_clear,
         **kwargs,
     )
 
 
 NAME = "ddgauss"
+
+
+def _always(options: Mapping[str, Any]) -> bool:
+    """DDGauss's clients reply only their encoding, in every mode."""
+    return True
 
 
 def _build(options: Mapping[str, Any], facts: RunFacts) -> DDGauss:
@@ -944,6 +1073,7 @@ def _build(options: Mapping[str, Any], facts: RunFacts) -> DDGauss:
             expected_clients=facts.expected_clients,
             seed=facts.seed,
             evaluate_fraction=facts.evaluate_fraction,
+            metrics_in_clear=facts.metrics_in_clear,
         )
     except ValueError as err:
         raise ConfigError("strategy.options", dict(options), str(err)) from err
@@ -953,8 +1083,11 @@ SPEC = StrategySpec(
     name=NAME,
     build=_build,
     accounting=Accounting(
-        ledger="per round, the distributed discrete Gaussian's zCDP bound (KLS21 Thm. 1) for "
-        "the noise of the clients that survived into the sum",
+        ledger="per round whose sum the server can determine (released, or aborted after it "
+        "was opened), the distributed discrete Gaussian's zCDP bound (KLS21 Thm. 1) for the "
+        "noise of the clients in that sum; zero-out neighbours; any per-client metric the "
+        "server receives is unaccounted (epsilon infinite)",
     ),
     client_app=ddgauss_client_app,
+    secure_replies=_always,
 )

@@ -201,8 +201,10 @@ class SecAggOutcome:
     """One SecAgg+ round over a Grid, in node ids: the aggregate (in the round's masking
     space; None if the round aborted), the nodes whose inputs it sums, the nodes rejected for
     a bad reply with the reasons, why the round aborted (None if it completed), the server
-    state machine's final stage, how many messages each exchange sent, and the nodes that
-    refused a stage (dropouts) with their reasons."""
+    state machine's final stage, how many messages each exchange sent, the nodes that
+    refused a stage (dropouts) with their reasons, and ``opened``: when the round aborted
+    after the server held enough to determine the sum (:attr:`SecAggServer.opened`), the nodes
+    whose inputs that sum holds -- a release all the same."""
 
     aggregate: np.ndarray | None
     survivors: tuple[int, ...]
@@ -212,6 +214,7 @@ class SecAggOutcome:
     stage: Stage = Stage.SETUP
     messages: dict[str, int] = field(default_factory=dict)
     refused: dict[int, str] = field(default_factory=dict)
+    opened: tuple[int, ...] = ()
 
 
 @dataclass
@@ -326,7 +329,8 @@ def run_over_grid(
     replies gave ``public_keys`` (node id -> (channel, agreement), unchecked); ``config_for(n)``
     gives the round's parameters for n clients. ``silent[stage]``: nodes that stop answering
     from that stage on (simulated protocol dropouts). Never raises for a client's reply: a bad
-    one is rejected, and a round that cannot complete ends ABORTED with nothing released."""
+    one is rejected, and a round that cannot complete ends ABORTED with no aggregate (its
+    ``opened`` nodes say when the server held enough to determine it all the same)."""
     silent = {stage: set(nodes) for stage, nodes in (silent or {}).items()}
     nodes = sorted(public_keys)
     node_of = {index + 1: node for index, node in enumerate(nodes)}
@@ -345,16 +349,17 @@ def run_over_grid(
         aborted = str(error)
     rejected = dict(exchange.foreign)
     rejected.update({node_of[c]: why for c, why in server.rejected.items() if c in node_of})
-    survivors = tuple(node_of[c] for c in server.survivors) if aggregate is not None else ()
+    summed = tuple(node_of[c] for c in server.survivors)
     return SecAggOutcome(
         aggregate,
-        survivors,
+        summed if aggregate is not None else (),
         rejected,
         aborted,
         config,
         server.stage,
         exchange.messages,
         exchange.refused,
+        summed if aggregate is None and server.opened else (),
     )
 
 

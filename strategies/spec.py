@@ -75,6 +75,7 @@ class Accounting:
 
 
 def _no_proximal_term(options: Mapping[str, Any]) -> bool:
+    """No, whatever the options (the default of the spec's option predicates)."""
     return False
 
 
@@ -96,6 +97,9 @@ class StrategySpec:
             reachable every round and the strategy draws its reporting clients itself.
         proximal: whether, with these options, its clients must add a proximal term
             (FedProx), which DP-SGD, LoRA, constrained and client-method training lack.
+        secure_replies: whether, with these options, its clients reply nothing
+            data-dependent outside the mechanism, so that federated evaluation (each client's
+            un-noised metrics, straight to the server) needs ``[privacy] metrics_in_clear``.
     """
 
     name: str
@@ -105,6 +109,7 @@ class StrategySpec:
     client_app: Callable[[ClientApp, bool], ClientApp] | None = None
     personalised: bool = False
     proximal: Callable[[Mapping[str, Any]], bool] = _no_proximal_term
+    secure_replies: Callable[[Mapping[str, Any]], bool] = _no_proximal_term
 
     @property
     def private(self) -> bool:

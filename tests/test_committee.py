@@ -101,6 +101,8 @@ def test_dropouts_up_to_the_limit_then_abort_keeps_earlier_rounds():
         run(committee, 3, inputs(rng), rng, too_many)
     assert (info.value.needed, info.value.answered) == (6, 5)
     assert isinstance(info.value, TooManyDropoutsError)
+    # yet the rows of 6 > t members (member 5's late) reached the server: an opened release
+    assert info.value.opened.members == (4, 5, 6, 7, 8, 9) == committee.opened[3].members
     assert committee.history[1] is first and committee.history[2] is second
     assert 3 not in committee.history and committee.stage(3) is S.ABORTED
     assert all(shard.stage(3) is S.ABORTED for shard in committee.shards)

@@ -112,7 +112,11 @@ def test_dropouts_at_every_exchange_cost_epsilon_for_the_noise_present(
     assert any(len(s) < CLIENTS for s in survivors)
     encoder = lossy.encoder
     expected = DDGauss(
-        FedAvg(), clipping_norm=1.0, noise_multiplier=1.0, expected_clients=CLIENTS, seed=7
+        FedAvg(fraction_evaluate=0.0),
+        clipping_norm=1.0,
+        noise_multiplier=1.0,
+        expected_clients=CLIENTS,
+        seed=7,
     )
     for server_round, kept in enumerate(survivors, 1):
         expected.ledger.record(
@@ -218,7 +222,7 @@ def test_decoded_sum_matches_the_clients_updates_without_noise():
 
     rng = np.random.default_rng(0)
     strategy = DDGauss(
-        FedAvg(),
+        FedAvg(fraction_evaluate=0.0),
         clipping_norm=1.0,
         noise_multiplier=1.0,
         expected_clients=5,
@@ -234,7 +238,10 @@ def test_decoded_sum_matches_the_clients_updates_without_noise():
     np.testing.assert_array_equal(total, DEFAULT_FIELD.sum(np.stack(list(inputs.values())), 0))
     decoded = encoder.decode(total, seed)
     np.testing.assert_allclose(decoded, np.sum(updates, axis=0), atol=5 * encoder.gamma * 3)
-    full = DDGauss(FedAvg(), clipping_norm=1, noise_multiplier=1, expected_clients=5, seed=1)
+    full = DDGauss(
+        FedAvg(fraction_evaluate=0.0), clipping_norm=1, noise_multiplier=1, expected_clients=5,
+        seed=1,
+    )
     with pytest.raises(ValueError, match="never holds the inputs"):
         full.sum_in_clear(1, inputs)
 
@@ -286,7 +293,7 @@ def test_arguments_are_checked():
 
 def _plaintext(**kwargs):
     strategy = DDGauss(
-        FedAvg(),
+        FedAvg(fraction_evaluate=0.0),
         clipping_norm=1.0,
         noise_multiplier=1.0,
         expected_clients=12,

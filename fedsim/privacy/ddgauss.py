@@ -26,11 +26,20 @@ for the unsampled mechanism only, no amplification by sampling is claimed: every
 in full (as if every client took part in every round).
 
 Units: Delta_1, Delta_2 and sigma in integer (granularity) units, D the padded dimension.
-Neighbouring: add/remove in KLS21's form -- one client's rounded vector is zeroed out (a change
-Delta with ||Delta||_2 <= Delta_2, ||Delta||_1 <= Delta_1) while every client's noise stays;
-replace-one neighbours would need 2 Delta_2 and 2 Delta_1. **Dropout rule**: ``count`` is the
-number of clients whose noise is actually in the released sum (the survivors), never the planned
-cohort.
+
+**Neighbouring: zero-out** (:data:`RELATION`; the relation of Kairouz et al., ICML 2021,
+"Practical and private (deep) learning without sampling or shuffling"): one client's rounded
+vector is zeroed (a change Delta with ||Delta||_2 <= Delta_2, ||Delta||_1 <= Delta_1) while
+every client's noise, its own share included, stays in the sum -- what Proposition 14 bounds.
+It is not add/remove: removing the client removes its noise share too (n - 1 shares against
+n: a wider distribution against a narrower one, whose Renyi divergence exceeds the bound
+above and, for Gaussians, is infinite from order n on), and the server sees who contributed
+anyway. The
+ledger's Gaussian of sensitivity Delta is the same arithmetic under either name, so a ledger
+may keep dp_accounting's add/remove convention; what a report states is :data:`RELATION`.
+Replace-one neighbours would need 2 Delta_2 and 2 Delta_1. **Dropout rule**: ``count`` is the
+number of clients whose noise is actually in the released sum (the survivors), never the
+planned cohort.
 """
 
 from __future__ import annotations
@@ -43,6 +52,10 @@ import numpy as np
 from dp_accounting.rdp import rdp_privacy_accountant
 
 DEFAULT_ORDERS: tuple[float, ...] = tuple(range(2, 129)) + (256.0,)
+
+RELATION = "zero_out"
+"""The neighbouring relation KLS21's bound proves (module docstring): one client's update
+zeroed, its noise share kept."""
 
 
 def _check(count: int, scaled_std: float, l2_bound: float, l1_bound: float, dim: int) -> None:

@@ -371,7 +371,7 @@ def test_the_client_keeps_its_secagg_state_sealed_and_answers_a_round_once(task_
     other = RunSecret.from_passphrase(PHRASE).client(3)
     with pytest.raises(ValueError, match="failed authentication"):
         other.open(stored["state"], b"fedsim/secagg/client-state/v2")
-    with pytest.raises(RuntimeError, match="answers round 1's instruction only once"):
+    with pytest.raises(RuntimeError, match="already answered ddgauss round 1"):
         app(Message(messages[0].content, node(2), "train"), context)
 
 
