@@ -365,6 +365,7 @@ def _summary(
         "engine": engine.describe(),
         "versions": {"fedsim": __version__, "python": platform.python_version()},
         **recorder.run_summary,
+        **recorder.summary_privacy(),
     }
 
 
