@@ -410,12 +410,7 @@ class DPFedAvg(ClippedSumShell):
         offered = [int(n) for n in grid.get_node_ids()] if plan is not None else []
         messages = list(super().configure_train(server_round, arrays, config, grid))
         if plan is not None and not plan.engine_cohort:
-            require(
-                len(messages) == plan.sample_size,
-                f"sampling (round {server_round})",
-                f"{len(messages)} nodes sent",
-                f"{plan.sample_size} nodes, the accounted {describe(self.sampling)}",
-            )
+            plan.check_round(server_round, offered, [int(m.metadata.dst_node_id) for m in messages])
             messages = self._secret_cohort(server_round, offered, messages)
             self.instructions_sent(server_round, messages, grid)
         sent = [int(m.metadata.dst_node_id) for m in messages]

@@ -162,6 +162,10 @@ class ClippedSumShell(ServerNoise, LedgerShell):
             partial = is_partial(reply)
             bad = (ids and key not in ids) or (key and key in keys)
             bad = bad or (not partial and (node not in nodes or node in senders))
+            if not bad and partial and self._boundary is not None and ids:
+                # a worker fold must answer only this shell's instructions
+                covers = self._boundary.covers(reply)
+                bad = covers is None or not set(covers) <= ids
             if not bad and self._boundary is not None:
                 try:
                     self._boundary.claim([reply], self)

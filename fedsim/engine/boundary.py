@@ -94,6 +94,12 @@ class ReleaseBoundary:
             _, message_type, server_round = self.instructions[key]
         self.replies[key] = _Delivered(ids, message_type, server_round, self._scope)
 
+    def covers(self, reply: Message) -> tuple[str, ...] | None:
+        """The instructions ``reply`` answers (a worker fold's: all of its batches'); None
+        for a reply the grid never delivered."""
+        entry = self.replies.get(reply.metadata.reply_to_message_id)
+        return None if entry is None else entry.covers
+
     # -- mechanisms ---------------------------------------------------------------------
     def register(self, mechanism: Any) -> None:
         """``mechanism`` (an object with ``ledger``, ``accountant`` and ``epsilon()``) releases
