@@ -251,6 +251,8 @@ class RoundRecorder:
         privacy = self.run_privacy(record.get("privacy"))
         if privacy is not None:
             record["privacy"] = privacy
+        if self.boundary is not None:
+            self.boundary.close_round()
         if self.mark_in_clear and (phases or any(k in record for k in CLIENT_SECTIONS)):
             record["metrics_in_clear"] = True
         self._round_start = now

@@ -80,6 +80,19 @@ def test_a_reply_is_consumed_once_and_only_if_the_grid_delivered_it():
     assert boundary.report() == {"epsilon": mechanism.epsilon(), "unaccounted_releases": 0}
 
 
+def test_a_closed_round_keeps_its_unaccounted_count_and_forgets_its_ids():
+    boundary, mechanism = ReleaseBoundary(), Mechanism(1)
+    replies = sent(boundary, [1, 2])
+    for reply in replies:
+        boundary.delivered(reply)
+    boundary.claim(replies[:1], mechanism)
+    boundary.close_round()
+    assert boundary.replies == {} and boundary.instructions == {}
+    assert boundary.unaccounted() == {"train": 1}
+    with pytest.raises(ClaimRefused, match="never delivered"):  # too late, and never twice
+        boundary.claim(replies[:1], mechanism)
+
+
 def test_a_worker_fold_counts_every_instruction_it_covers():
     boundary = ReleaseBoundary()
     replies = sent(boundary, [1, 2, 3, 4])

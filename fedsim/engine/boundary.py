@@ -68,6 +68,8 @@ class ReleaseBoundary:
     #: reply key (the instruction id it answers) -> what was delivered
     replies: dict[str, _Delivered] = field(default_factory=dict)
     mechanisms: dict[int, _Mechanism] = field(default_factory=dict)
+    #: unaccounted contributions of rounds already closed, by message type
+    closed_unaccounted: dict[str, int] = field(default_factory=dict)
     _scope: int | None = None
 
     # -- what the grid reports ----------------------------------------------------------
@@ -176,12 +178,20 @@ class ReleaseBoundary:
 
     def unaccounted(self) -> dict[str, int]:
         """Client contributions delivered and never consumed, by message type."""
-        out: dict[str, int] = {}
+        out = dict(self.closed_unaccounted)
         for reply in self.replies.values():
             if reply.consumer is None:
                 kind = reply.message_type.split(".")[0]
                 out[kind] = out.get(kind, 0) + len(reply.covers)
         return out
+
+    def close_round(self) -> None:
+        """A round's record was written: what nobody consumed stays counted, the ids are
+        forgotten (a later claim of one of them is refused as never delivered), so the
+        boundary holds O(one round)."""
+        self.closed_unaccounted = self.unaccounted()
+        self.replies.clear()
+        self.instructions.clear()
 
     def report(self) -> dict[str, Any]:
         """The run's privacy: epsilon composed over every registered mechanism (infinite with
