@@ -414,7 +414,7 @@ class DPFedAvg(ClippedSumShell):
             messages = self._secret_cohort(server_round, offered, messages)
             self.instructions_sent(server_round, messages, grid)
         sent = [int(m.metadata.dst_node_id) for m in messages]
-        for node in sent:
+        for node in sent if self.public_cohorts else ():  # the worst client's rounds
             self.instructions_per_node[node] = self.instructions_per_node.get(node, 0) + 1
         if plan is not None:
             plan.check_round(server_round, offered, sent)

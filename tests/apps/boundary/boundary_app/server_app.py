@@ -90,6 +90,14 @@ def dp_fedavg(cls, config: dict, nodes: int, context: Context) -> DPFedAvg:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    sample = random.sample
+    try:
+        attack(grid, context)
+    finally:
+        random.sample = sample  # the patch stays inside this run
+
+
+def attack(grid: Grid, context: Context) -> None:
     config = context.run_config
     attack = str(config["attack"])
     rounds = int(config["num-server-rounds"])
