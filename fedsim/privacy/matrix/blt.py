@@ -19,6 +19,7 @@ import numpy as np
 from fedsim.config import require
 from fedsim.privacy.matrix.factorization import (
     Factorization,
+    Progress,
     check_rounds,
     check_workload,
     from_square_encoder,
@@ -75,6 +76,7 @@ def blt(
     participation: Participation | None = None,
     workload: np.ndarray | None = None,
     max_iter: int = 500,
+    progress: Progress | None = None,
 ) -> Factorization:
     """Optimised BLT with ``buffers`` buffers, by L-BFGS on the Toeplitz loss of
     :func:`fedsim.privacy.matrix.toeplitz.toeplitz_loss_and_grad`.
@@ -112,7 +114,7 @@ def blt(
     weights0 = np.full(buffers, 0.5 / buffers)
     a0 = np.log(weights0 / (1.0 - weights0.sum()))
     t0 = np.log(thetas0 / (1.0 - thetas0))
-    x = lbfgs(fun, np.concatenate([a0, t0]), max_iter)
+    x = lbfgs(fun, np.concatenate([a0, t0]), max_iter, progress=progress)
     w, th = _unpack(x)
     coef = blt_coefficients(w, th, n)
     C = toeplitz_matrix(coef, n)

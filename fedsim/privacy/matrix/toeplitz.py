@@ -14,6 +14,7 @@ import scipy.linalg
 from fedsim.config import require
 from fedsim.privacy.matrix.factorization import (
     Factorization,
+    Progress,
     check_rounds,
     check_workload,
     from_square_encoder,
@@ -131,6 +132,7 @@ def banded_toeplitz(
     participation: Participation | None = None,
     workload: np.ndarray | None = None,
     max_iter: int = 500,
+    progress: Progress | None = None,
 ) -> Factorization:
     """Optimised banded Toeplitz C: coefficients ``c_0 = 1, c_1..c_{b-1}`` minimising
     :func:`toeplitz_loss_and_grad` with float64 L-BFGS (McKenna 2024, "Scaling up the Banded
@@ -166,7 +168,7 @@ def banded_toeplitz(
     coef = np.zeros(n)
     coef[0] = 1.0
     if bands > 1:
-        coef[1:bands] = lbfgs(fun, start[1:], max_iter)
+        coef[1:bands] = lbfgs(fun, start[1:], max_iter, progress=progress)
     C = toeplitz_matrix(coef, n)
     return from_square_encoder(
         "banded_toeplitz",

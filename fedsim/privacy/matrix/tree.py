@@ -61,23 +61,29 @@ def honaker_alphas(height: int) -> np.ndarray:
     return np.array(v)
 
 
-def _tree(n: int, workload: np.ndarray | None, honaker: bool) -> Factorization:
-    n = check_rounds(n)
-    A = check_workload(workload, n)
+def tree_encoder(n: int) -> np.ndarray:
+    """C (m x n): one 0/1 row per node of :func:`tree_nodes`, in completion order."""
+    nodes = tree_nodes(n)
+    C = np.zeros((len(nodes), n))
+    for i, (h, k) in enumerate(nodes):
+        C[i, k << h : (k + 1) << h] = 1.0
+    return C
+
+
+def tree_decoder(n: int, alphas: np.ndarray, workload: np.ndarray | None = None) -> np.ndarray:
+    """B (n x m) of the online tree estimate with per-height own-value weights ``alphas``
+    (``alphas[h]``, h = 0..height): the prefix of round t is the sum of the estimates of the
+    nodes in the binary expansion of ``t + 1``, each node's estimate
+    ``alphas[h] node + (1 - alphas[h]) (est_left + est_right)``. This is the map
+    :class:`fedsim.privacy.matrix.streaming.TreeStream` applies to the node noise, times A."""
     nodes = tree_nodes(n)
     index = {node: i for i, node in enumerate(nodes)}
     m = len(nodes)
-    C = np.zeros((m, n))
-    for i, (h, k) in enumerate(nodes):
-        C[i, k << h : (k + 1) << h] = 1.0
-    height = max(h for h, _ in nodes)
-    alphas = honaker_alphas(height) if honaker else np.ones(height + 1)
-    # est[node] = weights over all nodes (row vector), built bottom-up.
     est: dict[tuple[int, int], np.ndarray] = {}
     for h, k in nodes:
         row = np.zeros(m)
         row[index[(h, k)]] = alphas[h]
-        if h > 0 and alphas[h] < 1.0:
+        if h > 0 and alphas[h] != 1.0:
             row += (1.0 - alphas[h]) * (est[(h - 1, 2 * k)] + est[(h - 1, 2 * k + 1)])
         est[(h, k)] = row
     prefix = np.stack([sum(est[node] for node in decomposition(t)) for t in range(n)])
@@ -85,9 +91,23 @@ def _tree(n: int, workload: np.ndarray | None, honaker: bool) -> Factorization:
     # A = A P^{-1} P with P^{-1} the first-difference matrix.
     if workload is not None:
         diff = np.eye(n) - np.eye(n, k=-1)
-        prefix = A @ (diff @ prefix)
+        prefix = workload @ (diff @ prefix)
+    return prefix
+
+
+def tree_height(n: int) -> int:
+    """The height of the tallest node for n rounds: ``floor(log2 n)``."""
+    return int(check_rounds(n)).bit_length() - 1
+
+
+def _tree(n: int, workload: np.ndarray | None, honaker: bool) -> Factorization:
+    n = check_rounds(n)
+    A = check_workload(workload, n)
+    height = tree_height(n)
+    alphas = honaker_alphas(height) if honaker else np.ones(height + 1)
+    B = tree_decoder(n, alphas, None if workload is None else A)
     kind = "honaker" if honaker else "tree"
-    return Factorization(kind, A, C, prefix, {"alphas": alphas})
+    return Factorization(kind, A, tree_encoder(n), B, {"alphas": alphas})
 
 
 def binary_tree(n: int, workload: np.ndarray | None = None) -> Factorization:
