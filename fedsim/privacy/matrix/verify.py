@@ -90,7 +90,9 @@ def stream_mismatch(f: Factorization) -> str | None:
             if isinstance(value, str):
                 return value
         if weights.shape != thetas.shape:
-            return f"{weights.shape[0]} weights and {thetas.shape[0]} thetas (one of each per buffer)"
+            return (
+                f"{weights.shape[0]} weights and {thetas.shape[0]} thetas (one of each per buffer)"
+            )
         with np.errstate(over="ignore", invalid="ignore"):
             rebuilt = toeplitz_matrix(blt_coefficients(weights, thetas, n), n)
         error = _relative(rebuilt, C) if np.all(np.isfinite(rebuilt)) else np.inf
