@@ -75,6 +75,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 #: a build whose estimate is at least this many operations says what it will cost
 ANNOUNCE_FLOPS = 1e10
+#: at most one progress line per this many seconds
+PROGRESS_EVERY_S = 2.0
 
 
 class Reporter:
@@ -117,7 +119,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         progress = announce = None
         if estimate is not None and not getattr(args, "quiet", False):
             label = f"{spec.kind} n = {spec.rounds}"
-            progress = Reporter(label, estimate.iterations, sys.stderr)
+            progress = Reporter(label, estimate.iterations, sys.stderr, PROGRESS_EVERY_S)
 
             def announce() -> None:
                 if estimate.total_flops < ANNOUNCE_FLOPS:

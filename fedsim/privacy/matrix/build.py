@@ -146,7 +146,7 @@ def check_cost(spec: Spec, force: bool = False) -> Cost | None:
         raise ConfigError(
             "rounds",
             spec.rounds,
-            f"at most {DENSE_LIMIT} for kind dense unless forced: it costs "
+            f"at most {DENSE_LIMIT} for kind dense unless --force is given: it costs "
             f"{estimate.describe()} (banded or blt scale to many more rounds)",
         )
     return estimate
