@@ -38,8 +38,8 @@ def label_problem(y: np.ndarray) -> str | None:
         return None
     row = int(bad[0])
     return (
-        f"label {int(y[row])} at row {row}: class labels are integers in "
-        f"[0, {MAX_CLASSES}) (the model gets one output per class up to the largest)"
+        f"label {int(y[row])} at row {row}: labels must be >= 0 and below {MAX_CLASSES} "
+        "(the model gets one output per class up to the largest)"
     )
 
 
@@ -505,7 +505,7 @@ def load_table(
     )
     y = label_col.to_numpy().astype(np.int64)
     problem = label_problem(y)
-    require(problem is None, "label_column", label_column, f"a column of labels: {problem}")
+    require(problem is None, "label_column", label_column, f"class labels: {problem}")
     if not feature_columns and "x" not in present and "features" not in present:
         feature_columns = tuple(c for c in present if c not in (label_column, client_column))
         require(

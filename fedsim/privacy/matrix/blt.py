@@ -26,20 +26,12 @@ from fedsim.privacy.matrix.factorization import (
     lbfgs,
 )
 from fedsim.privacy.matrix.sensitivity import Participation
+from fedsim.privacy.matrix.structure import blt_coefficients as blt_coefficients
 from fedsim.privacy.matrix.toeplitz import (
     toeplitz_loss_and_grad,
     toeplitz_matrix,
     toeplitz_participation,
 )
-
-
-def blt_coefficients(weights: np.ndarray, thetas: np.ndarray, n: int) -> np.ndarray:
-    """``c_0 = 1``, ``c_j = sum_i w_i theta_i^(j - 1)`` for ``1 <= j < n``."""
-    w = np.asarray(weights, dtype=np.float64)
-    th = np.asarray(thetas, dtype=np.float64)
-    require(w.shape == th.shape and w.ndim == 1, "weights", w.shape, f"shape {th.shape}")
-    powers = th[None, :] ** np.arange(max(n - 1, 0))[:, None]
-    return np.concatenate([[1.0], powers @ w])
 
 
 def inverse_blt(weights: np.ndarray, thetas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -29,6 +29,7 @@ import scipy.optimize
 
 from fedsim.config import ConfigError, require
 from fedsim.privacy.matrix.sensitivity import Participation, Sensitivity, sensitivity
+from fedsim.privacy.matrix.structure import check_rounds as check_rounds
 
 _REDUCTIONS = ("mean", "max")
 
@@ -263,12 +264,6 @@ def check_workload(workload: np.ndarray | None, n: int) -> np.ndarray:
     )
     require(bool(np.all(np.diag(A) != 0)), "workload", "a zero diagonal entry", "an invertible A")
     return A
-
-
-def check_rounds(n: int) -> int:
-    """``n`` as an int >= 1."""
-    require(isinstance(n, (int, np.integer)) and int(n) >= 1, "n", n, "an integer >= 1")
-    return int(n)
 
 
 def from_square_encoder(

@@ -21,14 +21,7 @@ from fedsim.privacy.matrix.factorization import (
     lbfgs,
 )
 from fedsim.privacy.matrix.sensitivity import Participation
-
-
-def toeplitz_matrix(coef: np.ndarray, n: int) -> np.ndarray:
-    """The n x n lower-triangular Toeplitz matrix with first column ``coef`` (zero-padded)."""
-    c = np.zeros(n)
-    coef = np.asarray(coef, dtype=np.float64)[:n]
-    c[: coef.shape[0]] = coef
-    return scipy.linalg.toeplitz(c, np.zeros(n))
+from fedsim.privacy.matrix.structure import toeplitz_matrix as toeplitz_matrix
 
 
 def inverse_coefficients(coef: np.ndarray, n: int) -> np.ndarray:

@@ -24,10 +24,17 @@ entrywise, on C for BLT and on B for trees; structure (zeros, the 0/1 node matri
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-from fedsim.privacy.matrix.factorization import Factorization
-from fedsim.privacy.matrix.tree import tree_decoder, tree_encoder, tree_height
+from fedsim.privacy.matrix.structure import (
+    blt_coefficients,
+    toeplitz_matrix,
+    tree_decoder,
+    tree_encoder,
+    tree_height,
+)
 
 #: relative entrywise tolerance between what the stream's parameters give and what is stored
 TOLERANCE = 1e-9
@@ -41,7 +48,7 @@ def _relative(rebuilt: np.ndarray, stored: np.ndarray) -> float:
     return float(np.max(np.abs(rebuilt - stored))) / scale if stored.size else 0.0
 
 
-def _vector(f: Factorization, name: str) -> np.ndarray | str:
+def _vector(f: Any, name: str) -> np.ndarray | str:
     """Parameter ``name`` as a finite 1-D float array, or what is wrong with it."""
     if name not in f.params:
         return f"no '{name}' parameter (the {f.kind} noise stream needs it)"
@@ -54,9 +61,11 @@ def _vector(f: Factorization, name: str) -> np.ndarray | str:
     return value
 
 
-def stream_mismatch(f: Factorization) -> str | None:
-    """None when the noise stream built for ``f`` generates ``G z`` for ``f``'s own C (within
-    :data:`TOLERANCE`); else what differs, in words."""
+def stream_mismatch(f: Any) -> str | None:
+    """None when the noise stream built for the :class:`~.factorization.Factorization` ``f``
+    generates ``G z`` for ``f``'s own C (within :data:`TOLERANCE`); else what differs, in
+    words. (Reads ``f``'s attributes only: the module imports no family, so that loading a
+    file can call it.)"""
     A, B, C, n = f.workload, f.decoder, f.encoder, f.n
     for name, array in (("workload", A), ("encoder", C), ("decoder", B)):
         if not np.all(np.isfinite(array)):
@@ -82,9 +91,6 @@ def stream_mismatch(f: Factorization) -> str | None:
     if np.any(np.diag(C) == 0):
         return "C has a zero on its diagonal (not invertible)"
     if f.kind == "blt":
-        from fedsim.privacy.matrix.blt import blt_coefficients  # noqa: PLC0415
-        from fedsim.privacy.matrix.toeplitz import toeplitz_matrix  # noqa: PLC0415
-
         weights, thetas = _vector(f, "weights"), _vector(f, "thetas")
         for value in (weights, thetas):
             if isinstance(value, str):
