@@ -480,11 +480,7 @@ def load_table(
     present = list(table.column_names)
 
     def column(key: str, name: str):
-        listed = (
-            f"{len(present)}, not named (the path is a link)"
-            if linked
-            else ", ".join(present)
-        )
+        listed = f"{len(present)}, not named (the path is a link)" if linked else ", ".join(present)
         require(name in present, key, name, f"a column of {shown}; columns present: {listed}")
         return table.column(name).combine_chunks()
 

@@ -81,8 +81,8 @@ def test_a_table_linked_to_a_system_file_is_refused_without_quoting_it(tmp_path)
     table = tmp_path / "clients.csv"
     table.symlink_to(system)
     status, err = run_config(
-        tmp_path, data_config({"source": "table", "path": str(table), "partition": "iid",
-                               "num_clients": 6})
+        tmp_path,
+        data_config({"source": "table", "path": str(table), "partition": "iid", "num_clients": 6}),
     )
     assert_refused(status, err, "data.")
     assert "SECRET" not in err and "never-in" not in err, f"the file's contents leaked: {err}"
@@ -93,12 +93,12 @@ def test_a_table_linked_to_a_system_file_is_refused_without_quoting_it(tmp_path)
 def test_a_linked_table_that_does_not_parse_is_refused_without_quoting_it(tmp_path, suffix):
     system = tmp_path / "etc" / "passwd"
     system.parent.mkdir()
-    system.write_text(f"{SECRET}\n{SECRET},a,b,c\n\"{SECRET}\n")
+    system.write_text(f'{SECRET}\n{SECRET},a,b,c\n"{SECRET}\n')
     table = tmp_path / f"clients{suffix}"
     table.symlink_to(system)
     status, err = run_config(
-        tmp_path, data_config({"source": "table", "path": str(table), "partition": "iid",
-                               "num_clients": 6})
+        tmp_path,
+        data_config({"source": "table", "path": str(table), "partition": "iid", "num_clients": 6}),
     )
     assert_refused(status, err, "data.")
     assert "SECRET" not in err and "never-in" not in err, f"the file's contents leaked: {err}"
@@ -111,8 +111,12 @@ def test_nan_features_in_a_table_are_refused_saying_nan_with_column_and_row(tmp_
 
     f0 = [float(i) for i in range(12)]
     f0[5] = float("nan")  # data row 5 (0-based), column f0
-    columns = {"client_id": [i % 3 for i in range(12)], "label": [i % 2 for i in range(12)],
-               "f0": f0, "f1": [1.0] * 12}
+    columns = {
+        "client_id": [i % 3 for i in range(12)],
+        "label": [i % 2 for i in range(12)],
+        "f0": f0,
+        "f1": [1.0] * 12,
+    }
     table = tmp_path / f"clients{suffix}"
     if suffix == ".csv":
         rows = ["client_id,label,f0,f1"]
@@ -121,8 +125,10 @@ def test_nan_features_in_a_table_are_refused_saying_nan_with_column_and_row(tmp_
     else:
         pq.write_table(pa.table(columns), table)
     status, err = run_config(
-        tmp_path, data_config({"source": "table", "path": str(table), "partition": "natural",
-                               "num_clients": 3})
+        tmp_path,
+        data_config(
+            {"source": "table", "path": str(table), "partition": "natural", "num_clients": 3}
+        ),
     )
     assert_refused(status, err, "data.")
     assert "NaN" in err and "f0" in err and "row 5" in err, err
@@ -150,8 +156,15 @@ def test_a_loader_label_of_a_billion_is_refused_before_the_model_is_sized(tmp_pa
     monkeypatch.setattr(torch.nn.Linear, "__init__", no_model)
     status, err = run_config(
         tmp_path,
-        data_config({"source": "python", "loader": "huge_labels:load",
-                     "python_path": [str(tmp_path)], "partition": "iid", "num_clients": 4}),
+        data_config(
+            {
+                "source": "python",
+                "loader": "huge_labels:load",
+                "python_path": [str(tmp_path)],
+                "partition": "iid",
+                "num_clients": 4,
+            }
+        ),
     )
     assert_refused(status, err, "data.loader")
     assert "1000000000" in err and "row 7" in err, err
@@ -169,8 +182,18 @@ def test_a_loader_label_of_a_billion_is_refused_before_the_model_is_sized(tmp_pa
 def test_account_matrix_refuses_a_garbage_npz_naming_it(tmp_path, content):
     garbage = tmp_path / "f.npz"
     garbage.write_bytes(content)
-    status, err = call(["account", "matrix", "--factorization", str(garbage),
-                        "--noise-multiplier", "1", "--delta", "1e-5"])
+    status, err = call(
+        [
+            "account",
+            "matrix",
+            "--factorization",
+            str(garbage),
+            "--noise-multiplier",
+            "1",
+            "--delta",
+            "1e-5",
+        ]
+    )
     assert_refused(status, err, "--factorization")
     assert str(garbage) in err
 
@@ -205,8 +228,9 @@ def test_a_long_factorization_says_its_cost_first_and_shows_progress(tmp_path, m
 # -- readers of run files -----------------------------------------------------------------
 
 
-def write_run(path: Path, records: list, config: object = None, summary: object = None,
-              raw: str | None = None) -> Path:
+def write_run(
+    path: Path, records: list, config: object = None, summary: object = None, raw: str | None = None
+) -> Path:
     path.mkdir(parents=True)
     lines = raw if raw is not None else "".join(json.dumps(r) + "\n" for r in records)
     (path / "rounds.jsonl").write_text(lines)
@@ -219,8 +243,14 @@ def write_run(path: Path, records: list, config: object = None, summary: object 
 
 GOOD = [
     {"round": 0, "central": {"accuracy": 0.1}},
-    {"round": 1, "central": {"accuracy": 0.5}, "privacy": {"epsilon": 1.0, "delta": 1e-5},
-     "seconds": 1.0, "bytes_up": 10, "bytes_down": 10},
+    {
+        "round": 1,
+        "central": {"accuracy": 0.5},
+        "privacy": {"epsilon": 1.0, "delta": 1e-5},
+        "seconds": 1.0,
+        "bytes_up": 10,
+        "bytes_down": 10,
+    },
 ]
 
 
@@ -281,9 +311,7 @@ def test_compare_refuses_a_run_file_that_is_a_directory(tmp_path, name):
     assert str(a / name) in err, err
 
 
-def test_compare_does_not_claim_no_config_differences_when_it_cannot_read_them(
-    tmp_path, capsys
-):
+def test_compare_does_not_claim_no_config_differences_when_it_cannot_read_them(tmp_path, capsys):
     a = write_run(tmp_path / "a", GOOD)  # no config.json at all
     b = write_run(tmp_path / "b", GOOD)
     assert main(["compare", str(a), str(b)]) == 0

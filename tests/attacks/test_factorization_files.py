@@ -171,3 +171,14 @@ def test_factorize_does_not_reuse_a_consistent_file_that_is_not_the_closed_form(
     result = json.loads(capsys.readouterr().out)
     assert result["cached"] is False and "closed form" in result["replaced"]
     assert np.array_equal(Factorization.load(out).B, binary_tree(16).B)
+
+
+@pytest.mark.parametrize("key", ["garbage", '{"format": "fedsim.factorize/1", "kind": 3}', "[]"])
+def test_account_matrix_refuses_a_cache_key_that_is_not_a_spec(capsys, tmp_path, key):
+    # the participation account matrix assumes comes from the cache key: a key that is not a
+    # spec must not be read as "single participation"
+    f = binary_tree(16)
+    path = tmp_path / "tree.npz"
+    write(path, Factorization(f.kind, f.A, f.C, f.B, {**f.params, "cache_key": key}), True)
+    code, message = account(capsys, path, Z)
+    assert code == 2 and "--factorization" in message and "cache_key" in message, message
