@@ -171,6 +171,43 @@ def test_a_loader_label_of_a_billion_is_refused_before_the_model_is_sized(tmp_pa
     sys.modules.pop("huge_labels", None)
 
 
+@pytest.mark.parametrize(
+    "num_classes, text", [(10**9, "num_classes"), ("ten", "num_classes"), (None, "num_classes")]
+)
+def test_a_saved_dataset_claiming_a_billion_classes_is_refused(tmp_path, num_classes, text):
+    import numpy as np
+
+    from fedsim.data.dataset import FederatedDataset
+
+    rng = np.random.default_rng(0)
+    x, y = rng.random((40, 4)).astype(np.float32), np.arange(40) % 2
+    offsets = np.array([0, 10, 20, 30, 40])
+    arrays = {
+        "train_x": x,
+        "train_y": y,
+        "train_offsets": offsets,
+        "test_x": x[:0],
+        "test_y": y[:0],
+        "test_offsets": np.zeros(5, dtype=np.int64),
+    }
+    FederatedDataset.from_arrays(arrays, 2, "small").save(tmp_path / "ds")
+    meta = json.loads((tmp_path / "ds" / "meta.json").read_text())
+    meta["num_classes"] = num_classes
+    (tmp_path / "ds" / "meta.json").write_text(json.dumps(meta))
+    status, err = run_config(
+        tmp_path,
+        data_config(
+            {
+                "source": "npy",
+                "path": str(tmp_path / "ds"),
+                "partition": "natural",
+                "num_clients": 4,
+            }
+        ),
+    )
+    assert_refused(status, err, text)
+
+
 # -- factorizations -----------------------------------------------------------------------
 
 
