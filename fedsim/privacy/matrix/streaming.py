@@ -53,7 +53,9 @@ class NoiseStream(ABC):
     def fresh(self, t: int, count: int = 1) -> np.ndarray:
         """The fresh noise of round t: ``count`` standard normal arrays of ``shape``."""
         rng = self.noise(int(t))
-        require(isinstance(rng, np.random.Generator), "noise", rng, "a numpy.random.Generator")
+        require(
+            isinstance(rng, np.random.Generator), "noise", rng, "a numpy.random.Generator"
+        )
         return rng.standard_normal((count, *self.shape))
 
     def fresh_per_round(self, t: int) -> int:
