@@ -53,6 +53,8 @@ COMMENT = re.compile(r"<!--.*?-->", re.S)
 CODE_SPAN = re.compile(r"(`+)(?!`).+?(?<!`)\1", re.S)
 LINK_TARGET = re.compile(r"\]\([^)\s]*(?:\s+\"[^\"]*\")?\)|<https?://[^>]+>|https?://\S+")
 LIST_ORDINAL = re.compile(r"^[ \t]*\d+\.[ \t]", re.M)
+#: notation that names a statistic, not a quoted value: "sample sd (ddof = 1)"
+NOTATION = re.compile(r"\bddof\s*=\s*[01]\b")
 HEADING = re.compile(r"^#{1,6} .*$", re.M)  # a heading names its section (and its anchor)
 #: a number: not glued to a word on its left (KLS21, LeNet-5, x_1), nor an ordinal (2nd)
 NUMBER = re.compile(
@@ -325,6 +327,7 @@ def check_page(
     masked = blank_all(masked, LINK_TARGET)
     masked = blank_all(masked, LIST_ORDINAL)
     masked = blank_all(masked, HEADING)
+    masked = blank_all(masked, NOTATION)
     for match in NUMBER.finditer(masked):
         line = line_of(masked, match.start())
         context = text.splitlines()[line - 1].strip()
@@ -336,6 +339,7 @@ def check_page(
 
 def check(root: Path = ROOT, manifest_path: Path | None = None) -> list[Problem]:
     """Every problem of every page, of the manifest and of the stamps."""
+    _files.clear()
     manifest = load_manifest(manifest_path or root / "experiments" / "numbers.toml")
     used: set[str] = set()
     problems = []
@@ -390,6 +394,7 @@ def check(root: Path = ROOT, manifest_path: Path | None = None) -> list[Problem]
 
 def fill(root: Path = ROOT) -> int:
     """Rewrite every value marker with its source's value; returns the number changed."""
+    _files.clear()
     manifest = load_manifest(root / "experiments" / "numbers.toml")
     changed = 0
     for page in pages(root):
