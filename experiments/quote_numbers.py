@@ -55,6 +55,8 @@ LINK_TARGET = re.compile(r"\]\([^)\s]*(?:\s+\"[^\"]*\")?\)|<https?://[^>]+>|http
 LIST_ORDINAL = re.compile(r"^[ \t]*\d+\.[ \t]", re.M)
 #: notation that names a statistic, not a quoted value: "sample sd (ddof = 1)"
 NOTATION = re.compile(r"\bddof\s*=\s*[01]\b")
+#: a citation's year: "(Kairouz, Liu & Steinke, ICML 2021)", "Hou et al., 2025"
+CITATION_YEAR = re.compile(r"(?:\b[A-Z][A-Za-z&]*[A-Z]|et al\.,?)\s+(?:19|20)\d\d\b")
 HEADING = re.compile(r"^#{1,6} .*$", re.M)  # a heading names its section (and its anchor)
 #: a number: not glued to a word on its left (KLS21, LeNet-5, x_1), nor an ordinal (2nd)
 NUMBER = re.compile(
@@ -90,6 +92,8 @@ ALLOWED_NODES = (
     ast.UAdd,
     ast.List,
     ast.Tuple,
+    ast.Subscript,
+    ast.Slice,
 )
 
 
@@ -131,11 +135,11 @@ def load_manifest(path: Path = MANIFEST) -> dict[str, Any]:
 
 
 def split_key(key: str | list) -> list[str | int]:
-    """``a.b[0]["c.d"][*]`` -> ["a", "b", 0, "c.d", "*"]; a TOML list is taken as it is."""
+    """``a.b[0]["c.d"][*][-1]`` -> ["a", "b", 0, "c.d", "*", -1]; a TOML list is taken as it is."""
     if isinstance(key, list):
         return key
     parts: list[str | int] = []
-    for match in re.finditer(r'\[(\d+|\*|"[^"]*")\]|([^.\[\]]+)', key):
+    for match in re.finditer(r'\[(-?\d+|\*|"[^"]*")\]|([^.\[\]]+)', key):
         index, name = match.groups()
         if name is not None:
             parts.append(name)
@@ -328,6 +332,7 @@ def check_page(
     masked = blank_all(masked, LIST_ORDINAL)
     masked = blank_all(masked, HEADING)
     masked = blank_all(masked, NOTATION)
+    masked = blank_all(masked, CITATION_YEAR)
     for match in NUMBER.finditer(masked):
         line = line_of(masked, match.start())
         context = text.splitlines()[line - 1].strip()
