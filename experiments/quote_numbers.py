@@ -49,6 +49,7 @@ INLINE_INPUT = re.compile(r"<!--in-->.*?<!--/in-->", re.S)
 BLOCK_INPUT = re.compile(r"^[ \t]*<!-- inputs: [^\n]*?-->[ \t]*\n(?:[^\n]*\S[^\n]*(?:\n|$))*", re.M)
 REGION_INPUT = re.compile(r"^[ \t]*<!-- inputs:begin\b.*?<!-- inputs:end -->", re.M | re.S)
 FENCE = re.compile(r"^[ \t]*(```|~~~).*?^[ \t]*\1[^\n]*$", re.M | re.S)
+INDENTED_CODE = re.compile(r"(?:\A|\n[ \t]*\n)((?:(?: {4}|\t)[^\n]*(?:\n|\Z))+)")
 COMMENT = re.compile(r"<!--.*?-->", re.S)
 CODE_SPAN = re.compile(r"(`+)(?!`).+?(?<!`)\1", re.S)
 LINK_TARGET = re.compile(r"\]\([^)\s]*(?:\s+\"[^\"]*\")?\)|<https?://[^>]+>|https?://\S+")
@@ -304,6 +305,8 @@ def check_page(
             else:
                 masked = blank(masked, *span)
     masked = blank_all(masked, FENCE)
+    for match in reversed(list(INDENTED_CODE.finditer(masked))):
+        masked = blank(masked, match.start(1), match.end(1))
     for match in CODE_SPAN.finditer(masked):
         if "<!--" in match.group():
             line = line_of(text, match.start())
