@@ -188,7 +188,9 @@ def resolve(name: str, spec: dict[str, Any], root: Path = ROOT) -> Any:
     where = f"value {name}"
     allowed = {"source", "key", "keys", "expr", "format", "minus", "note"}
     if set(spec) - allowed:
-        raise NumbersError(f"{where}: unknown fields {sorted(set(spec) - allowed)}; allowed {sorted(allowed)}")
+        raise NumbersError(
+            f"{where}: unknown fields {sorted(set(spec) - allowed)}; allowed {sorted(allowed)}"
+        )
 
     def one(key: str | list) -> Any:
         source = spec.get("source")
@@ -301,7 +303,9 @@ def check_page(
         if entry["file"] == rel:
             span = region_span(text, entry)
             if span is None:
-                problems.append(Problem(rel, 1, f"generated region {entry.get('begin')!r} not found"))
+                problems.append(
+                    Problem(rel, 1, f"generated region {entry.get('begin')!r} not found")
+                )
             else:
                 masked = blank(masked, *span)
     masked = blank_all(masked, FENCE)
@@ -310,7 +314,9 @@ def check_page(
     for match in CODE_SPAN.finditer(masked):
         if "<!--" in match.group():
             line = line_of(text, match.start())
-            problems.append(Problem(rel, line, f"a marker inside code shows as text: {match.group()[:80]}"))
+            problems.append(
+                Problem(rel, line, f"a marker inside code shows as text: {match.group()[:80]}")
+            )
     for match in VALUE.finditer(masked):
         name, quoted = match.groups()
         line = line_of(text, match.start())
@@ -340,7 +346,11 @@ def check_page(
         line = line_of(masked, match.start())
         context = text.splitlines()[line - 1].strip()
         problems.append(
-            Problem(rel, line, f"{match.group()!r} has no source (mark it n:NAME or as input): {context[:120]}")
+            Problem(
+                rel,
+                line,
+                f"{match.group()!r} has no source (mark it n:NAME or as input): {context[:120]}",
+            )
         )
     return problems
 
@@ -365,13 +375,19 @@ def check(root: Path = ROOT, manifest_path: Path | None = None) -> list[Problem]
                         rel,
                         unsourced[allowed].line if more else 1,
                         f"{len(unsourced)} numbers without a source, pending allows {allowed}: "
-                        + ("source or mark the new ones" if more else f"set [pending] to {len(unsourced)}")
+                        + (
+                            "source or mark the new ones"
+                            if more
+                            else f"set [pending] to {len(unsourced)}"
+                        )
                         + (f" (e.g. {unsourced[allowed].message})" if more else ""),
                     )
                 )
         problems += found
     for rel in sorted(set(manifest["pending"]) - {str(p.relative_to(root)) for p in pages(root)}):
-        problems.append(Problem("experiments/numbers.toml", 1, f"pending page {rel} does not exist"))
+        problems.append(
+            Problem("experiments/numbers.toml", 1, f"pending page {rel} does not exist")
+        )
     for name in sorted(set(manifest["value"]) - used):
         problems.append(Problem("experiments/numbers.toml", 1, f"value {name} is quoted nowhere"))
     lock_path = root / "experiments" / "numbers.lock.json"
@@ -385,14 +401,25 @@ def check(root: Path = ROOT, manifest_path: Path | None = None) -> list[Problem]
             continue
         stamped = lock.get(key)
         if stamped is None:
-            problems.append(Problem(entry["file"], 1, f"{key}: not stamped; run `{entry['command']}` then stamp"))
+            problems.append(
+                Problem(
+                    entry["file"], 1, f"{key}: not stamped; run `{entry['command']}` then stamp"
+                )
+            )
         elif stamped["sources"] != now["sources"]:
             problems.append(
-                Problem(entry["file"], 1, f"{key}: its sources changed since it was generated; run `{entry['command']}` then stamp")
+                Problem(
+                    entry["file"],
+                    1,
+                    f"{key}: its sources changed since it was generated; "
+                    f"run `{entry['command']}` then stamp",
+                )
             )
         elif stamped["region"] != now["region"]:
             problems.append(
-                Problem(entry["file"], 1, f"{key}: edited by hand since `{entry['command']}` wrote it")
+                Problem(
+                    entry["file"], 1, f"{key}: edited by hand since `{entry['command']}` wrote it"
+                )
             )
     return problems
 
@@ -407,12 +434,13 @@ def fill(root: Path = ROOT) -> int:
     changed = 0
     for page in pages(root):
         text = page.read_text()
+        rel = page.relative_to(root)
 
-        def sub(match: re.Match) -> str:
+        def sub(match: re.Match, rel: Path = rel) -> str:
             nonlocal changed
             name = match.group(1)
             if name not in manifest["value"]:
-                raise NumbersError(f"{page.relative_to(root)}: marker n:{name} names no value")
+                raise NumbersError(f"{rel}: marker n:{name} names no value")
             new = formatted(name, manifest["value"][name], root)
             changed += new != match.group(2)
             return f"<!--n:{name}-->{new}<!--/n-->"

@@ -171,11 +171,17 @@ def test_a_missing_source_key_is_named(tree):
 
 def test_an_expression_may_only_call_the_listed_functions(tree):
     with pytest.raises(qn.NumbersError, match="only .* may be called"):
-        qn.resolve("x", {"source": "experiments/study/results.json", "key": "runs",
-                         "expr": "__import__('os')"}, tree)
+        qn.resolve(
+            "x",
+            {"source": "experiments/study/results.json", "key": "runs", "expr": "__import__('os')"},
+            tree,
+        )
     with pytest.raises(qn.NumbersError, match="Attribute not allowed"):
-        qn.resolve("x", {"source": "experiments/study/results.json", "key": "runs",
-                         "expr": "x.__class__"}, tree)
+        qn.resolve(
+            "x",
+            {"source": "experiments/study/results.json", "key": "runs", "expr": "x.__class__"},
+            tree,
+        )
 
 
 def test_a_pending_page_may_not_gain_unsourced_numbers(tree):
