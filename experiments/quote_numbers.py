@@ -9,9 +9,10 @@ writes it from stored files, and those files). The markdown says which is which:
     <!-- inputs: WHY -->            alone on a line: the next block (to a blank line) is inputs
     <!-- inputs:begin WHY -->       ... the lines up to ``<!-- inputs:end -->`` are inputs
 
-(no spaces inside the inline markers, so they add no words to a page). A generated region's
-text and its sources are stamped (sha256) in ``experiments/numbers.lock.json`` once its command
-has written it, so a hand edit of the region or a changed source without a rerun fails ``check``.
+(no spaces inside the inline markers, so they add no words to a page). A generated region is
+written by its command, or, for a command that prints tables, filled with the one it names
+(``stdout_table``). Its text and its sources are stamped (sha256) in
+``experiments/numbers.lock.json`` once its command has written it, so a hand edit of the region or a changed source without a rerun fails ``check``.
 Any other number in prose or tables, outside code, is a quoted number without a source.
 
     python experiments/quote_numbers.py check          # what tests/test_quoted_numbers.py asserts
@@ -457,11 +458,39 @@ def stamp(root: Path = ROOT) -> None:
     (root / "experiments" / "numbers.lock.json").write_text(json.dumps(lock, indent=2) + "\n")
 
 
+def markdown_tables(text: str) -> list[str]:
+    """The markdown tables in ``text`` (runs of lines that start with ``|``), in order."""
+    return [t.strip("\n") for t in re.findall(r"(?:^\|[^\n]*(?:\n|\Z))+", text, flags=re.M)]
+
+
+def write_region(entry: dict[str, Any], content: str, root: Path) -> None:
+    page = root / entry["file"]
+    text = page.read_text()
+    span = region_span(text, entry)
+    if span is None:
+        raise NumbersError(f"{region_id(entry)}: begin/end markers not found in {entry['file']}")
+    page.write_text(text[: span[0]] + "\n" + content + "\n" + text[span[1] :])
+
+
 def tables(root: Path = ROOT) -> None:
+    """Rerun every generator; a command that prints tables (``stdout_table = N``) has its Nth
+    table written into the region, the others write their regions themselves."""
     manifest = load_manifest(root / "experiments" / "numbers.toml")
+    printed: dict[str, str] = {}
     for entry in manifest["generated"]:
-        print(f"$ {entry['command']}", flush=True)
-        subprocess.run(entry["command"], shell=True, cwd=root, check=True)  # noqa: S602
+        command = entry["command"]
+        if command not in printed:
+            print(f"$ {command}", flush=True)
+            done = subprocess.run(  # noqa: S602
+                command, shell=True, cwd=root, check=True, capture_output=True, text=True
+            )
+            printed[command] = done.stdout
+        if "stdout_table" in entry:
+            found = markdown_tables(printed[command])
+            if entry["stdout_table"] >= len(found):
+                raise NumbersError(f"`{command}` printed {len(found)} tables, not table "
+                                   f"{entry['stdout_table']}")
+            write_region(entry, found[entry["stdout_table"]], root)
     stamp(root)
 
 
