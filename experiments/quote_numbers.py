@@ -12,7 +12,8 @@ writes it from stored files, and those files). The markdown says which is which:
 (no spaces inside the inline markers, so they add no words to a page). A generated region is
 written by its command, or, for a command that prints tables, filled with the one it names
 (``stdout_table``). Its text and its sources are stamped (sha256) in
-``experiments/numbers.lock.json`` once its command has written it, so a hand edit of the region or a changed source without a rerun fails ``check``.
+``experiments/numbers.lock.json`` once its command has written it, so a hand edit of the
+region or a changed source without a rerun fails ``check``.
 Any other number in prose or tables, outside code, is a quoted number without a source.
 
     python experiments/quote_numbers.py check          # what tests/test_quoted_numbers.py asserts
@@ -488,8 +489,9 @@ def tables(root: Path = ROOT) -> None:
         if "stdout_table" in entry:
             found = markdown_tables(printed[command])
             if entry["stdout_table"] >= len(found):
-                raise NumbersError(f"`{command}` printed {len(found)} tables, not table "
-                                   f"{entry['stdout_table']}")
+                raise NumbersError(
+                    f"`{command}` printed {len(found)} tables, not table {entry['stdout_table']}"
+                )
             write_region(entry, found[entry["stdout_table"]], root)
     stamp(root)
 
