@@ -226,10 +226,15 @@ def print_tables(results: dict) -> None:
         return f"{values.mean():.3f} ± {values.std(ddof=1):.3f}"
 
     print(
-        "| setting | accuracy | new classes | merged into base | 1 of 4 adapters pruned "
-        "| 2 of 4 pruned | 2 runs interpolated | 2 runs' deltas averaged | bytes_up per round |"
+        f"| setting ({rounds} rounds) | accuracy | new classes 5–9 | merged into base "
+        "| 1 of 4 adapters pruned | 2 of 4 pruned | 2 runs interpolated "
+        "| 2 runs' deltas averaged | bytes_up per round |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
+    labels = {
+        "base (classes 0-4)": "base (classes 0–4)",
+        "full fine-tuning": "full fine-tuning (FedAvg)",
+    }
     for name, r in results["settings"].items():
         cells = [
             cell(r, k)
@@ -243,7 +248,9 @@ def print_tables(results: dict) -> None:
                 "delta_merged",
             )
         ]
-        print(f"| {name} | {' | '.join(cells)} | {r['bytes_up'] / rounds / 1e3:.1f} kB |")
+        sent = f"{r['bytes_up'] / rounds / 1e3:.1f} kB" if r["bytes_up"] else "—"
+        print(f"| {labels.get(name, name)} | {' | '.join(cells)} | {sent} |")
+
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
