@@ -510,9 +510,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "tables":
         tables()
         return 0
-    problems = check()
-    if args.command == "uncovered" and args.pages:
-        problems = [p for p in problems if p.page in args.pages]
+    if args.command == "uncovered":  # every page's own problems, pending or not
+        manifest = load_manifest()
+        chosen = [ROOT / p for p in args.pages] if args.pages else pages()
+        problems = [p for page in chosen for p in check_page(page, manifest)]
+    else:
+        problems = check()
     for problem in problems:
         print(problem)
     print(f"{len(problems)} problems", file=sys.stderr)
