@@ -218,6 +218,36 @@ def test_the_shipped_manifest_checks_against_a_copy(tmp_path):
 # -- sample sds ------------------------------------------------------------------------------
 
 
+def stored_sds(data, path=""):
+    """(path, stored sd, per-run values) of every ``<key>_std`` beside a ``runs`` list whose
+    rows hold ``<key>``."""
+    if isinstance(data, dict):
+        runs = data.get("runs")
+        if isinstance(runs, list) and runs and all(isinstance(r, dict) for r in runs):
+            for key, value in data.items():
+                values = [r.get(key[:-4]) for r in runs]
+                if key.endswith("_std") and all(isinstance(v, int | float) for v in values):
+                    yield f"{path}.{key}", value, values
+        for key, value in data.items():
+            yield from stored_sds(value, f"{path}.{key}")
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            yield from stored_sds(value, f"{path}[{i}]")
+
+
+def test_every_stored_sd_beside_its_runs_is_the_sample_sd():
+    """A ``*_std`` stored next to its per-seed runs is the sample sd (ddof = 1) of them."""
+    checked, wrong = 0, []
+    for file in sorted((ROOT / "experiments").glob("**/*.json")):
+        for path, stored, values in stored_sds(json.loads(file.read_text())):
+            if len(values) > 1:
+                checked += 1
+                if stored != pytest.approx(statistics.stdev(values), rel=1e-9, abs=1e-15):
+                    wrong.append(f"{file.relative_to(ROOT)}{path}: {stored}")
+    assert checked >= 50
+    assert not wrong, wrong
+
+
 def test_the_workloads_results_store_sample_sds_of_their_runs():
     results = json.loads((ROOT / "experiments" / "workloads" / "results.json").read_text())
     rows = [row for table in ("table1", "table1b", "table2") for row in results[table].values()]

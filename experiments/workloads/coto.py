@@ -172,7 +172,7 @@ def summarise(runs: list[dict]) -> dict:
     keys = [k for k, v in runs[0].items() if isinstance(v, float)]
     out = {f"{k}_mean": float(np.mean([r[k] for r in runs])) for k in keys}
     out |= {f"{k}_std": float(np.std([r[k] for r in runs], ddof=1)) for k in keys}
-    return {**out, "bytes_up": runs[0]["bytes_up"], "runs": runs}
+    return {**out, "std_ddof": 1, "bytes_up": runs[0]["bytes_up"], "runs": runs}
 
 
 def main(rounds: int) -> None:
@@ -258,9 +258,18 @@ if __name__ == "__main__":
     parser.add_argument(
         "--tables", action="store_true", help="print the table from the stored JSON only"
     )
+    parser.add_argument(
+        "--resummarise", action="store_true", help="means and sample sds again from the runs"
+    )
     args = parser.parse_args()
+    name = "coto.json" if args.rounds == 40 else f"coto_{args.rounds}.json"
     if args.tables:
-        name = "coto.json" if args.rounds == 40 else f"coto_{args.rounds}.json"
         print_tables(json.loads(Path(__file__).with_name(name).read_text()))
+    elif args.resummarise:  # the summaries again from the stored per-seed runs
+        path = Path(__file__).with_name(name)
+        stored = json.loads(path.read_text())
+        for setting, row in stored["settings"].items():
+            stored["settings"][setting] = summarise(row["runs"])
+        path.write_text(json.dumps(stored, indent=2) + "\n")
     else:
         main(args.rounds)
