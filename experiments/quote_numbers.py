@@ -77,6 +77,7 @@ FUNCTIONS = {
     "median": statistics.median,
     "sample_sd": statistics.stdev,  # ddof = 1
     "sqrt": math.sqrt,
+    "count_below": lambda values, bound: sum(v < bound for v in values),
 }
 ALLOWED_NODES = (
     ast.Expression,
