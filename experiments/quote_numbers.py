@@ -294,6 +294,14 @@ def line_of(text: str, index: int) -> int:
     return text.count("\n", 0, index) + 1
 
 
+def blank_code(text: str) -> str:
+    """``text`` with its fenced and indented code blocks blanked."""
+    text = blank_all(text, FENCE)
+    for match in reversed(list(INDENTED_CODE.finditer(text))):
+        text = blank(text, match.start(1), match.end(1))
+    return text
+
+
 def check_page(
     page: Path, manifest: dict[str, Any], root: Path = ROOT, used: set[str] | None = None
 ) -> list[Problem]:
@@ -311,16 +319,8 @@ def check_page(
                 )
             else:
                 masked = blank(masked, *span)
-    masked = blank_all(masked, FENCE)
-    for match in reversed(list(INDENTED_CODE.finditer(masked))):
-        masked = blank(masked, match.start(1), match.end(1))
-    for match in CODE_SPAN.finditer(masked):
-        if "<!--" in match.group():
-            line = line_of(text, match.start())
-            problems.append(
-                Problem(rel, line, f"a marker inside code shows as text: {match.group()[:80]}")
-            )
-    for match in VALUE.finditer(masked):
+    masked = blank_code(masked)
+    for match in VALUE.finditer(blank_all(masked, CODE_SPAN)):  # a marker in code is text
         name, quoted = match.groups()
         line = line_of(text, match.start())
         spec = manifest["value"].get(name)
@@ -439,16 +439,15 @@ def fill(root: Path = ROOT) -> int:
         text = page.read_text()
         rel = page.relative_to(root)
 
-        def sub(match: re.Match, rel: Path = rel) -> str:
-            nonlocal changed
+        new_text = text
+        for match in reversed(list(VALUE.finditer(blank_all(blank_code(text), CODE_SPAN)))):
             name = match.group(1)
             if name not in manifest["value"]:
                 raise NumbersError(f"{rel}: marker n:{name} names no value")
             new = formatted(name, manifest["value"][name], root)
             changed += new != match.group(2)
-            return f"<!--n:{name}-->{new}<!--/n-->"
-
-        new_text = VALUE.sub(sub, text)
+            marker = f"<!--n:{name}-->{new}<!--/n-->"
+            new_text = new_text[: match.start()] + marker + new_text[match.end() :]
         if new_text != text:
             page.write_text(new_text)
     return changed

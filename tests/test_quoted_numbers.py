@@ -97,7 +97,8 @@ GOOD = (
     "# Results in 2 tables\n\nAccuracy <!--n:mean_acc-->60.0<!--/n--> % ± "
     "<!--n:sd_acc-->0.141<!--/n--> (sample sd, ddof = 1) over <!--in-->2<!--/in--> seeds, "
     "shift <!--n:odd-->−0.12<!--/n-->; `--rounds 20` and\n\n```\nfedsim run --seed 3\n```\n\n"
-    "1. a step\n\n<!-- inputs: the settings -->\nlr 0.1, batch 16, 5 clients.\n"
+    "1. a step, quoted as `<!--n:NAME-->12.5<!--/n-->` in code\n\n"
+    "<!-- inputs: the settings -->\nlr 0.1, batch 16, 5 clients.\n"
 )
 
 
