@@ -86,9 +86,35 @@ class MemberRefused(ValueError):
     """A committee member refused a request (wrong step, stage, seat, client or shape)."""
 
 
+@dataclass(frozen=True)
+class OpenedRelease:
+    """A round whose release the server holds enough to determine: the release shares of more
+    than t members reached it. Shares of a packed sharing lie on a polynomial of degree
+    < t + k, so any t + 1 of them give the server linear combinations of each block's k noisy
+    values and t + k (with a colluding member naming its own wrong share) give the rows
+    y_i themselves; whatever it computes from them is post-processing of the rows released at
+    ``step``, so they count as released whatever the round is then called.
+
+    ``step``; ``rows``: the rows of M released at it; ``clients``: how many clients' noise
+    they carry; ``members``: the seats whose shares reached the server (on time or late,
+    opened or not: it holds the channel key); ``outcome``: ``"released"`` or why the round
+    aborted after the shares reached it.
+    """
+
+    step: int
+    rows: tuple[int, ...]
+    clients: int
+    members: tuple[int, ...]
+    outcome: str = "released"
+
+
 class RoundAborted(TooManyDropoutsError):
     """The round released nothing; ``stage``, ``needed`` and ``answered`` say why. The
-    committee's state is as before the round."""
+    committee's state is as before the round. ``opened``: the :class:`OpenedRelease` when more
+    than t members' release shares had reached the server before it aborted (a release, to be
+    accounted), else None."""
+
+    opened: OpenedRelease | None = None
 
     def __init__(self, message: str, stage: DMMStage, needed: int, answered: int) -> None:
         super().__init__(message)
@@ -100,9 +126,13 @@ class StateLost(RoundAborted):
 
 
 class ReleaseTampering(RuntimeError):
-    """The released shares hold more errors than the decoder can correct: nothing is released
-    and nobody is named (``suspects`` is empty: beyond the unique-decoding radius no member can
-    be blamed without risking an honest one)."""
+    """The released shares hold more errors than the decoder can correct: no release is
+    decoded and nobody is named (``suspects`` is empty: beyond the unique-decoding radius no
+    member can be blamed without risking an honest one). ``opened``: the
+    :class:`OpenedRelease` of the shares the server holds -- a server colluding with the
+    tampering member decodes the others, so the rows count as released."""
+
+    opened: OpenedRelease | None = None
 
     def __init__(self, message: str, suspects: tuple[int, ...] = ()) -> None:
         super().__init__(message)
