@@ -88,6 +88,7 @@ from protocols.encoding import (
 )
 from protocols.field import MersenneField
 from protocols.shamir import PackedShamir
+from strategies.answered_rounds import claim_round
 from strategies.ddgauss import flatten, unflatten
 from strategies.dmm_fold import (
     BATCH_KEY,
@@ -96,7 +97,6 @@ from strategies.dmm_fold import (
     ShareFoldReducer,
     sealed_to_record,
 )
-from strategies.answered_rounds import claim_round
 from strategies.dp_shell import LedgerShell
 from strategies.participation_guard import ParticipationGuard
 from strategies.spec import Accounting, RunFacts, StrategySpec
