@@ -48,6 +48,10 @@ MEMBER_ID_BASE = 2**62 + 2**41
 """Channel party id of seat j of the round's committee: MEMBER_ID_BASE + j."""
 CLIENT_ID_LIMIT = 2**40
 """Clients' channel party ids lie in [0, CLIENT_ID_LIMIT)."""
+FOLD_PAD = "FOLD_PAD"
+"""Stage label of a folded client's sealed pad seed (:class:`FoldedClient`)."""
+PAD_SEED_BYTES = 32
+"""Bytes of one pad seed."""
 
 
 class DMMStage(Enum):
@@ -234,14 +238,33 @@ class RoundKeys:
 
 
 @dataclass(frozen=True)
+class FoldedClient:
+    """A client in a folded SHARE message, and the proof that its shares are in the fold: its
+    channel ``party``, its ``public_key`` and per seat j the sealed seed (``pads[j]``, an
+    :class:`protocols.channels.Envelope` to ``MEMBER_ID_BASE + j`` at :data:`FOLD_PAD`) of the
+    pad it added to its row of shares before handing it to the fold
+    (:func:`protocols.dmm_client.mask_client_shares`). Seat j removes the pad of every folded
+    client listed; a row the fold left out (or a client it lists without its row) leaves a
+    uniform pad in seat j's share, which no release decodes, so the fold cannot count clients
+    whose noise it does not carry."""
+
+    party: int
+    public_key: bytes
+    pads: Mapping[int, object]
+
+
+@dataclass(frozen=True)
 class DMMSealedShares:
     """One client's SHARE message as the server holds it: its channel party id, its public
     key, and per seat j one :class:`protocols.channels.Envelope` addressed to
-    ``MEMBER_ID_BASE + j`` (plain share rows only when the round runs without encryption)."""
+    ``MEMBER_ID_BASE + j`` (plain share rows only when the round runs without encryption).
+    ``folded``: for a worker's folded message, the clients whose masked rows it sums
+    (:class:`FoldedClient`); empty for a client's own message."""
 
     party: int
     public_key: bytes
     shares: Mapping[int, object]
+    folded: tuple[FoldedClient, ...] = ()
 
 
 @dataclass(frozen=True)

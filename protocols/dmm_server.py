@@ -61,11 +61,14 @@ from protocols.channels import (
 )
 from protocols.dmm import (
     CLIENT_ID_LIMIT,
+    FOLD_PAD,
     MEMBER_ID_BASE,
+    PAD_SEED_BYTES,
     PROTOCOL,
     DMMFaults,
     DMMSealedShares,
     DMMStage,
+    FoldedClient,
     OpenedRelease,
     ReleaseTampering,
     RoundAborted,
@@ -452,6 +455,48 @@ class DMMServer:
                 return f"seat {seat}: nonce is not {NONCE_BYTES} bytes"
             if not isinstance(envelope.ciphertext, bytes) or len(envelope.ciphertext) != length:
                 return f"seat {seat}: ciphertext is not {length} bytes"
+        return self._check_folded(item, keys)
+
+    def _check_folded(self, item: DMMSealedShares, keys: RoundKeys) -> str | None:
+        """Why a folded message's list of clients is malformed (None if well formed): each
+        listed client a distinct party other than the fold's, a usable key, one sealed pad
+        seed per announced seat (:class:`protocols.dmm.FoldedClient`)."""
+        folded = item.folded
+        if not isinstance(folded, tuple):
+            return f"folded is a {type(folded).__name__}, not a tuple"
+        parties = set()
+        for client in folded:
+            if not isinstance(client, FoldedClient):
+                return f"a folded {type(client).__name__}, not a FoldedClient"
+            party = client.party
+            if isinstance(party, bool) or not isinstance(party, int | np.integer):
+                return f"folded party {party!r} is not an integer"
+            if not 0 <= int(party) < CLIENT_ID_LIMIT or party == item.party or party in parties:
+                return f"folded party {party} is outside [0, 2^40), the fold's own or repeated"
+            parties.add(int(party))
+            key = client.public_key
+            if not isinstance(key, bytes) or len(key) != PUBLIC_KEY_BYTES:
+                return f"folded party {party}: public key is not 32 bytes"
+            pads = client.pads
+            if not isinstance(pads, Mapping) or set(pads) != set(keys.member_keys):
+                return f"folded party {party}: pads for seats != announced"
+            for seat, envelope in pads.items():
+                header = (
+                    getattr(envelope, "sender", None),
+                    getattr(envelope, "receiver", None),
+                    getattr(envelope, "round", None),
+                    getattr(envelope, "stage", None),
+                )
+                if not isinstance(envelope, Envelope) or header != (
+                    party, MEMBER_ID_BASE + seat, keys.round, FOLD_PAD
+                ):
+                    return f"folded party {party}, seat {seat}: not its sealed pad seed"
+                if not isinstance(envelope.nonce, bytes) or len(envelope.nonce) != NONCE_BYTES:
+                    return f"folded party {party}, seat {seat}: nonce is not {NONCE_BYTES} bytes"
+                if not isinstance(envelope.ciphertext, bytes) or len(envelope.ciphertext) != (
+                    PAD_SEED_BYTES + TAG_BYTES
+                ):
+                    return f"folded party {party}, seat {seat}: the sealed seed has a wrong size"
         return None
 
     def finish_round(
@@ -476,14 +521,19 @@ class DMMServer:
         weights = _weights(weights, sealed)
         rejected: dict[int, str] = {}
         parties: dict[int, int] = {}
+        listed: dict[int, int] = {}
         for client, item in sealed.items():
             reason = self.check_sealed(item, keys)
-            if reason is None and int(item.party) in parties:
-                reason = f"party {item.party} already used by client {parties[int(item.party)]}"
+            used = [int(item.party), *(int(c.party) for c in getattr(item, "folded", ()))]
+            if reason is None and any(p in parties or p in listed for p in used):
+                reason = f"parties {used} already used by another message"
             if reason is not None:
                 rejected[client] = reason
                 continue
             parties[int(item.party)] = client
+            listed.update({p: client for p in used[1:]})
+            if item.folded:  # the weight is what the members can check, never more
+                weights[client] = len(item.folded)
         senders = [
             c
             for c in sorted(parties.values())
@@ -517,6 +567,8 @@ class DMMServer:
         n = self.scheme.n
         relay = Relay(transcript) if self.encrypt else None
         deliveries: dict[int, dict[int, object]] = {}
+        pads: dict[int, dict[int, list]] = {}
+        fold_of: dict[int, int] = {}
         keys: dict[int, bytes] = {}
         client_of = {int(sealed[c].party): c for c in senders}
         for c in senders:
@@ -537,19 +589,33 @@ class DMMServer:
                 if (c, j) in faults.corrupt_in_transit:
                     envelope = flip(envelope)
                 relay.post(envelope)
+            if item.folded:  # who is in the fold: each client's sealed pad seeds
+                pads[party] = {j: [] for j in reach}
+            for folded in item.folded:
+                fold_of[int(folded.party)] = party
+                client_of[int(folded.party)] = c
+                keys[int(folded.party)] = folded.public_key
+                for j in reach:
+                    relay.post(folded.pads[j])
         if relay is not None:
             peers = {SERVER_ID: self._server.public_key, **keys}
             refused_keys = _union(self.pool.broadcast("connect", peers))
             for j in live:
                 for envelope in relay.deliver(MEMBER_ID_BASE + j):
-                    deliveries[envelope.sender][j] = envelope
+                    if envelope.stage == FOLD_PAD:
+                        pads[fold_of[envelope.sender]][j].append((envelope.sender, envelope))
+                    else:
+                        deliveries[envelope.sender][j] = envelope
         else:
             refused_keys = set()
         parts = [
-            {p: {j: rows[j] for j in group if j in rows} for p, rows in deliveries.items()}
+            (
+                {p: {j: rows[j] for j in group if j in rows} for p, rows in deliveries.items()},
+                {p: {j: seats[j] for j in group if j in seats} for p, seats in pads.items()},
+            )
             for group in self.pool.groups
         ]
-        answers = self.pool.call("share", [(part,) for part in parts])
+        answers = self.pool.call("share", parts)
         refused = set(refused_keys)
         for answer in answers:
             if isinstance(answer, Mapping):

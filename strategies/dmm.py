@@ -77,7 +77,7 @@ from protocols.dmm import (
     Schedule,
     StateLost,
 )
-from protocols.dmm_client import seal_client_shares, sharing_inputs
+from protocols.dmm_client import mask_client_shares, seal_client_shares
 from protocols.dmm_server import DMMServer, RoundOutput
 from protocols.encoding import (
     DEFAULT_BETA,
@@ -93,8 +93,11 @@ from strategies.ddgauss import flatten, unflatten
 from strategies.dmm_fold import (
     BATCH_KEY,
     FOLD_KEY,
+    PADS_KEY,
     SEALED_KEY,
     ShareFoldReducer,
+    fold_party,
+    folded_client,
     sealed_to_record,
 )
 from strategies.dp_shell import LedgerShell
@@ -285,10 +288,22 @@ def dmm_client_app(inner: ClientApp, metrics_in_clear: bool = False) -> ClientAp
             segments = [rounded.astype(np.int64), *noise.astype(np.int64)]
             shares = secret.generator(round_, Purpose.SHARES, "dmm")
             if SHARE_PREFIX + "cohort" in config and context.node_config.get(FOLDS_KEY) is True:
-                _, randomness = sharing_inputs(keys.scheme(), segments, shares)
-                fold = {"update": segments[0], "noise": noise.astype(np.int64)}
-                fold["randomness"] = randomness
-                content = RecordDict({FOLD_KEY: to_record(fold)})
+                masked = mask_client_shares(
+                    keys,
+                    party,
+                    segments[0],
+                    noise.astype(np.int64),
+                    shares,
+                    secret.seed_bytes(round_, Purpose.KEYS, "dmm", "client"),
+                )
+                client = masked.client
+                pads = DMMSealedShares(client.party, client.public_key, client.pads)
+                content = RecordDict(
+                    {
+                        FOLD_KEY: to_record({"masked": masked.rows}),
+                        PADS_KEY: sealed_to_record(pads),
+                    }
+                )
             else:
                 sealed = seal_client_shares(
                     keys,
@@ -869,17 +884,41 @@ class DMM(LedgerShell):
         sealed = {}
         batches = self._round.get("batches", {})
         for node, reply in valid.items():
-            party = self._party(batches.get(node, [node]))
+            party = self._party(batches[node]) if node in batches else self._round["sent"][node]
             try:
                 sealed[node] = sealed_from_record(reply.content[SEALED_KEY], party, keys.round)
-            except (ValueError, TypeError) as error:
+                if node in batches:
+                    sealed[node] = self._folded(sealed[node], reply, batches[node], keys)
+            except (ValueError, TypeError, KeyError) as error:
                 rejected[node] = f"malformed sealed shares: {error}"
         return sealed
 
+    def _folded(self, sealed: DMMSealedShares, reply: Message, nodes, keys: RoundKeys):
+        """``sealed`` with the fold's proof of who is in it (:class:`FoldedClient` per node,
+        from its :data:`BATCH_KEY` record); ValueError when it does not list each node once
+        with a key and a sealed pad seed per announced seat."""
+        record, seats = reply.content[BATCH_KEY], sorted(keys.member_keys)
+        public, nonces, bodies = (
+            list(record.get(k, [])) for k in ("public-keys", "pad-nonces", "pad-ciphertexts")
+        )
+        if len(public) != len(nodes) or not len(nonces) == len(bodies) == len(nodes) * len(seats):
+            raise ValueError(
+                f"a fold of {len(nodes)} nodes lists {len(public)} keys and {len(nonces)} pad "
+                f"seeds; allowed: one key per node and one seed per node and seat"
+            )
+        sent, width = self._round["sent"], len(seats)
+        folded = tuple(
+            folded_client(sent[n], public[i], keys.round, seats,
+                          nonces[i * width:(i + 1) * width], bodies[i * width:(i + 1) * width])
+            for i, n in enumerate(nodes)
+        )  # fmt: skip
+        return DMMSealedShares(sealed.party, sealed.public_key, sealed.shares, folded)
+
     def _party(self, nodes) -> int:
-        """The channel party of a message from ``nodes``: a client's own, or a folded batch's,
-        the smallest of its clients' (as :class:`strategies.dmm_fold.ShareFoldReducer` seals)."""
-        return min(self._round["sent"][n] for n in nodes)
+        """The channel party of a folded batch of ``nodes``
+        (:func:`strategies.dmm_fold.fold_party`, as :class:`ShareFoldReducer` seals)."""
+        sent = self._round["sent"]
+        return fold_party(len(sent), (sent[n] for n in nodes))
 
     def _plain(self, valid: dict[int, Message], rejected: dict[int, str]):
         """Ideal mode's plaintext integers, each checked: D integers with ||u||_2 <= Delta_2

@@ -22,7 +22,7 @@ from fedsim.randomness import NODE_SECRET_KEY
 from fedsim.record_codec import to_record
 from fedsim.worker_reduce import FOLDS_KEY, Accumulator, Reducer, ReductionError, attach_reducer
 from strategies.dmm import SEALED_KEY, dmm_client_app
-from strategies.dmm_fold import BATCH_KEY, FOLD_KEY
+from strategies.dmm_fold import BATCH_KEY, FOLD_KEY, PADS_KEY
 
 
 class _Unfoldable(Reducer):
@@ -112,7 +112,7 @@ def test_a_client_outside_a_folding_worker_seals_its_own_shares(local_engine):
 
     assert set(reply({}).content.keys()) == {SEALED_KEY}  # e.g. Flower's runtime
     assert set(reply({FOLDS_KEY: "yes"}).content.keys()) == {SEALED_KEY}  # only True counts
-    assert set(reply({FOLDS_KEY: True}).content.keys()) == {FOLD_KEY}
+    assert set(reply({FOLDS_KEY: True}).content.keys()) == {FOLD_KEY, PADS_KEY}
 
 
 def test_a_folded_reply_cannot_claim_unsampled_clients(local_engine):
