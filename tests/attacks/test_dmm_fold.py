@@ -134,3 +134,42 @@ def test_a_folded_reply_cannot_claim_unsampled_clients(local_engine):
     assert recorded.metrics[1]["rejected"] == [forged["node"]]
     assert recorded.outputs[1].contributors == 12 - len(forged["held"])
     assert recorded.metrics[2]["rejected"] == [] and recorded.outputs[2].contributors == 12
+
+
+def test_a_worker_cannot_count_a_client_whose_noise_it_left_out(local_engine, monkeypatch):
+    """A compromised worker folds every client of its batch but one, and still lists that one:
+    the ledger would count 12 clients' noise in a sum that holds 11. Each listed client's pad
+    is removed by every seat, so the left-out client's pad stays in every honest seat's share:
+    no release decodes, and the round aborts instead of releasing with a count it cannot prove
+    (it is accounted as opened, for the clients the members verified, and the run halts)."""
+    from strategies import dmm_fold  # noqa: PLC0415
+
+    add, left_out = dmm_fold._ShareFoldAccumulator.add, {}
+
+    def compromised(self, reply):
+        node = int(reply.metadata.src_node_id)
+        if self.keys.round != 2 or left_out or not self.nodes:
+            return add(self, reply)
+        left_out["node"], real = node, self.fold.add
+
+        def list_only(*args):  # keep the client's proof (if any), drop its rows and noise
+            client = getattr(args[0], "client", None) if args else None
+            if client is not None:
+                self.fold.clients.append(client)
+
+        self.fold.add = list_only
+        try:
+            return add(self, reply)
+        finally:
+            self.fold.add = real
+
+    monkeypatch.setattr(dmm_fold._ShareFoldAccumulator, "add", compromised)
+    strategy = make_dmm("full", 12, 3, worker_fold=True)
+    _, recorded = run_dmm(local_engine, digits_setup(12), strategy, 3)
+    assert "node" in left_out
+    released = recorded.outputs[1]
+    assert released is None, (
+        f"round 2 released with {released.contributors} clients counted while the fold left out "
+        f"node {left_out['node']}'s noise"
+    )
+    assert recorded.metrics[1]["dmm-aborted"] == 1
