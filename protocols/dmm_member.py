@@ -8,7 +8,9 @@ open_after`): data, never noise. Round t (its :attr:`step`), as the *current* co
 
 1. SHARE (:meth:`announce`, :meth:`connect`, :meth:`share`): publish fresh X25519 keys, open the
    clients' sealed rows: per client (1 + R_t) segments -- shares of its rounded update and of
-   one fresh noise row for each row released at t.
+   one fresh noise row for each row released at t. A worker's folded row has the pad of every
+   client it lists removed (each opened from that client's sealed seed), and :meth:`combine`
+   refuses to count more clients for it than the pads removed.
 2. COMBINE (:meth:`combine`): sum the agreed clients' rows into shares of X_t and z_i, then,
    with M's integer coefficients (read from the member's own copy of M, never from the server),
    shares of y_i = P_i + M[i, t] X_t + z_i for the rows released at t and of the updated partial

@@ -524,7 +524,7 @@ class DMMServer:
         listed: dict[int, int] = {}
         for client, item in sealed.items():
             reason = self.check_sealed(item, keys)
-            used = [int(item.party), *(int(c.party) for c in getattr(item, "folded", ()))]
+            used = [] if reason else [int(item.party), *(int(c.party) for c in item.folded)]
             if reason is None and any(p in parties or p in listed for p in used):
                 reason = f"parties {used} already used by another message"
             if reason is not None:

@@ -39,6 +39,18 @@ assume (Bienstock et al.): t_corrupt + t_dropout < (1/2 - mu) n with mu = k / n,
 Every reply is validated at this boundary (sender sampled this round, one reply each, exactly
 the protocol's records, well-formed sealed shares / plaintext integers in range); a bad one
 drops that client, and the round's metrics name it in ``rejected``.
+
+**Opened is released**: a round whose release shares reached the server from more than t
+members (:class:`protocols.dmm.OpenedRelease`) is accounted as the release of its step even when
+it aborts (too few on time to decode, or tampering beyond the radius): its metrics say
+``dmm-aborted = 1``, ``dmm-opened = 1`` and what it cost (``dmm-epsilon-cost``), the report lists
+it under ``aborted_releases``, and the mechanism halts, since that state must not be released
+again with fresh noise. A round aborted before that point records nothing. Neighbours are
+zero-out (``fedsim.privacy.dmm.RELATION``). Clients reply nothing data-dependent outside their
+shares: federated evaluation is refused (config, strategy, client app) unless
+``metrics_in_clear``, and any per-client metric that reaches the strategy makes epsilon infinite
+(a ``NonPrivateDpEvent``; the report's ``unaccounted``). Each client answers a round once
+(:mod:`strategies.answered_rounds`).
 """
 
 from __future__ import annotations
@@ -554,6 +566,14 @@ class DMM(LedgerShell):
         state = dict(self.__dict__)
         state.update(host=None, _round={})
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        """A checkpoint written before the opened-release and metrics bookkeeping existed
+        loads with none recorded and the defaults."""
+        self.__dict__.update(
+            aborted_releases=[], unaccounted=[], metrics_in_clear=False, reshare_checks=1
+        )
+        self.__dict__.update(state)
 
     def close(self) -> None:
         """Forget the hosted committee (the host ends its actors)."""

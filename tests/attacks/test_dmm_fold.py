@@ -173,3 +173,55 @@ def test_a_worker_cannot_count_a_client_whose_noise_it_left_out(local_engine, mo
         f"node {left_out['node']}'s noise"
     )
     assert recorded.metrics[1]["dmm-aborted"] == 1
+
+
+def _fold(keys, parties, updates, noises, party):
+    from protocols.dmm_client import MaskedFold, mask_client_shares  # noqa: PLC0415
+
+    fold = MaskedFold(keys)
+    for c in parties:
+        rng = np.random.default_rng([7, c])
+        fold.add(mask_client_shares(keys, c, updates[c], noises[c], rng))
+    return fold.seal(party)
+
+
+def test_the_server_rejects_malformed_fold_lists_and_the_round_counts_the_proved_ones():
+    import dataclasses  # noqa: PLC0415
+
+    from dmm_support import Committees, Reference, inputs, seal_all  # noqa: PLC0415
+
+    from fedsim.privacy.dmm import IntegerMechanism  # noqa: PLC0415
+    from fedsim.privacy.matrix.banded import banded  # noqa: PLC0415
+    from protocols.channels import Envelope  # noqa: PLC0415
+
+    mechanism = IntegerMechanism(banded(6, 3), 10)
+    run = Committees(mechanism.integer_matrix, 8)
+    updates, noises = inputs(run.full.schedule, 0, 60, 8, 13)
+    keys = run.full.open_round(0)
+    own = {c: updates[c] for c in range(4)}
+    sealed = seal_all(keys, own, {c: noises[c] for c in range(4)})
+    good = _fold(keys, (10, 11), updates, noises, 20)
+
+    def bad(parties, party, change):
+        fold = _fold(keys, parties, updates, noises, party)
+        return dataclasses.replace(fold, folded=change(fold.folded))
+
+    def restage(clients):
+        first = clients[0]
+        pads = {j: Envelope(e.sender, e.receiver, e.round, "SHARE", e.nonce, e.ciphertext)
+                for j, e in first.pads.items()}  # fmt: skip
+        return (dataclasses.replace(first, pads=pads), *clients[1:])
+
+    hostile = {
+        30: bad((30, 31), 32, lambda cs: (cs[0], cs[0])),  # one client listed twice
+        33: bad((34,), 33, lambda cs: (dataclasses.replace(cs[0], party=33),)),  # the fold's own
+        35: bad((36,), 35, restage),  # a pad seed sealed at another stage
+        37: bad((38,), 37, lambda cs: (dataclasses.replace(cs[0], public_key=b"x"),)),
+        39: bad((40,), 39, lambda cs: (dataclasses.replace(cs[0], pads={}),)),  # no seeds
+        41: bad((10,), 41, lambda cs: cs),  # lists a client another fold already holds
+    }
+    out = run.full.finish_round({**sealed, 20: good, **hostile}, run.new_pool())
+    assert set(out.rejected) == set(hostile)
+    assert out.contributors == 6  # 4 own messages and the 2 clients the good fold proved
+    expected = Reference(mechanism.integer_matrix).release(updates, noises, [0, 1, 2, 3, 10, 11])
+    np.testing.assert_array_equal(out.release, expected)
