@@ -51,6 +51,38 @@ def _cadence(text: str) -> Cadence:
         raise argparse.ArgumentTypeError(str(err)) from err
 
 
+#: flags naming a path the command writes (or continues): an empty or blank one is refused
+PATH_FLAGS = ("--out", "--resume")
+
+
+def _path_flag(flag: str):
+    """The argparse type of ``flag``: a non-empty path with no NUL (``''`` once ran a whole
+    experiment in the current directory and failed at its end)."""
+
+    def check(text: str) -> str:
+        if not text.strip() or "\0" in text:
+            raise argparse.ArgumentTypeError(
+                str(ConfigError(flag, text, "a path: not empty, not blank, no NUL character"))
+            )
+        return text
+
+    check.__name__ = flag  # what argparse's "invalid <type> value" would name
+    return check
+
+
+def _path_flags(parser: argparse.ArgumentParser) -> None:
+    """Give every :data:`PATH_FLAGS` option of ``parser`` and its subcommands that takes a
+    string the check of :func:`_path_flag`."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _path_flags(sub)
+            continue
+        for flag in PATH_FLAGS:
+            if flag in action.option_strings and action.type is None and action.nargs is None:
+                action.type = _path_flag(flag)
+
+
 def _engine_args(parser: argparse.ArgumentParser, resumable: bool = False) -> None:
     if resumable:
         where = parser.add_mutually_exclusive_group(required=True)
@@ -175,6 +207,7 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_parser(commands)
     compare.add_parser(commands)
     _output_flags(parser, top=True)
+    _path_flags(parser)
     return parser
 
 

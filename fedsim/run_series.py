@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fedsim.config import ConfigError
-from fedsim.results_json import ROUNDS_FILE, SUMMARY_FILE, read_rounds
+from fedsim.results_json import ROUNDS_FILE, SUMMARY_FILE
 from fedsim.runfiles import CONFIG_FILE, RunFileError
 
 #: sections of a round line holding the phases' clients' metrics (under ``metrics``)
@@ -48,6 +48,8 @@ COSTS = ("bytes_up", "bytes_down", "seconds", "clients_per_s")
 REPEATS = {"aggregated": "train", "aggregated_evaluate": "evaluate"}
 #: a config key one run has and another lacks
 ABSENT = "(absent)"
+#: round numbers a run can have (a config's rounds is a 64-bit integer)
+MAX_ROUND = 2**63 - 1
 
 Best = Literal["max", "min"]
 
@@ -158,7 +160,8 @@ class RunSeries:
 
 def load_run(path: str | Path, key: str = "RUN_DIR") -> RunSeries:
     """Read the run in ``path``; ConfigError (naming ``key`` and the path) when it is not a
-    run directory, RunFileError when one of its files is damaged."""
+    run directory, RunFileError (naming the file, and the line of rounds.jsonl) when one of
+    its files is damaged (:func:`read_round_lines`, :func:`check_record`)."""
     path = Path(path)
     what = "a run directory written by `fedsim run` or `fedsim flwr-run`"
     if not path.is_dir():
@@ -166,14 +169,11 @@ def load_run(path: str | Path, key: str = "RUN_DIR") -> RunSeries:
     rounds_path = path / ROUNDS_FILE
     if not rounds_path.is_file():
         raise ConfigError(key, str(path), f"{what} (it has no {ROUNDS_FILE})")
-    records = read_rounds(rounds_path)
+    records = read_round_lines(rounds_path)
     if not records:
         raise ConfigError(
             key, str(path), f"{what} with at least one round ({ROUNDS_FILE} is empty)"
         )
-    for number, record in enumerate(records, 1):
-        if not isinstance(record, dict) or not isinstance(record.get("round"), int):
-            raise RunFileError(rounds_path, f"line {number} is not a round record")
     summary = _read_json(path / SUMMARY_FILE)
     return RunSeries(path, tuple(records), summary, _config(path, summary), _series(records))
 
@@ -184,12 +184,87 @@ def load_runs(paths: Sequence[str | Path], key: str = "RUN_DIR") -> list[RunSeri
     return [load_run(p, key) for p in paths]
 
 
+def read_round_lines(path: Path) -> list[dict[str, Any]]:
+    """Every round line of ``path``, each checked by :func:`check_record`; a line that is not
+    one is refused naming the file and the line (1-based). Only a last line without its
+    newline that is not JSON is left out: the process died while writing it."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise RunFileError(path, f"cannot be read as UTF-8 text ({type(err).__name__})") from None
+    lines = text.split("\n")
+    torn = lines.pop()  # "" when the file ends with a newline
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            raise RunFileError(path, f"line {number} is not JSON") from None
+        problem = check_record(record)
+        if problem:
+            raise RunFileError(path, f"line {number} is not a round record: {problem}")
+        records.append(record)
+    if torn:
+        try:
+            record = json.loads(torn)
+        except ValueError:
+            return records  # torn while being written
+        problem = check_record(record)
+        if problem:
+            raise RunFileError(path, f"line {len(lines) + 1} is not a round record: {problem}")
+        records.append(record)
+    return records
+
+
+def check_record(record: Any) -> str | None:
+    """None when ``record`` can be a line of rounds.jsonl (:mod:`fedsim.results`); else what
+    is wrong: the round is an integer in ``[0, MAX_ROUND]``, sections are mappings, epsilon a
+    number >= 0 or Infinity (never NaN), delta in ``[0, 1]``, costs finite numbers >= 0."""
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not an object"
+    number = record.get("round")
+    if isinstance(number, bool) or not isinstance(number, int) or not 0 <= number <= MAX_ROUND:
+        return f"round = {_short(number)} (an integer in [0, 2^63))"
+    for section in (*PHASES, *AGGREGATES, *EPSILONS.values()):
+        if section in record and record[section] is not None:
+            if not isinstance(record[section], Mapping):
+                return f"{section} = {_short(record[section])} (a JSON object)"
+    for phase in PHASES:
+        metrics = _mapping(record.get(phase)).get("metrics")
+        if metrics is not None and not isinstance(metrics, Mapping):
+            return f"{phase}.metrics = {_short(metrics)} (a JSON object)"
+    for section in EPSILONS.values():
+        values = _mapping(record.get(section))
+        for name, low, high in (("epsilon", 0.0, math.inf), ("delta", 0.0, 1.0)):
+            if name not in values or values[name] is None:
+                continue
+            value = as_number(values[name])
+            if value is None or not low <= value <= high:
+                allowed = "a number >= 0 or Infinity" if name == "epsilon" else "a number in [0, 1]"
+                return f"{section}.{name} = {_short(values[name])} ({allowed})"
+    for cost in COSTS:
+        if cost in record and record[cost] is not None:
+            value = as_number(record[cost])
+            if value is None or not 0 <= value < math.inf:
+                return f"{cost} = {_short(record[cost])} (a finite number >= 0)"
+    return None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _read_json(path: Path) -> dict[str, Any] | None:
-    if not path.is_file():
+    """The JSON object in ``path``; None when there is no such path; RunFileError when there
+    is, but it is not a file holding a JSON object."""
+    if not path.exists() and not path.is_symlink():
         return None
+    if not path.is_file():
+        raise RunFileError(path, "is not a file")
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as err:
+    except (ValueError, UnicodeDecodeError, OSError) as err:
         raise RunFileError(path, f"is not valid JSON ({err})") from None
     if not isinstance(value, dict):
         raise RunFileError(path, "does not hold a JSON object")

@@ -48,6 +48,10 @@ MEMBER_ID_BASE = 2**62 + 2**41
 """Channel party id of seat j of the round's committee: MEMBER_ID_BASE + j."""
 CLIENT_ID_LIMIT = 2**40
 """Clients' channel party ids lie in [0, CLIENT_ID_LIMIT)."""
+FOLD_PAD = "FOLD_PAD"
+"""Stage label of a folded client's sealed pad seed (:class:`FoldedClient`)."""
+PAD_SEED_BYTES = 32
+"""Bytes of one pad seed."""
 
 
 class DMMStage(Enum):
@@ -86,9 +90,35 @@ class MemberRefused(ValueError):
     """A committee member refused a request (wrong step, stage, seat, client or shape)."""
 
 
+@dataclass(frozen=True)
+class OpenedRelease:
+    """A round whose release the server holds enough to determine: the release shares of more
+    than t members reached it. Shares of a packed sharing lie on a polynomial of degree
+    < t + k, so any t + 1 of them give the server linear combinations of each block's k noisy
+    values and t + k (with a colluding member naming its own wrong share) give the rows
+    y_i themselves; whatever it computes from them is post-processing of the rows released at
+    ``step``, so they count as released whatever the round is then called.
+
+    ``step``; ``rows``: the rows of M released at it; ``clients``: how many clients' noise
+    they carry; ``members``: the seats whose shares reached the server (on time or late,
+    opened or not: it holds the channel key); ``outcome``: ``"released"`` or why the round
+    aborted after the shares reached it.
+    """
+
+    step: int
+    rows: tuple[int, ...]
+    clients: int
+    members: tuple[int, ...]
+    outcome: str = "released"
+
+
 class RoundAborted(TooManyDropoutsError):
     """The round released nothing; ``stage``, ``needed`` and ``answered`` say why. The
-    committee's state is as before the round."""
+    committee's state is as before the round. ``opened``: the :class:`OpenedRelease` when more
+    than t members' release shares had reached the server before it aborted (a release, to be
+    accounted), else None."""
+
+    opened: OpenedRelease | None = None
 
     def __init__(self, message: str, stage: DMMStage, needed: int, answered: int) -> None:
         super().__init__(message)
@@ -100,9 +130,13 @@ class StateLost(RoundAborted):
 
 
 class ReleaseTampering(RuntimeError):
-    """The released shares hold more errors than the decoder can correct: nothing is released
-    and nobody is named (``suspects`` is empty: beyond the unique-decoding radius no member can
-    be blamed without risking an honest one)."""
+    """The released shares hold more errors than the decoder can correct: no release is
+    decoded and nobody is named (``suspects`` is empty: beyond the unique-decoding radius no
+    member can be blamed without risking an honest one). ``opened``: the
+    :class:`OpenedRelease` of the shares the server holds -- a server colluding with the
+    tampering member decodes the others, so the rows count as released."""
+
+    opened: OpenedRelease | None = None
 
     def __init__(self, message: str, suspects: tuple[int, ...] = ()) -> None:
         super().__init__(message)
@@ -204,14 +238,33 @@ class RoundKeys:
 
 
 @dataclass(frozen=True)
+class FoldedClient:
+    """A client in a folded SHARE message, and the proof that its shares are in the fold: its
+    channel ``party``, its ``public_key`` and per seat j the sealed seed (``pads[j]``, an
+    :class:`protocols.channels.Envelope` to ``MEMBER_ID_BASE + j`` at :data:`FOLD_PAD`) of the
+    pad it added to its row of shares before handing it to the fold
+    (:func:`protocols.dmm_client.mask_client_shares`). Seat j removes the pad of every folded
+    client listed; a row the fold left out (or a client it lists without its row) leaves a
+    uniform pad in seat j's share, which no release decodes, so the fold cannot count clients
+    whose noise it does not carry."""
+
+    party: int
+    public_key: bytes
+    pads: Mapping[int, object]
+
+
+@dataclass(frozen=True)
 class DMMSealedShares:
     """One client's SHARE message as the server holds it: its channel party id, its public
     key, and per seat j one :class:`protocols.channels.Envelope` addressed to
-    ``MEMBER_ID_BASE + j`` (plain share rows only when the round runs without encryption)."""
+    ``MEMBER_ID_BASE + j`` (plain share rows only when the round runs without encryption).
+    ``folded``: for a worker's folded message, the clients whose masked rows it sums
+    (:class:`FoldedClient`); empty for a client's own message."""
 
     party: int
     public_key: bytes
     shares: Mapping[int, object]
+    folded: tuple[FoldedClient, ...] = ()
 
 
 @dataclass(frozen=True)

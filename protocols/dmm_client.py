@@ -15,6 +15,14 @@ stream -- into a :class:`ShareFold` that deals the sum once and seals one row pe
 batch's channel (:func:`seal_rows`): each seat receives one share of the batch's sum instead of
 one share per client, which tells it (and any coalition of seats) less, never more.
 
+A fold the members can check (:class:`MaskedFold`): each client deals its own shares, adds to
+seat j's row a pad expanded (ChaCha20) from a seed of its own secret stream, and seals only the
+seed to seat j (:func:`mask_client_shares`, 32 bytes per seat); the fold sums the masked rows
+and lists each client with its sealed seeds (:class:`protocols.dmm.FoldedClient`). Seat j
+removes every listed client's pad: the sum is exact when the fold holds every listed client's
+row, and off by a uniform pad at every honest seat when it lists a client whose row it left out
+-- the fold proves who is in it, and never learns a client's shares (they are padded).
+
 Randomness is passed in: ``rng`` (the client's secret share stream) draws the share polynomials;
 ``private_key`` (32 bytes of the client's secret) fixes its X25519 key, or None for a key from the
 OS CSPRNG.
@@ -22,18 +30,97 @@ OS CSPRNG.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
 from protocols.channels import Endpoint
 from protocols.dmm import (
     CLIENT_ID_LIMIT,
+    FOLD_PAD,
     MEMBER_ID_BASE,
+    PAD_SEED_BYTES,
     PROTOCOL,
     DMMSealedShares,
     DMMStage,
+    FoldedClient,
     RoundKeys,
 )
+from protocols.field import MersenneField
 from protocols.shamir import PackedShamir
+
+
+def fold_pad(field: MersenneField, seed: bytes, width: int) -> np.ndarray:
+    """``width`` field elements expanded from a 32-byte ``seed`` (ChaCha20 keystream, 8 bytes
+    per element, its low e bits reduced mod p = 2^e - 1: uniform up to 2^-e)."""
+    if not isinstance(seed, bytes) or len(seed) != PAD_SEED_BYTES:
+        raise ValueError(f"a pad seed is {PAD_SEED_BYTES} bytes, got {seed!r:.40}")
+    stream = Cipher(algorithms.ChaCha20(seed, bytes(16)), mode=None).encryptor()
+    raw = np.frombuffer(stream.update(bytes(8 * int(width))), dtype="<u8")
+    low = raw & np.uint64((1 << field.exponent) - 1)
+    return np.mod(low, np.uint64(field.modulus)).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class MaskedShares:
+    """What a folded client hands its fold: its shares with each seat's row padded
+    (``rows``: (n, width) field elements) and the proof of its pads
+    (:class:`protocols.dmm.FoldedClient`)."""
+
+    rows: np.ndarray
+    client: FoldedClient
+
+
+def mask_client_shares(
+    keys: RoundKeys, party: int, update, noise, rng, private_key: bytes | None = None
+) -> MaskedShares:
+    """Deal ``update`` and ``noise`` like :func:`seal_client_shares`, then pad seat j's row
+    with :func:`fold_pad` of a seed drawn from ``rng`` (the client's own stream) and seal the
+    seed to seat j at :data:`protocols.dmm.FOLD_PAD` from channel ``party``."""
+    party = _party(party)
+    if keys.session_id is None:
+        raise ValueError("keys.session_id=None; folds are sealed over encrypted channels")
+    scheme = keys.scheme()
+    rows = share_segments(scheme, [_update(keys, update), *_noise(keys, noise)], rng)
+    endpoint = Endpoint(party, keys.session_id, protocol=PROTOCOL, private_key=private_key)
+    pads = {}
+    for j, key in sorted(keys.member_keys.items()):
+        seed = rng.bytes(PAD_SEED_BYTES)
+        rows[int(j)] = scheme.field.add(rows[int(j)], fold_pad(scheme.field, seed, keys.width))
+        endpoint.connect(MEMBER_ID_BASE + int(j), key)
+        pads[int(j)] = endpoint.seal(MEMBER_ID_BASE + int(j), keys.round, FOLD_PAD, seed)
+    return MaskedShares(rows, FoldedClient(party, endpoint.public_key, pads))
+
+
+class MaskedFold:
+    """The sum of several clients' :class:`MaskedShares` for one round, with the list of who
+    is in it; :meth:`seal` seals one row per seat from the fold's own channel ``party``."""
+
+    def __init__(self, keys: RoundKeys) -> None:
+        self.keys = keys
+        self.field = keys.scheme().field
+        self.clients: list[FoldedClient] = []
+        self._rows: np.ndarray | None = None
+
+    def add(self, masked: MaskedShares) -> None:
+        """One client's padded rows; ValueError naming what is malformed."""
+        rows = self.field.asarray(masked.rows, "masked rows")
+        if rows.shape != (self.keys.n, self.keys.width):
+            raise ValueError(
+                f"masked rows have shape {rows.shape}; allowed ({self.keys.n}, {self.keys.width})"
+            )
+        if not isinstance(masked.client, FoldedClient):
+            raise ValueError(f"a {type(masked.client).__name__}, not a FoldedClient")
+        self._rows = rows.copy() if self._rows is None else self.field.add(self._rows, rows)
+        self.clients.append(masked.client)
+
+    def seal(self, party: int) -> DMMSealedShares:
+        """The folded SHARE message (a fresh channel key from the OS for the fold itself)."""
+        if self._rows is None:
+            raise ValueError("nothing was added to the fold")
+        sealed = seal_rows(self.keys, party, self._rows)
+        return DMMSealedShares(sealed.party, sealed.public_key, sealed.shares, tuple(self.clients))
 
 
 def share_segments(scheme: PackedShamir, segments: list[np.ndarray], rng) -> np.ndarray:

@@ -8,7 +8,9 @@ open_after`): data, never noise. Round t (its :attr:`step`), as the *current* co
 
 1. SHARE (:meth:`announce`, :meth:`connect`, :meth:`share`): publish fresh X25519 keys, open the
    clients' sealed rows: per client (1 + R_t) segments -- shares of its rounded update and of
-   one fresh noise row for each row released at t.
+   one fresh noise row for each row released at t. A worker's folded row has the pad of every
+   client it lists removed (each opened from that client's sealed seed), and :meth:`combine`
+   refuses to count more clients for it than the pads removed.
 2. COMBINE (:meth:`combine`): sum the agreed clients' rows into shares of X_t and z_i, then,
    with M's integer coefficients (read from the member's own copy of M, never from the server),
    shares of y_i = P_i + M[i, t] X_t + z_i for the rows released at t and of the updated partial
@@ -42,6 +44,7 @@ import numpy as np
 from protocols.channels import SERVER_ID, ChannelError, Endpoint, Envelope
 from protocols.dmm import (
     CLIENT_ID_LIMIT,
+    FOLD_PAD,
     MEMBER_ID_BASE,
     PROTOCOL,
     DMMStage,
@@ -49,6 +52,7 @@ from protocols.dmm import (
     Schedule,
     check_transition,
 )
+from protocols.dmm_client import fold_pad
 from protocols.field import MersenneField
 from protocols.resharing import NEW_ID_BASE, OLD_ID_BASE, NewMember, OldMember, ShareRandomness
 from protocols.secagg import StageError
@@ -135,6 +139,8 @@ class MemberGroup:
         self._endpoints: dict[int, Endpoint] = {}
         self._online: set[int] = set()
         self._received: dict[int, np.ndarray] = {}
+        #: party -> the clients whose pads this member removed from its message (1: its own)
+        self._carried: dict[int, int] = {}
         self._tentative: dict[int, np.ndarray] | None = None
         self._release: np.ndarray | None = None
         self._incoming: dict[int, NewMember] = {}
@@ -332,13 +338,19 @@ class MemberGroup:
         return (1 + len(self.schedule.released_at(self.step))) * self.blocks
 
     @request
-    def share(self, deliveries: Mapping[int, Mapping[int, object]]) -> dict[int, list[int]]:
+    def share(
+        self, deliveries: Mapping[int, Mapping[int, object]], pads=None
+    ) -> dict[int, list[int]]:
         """SHARE: ``deliveries[party][seat]`` is a client's sealed row for an online seat.
         Returns party -> the seats that lack it or refuse it (unauthentic, misaddressed,
-        replayed, wrong length, out of the field)."""
+        replayed, wrong length, out of the field). ``pads[party][seat]``: for a folded message,
+        the (client party, sealed pad seed) of every client it lists; the seat removes each
+        client's pad (:func:`protocols.dmm_client.fold_pad`) and counts the clients it
+        verified so (:meth:`combine` refuses a weight above that count)."""
         self._expect(DMMStage.SHARE, "current")
         if not isinstance(deliveries, Mapping):
             raise MemberRefused(f"deliveries is a {type(deliveries).__name__}; allowed: a dict")
+        pads = pads if isinstance(pads, Mapping) else {}
         refused: dict[int, list[int]] = {}
         for party, rows_in in deliveries.items():
             if isinstance(party, bool) or not isinstance(party, int | np.integer):
@@ -355,13 +367,38 @@ class MemberGroup:
                     item = rows_in.get(s)
                     if item is None:
                         raise ChannelError(f"seat {s} received nothing from client {party}")
-                    rows[self._index[s]] = self._open(
-                        s, item, DMMStage.SHARE, party, self.width
-                    )
+                    row = self._open(s, item, DMMStage.SHARE, party, self.width)
+                    listed = self._unpad(s, party, pads.get(party))
+                    for pad in listed.values():
+                        row = self.scheme.field.sub(row, pad)
+                    rows[self._index[s]] = row
+                    if self._carried.setdefault(party, max(1, len(listed))) != max(1, len(listed)):
+                        raise ChannelError(f"seat {s} was given another fold list")
                 except (ChannelError, ValueError):
                     refused.setdefault(party, []).append(s)
             self._received[party] = rows
         return refused
+
+    def _unpad(self, seat: int, party: int, pads) -> dict[int, np.ndarray]:
+        """client party -> the pad seat ``seat`` removes from fold ``party``'s row (its sealed
+        seed opened from that client; {} for a client's own message)."""
+        if pads is None:
+            return {}
+        listed = pads.get(seat) if isinstance(pads, Mapping) else None
+        if not isinstance(listed, list | tuple) or not listed:
+            raise ChannelError(f"seat {seat} received no fold list from party {party}")
+        endpoint = self._endpoints.get(seat)
+        if endpoint is None:
+            raise ChannelError(f"seat {seat} has no channel this round")
+        out: dict[int, np.ndarray] = {}
+        for entry in listed:
+            client, envelope = entry
+            client = int(client)
+            if client in out or client == party or not 0 <= client < CLIENT_ID_LIMIT:
+                raise ChannelError(f"fold {party} lists client {client} twice or wrongly")
+            seed = endpoint.open(envelope, round_=self._round, stage=FOLD_PAD, sender=client)
+            out[client] = fold_pad(self.scheme.field, seed, self.width)
+        return out
 
     @request
     def combine(self, step: int, clients, drop, tamper, seed: int, weights=None) -> list[int]:
@@ -375,6 +412,12 @@ class MemberGroup:
         weights = {int(p): int(w) for p, w in dict(weights or {}).items()}
         if any(w < 1 for w in weights.values()):
             raise MemberRefused(f"weights={weights!r}; allowed: party -> an integer >= 1")
+        inflated = [c for c in chosen if weights.get(c, 1) > self._carried.get(c, 1)]
+        if inflated:
+            raise MemberRefused(
+                f"weights claim more clients for parties {inflated} than their folds proved "
+                f"({ {c: self._carried.get(c, 1) for c in inflated} })"
+            )
         carried = sum(weights.get(c, 1) for c in chosen)
         if carried < self.min_clients:
             raise MemberRefused(

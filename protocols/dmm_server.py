@@ -12,11 +12,22 @@ reference/dmm.md "Our protocol, corrected", steps 3-9. The server of round t (:c
 3. COMBINE / RELEASE: collects the sealed release shares of the rows of M released at t,
    validates them, and decodes with :meth:`protocols.shamir.PackedShamir.decode` (corrects at
    most floor((m - t - k) / 2) wrong shares among m, names members only when the decoding is
-   unique, reports ``verified = False`` when m = t + k; beyond the radius nothing is released
-   and nobody is named: :class:`protocols.dmm.ReleaseTampering`);
+   unique, reports ``verified = False`` when m = t + k; beyond the radius no release is
+   decoded and nobody is named: :class:`protocols.dmm.ReleaseTampering`). **Opened is
+   released**: the quorum (t + k on-time shares) is checked before any share is opened, and
+   once more than t members' shares have reached the server (on time or late: it holds the
+   key that opens them) the step is an :class:`protocols.dmm.OpenedRelease`
+   (:attr:`DMMServer.opened`), carried by an abort after that point (``error.opened``) for the
+   strategy to account; such a step is never run again (:meth:`DMMServer.open_round`
+   refuses it), so its state is not released a second time with fresh noise;
 4. RESHARE: runs the linear packed resharing of the open rows' partial sums from the old to the
    next committee (announce / deal / accumulate / verify of :mod:`protocols.resharing`); if it
-   fails the release stands and the old committee keeps the state;
+   fails the release stands and the old committee keeps the state. A dealing is checked only
+   when more than t + k members deal (m - t - k parity checks), so the server needs
+   t + k + ``reshare_checks`` dealers (default 1: a wrong dealing is always caught) and
+   otherwise keeps the state with the old committee; with ``reshare_checks = 0`` a dealing by
+   exactly t + k goes through unchecked and every later release of the rows it carried is
+   reported ``verified = False`` (:attr:`DMMServer.unverified_rows`);
 5. decodes x_hat_t = (D y)_t with D M = I (:class:`ReleaseDecoder`): post-processing.
 
 ``mode="ideal"`` (:meth:`DMMServer.run_plain_round`) is the no-cryptography reference: the
@@ -27,6 +38,7 @@ ids (OS CSPRNG).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -49,11 +61,15 @@ from protocols.channels import (
 )
 from protocols.dmm import (
     CLIENT_ID_LIMIT,
+    FOLD_PAD,
     MEMBER_ID_BASE,
+    PAD_SEED_BYTES,
     PROTOCOL,
     DMMFaults,
     DMMSealedShares,
     DMMStage,
+    FoldedClient,
+    OpenedRelease,
     ReleaseTampering,
     RoundAborted,
     RoundKeys,
@@ -212,7 +228,8 @@ class DMMServer:
     ``scheme``: (n, t, k) and field of every committee; ``dim``: D; ``mode``: 'full' (members
     hold shares; call :meth:`attach`, :meth:`open_round`, :meth:`finish_round`) or 'ideal'
     (:meth:`run_plain_round`); ``encrypt``: seal everything in full mode; ``min_clients``: fewest
-    agreed clients a release may carry; ``decoding``: see :class:`ReleaseDecoder`.
+    agreed clients a release may carry; ``decoding``: see :class:`ReleaseDecoder`;
+    ``reshare_checks``: parity checks a handoff needs (dealers beyond t + k; module docstring).
     """
 
     def __init__(
@@ -225,6 +242,7 @@ class DMMServer:
         encrypt: bool = True,
         min_clients: int = 1,
         decoding: np.ndarray | None = None,
+        reshare_checks: int = 1,
     ) -> None:
         if mode not in ("full", "ideal"):
             raise ValueError(f"mode={mode!r}; allowed: 'full', 'ideal'")
@@ -234,6 +252,18 @@ class DMMServer:
             raise ValueError(f"scheme.field={scheme.field!r} is too small for DMM sums")
         if not isinstance(min_clients, int | np.integer) or min_clients < 1:
             raise ValueError(f"min_clients={min_clients!r}; allowed: an integer >= 1")
+        if (
+            isinstance(reshare_checks, bool)
+            or not isinstance(reshare_checks, int | np.integer)
+            or not 0 <= reshare_checks <= scheme.n - scheme.threshold
+        ):
+            raise ValueError(
+                f"reshare_checks={reshare_checks!r}; allowed: an integer in [0, n - t - k = "
+                f"{scheme.n - scheme.threshold}]"
+            )
+        self.reshare_checks = int(reshare_checks)
+        #: rows whose partial sums went through a handoff nobody could check
+        self.unverified_rows: set[int] = set()
         self.scheme, self.schedule, self.dim, self.mode = scheme, schedule, int(dim), mode
         self.encrypt = bool(encrypt)
         self.min_clients = int(min_clients)
@@ -246,6 +276,8 @@ class DMMServer:
         self.plain_state: dict[int, np.ndarray] = {}
         self.pool = None
         self.last_output: RoundOutput | None = None
+        #: every step whose release the server holds enough to determine, completed or aborted
+        self.opened: dict[int, OpenedRelease] = {}
         self._open: _Round | None = None
         self._server: Endpoint | None = None
 
@@ -255,6 +287,12 @@ class DMMServer:
         state = dict(self.__dict__)
         state.update(pool=None, _open=None, _server=None)
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        """A checkpoint written before :attr:`opened` and the handoff checks existed loads
+        with none opened, none unverified and the default check."""
+        self.__dict__.update({"opened": {}, "unverified_rows": set(), "reshare_checks": 1})
+        self.__dict__.update(state)
 
     @property
     def member_kwargs(self) -> dict[str, object]:
@@ -285,6 +323,15 @@ class DMMServer:
 
     def _abort(self, error: RoundAborted | ReleaseTampering):
         self.stage = DMMStage.ABORTED
+        step = self.step
+        if step in self.opened:  # the release shares reached the server before the abort
+            record = self.opened[step]
+            error.args = (
+                f"{error}; but the release shares of {len(record.members)} members (more than "
+                f"t = {self.scheme.t}) reached the server: step {step} counts as released",
+            )
+            self.opened[step] = dataclasses.replace(record, outcome=str(error)[:500])
+            error.opened = self.opened[step]
         if self.pool is not None:
             self.pool.broadcast("discard")
         return error
@@ -292,7 +339,20 @@ class DMMServer:
     def _check_step(self) -> int:
         if self.step >= self.schedule.rounds:
             raise ValueError(f"step {self.step} is past M's {self.schedule.rounds} rounds")
+        if self.step in self.opened:
+            raise ValueError(
+                f"step {self.step}'s release was opened in an aborted round "
+                f"({self.opened[self.step].outcome}); its state is not released again with "
+                "fresh noise"
+            )
         return self.step
+
+    def _note_opened(self, t: int, arrived, carried: int) -> None:
+        """Record step ``t`` as opened when more than t members' shares reached the server."""
+        if len(set(arrived)) > self.scheme.t:
+            rows = tuple(int(i) for i in self.schedule.released_at(t))
+            members = tuple(sorted({int(s) for s in arrived}))
+            self.opened[t] = OpenedRelease(t, rows, int(carried), members)
 
     def _state_lost(self, t: int, stage: DMMStage, live: int) -> StateLost:
         need = self.scheme.threshold
@@ -395,6 +455,48 @@ class DMMServer:
                 return f"seat {seat}: nonce is not {NONCE_BYTES} bytes"
             if not isinstance(envelope.ciphertext, bytes) or len(envelope.ciphertext) != length:
                 return f"seat {seat}: ciphertext is not {length} bytes"
+        return self._check_folded(item, keys)
+
+    def _check_folded(self, item: DMMSealedShares, keys: RoundKeys) -> str | None:
+        """Why a folded message's list of clients is malformed (None if well formed): each
+        listed client a distinct party other than the fold's, a usable key, one sealed pad
+        seed per announced seat (:class:`protocols.dmm.FoldedClient`)."""
+        folded = item.folded
+        if not isinstance(folded, tuple):
+            return f"folded is a {type(folded).__name__}, not a tuple"
+        parties = set()
+        for client in folded:
+            if not isinstance(client, FoldedClient):
+                return f"a folded {type(client).__name__}, not a FoldedClient"
+            party = client.party
+            if isinstance(party, bool) or not isinstance(party, int | np.integer):
+                return f"folded party {party!r} is not an integer"
+            if not 0 <= int(party) < CLIENT_ID_LIMIT or party == item.party or party in parties:
+                return f"folded party {party} is outside [0, 2^40), the fold's own or repeated"
+            parties.add(int(party))
+            key = client.public_key
+            if not isinstance(key, bytes) or len(key) != PUBLIC_KEY_BYTES:
+                return f"folded party {party}: public key is not 32 bytes"
+            pads = client.pads
+            if not isinstance(pads, Mapping) or set(pads) != set(keys.member_keys):
+                return f"folded party {party}: pads for seats != announced"
+            for seat, envelope in pads.items():
+                header = (
+                    getattr(envelope, "sender", None),
+                    getattr(envelope, "receiver", None),
+                    getattr(envelope, "round", None),
+                    getattr(envelope, "stage", None),
+                )
+                if not isinstance(envelope, Envelope) or header != (
+                    party, MEMBER_ID_BASE + seat, keys.round, FOLD_PAD
+                ):
+                    return f"folded party {party}, seat {seat}: not its sealed pad seed"
+                if not isinstance(envelope.nonce, bytes) or len(envelope.nonce) != NONCE_BYTES:
+                    return f"folded party {party}, seat {seat}: nonce is not {NONCE_BYTES} bytes"
+                if not isinstance(envelope.ciphertext, bytes) or len(envelope.ciphertext) != (
+                    PAD_SEED_BYTES + TAG_BYTES
+                ):
+                    return f"folded party {party}, seat {seat}: the sealed seed has a wrong size"
         return None
 
     def finish_round(
@@ -419,14 +521,19 @@ class DMMServer:
         weights = _weights(weights, sealed)
         rejected: dict[int, str] = {}
         parties: dict[int, int] = {}
+        listed: dict[int, int] = {}
         for client, item in sealed.items():
             reason = self.check_sealed(item, keys)
-            if reason is None and int(item.party) in parties:
-                reason = f"party {item.party} already used by client {parties[int(item.party)]}"
+            used = [] if reason else [int(item.party), *(int(c.party) for c in item.folded)]
+            if reason is None and any(p in parties or p in listed for p in used):
+                reason = f"parties {used} already used by another message"
             if reason is not None:
                 rejected[client] = reason
                 continue
             parties[int(item.party)] = client
+            listed.update({p: client for p in used[1:]})
+            if item.folded:  # the weight is what the members can check, never more
+                weights[client] = len(item.folded)
         senders = [
             c
             for c in sorted(parties.values())
@@ -460,6 +567,8 @@ class DMMServer:
         n = self.scheme.n
         relay = Relay(transcript) if self.encrypt else None
         deliveries: dict[int, dict[int, object]] = {}
+        pads: dict[int, dict[int, list]] = {}
+        fold_of: dict[int, int] = {}
         keys: dict[int, bytes] = {}
         client_of = {int(sealed[c].party): c for c in senders}
         for c in senders:
@@ -480,19 +589,33 @@ class DMMServer:
                 if (c, j) in faults.corrupt_in_transit:
                     envelope = flip(envelope)
                 relay.post(envelope)
+            if item.folded:  # who is in the fold: each client's sealed pad seeds
+                pads[party] = {j: [] for j in reach}
+            for folded in item.folded:
+                fold_of[int(folded.party)] = party
+                client_of[int(folded.party)] = c
+                keys[int(folded.party)] = folded.public_key
+                for j in reach:
+                    relay.post(folded.pads[j])
         if relay is not None:
             peers = {SERVER_ID: self._server.public_key, **keys}
             refused_keys = _union(self.pool.broadcast("connect", peers))
             for j in live:
                 for envelope in relay.deliver(MEMBER_ID_BASE + j):
-                    deliveries[envelope.sender][j] = envelope
+                    if envelope.stage == FOLD_PAD:
+                        pads[fold_of[envelope.sender]][j].append((envelope.sender, envelope))
+                    else:
+                        deliveries[envelope.sender][j] = envelope
         else:
             refused_keys = set()
         parts = [
-            {p: {j: rows[j] for j in group if j in rows} for p, rows in deliveries.items()}
+            (
+                {p: {j: rows[j] for j in group if j in rows} for p, rows in deliveries.items()},
+                {p: {j: seats[j] for j in group if j in seats} for p, seats in pads.items()},
+            )
             for group in self.pool.groups
         ]
-        answers = self.pool.call("share", [(part,) for part in parts])
+        answers = self.pool.call("share", parts)
         refused = set(refused_keys)
         for answer in answers:
             if isinstance(answer, Mapping):
@@ -518,10 +641,12 @@ class DMMServer:
             faults.members("tamper", DMMStage.RELEASE),
             faults.seed,
         )
-        rows, sent = self._open_release(answered, live, keys, transcript, opened.rejected_members)
+        rows, sent, on_time = self._open_release(
+            answered, live, keys, transcript, opened.rejected_members, carried
+        )
         if len(rows) < need:
             self.holders = tuple(sent)
-            raise self._abort(self._too_few_members(t, len(rows)))
+            raise self._abort(self._too_few_members(t, len(rows) if rows else on_time))
         answering = sorted(rows)
         released = self.schedule.released_at(t)
         length = len(released) * self.blocks * self.scheme.k
@@ -531,8 +656,8 @@ class DMMServer:
             raise self._abort(
                 ReleaseTampering(
                     f"step {t}: the release shares of seats {answering} hold more errors than "
-                    f"the {len(answering)} answers can correct; nothing released, nobody named, "
-                    "the state is kept"
+                    f"the {len(answering)} answers can correct; no release decoded, nobody "
+                    "named, the state is kept"
                 )
             ) from error
         values = self.scheme.field.decode_signed(decoding.values)
@@ -541,7 +666,8 @@ class DMMServer:
                                 carried)
         output.rejected_members = dict(opened.rejected_members)
         output.corrected = tuple(int(s) for s in decoding.corrected)
-        output.verified, output.radius = bool(decoding.verified), int(decoding.radius)
+        output.verified = bool(decoding.verified) and not self.unverified_rows & set(released)
+        output.radius = int(decoding.radius)
         output.dropped = tuple(s for s in opened.holders if s not in rows)
         self._enter(DMMStage.RESHARE)
         dealers = [s for s in live if s in sent and s not in output.corrected]
@@ -568,11 +694,13 @@ class DMMServer:
             count,
         )
 
-    def _open_release(self, answered, live, keys, transcript, rejected_members):
-        """seat -> its opened release row; and the seats that sent (late ones included)."""
+    def _open_release(self, answered, live, keys, transcript, rejected_members, carried):
+        """seat -> its opened release row; the seats that sent (late ones included); how many
+        well-formed shares came on time.
+        Notes the step as opened when more than t seats sent (:meth:`_note_opened`) and opens
+        nothing when fewer than t + k well-formed shares came on time (the quorum)."""
         width = len(self.schedule.released_at(keys.step)) * self.blocks
-        f = self.scheme.field
-        rows, sent = {}, []
+        arrived, sent = [], []
         for group, answer in zip(self.pool.groups, answered):
             if not isinstance(answer, Mapping):
                 continue
@@ -582,33 +710,61 @@ class DMMServer:
                 rejected_members.update({int(s): "release answer is malformed" for s in group})
                 continue
             for seat, item in zip(seats, items):
-                if seat not in group or seat not in live:
+                if seat not in group or seat not in live or int(seat) in sent:
                     continue
                 sent.append(int(seat))
-                if seat in late:
-                    continue
-                try:
-                    if isinstance(item, Envelope) and self._server is not None:
-                        transcript.record(item.sender, item.receiver, item.stage, item.nbytes)
-                        row = self._server.open_array(
-                            item,
-                            round_=keys.round,
-                            stage=DMMStage.RELEASE,
-                            sender=MEMBER_ID_BASE + int(seat),
-                        )
-                    elif self._server is None and isinstance(item, np.ndarray):
-                        row = item
-                        transcript.record(
-                            MEMBER_ID_BASE + seat, SERVER_ID, DMMStage.RELEASE, row.size * 8
-                        )
-                    else:
-                        raise ChannelError(f"a {type(item).__name__}, not an Envelope")
-                    if row.shape != (width,):
-                        raise ChannelError(f"a row of shape {row.shape}, not ({width},)")
-                    rows[int(seat)] = f.asarray(row, "release share")
-                except (ChannelError, ValueError) as error:
-                    rejected_members[int(seat)] = f"release share refused: {error}"
-        return rows, sorted(sent)
+                if seat not in late:
+                    arrived.append((int(seat), item))
+        self._note_opened(keys.step, sent, carried)
+        well_formed = [(s, i) for s, i in arrived if self._release_form(s, i, keys) is None]
+        if len(well_formed) < self.scheme.threshold:
+            for seat, item in arrived:
+                if (problem := self._release_form(seat, item, keys)) is not None:
+                    rejected_members[seat] = f"release share refused: {problem}"
+            return {}, sorted(sent), len(well_formed)
+        rows = self._open_rows(arrived, keys, transcript, rejected_members, width)
+        return rows, sorted(sent), len(well_formed)
+
+    def _release_form(self, seat: int, item, keys) -> str | None:
+        """Why ``item`` is no release share of ``seat`` for the server (None if its form is
+        right; whether it opens is checked only after the quorum)."""
+        if self._server is None:
+            return None if isinstance(item, np.ndarray) else f"a {type(item).__name__}"
+        if not isinstance(item, Envelope):
+            return f"a {type(item).__name__}, not an Envelope"
+        header = (item.sender, item.receiver, item.round, item.stage)
+        expected = (MEMBER_ID_BASE + seat, SERVER_ID, keys.round, stage_label(DMMStage.RELEASE))
+        if header != expected:
+            return f"envelope header {header!r}; expected {expected!r}"
+        return None
+
+    def _open_rows(self, arrived, keys, transcript, rejected_members, width):
+        """seat -> its opened, checked release row (``arrived``: the on-time (seat, share))."""
+        f = self.scheme.field
+        rows = {}
+        for seat, item in arrived:
+            try:
+                if isinstance(item, Envelope) and self._server is not None:
+                    transcript.record(item.sender, item.receiver, item.stage, item.nbytes)
+                    row = self._server.open_array(
+                        item,
+                        round_=keys.round,
+                        stage=DMMStage.RELEASE,
+                        sender=MEMBER_ID_BASE + int(seat),
+                    )
+                elif self._server is None and isinstance(item, np.ndarray):
+                    row = item
+                    transcript.record(
+                        MEMBER_ID_BASE + seat, SERVER_ID, DMMStage.RELEASE, row.size * 8
+                    )
+                else:
+                    raise ChannelError(f"a {type(item).__name__}, not an Envelope")
+                if row.shape != (width,):
+                    raise ChannelError(f"a row of shape {row.shape}, not ({width},)")
+                rows[int(seat)] = f.asarray(row, "release share")
+            except (ChannelError, ValueError) as error:
+                rejected_members[int(seat)] = f"release share refused: {error}"
+        return rows
 
     def _released(self, t, released, release, clients, excluded, rejected, transcript,
                   carried=None):
@@ -674,9 +830,11 @@ class DMMServer:
         if session is not None:
             self.pool.broadcast("connect", {NEW_ID_BASE + j: k for j, k in new_keys.items()})
             new.broadcast("connect", {OLD_ID_BASE + i: k for i, k in old_keys.items()})
-        attempts = self._deal_until_verified(
+        attempts, checked = self._deal_until_verified(
             round_, len(keep), candidates, holders, faults, transcript, new
         )
+        if not checked:
+            self.unverified_rows |= set(keep)
         return new_commit(new, holders), attempts
 
     def _announce_handoff(
@@ -704,23 +862,26 @@ class DMMServer:
 
     def _deal_until_verified(
         self, round_, rows, candidates, holders, faults, transcript, new
-    ) -> int:
+    ) -> tuple[int, bool]:
         """DEAL, ACCUMULATE and VERIFY of ``rows`` open rows from the first t + k
         ``candidates`` to ``holders``, again without every dealer that fails to deal or is
-        caught by the parity checks until a dealing verifies; returns the DEAL attempts.
-        Raises :class:`protocols.resharing.ReshareAbort` when fewer than t + k can deal."""
+        caught by the parity checks until a dealing verifies; returns the DEAL attempts and
+        whether a parity check ran. Raises :class:`protocols.resharing.ReshareAbort` when
+        fewer than t + k + ``reshare_checks`` can deal (a dealing by t + k is unchecked)."""
         old, scheme = self.pool, self.scheme
         need = scheme.threshold
+        dealing = need + self.reshare_checks
         removed: list[int] = []
         attempts = 0
         while True:
-            if len(candidates) < need:
+            if len(candidates) < dealing:
                 raise ReshareAbort(
                     f"resharing of round {round_}: {len(candidates)} old members can deal, "
-                    f"t + k = {need} needed (removed after failing: {removed}); the old "
+                    f"t + k + reshare_checks = {need} + {self.reshare_checks} needed so that a "
+                    f"wrong dealing is caught (removed after failing: {removed}); the old "
                     "committee keeps its shares",
                     "old",
-                    need,
+                    dealing,
                     len(candidates),
                 )
             attempts += 1
@@ -745,10 +906,10 @@ class DMMServer:
             new.broadcast("accumulate", chosen)
             checks = parity_checks(scheme, candidates)
             if checks.shape[0] == 0:
-                return attempts
+                return attempts, False
             culprit = self._verify(round_, new, checks, candidates, holders, transcript)
             if culprit is None:
-                return attempts
+                return attempts, True
             removed.append(culprit)
             candidates = [i for i in candidates if i != culprit]
 
@@ -837,6 +998,7 @@ class DMMServer:
         self._enter(DMMStage.RELEASE)
         sent = [j for j in live if j not in faults.dropped_by(DMMStage.RELEASE)]
         answering = [j for j in sent if j not in faults.members("late", DMMStage.RELEASE)]
+        self._note_opened(t, sent, len(clients))
         if len(answering) < need:
             self.holders = tuple(sent)
             raise self._abort(self._too_few_members(t, len(answering)))
@@ -850,13 +1012,14 @@ class DMMServer:
             j: self.plain_state.get(j, 0) + M[j, t] * X for j in self.schedule.open_after(t)
         }
         output = self._released(t, released, release, clients, excluded, rejected, Transcript())
-        output.verified = len(answering) > need
+        output.verified = len(answering) > need and not self.unverified_rows & set(released)
         output.radius = (len(answering) - need) // 2
         output.dropped = tuple(s for s in self.holders if s not in answering)
         self._enter(DMMStage.RESHARE)
         dealers = [j for j in sent if j not in faults.dropped_by(DMMStage.RESHARE)]
         holders = [j for j in range(self.scheme.n) if j not in faults.next_drop]
-        if len(holders) < need or (tentative and len(dealers) < need):
+        dealing = need + self.reshare_checks
+        if len(holders) < need or (tentative and len(dealers) < dealing):
             side, count = ("new", len(holders)) if len(holders) < need else ("old", len(dealers))
             self.plain_state, self.holders = tentative, tuple(sent)
             output.holders, output.handed_over = self.holders, False
@@ -864,6 +1027,8 @@ class DMMServer:
         else:
             self.plain_state, self.holders = tentative, tuple(holders)
             output.holders = self.holders
+            if tentative and len(dealers) == need:  # reshare_checks = 0: nothing checked
+                self.unverified_rows |= set(tentative)
             output.reshare_attempts = 1 if tentative else 0
         self._enter(DMMStage.DONE)
         return output

@@ -39,6 +39,18 @@ assume (Bienstock et al.): t_corrupt + t_dropout < (1/2 - mu) n with mu = k / n,
 Every reply is validated at this boundary (sender sampled this round, one reply each, exactly
 the protocol's records, well-formed sealed shares / plaintext integers in range); a bad one
 drops that client, and the round's metrics name it in ``rejected``.
+
+**Opened is released**: a round whose release shares reached the server from more than t
+members (:class:`protocols.dmm.OpenedRelease`) is accounted as the release of its step even when
+it aborts (too few on time to decode, or tampering beyond the radius): its metrics say
+``dmm-aborted = 1``, ``dmm-opened = 1`` and what it cost (``dmm-epsilon-cost``), the report lists
+it under ``aborted_releases``, and the mechanism halts, since that state must not be released
+again with fresh noise. A round aborted before that point records nothing. Neighbours are
+zero-out (``fedsim.privacy.dmm.RELATION``). Clients reply nothing data-dependent outside their
+shares: federated evaluation is refused (config, strategy, client app) unless
+``metrics_in_clear``, and any per-client metric that reaches the strategy makes epsilon infinite
+(a ``NonPrivateDpEvent``; the report's ``unaccounted``). Each client answers a round once
+(:mod:`strategies.answered_rounds`).
 """
 
 from __future__ import annotations
@@ -48,6 +60,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
+import dp_accounting as dpa
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -69,13 +82,14 @@ from protocols.dmm import (
     DMMFaults,
     DMMSealedShares,
     DMMStage,
+    OpenedRelease,
     ReleaseTampering,
     RoundAborted,
     RoundKeys,
     Schedule,
     StateLost,
 )
-from protocols.dmm_client import seal_client_shares, sharing_inputs
+from protocols.dmm_client import mask_client_shares, seal_client_shares
 from protocols.dmm_server import DMMServer, RoundOutput
 from protocols.encoding import (
     DEFAULT_BETA,
@@ -86,12 +100,16 @@ from protocols.encoding import (
 )
 from protocols.field import MersenneField
 from protocols.shamir import PackedShamir
+from strategies.answered_rounds import claim_round
 from strategies.ddgauss import flatten, unflatten
 from strategies.dmm_fold import (
     BATCH_KEY,
     FOLD_KEY,
+    PADS_KEY,
     SEALED_KEY,
     ShareFoldReducer,
+    fold_party,
+    folded_client,
     sealed_to_record,
 )
 from strategies.dp_shell import LedgerShell
@@ -108,6 +126,11 @@ SHARE_PREFIX = "dmm.share."
 _KEYS = ("dim", "clip", "gamma", "beta", "max-tries", "rotation-seed", "noise-std", "rows", "mode")
 _SHARE_KEYS = ("round", "step", "n", "t", "k", "field-exponent", "dim", "session")
 _SHARE_KEYS += ("members", "member-keys", "party")
+_EVALUATION = (
+    "{} with DMM: federated evaluation sends each evaluating client's un-noised loss and "
+    "accuracy to the server; set fraction_evaluate = 0 ([evaluation] clients = 0), or pass "
+    "metrics_in_clear=True ([privacy] metrics_in_clear = true), which makes epsilon infinite"
+)
 
 
 def round_keys_config(keys: RoundKeys, party: int) -> dict[str, Any]:
@@ -230,7 +253,10 @@ def dmm_client_app(inner: ClientApp, metrics_in_clear: bool = False) -> ClientAp
     ``NOISE`` / ``SHARES`` / ``KEYS``). Full mode replies ``dmm.sealed`` (its public key, one
     nonce and ciphertext per seat): nothing the server can open. Ideal mode (the no-cryptography
     reference) replies the plaintext ``dmm.update`` and ``dmm.noise``. The inner reply's metrics
-    and the rounding's tries / clipping leave only with ``metrics_in_clear=True``.
+    and the rounding's tries / clipping leave only with ``metrics_in_clear=True``, and so does
+    an answer to federated evaluation (``inner``'s evaluate, un-noised): without it an evaluate
+    message is refused. A round already answered (or an earlier one) is refused before
+    anything is drawn (:func:`strategies.answered_rounds.claim_round`).
     """
     app = ClientApp()
 
@@ -239,6 +265,7 @@ def dmm_client_app(inner: ClientApp, metrics_in_clear: bool = False) -> ClientAp
         global_record, config = _instruction(message.content)
         secret = client_secret(context.node_config)
         round_ = int(config["server-round"])
+        claim_round(context.state, NAME, round_)  # never the same streams twice
         encoder = DDGaussEncoder(
             dim=int(config[PREFIX + "dim"]),
             clip=float(config[PREFIX + "clip"]),
@@ -273,10 +300,22 @@ def dmm_client_app(inner: ClientApp, metrics_in_clear: bool = False) -> ClientAp
             segments = [rounded.astype(np.int64), *noise.astype(np.int64)]
             shares = secret.generator(round_, Purpose.SHARES, "dmm")
             if SHARE_PREFIX + "cohort" in config and context.node_config.get(FOLDS_KEY) is True:
-                _, randomness = sharing_inputs(keys.scheme(), segments, shares)
-                fold = {"update": segments[0], "noise": noise.astype(np.int64)}
-                fold["randomness"] = randomness
-                content = RecordDict({FOLD_KEY: to_record(fold)})
+                masked = mask_client_shares(
+                    keys,
+                    party,
+                    segments[0],
+                    noise.astype(np.int64),
+                    shares,
+                    secret.seed_bytes(round_, Purpose.KEYS, "dmm", "client"),
+                )
+                client = masked.client
+                pads = DMMSealedShares(client.party, client.public_key, client.pads)
+                content = RecordDict(
+                    {
+                        FOLD_KEY: to_record({"masked": masked.rows}),
+                        PADS_KEY: sealed_to_record(pads),
+                    }
+                )
             else:
                 sealed = seal_client_shares(
                     keys,
@@ -306,6 +345,12 @@ def dmm_client_app(inner: ClientApp, metrics_in_clear: bool = False) -> ClientAp
 
     @app.evaluate()
     def evaluate(message: Message, context: Context) -> Message:
+        if not metrics_in_clear:
+            raise RuntimeError(
+                "a DMM client answers no federated evaluation: it would send its un-noised "
+                "loss and accuracy to the server (build the client app with "
+                "metrics_in_clear=True to allow it; epsilon is then infinite)"
+            )
         return inner(message, context)
 
     return app
@@ -400,9 +445,16 @@ class DMM(LedgerShell):
         field_exponent: p = 2^e - 1; delta: the run's delta.
         committee_actors, committee_shards: how the front end's committee host runs members
             (Ray actors, and how many).
+        reshare_checks: dealers beyond t + k a committee handoff needs, so that a wrong
+            dealing is caught (:class:`protocols.dmm_server.DMMServer`; 0 lets t + k deal
+            unchecked and reports every later release of those rows unverified).
         worker_fold: full mode: the clients of a fedsim worker batch fold their sharing
             inputs and the worker seals one message per batch (:mod:`strategies.dmm_fold`);
             elsewhere (Flower's runtime) each client still seals its own.
+        metrics_in_clear: allow federated evaluation and per-client train metrics, which give
+            the server each client's un-noised metrics: epsilon becomes infinite once any
+            arrive. Without it a ``strategy`` whose ``fraction_evaluate`` is > 0, or that sends
+            evaluate messages, is refused.
     """
 
     def __init__(
@@ -433,6 +485,8 @@ class DMM(LedgerShell):
         committee_actors: bool = False,
         committee_shards: int = 4,
         worker_fold: bool = False,
+        metrics_in_clear: bool = False,
+        reshare_checks: int = 1,
     ) -> None:
         if not isinstance(worker_fold, bool):
             raise ValueError(f"worker_fold={worker_fold!r}; allowed: True or False")
@@ -448,7 +502,13 @@ class DMM(LedgerShell):
             committee_shards=committee_shards,
         )
         committee_bound(committee_size, threshold, packing, member_dropouts)
+        fraction = getattr(strategy, "fraction_evaluate", 0.0)
+        if not metrics_in_clear and isinstance(fraction, int | float) and fraction > 0:
+            raise ValueError(_EVALUATION.format(f"strategy.fraction_evaluate={fraction!r}"))
         super().__init__(strategy)
+        self.metrics_in_clear = bool(metrics_in_clear)
+        #: client content that reached the server outside the secure sum (epsilon = inf)
+        self.unaccounted: list[str] = []
         tree = factorization.kind in dmm_privacy.TREE_KINDS
         f = (0 if tree else 12) if fractional_bits is None else fractional_bits
         self.mechanism = dmm_privacy.IntegerMechanism(
@@ -470,12 +530,16 @@ class DMM(LedgerShell):
         self.failure_probability = failure_probability
         self.committee_actors, self.committee_shards = committee_actors, committee_shards
         self.worker_fold = worker_fold
+        self.reshare_checks = reshare_checks
         self.ledger = PrivacyLedger(NeighbouringRelation.ADD_REMOVE, delta)
         self.encoder: DDGaussEncoder | None = None
         self.server: DMMServer | None = None
         self.host = None
         self.committee: list[int] = []
         self.aborted_rounds = 0
+        #: rounds that aborted after their release shares reached the server (accounted):
+        #: round, clients, the epsilon it cost
+        self.aborted_releases: list[dict[str, float]] = []
         self.last_output: RoundOutput | None = None
         self.last_abort: str | None = None
         self.halted: str | None = None
@@ -502,6 +566,14 @@ class DMM(LedgerShell):
         state = dict(self.__dict__)
         state.update(host=None, _round={})
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        """A checkpoint written before the opened-release and metrics bookkeeping existed
+        loads with none recorded and the defaults."""
+        self.__dict__.update(
+            aborted_releases=[], unaccounted=[], metrics_in_clear=False, reshare_checks=1
+        )
+        self.__dict__.update(state)
 
     def close(self) -> None:
         """Forget the hosted committee (the host ends its actors)."""
@@ -573,6 +645,7 @@ class DMM(LedgerShell):
                 mode=self.mode,
                 min_clients=self.min_clients,
                 decoding=self.mechanism.decoding,
+                reshare_checks=self.reshare_checks,
             )
         return self.encoder
 
@@ -607,7 +680,9 @@ class DMM(LedgerShell):
             max_participations=p.max_participations,
         )
 
-    def _account(self, server_round: int) -> None:
+    def _account(self, server_round: int, opened: OpenedRelease | None = None) -> None:
+        """Record the increase of epsilon for the rows released so far, and for ``opened``'s
+        rows (an aborted round whose release shares reached the server) as released."""
         participation = self.accounting_participation()
         mechanism = self._accounted.get(participation)
         if mechanism is None:
@@ -617,7 +692,10 @@ class DMM(LedgerShell):
                     mechanism.factorization, mechanism.fractional_bits, participation
                 )
             self._accounted = {participation: mechanism}
-        steps = self.server.step
+        steps, counts = self.server.step, dict(self.server.counts)
+        if opened is not None:
+            steps = opened.step + 1
+            counts.update({int(i): int(opened.clients) for i in opened.rows})
         rows = np.flatnonzero(mechanism.rounds < steps)
         eps = dmm_privacy.zcdp_epsilon(
             mechanism,
@@ -625,16 +703,19 @@ class DMM(LedgerShell):
             self.encoder.l2_bound,
             self.encoder.l1_bound,
             self._scaled_noise_std,
-            [self.server.counts.get(int(i), 0) for i in rows],
+            [counts.get(int(i), 0) for i in rows],
             self.encoder.padded_dim,
         )
         self.ledger.record(server_round, dmm_privacy.increment_event(self._zcdp, eps))
         self._zcdp = max(self._zcdp, eps)
 
     def report_details(self) -> dict[str, Any]:
-        """Steps, the integer matrix's sensitivity, the fewest noise contributors, aborts."""
+        """Steps, the integer matrix's sensitivity, the fewest noise contributors, the
+        neighbouring relation the bound proves (zero-out; it overrides the ledger's add/remove,
+        whose Gaussian arithmetic it shares), aborts (those accounted as opened releases with
+        their cost), and any client content that reached the server unaccounted."""
         counts = self.server.counts if self.server else {}
-        return {
+        details: dict[str, Any] = {
             "steps": self.server.step if self.server else 0,
             "factorization": self.mechanism.factorization.kind,
             "fractional_bits": self.mechanism.fractional_bits,
@@ -643,8 +724,39 @@ class DMM(LedgerShell):
             "fewest_noise_clients": min(counts.values()) if counts else None,
             "mode": self.mode,
             "aborted_rounds": self.aborted_rounds,
+            "aborted_releases": list(self.aborted_releases),
             "bound": "discrete Gaussian on the integer query M X (KLS21 Thm 1), noise present",
+            "relation": dmm_privacy.RELATION,
         }
+        if self.unaccounted:
+            details["unaccounted"] = {
+                "releases": len(self.unaccounted),
+                "first": self.unaccounted[0],
+            }
+        return details
+
+    def _unaccounted(self, server_round: int, what: str) -> None:
+        """Client content reached the server outside the secure sum: epsilon is infinite."""
+        self.ledger.record(server_round, dpa.NonPrivateDpEvent())
+        self.unaccounted.append(f"round {server_round}: {what}")
+        log.warning("round %d: DMM received %s: epsilon is now infinite", server_round, what)
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        messages = list(self.strategy.configure_evaluate(server_round, arrays, config, grid))
+        if messages and not self.metrics_in_clear:
+            raise RuntimeError(_EVALUATION.format(f"{len(messages)} evaluate messages"))
+        return messages
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        replies = list(replies)
+        answered = sum(not reply.has_error() for reply in replies)
+        if answered:
+            self._unaccounted(server_round, f"evaluation metrics of {answered} clients")
+        return self.strategy.aggregate_evaluate(server_round, replies)
 
     # ------------------------------------------------------------------ rounds
     def configure_train(
@@ -792,17 +904,41 @@ class DMM(LedgerShell):
         sealed = {}
         batches = self._round.get("batches", {})
         for node, reply in valid.items():
-            party = self._party(batches.get(node, [node]))
+            party = self._party(batches[node]) if node in batches else self._round["sent"][node]
             try:
                 sealed[node] = sealed_from_record(reply.content[SEALED_KEY], party, keys.round)
-            except (ValueError, TypeError) as error:
+                if node in batches:
+                    sealed[node] = self._folded(sealed[node], reply, batches[node], keys)
+            except (ValueError, TypeError, KeyError) as error:
                 rejected[node] = f"malformed sealed shares: {error}"
         return sealed
 
+    def _folded(self, sealed: DMMSealedShares, reply: Message, nodes, keys: RoundKeys):
+        """``sealed`` with the fold's proof of who is in it (:class:`FoldedClient` per node,
+        from its :data:`BATCH_KEY` record); ValueError when it does not list each node once
+        with a key and a sealed pad seed per announced seat."""
+        record, seats = reply.content[BATCH_KEY], sorted(keys.member_keys)
+        public, nonces, bodies = (
+            list(record.get(k, [])) for k in ("public-keys", "pad-nonces", "pad-ciphertexts")
+        )
+        if len(public) != len(nodes) or not len(nonces) == len(bodies) == len(nodes) * len(seats):
+            raise ValueError(
+                f"a fold of {len(nodes)} nodes lists {len(public)} keys and {len(nonces)} pad "
+                f"seeds; allowed: one key per node and one seed per node and seat"
+            )
+        sent, width = self._round["sent"], len(seats)
+        folded = tuple(
+            folded_client(sent[n], public[i], keys.round, seats,
+                          nonces[i * width:(i + 1) * width], bodies[i * width:(i + 1) * width])
+            for i, n in enumerate(nodes)
+        )  # fmt: skip
+        return DMMSealedShares(sealed.party, sealed.public_key, sealed.shares, folded)
+
     def _party(self, nodes) -> int:
-        """The channel party of a message from ``nodes``: a client's own, or a folded batch's,
-        the smallest of its clients' (as :class:`strategies.dmm_fold.ShareFoldReducer` seals)."""
-        return min(self._round["sent"][n] for n in nodes)
+        """The channel party of a folded batch of ``nodes``
+        (:func:`strategies.dmm_fold.fold_party`, as :class:`ShareFoldReducer` seals)."""
+        sent = self._round["sent"]
+        return fold_party(len(sent), (sent[n] for n in nodes))
 
     def _plain(self, valid: dict[int, Message], rejected: dict[int, str]):
         """Ideal mode's plaintext integers, each checked: D integers with ||u||_2 <= Delta_2
@@ -863,6 +999,9 @@ class DMM(LedgerShell):
         if self._global is None or self.encoder is None or not self._round:
             raise RuntimeError("aggregate_train called before configure_train")
         replies = list(replies)
+        clear = sum(not r.has_error() and "metrics" in r.content for r in replies)
+        if clear:
+            self._unaccounted(server_round, f"train metrics of {clear} clients in the clear")
         valid, rejected = self._validate(replies)
         try:
             output = self._run_protocol(server_round, valid, rejected)
@@ -879,16 +1018,37 @@ class DMM(LedgerShell):
         return arrays, aggregated
 
     def _aborted(self, server_round, error, rejected, metrics) -> MetricRecord:
+        """An aborted round. One whose release shares reached the server (``error.opened``,
+        :class:`protocols.dmm.OpenedRelease`) is accounted as the release of its step, and the
+        mechanism halts: that state was opened, so it is never released again with fresh
+        noise (and its decoding cannot go on without the rows)."""
         self.last_output, self.last_abort = None, str(error)
-        self.aborted_rounds += 1
+        before = self.epsilon()
+        opened = getattr(error, "opened", None)
         log.warning("DMM round %s aborted: %s", server_round, error)
         metrics["dmm-aborted"] = 1
-        if isinstance(error, StateLost):  # the state is gone: no later round can run
-            self.halted = str(error)
+        if opened is not None:
+            self._account(server_round, opened)
+            metrics["dmm-opened"] = 1
+            self.halted = f"round {server_round} aborted after its release was opened: {error}"
+        else:
+            self.aborted_rounds += 1  # no step spent: later rounds move one step closer
+        if isinstance(error, StateLost) or opened is not None:  # no later round can run
+            self.halted = self.halted or str(error)
             metrics["dmm-halted"] = 1
         self._log_rejected(server_round, rejected)
         metrics["rejected"] = sorted(rejected)
-        metrics["epsilon"] = self.epsilon()
+        now = self.epsilon()
+        metrics["epsilon"] = now
+        metrics["dmm-epsilon-cost"] = now - before if math.isfinite(before) else math.inf
+        if opened is not None:
+            self.aborted_releases.append(
+                {
+                    "round": server_round,
+                    "clients": opened.clients,
+                    "epsilon_cost": metrics["dmm-epsilon-cost"],
+                }
+            )
         self._round = {}
         return metrics
 
@@ -1005,6 +1165,7 @@ OPTIONS = (
     "committee_actors",
     "committee_shards",
     "worker_fold",
+    "reshare_checks",
 )
 
 
@@ -1018,6 +1179,7 @@ def from_options(
     min_separation: int | None,
     max_participations: int | None,
     evaluate_fraction: float = 0.0,
+    metrics_in_clear: bool = False,
 ) -> DMM:
     """ "dmm" from a config's ``strategy.options``: ``clipping_norm``, ``noise_multiplier``
     (required); ``kind`` ("banded", default; "toeplitz", "tree", "honaker") and ``bands``
@@ -1025,8 +1187,10 @@ def from_options(
     (3), ``packing`` (3), ``member_dropouts`` (3), ``fractional_bits`` (12 banded, 0 tree),
     ``mode`` ("full"), ``bits`` (20), ``delta`` (1e-5), ``min_clients`` (1),
     ``expected_client_dropout`` (0), ``committee_actors`` (false; true hosts members on Ray
-    actors), ``committee_shards`` (4) and ``worker_fold`` (false; true folds each worker
-    batch's sharing inputs into one sealed message, :mod:`strategies.dmm_fold`). The
+    actors), ``committee_shards`` (4), ``worker_fold`` (false; true folds each worker
+    batch's sharing inputs into one sealed message, :mod:`strategies.dmm_fold`) and
+    ``reshare_checks`` (1: a handoff needs t + k + 1 dealers, so that a wrong dealing is
+    caught). The
     participation comes from the engine's schedule."""
     from flwr.serverapp.strategy import FedAvg  # noqa: PLC0415
 
@@ -1075,10 +1239,17 @@ def from_options(
         committee_actors=options.get("committee_actors", False),
         committee_shards=int(options.get("committee_shards", 4)),
         worker_fold=options.get("worker_fold", False),
+        metrics_in_clear=metrics_in_clear,
+        reshare_checks=options.get("reshare_checks", 1),
     )
 
 
 NAME = "dmm"
+
+
+def _always(options: Mapping[str, Any]) -> bool:
+    """DMM's clients reply only their sealed shares (or, ideal mode, their integers)."""
+    return True
 
 
 def _build(options: Mapping[str, Any], facts: RunFacts) -> DMM:
@@ -1096,6 +1267,7 @@ def _build(options: Mapping[str, Any], facts: RunFacts) -> DMM:
             min_separation=min_separation,
             max_participations=max_participations,
             evaluate_fraction=facts.evaluate_fraction,
+            metrics_in_clear=facts.metrics_in_clear,
         )
     except ValueError as err:
         raise ConfigError("strategy.options", dict(options), str(err)) from err
@@ -1105,8 +1277,12 @@ SPEC = StrategySpec(
     name=NAME,
     build=_build,
     accounting=Accounting(
-        ledger="per round, the increase of the discrete-Gaussian zCDP bound of the integer "
-        "matrix's rows released so far, counting only the noise actually present (KLS21)",
+        ledger="per round whose release the server can determine (released, or aborted after "
+        "more than t members' shares reached it), the increase of the discrete-Gaussian zCDP "
+        "bound of the integer matrix's rows released so far, counting only the noise actually "
+        "present (KLS21); zero-out neighbours; any per-client metric the server receives is "
+        "unaccounted (epsilon infinite)",
     ),
     client_app=dmm_client_app,
+    secure_replies=_always,
 )

@@ -1,25 +1,33 @@
 """Worker-side folding of DMM's client shares: one sealed message per worker batch.
 
 Packed Shamir sharing is linear (Franklin & Yung, STOC 1992): the sum of the clients' share rows
-for seat j is seat j's share of the sum of their inputs, and the sharing dealt from the summed
-inputs -- segments and share randomness -- is exactly that sum of rows
-(:class:`protocols.dmm_client.ShareFold`). So the clients a fedsim worker runs need not each
-share and seal: each hands its rounded update, its fresh noise rows and its share randomness
-(all drawn from its own secret, as in :func:`strategies.dmm.dmm_client_app`) to the worker's
-:class:`ShareFoldReducer` accumulator, which deals the batch's sum once and seals one row per
-seat, from a fresh channel key of the batch (OS CSPRNG), before anything leaves the worker.
+for seat j is seat j's share of the sum of their inputs. So the clients a fedsim worker runs
+need not each seal every row: each deals its own shares of its rounded update and fresh noise
+rows, pads seat j's row with a pad only seat j can remove and seals that pad's 32-byte seed to
+seat j (all from its own secret, :func:`protocols.dmm_client.mask_client_shares`), and hands
+the padded rows and the sealed seeds to the worker's :class:`ShareFoldReducer` accumulator,
+which sums the rows, seals one row per seat from a fresh channel key of the batch (OS CSPRNG)
+and lists each client with its sealed seeds (:class:`protocols.dmm.FoldedClient`).
+
+**Who is in the fold is proved, not claimed.** Seat j removes the pad of every client the fold
+lists: the sum is exact when the fold holds each listed client's row, and carries a uniform pad
+at every honest seat when the fold lists a client it left out (or a client of another worker,
+whose sealed seeds it cannot make), so no release decodes and the round aborts; a member also
+refuses a weight above the number of pads it removed. The count of noise contributors the
+ledger uses is therefore one the members verified. (A worker runs its clients' code and holds
+their secrets in a simulation: what it can do to its own clients it could do without folding.)
 
 Who sees what (README's threat model): the worker already runs those clients and holds their
 inputs in a simulation; the server sees one sealed envelope per seat per batch and the batch's
 public key and node list (instead of one per client); a seat, or any coalition of seats, sees a
 share of the batch's sum instead of one share per client -- coarser, never finer, and uniform
 for at most t seats. The noise in a release is still the sum of every folded client's own
-noise, and the release counts them all (the server's ``weights``). The reducer is
-:attr:`~fedsim.worker_reduce.Reducer.confidential`: a worker that cannot fold withholds the
-replies (they come back as failures), and clients hand their inputs to it only where the
-worker says it folds (``node_config[FOLDS_KEY]``); anywhere else, e.g. under Flower's own
-runtime, each client seals its own shares as without folding. A batch is all-or-nothing: if a
-seat refuses its envelope, its clients are all left out of the round.
+noise, and the release counts them all (the server's ``weights``, checked by the members). The
+reducer is :attr:`~fedsim.worker_reduce.Reducer.confidential`: a worker that cannot fold
+withholds the replies (they come back as failures), and clients hand their inputs to it only
+where the worker says it folds (``node_config[FOLDS_KEY]``); anywhere else, e.g. under Flower's
+own runtime, each client seals its own shares as without folding. A batch is all-or-nothing: if
+a seat refuses its envelope, its clients are all left out of the round.
 """
 
 from __future__ import annotations
@@ -37,13 +45,50 @@ from fedsim.worker_reduce import (
     refuse,
 )
 from protocols.channels import Envelope
-from protocols.dmm import DMMSealedShares, RoundKeys
-from protocols.dmm_client import ShareFold, seal_rows
+from protocols.dmm import FOLD_PAD, MEMBER_ID_BASE, DMMSealedShares, FoldedClient, RoundKeys
+from protocols.dmm_client import MaskedFold, MaskedShares
+
+
+def fold_party(cohort_size: int, parties) -> int:
+    """The channel party of a fold: past every client's (``cohort_size`` of them), by its
+    smallest client's, so that it differs from each client's own and from every other fold's."""
+    return int(cohort_size) + min(int(p) for p in parties)
+
+
+def pads_from_record(record, party: int, round_: int, seats) -> FoldedClient:
+    """A folded client's :data:`PADS_KEY` record as its :class:`FoldedClient` (party
+    ``party``, one sealed seed per seat in ``seats``); ValueError naming what is malformed."""
+    if not isinstance(record, ConfigRecord):
+        raise ValueError(f"{PADS_KEY} is a {type(record).__name__}, not a ConfigRecord")
+    if set(record.keys()) != {"public-key", "members", "nonces", "ciphertexts"}:
+        raise ValueError(f"{PADS_KEY} has entries {sorted(record.keys())}")
+    members, nonces, bodies = record["members"], record["nonces"], record["ciphertexts"]
+    if not isinstance(record["public-key"], bytes) or list(members) != list(seats):
+        raise ValueError(f"{PADS_KEY}: a public key and one seed per announced seat needed")
+    if not len(nonces) == len(bodies) == len(seats):
+        raise ValueError(f"{PADS_KEY}: {len(nonces)} nonces, {len(bodies)} ciphertexts")
+    return folded_client(party, record["public-key"], round_, seats, nonces, bodies)
+
+
+def folded_client(party, key, round_, seats, nonces, bodies) -> FoldedClient:
+    """A :class:`FoldedClient` from its key and per seat its sealed seed's nonce and body."""
+    if not all(isinstance(b, bytes) for b in [key, *nonces, *bodies]):
+        raise ValueError("a folded client's key, nonces and ciphertexts must be bytes")
+    pads = {
+        int(j): Envelope(int(party), MEMBER_ID_BASE + int(j), int(round_), FOLD_PAD, nonce, body)
+        for j, nonce, body in zip(seats, nonces, bodies)
+    }
+    return FoldedClient(int(party), key, pads)
 
 FOLD_KEY = "dmm.fold"
-"""A client's reply to its worker's fold: ArrayRecord ``update``, ``noise``, ``randomness``."""
+"""A client's reply to its worker's fold: ArrayRecord ``masked``, its padded share rows."""
+PADS_KEY = "dmm.pads"
+"""A client's reply to its worker's fold: its public key and sealed pad seeds (ConfigRecord in
+the form of :func:`sealed_to_record`)."""
 BATCH_KEY = "dmm.batch"
-"""A folded reply's ConfigRecord: ``nodes``, the node ids whose inputs it holds."""
+"""A folded reply's ConfigRecord: ``nodes``, the node ids whose inputs it holds, and for each in
+order its ``public-keys`` entry and, per announced seat in order, ``pad-nonces`` and
+``pad-ciphertexts`` (:class:`protocols.dmm.FoldedClient`)."""
 SEALED_KEY = "dmm.sealed"
 """A SHARE message's record (:func:`sealed_to_record`), a client's or a folded batch's."""
 
@@ -111,7 +156,7 @@ class ShareFoldReducer(Reducer):
 class _ShareFoldAccumulator(Accumulator):
     def __init__(self, keys: RoundKeys, cohort: dict[int, int]) -> None:
         self.keys, self.cohort = keys, cohort
-        self.fold = ShareFold(keys)
+        self.fold = MaskedFold(keys)
         self.nodes: list[int] = []
         self.rejected: list[int] = []
         self.metrics = MetricSums()
@@ -122,12 +167,16 @@ class _ShareFoldAccumulator(Accumulator):
             raise ReductionError("a sealed DMM fold is not folded again")
         node = int(reply.metadata.src_node_id)
         names = set(reply.content.keys()) - {"metrics"}
-        if node not in self.cohort or names != {FOLD_KEY}:
+        if node not in self.cohort or names != {FOLD_KEY, PADS_KEY}:
             refuse(self.rejected, reply, f"records {sorted(names)} from node {node}")
             return
         try:
-            arrays = to_numpy(reply.content[FOLD_KEY])
-            self.fold.add(arrays["update"], arrays["noise"], arrays["randomness"])
+            rows = to_numpy(reply.content[FOLD_KEY])["masked"]
+            seats = sorted(self.keys.member_keys)
+            client = pads_from_record(
+                reply.content[PADS_KEY], self.cohort[node], self.keys.round, seats
+            )
+            self.fold.add(MaskedShares(rows, client))
         except (KeyError, ValueError, TypeError) as error:
             refuse(self.rejected, reply, f"unusable sharing inputs: {error}")
             return
@@ -140,13 +189,18 @@ class _ShareFoldAccumulator(Accumulator):
     def result(self) -> Message:
         if self.template is None:
             raise ReductionError("no client's inputs were folded")
-        party = min(self.cohort[node] for node in self.nodes)
-        sealed = seal_rows(self.keys, party, self.fold.shares())
+        party = fold_party(len(self.cohort), (self.cohort[node] for node in self.nodes))
+        sealed = self.fold.seal(party)
+        seats = sorted(self.keys.member_keys)
+        clients = sealed.folded
+        batch = {
+            "nodes": list(self.nodes),
+            "public-keys": [c.public_key for c in clients],
+            "pad-nonces": [c.pads[j].nonce for c in clients for j in seats],
+            "pad-ciphertexts": [c.pads[j].ciphertext for c in clients for j in seats],
+        }
         content = RecordDict(
-            {
-                SEALED_KEY: sealed_to_record(sealed),
-                BATCH_KEY: ConfigRecord({"nodes": list(self.nodes)}),
-            }
+            {SEALED_KEY: sealed_to_record(sealed), BATCH_KEY: ConfigRecord(batch)}
         )
         if self.metrics.total:
             content["metrics"] = self.metrics.record("num-examples")

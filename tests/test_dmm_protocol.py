@@ -123,7 +123,8 @@ def test_decoded_estimates_remove_the_round_sums_exactly_in_expectation():
 @pytest.mark.parametrize("dropped", [0, 2, 5, 6])
 def test_member_dropout_sweep(stage, dropped):
     """n = 10, t + k = 5: up to 5 members may drop at any stage; 6 -> that stage's abort
-    (RESHARE: the release stands and the old committee keeps the state)."""
+    (RESHARE: the release stands and the old committee keeps the state). A handoff needs
+    t + k + 1 dealers (one parity check), so with 5 dropped the old committee keeps it."""
     mechanism = banded_mechanism()
     run = committees(mechanism)
     ref = Reference(mechanism.integer_matrix)
@@ -139,10 +140,12 @@ def test_member_dropout_sweep(stage, dropped):
         return
     if dropped > 5 and stage is DMMStage.RELEASE:
         assert isinstance(full, RoundAborted) and full.stage is DMMStage.RELEASE
-        assert run.full.step == 1  # nothing released, the state of step 1 is kept
+        assert run.full.step == 1  # nothing decoded, the state of step 1 is kept
+        # but 4 > t = 2 members' shares reached the server: the step counts as released
+        assert full.opened is not None and full.opened.members == (6, 7, 8, 9)
         return
     np.testing.assert_array_equal(full.release, ref.release(updates, noises, range(CLIENTS)))
-    assert full.handed_over == (not (dropped > 5 and stage is DMMStage.RESHARE))
+    assert full.handed_over == (dropped < 5)  # 5 dealers = t + k: no check, no handoff
     if stage is not DMMStage.RESHARE:
         answers = 10 - dropped
         assert full.verified == (answers > 5) and full.radius == (answers - 5) // 2
@@ -153,17 +156,23 @@ def test_member_dropout_sweep(stage, dropped):
     np.testing.assert_array_equal(full.release, ref.release(updates, noises, range(CLIENTS)))
 
 
-def test_late_releases_abort_the_round_and_keep_the_state():
+def test_late_releases_abort_the_round_as_an_opened_release_never_run_again():
+    """6 of 10 release shares miss the deadline: too few to decode, but every share reached
+    the server (it holds the key of the late ones too), so the step counts as released and
+    its state is never released again with fresh noise."""
     mechanism = banded_mechanism()
     run = committees(mechanism)
-    ref = Reference(mechanism.integer_matrix)
     updates, noises = inputs(run.full.schedule, 0, CLIENTS, D, 4)
     late = DMMFaults(member={(j, DMMStage.RELEASE): "late" for j in range(6)})
     for outcome in run.both(0, updates, noises, late):
         assert isinstance(outcome, RoundAborted) and outcome.stage is DMMStage.RELEASE
-    full, ideal = run.both(1, updates, noises)
-    assert_same(full, ideal)
-    np.testing.assert_array_equal(full.release, ref.release(updates, noises, range(CLIENTS)))
+        assert outcome.opened.members == tuple(range(10)) and outcome.opened.clients == CLIENTS
+    for server in (run.full, run.ideal):
+        assert server.step == 0 and 0 in server.opened
+    with pytest.raises(ValueError, match="not released again"):
+        run.full_round(1, updates, noises)
+    with pytest.raises(ValueError, match="not released again"):
+        run.ideal.run_plain_round(1, updates, noises)
 
 
 def test_client_dropouts_partial_and_corrupted_shares_leave_the_client_out():

@@ -18,15 +18,19 @@ def test_three_scenarios_release_correct_or_abort_with_the_reason(capsys):
     # 9 of 11 members silent at RELEASE: fewer than t + k = 3 answers, nothing released, and
     # they stay gone, so the state is lost in the next round
     assert lost["status"] == "aborted" and "t + k = 3 needed" in lost["reason"]
+    assert not lost["opened"]  # 2 = t shares reached the server: they determine nothing
     assert "nothing released" in lost["reason"] and "exact" not in lost
     assert lost["later"][0]["status"] == "aborted" and "state is lost" in lost["later"][0]["reason"]
-    # five tamperers are beyond the decoding radius (4 of 11 answers): abort, nobody named
+    # five tamperers are beyond the decoding radius (4 of 11 answers): abort, nobody named;
+    # but all 11 shares reached the server: accounted as released, and the run halts
     assert beyond["status"] == "aborted" and "nobody named" in beyond["reason"]
-    assert [r["status"] for r in beyond["later"]] == ["released"]  # the state was kept
+    assert beyond["opened"] and "counts as released" in beyond["reason"]
+    assert [r["status"] for r in beyond["later"]] == ["aborted"]  # never released again
     printed = capsys.readouterr().out
     assert "tamperer named: seat 1" in printed
     assert "final model equals the fault-free ideal run's: yes" in printed
-    assert printed.count("ABORTED, nothing released") == 2
+    assert printed.count("ABORTED, nothing released") == 1
+    assert printed.count("ABORTED after the release shares reached the server") == 1
 
 
 def test_the_command_line_picks_stage_member_and_dropouts():

@@ -15,8 +15,11 @@ For every scenario it prints what the protocol did in the faulted round:
   corrected (named only when the decoding is unique), ``handed over`` whether the next committee
   took the state; ``exact`` says whether the run's final model equals, bit for bit, the
   fault-free run in ideal mode (the same integers without cryptography, same secret root);
-* ``aborted``: nothing released and nothing accounted that round, with the protocol's reason
-  (too few answers at a stage, or tampering beyond the decoding radius, where nobody is named).
+* ``aborted``: nothing decoded that round, with the protocol's reason (too few answers at a
+  stage, or tampering beyond the decoding radius, where nobody is named); ``opened`` says
+  whether more than t members' release shares had reached the server first -- then the round
+  is accounted as the release of its step and the run halts (opened is released: that state is
+  never released again with fresh noise), else nothing is accounted.
 
     python examples/dmm_protocol_testing/scenarios.py                 # the built-in scenarios
     python examples/dmm_protocol_testing/scenarios.py --stage release --tamper 3 --dropouts 2
@@ -183,7 +186,8 @@ def outcome_of(scenario: Scenario, strategy) -> dict[str, Any]:
     """What the protocol did in the scenario's faulted round (read from the strategy)."""
     out: dict[str, Any] = {"scenario": scenario.name, "round": scenario.round}
     if strategy.last_output is None:  # aborted, or halted by an earlier abort
-        out.update(status="aborted", reason=strategy.last_abort or strategy.halted)
+        opened = any(r["round"] == scenario.round for r in strategy.aborted_releases)
+        out.update(status="aborted", reason=strategy.last_abort or strategy.halted, opened=opened)
         return out
     output = strategy.last_output
     out.update(
@@ -226,7 +230,13 @@ def describe(outcome: dict[str, Any]) -> str:
     """One paragraph per scenario: the faulted round, then the rounds after it."""
     head = f"{outcome['scenario']} (round {outcome['round']}): "
     if outcome["status"] == "aborted":
-        text = head + f"ABORTED, nothing released: {outcome['reason']}"
+        if outcome["opened"]:
+            text = head + (
+                "ABORTED after the release shares reached the server (accounted as released; "
+                f"the run halts): {outcome['reason']}"
+            )
+        else:
+            text = head + f"ABORTED, nothing released: {outcome['reason']}"
     else:
         named = outcome["corrected"]
         redealt = outcome["reshare_attempts"] > 1

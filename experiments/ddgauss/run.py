@@ -15,7 +15,7 @@ client in its ``node_config``, as the engine does for a run with a secret root).
 follows the dropout rule: each round is accounted with the noise of the clients that actually
 contributed (KLS21 Theorem 1, ``fedsim.privacy.ddgauss``).
 
-Writes ``results.json`` next to this file and prints the table of the README.
+Writes ``results.json`` next to this file and the README's table (``table.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
+from experiments.ddgauss.table import table, write_readme  # noqa: E402
 from fedsim.data import DatasetSpec, build_dataset  # noqa: E402
 from fedsim.engine import Engine, EngineConfig, FaultConfig  # noqa: E402
 from fedsim.engine.rounds import run_rounds  # noqa: E402
@@ -129,16 +130,8 @@ def main() -> dict:
         )
         results["plaintext_equals_full_bit_for_bit"] = same
     (Path(__file__).parent / "results.json").write_text(json.dumps(results, indent=2))
-    print(
-        "| round | survivors (0 %) | eps (0 %) | acc (0 %) | survivors (10 %) | eps (10 %) | "
-        "acc (10 %) |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for a, b in zip(results["full_dropout0.0"]["rounds"], results["full_dropout0.1"]["rounds"]):
-        print(
-            f"| {a['round']} | {a['survivors']} | {a['epsilon']:.3f} | {a['accuracy']:.3f} | "
-            f"{b['survivors']} | {b['epsilon']:.3f} | {b['accuracy']:.3f} |"
-        )
+    write_readme(results)
+    print(table(results))
     print(f"plaintext == full bit for bit: {same}")
     return results
 

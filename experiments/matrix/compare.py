@@ -176,7 +176,8 @@ def write_table(result: dict, readme: bool) -> None:
 def markdown(result: dict) -> str:
     """The README table: one row per method and target epsilon."""
     lines = [
-        "| method | target ε | ε reported | noise multiplier z | rounds | accuracy (mean ± sd) |",
+        "| method | target ε | ε reported | noise multiplier z | rounds "
+        "| accuracy (mean ± sample sd, ddof = 1) |",
         "|---|---|---|---|---|---|",
     ]
     names = {"bandmf": "BandMF (matrix-mechanism)", "dp-fedavg": "DP-FedAvg", "fedavg": "FedAvg"}

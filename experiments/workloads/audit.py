@@ -50,6 +50,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from experiments.roots import default_key, seed_root, study_root  # noqa: E402
 from fedsim.audits import canaries, lm, mia  # noqa: E402
 from fedsim.audits import dataset_inference as di  # noqa: E402
 from fedsim.audits.run_audit import audit_run  # noqa: E402
@@ -62,8 +63,6 @@ from fedsim.experiment import (  # noqa: E402
 from fedsim.privacy import accounting  # noqa: E402
 from fedsim.run_config import ExperimentConfig  # noqa: E402
 from strategies.dp_fedavg import relation_for  # noqa: E402
-
-from experiments.roots import default_key, seed_root, study_root  # noqa: E402
 
 OUT = Path(__file__).with_name("audit.json")
 README = Path(__file__).with_name("README.md")
@@ -262,11 +261,16 @@ def print_tables(results: dict) -> None:
         rows = [r for r in results["canary"] if "model" in r]
         print("\n| model | canaries | loss AUC | zlib AUC | min-k% AUC | loss TPR@5%FPR |")
         print("|---|---|---|---|---|---|")
+        labels = {"gradient_ascent": "gradient ascent", "ascent_descent": "ascent+descent"}
+        labels["random_label"] = "random labels"
         for name in dict.fromkeys(r["model"] for r in rows):
+            shown = name
+            for method, label in labels.items():
+                shown = shown.replace(method, label)
             for kind in ("minority", "random"):
                 sel = [r for r in rows if r["model"] == name and r["canaries"] == kind]
                 print(
-                    f"| {name} | {kind} | {_mean_std([r['loss_auc'] for r in sel])} | "
+                    f"| {shown} | {kind} | {_mean_std([r['loss_auc'] for r in sel])} | "
                     f"{_mean_std([r['zlib_auc'] for r in sel])} | "
                     f"{_mean_std([r['mink_auc'] for r in sel])} | "
                     f"{_mean_std([r['loss_tpr'] for r in sel])} |"

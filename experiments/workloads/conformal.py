@@ -178,11 +178,12 @@ def print_tables(results: dict) -> None:
     rounds, alpha, _ = TABLES["short"]
     print(f"\nTable 1: online calibration, CE-trained federation, {rounds} rounds, alpha {alpha}")
     print(
-        "| calibrator | overall miss | max_k |miss_k − α| (all rounds) | mean_k "
-        "| max_k (second half) |"
+        "| calibrator | overall miss | max_k \\|miss_k − α\\| | mean_k \\|miss_k − α\\| "
+        f"| max_k, rounds {rounds // 2 + 1}–{rounds} |"
     )
     print("|---|---|---|---|---|")
-    for kind, label in (("aci", "plain ACI (one θ)"), ("multigroup", "multi-group (θ_k + θ)")):
+    labels = (("aci", "plain ACI (one θ)"), ("multigroup", "multi-group (θ per client + global θ)"))
+    for kind, label in labels:
         rows = [r["online"][kind] for r in results["short"]["CE only"]]
         print(
             f"| {label} | {mean_std([r['miss'] for r in rows])} | "
@@ -200,7 +201,7 @@ def print_tables(results: dict) -> None:
         for name, rows in settings.items():
             tau = mean_std([r["tau"] for r in rows]) if rows[0]["tau"] is not None else "—"
             print(
-                f"| {name} | {mean_std([r['accuracy'] for r in rows])} | "
+                f"| {name.replace('mu ', 'μ ')} | {mean_std([r['accuracy'] for r in rows])} | "
                 f"{mean_std([r['coverage'] for r in rows])} | "
                 f"{mean_std([r['set_size'] for r in rows])} | {tau} | "
                 f"{mean_std([r['test_quantile'] for r in rows])} |"

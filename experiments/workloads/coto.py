@@ -172,7 +172,7 @@ def summarise(runs: list[dict]) -> dict:
     keys = [k for k, v in runs[0].items() if isinstance(v, float)]
     out = {f"{k}_mean": float(np.mean([r[k] for r in runs])) for k in keys}
     out |= {f"{k}_std": float(np.std([r[k] for r in runs], ddof=1)) for k in keys}
-    return {**out, "bytes_up": runs[0]["bytes_up"], "runs": runs}
+    return {**out, "std_ddof": 1, "bytes_up": runs[0]["bytes_up"], "runs": runs}
 
 
 def main(rounds: int) -> None:
@@ -226,10 +226,15 @@ def print_tables(results: dict) -> None:
         return f"{values.mean():.3f} ± {values.std(ddof=1):.3f}"
 
     print(
-        "| setting | accuracy | new classes | merged into base | 1 of 4 adapters pruned "
-        "| 2 of 4 pruned | 2 runs interpolated | 2 runs' deltas averaged | bytes_up per round |"
+        f"| setting ({rounds} rounds) | accuracy | new classes 5–9 | merged into base "
+        "| 1 of 4 adapters pruned | 2 of 4 pruned | 2 runs interpolated "
+        "| 2 runs' deltas averaged | bytes_up per round |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
+    labels = {
+        "base (classes 0-4)": "base (classes 0–4)",
+        "full fine-tuning": "full fine-tuning (FedAvg)",
+    }
     for name, r in results["settings"].items():
         cells = [
             cell(r, k)
@@ -243,7 +248,9 @@ def print_tables(results: dict) -> None:
                 "delta_merged",
             )
         ]
-        print(f"| {name} | {' | '.join(cells)} | {r['bytes_up'] / rounds / 1e3:.1f} kB |")
+        sent = f"{r['bytes_up'] / rounds / 1e3:.1f} kB" if r["bytes_up"] else "—"
+        print(f"| {labels.get(name, name)} | {' | '.join(cells)} | {sent} |")
+
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -251,9 +258,18 @@ if __name__ == "__main__":
     parser.add_argument(
         "--tables", action="store_true", help="print the table from the stored JSON only"
     )
+    parser.add_argument(
+        "--resummarise", action="store_true", help="means and sample sds again from the runs"
+    )
     args = parser.parse_args()
+    name = "coto.json" if args.rounds == 40 else f"coto_{args.rounds}.json"
     if args.tables:
-        name = "coto.json" if args.rounds == 40 else f"coto_{args.rounds}.json"
         print_tables(json.loads(Path(__file__).with_name(name).read_text()))
+    elif args.resummarise:  # the summaries again from the stored per-seed runs
+        path = Path(__file__).with_name(name)
+        stored = json.loads(path.read_text())
+        for setting, row in stored["settings"].items():
+            stored["settings"][setting] = summarise(row["runs"])
+        path.write_text(json.dumps(stored, indent=2) + "\n")
     else:
         main(args.rounds)

@@ -479,13 +479,9 @@ def _matrix(args: argparse.Namespace) -> dict[str, Any]:
     require(path.is_file(), "--factorization", args.factorization, "an existing .npz file")
     try:
         f = Factorization.load(path)
+        spec = spec_of(f, str(path))  # the participation it was built for, unless flags say
     except ConfigError as err:
-        raise ConfigError("--factorization", args.factorization, err.allowed) from err
-    except (OSError, ValueError, KeyError) as err:
-        raise ConfigError(
-            "--factorization", args.factorization, f"an .npz written by fedsim factorize ({err})"
-        ) from err
-    spec = spec_of(f)  # the participation it was built for, unless the flags say otherwise
+        raise ConfigError("--factorization", args.factorization, err.allowed) from None
     k = (
         args.participations
         if args.participations is not None

@@ -5,8 +5,9 @@ the largest a client reports), seconds and bytes; per metric (:mod:`fedsim.run_s
 run's final value and best value, with the round of each (best = the largest for
 accuracy-like metrics, the smallest for loss-like ones; the table says which, and gives no
 best for other metrics); and the config keys whose values differ between the runs, with each
-run's value. A terminal gets rich tables; a pipe or file plain text; ``--json`` the same
-numbers as JSON.
+run's value (or "unknown" for runs whose config is not there: never "none" by default).
+Damaged run files are refused by name and line (:func:`fedsim.run_series.load_run`). A
+terminal gets rich tables; a pipe or file plain text; ``--json`` the same numbers as JSON.
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ def compare_runs(runs: Sequence[RunSeries]) -> dict[str, Any]:
             }
             for key, values in differences.items()
         ],
+        # runs whose config could not be read: their differences are unknown, not none
+        "config_missing": [name for name, run in zip(names, runs) if not run.config],
     }
 
 
@@ -140,11 +143,22 @@ def tables(result: dict[str, Any]) -> list[Table]:
         [d["key"], *(format_value(d["values"][n]) if n in d["values"] else ABSENT for n in names)]
         for d in result["config_differences"]
     ]
+    config_title = "config differences"
+    if result.get("config_missing"):
+        missing = ", ".join(result["config_missing"])
+        config_title += f" (unknown for {missing}: no config.json or app run config)"
+        if not config_rows:
+            config_title = f"config differences: unknown (no config in {missing})"
     return [
         ("runs", ["", *names], run_rows),
         ("metrics (final and best, @round)", header, metric_table),
-        ("config differences", ["key", *names], config_rows),
+        (config_title, ["key", *names], config_rows),
     ]
+
+
+def _nothing(title: str) -> str:
+    """What an empty table prints: its title's own verdict, else "<title>: none"."""
+    return title if ": " in title else f"{title}: none"
 
 
 def _cell(value: Any, fmt: str) -> str:
@@ -164,7 +178,7 @@ def render_plain(result: dict[str, Any]) -> str:
     blocks = []
     for title, header, rows in tables(result):
         if not rows:
-            blocks.append(f"{title}: none")
+            blocks.append(_nothing(title))
             continue
         widths = [max(len(r[c]) for r in (header, *rows)) for c in range(len(header))]
         lines = [title, "  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
@@ -180,7 +194,7 @@ def render_rich(result: dict[str, Any], console: Any) -> None:
 
     for title, header, rows in tables(result):
         if not rows:
-            console.print(f"{title}: none")
+            console.print(_nothing(title))
             continue
         table = RichTable(title=title, title_justify="left")
         for i, name in enumerate(header):

@@ -22,6 +22,7 @@ import numpy as np
 
 from fedsim.config import ConfigError, require
 from fedsim.data._summary import owner_stats
+from fedsim.data.sources import MAX_CLASSES
 
 _FORMAT = "fedsim.FederatedDataset"
 _VERSION = 1
@@ -188,10 +189,12 @@ class FederatedDataset:
             f"feature shape {self.train.x.shape[1:]} as in train.x",
         )
         require(
-            isinstance(self.num_classes, (int, np.integer)) and self.num_classes >= 1,
+            isinstance(self.num_classes, (int, np.integer))
+            and not isinstance(self.num_classes, bool)
+            and 1 <= self.num_classes <= MAX_CLASSES,
             "num_classes",
             self.num_classes,
-            "an integer >= 1",
+            f"an integer in [1, {MAX_CLASSES}] (the model gets one output per class)",
         )
         for key, y in (("train.y", self.train.y), ("test.y", self.test.y)):
             if y.size:
@@ -302,7 +305,7 @@ class FederatedDataset:
         except json.JSONDecodeError as err:
             raise ConfigError("path", str(meta_path), f"valid JSON ({err})") from err
         require(
-            meta.get("format") == _FORMAT,
+            isinstance(meta, dict) and meta.get("format") == _FORMAT,
             "path",
             str(meta_path),
             f"a meta.json with format {_FORMAT!r}",
@@ -313,7 +316,14 @@ class FederatedDataset:
             require(file.is_file(), "path", str(directory), f"a directory containing {key}.npy")
             lazy = mmap and not key.endswith("offsets")
             arrays[key] = np.load(file, mmap_mode="r" if lazy else None, allow_pickle=False)
-        return cls.from_arrays(arrays, int(meta["num_classes"]), str(meta["name"]))
+        classes, name = meta.get("num_classes"), meta.get("name")
+        require(
+            isinstance(classes, int) and not isinstance(classes, bool) and isinstance(name, str),
+            "path",
+            str(meta_path),
+            "a meta.json with an integer num_classes and a string name",
+        )
+        return cls.from_arrays(arrays, classes, name)
 
 
 def release_pages(dataset: FederatedDataset) -> None:

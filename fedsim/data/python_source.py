@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from fedsim.config import ConfigError, import_reference, require
-from fedsim.data.sources import ClientData
+from fedsim.data.sources import ClientData, label_problem, non_finite_problem
 
 _CONTRACT = (
     "a loader returning (x, y), {client: (x, y)}, or ({client: (x, y)}, {client: (x, y)}) "
@@ -72,10 +72,12 @@ def _arrays(pair: Any, where: str, loader: str, empty_ok: bool) -> tuple[np.ndar
         raise fail(f"x has {len(x)} rows and y {len(y)} labels (they must match)")
     if not empty_ok and len(y) == 0:
         raise fail("no rows (every client needs at least one training row)")
-    if len(y) and int(y.min()) < 0:
-        raise fail(f"labels must be >= 0, the smallest is {int(y.min())}")
-    if not np.all(np.isfinite(x)):
-        raise fail("x holds NaN or infinite values")
+    problem = label_problem(y) if len(y) else None
+    if problem is not None:
+        raise fail(problem)
+    problem = non_finite_problem(x) if len(x) else None
+    if problem is not None:
+        raise fail(f"x holds {problem}")
     return x.astype(np.float32, copy=False), y.astype(np.int64, copy=False)
 
 

@@ -23,6 +23,42 @@ from fedsim.config import ConfigError, require
 
 ClientData = list[tuple[np.ndarray, np.ndarray]]
 
+#: labels are class indices below this (the model's output layer has one unit per class)
+MAX_CLASSES = 2**20
+
+
+def label_problem(y: np.ndarray) -> str | None:
+    """None when every label is an integer class index in ``[0, MAX_CLASSES)``; else the
+    first offending label and its row (0-based), in words."""
+    y = np.asarray(y)
+    if y.size == 0:
+        return None
+    bad = np.flatnonzero((y < 0) | (y >= MAX_CLASSES))
+    if bad.size == 0:
+        return None
+    row = int(bad[0])
+    return (
+        f"label {int(y[row])} at row {row}: labels must be >= 0 and below {MAX_CLASSES} "
+        "(the model gets one output per class up to the largest)"
+    )
+
+
+def non_finite_problem(x: np.ndarray, columns: tuple[str, ...] | None = None) -> str | None:
+    """None when ``x`` (rows first) is finite; else where the first NaN or infinity is: its
+    row (0-based) and, with ``columns`` naming x's columns, its column."""
+    flat = np.asarray(x).reshape(len(x), -1)
+    bad = ~np.isfinite(flat)
+    if not bad.any():
+        return None
+    row, col = (int(i) for i in np.argwhere(bad)[0])
+    kind = "NaN" if np.isnan(flat[row, col]) else "an infinity"
+    where = (
+        f"column {columns[col]!r}"
+        if columns and len(columns) == flat.shape[1]
+        else (f"feature {col}")
+    )
+    return f"{kind} in {where} at row {row} (features must be finite numbers)"
+
 
 def _check_count(value: int, key: str, minimum: int = 1) -> None:
     ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
@@ -389,6 +425,10 @@ def load_leaf(directory: str | Path) -> tuple[ClientData, ClientData]:
                 str(directory),
                 f"integer labels (user {user!r} has {y.dtype})",
             )
+            problem = label_problem(y) or non_finite_problem(x)
+            require(
+                problem is None, "path", str(directory), f"usable rows: user {user!r}: {problem}"
+            )
             result.append((x.reshape(-1, *feature_shape), y.astype(np.int64).reshape(-1)))
         return result
 
@@ -426,22 +466,22 @@ def load_table(
     require(path.is_file(), "path", str(path), "an existing .parquet, .csv or .jsonl file")
     suffix = path.suffix.lower()
     readers = {".parquet": pq.read_table, ".csv": pacsv.read_csv, ".jsonl": pajson.read_json}
-    require(
-        suffix in readers, "path", str(path), "a file ending in .parquet, .csv or .jsonl"
-    )
+    require(suffix in readers, "path", str(path), "a file ending in .parquet, .csv or .jsonl")
+    # a link (the file or a folder above it) may point anywhere: errors then quote nothing
+    # read from the file (not even its header), only the path and where it leads
+    target = path.resolve()
+    linked = target != path.absolute()
+    shown = f"{path} (a link to {target})" if linked else str(path)
     try:
         table = readers[suffix](path)
     except (pa.ArrowInvalid, OSError) as err:
-        raise ConfigError("path", str(path), f"a readable {suffix} file ({err})") from err
+        detail = type(err).__name__ if linked else _arrow_problem(err)
+        raise ConfigError("path", shown, f"a readable {suffix} table ({detail})") from None
     present = list(table.column_names)
 
     def column(key: str, name: str):
-        require(
-            name in present,
-            key,
-            name,
-            f"a column of {path.name}; columns present: {', '.join(present)}",
-        )
+        listed = f"{len(present)}, not named (the path is a link)" if linked else ", ".join(present)
+        require(name in present, key, name, f"a column of {shown}; columns present: {listed}")
         return table.column(name).combine_chunks()
 
     has_clients = client_column in present or require_clients
@@ -460,9 +500,8 @@ def load_table(
         f"no missing values in {client_column!r} and {label_column!r}",
     )
     y = label_col.to_numpy().astype(np.int64)
-    require(
-        y.size == 0 or int(y.min()) >= 0, "label_column", label_column, "a column of labels >= 0"
-    )
+    problem = label_problem(y)
+    require(problem is None, "label_column", label_column, f"class labels: {problem}")
     if not feature_columns and "x" not in present and "features" not in present:
         feature_columns = tuple(c for c in present if c not in (label_column, client_column))
         require(
@@ -472,12 +511,33 @@ def load_table(
             f"feature columns: {path.name} has only {', '.join(present)}",
         )
     x = _table_features(table, present, feature_columns, column, len(y))
+    problem = non_finite_problem(x, tuple(feature_columns) if feature_columns else None)
+    require(
+        problem is None,
+        "feature_columns",
+        list(feature_columns) if feature_columns else ("x" if "x" in present else "features"),
+        f"finite features: {problem} of {shown}",
+    )
     if ids is None:
         return [(x, y)]
     unique, inverse = np.unique(ids.to_numpy(zero_copy_only=False), return_inverse=True)
     order = np.argsort(inverse, kind="stable")
     sizes = np.bincount(inverse.reshape(-1), minlength=unique.size)
     return _split_rows(x[order], y[order], sizes)
+
+
+def _arrow_problem(err: Exception) -> str:
+    """A reader's error without the file's contents: CSV errors quote the offending row,
+    so they are cut to the row and column counts; others to their first line."""
+    import re
+
+    text = str(err).splitlines()[0] if str(err) else type(err).__name__
+    csv = re.match(r"(CSV parse error: (Row #\d+: )?Expected \d+ columns, got \d+)", text)
+    if csv:
+        return csv.group(1)
+    if "CSV" in text:
+        return f"{type(err).__name__}: CSV parse error"
+    return text[:200]
 
 
 def _table_features(table, present, feature_columns, column, rows: int) -> np.ndarray:
@@ -496,7 +556,14 @@ def _table_features(table, present, feature_columns, column, rows: int) -> np.nd
                 name,
                 f"numeric columns ({name!r} holds {col.type})",
             )
-            require(col.null_count == 0, "feature_columns", name, "a column without nulls")
+            if col.null_count:
+                row = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
+                raise ConfigError(
+                    "feature_columns",
+                    name,
+                    f"a column without missing values: row {row} is empty, null or NaN "
+                    "(CSV reads NaN as missing)",
+                )
             cols.append(col.to_numpy(zero_copy_only=False).astype(np.float32))
         return np.stack(cols, axis=1)
     name = "x" if "x" in present else "features"

@@ -18,7 +18,12 @@ Decoding: the server applies x_hat = D y with D M = I (``M^{-1}`` by forward sub
 banded M; ``A^{-1} B`` for the tree, B the tree's own decoder, so Honaker's variance-optimal
 estimates come for free): x_hat = X + D z, post-processing, no privacy spent.
 
-Privacy (proof sketch, add/remove one client; :func:`zcdp_epsilon`):
+Privacy (proof sketch, **zero-out** neighbours, :data:`RELATION`; :func:`zcdp_epsilon`):
+one client's rounded updates are zeroed in the rounds of its pattern while every client's
+noise, its own included, stays in the releases -- KLS21 Prop. 14's setting. It is not
+add/remove: removing the client removes its noise too, and a row whose sum carries one client
+(``min_clients = 1``) would then be noise-free on one side (epsilon infinite); the count n_i
+below is the number of noise shares present *with* the client, never one fewer.
 
 1. **View.** The server (and any t members of each committee, and other clients) sees the
    releases Y = M X + Z (m x D integers), ciphertexts, public keys and at most t shares of each
@@ -74,6 +79,9 @@ from fedsim.privacy.matrix.factorization import Factorization
 from fedsim.privacy.matrix.sensitivity import Participation, Sensitivity, sensitivity
 
 MAX_FRACTIONAL_BITS = 40
+RELATION = "zero_out"
+"""The neighbouring relation the bound proves (module docstring): one client's updates zeroed,
+its noise shares kept."""
 BANDED_KINDS = ("banded", "toeplitz")
 TREE_KINDS = ("tree", "honaker")
 

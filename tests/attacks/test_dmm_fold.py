@@ -22,7 +22,7 @@ from fedsim.randomness import NODE_SECRET_KEY
 from fedsim.record_codec import to_record
 from fedsim.worker_reduce import FOLDS_KEY, Accumulator, Reducer, ReductionError, attach_reducer
 from strategies.dmm import SEALED_KEY, dmm_client_app
-from strategies.dmm_fold import BATCH_KEY, FOLD_KEY
+from strategies.dmm_fold import BATCH_KEY, FOLD_KEY, PADS_KEY
 
 
 class _Unfoldable(Reducer):
@@ -112,7 +112,7 @@ def test_a_client_outside_a_folding_worker_seals_its_own_shares(local_engine):
 
     assert set(reply({}).content.keys()) == {SEALED_KEY}  # e.g. Flower's runtime
     assert set(reply({FOLDS_KEY: "yes"}).content.keys()) == {SEALED_KEY}  # only True counts
-    assert set(reply({FOLDS_KEY: True}).content.keys()) == {FOLD_KEY}
+    assert set(reply({FOLDS_KEY: True}).content.keys()) == {FOLD_KEY, PADS_KEY}
 
 
 def test_a_folded_reply_cannot_claim_unsampled_clients(local_engine):
@@ -134,3 +134,94 @@ def test_a_folded_reply_cannot_claim_unsampled_clients(local_engine):
     assert recorded.metrics[1]["rejected"] == [forged["node"]]
     assert recorded.outputs[1].contributors == 12 - len(forged["held"])
     assert recorded.metrics[2]["rejected"] == [] and recorded.outputs[2].contributors == 12
+
+
+def test_a_worker_cannot_count_a_client_whose_noise_it_left_out(local_engine, monkeypatch):
+    """A compromised worker folds every client of its batch but one, and still lists that one:
+    the ledger would count 12 clients' noise in a sum that holds 11. Each listed client's pad
+    is removed by every seat, so the left-out client's pad stays in every honest seat's share:
+    no release decodes, and the round aborts instead of releasing with a count it cannot prove
+    (it is accounted as opened, for the clients the members verified, and the run halts)."""
+    from strategies import dmm_fold  # noqa: PLC0415
+
+    add, left_out = dmm_fold._ShareFoldAccumulator.add, {}
+
+    def compromised(self, reply):
+        node = int(reply.metadata.src_node_id)
+        if self.keys.round != 2 or left_out or not self.nodes:
+            return add(self, reply)
+        left_out["node"], real = node, self.fold.add
+
+        def list_only(*args):  # keep the client's proof (if any), drop its rows and noise
+            client = getattr(args[0], "client", None) if args else None
+            if client is not None:
+                self.fold.clients.append(client)
+
+        self.fold.add = list_only
+        try:
+            return add(self, reply)
+        finally:
+            self.fold.add = real
+
+    monkeypatch.setattr(dmm_fold._ShareFoldAccumulator, "add", compromised)
+    strategy = make_dmm("full", 12, 3, worker_fold=True)
+    _, recorded = run_dmm(local_engine, digits_setup(12), strategy, 3)
+    assert "node" in left_out
+    released = recorded.outputs[1]
+    assert released is None, (
+        f"round 2 released with {released.contributors} clients counted while the fold left out "
+        f"node {left_out['node']}'s noise"
+    )
+    assert recorded.metrics[1]["dmm-aborted"] == 1
+
+
+def _fold(keys, parties, updates, noises, party):
+    from protocols.dmm_client import MaskedFold, mask_client_shares  # noqa: PLC0415
+
+    fold = MaskedFold(keys)
+    for c in parties:
+        rng = np.random.default_rng([7, c])
+        fold.add(mask_client_shares(keys, c, updates[c], noises[c], rng))
+    return fold.seal(party)
+
+
+def test_the_server_rejects_malformed_fold_lists_and_the_round_counts_the_proved_ones():
+    import dataclasses  # noqa: PLC0415
+
+    from dmm_support import Committees, Reference, inputs, seal_all  # noqa: PLC0415
+
+    from fedsim.privacy.dmm import IntegerMechanism  # noqa: PLC0415
+    from fedsim.privacy.matrix.banded import banded  # noqa: PLC0415
+    from protocols.channels import Envelope  # noqa: PLC0415
+
+    mechanism = IntegerMechanism(banded(6, 3), 10)
+    run = Committees(mechanism.integer_matrix, 8)
+    updates, noises = inputs(run.full.schedule, 0, 60, 8, 13)
+    keys = run.full.open_round(0)
+    own = {c: updates[c] for c in range(4)}
+    sealed = seal_all(keys, own, {c: noises[c] for c in range(4)})
+    good = _fold(keys, (10, 11), updates, noises, 20)
+
+    def bad(parties, party, change):
+        fold = _fold(keys, parties, updates, noises, party)
+        return dataclasses.replace(fold, folded=change(fold.folded))
+
+    def restage(clients):
+        first = clients[0]
+        pads = {j: Envelope(e.sender, e.receiver, e.round, "SHARE", e.nonce, e.ciphertext)
+                for j, e in first.pads.items()}  # fmt: skip
+        return (dataclasses.replace(first, pads=pads), *clients[1:])
+
+    hostile = {
+        30: bad((30, 31), 32, lambda cs: (cs[0], cs[0])),  # one client listed twice
+        33: bad((34,), 33, lambda cs: (dataclasses.replace(cs[0], party=33),)),  # the fold's own
+        35: bad((36,), 35, restage),  # a pad seed sealed at another stage
+        37: bad((38,), 37, lambda cs: (dataclasses.replace(cs[0], public_key=b"x"),)),
+        39: bad((40,), 39, lambda cs: (dataclasses.replace(cs[0], pads={}),)),  # no seeds
+        41: bad((10,), 41, lambda cs: cs),  # lists a client another fold already holds
+    }
+    out = run.full.finish_round({**sealed, 20: good, **hostile}, run.new_pool())
+    assert set(out.rejected) == set(hostile)
+    assert out.contributors == 6  # 4 own messages and the 2 clients the good fold proved
+    expected = Reference(mechanism.integer_matrix).release(updates, noises, [0, 1, 2, 3, 10, 11])
+    np.testing.assert_array_equal(out.release, expected)

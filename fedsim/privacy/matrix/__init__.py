@@ -11,6 +11,9 @@ Modules (pure numpy / scipy, float64; no Ray, no Flower):
 - :mod:`.blt` -- buffered linear Toeplitz;
 - :mod:`.sensitivity` -- participation schemas and exact / upper-bound sensitivity
   (:func:`fedsim.privacy.matrix.sensitivity.sensitivity`);
+- :mod:`.structure` -- what the families' streaming parameters generate (tree nodes and
+  decoder, Toeplitz and BLT matrices); :mod:`.verify` -- a factorization's stream checked against
+  its C (:meth:`Factorization.load` refuses a file that fails);
 - :mod:`.streaming` -- ``C^{-1} z`` round by round with bounded state, fresh noise per round
   from the noise owner's stream;
 - :mod:`.build` -- factorizations by name, cached in ``.npz`` files (``fedsim factorize``,

@@ -24,6 +24,7 @@ import scipy.linalg.lapack
 from fedsim.config import require
 from fedsim.privacy.matrix.factorization import (
     Factorization,
+    Progress,
     check_rounds,
     check_workload,
     from_square_encoder,
@@ -102,6 +103,7 @@ def banded(
     bands: int,
     workload: np.ndarray | None = None,
     max_iter: int = 500,
+    progress: Progress | None = None,
 ) -> Factorization:
     """Optimised column-normalised ``bands``-banded C (BandMF); start: the square-root
     Toeplitz coefficients cut to ``bands`` diagonals, column normalised.
@@ -133,6 +135,6 @@ def banded(
     ab = start
     if bands > 1:
         ab = np.zeros((bands, n))
-        ab[valid] = lbfgs(fun, start[valid], max_iter)
+        ab[valid] = lbfgs(fun, start[valid], max_iter, progress=progress)
     C = normalize_columns(from_band_storage(ab))
     return from_square_encoder("banded", C, A, {"bands": int(bands)})

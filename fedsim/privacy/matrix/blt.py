@@ -19,26 +19,19 @@ import numpy as np
 from fedsim.config import require
 from fedsim.privacy.matrix.factorization import (
     Factorization,
+    Progress,
     check_rounds,
     check_workload,
     from_square_encoder,
     lbfgs,
 )
 from fedsim.privacy.matrix.sensitivity import Participation
+from fedsim.privacy.matrix.structure import blt_coefficients as blt_coefficients
 from fedsim.privacy.matrix.toeplitz import (
     toeplitz_loss_and_grad,
     toeplitz_matrix,
     toeplitz_participation,
 )
-
-
-def blt_coefficients(weights: np.ndarray, thetas: np.ndarray, n: int) -> np.ndarray:
-    """``c_0 = 1``, ``c_j = sum_i w_i theta_i^(j - 1)`` for ``1 <= j < n``."""
-    w = np.asarray(weights, dtype=np.float64)
-    th = np.asarray(thetas, dtype=np.float64)
-    require(w.shape == th.shape and w.ndim == 1, "weights", w.shape, f"shape {th.shape}")
-    powers = th[None, :] ** np.arange(max(n - 1, 0))[:, None]
-    return np.concatenate([[1.0], powers @ w])
 
 
 def inverse_blt(weights: np.ndarray, thetas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -75,6 +68,7 @@ def blt(
     participation: Participation | None = None,
     workload: np.ndarray | None = None,
     max_iter: int = 500,
+    progress: Progress | None = None,
 ) -> Factorization:
     """Optimised BLT with ``buffers`` buffers, by L-BFGS on the Toeplitz loss of
     :func:`fedsim.privacy.matrix.toeplitz.toeplitz_loss_and_grad`.
@@ -112,7 +106,7 @@ def blt(
     weights0 = np.full(buffers, 0.5 / buffers)
     a0 = np.log(weights0 / (1.0 - weights0.sum()))
     t0 = np.log(thetas0 / (1.0 - thetas0))
-    x = lbfgs(fun, np.concatenate([a0, t0]), max_iter)
+    x = lbfgs(fun, np.concatenate([a0, t0]), max_iter, progress=progress)
     w, th = _unpack(x)
     coef = blt_coefficients(w, th, n)
     C = toeplitz_matrix(coef, n)

@@ -26,6 +26,7 @@ import scipy.linalg
 from fedsim.config import require
 from fedsim.privacy.matrix.factorization import (
     Factorization,
+    Progress,
     check_rounds,
     check_workload,
     from_square_encoder,
@@ -65,6 +66,7 @@ def dense(
     epochs: int = 1,
     workload: np.ndarray | None = None,
     max_iter: int = 1000,
+    progress: Progress | None = None,
 ) -> Factorization:
     """Optimised dense lower-triangular C for ``epochs``-epoch fixed-order participation, with
     sensitivity 1 by construction (``epochs = 1``: single participation, all columns norm 1).
@@ -106,6 +108,6 @@ def dense(
         return loss / n, np.concatenate([g_u, 2.0 * G[iu]]) / n
 
     x0 = np.zeros(n + iu[0].shape[0])
-    X = build(lbfgs(fun, x0, max_iter))
+    X = build(lbfgs(fun, x0, max_iter, progress=progress))
     C = reverse_cholesky(X)
     return from_square_encoder("dense", C, A, {"epochs": int(epochs)})

@@ -16,6 +16,8 @@ tree node (m x n). The noise that reaches the gradients is ``G z`` with the nois
 
 from __future__ import annotations
 
+import hashlib
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,8 +27,9 @@ import numpy as np
 import scipy.linalg
 import scipy.optimize
 
-from fedsim.config import require
+from fedsim.config import ConfigError, require
 from fedsim.privacy.matrix.sensitivity import Participation, Sensitivity, sensitivity
+from fedsim.privacy.matrix.structure import check_rounds as check_rounds
 
 _REDUCTIONS = ("mean", "max")
 
@@ -150,31 +153,101 @@ class Factorization:
             "reconstruction_error": self.reconstruction_error(),
         }
 
+    def arrays(self) -> dict[str, np.ndarray]:
+        """What :meth:`save` writes (without the digest): A, C, B, kind and ``param_*``."""
+        return {
+            "kind": np.array(self.kind),
+            "workload": np.asarray(self.workload),
+            "encoder": np.asarray(self.encoder),
+            "decoder": np.asarray(self.decoder),
+            **{f"param_{k}": np.asarray(v) for k, v in self.params.items()},
+        }
+
+    def digest(self) -> str:
+        """SHA-256 of the content :meth:`save` writes (:func:`content_digest`)."""
+        return content_digest(self.arrays())
+
     def save(self, path: str | Path) -> None:
-        """Write A, C, B and the family parameters to an ``.npz`` file."""
-        arrays = {f"param_{k}": np.asarray(v) for k, v in self.params.items()}
-        np.savez(
-            path,
-            kind=np.array(self.kind),
-            workload=self.workload,
-            encoder=self.encoder,
-            decoder=self.decoder,
-            **arrays,
-        )
+        """Write A, C, B, the family parameters and their SHA-256 (``sha256``) to an ``.npz``."""
+        arrays = self.arrays()
+        np.savez(path, **arrays, sha256=np.array(content_digest(arrays)))
 
     @classmethod
     def load(cls, path: str | Path) -> Factorization:
-        """Read a file written by :meth:`save` (checks ``B C = A`` to 1e-8)."""
-        with np.load(path, allow_pickle=False) as data:
-            params: dict[str, Any] = {}
-            for key in data.files:
-                if key.startswith("param_"):
-                    value = data[key]
-                    params[key[6:]] = value.item() if value.ndim == 0 else value
-            f = cls(str(data["kind"]), data["workload"], data["encoder"], data["decoder"], params)
+        """Read a file written by :meth:`save`, refusing (ConfigError naming the file) one that
+        is not an ``.npz`` of a factorization, whose ``sha256`` does not match its content,
+        whose B C is not A (to 1e-8), or whose streaming parameters do not generate the noise
+        of its C (:func:`fedsim.privacy.matrix.verify.stream_mismatch`)."""
+        from fedsim.privacy.matrix.verify import stream_mismatch  # noqa: PLC0415
+
+        what = "an .npz written by fedsim factorize"
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                arrays = {key: data[key] for key in data.files}
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError) as err:
+            raise ConfigError("factorization", str(path), f"{what} ({err})") from None
+        missing = [k for k in ("kind", "workload", "encoder", "decoder") if k not in arrays]
+        require(not missing, "factorization", str(path), f"{what} (it lacks {missing})")
+        stored = arrays.pop("sha256", None)
+        if stored is not None:
+            digest = content_digest(arrays)
+            require(
+                stored.shape == () and str(stored) == digest,
+                "factorization",
+                str(path),
+                f"a file whose content matches its sha256 (stored {str(stored)[:16]}..., "
+                f"content {digest[:16]}...: changed after it was written)",
+            )
+        f = cls._from_arrays(arrays, str(path))
         err = f.reconstruction_error()
         require(err <= 1e-8, "factorization", str(path), f"a file with B C = A (error {err:.2e})")
+        mismatch = stream_mismatch(f)
+        require(
+            mismatch is None,
+            "factorization",
+            str(path),
+            f"a file whose noise stream generates the noise its C accounts for: {mismatch}",
+        )
         return f
+
+    @classmethod
+    def _from_arrays(cls, arrays: dict[str, np.ndarray], path: str) -> Factorization:
+        kind, A, C, B = (arrays[k] for k in ("kind", "workload", "encoder", "decoder"))
+        require(
+            kind.shape == () and kind.dtype.kind == "U",
+            "factorization",
+            path,
+            "a file whose kind is a string",
+        )
+        for name, value in (("workload", A), ("encoder", C), ("decoder", B)):
+            require(
+                value.ndim == 2 and value.dtype.kind == "f",
+                "factorization",
+                path,
+                f"a file whose {name} is a 2-D float array (it is {value.dtype} {value.shape})",
+            )
+        n, m = A.shape[0], C.shape[0]
+        require(
+            A.shape == (n, n) and n >= 1 and C.shape == (m, n) and B.shape == (n, m),
+            "factorization",
+            path,
+            f"A n x n, C m x n, B n x m (they are {A.shape}, {C.shape}, {B.shape})",
+        )
+        params: dict[str, Any] = {}
+        for key, value in arrays.items():
+            if key.startswith("param_"):
+                params[key[6:]] = value.item() if value.ndim == 0 else value
+        return cls(str(kind), A, C, B, params)
+
+
+def content_digest(arrays: dict[str, np.ndarray]) -> str:
+    """SHA-256 over ``arrays`` by sorted name: each name, dtype, shape and C-order bytes."""
+    h = hashlib.sha256()
+    for name in sorted(arrays):
+        value = np.ascontiguousarray(arrays[name])
+        h.update(f"{name}|{value.dtype.str}|{value.shape}|".encode())
+        h.update(value.tobytes())
+    return h.hexdigest()
 
 
 def check_workload(workload: np.ndarray | None, n: int) -> np.ndarray:
@@ -193,12 +266,6 @@ def check_workload(workload: np.ndarray | None, n: int) -> np.ndarray:
     return A
 
 
-def check_rounds(n: int) -> int:
-    """``n`` as an int >= 1."""
-    require(isinstance(n, (int, np.integer)) and int(n) >= 1, "n", n, "an integer >= 1")
-    return int(n)
-
-
 def from_square_encoder(
     kind: str, C: np.ndarray, workload: np.ndarray, params: dict[str, Any]
 ) -> Factorization:
@@ -207,18 +274,31 @@ def from_square_encoder(
     return Factorization(kind, workload, C, B, params)
 
 
+#: ``progress(iteration, loss)``: called after each optimiser iteration (1-based)
+Progress = Callable[[int, float], None]
+
+
 def lbfgs(
     fun: Callable[[np.ndarray], tuple[float, np.ndarray]],
     x0: np.ndarray,
     max_iter: int,
     tol: float = 1e-10,
+    progress: Progress | None = None,
 ) -> np.ndarray:
-    """Minimise ``fun`` (value and gradient) with scipy's float64 L-BFGS-B; the best point."""
+    """Minimise ``fun`` (value and gradient) with scipy's float64 L-BFGS-B; the best point.
+    ``progress`` (if given) hears of each iteration."""
+    count = [0]
+
+    def callback(intermediate_result: scipy.optimize.OptimizeResult) -> None:
+        count[0] += 1
+        progress(count[0], float(intermediate_result.fun))
+
     result = scipy.optimize.minimize(
         fun,
         np.asarray(x0, dtype=np.float64),
         jac=True,
         method="L-BFGS-B",
+        callback=None if progress is None else callback,
         options={"maxiter": int(max_iter), "ftol": tol, "gtol": 1e-9, "maxcor": 20},
     )
     return np.asarray(result.x, dtype=np.float64)

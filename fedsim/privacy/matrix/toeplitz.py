@@ -14,20 +14,14 @@ import scipy.linalg
 from fedsim.config import require
 from fedsim.privacy.matrix.factorization import (
     Factorization,
+    Progress,
     check_rounds,
     check_workload,
     from_square_encoder,
     lbfgs,
 )
 from fedsim.privacy.matrix.sensitivity import Participation
-
-
-def toeplitz_matrix(coef: np.ndarray, n: int) -> np.ndarray:
-    """The n x n lower-triangular Toeplitz matrix with first column ``coef`` (zero-padded)."""
-    c = np.zeros(n)
-    coef = np.asarray(coef, dtype=np.float64)[:n]
-    c[: coef.shape[0]] = coef
-    return scipy.linalg.toeplitz(c, np.zeros(n))
+from fedsim.privacy.matrix.structure import toeplitz_matrix as toeplitz_matrix
 
 
 def inverse_coefficients(coef: np.ndarray, n: int) -> np.ndarray:
@@ -131,6 +125,7 @@ def banded_toeplitz(
     participation: Participation | None = None,
     workload: np.ndarray | None = None,
     max_iter: int = 500,
+    progress: Progress | None = None,
 ) -> Factorization:
     """Optimised banded Toeplitz C: coefficients ``c_0 = 1, c_1..c_{b-1}`` minimising
     :func:`toeplitz_loss_and_grad` with float64 L-BFGS (McKenna 2024, "Scaling up the Banded
@@ -166,7 +161,7 @@ def banded_toeplitz(
     coef = np.zeros(n)
     coef[0] = 1.0
     if bands > 1:
-        coef[1:bands] = lbfgs(fun, start[1:], max_iter)
+        coef[1:bands] = lbfgs(fun, start[1:], max_iter, progress=progress)
     C = toeplitz_matrix(coef, n)
     return from_square_encoder(
         "banded_toeplitz",

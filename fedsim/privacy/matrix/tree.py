@@ -23,33 +23,10 @@ from __future__ import annotations
 import numpy as np
 
 from fedsim.privacy.matrix.factorization import Factorization, check_rounds, check_workload
-
-
-def tree_nodes(n: int) -> list[tuple[int, int]]:
-    """``(height, index)`` of every node, in completion order (round, then height)."""
-    n = check_rounds(n)
-    nodes = []
-    for t in range(n):
-        h = 0
-        while (t + 1) % (1 << h) == 0:
-            nodes.append((h, (t + 1) // (1 << h) - 1))
-            h += 1
-    return nodes
-
-
-def nodes_completed_at(t: int) -> int:
-    """How many nodes complete at round t: one plus the trailing zeros of ``t + 1``."""
-    return ((t + 1) & -(t + 1)).bit_length()
-
-
-def decomposition(t: int) -> list[tuple[int, int]]:
-    """The maximal complete nodes covering ``[0, t]``: the binary expansion of ``t + 1``."""
-    out, start, m = [], 0, t + 1
-    for h in range(m.bit_length() - 1, -1, -1):
-        if m >> h & 1:
-            out.append((h, start >> h))
-            start += 1 << h
-    return out
+from fedsim.privacy.matrix.structure import decomposition as decomposition
+from fedsim.privacy.matrix.structure import nodes_completed_at as nodes_completed_at
+from fedsim.privacy.matrix.structure import tree_decoder, tree_encoder, tree_height
+from fedsim.privacy.matrix.structure import tree_nodes as tree_nodes
 
 
 def honaker_alphas(height: int) -> np.ndarray:
@@ -64,30 +41,11 @@ def honaker_alphas(height: int) -> np.ndarray:
 def _tree(n: int, workload: np.ndarray | None, honaker: bool) -> Factorization:
     n = check_rounds(n)
     A = check_workload(workload, n)
-    nodes = tree_nodes(n)
-    index = {node: i for i, node in enumerate(nodes)}
-    m = len(nodes)
-    C = np.zeros((m, n))
-    for i, (h, k) in enumerate(nodes):
-        C[i, k << h : (k + 1) << h] = 1.0
-    height = max(h for h, _ in nodes)
+    height = tree_height(n)
     alphas = honaker_alphas(height) if honaker else np.ones(height + 1)
-    # est[node] = weights over all nodes (row vector), built bottom-up.
-    est: dict[tuple[int, int], np.ndarray] = {}
-    for h, k in nodes:
-        row = np.zeros(m)
-        row[index[(h, k)]] = alphas[h]
-        if h > 0 and alphas[h] < 1.0:
-            row += (1.0 - alphas[h]) * (est[(h - 1, 2 * k)] + est[(h - 1, 2 * k + 1)])
-        est[(h, k)] = row
-    prefix = np.stack([sum(est[node] for node in decomposition(t)) for t in range(n)])
-    # prefix = P^{-1}-free estimate of tri(n) x; a general workload post-processes it:
-    # A = A P^{-1} P with P^{-1} the first-difference matrix.
-    if workload is not None:
-        diff = np.eye(n) - np.eye(n, k=-1)
-        prefix = A @ (diff @ prefix)
+    B = tree_decoder(n, alphas, None if workload is None else A)
     kind = "honaker" if honaker else "tree"
-    return Factorization(kind, A, C, prefix, {"alphas": alphas})
+    return Factorization(kind, A, tree_encoder(n), B, {"alphas": alphas})
 
 
 def binary_tree(n: int, workload: np.ndarray | None = None) -> Factorization:
