@@ -132,11 +132,11 @@ def test_engine_cohorts_that_claim_amplification_are_not_the_public_seeds(tmp_pa
     """`--sampling uniform`: amplification is claimed, so the cohorts are the server's secret
     draw; an adversary recomputing them from the public seed gets other nodes."""
     run = flwr_run(tmp_path / "secret", "none", *ENGINE, run_config="fraction-train=1.0")
-    assert run["summary"]["participation"]["cohorts"] == "secret"
-    assert run["summary"]["privacy"]["sampling"]["model"] == "FixedSizeSampling"
     guessed = public_cohorts(3, ROUNDS)
     assert all(len(nodes) == COHORT for nodes in run["sent"])
     assert sum(a == b for a, b in zip(run["sent"], guessed)) == 0
+    assert run["summary"]["participation"]["cohorts"] == "secret"
+    assert run["summary"]["privacy"]["sampling"]["model"] == "FixedSizeSampling"
 
 
 def test_public_engine_cohorts_are_accounted_without_amplification(tmp_path):
