@@ -184,7 +184,15 @@ def _parser() -> argparse.ArgumentParser:
     flwr_run.add_argument(
         "--clients-per-round", type=int, default=None, help="cohort size (expected, poisson)"
     )
-    flwr_run.add_argument("--seed", type=int, default=0, help="public seed of the cohorts")
+    flwr_run.add_argument(
+        "--seed", type=int, default=0, help="public seed (of the cohorts, with --public-cohorts)"
+    )
+    flwr_run.add_argument(
+        "--public-cohorts",
+        action="store_true",
+        help="draw --sampling cohorts from --seed (every client can recompute them; epsilon is "
+        "then accounted without amplification) instead of the server's secret",
+    )
     flwr_run.add_argument(
         "--run-config",
         default=None,
@@ -330,6 +338,7 @@ def cmd_flwr_run(args: argparse.Namespace) -> dict[str, Any]:
             engine=engine,
             secrets=secrets,
             participation=cohorts,
+            public_cohorts=args.public_cohorts,
         )
     finally:
         for engine, *_ in started:

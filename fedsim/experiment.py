@@ -526,6 +526,9 @@ def _privacy_summary(strategy: Strategy, records: list[dict[str, Any]]) -> dict[
     """summary.json's privacy keys: the run's epsilon (when the strategy keeps a ledger),
     why it stopped early (if it did), and the worst client's own epsilon (client DP-SGD)."""
     out = run_summary(strategy)
+    if "privacy" in out and records and "privacy" in records[-1]:  # the run's, at the boundary
+        out["privacy"] = records[-1]["privacy"]
+        out["unaccounted_releases"] = records[-1]["privacy"].get("unaccounted_releases", 0)
     client = [r["client_privacy"] for r in records if "client_privacy" in r]
     if client:
         out["max_client_epsilon"] = max(c["max_epsilon"] for c in client)

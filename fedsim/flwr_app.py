@@ -22,7 +22,15 @@ supernodes and each client's Ray resources, as ``flwr run`` reads them; flags ov
 With ``sampling`` the engine draws each phase's cohort (:mod:`fedsim.engine.participation`:
 ``uniform``, a fixed-size cohort without replacement, or ``poisson``) and the grid offers only
 it, so a strategy that takes every node it is offered (``fraction_train=1``) is accounted
-with that cohort model's amplification.
+with that cohort model's amplification. The cohorts are drawn from the server's secret
+(``--public-cohorts``: from ``--seed``, which every client may know; then no amplification
+is claimed).
+
+Every reply reaches the ServerApp through the grid's release boundary
+(:mod:`fedsim.engine.boundary`): summary.json and the last line of rounds.jsonl give the
+run's epsilon composed over every accounted mechanism the app ran, and
+``unaccounted_releases``, client contributions that reached the ServerApp outside all of
+them (then epsilon is infinite).
 
 A fedsim strategy started inside the ServerApp (``strategy.start``, see
 :mod:`strategies.recorded_start`) reports each round to the run's
@@ -52,7 +60,7 @@ from flwr.supercore.object_ref import load_app
 from fedsim import __version__
 from fedsim.config import ConfigError, is_finite_number, require
 from fedsim.engine import ClientAppSource, Engine, EngineConfig, PoissonCohort, UniformCohort
-from fedsim.engine.participation import CohortModel
+from fedsim.engine.participation import CohortModel, secret_cohorts
 from fedsim.flwr_federation import Federation, read_federation
 from fedsim.progress import Cadence, RunProgress
 from fedsim.randomness import RunSecret
@@ -298,13 +306,17 @@ def run_flower_app(
     client_gpus: float | None = None,
     ray_cpus: int | None = None,
     participation: CohortModel | None = None,
+    public_cohorts: bool = False,
 ) -> dict[str, Any]:
     """Run ``app`` with ``num_supernodes`` virtual nodes; rounds are inferred from
     the messages' ``server-round`` unless a fedsim strategy reports them. ``secrets``: the
     run's secret root (None: a fresh one from the OS; the run cannot be repeated).
     ``engine``: the engine to run on (started or not; left open), else one of
     :func:`flower_engine` (with ``device`` and the resources), closed at the end.
-    ``participation``: the cohort the grid offers each phase (None: every node)."""
+    ``participation``: the cohort the grid offers each phase (None: every node), drawn from
+    the server's secret (amplification by sampling holds against clients that know the seed)
+    unless ``public_cohorts``, which draws it from its public seed (accounted without
+    amplification)."""
     writer = RunWriter(out_dir)
     started = time.perf_counter()
     try:
@@ -321,6 +333,9 @@ def run_flower_app(
                 ray_cpus=ray_cpus,
             )
         engine.start()
+        root = RunSecret.fresh() if secrets is None else secrets
+        if participation is not None and not public_cohorts:
+            participation = secret_cohorts(participation, root.server())
         rounds = app.run_config.get("num-server-rounds")
         with RunProgress(rounds if isinstance(rounds, int) else None, enabled=progress) as bar:
             recorder = RoundRecorder([writer.write_round, bar], infer_rounds=True)
@@ -332,7 +347,7 @@ def run_flower_app(
                 participation=participation,
                 observer=recorder,
                 round_log=recorder,
-                secrets=RunSecret.fresh() if secrets is None else secrets,
+                secrets=root,
             )
             recorder.close()
         finished = time.perf_counter()
@@ -365,6 +380,7 @@ def _summary(
         "engine": engine.describe(),
         "versions": {"fedsim": __version__, "python": platform.python_version()},
         **recorder.run_summary,
+        **recorder.summary_privacy(),
     }
 
 
@@ -372,6 +388,7 @@ def _described(participation: CohortModel | None) -> dict[str, Any] | None:
     """The cohort model the grid used, as summary.json records it (None: every node)."""
     if participation is None:
         return None
+    drawn = {"cohorts": "secret" if participation.secret_draws else "public"}
     if isinstance(participation, PoissonCohort):
-        return {"sampling": "poisson", "rate": participation.rate}
-    return {"sampling": "uniform", "clients_per_round": participation.cohort_size}
+        return {"sampling": "poisson", "rate": participation.rate, **drawn}
+    return {"sampling": "uniform", "clients_per_round": participation.cohort_size, **drawn}

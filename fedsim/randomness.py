@@ -72,6 +72,7 @@ class Purpose(IntEnum):
     RESHARE = 5
     KEYS = 6
     TRAINING = 7
+    COHORT = 8
 
 
 def public_generator(seed: int, *words: int) -> np.random.Generator:

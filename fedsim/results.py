@@ -28,6 +28,12 @@ run closes. A fedsim strategy started inside such a ServerApp reports its rounds
 (the recorder is the grid's :class:`~fedsim.engine.grid.RoundLog`), with the same sections
 as ``fedsim run``.
 
+A private run's ``privacy`` section is the run's, from the grid's release boundary
+(:mod:`fedsim.engine.boundary`): its ``epsilon`` composes every accounted mechanism of the
+run, ``unaccounted_releases`` counts the client contributions that reached the server side
+outside any of them, and any such release makes ``epsilon`` infinite (with ``unaccounted``:
+how many of each message type). The last line and summary.json say the same.
+
 Every epsilon is written as :mod:`fedsim.results_json` says (an infinite one as ``1e999``
 with a boolean ``<key>_infinite`` next to it).
 """
@@ -43,6 +49,7 @@ from typing import Any
 from flwr.app import MetricRecord
 
 from fedsim.config import ConfigError
+from fedsim.engine.boundary import ReleaseBoundary
 from fedsim.engine.grid import PhaseReport
 from fedsim.results_json import ROUNDS_FILE, SUMMARY_FILE, dumps, json_ready, read_rounds
 from fedsim.runfiles import write_atomic
@@ -153,6 +160,19 @@ class RoundRecorder:
         self._round_start = self.started
         #: what the strategy adds to summary.json (its final privacy report, ...)
         self.run_summary: dict[str, Any] = {}
+        #: the grid's release boundary (the run's privacy), once the grid attached it
+        self.boundary: ReleaseBoundary | None = None
+
+    def attach_boundary(self, boundary: ReleaseBoundary) -> None:
+        """The grid's release boundary: every line of a private run gets its report."""
+        self.boundary = boundary
+
+    def run_privacy(self, privacy: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        """``privacy`` (a strategy's report) with the run's boundary report over it; None
+        when the run has no accounted mechanism and no report."""
+        if self.boundary is None or not self.boundary.private:
+            return None if privacy is None else dict(privacy)
+        return json_ready({**(privacy or {}), **self.boundary.report()})
 
     # PhaseObserver
     def phase_finished(self, report: PhaseReport) -> None:
@@ -192,6 +212,15 @@ class RoundRecorder:
         """Keep what the strategy adds to the run's summary (:attr:`run_summary`)."""
         self.run_summary.update(json_ready(summary))
 
+    def summary_privacy(self) -> dict[str, Any]:
+        """What summary.json says of the run's privacy: the last strategy's final report with
+        the boundary's over it, and ``unaccounted_releases`` (nothing for a run without an
+        accounted mechanism)."""
+        privacy = self.run_privacy(self.run_summary.get("privacy"))
+        if privacy is None:
+            return {}
+        return {"privacy": privacy, "unaccounted_releases": privacy.get("unaccounted_releases", 0)}
+
     def _flush(self, sections: dict[str, Any] | None) -> dict[str, Any]:
         now = time.perf_counter()
         phases, self._phases = self._phases, []
@@ -219,6 +248,11 @@ class RoundRecorder:
         for name, value in (sections or {}).items():
             if value is not None and (self.client_metrics or name not in CLIENT_SECTIONS):
                 record[name] = value
+        privacy = self.run_privacy(record.get("privacy"))
+        if privacy is not None:
+            record["privacy"] = privacy
+        if self.boundary is not None:
+            self.boundary.close_round()
         if self.mark_in_clear and (phases or any(k in record for k in CLIENT_SECTIONS)):
             record["metrics_in_clear"] = True
         self._round_start = now

@@ -91,6 +91,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedsim.config import ConfigError
+from fedsim.engine.boundary import boundary_of
 from fedsim.engine.committee import Committee, CommitteeSpec
 from fedsim.privacy import ddgauss as ddgauss_privacy
 from fedsim.privacy.accounting import NeighbouringRelation, PrivacyLedger
@@ -736,6 +737,7 @@ class DDGauss(LedgerShell):
         rejected: dict[int, str] = {}
         clear: dict[int, MetricRecord] = {}
         seen: set[int] = set()
+        boundary = boundary_of(self._grid)
         for reply in replies:
             if reply.has_error():
                 continue  # the client failed: a dropout
@@ -743,6 +745,8 @@ class DDGauss(LedgerShell):
             try:
                 if node not in self._asked or node in seen:
                     raise ValueError("a train reply from a node not asked, or a second one")
+                if boundary is not None:  # the release boundary: each reply consumed once
+                    boundary.claim([reply], self)
                 seen.add(node)
                 accepted[node] = self._payload(reply.content)
             except MALFORMED as error:

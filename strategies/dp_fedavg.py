@@ -33,7 +33,13 @@ and records one event per round in which it released an update, with the
 round's sampling model (Poisson rate ``q``, fixed-size ``m`` of ``N``, full
 participation, or b-min-separation) and noise. Without an explicit sampling model (a
 plain Flower app), the model is the sampling that happens, planned from the grid and the
-wrapped strategy and checked on every round (:mod:`strategies.observed_sampling`). The
+wrapped strategy and checked on every round (:mod:`strategies.observed_sampling`); the
+cohort amplification credits is then the strategy's own draw from the server's secret
+(``server_secret.generator(t, Purpose.COHORT, "train")``): the wrapped strategy's
+instructions are addressed to it, so a patched ``random.sample`` decides nothing. Cohorts
+that every client can recompute (an engine cohort drawn from the public seed) are accounted
+without amplification: an unsampled Gaussian per round, composed over the rounds of the
+client that was sent the most instructions. The
 neighbouring relation follows the sampling: add/remove for Poisson sampling, full participation and
 min-separation; replace-one for fixed-size sampling of fewer than ``N`` clients
 (the only relation dp_accounting can amplify it under; the sum then moves by up
@@ -100,6 +106,7 @@ from fedsim.privacy.accounting import (
     round_event,
     split_noise_multiplier,
 )
+from fedsim.randomness import Purpose
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.worker_reduce import (
     Accumulator,
@@ -366,6 +373,10 @@ class DPFedAvg(ClippedSumShell):
         self.stop_reason: str | None = None
         self._stopped_at: int | None = None
         self._epsilons: dict[tuple[int, int], float] = {}  # (entries before, round) -> epsilon
+        #: cohorts every client can recompute: no amplification (see the module docstring)
+        self.public_cohorts = False
+        #: node id -> train instructions sent (public cohorts: the worst client's rounds)
+        self.instructions_per_node: dict[int, int] = {}
 
     # -- the sampling that happens (sampling=None) -------------------------------------
     def bind_grid(self, grid: Grid) -> SamplingPlan | None:
@@ -383,6 +394,7 @@ class DPFedAvg(ClippedSumShell):
             )
         check_accountant(self.accountant, plan.sampling, self.ledger.delta)
         self.sampling = plan.sampling
+        self.public_cohorts = plan.public_cohorts
         self.ledger = PrivacyLedger(relation_for(plan.sampling), self.ledger.delta)
         self._epsilons = {}
         self._stopped_at, self.stop_reason = None, None
@@ -397,7 +409,13 @@ class DPFedAvg(ClippedSumShell):
         plan = self.bind_grid(grid)
         offered = [int(n) for n in grid.get_node_ids()] if plan is not None else []
         messages = list(super().configure_train(server_round, arrays, config, grid))
+        if plan is not None and not plan.engine_cohort:
+            plan.check_round(server_round, offered, [int(m.metadata.dst_node_id) for m in messages])
+            messages = self._secret_cohort(server_round, offered, messages)
+            self.instructions_sent(server_round, messages, grid)
         sent = [int(m.metadata.dst_node_id) for m in messages]
+        for node in sent if self.public_cohorts else ():  # the worst client's rounds
+            self.instructions_per_node[node] = self.instructions_per_node.get(node, 0) + 1
         if plan is not None:
             plan.check_round(server_round, offered, sent)
         elif isinstance(self.sampling, FixedSizeSampling):
@@ -409,9 +427,57 @@ class DPFedAvg(ClippedSumShell):
             )
         return messages
 
+    def _secret_cohort(
+        self, server_round: int, offered: list[int], messages: list[Message]
+    ) -> list[Message]:
+        """The wrapped strategy's instructions (one content for all) addressed to the
+        strategy's own uniform draw of as many of the ``offered`` nodes, from the server's
+        secret stream (reproducible under the run's root, unknown to every client)."""
+        if not messages:
+            return messages
+        first = messages[0]
+        if any(m.content is not first.content for m in messages):
+            raise ConfigError(
+                f"sampling (round {server_round})",
+                f"{type(self.strategy).__name__}'s instructions",
+                "one content for every node (the cohort is the server's own draw, so the "
+                "instructions must not depend on the node)",
+            )
+        rng = self.server_secret().generator(int(server_round), Purpose.COHORT, "train")
+        nodes = rng.choice(np.asarray(sorted(offered), dtype=np.int64), len(messages), False)
+        meta = first.metadata
+        return [
+            Message(
+                first.content,
+                int(node),
+                meta.message_type,
+                ttl=meta.ttl,
+                group_id=meta.group_id,
+            )
+            for node in sorted(int(n) for n in nodes)
+        ]
+
+    def accounted_ledger(self, ahead: int = 0) -> PrivacyLedger:
+        """The ledger epsilon is computed from: with public cohorts, the recorded unsampled
+        rounds composed for the client sent the most instructions (its rounds, not all;
+        ``ahead``: rounds it may still be sent, for a check before a round)."""
+        if not self.public_cohorts or not (len(self.ledger) or ahead):
+            return self.ledger
+        worst = max(self.instructions_per_node.values(), default=0) + ahead
+        ledger = PrivacyLedger(
+            self.ledger.relation, self.ledger.delta, MinSeparation(1, max(1, worst))
+        )
+        for round_, event in self.ledger.entries:
+            ledger.record(round_, event)
+        return ledger
+
     def report_details(self) -> dict[str, Any]:
-        """The sampling model the ledger accounts."""
-        return {"sampling": describe(self.ledger.participation or self.sampling)}
+        """The sampling model the ledger accounts (and whether the cohorts are public)."""
+        details = {"sampling": describe(self.ledger.participation or self.sampling)}
+        if self.public_cohorts:
+            details["cohorts"] = "public"
+            details["max_rounds_per_client"] = max(self.instructions_per_node.values(), default=0)
+        return details
 
     def round_event(self) -> dpa.DpEvent:
         """The ``dp_accounting`` event of one round as this strategy releases it."""
@@ -425,7 +491,7 @@ class DPFedAvg(ClippedSumShell):
     def _epsilon_with_round(self, server_round: int) -> float:
         key = (len(self.ledger), server_round)
         if key not in self._epsilons:
-            eps = self.ledger.epsilon_if(
+            eps = self.accounted_ledger(ahead=1).epsilon_if(
                 self.round_event(), accountant=self.accountant, round=server_round
             )
             recent = list(self._epsilons.items())[-3:]  # the last few rounds suffice
@@ -453,11 +519,11 @@ class DPFedAvg(ClippedSumShell):
     def epsilon(self) -> float:
         """Epsilon (nats) at the ledger's delta of every round released so far."""
         entries = self.ledger.entries
-        if entries:
+        if entries and not self.public_cohorts:
             key = (len(entries) - 1, entries[-1][0])
             if key in self._epsilons:  # computed before the round by should_stop
                 return self._epsilons[key]
-        return self.ledger.epsilon(accountant=self.accountant)
+        return self.accounted_ledger().epsilon(accountant=self.accountant)
 
     # -- the Message-API hooks ---------------------------------------------------------
     def aggregate_train(

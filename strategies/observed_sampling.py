@@ -5,10 +5,16 @@ FedAvg family (FedAvg, FedProx, FedAvgM, FedAdam, FedYogi, FedAdagrad: their
 ``configure_train`` is FedAvg's, Flower 1.42) takes ``m = max(int(N * fraction_train),
 min_train_nodes)`` of the ``N`` nodes the grid offers with ``random.sample``: a cohort of
 fixed size drawn uniformly without replacement, accounted as ``FixedSizeSampling(m, N)``
-(all of them: ``FullParticipation``, no amplification). Under fedsim's engine with a cohort
-model (``fedsim flwr-run --sampling uniform|poisson``) the grid offers only the engine's
-cohort; a strategy that takes all of it is accounted with that model
-(:meth:`fedsim.engine.participation.CohortModel.accounting`: fixed-size or Poisson).
+(all of them: ``FullParticipation``, no amplification). The draw is the strategy's own:
+DPFedAvg takes the wrapped strategy's instructions and addresses them to ``m`` nodes it
+draws from the server's secret stream (``Purpose.COHORT``), so neither a patched
+``random.sample`` nor a seed every client knows decides who trains. Under fedsim's engine
+with a cohort model (``fedsim flwr-run --sampling uniform|poisson``) the grid offers only
+the engine's cohort; a strategy that takes all of it is accounted with that model
+(:meth:`fedsim.engine.participation.CohortModel.accounting`: fixed-size or Poisson) when the
+engine draws it from the server's secret; an engine cohort drawn from the public seed is
+accounted without amplification (``public_cohorts``: each round an unsampled Gaussian for the
+clients in it, composed over the rounds of the client that trained most).
 
 :func:`planned_sampling` says, before a round, which model applies;
 :meth:`SamplingPlan.check_round` checks every round's instructions against it before they
@@ -62,6 +68,9 @@ class SamplingPlan:
             (a changing population cannot be accounted).
         engine_cohort: the grid offers the engine's cohort, and every offered node must be sent.
         sample_size: nodes each round sends (None: all that are offered).
+        public_cohorts: the cohorts are recomputable from the public seed: ``sampling`` is
+            then the unamplified model (FullParticipation) and the ledger composes the
+            rounds of the client that trained most.
     """
 
     sampling: Sampling
@@ -69,6 +78,7 @@ class SamplingPlan:
     fingerprint: tuple[int, int]
     engine_cohort: bool
     sample_size: int | None
+    public_cohorts: bool = False
 
     def check_round(self, server_round: int, offered: Sequence[int], sent: Sequence[int]) -> None:
         """Refuse round ``server_round`` unless its instructions (to ``sent``, from the nodes
@@ -171,4 +181,9 @@ def _engine_plan(
         sampling,
         "a fixed-size, Poisson or full cohort model",
     )
-    return SamplingPlan(sampling, participation.num_clients, _fingerprint(offered), True, None)
+    public = not participation.secret_draws and not isinstance(sampling, FullParticipation)
+    if public:  # every client recomputes the cohorts: no amplification holds
+        sampling = FullParticipation()
+    return SamplingPlan(
+        sampling, participation.num_clients, _fingerprint(offered), True, None, public
+    )

@@ -107,10 +107,17 @@ def dp_fedavg(clipping_norm, noise_multiplier, expected_clients, root="0", **kwa
     return strategy
 
 
+def answering(messages, replies):
+    """``replies``' contents as the answers of the first ``len(replies)`` instructions."""
+    messages = list(messages)
+    assert len(replies) <= len(messages), (len(replies), len(messages))
+    return [Message(r.content, reply_to=m) for m, r in zip(messages, replies)]
+
+
 def run_round(strategy, replies, server_round=1):
     grid = _Grid(len(replies))
-    strategy.configure_train(server_round, to_record(GLOBAL), ConfigRecord(), grid)
-    arrays, metrics = strategy.aggregate_train(server_round, replies)
+    messages = strategy.configure_train(server_round, to_record(GLOBAL), ConfigRecord(), grid)
+    arrays, metrics = strategy.aggregate_train(server_round, answering(messages, replies))
     return flat(to_numpy(arrays)) - flat(GLOBAL), metrics
 
 
@@ -183,5 +190,7 @@ def test_errors_are_skipped_and_a_round_without_replies_still_releases_noise():
     moved = flat(to_numpy(arrays)) - flat(GLOBAL)
     assert np.all(moved != 0) and metrics["dp-noise-std"] == 0.5  # dropouts remove no noise
     assert len(noisy.ledger) == 1  # and the release is accounted
-    arrays, metrics = noisy.aggregate_train(1, [failed, client_reply(GLOBAL)])
+    messages = noisy.configure_train(2, to_record(GLOBAL), ConfigRecord(), _Grid(2))
+    replies = [failed, *answering(messages, [client_reply(GLOBAL)])]
+    arrays, metrics = noisy.aggregate_train(2, replies)
     assert isinstance(arrays, ArrayRecord) and metrics["dp-clients"] == 1

@@ -73,15 +73,24 @@ def with_norms(rng, norms) -> list[np.ndarray]:
     return [n * d for n, d in zip(norms, directions)]
 
 
+def answering(messages, replies):
+    """``replies``' contents as the answers of the first ``len(replies)`` instructions."""
+    messages = list(messages)
+    assert len(replies) <= len(messages), (len(replies), len(messages))
+    return [Message(r.content, reply_to=m) for m, r in zip(messages, replies)]
+
+
 def one_round(strategy, server_round, updates, arrays=None):
     arrays = to_record(GLOBAL) if arrays is None else arrays
     # the grid offers as many nodes as the accounted fixed-size sampling draws (50 otherwise)
     offered = getattr(strategy.sampling, "sample_size", 50)
-    messages = strategy.configure_train(server_round, arrays, ConfigRecord(), _Grid(offered))
-    if not list(messages):
+    messages = list(strategy.configure_train(server_round, arrays, ConfigRecord(), _Grid(offered)))
+    if not messages:
         return None, None
     base = to_numpy(arrays)
-    return strategy.aggregate_train(server_round, [reply(u, base) for u in updates])
+    return strategy.aggregate_train(
+        server_round, answering(messages, [reply(u, base) for u in updates])
+    )
 
 
 def dp(z=1.0, *, clipping_norm=1.0, m=20, seed=0, **kwargs):

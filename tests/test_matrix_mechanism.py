@@ -45,11 +45,13 @@ def _quiet_dp_accounting():
 
 
 class _Grid:
-    def __init__(self, n):
-        self.registry = ClientRegistry(n)
+    """``n`` nodes (after the first ``offset``: fresh nodes, for a participation guard)."""
+
+    def __init__(self, n, offset=0):
+        self.registry, self.offset = ClientRegistry(n + offset), offset
 
     def get_node_ids(self):
-        return self.registry.node_ids()
+        return self.registry.node_ids()[self.offset :]
 
 
 def split(flat):
@@ -85,14 +87,23 @@ def mechanism(f, z=1.0, clip=1.0, m=2.0, root="7", **kwargs):
     return strategy
 
 
+def answering(messages, replies):
+    """``replies``' contents as the answers of the first ``len(replies)`` instructions."""
+    messages = list(messages)
+    assert len(replies) <= len(messages), (len(replies), len(messages))
+    return [Message(r.content, reply_to=m) for m, r in zip(messages, replies)]
+
+
 def run(strategy, updates, arrays=None, first=1):
     """Rounds first.. with one list of client updates each; the flat model after each."""
     arrays = to_record(GLOBAL) if arrays is None else arrays
     models = []
     for t, round_updates in enumerate(updates, start=first):
         base = to_numpy(arrays)
-        strategy.configure_train(t, arrays, ConfigRecord(), _Grid(len(round_updates)))
-        arrays, metrics = strategy.aggregate_train(t, [reply(base, u) for u in round_updates])
+        grid = _Grid(len(round_updates), offset=t * len(round_updates))
+        messages = strategy.configure_train(t, arrays, ConfigRecord(), grid)
+        replies = answering(messages, [reply(base, u) for u in round_updates])
+        arrays, metrics = strategy.aggregate_train(t, replies)
         models.append(flat(to_numpy(arrays)))
     return models, arrays, metrics
 

@@ -41,6 +41,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 
 from fedsim.engine.backend import Backend
+from fedsim.engine.boundary import ReleaseBoundary
 from fedsim.engine.client_registry import ClientRegistry
 from fedsim.engine.dispatch import Dispatcher, batch_sizes
 from fedsim.engine.faults import FaultConfig, client_faults, crash_point
@@ -221,6 +222,10 @@ class SimulationGrid(Grid):
         self._phase_of_message: dict[str, int] = {}
         self._next_batch = 0
         self._next_content = 0
+        #: every instruction sent and reply delivered, and what consumed each reply
+        self.boundary = ReleaseBoundary()
+        for sink in (observer, round_log):
+            getattr(sink, "attach_boundary", lambda boundary: None)(self.boundary)
 
     # -- Grid: run and messages -------------------------------------------------
     def set_run(self, run: Run) -> None:
@@ -325,6 +330,7 @@ class SimulationGrid(Grid):
             bytes_down=bytes_down,
         )
         self._phases[index] = phase
+        self.boundary.sent(messages, phase.server_round)
         for message_id in phase.message_ids:
             self._phase_of_message[message_id] = index
         late: set[str] = set()
@@ -466,7 +472,13 @@ class SimulationGrid(Grid):
         out: list[Message] = []
         if phase.closed and phase.folds:
             for fold in dict.fromkeys(phase.folds.values()):
-                out.extend(fold.result())
+                folded = fold.result()
+                covers = None if fold.accumulator is None else [
+                    m for b in fold.order for m in phase.batch_messages[b]
+                ]
+                for reply in folded:
+                    self.boundary.delivered(reply, covers)
+                out.extend(folded)
             phase.folds.clear()
         for batch_id in phase.batch_ids:
             replies = phase.results.get(batch_id)
@@ -474,6 +486,8 @@ class SimulationGrid(Grid):
                 continue
             if wanted is not None and not (phase.batch_messages[batch_id] & wanted):
                 continue
+            for reply in replies:
+                self.boundary.delivered(reply)
             out.extend(replies)
             del phase.results[batch_id]
         if phase.closed and not phase.results and not phase.folds:

@@ -15,6 +15,14 @@ for a ServerApp whose loop fedsim does not see, the grid uses the number of the
 phase (one per ``send_and_receive`` or ``push_messages``) as the round and 0 as
 the kind. Every model costs O(cohort) time and memory per draw.
 
+Whose draw a cohort is. Drawn from the public seed, every client (and anyone holding
+config.json) recomputes each cohort: against that adversary no amplification by sampling
+holds. A :class:`UniformCohort` or :class:`PoissonCohort` given the server's secret
+(``secret``, a :class:`~fedsim.randomness.PartySecret`) draws from
+``secret.generator(round, Purpose.COHORT, kind)`` instead: reproducible under the run's root,
+unknown to the clients; :attr:`CohortModel.secret_draws` says which, and a DP strategy claims
+amplification only for secret draws (:mod:`strategies.observed_sampling`).
+
 Each model also gives its accounting view (:meth:`CohortModel.accounting`): the sampling
 model of :mod:`fedsim.privacy.accounting` that describes its training cohorts, so that the
 cohorts drawn and the amplification claimed are one fact. The names of the models here say
@@ -25,9 +33,9 @@ cohorts drawn and the amplification claimed are one fact. The names of the model
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from math import gcd
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -49,6 +57,19 @@ class CohortModel(ABC):
     """Draws the partition ids available in one phase."""
 
     num_clients: int
+
+    @property
+    def secret_draws(self) -> bool:
+        """Whether the cohorts come from the server's secret (else: the public seed)."""
+        return getattr(self, "secret", None) is not None
+
+    def _generator(self, server_round: int, kind: int) -> np.random.Generator:
+        secret = getattr(self, "secret", None)
+        if secret is not None:
+            from fedsim.randomness import Purpose  # noqa: PLC0415
+
+            return secret.generator(int(server_round), Purpose.COHORT, int(kind))
+        return np.random.default_rng([self.seed, server_round, kind])
 
     @abstractmethod
     def cohort(self, server_round: int, kind: int = TRAIN) -> np.ndarray:
@@ -83,6 +104,8 @@ class UniformCohort(CohortModel):
     num_clients: int
     cohort_size: int
     seed: int
+    #: the server's secret to draw from (None: the public seed)
+    secret: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         require(self.cohort_size >= 1, "cohort_size", self.cohort_size, "an integer >= 1")
@@ -94,7 +117,7 @@ class UniformCohort(CohortModel):
         )
 
     def cohort(self, server_round: int, kind: int = TRAIN) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, server_round, kind])
+        rng = self._generator(server_round, kind)
         return np.sort(rng.choice(self.num_clients, size=self.cohort_size, replace=False))
 
     def accounting(self, rounds: int) -> FixedSizeSampling:
@@ -116,12 +139,14 @@ class PoissonCohort(CohortModel):
     num_clients: int
     rate: float
     seed: int
+    #: the server's secret to draw from (None: the public seed)
+    secret: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         require(0.0 < self.rate <= 1.0, "rate", self.rate, "a probability in (0, 1]")
 
     def cohort(self, server_round: int, kind: int = TRAIN) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, server_round, kind])
+        rng = self._generator(server_round, kind)
         size = int(rng.binomial(self.num_clients, self.rate))
         return np.sort(rng.choice(self.num_clients, size=size, replace=False))
 
@@ -196,3 +221,12 @@ class MinSeparationCohort(CohortModel):
 
         b = self.min_separation
         return MinSeparation(b, -(-rounds // b))
+
+
+def secret_cohorts(model: CohortModel, secret: Any) -> CohortModel:
+    """``model`` drawing from the server's ``secret`` (a
+    :class:`~fedsim.randomness.PartySecret`); models without a secret draw (full cohorts,
+    min-separation schedules, which amplify nothing) are returned as they are."""
+    if isinstance(model, (UniformCohort, PoissonCohort)):
+        return replace(model, secret=secret)
+    return model

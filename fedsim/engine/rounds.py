@@ -24,6 +24,7 @@ replies do not count, they are faults a run is meant to survive).
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +33,7 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
+from fedsim.engine.boundary import boundary_of, mechanism_of
 from fedsim.engine.participation import EVALUATE, TRAIN
 from fedsim.record_codec import to_numpy
 
@@ -115,11 +117,22 @@ def run_rounds(
     ``on_round`` also receives a round-0 outcome with the central evaluation of
     the initial arrays when ``evaluate_fn`` is given and ``first_round`` is 1.
     The loop ends early when the strategy's ``should_stop(server_round)`` (if it
-    has one) returns True before a round.
+    has one) returns True before a round. On a grid with a release boundary
+    (:mod:`fedsim.engine.boundary`) a private strategy is registered as the run's mechanism
+    and each round's calls run in its scope.
     """
     train_config = ConfigRecord() if train_config is None else train_config
     evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
     arrays = initial_arrays
+    boundary, mechanism = boundary_of(grid), mechanism_of(strategy)
+    if boundary is not None and mechanism is not None:
+        boundary.register(mechanism)
+
+    def scope():  # replies delivered inside are the mechanism's
+        if boundary is None or mechanism is None:
+            return nullcontext()
+        return boundary.scope(mechanism)
+
     if evaluate_fn is not None and first_round == 1:
         central = evaluate_fn(0, arrays)
         if on_round is not None:
@@ -129,26 +142,27 @@ def run_rounds(
     for server_round in range(first_round, num_rounds + 1):
         if should_stop is not None and should_stop(server_round):
             break
-        if declare is not None:
-            declare(server_round, TRAIN)
-        replies = list(
-            grid.send_and_receive(
-                strategy.configure_train(server_round, arrays, train_config, grid),
+        with scope():
+            if declare is not None:
+                declare(server_round, TRAIN)
+            replies = list(
+                grid.send_and_receive(
+                    strategy.configure_train(server_round, arrays, train_config, grid),
+                    timeout=timeout,
+                )
+            )
+            check_replies(server_round, replies)
+            new_arrays, train_metrics = strategy.aggregate_train(server_round, replies)
+            if new_arrays is not None:
+                check_finite(server_round, new_arrays)
+                arrays = new_arrays
+            if declare is not None:
+                declare(server_round, EVALUATE)
+            replies = grid.send_and_receive(
+                strategy.configure_evaluate(server_round, arrays, evaluate_config, grid),
                 timeout=timeout,
             )
-        )
-        check_replies(server_round, replies)
-        new_arrays, train_metrics = strategy.aggregate_train(server_round, replies)
-        if new_arrays is not None:
-            check_finite(server_round, new_arrays)
-            arrays = new_arrays
-        if declare is not None:
-            declare(server_round, EVALUATE)
-        replies = grid.send_and_receive(
-            strategy.configure_evaluate(server_round, arrays, evaluate_config, grid),
-            timeout=timeout,
-        )
-        evaluate_metrics = strategy.aggregate_evaluate(server_round, replies)
+            evaluate_metrics = strategy.aggregate_evaluate(server_round, replies)
         central = evaluate_fn(server_round, arrays) if evaluate_fn is not None else None
         if on_round is not None:
             on_round(RoundOutcome(server_round, arrays, train_metrics, evaluate_metrics, central))

@@ -457,6 +457,19 @@ def _account(
     return float(acc.compose(translated).get_epsilon(delta))
 
 
+def event_epsilon(
+    event: dpa.DpEvent, accountant: Accountant, relation: NeighbouringRelation | str, delta: float
+) -> float:
+    """Epsilon (nats) at ``delta`` of ``event`` (its noise multipliers ``std / C``) under
+    ``relation``, by ``accountant``; a ConfigError when that combination is unsupported."""
+    return _account(
+        event,
+        _check_accountant(accountant),
+        NeighbouringRelation.parse(relation),
+        _check_delta(delta),
+    )
+
+
 def _subject(sampling: Sampling) -> str:
     return type(sampling).__name__
 
@@ -826,6 +839,11 @@ class PrivacyLedger:
                 for p in worst
             ]
         )
+
+    def worst_case_event(self) -> dpa.DpEvent:
+        """One event that bounds everything recorded for the worst-placed participant (all
+        entries composed, or, with a MinSeparation participation, its worst rounds)."""
+        return self._worst_case(self._entries)
 
     def epsilon(self, delta: float | None = None, accountant: Accountant = "rdp") -> float:
         """Epsilon (nats) at ``delta`` (default: the ledger's) of everything recorded."""

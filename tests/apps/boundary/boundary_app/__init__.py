@@ -1,0 +1,1 @@
+"""A Flower app whose ServerApp plays the server against fedsim's DPFedAvg."""
