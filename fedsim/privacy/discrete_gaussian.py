@@ -129,7 +129,9 @@ class Table:
         return self.blocks * self.width
 
     def ratio(self, q: int) -> Fraction:
-        """``2 c L / W_q``: a(x) = ratio(q) f(m) in block q >= 1."""
+        """``a(x) / f(m)`` in block q: ``2 c L / W_q`` for q >= 1, ``L / W_0 = 1`` for q = 0."""
+        if q == 0:
+            return Fraction(self.scale, self.weights[0])
         return Fraction(2 * self.width * self.scale, self.weights[q])
 
     def tail_bounds(self, digits: int) -> tuple[Fraction, Fraction]:
@@ -356,6 +358,21 @@ def _block_bounds(tab: Table, q: int, m: int) -> Callable[[int], tuple[Fraction,
 # --------------------------------------------------------------------------------------------
 
 
+def _scaled_acceptance(tab: Table, outcome: np.ndarray, position: np.ndarray) -> Any:
+    """``(m, p_hat 2^53)`` for proposals ``(q, position)``: ``m = a_q + position`` and
+    ``p_hat = fl(exp(-fl((m - a_q)(m + a_q) / (2 sigma^2))) beta_q)`` (module docstring)."""
+    base = tab.base[outcome]
+    magnitude = base + position
+    scaled = tab.beta[outcome]
+    if tab.width_bits:  # c = 1: every block is one magnitude and a(x) = beta_q
+        if tab.integer_exponent:  # (m - a_q)(m + a_q) < 2^62: exact in int64, one rounding
+            exponent = (position * (magnitude + base)).astype(np.float64)
+        else:  # two roundings and one for m + a_q
+            exponent = position.astype(np.float64) * (magnitude + base).astype(np.float64)
+        scaled = np.exp(exponent * -tab.inv_two_s2) * scaled
+    return magnitude, scaled
+
+
 def _proposals(tab: Table, size: int, fill: Callable[[int], np.ndarray], bits: _Bits) -> Any:
     """``size`` proposals and their decisions: (signed values, accepted mask).
 
@@ -375,15 +392,7 @@ def _proposals(tab: Table, size: int, fill: Callable[[int], np.ndarray], bits: _
     else:
         third = fill(size) >> np.uint64(64 - tab.width_bits)
         position = third.view(np.int64) & tab.position_mask[outcome]
-    base = tab.base[outcome]
-    magnitude = base + position
-    scaled = tab.beta[outcome]
-    if tab.width_bits:  # c = 1: every block is one magnitude and a(x) = beta_q
-        if tab.integer_exponent:  # (m - a_q)(m + a_q) < 2^62: exact in int64, one rounding
-            exponent = (position * (magnitude + base)).astype(np.float64)
-        else:  # two roundings and one for m + a_q
-            exponent = position.astype(np.float64) * (magnitude + base).astype(np.float64)
-        scaled = np.exp(exponent * -tab.inv_two_s2) * scaled
+    magnitude, scaled = _scaled_acceptance(tab, outcome, position)
     # certain: u + 1 <= (p - 2^-40) 2^53 accepts, u >= (p + 2^-40) 2^53 rejects (see docstring)
     diff = top.astype(np.float64) - scaled
     accepted = diff < -_MARGIN
@@ -394,9 +403,11 @@ def _proposals(tab: Table, size: int, fill: Callable[[int], np.ndarray], bits: _
             accepted[i] = m is not None
             if m is not None:
                 magnitude[i] = m
-        else:
+        elif q <= tab.blocks:
             m = int(magnitude[i])
             accepted[i] = uniform_below(_block_bounds(tab, q, m), bits, int(top[i]))
+        else:  # null (only with a window wider than the float path ever needs)
+            accepted[i] = False
     sign = (first << tab.sign_shift) >> 63  # 0 or -1
     return (magnitude ^ sign) - sign, accepted
 
