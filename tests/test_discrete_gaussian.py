@@ -68,9 +68,16 @@ def chi_square_p_value(samples, support, pmf, min_expected=5.0):
     observed = np.concatenate(
         [[np.sum(samples < lo)], [np.sum(samples == v) for v in inner], [np.sum(samples > hi)]]
     )
-    expected = np.concatenate(
-        [[pmf[support < lo].sum()], pmf[(support >= lo) & (support <= hi)], [pmf[support > hi].sum()]]
-    ) * n
+    expected = (
+        np.concatenate(
+            [
+                [pmf[support < lo].sum()],
+                pmf[(support >= lo) & (support <= hi)],
+                [pmf[support > hi].sum()],
+            ]
+        )
+        * n
+    )
     statistic = float(np.sum((observed - expected) ** 2 / expected))
     return stats.chi2.sf(statistic, expected.size - 1)
 
@@ -93,7 +100,9 @@ def equal_cells(sigma, cells=60):
         return edges, np.diff(np.concatenate([[0.0], cdf[cuts], [1.0]]))
     edges = np.unique(np.round(stats.norm.ppf(np.linspace(0, 1, cells + 1)[1:-1]) * sigma))
     edges = edges.astype(np.int64)
-    below = np.array([1 - upper_tail(e + 1, sigma) if e >= 0 else upper_tail(-e, sigma) for e in edges])
+    below = np.array(
+        [1 - upper_tail(e + 1, sigma) if e >= 0 else upper_tail(-e, sigma) for e in edges]
+    )
     return edges, np.diff(np.concatenate([[0.0], below, [1.0]]))
 
 
@@ -265,7 +274,9 @@ def test_table_probabilities_and_acceptances_are_exactly_right(sigma):
     assert tab.acceptance > 0.95
 
 
-@pytest.mark.parametrize("sigma", [Fraction(3, 5), Fraction(271, 100), 100, Fraction(4_000_001, 1000), 10**6, 2**40])
+@pytest.mark.parametrize(
+    "sigma", [Fraction(3, 5), Fraction(271, 100), 100, Fraction(4_000_001, 1000), 10**6, 2**40]
+)
 def test_float_acceptance_is_within_the_exact_window(sigma):
     """|p_hat - a(x)| stays far inside the 2^-40 window that is settled exactly, over random
     proposals in the table's blocks (60-digit decimal reference)."""

@@ -158,8 +158,9 @@ def binned_chi_square_p_value(samples, support, pmf, bins=60):
 
 @pytest.mark.parametrize("sigma", [0.45, 1.0, 37.5, Fraction(12_000, 1)])
 def test_batched_discrete_gaussian_matches_the_exact_pmf(sigma):
-    """The reference sampler's vectorised Generator path, for sigma < 1 (mass on a few points) up to sigma = 12000:
-    mean, variance, and chi-square against the exact pmf (cells pooled to equal probability)."""
+    """The reference sampler's vectorised Generator path, for sigma < 1 (mass on a few points)
+    up to sigma = 12000: mean, variance, and chi-square against the exact pmf (cells pooled to
+    equal probability)."""
     n = 200_000
     x = cks_discrete_gaussian(n, sigma, rng(31))
     assert x.dtype == np.int64 and x.shape == (n,)

@@ -66,8 +66,13 @@ from typing import Any
 import numpy as np
 
 from fedsim.config import require
-from fedsim.privacy.exact import as_fraction, exp_neg_bounds, exp_neg_upper, shape_count
-from fedsim.privacy.exact import word_source
+from fedsim.privacy.exact import (
+    as_fraction,
+    exp_neg_bounds,
+    exp_neg_upper,
+    shape_count,
+    word_source,
+)
 
 #: uniform bits that pick the alias-table outcome: probabilities are multiples of 2^-40, or
 #: of 2^-62 when the position comes from a third word (c > 2^23, sigma >= 2^27)
@@ -145,7 +150,8 @@ class Table:
 
 
 def _tail_exponents(s2: Fraction, top: int) -> tuple[Fraction, Fraction]:
-    """``((T + 1)^2 / (2 sigma^2), (T + 1) / sigma^2)``: f(T + 1) = exp(-first), r = exp(-second)."""
+    """``((T + 1)^2 / (2 sigma^2), (T + 1) / sigma^2)``: ``f(T + 1) = exp(-first)`` and
+    ``r = exp(-second)``."""
     return Fraction((top + 1) ** 2) / (2 * s2), Fraction(top + 1) / s2
 
 
@@ -232,11 +238,14 @@ def table(s2: Fraction) -> Table:
     beta = np.full(columns, -(2.0**60))  # null and padding: never accepted
     beta[0] = 2.0**54  # a(0) = 1: always accepted
     beta[1 : blocks + 1] = [
-        float(2 * c * scale * h) / w * 2.0**_UNIFORM_BITS for h, w in zip(hi, weights[1:], strict=False)
+        float(2 * c * scale * h) / w * 2.0**_UNIFORM_BITS
+        for h, w in zip(hi, weights[1:], strict=False)
     ]
     beta[blocks + 1] = math.nan  # the tail: always decided exactly
-    z = math.sqrt(2 * math.pi * float(s2)) if sigma >= 2 else float(
-        sum(math.exp(-(x * x) / (2 * float(s2))) for x in range(-top, top + 1))
+    z = (
+        math.sqrt(2 * math.pi * float(s2))
+        if sigma >= 2
+        else float(sum(math.exp(-(x * x) / (2 * float(s2))) for x in range(-top, top + 1)))
     )
     return Table(
         s2=s2,
