@@ -155,6 +155,14 @@ def test_secure_mode_is_right_and_not_reproducible():
     assert not np.array_equal(x, discrete_gaussian(20_000, sigma, SecureRandom()))
 
 
+def test_generator_words_are_the_generator_stream():
+    """The words come from the Generator's own stream (random_raw where that is the same)."""
+    for bit_generator in (np.random.PCG64, np.random.SFC64, np.random.MT19937):
+        words = dg.word_source(np.random.Generator(bit_generator(7)))(50)
+        expected = np.random.Generator(bit_generator(7)).integers(0, 2**64, 50, dtype=np.uint64)
+        assert words.dtype == np.uint64 and np.array_equal(words, expected)
+
+
 def test_it_is_the_sampler_of_mechanisms():
     """The existing call sites (mechanisms.discrete_gaussian) use this sampler."""
     assert mechanisms.discrete_gaussian is discrete_gaussian
@@ -181,7 +189,7 @@ def test_every_decision_on_the_exact_path_gives_the_same_pmf(monkeypatch, sigma)
         calls.append(1)
         return exact(*args)
 
-    monkeypatch.setattr(dg, "_MARGIN", float(2**54))
+    monkeypatch.setattr(dg, "_MARGIN_BITS", -80)
     monkeypatch.setattr(dg, "uniform_below", counted)
     n = 4000
     x = discrete_gaussian(n, sigma, rng(47))
@@ -227,10 +235,10 @@ def test_the_tie_break_compares_the_extended_uniform():
         return exp_neg_bounds(Fraction(1), digits)
 
     n = 4000
-    hits = sum(dg.uniform_below(bounds, bits, top) for _ in range(n))
+    hits = sum(dg.uniform_below(bounds, bits, top, 53) for _ in range(n))
     assert_frequency(hits, n, fraction)
-    assert all(dg.uniform_below(bounds, bits, top - 1) for _ in range(50))
-    assert not any(dg.uniform_below(bounds, bits, top + 1) for _ in range(50))
+    assert all(dg.uniform_below(bounds, bits, top - 1, 53) for _ in range(50))
+    assert not any(dg.uniform_below(bounds, bits, top + 1, 53) for _ in range(50))
 
 
 def test_the_exact_geometric_has_the_geometric_pmf():
@@ -292,7 +300,8 @@ def test_float_acceptance_is_within_the_exact_window(sigma):
         assert hi - lo < Fraction(1, 2**150)
         exact = lo * tab.ratio(q)
         assert exact <= 1
-        worst = max(worst, abs(float(Fraction(float(scaled[i])) / (1 << 53) - exact)))
+        p_hat = Fraction(float(scaled[i])) / (1 << tab.uniform_bits)
+        worst = max(worst, abs(float(p_hat - exact)))
     assert worst < 2.0**-46
 
 

@@ -76,7 +76,7 @@ from fedsim.privacy.exact import (
 
 #: uniform bits that pick the alias-table outcome: probabilities are multiples of 2^-40, or
 #: of 2^-62 when the position comes from a third word (c > 2^23, sigma >= 2^27)
-ALIAS_BITS = 40
+ALIAS_BITS = 32
 WIDE_ALIAS_BITS = 62
 #: the table reaches T >= TAIL_SIGMAS * sigma; the tail beyond it has mass below e^-50
 TAIL_SIGMAS = 10
@@ -87,12 +87,11 @@ MAX_SIGMA = 1 << 56
 #: half-width of the undecided window around p_hat, as a power of two (2^-40)
 _MARGIN_BITS = 40
 _UNIFORM_BITS = 53
-#: bits 0..22 of the first word hold the position in the block; bit 23 the sign; 24..63 alias
+#: the first word: bits 63..32 alias, bit 31 sign, bits 30..j the first 31 - j bits of U,
+#: bits j-1..0 the position; for j > 23 (wide): 63..2 alias, bit 1 sign, bit 0 U's first bit,
+#: the position from a third word
 _POSITION_BITS = 23
-_SIGN_BIT = 23
 _DIGITS = 30
-#: 2^53 * 2^-40: the undecided window's half-width in units of u
-_MARGIN = float(1 << (_UNIFORM_BITS - _MARGIN_BITS))
 #: proposals per vectorised pass: small enough that the temporaries stay in cache
 _CHUNK = 4096
 
@@ -111,7 +110,9 @@ class Table:
     column_bits: int  # n: 2^n columns
     alias_bits: int  # k: the weights sum to 2^k (40, or 62 for c > 2^23)
     level_mask: int  # 2^(k - n) - 1
-    sign_shift: int  # 63 - the sign's bit in the first word (bit 23; bit 0 for k = 62)
+    sign_shift: int  # 63 - the sign's bit in the first word
+    uniform_bits: int  # b: the bits of U in the first word (31 - j, or 1 when wide)
+    uniform_shift: int  # their lowest bit (j, or 0 when wide)
     integer_exponent: bool  # c * 2 T < 2^62: (m - a_q)(m + a_q) computed in int64
     base: np.ndarray  # a_q per outcome (0 for 0, tail, null; int64)
     position_mask: np.ndarray  # c - 1 for q in 1..Q, else 0 (int64)
@@ -236,9 +237,11 @@ def table(s2: Fraction) -> Table:
     mask = np.zeros(columns, dtype=np.int64)
     mask[1 : blocks + 1] = c - 1
     beta = np.full(columns, -(2.0**60))  # null and padding: never accepted
-    beta[0] = 2.0**54  # a(0) = 1: always accepted
+    wide = alias_bits == WIDE_ALIAS_BITS
+    uniform_bits = 1 if wide else 31 - width_bits
+    beta[0] = 2.0 ** (uniform_bits + 1)  # a(0) = 1: always accepted
     beta[1 : blocks + 1] = [
-        float(2 * c * scale * h) / w * 2.0**_UNIFORM_BITS
+        float(2 * c * scale * h) / w * 2.0**uniform_bits
         for h, w in zip(hi, weights[1:], strict=False)
     ]
     beta[blocks + 1] = math.nan  # the tail: always decided exactly
@@ -258,7 +261,9 @@ def table(s2: Fraction) -> Table:
         column_bits=column_bits,
         alias_bits=alias_bits,
         level_mask=(1 << (alias_bits - column_bits)) - 1,
-        sign_shift=63 - (_SIGN_BIT if alias_bits == ALIAS_BITS else 0),
+        sign_shift=62 if wide else 32,
+        uniform_bits=uniform_bits,
+        uniform_shift=0 if wide else width_bits,
         integer_exponent=c * 2 * top < 1 << 62,
         base=base,
         position_mask=mask,
@@ -301,15 +306,16 @@ def uniform_below(
     bounds: Callable[[int], tuple[Fraction, Fraction]],
     bits: _Bits,
     top: int | None = None,
+    width: int = 64,
 ) -> bool:
-    """Whether ``U < p`` for ``U = (top + V) / 2^53`` (``top`` 53 uniform bits already drawn;
-    a fresh uniform if None), ``V`` uniform on [0, 1) whose binary digits are drawn 64 at a
-    time only as far as the comparison needs; ``bounds(digits)`` encloses ``p`` in rationals,
-    tighter as ``digits`` grows. Exactly Bernoulli(p)."""
+    """Whether ``U < p`` for ``U = (top + V) / 2^width`` (``top``: ``width`` uniform bits
+    already drawn; a fresh word if None), ``V`` uniform on [0, 1) whose binary digits are drawn
+    64 at a time only as far as the comparison needs; ``bounds(digits)`` encloses ``p`` in
+    rationals, tighter as ``digits`` grows. Exactly Bernoulli(p)."""
     if top is None:
         numerator, width = bits.word(), 64
     else:
-        numerator, width = int(top), _UNIFORM_BITS
+        numerator = int(top)
     digits = _DIGITS
     while True:
         lo, hi = bounds(digits)
@@ -385,14 +391,15 @@ def _scaled_acceptance(tab: Table, outcome: np.ndarray, position: np.ndarray) ->
 def _proposals(tab: Table, size: int, fill: Callable[[int], np.ndarray], bits: _Bits) -> Any:
     """``size`` proposals and their decisions: (signed values, accepted mask).
 
-    Bit fields of the first word: 63..64-n alias column, the next 40-n its level, bit 23 the
-    sign, the low bits the position (a third word's top bits when ``c > 2^23``); the second
-    word's top 53 bits are ``u``. ``beta`` holds ``beta_q 2^53`` (NaN for the tail, which the
-    undecided test below lets through to the exact path; ``-2^60`` for null, never accepted).
+    The first word's fields (layout above ``_POSITION_BITS``) give the outcome, the position,
+    the sign and U's first ``b`` bits ``u1``; ``beta`` holds ``beta_q 2^b`` (NaN for the tail,
+    which always reaches the exact path; ``-2^60`` for null, never accepted). U's digits are
+    read lazily: ``u1`` settles all but about ``2^(1-b)`` of the decisions; those read 53 more
+    bits ``u2`` from a fresh word (vectorised); what they leave (about ``2^-39``) goes to the
+    exact rational comparison (see the module docstring for the window).
     """
     word = fill(size)
     first = word.view(np.int64)
-    top = (fill(size) >> np.uint64(64 - _UNIFORM_BITS)).view(np.int64)
     column = (word >> np.uint64(64 - tab.column_bits)).view(np.int64)
     level = (first >> 64 - tab.alias_bits) & tab.level_mask
     outcome = np.where(level < tab.threshold[column], column, tab.alias[column])
@@ -402,21 +409,37 @@ def _proposals(tab: Table, size: int, fill: Callable[[int], np.ndarray], bits: _
         third = fill(size) >> np.uint64(64 - tab.width_bits)
         position = third.view(np.int64) & tab.position_mask[outcome]
     magnitude, scaled = _scaled_acceptance(tab, outcome, position)
-    # certain: u + 1 <= (p - 2^-40) 2^53 accepts, u >= (p + 2^-40) 2^53 rejects (see docstring)
-    diff = top.astype(np.float64) - scaled
-    accepted = diff < -_MARGIN
-    for i in np.flatnonzero(~(np.abs(diff) >= _MARGIN)):  # in index order: the seed fixes all
-        q = int(outcome[i])
-        if q == tab.tail:
-            m = _tail_magnitude(tab, bits)
-            accepted[i] = m is not None
-            if m is not None:
-                magnitude[i] = m
-        elif q <= tab.blocks:
-            m = int(magnitude[i])
-            accepted[i] = uniform_below(_block_bounds(tab, q, m), bits, int(top[i]))
-        else:  # null (only with a window wider than the float path ever needs)
-            accepted[i] = False
+    u1 = (first >> tab.uniform_shift) & ((1 << tab.uniform_bits) - 1)
+    # certain: u1 + 1 <= (p - 2^-40) 2^b accepts, u1 >= (p + 2^-40) 2^b rejects
+    margin = 2.0 ** (tab.uniform_bits - _MARGIN_BITS)
+    diff = u1.astype(np.float64) - scaled
+    accepted = diff <= -1.0 - margin
+    open_ = np.flatnonzero(~accepted & ~(diff >= margin))  # NaN (the tail) lands here
+    if open_.size:
+        block = open_[outcome[open_] <= tab.blocks]
+        # V < r for U = (u1 + V) / 2^b, r = p 2^b - u1 (exact subtraction), V = (u2 + W) / 2^53
+        reach = (scaled[block] - u1[block]) * 2.0**_UNIFORM_BITS
+        u2 = (fill(block.size) >> np.uint64(64 - _UNIFORM_BITS)).view(np.int64)
+        u2f = u2.astype(np.float64)
+        wide = margin * 2.0**_UNIFORM_BITS
+        accepted[block] = u2f <= reach - wide - 1.0
+        exact = np.zeros(size, dtype=bool)
+        exact[block[~accepted[block] & ~(u2f >= reach + wide)]] = True
+        exact[open_[outcome[open_] == tab.tail]] = True
+        prefix = dict(zip(block.tolist(), u2.tolist(), strict=True))
+        for i in np.flatnonzero(exact):  # in index order: the seed fixes every word
+            q = int(outcome[i])
+            if q == tab.tail:
+                m = _tail_magnitude(tab, bits)
+                accepted[i] = m is not None
+                if m is not None:
+                    magnitude[i] = m
+            else:
+                top = (int(u1[i]) << _UNIFORM_BITS) | prefix[int(i)]
+                m = int(magnitude[i])
+                accepted[i] = uniform_below(
+                    _block_bounds(tab, q, m), bits, top, tab.uniform_bits + _UNIFORM_BITS
+                )
     sign = (first << tab.sign_shift) >> 63  # 0 or -1
     return (magnitude ^ sign) - sign, accepted
 
