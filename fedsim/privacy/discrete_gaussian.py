@@ -1,5 +1,5 @@
 """Fast exact discrete Gaussian N_Z(0, sigma^2): a table-driven proposal and an exact
-acceptance with a float64 fast path.
+acceptance with a float64 fast path and an exact rational tie-break.
 
 Target: ``P(x) = f(x) / Z`` on the integers, ``f(x) = exp(-x^2 / (2 sigma^2))``, ``Z`` the sum of
 ``f`` (Canonne, Kamath & Steinke 2020, "The Discrete Gaussian for Differential Privacy", Def. 1).
@@ -10,47 +10,53 @@ blocks ``B_0 = {0}``, ``B_q = {a_q, ..., a_q + c - 1}`` with ``a_q = 1 + (q - 1)
 ``q = 1..Q``, ``c = 2^j`` about ``sigma / 16`` (``c = 1`` for ``sigma < 32``), up to
 ``T = Q c >= 10 sigma``, then the tail ``{T + 1, ...}``. One proposal draws
 
-1. an outcome ``q`` in ``{0, 1..Q, tail, null}`` with probability exactly ``W_q / 2^40``:
-   integer weights in a Walker alias table with integer thresholds (Walker 1977; Vose 1991),
-   read off 40 uniform bits;
+1. an outcome ``q`` in ``{0, 1..Q, tail, null}`` with probability exactly ``W_q / 2^k``
+   (``k = 32``; 62 for ``sigma >= 2^28``): integer weights in a Walker alias table with integer
+   thresholds (Walker 1977; Vose 1991), read off ``k`` uniform bits;
 2. in ``B_q`` a uniform position (``j`` bits) and a fair sign (one bit), ``x = +-m``; in the
    tail ``m = T + 1 + G``, ``G`` geometric with ``P(G = g) = (1 - r) r^g``,
    ``r = exp(-(T + 1) / sigma^2)`` (CKS 2020 Alg. 2's exact geometric); null is rejected;
 3. accepts ``x`` with probability ``a(x) = lambda f(x) / pi(x)``, ``pi`` the proposal's pmf and
-   ``lambda = L / 2^40``: ``a(0) = L / W_0 = 1`` (``W_0 = L``); in ``B_q``
+   ``lambda = L / 2^k``: ``a(0) = L / W_0 = 1`` (``W_0 = L``); in ``B_q``
    ``a(x) = 2 c L f(m) / W_q``; in the tail
    ``a(x) = [2 L exp(-(T + 1)^2 / (2 sigma^2)) / (W_t (1 - r))] exp(-G^2 / (2 sigma^2))``
    (as ``f(T + 1 + g) = f(T + 1) r^g exp(-g^2 / (2 sigma^2))``).
 
 **Exactness.** An accepted ``x`` has probability proportional to ``pi(x) a(x) = lambda f(x)``,
-whatever the weights are, provided every ``a(x) <= 1`` -- so the output is exactly
-``N_Z(0, sigma^2)``. The weights guarantee it: ``W_q = ceil(2 c L hi_q)`` with ``hi_q`` a
-decimal upper bound of ``f(a_q) = max over B_q of f`` (correctly rounded decimal ``exp``,
-every rounding upward), ``W_t`` likewise from upper bounds of ``f(T + 1)`` and ``r``; ``L`` is
-chosen so the weights sum to at most ``2^40`` (checked in integers), the rest is ``null``.
-Step 1 is exact (every outcome's probability is ``W_q / 2^40`` exactly;
-tests/test_discrete_gaussian.py rebuilds it from the table). Steps 2's uniforms are bit
-fields. Step 3 decides ``U < a(x)``, ``U = (u + V) / 2^53`` uniform on [0, 1) with ``u`` 53
-uniform bits and ``V`` uniform on [0, 1), drawn only as far as needed: in float64,
-``p_hat = fl(exp(-fl((m - a_q)(m + a_q) / (2 sigma^2))) * beta_q)``,
-``beta_q = fl(2 c L f(a_q) / W_q)``; every ``u < floor(p_hat 2^53) - 2^13`` accepts and every
-``u >= ceil(p_hat 2^53) + 2^13`` rejects, whatever ``V`` is; the rest (about ``2^-39`` of the
-proposals) extend ``U`` 64 fresh bits at a time and compare it with rational enclosures of
+whatever the weights are, provided every ``a(x) <= 1``: the output is exactly
+``N_Z(0, sigma^2)``, the tail included. The weights guarantee ``a(x) <= 1``:
+``W_q = ceil(2 c L hi_q)`` with ``hi_q`` a decimal upper bound of ``f(a_q)``, the largest ``f``
+in ``B_q`` (correctly rounded decimal ``exp``, every rounding upward), ``W_t`` likewise from
+upper bounds of ``f(T + 1)`` and ``r``; ``L`` is chosen so that the weights sum to at most
+``2^k`` (checked in integers), the rest is ``null``. Step 1 is exact: every outcome has
+probability ``W_q / 2^k`` exactly (tests/test_discrete_gaussian.py rebuilds it from the table);
+step 2's uniforms are bit fields. Step 3 decides ``U < a(x)`` for ``U`` uniform on [0, 1),
+whose binary digits are read only as far as the decision needs: its first ``b`` bits ``u1``
+come from the proposal's word (``b = 31 - j``, 1 for ``sigma >= 2^28``), the next 53 ``u2``
+from a fresh word, then 64 at a time. Each stage settles the decision where ``U``'s known
+digits put it below or above ``a(x)`` whatever the unread ones are: the float stages against
+``p_hat +- 2^-40``, ``p_hat = fl(exp(-fl((m - a_q)(m + a_q) / (2 sigma^2))) * beta_q)`` with
+``beta_q = fl(2 c L f(a_q) / W_q)`` (``u1 + 1 <= (p_hat - 2^-40) 2^b`` accepts,
+``u1 >= (p_hat + 2^-40) 2^b`` rejects; then the same with ``u2`` on ``p_hat 2^b - u1``), and
+what is left (about ``2^-39`` of the proposals) against rational enclosures of
 ``a(x) = exp(-m^2 / (2 sigma^2)) 2 c L / W_q`` of growing precision until they separate (the
-"exact rational tie-break"). The tail's two acceptances are decided the same way, all in
-rationals. The float path decides right whenever ``|p_hat - a(x)| <= 2^-40``: the exponent
-``(m - a_q)(m + a_q) / (2 sigma^2) <= 0.7`` carries four roundings (relative ``4 * 2^-53``, so
-``exp`` moves by at most ``4/e * 2^-53``), numpy's float64 ``exp`` is within a few ulps,
-``beta_q`` and the product one rounding each: the total is below ``2^-49``, 500 times inside
-the window (tests/test_discrete_gaussian.py checks it against 60-digit decimals). Were the
-bound ever exceeded, a decision would be wrong with probability at most ``|p_hat - a(x)|``.
+exact rational tie-break). The tail's two acceptances are decided by the rational comparison
+alone. The float stages are right whenever ``|p_hat - a(x)| <= 2^-40``: the exponent
+``(m - a_q)(m + a_q) / (2 sigma^2) <= 0.7`` carries at most four roundings (relative
+``4 * 2^-53``, so ``exp`` moves by at most ``4/e * 2^-53``), numpy's float64 ``exp`` is within
+a few ulps, ``beta_q`` and the product one rounding each: the total is below ``2^-49``, 500
+times inside the window (tests/test_discrete_gaussian.py checks it against 60-digit decimals).
+Were the bound ever exceeded, a decision would be wrong with probability at most
+``|p_hat - a(x)|``.
 
-Cost: two (three for ``sigma > 2^27``) uniform 64-bit words and about fifteen numpy passes per
-proposal, about 97% of proposals accepted; the table (at most 323 blocks, decimal arithmetic)
-is built once per ``sigma`` and cached. Randomness is a ``numpy.random.Generator`` (its stream
-fixes every draw) or a :class:`~fedsim.privacy.exact.SecureRandom` (``os.urandom`` words, same
-algorithm). ``sigma`` is read exactly (floats as their decimal repr), see
-:func:`fedsim.privacy.exact.as_fraction`.
+Cost: one uniform 64-bit word per proposal (two for ``sigma >= 2^28``), a second for about
+``2^(1-b)`` of them, about twenty numpy passes over chunks of 4096, about 97% of proposals
+accepted (100% for ``sigma < 32``); the table (at most 323 blocks, decimal arithmetic, one or
+two milliseconds) is built once per ``sigma`` and cached. Randomness is a
+``numpy.random.Generator`` (its stream fixes every draw) or a
+:class:`~fedsim.privacy.exact.SecureRandom` (``os.urandom`` words, same algorithm). ``sigma``
+is read exactly (floats as their decimal repr), see :func:`fedsim.privacy.exact.as_fraction`.
+Speed against the CKS sampler: experiments/bench/sampler.py.
 """
 
 from __future__ import annotations
@@ -74,8 +80,8 @@ from fedsim.privacy.exact import (
     word_source,
 )
 
-#: uniform bits that pick the alias-table outcome: probabilities are multiples of 2^-40, or
-#: of 2^-62 when the position comes from a third word (c > 2^23, sigma >= 2^27)
+#: uniform bits that pick the alias-table outcome: probabilities are multiples of 2^-32, or
+#: of 2^-62 when the position comes from a second word (c > 2^23, sigma >= 2^28)
 ALIAS_BITS = 32
 WIDE_ALIAS_BITS = 62
 #: the table reaches T >= TAIL_SIGMAS * sigma; the tail beyond it has mass below e^-50
@@ -89,7 +95,7 @@ _MARGIN_BITS = 40
 _UNIFORM_BITS = 53
 #: the first word: bits 63..32 alias, bit 31 sign, bits 30..j the first 31 - j bits of U,
 #: bits j-1..0 the position; for j > 23 (wide): 63..2 alias, bit 1 sign, bit 0 U's first bit,
-#: the position from a third word
+#: the position from a second word
 _POSITION_BITS = 23
 _DIGITS = 30
 #: proposals per vectorised pass: small enough that the temporaries stay in cache
@@ -104,7 +110,7 @@ class Table:
     width_bits: int  # j: block width c = 2^j
     blocks: int  # Q
     scale: int  # L
-    weights: tuple[int, ...]  # W_0, W_1..W_Q, W_t, W_null (sum 2^40)
+    weights: tuple[int, ...]  # W_0, W_1..W_Q, W_t, W_null (sum 2^k)
     threshold: np.ndarray  # alias table: column i keeps i when v < threshold[i] (int64)
     alias: np.ndarray  # ... and gives alias[i] otherwise (int64)
     column_bits: int  # n: 2^n columns
@@ -215,7 +221,7 @@ def table(s2: Fraction) -> Table:
     two_c = decimal.Decimal(2 * c)
     block_hi = [up.multiply(two_c, h) for h in hi]  # >= 2 c f(a_q)
     total = up.add(up.add(1, functools.reduce(up.add, block_hi)), tail_hi)
-    # W_q <= L * bound + 1 each, so this L keeps the sum within 2^40
+    # W_q <= L * bound + 1 each, so this L keeps the sum within 2^k
     alias_bits = ALIAS_BITS if width_bits <= _POSITION_BITS else WIDE_ALIAS_BITS
     free = (1 << alias_bits) - (blocks + 2)
     scale = int(decimal.Context(prec=_DIGITS, rounding=decimal.ROUND_FLOOR).divide(free, total))
