@@ -79,7 +79,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sigmas", type=float, nargs="+", default=list(DEFAULT_SIGMAS))
     parser.add_argument("--draws", type=int, default=131_072)
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--secure-sigma", type=float, nargs="*", default=[1e3])
     parser.add_argument("--secure-repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("sampler.json"))
