@@ -340,3 +340,28 @@ def test_bad_arguments_name_the_argument(call, key, value):
     if value is not None:
         assert err.value.value == value
     assert str(err.value).startswith(f"{key} = ")
+
+
+def test_the_benchmark_measures_both_samplers_in_one_run(tmp_path):
+    """experiments/bench/sampler.py writes old and new medians and their ratio per sigma (no
+    assertion on the times themselves)."""
+    import json  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "sampler.json"
+    subprocess.run(
+        [sys.executable, str(root / "experiments/bench/sampler.py"), "--sigmas", "1", "1e6"]
+        + ["--draws", "2000", "--repeats", "2", "--secure-sigma", "10", "--secure-repeats", "2"]
+        + ["--out", str(out)],
+        check=True,
+        capture_output=True,
+    )
+    result = json.loads(out.read_text())
+    assert [row["sigma"] for row in result["generator"]] == [1.0, 1e6]
+    assert [row["sigma"] for row in result["secure"]] == [10.0]
+    for row in result["generator"] + result["secure"]:
+        assert row["draws"] == 2000 and len(row["old_wall_all_s"]) == 2
+        assert row["ratio_wall"] == pytest.approx(row["old_wall_s"] / row["new_wall_s"])
