@@ -315,6 +315,9 @@ def test_secure_mode_discrete_gaussian_is_right_and_not_reproducible():
     assert_mean_and_variance(x, mean, var, mu4, k=6.0)
     # 6000 draws with about 7.5 bits of entropy each: two equal arrays would be a broken source.
     assert not np.array_equal(x, discrete_gaussian(6000, sigma, SecureRandom()))
+    # the reference sampler's secure mode: one draw at a time, integer-only decisions
+    y = cks_discrete_gaussian(3000, sigma, secure)
+    assert_mean_and_variance(y, mean, var, mu4, k=6.0)
 
 
 def test_secure_mode_skellam_uses_the_exact_sampler():

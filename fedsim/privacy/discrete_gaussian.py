@@ -11,8 +11,8 @@ blocks ``B_0 = {0}``, ``B_q = {a_q, ..., a_q + c - 1}`` with ``a_q = 1 + (q - 1)
 ``T = Q c >= 10 sigma``, then the tail ``{T + 1, ...}``. One proposal draws
 
 1. an outcome ``q`` in ``{0, 1..Q, tail, null}`` with probability exactly ``W_q / 2^k``
-   (``k = 32``; 62 for ``sigma >= 2^28``): integer weights in a Walker alias table with integer
-   thresholds (Walker 1977; Vose 1991), read off ``k`` uniform bits;
+   (``k = max(32, log2(2.5 sigma) + 10)``, 62 for ``sigma >= 2^28``): integer weights in a
+   Walker alias table with integer thresholds (Walker 1977; Vose 1991), read off ``k`` bits;
 2. in ``B_q`` a uniform position (``j`` bits) and a fair sign (one bit), ``x = +-m``; in the
    tail ``m = T + 1 + G``, ``G`` geometric with ``P(G = g) = (1 - r) r^g``,
    ``r = exp(-(T + 1) / sigma^2)`` (CKS 2020 Alg. 2's exact geometric); null is rejected;
@@ -32,13 +32,13 @@ upper bounds of ``f(T + 1)`` and ``r``; ``L`` is chosen so that the weights sum 
 probability ``W_q / 2^k`` exactly (tests/test_discrete_gaussian.py rebuilds it from the table);
 step 2's uniforms are bit fields. Step 3 decides ``U < a(x)`` for ``U`` uniform on [0, 1),
 whose binary digits are read only as far as the decision needs: its first ``b`` bits ``u1``
-come from the proposal's word (``b = 31 - j``, 1 for ``sigma >= 2^28``), the next 53 ``u2``
+come from the proposal's word (``b = 63 - k - j``, 1 for ``sigma >= 2^28``), the next 53 ``u2``
 from a fresh word, then 64 at a time. Each stage settles the decision where ``U``'s known
 digits put it below or above ``a(x)`` whatever the unread ones are: the float stages against
 ``p_hat +- 2^-40``, ``p_hat = fl(exp(-fl((m - a_q)(m + a_q) / (2 sigma^2))) * beta_q)`` with
 ``beta_q = fl(2 c L f(a_q) / W_q)`` (``u1 + 1 <= (p_hat - 2^-40) 2^b`` accepts,
 ``u1 >= (p_hat + 2^-40) 2^b`` rejects; then the same with ``u2`` on ``p_hat 2^b - u1``), and
-what is left (about ``2^-39`` of the proposals) against rational enclosures of
+what is left (about ``2^-38`` of the proposals) against rational enclosures of
 ``a(x) = exp(-m^2 / (2 sigma^2)) 2 c L / W_q`` of growing precision until they separate (the
 exact rational tie-break). The tail's two acceptances are decided by the rational comparison
 alone. The float stages are right whenever ``|p_hat - a(x)| <= 2^-40``: the exponent
@@ -80,8 +80,8 @@ from fedsim.privacy.exact import (
     word_source,
 )
 
-#: uniform bits that pick the alias-table outcome: probabilities are multiples of 2^-32, or
-#: of 2^-62 when the position comes from a second word (c > 2^23, sigma >= 2^28)
+#: uniform bits that pick the alias-table outcome: probabilities are multiples of 2^-k, k at
+#: least 32 (log2(2.5 sigma) + 10 for large sigma), 62 when the position has its own word
 ALIAS_BITS = 32
 WIDE_ALIAS_BITS = 62
 #: the table reaches T >= TAIL_SIGMAS * sigma; the tail beyond it has mass below e^-50
@@ -93,9 +93,9 @@ MAX_SIGMA = 1 << 56
 #: half-width of the undecided window around p_hat, as a power of two (2^-40)
 _MARGIN_BITS = 40
 _UNIFORM_BITS = 53
-#: the first word: bits 63..32 alias, bit 31 sign, bits 30..j the first 31 - j bits of U,
-#: bits j-1..0 the position; for j > 23 (wide): 63..2 alias, bit 1 sign, bit 0 U's first bit,
-#: the position from a second word
+#: the first word: bits 63..64-k alias, bit 63-k sign, bits 62-k..j the first 63 - k - j bits
+#: of U, bits j-1..0 the position; wide (j > 23, or no room): 63..2 alias, bit 1 sign, bit 0
+#: U's first bit, the position from a second word
 _POSITION_BITS = 23
 _DIGITS = 30
 #: proposals per vectorised pass: small enough that the temporaries stay in cache
@@ -114,11 +114,12 @@ class Table:
     threshold: np.ndarray  # alias table: column i keeps i when v < threshold[i] (int64)
     alias: np.ndarray  # ... and gives alias[i] otherwise (int64)
     column_bits: int  # n: 2^n columns
-    alias_bits: int  # k: the weights sum to 2^k (40, or 62 for c > 2^23)
+    alias_bits: int  # k: the weights sum to 2^k (32 or more; 62 when wide)
     level_mask: int  # 2^(k - n) - 1
     sign_shift: int  # 63 - the sign's bit in the first word
-    uniform_bits: int  # b: the bits of U in the first word (31 - j, or 1 when wide)
+    uniform_bits: int  # b: the bits of U in the first word (63 - k - j, or 1 when wide)
     uniform_shift: int  # their lowest bit (j, or 0 when wide)
+    wide: bool  # the position comes from a word of its own
     integer_exponent: bool  # c * 2 T < 2^62: (m - a_q)(m + a_q) computed in int64
     base: np.ndarray  # a_q per outcome (0 for 0, tail, null; int64)
     position_mask: np.ndarray  # c - 1 for q in 1..Q, else 0 (int64)
@@ -222,7 +223,13 @@ def table(s2: Fraction) -> Table:
     block_hi = [up.multiply(two_c, h) for h in hi]  # >= 2 c f(a_q)
     total = up.add(up.add(1, functools.reduce(up.add, block_hi)), tail_hi)
     # W_q <= L * bound + 1 each, so this L keeps the sum within 2^k
-    alias_bits = ALIAS_BITS if width_bits <= _POSITION_BITS else WIDE_ALIAS_BITS
+    # k: at least 10 bits more than the proposals per draw need (L >= 2^10 / 2.5, so rounding L
+    # down costs under 0.1% of the proposals); the position moves to its own word when the
+    # first word has no room left for it and one bit of U
+    alias_bits = max(ALIAS_BITS, math.ceil(math.log2(2.5 * max(sigma, 1.0))) + 10)
+    wide = width_bits > _POSITION_BITS or alias_bits + 1 + width_bits > 63
+    if wide:
+        alias_bits = WIDE_ALIAS_BITS
     free = (1 << alias_bits) - (blocks + 2)
     scale = int(decimal.Context(prec=_DIGITS, rounding=decimal.ROUND_FLOOR).divide(free, total))
     require(scale >= 1, "sigma", sigma, f"a standard deviation <= {MAX_SIGMA}")
@@ -243,8 +250,7 @@ def table(s2: Fraction) -> Table:
     mask = np.zeros(columns, dtype=np.int64)
     mask[1 : blocks + 1] = c - 1
     beta = np.full(columns, -(2.0**60))  # null and padding: never accepted
-    wide = alias_bits == WIDE_ALIAS_BITS
-    uniform_bits = 1 if wide else 31 - width_bits
+    uniform_bits = 1 if wide else 63 - alias_bits - width_bits
     beta[0] = 2.0 ** (uniform_bits + 1)  # a(0) = 1: always accepted
     beta[1 : blocks + 1] = [
         float(2 * c * scale * h) / w * 2.0**uniform_bits
@@ -267,9 +273,10 @@ def table(s2: Fraction) -> Table:
         column_bits=column_bits,
         alias_bits=alias_bits,
         level_mask=(1 << (alias_bits - column_bits)) - 1,
-        sign_shift=62 if wide else 32,
+        sign_shift=alias_bits,
         uniform_bits=uniform_bits,
         uniform_shift=0 if wide else width_bits,
+        wide=wide,
         integer_exponent=c * 2 * top < 1 << 62,
         base=base,
         position_mask=mask,
@@ -401,7 +408,7 @@ def _proposals(tab: Table, size: int, fill: Callable[[int], np.ndarray], bits: _
     the sign and U's first ``b`` bits ``u1``; ``beta`` holds ``beta_q 2^b`` (NaN for the tail,
     which always reaches the exact path; ``-2^60`` for null, never accepted). U's digits are
     read lazily: ``u1`` settles all but about ``2^(1-b)`` of the decisions; those read 53 more
-    bits ``u2`` from a fresh word (vectorised); what they leave (about ``2^-39``) goes to the
+    bits ``u2`` from a fresh word (vectorised); what they leave (about ``2^-38``) goes to the
     exact rational comparison (see the module docstring for the window).
     """
     word = fill(size)
@@ -409,7 +416,7 @@ def _proposals(tab: Table, size: int, fill: Callable[[int], np.ndarray], bits: _
     column = (word >> np.uint64(64 - tab.column_bits)).view(np.int64)
     level = (first >> 64 - tab.alias_bits) & tab.level_mask
     outcome = np.where(level < tab.threshold[column], column, tab.alias[column])
-    if tab.width_bits <= _POSITION_BITS:
+    if not tab.wide:
         position = first & tab.position_mask[outcome]
     else:
         third = fill(size) >> np.uint64(64 - tab.width_bits)
