@@ -367,3 +367,12 @@ def test_the_benchmark_measures_both_samplers_in_one_run(tmp_path):
     for row in result["generator"] + result["secure"]:
         assert row["draws"] == 2000 and len(row["old_wall_all_s"]) == 2
         assert row["ratio_wall"] == pytest.approx(row["old_wall_s"] / row["new_wall_s"])
+    printed = subprocess.run(
+        [sys.executable, str(root / "experiments/bench/sampler.py"), "--table-only"]
+        + ["--out", str(out)],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert printed.count("\n") == 2 + 3  # header, two Generator rows, one secure row
+    assert "| 10⁶ |" in printed and "| 10, secure mode |" in printed

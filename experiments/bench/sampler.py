@@ -12,7 +12,8 @@ an empty table cache (``cold_s``: table built, then the draws; later calls reuse
 ``--secure-sigma`` the same comparison in secure mode (``SecureRandom``), fewer repeats.
 
 Prints one line per sigma and writes one JSON object to ``--out``
-(default experiments/bench/sampler.json). Run: ``python experiments/bench/sampler.py``.
+(default experiments/bench/sampler.json). Run: ``python experiments/bench/sampler.py``;
+``--table-only`` prints the markdown table of the stored result (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -75,6 +76,25 @@ def compare(sigma: float, draws: int, repeats: int, secure: bool) -> dict:
     return row
 
 
+SIGMA_NAMES = {1e3: "10³", 1e4: "10⁴", 1e5: "10⁵", 1e6: "10⁶"}
+
+
+def table(result: dict) -> str:
+    """The markdown table of a stored result (docs/benchmarks.md quotes it)."""
+    lines = [
+        "| σ | CKS 2020 | table-driven | ratio | CPU-time ratio |",
+        "|---|---|---|---|---|",
+    ]
+    for label, rows in (("", result["generator"]), (", secure mode", result["secure"])):
+        for r in rows:
+            sigma = SIGMA_NAMES.get(r["sigma"], f"{r['sigma']:g}")
+            lines.append(
+                f"| {sigma}{label} | {r['old_wall_s'] * 1e3:.1f} ms | "
+                f"{r['new_wall_s'] * 1e3:.1f} ms | {r['ratio_wall']:.1f}× | {r['ratio_cpu']:.1f}× |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sigmas", type=float, nargs="+", default=list(DEFAULT_SIGMAS))
@@ -83,7 +103,13 @@ def main() -> None:
     parser.add_argument("--secure-sigma", type=float, nargs="*", default=[1e3])
     parser.add_argument("--secure-repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("sampler.json"))
+    parser.add_argument(
+        "--table-only", action="store_true", help="print the table of --out; measure nothing"
+    )
     args = parser.parse_args()
+    if args.table_only:
+        print(table(json.loads(args.out.read_text())))
+        return
 
     g = np.random.default_rng(0)
     normal = statistics.median(
