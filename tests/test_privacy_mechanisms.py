@@ -17,6 +17,7 @@ from fedsim.config import ConfigError
 from fedsim.privacy import mechanisms as mech
 from fedsim.privacy.mechanisms import (
     SecureRandom,
+    cks_discrete_gaussian,
     discrete_gaussian,
     gaussian_noise,
     is_secure,
@@ -157,10 +158,11 @@ def binned_chi_square_p_value(samples, support, pmf, bins=60):
 
 @pytest.mark.parametrize("sigma", [0.45, 1.0, 37.5, Fraction(12_000, 1)])
 def test_batched_discrete_gaussian_matches_the_exact_pmf(sigma):
-    """The vectorised Generator path, for sigma < 1 (mass on a few points) up to sigma = 12000:
-    mean, variance, and chi-square against the exact pmf (cells pooled to equal probability)."""
+    """The reference sampler's vectorised Generator path, for sigma < 1 (mass on a few points)
+    up to sigma = 12000: mean, variance, and chi-square against the exact pmf (cells pooled to
+    equal probability)."""
     n = 200_000
-    x = discrete_gaussian(n, sigma, rng(31))
+    x = cks_discrete_gaussian(n, sigma, rng(31))
     assert x.dtype == np.int64 and x.shape == (n,)
     support, pmf = discrete_gaussian_pmf(float(sigma))
     mean, var, mu4 = moments(support, pmf)
@@ -175,12 +177,13 @@ def test_batched_discrete_gaussian_matches_the_exact_pmf(sigma):
 
 
 def test_batched_discrete_gaussian_is_deterministic_per_seed():
-    a = discrete_gaussian((300, 70), 1234.5, rng(13))
-    assert np.array_equal(a, discrete_gaussian((300, 70), 1234.5, rng(13)))
-    assert not np.array_equal(a, discrete_gaussian((300, 70), 1234.5, rng(14)))
+    """The reference (CKS) sampler; the fast one has its tests in test_discrete_gaussian.py."""
+    a = cks_discrete_gaussian((300, 70), 1234.5, rng(13))
+    assert np.array_equal(a, cks_discrete_gaussian((300, 70), 1234.5, rng(13)))
+    assert not np.array_equal(a, cks_discrete_gaussian((300, 70), 1234.5, rng(14)))
     # the batches' sizes depend only on how many draws are still missing
     assert np.array_equal(
-        discrete_gaussian(5000, 0.7, rng(2)), discrete_gaussian(5000, 0.7, rng(2))
+        cks_discrete_gaussian(5000, 0.7, rng(2)), cks_discrete_gaussian(5000, 0.7, rng(2))
     )
 
 
@@ -238,7 +241,7 @@ def test_batched_sampler_with_a_wide_exact_window(monkeypatch, margin_bits):
     monkeypatch.setattr(mech, "_MARGIN_BITS", margin_bits)
     monkeypatch.setattr(mech, "_exact_uniform_below_exp", counted)
     sigma = Fraction(3, 2)
-    x = discrete_gaussian(3000, sigma, rng(23))
+    x = cks_discrete_gaussian(3000, sigma, rng(23))
     assert len(calls) > (7000 if margin_bits == 0 else 500)
     support, pmf = discrete_gaussian_pmf(float(sigma))
     assert chi_square_p_value(x, support, pmf) > 1e-4
@@ -312,6 +315,9 @@ def test_secure_mode_discrete_gaussian_is_right_and_not_reproducible():
     assert_mean_and_variance(x, mean, var, mu4, k=6.0)
     # 6000 draws with about 7.5 bits of entropy each: two equal arrays would be a broken source.
     assert not np.array_equal(x, discrete_gaussian(6000, sigma, SecureRandom()))
+    # the reference sampler's secure mode: one draw at a time, integer-only decisions
+    y = cks_discrete_gaussian(3000, sigma, secure)
+    assert_mean_and_variance(y, mean, var, mu4, k=6.0)
 
 
 def test_secure_mode_skellam_uses_the_exact_sampler():

@@ -6,77 +6,52 @@ Randomness is passed in, as one of
 - a :class:`SecureRandom` -- **secure mode**: OS randomness (``secrets`` / ``os.urandom``),
   not reproducible, never seeded, for noise that must hold against a real adversary.
 
-The integer samplers are exact (Canonne, Kamath & Steinke 2020, "The Discrete Gaussian for
-Differential Privacy", Alg. 1-3): every accept/reject decision compares uniformly random
-integers with integers, so the output distribution is exactly the stated one, with no
+The integer samplers are exact: the output distribution is exactly the stated one, with no
 floating-point rounding (compare Mironov 2012, "On Significance of the Least Significant Bits
 for Differential Privacy"). Parameters given as ``float`` are read as the shortest decimal that
 round-trips (``repr``): ``sigma=3.7`` means ``37/10`` exactly; pass a ``fractions.Fraction``
 for any other rational.
 
-:func:`discrete_gaussian` with a ``numpy.random.Generator`` runs the same algorithm vectorised
-over arrays (batched rejection): decisions compare a 53-bit uniform with a float64
-``exp(-gamma)`` and fall back to exact rational arithmetic whenever the two are closer than
-2^-40, far above float64's error (see :func:`_batched_discrete_gaussian`), so it samples the
-same exact distribution. Throughput on a 2-core x86 VM (CPython 3.11, one thread): about
-2.7 M samples/s from a Generator (sigma 0.8 to 10^5; the one-by-one sampler gives about
-0.12 M/s), about 0.1-0.3 M/s in secure mode; exact Skellam in secure mode about 0.12 M/s at
-mu = 50. Gaussian and Generator-mode Skellam run at numpy speed (tens of M/s).
+:func:`discrete_gaussian` is :func:`fedsim.privacy.discrete_gaussian.discrete_gaussian`: a
+table-driven proposal with a float64 fast path and an exact rational tie-break (exactness
+argument in that module), for Generators and secure mode alike. The samplers of Canonne, Kamath
+& Steinke 2020 ("The Discrete Gaussian for Differential Privacy", Alg. 1-3) stay here:
+:func:`cks_discrete_gaussian` (the reference the benchmark experiments/bench/sampler.py
+compares with; vectorised over arrays for a Generator, see :func:`_batched_discrete_gaussian`,
+one by one with integer-only decisions in secure mode), :func:`sample_discrete_gaussian`,
+:func:`sample_discrete_laplace` and :func:`sample_bernoulli_exp`. Exact Skellam in secure mode
+runs at about 0.12 M samples/s at mu = 50; Gaussian and Generator-mode Skellam at numpy speed.
 """
 
 from __future__ import annotations
 
-import decimal
 import math
-import os
-import secrets
 from fractions import Fraction
 from typing import Any
 
 import numpy as np
 
 from fedsim.config import ConfigError, require
+from fedsim.privacy.discrete_gaussian import discrete_gaussian
+from fedsim.privacy.exact import WORD as _WORD
+from fedsim.privacy.exact import SecureRandom
+from fedsim.privacy.exact import as_fraction as _as_fraction
+from fedsim.privacy.exact import check_rng as _check_rng
+from fedsim.privacy.exact import exp_neg_bounds as _exp_neg_bounds
+from fedsim.privacy.exact import shape_count as _count
 
-_WORD = 1 << 64
-
-
-class SecureRandom:
-    """Secure-mode randomness from the operating system (``secrets`` / ``os.urandom``).
-
-    Exposes the part of ``numpy.random.Generator``'s interface the samplers here use
-    (``integers``), plus ``randbelow`` (``secrets.randbelow``) and ``words`` (64-bit words from
-    ``os.urandom``, which the samplers read in blocks). It takes no seed and cannot be
-    reproduced: use it where the noise protects real data, a seeded ``Generator`` in
-    simulations.
-    """
-
-    __slots__ = ()
-    #: How results drawn with this source are labelled.
-    label = "secure: OS randomness (os.urandom / secrets)"
-
-    def randbelow(self, n: int) -> int:
-        """A uniform integer in ``[0, n)`` (``n >= 1``, any size) from the OS."""
-        return secrets.randbelow(n)
-
-    def words(self, count: int) -> list[int]:
-        """``count`` uniform 64-bit words from ``os.urandom``."""
-        return np.frombuffer(os.urandom(8 * count), dtype="<u8").tolist()
-
-    def integers(self, low: int, high: int | None = None, size: Any = None) -> Any:
-        """Uniform integers in ``[low, high)`` (``[0, low)`` if ``high`` is None), like
-        ``Generator.integers``; an ``int`` if ``size`` is None, else an int64 array."""
-        if high is None:
-            low, high = 0, low
-        require(int(high) > int(low), "high", high, f"an integer > low = {low}")
-        span = int(high) - int(low)
-        if size is None:
-            return int(low) + secrets.randbelow(span)
-        count = int(np.prod(size))
-        values = [int(low) + secrets.randbelow(span) for _ in range(count)]
-        return np.asarray(values, dtype=np.int64).reshape(size)
-
-    def __repr__(self) -> str:
-        return "SecureRandom()"
+__all__ = [
+    "SecureRandom",
+    "cks_discrete_gaussian",
+    "discrete_gaussian",
+    "gaussian_noise",
+    "is_secure",
+    "sample_bernoulli_exp",
+    "sample_discrete_gaussian",
+    "sample_discrete_laplace",
+    "sample_poisson",
+    "skellam_noise",
+]
 
 
 def is_secure(rng: Any) -> bool:
@@ -135,31 +110,6 @@ def _below(rng: Any, count: int) -> Any:
             lambda size: rng.integers(0, _WORD, size=size, dtype=np.uint64).tolist(), block
         )
     raise ConfigError("rng", rng, "a numpy.random.Generator, or SecureRandom() for secure mode")
-
-
-def _as_fraction(value: Any, key: str) -> Fraction:
-    """An exact non-negative rational; floats are read as their shortest decimal repr."""
-    if isinstance(value, np.generic):
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float, Fraction)):
-        raise ConfigError(key, value, "a number >= 0 (int, float or fractions.Fraction)")
-    if isinstance(value, float):
-        require(math.isfinite(value), key, value, "a finite number >= 0")
-        value = Fraction(repr(value))
-    value = Fraction(value)
-    require(value >= 0, key, value, "a number >= 0")
-    return value
-
-
-def _count(shape: Any) -> tuple[tuple[int, ...], int]:
-    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
-    require(
-        all(isinstance(s, (int, np.integer)) and s >= 0 for s in shape),
-        "shape",
-        shape,
-        "a tuple of integers >= 0",
-    )
-    return tuple(int(s) for s in shape), int(math.prod(shape))
 
 
 # --------------------------------------------------------------------------------------------
@@ -259,11 +209,6 @@ def _discrete_gaussian(n: int, d: int, t: int, below: Any) -> int:
             return y
 
 
-def _check_rng(rng: Any) -> None:
-    if not isinstance(rng, (SecureRandom, np.random.Generator)):
-        raise ConfigError("rng", rng, "a numpy.random.Generator, or SecureRandom() for secure mode")
-
-
 def sample_bernoulli_exp(gamma: Any, rng: Any) -> bool:
     """One exact draw of Bernoulli(exp(-gamma)), rational ``gamma >= 0`` (CKS 2020 Alg. 1)."""
     g = _as_fraction(gamma, "gamma")
@@ -301,16 +246,18 @@ def sample_discrete_gaussian(sigma_squared: Any, rng: Any) -> int:
     return _discrete_gaussian(*_gaussian_params(s2), _below(rng, 1))
 
 
-def discrete_gaussian(shape: Any, sigma: Any, rng: Any) -> np.ndarray:
-    """An int64 array of independent exact N_Z(0, sigma^2) draws (CKS 2020 Alg. 3).
+def cks_discrete_gaussian(shape: Any, sigma: Any, rng: Any) -> np.ndarray:
+    """An int64 array of independent exact N_Z(0, sigma^2) draws (CKS 2020 Alg. 3): the
+    reference sampler (:func:`discrete_gaussian` is the fast one, same distribution).
 
     ``sigma >= 0`` (int, float read as its decimal repr, or Fraction; the variance parameter is
     ``sigma^2`` exactly). Note that the discrete Gaussian's variance is slightly below
     ``sigma^2`` (CKS 2020, Cor. 9); for ``sigma >= 1`` the gap is negligible.
 
     With a ``numpy.random.Generator`` the draws are vectorised (:func:`_batched_discrete_gaussian`,
-    same distribution, tens of times faster); in secure mode (:class:`SecureRandom`) they are
-    drawn one by one in Python with integer-only decisions.
+    same distribution, tens of times faster; about 2.7 M samples/s on a 2-core x86 VM); in
+    secure mode (:class:`SecureRandom`) they are drawn one by one in Python with integer-only
+    decisions (about 0.1-0.3 M/s).
     """
     shape, count = _count(shape)
     s = _as_fraction(sigma, "sigma")
@@ -338,24 +285,6 @@ _UNIFORM_BITS = 53
 #: Largest CKS scale t = floor(sigma) + 1 for the batched path (x = U + t V stays in int64
 #: and exact in float64); larger sigma falls back to the one-by-one sampler.
 _MAX_BATCHED_T = 1 << 40
-
-
-def _exp_neg_bounds(gamma: Fraction, digits: int) -> tuple[Fraction, Fraction]:
-    """Rationals ``lo <= exp(-gamma) <= hi`` at about ``digits`` significant digits.
-
-    gamma is enclosed by directed-rounding decimal divisions; ``Decimal.exp`` is correctly
-    rounded (error <= half a unit in the last digit), widened here by a full unit.
-    """
-    with decimal.localcontext() as ctx:
-        ctx.prec = digits
-        ctx.rounding = decimal.ROUND_FLOOR
-        gamma_lo = decimal.Decimal(gamma.numerator) / decimal.Decimal(gamma.denominator)
-        ctx.rounding = decimal.ROUND_CEILING
-        gamma_hi = decimal.Decimal(gamma.numerator) / decimal.Decimal(gamma.denominator)
-        ctx.rounding = decimal.ROUND_HALF_EVEN
-        upper, lower = (-gamma_lo).exp(), (-gamma_hi).exp()
-    unit = Fraction(1, 10 ** (digits - 1))
-    return Fraction(lower) * (1 - unit), Fraction(upper) * (1 + unit)
 
 
 def _exact_uniform_below_exp(top: int, gamma: Fraction, rng: np.random.Generator) -> bool:
