@@ -12,7 +12,6 @@ from fedsim.config import ConfigError
 from fedsim.randomness import (
     NODE_SECRET_KEY,
     SECRETS_DIR_ENV,
-    PartySecret,
     Purpose,
     RootSource,
     RunSecret,
@@ -21,8 +20,8 @@ from fedsim.randomness import (
     kept_root_path,
     new_nonce,
     new_run_id,
-    root_file,
     public_generator,
+    root_file,
     server_secret,
     user_secrets_dir,
 )

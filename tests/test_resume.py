@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 import time
-
 from pathlib import Path
 
 import pytest
@@ -99,9 +98,14 @@ def config(tmp_path):
     return path
 
 
-def run(config, out, secrets, resume=False):
+def run(config, out, secrets, resume=False, replay=None):
     return run_experiment(
-        ExperimentConfig.load(config), out, resume=resume, progress=False, secrets=secrets
+        ExperimentConfig.load(config),
+        out,
+        resume=resume,
+        progress=False,
+        secrets=secrets,
+        replay=replay,
     )
 
 
@@ -185,7 +189,7 @@ def test_a_crash_while_checkpointing_resumes_from_the_previous_checkpoint(
     monkeypatch.setattr(rundir, "save_checkpoint", dies_at_round_3)
     out = tmp_path / "crashed"
     with pytest.raises(KeyboardInterrupt):
-        run(config, out, secrets)
+        run(config, out, secrets, replay=full)  # the full run's streams
     monkeypatch.setattr(rundir, "save_checkpoint", real_save)
     assert [p.name for p in sorted(out.glob("checkpoint-*"))] == [
         "checkpoint-000001.ckpt",

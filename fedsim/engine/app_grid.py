@@ -51,8 +51,6 @@ class AppGrid(Grid):
     __slots__ = ("__engine",)
 
     def __init__(self, engine_grid: Grid) -> None:
-        if not isinstance(engine_grid, Grid):
-            raise TypeError(f"engine_grid is a {type(engine_grid).__name__}, not a flwr Grid")
         self.__engine = engine_grid
 
     # -- flwr.serverapp.Grid ------------------------------------------------------------
