@@ -67,7 +67,7 @@ from fedsim.models import (
 )
 from fedsim.personalised_run import PersonalisedParts, personalised_parts
 from fedsim.progress import Cadence, RunProgress
-from fedsim.randomness import RunSecret
+from fedsim.randomness import RunSecret, outside_run_dir
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.results import RoundRecorder, RunWriter, metrics_dict, read_rounds
 from fedsim.run_config import ExperimentConfig, is_personalised
@@ -294,6 +294,8 @@ def open_run(
         writer = RunWriter(out, "--resume", resume_after=resumed_after)
     else:
         checkpoint, start_round = None, 1
+        if isinstance(secrets, str | Path):  # refused before anything is written
+            outside_run_dir(secrets, out)
         writer = RunWriter(out)
         config_text = json.dumps(to_mapping(config), indent=2, sort_keys=True)
         run_root = start_root(out, secrets, config_text.encode(), replay)

@@ -284,17 +284,24 @@ class RunSecret(_Hidden):
         return f"RunSecret(fingerprint={self.fingerprint()}, key=<hidden>)"
 
 
+def outside_run_dir(path: str | Path, run_dir: str | Path | None) -> Path:
+    """``path`` resolved; refused when it lies inside ``run_dir`` (whoever holds the run
+    directory must not hold the parties' secrets)."""
+    path = Path(path).expanduser().resolve()
+    if run_dir is not None:
+        run = Path(run_dir).expanduser().resolve()
+        if path == run or run in path.parents:
+            raise ConfigError("secrets", str(path), f"a file outside the run directory {run}")
+    return path
+
+
 def root_file(
     path: str | Path, run_dir: str | Path | None = None, *, create: bool = True
 ) -> Path:
     """``path`` resolved, checked to lie outside ``run_dir`` and, with ``create``, written with
     a fresh root (OS randomness, mode 0600) if missing -- without reading it: what a front end
     does before handing the file to the engine's workers (:class:`RootSource`)."""
-    path = Path(path).expanduser().resolve()
-    if run_dir is not None:
-        run = Path(run_dir).expanduser().resolve()
-        if path == run or run in path.parents:
-            raise ConfigError("secrets", str(path), f"a file outside the run directory {run}")
+    path = outside_run_dir(path, run_dir)
     if not path.exists():
         if not create:
             raise ConfigError("secrets", str(path), "the existing file holding this run's root")

@@ -50,6 +50,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from experiments.roots import default_key, seed_root, study_root  # noqa: E402
 from fedsim.audits import canaries, lm, mia  # noqa: E402
 from fedsim.audits import dataset_inference as di  # noqa: E402
 from fedsim.audits.run_audit import audit_run  # noqa: E402
@@ -62,8 +63,6 @@ from fedsim.experiment import (  # noqa: E402
 from fedsim.privacy import accounting  # noqa: E402
 from fedsim.run_config import ExperimentConfig  # noqa: E402
 from strategies.dp_fedavg import relation_for  # noqa: E402
-
-from experiments.roots import default_key, seed_root, study_root  # noqa: E402
 
 OUT = Path(__file__).with_name("audit.json")
 README = Path(__file__).with_name("README.md")
@@ -125,7 +124,7 @@ def dp_part(seeds: list[int], root) -> list[dict]:
                 summary = run_experiment(
                     dp_config(seed, z), run_dir, progress=False, secrets=secrets
                 )
-                finished = load_finished_run(run_dir)
+                finished = load_finished_run(run_dir, secrets)
                 audits = {a: audit_run(finished, attack=a) for a in ("loss", "zlib")}
             row = {
                 "target_epsilon": "inf" if math.isinf(epsilon) else epsilon,
