@@ -261,11 +261,16 @@ def print_tables(results: dict) -> None:
         rows = [r for r in results["canary"] if "model" in r]
         print("\n| model | canaries | loss AUC | zlib AUC | min-k% AUC | loss TPR@5%FPR |")
         print("|---|---|---|---|---|---|")
+        labels = {"gradient_ascent": "gradient ascent", "ascent_descent": "ascent+descent"}
+        labels["random_label"] = "random labels"
         for name in dict.fromkeys(r["model"] for r in rows):
+            shown = name
+            for method, label in labels.items():
+                shown = shown.replace(method, label)
             for kind in ("minority", "random"):
                 sel = [r for r in rows if r["model"] == name and r["canaries"] == kind]
                 print(
-                    f"| {name} | {kind} | {_mean_std([r['loss_auc'] for r in sel])} | "
+                    f"| {shown} | {kind} | {_mean_std([r['loss_auc'] for r in sel])} | "
                     f"{_mean_std([r['zlib_auc'] for r in sel])} | "
                     f"{_mean_std([r['mink_auc'] for r in sel])} | "
                     f"{_mean_std([r['loss_tpr'] for r in sel])} |"
