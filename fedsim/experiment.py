@@ -219,8 +219,8 @@ def run_experiment(
     its streams; the new run says it is a copy of that run's releases. ``engine``: a started
     engine to run on (left open); None: one of ``config.engine``, closed when the run
     finishes. ``progress``: False for none, else a bar on a terminal and plain lines elsewhere
-    (at a :class:`~fedsim.progress.Cadence` when one is given). A device this machine lacks (``[engine] device``, when the workers run
-    here) is refused before anything is written.
+    (at a :class:`~fedsim.progress.Cadence` when one is given). A device this machine lacks
+    (``[engine] device``, when the workers run here) is refused before anything is written.
     """
     if _local_devices(config.engine):  # a cluster's workers check their own
         check_device_available(config.engine.device)

@@ -91,7 +91,8 @@ def test_an_edited_config_json_is_refused_before_it_is_imported(tmp_path, capsys
     config = tmp_path / "run.toml"
     config.write_text(
         'seed = 1\nrounds = 1\n[data]\nsource = "digits"\npartition = "iid"\nnum_clients = 4\n'
-        '[model]\nkind = "logreg"\n[strategy]\nname = "fedavg"\nclients_per_round = 4\n[engine]\nbackend = "local"\n'
+        '[model]\nkind = "logreg"\n[strategy]\nname = "fedavg"\nclients_per_round = 4\n'
+        '[engine]\nbackend = "local"\n'
     )
     assert main(["run", str(config), "--out", str(out), "--no-progress",
                  "--secrets", str(root_file)]) == 0
