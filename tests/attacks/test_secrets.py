@@ -345,21 +345,21 @@ def reachable_values(grid: Any, context: Any) -> list[Any]:
         elif isinstance(value, bytes | bytearray) and 32 <= len(value) <= 64 * 2**20:
             found[id(value)] = bytes(value)
 
-    stack, seen = [grid, context], set()
-    while stack:  # attributes and properties, which gc does not list
+    stack: list[Any] = []
+    for top in (grid, context):  # what the interface offers: attributes and properties
+        for name in dir(top):
+            try:
+                stack.append(getattr(top, name))
+            except Exception:  # noqa: BLE001 -- a property that refuses is nothing reached
+                continue
+    stack += [grid, context]
+    seen: set[int] = set()
+    while stack:  # everything those reach (referents: no property is evaluated)
         obj = stack.pop()
-        if id(obj) in seen or len(seen) > 200_000:
+        if id(obj) in seen:
             continue
         seen.add(id(obj))
         keep(obj)
-        if isinstance(obj, str | bytes | bytearray | int | float | type(None)):
-            continue
-        names = [n for n in dir(obj) if not n.startswith("__")]
-        for name in names:
-            try:
-                stack.append(getattr(obj, name))
-            except Exception:  # noqa: BLE001 -- a property that refuses is nothing reached
-                continue
         stack.extend(gc.get_referents(obj))
     gc.collect()
     for obj in gc.get_objects():
