@@ -2,17 +2,15 @@
 
 Each experiment reads one *study root* from a file kept outside its results (``--secrets``;
 created from OS randomness, mode 0600, when missing) and gives every seed its own root derived
-from it, HMAC-SHA256(study root, "fedsim-<study>/seed/<seed>") (RFC 2104). With one root per
-seed, the methods of a seed share their clients' and server's secrets, and seeds draw
-independent ones (a single root for every seed would give every seed the same server noise).
-The results record only the roots' public fingerprints; the same study root repeats every run
-bit for bit.
+from it, HMAC-SHA256(study root, "sub-root", "fedsim-<study>/seed/<seed>") (RFC 2104,
+:meth:`~fedsim.randomness.RunSecret.derive`). A run started with ``run_experiment`` mixes a
+fresh public nonce into its root (:mod:`fedsim.run_root`), so no two points of a study share a
+noise stream; the nonce is in each run's ``run.json``. The study root lives outside the
+repository (default ``~/.fedsim/<study>.key``), never in a source file.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 from pathlib import Path
 
 from fedsim.randomness import RunSecret
@@ -33,5 +31,4 @@ def study_root(path: str | Path, results: str | Path) -> RunSecret:
 
 def seed_root(root: RunSecret, study: str, seed: int) -> RunSecret:
     """The root of ``study``'s runs with seed ``seed``."""
-    word = f"fedsim-{study}/seed/{int(seed)}".encode()
-    return RunSecret(hmac.new(root.transport(), word, hashlib.sha256).digest())
+    return root.derive(f"fedsim-{study}/seed/{int(seed)}")

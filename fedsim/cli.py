@@ -41,7 +41,7 @@ from fedsim.results_json import dumps
 
 if TYPE_CHECKING:
     from fedsim.engine import CohortModel, Engine
-    from fedsim.randomness import RunSecret
+    from fedsim.randomness import RootSource
 
 
 def _cadence(text: str) -> Cadence:
@@ -120,9 +120,19 @@ def _engine_args(parser: argparse.ArgumentParser, resumable: bool = False) -> No
         metavar="FILE",
         default=None,
         help="the run's secret root (64 hex digits; created, mode 0600, if missing), outside "
-        "the results directory: the same root repeats a run exactly (default: a fresh root, "
-        "kept under $FEDSIM_SECRETS_DIR for --resume)",
+        "the results directory; each run mixes a fresh public nonce into it, so two runs of "
+        "one root draw independent noise (default: a fresh root, kept under "
+        "$FEDSIM_SECRETS_DIR for --resume)",
     )
+    if resumable:
+        parser.add_argument(
+            "--replay",
+            metavar="DIR",
+            default=None,
+            help="repeat the noise streams of the earlier run in DIR (its root and nonce): the "
+            "new run's releases are a copy of that run's, and its run.json and summary.json "
+            "say so",
+        )
 
 
 def _version() -> str:
@@ -224,14 +234,14 @@ def _check_address(address: str, backend: str, key: str) -> None:
         check_reachable(address, key)
 
 
-def _secrets(args: argparse.Namespace, resuming: bool = False) -> RunSecret | None:
-    """The root named by ``--secrets`` (None without it); a resumed run's must exist."""
+def _secrets(args: argparse.Namespace) -> RootSource:
+    """Where a Flower app's parties find their root: ``--secrets`` (created if missing, never
+    read here) with a fresh run nonce; without it, a fresh root a worker writes (None)."""
+    from fedsim.randomness import RootSource, new_nonce, root_file  # noqa: PLC0415
+
     if args.secrets is None:
         return None
-    from fedsim.randomness import RunSecret  # noqa: PLC0415
-
-    run_dir = args.resume if resuming else args.out
-    return RunSecret.load_or_create(args.secrets, run_dir, create=not resuming)
+    return RootSource(str(root_file(args.secrets, args.out)), new_nonce())
 
 
 def _progress(args: argparse.Namespace) -> bool | Cadence:
@@ -251,8 +261,11 @@ def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
     _check_workers(args.workers)
     overrides = parse_overrides(args.set)
     if args.resume:
+        from fedsim.run_root import authenticated_config  # noqa: PLC0415
+
+        authenticated_config(args.resume, args.secrets)  # nothing of it is parsed before
         given = resume_config(args.resume, args.config, overrides)
-        base = load_run_config(args.resume, given)
+        base = load_run_config(args.resume, given, args.secrets)
     elif args.config:
         base = load_config(args.config, overrides)
     else:
@@ -276,7 +289,8 @@ def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
         args.resume or args.out,
         resume=args.resume is not None,
         progress=_progress(args),
-        secrets=_secrets(args, resuming=args.resume is not None),
+        secrets=args.secrets,
+        replay=args.replay,
     )
 
 
@@ -300,7 +314,7 @@ def cmd_flwr_run(args: argparse.Namespace) -> dict[str, Any]:
     )
     if args.device is not None:
         device_name(args.device, "--device")
-    started: list[tuple[Engine, Federation, CohortModel | None, RunSecret | None]] = []
+    started: list[tuple[Engine, Federation, CohortModel | None, RootSource | None]] = []
 
     def checked(chosen: Federation) -> None:
         # the arguments are good: the workers start while the app's modules import

@@ -51,6 +51,7 @@ from fedsim.engine import (
     PoissonCohort,
     UniformCohort,
 )
+from fedsim.engine.app_grid import AppGrid
 from fedsim.engine.client_registry import ClientRegistry
 from fedsim.engine.committee import Committee, committee_for
 from fedsim.engine.dmm_committee import CommitteeHost, committee_host_for
@@ -66,11 +67,11 @@ from fedsim.models import (
 )
 from fedsim.personalised_run import PersonalisedParts, personalised_parts
 from fedsim.progress import Cadence, RunProgress
-from fedsim.randomness import RunSecret
+from fedsim.randomness import RunSecret, outside_run_dir
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.results import RoundRecorder, RunWriter, metrics_dict, read_rounds
 from fedsim.run_config import ExperimentConfig, is_personalised
-from fedsim.run_root import resume_root, start_root
+from fedsim.run_root import RunRoot, authenticated_config, start_root
 from fedsim.rundir import RunDirectory
 from fedsim.runfiles import RunFileError
 from fedsim.tensorboard_events import TensorBoardEvents
@@ -131,10 +132,14 @@ def trained_clients(config: ExperimentConfig, population: int, rounds: int) -> n
     return np.flatnonzero(seen)
 
 
-def load_finished_run(run_dir: str | Path) -> FinishedRun:
+def load_finished_run(
+    run_dir: str | Path, secrets: RunSecret | str | Path | None = None
+) -> FinishedRun:
     """Read a finished run and rebuild its model, federation and trained clients for its audit
     (:mod:`fedsim.audits.run_audit`); a missing directory or file, or weights that do
-    not fit the saved config's model, raise ConfigError naming the path."""
+    not fit the saved config's model, raise ConfigError naming the path. ``config.json`` is
+    authenticated under the run's root (``secrets``: the root it was started with; None: the
+    one fedsim kept) before it is parsed: an edited one is refused, never imported."""
     path = Path(run_dir)
     if not path.is_dir():
         raise ConfigError("RUN_DIR", str(run_dir), "an existing directory written by `fedsim run`")
@@ -146,8 +151,9 @@ def load_finished_run(run_dir: str | Path) -> FinishedRun:
             f"a finished `fedsim run` directory; it has no {', '.join(missing)} "
             f"(missing: {', '.join(str(path / n) for n in missing)})",
         )
+    _, data = authenticated_config(path, secrets)
     try:
-        config = ExperimentConfig.from_dict(json.loads((path / CONFIG_FILE).read_text()))
+        config = ExperimentConfig.from_dict(json.loads(data))
         summary = json.loads((path / SUMMARY_FILE).read_text())
     except json.JSONDecodeError as err:
         raise ConfigError("RUN_DIR", str(run_dir), f"readable JSON files ({err})") from err
@@ -195,7 +201,8 @@ def run_experiment(
     resume: bool = False,
     progress: bool | Cadence = True,
     engine: Engine | None = None,
-    secrets: RunSecret | None = None,
+    secrets: RunSecret | str | Path | None = None,
+    replay: str | Path | None = None,
 ) -> dict[str, Any]:
     """Run ``config``, writing rounds.jsonl as it goes and summary.json at the end.
 
@@ -203,19 +210,21 @@ def run_experiment(
     checkpoint (see :mod:`fedsim.rundir`); the rounds it then writes are the
     ones an uninterrupted run would have written.
 
-    ``secrets`` is the run's secret root (every party's secret derives from it; the
-    same root and config repeat a run bit for bit; it also seals the clients' states
-    and authenticates the checkpoints). None: a fresh root, kept in the user's secrets
-    directory so that ``resume`` finds it (:mod:`fedsim.run_root`); a resumed run needs
-    the root it started with. ``engine``: a started engine to run on (left open); None:
-    one of ``config.engine``, closed when the run finishes. ``progress``: False for none,
-    else a bar on a terminal and plain lines elsewhere (at a :class:`~fedsim.progress.Cadence`
-    when one is given). A device this machine lacks (``[engine] device``, when the workers run
-    here) is refused before anything is written.
+    ``secrets`` is the run's base root (an object, or the file holding it): every party's
+    secret derives from it mixed with the run's fresh public nonce (:mod:`fedsim.run_root`),
+    so two runs of one root draw independent noise; it also authenticates config.json and the
+    checkpoints. None: a fresh root, kept in the user's secrets directory so that ``resume``
+    finds it; a resumed run needs the root it started with and repeats its streams.
+    ``replay``: an earlier run directory whose nonce (and root) this new run takes, repeating
+    its streams; the new run says it is a copy of that run's releases. ``engine``: a started
+    engine to run on (left open); None: one of ``config.engine``, closed when the run
+    finishes. ``progress``: False for none, else a bar on a terminal and plain lines elsewhere
+    (at a :class:`~fedsim.progress.Cadence` when one is given). A device this machine lacks
+    (``[engine] device``, when the workers run here) is refused before anything is written.
     """
     if _local_devices(config.engine):  # a cluster's workers check their own
         check_device_available(config.engine.device)
-    run = open_run(config, Path(out_dir), resume=resume, secrets=secrets)
+    run = open_run(config, Path(out_dir), resume=resume, secrets=secrets, replay=replay)
     try:
         set_up_run(run, engine)
         final, ready = run_loop(run, progress)
@@ -238,7 +247,7 @@ class ExperimentRun:
 
     config: ExperimentConfig
     out: Path
-    root: RunSecret
+    secrets: RunRoot
     run_dir: RunDirectory
     writer: RunWriter
     #: the checkpoint a resumed run continues from (None: a fresh run, or none written yet)
@@ -261,26 +270,39 @@ class ExperimentRun:
 
 
 def open_run(
-    config: ExperimentConfig, out: Path, *, resume: bool, secrets: RunSecret | None
+    config: ExperimentConfig,
+    out: Path,
+    *,
+    resume: bool,
+    secrets: RunSecret | str | Path | None,
+    replay: str | Path | None = None,
 ) -> ExperimentRun:
     """The run directory (created, or reopened at its last checkpoint with ``resume``), its
-    rounds writer and its secret root; a resumed run takes its config from the directory."""
+    rounds writer and its secret root; a resumed run takes its config from the directory,
+    after authenticating it."""
     budget = config.state_memory_mb * 2**20
     if resume:
-        root = resume_root(out, secrets)  # before anything in the directory changes
-        config = load_run_config(out, config)
-        run_dir, checkpoint = RunDirectory.reopen(out, root, budget)
+        if replay is not None:
+            raise ConfigError("--replay", str(replay), "unset with --resume (a resume repeats "
+                              "its own run's streams)")
+        # before anything in the directory changes or is parsed
+        run_root, data = authenticated_config(out, secrets)
+        config = _matching_config(out, _parse_config(out / CONFIG_FILE, data), config)
+        run_dir, checkpoint = RunDirectory.reopen(out, run_root.root, budget)
         resumed_after = checkpoint.server_round if checkpoint else -1
         start_round = max(resumed_after, 0) + 1
         writer = RunWriter(out, "--resume", resume_after=resumed_after)
     else:
         checkpoint, start_round = None, 1
+        if isinstance(secrets, str | Path):  # refused before anything is written
+            outside_run_dir(secrets, out)
         writer = RunWriter(out)
-        root = start_root(out, secrets)
         config_text = json.dumps(to_mapping(config), indent=2, sort_keys=True)
-        run_dir = RunDirectory.create(out, config_text, root, budget)
+        run_root = start_root(out, secrets, config_text.encode(), replay)
+        run_dir = RunDirectory.create(out, config_text, run_root.root, budget)
     return ExperimentRun(
-        config, out, root, run_dir, writer, checkpoint, start_round, resume, time.perf_counter()
+        config, out, run_root, run_dir, writer, checkpoint, start_round, resume,
+        time.perf_counter(),
     )
 
 
@@ -312,11 +334,12 @@ def set_up_run(run: ExperimentRun, engine: Engine | None) -> None:
     run.client_app = spec_for(config.strategy.name).wrap_client_app(client_app, in_clear)
     # the server's secret and DMM's engine-side committee host, bound again after a
     # resume (pickling drops them)
+    root = run.secrets.root
     run.committee_host = committee_host_for(
-        run.strategy, run.root, config.faults, run.run_dir.party_store
+        run.strategy, root, config.faults, run.run_dir.party_store
     )
-    run.committee = committee_for(run.strategy, run.root)  # DDGauss's members, from the root
-    bind_parties(run.strategy, run.root.server(), run.committee_host, run.committee)
+    run.committee = committee_for(run.strategy, root)  # DDGauss's members, from the root
+    bind_parties(run.strategy, root.server(), run.committee_host, run.committee)
 
 
 def initial_model(
@@ -362,7 +385,7 @@ def run_loop(run: ExperimentRun, progress: bool | Cadence) -> tuple[ArrayRecord,
             faults=config.faults,
             # Memory-mapped files are opened by each worker, not copied to it.
             datasets=() if _file_backed(run.dataset) else ((config.data, run.dataset),),
-            secrets=run.root,
+            secrets=run.secrets.for_workers,
         )
         ready = time.perf_counter()
         evaluate = (
@@ -372,7 +395,7 @@ def run_loop(run: ExperimentRun, progress: bool | Cadence) -> tuple[ArrayRecord,
         )
         final = run_rounds(
             run.strategy,
-            grid,
+            AppGrid(grid),  # the strategy sees Flower's Grid, not the engine's internals
             run.arrays,
             config.rounds,
             timeout=config.timeout,
@@ -426,9 +449,13 @@ def finish_run(run: ExperimentRun, final: ArrayRecord, ready: float) -> dict[str
     summary = _summary(run.config, run.dataset, run.engine, records, run.started, ready, finished)
     summary["resumed_after_round"] = run.start_round - 1 if run.resumed else None
     summary.update(_privacy_summary(run.strategy, records))
+    summary["run_nonce"] = run.secrets.nonce
+    if run.secrets.replay_of is not None:  # a copy of an earlier run's releases, said so
+        summary["replay_of"] = {**run.secrets.replay_of, "note": run.secrets.record["note"]}
     run.writer.write_summary(summary)
     if run.config.audit is not None:  # reads the files just written; adds audit.json
-        summary["audit"] = run_configured_audit(load_finished_run(run.out), run.config.audit)
+        finished_run = load_finished_run(run.out, _base_of(run))
+        summary["audit"] = run_configured_audit(finished_run, run.config.audit)
         run.writer.write_summary(summary)
     return summary
 
@@ -539,20 +566,44 @@ def _privacy_summary(strategy: Strategy, records: list[dict[str, Any]]) -> dict[
     return out
 
 
-def load_run_config(out_dir: str | Path, given: ExperimentConfig | None) -> ExperimentConfig:
-    """The config of the run in ``out_dir``; a ``given`` one must match it (its
-    [engine] table may differ: a run can resume on another machine)."""
+def load_run_config(
+    out_dir: str | Path,
+    given: ExperimentConfig | None,
+    secrets: RunSecret | str | Path | None = None,
+) -> ExperimentConfig:
+    """The config of the run in ``out_dir``, authenticated under its root (``secrets``: the
+    root it was started with; None: the one fedsim kept) before it is parsed; a ``given`` one
+    must match it (its [engine] table may differ: a run can resume on another machine)."""
     path = Path(out_dir) / CONFIG_FILE
     if not path.is_file():
         raise ConfigError(
             "--resume", str(out_dir), f"a fedsim run directory (it has no {CONFIG_FILE})"
         )
+    _, data = authenticated_config(out_dir, secrets)
+    return _matching_config(out_dir, _parse_config(path, data), given)
+
+
+def _base_of(run: ExperimentRun) -> RunSecret | str | None:
+    """What names the run's base root again (its file, or the object it was given as)."""
+    if run.secrets.source is not None:
+        return run.secrets.source.path
+    return run.secrets.given
+
+
+def _parse_config(path: Path, data: bytes) -> ExperimentConfig:
+    """The config in ``data`` (the authenticated bytes of ``path``)."""
     try:
-        saved = ExperimentConfig.from_dict(json.loads(path.read_bytes()))
+        return ExperimentConfig.from_dict(json.loads(data))
     except (ValueError, TypeError, AttributeError) as err:  # ConfigError is a ValueError
         raise RunFileError(
             path, f"is not a config fedsim wrote (truncated, damaged or edited: {err})"
         ) from None
+
+
+def _matching_config(
+    out_dir: str | Path, saved: ExperimentConfig, given: ExperimentConfig | None
+) -> ExperimentConfig:
+    path = Path(out_dir) / CONFIG_FILE
     if given is None:
         return saved
     ours, theirs = to_mapping(given), to_mapping(saved)

@@ -7,9 +7,11 @@ A Flower app is a directory with a ``pyproject.toml`` holding
 both components, and fuses ``--run-config`` overrides into the config the way
 ``flwr run`` does. Each virtual node's ``node_config`` holds ``partition-id``
 and ``num-partitions``, as in Flower's simulation, and its own secret
-(:func:`fedsim.randomness.client_secret` reads it), derived from the run's secret
-root; the ServerApp's context holds the server's
-(:func:`fedsim.randomness.server_secret`). Neither is in the run config.
+(:func:`fedsim.randomness.client_secret` reads it), derived by the worker from the run's
+secret root, which the worker opens itself (``--secrets FILE`` with a fresh run nonce, or a
+fresh root a worker writes); the ServerApp's context holds only the server's
+(:func:`fedsim.randomness.server_secret`), and its grid is Flower's interface
+(:class:`fedsim.engine.app_grid.AppGrid`). Neither secret is in the run config.
 
 ``--run-config`` is checked more strictly than ``flwr run`` does: every token must be a
 ``key=value`` pair (Flower drops a token without ``=`` silently), every key one of
@@ -63,7 +65,7 @@ from fedsim.engine import ClientAppSource, Engine, EngineConfig, PoissonCohort, 
 from fedsim.engine.participation import CohortModel, secret_cohorts
 from fedsim.flwr_federation import Federation, read_federation
 from fedsim.progress import Cadence, RunProgress
-from fedsim.randomness import RunSecret
+from fedsim.randomness import RootSource, RunSecret
 from fedsim.results import RoundRecorder, RunWriter
 
 _COMPONENTS = "[tool.flwr.app.components]"
@@ -301,7 +303,7 @@ def run_flower_app(
     device: str | None = None,
     progress: bool | Cadence = True,
     engine: Engine | None = None,
-    secrets: RunSecret | None = None,
+    secrets: RootSource | RunSecret | None = None,
     client_cpus: float | None = None,
     client_gpus: float | None = None,
     ray_cpus: int | None = None,
@@ -309,8 +311,8 @@ def run_flower_app(
     public_cohorts: bool = False,
 ) -> dict[str, Any]:
     """Run ``app`` with ``num_supernodes`` virtual nodes; rounds are inferred from
-    the messages' ``server-round`` unless a fedsim strategy reports them. ``secrets``: the
-    run's secret root (None: a fresh one from the OS; the run cannot be repeated).
+    the messages' ``server-round`` unless a fedsim strategy reports them. ``secrets``: where the
+    run's secret root lies (None: a fresh one a worker writes; the run cannot be repeated).
     ``engine``: the engine to run on (started or not; left open), else one of
     :func:`flower_engine` (with ``device`` and the resources), closed at the end.
     ``participation``: the cohort the grid offers each phase (None: every node), drawn from
@@ -333,9 +335,12 @@ def run_flower_app(
                 ray_cpus=ray_cpus,
             )
         engine.start()
-        root = RunSecret.fresh() if secrets is None else secrets
+        source = engine.fresh_root() if secrets is None else secrets
         if participation is not None and not public_cohorts:
-            participation = secret_cohorts(participation, root.server())
+            server = (
+                source.server() if isinstance(source, RunSecret) else engine.server_secret(source)
+            )
+            participation = secret_cohorts(participation, server)
         rounds = app.run_config.get("num-server-rounds")
         with RunProgress(rounds if isinstance(rounds, int) else None, enabled=progress) as bar:
             recorder = RoundRecorder([writer.write_round, bar], infer_rounds=True)
@@ -347,12 +352,13 @@ def run_flower_app(
                 participation=participation,
                 observer=recorder,
                 round_log=recorder,
-                secrets=root,
+                secrets=source,
             )
             recorder.close()
         finished = time.perf_counter()
         summary = _summary(app, num_supernodes, recorder, engine, finished - started)
         summary["participation"] = _described(participation)
+        summary["run_nonce"] = getattr(source, "nonce", None)
         writer.write_summary(summary)
         if own_engine:
             engine.close()

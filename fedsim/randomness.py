@@ -19,9 +19,17 @@ root. The simulation engine hands client ``i`` its own secret through the Client
 ``node_config`` (:data:`NODE_SECRET_KEY`); the server's strategy receives only
 :meth:`RunSecret.server`.
 
+A root serves one run: :meth:`RunSecret.for_run` mixes a public run nonce (:func:`new_nonce`,
+written in the run directory's ``run.json``) into the root, and every party secret of the run
+derives from the result. Two runs of one root thus draw independent noise; only ``--resume`` of
+the same run (same nonce) or an explicit replay repeats the streams.
+
+The engine's workers find their clients' secrets through a :class:`RootSource` (the root file's
+path and the run nonce): each worker opens the file itself, so the driver process, which runs
+the ServerApp, never holds the root or a client's secret.
+
 Secrets refuse to be pickled (a checkpoint that reaches one fails loudly instead of storing it)
-and hide themselves in ``repr``. The one sanctioned way to move a root to another process (the
-engine's worker actors) is :meth:`RunSecret.transport` / :meth:`RunSecret.from_transport`.
+and hide themselves in ``repr``.
 """
 
 from __future__ import annotations
@@ -30,7 +38,9 @@ import hashlib
 import hmac
 import os
 import stat
+import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 from typing import Any
@@ -204,8 +214,15 @@ class RunSecret(_Hidden):
 
     @classmethod
     def from_passphrase(cls, phrase: str) -> RunSecret:
-        """A root from a string: for tests and examples only (a guessable phrase is no secret)."""
+        """A root from a string: for unit tests only (a phrase in a source file is no secret;
+        studies and examples read their roots from files outside the repository)."""
         return cls(hashlib.sha256(b"fedsim-run-secret/" + phrase.encode()).digest())
+
+    def for_run(self, nonce: str) -> RunSecret:
+        """The root of the one run named by the public ``nonce`` (:func:`new_nonce`):
+        HMAC-SHA256(root, "run", nonce), so that one root file gives every run independent
+        party secrets."""
+        return RunSecret(_derive(self._key, "run", _checked_nonce(nonce)), self.reproducible)
 
     @classmethod
     def load_or_create(
@@ -217,22 +234,7 @@ class RunSecret(_Hidden):
         ``path`` must lie outside ``run_dir``: whoever holds the run directory must not hold
         the parties' secrets.
         """
-        path = Path(path).expanduser().resolve()
-        if run_dir is not None:
-            run = Path(run_dir).expanduser().resolve()
-            if path == run or run in path.parents:
-                raise ConfigError(
-                    "secrets", str(path), f"a file outside the run directory {run}"
-                )
-        if not path.exists():
-            if not create:
-                raise ConfigError(
-                    "secrets", str(path), "the existing file holding this run's root"
-                )
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, stat.S_IRUSR | stat.S_IWUSR)
-            with os.fdopen(fd, "w") as fh:
-                fh.write(os.urandom(SECRET_BYTES).hex() + "\n")
+        path = root_file(path, run_dir, create=create)
         if not path.is_file():
             raise ConfigError("secrets", str(path), "a file holding 64 hex digits")
         text = path.read_text().strip()
@@ -245,6 +247,11 @@ class RunSecret(_Hidden):
                 "secrets", str(path), f"a file holding {2 * SECRET_BYTES} hex digits (one root)"
             )
         return cls(key)
+
+    def derive(self, label: str) -> RunSecret:
+        """An independent root for ``label`` (e.g. the driver's own store of client states),
+        whose parties' secrets are not this root's."""
+        return RunSecret(_derive(self._key, "sub-root", str(label)), self.reproducible)
 
     def client(self, partition_id: int) -> PartySecret:
         """Client ``partition_id``'s own secret (also its secret as a committee member)."""
@@ -266,16 +273,98 @@ class RunSecret(_Hidden):
         """A public label of the root (8 hex digits of a one-way hash), for records."""
         return hashlib.sha256(b"fedsim-fingerprint/" + self._key).hexdigest()[:8]
 
-    def transport(self) -> bytes:
-        """The root as bytes, for handing to the engine's own worker processes only."""
-        return self._key
-
-    @classmethod
-    def from_transport(cls, key: bytes, reproducible: bool = True) -> RunSecret:
-        return cls(key, reproducible)
+    def write(self, path: str | Path) -> Path:
+        """Write this root (hex) to a new file ``path``, mode 0600; refuses an existing one."""
+        path = Path(path)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, stat.S_IRUSR | stat.S_IWUSR)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(self._key.hex() + "\n")
+        return path
 
     def __repr__(self) -> str:
         return f"RunSecret(fingerprint={self.fingerprint()}, key=<hidden>)"
+
+
+def outside_run_dir(path: str | Path, run_dir: str | Path | None) -> Path:
+    """``path`` resolved; refused when it lies inside ``run_dir`` (whoever holds the run
+    directory must not hold the parties' secrets)."""
+    path = Path(path).expanduser().resolve()
+    if run_dir is not None:
+        run = Path(run_dir).expanduser().resolve()
+        if path == run or run in path.parents:
+            raise ConfigError("secrets", str(path), f"a file outside the run directory {run}")
+    return path
+
+
+def root_file(
+    path: str | Path, run_dir: str | Path | None = None, *, create: bool = True
+) -> Path:
+    """``path`` resolved, checked to lie outside ``run_dir`` and, with ``create``, written with
+    a fresh root (OS randomness, mode 0600) if missing -- without reading it: what a front end
+    does before handing the file to the engine's workers (:class:`RootSource`)."""
+    path = outside_run_dir(path, run_dir)
+    if not path.exists():
+        if not create:
+            raise ConfigError("secrets", str(path), "the existing file holding this run's root")
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _write_fresh_root(path)
+    return path
+
+
+def _write_fresh_root(path: Path) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, stat.S_IRUSR | stat.S_IWUSR)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(os.urandom(SECRET_BYTES).hex() + "\n")
+
+
+NONCE_BYTES = 16
+
+
+def new_nonce() -> str:
+    """A fresh public run nonce (128 bits of OS randomness, hex)."""
+    return os.urandom(NONCE_BYTES).hex()
+
+
+def _checked_nonce(nonce: str) -> str:
+    if not (isinstance(nonce, str) and len(nonce) == 2 * NONCE_BYTES and set(nonce) <= set(_HEX)):
+        raise ConfigError(
+            "nonce", nonce, f"{2 * NONCE_BYTES} lowercase hex digits (a run nonce fedsim wrote)"
+        )
+    return nonce
+
+
+@dataclass(frozen=True)
+class RootSource:
+    """Where a run's parties find their root: a file and the run's public nonce.
+
+    A source holds no secret: whoever opens it (:meth:`open`) reads the file, so the engine
+    hands a source -- never the root -- to the processes that play the clients, and the
+    driver, which plays the server, need not read the file at all. The file must be readable
+    where the workers run (on a cluster: on every worker's machine). ``nonce`` None: the file
+    holds the run's root itself (no mixing).
+    """
+
+    path: str
+    nonce: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.nonce is not None:
+            _checked_nonce(self.nonce)
+
+    def open(self) -> RunSecret:
+        """The run's root: the file's root mixed with the nonce (:meth:`RunSecret.for_run`)."""
+        root = RunSecret.load_or_create(self.path, create=False)
+        return root if self.nonce is None else root.for_run(self.nonce)
+
+    @classmethod
+    def fresh(cls, directory: str | Path | None = None) -> RootSource:
+        """A source over a new file of OS randomness (mode 0600) in a new private directory
+        (under ``directory``, default the system's temporary directory); whoever calls this
+        writes the root without ever returning it."""
+        where = Path(tempfile.mkdtemp(prefix="fedsim-root-", dir=directory))
+        path = where / "run.root"
+        _write_fresh_root(path)
+        return cls(str(path))
 
 
 def _own_secret(node_config: Mapping[str, Any], party: str) -> PartySecret:

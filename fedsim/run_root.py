@@ -1,61 +1,186 @@
-"""Which secret root a run uses, and how ``--resume`` finds it again.
+"""Which secret root a run uses, its run nonce, and how ``--resume`` finds both again.
 
-A run's :class:`~fedsim.randomness.RunSecret` is either *given* (``fedsim run --secrets FILE``,
-or ``run_experiment(..., secrets=...)``) or *kept*: a fresh root from OS randomness, written
-(mode 0600) to :func:`~fedsim.randomness.user_secrets_dir` under a random run id. Either way
-the root lies outside the run directory. The run directory holds only ``run.json``: the run id
-(for a kept root) and the root's public fingerprint, so that a resumed run picks up the same
-root -- or refuses, with a message, when it cannot find it or is given another one.
+A run's base root (:class:`~fedsim.randomness.RunSecret`) is either *given* (``fedsim run
+--secrets FILE``, or ``run_experiment(..., secrets=...)``) or *kept*: a fresh root from OS
+randomness, written (mode 0600) to :func:`~fedsim.randomness.user_secrets_dir` under a random run
+id. Either way it lies outside the run directory.
+
+**A root serves one run.** Every new run draws a fresh public nonce (:func:`new_nonce`) and every
+party secret of the run derives from ``base.for_run(nonce)``: two runs of one root file (two
+sweep points, two values of a noise multiplier) draw independent noise, so no difference of
+their releases cancels it. ``--resume`` reads the nonce back and repeats the same streams; a
+*replay* (``fedsim run --replay EARLIER_RUN``) deliberately takes an earlier run's nonce, and its
+``run.json`` and ``summary.json`` say that its releases are a copy of that run's, not new ones.
+
+The run directory holds ``run.json``: the root's kind, the run id (for a kept root), the base
+root's public fingerprint, the nonce, the replayed run (if any) and ``config_mac``, an
+HMAC-SHA256 (RFC 2104) of ``config.json`` under the run's file key
+(:meth:`~fedsim.randomness.RunSecret.mac_key`). :func:`authenticated_config` checks that MAC
+before anything parses ``config.json`` -- which names modules to import (``[model] factory``,
+``python_path``), so an edited one would otherwise run code -- and refuses it naming the file.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fedsim.config import ConfigError
-from fedsim.randomness import RunSecret, kept_root_path, new_run_id, user_secrets_dir
+from fedsim.randomness import (
+    RootSource,
+    RunSecret,
+    kept_root_path,
+    new_nonce,
+    new_run_id,
+    user_secrets_dir,
+)
+from fedsim.runfiles import CONFIG_FILE, RunFileError
 
 RUN_FILE = "run.json"
 KEPT, GIVEN = "kept", "given"
+REPLAY_NOTE = (
+    "a replay: this run repeats the noise streams of an earlier run (same root, same nonce); "
+    "its releases are a copy of that run's releases, not new ones, and add no privacy cost "
+    "only if they are never published beside the original"
+)
 
 
-def start_root(run_dir: str | Path, given: RunSecret | None) -> RunSecret:
-    """The root of a new run in ``run_dir``: ``given``, else a fresh kept one; writes
-    ``run.json``."""
-    run_dir = Path(run_dir)
+@dataclass(frozen=True)
+class RunRoot:
+    """The secrets of one run as the driver needs them.
+
+    Attributes:
+        root: the run's root, ``base.for_run(nonce)`` (the server's secret, the file key, and
+            the members' secrets of the committees the driver hosts derive from it).
+        source: where the engine's workers open the root themselves (a file and the nonce),
+            or None when the root was handed over as an object (the engine then writes it to a
+            private file for its workers).
+        nonce: the run's public nonce (None: a run started before nonces, unmixed).
+        record: ``run.json`` as written.
+        given: the base root when it was handed over as an object (its caller holds it).
+    """
+
+    root: RunSecret
+    source: RootSource | None
+    nonce: str | None
     record: dict[str, Any]
+    given: RunSecret | None = None
+
+    @property
+    def for_workers(self) -> RootSource | RunSecret:
+        """What the engine gets for the clients' secrets."""
+        return self.source if self.source is not None else self.root
+
+    @property
+    def replay_of(self) -> dict[str, Any] | None:
+        return self.record.get("replay_of")
+
+
+def config_mac(root: RunSecret, data: bytes) -> str:
+    """HMAC-SHA256 of ``config.json``'s bytes under ``root``'s file key (hex)."""
+    return hmac.new(root.mac_key(), b"config.json\x00" + data, hashlib.sha256).hexdigest()
+
+
+def _base(given: RunSecret | str | Path | None, run_dir: Path, create: bool):
+    """The base root, the file it lies in (None for an object) and run.json's root fields."""
+    if isinstance(given, RunSecret):
+        return given, None, {"root": GIVEN}
     if given is not None:
-        root, record = given, {"root": GIVEN}
-    else:
-        run_id = new_run_id()
-        root = RunSecret.load_or_create(kept_root_path(run_id), run_dir)
-        record = {"root": KEPT, "run_id": run_id}
-    record["fingerprint"] = root.fingerprint()
+        path = Path(given).expanduser().resolve()
+        return RunSecret.load_or_create(path, run_dir, create=create), path, {"root": GIVEN}
+    run_id = new_run_id()
+    path = kept_root_path(run_id)
+    return RunSecret.load_or_create(path, run_dir), path, {"root": KEPT, "run_id": run_id}
+
+
+def _write(run_dir: Path, record: dict[str, Any]) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / (RUN_FILE + ".tmp")
     tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, run_dir / RUN_FILE)
-    return root
 
 
-def resume_root(run_dir: str | Path, given: RunSecret | None) -> RunSecret:
-    """The root of the run in ``run_dir`` being resumed: the kept one, or ``given``, which
-    must be the root the run started with."""
+def start_root(
+    run_dir: str | Path,
+    given: RunSecret | str | Path | None,
+    config_data: bytes,
+    replay: str | Path | None = None,
+) -> RunRoot:
+    """The root of a new run in ``run_dir``: ``given`` (an object or a root file), else a fresh
+    kept one; a fresh nonce, or with ``replay`` the nonce (and kept root) of that earlier run.
+    Writes ``run.json`` with the MAC of ``config_data`` (the bytes of ``config.json``)."""
     run_dir = Path(run_dir)
-    path = run_dir / RUN_FILE
+    if replay is not None:
+        earlier = read_record(replay, "--replay")
+        kept = given is None and earlier.get("root") == KEPT
+        if kept:
+            given = _kept_file(earlier)
+        base, path, record = _base(given, run_dir, create=False)
+        if kept:
+            record = {"root": KEPT, "run_id": earlier["run_id"]}
+        if base.fingerprint() != str(earlier.get("fingerprint")):
+            raise ConfigError(
+                "--secrets",
+                base.fingerprint(),
+                f"the root the replayed run {replay} used (fingerprint "
+                f"{earlier.get('fingerprint')}): a replay repeats that run's streams",
+            )
+        nonce = earlier.get("nonce")
+        record["replay_of"] = {"run_dir": str(Path(replay).resolve()), "nonce": nonce}
+        record["note"] = REPLAY_NOTE
+    else:
+        base, path, record = _base(given, run_dir, create=True)
+        nonce = new_nonce()
+    root = base if nonce is None else base.for_run(nonce)
+    record.update(fingerprint=base.fingerprint(), nonce=nonce)
+    record["config_mac"] = config_mac(root, config_data)
+    _write(run_dir, record)
+    source = None if path is None else RootSource(str(path), nonce)
+    return RunRoot(root, source, nonce, record, base if path is None else None)
+
+
+def read_record(run_dir: str | Path, key: str = "--resume") -> dict[str, Any]:
+    """``run.json`` of the run in ``run_dir`` (public data: checked, never trusted)."""
+    path = Path(run_dir) / RUN_FILE
     try:
         record = json.loads(path.read_text())
-        fingerprint = str(record["fingerprint"])
+        str(record["fingerprint"])
     except (OSError, ValueError, KeyError, TypeError):
         raise ConfigError(
-            "--resume",
+            key,
             str(run_dir),
             f"a run directory with the {RUN_FILE} fedsim writes (it records which secret "
             "root the run uses)",
         ) from None
+    if not isinstance(record, dict):
+        raise ConfigError(key, str(run_dir), f"a {RUN_FILE} holding a JSON object")
+    return record
+
+
+def _kept_file(record: dict[str, Any]) -> Path:
+    kept = kept_root_path(str(record.get("run_id")))
+    if not kept.is_file():
+        raise ConfigError(
+            "--secrets",
+            None,
+            f"this run's root, which fedsim kept in {kept} and is no longer there "
+            f"(it lives in {user_secrets_dir()}, set by $FEDSIM_SECRETS_DIR); without it "
+            "the run cannot continue with the same secrets",
+        )
+    return kept
+
+
+def resume_root(run_dir: str | Path, given: RunSecret | str | Path | None) -> RunRoot:
+    """The root of the run in ``run_dir``: the kept one, or ``given``, which must be the base
+    root the run started with; its nonce read back from ``run.json``."""
+    run_dir = Path(run_dir)
+    record = read_record(run_dir)
+    fingerprint = str(record["fingerprint"])
     if given is None:
         if record.get("root") != KEPT:
             raise ConfigError(
@@ -64,20 +189,53 @@ def resume_root(run_dir: str | Path, given: RunSecret | None) -> RunSecret:
                 "the root file this run was started with (it was started with --secrets; "
                 "fedsim did not keep its root)",
             )
-        kept = kept_root_path(str(record.get("run_id")))
-        if not kept.is_file():
-            raise ConfigError(
-                "--secrets",
-                None,
-                f"this run's root, which fedsim kept in {kept} and is no longer there "
-                f"(it lives in {user_secrets_dir()}, set by $FEDSIM_SECRETS_DIR); without it "
-                "the run cannot continue with the same secrets",
-            )
-        given = RunSecret.load_or_create(kept, run_dir, create=False)
-    if given.fingerprint() != fingerprint:
+        given = _kept_file(record)
+    base, path, _ = _base(given, run_dir, create=False)
+    if base.fingerprint() != fingerprint:
         raise ConfigError(
             "--secrets",
-            given.fingerprint(),
+            base.fingerprint(),
             f"the root this run was started with (fingerprint {fingerprint})",
         )
-    return given
+    nonce = record.get("nonce")
+    try:
+        root = base if nonce is None else base.for_run(nonce)
+    except ConfigError:
+        raise RunFileError(
+            run_dir / RUN_FILE, f"holds a nonce fedsim did not write: {nonce!r}"
+        ) from None
+    source = None if path is None else RootSource(str(path), nonce)
+    return RunRoot(root, source, nonce, record, base if path is None else None)
+
+
+def authenticated_config(
+    run_dir: str | Path, given: RunSecret | str | Path | None
+) -> tuple[RunRoot, bytes]:
+    """The run's root and the bytes of its ``config.json``, after their MAC checked under the
+    run's root; raises :class:`~fedsim.runfiles.RunFileError` naming ``config.json`` when it
+    is missing its MAC, edited or of another run. Nothing is parsed before."""
+    run_dir = Path(run_dir)
+    path = run_dir / CONFIG_FILE
+    if not path.is_file():
+        raise ConfigError(
+            "--resume", str(run_dir), f"a fedsim run directory (it has no {CONFIG_FILE})"
+        )
+    run = resume_root(run_dir, given)
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise RunFileError(path, f"cannot be read ({err.strerror})") from None
+    expected = run.record.get("config_mac")
+    if not isinstance(expected, str):
+        raise RunFileError(
+            path,
+            f"has no MAC in {RUN_FILE} (a run from before configs were authenticated, or "
+            f"{RUN_FILE} was edited); it is never imported unauthenticated",
+        )
+    if not hmac.compare_digest(expected, config_mac(run.root, data)):
+        raise RunFileError(
+            path,
+            "fails authentication under this run's root: edited, or of another run; it is "
+            "never parsed (it names modules to import)",
+        )
+    return run, data

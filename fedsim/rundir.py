@@ -2,9 +2,11 @@
 
 What a run directory holds (``fedsim run --out DIR``)::
 
+    run.json                   the root's kind and fingerprint, the run nonce, config.json's MAC
     config.json                the run's config, as validated (written once, atomically)
     rounds.jsonl, summary.json results (fedsim.results)
-    client_state.sqlite        the clients' states, each sealed with its client's own secret
+    client_state.sqlite        the clients' states, each sealed under a key of the run's state
+                               store (:func:`store_root`), never a client's own secret
     checkpoint-NNNNNN.ckpt     the last two checkpoints, authenticated records
     model.npz                  the final global arrays
     tensorboard/               TensorBoard events of rounds.jsonl ([output] tensorboard = true)
@@ -50,6 +52,13 @@ from fedsim.randomness import RunSecret
 from fedsim.runfiles import RunFileError, digest, fsync_directory, write_atomic
 
 log = logging.getLogger(__name__)
+
+
+def store_root(secrets: RunSecret) -> RunSecret:
+    """The root the driver's client-state store seals under: derived from the run's root for
+    that use alone, so that the store, which the engine grid holds, holds no client's own
+    secret (those stay with the workers)."""
+    return secrets.derive("client-state-store")
 DAMAGED_SUFFIX = ".damaged"
 """A checkpoint that failed its checks on resume is renamed aside with this suffix."""
 
@@ -94,7 +103,9 @@ class RunDirectory:
                 "--out", str(out), f"a new or empty directory (this one holds {taken[0].name})"
             )
         data = config_text.encode()
-        store = ClientStateStore(out / STATE_FILE, memory_budget, secrets, run_tag=digest(data))
+        store = ClientStateStore(
+            out / STATE_FILE, memory_budget, store_root(secrets), run_tag=digest(data)
+        )
         write_atomic(out / CONFIG_FILE, data)
         return cls(out, store, secrets, digest(data))
 
@@ -118,7 +129,7 @@ class RunDirectory:
         store = ClientStateStore(
             out / STATE_FILE,
             memory_budget,
-            secrets,
+            store_root(secrets),
             run_tag=config_digest,
             run_tag_source=str(out / CONFIG_FILE),
             must_exist=True,
@@ -136,7 +147,7 @@ class RunDirectory:
         out = Path(out)
         return ClientStateStore(
             out / STATE_FILE,
-            secrets=secrets,
+            secrets=store_root(secrets),
             run_tag=_config_digest(out),
             run_tag_source=str(out / CONFIG_FILE),
             must_exist=True,

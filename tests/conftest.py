@@ -91,20 +91,18 @@ def local_engine():
 
 class _ClientsWithSecrets:
     """Builds ClientApps that find their own secret in ``node_config``, as the engine gives it
-    to the clients of a run with a ``RunSecret`` (the root travels as bytes, like the engine's
-    run spec, since a RunSecret refuses pickling)."""
+    to the clients of a run with a ``RunSecret`` (the phrase travels, since a RunSecret refuses
+    pickling)."""
 
     def __call__(self, app, phrase: str = "tests"):
         from flwr.clientapp import ClientApp
 
         from fedsim.randomness import NODE_SECRET_KEY, RunSecret
 
-        root = RunSecret.from_passphrase(phrase).transport()
-
         class WithSecrets(ClientApp):
             def __call__(self, message, context):
                 partition = int(context.node_config["partition-id"])
-                secret = RunSecret.from_transport(root).client(partition)
+                secret = RunSecret.from_passphrase(phrase).client(partition)
                 context.node_config[NODE_SECRET_KEY] = secret.token()
                 return app(message, context)
 

@@ -59,6 +59,12 @@ def _run(tmp_path, name, audit="", **values):
     return out
 
 
+@pytest.fixture(autouse=True)
+def _secrets_dir(_session_secrets_dir):
+    """This module audits its runs across tests, and an audit authenticates a run's config.json
+    under the root fedsim kept for it: the roots stay in the session's directory."""
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """An overfit run without noise (epsilon = inf) and a short noisy one (finite epsilon)."""

@@ -435,25 +435,26 @@ def test_fedsim_run_records_the_mode_and_accounts_the_noise_present(tmp_path):
 def test_fedsim_run_in_committee_mode_equals_plaintext(tmp_path):
     """``fedsim run`` with ``mode = "committee"``: the front end builds the committee (members'
     keys from the run's root), the clients share and seal, and with the same --secrets file
-    the run releases exactly what plaintext mode releases, under client and member dropouts."""
+    the plaintext run replaying the committee run (its nonce: the same streams) releases exactly
+    what committee mode released, under client and member dropouts."""
     from fedsim.cli import main
     from fedsim.results import read_rounds
 
     secrets = tmp_path / "root.hex"
     committee_options = "committee_size = 8\nthreshold = 2\npacking = 2\nmember_dropout = 0.05\n"
 
-    def finished(mode, extra=""):
+    def finished(mode, extra="", replay=()):
         config = tmp_path / f"{mode}.toml"
         text = RUN.format(mode=mode, dropout=0.3)
         config.write_text(text.replace("ring_bits = 32\n", "ring_bits = 32\n" + extra))
         out = tmp_path / mode
         command = ["run", str(config), "--out", str(out), "--no-progress"]
-        assert main([*command, "--secrets", str(secrets)]) == 0
+        assert main([*command, "--secrets", str(secrets), *replay]) == 0
         rounds = [r for r in read_rounds(out / "rounds.jsonl") if r["round"] >= 1]
         return rounds, dict(np.load(out / "model.npz"))
 
     sealed, sealed_model = finished("committee", committee_options)
-    plain, plain_model = finished("plaintext")
+    plain, plain_model = finished("plaintext", replay=("--replay", str(tmp_path / "committee")))
     assert {r["privacy"]["mode"] for r in sealed} == {"committee"}
     assert all(r["aggregated"]["rejected"] == [] for r in sealed)
     kept = [r["aggregated"]["ddgauss-survivors"] for r in sealed]

@@ -19,6 +19,7 @@ from fedsim.privacy import accounting
 from fedsim.randomness import RunSecret
 from fedsim.results import read_rounds
 from fedsim.run_config import ExperimentConfig
+from fedsim.run_root import resume_root
 from fedsim.rundir import RunDirectory
 from fedsim.workloads import dp_sgd
 from fedsim.workloads.dp_sgd import DPSGD, client_epsilon, epsilon_of, history_of
@@ -245,7 +246,8 @@ def test_dp_sgd_clients_on_the_ray_engine_report_epsilon_and_the_worst_is_summar
         assert "metrics" not in r["train"] and "metrics_in_clear" not in r
     # every client's own history, as its state holds it after the run
     run_config = config()
-    store = RunDirectory.states(out, secrets)  # the states open only under the run's root
+    # the states open only under the run's root (its nonce mixed in)
+    store = RunDirectory.states(out, resume_root(out, secrets).root)
     try:
         registry = ClientRegistry(12)
         blobs = store.get_many(registry.node_ids())

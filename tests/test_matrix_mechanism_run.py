@@ -99,8 +99,8 @@ def test_interrupted_run_resumes_to_the_same_rounds(tmp_path, monkeypatch):
 
     cut = tmp_path / "cut"
     monkeypatch.setattr(RunDirectory, "save", save_then_stop)
-    with pytest.raises(KeyboardInterrupt):
-        run_experiment(config, cut, progress=False, secrets=secrets)
+    with pytest.raises(KeyboardInterrupt):  # a replay of the full run: its streams
+        run_experiment(config, cut, progress=False, secrets=secrets, replay=full)
     monkeypatch.setattr(RunDirectory, "save", save)
     run_experiment(config, cut, resume=True, progress=False, secrets=secrets)
     assert [strip_times(r) for r in read_rounds(cut / "rounds.jsonl")] == expected

@@ -12,14 +12,16 @@ from fedsim.config import ConfigError
 from fedsim.randomness import (
     NODE_SECRET_KEY,
     SECRETS_DIR_ENV,
-    PartySecret,
     Purpose,
+    RootSource,
     RunSecret,
     Stream,
     client_secret,
     kept_root_path,
+    new_nonce,
     new_run_id,
     public_generator,
+    root_file,
     server_secret,
     user_secrets_dir,
 )
@@ -61,7 +63,7 @@ def test_secrets_refuse_pickling_and_hide_in_repr():
             pickle.dumps(secret)
         with pytest.raises(TypeError, match="never pickled"):
             pickle.dumps({"nested": [secret]})
-        assert root.transport().hex() not in repr(secret)
+        assert root._key.hex() not in repr(secret)
         assert copy.deepcopy(secret) is secret
     assert root.client(3).token() not in repr(root.client(3))
 
@@ -115,9 +117,27 @@ def test_server_secret_from_the_server_apps_node_config():
     assert server_secret({}) != server_secret({})
 
 
-def test_transport_round_trip():
+def test_a_root_serves_one_run_per_nonce(tmp_path):
     root = RunSecret.from_passphrase("x")
-    assert RunSecret.from_transport(root.transport()).client(2) == root.client(2)
+    one, two = new_nonce(), new_nonce()
+    assert one != two
+    assert root.for_run(one).client(2) == root.for_run(one).client(2)
+    assert root.for_run(one).client(2) != root.for_run(two).client(2)
+    assert root.for_run(one).server() != root.server()
+    with pytest.raises(ConfigError, match="nonce"):
+        root.for_run("not-a-nonce")
+
+
+def test_a_root_source_is_opened_where_it_is_used(tmp_path):
+    path = root_file(tmp_path / "keys" / "run.root", tmp_path / "results")
+    nonce = new_nonce()
+    source = RootSource(str(path), nonce)
+    assert pickle.loads(pickle.dumps(source)) == source  # it carries no secret
+    opened = RunSecret.load_or_create(path, create=False).for_run(nonce)
+    assert source.open().client(3) == opened.client(3)
+    assert path.read_text().strip() not in repr(source)
+    with pytest.raises(ConfigError, match="outside the run directory"):
+        root_file(tmp_path / "results" / "run.root", tmp_path / "results")
 
 
 def test_sealed_state_opens_only_for_its_party_and_label():

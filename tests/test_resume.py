@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 import time
-
 from pathlib import Path
 
 import pytest
@@ -77,9 +76,9 @@ import sys
 from fedsim.experiment import run_experiment
 from fedsim.run_config import ExperimentConfig
 from fedsim.randomness import RunSecret
-config, out, mode = sys.argv[1:]
+config, out, mode, replay = sys.argv[1:]
 run_experiment(ExperimentConfig.load(config), out, resume=mode == "resume", progress=False,
-               secrets=RunSecret.from_passphrase(%r))
+               secrets=RunSecret.from_passphrase(%r), replay=replay or None)
 """ % PASSPHRASE
 
 
@@ -99,9 +98,14 @@ def config(tmp_path):
     return path
 
 
-def run(config, out, secrets, resume=False):
+def run(config, out, secrets, resume=False, replay=None):
     return run_experiment(
-        ExperimentConfig.load(config), out, resume=resume, progress=False, secrets=secrets
+        ExperimentConfig.load(config),
+        out,
+        resume=resume,
+        progress=False,
+        secrets=secrets,
+        replay=replay,
     )
 
 
@@ -113,7 +117,8 @@ def test_killed_run_resumes_to_the_same_rounds(tmp_path, config, secrets):
 
     killed = tmp_path / "killed"
     env = dict(os.environ, RAY_ADDRESS="", PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen(in_process(config, killed, "new"), env=env)
+    # the same streams as the full run: a replay of it (a fresh run draws a fresh nonce)
+    proc = subprocess.Popen(in_process(config, killed, "new", full), env=env)
     deadline = time.monotonic() + 300
     while len(read_rounds(killed / "rounds.jsonl")) < 4:  # rounds 0..3 written
         assert proc.poll() is None, "the run ended before it could be killed"
@@ -123,13 +128,16 @@ def test_killed_run_resumes_to_the_same_rounds(tmp_path, config, secrets):
     proc.wait()
     assert not (killed / "summary.json").exists()
 
-    done = subprocess.run(in_process(config, killed, "resume"), env=env, timeout=300)
+    done = subprocess.run(in_process(config, killed, "resume", ""), env=env, timeout=300)
     assert done.returncode == 0
     resumed = [strip_times(r) for r in read_rounds(killed / "rounds.jsonl")]
     assert resumed == expected  # nothing lost, nothing duplicated, the same numbers
     summary = json.loads((killed / "summary.json").read_text())
     # round 3 was written; its checkpoint may not have been when the kill came
     assert summary["rounds"] == 6 and summary["resumed_after_round"] >= 2
+    # the resumed replay says its releases are a copy of the full run's
+    assert summary["replay_of"]["run_dir"] == str(full.resolve())
+    assert "copy" in summary["replay_of"]["note"]
 
 
 def test_resume_refuses_a_different_config_or_a_foreign_directory(tmp_path, config, capsys):
@@ -181,7 +189,7 @@ def test_a_crash_while_checkpointing_resumes_from_the_previous_checkpoint(
     monkeypatch.setattr(rundir, "save_checkpoint", dies_at_round_3)
     out = tmp_path / "crashed"
     with pytest.raises(KeyboardInterrupt):
-        run(config, out, secrets)
+        run(config, out, secrets, replay=full)  # the full run's streams
     monkeypatch.setattr(rundir, "save_checkpoint", real_save)
     assert [p.name for p in sorted(out.glob("checkpoint-*"))] == [
         "checkpoint-000001.ckpt",

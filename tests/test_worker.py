@@ -11,7 +11,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from fedsim.engine import ClientAppSource, ClientWorker
 from fedsim.engine.client_registry import NODE_ID_OFFSET
 from fedsim.engine.worker import ClientBatch, Content, RunSpec
-from fedsim.randomness import NODE_SECRET_KEY, RunSecret
+from fedsim.randomness import NODE_SECRET_KEY, RootSource, RunSecret
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.worker_reduce import WeightedMean, attach_reducer
 
@@ -57,12 +57,15 @@ def test_each_client_gets_its_partition_and_replies_in_order():
     assert result.metrics.means()["pid"] == pytest.approx((4 * 5 + 1 * 2 + 7 * 8) / 15)
 
 
-def test_the_run_spec_carries_the_root_to_client_secrets_and_hides_it():
+def test_the_run_spec_names_the_root_file_and_holds_no_secret(tmp_path):
     root = RunSecret.from_passphrase("worker")
+    root.write(tmp_path / "run.root")
     source = ClientAppSource(reference="toy_app:app", app_dir="tests")
-    spec = RunSpec(run_id=1, num_clients=10, run_config={}, app=source, secret=root.transport())
-    assert root.transport().hex() not in repr(spec) and str(root.transport()) not in repr(spec)
-    config = spec.node_config(NODE_ID_OFFSET + 4, RunSecret.from_transport(spec.secret))
+    where = RootSource(str(tmp_path / "run.root"))
+    spec = RunSpec(run_id=1, num_clients=10, run_config={}, app=source, secret=where)
+    blob = pickle.dumps(spec)  # what the driver keeps and ships: the path, never the key
+    assert root._key not in blob and root._key.hex().encode() not in blob
+    config = spec.node_config(NODE_ID_OFFSET + 4, spec.secret.open())
     assert config[NODE_SECRET_KEY] == root.client(4).token() and config["partition-id"] == 4
     assert NODE_SECRET_KEY not in spec.node_config(NODE_ID_OFFSET + 4, None)
 

@@ -124,7 +124,7 @@ def dp_part(seeds: list[int], root) -> list[dict]:
                 summary = run_experiment(
                     dp_config(seed, z), run_dir, progress=False, secrets=secrets
                 )
-                finished = load_finished_run(run_dir)
+                finished = load_finished_run(run_dir, secrets)
                 audits = {a: audit_run(finished, attack=a) for a in ("loss", "zlib")}
             row = {
                 "target_epsilon": "inf" if math.isinf(epsilon) else epsilon,

@@ -1,7 +1,9 @@
 """``fedsim audit RUN_DIR [--attack loss|zlib|mink|dataset-inference] [--members N] [--seed S]
 [--out FILE]``.
 
-Registers the subcommand (no heavy imports here) and runs it: loads the finished run,
+Registers the subcommand (no heavy imports here) and runs it: authenticates the run's
+``config.json`` under its root (:func:`fedsim.run_root.authenticated_config`; an edited one is
+refused, naming the file, before any module it names is imported), loads the finished run,
 computes the membership-inference audit (:mod:`fedsim.audits.run_audit`), writes
 ``audit.json`` (or ``--out``) and prints a summary.
 """
@@ -38,6 +40,13 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "--seed", type=int, default=None, help="draws the rows (default: the run's seed)"
     )
     audit.add_argument("--out", default=None, help="where to write the JSON (RUN_DIR/audit.json)")
+    audit.add_argument(
+        "--secrets",
+        metavar="FILE",
+        default=None,
+        help="the root file the run was started with (default: the root fedsim kept for it); "
+        "config.json is authenticated under it before anything in it is imported",
+    )
     return audit
 
 
@@ -51,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from fedsim.experiment import load_finished_run  # noqa: PLC0415
 
     try:
-        run = load_finished_run(args.run_dir)
+        run = load_finished_run(args.run_dir, args.secrets)
         result = audit_run(run, attack=args.attack, members=args.members, seed=args.seed)
     except ConfigError as err:
         print(f"fedsim: error: {err}", file=sys.stderr)

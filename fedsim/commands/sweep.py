@@ -282,19 +282,16 @@ def run_point(
     """Run or resume one point on ``engine`` (a finished one is checked, not run again);
     returns what was done: ``ran``, ``resumed`` or ``skipped``."""
     from fedsim.experiment import load_run_config, run_experiment  # noqa: PLC0415
-    from fedsim.randomness import RunSecret  # noqa: PLC0415
 
     run_dir = out / point.name
     status = status_of(run_dir)
+    # each point's root file (None: a fresh kept root); every point draws its own run nonce
+    secrets = None if secrets_dir is None else secrets_dir / f"{point.name}.hex"
     if status != PENDING:  # the stored config must be this point's (an edited file is refused)
-        load_run_config(run_dir, point.config)
+        load_run_config(run_dir, point.config, secrets)
     if status == FINISHED:
         return "skipped"
     resume = status == INTERRUPTED
-    secrets = None
-    if secrets_dir is not None:
-        path = secrets_dir / f"{point.name}.hex"
-        secrets = RunSecret.load_or_create(path, run_dir, create=not resume)
     run_experiment(
         point.config, run_dir, resume=resume, progress=progress, engine=engine, secrets=secrets
     )

@@ -4,6 +4,12 @@ Both implement :class:`Backend`, so the grid schedules batches the same way on a
 laptop, in a unit test and on a Ray cluster. The in-process backend runs batches
 synchronously in the driver (tracebacks point straight into the ClientApp),
 which makes it the debugging and fast-test backend.
+
+Neither keeps a secret in the driver: a run's :class:`~fedsim.engine.worker.RunSpec` names
+where the root lies (:class:`~fedsim.randomness.RootSource`), the workers open it, and the
+driver gets only the server's own secret (:meth:`Backend.server_secret`). Only Ray workers
+isolate the clients from the server, by process; the in-process backend cannot (see its
+docstring).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from fedsim.engine.worker import (
     RunSpec,
     remember,
 )
+from fedsim.randomness import PartySecret, RootSource
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +86,15 @@ class Backend(ABC):
     def close(self) -> None:
         """Release the workers."""
 
+    def server_secret(self, source: RootSource) -> PartySecret:
+        """The server's own secret under ``source``, derived by a worker (the driver does not
+        read the root)."""
+        raise NotImplementedError(f"{type(self).__name__} derives no secrets")
+
+    def fresh_root(self) -> RootSource:
+        """A new root of OS randomness, written by a worker; the driver learns only its path."""
+        raise NotImplementedError(f"{type(self).__name__} writes no roots")
+
     def describe(self) -> dict[str, Any]:
         """A JSON-ready description for run summaries."""
         return {"backend": type(self).__name__, "workers": self.num_workers}
@@ -94,12 +110,23 @@ class _Done:
 
 
 class LocalBackend(Backend):
-    """Runs every batch synchronously in the calling process, on one worker."""
+    """Runs every batch synchronously in the calling process, on one worker.
+
+    **No isolation.** The clients run in the driver's process, beside the ServerApp: the worker
+    keeps no root (it opens the root file for each client call and drops it), so nothing the
+    server's objects reach holds a client's secret between calls, but code in the process can
+    open the root file or read a client's ``node_config`` while it runs. Use it for debugging
+    and tests; every claim that the server cannot learn a client's secret needs the Ray backend
+    (or a deployment), where clients are other processes.
+    """
 
     def __init__(self, torch_threads: int | None = None) -> None:
         self._threads = torch_threads
-        self._worker = ClientWorker(torch_threads=torch_threads, exit_on_crash=False)
+        self._worker = self._new_worker()
         self._run: RunSpec | None = None
+
+    def _new_worker(self) -> ClientWorker:
+        return ClientWorker(torch_threads=self._threads, exit_on_crash=False, keep_root=False)
 
     @property
     def num_workers(self) -> int:
@@ -130,12 +157,18 @@ class LocalBackend(Backend):
         return future.value
 
     def restart(self, worker: int) -> None:
-        self._worker = ClientWorker(torch_threads=self._threads, exit_on_crash=False)
+        self._worker = self._new_worker()
         if self._run is not None:
             self._worker.start_run(self._run)
 
     def close(self) -> None:
         self._run = None
+
+    def server_secret(self, source: RootSource) -> PartySecret:
+        return PartySecret.from_token(self._worker.server_secret_token(source), "server")
+
+    def fresh_root(self) -> RootSource:
+        return self._worker.create_root()
 
 
 class RayBackend(Backend):
@@ -345,6 +378,17 @@ class RayBackend(Backend):
         self._actors = []
         self._warming = None
         self._owner.clear()
+
+    def server_secret(self, source: RootSource) -> PartySecret:
+        self.ready()
+        token = self._ray.get(self._actors[0].server_secret_token.remote(source))
+        return PartySecret.from_token(token, "server")
+
+    def fresh_root(self) -> RootSource:
+        """A fresh root, written by worker 0 on its machine (on a cluster whose workers span
+        machines, give ``--secrets`` a file readable on every one of them instead)."""
+        self.ready()
+        return self._ray.get(self._actors[0].create_root.remote())
 
     def worker_peak_rss_mb(self) -> list[float]:
         """Each worker process's peak resident memory so far, in MiB."""

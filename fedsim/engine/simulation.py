@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from flwr.app import Context, RecordDict
@@ -26,6 +29,7 @@ from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedsim.config import ConfigError, device_name, require
+from fedsim.engine.app_grid import AppGrid
 from fedsim.engine.backend import Backend, LocalBackend, RayBackend
 from fedsim.engine.client_registry import ClientRegistry
 from fedsim.engine.cluster import ensure_ray
@@ -34,7 +38,7 @@ from fedsim.engine.grid import PhaseObserver, RoundLog, SimulationGrid
 from fedsim.engine.participation import CohortModel
 from fedsim.engine.state import ClientStateStore
 from fedsim.engine.worker import ClientAppSource, RunSpec, SharedDataset
-from fedsim.randomness import NODE_SECRET_KEY, RunSecret
+from fedsim.randomness import NODE_SECRET_KEY, RootSource, RunSecret
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +188,8 @@ class Engine:
     #: ``workers_spawn`` (asking Ray for the actors), ``workers_ready`` (waiting for them
     #: in :meth:`ready`, after whatever the driver did meanwhile)
     startup_s: dict[str, float] = field(default_factory=dict)
+    #: private directories of the root files this engine wrote for its runs (removed by close)
+    _root_dirs: list[str] = field(default_factory=list, repr=False)
 
     def start(self) -> Engine:
         """Start Ray (if needed) and the workers; idempotent.
@@ -251,8 +257,37 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def root_source(self, secrets: RunSecret | RootSource | None) -> RootSource | None:
+        """Where this engine's workers find a run's root: ``secrets`` itself when it is a
+        :class:`RootSource` (the driver reads nothing); a :class:`RunSecret` the caller holds
+        is written to a private file (mode 0600, removed by :meth:`close`) for the workers to
+        open. None: None (clients draw fresh OS secrets for every call)."""
+        if secrets is None or isinstance(secrets, RootSource):
+            return secrets
+        if not isinstance(secrets, RunSecret):
+            raise ValueError(
+                f"secrets is a {type(secrets).__name__}; allowed: RootSource, RunSecret or None"
+            )
+        where = tempfile.mkdtemp(prefix="fedsim-root-")
+        self._root_dirs.append(where)
+        return RootSource(str(secrets.write(Path(where) / "run.root")))
+
+    def fresh_root(self) -> RootSource:
+        """A fresh root of OS randomness written by a worker (the driver never reads it)."""
+        source = self.ready().backend.fresh_root()
+        self._root_dirs.append(str(Path(source.path).parent))
+        return source
+
+    def server_secret(self, source: RootSource):
+        """The server's own :class:`~fedsim.randomness.PartySecret` under ``source``, derived
+        on a worker."""
+        return self.ready().backend.server_secret(source)
+
     def close(self) -> None:
         """Stop the workers (and Ray, if this engine started it)."""
+        for where in self._root_dirs:
+            shutil.rmtree(where, ignore_errors=True)
+        self._root_dirs.clear()
         if self.backend is not None:
             self.backend.close()
             self.backend = None
@@ -279,7 +314,7 @@ class Engine:
         datasets: tuple[tuple[Any, Any], ...] = (),
         run_id: int | None = None,
         raise_errors: bool = False,
-        secrets: RunSecret | None = None,
+        secrets: RunSecret | RootSource | None = None,
     ) -> SimulationGrid:
         """Load a run on the workers and return the grid that drives it.
 
@@ -298,9 +333,10 @@ class Engine:
                 object store once and registered on every worker.
             raise_errors: re-raise ClientApp exceptions instead of turning them
                 into error replies (useful with the local backend).
-            secrets: the run's secret root: client ``i`` finds its own secret
-                ``secrets.client(i)`` in ``node_config`` (None: clients draw theirs from
-                the OS). The root reaches the workers only inside the engine's run spec.
+            secrets: where the run's secret root lies (:class:`RootSource`; a
+                :class:`RunSecret` is written to a private file first): each worker opens it
+                and client ``i`` finds its own secret ``root.client(i)`` in ``node_config``
+                (None: clients draw theirs from the OS). The driver keeps only the source.
         """
         backend = self.ready().backend
         assert backend is not None
@@ -325,7 +361,7 @@ class Engine:
                 app=source,
                 datasets=share_datasets(backend, datasets),
                 raise_errors=raise_errors,
-                secret=None if secrets is None else secrets.transport(),
+                secret=self.root_source(secrets),
             )
         )
         return SimulationGrid(
@@ -352,14 +388,18 @@ class Engine:
         round_log: RoundLog | None = None,
         faults: FaultConfig | None = None,
         raise_errors: bool = False,
-        secrets: RunSecret | None = None,
+        secrets: RunSecret | RootSource | None = None,
     ) -> Context:
         """Run a Flower ServerApp against ``num_supernodes`` virtual clients.
 
         With ``secrets``, each client gets its own secret in ``node_config`` and the
         ServerApp's context gets the server's (:func:`fedsim.randomness.server_secret` reads
-        it). Returns the ServerApp's context after its ``main`` returned.
+        it), derived by a worker. The ServerApp gets an :class:`~fedsim.engine.app_grid.AppGrid`
+        (Flower's Grid interface, no engine internals). Returns the ServerApp's context after
+        its ``main`` returned.
         """
+        source = self.root_source(secrets)
+        server = None if source is None else self.server_secret(source)
         grid = self.open_run(
             client_app,
             num_supernodes,
@@ -369,15 +409,16 @@ class Engine:
             round_log=round_log,
             faults=faults,
             raise_errors=raise_errors,
-            secrets=secrets,
+            secrets=source,
         )
         context = Context(
             run_id=grid.run.run_id,
             node_id=0,
-            node_config={} if secrets is None else {NODE_SECRET_KEY: secrets.server().token()},
+            node_config={} if server is None else {NODE_SECRET_KEY: server.token()},
             state=RecordDict(),
             run_config=dict(run_config or {}),
         )
-        server_app(grid, context)
+        del server
+        server_app(AppGrid(grid), context)
         grid.wait_idle()
         return context

@@ -31,7 +31,7 @@ from flwr.supercore.object_ref import load_app
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedsim.engine.client_registry import NODE_ID_OFFSET
-from fedsim.randomness import NODE_SECRET_KEY, RunSecret
+from fedsim.randomness import NODE_SECRET_KEY, RootSource, RunSecret
 from fedsim.record_codec import content_nbytes, records_of
 from fedsim.worker_reduce import FOLDS_KEY, MetricSums, Reducer, ReductionError, is_partial
 
@@ -79,10 +79,10 @@ class SharedDataset:
 class RunSpec:
     """What every worker needs to know about a run, sent once per run.
 
-    ``secret`` is the run's secret root (:meth:`fedsim.randomness.RunSecret.transport`), from
-    which the worker derives each client's own secret for its ``node_config``; it travels only
-    here, to the engine's own workers, and never into a message, a context's ``run_config`` or
-    a repr.
+    ``secret`` says where the run's root lies (:class:`fedsim.randomness.RootSource`: a file and
+    the public run nonce); each worker opens the file itself and derives each client's own secret
+    for its ``node_config``. The spec holds no secret, so the driver that keeps it (to restart a
+    worker) holds none either.
     """
 
     run_id: int
@@ -91,7 +91,7 @@ class RunSpec:
     app: ClientAppSource
     datasets: tuple[SharedDataset, ...] = ()
     raise_errors: bool = False
-    secret: bytes | None = field(default=None, repr=False)
+    secret: RootSource | None = None
 
     def node_config(self, node_id: int, secrets: RunSecret | None) -> dict[str, Any]:
         """Client ``node_id``'s ``node_config``: its partition, the number of partitions and,
@@ -193,8 +193,13 @@ class ClientWorker:
     (:func:`remember`) for later batches that send only their key.
     """
 
-    def __init__(self, torch_threads: int | None = None, exit_on_crash: bool = True) -> None:
+    def __init__(
+        self, torch_threads: int | None = None, exit_on_crash: bool = True, keep_root: bool = True
+    ) -> None:
         self._torch_threads = torch_threads
+        # a worker in its own process keeps the run's root; one in the driver's process opens
+        # the root file for each client and keeps nothing (fedsim.engine.backend.LocalBackend)
+        self._keep_root = keep_root
         self._exit_on_crash = exit_on_crash
         self._run: RunSpec | None = None
         self._secrets: RunSecret | None = None
@@ -280,12 +285,31 @@ class ClientWorker:
                 )
         self._app = run.app.load()
         self._run = run
-        self._secrets = None if run.secret is None else RunSecret.from_transport(run.secret)
+        self._secrets = None
+        if run.secret is not None:
+            opened = run.secret.open()  # an unreadable root fails the run here, not per client
+            self._secrets = opened if self._keep_root else None
         self._content_cache.clear()
         TaskIdentity.run_id = run.run_id
         TaskIdentity.task_id = run.run_id
         self._set_torch_threads()
         return os.getpid()
+
+    def _root(self) -> RunSecret | None:
+        """The run's root: kept, or (``keep_root=False``) opened again for this one client."""
+        if self._secrets is not None or self._run is None or self._run.secret is None:
+            return self._secrets
+        return self._run.secret.open()
+
+    def server_secret_token(self, source: RootSource) -> str:
+        """The server's own secret under ``source`` (hex): the one secret the driver gets,
+        derived here so that the driver never reads the root."""
+        return source.open().server().token()
+
+    def create_root(self, directory: str | None = None) -> RootSource:
+        """A fresh root written by this worker (:meth:`RootSource.fresh`): the driver gets
+        only where it lies."""
+        return RootSource.fresh(directory)
 
     def _content(self, content: Content) -> bytes:
         """A batch's pickled content: sent with it, or kept from an earlier batch."""
@@ -303,7 +327,7 @@ class ClientWorker:
         context = Context(
             run_id=run.run_id,
             node_id=node_id,
-            node_config=run.node_config(node_id, self._secrets),
+            node_config=run.node_config(node_id, self._root()),
             state=pickle.loads(stored) if stored is not None else RecordDict(),
             run_config=run.run_config,
         )

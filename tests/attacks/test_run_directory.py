@@ -43,6 +43,7 @@ from fedsim.experiment import load_run_config, run_experiment
 from fedsim.randomness import RunSecret
 from fedsim.results import read_rounds
 from fedsim.run_config import ExperimentConfig
+from fedsim.run_root import resume_root
 from fedsim.rundir import RunDirectory
 
 ROOT = Path(fedsim.__file__).resolve().parent.parent
@@ -123,8 +124,9 @@ def same_result(out: Path, reference: tuple[list, dict[str, np.ndarray]]) -> boo
 
 def resume(out: Path, root: RunSecret | None = None) -> None:
     """What ``fedsim run --resume OUT`` does: the config comes from the directory."""
-    config = load_run_config(out, None)
-    run_experiment(config, out, resume=True, progress=False, secrets=root or secrets())
+    root = root or secrets()
+    config = load_run_config(out, None, root)  # authenticated under the run's root first
+    run_experiment(config, out, resume=True, progress=False, secrets=root)
 
 
 def outcome(out: Path, names: tuple[str, ...], reference) -> tuple[str, str]:
@@ -177,6 +179,7 @@ def stopped_run(
     root: RunSecret,
     after: int,
     snapshot: tuple[int, Path] | None = None,
+    replay: Path | None = None,
 ) -> Path:
     """``config`` run into ``out`` and stopped right after round ``after``'s checkpoint;
     ``snapshot = (round, path)`` copies the state database to ``path`` after that round."""
@@ -194,7 +197,7 @@ def stopped_run(
     RunDirectory.save = save_then_stop
     try:
         with pytest.raises(KeyboardInterrupt):
-            run_experiment(config, out, progress=False, secrets=root)
+            run_experiment(config, out, progress=False, secrets=root, replay=replay)
     finally:
         RunDirectory.save = real
     return out
@@ -208,15 +211,17 @@ def reference(base, config_file):
 
 
 @pytest.fixture(scope="module")
-def stopped(base, config_file):
+def stopped(base, config_file, reference):
     """This run, checkpointed after round 3 (checkpoints of rounds 2 and 3 on disk); its
-    state database as it was after round 1 is kept in ``stale.sqlite``."""
+    state database as it was after round 1 is kept in ``stale.sqlite``. A replay of the
+    uninterrupted run (its nonce), so that resuming it must give that run's results."""
     return stopped_run(
         ExperimentConfig.load(config_file),
         base / "stopped",
         secrets(),
         KILL_ROUND,
         snapshot=(KILL_ROUND - 2, base / "stale.sqlite"),
+        replay=base / "uninterrupted",
     )
 
 
@@ -228,9 +233,15 @@ def other_run(base, config_file):
 
 
 @pytest.fixture(scope="module")
-def twin_run(base, config_file):
-    """The same config and root run again: the same results, but its own files."""
-    return stopped_run(ExperimentConfig.load(config_file), base / "twin", secrets(), KILL_ROUND)
+def twin_run(base, config_file, reference):
+    """The same config and root replayed again: the same results, but its own files."""
+    return stopped_run(
+        ExperimentConfig.load(config_file),
+        base / "twin",
+        secrets(),
+        KILL_ROUND,
+        replay=base / "uninterrupted",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -534,7 +545,8 @@ def test_resuming_under_another_secret_root_opens_nothing(copy_of, reference):
 # -- custody of the clients' states -----------------------------------------------------------
 def test_the_run_directory_alone_opens_no_client_state(copy_of):
     out = copy_of()
-    store = RunDirectory.states(out, secrets())  # the clients' own secrets open them
+    # the run's root (its nonce mixed in) opens them
+    store = RunDirectory.states(out, resume_root(out, secrets()).root)
     try:
         plain = store.get_many(range(NODE_ID_OFFSET, NODE_ID_OFFSET + 24))
     finally:
@@ -553,13 +565,13 @@ def test_the_run_directory_alone_opens_no_client_state(copy_of):
             with pytest.raises(ValueError, match="failed authentication"):
                 guess.client(partition).open(blob, b"")
     with pytest.raises(ConfigError, match="fails authentication"):
-        RunDirectory.states(out, guess)
+        RunDirectory.states(out, guess.for_run(resume_root(out, secrets()).nonce))
 
 
 def test_a_crafted_state_never_reaches_pickle_when_states_are_read(copy_of, context):
     out = copy_of()
     plant_state(out, context["payload"])
-    store = RunDirectory.states(out, secrets())
+    store = RunDirectory.states(out, resume_root(out, secrets()).root)
     try:
         with pytest.raises(ConfigError, match="fails authentication") as err:
             store.get_many(range(NODE_ID_OFFSET, NODE_ID_OFFSET + 24))
@@ -659,15 +671,19 @@ def power_loss(out: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def killed(base, config_file):
-    """One killed run directory per kill cell (each child process runs once per module)."""
+def killed(base, config_file, reference):
+    """One killed run directory per kill cell (each child process runs once per module), each
+    a replay of the uninterrupted run."""
     done: dict[tuple[str, int], Path] = {}
 
     def get(point: str, at: int) -> Path:
         if (point, at) not in done:
             out = base / f"killed-{KILL_CELLS.index((point, at))}"
             env = dict(os.environ, RAY_ADDRESS="", PYTHONPATH=str(ROOT))
-            child = [sys.executable, __file__, point, str(at), str(config_file), str(out)]
+            child = [
+                sys.executable, __file__, point, str(at), str(config_file), str(out),
+                str(base / "uninterrupted"),
+            ]
             proc = subprocess.run(child, env=env, timeout=600, capture_output=True)
             assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
             assert not (out / "summary.json").exists()
@@ -752,6 +768,12 @@ def test_dp_sgd_clients_histories_cannot_be_dropped_by_emptying_the_state_databa
 
 
 if __name__ == "__main__":
-    point_, round_, config_path, out_dir = sys.argv[1:]
+    point_, round_, config_path, out_dir, replay_ = sys.argv[1:]
     install_kill(point_, int(round_))
-    run_experiment(ExperimentConfig.load(config_path), out_dir, progress=False, secrets=secrets())
+    run_experiment(
+        ExperimentConfig.load(config_path),
+        out_dir,
+        progress=False,
+        secrets=secrets(),
+        replay=replay_,  # the uninterrupted run's streams
+    )

@@ -10,8 +10,10 @@ entry in :data:`STRATEGIES`.
 
 from __future__ import annotations
 
+import gc
 import json
 import pickle
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,7 @@ from fedsim.randomness import NODE_SECRET_KEY, RunSecret
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.results import read_rounds
 from fedsim.run_config import ExperimentConfig
-from fedsim.run_root import RUN_FILE
+from fedsim.run_root import RUN_FILE, resume_root
 from fedsim.workloads.supervised import LocalTraining, make_client_app
 
 POPULATION = 12
@@ -142,10 +144,14 @@ def message_bytes(message: Message) -> bytes:
     return pickle.dumps(content) + repr(message.metadata).encode()
 
 
-def secret_needles(root: RunSecret, population: int) -> dict[str, bytes]:
-    """The root and every party's secret (and the keys derived for sealing and files), raw
-    and in hex."""
-    keys = {"root": root.transport(), "file mac key": root.mac_key()}
+def secret_needles(
+    root: RunSecret, population: int, base: RunSecret | None = None
+) -> dict[str, bytes]:
+    """The run's root (and ``base``, the file's root it derives from with the run nonce) and
+    every party's secret (and the keys derived for sealing and files), raw and in hex."""
+    keys = {"root": root._key, "file mac key": root.mac_key()}
+    if base is not None:
+        keys["base root"] = base._key
     parties = {"server": root.server()}
     parties.update({f"client {i}": root.client(i) for i in range(population)})
     parties.update({f"member {i}": root.member(i) for i in range(population)})
@@ -173,8 +179,11 @@ def test_no_message_file_or_run_config_holds_a_secret(tmp_path, name):
         run_experiment(config(STRATEGIES[name]), out, progress=False, engine=engine, secrets=root)
     finally:
         engine.close()
-    needles = secret_needles(root, POPULATION)
-    planted = Message(RecordDict({"c": ConfigRecord({"t": root.client(3).token()})}), 1, "train")
+    run_root = resume_root(out, root).root
+    needles = secret_needles(run_root, POPULATION, root)
+    planted = Message(
+        RecordDict({"c": ConfigRecord({"t": run_root.client(3).token()})}), 1, "train"
+    )
     assert leaks(message_bytes(planted), needles) == ["client 3 (hex)"]  # the scan would see it
     assert len(engine.messages) > 2 * 6  # instructions and replies of two rounds were seen
     for message in engine.messages:
@@ -185,7 +194,8 @@ def test_no_message_file_or_run_config_holds_a_secret(tmp_path, name):
         assert leaks(path.read_bytes(), needles) == [], path.name
     assert engine.run_configs == [{"seed": 5}]  # the clients' run_config: public only
     record = json.loads((out / RUN_FILE).read_text())
-    assert record == {"root": "given", "fingerprint": root.fingerprint()}
+    assert set(record) == {"root", "fingerprint", "nonce", "config_mac"}
+    assert record["root"] == "given" and record["fingerprint"] == root.fingerprint()
 
 
 def test_a_kept_root_stays_outside_the_run_directory(tmp_path, _secrets_dir):
@@ -193,7 +203,7 @@ def test_a_kept_root_stays_outside_the_run_directory(tmp_path, _secrets_dir):
     run_experiment(config(STRATEGIES["dp-fedavg"]), out, progress=False)
     (kept,) = list(_secrets_dir.iterdir())
     root = RunSecret.load_or_create(kept)
-    needles = secret_needles(root, POPULATION)
+    needles = secret_needles(resume_root(out, None).root, POPULATION, root)
     for path in (p for p in out.rglob("*") if p.is_file()):
         assert leaks(path.read_bytes(), needles) == [], path.name
     record = json.loads((out / RUN_FILE).read_text())
@@ -233,8 +243,10 @@ def test_resume_with_the_same_root_is_bit_identical(tmp_path, monkeypatch, name)
             raise KeyboardInterrupt  # the process dies right after round 2's checkpoint
 
     monkeypatch.setattr(RunDirectory, "save", stop_after_round_2)
-    with pytest.raises(KeyboardInterrupt):
-        run_experiment(run, tmp_path / "cut", progress=False, secrets=root)
+    with pytest.raises(KeyboardInterrupt):  # a replay of the whole run: its streams
+        run_experiment(
+            run, tmp_path / "cut", progress=False, secrets=root, replay=tmp_path / "whole"
+        )
     monkeypatch.setattr(RunDirectory, "save", save)
     run_experiment(run, tmp_path / "cut", resume=True, progress=False, secrets=root)
     (whole_rounds, whole_model), (cut_rounds, cut_model) = (
@@ -253,7 +265,10 @@ def test_two_roots_change_the_noise_and_nothing_else(tmp_path):
         out = tmp_path / name
         try:
             run_experiment(
-                config(strategy), out, progress=False, engine=engine,
+                config(strategy),
+                out,
+                progress=False,
+                engine=engine,
                 secrets=RunSecret.from_passphrase(root),
             )
         finally:
@@ -293,8 +308,11 @@ def test_dp_sgd_noise_is_the_clients_own_not_the_seeds():
             {"arrays": to_record(arrays), "config": ConfigRecord({"server-round": 1})}
         )
         context = Context(
-            run_id=1, node_id=3, node_config={"partition-id": 3, **node_config},
-            state=RecordDict(), run_config={"seed": 5},
+            run_id=1,
+            node_id=3,
+            node_config={"partition-id": 3, **node_config},
+            state=RecordDict(),
+            run_config={"seed": 5},
         )
         reply = app(Message(content, 3, "train"), context)
         assert "train_loss" not in reply.content["metrics"]  # un-noised: it stays home
@@ -307,3 +325,115 @@ def test_dp_sgd_noise_is_the_clients_own_not_the_seeds():
     assert np.array_equal(mine, update(token("a")))  # the client's secret repeats it
     assert not np.array_equal(mine, update(token("b")))  # the seed alone does not
     assert not np.array_equal(update({}), update({}))  # no secret given: OS randomness
+
+
+# -- the server side holds no client's secret ------------------------------------------------
+
+PROBE = Path(__file__).resolve().parent
+HEX64 = re.compile(r"[0-9a-fA-F]{64}")
+
+
+def reachable_values(grid: Any, context: Any) -> list[Any]:
+    """Every str (holding 64 hex digits) and bytes object a ServerApp can reach: the grid, its
+    attributes and properties recursively, the context, and every object of the driver's
+    process that the garbage collector tracks (a superset of what the grid reaches)."""
+    found: dict[int, Any] = {}
+
+    def keep(value: Any) -> None:
+        if isinstance(value, str) and len(value) >= 64 and HEX64.search(value):
+            found[id(value)] = value
+        elif isinstance(value, bytes | bytearray) and 32 <= len(value) <= 64 * 2**20:
+            found[id(value)] = bytes(value)
+
+    stack: list[Any] = []
+    for top in (grid, context):  # what the interface offers: attributes and properties
+        for name in dir(top):
+            try:
+                stack.append(getattr(top, name))
+            except Exception:  # noqa: BLE001 -- a property that refuses is nothing reached
+                continue
+    stack += [grid, context]
+    seen: set[int] = set()
+    while stack:  # everything those reach (referents: no property is evaluated)
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        keep(obj)
+        stack.extend(gc.get_referents(obj))
+    gc.collect()
+    for obj in gc.get_objects():
+        for ref in gc.get_referents(obj):
+            keep(ref)
+    return list(found.values())
+
+
+def probing_server_app(reached: list[Any]) -> Any:
+    from flwr.serverapp import ServerApp
+
+    app = ServerApp()
+
+    @app.main()
+    def main(grid, context):
+        nodes = list(grid.get_node_ids())
+        for server_round in (1, 2):
+            messages = [
+                Message(RecordDict(), node, "train", group_id=str(server_round)) for node in nodes
+            ]
+            replies = list(grid.send_and_receive(messages))
+            assert len(replies) == len(nodes) and not any(r.has_error() for r in replies)
+        assert not any(hasattr(grid, n) for n in ("backend", "state_store", "_run", "registry"))
+        reached.extend(reachable_values(grid, context))
+
+    return app
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["--secrets", "fresh root"])
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_a_server_app_reaches_no_clients_secret(tmp_path, backend, given, request):
+    from fedsim.engine import ClientAppSource
+    from fedsim.randomness import RootSource, new_nonce, root_file
+
+    engine = (
+        request.getfixturevalue("ray_engine")
+        if backend == "ray"
+        else Engine(EngineConfig(backend="local")).start()
+    )
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    # the root file is written without this process reading it
+    keys = tmp_path / "keys" / "run.root"
+    # without --secrets, a worker writes a fresh root (as `fedsim flwr-run` does)
+    source = RootSource(str(root_file(keys)), new_nonce()) if given else engine.fresh_root()
+    reached: list[Any] = []
+    try:
+        engine.run_server_app(
+            probing_server_app(reached),
+            ClientAppSource(reference="secret_probe_app:app", app_dir=str(PROBE)),
+            6,
+            run_config={"probe-dir": str(probe)},
+            secrets=source,
+        )
+        roots = [RootSource(source.path).open()] if not given else []
+    finally:
+        if backend == "local":
+            engine.close()
+    if given:
+        roots = [RunSecret.load_or_create(source.path, create=False), source.open()]
+    tokens = {int(p.stem): p.read_text() for p in probe.glob("*.hex")}
+    assert sorted(tokens) == list(range(6))  # every client used its secret
+    needles = {f"client {i} (hex)": t.encode() for i, t in tokens.items()}
+    needles.update({f"client {i} (raw)": bytes.fromhex(t) for i, t in tokens.items()})
+    for k, root in enumerate(roots):
+        needles[f"root {k} (raw)"] = root._key
+        needles[f"root {k} (hex)"] = root._key.hex().encode()
+    assert roots and len(reached) > 100
+    found = sorted(
+        {
+            name
+            for value in reached
+            for name, needle in needles.items()
+            if (needle in value.encode() if isinstance(value, str) else needle in value)
+        }
+    )
+    assert found == [], f"the ServerApp reached {found}"
