@@ -40,7 +40,7 @@ from fedsim.audits.run_audit import (
     run_configured_audit,
 )
 from fedsim.checkpoint import CONFIG_FILE, Checkpoint
-from fedsim.config import ConfigError, differing_keys, to_mapping
+from fedsim.config import ConfigError, differing_keys, require, to_mapping
 from fedsim.data import FederatedDataset, build_dataset
 from fedsim.engine import (
     ClientStateStore,
@@ -55,7 +55,7 @@ from fedsim.engine.app_grid import AppGrid
 from fedsim.engine.client_registry import ClientRegistry
 from fedsim.engine.committee import Committee, committee_for
 from fedsim.engine.dmm_committee import CommitteeHost, committee_host_for
-from fedsim.engine.participation import TRAIN, CohortModel
+from fedsim.engine.participation import TRAIN, CohortModel, secret_cohorts
 from fedsim.engine.rounds import RoundOutcome, run_rounds
 from fedsim.models import (
     ModelSpec,
@@ -67,7 +67,7 @@ from fedsim.models import (
 )
 from fedsim.personalised_run import PersonalisedParts, personalised_parts
 from fedsim.progress import Cadence, RunProgress
-from fedsim.randomness import RunSecret, outside_run_dir
+from fedsim.randomness import PartySecret, RunSecret, outside_run_dir
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.results import RoundRecorder, RunWriter, metrics_dict, read_rounds
 from fedsim.run_config import ExperimentConfig, is_personalised
@@ -88,15 +88,31 @@ from strategies.seeded_sampling import SeededSampling
 from strategies.server_secret import bind_parties
 
 
-def participation_for(config: ExperimentConfig, population: int) -> CohortModel:
+def participation_for(
+    config: ExperimentConfig, population: int, server: PartySecret | None = None
+) -> CohortModel:
     """The engine's cohort model for this config (personalised strategies: the reporting
-    clients' draw; every client stays reachable, see :func:`engine_participation`)."""
+    clients' draw; every client stays reachable, see :func:`engine_participation`). A strategy
+    whose epsilon credits amplification by sampling draws its uniform or Poisson cohorts from
+    the server's own secret (``server``): cohorts recomputable from the public seed would let
+    a client know the rounds it was in, against which no amplification holds."""
     k = config.strategy.clients_per_round
     if config.strategy.sampling == "poisson":
-        return PoissonCohort(population, k / population, config.seed)
-    if config.strategy.sampling == "min-separation":
+        model: CohortModel = PoissonCohort(population, k / population, config.seed)
+    elif config.strategy.sampling == "min-separation":
         return MinSeparationCohort(population, max(1, round(population / k)), config.seed)
-    return UniformCohort(population, k, config.seed)
+    else:
+        model = UniformCohort(population, k, config.seed)
+    if not spec_for(config.strategy.name).amplified_by_sampling:
+        return model
+    require(
+        server is not None,
+        "strategy.sampling",
+        config.strategy.sampling,
+        f"cohorts drawn from the server's secret for {config.strategy.name}, whose epsilon "
+        "credits amplification by sampling (no server secret was given)",
+    )
+    return secret_cohorts(model, server)
 
 
 def engine_participation(config: ExperimentConfig, participation: CohortModel) -> CohortModel:
@@ -123,9 +139,12 @@ def model_spec(config: ExperimentConfig, dataset: FederatedDataset) -> ModelSpec
     )
 
 
-def trained_clients(config: ExperimentConfig, population: int, rounds: int) -> np.ndarray:
-    """Sorted client indices in at least one training cohort of rounds ``1..rounds``."""
-    participation = participation_for(config, population)
+def trained_clients(
+    config: ExperimentConfig, population: int, rounds: int, server: PartySecret | None = None
+) -> np.ndarray:
+    """Sorted client indices in at least one training cohort of rounds ``1..rounds``
+    (``server``: the run's server secret, which secret cohorts are drawn from)."""
+    participation = participation_for(config, population, server)
     seen = np.zeros(population, dtype=bool)
     for r in range(1, rounds + 1):
         seen[participation.cohort(r, TRAIN)] = True
@@ -151,7 +170,7 @@ def load_finished_run(
             f"a finished `fedsim run` directory; it has no {', '.join(missing)} "
             f"(missing: {', '.join(str(path / n) for n in missing)})",
         )
-    _, data = authenticated_config(path, secrets)
+    run_root, data = authenticated_config(path, secrets)
     try:
         config = ExperimentConfig.from_dict(json.loads(data))
         summary = json.loads((path / SUMMARY_FILE).read_text())
@@ -168,7 +187,7 @@ def load_finished_run(
             "RUN_DIR", str(run_dir), f"a {MODEL_FILE} that fits the saved config's model ({err})"
         ) from err
     rounds = int(summary.get("rounds", config.rounds))
-    clients = trained_clients(config, dataset.num_clients, rounds)
+    clients = trained_clients(config, dataset.num_clients, rounds, run_root.root.server())
     return FinishedRun(path, config, arrays, summary, dataset, model, rounds, clients)
 
 
@@ -318,7 +337,9 @@ def set_up_run(run: ExperimentRun, engine: Engine | None) -> None:
     run.spec = None if run.personal else model_spec(config, run.dataset)
     if run.spec is not None:
         check_model(run.spec)
-    run.participation = participation_for(config, run.dataset.num_clients)
+    run.participation = participation_for(
+        config, run.dataset.num_clients, run.secrets.root.server()
+    )
     if run.checkpoint is not None:
         run.strategy, run.arrays = run.checkpoint.strategy, to_record(run.checkpoint.arrays)
     else:

@@ -726,4 +726,5 @@ SPEC = StrategySpec(
         command="dp-fedavg",
     ),
     proximal=_proximal,
+    amplified_by_sampling=True,
 )

@@ -97,6 +97,9 @@ class StrategySpec:
             reachable every round and the strategy draws its reporting clients itself.
         proximal: whether, with these options, its clients must add a proximal term
             (FedProx), which DP-SGD, LoRA, constrained and client-method training lack.
+        amplified_by_sampling: its epsilon credits amplification by the cohorts' sampling, so
+            under ``fedsim run`` its uniform and Poisson cohorts are the server's secret draw
+            (a client that knows the seed cannot tell which rounds it was in).
         secure_replies: whether, with these options, its clients reply nothing
             data-dependent outside the mechanism, so that federated evaluation (each client's
             un-noised metrics, straight to the server) needs ``[privacy] metrics_in_clear``.
@@ -110,6 +113,7 @@ class StrategySpec:
     personalised: bool = False
     proximal: Callable[[Mapping[str, Any]], bool] = _no_proximal_term
     secure_replies: Callable[[Mapping[str, Any]], bool] = _no_proximal_term
+    amplified_by_sampling: bool = False
 
     @property
     def private(self) -> bool:

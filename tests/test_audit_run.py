@@ -110,8 +110,10 @@ def test_audit_options_and_the_dp_epsilon(runs, tmp_path):
 
 
 def test_members_follow_the_cohorts(runs):
-    config = load_finished_run(runs["noisy"]).config
-    assert trained_clients(config, 4, 1).tolist() == [0, 1, 2, 3]
+    finished = load_finished_run(runs["noisy"])
+    assert finished.clients.tolist() == [0, 1, 2, 3]  # 4 of 4, drawn from the server's secret
+    with pytest.raises(ConfigError, match="strategy.sampling"):
+        trained_clients(finished.config, 4, 1)  # no server secret: the cohorts are not known
 
 
 def test_audit_errors_name_what_is_wrong(runs, tmp_path, capsys):
