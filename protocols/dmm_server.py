@@ -334,6 +334,7 @@ class DMMServer:
             dim=self.dim,
             session_id=session,
             member_keys=keys,
+            member_proofs=_key_proofs(self.pool, keys),
         )
         self._open = _Round(round_keys, faults, transcript, rejected, self.holders)
         return round_keys
@@ -671,9 +672,18 @@ class DMMServer:
             )
         if not keep:
             return new_commit(new, holders), 0
-        if session is not None:
-            self.pool.broadcast("connect", {NEW_ID_BASE + j: k for j, k in new_keys.items()})
-            new.broadcast("connect", {OLD_ID_BASE + i: k for i, k in old_keys.items()})
+        if session is not None:  # each side checks the other's keys against their proofs
+            new_proofs, old_proofs = _key_proofs(new, new_keys), _key_proofs(self.pool, old_keys)
+            self.pool.broadcast(
+                "connect",
+                {NEW_ID_BASE + j: k for j, k in new_keys.items()},
+                {NEW_ID_BASE + j: p for j, p in new_proofs.items()},
+            )
+            new.broadcast(
+                "connect",
+                {OLD_ID_BASE + i: k for i, k in old_keys.items()},
+                {OLD_ID_BASE + i: p for i, p in old_proofs.items()},
+            )
         attempts = self._deal_until_verified(
             round_, len(keep), candidates, holders, faults, transcript, new
         )
@@ -886,6 +896,18 @@ def new_commit(pool, holders) -> list[int]:
     answers = pool.broadcast("commit")
     held = sorted({int(s) for part in answers if isinstance(part, list) for s in part})
     return [s for s in held if s in holders]
+
+
+def _key_proofs(pool, keys: Mapping[int, bytes]) -> dict[int, bytes]:
+    """Seat -> the enrolment proof ``pool``'s members gave for the key they announced (relayed
+    as given: the receivers check them), for the seats in ``keys``."""
+    proofs: dict[int, bytes] = {}
+    for answer in pool.broadcast("key_proofs"):
+        if isinstance(answer, Mapping):
+            proofs.update(
+                {int(s): p for s, p in answer.items() if s in keys and isinstance(p, bytes)}
+            )
+    return dict(sorted(proofs.items()))
 
 
 def _union(answers) -> set[int]:

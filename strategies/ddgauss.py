@@ -91,6 +91,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedsim.config import ConfigError
+from fedsim.engine.client_registry import enrolled, member_name
 from fedsim.engine.committee import Committee, CommitteeSpec
 from fedsim.privacy import ddgauss as ddgauss_privacy
 from fedsim.privacy.accounting import NeighbouringRelation, PrivacyLedger
@@ -210,6 +211,8 @@ def committee_keys_config(keys: CommitteeKeys, party: int) -> dict[str, Any]:
         "member-keys": list(keys.member_keys),
         "party": int(party),
     }
+    if keys.member_proofs:
+        values["member-proofs"] = list(keys.member_proofs)
     return {COMMITTEE_PREFIX + name: value for name, value in values.items()}
 
 
@@ -230,6 +233,7 @@ def committee_keys_from(config: ConfigRecord) -> tuple[CommitteeKeys, int]:
         field_exponent=int(config[COMMITTEE_PREFIX + "field-exponent"]),
         session_id=config[COMMITTEE_PREFIX + "session"],
         member_keys=tuple(member_keys),
+        member_proofs=tuple(config.get(COMMITTEE_PREFIX + "member-proofs", [])),
     )
     return keys, int(config[COMMITTEE_PREFIX + "party"])
 
@@ -258,17 +262,26 @@ def sealed_from(record: object) -> SealedInput:
 
 
 def _committee_content(
-    secret: PartySecret, config: ConfigRecord, elements: np.ndarray, server_round: int
+    secret: PartySecret,
+    config: ConfigRecord,
+    elements: np.ndarray,
+    server_round: int,
+    node_config: Mapping[str, Any],
 ) -> RecordDict:
     """Committee mode on the client: share ``elements`` and seal each member's row, with
-    share randomness and key from the client's own ``secret``."""
+    share randomness and key from the client's own ``secret``. An enrolled client (its
+    ``node_config``) first checks that every member key was signed by member j itself
+    (:func:`protocols.committee_client.check_member_keys`): a substituted key is refused."""
     keys, party = committee_keys_from(config)
+    enrolment = enrolled(node_config, secret)
     sealed = seal_input(
         keys,
         party,
         elements,
         secret.generator(server_round, Purpose.SHARES, PREFIX),
         secret.seed_bytes(server_round, Purpose.KEYS, PREFIX, keys.session_id.hex()),
+        verifier=None if enrolment is None else enrolment[1],
+        names=[member_name(j) for j in range(keys.n)],
     )
     return RecordDict({SEALED_KEY: sealed_record(sealed)})
 
@@ -321,7 +334,9 @@ def ddgauss_client_app(
             signed = encoder.field.decode_signed(encoded.elements)
             content = start_client(context, server_round, config[PREFIX + "session"], signed)
         elif mode == "committee":
-            content = _committee_content(secret, config, encoded.elements, server_round)
+            content = _committee_content(
+                secret, config, encoded.elements, server_round, context.node_config
+            )
         else:
             content = RecordDict({ENCODED_KEY: to_record({ENCODED_KEY: encoded.elements})})
         if metrics_in_clear:

@@ -12,7 +12,10 @@ strategy never holds the root. Member c's secret is ``secrets.client(c)`` -- the
 client has as a trainer -- handed to the actor that hosts it as a token; from it the member
 derives its channel keys (``seed_bytes(round, Purpose.KEYS, "dmm", role)``) and its resharing
 randomness (``generator(round, Purpose.RESHARE, "dmm")``), and it seals its own state
-(:meth:`fedsim.randomness.PartySecret.seal`).
+(:meth:`fedsim.randomness.PartySecret.seal`). Member c is enrolled as ``client/c`` by the
+registry's :class:`fedsim.engine.client_registry.Enrolment` (from the same root): it signs every
+channel key it announces, and as a dealer checks the next committee's keys against the
+authority before it deals (:class:`protocols.dmm_member.MemberGroup`).
 
 Custody. A member's state (its shares of the open rows' partial sums) is its own: after every
 round the host stores each holder's state sealed under that member's secret in a
@@ -39,7 +42,12 @@ from typing import Any
 
 import numpy as np
 
-from fedsim.engine.client_registry import NODE_ID_OFFSET
+from fedsim.engine.client_registry import (
+    NODE_ID_OFFSET,
+    client_name,
+    enrolment_for,
+    identity_seed,
+)
 from fedsim.engine.committee import shard_actor
 from fedsim.engine.faults import FaultConfig
 from fedsim.engine.state import ClientStateStore
@@ -110,12 +118,24 @@ class HostedMembers:
     and seals / opens each seat's state under it.
     """
 
-    def __init__(self, seats, clients, tokens, member_kwargs: Mapping[str, Any]) -> None:
-        self.group = MemberGroup(seats, **member_kwargs)
+    def __init__(
+        self, seats, clients, tokens, member_kwargs: Mapping[str, Any], enrolment=None
+    ) -> None:
+        """``enrolment``: (the authority's public key, each seat's certificate as bytes), or
+        None when the members are enrolled nowhere."""
         self.clients = {int(s): int(c) for s, c in zip(seats, clients)}
         self.secrets = {
             int(s): PartySecret.from_token(token, "client") for s, token in zip(seats, tokens)
         }
+        enrolled: dict[str, Any] = {}
+        if enrolment is not None:
+            authority, certificates = enrolment
+            enrolled["authority"] = authority
+            enrolled["identities"] = {
+                int(s): (identity_seed(self.secrets[int(s)]), cert)
+                for s, cert in zip(seats, certificates)
+            }
+        self.group = MemberGroup(seats, **member_kwargs, **enrolled)
         self._rngs: dict[int, np.random.Generator] = {}
 
     def _keys(self, round_: int, role: str) -> dict[int, bytes]:
@@ -184,8 +204,8 @@ class CommitteeActor:
     def __init__(self) -> None:
         self.hosted: dict[str, HostedMembers] = {}
 
-    def open(self, key, seats, clients, tokens, member_kwargs) -> None:
-        self.hosted[key] = HostedMembers(seats, clients, tokens, member_kwargs)
+    def open(self, key, seats, clients, tokens, member_kwargs, enrolment=None) -> None:
+        self.hosted[key] = HostedMembers(seats, clients, tokens, member_kwargs, enrolment)
 
     def call(self, key: str, method: str, args: tuple) -> Any:
         return self.hosted[key].call(method, args)
@@ -356,6 +376,19 @@ class CommitteeHost:
             return PartySecret.fresh("client").token()
         return self._secrets.client(int(client)).token()
 
+    def _enrolment(self, clients: Sequence[int]) -> tuple[bytes, list[bytes]] | None:
+        """The authority's public key and each member client's certificate (``client/c``,
+        its identity from its own secret), or None without the run's root."""
+        if self._secrets is None:
+            return None
+        enrolment = enrolment_for(self._secrets)
+        certificates = [
+            enrolment.identity(client_name(c), self._secrets.client(int(c)))
+            .certificate.to_bytes()
+            for c in clients
+        ]
+        return enrolment.public_key, certificates
+
     def _actor(self, g: int) -> Any:
         """Actor g, replaced by a fresh one if it died."""
         while len(self._handles) <= g:
@@ -384,6 +417,7 @@ class CommitteeHost:
                 [members[s] for s in seats],
                 [self._token(members[s]) for s in seats],
                 dict(member_kwargs),
+                self._enrolment([members[s] for s in seats]),
             )
             if self.actors:
                 handle = self._actor(g)

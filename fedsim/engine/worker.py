@@ -30,7 +30,7 @@ from flwr.common.constant import NUM_PARTITIONS_KEY, PARTITION_ID_KEY, ErrorCode
 from flwr.supercore.object_ref import load_app
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedsim.engine.client_registry import NODE_ID_OFFSET
+from fedsim.engine.client_registry import NODE_ID_OFFSET, enrolment_for
 from fedsim.randomness import NODE_SECRET_KEY, RunSecret
 from fedsim.record_codec import content_nbytes, records_of
 from fedsim.worker_reduce import FOLDS_KEY, MetricSums, Reducer, ReductionError, is_partial
@@ -95,11 +95,15 @@ class RunSpec:
 
     def node_config(self, node_id: int, secrets: RunSecret | None) -> dict[str, Any]:
         """Client ``node_id``'s ``node_config``: its partition, the number of partitions and,
-        when the run has a root, its own secret (:data:`~fedsim.randomness.NODE_SECRET_KEY`)."""
+        when the run has a root, its own secret (:data:`~fedsim.randomness.NODE_SECRET_KEY`)
+        and its enrolment (the authority's public key and its certificate,
+        :meth:`fedsim.engine.client_registry.Enrolment.node_entries`)."""
         partition = node_id - NODE_ID_OFFSET
         config: dict[str, Any] = {PARTITION_ID_KEY: partition, NUM_PARTITIONS_KEY: self.num_clients}
         if secrets is not None:
-            config[NODE_SECRET_KEY] = secrets.client(partition).token()
+            own = secrets.client(partition)
+            config[NODE_SECRET_KEY] = own.token()
+            config.update(enrolment_for(secrets).node_entries(partition, own))
         config[FOLDS_KEY] = True  # replies to a confidential reducer never leave unfolded
         return config
 
