@@ -644,7 +644,7 @@ class DMMServer:
             next_pool.close()
             self.holders = tuple(dealers)
             output.holders, output.handed_over = self.holders, False
-            output.handoff_error = str(error)
+            output.handoff_error = str(error) + _deal_refusal(self.pool)
             return
         self.pool.broadcast("retire")
         self.pool.close()
@@ -896,6 +896,13 @@ def new_commit(pool, holders) -> list[int]:
     answers = pool.broadcast("commit")
     held = sorted({int(s) for part in answers if isinstance(part, list) for s in part})
     return [s for s in held if s in holders]
+
+
+def _deal_refusal(pool) -> str:
+    """Why the old committee's last refusing dealer refused (a key it could not verify, ...),
+    for the hand-off's error; empty when none refused."""
+    reasons = [r for _, method, r in getattr(pool, "refusals", ()) if method == "deal"]
+    return f"; a dealer refused: {reasons[-1]}" if reasons else ""
 
 
 def _key_proofs(pool, keys: Mapping[int, bytes]) -> dict[int, bytes]:

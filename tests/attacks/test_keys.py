@@ -1,0 +1,403 @@
+"""The server that relays public keys substitutes its own (an active key relay).
+
+Committee mode (DDGauss), DMM (SHARE and the RESHARE hand-off) and SecAgg+ all relay the
+parties' X25519 keys through the server. A server that hands a client its own keys in place of
+t + k members' (or of ``threshold`` neighbours') opens the client's sealed rows and reconstructs
+its input, then re-seals to the real members so that the round completes. Keys bound at
+enrolment (:mod:`protocols.channels`, "Authenticated keys") make the client refuse before it
+seals anything, naming the member whose key was substituted. Each test first plays the attack
+against a client that takes keys as relayed, and shows the server recovers the input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from fedsim.engine.client_registry import (
+    Enrolment,
+    client_name,
+    enrolment_for,
+    identity_seed,
+    member_name,
+)
+from fedsim.engine.committee import Committee
+from fedsim.randomness import RunSecret
+from protocols import dmm, secagg
+from protocols.channels import SERVER_ID, Endpoint, KeySubstitution
+from protocols.committee import CHANNEL_PROTOCOL, MEMBER_ID_BASE, CommitteeStage
+from protocols.committee_client import seal_input
+from protocols.dmm import DMMStage, Schedule
+from protocols.dmm_client import seal_client_shares
+from protocols.dmm_member import MemberPool
+from protocols.dmm_server import DMMServer
+from protocols.field import DEFAULT_FIELD
+from protocols.resharing import NEW_ID_BASE
+from protocols.secagg import (
+    CHUNKS_PER_SECRET,
+    SecAggConfig,
+    Stage,
+    elements_to_secret,
+    raw_public_key,
+    shamir_scheme,
+)
+from protocols.secagg_client import SecAggClient
+from protocols.secagg_server import SecAggServer, run_secagg
+from protocols.shamir import PackedShamir
+
+
+@pytest.fixture
+def root() -> RunSecret:
+    return RunSecret.fresh()
+
+
+def _identity(enrolment: Enrolment, root: RunSecret, client: int):
+    return enrolment.identity(client_name(client), root.client(client))
+
+
+# ------------------------------------------------------------------------- committee mode
+def _committee(root: RunSecret, n=7, t=2, k=2) -> Committee:
+    secrets = {m: root.member(m) for m in range(n)}
+    return Committee(n, t, k, shards=2, member_secrets=secrets, enrolment=enrolment_for(root))
+
+
+def _substituted(keys, count: int):
+    """The server's own endpoints for members 0..count-1 and the keys it hands the client."""
+    evil = {
+        j: Endpoint(MEMBER_ID_BASE + j, keys.session_id, CHANNEL_PROTOCOL) for j in range(count)
+    }
+    member_keys = tuple(
+        evil[j].public_key if j in evil else key for j, key in enumerate(keys.member_keys)
+    )
+    return evil, dataclasses.replace(keys, member_keys=member_keys)
+
+
+def _open_rows(evil, sealed, party: int, round_: int, stage) -> dict[int, np.ndarray]:
+    rows = {}
+    for j, endpoint in evil.items():
+        endpoint.connect(party, sealed.public_key)
+        rows[j] = endpoint.open_array(sealed.envelopes[j], round_=round_, stage=stage)
+    return rows
+
+
+def test_committee_keys_substituted_by_the_server_are_refused_before_sealing(root):
+    committee = _committee(root)
+    scheme = committee.scheme
+    enrolment = enrolment_for(root)
+    vector = np.arange(1, 11, dtype=np.int64)
+    keys = committee.keys_for(1)
+    evil, forged = _substituted(keys, scheme.threshold)  # t + k = 4 members' keys
+    # the attack on a client that takes the keys as relayed: the server decodes its vector
+    blind = seal_input(forged, 3, vector, np.random.default_rng(1))
+    rows = _open_rows(evil, blind, 3, 1, CommitteeStage.SHARE)
+    members = sorted(rows)
+    recovered = scheme.reconstruct(np.stack([rows[j] for j in members]), members, vector.size)
+    np.testing.assert_array_equal(recovered, vector)
+    # an enrolled client checks the proofs first and seals nothing
+    verifier = enrolment.verifier()
+    names = [member_name(j) for j in range(scheme.n)]
+    with pytest.raises(KeySubstitution, match="committee member 0's public key is not the one"):
+        seal_input(forged, 3, vector, np.random.default_rng(1), verifier=verifier, names=names)
+    # stripping the proofs, or moving one member's proof and key to another seat, is refused
+    with pytest.raises(KeySubstitution, match="carry no enrolment proofs"):
+        seal_input(
+            dataclasses.replace(keys, member_proofs=()), 3, vector, np.random.default_rng(1),
+            verifier=verifier,
+        )
+    swapped = dataclasses.replace(
+        keys,
+        member_keys=(keys.member_keys[1], keys.member_keys[0], *keys.member_keys[2:]),
+        member_proofs=(keys.member_proofs[1], keys.member_proofs[0], *keys.member_proofs[2:]),
+    )
+    with pytest.raises(KeySubstitution, match="committee member 0's key is signed by 'member/1'"):
+        seal_input(swapped, 3, vector, np.random.default_rng(1), verifier=verifier, names=names)
+    # the honest keys pass and the round releases the sum
+    sealed = {
+        c: seal_input(keys, c, vector * (c + 1), np.random.default_rng(c), verifier=verifier,
+                      names=names)
+        for c in range(3)
+    }
+    result = committee.run_round_sealed(1, sealed, vector.size)
+    np.testing.assert_array_equal(result.aggregate[: vector.size], vector * 6)
+
+
+def test_a_certificate_the_registry_did_not_issue_is_refused(root):
+    """A server that enrols its own identities under its own authority gets nowhere: the
+    client pins the registry's authority key."""
+    committee = _committee(root)
+    keys = committee.keys_for(1)
+    rogue = Enrolment(RunSecret.fresh())
+    evil, forged = _substituted(keys, keys.n)
+    proofs = tuple(
+        rogue.identity(member_name(j), root.member(j)).prove(
+            CHANNEL_PROTOCOL, keys.session_id, MEMBER_ID_BASE + j, (forged.member_keys[j],)
+        )
+        for j in range(keys.n)
+    )
+    forged = dataclasses.replace(forged, member_proofs=proofs)
+    with pytest.raises(KeySubstitution, match="did not sign"):
+        seal_input(forged, 0, np.ones(4, np.int64), np.random.default_rng(0),
+                   verifier=enrolment_for(root).verifier())
+
+
+# ------------------------------------------------------------------------- DMM
+M = np.array([[1, 0, 0], [1, 1, 0], [0, 1, 1]], dtype=np.int64)  # banded: row 1 stays open
+DIM = 6
+
+
+def _dmm_pool(root, clients, scheme, server, checked=True):
+    enrolment = enrolment_for(root)
+    identities = {
+        s: (identity_seed(root.client(c)), _identity(enrolment, root, c).certificate.to_bytes())
+        for s, c in enumerate(clients)
+    }
+    authority = enrolment.public_key if checked else None
+    kwargs = dict(server.member_kwargs, identities=identities, authority=authority)
+    groups = [g.tolist() for g in np.array_split(np.arange(scheme.n), 2)]
+    return MemberPool(clients, groups, kwargs)
+
+
+def _dmm(root, n=7, t=2, k=2, checked=True):
+    scheme = PackedShamir(n, t, k)
+    server = DMMServer(scheme, Schedule(M), DIM)
+    server.attach(_dmm_pool(root, list(range(100, 100 + n)), scheme, server, checked))
+    return server
+
+
+def test_dmm_seat_keys_substituted_by_the_server_are_refused_before_sharing(root):
+    server = _dmm(root)
+    scheme = server.scheme
+    keys = server.open_round(0)
+    evil = {
+        j: Endpoint(dmm.MEMBER_ID_BASE + j, keys.session_id, dmm.PROTOCOL)
+        for j in range(scheme.threshold)
+    }
+    forged = dataclasses.replace(
+        keys,
+        member_keys={j: evil[j].public_key if j in evil else key
+                     for j, key in keys.member_keys.items()},
+    )
+    update = np.arange(-3, 3, dtype=np.int64)
+    noise = np.full((keys.rows, DIM), 7, dtype=np.int64)
+    # a client taking the keys as relayed: the server opens t + k rows, decodes update and noise
+    blind = seal_client_shares(forged, 5, update, noise, np.random.default_rng(2))
+    rows = {}
+    for j, endpoint in evil.items():
+        endpoint.connect(5, blind.public_key)
+        rows[j] = endpoint.open_array(blind.shares[j], round_=0, stage=DMMStage.SHARE)
+    seats = sorted(rows)
+    blocks = scheme.blocks_for(DIM)
+    opened = scheme.reconstruct(np.stack([rows[j] for j in seats]), seats, keys.width * scheme.k)
+    signed = scheme.field.decode_signed(opened)
+    np.testing.assert_array_equal(signed[:DIM], update)
+    np.testing.assert_array_equal(signed[blocks * scheme.k : blocks * scheme.k + DIM], noise[0])
+    # an enrolled client refuses
+    verifier = enrolment_for(root).verifier()
+    with pytest.raises(KeySubstitution, match="DMM seat 0's public key is not the one"):
+        seal_client_shares(forged, 5, update, noise, np.random.default_rng(2), verifier=verifier)
+    with pytest.raises(KeySubstitution, match="without enrolment proofs"):
+        seal_client_shares(
+            dataclasses.replace(keys, member_proofs={}), 5, update, noise,
+            np.random.default_rng(2), verifier=verifier,
+        )
+    # honest keys: the round releases update + noise summed over the clients
+    sealed = {
+        c: seal_client_shares(keys, c, update, noise, np.random.default_rng(c), verifier=verifier)
+        for c in range(3)
+    }
+    nxt = _dmm_pool(root, list(range(200, 200 + scheme.n)), scheme, server)
+    output = server.finish_round(sealed, nxt)
+    np.testing.assert_array_equal(output.release[0], 3 * update + 3 * noise[0])
+    assert output.handed_over
+
+
+class _SubstitutingPool:
+    """The old committee as the server reaches it: when it relays the next committee's keys
+    it hands over its own instead (the proofs relayed as they came)."""
+
+    def __init__(self, pool, evil) -> None:
+        self.pool, self.evil = pool, evil
+        self.groups = pool.groups
+
+        self.dealers: dict[int, bytes] = {}
+        self.deals: dict[int, list] = {}
+
+    def broadcast(self, method, *args):
+        if method == "connect" and args and any(p >= NEW_ID_BASE for p in args[0]):
+            peers = {p: (self.evil[p - NEW_ID_BASE].public_key if p - NEW_ID_BASE in self.evil
+                         else key) for p, key in args[0].items()}
+            args = (peers, *args[1:])
+        answers = self.pool.broadcast(method, *args)
+        if method == "announce_handoff":
+            for answer in answers:
+                self.dealers.update(answer or {})
+        return answers
+
+    def call(self, method, args_per_group):
+        answers = self.pool.call(method, args_per_group)
+        if method == "deal":
+            for answer in answers:
+                self.deals.update(answer or {})
+        return answers
+
+    def opened(self, round_) -> dict[int, set[int]]:
+        """new seat -> the dealers whose deal to it the server opened with its own key."""
+        out: dict[int, set[int]] = {}
+        for dealer, rows in self.deals.items():
+            for j, envelope in enumerate(rows):
+                if j not in self.evil:
+                    continue
+                endpoint = self.evil[j]
+                endpoint.connect(envelope.sender, self.dealers[dealer])
+                endpoint.open_array(envelope, round_=round_, stage=DMMStage.RESHARE)
+                out.setdefault(j, set()).add(dealer)
+        return out
+
+    def close(self):
+        self.pool.close()
+
+    def __getattr__(self, name):
+        return getattr(self.pool, name)
+
+
+@pytest.mark.parametrize("checked", [False, True])
+def test_dmm_handoff_keys_substituted_by_the_server_get_no_deal(root, monkeypatch, checked):
+    """RESHARE: the server hands the old committee its own keys for t + k seats of the next
+    one. Dealers that take keys as relayed deal to them: the server opens t + k seats' shares
+    of every open row's partial sum (the data, no noise). Enrolled dealers refuse, the
+    hand-off fails naming the cause, the old committee keeps the state and nothing is sealed
+    to the server's keys."""
+    server = _dmm(root, checked=checked)
+    scheme = server.scheme
+    update = np.arange(DIM, dtype=np.int64)
+    noise = np.zeros((1, DIM), dtype=np.int64)
+    verifier = enrolment_for(root).verifier()
+    keys = server.open_round(0)
+    sealed = {
+        c: seal_client_shares(keys, c, update, noise, np.random.default_rng(c), verifier=verifier)
+        for c in range(3)
+    }
+    nxt = _dmm_pool(root, list(range(200, 200 + scheme.n)), scheme, server, checked)
+    sessions = []
+    original = DMMServer._announce_handoff
+
+    def announce(self, round_, t, dealers, faults, transcript, new, session):
+        sessions.append(session)
+        return original(self, round_, t, dealers, faults, transcript, new, session)
+
+    monkeypatch.setattr(DMMServer, "_announce_handoff", announce)
+    server.pool = relay = _SubstitutingPool(server.pool, _LazyEvil(sessions, scheme.threshold))
+    output = server.finish_round(sealed, nxt)
+    np.testing.assert_array_equal(output.release[0], 3 * update)  # the release stands
+    if not checked:
+        opened = relay.opened(0)
+        assert len(opened) == scheme.threshold
+        assert all(len(dealers) >= scheme.threshold for dealers in opened.values())
+        return
+    assert not relay.deals and not output.handed_over
+    assert "a dealer refused: seat" in output.handoff_error
+    assert "not the one 'client/20" in output.handoff_error
+    assert server.holders  # the old committee keeps the state
+
+
+class _LazyEvil(dict):
+    """The server's endpoints for the first ``count`` seats of the next committee, made for
+    the hand-off's session once it is drawn."""
+
+    def __init__(self, sessions, count) -> None:
+        super().__init__()
+        self.sessions, self.count = sessions, count
+
+    def __contains__(self, j) -> bool:
+        return 0 <= j < self.count
+
+    def __getitem__(self, j):
+        if not dict.__contains__(self, j):
+            dict.__setitem__(self, j, Endpoint(NEW_ID_BASE + j, self.sessions[-1], dmm.PROTOCOL))
+        return dict.__getitem__(self, j)
+
+
+# ------------------------------------------------------------------------- SecAgg+
+def _secagg(root, n=6):
+    enrolment = enrolment_for(root)
+    identities = {i: _identity(enrolment, root, i) for i in range(1, n + 1)}
+    config = SecAggConfig(num_clients=n, degree=n - 1, threshold=3, vector_length=4)
+    return enrolment, identities, config
+
+
+def test_secagg_neighbour_keys_substituted_by_the_server_are_refused(root):
+    enrolment, identities, config = _secagg(root)
+    session = b"s" * 32
+    server = SecAggServer(config, range(1, 7), session, np.random.default_rng(0))
+    clients = {i: SecAggClient(session) for i in range(1, 7)}
+    keys = {i: c.advertise_keys() for i, c in clients.items()}
+    proofs = {i: clients[i].key_proof(identities[i]) for i in clients}
+    routed = server.advertise_keys(keys, proofs)
+    # for client 1 the server puts its own keys in place of `threshold` neighbours'
+    target, neighbours = 1, sorted(routed[1])
+    swapped = neighbours[: config.threshold]
+    evil = {j: Endpoint(j, session, secagg.PROTOCOL) for j in swapped}
+    agreement = {j: SecAggClient(session) for j in swapped}  # their agreement keys too
+    forged = {
+        j: (evil[j].public_key, agreement[j].public_keys[1]) if j in evil else keys_
+        for j, keys_ in routed[target].items()
+    }
+    # a client taking keys as relayed shares its secrets to the server
+    blind = SecAggClient(session, seed=clients[target]._seed)
+    blind.advertise_keys()
+    envelopes = blind.share_keys(target, config, forged)
+    recipients = sorted(forged)
+    rows, members = [], []
+    for envelope in envelopes:
+        if envelope.receiver in evil:
+            endpoint = evil[envelope.receiver]
+            endpoint.connect(target, clients[target].public_keys[0])
+            rows.append(endpoint.open_array(envelope, round_=0, stage=Stage.SHARE_KEYS))
+            members.append(recipients.index(envelope.receiver))
+    scheme = shamir_scheme(config, len(recipients))
+    secrets_ = scheme.reconstruct(np.stack(rows), members, 2 * CHUNKS_PER_SECRET)
+    agreement_key = elements_to_secret(secrets_[CHUNKS_PER_SECRET:])
+    rebuilt = X25519PrivateKey.from_private_bytes(agreement_key)
+    assert raw_public_key(rebuilt) == keys[target][1]  # the server holds both secrets of 1
+    # an enrolled client refuses, and nothing is sealed
+    with pytest.raises(KeySubstitution, match="not the one 'client/"):
+        clients[target].share_keys(
+            target, config, forged, proofs=server.proofs_for(target),
+            verifier=enrolment.verifier(), own=identities[target].name,
+        )
+    assert clients[target].stage is Stage.ABORTED
+    # another client's proof with the server's keys, or its own proof echoed back, is refused
+    echoed = {j: proofs[target] for j in routed[target]}
+    client = SecAggClient(session, seed=clients[2]._seed)
+    client.advertise_keys()
+    with pytest.raises(KeySubstitution):
+        client.share_keys(2, config, routed[2], proofs=echoed, verifier=enrolment.verifier(),
+                          own=identities[2].name)
+
+
+def test_secagg_round_with_enrolled_clients_sums_and_one_substitution_aborts_it(root):
+    enrolment, identities, config = _secagg(root)
+    inputs = {i: np.arange(4, dtype=np.int64) * i for i in range(1, 7)}
+    result = run_secagg(
+        config, inputs, np.random.default_rng(3), identities=identities,
+        verifier=enrolment.verifier(),
+    )
+    np.testing.assert_array_equal(result.aggregate, sum(inputs.values()) % DEFAULT_FIELD.modulus)
+
+    class Substituting(SecAggServer):
+        def advertise_keys(self, public_keys, proofs=None):
+            routed = super().advertise_keys(public_keys, proofs)
+            mine = Endpoint(SERVER_ID - 1, self.session_id, secagg.PROTOCOL).public_key
+            first = min(routed[1])
+            routed[1] = {**routed[1], first: (mine, routed[1][first][1])}
+            return routed
+
+    with pytest.raises(KeySubstitution, match="neighbour .*'s public key is not the one"):
+        run_secagg(
+            config, inputs, np.random.default_rng(3), identities=identities,
+            verifier=enrolment.verifier(), server_class=Substituting,
+        )
