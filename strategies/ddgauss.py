@@ -784,8 +784,10 @@ class DDGauss(LedgerShell):
             raise ValueError("'metrics' must be a MetricRecord")
         if self.mode == "full":
             record = content[KEYS_KEY]
-            if set(record) != {"channel", "agreement"}:
-                raise ValueError("public keys must be 'channel' and 'agreement'")
+            if set(record) - {"proof"} != {"channel", "agreement"}:
+                raise ValueError("public keys must be 'channel' and 'agreement' (and 'proof')")
+            if "proof" in record:  # relayed with the keys; the clients check it
+                return (record["channel"], record["agreement"], record["proof"])
             return (record["channel"], record["agreement"])
         if self.mode == "committee":
             return sealed_from(content[SEALED_KEY])

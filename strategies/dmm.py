@@ -55,6 +55,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedsim.config import ConfigError
+from fedsim.engine.client_registry import enrolled
 from fedsim.privacy import dmm as dmm_privacy
 from fedsim.privacy.accounting import NeighbouringRelation, PrivacyLedger
 from fedsim.privacy.matrix.factorization import Factorization
@@ -75,7 +76,7 @@ from protocols.dmm import (
     Schedule,
     StateLost,
 )
-from protocols.dmm_client import seal_client_shares, sharing_inputs
+from protocols.dmm_client import check_seat_keys, seal_client_shares, sharing_inputs
 from protocols.dmm_server import DMMServer, RoundOutput
 from protocols.encoding import (
     DEFAULT_BETA,
@@ -129,6 +130,8 @@ def round_keys_config(keys: RoundKeys, party: int) -> dict[str, Any]:
         "member-keys": [keys.member_keys[j] for j in seats],
         "party": int(party),
     }
+    if seats and set(seats) <= set(keys.member_proofs):  # relayed; the clients check them
+        out["member-proofs"] = [keys.member_proofs[j] for j in seats]
     return {SHARE_PREFIX + k: v for k, v in out.items()}
 
 
@@ -178,6 +181,7 @@ def _round_keys(config: ConfigRecord, rows: int) -> RoundKeys:
         dim=int(config[SHARE_PREFIX + "dim"]),
         session_id=bytes(config[SHARE_PREFIX + "session"]),
         member_keys=dict(zip(seats, (bytes(key) for key in member_keys))),
+        member_proofs=dict(zip(seats, map(bytes, config.get(SHARE_PREFIX + "member-proofs", ())))),
     )
 
 
@@ -272,6 +276,9 @@ def dmm_client_app(inner: ClientApp, metrics_in_clear: bool = False) -> ClientAp
                 )
             segments = [rounded.astype(np.int64), *noise.astype(np.int64)]
             shares = secret.generator(round_, Purpose.SHARES, "dmm")
+            enrolment = enrolled(context.node_config, secret)
+            if enrolment is not None:  # a substituted seat key: refuse before anything leaves
+                check_seat_keys(keys, enrolment[1])
             if SHARE_PREFIX + "cohort" in config and context.node_config.get(FOLDS_KEY) is True:
                 _, randomness = sharing_inputs(keys.scheme(), segments, shares)
                 fold = {"update": segments[0], "noise": noise.astype(np.int64)}

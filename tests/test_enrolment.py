@@ -1,0 +1,123 @@
+"""Enrolment: the registry's authority, the parties' identities and what node_config carries."""
+
+from __future__ import annotations
+
+import pytest
+
+from fedsim.engine.client_registry import (
+    AUTHORITY_KEY,
+    CERTIFICATE_KEY,
+    Enrolment,
+    client_name,
+    enrolled,
+    enrolment_for,
+    member_name,
+)
+from fedsim.engine.committee import CommitteeSpec
+from fedsim.randomness import RunSecret
+from protocols.channels import (
+    Certificate,
+    EnrolmentAuthority,
+    Identity,
+    KeySubstitution,
+    KeyVerifier,
+    key_statement,
+)
+from protocols.committee import CHANNEL_PROTOCOL, MEMBER_ID_BASE
+from protocols.committee_client import check_member_keys
+
+SESSION = b"s" * 32
+KEY = bytes(range(32))
+
+
+def test_the_authority_is_the_roots_and_the_same_wherever_the_root_is_read():
+    root = RunSecret.fresh()
+    again = RunSecret.from_transport(root.transport())
+    assert Enrolment(root).public_key == Enrolment(again).public_key
+    assert Enrolment(RunSecret.fresh()).public_key != Enrolment(root).public_key
+    assert enrolment_for(root) is enrolment_for(root)
+    with pytest.raises(ValueError, match="allowed: RunSecret"):
+        Enrolment(root.client(0))
+
+
+def test_node_config_entries_give_the_client_its_own_identity_and_the_pin():
+    root = RunSecret.fresh()
+    enrolment = Enrolment(root)
+    entries = enrolment.node_entries(4, root.client(4))
+    assert set(entries) == {AUTHORITY_KEY, CERTIFICATE_KEY}
+    identity, verifier = enrolled(entries, root.client(4))
+    assert identity.name == client_name(4) and verifier.authority == enrolment.public_key
+    proof = identity.prove(b"p", SESSION, 9, (KEY,))
+    assert verifier.check(
+        proof, protocol=b"p", session_id=SESSION, party_id=9, keys=(KEY,), who="x"
+    ) == "client/4"
+    assert enrolled({}, root.client(4)) is None
+    with pytest.raises(ValueError, match=CERTIFICATE_KEY):  # another client's certificate
+        enrolled(entries, root.client(5))
+    with pytest.raises(ValueError, match=AUTHORITY_KEY):
+        enrolled({**entries, AUTHORITY_KEY: "zz"}, root.client(4))
+
+
+def test_a_proof_binds_protocol_session_channel_and_every_key():
+    authority = EnrolmentAuthority(bytes(32))
+    identity = authority.identity("client/1", b"\x01" * 32)
+    verifier = KeyVerifier(authority.public_key)
+    proof = identity.prove(b"p", SESSION, 3, (KEY, KEY[::-1]))
+    base = dict(protocol=b"p", session_id=SESSION, party_id=3, keys=(KEY, KEY[::-1]), who="w")
+    assert verifier.check(proof, **base) == "client/1"
+    for change in (
+        {"protocol": b"q"},
+        {"session_id": b"t" * 32},
+        {"party_id": 4},
+        {"keys": (KEY,)},
+        {"keys": (KEY[::-1], KEY)},
+    ):
+        with pytest.raises(KeySubstitution, match="w's public key is not the one 'client/1'"):
+            verifier.check(proof, **{**base, **change})
+    with pytest.raises(KeySubstitution, match="signed by 'client/1', not 'client/2'"):
+        verifier.check(proof, **base, name="client/2")
+    with pytest.raises(KeySubstitution, match="carries no enrolment proof"):
+        verifier.check(b"", **base)
+    with pytest.raises(KeySubstitution, match="malformed"):
+        verifier.check(b"\x00\x05" + bytes(70), **base)
+    forged = Certificate("client/1", identity.certificate.identity, bytes(64))
+    with pytest.raises(KeySubstitution, match="did not sign"):
+        verifier.check(forged.to_bytes() + proof[-64:], **base)
+    with pytest.raises(ValueError, match="for another key"):
+        Identity.from_seed(b"\x02" * 32, identity.certificate)
+    assert key_statement(b"p", SESSION, None, (KEY,)) != key_statement(b"p", SESSION, 0, (KEY,))
+
+
+def test_secrets_of_the_authority_and_the_identities_are_never_pickled():
+    import pickle
+
+    root = RunSecret.fresh()
+    enrolment = Enrolment(root)
+    for held in (enrolment, enrolment.authority, enrolment.identity("client/0", root.client(0))):
+        with pytest.raises(TypeError, match="never pickled"):
+            pickle.dumps(held)
+
+
+def test_a_committee_built_from_the_root_signs_every_member_key():
+    root = RunSecret.fresh()
+    committee = CommitteeSpec(6, 2, 2).build(root)
+    keys = committee.keys_for(3)
+    verifier = enrolment_for(root).verifier()
+    names = check_member_keys(keys, verifier, [member_name(j) for j in range(6)])
+    assert names == [member_name(j) for j in range(6)]
+    assert all(
+        verifier.check(
+            keys.member_proofs[j],
+            protocol=CHANNEL_PROTOCOL,
+            session_id=keys.session_id,
+            party_id=MEMBER_ID_BASE + j,
+            keys=(keys.member_keys[j],),
+            who=f"member {j}",
+        )
+        == member_name(j)
+        for j in range(6)
+    )
+    other = enrolment_for(RunSecret.fresh()).verifier()  # another run's authority
+    with pytest.raises(KeySubstitution, match="did not sign"):
+        check_member_keys(keys, other)
+    assert CommitteeSpec(6, 2, 2).build(None).keys_for(1).member_proofs == ()
