@@ -466,6 +466,8 @@ KEY_LABEL = b"fedsim/enrolment/keys/v1"
 SIGNATURE_BYTES = 64
 NO_PARTY = 2**64 - 1
 """The channel id a key statement binds when the id is assigned only later (SecAgg+)."""
+_KNOWN_CERTIFICATES = 1 << 16
+"""Verified certificates a :class:`KeyVerifier` remembers (then it starts afresh)."""
 
 
 def _raw(key: Ed25519PrivateKey | Ed25519PublicKey) -> bytes:
@@ -631,6 +633,8 @@ class KeyVerifier:
                     f"{who}'s key proof names {certificate.name!r} under a certificate the "
                     "enrolment authority did not sign"
                 ) from None
+            if len(self._known) >= _KNOWN_CERTIFICATES:
+                self._known.clear()
             known = self._known[encoded] = (certificate.name, identity)
         enrolled, identity = known
         if name is not None and enrolled != name:

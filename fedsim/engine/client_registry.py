@@ -162,6 +162,20 @@ def enrolment_for(secrets: RunSecret) -> Enrolment:
     return held[1]
 
 
+_VERIFIERS: OrderedDict[bytes, KeyVerifier] = OrderedDict()
+
+
+def _verifier(authority: bytes) -> KeyVerifier:
+    """One :class:`KeyVerifier` per authority key in this process, so that the certificates
+    it has checked are not checked again in later rounds (a few recent authorities kept)."""
+    verifier = _VERIFIERS.get(authority)
+    if verifier is None:
+        verifier = _VERIFIERS[authority] = KeyVerifier(authority)
+        if len(_VERIFIERS) > 8:
+            _VERIFIERS.popitem(last=False)
+    return verifier
+
+
 def enrolled(
     node_config: Mapping[str, Any], secret: PartySecret
 ) -> tuple[Identity, KeyVerifier] | None:
@@ -172,7 +186,7 @@ def enrolled(
     if authority is None and certificate is None:
         return None
     try:
-        verifier = KeyVerifier(bytes.fromhex(str(authority)))
+        verifier = _verifier(bytes.fromhex(str(authority)))
         identity = Identity.from_seed(
             identity_seed(secret), Certificate.from_bytes(bytes.fromhex(str(certificate)))
         )
