@@ -27,6 +27,8 @@ parties signed for this session and seat (:func:`check_seat_keys`); a substitute
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 
 from protocols.channels import Endpoint, KeySubstitution, KeyVerifier
@@ -160,6 +162,16 @@ def check_seat_keys(keys: RoundKeys, verifier: KeyVerifier) -> list[str]:
         for j, key in sorted(keys.member_keys.items())
     ]
     return verifier.check_all(entries, protocol=PROTOCOL, session_id=keys.session_id)
+
+
+def keys_digest(keys: RoundKeys) -> bytes:
+    """SHA-256 of the round's session, seats and seat keys: what a client that checked the
+    keys hands a worker's fold, so that the fold seals only to the keys its clients checked."""
+    digest = hashlib.sha256(b"fedsim/dmm/seat-keys/v1")
+    digest.update(keys.session_id or b"")
+    for j, key in sorted(keys.member_keys.items()):
+        digest.update(int(j).to_bytes(8, "big") + key)
+    return digest.digest()
 
 
 def seal_rows(

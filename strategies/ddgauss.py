@@ -99,7 +99,7 @@ from fedsim.privacy.mechanisms import SecureRandom, discrete_gaussian
 from fedsim.randomness import PartySecret, Purpose, Stream, client_secret, public_generator
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.worker_reduce import single
-from protocols.channels import new_session_id
+from protocols.channels import KeySubstitution, new_session_id
 from protocols.committee import (
     MEMBER_ID_BASE,
     CommitteeAbort,
@@ -529,6 +529,8 @@ class DDGauss(LedgerShell):
         self.last_survivors: tuple[int, ...] = ()
         self.last_rejected: dict[int, str] = {}
         self.last_abort: str | None = None
+        #: node -> why it refused the keys the server relayed (this round's train replies)
+        self.last_key_refusals: dict[int, str] = {}
         self.last_stage: str | None = None
         self.last_opened: tuple[int, ...] = ()
         #: rounds that aborted after the server held their sum (accounted): round, clients,
@@ -751,9 +753,14 @@ class DDGauss(LedgerShell):
         rejected: dict[int, str] = {}
         clear: dict[int, MetricRecord] = {}
         seen: set[int] = set()
+        self.last_key_refusals = {}
         for reply in replies:
-            if reply.has_error():
-                continue  # the client failed: a dropout
+            if reply.has_error():  # the client failed: a dropout (or refused a relayed key)
+                reason = str(getattr(reply.error, "reason", ""))
+                if reason.startswith(KeySubstitution.__name__):
+                    node = int(reply.metadata.src_node_id)
+                    self.last_key_refusals[node] = reason.splitlines()[0][:500]
+                continue
             node = int(reply.metadata.src_node_id)
             try:
                 if node not in self._asked or node in seen:
@@ -870,6 +877,21 @@ class DDGauss(LedgerShell):
         if clear:
             self._unaccounted(server_round, f"train metrics of {len(clear)} clients in the clear")
         release = self._release(server_round, payloads)
+        refusals = dict(self.last_key_refusals)
+        refusals.update(
+            {n: r for n, r in release.refused.items() if KeySubstitution.__name__ in r}
+        )
+        if refusals:  # a key relay that substitutes keys is named, never a silent dropout
+            node, reason = sorted(refusals.items())[0]
+            log.warning(
+                "round %d: %d clients refused keys relayed by the server (node %d: %s)",
+                server_round, len(refusals), node, reason,
+            )
+            if release.total is None:
+                release.aborted = (
+                    f"{release.aborted}; {len(refusals)} clients refused relayed keys "
+                    f"(node {node}: {reason})"
+                )
         rejected.update(release.rejected)
         for node, reason in sorted(rejected.items()):
             log.warning("round %d: DDGauss rejected node %d: %s", server_round, node, reason)
@@ -882,6 +904,7 @@ class DDGauss(LedgerShell):
                 "rejected": sorted(rejected),
                 "ddgauss-rejected": len(rejected),
                 "ddgauss-refused": len(release.refused),
+                "ddgauss-key-refusals": len(refusals),
             }
         )
         self.last_opened = release.opened

@@ -76,7 +76,12 @@ from protocols.dmm import (
     Schedule,
     StateLost,
 )
-from protocols.dmm_client import check_seat_keys, seal_client_shares, sharing_inputs
+from protocols.dmm_client import (
+    check_seat_keys,
+    keys_digest,
+    seal_client_shares,
+    sharing_inputs,
+)
 from protocols.dmm_server import DMMServer, RoundOutput
 from protocols.encoding import (
     DEFAULT_BETA,
@@ -283,6 +288,8 @@ def dmm_client_app(inner: ClientApp, metrics_in_clear: bool = False) -> ClientAp
                 _, randomness = sharing_inputs(keys.scheme(), segments, shares)
                 fold = {"update": segments[0], "noise": noise.astype(np.int64)}
                 fold["randomness"] = randomness
+                if enrolment is not None:  # the fold seals only to the keys checked here
+                    fold["keys-digest"] = np.frombuffer(keys_digest(keys), dtype=np.uint8)
                 content = RecordDict({FOLD_KEY: to_record(fold)})
             else:
                 sealed = seal_client_shares(

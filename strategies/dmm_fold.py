@@ -24,6 +24,7 @@ seat refuses its envelope, its clients are all left out of the round.
 
 from __future__ import annotations
 
+import numpy as np
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedsim.record_codec import to_numpy
@@ -38,7 +39,7 @@ from fedsim.worker_reduce import (
 )
 from protocols.channels import Envelope
 from protocols.dmm import DMMSealedShares, RoundKeys
-from protocols.dmm_client import ShareFold, seal_rows
+from protocols.dmm_client import ShareFold, keys_digest, seal_rows
 
 FOLD_KEY = "dmm.fold"
 """A client's reply to its worker's fold: ArrayRecord ``update``, ``noise``, ``randomness``."""
@@ -111,6 +112,7 @@ class ShareFoldReducer(Reducer):
 class _ShareFoldAccumulator(Accumulator):
     def __init__(self, keys: RoundKeys, cohort: dict[int, int]) -> None:
         self.keys, self.cohort = keys, cohort
+        self.digest = keys_digest(keys)
         self.fold = ShareFold(keys)
         self.nodes: list[int] = []
         self.rejected: list[int] = []
@@ -127,6 +129,9 @@ class _ShareFoldAccumulator(Accumulator):
             return
         try:
             arrays = to_numpy(reply.content[FOLD_KEY])
+            checked = arrays.get("keys-digest")
+            if checked is not None and bytes(np.asarray(checked, np.uint8)) != self.digest:
+                raise ValueError("the client checked other seat keys than this fold's")
             self.fold.add(arrays["update"], arrays["noise"], arrays["randomness"])
         except (KeyError, ValueError, TypeError) as error:
             refuse(self.rejected, reply, f"unusable sharing inputs: {error}")
