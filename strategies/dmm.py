@@ -64,7 +64,7 @@ from fedsim.privacy.mechanisms import discrete_gaussian
 from fedsim.randomness import Purpose, Stream, client_secret, public_generator
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.worker_reduce import FOLDS_KEY, attach_reducer, is_partial, single
-from protocols.channels import Envelope, stage_label
+from protocols.channels import Envelope, KeySubstitution, stage_label
 from protocols.dmm import (
     MEMBER_ID_BASE,
     DMMFaults,
@@ -114,6 +114,17 @@ SHARE_PREFIX = "dmm.share."
 _KEYS = ("dim", "clip", "gamma", "beta", "max-tries", "rotation-seed", "noise-std", "rows", "mode")
 _SHARE_KEYS = ("round", "step", "n", "t", "k", "field-exponent", "dim", "session")
 _SHARE_KEYS += ("members", "member-keys", "party")
+
+
+def key_refusals(replies: Iterable[Message]) -> dict[int, str]:
+    """node -> why it refused the keys the server relayed (its error reply says
+    ``KeySubstitution``: a seat key no enrolled member signed)."""
+    out = {}
+    for reply in replies:
+        reason = str(getattr(reply.error, "reason", "")) if reply.has_error() else ""
+        if reason.startswith(KeySubstitution.__name__):
+            out[int(reply.metadata.src_node_id)] = reason.splitlines()[0][:500]
+    return out
 
 
 def round_keys_config(keys: RoundKeys, party: int) -> dict[str, Any]:
@@ -877,11 +888,22 @@ class DMM(LedgerShell):
         if self._global is None or self.encoder is None or not self._round:
             raise RuntimeError("aggregate_train called before configure_train")
         replies = list(replies)
+        refusals = key_refusals(replies)
+        if refusals:  # clients that refused relayed keys are named, never silent dropouts
+            node, reason = sorted(refusals.items())[0]
+            log.warning(
+                "DMM round %s: %d clients refused keys relayed by the server (node %d: %s)",
+                server_round, len(refusals), node, reason,
+            )
+            metrics["dmm-key-refusals"] = len(refusals)
         valid, rejected = self._validate(replies)
         try:
             output = self._run_protocol(server_round, valid, rejected)
         except (RoundAborted, ReleaseTampering) as error:
-            return None, self._aborted(server_round, error, rejected, metrics)
+            aborted = self._aborted(server_round, error, rejected, metrics)
+            if refusals:
+                self.last_abort += f"; {len(refusals)} clients refused relayed keys ({reason})"
+            return None, aborted
         rejected.update(output.rejected)
         self.last_output, self.last_abort = output, None
         self._account(server_round)
