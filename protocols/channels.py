@@ -220,7 +220,9 @@ class Endpoint:
                 f"party {peer_id}'s public key is unusable (malformed, all-zero or low-order "
                 f"X25519 point): {err}"
             ) from None
-        send = self._directional_key(shared, self.party_id, self.public_key, peer_id, peer_public_key)
+        send = self._directional_key(
+            shared, self.party_id, self.public_key, peer_id, peer_public_key
+        )
         receive = self._directional_key(
             shared, peer_id, peer_public_key, self.party_id, self.public_key
         )

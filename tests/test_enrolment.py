@@ -10,7 +10,6 @@ from fedsim.engine.client_registry import (
     Enrolment,
     client_name,
     enrolled,
-    enrolment_for,
     member_name,
 )
 from fedsim.engine.committee import CommitteeSpec
@@ -35,7 +34,6 @@ def test_the_authority_is_the_roots_and_the_same_wherever_the_root_is_read():
     again = RunSecret.from_transport(root.transport())
     assert Enrolment(root).public_key == Enrolment(again).public_key
     assert Enrolment(RunSecret.fresh()).public_key != Enrolment(root).public_key
-    assert enrolment_for(root) is enrolment_for(root)
     with pytest.raises(ValueError, match="allowed: RunSecret"):
         Enrolment(root.client(0))
 
@@ -102,7 +100,7 @@ def test_a_committee_built_from_the_root_signs_every_member_key():
     root = RunSecret.fresh()
     committee = CommitteeSpec(6, 2, 2).build(root)
     keys = committee.keys_for(3)
-    verifier = enrolment_for(root).verifier()
+    verifier = Enrolment(root).verifier()
     names = check_member_keys(keys, verifier, [member_name(j) for j in range(6)])
     assert names == [member_name(j) for j in range(6)]
     assert all(
@@ -117,7 +115,7 @@ def test_a_committee_built_from_the_root_signs_every_member_key():
         == member_name(j)
         for j in range(6)
     )
-    other = enrolment_for(RunSecret.fresh()).verifier()  # another run's authority
+    other = Enrolment(RunSecret.fresh()).verifier()  # another run's authority
     with pytest.raises(KeySubstitution, match="did not sign"):
         check_member_keys(keys, other)
     assert CommitteeSpec(6, 2, 2).build(None).keys_for(1).member_proofs == ()

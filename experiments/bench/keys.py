@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from fedsim.engine.client_registry import client_name, enrolment_for, identity_seed, member_name
+from fedsim.engine.client_registry import Enrolment, client_name, identity_seed, member_name
 from fedsim.engine.committee import CommitteeSpec
 from fedsim.randomness import RunSecret
 from protocols.channels import new_session_id
@@ -64,7 +64,7 @@ def case(name: str, checked, relayed, repeats: int) -> dict:
 
 def committee_cases(root: RunSecret, args) -> list[dict]:
     n, dim = args.members, args.dim
-    enrolment = enrolment_for(root)
+    enrolment = Enrolment(root)
     names = [member_name(j) for j in range(n)]
     vector = np.arange(dim, dtype=np.int64)
     committee = CommitteeSpec(n, max(1, n // 4), 2).build(root)
@@ -116,7 +116,7 @@ def committee_cases(root: RunSecret, args) -> list[dict]:
 
 def dmm_case(root: RunSecret, args) -> dict:
     n, dim = args.members, args.dim
-    enrolment = enrolment_for(root)
+    enrolment = Enrolment(root)
     group = MemberGroup(
         list(range(n)), n=n, t=max(1, n // 4), k=2, field_exponent=61, dim=dim,
         matrix=np.eye(2, dtype=np.int64),
@@ -144,7 +144,7 @@ def dmm_case(root: RunSecret, args) -> dict:
 
 
 def secagg_case(root: RunSecret, args) -> dict:
-    enrolment = enrolment_for(root)
+    enrolment = Enrolment(root)
     clients = args.clients
     identities = {i: enrolment.identity(client_name(i), root.client(i)) for i in range(clients)}
     config = SecAggConfig(clients, clients - 1, clients // 2 + 1, args.dim)

@@ -109,7 +109,8 @@ def identity_seed(secret: PartySecret) -> bytes:
 class Enrolment:
     """The registry's enrolment authority of one run (its key from the run's root): it
     certifies parties' identities; :meth:`node_entries` is what a client's ``node_config``
-    carries. Held on the party side only; never pickled."""
+    carries. Held on the party side only, by whoever holds the root (a worker, a committee
+    host), never in a module-level cache; never pickled."""
 
     _CACHE = 4096
 
@@ -146,20 +147,6 @@ class Enrolment:
             AUTHORITY_KEY: self.public_key.hex(),
             CERTIFICATE_KEY: identity.certificate.to_bytes().hex(),
         }
-
-
-_ENROLMENTS: dict[int, tuple[RunSecret, Enrolment]] = {}
-
-
-def enrolment_for(secrets: RunSecret) -> Enrolment:
-    """The :class:`Enrolment` of the run whose root is ``secrets`` (made once per root object
-    in this process)."""
-    held = _ENROLMENTS.get(id(secrets))
-    if held is None or held[0] is not secrets:
-        if len(_ENROLMENTS) > 8:
-            _ENROLMENTS.clear()
-        held = _ENROLMENTS[id(secrets)] = (secrets, Enrolment(secrets))
-    return held[1]
 
 
 _VERIFIERS: OrderedDict[bytes, KeyVerifier] = OrderedDict()

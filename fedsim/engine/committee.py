@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from fedsim.engine.client_registry import Enrolment, enrolment_for, identity_seed, member_name
+from fedsim.engine.client_registry import Enrolment, identity_seed, member_name
 from fedsim.randomness import PartySecret, Purpose, RunSecret
 from protocols.channels import new_session_id
 from protocols.committee import check_layout
@@ -218,7 +218,7 @@ class CommitteeSpec:
             detect=self.detect,
             ray_module=ray_module,
             member_secrets=member_secrets,
-            enrolment=None if secrets is None else enrolment_for(secrets),
+            enrolment=None if secrets is None else Enrolment(secrets),
         )
 
 

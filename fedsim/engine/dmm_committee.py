@@ -44,8 +44,8 @@ import numpy as np
 
 from fedsim.engine.client_registry import (
     NODE_ID_OFFSET,
+    Enrolment,
     client_name,
-    enrolment_for,
     identity_seed,
 )
 from fedsim.engine.committee import shard_actor
@@ -341,6 +341,8 @@ class CommitteeHost:
         if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
             raise ValueError(f"shards={shards!r}; allowed: an integer >= 1")
         self._secrets = secrets
+        #: the registry's authority, from the root: it enrols each member client it hosts
+        self._enrolment = None if secrets is None else Enrolment(secrets)
         self.faults = faults if faults is not None and faults.active else None
         self.actors, self.shards = bool(actors), int(shards)
         self.ray = ray_module
@@ -381,7 +383,7 @@ class CommitteeHost:
         its identity from its own secret), or None without the run's root."""
         if self._secrets is None:
             return None
-        enrolment = enrolment_for(self._secrets)
+        enrolment = self._enrolment
         certificates = [
             enrolment.identity(client_name(c), self._secrets.client(int(c)))
             .certificate.to_bytes()

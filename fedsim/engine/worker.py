@@ -30,7 +30,7 @@ from flwr.common.constant import NUM_PARTITIONS_KEY, PARTITION_ID_KEY, ErrorCode
 from flwr.supercore.object_ref import load_app
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedsim.engine.client_registry import NODE_ID_OFFSET, enrolment_for
+from fedsim.engine.client_registry import NODE_ID_OFFSET, Enrolment
 from fedsim.randomness import NODE_SECRET_KEY, RunSecret
 from fedsim.record_codec import content_nbytes, records_of
 from fedsim.worker_reduce import FOLDS_KEY, MetricSums, Reducer, ReductionError, is_partial
@@ -93,17 +93,21 @@ class RunSpec:
     raise_errors: bool = False
     secret: bytes | None = field(default=None, repr=False)
 
-    def node_config(self, node_id: int, secrets: RunSecret | None) -> dict[str, Any]:
+    def node_config(
+        self, node_id: int, secrets: RunSecret | None, enrolment: Enrolment | None = None
+    ) -> dict[str, Any]:
         """Client ``node_id``'s ``node_config``: its partition, the number of partitions and,
         when the run has a root, its own secret (:data:`~fedsim.randomness.NODE_SECRET_KEY`)
         and its enrolment (the authority's public key and its certificate,
-        :meth:`fedsim.engine.client_registry.Enrolment.node_entries`)."""
+        :meth:`fedsim.engine.client_registry.Enrolment.node_entries`; ``enrolment``: the
+        worker's, made once from the root, else made here)."""
         partition = node_id - NODE_ID_OFFSET
         config: dict[str, Any] = {PARTITION_ID_KEY: partition, NUM_PARTITIONS_KEY: self.num_clients}
         if secrets is not None:
             own = secrets.client(partition)
             config[NODE_SECRET_KEY] = own.token()
-            config.update(enrolment_for(secrets).node_entries(partition, own))
+            enrolment = enrolment if enrolment is not None else Enrolment(secrets)
+            config.update(enrolment.node_entries(partition, own))
         config[FOLDS_KEY] = True  # replies to a confidential reducer never leave unfolded
         return config
 
@@ -202,6 +206,7 @@ class ClientWorker:
         self._exit_on_crash = exit_on_crash
         self._run: RunSpec | None = None
         self._secrets: RunSecret | None = None
+        self._enrolment: Enrolment | None = None
         self._app: ClientApp | None = None
         self._content_cache: OrderedDict[int, bytes] = OrderedDict()
         if torch_threads:
@@ -285,6 +290,7 @@ class ClientWorker:
         self._app = run.app.load()
         self._run = run
         self._secrets = None if run.secret is None else RunSecret.from_transport(run.secret)
+        self._enrolment = None if self._secrets is None else Enrolment(self._secrets)
         self._content_cache.clear()
         TaskIdentity.run_id = run.run_id
         TaskIdentity.task_id = run.run_id
@@ -307,7 +313,7 @@ class ClientWorker:
         context = Context(
             run_id=run.run_id,
             node_id=node_id,
-            node_config=run.node_config(node_id, self._secrets),
+            node_config=run.node_config(node_id, self._secrets, self._enrolment),
             state=pickle.loads(stored) if stored is not None else RecordDict(),
             run_config=run.run_config,
         )

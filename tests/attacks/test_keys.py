@@ -21,7 +21,6 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from fedsim.engine.client_registry import (
     Enrolment,
     client_name,
-    enrolment_for,
     identity_seed,
     member_name,
 )
@@ -62,7 +61,7 @@ def _identity(enrolment: Enrolment, root: RunSecret, client: int):
 # ------------------------------------------------------------------------- committee mode
 def _committee(root: RunSecret, n=7, t=2, k=2) -> Committee:
     secrets = {m: root.member(m) for m in range(n)}
-    return Committee(n, t, k, shards=2, member_secrets=secrets, enrolment=enrolment_for(root))
+    return Committee(n, t, k, shards=2, member_secrets=secrets, enrolment=Enrolment(root))
 
 
 def _substituted(keys, count: int):
@@ -87,7 +86,7 @@ def _open_rows(evil, sealed, party: int, round_: int, stage) -> dict[int, np.nda
 def test_committee_keys_substituted_by_the_server_are_refused_before_sealing(root):
     committee = _committee(root)
     scheme = committee.scheme
-    enrolment = enrolment_for(root)
+    enrolment = Enrolment(root)
     vector = np.arange(1, 11, dtype=np.int64)
     keys = committee.keys_for(1)
     evil, forged = _substituted(keys, scheme.threshold)  # t + k = 4 members' keys
@@ -141,7 +140,7 @@ def test_a_certificate_the_registry_did_not_issue_is_refused(root):
     forged = dataclasses.replace(forged, member_proofs=proofs)
     with pytest.raises(KeySubstitution, match="did not sign"):
         seal_input(forged, 0, np.ones(4, np.int64), np.random.default_rng(0),
-                   verifier=enrolment_for(root).verifier())
+                   verifier=Enrolment(root).verifier())
 
 
 # ------------------------------------------------------------------------- DMM
@@ -150,7 +149,7 @@ DIM = 6
 
 
 def _dmm_pool(root, clients, scheme, server, checked=True):
-    enrolment = enrolment_for(root)
+    enrolment = Enrolment(root)
     identities = {
         s: (identity_seed(root.client(c)), _identity(enrolment, root, c).certificate.to_bytes())
         for s, c in enumerate(clients)
@@ -196,7 +195,7 @@ def test_dmm_seat_keys_substituted_by_the_server_are_refused_before_sharing(root
     np.testing.assert_array_equal(signed[:DIM], update)
     np.testing.assert_array_equal(signed[blocks * scheme.k : blocks * scheme.k + DIM], noise[0])
     # an enrolled client refuses
-    verifier = enrolment_for(root).verifier()
+    verifier = Enrolment(root).verifier()
     with pytest.raises(KeySubstitution, match="DMM seat 0's public key is not the one"):
         seal_client_shares(forged, 5, update, noise, np.random.default_rng(2), verifier=verifier)
     with pytest.raises(KeySubstitution, match="without enrolment proofs"):
@@ -275,7 +274,7 @@ def test_dmm_handoff_keys_substituted_by_the_server_get_no_deal(root, monkeypatc
     scheme = server.scheme
     update = np.arange(DIM, dtype=np.int64)
     noise = np.zeros((1, DIM), dtype=np.int64)
-    verifier = enrolment_for(root).verifier()
+    verifier = Enrolment(root).verifier()
     keys = server.open_round(0)
     sealed = {
         c: seal_client_shares(keys, c, update, noise, np.random.default_rng(c), verifier=verifier)
@@ -323,7 +322,7 @@ class _LazyEvil(dict):
 
 # ------------------------------------------------------------------------- SecAgg+
 def _secagg(root, n=6):
-    enrolment = enrolment_for(root)
+    enrolment = Enrolment(root)
     identities = {i: _identity(enrolment, root, i) for i in range(1, n + 1)}
     config = SecAggConfig(num_clients=n, degree=n - 1, threshold=3, vector_length=4)
     return enrolment, identities, config
