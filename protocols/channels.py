@@ -641,7 +641,10 @@ class KeyVerifier:
         enrolled, identity = known
         if name is not None and enrolled != name:
             raise KeySubstitution(f"{who}'s key is signed by {enrolled!r}, not {name!r}")
-        statement = key_statement(protocol, session_id, party_id, tuple(keys))
+        try:
+            statement = key_statement(protocol, session_id, party_id, tuple(keys))
+        except (ValueError, TypeError):
+            raise KeySubstitution(f"{who}'s public keys are malformed") from None
         try:
             identity.verify(signature, statement)
         except InvalidSignature:

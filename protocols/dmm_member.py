@@ -27,14 +27,14 @@ shapes and field ranges of what it is given; a bad request raises :class:`protoc
 MemberRefused` (or :class:`protocols.secagg.StageError`) and changes nothing. Randomness is
 passed in: ``private_keys`` (seat -> 32 bytes of the member's own secret) fix its channel keys,
 ``rngs`` (seat -> the member's own Generator) its resharing randomness; None draws from the OS.
+:class:`MemberPool` keeps groups in process; :mod:`fedsim.engine.dmm_committee` hosts them on
+Ray actors, one member per client, with each client's own secret.
 
 Keys are bound at enrolment (:mod:`protocols.channels`, "Authenticated keys"): a group built
 with its seats' ``identities`` signs every channel key it announces (:meth:`key_proofs`), and one
 built with the enrolment ``authority`` connects to another committee's seat only under that
 seat's valid proof: a member never deals its shares to a key no enrolled member signed
 (:meth:`connect`, :meth:`deal`).
-:class:`MemberPool` keeps groups in process; :mod:`fedsim.engine.dmm_committee` hosts them on
-Ray actors, one member per client, with each client's own secret.
 """
 
 from __future__ import annotations
@@ -356,7 +356,9 @@ class MemberGroup:
         return dict(self._proofs)
 
     @request
-    def connect(self, peers: Mapping[int, bytes], proofs: Mapping[int, bytes] | None = None):
+    def connect(
+        self, peers: Mapping[int, bytes], proofs: Mapping[int, bytes] | None = None
+    ) -> list[int]:
         """Every online seat opens a channel with each ``party -> public key``; returns the
         parties whose key is unusable (they are refused, nobody else is affected). With the
         enrolment authority, a peer that is a seat of another committee (the handoff's old or
