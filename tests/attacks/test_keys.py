@@ -130,7 +130,7 @@ def test_a_certificate_the_registry_did_not_issue_is_refused(root):
     committee = _committee(root)
     keys = committee.keys_for(1)
     rogue = Enrolment(RunSecret.fresh())
-    evil, forged = _substituted(keys, keys.n)
+    _, forged = _substituted(keys, keys.n)
     proofs = tuple(
         rogue.identity(member_name(j), root.member(j)).prove(
             CHANNEL_PROTOCOL, keys.session_id, MEMBER_ID_BASE + j, (forged.member_keys[j],)
