@@ -15,7 +15,6 @@ import dataclasses
 
 import numpy as np
 import pytest
-
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from fedsim.engine.client_registry import (
