@@ -342,7 +342,7 @@ class CommitteeHost:
             raise ValueError(f"shards={shards!r}; allowed: an integer >= 1")
         self._secrets = secrets
         #: the registry's authority, from the root: it enrols each member client it hosts
-        self._enrolment = None if secrets is None else Enrolment(secrets)
+        self._authority = None if secrets is None else Enrolment(secrets)
         self.faults = faults if faults is not None and faults.active else None
         self.actors, self.shards = bool(actors), int(shards)
         self.ray = ray_module
@@ -378,12 +378,12 @@ class CommitteeHost:
             return PartySecret.fresh("client").token()
         return self._secrets.client(int(client)).token()
 
-    def _enrolment(self, clients: Sequence[int]) -> tuple[bytes, list[bytes]] | None:
+    def _certificates(self, clients: Sequence[int]) -> tuple[bytes, list[bytes]] | None:
         """The authority's public key and each member client's certificate (``client/c``,
         its identity from its own secret), or None without the run's root."""
         if self._secrets is None:
             return None
-        enrolment = self._enrolment
+        enrolment = self._authority
         certificates = [
             enrolment.identity(client_name(c), self._secrets.client(int(c)))
             .certificate.to_bytes()
@@ -419,7 +419,7 @@ class CommitteeHost:
                 [members[s] for s in seats],
                 [self._token(members[s]) for s in seats],
                 dict(member_kwargs),
-                self._enrolment([members[s] for s in seats]),
+                self._certificates([members[s] for s in seats]),
             )
             if self.actors:
                 handle = self._actor(g)
