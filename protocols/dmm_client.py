@@ -28,6 +28,7 @@ parties signed for this session and seat (:func:`check_seat_keys`); a substitute
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -146,9 +147,13 @@ def seal_client_shares(
     return seal_rows(keys, party, share_segments(keys.scheme(), segments, rng), private_key)
 
 
-def check_seat_keys(keys: RoundKeys, verifier: KeyVerifier) -> list[str]:
+def check_seat_keys(
+    keys: RoundKeys, verifier: KeyVerifier, names: Mapping[int, str] | None = None
+) -> list[str]:
     """The enrolled names behind the seats' keys, or :class:`KeySubstitution` naming the seat
-    whose key no distinct enrolled party signed for this session and seat."""
+    whose key no distinct enrolled party signed for this session and seat. ``names``: seat ->
+    the enrolled name its key must be signed by (the round's public committee, which the
+    caller draws); None checks only that the signers are distinct enrolled parties."""
     if keys.session_id is None:
         return []
     missing = sorted(set(keys.member_keys) - set(keys.member_proofs))
@@ -157,8 +162,21 @@ def check_seat_keys(keys: RoundKeys, verifier: KeyVerifier) -> list[str]:
             f"round {keys.round}: DMM seats {missing[:5]} announced keys without enrolment "
             "proofs; this client seals only to enrolled members"
         )
+    if names is not None:
+        unnamed = sorted(set(keys.member_keys) - set(names))
+        if unnamed:
+            raise KeySubstitution(
+                f"round {keys.round}: DMM seats {unnamed[:5]} are not seats of the public "
+                "committee; this client seals only to its members"
+            )
     entries = [
-        (f"DMM seat {j}", MEMBER_ID_BASE + int(j), (key,), keys.member_proofs[j], None)
+        (
+            f"DMM seat {j}",
+            MEMBER_ID_BASE + int(j),
+            (key,),
+            keys.member_proofs[j],
+            None if names is None else names[j],
+        )
         for j, key in sorted(keys.member_keys.items())
     ]
     return verifier.check_all(entries, protocol=PROTOCOL, session_id=keys.session_id)

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -55,7 +55,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedsim.config import ConfigError
-from fedsim.engine.client_registry import enrolled
+from fedsim.engine.client_registry import NUM_PARTITIONS_KEY, client_name, enrolled
 from fedsim.privacy import dmm as dmm_privacy
 from fedsim.privacy.accounting import NeighbouringRelation, PrivacyLedger
 from fedsim.privacy.matrix.factorization import Factorization
@@ -127,9 +127,21 @@ def key_refusals(replies: Iterable[Message]) -> dict[int, str]:
     return out
 
 
-def round_keys_config(keys: RoundKeys, party: int) -> dict[str, Any]:
+def public_committee(seed: int, round_: int, population: int, n: int) -> list[int]:
+    """The committee drawn for server round ``round_``: ``n`` distinct clients of
+    ``population``, seat order, from the public stream ``(seed, round_, Stream.COMMITTEE)``;
+    anyone who knows the run's seed recomputes it (clients do, before they seal)."""
+    rng = public_generator(seed, round_, Stream.COMMITTEE)
+    return [int(c) for c in rng.choice(int(population), size=int(n), replace=False)]
+
+
+def round_keys_config(
+    keys: RoundKeys, party: int, committee: tuple[int, Sequence[int]] | None = None
+) -> dict[str, Any]:
     """The ``dmm.share.*`` entries of one client's full-mode instruction: the round's public
-    :class:`protocols.dmm.RoundKeys` and the client's channel party id. Nothing secret."""
+    :class:`protocols.dmm.RoundKeys`, the client's channel party id and ``committee``: (the
+    server round whose public draw holds the state, its client ids in seat order), which an
+    enrolled client recomputes and checks every seat's certificate against. Nothing secret."""
     if keys.session_id is None:
         raise ValueError("keys.session_id=None; clients share only over encrypted channels")
     seats = sorted(keys.member_keys)
@@ -148,13 +160,55 @@ def round_keys_config(keys: RoundKeys, party: int) -> dict[str, Any]:
     }
     if seats and set(seats) <= set(keys.member_proofs):  # relayed; the clients check them
         out["member-proofs"] = [keys.member_proofs[j] for j in seats]
+    if committee is not None:
+        out["committee-round"] = int(committee[0])
+        out["committee"] = [int(c) for c in committee[1]]
     return {SHARE_PREFIX + k: v for k, v in out.items()}
 
 
-def cohort_config(keys: RoundKeys, cohort: list[int]) -> dict[str, Any]:
+def committee_names(
+    config: ConfigRecord, keys: RoundKeys, seed: Any, population: Any
+) -> dict[int, str]:
+    """Seat -> the enrolled name (``client/c``) its key must be signed by: the instruction's
+    ``committee`` must be the public draw (:func:`public_committee`, from the run's ``seed``
+    and ``population``, both the client's own) of a round no later than this one, so a
+    server cannot seat enrolled clients the draw did not choose. A committee that is not the
+    draw is a :class:`KeySubstitution`."""
+    for what, value in (("run_config seed", seed), ("node_config num-partitions", population)):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer):
+            raise ValueError(
+                f"{what}={value!r}; allowed: an integer (an enrolled DMM client recomputes "
+                "the public committee draw from the run's seed and population)"
+            )
+    drawn_at = config.get(SHARE_PREFIX + "committee-round")
+    clients = [int(c) for c in config.get(SHARE_PREFIX + "committee", ())]
+    if (
+        isinstance(drawn_at, bool)
+        or not isinstance(drawn_at, int)
+        or not 0 <= drawn_at <= keys.round
+    ):
+        raise KeySubstitution(
+            f"round {keys.round}: {SHARE_PREFIX}committee-round={drawn_at!r} names no public "
+            f"committee draw (allowed: a round in [0, {keys.round}]); this client seals only to "
+            "the public committee"
+        )
+    drawn = public_committee(int(seed), drawn_at, int(population), keys.n)
+    if clients != drawn:
+        raise KeySubstitution(
+            f"round {keys.round}: the seats' clients {clients[:8]} are not round {drawn_at}'s "
+            f"public committee {drawn[:8]} (seed {int(seed)}, population {int(population)}); "
+            "this client seals only to the public committee"
+        )
+    return {j: client_name(clients[j]) for j in range(keys.n)}
+
+
+def cohort_config(
+    keys: RoundKeys, cohort: list[int], committee: tuple[int, Sequence[int]] | None = None
+) -> dict[str, Any]:
     """The ``dmm.share.*`` entries of a folded round's one shared instruction: the round's
-    public keys and the cohort's node ids in order (client ``cohort[p]`` has channel party p)."""
-    out = round_keys_config(keys, 0)
+    public keys and committee and the cohort's node ids in order (client ``cohort[p]`` has
+    channel party p)."""
+    out = round_keys_config(keys, 0, committee)
     del out[SHARE_PREFIX + "party"]
     out[SHARE_PREFIX + "cohort"] = [int(node) for node in cohort]
     return out
@@ -294,7 +348,13 @@ def dmm_client_app(inner: ClientApp, metrics_in_clear: bool = False) -> ClientAp
             shares = secret.generator(round_, Purpose.SHARES, "dmm")
             enrolment = enrolled(context.node_config, secret)
             if enrolment is not None:  # a substituted seat key: refuse before anything leaves
-                check_seat_keys(keys, enrolment[1])
+                names = committee_names(
+                    config,
+                    keys,
+                    context.run_config.get("seed"),
+                    context.node_config.get(NUM_PARTITIONS_KEY),
+                )
+                check_seat_keys(keys, enrolment[1], names)
             if SHARE_PREFIX + "cohort" in config and context.node_config.get(FOLDS_KEY) is True:
                 _, randomness = sharing_inputs(keys.scheme(), segments, shares)
                 fold = {"update": segments[0], "noise": noise.astype(np.int64)}
@@ -500,6 +560,8 @@ class DMM(LedgerShell):
         self.server: DMMServer | None = None
         self.host = None
         self.committee: list[int] = []
+        #: the server round whose public draw is ``committee``
+        self.committee_round: int | None = None
         self.aborted_rounds = 0
         self.last_output: RoundOutput | None = None
         self.last_abort: str | None = None
@@ -542,9 +604,19 @@ class DMM(LedgerShell):
 
     def committee_for(self, server_round: int) -> list[int]:
         """The committee of ``server_round``: n distinct clients drawn publicly."""
-        rng = public_generator(self.seed, server_round, Stream.COMMITTEE)
-        chosen = rng.choice(self.population, size=self.scheme.n, replace=False)
-        return [int(c) for c in chosen]
+        return public_committee(self.seed, server_round, self.population, self.scheme.n)
+
+    def _committee_claim(self, server_round: int) -> tuple[int, list[int]]:
+        """(the round whose public draw is the committee now holding the state, its client
+        ids): what the clients check the seats' certificates against."""
+        drawn_at = self.__dict__.get("committee_round")
+        if drawn_at is None or self.committee_for(drawn_at) != self.committee:
+            drawn_at = next(  # a checkpoint from before the draw's round was kept
+                (r for r in range(server_round, -1, -1) if self.committee_for(r) == self.committee),
+                server_round,
+            )
+            self.committee_round = drawn_at
+        return drawn_at, list(self.committee)
 
     def rotation_seed(self) -> int:
         """The run's public rotation seed (one basis for every round: releases combine the
@@ -614,6 +686,7 @@ class DMM(LedgerShell):
         kwargs = self.server.member_kwargs
         if self.server.step == 0:
             self.committee = self.committee_for(server_round)
+            self.committee_round = server_round
             self.server.attach(self.host.pool(self.committee, kwargs), range(self.scheme.n))
         else:
             pool = self.host.restore(self.committee, self.server.holders, kwargs, self.server.step)
@@ -688,6 +761,7 @@ class DMM(LedgerShell):
         self._ensure_pool(server_round)
         if not self.committee:
             self.committee = self.committee_for(server_round)
+            self.committee_round = server_round
         extended = ConfigRecord(dict(config))
         extended["server-round"] = server_round
         extended.update(
@@ -727,8 +801,9 @@ class DMM(LedgerShell):
         self._round["keys"] = keys
         if self.worker_fold:
             return self._folded_instructions(messages, keys)
+        claim = self._committee_claim(server_round)
         for message in messages:
-            share = round_keys_config(keys, sent[int(message.metadata.dst_node_id)])
+            share = round_keys_config(keys, sent[int(message.metadata.dst_node_id)], claim)
             message.content = RecordDict(
                 {
                     name: ConfigRecord({**dict(record), **share})
@@ -745,7 +820,7 @@ class DMM(LedgerShell):
         if not messages:
             return messages
         cohort = sorted(self._round["sent"], key=self._round["sent"].get)
-        share = cohort_config(keys, cohort)
+        share = cohort_config(keys, cohort, self._committee_claim(self._round["round"]))
         content = RecordDict(
             {
                 name: ConfigRecord({**dict(record), **share})
@@ -932,6 +1007,7 @@ class DMM(LedgerShell):
         """The committee now holding the state stores it, sealed, as its members' own state."""
         if output.handed_over:
             retired, self.committee = self.committee, list(self._round["next"])
+            self.committee_round = server_round + 1
         else:
             retired = []
         if self.mode == "full" and self.host is not None:

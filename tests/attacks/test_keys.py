@@ -18,6 +18,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from fedsim.engine.client_registry import (
+    NODE_ID_OFFSET,
     Enrolment,
     client_name,
     identity_seed,
@@ -317,6 +318,161 @@ class _LazyEvil(dict):
         if not dict.__contains__(self, j):
             dict.__setitem__(self, j, Endpoint(NEW_ID_BASE + j, self.sessions[-1], dmm.PROTOCOL))
         return dict.__getitem__(self, j)
+
+
+# ------------------------------------------------------------------------- DMM committee seats
+SEED, POPULATION, ROUND, PARTITION = 3, 40, 4, 2
+
+
+def _inner_app():
+    from flwr.app import Message, MetricRecord, RecordDict  # noqa: PLC0415
+    from flwr.clientapp import ClientApp  # noqa: PLC0415
+
+    from fedsim.record_codec import to_numpy, to_record  # noqa: PLC0415
+
+    app = ClientApp()
+
+    @app.train()
+    def train(message, context):
+        arrays = to_numpy(message.content["arrays"])
+        trained = {k: v + np.float32(0.01) * np.arange(v.size, dtype=np.float32) for k, v in
+                   arrays.items()}
+        content = RecordDict({"arrays": to_record(trained),
+                              "metrics": MetricRecord({"num-examples": 1})})
+        return Message(content, reply_to=message)
+
+    return app
+
+
+def _seat(enrolment, root, session, seat: int, client: int):
+    """Seat ``seat``'s endpoint and the proof client ``client``'s enrolled identity signs."""
+    endpoint = Endpoint(dmm.MEMBER_ID_BASE + seat, session, dmm.PROTOCOL)
+    proof = _identity(enrolment, root, client).prove(
+        dmm.PROTOCOL, session, dmm.MEMBER_ID_BASE + seat, (endpoint.public_key,)
+    )
+    return endpoint, proof
+
+
+def _seat_keys(enrolment, root, seats: dict[int, int], dim: int):
+    from protocols.channels import new_session_id  # noqa: PLC0415
+
+    session = new_session_id()
+    made = {j: _seat(enrolment, root, session, j, c) for j, c in seats.items()}
+    keys = dmm.RoundKeys(
+        round=ROUND, step=0, rows=1, n=7, t=2, k=2, field_exponent=61, dim=dim,
+        session_id=session,
+        member_keys={j: e.public_key for j, (e, _) in made.items()},
+        member_proofs={j: p for j, (_, p) in made.items()},
+    )
+    return keys, {j: e for j, (e, _) in made.items()}
+
+
+def _dmm_instruction(mode, keys=None, committee=None, *, padded: int):
+    from flwr.app import ConfigRecord, Message, RecordDict  # noqa: PLC0415
+
+    from fedsim.record_codec import to_record  # noqa: PLC0415
+    from strategies.dmm import round_keys_config  # noqa: PLC0415
+
+    config = {
+        "server-round": ROUND, "dmm.dim": 6, "dmm.clip": 1.0, "dmm.gamma": 0.001,
+        "dmm.beta": 0.0, "dmm.max-tries": 100, "dmm.rotation-seed": 11,
+        "dmm.noise-std": 40.0, "dmm.rows": 1, "dmm.mode": mode,
+    }
+    if keys is not None:  # what the server relays: keys, proofs and the committee it names
+        config.update(round_keys_config(keys, PARTITION))
+    if committee is not None:
+        config["dmm.share.committee-round"], config["dmm.share.committee"] = committee
+    arrays = to_record({"w": np.zeros(6, dtype=np.float32)})
+    content = RecordDict({"arrays": arrays, "config": ConfigRecord(config)})
+    return Message(content, NODE_ID_OFFSET + PARTITION, "train")
+
+
+def _drawn(round_: int) -> list[int]:
+    """The public committee draw of ``round_`` (as ``DMM.committee_for`` makes it)."""
+    from fedsim.randomness import Stream, public_generator  # noqa: PLC0415
+
+    rng = public_generator(SEED, round_, Stream.COMMITTEE)
+    return [int(c) for c in rng.choice(POPULATION, size=7, replace=False)]
+
+
+def _dmm_context(root, enrolled: bool):
+    from flwr.app import Context, RecordDict  # noqa: PLC0415
+
+    from fedsim.randomness import NODE_SECRET_KEY  # noqa: PLC0415
+
+    own = root.client(PARTITION)
+    node_config = {"partition-id": PARTITION, "num-partitions": POPULATION,
+                   NODE_SECRET_KEY: own.token()}
+    if enrolled:
+        node_config.update(Enrolment(root).node_entries(PARTITION, own))
+    return Context(run_id=1, node_id=NODE_ID_OFFSET + PARTITION, node_config=node_config,
+                   state=RecordDict(), run_config={"seed": SEED})
+
+
+def test_dmm_seats_held_by_enrolled_clients_the_draw_did_not_choose_are_refused(root):
+    """The server seats t + k enrolled clients that colluded with it (not on the round's public
+    committee) on seats 0..3, with their own valid proofs. A client that checks only that the
+    signers are distinct enrolled parties seals to them and the server opens its update and
+    noise; a client that recomputes the public committee draw refuses, naming the seat, and
+    refuses a committee list the draw did not give, whatever the server names."""
+    from flwr.supercore.task_identity import TaskIdentity  # noqa: PLC0415
+
+    from fedsim.record_codec import to_numpy  # noqa: PLC0415
+    from protocols.dmm_client import check_seat_keys  # noqa: PLC0415
+    from protocols.encoding import padded_dimension  # noqa: PLC0415
+    from strategies.dmm import (  # noqa: PLC0415
+        NOISE_KEY,
+        SEALED_KEY,
+        UPDATE_KEY,
+        dmm_client_app,
+        sealed_from_record,
+    )
+
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
+    enrolment, padded = Enrolment(root), padded_dimension(6)
+    committee = _drawn(ROUND)
+    colluders = [c for c in range(POPULATION) if c not in committee and c != PARTITION][:4]
+    seated = {j: (colluders[j] if j < 4 else committee[j]) for j in range(7)}
+    keys, endpoints = _seat_keys(enrolment, root, seated, padded)
+    assert len(set(check_seat_keys(keys, enrolment.verifier()))) == 7  # distinct, all enrolled
+    app = dmm_client_app(_inner_app())
+    # the attack: the client seals, the colluders' four seats decode its update and noise
+    reply = app(_dmm_instruction("full", keys, (ROUND, committee), padded=padded),
+                _dmm_context(root, enrolled=False))
+    sealed = sealed_from_record(reply.content[SEALED_KEY], PARTITION, ROUND)
+    rows = {}
+    for j in range(4):
+        endpoints[j].connect(PARTITION, sealed.public_key)
+        rows[j] = endpoints[j].open_array(sealed.shares[j], round_=ROUND, stage=DMMStage.SHARE)
+    scheme = keys.scheme()
+    opened = scheme.reconstruct(np.stack([rows[j] for j in range(4)]), list(range(4)),
+                                keys.width * scheme.k)
+    signed = scheme.field.decode_signed(opened)
+    ideal = app(_dmm_instruction("ideal", padded=padded), _dmm_context(root, enrolled=False))
+    update = to_numpy(ideal.content[UPDATE_KEY])[UPDATE_KEY]
+    noise = to_numpy(ideal.content[NOISE_KEY])[NOISE_KEY]
+    assert np.any(update)
+    np.testing.assert_array_equal(signed[:padded], update)
+    blocks = scheme.blocks_for(padded)
+    np.testing.assert_array_equal(signed[blocks * scheme.k : blocks * scheme.k + padded], noise[0])
+    # an enrolled client recomputes the draw: seat 0's certificate names the wrong client
+    context = _dmm_context(root, enrolled=True)
+    with pytest.raises(KeySubstitution, match=f"DMM seat 0's key is signed by "
+                       f"'client/{colluders[0]}', not 'client/{committee[0]}'"):
+        app(_dmm_instruction("full", keys, (ROUND, committee), padded=padded), context)
+    # naming the colluders as the committee, a later round's draw, or none, is refused
+    named = [seated[j] for j in range(7)]
+    with pytest.raises(KeySubstitution, match=f"not round {ROUND}'s public committee"):
+        app(_dmm_instruction("full", keys, (ROUND, named), padded=padded), context)
+    with pytest.raises(KeySubstitution, match="committee-round=5 names no public"):
+        app(_dmm_instruction("full", keys, (ROUND + 1, committee), padded=padded), context)
+    with pytest.raises(KeySubstitution, match="committee-round=None"):
+        app(_dmm_instruction("full", keys, None, padded=padded), context)
+    # the public committee's own keys (an earlier round's draw still holding the state) pass
+    earlier = _drawn(ROUND - 2)
+    honest, _ = _seat_keys(enrolment, root, dict(enumerate(earlier)), padded)
+    reply = app(_dmm_instruction("full", honest, (ROUND - 2, earlier), padded=padded), context)
+    assert set(reply.content.keys()) == {SEALED_KEY}
 
 
 # ------------------------------------------------------------------------- SecAgg+
