@@ -313,7 +313,11 @@ def set_up_run(run: ExperimentRun, engine: Engine | None) -> None:
     # the server's secret and DMM's engine-side committee host, bound again after a
     # resume (pickling drops them)
     run.committee_host = committee_host_for(
-        run.strategy, run.root, config.faults, run.run_dir.party_store
+        run.strategy,
+        run.root,
+        config.faults,
+        run.run_dir.party_store,
+        draw=(config.seed, run.participation.num_clients),
     )
     run.committee = committee_for(run.strategy, run.root)  # DDGauss's members, from the root
     bind_parties(run.strategy, run.root.server(), run.committee_host, run.committee)

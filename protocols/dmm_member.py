@@ -40,7 +40,7 @@ seat's valid proof: a member never deals its shares to a key no enrolled member 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 
 import numpy as np
@@ -129,11 +129,15 @@ class MemberGroup:
         step: int = 0,
         identities: Mapping[int, tuple[bytes, bytes]] | None = None,
         authority: bytes | None = None,
+        next_names: Callable[[int], Sequence[str]] | None = None,
     ) -> None:
         """``identities``: seat -> (its identity seed, its certificate bytes), for the seats
         here that sign their keys (others are ignored); ``authority``: the enrolment
         authority's public key, under which peers' member keys are checked (None: taken as
-        relayed)."""
+        relayed); ``next_names``: round -> the enrolled names, seat order, of the committee the
+        public draw makes for that round: a dealer of round r deals to seat j of the next
+        committee only under a proof signed by ``next_names(r + 1)[j]`` (None: any distinct
+        enrolled party)."""
         self.scheme = PackedShamir(int(n), int(t), int(k), MersenneField(int(field_exponent)))
         self.seats = [int(s) for s in seats]
         self._identities = {
@@ -142,6 +146,7 @@ class MemberGroup:
             if int(s) in self.seats
         }
         self._verifier = None if authority is None else KeyVerifier(authority)
+        self._next_names = next_names
         if not self.seats or len(set(self.seats)) != len(self.seats):
             raise ValueError(f"seats={seats!r}; allowed: distinct seats in [0, n={n})")
         if min(self.seats) < 0 or max(self.seats) >= self.scheme.n:
@@ -385,6 +390,7 @@ class MemberGroup:
         if self._verifier is None or not self._endpoints:
             return set()
         session = next(iter(self._endpoints.values())).session_id
+        drawn = None if self._next_names is None else list(self._next_names(self._round + 1))
         names: dict[str, int] = {}
         refused = set()
         for party, key in peers.items():
@@ -392,7 +398,11 @@ class MemberGroup:
                 OLD_ID_BASE <= int(party) < MEMBER_ID_BASE
             ):
                 continue  # the server and the clients: what they send is checked as it opens
-            who = f"seat {int(party) - _base_of(int(party))} of the other committee"
+            seat = int(party) - _base_of(int(party))
+            who = f"seat {seat} of the other committee"
+            expected = None
+            if drawn is not None and _base_of(int(party)) == NEW_ID_BASE:
+                expected = drawn[seat] if seat < len(drawn) else f"no seat {seat} of the draw"
             try:
                 name = self._verifier.check(
                     proofs.get(party),
@@ -401,6 +411,7 @@ class MemberGroup:
                     party_id=int(party),
                     keys=(key,),
                     who=who,
+                    name=expected,
                 )
                 if name in names:  # one enrolled party stands for one seat of a committee
                     raise KeySubstitution(f"{who}'s key is signed by {name!r}, already a seat")

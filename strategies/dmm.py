@@ -55,7 +55,12 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedsim.config import ConfigError
-from fedsim.engine.client_registry import NUM_PARTITIONS_KEY, client_name, enrolled
+from fedsim.engine.client_registry import (
+    NUM_PARTITIONS_KEY,
+    client_name,
+    enrolled,
+    public_committee,
+)
 from fedsim.privacy import dmm as dmm_privacy
 from fedsim.privacy.accounting import NeighbouringRelation, PrivacyLedger
 from fedsim.privacy.matrix.factorization import Factorization
@@ -125,14 +130,6 @@ def key_refusals(replies: Iterable[Message]) -> dict[int, str]:
         if reason.startswith(KeySubstitution.__name__):
             out[int(reply.metadata.src_node_id)] = reason.splitlines()[0][:500]
     return out
-
-
-def public_committee(seed: int, round_: int, population: int, n: int) -> list[int]:
-    """The committee drawn for server round ``round_``: ``n`` distinct clients of
-    ``population``, seat order, from the public stream ``(seed, round_, Stream.COMMITTEE)``;
-    anyone who knows the run's seed recomputes it (clients do, before they seal)."""
-    rng = public_generator(seed, round_, Stream.COMMITTEE)
-    return [int(c) for c in rng.choice(int(population), size=int(n), replace=False)]
 
 
 def round_keys_config(
@@ -1010,6 +1007,11 @@ class DMM(LedgerShell):
             self.committee_round = server_round + 1
         else:
             retired = []
+            if output.handoff_error:
+                log.warning(
+                    "DMM round %s: the state stays with this committee: %s",
+                    server_round, output.handoff_error,
+                )
         if self.mode == "full" and self.host is not None:
             self.host.persist(self.server.pool, output.holders, server_round, forget=retired)
 

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from fedsim.config import require
-from fedsim.randomness import PartySecret, RunSecret
+from fedsim.randomness import PartySecret, RunSecret, Stream, public_generator
 from protocols.channels import Certificate, EnrolmentAuthority, Identity, KeyVerifier
 
 PARTITION_ID_KEY = "partition-id"
@@ -92,6 +92,20 @@ class ClientRegistry:
 def client_name(partition_id: int) -> str:
     """The enrolled name of client ``partition_id`` (also its name as a DMM member)."""
     return f"client/{int(partition_id)}"
+
+
+def public_committee(seed: int, round_: int, population: int, n: int) -> list[int]:
+    """The committee drawn for server round ``round_``: ``n`` distinct clients of
+    ``population``, seat order, from the public stream ``(seed, round_, Stream.COMMITTEE)``;
+    anyone who knows the run's seed recomputes it (DMM clients and dealers do, before they
+    seal)."""
+    rng = public_generator(seed, round_, Stream.COMMITTEE)
+    return [int(c) for c in rng.choice(int(population), size=int(n), replace=False)]
+
+
+def public_names(seed: int, population: int, n: int, round_: int) -> list[str]:
+    """The enrolled names (``client/c``), seat order, of :func:`public_committee`."""
+    return [client_name(c) for c in public_committee(seed, round_, population, n)]
 
 
 def member_name(member_id: int) -> str:

@@ -34,6 +34,7 @@ gets a fresh actor in its place.
 
 from __future__ import annotations
 
+import functools
 import io
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -47,6 +48,7 @@ from fedsim.engine.client_registry import (
     Enrolment,
     client_name,
     identity_seed,
+    public_names,
 )
 from fedsim.engine.committee import shard_actor
 from fedsim.engine.faults import FaultConfig
@@ -121,16 +123,23 @@ class HostedMembers:
     def __init__(
         self, seats, clients, tokens, member_kwargs: Mapping[str, Any], enrolment=None
     ) -> None:
-        """``enrolment``: (the authority's public key, each seat's certificate as bytes), or
-        None when the members are enrolled nowhere."""
+        """``enrolment``: (the authority's public key, each seat's certificate as bytes, the
+        run's public (seed, population) or None), or None when the members are enrolled
+        nowhere. With the public draw, a dealer deals only to the seats of the next round's
+        public committee (:func:`fedsim.engine.client_registry.public_names`)."""
         self.clients = {int(s): int(c) for s, c in zip(seats, clients)}
         self.secrets = {
             int(s): PartySecret.from_token(token, "client") for s, token in zip(seats, tokens)
         }
         enrolled: dict[str, Any] = {}
         if enrolment is not None:
-            authority, certificates = enrolment
+            authority, certificates, *draw = enrolment
             enrolled["authority"] = authority
+            if draw and draw[0] is not None:
+                seed, population = draw[0]
+                enrolled["next_names"] = functools.partial(
+                    public_names, int(seed), int(population), int(member_kwargs["n"])
+                )
             enrolled["identities"] = {
                 int(s): (identity_seed(self.secrets[int(s)]), cert)
                 for s, cert in zip(seats, certificates)
@@ -335,11 +344,21 @@ class CommitteeHost:
         state_path: str | Path | None = None,
         store: ClientStateStore | None = None,
         ray_module: Any = None,
+        draw: tuple[int, int] | None = None,
     ) -> None:
         if secrets is not None and not isinstance(secrets, RunSecret):
             raise ValueError(f"secrets is a {type(secrets).__name__}; allowed: RunSecret or None")
         if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
             raise ValueError(f"shards={shards!r}; allowed: an integer >= 1")
+        if draw is not None and (
+            len(draw) != 2
+            or any(isinstance(v, bool) or not isinstance(v, int | np.integer) for v in draw)
+            or draw[1] < 1
+        ):
+            raise ValueError(
+                f"draw={draw!r}; allowed: None or the run's public (seed, population) integers"
+            )
+        self._draw = None if draw is None else (int(draw[0]), int(draw[1]))
         self._secrets = secrets
         #: the registry's authority, from the root: it enrols each member client it hosts
         self._authority = None if secrets is None else Enrolment(secrets)
@@ -378,9 +397,9 @@ class CommitteeHost:
             return PartySecret.fresh("client").token()
         return self._secrets.client(int(client)).token()
 
-    def _certificates(self, clients: Sequence[int]) -> tuple[bytes, list[bytes]] | None:
-        """The authority's public key and each member client's certificate (``client/c``,
-        its identity from its own secret), or None without the run's root."""
+    def _certificates(self, clients: Sequence[int]) -> tuple | None:
+        """The authority's public key, each member client's certificate (``client/c``, its
+        identity from its own secret) and the public draw, or None without the run's root."""
         if self._secrets is None:
             return None
         enrolment = self._authority
@@ -389,7 +408,7 @@ class CommitteeHost:
             .certificate.to_bytes()
             for c in clients
         ]
-        return enrolment.public_key, certificates
+        return enrolment.public_key, certificates, self._draw
 
     def _actor(self, g: int) -> Any:
         """Actor g, replaced by a fresh one if it died."""
@@ -521,11 +540,13 @@ def committee_host_for(
     secrets: RunSecret | None,
     faults: FaultConfig | None,
     store: Callable[[str], ClientStateStore] | None = None,
+    draw: tuple[int, int] | None = None,
 ) -> CommitteeHost | None:
     """The :class:`CommitteeHost` that the first object of the wrapper chain (``.strategy``
     links) defining ``bind_committee_host`` asks for (its ``committee_host_options()``), or None
     when none does. ``store(STATE_FILE)`` gives the member-state store (a run's
-    :meth:`~fedsim.rundir.RunDirectory.party_store`; None: in memory). The caller binds it
+    :meth:`~fedsim.rundir.RunDirectory.party_store`; None: in memory); ``draw``: the run's
+    public (seed, population), from which dealers recompute the next committee. The caller binds it
     (:func:`strategies.server_secret.bind_parties`)."""
     target = strategy
     while target is not None and not callable(getattr(type(target), "bind_committee_host", None)):
@@ -534,5 +555,5 @@ def committee_host_for(
         return None
     options = dict(target.committee_host_options())
     return CommitteeHost(
-        secrets, faults, store=None if store is None else store(STATE_FILE), **options
+        secrets, faults, store=None if store is None else store(STATE_FILE), draw=draw, **options
     )

@@ -475,6 +475,51 @@ def test_dmm_seats_held_by_enrolled_clients_the_draw_did_not_choose_are_refused(
     assert set(reply.content.keys()) == {SEALED_KEY}
 
 
+def test_dmm_dealers_deal_only_to_the_next_public_committee(tmp_path, monkeypatch, caplog):
+    """RESHARE through ``fedsim run``: the server names enrolled clients the draw did not choose
+    (colluders, with their own valid proofs) as the next committee. Dealers that check only
+    for distinct enrolled signers hand the state over to them; dealers that recompute the
+    next round's public draw refuse, the state stays with the drawn committee, and every
+    round still releases (a hand-off with no open row deals nothing; the clients of the next
+    round then refuse the seats, as above)."""
+    import logging  # noqa: PLC0415
+
+    from fedsim.experiment import run_experiment  # noqa: PLC0415
+    from fedsim.results import read_rounds  # noqa: PLC0415
+    from fedsim.run_config import ExperimentConfig  # noqa: PLC0415
+    from strategies.dmm import DMM  # noqa: PLC0415
+
+    drawn = DMM.committee_for
+
+    def seating(self, server_round):  # the next committee: clients the draw left out
+        if server_round == 1:
+            return drawn(self, server_round)
+        chosen = drawn(self, server_round)
+        return [c for c in range(self.population) if c not in chosen][: self.scheme.n]
+
+    monkeypatch.setattr(DMM, "committee_for", seating)
+    config = ExperimentConfig.from_dict({
+        "rounds": 3, "seed": 1,  # bands = 2: each hand-off deals the open row
+        "data": {"source": "digits", "partition": "iid", "num_clients": 24},
+        "model": {"kind": "logreg"},
+        "client": {"epochs": 1, "batch_size": 16, "lr": 0.1},
+        "engine": {"backend": "local"},
+        "strategy": {
+            "name": "dmm", "clients_per_round": 12, "sampling": "min-separation",
+            "options": {"clipping_norm": 1.0, "noise_multiplier": 1.0, "committee_size": 11,
+                        "threshold": 2, "packing": 1, "member_dropouts": 2},
+        },
+    })
+    with caplog.at_level(logging.WARNING, logger="strategies.dmm"):
+        run_experiment(config, tmp_path, progress=False, secrets=RunSecret.fresh())
+    rounds = [r for r in read_rounds(tmp_path / "rounds.jsonl") if r["round"] >= 1]
+    assert len(rounds) == 3
+    assert [r["aggregated"]["dmm-handed-over"] for r in rounds[:2]] == [0, 0]
+    assert all(r["aggregated"]["dmm-clients"] == 12 for r in rounds)  # each round released
+    refusals = [m for m in caplog.messages if "refuses to deal" in m]
+    assert refusals and "of the other committee's key is signed by 'client/" in refusals[0]
+
+
 # ------------------------------------------------------------------------- SecAgg+
 def _secagg(root, n=6):
     enrolment = Enrolment(root)
