@@ -133,9 +133,13 @@ class Transcript:
         default_factory=lambda: defaultdict(lambda: [0, 0])
     )
 
-    def record(self, sender: int, receiver: int, stage: str | Enum, nbytes: int) -> None:
+    def record(
+        self, sender: int, receiver: int, stage: str | Enum, nbytes: int, messages: int = 1
+    ) -> None:
+        """Count ``messages`` messages of ``nbytes`` bytes in all (``messages=0``: bytes that
+        travel in a message already counted, such as a key's enrolment proof)."""
         entry = self.counts[(sender, receiver, stage_label(stage))]
-        entry[0] += 1
+        entry[0] += messages
         entry[1] += nbytes
 
     def messages(self, *, sender=None, receiver=None, stage=None) -> int:

@@ -334,7 +334,7 @@ class DMMServer:
             dim=self.dim,
             session_id=session,
             member_keys=keys,
-            member_proofs=_key_proofs(self.pool, keys),
+            member_proofs=_key_proofs(self.pool, keys, MEMBER_ID_BASE, transcript),
         )
         self._open = _Round(round_keys, faults, transcript, rejected, self.holders)
         return round_keys
@@ -673,7 +673,8 @@ class DMMServer:
         if not keep:
             return new_commit(new, holders), 0
         if session is not None:  # each side checks the other's keys against their proofs
-            new_proofs, old_proofs = _key_proofs(new, new_keys), _key_proofs(self.pool, old_keys)
+            new_proofs = _key_proofs(new, new_keys, NEW_ID_BASE, transcript)
+            old_proofs = _key_proofs(self.pool, old_keys, OLD_ID_BASE, transcript)
             self.pool.broadcast(
                 "connect",
                 {NEW_ID_BASE + j: k for j, k in new_keys.items()},
@@ -905,15 +906,18 @@ def _deal_refusal(pool) -> str:
     return f"; a dealer refused: {reasons[-1]}" if reasons else ""
 
 
-def _key_proofs(pool, keys: Mapping[int, bytes]) -> dict[int, bytes]:
+def _key_proofs(pool, keys: Mapping[int, bytes], base: int, transcript) -> dict[int, bytes]:
     """Seat -> the enrolment proof ``pool``'s members gave for the key they announced (relayed
-    as given: the receivers check them), for the seats in ``keys``."""
+    as given: the receivers check them), for the seats in ``keys``; each proof's bytes are
+    counted in ``transcript`` with its key's message (channel id ``base + seat``)."""
     proofs: dict[int, bytes] = {}
     for answer in pool.broadcast("key_proofs"):
         if isinstance(answer, Mapping):
             proofs.update(
                 {int(s): p for s, p in answer.items() if s in keys and isinstance(p, bytes)}
             )
+    for seat, proof in proofs.items():
+        transcript.record(base + seat, SERVER_ID, DMMStage.SHARE, len(proof), messages=0)
     return dict(sorted(proofs.items()))
 
 

@@ -194,7 +194,8 @@ class SecAggServer:
             self.view.public_keys[int(client)] = (keys[0], keys[1])
             for key in keys:
                 holders.setdefault(key, set()).add(int(client))
-            self.transcript.record(int(client), SERVER_ID, Stage.ADVERTISE_KEYS, 64 + 8)
+            proof = len(self.view.proofs.get(int(client), b""))  # travels with the keys
+            self.transcript.record(int(client), SERVER_ID, Stage.ADVERTISE_KEYS, 64 + 8 + proof)
         for clients in holders.values():
             if len(clients) > 1:
                 for client in clients:
@@ -214,7 +215,10 @@ class SecAggServer:
             neighbours = {j: self.view.public_keys[j] for j in self.graph[client] if j in live}
             self._recipients[client] = tuple(sorted(neighbours))
             routed[client] = neighbours
-            self.transcript.record(SERVER_ID, client, Stage.ADVERTISE_KEYS, 72 * len(neighbours))
+            proofs = sum(len(self.view.proofs.get(j, b"")) for j in neighbours)
+            self.transcript.record(
+                SERVER_ID, client, Stage.ADVERTISE_KEYS, 72 * len(neighbours) + proofs
+            )
         return routed
 
     def proofs_for(self, client: int) -> dict[int, bytes]:

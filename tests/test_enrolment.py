@@ -10,6 +10,7 @@ from fedsim.engine.client_registry import (
     Enrolment,
     client_name,
     enrolled,
+    identity_seed,
     member_name,
 )
 from fedsim.engine.committee import CommitteeSpec
@@ -119,3 +120,49 @@ def test_a_committee_built_from_the_root_signs_every_member_key():
     with pytest.raises(KeySubstitution, match="did not sign"):
         check_member_keys(keys, other)
     assert CommitteeSpec(6, 2, 2).build(None).keys_for(1).member_proofs == ()
+
+
+def test_transcripts_count_each_relayed_proofs_bytes_with_its_key():
+    """A key's enrolment proof travels with it: the transcript counts its bytes in the key's
+    message (DMM members -> server; SecAgg+ clients -> server -> neighbours)."""
+    import numpy as np  # noqa: PLC0415
+
+    from protocols.dmm import MEMBER_ID_BASE as SEAT_BASE  # noqa: PLC0415
+    from protocols.dmm import DMMStage, Schedule  # noqa: PLC0415
+    from protocols.dmm_member import MemberPool  # noqa: PLC0415
+    from protocols.dmm_server import DMMServer  # noqa: PLC0415
+    from protocols.secagg import SecAggConfig, Stage  # noqa: PLC0415
+    from protocols.secagg_client import SecAggClient  # noqa: PLC0415
+    from protocols.secagg_server import SecAggServer  # noqa: PLC0415
+    from protocols.shamir import PackedShamir  # noqa: PLC0415
+
+    root = RunSecret.fresh()
+    enrolment = Enrolment(root)
+    server = DMMServer(PackedShamir(5, 1, 1), Schedule(np.eye(2, dtype=np.int64)), 4)
+    identities = {
+        s: (identity_seed(root.client(c)),
+            enrolment.identity(client_name(c), root.client(c)).certificate.to_bytes())
+        for s, c in enumerate(range(10, 15))
+    }
+    kwargs = dict(server.member_kwargs, identities=identities, authority=enrolment.public_key)
+    server.attach(MemberPool(list(range(10, 15)), [[0, 1, 2], [3, 4]], kwargs))
+    keys = server.open_round(0)
+    transcript = server._open.transcript
+    for j, proof in keys.member_proofs.items():
+        assert 160 < len(proof) < 200  # certificate (name, key, signature) and a signature
+        sender = SEAT_BASE + j
+        assert transcript.messages(sender=sender, stage=DMMStage.SHARE) == 1
+        assert transcript.nbytes(sender=sender, stage=DMMStage.SHARE) == 32 + 8 + len(proof)
+    # SecAgg+: each client's keys and proof up, its neighbours' keys and proofs down
+    config = SecAggConfig(num_clients=4, degree=3, threshold=2, vector_length=2)
+    session = b"q" * 32
+    clients = {i: SecAggClient(session) for i in range(1, 5)}
+    mine = {i: enrolment.identity(client_name(i), root.client(i)) for i in clients}
+    sec = SecAggServer(config, range(1, 5), session, np.random.default_rng(0))
+    proofs = {i: c.key_proof(mine[i]) for i, c in clients.items()}
+    routed = sec.advertise_keys({i: c.advertise_keys() for i, c in clients.items()}, proofs)
+    for i in clients:
+        up = sec.transcript.nbytes(sender=i, stage=Stage.ADVERTISE_KEYS)
+        assert up == 72 + len(proofs[i])
+        down = sec.transcript.nbytes(receiver=i, stage=Stage.ADVERTISE_KEYS)
+        assert down == sum(72 + len(proofs[j]) for j in routed[i])
