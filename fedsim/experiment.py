@@ -357,7 +357,11 @@ def set_up_run(run: ExperimentRun, engine: Engine | None) -> None:
     # resume (pickling drops them)
     root = run.secrets.root
     run.committee_host = committee_host_for(
-        run.strategy, root, config.faults, run.run_dir.party_store
+        run.strategy,
+        root,
+        config.faults,
+        run.run_dir.party_store,
+        draw=(config.seed, run.participation.num_clients),
     )
     run.committee = committee_for(run.strategy, root)  # DDGauss's members, from the root
     bind_parties(run.strategy, root.server(), run.committee_host, run.committee)

@@ -90,8 +90,10 @@ def check_client_id(party) -> int:
 @dataclass(frozen=True)
 class CommitteeKeys:
     """What a client needs to share with the committee in one round, all public: the round,
-    the scheme (n, t, k, field exponent e of p = 2^e - 1), the channel session id and the
-    members' X25519 public keys (member j's at index j, 32 bytes each)."""
+    the scheme (n, t, k, field exponent e of p = 2^e - 1), the channel session id, the
+    members' X25519 public keys (member j's at index j, 32 bytes each) and ``member_proofs``:
+    member j's enrolment proof of its key (:meth:`protocols.channels.Identity.prove`; empty
+    when the members are enrolled nowhere)."""
 
     round: int
     n: int
@@ -100,6 +102,7 @@ class CommitteeKeys:
     field_exponent: int
     session_id: bytes
     member_keys: tuple[bytes, ...]
+    member_proofs: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.round, bool) or not isinstance(self.round, int | np.integer):
@@ -114,6 +117,11 @@ class CommitteeKeys:
             raise ValueError(f"member_keys must be a tuple of n = {self.n} public keys")
         if any(not isinstance(key, bytes) or len(key) != PUBLIC_KEY_BYTES for key in keys):
             raise ValueError(f"every member key must be {PUBLIC_KEY_BYTES} bytes")
+        proofs = self.member_proofs
+        if not isinstance(proofs, tuple) or len(proofs) not in (0, self.n):
+            raise ValueError(f"member_proofs must be empty or a tuple of n = {self.n} proofs")
+        if any(not isinstance(proof, bytes) for proof in proofs):
+            raise ValueError("every member proof must be bytes")
 
     def scheme(self) -> PackedShamir:
         return PackedShamir(self.n, self.t, self.k, MersenneField(self.field_exponent))

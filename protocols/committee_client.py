@@ -9,13 +9,20 @@ the ciphertexts and the client's public key (:class:`protocols.committee.SealedI
 Randomness is passed in: ``rng`` (the client's share stream) draws the share polynomials,
 ``private_key`` (32 bytes of the client's secret) fixes its X25519 key, or None for a key from
 the OS CSPRNG.
+
+Keys are checked before anything is sealed: a client holding its enrolment's
+:class:`protocols.channels.KeyVerifier` seals only to member keys that n distinct enrolled
+members signed for this session and seat (:func:`check_member_keys`); a substituted key raises
+:class:`protocols.channels.KeySubstitution` and nothing leaves the client.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
-from protocols.channels import Endpoint
+from protocols.channels import Endpoint, KeySubstitution, KeyVerifier
 from protocols.committee import (
     CHANNEL_PROTOCOL,
     MEMBER_ID_BASE,
@@ -26,18 +33,48 @@ from protocols.committee import (
 )
 
 
+def check_member_keys(
+    keys: CommitteeKeys, verifier: KeyVerifier, names: Sequence[str] | None = None
+) -> list[str]:
+    """The enrolled names behind the members' keys, or :class:`KeySubstitution` naming the
+    member whose key no enrolled member signed for this session and seat (or whose name is
+    not ``names[j]``, or is another seat's)."""
+    if len(keys.member_proofs) != keys.n:
+        raise KeySubstitution(
+            f"round {keys.round}: the committee's member keys carry no enrolment proofs; "
+            "this client seals only to enrolled members"
+        )
+    entries = [
+        (
+            f"committee member {j}",
+            MEMBER_ID_BASE + j,
+            (key,),
+            keys.member_proofs[j],
+            None if names is None else names[j],
+        )
+        for j, key in enumerate(keys.member_keys)
+    ]
+    return verifier.check_all(entries, protocol=CHANNEL_PROTOCOL, session_id=keys.session_id)
+
+
 def seal_input(
     keys: CommitteeKeys,
     party: int,
     vector,
     rng: np.random.Generator,
     private_key: bytes | None = None,
+    verifier: KeyVerifier | None = None,
+    names: Sequence[str] | None = None,
 ) -> SealedInput:
     """The client's SHARE message: packed shares of ``vector`` (field elements of F_p), row j
     sealed for member j. ``party``: the client's channel id for the round (assigned by the
     server); ``rng``: the client's own share stream; ``private_key``: 32 bytes of its secret
-    for its X25519 key (None: from the OS CSPRNG)."""
+    for its X25519 key (None: from the OS CSPRNG); ``verifier``: the client's enrolment, which
+    every member key must pass first (:func:`check_member_keys`, with the expected ``names``;
+    None: keys are taken as relayed)."""
     party = check_client_id(party)
+    if verifier is not None:
+        check_member_keys(keys, verifier, names)
     if not isinstance(rng, np.random.Generator):
         raise ValueError(
             f"rng is a {type(rng).__name__}; allowed: the sharing client's numpy Generator"

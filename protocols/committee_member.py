@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from protocols.channels import SERVER_ID, Endpoint
+from protocols.channels import SERVER_ID, Certificate, Endpoint, Identity
 from protocols.committee import (
     CHANNEL_PROTOCOL,
     MEMBER_ID_BASE,
@@ -46,7 +46,9 @@ class CommitteeShard:
     A plain class; :func:`shard_actor` makes it a Ray actor. Rounds are independent: each has
     its own stored rows, summed state and stage, and :meth:`abort` ends one. ``session_id``:
     the committee's channel session; ``private_keys``: member -> 32 bytes of that member's own
-    secret for its channel key (else the OS CSPRNG).
+    secret for its channel key (else the OS CSPRNG); ``identities``: member -> (32-byte seed
+    of its Ed25519 identity, its enrolment certificate as bytes), with which it signs its
+    channel key (:meth:`key_proofs`; None: enrolled nowhere).
     """
 
     def __init__(
@@ -55,6 +57,7 @@ class CommitteeShard:
         field_exponent: int,
         session_id: bytes,
         private_keys: Mapping[int, bytes] | None = None,
+        identities: Mapping[int, tuple[bytes, bytes]] | None = None,
     ):
         self.members = np.asarray(members, dtype=np.int64)
         self.field = MersenneField(field_exponent)
@@ -64,6 +67,15 @@ class CommitteeShard:
                 MEMBER_ID_BASE + int(m), session_id, CHANNEL_PROTOCOL, keys.get(int(m))
             )
             for m in self.members
+        }
+        self._proofs = {
+            int(m): Identity.from_seed(seed, Certificate.from_bytes(certificate)).prove(
+                CHANNEL_PROTOCOL,
+                session_id,
+                MEMBER_ID_BASE + int(m),
+                (self._endpoints[int(m)].public_key,),
+            )
+            for m, (seed, certificate) in (identities or {}).items()
         }
         self._rows: dict[int, dict[int, np.ndarray]] = {}
         self._width: dict[int, int] = {}
@@ -95,6 +107,10 @@ class CommitteeShard:
     def public_keys(self) -> dict[int, bytes]:
         """Each member's channel public key."""
         return {m: e.public_key for m, e in self._endpoints.items()}
+
+    def key_proofs(self) -> dict[int, bytes]:
+        """Each enrolled member's proof of its channel key (empty when enrolled nowhere)."""
+        return dict(self._proofs)
 
     def connect(self, party_id: int, public_key: bytes) -> None:
         """Every member opens a channel with ``party_id`` (the server, or a client)."""
@@ -217,11 +233,19 @@ def shard_arguments(
     field_exponent: int,
     session_id: bytes,
     private_keys: Mapping[int, bytes] | None,
+    identities: Mapping[int, tuple[bytes, bytes]] | None = None,
 ) -> list[tuple]:
     """The :class:`CommitteeShard` constructor arguments of each group: its members, the field
-    exponent, the channel session and its members' channel keys (None: from the OS CSPRNG)."""
+    exponent, the channel session, its members' channel keys (None: from the OS CSPRNG) and
+    their enrolled identities (None: enrolled nowhere)."""
     return [
-        (list(g), field_exponent, session_id, private_keys and {m: private_keys[m] for m in g})
+        (
+            list(g),
+            field_exponent,
+            session_id,
+            private_keys and {m: private_keys[m] for m in g},
+            identities and {m: identities[m] for m in g},
+        )
         for g in groups
     ]
 

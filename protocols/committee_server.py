@@ -137,6 +137,10 @@ class CommitteeServer:
         self._server = Endpoint(SERVER_ID, self.session_id, CHANNEL_PROTOCOL)
         for part in self.pool.call("public_keys", [() for _ in self.groups]):
             self.member_keys.update(part)
+        #: each enrolled member's proof of its key, relayed to the clients with it
+        self.member_proofs: dict[int, bytes] = {}
+        for part in self.pool.call("key_proofs", [() for _ in self.groups]):
+            self.member_proofs.update(part)
         for member, key in sorted(self.member_keys.items()):
             self.relay.publish(MEMBER_ID_BASE + member, key)
             self._server.connect(MEMBER_ID_BASE + member, key)
@@ -164,6 +168,9 @@ class CommitteeServer:
             field_exponent=self.scheme.field.exponent,
             session_id=self.session_id,
             member_keys=tuple(self.member_keys[m] for m in range(self.scheme.n)),
+            member_proofs=tuple(self.member_proofs[m] for m in range(self.scheme.n))
+            if len(self.member_proofs) == self.scheme.n
+            else (),
         )
 
     def _advance(self, round_: int, target: CommitteeStage) -> None:

@@ -213,8 +213,10 @@ class Schedule:
 class RoundKeys:
     """What a client needs to share in one round, all public: the scheme (n, t, k, field
     exponent), D, the round and mechanism step, the number of noise rows released this step,
-    the channel session id (None: plain rows, no encryption) and the online seats' fresh
-    X25519 public keys (seat -> 32 bytes; b'' without encryption)."""
+    the channel session id (None: plain rows, no encryption), the online seats' fresh
+    X25519 public keys (seat -> 32 bytes; b'' without encryption) and ``member_proofs``: seat ->
+    the enrolment proof of its key (:meth:`protocols.channels.Identity.prove`; empty when the
+    members are enrolled nowhere)."""
 
     round: int
     step: int
@@ -226,6 +228,7 @@ class RoundKeys:
     dim: int
     session_id: bytes | None
     member_keys: Mapping[int, bytes]
+    member_proofs: Mapping[int, bytes] = field(default_factory=dict)
 
     def scheme(self) -> PackedShamir:
         return PackedShamir(self.n, self.t, self.k, MersenneField(self.field_exponent))

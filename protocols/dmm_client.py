@@ -26,16 +26,22 @@ row, and off by a uniform pad at every honest seat when it lists a client whose 
 Randomness is passed in: ``rng`` (the client's secret share stream) draws the share polynomials;
 ``private_key`` (32 bytes of the client's secret) fixes its X25519 key, or None for a key from the
 OS CSPRNG.
+
+Keys are checked before anything is sealed: with its enrolment's
+:class:`protocols.channels.KeyVerifier` a client seals only to seat keys that distinct enrolled
+parties signed for this session and seat (:func:`check_seat_keys`); a substituted key raises
+:class:`protocols.channels.KeySubstitution` and nothing is sealed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
-from protocols.channels import Endpoint
+from protocols.channels import Endpoint, KeySubstitution, KeyVerifier
 from protocols.dmm import (
     CLIENT_ID_LIMIT,
     FOLD_PAD,
@@ -213,25 +219,71 @@ def seal_client_shares(
     noise,
     rng: np.random.Generator,
     private_key: bytes | None = None,
+    verifier: KeyVerifier | None = None,
 ) -> DMMSealedShares:
     """The client's SHARE message: shares of ``update`` (D signed ints) and ``noise``
     (``keys.rows`` x D signed ints) sealed per seat (plain rows when the round has no session
-    id). ``party``: the channel id the server assigned this client for the round."""
+    id). ``party``: the channel id the server assigned this client for the round;
+    ``verifier``: its enrolment, checked against every seat key before anything is shared."""
     _party(party)
+    if verifier is not None:
+        check_seat_keys(keys, verifier)
     segments = [_update(keys, update), *_noise(keys, noise)]
     return seal_rows(keys, party, share_segments(keys.scheme(), segments, rng), private_key)
 
 
+def check_seat_keys(
+    keys: RoundKeys, verifier: KeyVerifier, names: Mapping[int, str] | None = None
+) -> list[str]:
+    """The enrolled names behind the seats' keys, or :class:`KeySubstitution` naming the seat
+    whose key no distinct enrolled party signed for this session and seat. ``names``: seat ->
+    the enrolled name its key must be signed by (the round's public committee, which the
+    caller draws); None checks only that the signers are distinct enrolled parties."""
+    if keys.session_id is None:
+        return []
+    missing = sorted(set(keys.member_keys) - set(keys.member_proofs))
+    if missing:
+        raise KeySubstitution(
+            f"round {keys.round}: DMM seats {missing[:5]} announced keys without enrolment "
+            "proofs; this client seals only to enrolled members"
+        )
+    if names is not None:
+        unnamed = sorted(set(keys.member_keys) - set(names))
+        if unnamed:
+            raise KeySubstitution(
+                f"round {keys.round}: DMM seats {unnamed[:5]} are not seats of the public "
+                "committee; this client seals only to its members"
+            )
+    entries = [
+        (
+            f"DMM seat {j}",
+            MEMBER_ID_BASE + int(j),
+            (key,),
+            keys.member_proofs[j],
+            None if names is None else names[j],
+        )
+        for j, key in sorted(keys.member_keys.items())
+    ]
+    return verifier.check_all(entries, protocol=PROTOCOL, session_id=keys.session_id)
+
+
 def seal_rows(
-    keys: RoundKeys, party: int, shares: np.ndarray, private_key: bytes | None = None
+    keys: RoundKeys,
+    party: int,
+    shares: np.ndarray,
+    private_key: bytes | None = None,
+    verifier: KeyVerifier | None = None,
 ) -> DMMSealedShares:
     """Seal row j of ``shares`` ((n, width) field elements) to seat j, from channel ``party``
     (a client's, or a worker batch's that folded its clients' inputs): one AEAD call per seat
     over the whole row. ``private_key``: 32 bytes of the sealing party's secret, or None for a
-    key from the OS CSPRNG."""
+    key from the OS CSPRNG; ``verifier``: the sealing party's enrolment, which every seat key
+    must pass first (:func:`check_seat_keys`; None: keys are taken as relayed)."""
     party = _party(party)
     if shares.shape != (keys.n, keys.width):
         raise ValueError(f"shares has shape {shares.shape}; allowed ({keys.n}, {keys.width})")
+    if verifier is not None:
+        check_seat_keys(keys, verifier)
     if keys.session_id is None:
         return DMMSealedShares(party, b"", {int(j): shares[j] for j in keys.member_keys})
     endpoint = Endpoint(party, keys.session_id, protocol=PROTOCOL, private_key=private_key)

@@ -31,17 +31,32 @@ passed in: ``private_keys`` (seat -> 32 bytes of the member's own secret) fix it
 ``rngs`` (seat -> the member's own Generator) its resharing randomness; None draws from the OS.
 :class:`MemberPool` keeps groups in process; :mod:`fedsim.engine.dmm_committee` hosts them on
 Ray actors, one member per client, with each client's own secret.
+
+Keys are bound at enrolment (:mod:`protocols.channels`, "Authenticated keys"): a group built
+with its seats' ``identities`` signs every channel key it announces (:meth:`key_proofs`), and one
+built with the enrolment ``authority`` connects to another committee's seat only under that
+seat's valid proof: a member never deals its shares to a key no enrolled member signed
+(:meth:`connect`, :meth:`deal`).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 
 import numpy as np
 
-from protocols.channels import SERVER_ID, ChannelError, Endpoint, Envelope
+from protocols.channels import (
+    SERVER_ID,
+    Certificate,
+    ChannelError,
+    Endpoint,
+    Envelope,
+    Identity,
+    KeySubstitution,
+    KeyVerifier,
+)
 from protocols.dmm import (
     CLIENT_ID_LIMIT,
     FOLD_PAD,
@@ -80,6 +95,11 @@ def request(handler):
 ROLE_BASES = {"current": MEMBER_ID_BASE, "old": OLD_ID_BASE, "new": NEW_ID_BASE}
 
 
+def _base_of(party: int) -> int:
+    """The role base a channel id lies above (the highest not above it)."""
+    return max(base for base in ROLE_BASES.values() if base <= party)
+
+
 class MemberGroup:
     """Seats ``seats`` of one committee (n, t, k over F_{2^e - 1}, D = ``dim``) for the public
     integer matrix ``matrix``; ``step`` is the next round this committee runs."""
@@ -88,6 +108,7 @@ class MemberGroup:
         "announce": {},
         "announce_handoff": {},
         "connect": [],
+        "key_proofs": {},
         "share": {},
         "combine": [],
         "release": {"seats": [], "rows": [], "late": []},
@@ -110,9 +131,26 @@ class MemberGroup:
         matrix,
         min_clients: int = 1,
         step: int = 0,
+        identities: Mapping[int, tuple[bytes, bytes]] | None = None,
+        authority: bytes | None = None,
+        next_names: Callable[[int], Sequence[str]] | None = None,
     ) -> None:
+        """``identities``: seat -> (its identity seed, its certificate bytes), for the seats
+        here that sign their keys (others are ignored); ``authority``: the enrolment
+        authority's public key, under which peers' member keys are checked (None: taken as
+        relayed); ``next_names``: round -> the enrolled names, seat order, of the committee the
+        public draw makes for that round: a dealer of round r deals to seat j of the next
+        committee only under a proof signed by ``next_names(r + 1)[j]`` (None: any distinct
+        enrolled party)."""
         self.scheme = PackedShamir(int(n), int(t), int(k), MersenneField(int(field_exponent)))
         self.seats = [int(s) for s in seats]
+        self._identities = {
+            int(s): Identity.from_seed(seed, Certificate.from_bytes(cert))
+            for s, (seed, cert) in (identities or {}).items()
+            if int(s) in self.seats
+        }
+        self._verifier = None if authority is None else KeyVerifier(authority)
+        self._next_names = next_names
         if not self.seats or len(set(self.seats)) != len(self.seats):
             raise ValueError(f"seats={seats!r}; allowed: distinct seats in [0, n={n})")
         if min(self.seats) < 0 or max(self.seats) >= self.scheme.n:
@@ -137,6 +175,8 @@ class MemberGroup:
         self.role: str | None = None
         self._round = -1
         self._endpoints: dict[int, Endpoint] = {}
+        self._proofs: dict[int, bytes] = {}
+        self._unverified: dict[int, str] = {}
         self._online: set[int] = set()
         self._received: dict[int, np.ndarray] = {}
         #: party -> the clients whose pads this member removed from its message (1: its own)
@@ -312,24 +352,80 @@ class MemberGroup:
             s: Endpoint(base + s, session_id, protocol=PROTOCOL, private_key=keys.get(s))
             for s in sorted(self._online)
         }
+        self._proofs = {
+            s: self._identities[s].prove(
+                PROTOCOL, session_id, base + s, (self._endpoints[s].public_key,)
+            )
+            for s in sorted(self._online)
+            if s in self._identities
+        }
         return {s: self._endpoints[s].public_key for s in sorted(self._online)}
 
+    def key_proofs(self) -> dict[int, bytes]:
+        """Seat -> the enrolment proof of the channel key it announced this stage (seats
+        without an identity give none)."""
+        return dict(self._proofs)
+
     @request
-    def connect(self, peers: Mapping[int, bytes]) -> list[int]:
+    def connect(
+        self, peers: Mapping[int, bytes], proofs: Mapping[int, bytes] | None = None
+    ) -> list[int]:
         """Every online seat opens a channel with each ``party -> public key``; returns the
-        parties whose key is unusable (they are refused, nobody else is affected)."""
+        parties whose key is unusable (they are refused, nobody else is affected). With the
+        enrolment authority, a peer that is a seat of another committee (the handoff's old or
+        new side) must come with its ``proofs[party]``, signed by a distinct enrolled party for
+        this session and seat; one without is refused and never dealt to."""
         if self.stage not in (DMMStage.SHARE, DMMStage.RESHARE) or self.retired:
             raise StageError(f"DMM members {self.seats} cannot connect in {self.stage.name}")
         if not isinstance(peers, Mapping):
             raise MemberRefused(f"peers is a {type(peers).__name__}; allowed: party -> key")
-        refused = set()
+        refused = self._check_member_keys(peers, proofs or {})
         for party, key in peers.items():
+            if party in refused:
+                continue
             for endpoint in self._endpoints.values():
                 try:
                     endpoint.connect(int(party), key)
                 except (ChannelError, ValueError, TypeError):
                     refused.add(party)
         return sorted(int(p) for p in refused if isinstance(p, int | np.integer))
+
+    def _check_member_keys(self, peers: Mapping[int, bytes], proofs: Mapping[int, bytes]) -> set:
+        """The seats of other committees among ``peers`` whose keys are not bound to a
+        distinct enrolled party (none without the authority); reasons in ``_unverified``."""
+        if self._verifier is None or not self._endpoints:
+            return set()
+        session = next(iter(self._endpoints.values())).session_id
+        drawn = None if self._next_names is None else list(self._next_names(self._round + 1))
+        names: dict[str, int] = {}
+        refused = set()
+        for party, key in peers.items():
+            if not isinstance(party, int | np.integer) or not (
+                OLD_ID_BASE <= int(party) < MEMBER_ID_BASE
+            ):
+                continue  # the server and the clients: what they send is checked as it opens
+            seat = int(party) - _base_of(int(party))
+            who = f"seat {seat} of the other committee"
+            expected = None
+            if drawn is not None and _base_of(int(party)) == NEW_ID_BASE:
+                expected = drawn[seat] if seat < len(drawn) else f"no seat {seat} of the draw"
+            try:
+                name = self._verifier.check(
+                    proofs.get(party),
+                    protocol=PROTOCOL,
+                    session_id=session,
+                    party_id=int(party),
+                    keys=(key,),
+                    who=who,
+                    name=expected,
+                )
+                if name in names:  # one enrolled party stands for one seat of a committee
+                    raise KeySubstitution(f"{who}'s key is signed by {name!r}, already a seat")
+                names[name] = int(party)
+            except KeySubstitution as error:
+                self._unverified[int(party)] = str(error)
+                refused.add(party)
+        return refused
 
     # ------------------------------------------------------------------ one round
     @property
@@ -499,6 +595,11 @@ class MemberGroup:
             flat = np.concatenate([self._tentative[r][self._index[s]] for r in keep])
             if s in tamper:
                 flat = self._offset_row(flat, s, seed, 3)
+            unverified = [j for j in receivers if NEW_ID_BASE + j in self._unverified]
+            if unverified and self._endpoints.get(s) is not None:
+                raise MemberRefused(
+                    f"seat {s} refuses to deal: {self._unverified[NEW_ID_BASE + unverified[0]]}"
+                )
             rng = (rngs or {}).get(s)
             randomness = ShareRandomness(rng, rng is None)
             rows = OldMember(s, flat).deal(self.scheme, self.scheme, column, mix, randomness)

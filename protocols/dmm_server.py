@@ -394,6 +394,7 @@ class DMMServer:
             dim=self.dim,
             session_id=session,
             member_keys=keys,
+            member_proofs=_key_proofs(self.pool, keys, MEMBER_ID_BASE, transcript),
         )
         self._open = _Round(round_keys, faults, transcript, rejected, self.holders)
         return round_keys
@@ -799,7 +800,7 @@ class DMMServer:
             next_pool.close()
             self.holders = tuple(dealers)
             output.holders, output.handed_over = self.holders, False
-            output.handoff_error = str(error)
+            output.handoff_error = str(error) + _deal_refusal(self.pool)
             return
         self.pool.broadcast("retire")
         self.pool.close()
@@ -827,9 +828,19 @@ class DMMServer:
             )
         if not keep:
             return new_commit(new, holders), 0
-        if session is not None:
-            self.pool.broadcast("connect", {NEW_ID_BASE + j: k for j, k in new_keys.items()})
-            new.broadcast("connect", {OLD_ID_BASE + i: k for i, k in old_keys.items()})
+        if session is not None:  # each side checks the other's keys against their proofs
+            new_proofs = _key_proofs(new, new_keys, NEW_ID_BASE, transcript)
+            old_proofs = _key_proofs(self.pool, old_keys, OLD_ID_BASE, transcript)
+            self.pool.broadcast(
+                "connect",
+                {NEW_ID_BASE + j: k for j, k in new_keys.items()},
+                {NEW_ID_BASE + j: p for j, p in new_proofs.items()},
+            )
+            new.broadcast(
+                "connect",
+                {OLD_ID_BASE + i: k for i, k in old_keys.items()},
+                {OLD_ID_BASE + i: p for i, p in old_proofs.items()},
+            )
         attempts, checked = self._deal_until_verified(
             round_, len(keep), candidates, holders, faults, transcript, new
         )
@@ -1051,6 +1062,28 @@ def new_commit(pool, holders) -> list[int]:
     answers = pool.broadcast("commit")
     held = sorted({int(s) for part in answers if isinstance(part, list) for s in part})
     return [s for s in held if s in holders]
+
+
+def _deal_refusal(pool) -> str:
+    """Why the old committee's last refusing dealer refused (a key it could not verify, ...),
+    for the hand-off's error; empty when none refused."""
+    reasons = [r for _, method, r in getattr(pool, "refusals", ()) if method == "deal"]
+    return f"; a dealer refused: {reasons[-1]}" if reasons else ""
+
+
+def _key_proofs(pool, keys: Mapping[int, bytes], base: int, transcript) -> dict[int, bytes]:
+    """Seat -> the enrolment proof ``pool``'s members gave for the key they announced (relayed
+    as given: the receivers check them), for the seats in ``keys``; each proof's bytes are
+    counted in ``transcript`` with its key's message (channel id ``base + seat``)."""
+    proofs: dict[int, bytes] = {}
+    for answer in pool.broadcast("key_proofs"):
+        if isinstance(answer, Mapping):
+            proofs.update(
+                {int(s): p for s, p in answer.items() if s in keys and isinstance(p, bytes)}
+            )
+    for seat, proof in proofs.items():
+        transcript.record(base + seat, SERVER_ID, DMMStage.SHARE, len(proof), messages=0)
+    return dict(sorted(proofs.items()))
 
 
 def _union(answers) -> set[int]:

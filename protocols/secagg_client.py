@@ -22,6 +22,13 @@ neighbours only, one each, bound to this round and stage, a share row of the rig
 field), the survivor lists (ids, disjoint, at least ``survivors_needed``) -- and refuses a bad
 one by moving to ABORTED and raising (``ValueError``, ``TypeError``, ``ChannelError``,
 :class:`TooManyDropoutsError`).
+
+**Keys bound at enrolment.** An enrolled client signs its two keys with its identity
+(:meth:`SecAggClient.key_proof`, :meth:`protocols.channels.Identity.prove`) and, given its
+enrolment's :class:`~protocols.channels.KeyVerifier`, shares its secrets only with neighbours
+whose keys distinct enrolled parties other than itself signed for this session: a server that
+substitutes keys to collect shares of b_i and of the agreement key (and so unmask y_i) meets a
+:class:`~protocols.channels.KeySubstitution` in SHARE_KEYS, before anything is sealed.
 """
 
 from __future__ import annotations
@@ -35,7 +42,15 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from protocols.channels import PUBLIC_KEY_BYTES, SERVER_ID, ChannelError, Endpoint, Envelope
+from protocols.channels import (
+    PUBLIC_KEY_BYTES,
+    SERVER_ID,
+    ChannelError,
+    Endpoint,
+    Envelope,
+    Identity,
+    KeyVerifier,
+)
 from protocols.secagg import (
     CHUNKS_PER_SECRET,
     PROTOCOL,
@@ -114,6 +129,11 @@ class SecAggClient:
         channel = X25519PrivateKey.from_private_bytes(self._channel_key)
         return raw_public_key(channel), raw_public_key(self._agreement_key)
 
+    def key_proof(self, identity: Identity) -> bytes:
+        """The enrolment proof of :attr:`public_keys` by the client's ``identity`` (bound to
+        this protocol and session; the protocol id is assigned later)."""
+        return identity.prove(PROTOCOL, self.session_id, None, self.public_keys)
+
     @property
     def _recipients(self) -> tuple[int, ...]:
         return tuple(sorted(self._neighbour_keys))
@@ -146,14 +166,20 @@ class SecAggClient:
         neighbour_keys: Mapping[int, tuple[bytes, bytes]],
         *,
         contribute: bool = True,
+        proofs: Mapping[int, bytes] | None = None,
+        verifier: KeyVerifier | None = None,
+        own: str | None = None,
     ) -> list[Envelope]:
         """SHARE_KEYS: take the protocol id ``client_id`` and the round's ``config``, connect to
         the neighbours whose keys arrived and, if contributing, share b_i and the agreement key
         among them (one sealed share row per neighbour). A client told not to contribute (too
         few live neighbours to protect its secrets) sends nothing but still holds and returns
-        its neighbours' shares."""
+        its neighbours' shares. With ``verifier`` (the client's enrolment; ``own``: its enrolled
+        name) every neighbour's keys must carry ``proofs[j]`` by a distinct enrolled party."""
         self._enter(Stage.SHARE_KEYS)
         try:
+            if verifier is not None:
+                self._check_proofs(neighbour_keys, proofs or {}, verifier, own)
             self._accept_neighbours(client_id, config, neighbour_keys, contribute)
         except (ValueError, TypeError, RoundAborted) as error:
             raise self._refuse(error) from None
@@ -174,6 +200,18 @@ class SecAggClient:
             self._endpoint.seal_array(peer, config.round, Stage.SHARE_KEYS, shares[member])
             for member, peer in enumerate(recipients)
         ]
+
+    def _check_proofs(self, neighbour_keys, proofs, verifier: KeyVerifier, own) -> None:
+        """:class:`~protocols.channels.KeySubstitution` unless each neighbour's (channel,
+        agreement) keys were signed for this session by a distinct enrolled party, not us."""
+        if not isinstance(neighbour_keys, Mapping) or not isinstance(proofs, Mapping):
+            raise TypeError("neighbour keys and proofs must map neighbour ids")
+        entries = []
+        for peer, keys in sorted(neighbour_keys.items(), key=lambda item: str(item[0])):
+            if not isinstance(keys, tuple | list) or len(keys) != 2:
+                raise ValueError(f"neighbour {peer}'s keys must be a (channel, agreement) pair")
+            entries.append((f"neighbour {peer}", None, tuple(keys), proofs.get(peer), None))
+        verifier.check_all(entries, protocol=PROTOCOL, session_id=self.session_id, own=own)
 
     def _accept_neighbours(
         self,

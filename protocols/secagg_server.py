@@ -13,7 +13,10 @@ shares of a secret disagree and the wrong ones cannot be named (exactly ``thresh
 cannot be checked, except that a rebuilt agreement key must match its public key), the server
 moves to ABORTED and raises :class:`RoundAborted` (:class:`TooManyDropoutsError` when too few
 answered): nothing is released. Keys, seeds and shares of the clients never reach the server in
-the clear; public keys relayed by the server are taken as authentic (honest-but-curious server).
+the clear. Public keys relayed by the server are bound at enrolment: the server relays each
+client's proof with its keys (:meth:`SecAggServer.advertise_keys`, :meth:`SecAggServer.proofs_for`)
+and enrolled clients check them before they share (:mod:`protocols.secagg_client`); clients
+enrolled nowhere take the keys as relayed.
 
 **Opened is released.** A round that aborts in UNMASK may abort after the server already holds
 enough to determine the sum: ``threshold`` shares of every survivor's self-mask seed and of
@@ -36,6 +39,8 @@ from protocols.channels import (
     NONCE_BYTES,
     SERVER_ID,
     Envelope,
+    Identity,
+    KeyVerifier,
     Relay,
     Transcript,
     new_session_id,
@@ -67,6 +72,7 @@ class ServerView:
     """Everything the server received or derived, for audits and tests."""
 
     public_keys: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)
+    proofs: dict[int, bytes] = field(default_factory=dict)
     masked_inputs: dict[int, np.ndarray] = field(default_factory=dict)
     responses: dict[int, UnmaskResponse] = field(default_factory=dict)
     recovered_self_masks: dict[int, bytes] = field(default_factory=dict)
@@ -166,12 +172,19 @@ class SecAggServer:
         return None
 
     def advertise_keys(
-        self, public_keys: Mapping[int, tuple[bytes, bytes]]
+        self,
+        public_keys: Mapping[int, tuple[bytes, bytes]],
+        proofs: Mapping[int, bytes] | None = None,
     ) -> dict[int, dict[int, tuple[bytes, bytes]]]:
-        """ADVERTISE_KEYS: collect public keys; return, per live client, its live neighbours'
-        keys. A client whose keys are malformed, unusable or repeat another client's is
-        rejected; clients left with fewer than ``threshold`` live neighbours are excluded."""
+        """ADVERTISE_KEYS: collect public keys (and the enrolment ``proofs`` that came with
+        them, relayed as given: :meth:`proofs_for`); return, per live client, its live
+        neighbours' keys. A client whose keys are malformed, unusable or repeat another
+        client's is rejected; clients left with fewer than ``threshold`` live neighbours are
+        excluded."""
         self._enter(Stage.ADVERTISE_KEYS)
+        self.view.proofs = {
+            int(c): p for c, p in (proofs or {}).items() if isinstance(p, bytes)
+        }
         holders: dict[bytes, set[int]] = {}
         for client, keys in _items(public_keys, "public_keys"):
             problem = self._keys_problem(client, keys)
@@ -181,7 +194,8 @@ class SecAggServer:
             self.view.public_keys[int(client)] = (keys[0], keys[1])
             for key in keys:
                 holders.setdefault(key, set()).add(int(client))
-            self.transcript.record(int(client), SERVER_ID, Stage.ADVERTISE_KEYS, 64 + 8)
+            proof = len(self.view.proofs.get(int(client), b""))  # travels with the keys
+            self.transcript.record(int(client), SERVER_ID, Stage.ADVERTISE_KEYS, 64 + 8 + proof)
         for clients in holders.values():
             if len(clients) > 1:
                 for client in clients:
@@ -201,8 +215,16 @@ class SecAggServer:
             neighbours = {j: self.view.public_keys[j] for j in self.graph[client] if j in live}
             self._recipients[client] = tuple(sorted(neighbours))
             routed[client] = neighbours
-            self.transcript.record(SERVER_ID, client, Stage.ADVERTISE_KEYS, 72 * len(neighbours))
+            proofs = sum(len(self.view.proofs.get(j, b"")) for j in neighbours)
+            self.transcript.record(
+                SERVER_ID, client, Stage.ADVERTISE_KEYS, 72 * len(neighbours) + proofs
+            )
         return routed
+
+    def proofs_for(self, client: int) -> dict[int, bytes]:
+        """The proofs of ``client``'s neighbours' keys (those that came with one)."""
+        proofs = self.view.proofs
+        return {j: proofs[j] for j in self._recipients.get(client, ()) if j in proofs}
 
     def _keys_problem(self, client: object, keys: object) -> str | None:
         if self._member(client) is None:
@@ -459,18 +481,25 @@ def run_secagg(
     inputs: Mapping[int, np.ndarray],
     graph_rng: np.random.Generator,
     dropouts: Mapping[Stage, Iterable[int]] | None = None,
+    identities: Mapping[int, Identity] | None = None,
+    verifier: KeyVerifier | None = None,
+    server_class: type | None = None,
 ) -> SecAggResult:
     """One full round in process: every client's handlers and the server's, with clients that
     stop answering at a given stage (``dropouts[stage]``: they skip that stage and all later
-    ones); client secrets from the OS CSPRNG. Raises :class:`TooManyDropoutsError` when
-    recovery is impossible."""
+    ones); client secrets from the OS CSPRNG. ``identities[i]``: client i's enrolled identity
+    (it signs its keys); ``verifier``: the enrolment every client checks its neighbours' keys
+    against (None: taken as relayed); ``server_class``: the server's class (a subclass plays
+    an active server). Raises :class:`TooManyDropoutsError` when recovery is impossible, and
+    :class:`protocols.channels.KeySubstitution` when a client refuses a relayed key."""
     dropouts = {stage: set(ids) for stage, ids in (dropouts or {}).items()}
     for stage in dropouts:
         if stage not in (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASK):
             raise ValueError(f"dropouts has stage {stage.name}; clients drop in stages 1-4")
     session_id = new_session_id()
-    server = SecAggServer(config, inputs.keys(), session_id, graph_rng)
+    server = (server_class or SecAggServer)(config, inputs.keys(), session_id, graph_rng)
     clients = {i: SecAggClient(session_id) for i in inputs}
+    identities = dict(identities or {})
     gone: set[int] = set()
 
     def live(stage: Stage, candidates: Iterable[int]) -> list[int]:
@@ -478,10 +507,19 @@ def run_secagg(
         return [i for i in candidates if i not in gone]
 
     keys = {i: clients[i].advertise_keys() for i in live(Stage.ADVERTISE_KEYS, clients)}
-    routed = server.advertise_keys(keys)
+    proofs = {i: clients[i].key_proof(identities[i]) for i in keys if i in identities}
+    routed = server.advertise_keys(keys, proofs)
     excluded = set(server.excluded)
     outgoing = {
-        i: clients[i].share_keys(i, config, routed[i], contribute=i not in excluded)
+        i: clients[i].share_keys(
+            i,
+            config,
+            routed[i],
+            contribute=i not in excluded,
+            proofs=server.proofs_for(i),
+            verifier=verifier,
+            own=identities[i].name if i in identities else None,
+        )
         for i in live(Stage.SHARE_KEYS, routed)
     }
     incoming = server.share_keys(outgoing)

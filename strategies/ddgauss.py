@@ -92,6 +92,7 @@ from flwr.serverapp.strategy import Strategy
 
 from fedsim.config import ConfigError
 from fedsim.engine.boundary import boundary_of
+from fedsim.engine.client_registry import enrolled, member_name
 from fedsim.engine.committee import Committee, CommitteeSpec
 from fedsim.privacy import ddgauss as ddgauss_privacy
 from fedsim.privacy.accounting import NeighbouringRelation, PrivacyLedger
@@ -99,7 +100,7 @@ from fedsim.privacy.mechanisms import SecureRandom, discrete_gaussian
 from fedsim.randomness import PartySecret, Purpose, Stream, client_secret, public_generator
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.worker_reduce import single
-from protocols.channels import new_session_id
+from protocols.channels import KeySubstitution, new_session_id
 from protocols.committee import (
     MEMBER_ID_BASE,
     CommitteeAbort,
@@ -211,6 +212,8 @@ def committee_keys_config(keys: CommitteeKeys, party: int) -> dict[str, Any]:
         "member-keys": list(keys.member_keys),
         "party": int(party),
     }
+    if keys.member_proofs:
+        values["member-proofs"] = list(keys.member_proofs)
     return {COMMITTEE_PREFIX + name: value for name, value in values.items()}
 
 
@@ -231,6 +234,7 @@ def committee_keys_from(config: ConfigRecord) -> tuple[CommitteeKeys, int]:
         field_exponent=int(config[COMMITTEE_PREFIX + "field-exponent"]),
         session_id=config[COMMITTEE_PREFIX + "session"],
         member_keys=tuple(member_keys),
+        member_proofs=tuple(config.get(COMMITTEE_PREFIX + "member-proofs", [])),
     )
     return keys, int(config[COMMITTEE_PREFIX + "party"])
 
@@ -259,17 +263,26 @@ def sealed_from(record: object) -> SealedInput:
 
 
 def _committee_content(
-    secret: PartySecret, config: ConfigRecord, elements: np.ndarray, server_round: int
+    secret: PartySecret,
+    config: ConfigRecord,
+    elements: np.ndarray,
+    server_round: int,
+    node_config: Mapping[str, Any],
 ) -> RecordDict:
     """Committee mode on the client: share ``elements`` and seal each member's row, with
-    share randomness and key from the client's own ``secret``."""
+    share randomness and key from the client's own ``secret``. An enrolled client (its
+    ``node_config``) first checks that every member key was signed by member j itself
+    (:func:`protocols.committee_client.check_member_keys`): a substituted key is refused."""
     keys, party = committee_keys_from(config)
+    enrolment = enrolled(node_config, secret)
     sealed = seal_input(
         keys,
         party,
         elements,
         secret.generator(server_round, Purpose.SHARES, PREFIX),
         secret.seed_bytes(server_round, Purpose.KEYS, PREFIX, keys.session_id.hex()),
+        verifier=None if enrolment is None else enrolment[1],
+        names=[member_name(j) for j in range(keys.n)],
     )
     return RecordDict({SEALED_KEY: sealed_record(sealed)})
 
@@ -322,7 +335,9 @@ def ddgauss_client_app(
             signed = encoder.field.decode_signed(encoded.elements)
             content = start_client(context, server_round, config[PREFIX + "session"], signed)
         elif mode == "committee":
-            content = _committee_content(secret, config, encoded.elements, server_round)
+            content = _committee_content(
+                secret, config, encoded.elements, server_round, context.node_config
+            )
         else:
             content = RecordDict({ENCODED_KEY: to_record({ENCODED_KEY: encoded.elements})})
         if metrics_in_clear:
@@ -515,6 +530,8 @@ class DDGauss(LedgerShell):
         self.last_survivors: tuple[int, ...] = ()
         self.last_rejected: dict[int, str] = {}
         self.last_abort: str | None = None
+        #: node -> why it refused the keys the server relayed (this round's train replies)
+        self.last_key_refusals: dict[int, str] = {}
         self.last_stage: str | None = None
         self.last_opened: tuple[int, ...] = ()
         #: rounds that aborted after the server held their sum (accounted): round, clients,
@@ -738,9 +755,14 @@ class DDGauss(LedgerShell):
         clear: dict[int, MetricRecord] = {}
         seen: set[int] = set()
         boundary = boundary_of(self._grid)
+        self.last_key_refusals = {}
         for reply in replies:
-            if reply.has_error():
-                continue  # the client failed: a dropout
+            if reply.has_error():  # the client failed: a dropout (or refused a relayed key)
+                reason = str(getattr(reply.error, "reason", ""))
+                if reason.startswith(KeySubstitution.__name__):
+                    node = int(reply.metadata.src_node_id)
+                    self.last_key_refusals[node] = reason.splitlines()[0][:500]
+                continue
             node = int(reply.metadata.src_node_id)
             try:
                 if node not in self._asked or node in seen:
@@ -773,8 +795,10 @@ class DDGauss(LedgerShell):
             raise ValueError("'metrics' must be a MetricRecord")
         if self.mode == "full":
             record = content[KEYS_KEY]
-            if set(record) != {"channel", "agreement"}:
-                raise ValueError("public keys must be 'channel' and 'agreement'")
+            if set(record) - {"proof"} != {"channel", "agreement"}:
+                raise ValueError("public keys must be 'channel' and 'agreement' (and 'proof')")
+            if "proof" in record:  # relayed with the keys; the clients check it
+                return (record["channel"], record["agreement"], record["proof"])
             return (record["channel"], record["agreement"])
         if self.mode == "committee":
             return sealed_from(content[SEALED_KEY])
@@ -857,6 +881,21 @@ class DDGauss(LedgerShell):
         if clear:
             self._unaccounted(server_round, f"train metrics of {len(clear)} clients in the clear")
         release = self._release(server_round, payloads)
+        refusals = dict(self.last_key_refusals)
+        refusals.update(
+            {n: r for n, r in release.refused.items() if KeySubstitution.__name__ in r}
+        )
+        if refusals:  # a key relay that substitutes keys is named, never a silent dropout
+            node, reason = sorted(refusals.items())[0]
+            log.warning(
+                "round %d: %d clients refused keys relayed by the server (node %d: %s)",
+                server_round, len(refusals), node, reason,
+            )
+            if release.total is None:
+                release.aborted = (
+                    f"{release.aborted}; {len(refusals)} clients refused relayed keys "
+                    f"(node {node}: {reason})"
+                )
         rejected.update(release.rejected)
         for node, reason in sorted(rejected.items()):
             log.warning("round %d: DDGauss rejected node %d: %s", server_round, node, reason)
@@ -869,6 +908,7 @@ class DDGauss(LedgerShell):
                 "rejected": sorted(rejected),
                 "ddgauss-rejected": len(rejected),
                 "ddgauss-refused": len(release.refused),
+                "ddgauss-key-refusals": len(refusals),
             }
         )
         self.last_opened = release.opened

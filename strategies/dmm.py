@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import dp_accounting as dpa
@@ -68,6 +68,12 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedsim.config import ConfigError
+from fedsim.engine.client_registry import (
+    NUM_PARTITIONS_KEY,
+    client_name,
+    enrolled,
+    public_committee,
+)
 from fedsim.privacy import dmm as dmm_privacy
 from fedsim.privacy.accounting import NeighbouringRelation, PrivacyLedger
 from fedsim.privacy.matrix.factorization import Factorization
@@ -76,7 +82,7 @@ from fedsim.privacy.mechanisms import discrete_gaussian
 from fedsim.randomness import Purpose, Stream, client_secret, public_generator
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.worker_reduce import FOLDS_KEY, attach_reducer, is_partial, single
-from protocols.channels import Envelope, stage_label
+from protocols.channels import Envelope, KeySubstitution, stage_label
 from protocols.dmm import (
     MEMBER_ID_BASE,
     DMMFaults,
@@ -89,7 +95,7 @@ from protocols.dmm import (
     Schedule,
     StateLost,
 )
-from protocols.dmm_client import mask_client_shares, seal_client_shares
+from protocols.dmm_client import check_seat_keys, mask_client_shares, seal_client_shares
 from protocols.dmm_server import DMMServer, RoundOutput
 from protocols.encoding import (
     DEFAULT_BETA,
@@ -133,9 +139,24 @@ _EVALUATION = (
 )
 
 
-def round_keys_config(keys: RoundKeys, party: int) -> dict[str, Any]:
+def key_refusals(replies: Iterable[Message]) -> dict[int, str]:
+    """node -> why it refused the keys the server relayed (its error reply says
+    ``KeySubstitution``: a seat key no enrolled member signed)."""
+    out = {}
+    for reply in replies:
+        reason = str(getattr(reply.error, "reason", "")) if reply.has_error() else ""
+        if reason.startswith(KeySubstitution.__name__):
+            out[int(reply.metadata.src_node_id)] = reason.splitlines()[0][:500]
+    return out
+
+
+def round_keys_config(
+    keys: RoundKeys, party: int, committee: tuple[int, Sequence[int]] | None = None
+) -> dict[str, Any]:
     """The ``dmm.share.*`` entries of one client's full-mode instruction: the round's public
-    :class:`protocols.dmm.RoundKeys` and the client's channel party id. Nothing secret."""
+    :class:`protocols.dmm.RoundKeys`, the client's channel party id and ``committee``: (the
+    server round whose public draw holds the state, its client ids in seat order), which an
+    enrolled client recomputes and checks every seat's certificate against. Nothing secret."""
     if keys.session_id is None:
         raise ValueError("keys.session_id=None; clients share only over encrypted channels")
     seats = sorted(keys.member_keys)
@@ -152,13 +173,57 @@ def round_keys_config(keys: RoundKeys, party: int) -> dict[str, Any]:
         "member-keys": [keys.member_keys[j] for j in seats],
         "party": int(party),
     }
+    if seats and set(seats) <= set(keys.member_proofs):  # relayed; the clients check them
+        out["member-proofs"] = [keys.member_proofs[j] for j in seats]
+    if committee is not None:
+        out["committee-round"] = int(committee[0])
+        out["committee"] = [int(c) for c in committee[1]]
     return {SHARE_PREFIX + k: v for k, v in out.items()}
 
 
-def cohort_config(keys: RoundKeys, cohort: list[int]) -> dict[str, Any]:
+def committee_names(
+    config: ConfigRecord, keys: RoundKeys, seed: Any, population: Any
+) -> dict[int, str]:
+    """Seat -> the enrolled name (``client/c``) its key must be signed by: the instruction's
+    ``committee`` must be the public draw (:func:`public_committee`, from the run's ``seed``
+    and ``population``, both the client's own) of a round no later than this one, so a
+    server cannot seat enrolled clients the draw did not choose. A committee that is not the
+    draw is a :class:`KeySubstitution`."""
+    for what, value in (("run_config seed", seed), ("node_config num-partitions", population)):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer):
+            raise ValueError(
+                f"{what}={value!r}; allowed: an integer (an enrolled DMM client recomputes "
+                "the public committee draw from the run's seed and population)"
+            )
+    drawn_at = config.get(SHARE_PREFIX + "committee-round")
+    clients = [int(c) for c in config.get(SHARE_PREFIX + "committee", ())]
+    if (
+        isinstance(drawn_at, bool)
+        or not isinstance(drawn_at, int)
+        or not 0 <= drawn_at <= keys.round
+    ):
+        raise KeySubstitution(
+            f"round {keys.round}: {SHARE_PREFIX}committee-round={drawn_at!r} names no public "
+            f"committee draw (allowed: a round in [0, {keys.round}]); this client seals only to "
+            "the public committee"
+        )
+    drawn = public_committee(int(seed), drawn_at, int(population), keys.n)
+    if clients != drawn:
+        raise KeySubstitution(
+            f"round {keys.round}: the seats' clients {clients[:8]} are not round {drawn_at}'s "
+            f"public committee {drawn[:8]} (seed {int(seed)}, population {int(population)}); "
+            "this client seals only to the public committee"
+        )
+    return {j: client_name(clients[j]) for j in range(keys.n)}
+
+
+def cohort_config(
+    keys: RoundKeys, cohort: list[int], committee: tuple[int, Sequence[int]] | None = None
+) -> dict[str, Any]:
     """The ``dmm.share.*`` entries of a folded round's one shared instruction: the round's
-    public keys and the cohort's node ids in order (client ``cohort[p]`` has channel party p)."""
-    out = round_keys_config(keys, 0)
+    public keys and committee and the cohort's node ids in order (client ``cohort[p]`` has
+    channel party p)."""
+    out = round_keys_config(keys, 0, committee)
     del out[SHARE_PREFIX + "party"]
     out[SHARE_PREFIX + "cohort"] = [int(node) for node in cohort]
     return out
@@ -201,6 +266,7 @@ def _round_keys(config: ConfigRecord, rows: int) -> RoundKeys:
         dim=int(config[SHARE_PREFIX + "dim"]),
         session_id=bytes(config[SHARE_PREFIX + "session"]),
         member_keys=dict(zip(seats, (bytes(key) for key in member_keys))),
+        member_proofs=dict(zip(seats, map(bytes, config.get(SHARE_PREFIX + "member-proofs", ())))),
     )
 
 
@@ -299,6 +365,15 @@ def dmm_client_app(inner: ClientApp, metrics_in_clear: bool = False) -> ClientAp
                 )
             segments = [rounded.astype(np.int64), *noise.astype(np.int64)]
             shares = secret.generator(round_, Purpose.SHARES, "dmm")
+            enrolment = enrolled(context.node_config, secret)
+            if enrolment is not None:  # a substituted seat key: refuse before anything leaves
+                names = committee_names(
+                    config,
+                    keys,
+                    context.run_config.get("seed"),
+                    context.node_config.get(NUM_PARTITIONS_KEY),
+                )
+                check_seat_keys(keys, enrolment[1], names)
             if SHARE_PREFIX + "cohort" in config and context.node_config.get(FOLDS_KEY) is True:
                 masked = mask_client_shares(
                     keys,
@@ -536,6 +611,8 @@ class DMM(LedgerShell):
         self.server: DMMServer | None = None
         self.host = None
         self.committee: list[int] = []
+        #: the server round whose public draw is ``committee``
+        self.committee_round: int | None = None
         self.aborted_rounds = 0
         #: rounds that aborted after their release shares reached the server (accounted):
         #: round, clients, the epsilon it cost
@@ -589,9 +666,19 @@ class DMM(LedgerShell):
 
     def committee_for(self, server_round: int) -> list[int]:
         """The committee of ``server_round``: n distinct clients drawn publicly."""
-        rng = public_generator(self.seed, server_round, Stream.COMMITTEE)
-        chosen = rng.choice(self.population, size=self.scheme.n, replace=False)
-        return [int(c) for c in chosen]
+        return public_committee(self.seed, server_round, self.population, self.scheme.n)
+
+    def _committee_claim(self, server_round: int) -> tuple[int, list[int]]:
+        """(the round whose public draw is the committee now holding the state, its client
+        ids): what the clients check the seats' certificates against."""
+        drawn_at = self.__dict__.get("committee_round")
+        if drawn_at is None or self.committee_for(drawn_at) != self.committee:
+            drawn_at = next(  # a checkpoint from before the draw's round was kept
+                (r for r in range(server_round, -1, -1) if self.committee_for(r) == self.committee),
+                server_round,
+            )
+            self.committee_round = drawn_at
+        return drawn_at, list(self.committee)
 
     def rotation_seed(self) -> int:
         """The run's public rotation seed (one basis for every round: releases combine the
@@ -662,6 +749,7 @@ class DMM(LedgerShell):
         kwargs = self.server.member_kwargs
         if self.server.step == 0:
             self.committee = self.committee_for(server_round)
+            self.committee_round = server_round
             self.server.attach(self.host.pool(self.committee, kwargs), range(self.scheme.n))
         else:
             pool = self.host.restore(self.committee, self.server.holders, kwargs, self.server.step)
@@ -775,6 +863,7 @@ class DMM(LedgerShell):
         self._ensure_pool(server_round)
         if not self.committee:
             self.committee = self.committee_for(server_round)
+            self.committee_round = server_round
         extended = ConfigRecord(dict(config))
         extended["server-round"] = server_round
         extended.update(
@@ -814,8 +903,9 @@ class DMM(LedgerShell):
         self._round["keys"] = keys
         if self.worker_fold:
             return self._folded_instructions(messages, keys)
+        claim = self._committee_claim(server_round)
         for message in messages:
-            share = round_keys_config(keys, sent[int(message.metadata.dst_node_id)])
+            share = round_keys_config(keys, sent[int(message.metadata.dst_node_id)], claim)
             message.content = RecordDict(
                 {
                     name: ConfigRecord({**dict(record), **share})
@@ -832,7 +922,7 @@ class DMM(LedgerShell):
         if not messages:
             return messages
         cohort = sorted(self._round["sent"], key=self._round["sent"].get)
-        share = cohort_config(keys, cohort)
+        share = cohort_config(keys, cohort, self._committee_claim(self._round["round"]))
         content = RecordDict(
             {
                 name: ConfigRecord({**dict(record), **share})
@@ -1002,11 +1092,22 @@ class DMM(LedgerShell):
         clear = sum(not r.has_error() and "metrics" in r.content for r in replies)
         if clear:
             self._unaccounted(server_round, f"train metrics of {clear} clients in the clear")
+        refusals = key_refusals(replies)
+        if refusals:  # clients that refused relayed keys are named, never silent dropouts
+            node, reason = sorted(refusals.items())[0]
+            log.warning(
+                "DMM round %s: %d clients refused keys relayed by the server (node %d: %s)",
+                server_round, len(refusals), node, reason,
+            )
+            metrics["dmm-key-refusals"] = len(refusals)
         valid, rejected = self._validate(replies)
         try:
             output = self._run_protocol(server_round, valid, rejected)
         except (RoundAborted, ReleaseTampering) as error:
-            return None, self._aborted(server_round, error, rejected, metrics)
+            aborted = self._aborted(server_round, error, rejected, metrics)
+            if refusals:
+                self.last_abort += f"; {len(refusals)} clients refused relayed keys ({reason})"
+            return None, aborted
         rejected.update(output.rejected)
         self.last_output, self.last_abort = output, None
         self._account(server_round)
@@ -1056,8 +1157,14 @@ class DMM(LedgerShell):
         """The committee now holding the state stores it, sealed, as its members' own state."""
         if output.handed_over:
             retired, self.committee = self.committee, list(self._round["next"])
+            self.committee_round = server_round + 1
         else:
             retired = []
+            if output.handoff_error:
+                log.warning(
+                    "DMM round %s: the state stays with this committee: %s",
+                    server_round, output.handoff_error,
+                )
         if self.mode == "full" and self.host is not None:
             self.host.persist(self.server.pool, output.holders, server_round, forget=retired)
 

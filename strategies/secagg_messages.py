@@ -29,6 +29,14 @@ memory) it is stored as is. The protocol seed is ``secret.seed_bytes(round, Purp
 session)``. A client answers a round's train instruction once: an instruction for a round it
 has already begun is refused.
 
+**Keys bound at enrolment.** A client enrolled by its runtime (``node_config`` carries the
+registry's authority key and its certificate, :func:`fedsim.engine.client_registry.enrolled`)
+signs its two keys (``proof`` in its ADVERTISE_KEYS reply); the server relays each neighbour's
+proof with its keys, and the enrolled client checks them all before it shares anything
+(:meth:`protocols.secagg_client.SecAggClient.share_keys`): a substituted key makes it refuse the
+round, and a round that aborts for it says so (``aborted`` names the refusals). A client its
+runtime enrolled nowhere takes the keys as relayed.
+
 **Checks.** Every reply is checked at this boundary before the protocol sees it: it must answer
 a message of this stage, come from a node asked in it (once), and hold exactly the records of
 the stage with the right types; anything else rejects that client for the round, named with the
@@ -53,6 +61,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 
+from fedsim.engine.client_registry import enrolled
 from fedsim.randomness import NODE_SECRET_KEY, PartySecret, Purpose, client_secret
 from fedsim.record_codec import to_numpy, to_record
 from protocols.channels import Envelope
@@ -68,7 +77,8 @@ from protocols.secagg_client import SecAggClient
 from protocols.secagg_server import SecAggServer
 
 KEYS_KEY = "secagg.keys"
-"""Reply record of ADVERTISE_KEYS: ConfigRecord with ``channel`` and ``agreement`` (32 bytes)."""
+"""Reply record of ADVERTISE_KEYS: ConfigRecord with ``channel`` and ``agreement`` (32 bytes)
+and, from an enrolled client, ``proof`` (its enrolment proof of the two keys)."""
 ROUND_KEY = "secagg"
 SETUP_KEY = "secagg.setup"
 NEIGHBOURS_KEY = "secagg.neighbours"
@@ -326,7 +336,8 @@ def run_over_grid(
     silent: Mapping[Stage, set[int]] | None = None,
 ) -> SecAggOutcome:
     """SHARE_KEYS, MASKED_INPUT and UNMASK over ``grid`` for the nodes whose ADVERTISE_KEYS
-    replies gave ``public_keys`` (node id -> (channel, agreement), unchecked); ``config_for(n)``
+    replies gave ``public_keys`` (node id -> (channel, agreement) or (channel, agreement,
+    proof), unchecked: the clients check the proofs); ``config_for(n)``
     gives the round's parameters for n clients. ``silent[stage]``: nodes that stop answering
     from that stage on (simulated protocol dropouts). Never raises for a client's reply: a bad
     one is rejected, and a round that cannot complete ends ABORTED with no aggregate (its
@@ -341,12 +352,17 @@ def run_over_grid(
     server = SecAggServer(config, node_of, session, graph_rng)
     exchange = _Exchange(grid, server_round, session, timeout, silent, server, node_of)
     gone = silent.get(Stage.ADVERTISE_KEYS, set())
-    keys = {c: public_keys[n] for c, n in node_of.items() if n not in gone}
+    given = {c: public_keys[n] for c, n in node_of.items() if n not in gone}
+    keys = {c: _pair(v) for c, v in given.items()}
+    proofs = {c: v[2] for c, v in given.items() if isinstance(v, tuple | list) and len(v) == 3}
     aggregate, aborted = None, None
     try:
-        aggregate = _run_stages(exchange, config, keys)
+        aggregate = _run_stages(exchange, config, keys, proofs)
     except RoundAborted as error:
         aborted = str(error)
+        if exchange.refused:  # name why the clients refused (a substituted key, ...)
+            node, reason = sorted(exchange.refused.items())[0]
+            aborted += f"; {len(exchange.refused)} clients refused, node {node}: {reason}"
     rejected = dict(exchange.foreign)
     rejected.update({node_of[c]: why for c, why in server.rejected.items() if c in node_of})
     summed = tuple(node_of[c] for c in server.survivors)
@@ -363,23 +379,36 @@ def run_over_grid(
     )
 
 
-def _run_stages(exchange: _Exchange, config: SecAggConfig, keys: dict[int, object]) -> np.ndarray:
+def _pair(keys: object) -> object:
+    """The (channel, agreement) pair of an ADVERTISE_KEYS payload (the server checks it)."""
+    if isinstance(keys, tuple | list) and len(keys) == 3:
+        return (keys[0], keys[1])
+    return keys
+
+
+def _run_stages(
+    exchange: _Exchange,
+    config: SecAggConfig,
+    keys: dict[int, object],
+    proofs: Mapping[int, bytes] | None = None,
+) -> np.ndarray:
     server = exchange.server
-    routed = server.advertise_keys(keys)
+    routed = server.advertise_keys(keys, proofs)
     excluded = set(server.excluded)
-    setups = {
-        c: {
+    setups = {}
+    for c, neighbours in routed.items():
+        relayed = server.proofs_for(c)
+        setups[c] = {
             SETUP_KEY: _config_record(config, c, c not in excluded),
             NEIGHBOURS_KEY: ConfigRecord(
                 {
                     "ids": list(neighbours),
                     "channel-keys": [neighbours[j][0] for j in neighbours],
                     "agreement-keys": [neighbours[j][1] for j in neighbours],
+                    "proofs": [relayed.get(j, b"") for j in neighbours],
                 }
             ),
         }
-        for c, neighbours in routed.items()
-    }
     envelopes = {}
     for c, content in exchange.send(Stage.SHARE_KEYS, setups).items():
         try:
@@ -522,8 +551,12 @@ def start_client(context: Context, server_round: int, session: bytes, values) ->
     seed = secret.seed_bytes(server_round, Purpose.KEYS, session.hex())
     client = SecAggClient(session, seed=seed)
     channel, agreement = client.advertise_keys()
+    record = ConfigRecord({"channel": channel, "agreement": agreement})
+    enrolment = enrolled(context.node_config, secret)
+    if enrolment is not None:
+        record["proof"] = client.key_proof(enrolment[0])
     _save(context, server_round, client, values)
-    return RecordDict({KEYS_KEY: ConfigRecord({"channel": channel, "agreement": agreement})})
+    return RecordDict({KEYS_KEY: record})
 
 
 def _stage_of(
@@ -545,7 +578,9 @@ def _stage_of(
     return server_round, client, values
 
 
-def _share_keys(message: Message, client: SecAggClient, server_round: int) -> RecordDict:
+def _share_keys(
+    message: Message, client: SecAggClient, server_round: int, context: Context
+) -> RecordDict:
     config, client_id, contribute = _config_from(message.content[SETUP_KEY])
     if config.round != server_round:
         raise ValueError(f"the parameters are for round {config.round}, not {server_round}")
@@ -556,7 +591,20 @@ def _share_keys(message: Message, client: SecAggClient, server_round: int) -> Re
     keys = {j: (c, a) for j, c, a in zip(ids, channel, agreement)}
     if len(keys) != len(ids):
         raise ValueError("a neighbour id is repeated")
-    envelopes = client.share_keys(client_id, config, keys, contribute=contribute)
+    proofs = neighbours.get("proofs", [])
+    if not isinstance(proofs, list) or len(proofs) not in (0, len(ids)):
+        raise ValueError("neighbour proofs must be a list, one per neighbour")
+    proof_of = {j: p for j, p in zip(ids, proofs) if isinstance(p, bytes) and p}
+    enrolment = enrolled(context.node_config, _secret(context)[0])
+    envelopes = client.share_keys(
+        client_id,
+        config,
+        keys,
+        contribute=contribute,
+        proofs=proof_of,
+        verifier=None if enrolment is None else enrolment[1],
+        own=None if enrolment is None else enrolment[0].name,
+    )
     return RecordDict({ENVELOPES_KEY: envelopes_record(envelopes)})
 
 
@@ -587,7 +635,7 @@ def _answer(stage: Stage, message: Message, context: Context) -> RecordDict:
     server_round, client, values = _stage_of(stage, message, context)
     try:
         if stage is Stage.SHARE_KEYS:
-            content = _share_keys(message, client, server_round)
+            content = _share_keys(message, client, server_round, context)
         elif stage is Stage.MASKED_INPUT:
             content, values = _masked_input(message, client, values), None
         else:

@@ -208,3 +208,16 @@ def test_a_lost_committee_state_halts_the_run_cleanly(local_engine, digits):
     assert halted[-1] == 1 and recorded.inner.halted
     assert recorded.inner.server.stage.name == "ABORTED"
     assert all(np.isfinite(v).all() for v in arrays.values())
+
+
+def test_the_committee_claim_names_the_round_whose_public_draw_holds_the_state():
+    """What the clients check seats against: (the round of the draw, its clients). A
+    checkpoint that predates the recorded round gets it back by searching earlier draws."""
+    from fedsim.engine.client_registry import public_committee  # noqa: PLC0415
+
+    strategy = make_dmm("full", 30, 6)
+    strategy.committee, strategy.committee_round = strategy.committee_for(3), 3
+    assert strategy._committee_claim(5) == (3, public_committee(7, 3, 30, 11))
+    del strategy.__dict__["committee_round"]  # an older checkpoint
+    assert strategy._committee_claim(5) == (3, strategy.committee_for(3))
+    assert strategy.committee_round == 3

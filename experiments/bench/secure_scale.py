@@ -236,7 +236,9 @@ def dmm_mode(point: Point, worker_fold: bool = True) -> ModeRun:
 
     def bind(engine, grid) -> None:
         faults = FaultConfig(dropout=point.dropout, seed=point.seed)
-        state["host"] = CommitteeHost(secrets, faults, actors=True, shards=2)
+        state["host"] = CommitteeHost(
+            secrets, faults, actors=True, shards=2, draw=(point.seed, point.population)
+        )
         strategy.bind_committee_host(state["host"])
 
     def committee() -> dict[str, float]:
@@ -354,6 +356,7 @@ def run_point(point: Point) -> dict[str, Any]:
         grid = engine.open_run(
             mode.client_app,
             point.population,
+            run_config={"seed": point.seed},  # DMM clients recompute the committee draw
             participation=UniformCohort(point.population, point.cohort, point.seed),
             state_store=store,
             observer=observer,
@@ -493,7 +496,9 @@ def _points(args: argparse.Namespace) -> list[Point]:
     """The (mode, cohort, d) grid; d = 10^6 only at the smallest cohort (``--big-dim-cohorts``)."""
     out = []
     for dim in args.dims:
-        cohorts = args.cohorts if dim < 10**6 else [c for c in args.cohorts if c <= args.big_dim_cohort]
+        cohorts = (
+            args.cohorts if dim < 10**6 else [c for c in args.cohorts if c <= args.big_dim_cohort]
+        )
         for cohort in cohorts:
             for mode in args.modes:
                 out.append(_point(args, mode, cohort, dim, args.population))

@@ -67,6 +67,7 @@ sys.path.insert(0, str(ROOT))
 import dp_accounting as dpa  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
+from experiments.roots import default_key, seed_root, study_root  # noqa: E402
 from fedsim.data import DatasetSpec, build_dataset  # noqa: E402
 from fedsim.data.dataset import FederatedDataset  # noqa: E402
 from fedsim.engine import Engine, EngineConfig  # noqa: E402
@@ -90,8 +91,6 @@ from strategies.dmm import DMM, dmm_client_app  # noqa: E402
 from strategies.dp_fedavg import DPFedAvg  # noqa: E402
 from strategies.matrix_mechanism import MatrixMechanism  # noqa: E402
 from strategies.server_secret import bind_parties  # noqa: E402
-
-from experiments.roots import default_key, seed_root, study_root  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 STUDY = "dmm-study"  # its roots: experiments/roots.py
@@ -323,7 +322,9 @@ def run_one(engine, setup, method, epsilon, seed, st: Setting, mode=None) -> dic
     strategy, z = make_strategy(method, epsilon, seed, dim, st, mode)
     host = None
     if family == "dmm":
-        host = CommitteeHost(secrets, actors=mode == "full", shards=ACTOR_SHARDS)
+        host = CommitteeHost(
+            secrets, actors=mode == "full", shards=ACTOR_SHARDS, draw=(seed, st.clients)
+        )
     bind_parties(strategy, secrets.server(), host)  # the server's noise, DMM's committees
     grid = engine.open_run(
         apps.get(family, apps["plain"]),

@@ -11,7 +11,10 @@ channel key derived per session from its own secret (``member_secrets``,
 :class:`fedsim.randomness.PartySecret`), or from the OS CSPRNG.
 
 The run's front end builds the committee a strategy asks for from its :class:`CommitteeSpec`
-(:func:`committee_for`) with each member's secret from the run's root.
+(:func:`committee_for`) with each member's secret from the run's root. Member m is enrolled as
+``member/m`` by the registry's :class:`fedsim.engine.client_registry.Enrolment` (from the same
+root): its shard signs its channel key with its identity, and the clients check every member
+key before they seal (:func:`protocols.committee_client.check_member_keys`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from fedsim.engine.client_registry import Enrolment, identity_seed, member_name
 from fedsim.randomness import PartySecret, Purpose, RunSecret
 from protocols.channels import new_session_id
 from protocols.committee import check_layout
@@ -92,6 +96,24 @@ def member_channel_keys(
     }
 
 
+def member_identities(
+    enrolment: Enrolment | None, member_secrets: Mapping[int, PartySecret] | None, n: int
+) -> dict[int, tuple[bytes, bytes]] | None:
+    """Member m -> (its identity seed, its certificate as ``member/m``), enrolled by
+    ``enrolment`` from its own secret (None without an enrolment)."""
+    if enrolment is None:
+        return None
+    if member_secrets is None:
+        raise ValueError("enrolment needs member_secrets: each member's identity is its own")
+    return {
+        m: (
+            identity_seed(member_secrets[m]),
+            enrolment.identity(member_name(m), member_secrets[m]).certificate.to_bytes(),
+        )
+        for m in range(n)
+    }
+
+
 class Committee(CommitteeServer):
     """A committee of ``n`` members with privacy threshold ``t`` and packing ``k``, split into
     ``shards`` groups, each a Ray actor (``ray_module`` given) or an in-process object; the
@@ -101,7 +123,9 @@ class Committee(CommitteeServer):
     member -> its own :class:`~fedsim.randomness.PartySecret`, from which its channel key is
     derived per session (None: keys from the OS CSPRNG). ``shard_class``: the class simulating
     each group (a :class:`~protocols.committee_member.CommitteeShard` subclass plays hostile
-    members). A committee is never pickled: its members' keys and shares are theirs.
+    members). ``enrolment``: the registry's authority, which enrols member m (its identity
+    from ``member_secrets[m]``) so that its shard signs its channel key (None: the members are
+    enrolled nowhere). A committee is never pickled: its members' keys and shares are theirs.
     """
 
     def __init__(
@@ -116,12 +140,14 @@ class Committee(CommitteeServer):
         field_: MersenneField = DEFAULT_FIELD,
         member_secrets: Mapping[int, PartySecret] | None = None,
         shard_class: type = CommitteeShard,
+        enrolment: Enrolment | None = None,
     ) -> None:
         check_layout(n, t, k, shards, detect)
         groups = [g.tolist() for g in np.array_split(np.arange(n), shards)]
         session_id = new_session_id()
         keys = member_channel_keys(member_secrets, n, session_id)
-        arguments = shard_arguments(groups, field_.exponent, session_id, keys)
+        identities = member_identities(enrolment, member_secrets, n)
+        arguments = shard_arguments(groups, field_.exponent, session_id, keys, identities)
         if ray_module is not None:
             actor = shard_actor(ray_module, shard_class)
             pool = ActorShardPool(ray_module, groups, [actor.remote(*a) for a in arguments])
@@ -168,8 +194,8 @@ class CommitteeSpec:
         check_layout(self.size, self.threshold, self.packing, self.shards, self.detect)
 
     def build(self, secrets: RunSecret | None) -> Committee:
-        """The committee, member m's channel keys from ``secrets.member(m)`` (None: from the
-        OS CSPRNG)."""
+        """The committee, member m's channel keys from ``secrets.member(m)`` and its enrolment
+        by the run's registry (None: keys from the OS CSPRNG, enrolled nowhere)."""
         if secrets is not None and not isinstance(secrets, RunSecret):
             raise ValueError(f"secrets is a {type(secrets).__name__}; allowed: RunSecret or None")
         ray_module = None
@@ -192,6 +218,7 @@ class CommitteeSpec:
             detect=self.detect,
             ray_module=ray_module,
             member_secrets=member_secrets,
+            enrolment=None if secrets is None else Enrolment(secrets),
         )
 
 

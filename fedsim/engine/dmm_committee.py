@@ -12,7 +12,10 @@ strategy never holds the root. Member c's secret is ``secrets.client(c)`` -- the
 client has as a trainer -- handed to the actor that hosts it as a token; from it the member
 derives its channel keys (``seed_bytes(round, Purpose.KEYS, "dmm", role)``) and its resharing
 randomness (``generator(round, Purpose.RESHARE, "dmm")``), and it seals its own state
-(:meth:`fedsim.randomness.PartySecret.seal`).
+(:meth:`fedsim.randomness.PartySecret.seal`). Member c is enrolled as ``client/c`` by the
+registry's :class:`fedsim.engine.client_registry.Enrolment` (from the same root): it signs every
+channel key it announces, and as a dealer checks the next committee's keys against the
+authority before it deals (:class:`protocols.dmm_member.MemberGroup`).
 
 Custody. A member's state (its shares of the open rows' partial sums) is its own: after every
 round the host stores each holder's state sealed under that member's secret in a
@@ -31,6 +34,7 @@ gets a fresh actor in its place.
 
 from __future__ import annotations
 
+import functools
 import io
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -39,7 +43,13 @@ from typing import Any
 
 import numpy as np
 
-from fedsim.engine.client_registry import NODE_ID_OFFSET
+from fedsim.engine.client_registry import (
+    NODE_ID_OFFSET,
+    Enrolment,
+    client_name,
+    identity_seed,
+    public_names,
+)
 from fedsim.engine.committee import shard_actor
 from fedsim.engine.faults import FaultConfig
 from fedsim.engine.state import ClientStateStore
@@ -110,12 +120,31 @@ class HostedMembers:
     and seals / opens each seat's state under it.
     """
 
-    def __init__(self, seats, clients, tokens, member_kwargs: Mapping[str, Any]) -> None:
-        self.group = MemberGroup(seats, **member_kwargs)
+    def __init__(
+        self, seats, clients, tokens, member_kwargs: Mapping[str, Any], enrolment=None
+    ) -> None:
+        """``enrolment``: (the authority's public key, each seat's certificate as bytes, the
+        run's public (seed, population) or None), or None when the members are enrolled
+        nowhere. With the public draw, a dealer deals only to the seats of the next round's
+        public committee (:func:`fedsim.engine.client_registry.public_names`)."""
         self.clients = {int(s): int(c) for s, c in zip(seats, clients)}
         self.secrets = {
             int(s): PartySecret.from_token(token, "client") for s, token in zip(seats, tokens)
         }
+        enrolled: dict[str, Any] = {}
+        if enrolment is not None:
+            authority, certificates, *draw = enrolment
+            enrolled["authority"] = authority
+            if draw and draw[0] is not None:
+                seed, population = draw[0]
+                enrolled["next_names"] = functools.partial(
+                    public_names, int(seed), int(population), int(member_kwargs["n"])
+                )
+            enrolled["identities"] = {
+                int(s): (identity_seed(self.secrets[int(s)]), cert)
+                for s, cert in zip(seats, certificates)
+            }
+        self.group = MemberGroup(seats, **member_kwargs, **enrolled)
         self._rngs: dict[int, np.random.Generator] = {}
 
     def _keys(self, round_: int, role: str) -> dict[int, bytes]:
@@ -184,8 +213,8 @@ class CommitteeActor:
     def __init__(self) -> None:
         self.hosted: dict[str, HostedMembers] = {}
 
-    def open(self, key, seats, clients, tokens, member_kwargs) -> None:
-        self.hosted[key] = HostedMembers(seats, clients, tokens, member_kwargs)
+    def open(self, key, seats, clients, tokens, member_kwargs, enrolment=None) -> None:
+        self.hosted[key] = HostedMembers(seats, clients, tokens, member_kwargs, enrolment)
 
     def call(self, key: str, method: str, args: tuple) -> Any:
         return self.hosted[key].call(method, args)
@@ -315,12 +344,24 @@ class CommitteeHost:
         state_path: str | Path | None = None,
         store: ClientStateStore | None = None,
         ray_module: Any = None,
+        draw: tuple[int, int] | None = None,
     ) -> None:
         if secrets is not None and not isinstance(secrets, RunSecret):
             raise ValueError(f"secrets is a {type(secrets).__name__}; allowed: RunSecret or None")
         if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
             raise ValueError(f"shards={shards!r}; allowed: an integer >= 1")
+        if draw is not None and (
+            len(draw) != 2
+            or any(isinstance(v, bool) or not isinstance(v, int | np.integer) for v in draw)
+            or draw[1] < 1
+        ):
+            raise ValueError(
+                f"draw={draw!r}; allowed: None or the run's public (seed, population) integers"
+            )
+        self._draw = None if draw is None else (int(draw[0]), int(draw[1]))
         self._secrets = secrets
+        #: the registry's authority, from the root: it enrols each member client it hosts
+        self._authority = None if secrets is None else Enrolment(secrets)
         self.faults = faults if faults is not None and faults.active else None
         self.actors, self.shards = bool(actors), int(shards)
         self.ray = ray_module
@@ -356,6 +397,19 @@ class CommitteeHost:
             return PartySecret.fresh("client").token()
         return self._secrets.client(int(client)).token()
 
+    def _certificates(self, clients: Sequence[int]) -> tuple | None:
+        """The authority's public key, each member client's certificate (``client/c``, its
+        identity from its own secret) and the public draw, or None without the run's root."""
+        if self._secrets is None:
+            return None
+        enrolment = self._authority
+        certificates = [
+            enrolment.identity(client_name(c), self._secrets.client(int(c)))
+            .certificate.to_bytes()
+            for c in clients
+        ]
+        return enrolment.public_key, certificates, self._draw
+
     def _actor(self, g: int) -> Any:
         """Actor g, replaced by a fresh one if it died."""
         while len(self._handles) <= g:
@@ -384,6 +438,7 @@ class CommitteeHost:
                 [members[s] for s in seats],
                 [self._token(members[s]) for s in seats],
                 dict(member_kwargs),
+                self._certificates([members[s] for s in seats]),
             )
             if self.actors:
                 handle = self._actor(g)
@@ -485,11 +540,13 @@ def committee_host_for(
     secrets: RunSecret | None,
     faults: FaultConfig | None,
     store: Callable[[str], ClientStateStore] | None = None,
+    draw: tuple[int, int] | None = None,
 ) -> CommitteeHost | None:
     """The :class:`CommitteeHost` that the first object of the wrapper chain (``.strategy``
     links) defining ``bind_committee_host`` asks for (its ``committee_host_options()``), or None
     when none does. ``store(STATE_FILE)`` gives the member-state store (a run's
-    :meth:`~fedsim.rundir.RunDirectory.party_store`; None: in memory). The caller binds it
+    :meth:`~fedsim.rundir.RunDirectory.party_store`; None: in memory); ``draw``: the run's
+    public (seed, population), from which dealers recompute the next committee. The caller binds it
     (:func:`strategies.server_secret.bind_parties`)."""
     target = strategy
     while target is not None and not callable(getattr(type(target), "bind_committee_host", None)):
@@ -498,5 +555,5 @@ def committee_host_for(
         return None
     options = dict(target.committee_host_options())
     return CommitteeHost(
-        secrets, faults, store=None if store is None else store(STATE_FILE), **options
+        secrets, faults, store=None if store is None else store(STATE_FILE), draw=draw, **options
     )

@@ -30,7 +30,7 @@ from flwr.common.constant import NUM_PARTITIONS_KEY, PARTITION_ID_KEY, ErrorCode
 from flwr.supercore.object_ref import load_app
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedsim.engine.client_registry import NODE_ID_OFFSET
+from fedsim.engine.client_registry import NODE_ID_OFFSET, Enrolment
 from fedsim.randomness import NODE_SECRET_KEY, RootSource, RunSecret
 from fedsim.record_codec import content_nbytes, records_of
 from fedsim.worker_reduce import FOLDS_KEY, MetricSums, Reducer, ReductionError, is_partial
@@ -93,13 +93,21 @@ class RunSpec:
     raise_errors: bool = False
     secret: RootSource | None = None
 
-    def node_config(self, node_id: int, secrets: RunSecret | None) -> dict[str, Any]:
+    def node_config(
+        self, node_id: int, secrets: RunSecret | None, enrolment: Enrolment | None = None
+    ) -> dict[str, Any]:
         """Client ``node_id``'s ``node_config``: its partition, the number of partitions and,
-        when the run has a root, its own secret (:data:`~fedsim.randomness.NODE_SECRET_KEY`)."""
+        when the run has a root, its own secret (:data:`~fedsim.randomness.NODE_SECRET_KEY`)
+        and its enrolment (the authority's public key and its certificate,
+        :meth:`fedsim.engine.client_registry.Enrolment.node_entries`; ``enrolment``: the
+        worker's, made once from the root, else made here)."""
         partition = node_id - NODE_ID_OFFSET
         config: dict[str, Any] = {PARTITION_ID_KEY: partition, NUM_PARTITIONS_KEY: self.num_clients}
         if secrets is not None:
-            config[NODE_SECRET_KEY] = secrets.client(partition).token()
+            own = secrets.client(partition)
+            config[NODE_SECRET_KEY] = own.token()
+            enrolment = enrolment if enrolment is not None else Enrolment(secrets)
+            config.update(enrolment.node_entries(partition, own))
         config[FOLDS_KEY] = True  # replies to a confidential reducer never leave unfolded
         return config
 
@@ -203,6 +211,7 @@ class ClientWorker:
         self._exit_on_crash = exit_on_crash
         self._run: RunSpec | None = None
         self._secrets: RunSecret | None = None
+        self._enrolment: Enrolment | None = None
         self._app: ClientApp | None = None
         self._content_cache: OrderedDict[int, bytes] = OrderedDict()
         if torch_threads:
@@ -286,9 +295,12 @@ class ClientWorker:
         self._app = run.app.load()
         self._run = run
         self._secrets = None
+        self._enrolment = None
         if run.secret is not None:
             opened = run.secret.open()  # an unreadable root fails the run here, not per client
             self._secrets = opened if self._keep_root else None
+            # the registry's authority, from the root: it certifies each client this worker runs
+            self._enrolment = Enrolment(opened)
         self._content_cache.clear()
         TaskIdentity.run_id = run.run_id
         TaskIdentity.task_id = run.run_id
@@ -327,7 +339,7 @@ class ClientWorker:
         context = Context(
             run_id=run.run_id,
             node_id=node_id,
-            node_config=run.node_config(node_id, self._root()),
+            node_config=run.node_config(node_id, self._root(), self._enrolment),
             state=pickle.loads(stored) if stored is not None else RecordDict(),
             run_config=run.run_config,
         )
