@@ -25,6 +25,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -160,17 +161,40 @@ def secagg_case(root: RunSecret, args) -> dict:
     return case(f"secagg round, {clients} clients", round_(True), round_(False), args.repeats)
 
 
+def table(result: dict) -> str:
+    """The docs' table of ``result`` (keys.json): per case, milliseconds and the ratio."""
+    lines = [
+        "| case | relayed | checked | check (paired median) | checked / relayed |",
+        "|---|---|---|---|---|",
+    ]
+    for row in result["cases"]:
+        lines.append(
+            f"| {row['case']} | {row['relayed_s'] * 1e3:.1f} ms | {row['checked_s'] * 1e3:.1f} ms "
+            f"| {row['check_s'] * 1e3:.1f} ms | {row['check_overhead']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--members", type=int, default=10)
     parser.add_argument("--clients", type=int, default=20)
     parser.add_argument("--dim", type=int, default=10_000)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("keys.json"))
+    parser.add_argument(
+        "--table-only", action="store_true", help="print the table of --out; measure nothing"
+    )
     args = parser.parse_args()
+    if args.table_only:
+        print(table(json.loads(args.out.read_text())))
+        return
     root = RunSecret.fresh()
     rows = [*committee_cases(root, args), dmm_case(root, args), secagg_case(root, args)]
-    print(json.dumps({"members": args.members, "clients": args.clients, "dim": args.dim,
-                      "repeats": args.repeats, "cases": rows}, indent=1))
+    result = {"members": args.members, "clients": args.clients, "dim": args.dim,
+              "repeats": args.repeats, "cases": rows}
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(table(result))
 
 
 if __name__ == "__main__":

@@ -259,8 +259,15 @@ def test_resume_with_the_same_root_is_bit_identical(tmp_path, monkeypatch, name)
 
 
 def test_two_roots_change_the_noise_and_nothing_else(tmp_path):
+    """Every client in every round (DP-FedAvg's sampled cohorts are the server's secret draw,
+    so another root would also pick other clients): only the noise may differ."""
+
     def run(name, root, z):
-        strategy = {"name": "dp-fedavg", "options": {"clipping_norm": 0.5, "noise_multiplier": z}}
+        strategy = {
+            "name": "dp-fedavg",
+            "clients_per_round": POPULATION,
+            "options": {"clipping_norm": 0.5, "noise_multiplier": z},
+        }
         engine = CapturingEngine(EngineConfig(backend="local"))
         out = tmp_path / name
         try:
@@ -282,7 +289,7 @@ def test_two_roots_change_the_noise_and_nothing_else(tmp_path):
 
     cohorts_a, model_a = run("a", "root a", 0.8)
     cohorts_b, model_b = run("b", "root b", 0.8)
-    assert cohorts_a == cohorts_b  # the same clients in the same rounds: public streams
+    assert cohorts_a == cohorts_b  # the same clients in the same rounds
     assert all(not np.allclose(model_a[k], model_b[k]) for k in model_a)  # other noise
     _, quiet_a = run("quiet-a", "root a", 0.0)
     _, quiet_b = run("quiet-b", "root b", 0.0)
