@@ -14,7 +14,7 @@ from fedsim.engine.client_registry import (
     member_name,
 )
 from fedsim.engine.committee import CommitteeSpec
-from fedsim.randomness import RunSecret
+from fedsim.randomness import RootSource, RunSecret
 from protocols.channels import (
     Certificate,
     EnrolmentAuthority,
@@ -30,9 +30,9 @@ SESSION = b"s" * 32
 KEY = bytes(range(32))
 
 
-def test_the_authority_is_the_roots_and_the_same_wherever_the_root_is_read():
+def test_the_authority_is_the_roots_and_the_same_wherever_the_root_is_read(tmp_path):
     root = RunSecret.fresh()
-    again = RunSecret.from_transport(root.transport())
+    again = RootSource(str(root.write(tmp_path / "root.hex")), None).open()  # a worker's read
     assert Enrolment(root).public_key == Enrolment(again).public_key
     assert Enrolment(RunSecret.fresh()).public_key != Enrolment(root).public_key
     with pytest.raises(ValueError, match="allowed: RunSecret"):

@@ -4,7 +4,8 @@
 exactly the methods of :class:`flwr.serverapp.Grid` (``set_run``, ``run``, ``create_message``,
 ``get_node_ids``, ``push_messages``, ``pull_messages``, ``send_and_receive``) plus the one fedsim
 extension a strategy may use, :class:`FedsimGridExtension` (declare a phase's round, read the
-public cohort model, report rounds to the run's log). The backend, the workers, the state store
+public cohort model, report rounds to the run's log, claim replies at the release boundary).
+The backend, the workers, the state store
 and the fault schedule are not attributes of it.
 
 Hiding attributes is interface hygiene, not isolation: Python code in the driver can reach any
@@ -33,7 +34,9 @@ class FedsimGridExtension(Protocol):
     ``begin_phase(server_round, kind)`` declares the next phase (kind 0: train, 1: evaluate) so
     the engine draws that round's cohort; ``participation`` is the public cohort model the grid
     offers nodes from (None: every node); ``round_log`` receives the rounds of a strategy that
-    runs its own loop (None: nowhere).
+    runs its own loop (None: nowhere); ``boundary`` is the run's release boundary
+    (:class:`fedsim.engine.boundary.ReleaseBoundary`), where accounted mechanisms claim the
+    replies they consumed.
     """
 
     def begin_phase(self, server_round: int, kind: int) -> None: ...
@@ -43,6 +46,9 @@ class FedsimGridExtension(Protocol):
 
     @property
     def round_log(self) -> Any: ...
+
+    @property
+    def boundary(self) -> Any: ...
 
 
 class AppGrid(Grid):
@@ -98,6 +104,10 @@ class AppGrid(Grid):
     @property
     def round_log(self) -> Any:
         return getattr(self.__engine, "round_log", None)
+
+    @property
+    def boundary(self) -> Any:
+        return getattr(self.__engine, "boundary", None)
 
     def __repr__(self) -> str:
         return f"AppGrid(run_id={self.run.run_id})"

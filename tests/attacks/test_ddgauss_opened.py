@@ -122,14 +122,17 @@ def _decrypt(endpoint, envelope) -> np.ndarray:
     return decode_array(cipher.decrypt(envelope.nonce, envelope.ciphertext, aad))
 
 
-def _run(tmp_path, mode, seed, extra=""):
+def _run(tmp_path, mode, seed, extra="", replay=None):
     """``fedsim run`` of test_ddgauss_strategy's config (10 of 30 clients a round, no client
-    dropouts) with ``seed``, in ``mode`` with ``extra`` options; its rounds.jsonl lines."""
+    dropouts) with ``seed``, in ``mode`` with ``extra`` options (``replay``: the mode whose run
+    this one repeats the streams of, as the same secrets); its rounds.jsonl lines."""
     config = tmp_path / f"{mode}.toml"
     text = RUN.format(mode=mode, dropout=0.0).replace("seed = 4\n", f"seed = {seed}\n")
     config.write_text(text.replace("ring_bits = 32\n", "ring_bits = 32\n" + extra))
     out = tmp_path / mode
     command = ["run", str(config), "--out", str(out), "--no-progress"]
+    if replay is not None:
+        command += ["--replay", str(tmp_path / replay)]
     assert main([*command, "--secrets", str(tmp_path / "root.hex")]) == 0
     return [r for r in read_rounds(out / "rounds.jsonl") if r["round"] >= 1]
 
@@ -159,7 +162,7 @@ def test_fedsim_run_accounts_the_committee_rounds_the_server_decoded(
         monkeypatch.setattr(CommitteeShard, "release", tampering)
     server = Server(monkeypatch)
     sealed = _run(tmp_path, "committee", seed, COMMITTEE)
-    plain = _run(tmp_path, "plaintext", seed)
+    plain = _run(tmp_path, "plaintext", seed, replay="committee")
     for round_ in tampered:
         record, released = sealed[round_ - 1], plain[round_ - 1]
         assert record["aggregated"]["ddgauss-aborted"] == 1, f"{case}: round {round_} released"

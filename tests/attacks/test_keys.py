@@ -456,22 +456,27 @@ def test_dmm_seats_held_by_enrolled_clients_the_draw_did_not_choose_are_refused(
     blocks = scheme.blocks_for(padded)
     np.testing.assert_array_equal(signed[blocks * scheme.k : blocks * scheme.k + padded], noise[0])
     # an enrolled client recomputes the draw: seat 0's certificate names the wrong client
-    context = _dmm_context(root, enrolled=True)
+    # (a fresh context each time: a client answers a round once, refused or not)
     with pytest.raises(KeySubstitution, match=f"DMM seat 0's key is signed by "
                        f"'client/{colluders[0]}', not 'client/{committee[0]}'"):
-        app(_dmm_instruction("full", keys, (ROUND, committee), padded=padded), context)
+        app(_dmm_instruction("full", keys, (ROUND, committee), padded=padded),
+            _dmm_context(root, enrolled=True))
     # naming the colluders as the committee, a later round's draw, or none, is refused
     named = [seated[j] for j in range(7)]
     with pytest.raises(KeySubstitution, match=f"not round {ROUND}'s public committee"):
-        app(_dmm_instruction("full", keys, (ROUND, named), padded=padded), context)
+        app(_dmm_instruction("full", keys, (ROUND, named), padded=padded),
+            _dmm_context(root, enrolled=True))
     with pytest.raises(KeySubstitution, match="committee-round=5 names no public"):
-        app(_dmm_instruction("full", keys, (ROUND + 1, committee), padded=padded), context)
+        app(_dmm_instruction("full", keys, (ROUND + 1, committee), padded=padded),
+            _dmm_context(root, enrolled=True))
     with pytest.raises(KeySubstitution, match="committee-round=None"):
-        app(_dmm_instruction("full", keys, None, padded=padded), context)
+        app(_dmm_instruction("full", keys, None, padded=padded),
+            _dmm_context(root, enrolled=True))
     # the public committee's own keys (an earlier round's draw still holding the state) pass
     earlier = _drawn(ROUND - 2)
     honest, _ = _seat_keys(enrolment, root, dict(enumerate(earlier)), padded)
-    reply = app(_dmm_instruction("full", honest, (ROUND - 2, earlier), padded=padded), context)
+    reply = app(_dmm_instruction("full", honest, (ROUND - 2, earlier), padded=padded),
+            _dmm_context(root, enrolled=True))
     assert set(reply.content.keys()) == {SEALED_KEY}
 
 

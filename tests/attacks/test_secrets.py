@@ -280,11 +280,11 @@ def test_two_roots_change_the_noise_and_nothing_else(tmp_path):
             )
         finally:
             engine.close()
-        cohorts = [
+        cohorts = sorted(
             (m.metadata.group_id, m.metadata.message_type, m.metadata.dst_node_id)
             for m in engine.messages
             if m.metadata.dst_node_id  # instructions (replies go to the server, node 0)
-        ]
+        )
         return cohorts, finished(out)[1]
 
     cohorts_a, model_a = run("a", "root a", 0.8)
