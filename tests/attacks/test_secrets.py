@@ -179,7 +179,7 @@ def test_no_message_file_or_run_config_holds_a_secret(tmp_path, name):
         run_experiment(config(STRATEGIES[name]), out, progress=False, engine=engine, secrets=root)
     finally:
         engine.close()
-    run_root = resume_root(out, root).root
+    run_root = resume_root(out, root).open_root()
     needles = secret_needles(run_root, POPULATION, root)
     planted = Message(
         RecordDict({"c": ConfigRecord({"t": run_root.client(3).token()})}), 1, "train"
@@ -203,7 +203,7 @@ def test_a_kept_root_stays_outside_the_run_directory(tmp_path, _secrets_dir):
     run_experiment(config(STRATEGIES["dp-fedavg"]), out, progress=False)
     (kept,) = list(_secrets_dir.iterdir())
     root = RunSecret.load_or_create(kept)
-    needles = secret_needles(resume_root(out, None).root, POPULATION, root)
+    needles = secret_needles(resume_root(out, None).open_root(), POPULATION, root)
     for path in (p for p in out.rglob("*") if p.is_file()):
         assert leaks(path.read_bytes(), needles) == [], path.name
     record = json.loads((out / RUN_FILE).read_text())
