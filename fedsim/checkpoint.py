@@ -32,7 +32,7 @@ import cloudpickle
 import numpy as np
 from flwr.serverapp.strategy import Strategy
 
-from fedsim.randomness import RunSecret
+from fedsim.randomness import RunKeys, RunSecret
 from fedsim.runfiles import (
     CONFIG_FILE,
     RunFileError,
@@ -116,7 +116,7 @@ def save_checkpoint(
     directory: str | Path,
     checkpoint: Checkpoint,
     *,
-    secrets: RunSecret,
+    secrets: RunKeys | RunSecret,
     state: StateMark,
     config_digest: str,
     parties: dict[str, StateMark] | None = None,
@@ -145,7 +145,7 @@ def save_checkpoint(
 
 def read_checkpoint(
     path: str | Path,
-    secrets: RunSecret,
+    secrets: RunKeys | RunSecret,
     *,
     store_id: str | None = None,
     config_digest: str | None = None,

@@ -9,7 +9,11 @@ opened (:func:`close_run`), whether it finished or failed.
 
 Secrets: every party's secret derives from the run's secret root
 (:class:`~fedsim.randomness.RunSecret`), which never enters the run directory
-(:mod:`fedsim.run_root`); the strategy gets only the server's secret.
+(:mod:`fedsim.run_root`). The driver keeps only the keys the server may hold
+(:class:`~fedsim.randomness.RunKeys`); the engine's workers and the committees' member actors
+open the root themselves (:class:`~fedsim.randomness.RootSource`), so with the Ray backend and
+committee actors nothing the strategy reaches holds a client's or a member's secret. The
+local backend and committees hosted in process give no such isolation.
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ from fedsim.models import (
 )
 from fedsim.personalised_run import PersonalisedParts, personalised_parts
 from fedsim.progress import Cadence, RunProgress
-from fedsim.randomness import PartySecret, RunSecret, outside_run_dir
+from fedsim.randomness import PartySecret, RootSource, RunSecret, outside_run_dir
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.results import RoundRecorder, RunWriter, metrics_dict, read_rounds
 from fedsim.run_config import ExperimentConfig, is_personalised
@@ -187,7 +191,7 @@ def load_finished_run(
             "RUN_DIR", str(run_dir), f"a {MODEL_FILE} that fits the saved config's model ({err})"
         ) from err
     rounds = int(summary.get("rounds", config.rounds))
-    clients = trained_clients(config, dataset.num_clients, rounds, run_root.root.server())
+    clients = trained_clients(config, dataset.num_clients, rounds, run_root.keys.server())
     return FinishedRun(path, config, arrays, summary, dataset, model, rounds, clients)
 
 
@@ -286,6 +290,8 @@ class ExperimentRun:
     engine: Engine | None = None
     committee_host: CommitteeHost | None = None
     committee: Committee | None = None
+    #: where the workers and the committees' member actors open the run's root
+    root_source: RootSource | None = None
 
 
 def open_run(
@@ -307,7 +313,7 @@ def open_run(
         # before anything in the directory changes or is parsed
         run_root, data = authenticated_config(out, secrets)
         config = _matching_config(out, _parse_config(out / CONFIG_FILE, data), config)
-        run_dir, checkpoint = RunDirectory.reopen(out, run_root.root, budget)
+        run_dir, checkpoint = RunDirectory.reopen(out, run_root.keys, budget)
         resumed_after = checkpoint.server_round if checkpoint else -1
         start_round = max(resumed_after, 0) + 1
         writer = RunWriter(out, "--resume", resume_after=resumed_after)
@@ -318,7 +324,7 @@ def open_run(
         writer = RunWriter(out)
         config_text = json.dumps(to_mapping(config), indent=2, sort_keys=True)
         run_root = start_root(out, secrets, config_text.encode(), replay)
-        run_dir = RunDirectory.create(out, config_text, run_root.root, budget)
+        run_dir = RunDirectory.create(out, config_text, run_root.keys, budget)
     return ExperimentRun(
         config, out, run_root, run_dir, writer, checkpoint, start_round, resume,
         time.perf_counter(),
@@ -338,7 +344,7 @@ def set_up_run(run: ExperimentRun, engine: Engine | None) -> None:
     if run.spec is not None:
         check_model(run.spec)
     run.participation = participation_for(
-        config, run.dataset.num_clients, run.secrets.root.server()
+        config, run.dataset.num_clients, run.secrets.keys.server()
     )
     if run.checkpoint is not None:
         run.strategy, run.arrays = run.checkpoint.strategy, to_record(run.checkpoint.arrays)
@@ -353,18 +359,19 @@ def set_up_run(run: ExperimentRun, engine: Engine | None) -> None:
     )
     # the protocol's client wrapper (DMM, DDGauss) releases metrics only when told to
     run.client_app = spec_for(config.strategy.name).wrap_client_app(client_app, in_clear)
-    # the server's secret and DMM's engine-side committee host, bound again after a
-    # resume (pickling drops them)
-    root = run.secrets.root
+    # the server's secret and the committee hosts (DMM's, DDGauss's), bound again after a
+    # resume (pickling drops them); the hosts get where the root lies, never the root: their
+    # member actors open it (in process, where no isolation is possible, the host does)
+    run.root_source = run.secrets.workers_source(run.engine)
     run.committee_host = committee_host_for(
         run.strategy,
-        root,
+        run.root_source,
         config.faults,
         run.run_dir.party_store,
         draw=(config.seed, run.participation.num_clients),
     )
-    run.committee = committee_for(run.strategy, root)  # DDGauss's members, from the root
-    bind_parties(run.strategy, root.server(), run.committee_host, run.committee)
+    run.committee = committee_for(run.strategy, run.root_source)
+    bind_parties(run.strategy, run.secrets.keys.server(), run.committee_host, run.committee)
 
 
 def initial_model(
@@ -410,7 +417,7 @@ def run_loop(run: ExperimentRun, progress: bool | Cadence) -> tuple[ArrayRecord,
             faults=config.faults,
             # Memory-mapped files are opened by each worker, not copied to it.
             datasets=() if _file_backed(run.dataset) else ((config.data, run.dataset),),
-            secrets=run.secrets.for_workers,
+            secrets=run.root_source,
         )
         ready = time.perf_counter()
         evaluate = (

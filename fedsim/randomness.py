@@ -285,6 +285,59 @@ class RunSecret(_Hidden):
         return f"RunSecret(fingerprint={self.fingerprint()}, key=<hidden>)"
 
 
+class RunKeys(_Hidden):
+    """What the driver of ``fedsim run`` holds of a run's root: the keys the server may hold.
+
+    :meth:`of` derives them from the root and keeps nothing else: the file key that
+    authenticates ``config.json`` and the checkpoints (:meth:`RunSecret.mac_key`), the
+    server's own :class:`PartySecret`, and the sub-roots (:meth:`RunSecret.derive`) that seal
+    the run directory's state stores (the clients' states, the committee members' states),
+    none of whose party secrets is a party's own. No client's or member's secret and no
+    enrolment key derives from them; the public :meth:`fingerprint` is the base root's.
+    """
+
+    __slots__ = ("_mac", "_server", "client_states", "party_states", "_fingerprint")
+
+    def __init__(
+        self,
+        mac: bytes,
+        server: PartySecret,
+        client_states: RunSecret,
+        party_states: RunSecret,
+        fingerprint: str,
+    ) -> None:
+        self._mac, self._server, self._fingerprint = bytes(mac), server, str(fingerprint)
+        self.client_states, self.party_states = client_states, party_states
+
+    @classmethod
+    def of(cls, root: RunSecret, fingerprint: str | None = None) -> RunKeys:
+        """The driver's keys of the run whose root is ``root`` (``fingerprint``: the base
+        root's, default ``root``'s); the caller drops ``root``."""
+        if not isinstance(root, RunSecret):
+            raise ValueError(f"root is a {type(root).__name__}; allowed: RunSecret")
+        return cls(
+            root.mac_key(),
+            root.server(),
+            root.derive("client-state-store"),
+            root.derive("party-state-stores"),
+            root.fingerprint() if fingerprint is None else fingerprint,
+        )
+
+    def mac_key(self) -> bytes:
+        """The run's file key (:meth:`RunSecret.mac_key`)."""
+        return self._mac
+
+    def server(self) -> PartySecret:
+        """The server's own secret (:meth:`RunSecret.server`)."""
+        return self._server
+
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    def __repr__(self) -> str:
+        return f"RunKeys(fingerprint={self._fingerprint}, keys=<hidden>)"
+
+
 def outside_run_dir(path: str | Path, run_dir: str | Path | None) -> Path:
     """``path`` resolved; refused when it lies inside ``run_dir`` (whoever holds the run
     directory must not hold the parties' secrets)."""

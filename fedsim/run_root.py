@@ -18,6 +18,12 @@ HMAC-SHA256 (RFC 2104) of ``config.json`` under the run's file key
 (:meth:`~fedsim.randomness.RunSecret.mac_key`). :func:`authenticated_config` checks that MAC
 before anything parses ``config.json`` -- which names modules to import (``[model] factory``,
 ``python_path``), so an edited one would otherwise run code -- and refuses it naming the file.
+
+**The driver holds no root.** :func:`start_root` and :func:`resume_root` read the root once,
+derive what the server side may hold (:class:`~fedsim.randomness.RunKeys`: the file key, the
+server's secret, the state stores' sub-roots) and drop it; the clients' and committee members'
+secrets are derived where the root is opened again: on the engine's workers and the committee
+hosts' member actors (:class:`~fedsim.randomness.RootSource`).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from typing import Any
 from fedsim.config import ConfigError
 from fedsim.randomness import (
     RootSource,
+    RunKeys,
     RunSecret,
     kept_root_path,
     new_nonce,
@@ -52,38 +59,57 @@ REPLAY_NOTE = (
 
 @dataclass(frozen=True)
 class RunRoot:
-    """The secrets of one run as the driver needs them.
+    """The secrets of one run as the driver holds them: never the root itself.
 
     Attributes:
-        root: the run's root, ``base.for_run(nonce)`` (the server's secret, the file key, and
-            the members' secrets of the committees the driver hosts derive from it).
-        source: where the engine's workers open the root themselves (a file and the nonce),
-            or None when the root was handed over as an object (the engine then writes it to a
-            private file for its workers).
+        keys: what the server side may hold (:class:`~fedsim.randomness.RunKeys`: the file key,
+            the server's secret, the state stores' sub-roots), derived by :func:`_keys_of`,
+            which drops the root it opened.
+        source: where the engine's workers and the committee hosts' member actors open the
+            root themselves (a file and the nonce), or None when the root was handed over as
+            an object (the engine then writes it to a private file for them).
         nonce: the run's public nonce (None: a run started before nonces, unmixed).
         record: ``run.json`` as written.
-        given: the base root when it was handed over as an object (its caller holds it).
+        given: the base root when it was handed over as an object: its caller holds it in
+            this process, which then gives no isolation (a root *file* does).
     """
 
-    root: RunSecret
+    keys: RunKeys
     source: RootSource | None
     nonce: str | None
     record: dict[str, Any]
     given: RunSecret | None = None
 
-    @property
-    def for_workers(self) -> RootSource | RunSecret:
-        """What the engine gets for the clients' secrets."""
-        return self.source if self.source is not None else self.root
+    def open_root(self) -> RunSecret:
+        """The run's root, opened now for a caller that plays the parties (an audit, a test);
+        the driver of a run never calls it."""
+        if self.source is not None:
+            return self.source.open()
+        assert self.given is not None
+        return self.given if self.nonce is None else self.given.for_run(self.nonce)
+
+    def workers_source(self, engine: Any) -> RootSource:
+        """Where the engine's workers and member actors open the root: the file, or (a root
+        given as an object) a private file ``engine`` writes and removes when it closes."""
+        if self.source is not None:
+            return self.source
+        return engine.root_source(self.open_root())
 
     @property
     def replay_of(self) -> dict[str, Any] | None:
         return self.record.get("replay_of")
 
 
-def config_mac(root: RunSecret, data: bytes) -> str:
-    """HMAC-SHA256 of ``config.json``'s bytes under ``root``'s file key (hex)."""
-    return hmac.new(root.mac_key(), b"config.json\x00" + data, hashlib.sha256).hexdigest()
+def _keys_of(base: RunSecret, nonce: str | None) -> RunKeys:
+    """The driver's keys of the run ``base`` mixed with ``nonce``: the one place the driver
+    derives from a root, which it drops on return."""
+    root = base if nonce is None else base.for_run(nonce)
+    return RunKeys.of(root, base.fingerprint())
+
+
+def config_mac(keys: RunKeys | RunSecret, data: bytes) -> str:
+    """HMAC-SHA256 of ``config.json``'s bytes under the run's file key (hex)."""
+    return hmac.new(keys.mac_key(), b"config.json\x00" + data, hashlib.sha256).hexdigest()
 
 
 def _base(given: RunSecret | str | Path | None, run_dir: Path, create: bool):
@@ -136,12 +162,14 @@ def start_root(
     else:
         base, path, record = _base(given, run_dir, create=True)
         nonce = new_nonce()
-    root = base if nonce is None else base.for_run(nonce)
-    record.update(fingerprint=base.fingerprint(), nonce=nonce)
-    record["config_mac"] = config_mac(root, config_data)
+    keys = _keys_of(base, nonce)
+    given = base if path is None else None
+    del base  # the driver keeps the derived keys only
+    record.update(fingerprint=keys.fingerprint(), nonce=nonce)
+    record["config_mac"] = config_mac(keys, config_data)
     _write(run_dir, record)
     source = None if path is None else RootSource(str(path), nonce)
-    return RunRoot(root, source, nonce, record, base if path is None else None)
+    return RunRoot(keys, source, nonce, record, given)
 
 
 def read_record(run_dir: str | Path, key: str = "--resume") -> dict[str, Any]:
@@ -199,13 +227,15 @@ def resume_root(run_dir: str | Path, given: RunSecret | str | Path | None) -> Ru
         )
     nonce = record.get("nonce")
     try:
-        root = base if nonce is None else base.for_run(nonce)
+        keys = _keys_of(base, nonce)
     except ConfigError:
         raise RunFileError(
             run_dir / RUN_FILE, f"holds a nonce fedsim did not write: {nonce!r}"
         ) from None
+    given = base if path is None else None
+    del base  # the driver keeps the derived keys only
     source = None if path is None else RootSource(str(path), nonce)
-    return RunRoot(root, source, nonce, record, base if path is None else None)
+    return RunRoot(keys, source, nonce, record, given)
 
 
 def authenticated_config(
@@ -232,7 +262,7 @@ def authenticated_config(
             f"has no MAC in {RUN_FILE} (a run from before configs were authenticated, or "
             f"{RUN_FILE} was edited); it is never imported unauthenticated",
         )
-    if not hmac.compare_digest(expected, config_mac(run.root, data)):
+    if not hmac.compare_digest(expected, config_mac(run.keys, data)):
         raise RunFileError(
             path,
             "fails authentication under this run's root: edited, or of another run; it is "

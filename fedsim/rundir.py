@@ -48,17 +48,27 @@ from fedsim.checkpoint import (
 )
 from fedsim.config import ConfigError
 from fedsim.engine.state import ClientStateStore
-from fedsim.randomness import RunSecret
+from fedsim.randomness import RunKeys, RunSecret
 from fedsim.runfiles import RunFileError, digest, fsync_directory, write_atomic
 
 log = logging.getLogger(__name__)
 
 
-def store_root(secrets: RunSecret) -> RunSecret:
+def run_keys(secrets: RunKeys | RunSecret) -> RunKeys:
+    """The driver's keys of a run (:class:`~fedsim.randomness.RunKeys`); a root given here is
+    reduced to them at once (a caller that holds the root keeps it; the directory does not)."""
+    if isinstance(secrets, RunKeys):
+        return secrets
+    if not isinstance(secrets, RunSecret):
+        raise ValueError(f"secrets is a {type(secrets).__name__}; allowed: RunKeys or RunSecret")
+    return RunKeys.of(secrets)
+
+
+def store_root(secrets: RunKeys | RunSecret) -> RunSecret:
     """The root the driver's client-state store seals under: derived from the run's root for
     that use alone, so that the store, which the engine grid holds, holds no client's own
     secret (those stay with the workers)."""
-    return secrets.derive("client-state-store")
+    return run_keys(secrets).client_states
 DAMAGED_SUFFIX = ".damaged"
 """A checkpoint that failed its checks on resume is renamed aside with this suffix."""
 
@@ -70,13 +80,14 @@ class RunDirectory:
     Attributes:
         out: the directory.
         store: the clients' states (``client_state.sqlite``).
-        secrets: the run's secret root.
+        secrets: the run's keys (:class:`~fedsim.randomness.RunKeys`: the file key that
+            authenticates the checkpoints and the state stores' sub-roots), never its root.
         config_digest: SHA-256 (hex) of ``config.json``.
     """
 
     out: Path
     store: ClientStateStore
-    secrets: RunSecret
+    secrets: RunKeys
     config_digest: str
     parties: dict[str, ClientStateStore] = field(default_factory=dict)
     resumed: CheckpointHeader | None = None
@@ -84,7 +95,7 @@ class RunDirectory:
 
     @classmethod
     def create(
-        cls, out: str | Path, config_text: str, secrets: RunSecret, memory_budget: int
+        cls, out: str | Path, config_text: str, secrets: RunKeys | RunSecret, memory_budget: int
     ) -> RunDirectory:
         """Lay out a new run in ``out``: the state database, then ``config.json``.
 
@@ -107,11 +118,11 @@ class RunDirectory:
             out / STATE_FILE, memory_budget, store_root(secrets), run_tag=digest(data)
         )
         write_atomic(out / CONFIG_FILE, data)
-        return cls(out, store, secrets, digest(data))
+        return cls(out, store, run_keys(secrets), digest(data))
 
     @classmethod
     def reopen(
-        cls, out: str | Path, secrets: RunSecret, memory_budget: int
+        cls, out: str | Path, secrets: RunKeys | RunSecret, memory_budget: int
     ) -> tuple[RunDirectory, Checkpoint | None]:
         """Open the run in ``out`` for ``--resume``: the checkpoint to continue from (None: from
         the start) with the store rolled back to it. Raises
@@ -134,7 +145,7 @@ class RunDirectory:
             run_tag_source=str(out / CONFIG_FILE),
             must_exist=True,
         )
-        run_dir = cls(out, store, secrets, config_digest, resuming=True)
+        run_dir = cls(out, store, run_keys(secrets), config_digest, resuming=True)
         try:
             return run_dir, run_dir._resume_point()
         except BaseException:
@@ -142,7 +153,7 @@ class RunDirectory:
             raise
 
     @staticmethod
-    def states(out: str | Path, secrets: RunSecret) -> ClientStateStore:
+    def states(out: str | Path, secrets: RunKeys | RunSecret) -> ClientStateStore:
         """The client states of the run in ``out`` (as its last round left them), to read."""
         out = Path(out)
         return ClientStateStore(
@@ -226,7 +237,7 @@ class RunDirectory:
         store = ClientStateStore(
             path,
             0,
-            self.secrets,
+            self.secrets.party_states,  # a sub-root: the parties seal their own states inside
             run_tag=self.config_digest,
             run_tag_source=str(self.out / CONFIG_FILE),
             must_exist=recorded is not None,

@@ -247,7 +247,7 @@ def test_dp_sgd_clients_on_the_ray_engine_report_epsilon_and_the_worst_is_summar
     # every client's own history, as its state holds it after the run
     run_config = config()
     # the states open only under the run's root (its nonce mixed in)
-    store = RunDirectory.states(out, resume_root(out, secrets).root)
+    store = RunDirectory.states(out, resume_root(out, secrets).keys)
     try:
         registry = ClientRegistry(12)
         blobs = store.get_many(registry.node_ids())

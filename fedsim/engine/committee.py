@@ -11,22 +11,28 @@ channel key derived per session from its own secret (``member_secrets``,
 :class:`fedsim.randomness.PartySecret`), or from the OS CSPRNG.
 
 The run's front end builds the committee a strategy asks for from its :class:`CommitteeSpec`
-(:func:`committee_for`) with each member's secret from the run's root. Member m is enrolled as
-``member/m`` by the registry's :class:`fedsim.engine.client_registry.Enrolment` (from the same
-root): its shard signs its channel key with its identity, and the clients check every member
-key before they seal (:func:`protocols.committee_client.check_member_keys`).
+(:func:`committee_for`) with where the run's root lies (:class:`fedsim.randomness.RootSource`):
+each shard opens it where it runs (:class:`RootedShard`) and derives its members' secrets
+there. Member m is enrolled as ``member/m`` by the registry's
+:class:`fedsim.engine.client_registry.Enrolment` (from the same root, on the same shard): its
+shard signs its channel key with its identity, and the clients check every member key before
+they seal (:func:`protocols.committee_client.check_member_keys`). Only on Ray actors are the
+members' secrets out of the driver's process: committees hosted in process give no isolation.
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from fedsim.engine.client_registry import Enrolment, identity_seed, member_name
-from fedsim.randomness import PartySecret, Purpose, RunSecret
+from fedsim.randomness import PartySecret, Purpose, RootSource, RunSecret
 from protocols.channels import new_session_id
 from protocols.committee import check_layout
 from protocols.committee_member import CommitteeShard, ShardPool, shard_arguments
@@ -37,6 +43,7 @@ __all__ = [
     "ActorShardPool",
     "Committee",
     "CommitteeSpec",
+    "RootedShard",
     "committee_for",
     "member_channel_keys",
     "shard_actor",
@@ -114,6 +121,34 @@ def member_identities(
     }
 
 
+class RootedShard(CommitteeShard):
+    """A :class:`~protocols.committee_member.CommitteeShard` that makes its members' secrets
+    itself: it opens the run's root (``root``: a :class:`fedsim.randomness.RootSource`, or the
+    root held by its caller) where it runs -- on a member actor, its own process -- derives
+    member m's secret ``root.member(m)``, its channel key for the session and its enrolment
+    by the run's :class:`~fedsim.engine.client_registry.Enrolment`, and keeps none but its
+    members' keys. Whoever builds it sends only where the root lies."""
+
+    def __init__(
+        self,
+        members: Sequence[int],
+        field_exponent: int,
+        session_id: bytes,
+        root: RootSource | RunSecret,
+    ) -> None:
+        secrets = root.open() if isinstance(root, RootSource) else root
+        own = {int(m): secrets.member(int(m)) for m in members}
+        label = session_id.hex()
+        keys = {m: s.seed_bytes(Purpose.KEYS, "committee-channel", label) for m, s in own.items()}
+        enrolment = Enrolment(secrets)
+        identities = {
+            m: (identity_seed(s), enrolment.identity(member_name(m), s).certificate.to_bytes())
+            for m, s in own.items()
+        }
+        del secrets, enrolment, own
+        super().__init__(members, field_exponent, session_id, keys, identities)
+
+
 class Committee(CommitteeServer):
     """A committee of ``n`` members with privacy threshold ``t`` and packing ``k``, split into
     ``shards`` groups, each a Ray actor (``ray_module`` given) or an in-process object; the
@@ -125,7 +160,12 @@ class Committee(CommitteeServer):
     each group (a :class:`~protocols.committee_member.CommitteeShard` subclass plays hostile
     members). ``enrolment``: the registry's authority, which enrols member m (its identity
     from ``member_secrets[m]``) so that its shard signs its channel key (None: the members are
-    enrolled nowhere). A committee is never pickled: its members' keys and shares are theirs.
+    enrolled nowhere). ``root``: instead of ``member_secrets`` and ``enrolment``, where the
+    run's root lies (a :class:`fedsim.randomness.RootSource`): each shard opens it where it runs
+    (:class:`RootedShard`), so that with Ray actors the driver never holds a member's secret or
+    the authority. In process there is no isolation: the members' keys and shares then lie in
+    the driver's process beside the server. A committee is never pickled: its members' keys
+    and shares are theirs.
     """
 
     def __init__(
@@ -141,19 +181,37 @@ class Committee(CommitteeServer):
         member_secrets: Mapping[int, PartySecret] | None = None,
         shard_class: type = CommitteeShard,
         enrolment: Enrolment | None = None,
+        root: RootSource | RunSecret | None = None,
     ) -> None:
         check_layout(n, t, k, shards, detect)
         groups = [g.tolist() for g in np.array_split(np.arange(n), shards)]
         session_id = new_session_id()
-        keys = member_channel_keys(member_secrets, n, session_id)
-        identities = member_identities(enrolment, member_secrets, n)
-        arguments = shard_arguments(groups, field_.exponent, session_id, keys, identities)
+        if root is not None:
+            if member_secrets is not None or enrolment is not None:
+                raise ValueError("give the committee root, or member_secrets and enrolment")
+            if shard_class is CommitteeShard:
+                shard_class = RootedShard
+            arguments = [(list(g), field_.exponent, session_id, root) for g in groups]
+        else:
+            keys = member_channel_keys(member_secrets, n, session_id)
+            identities = member_identities(enrolment, member_secrets, n)
+            arguments = shard_arguments(groups, field_.exponent, session_id, keys, identities)
         if ray_module is not None:
             actor = shard_actor(ray_module, shard_class)
             pool = ActorShardPool(ray_module, groups, [actor.remote(*a) for a in arguments])
         else:
             pool = ShardPool(groups, [shard_class(*a) for a in arguments])
         super().__init__(n, t, k, members=pool, session_id=session_id, detect=detect, field_=field_)
+
+    root_dir: str | None = None
+
+    def close(self) -> None:
+        """Forget the members (on Ray, their actors are killed) and remove a private root file
+        written for them."""
+        super().close()
+        if self.root_dir is not None:
+            shutil.rmtree(self.root_dir, ignore_errors=True)
+            self.root_dir = None
 
     @property
     def shards(self) -> list[Any]:
@@ -193,11 +251,15 @@ class CommitteeSpec:
             raise ValueError(f"actors={self.actors!r}; allowed: True or False")
         check_layout(self.size, self.threshold, self.packing, self.shards, self.detect)
 
-    def build(self, secrets: RunSecret | None) -> Committee:
+    def build(self, secrets: RootSource | RunSecret | None) -> Committee:
         """The committee, member m's channel keys from ``secrets.member(m)`` and its enrolment
-        by the run's registry (None: keys from the OS CSPRNG, enrolled nowhere)."""
-        if secrets is not None and not isinstance(secrets, RunSecret):
-            raise ValueError(f"secrets is a {type(secrets).__name__}; allowed: RunSecret or None")
+        by the run's registry, made where each shard runs (``secrets``: where the run's root
+        lies, or the root held by the caller; None: keys from the OS CSPRNG, enrolled
+        nowhere). With ``actors`` the driver sends the shards only the root's source."""
+        if secrets is not None and not isinstance(secrets, RootSource | RunSecret):
+            raise ValueError(
+                f"secrets is a {type(secrets).__name__}; allowed: RootSource, RunSecret or None"
+            )
         ray_module = None
         if self.actors:
             import ray as ray_module  # noqa: PLC0415
@@ -207,25 +269,40 @@ class CommitteeSpec:
                     "committee actors need a running Ray: run with the Ray engine backend, or "
                     "call fedsim.engine.cluster.ensure_ray() first"
                 )
-        member_secrets = (
-            None if secrets is None else {m: secrets.member(m) for m in range(self.size)}
-        )
-        return Committee(
+        if isinstance(secrets, RunSecret) and not self.actors:  # held here: in process
+            return Committee(
+                self.size,
+                self.threshold,
+                self.packing,
+                shards=self.shards,
+                detect=self.detect,
+                member_secrets={m: secrets.member(m) for m in range(self.size)},
+                enrolment=Enrolment(secrets),
+            )
+        root_dir = None
+        if isinstance(secrets, RunSecret):  # a root held here: a private file for the actors
+            root_dir = tempfile.mkdtemp(prefix="fedsim-root-")
+            secrets = RootSource(str(secrets.write(Path(root_dir) / "run.root")))
+        committee = Committee(
             self.size,
             self.threshold,
             self.packing,
             shards=self.shards,
             detect=self.detect,
             ray_module=ray_module,
-            member_secrets=member_secrets,
-            enrolment=None if secrets is None else Enrolment(secrets),
+            root=secrets,
         )
+        committee.root_dir = root_dir  # removed when the committee closes
+        return committee
 
 
-def committee_for(strategy: Any, secrets: RunSecret | None) -> Committee | None:
+def committee_for(
+    strategy: Any, secrets: RootSource | RunSecret | None
+) -> Committee | None:
     """The :class:`Committee` that the first object of the wrapper chain (``.strategy`` links)
     defining ``bind_committee`` asks for (its ``committee_spec()``, None: no committee), each
-    member with its own secret from the run's root; None when no object asks. The caller binds
+    member with its own secret from the run's root (``secrets``: where it lies), made where the
+    member runs; None when no object asks. The caller binds
     it (:func:`strategies.server_secret.bind_parties`) and closes it after the run."""
     target = strategy
     while target is not None and not callable(getattr(type(target), "bind_committee", None)):

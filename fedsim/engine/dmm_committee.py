@@ -6,14 +6,17 @@ Stream.COMMITTEE)``); the :class:`CommitteeHost` plays those clients' member sid
 (:class:`protocols.dmm_member.MemberGroup`), keyed by client id, on a few Ray actors
 (``actors=True``; ``shards`` actors, seat j on actor j mod shards) or in this process.
 
-Secrets. The host is the engine's: the front end builds it with the run's
-:class:`fedsim.randomness.RunSecret` and binds it to the strategy (``bind_committee_host``); the
-strategy never holds the root. Member c's secret is ``secrets.client(c)`` -- the same secret the
-client has as a trainer -- handed to the actor that hosts it as a token; from it the member
+Secrets. The host is the engine's: the front end builds it with where the run's root lies
+(:class:`fedsim.randomness.RootSource`) and binds it to the strategy (``bind_committee_host``);
+each member actor opens the root in its own process, so neither the host nor the strategy
+holds the root, a member's secret or the enrolment authority. Member c's secret is
+``root.client(c)`` -- the same secret the client has as a trainer -- made on the actor that
+hosts it (:class:`CommitteeActor`); from it the member
 derives its channel keys (``seed_bytes(round, Purpose.KEYS, "dmm", role)``) and its resharing
 randomness (``generator(round, Purpose.RESHARE, "dmm")``), and it seals its own state
 (:meth:`fedsim.randomness.PartySecret.seal`). Member c is enrolled as ``client/c`` by the
-registry's :class:`fedsim.engine.client_registry.Enrolment` (from the same root): it signs every
+registry's :class:`fedsim.engine.client_registry.Enrolment` (from the same root, on the same
+actor): it signs every
 channel key it announces, and as a dealer checks the next committee's keys against the
 authority before it deals (:class:`protocols.dmm_member.MemberGroup`).
 
@@ -36,6 +39,8 @@ from __future__ import annotations
 
 import functools
 import io
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -53,7 +58,14 @@ from fedsim.engine.client_registry import (
 from fedsim.engine.committee import shard_actor
 from fedsim.engine.faults import FaultConfig
 from fedsim.engine.state import ClientStateStore
-from fedsim.randomness import PartySecret, Purpose, RunSecret, Stream, public_generator
+from fedsim.randomness import (
+    PartySecret,
+    Purpose,
+    RootSource,
+    RunSecret,
+    Stream,
+    public_generator,
+)
 from protocols.dmm import ACTIVE, DMMFaults, DMMStage
 from protocols.dmm_member import REFUSALS, MemberGroup
 
@@ -208,12 +220,46 @@ class HostedMembers:
 
 
 class CommitteeActor:
-    """One host process: the :class:`HostedMembers` of every committee it serves, by key."""
+    """One host process: the :class:`HostedMembers` of every committee it serves, by key.
 
-    def __init__(self) -> None:
+    ``root``: where the run's root lies (a :class:`fedsim.randomness.RootSource`, opened here,
+    in the actor's own process), the root itself (a caller that holds it), or None (every
+    member a fresh OS secret, enrolled nowhere). Member client c's secret is ``root.client(c)``
+    and its certificate the run's :class:`fedsim.engine.client_registry.Enrolment`'s, both
+    made here: the driver that asks for a committee sends only client ids. ``draw``: the run's
+    public (seed, population)."""
+
+    def __init__(self, root: RootSource | RunSecret | None = None, draw=None) -> None:
+        self._root = root.open() if isinstance(root, RootSource) else root
+        self._enrolment = None if self._root is None else Enrolment(self._root)
+        self._draw = draw
         self.hosted: dict[str, HostedMembers] = {}
 
-    def open(self, key, seats, clients, tokens, member_kwargs, enrolment=None) -> None:
+    def __reduce__(self):
+        raise TypeError("a committee host process is never pickled: it holds the run's root")
+
+    def _token(self, client: int) -> str:
+        if self._root is None:
+            return PartySecret.fresh("client").token()
+        return self._root.client(int(client)).token()
+
+    def _certificates(self, clients: Sequence[int]) -> tuple | None:
+        """The authority's public key, each member client's certificate (``client/c``, its
+        identity from its own secret) and the public draw, or None without the run's root."""
+        if self._root is None:
+            return None
+        certificates = [
+            self._enrolment.identity(client_name(c), self._root.client(int(c)))
+            .certificate.to_bytes()
+            for c in clients
+        ]
+        return self._enrolment.public_key, certificates, self._draw
+
+    def open(self, key, seats, clients, member_kwargs) -> None:
+        """Host ``seats`` (members ``clients``, by client id) of committee ``key``."""
+        clients = [int(c) for c in clients]
+        tokens = [self._token(c) for c in clients]
+        enrolment = self._certificates(clients)
         self.hosted[key] = HostedMembers(seats, clients, tokens, member_kwargs, enrolment)
 
     def call(self, key: str, method: str, args: tuple) -> Any:
@@ -325,13 +371,20 @@ class HostedPool:
 class CommitteeHost:
     """Hosts DMM committee members for one run (the engine side of ``bind_committee_host``).
 
-    ``secrets``: the run's :class:`fedsim.randomness.RunSecret` (None: every member gets a fresh
-    OS secret and states cannot be restored); ``faults``: the run's fault model for the members;
-    ``actors``: host on Ray actors (Ray must be running) or in process; ``shards``: actors;
-    ``store``: the store of the members' sealed states (a run's
-    :meth:`fedsim.rundir.RunDirectory.party_store`, which checkpoints and cross-checks it with
-    the run), or ``state_path``: a file for one (None for both: in memory). States are keyed by
-    the member's node id, so the store seals each under that client's own secret as well.
+    ``secrets``: where the run's root lies (:class:`fedsim.randomness.RootSource`, what the
+    front end gives: each member actor opens it in its own process, and the host -- which the
+    strategy reaches -- holds only the file's path), the root itself (a caller that holds it,
+    e.g. a test), or None (every member gets a fresh OS secret and states cannot be restored);
+    ``faults``: the run's fault model for the members; ``actors``: host on Ray actors (Ray must
+    be running) or in process; ``shards``: actors; ``store``: the store of the members' sealed
+    states (a run's :meth:`fedsim.rundir.RunDirectory.party_store`, which checkpoints and
+    cross-checks it with the run), or ``state_path``: a file for one (None for both: in
+    memory; with a source, a file opens only in this process). States are keyed by the
+    member's node id.
+
+    **In process there is no isolation** (``actors=False``, or the engine's local backend):
+    the members then run beside the server, their secrets and shares in the driver's process,
+    which may also open the root file; only member actors keep them from the server.
     """
 
     def __init__(
@@ -346,8 +399,10 @@ class CommitteeHost:
         ray_module: Any = None,
         draw: tuple[int, int] | None = None,
     ) -> None:
-        if secrets is not None and not isinstance(secrets, RunSecret):
-            raise ValueError(f"secrets is a {type(secrets).__name__}; allowed: RunSecret or None")
+        if secrets is not None and not isinstance(secrets, RootSource | RunSecret):
+            raise ValueError(
+                f"secrets is a {type(secrets).__name__}; allowed: RootSource, RunSecret or None"
+            )
         if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
             raise ValueError(f"shards={shards!r}; allowed: an integer >= 1")
         if draw is not None and (
@@ -359,9 +414,10 @@ class CommitteeHost:
                 f"draw={draw!r}; allowed: None or the run's public (seed, population) integers"
             )
         self._draw = None if draw is None else (int(draw[0]), int(draw[1]))
-        self._secrets = secrets
-        #: the registry's authority, from the root: it enrols each member client it hosts
-        self._authority = None if secrets is None else Enrolment(secrets)
+        #: what each host process gets to open the members' secrets from (never opened here)
+        self._root = secrets
+        self._restorable = secrets is not None
+        self._root_dir: str | None = None
         self.faults = faults if faults is not None and faults.active else None
         self.actors, self.shards = bool(actors), int(shards)
         self.ray = ray_module
@@ -369,7 +425,8 @@ class CommitteeHost:
             raise ValueError("give the member-state store or its state_path, not both")
         if store is None:
             store = ClientStateStore(
-                None if state_path is None else Path(state_path), secrets=secrets
+                None if state_path is None else Path(state_path),
+                secrets=secrets if isinstance(secrets, RunSecret) else None,
             )
         self.store = store
         self._handles: list[Any] = []
@@ -385,39 +442,28 @@ class CommitteeHost:
                     "committee actors need a running Ray: run with the Ray engine backend, or "
                     "call fedsim.engine.cluster.ensure_ray() first"
                 )
+            if isinstance(secrets, RunSecret):  # a root held here: a private file for actors
+                self._root_dir = tempfile.mkdtemp(prefix="fedsim-root-")
+                self._root = RootSource(str(secrets.write(Path(self._root_dir) / "run.root")))
 
     def __reduce__(self):
-        raise TypeError("a CommitteeHost is never pickled: it holds the run's secret root")
+        raise TypeError("a CommitteeHost is never pickled: its members' states are theirs")
 
     def is_actor_death(self, error: Exception) -> bool:
         return self.ray is not None and isinstance(error, self.ray.exceptions.RayActorError)
 
-    def _token(self, client: int) -> str:
-        if self._secrets is None:
-            return PartySecret.fresh("client").token()
-        return self._secrets.client(int(client)).token()
-
-    def _certificates(self, clients: Sequence[int]) -> tuple | None:
-        """The authority's public key, each member client's certificate (``client/c``, its
-        identity from its own secret) and the public draw, or None without the run's root."""
-        if self._secrets is None:
-            return None
-        enrolment = self._authority
-        certificates = [
-            enrolment.identity(client_name(c), self._secrets.client(int(c)))
-            .certificate.to_bytes()
-            for c in clients
-        ]
-        return enrolment.public_key, certificates, self._draw
-
     def _actor(self, g: int) -> Any:
         """Actor g, replaced by a fresh one if it died."""
         while len(self._handles) <= g:
-            self._handles.append(shard_actor(self.ray, CommitteeActor).remote())
+            self._handles.append(self._new_actor())
         if g in self._dead_handles:
-            self._handles[g] = shard_actor(self.ray, CommitteeActor).remote()
+            self._handles[g] = self._new_actor()
             self._dead_handles.discard(g)
         return self._handles[g]
+
+    def _new_actor(self) -> Any:
+        """A member host process, which opens the root itself."""
+        return shard_actor(self.ray, CommitteeActor).remote(self._root, self._draw)
 
     def pool(self, members: Sequence[int], member_kwargs: Mapping[str, Any]) -> HostedPool:
         """Host a committee of ``members`` (client ids, seat order)."""
@@ -432,19 +478,12 @@ class CommitteeHost:
         ]
         handles = []
         for g, seats in enumerate(groups):
-            args = (
-                key,
-                seats,
-                [members[s] for s in seats],
-                [self._token(members[s]) for s in seats],
-                dict(member_kwargs),
-                self._certificates([members[s] for s in seats]),
-            )
+            args = (key, seats, [members[s] for s in seats], dict(member_kwargs))
             if self.actors:
                 handle = self._actor(g)
                 self.ray.get(handle.open.remote(*args))
-            else:
-                handle = CommitteeActor()
+            else:  # in process: the root is opened here (no isolation)
+                handle = CommitteeActor(self._root, self._draw)
                 handle.open(*args)
                 handle = _LocalHandle(handle, key)
             handles.append(handle)
@@ -470,7 +509,7 @@ class CommitteeHost:
 
     def restore(self, members, holders, member_kwargs, step: int) -> HostedPool:
         """Re-host a committee whose ``holders`` seats stored their states for ``step``."""
-        if self._secrets is None:
+        if not self._restorable:
             raise ValueError(
                 "restoring DMM members needs the run's secrets (the RunSecret the run used): "
                 "their states are sealed under their own keys"
@@ -517,6 +556,9 @@ class CommitteeHost:
                 handle.__ray_terminate__.remote()
         self._handles = []
         self.store.close()
+        if self._root_dir is not None:
+            shutil.rmtree(self._root_dir, ignore_errors=True)
+            self._root_dir = None
 
 
 class _LocalHandle:
@@ -537,7 +579,7 @@ class _LocalHandle:
 
 def committee_host_for(
     strategy: Any,
-    secrets: RunSecret | None,
+    secrets: RootSource | RunSecret | None,
     faults: FaultConfig | None,
     store: Callable[[str], ClientStateStore] | None = None,
     draw: tuple[int, int] | None = None,

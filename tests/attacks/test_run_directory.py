@@ -546,7 +546,7 @@ def test_resuming_under_another_secret_root_opens_nothing(copy_of, reference):
 def test_the_run_directory_alone_opens_no_client_state(copy_of):
     out = copy_of()
     # the run's root (its nonce mixed in) opens them
-    store = RunDirectory.states(out, resume_root(out, secrets()).root)
+    store = RunDirectory.states(out, resume_root(out, secrets()).keys)
     try:
         plain = store.get_many(range(NODE_ID_OFFSET, NODE_ID_OFFSET + 24))
     finally:
@@ -571,7 +571,7 @@ def test_the_run_directory_alone_opens_no_client_state(copy_of):
 def test_a_crafted_state_never_reaches_pickle_when_states_are_read(copy_of, context):
     out = copy_of()
     plant_state(out, context["payload"])
-    store = RunDirectory.states(out, resume_root(out, secrets()).root)
+    store = RunDirectory.states(out, resume_root(out, secrets()).keys)
     try:
         with pytest.raises(ConfigError, match="fails authentication") as err:
             store.get_many(range(NODE_ID_OFFSET, NODE_ID_OFFSET + 24))

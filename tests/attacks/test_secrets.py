@@ -179,7 +179,7 @@ def test_no_message_file_or_run_config_holds_a_secret(tmp_path, name):
         run_experiment(config(STRATEGIES[name]), out, progress=False, engine=engine, secrets=root)
     finally:
         engine.close()
-    run_root = resume_root(out, root).root
+    run_root = resume_root(out, root).open_root()
     needles = secret_needles(run_root, POPULATION, root)
     planted = Message(
         RecordDict({"c": ConfigRecord({"t": run_root.client(3).token()})}), 1, "train"
@@ -203,7 +203,7 @@ def test_a_kept_root_stays_outside_the_run_directory(tmp_path, _secrets_dir):
     run_experiment(config(STRATEGIES["dp-fedavg"]), out, progress=False)
     (kept,) = list(_secrets_dir.iterdir())
     root = RunSecret.load_or_create(kept)
-    needles = secret_needles(resume_root(out, None).root, POPULATION, root)
+    needles = secret_needles(resume_root(out, None).open_root(), POPULATION, root)
     for path in (p for p in out.rglob("*") if p.is_file()):
         assert leaks(path.read_bytes(), needles) == [], path.name
     record = json.loads((out / RUN_FILE).read_text())
@@ -444,3 +444,118 @@ def test_a_server_app_reaches_no_clients_secret(tmp_path, backend, given, reques
         }
     )
     assert found == [], f"the ServerApp reached {found}"
+
+
+# -- under `fedsim run`, the strategy reaches no client's or member's secret -----------------
+
+#: secure runs through `fedsim run` with the Ray backend whose parties' secrets the strategy
+#: must not reach: DMM full mode with committee actors, DDGauss committee mode, DP-FedAvg
+DRIVER_RUNS: dict[str, dict[str, Any]] = {
+    "dmm": {
+        "name": "dmm",
+        "clients_per_round": 6,
+        "sampling": "min-separation",
+        "options": {
+            "clipping_norm": 1.0,
+            "noise_multiplier": 1.0,
+            "committee_size": 11,
+            "threshold": 2,
+            "packing": 1,
+            "member_dropouts": 2,
+            "committee_actors": True,
+            "committee_shards": 2,
+        },
+    },
+    "ddgauss-committee": {
+        "name": "ddgauss",
+        "clients_per_round": 6,
+        "options": {
+            "clipping_norm": 1.0,
+            "noise_multiplier": 0.5,
+            "ring_bits": 32,
+            "mode": "committee",
+            "committee_size": 6,
+            "threshold": 2,
+            "packing": 2,
+            "committee_actors": True,
+        },
+    },
+    "dp-fedavg": STRATEGIES["dp-fedavg"],
+}
+#: members that are not clients (DDGauss's committee): member m's secret is root.member(m)
+MEMBERS = 8
+
+
+def referents_of(*tops: Any) -> list[Any]:
+    """Every str (holding 64 hex digits) and bytes object reachable from ``tops`` by
+    gc.get_referents, transitively (attributes, closures, containers, modules they name)."""
+    found: dict[int, Any] = {}
+    stack, seen = list(tops), set()
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        kind = type(obj)  # not isinstance: a lazy module's proxy warns when asked
+        if kind is str and len(obj) >= 64 and HEX64.search(obj):
+            found[id(obj)] = obj
+        elif kind in (bytes, bytearray) and 32 <= len(obj) <= 64 * 2**20:
+            found[id(obj)] = bytes(obj)
+        stack.extend(gc.get_referents(obj))
+    return list(found.values())
+
+
+@pytest.mark.parametrize("name", list(DRIVER_RUNS))
+def test_a_strategy_under_fedsim_run_reaches_no_partys_secret(tmp_path, monkeypatch, name,
+                                                              ray_engine):
+    """The server plays the strategy of a ``fedsim run`` with the Ray backend (and committee
+    actors): after a round, everything the strategy object and the Grid it is handed reach
+    (gc referents, transitively) is searched for the root, every client's secret, every
+    committee member's secret and the enrolment authority's key. None is there: the driver
+    holds only the server's keys, the workers and member actors open the root themselves."""
+    import fedsim.experiment as experiment
+    from fedsim.engine.client_registry import AUTHORITY_SEAT
+    from fedsim.randomness import root_file
+
+    reached: list[Any] = []
+    real = experiment.run_rounds
+
+    def scanning(strategy, grid, *args, on_round, **kwargs):
+        def after(outcome):
+            on_round(outcome)
+            if outcome.server_round == 1:
+                reached.extend(referents_of(strategy, grid))
+
+        return real(strategy, grid, *args, on_round=after, **kwargs)
+
+    monkeypatch.setattr(experiment, "run_rounds", scanning)
+    path = root_file(tmp_path / "keys" / "run.root")  # written without this process reading it
+    config = ExperimentConfig.from_dict(
+        {**BASE, "rounds": 1, "engine": {"backend": "ray"}, "strategy": DRIVER_RUNS[name]}
+    )
+    out = tmp_path / "run"
+    run_experiment(config, out, secrets=path, engine=ray_engine, progress=False)
+    assert len(reached) > 10
+    base = RunSecret.load_or_create(path, create=False)  # only now: the needles
+    root = base.for_run(json.loads((out / RUN_FILE).read_text())["nonce"])
+    needles: dict[str, bytes] = {}
+    for label, secret in (("base root", base), ("run root", root)):
+        needles[label] = secret._key
+        parties = {f"client {i}": secret.client(i) for i in range(POPULATION)}
+        parties.update({f"member {m}": secret.member(m) for m in range(MEMBERS)})
+        parties["authority"] = secret.member(AUTHORITY_SEAT)
+        for party, own in parties.items():
+            needles[f"{label}: {party}"] = own._key
+        needles[f"{label}: authority key"] = parties["authority"].seed_bytes(
+            "enrolment-authority"
+        )
+    needles.update({f"{k} (hex)": v.hex().encode() for k, v in list(needles.items())})
+    found = sorted(
+        {
+            label
+            for value in reached
+            for label, needle in needles.items()
+            if (needle in value.encode() if isinstance(value, str) else needle in value)
+        }
+    )
+    assert found == [], f"the strategy reached {found}"
