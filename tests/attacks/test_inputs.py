@@ -411,7 +411,9 @@ def finished_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("finished") / "run"
     config = out.parent / "config.toml"
     config.write_text(to_toml(case_config("rounds", 2)))
-    assert call(["run", str(config), "--out", str(out), "--no-progress"])[0] == 0
+    root = out.parent / "root.hex"  # a module's run: its root outside the per-test secrets dir
+    assert call(["run", str(config), "--out", str(out), "--secrets", str(root),
+                 "--no-progress"])[0] == 0
     return out
 
 
@@ -436,6 +438,8 @@ def test_a_refused_command_leaves_an_earlier_run_untouched(finished_run, tmp_pat
         (tmp_path / name).write_text(to_toml(case_config(path, value)))
     resolved = [str(tmp_path / a) if a in files else (str(finished_run) if a == "RUN" else a)
                 for a in argv]
+    if "--resume" in argv:  # the run's own root: the refusal must be for what the test names
+        resolved += ["--secrets", str(finished_run.parent / "root.hex")]
     status, err = call([*resolved, "--no-progress"])
     assert_refused(status, err, text)
     assert snapshot(finished_run) == before
