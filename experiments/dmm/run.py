@@ -26,19 +26,24 @@ private method is calibrated to the target epsilon under that participation:
   on :func:`fedsim.privacy.dmm.zcdp_epsilon` of that integer M.
 
 Secrets: one study root (``--secrets FILE``, kept outside the results; created with OS randomness
-if missing) gives each seed its own root (:mod:`experiments.roots`). The engine gives client i
-its own secret from it (``Engine.open_run(..., secrets=...)``), the server's noise secret and
-DMM's committee host are bound with :func:`strategies.server_secret.bind_parties`; the stored
-results carry only the roots' fingerprints. The same root repeats every run bit for bit.
+if missing) gives each seed its own root (:mod:`experiments.roots`), and every point of the study
+(method, ε, seed) mixes a fresh public nonce into it (:meth:`RunSecret.for_run`), stored in the
+point's file as ``run_nonce``: no two points share a noise stream. The engine gives client i its
+own secret from the point's root (``Engine.open_run(..., secrets=...)``), the server's noise
+secret and DMM's committee host are bound with :func:`strategies.server_secret.bind_parties`;
+the stored results carry only the roots' fingerprints and the nonces. A mode check replays its
+point's nonce (``replay_of``): a copy of that release, made only to compare the two modes.
 
 Every run is stored as one JSON file ``{results}/{source}/{method}_eps{e}_seed{s}.json``
-(``non-private_seed{s}.json``) as soon as it ends; a run whose file exists is skipped, so the
-study resumes where it stopped. A DMM run records its wall time and, per round, seconds, bytes
-per client, bytes per committee member (sent and received) and total protocol bytes.
+(``non-private_seed{s}.json``) as soon as it ends; a point whose file holds its nonce is
+skipped, so the study resumes where it stopped. A DMM run records its wall time and, per
+round, seconds, bytes per client, bytes per committee member (sent and received) and total
+protocol bytes.
 ``--check-identical N`` reruns N DMM cells (spread over methods, seeds and epsilons) in ideal
 mode, ``--check-ddgauss-full N`` N DDGauss cells in full mode (SecAgg+ in the ClientApp), with
-the same root, and stores ``check_{method}_eps{e}_seed{s}.json`` saying whether the two final
-models are bit-identical. :mod:`experiments.dmm.table` turns the stored results into tables.
+the point's own root and nonce, and stores ``check_{method}_eps{e}_seed{s}.json`` saying
+whether the two final models are bit-identical. :mod:`experiments.dmm.table` turns the stored
+results into tables.
 
     python experiments/dmm/run.py --source digits [--epsilons 1 2 4 8] [--seeds 0 1 2]
         [--methods ...] [--rounds 20] [--results DIR] [--secrets FILE]
@@ -82,7 +87,7 @@ from fedsim.privacy import dmm as dmm_privacy  # noqa: E402
 from fedsim.privacy.matrix.banded import banded  # noqa: E402
 from fedsim.privacy.matrix.sensitivity import Participation  # noqa: E402
 from fedsim.privacy.matrix.tree import honaker_tree  # noqa: E402
-from fedsim.randomness import RunSecret  # noqa: E402
+from fedsim.randomness import RunSecret, new_nonce  # noqa: E402
 from fedsim.record_codec import to_numpy, to_record  # noqa: E402
 from fedsim.workloads.supervised import LocalTraining, make_client_app  # noqa: E402
 from fedsim.workloads.training import evaluate_model  # noqa: E402
@@ -310,14 +315,16 @@ COST_KEYS = (
 MODES = {"ddgauss": ("plaintext", "full"), "dmm": ("full", "ideal")}
 
 
-def run_one(engine, setup, method, epsilon, seed, st: Setting, mode=None) -> dict:
-    """One run of ``method`` at ``epsilon`` with seed ``seed``'s root; ``mode`` None: the
-    method's study mode (:data:`MODES`)."""
+def run_one(engine, setup, method, epsilon, seed, st: Setting, nonce: str, mode=None) -> dict:
+    """One run of ``method`` at ``epsilon`` with seed ``seed``, under the point's own root:
+    the seed's root mixed with the public run ``nonce`` (:meth:`RunSecret.for_run`), so no two
+    points of the study share a noise stream; ``mode`` None: the method's study mode
+    (:data:`MODES`)."""
     data, dataset, model, apps, test, root = setup
     family = method.split("-")[0]
     if mode is None and family in MODES:
         mode = MODES[family][0]
-    secrets = seed_root(root, STUDY, seed)
+    secrets = seed_root(root, STUDY, seed).for_run(nonce)
     dim = sum(v.size for v in to_numpy(to_record(initial_arrays(model, 0))).values())
     strategy, z = make_strategy(method, epsilon, seed, dim, st, mode)
     host = None
@@ -363,6 +370,7 @@ def run_one(engine, setup, method, epsilon, seed, st: Setting, mode=None) -> dic
         "method": method,
         "mode": mode,
         "secrets_fingerprint": secrets.fingerprint(),
+        "run_nonce": nonce,
         "target_epsilon": epsilon,
         "epsilon": reported_epsilon(method, strategy, st),
         "noise_multiplier": z,
@@ -440,20 +448,29 @@ def sampled(cells: list[tuple[str, float | None, int]], family: str, count: int)
 
 
 def check_modes(engine, setup, cell, st: Setting, results: Path) -> dict:
-    """Run ``cell`` again in its family's other mode (same seed root) and compare models."""
+    """Run ``cell`` again in its family's other mode and compare models: a replay of the
+    stored point (its nonce, so its streams), a copy of that release made only to check that
+    the two modes compute the same integers, never a new point of the study."""
     method, eps, seed = cell
     study_mode, other_mode = MODES[method.split("-")[0]]
     stored = json.loads(result_path(results, method, eps, seed).read_text())
-    other = run_one(engine, setup, method, eps, seed, st, mode=other_mode)
+    other = run_one(engine, setup, method, eps, seed, st, stored["run_nonce"], mode=other_mode)
     return {
         "method": method,
         "target_epsilon": eps,
         "seed": seed,
+        "replay_of": stored["run_nonce"],
         "modes": [study_mode, other_mode],
         "sha256": [stored["model_sha256"], other["model_sha256"]],
         "seconds": [stored["seconds"], other["seconds"]],
         "identical": stored["model_sha256"] == other["model_sha256"],
     }
+
+
+def finished_point(path: Path, key: str = "run_nonce") -> bool:
+    """Whether ``path`` holds a finished point of this study: one run under its own nonce
+    (``key``); a file from before points had their own roots is run again."""
+    return path.is_file() and key in json.loads(path.read_text())
 
 
 def study_setup(st: Setting, dataset, secrets: RunSecret) -> dict:
@@ -515,14 +532,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with Engine(EngineConfig(backend="local")) as engine:
         for cell in cells:
             path = result_path(results, *cell)
-            if not path.is_file():
-                row = run_one(engine, setup, *cell, st)
+            if not finished_point(path):
+                row = run_one(engine, setup, *cell, st, new_nonce())
                 write_json(path, row)
                 keys = ("method", "target_epsilon", "seed", "accuracy", "seconds")
                 print(json.dumps({k: row[k] for k in keys}), flush=True)
                 done.append(row)
             check = result_path(results, *cell, prefix="check_")
-            if cell in checks and not check.is_file():
+            if cell in checks and not finished_point(check, "replay_of"):
                 write_json(check, check_modes(engine, setup, cell, st, results))
                 print(json.loads(check.read_text()), flush=True)
     return done

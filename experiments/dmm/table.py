@@ -11,7 +11,8 @@ and the mode checks (``check_*.json``) and builds:
 * the full mode's cost per round (wall seconds, bytes per client, bytes per committee member
   sent and received, bytes per member of the next committee received, total protocol bytes),
   mean over the DMM runs;
-* the mode checks: DMM full against ideal, DDGauss plaintext against full, same root.
+* the mode checks: DMM full against ideal, DDGauss plaintext against full, each a replay of
+  its point (root and nonce).
 
 It writes all of it to ``tables.md`` next to this script and into ``README.md`` here, and the
 differences and costs of every source into the repository's docs/methods.md (the DMM
@@ -176,7 +177,8 @@ def checks_sentence(studies_checks: list[tuple[dict, list[dict]]]) -> str:
         if mine:
             same = sum(bool(c["identical"]) for c in mine)
             parts.append(f"{label}: {same} of {len(mine)} sampled runs bit-identical")
-    return "; ".join(parts) + " (same root, final models compared by sha256)."
+    replays = " (each a replay of its point: root and nonce; final models compared by sha256)."
+    return "; ".join(parts) + replays
 
 
 def _source(setup: dict) -> str:
@@ -208,7 +210,7 @@ def source_section(setup: dict, runs: list[dict], checks: list[dict]) -> str:
             difference_table([(setup, runs)]),
             "DMM full-mode cost per round (committee actors; wall seconds mean and range):",
             cost_table([(setup, runs)]),
-            "Mode checks (the same run in the other mode, same root):",
+            "Mode checks (the same point replayed in the other mode: its root and nonce):",
             checks_table(checks),
         ]
     )
