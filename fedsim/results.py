@@ -23,10 +23,15 @@ The server's ``central`` evaluation on its own held-out set is always written.
 
 :class:`RoundRecorder` builds these lines from the grid's phase reports. With
 ``infer_rounds`` (a Flower ServerApp whose loop fedsim does not see) a round
-ends when a phase of a later round starts, after its evaluate phase, or when the
-run closes. A fedsim strategy started inside such a ServerApp reports its rounds itself
-(the recorder is the grid's :class:`~fedsim.engine.grid.RoundLog`), with the same sections
-as ``fedsim run``.
+ends when a phase of a later round starts or when the run closes, or after an evaluate
+phase that carries no round number (nothing else would close it). Phases of one kind in
+one round make one section (``start_grid`` sends each node its own message): counts, bytes
+and seconds add up, client metrics are client-weighted means. Legacy phases
+(``get_parameters``, ``get_properties``) have sections of their own name, other query
+phases ``query``; a legacy phase before any round, without a round number (``start_grid``'s
+initial ``get_parameters``), is round 0. A fedsim strategy started inside such a ServerApp
+reports its rounds itself (the recorder is the grid's
+:class:`~fedsim.engine.grid.RoundLog`), with the same sections as ``fedsim run``.
 
 A private run's ``privacy`` section is the run's, from the grid's release boundary
 (:mod:`fedsim.engine.boundary`): its ``epsilon`` composes every accounted mechanism of the
@@ -50,7 +55,7 @@ from flwr.app import MetricRecord
 
 from fedsim.config import ConfigError
 from fedsim.engine.boundary import ReleaseBoundary
-from fedsim.engine.grid import PhaseReport
+from fedsim.engine.grid import LEGACY_MESSAGE_TYPES, PhaseReport
 from fedsim.results_json import ROUNDS_FILE, SUMMARY_FILE, dumps, json_ready, read_rounds
 from fedsim.runfiles import write_atomic
 
@@ -130,6 +135,39 @@ def _phase_section(report: PhaseReport, client_metrics: bool) -> dict[str, Any]:
     return section
 
 
+def _section_name(message_type: str) -> str:
+    """The round line's section for a phase of ``message_type``."""
+    category = message_type.split(".")[0]
+    if category in ("train", "evaluate") or message_type in LEGACY_MESSAGE_TYPES:
+        return category
+    return "query"
+
+
+_ADDED = ("clients", "failed", "timed_out", "dropped", "messages", "seconds", "compute_s",
+          "bytes_down", "bytes_up")
+
+
+def _merged(first: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
+    """Two phase sections of one kind in one round as one: sums, and client metrics
+    weighted by each phase's clients."""
+    out = {key: first[key] + later[key] for key in _ADDED}
+    if "metrics" in first:
+        weights = (first["clients"], later["clients"])
+        keys = sorted(set(first["metrics"]) | set(later["metrics"]))
+        metrics = {}
+        for key in keys:
+            parts = [
+                (w, section["metrics"][key])
+                for w, section in zip(weights, (first, later), strict=True)
+                if key in section["metrics"] and w > 0
+            ]
+            total = sum(w for w, _ in parts)
+            if total > 0:
+                metrics[key] = sum(w * v for w, v in parts) / total
+        out["metrics"] = metrics
+    return out
+
+
 #: sections of a round line that hold the clients' own numbers
 CLIENT_SECTIONS = ("aggregated_evaluate",)
 
@@ -177,14 +215,21 @@ class RoundRecorder:
     # PhaseObserver
     def phase_finished(self, report: PhaseReport) -> None:
         server_round = report.server_round
+        legacy = report.message_type in LEGACY_MESSAGE_TYPES
+        if server_round is None and legacy and not self.records and not self._phases:
+            server_round = 0  # start_grid's initial parameters: before round 1
         if self.infer_rounds and self._phases:
             if server_round is not None and server_round != self._round:
                 self._flush(None)
         if self._round is None or not self._phases:
             self._round = server_round if server_round is not None else (self._last_round() + 1)
         self._phases.append(report)
-        if self.infer_rounds and report.message_type.startswith("evaluate"):
-            self._flush(None)
+        if (
+            self.infer_rounds
+            and report.message_type.startswith("evaluate")
+            and server_round is None
+        ):
+            self._flush(None)  # nothing else delimits this ServerApp's rounds
 
     def _last_round(self) -> int:
         return int(self.records[-1]["round"]) if self.records else 0
@@ -232,12 +277,9 @@ class RoundRecorder:
         bytes_down = bytes_up = 0
         trained = 0
         for report in phases:
-            name = (
-                "train"
-                if report.message_type.startswith("train")
-                else ("evaluate" if report.message_type.startswith("evaluate") else "query")
-            )
-            record[name] = _phase_section(report, self.client_metrics)
+            name = _section_name(report.message_type)
+            section = _phase_section(report, self.client_metrics)
+            record[name] = _merged(record[name], section) if name in record else section
             bytes_down += report.bytes_down
             bytes_up += report.bytes_up
             if name == "train":

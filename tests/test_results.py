@@ -30,12 +30,14 @@ def report(phase, kind, server_round, clients=4):
     )
 
 
-def test_inferred_rounds_close_after_evaluation_or_a_new_round():
+def test_inferred_rounds_close_at_a_new_round():
     records = []
     recorder = RoundRecorder([records.append], infer_rounds=True)
     recorder.phase_finished(report(0, "train", 1))
-    recorder.phase_finished(report(1, "evaluate", 1))  # closes round 1
-    recorder.phase_finished(report(2, "train", 2))
+    recorder.phase_finished(report(1, "evaluate", 1))
+    assert records == []  # another evaluate phase of round 1 may follow
+    recorder.phase_finished(report(2, "train", 2))  # closes round 1
+    assert [r["round"] for r in records] == [1]
     recorder.phase_finished(report(3, "train", 3))  # a new round closes round 2
     recorder.phase_finished(report(4, "train", None))  # no round number: same round
     recorder.close()
@@ -43,7 +45,39 @@ def test_inferred_rounds_close_after_evaluation_or_a_new_round():
     assert set(records[0]) >= {"train", "evaluate", "bytes_down", "clients_per_s", "seconds"}
     assert records[0]["bytes_down"] == 200 and records[0]["train"]["clients"] == 4
     assert "evaluate" not in records[1]
-    assert records[2]["train"]["metrics"]["loss"] == pytest.approx(0.2)  # the later phase
+    # round 3's two train phases are one section: 8 clients, loss weighted 1/4 and 1/5
+    assert records[2]["train"]["clients"] == 8 and records[2]["train"]["messages"] == 8
+    assert records[2]["train"]["metrics"]["loss"] == pytest.approx((0.25 + 0.2) / 2)
+
+
+def test_an_evaluate_phase_without_a_round_number_closes_its_round():
+    records = []
+    recorder = RoundRecorder([records.append], infer_rounds=True)
+    for phase in range(4):
+        recorder.phase_finished(report(phase, "train" if phase % 2 == 0 else "evaluate", None))
+    recorder.close()
+    assert [r["round"] for r in records] == [1, 2]
+
+
+def test_start_grid_phases_of_one_node_each_make_one_round_line():
+    """``start_grid`` (``ServerApp(server_fn=...)``): the initial ``get_parameters`` without
+    a round number is round 0; each round's one-node phases make one train and one evaluate
+    section with every node in it."""
+    records = []
+    recorder = RoundRecorder([records.append], infer_rounds=True)
+    recorder.phase_finished(report(0, "get_parameters", None, clients=1))
+    phase = 1
+    for server_round in (1, 2):
+        for kind in ("train", "evaluate"):
+            for _ in range(3):
+                recorder.phase_finished(report(phase, kind, server_round, clients=1))
+                phase += 1
+    recorder.close()
+    assert [r["round"] for r in records] == [0, 1, 2]
+    assert records[0]["get_parameters"]["clients"] == 1 and "train" not in records[0]
+    for record in records[1:]:
+        assert record["train"]["clients"] == 3 and record["evaluate"]["clients"] == 3
+        assert record["train"]["bytes_down"] == 300 and record["bytes_down"] == 600
 
 
 def test_explicit_rounds_carry_strategy_sections():
