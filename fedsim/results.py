@@ -51,6 +51,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from flwr.app import MetricRecord
 
 from fedsim.config import ConfigError
@@ -157,13 +158,14 @@ def _merged(first: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
         metrics = {}
         for key in keys:
             parts = [
-                (w, section["metrics"][key])
+                (w, np.asarray(section["metrics"][key], dtype=np.float64))
                 for w, section in zip(weights, (first, later), strict=True)
                 if key in section["metrics"] and w > 0
             ]
             total = sum(w for w, _ in parts)
-            if total > 0:
-                metrics[key] = sum(w * v for w, v in parts) / total
+            if total > 0 and len({v.shape for _, v in parts}) == 1:  # a list metric: per entry
+                mean = sum(w * v for w, v in parts) / total
+                metrics[key] = mean.tolist() if mean.ndim else float(mean)
         out["metrics"] = metrics
     return out
 

@@ -16,6 +16,7 @@ final parameters and what the strategy aggregated, as JSON.
 """
 
 import json
+import time
 
 import numpy as np
 from flwr.app import Context, Message
@@ -36,6 +37,16 @@ from flwr.serverapp import Grid
 from legacy_app.task import initial_parameters, mse, node_data
 
 app = ServerApp()
+
+
+def wait_for_nodes(grid: Grid, count: int, timeout: float = 120.0) -> list[int]:
+    """The node ids once ``count`` nodes are connected (Flower's connect as the run starts)."""
+    deadline = time.monotonic() + timeout
+    while len(nodes := sorted(grid.get_node_ids())) < count:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {len(nodes)} of {count} nodes connected")
+        time.sleep(0.1)
+    return nodes
 
 
 def weighted(metrics: list[tuple[int, dict]]) -> dict:
@@ -132,7 +143,7 @@ def pooled_mean(grid: Grid) -> dict:
 def main(grid: Grid, context: Context) -> None:
     config = context.run_config
     surface = str(config["surface"])
-    nodes = len(list(grid.get_node_ids()))
+    nodes = len(wait_for_nodes(grid, int(config["min-nodes"])))
     recorder = Recorder(nodes)
     rounds = int(config["num-server-rounds"])
     out: dict = {"surface": surface}

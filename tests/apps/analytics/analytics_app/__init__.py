@@ -1,0 +1,1 @@
+"""Federated analytics with query messages (fedsim's compatibility suite)."""
