@@ -405,12 +405,16 @@ def _dispatch(args: argparse.Namespace) -> int:
         return audit.run(args)
     if args.command == "minmax":
         return minmax.run(args)
+    from fedsim.engine.grid import UnsupportedMessage  # noqa: PLC0415  (Flower, only for runs)
     from fedsim.engine.rounds import RunStopped  # noqa: PLC0415  (Flower, only for runs)
 
     started = time.perf_counter()
     try:
         summary = cmd_run(args) if args.command == "run" else cmd_flwr_run(args)
     except ConfigError as err:
+        print(f"fedsim: error: {err}", file=sys.stderr)
+        return 2
+    except UnsupportedMessage as err:  # the ServerApp sent what no ClientApp runs
         print(f"fedsim: error: {err}", file=sys.stderr)
         return 2
     except RunStopped as err:  # the rounds before it are on disk

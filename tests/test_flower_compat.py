@@ -135,3 +135,22 @@ def test_query_actions_match_flower(tmp_path):
     close(ours["mean"], flower["mean"])
     (line,) = ours["_rounds"]
     assert line["query"]["messages"] == 10 and line["query"]["failed"] == 0
+
+
+@pytest.mark.parametrize("kind", ["reconnect", "system"])
+def test_a_message_no_clientapp_runs_stops_the_run_with_one_line_naming_it(
+    tmp_path, capsys, kind
+):
+    """Flower's deprecated ``reconnect`` and its runtime's own ``system``: refused when the
+    ServerApp sends the first one, before any client runs, with one line, no traceback."""
+    from flower_compat_support import APPS
+
+    from fedsim.cli import main
+
+    argv = ["flwr-run", str(APPS / "legacy"), "--backend", "local", "--no-progress",
+            "--out", str(tmp_path / "run"), "--run-config", f'surface="{kind}"']
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"message type '{kind}'" in err and "cannot run on fedsim's grid" in err
+    assert "allowed: 'train', 'evaluate' or 'query'" in err and "get_parameters" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -9,7 +9,8 @@
   the given model on every node;
 * ``properties``: federated analytics with ``get_properties`` messages (the pooled mean of y);
 * ``server-fn``: ``ServerApp(server_fn=...)``, the oldest form (``start_grid``: one message per
-  node per call, sent from a thread pool).
+  node per call, sent from a thread pool);
+* ``reconnect``, ``system``: a message of that type to every node (no ClientApp runs one).
 
 Central evaluation records the global parameters of every round; ``output-path`` gets the
 final parameters and what the strategy aggregated, as JSON.
@@ -19,7 +20,7 @@ import json
 import time
 
 import numpy as np
-from flwr.app import Context, Message
+from flwr.app import Context, Message, RecordDict
 from flwr.common import GetPropertiesIns, ndarrays_to_parameters
 from flwr.common.constant import MessageTypeLegacy
 from flwr.compat.common import recorddict_compat as compat
@@ -147,7 +148,12 @@ def main(grid: Grid, context: Context) -> None:
     recorder = Recorder(nodes)
     rounds = int(config["num-server-rounds"])
     out: dict = {"surface": surface}
-    if surface == "properties":
+    if surface in ("reconnect", "system"):
+        grid.send_and_receive(
+            [Message(RecordDict(), dst_node_id=n, message_type=surface, group_id="1")
+             for n in sorted(grid.get_node_ids())]
+        )
+    elif surface == "properties":
         out["analytics"] = pooled_mean(grid)
     elif surface == "server-fn":
         strategy = strategy_of(surface, config, nodes, recorder)
