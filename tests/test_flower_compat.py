@@ -6,7 +6,8 @@ One app project per API form (tests/apps/legacy: the legacy API with a NumPyClie
 messages and actions); its ``surface`` run config picks the ServerApp. Deterministic apps
 must end with the same parameters and the same central and federated losses (to float
 rounding: Flower sums the replies in arrival order, fedsim in node-id order); the noisy one
-(server-side DP with z > 0) with the same rounds and metric keys. Flower's side runs every
+(server-side DP with z > 0) with the same rounds and metric keys; SecAgg+ (stochastic
+quantization) with parameters within its quantization error. Flower's side runs every
 surface of one project in one ``run_simulation`` (its Ray start costs about a minute here).
 """
 
@@ -24,6 +25,7 @@ LEGACY = {
     "fedadam": {"surface": "fedadam"},
     "dp-server": {"surface": "dp-server", "noise-multiplier": 0.5},
     "dp-client": {"surface": "dp-client", "noise-multiplier": 0.0},
+    "secagg": {"surface": "secagg"},
     "evaluate-only": {"surface": "evaluate-only"},
     "properties": {"surface": "properties"},
     "server-fn": {"surface": "server-fn"},
@@ -54,12 +56,13 @@ def check_rounds(run: dict, surface: str) -> None:
     assert [line["round"] for line in lines] == list(range(first, 3))
     if first == 0:
         assert lines[0]["get_parameters"]["messages"] == 1 and "train" not in lines[0]
+    stages = 4 if surface == "secagg" else 1  # SecAgg+: setup, keys, masked vectors, unmask
     for line in lines[first == 0:]:
         assert line["evaluate"]["messages"] == NODES and line["evaluate"]["failed"] == 0
         if surface == "evaluate-only":
             assert "train" not in line
         else:
-            assert line["train"]["clients"] == NODES and line["train"]["failed"] == 0
+            assert line["train"]["clients"] == stages * NODES and line["train"]["failed"] == 0
     assert run["_summary"]["rounds"] == 2
 
 
@@ -154,3 +157,31 @@ def test_a_message_no_clientapp_runs_stops_the_run_with_one_line_naming_it(
     assert f"message type '{kind}'" in err and "cannot run on fedsim's grid" in err
     assert "allowed: 'train', 'evaluate' or 'query'" in err and "get_parameters" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_secagg_plus_workflow_sums_what_flower_sums(tmp_path, flower_legacy):
+    """``SecAggPlusWorkflow`` with ``secaggplus_mod``: the masks cancel, so both runtimes
+    end at FedAvg's parameters up to the stochastic quantization (range 8, 2^22 levels)."""
+    ours, flower = fedsim_run("legacy", LEGACY["secagg"], NODES, tmp_path), flower_legacy[
+        "secagg"]
+    plain = flower_legacy["fedavg"]["final"]  # the same FedAvg in clear
+    for mine, theirs, clear in zip(ours["final"], flower["final"], plain, strict=True):
+        np.testing.assert_allclose(mine, theirs, atol=1e-3)
+        np.testing.assert_allclose(mine, clear, atol=1e-3)
+    assert rounds_of(ours["central"]) == rounds_of(flower["central"]) == [0, 1, 2]
+    assert {k: rounds_of(v) for k, v in ours["history"]["metrics_distributed"].items()} == {
+        k: rounds_of(v) for k, v in flower["history"]["metrics_distributed"].items()}
+    for key in ("fit_metrics", "evaluate_metrics"):
+        assert [sorted(m) for m in ours[key]] == [sorted(m) for m in flower[key]]
+    check_rounds(ours, "secagg")
+
+
+@pytest.mark.ray
+def test_start_grid_on_ray_workers_ends_where_flower_ends(tmp_path, ray_session, flower_legacy):
+    """``ServerApp(server_fn=...)`` sends every node's message from its own thread; on Ray
+    workers the replies still find their callers."""
+    ours = fedsim_run("legacy", LEGACY["server-fn"], NODES, tmp_path, "--workers", "2")
+    assert ours["_summary"]["engine"]["backend"] == "ray"
+    for mine, theirs in zip(ours["final"], flower_legacy["server-fn"]["final"], strict=True):
+        close(mine, theirs)
+    check_rounds(ours, "server-fn")

@@ -1,15 +1,18 @@
-"""ClientApp: a NumPyClient made by ``client_fn``, behind one client mod.
+"""ClientApp: a NumPyClient made by ``client_fn``, behind two client mods.
 
-The mod applies Flower's ``fixedclipping_mod`` to train messages that carry a clipping norm
-(those of ``DifferentialPrivacyClientSideFixedClipping``) and passes every other message on.
+One applies Flower's ``secaggplus_mod`` to train messages of ``SecAggPlusWorkflow`` (those
+carrying its stage configs), the other Flower's ``fixedclipping_mod`` to train messages that
+carry a clipping norm (those of ``DifferentialPrivacyClientSideFixedClipping``); every other
+message passes on.
 """
 
 import numpy as np
 from flwr.app import Context, Message
 from flwr.app.message_type import MessageType
 from flwr.client import NumPyClient
-from flwr.client.mod import fixedclipping_mod
+from flwr.client.mod import fixedclipping_mod, secaggplus_mod
 from flwr.clientapp import ClientApp
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 from flwr.compat.common import recorddict_compat as compat
 from flwr.server.strategy.dp_fixed_clipping import KEY_CLIPPING_NORM
 
@@ -57,4 +60,11 @@ def clip_when_asked(msg: Message, context: Context, call_next):
     return call_next(msg, context)
 
 
-app = ClientApp(client_fn=client_fn, mods=[clip_when_asked])
+def secagg_when_asked(msg: Message, context: Context, call_next):
+    """``secaggplus_mod`` for SecAgg+ train messages; others pass."""
+    if RECORD_KEY_CONFIGS in msg.content.config_records:
+        return secaggplus_mod(msg, context, call_next)
+    return call_next(msg, context)
+
+
+app = ClientApp(client_fn=client_fn, mods=[secagg_when_asked, clip_when_asked])

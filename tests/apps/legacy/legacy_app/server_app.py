@@ -5,6 +5,8 @@
 * ``fedprox``, ``fedadam``: the same workflow with ``FedProx`` / ``FedAdam``;
 * ``dp-server``, ``dp-client``: ``FedAvg`` inside ``DifferentialPrivacyServerSideFixedClipping``
   / ``DifferentialPrivacyClientSideFixedClipping`` (the client's mod clips);
+* ``secagg``: ``DefaultWorkflow`` whose fit step is ``SecAggPlusWorkflow`` (the client's
+  ``secaggplus_mod`` masks), ``FedAvg``;
 * ``evaluate-only``: ``DefaultWorkflow`` whose fit step does nothing: every round evaluates
   the given model on every node;
 * ``properties``: federated analytics with ``get_properties`` messages (the pooled mean of y);
@@ -32,7 +34,7 @@ from flwr.server.strategy import (
     FedAvg,
     FedProx,
 )
-from flwr.server.workflow import DefaultWorkflow
+from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
 from flwr.serverapp import Grid
 
 from legacy_app.task import initial_parameters, mse, node_data
@@ -100,7 +102,7 @@ def strategy_of(surface: str, config: dict, nodes: int, recorder: Recorder):
         return FedProx(**common, initial_parameters=given, proximal_mu=config["proximal-mu"])
     if surface == "fedadam":
         return FedAdam(**common, initial_parameters=given, eta=0.1, tau=1e-3)
-    if surface == "evaluate-only":
+    if surface in ("evaluate-only", "secagg"):
         return FedAvg(**common, initial_parameters=given)
     wrapper = {
         "dp-server": DifferentialPrivacyServerSideFixedClipping,
@@ -169,7 +171,10 @@ def main(grid: Grid, context: Context) -> None:
             config=ServerConfig(num_rounds=rounds),
             strategy=strategy_of(surface, config, nodes, recorder),
         )
-        fit = no_training if surface == "evaluate-only" else None
+        fit = {
+            "evaluate-only": no_training,
+            "secagg": SecAggPlusWorkflow(num_shares=nodes - 1, reconstruction_threshold=2),
+        }.get(surface)
         DefaultWorkflow(fit_workflow=fit)(grid, legacy)
         history = legacy.history
         out["history"] = {
