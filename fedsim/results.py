@@ -25,12 +25,13 @@ The server's ``central`` evaluation on its own held-out set is always written.
 ``infer_rounds`` (a Flower ServerApp whose loop fedsim does not see) a round
 ends when a phase of a later round starts or when the run closes, or after an evaluate
 phase that carries no round number (nothing else would close it). Phases of one kind in
-one round make one section (``start_grid`` sends each node its own message): counts, bytes
-and seconds add up, client metrics are client-weighted means. Legacy phases
-(``get_parameters``, ``get_properties``) have sections of their own name, other query
-phases ``query``; a legacy phase before any round, without a round number (``start_grid``'s
-initial ``get_parameters``), is round 0. A fedsim strategy started inside such a ServerApp
-reports its rounds itself (the recorder is the grid's
+one round make one section (``start_grid`` sends each node its own message, SecAgg+ sends
+its stages to the same nodes): counts, bytes and seconds add up, except that a node in
+several of them counts once among ``clients``; client metrics are client-weighted means.
+Legacy phases (``get_parameters``, ``get_properties``) have sections of their own name,
+other query phases ``query``; a legacy phase before any round, without a round number
+(``start_grid``'s initial ``get_parameters``), is round 0. A fedsim strategy started inside
+such a ServerApp reports its rounds itself (the recorder is the grid's
 :class:`~fedsim.engine.grid.RoundLog`), with the same sections as ``fedsim run``.
 
 A private run's ``privacy`` section is the run's, from the grid's release boundary
@@ -148,18 +149,23 @@ _ADDED = ("clients", "failed", "timed_out", "dropped", "messages", "seconds", "c
           "bytes_down", "bytes_up")
 
 
-def _merged(first: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
-    """Two phase sections of one kind in one round as one: sums, and client metrics
-    weighted by each phase's clients."""
-    out = {key: first[key] + later[key] for key in _ADDED}
-    if "metrics" in first:
-        weights = (first["clients"], later["clients"])
-        keys = sorted(set(first["metrics"]) | set(later["metrics"]))
+def _merged_section(reports: list[PhaseReport], client_metrics: bool) -> dict[str, Any]:
+    """Several phases of one kind in one round as one section: sums, except that a node
+    answering in several phases (SecAgg+'s stages) counts once among ``clients``, and client
+    metrics weighted by each phase's clients."""
+    sections = [_phase_section(report, client_metrics) for report in reports]
+    out = {key: sum(section[key] for section in sections) for key in _ADDED}
+    if all(report.nodes for report in reports):
+        nodes = frozenset().union(*(report.nodes for report in reports))
+        out["clients"] = min(out["clients"], len(nodes))
+    if client_metrics:
+        weights = [section["clients"] for section in sections]
+        keys = sorted({key for section in sections for key in section["metrics"]})
         metrics = {}
         for key in keys:
             parts = [
                 (w, np.asarray(section["metrics"][key], dtype=np.float64))
-                for w, section in zip(weights, (first, later), strict=True)
+                for w, section in zip(weights, sections, strict=True)
                 if key in section["metrics"] and w > 0
             ]
             total = sum(w for w, _ in parts)
@@ -278,14 +284,19 @@ class RoundRecorder:
         }
         bytes_down = bytes_up = 0
         trained = 0
+        kinds: dict[str, list[PhaseReport]] = {}
         for report in phases:
-            name = _section_name(report.message_type)
-            section = _phase_section(report, self.client_metrics)
-            record[name] = _merged(record[name], section) if name in record else section
+            kinds.setdefault(_section_name(report.message_type), []).append(report)
             bytes_down += report.bytes_down
             bytes_up += report.bytes_up
-            if name == "train":
-                trained += report.succeeded
+        for name, reports in kinds.items():
+            record[name] = (
+                _phase_section(reports[0], self.client_metrics)
+                if len(reports) == 1
+                else _merged_section(reports, self.client_metrics)
+            )
+        if "train" in record:
+            trained = record["train"]["clients"]
         record["bytes_down"] = bytes_down
         record["bytes_up"] = bytes_up
         record["clients_per_s"] = trained / record["seconds"] if record["seconds"] > 0 else 0.0

@@ -62,7 +62,8 @@ def check_rounds(run: dict, surface: str) -> None:
         if surface == "evaluate-only":
             assert "train" not in line
         else:
-            assert line["train"]["clients"] == stages * NODES and line["train"]["failed"] == 0
+            assert line["train"]["messages"] == stages * NODES  # each node once a stage
+            assert line["train"]["clients"] == NODES and line["train"]["failed"] == 0
     assert run["_summary"]["rounds"] == 2
 
 

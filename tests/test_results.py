@@ -12,7 +12,7 @@ from fedsim.results import RoundRecorder, RunWriter, read_rounds
 from fedsim.results_json import json_ready
 
 
-def report(phase, kind, server_round, clients=4):
+def report(phase, kind, server_round, clients=4, nodes=frozenset()):
     return PhaseReport(
         phase=phase,
         server_round=server_round,
@@ -27,6 +27,7 @@ def report(phase, kind, server_round, clients=4):
         wall_s=0.1,
         compute_s=0.2,
         client_metrics={"loss": 1.0 / (phase + 1)},
+        nodes=frozenset(nodes),
     )
 
 
@@ -65,12 +66,12 @@ def test_start_grid_phases_of_one_node_each_make_one_round_line():
     section with every node in it."""
     records = []
     recorder = RoundRecorder([records.append], infer_rounds=True)
-    recorder.phase_finished(report(0, "get_parameters", None, clients=1))
+    recorder.phase_finished(report(0, "get_parameters", None, clients=1, nodes={7}))
     phase = 1
     for server_round in (1, 2):
         for kind in ("train", "evaluate"):
-            for _ in range(3):
-                recorder.phase_finished(report(phase, kind, server_round, clients=1))
+            for node in range(3):
+                recorder.phase_finished(report(phase, kind, server_round, 1, nodes={node}))
                 phase += 1
     recorder.close()
     assert [r["round"] for r in records] == [0, 1, 2]
@@ -149,3 +150,16 @@ def test_a_dp_run_without_noise_reports_epsilon_infinite(tmp_path):
     assert last["privacy"]["epsilon"] == math.inf and last["privacy"]["epsilon_infinite"] is True
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["privacy"]["epsilon"] == math.inf and summary["privacy"]["epsilon_infinite"]
+
+
+def test_the_stages_of_one_protocol_count_each_node_once():
+    """SecAgg+'s four train stages to the same 4 nodes: 16 messages, 4 clients."""
+    records = []
+    recorder = RoundRecorder([records.append], infer_rounds=True)
+    for stage in range(4):
+        recorder.phase_finished(report(stage, "train", 1, clients=4, nodes=range(4)))
+    recorder.close()
+    (record,) = records
+    assert record["train"]["messages"] == 16 and record["train"]["clients"] == 4
+    assert record["train"]["bytes_down"] == 400
+    assert record["clients_per_s"] == pytest.approx(4 / record["seconds"])

@@ -122,6 +122,8 @@ class PhaseReport:
     wall_s: float
     compute_s: float
     client_metrics: dict[str, float]
+    #: the node ids the phase's messages went to (empty: not given)
+    nodes: frozenset[int] = frozenset()
 
 
 class PhaseObserver(Protocol):
@@ -213,6 +215,7 @@ class _Phase:
     message_type: str
     server_round: int | None
     message_ids: list[str]
+    nodes: frozenset[int]
     started: float
     bytes_down: int
     batch_ids: list[int] = field(default_factory=list)
@@ -382,6 +385,7 @@ class SimulationGrid(Grid):
             message_type=first.metadata.message_type,
             server_round=server_round_of(first.content, first.metadata.group_id),
             message_ids=[m.metadata.message_id for m in messages],
+            nodes=frozenset(int(m.metadata.dst_node_id) for m in messages),
             started=time.perf_counter(),
             bytes_down=bytes_down,
         )
@@ -519,6 +523,7 @@ class SimulationGrid(Grid):
                     wall_s=time.perf_counter() - phase.started,
                     compute_s=phase.compute_s,
                     client_metrics=phase.metrics.means(),
+                    nodes=phase.nodes,
                 )
             )
 
