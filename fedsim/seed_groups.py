@@ -49,15 +49,27 @@ def seed_of(run: RunSeries) -> dict[str, Any]:
     return {k: v for k, v in sorted(run.config.items()) if is_seed_key(k)}
 
 
-def seed_text(seed: dict[str, Any]) -> str:
-    """A seed as tables and legends show it: the run seed's value (``seed``) when the other
-    seed keys follow it, else every seed key with its value; ``?`` for a run with none."""
-    if not seed:
-        return "?"
-    values = {json.dumps(v, sort_keys=True) for v in seed.values()}
-    if "seed" in seed and len(values) == 1:
-        return format_value(seed["seed"])
-    return ", ".join(f"{k}={format_value(v)}" for k, v in seed.items())
+def seed_texts(seeds: Sequence[dict[str, Any]]) -> list[str]:
+    """Each seed (:func:`seed_of`) as tables and legends show it, told apart from the others
+    of ``seeds`` by the seed keys whose values vary between them: the run seed's value when
+    those keys follow it (``data.seed`` = ``seed``), else each varying key with its value; a
+    lone seed shows its ``seed``; ``?`` for a run with no seed key."""
+    keys = sorted({k for seed in seeds for k in seed})
+    varying = [k for k in keys if len({json.dumps(s.get(k), sort_keys=True) for s in seeds}) > 1]
+    out = []
+    for seed in seeds:
+        shown = [k for k in varying if k in seed] or (["seed"] if "seed" in seed else list(seed))
+        if not shown:
+            out.append("?")
+        elif "seed" in shown and all(_same(seed[k], seed["seed"]) for k in shown):
+            out.append(format_value(seed["seed"]))
+        else:
+            out.append(", ".join(f"{k}={format_value(seed[k])}" for k in shown))
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
 def _group_key(run: RunSeries, index: int) -> str:
@@ -79,7 +91,7 @@ class Group:
 
     @property
     def seed_texts(self) -> list[str]:
-        return [seed_text(s) for s in self.seeds]
+        return seed_texts(self.seeds)
 
 
 def group_runs(runs: Sequence[RunSeries]) -> list[Group]:
@@ -117,7 +129,9 @@ def paired_seeds(a: Group, b: Group) -> list[tuple[RunSeries, RunSeries, str]]:
         return {k: r for k, r in zip(keys, group.runs) if keys.count(k) == 1 and k != "{}"}
 
     in_a, in_b = once(a), once(b)
-    return [(run, in_b[k], seed_text(seed_of(run))) for k, run in in_a.items() if k in in_b]
+    runs = [*a.runs, *b.runs]
+    text = dict(zip(map(id, runs), seed_texts([seed_of(run) for run in runs])))
+    return [(run, in_b[k], text[id(run)]) for k, run in in_a.items() if k in in_b]
 
 
 def group_labels(groups: Sequence[Group]) -> list[str]:
@@ -140,7 +154,7 @@ def group_labels(groups: Sequence[Group]) -> list[str]:
             tail = f"mean of {len(group.runs)} seeds"
         else:
             seed = seed_of(group.runs[0])
-            tail = f"seed {seed_text(seed)}" if seed else ""
+            tail = f"seed {seed_texts([seed])[0]}" if seed else ""
         labels.append(f"{base} ({tail})" if base and tail else base or tail or "run")
     return labels
 

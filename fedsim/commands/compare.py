@@ -347,11 +347,13 @@ def config_table(result: dict[str, Any], names: Sequence[str]) -> Table:
     hidden = result.get("config_hidden") or {}
     if "only_in" in hidden:
         counts = ", ".join(f"{n} keys only in {name}" for name, n in hidden["only_in"].items())
-        notes.append(f"the configs share no key: {counts}; --all lists them")
+        notes.append(f"the configs share no key: {counts}")
     if "null_or_absent" in hidden:
         notes.append(
-            f"{hidden['null_or_absent']} keys unset (null) or absent in every run; --all lists them"
+            f"{hidden['null_or_absent']} keys unset (null) in some runs, absent in the rest"
         )
+    if hidden:
+        notes.append("--all lists them")
     if notes and ": unknown" not in config_title:
         config_title += f" ({'; '.join(notes)})"
     return (config_title, ["key", *names], config_rows)
