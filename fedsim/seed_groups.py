@@ -115,7 +115,7 @@ def summarize(values: Sequence[float]) -> dict[str, Any]:
     mean = float(np.mean(x))
     if n < 2 or not np.all(np.isfinite(x)):
         return {"n": n, "mean": mean, "sd": None, "low": None, "high": None}
-    sd = float(np.std(x, ddof=1))
+    sd = float(np.std(x, ddof=1)) if np.ptp(x) > 0 else 0.0  # equal values: exactly 0
     half = float(student_t.ppf(0.5 + LEVEL / 2, n - 1)) * sd / math.sqrt(n)
     return {"n": n, "mean": mean, "sd": sd, "low": mean - half, "high": mean + half}
 
@@ -169,7 +169,7 @@ def band_of(values: np.ndarray, band: str) -> tuple[np.ndarray, np.ndarray, np.n
     if n < 2:
         nan = np.full_like(mean, np.nan)
         return mean, nan, nan
-    sd = values.std(axis=0, ddof=1)
+    sd = np.where(np.ptp(values, axis=0) > 0, values.std(axis=0, ddof=1), 0.0)
     half = sd if band == "sd" else float(student_t.ppf(0.5 + LEVEL / 2, n - 1)) * sd / math.sqrt(n)
     return mean, mean - half, mean + half
 

@@ -370,17 +370,17 @@ def group_tables(result: dict[str, Any]) -> list[Table]:
         for g in groups
     ]
     facts = [
-        ("rounds", "rounds"),
-        ("epsilon", "epsilon"),
-        ("client max epsilon", "client_max_epsilon"),
-        ("seconds (rounds)", "seconds_rounds"),
-        ("seconds (total)", "seconds_total"),
-        ("bytes up", "bytes_up"),
-        ("bytes down", "bytes_down"),
+        ("rounds", "rounds", "{:.4g}"),
+        ("epsilon", "epsilon", "{:.4g}"),
+        ("client max epsilon", "client_max_epsilon", "{:.4g}"),
+        ("seconds (rounds)", "seconds_rounds", "{:.2f}"),
+        ("seconds (total)", "seconds_total", "{:.2f}"),
+        ("bytes up", "bytes_up", "{:,.0f}"),
+        ("bytes down", "bytes_down", "{:,.0f}"),
     ]
     fact_rows = [
-        [title, *(_mean_sd(g[key]) for g in groups)]
-        for title, key in facts
+        [title, *(_mean_sd(g[key], fmt) for g in groups)]
+        for title, key, fmt in facts
         if any(g[key] is not None for g in groups)
     ]
     header = ["metric", "best is"]
@@ -417,18 +417,18 @@ def group_tables(result: dict[str, Any]) -> list[Table]:
         (
             f"paired differences of final values (seed by seed, on the seeds both groups ran; "
             f"{result['interval']})",
-            ["metric", "difference", "seeds", "mean", "sd", "95 % interval"],
+            ["metric", "difference", "n seeds", "mean", "sd", "95 % interval"],
             paired,
         ),
         config_table(result, names),
     ]
 
 
-def _mean_sd(summary: dict[str, Any] | None) -> str:
+def _mean_sd(summary: dict[str, Any] | None, fmt: str = "{:.4g}") -> str:
     """``mean ± sd`` (just the mean for one run, or where the sd is undefined)."""
     if summary is None or summary["mean"] is None:
         return MISSING
-    mean = _cell(summary["mean"], "{:.4g}")
+    mean = _cell(summary["mean"], fmt)
     return mean if summary["sd"] is None else f"{mean} ± {summary['sd']:.2g}"
 
 

@@ -273,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
     save_figure(drawn.figure, out)
     titles = [ax.get_title() for ax in drawn.figure.axes]
     for point in given.left_out:
-        print(f"fedsim: left out {point}: it has not run")
+        print(f"fedsim: left out {point}: it has not run", file=sys.stderr)
     shown = f"{len(runs)} run(s)"
     if grouped:
         shown += f" in {len(groups)} seed group(s) (mean, band {BANDS[args.band]})"
