@@ -8,16 +8,18 @@ summary.json, the config as ``fedsim run`` writes it, the sweep's index by ``fed
 own functions) with numbers drawn here, so every expected value is computed from them with
 numpy/scipy; one small real sweep checks the whole path."""
 
+import io
 import json
 import math
 
 import numpy as np
 import pytest
+from rich.console import Console
 from scipy import stats
 
 import fedsim.commands.plot as plot_command
 from fedsim.cli import main
-from fedsim.commands.compare import compare_runs
+from fedsim.commands.compare import compare_groups, compare_runs, render_rich
 from fedsim.commands.sweep import index_entry, plan, write_index
 from fedsim.config import to_mapping
 from fedsim.results import RunWriter
@@ -437,3 +439,14 @@ def test_a_real_sweep_over_seeds_plots_and_compares(tmp_path, drawn, capsys):
     assert group["epsilon"]["mean"] == pytest.approx(np.mean(epsilons)) and math.isfinite(
         epsilons[0]
     )
+
+
+def test_a_terminal_gets_the_group_tables_from_rich(tmp_path):
+    out, points = make_sweep(tmp_path)
+    console = Console(file=io.StringIO(), width=400, color_system=None)
+    render_rich(compare_groups(load_runs([out / p.name for p in points])), console)
+    text = console.file.getvalue()
+    for title in ("seed groups", "mean ± sample sd (ddof=1)", "95 % t-interval of the mean"):
+        assert title in text
+    finals = [central(out / p.name, "loss")[1][-1] for p in points[3:]]
+    assert f"{np.mean(finals):.4g} ± {np.std(finals, ddof=1):.2g}" in text
