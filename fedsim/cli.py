@@ -10,8 +10,9 @@
                      --out FILE.npz [--json]
     fedsim audit RUN_DIR [--attack loss|zlib|mink] [--members N] [--out FILE]
     fedsim minmax CONFIG.toml [--out DIR]
-    fedsim plot RUN_DIR... [--metric NAME ...] [--out FILE.png]
-    fedsim compare RUN_DIR... [--json]
+    fedsim plot RUN_DIR|SWEEP_DIR... [--metric NAME ...] [--band sd|ci95] [--per-seed]
+                [--out FILE.png]
+    fedsim compare RUN_DIR|SWEEP_DIR... [--json] [--per-seed] [--all]
 
 ``run`` and ``flwr-run`` accept ``--ray-address`` (join an existing Ray cluster), ``--workers``,
 ``--backend {ray,local}``, ``--no-progress``, ``--progress-every N|Ss`` and ``--secrets FILE``
