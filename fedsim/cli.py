@@ -191,7 +191,10 @@ def _parser() -> argparse.ArgumentParser:
         '"num-supernodes=10 client-resources-num-cpus=1" (replaces the connection\'s options)',
     )
     flwr_run.add_argument(
-        "--num-supernodes", type=int, default=None, help="virtual clients (default: federation's)"
+        "--num-supernodes",
+        type=int,
+        default=None,
+        help="virtual clients (default: Flower's simulation config)",
     )
     flwr_run.add_argument(
         "--client-cpus", type=float, default=None, help="Ray CPUs per client worker"

@@ -236,3 +236,23 @@ def test_a_federation_config_file_must_be_readable(tmp_path):
     assert parse_federation_config('init-args-logging-level="INFO"') == {
         "init_args_logging_level": "INFO"
     }
+
+
+def test_a_component_that_needs_a_missing_package_says_which(flwr_home, tmp_path, capsys):
+    """The reference is read as Flower reads it; a module whose import needs a package this
+    environment lacks (as e2e-opacus needs torchvision) is refused naming the package, and a
+    module the app does not have is refused as not importable."""
+    app = tmp_path / "app"
+    shutil.copytree(QUICKSTART, app, ignore=shutil.ignore_patterns("__pycache__"))
+    module = app / "quickstart_app" / "client_app.py"
+    module.write_text("import fedsim_absent_package  # noqa\n" + module.read_text())
+    assert flwr_run(app, tmp_path / "o") == 2
+    err = capsys.readouterr().err
+    assert "clientapp = 'quickstart_app.client_app:app' is not allowed" in err
+    assert "needs the package 'fedsim_absent_package', which this environment lacks" in err
+    text = (app / "pyproject.toml").read_text().replace("client_app:app", "client_ap:app")
+    (app / "pyproject.toml").write_text(text)
+    assert flwr_run(app, tmp_path / "o") == 2
+    err = capsys.readouterr().err
+    assert "clientapp = 'quickstart_app.client_ap:app' is not allowed: an importable" in err
+    assert not (tmp_path / "o").exists()
