@@ -140,7 +140,9 @@ def read_connections(path: Path) -> tuple[dict[str, Any], str | None]:
         text = path.read_text(encoding="utf-8") if path.is_file() else DEFAULT_FLOWER_CONFIG_TOML
         toml = tomllib.loads(text)
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
-        raise ConfigError(str(path), None, f"Flower's config file in valid TOML ({err})") from err
+        raise ConfigError(
+            "$FLWR_HOME/config.toml", str(path), f"Flower's config file in valid TOML ({err})"
+        ) from err
     superlink = toml.get("superlink", {})
     require(isinstance(superlink, dict), f"{path} [superlink]", superlink, "a table of connections")
     default = superlink.get("default")
@@ -166,7 +168,7 @@ def read_federation(
     if legacy is not None:
         require(isinstance(legacy, dict), TABLE, legacy, "a table of federations")
         tables = sorted(k for k, v in legacy.items() if isinstance(v, dict))
-        # `flwr run` migrates the table only when its default names one of its federations
+        # `flwr run` refuses the table (its migration fails) unless `default` names one of it
         require(
             legacy.get("default") in tables,
             f"{TABLE} default",
@@ -258,18 +260,19 @@ def parse_federation_config(text: str) -> dict[str, Any]:
             raise ConfigError(flag, text, f"a readable TOML file ({err})") from err
     else:
         given = _pairs(text, flag)
-    allowed_keys = {f.replace("_", "-"): f for f in FIELDS}
     settings: dict[str, Any] = {}
     for key, value in given.items():
+        field = key.replace("-", "_")  # as `flwr run` maps a key to its proto field
         require(
-            key in allowed_keys,
+            field in FIELDS,
             f"{flag} {key}",
             value,
-            f"a key of Flower's simulation config: {', '.join(allowed_keys)}",
+            "a key of Flower's simulation config: "
+            + ", ".join(f.replace("_", "-") for f in FIELDS),
         )
-        ok, allowed = FIELDS[allowed_keys[key]][1]
+        ok, allowed = FIELDS[field][1]
         require(ok(value), f"{flag} {key}", value, allowed)
-        settings[allowed_keys[key]] = value
+        settings[field] = value
     return settings
 
 

@@ -5,6 +5,7 @@ are refused by name."""
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -233,12 +234,15 @@ def test_bad_values_stop_flwr_run_before_it_starts(flwr_home, tmp_path, capsys, 
 def test_a_federation_config_file_must_be_readable(tmp_path):
     with pytest.raises(ConfigError, match="--federation-config = .*a readable TOML file"):
         parse_federation_config(str(tmp_path / "missing.toml"))
-    assert parse_federation_config('init-args-logging-level="INFO"') == {
-        "init_args_logging_level": "INFO"
+    assert parse_federation_config('init-args-logging-level="INFO" num_supernodes=3') == {
+        "init_args_logging_level": "INFO",
+        "num_supernodes": 3,  # `flwr run` takes the proto's field names too
     }
 
 
-def test_a_component_that_needs_a_missing_package_says_which(flwr_home, tmp_path, capsys):
+def test_a_component_that_needs_a_missing_package_says_which(
+    flwr_home, tmp_path, capsys, monkeypatch
+):
     """The reference is read as Flower reads it; a module whose import needs a package this
     environment lacks (as e2e-opacus needs torchvision) is refused naming the package, and a
     module the app does not have is refused as not importable."""
@@ -246,6 +250,9 @@ def test_a_component_that_needs_a_missing_package_says_which(flwr_home, tmp_path
     shutil.copytree(QUICKSTART, app, ignore=shutil.ignore_patterns("__pycache__"))
     module = app / "quickstart_app" / "client_app.py"
     module.write_text("import fedsim_absent_package  # noqa\n" + module.read_text())
+    for loaded in [m for m in sys.modules if m.split(".")[0] == "quickstart_app"]:
+        monkeypatch.delitem(sys.modules, loaded)  # Flower's load_app reuses a loaded module
+    monkeypatch.setattr(sys, "path", list(sys.path))  # and puts the app's directory first
     assert flwr_run(app, tmp_path / "o") == 2
     err = capsys.readouterr().err
     assert "clientapp = 'quickstart_app.client_app:app' is not allowed" in err
