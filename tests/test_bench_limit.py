@@ -39,22 +39,32 @@ def test_each_label_holds_one_point_per_size_with_every_exchange(stored):
         share_keys = point["exchanges"]["share_keys"]["kernels"]
         assert {"ed25519_verify x5", "x25519_agree x4", "aead_seal_row x4"} <= set(share_keys)
         assert "keystream_D x5" in point["exchanges"]["masked_input"]["kernels"]
-        assert point["units"]["keystream_bytes_per_s"] == pytest.approx(
-            512 * 4 / point["units"]["keystream_D"]
+        assert point["keystream_bytes_per_s"] == pytest.approx(
+            512 * 4 / point["units"]["cpu"]["keystream_D"]
         )
+        assert set(point["units"]) == {"cpu", "wall"}
 
 
 def test_every_ratio_is_the_client_over_the_sum_of_its_stored_kernels(stored):
     _, result = stored
     for run in result["runs"].values():
         for point in run["points"]:
-            for row in point["exchanges"].values():
-                assert row["limit_s"] == pytest.approx(sum(row["kernels"].values()))
-                assert row["ratio"] == pytest.approx(row["client_s"] / row["limit_s"])
-                assert all(s > 0 for s in row["kernels"].values())
-            rows = point["exchanges"].values()
-            assert point["limit_s"] == pytest.approx(sum(r["limit_s"] for r in rows))
-            assert point["ratio"] == pytest.approx(point["client_s"] / point["limit_s"])
+            for suffix in ("", "_wall"):
+                for row in point["exchanges"].values():
+                    kernels = row[f"kernels{suffix}"]
+                    assert row[f"limit{suffix}_s"] == pytest.approx(sum(kernels.values()))
+                    assert row[f"ratio{suffix}"] == pytest.approx(
+                        row[f"client{suffix}_s"] / row[f"limit{suffix}_s"]
+                    )
+                    assert all(s > 0 for s in kernels.values())
+                rows = point["exchanges"].values()
+                limit = sum(r[f"limit{suffix}_s"] for r in rows)
+                assert point[f"limit{suffix}_s"] == pytest.approx(limit)
+                client = sum(r[f"client{suffix}_s"] for r in rows)
+                assert point[f"ratio{suffix}"] == pytest.approx(client / limit)
+            # the rotation's unit time is the one its exchange counts
+            rotation = point["exchanges"]["train"]["kernels"]["rotation"]
+            assert rotation == point["units"]["cpu"]["rotation"]
 
 
 def test_the_table_is_printed_from_the_stored_file(stored):
@@ -67,6 +77,8 @@ def test_the_table_is_printed_from_the_stored_file(stored):
     ).stdout
     lines = printed.strip().splitlines()
     assert len(lines) == 2 + 2 * 5  # header, then 4 exchanges and the round per label
-    ratio = result["runs"]["after"]["points"][0]["exchanges"]["masked_input"]["ratio"]
-    assert "| after | 3e2 (512) | 50 | masked_input |" in printed
-    assert f"{ratio:.2f}× |" in printed
+    row = result["runs"]["after"]["points"][0]["exchanges"]["masked_input"]
+    assert (
+        f"| after | 3e2 (512) | 50 | masked_input | {row['client_s'] * 1e3:.2f} ms | "
+        f"{row['limit_s'] * 1e3:.2f} ms | {row['ratio']:.2f}× | {row['ratio_wall']:.2f}× |"
+    ) in printed

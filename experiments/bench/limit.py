@@ -31,13 +31,17 @@ the synthetic update of experiments/bench/secure_scale.py, whose seconds are sub
 enrolment from a fresh root each round), driven by the real strategy
 (:class:`strategies.ddgauss.DDGauss`, ``mode = "full"``) through an in-process grid that times
 each ClientApp call as fedsim's worker does. Every client then has ``degree`` neighbours,
-as in a cohort of any size at that degree. Reported per exchange: the median client seconds
-over all calls of ``--rounds`` rounds, the limit (medians of ``--repeats`` timings per kernel)
-and ``ratio = client_s / limit_s``.
+as in a cohort of any size at that degree. Every round of the clients is followed by
+``--repeats`` timings of every kernel, so that both see the same spells of a shared machine.
+Reported per exchange: the median client seconds over all calls of ``--rounds`` rounds, the
+limit (the sum of the kernels' medians) and ``ratio = client_s / limit_s``, in this process's
+CPU seconds (``time.process_time``: other jobs on the machine do not count) and, with the
+suffix ``_wall``, in wall seconds.
 
 Writes ``--out`` (default experiments/bench/limit.json) under ``--label`` (other labels in
-the file are kept: "before" / "after" a change); ``--table-only`` prints the markdown table of
-the stored file (docs/benchmarks.md). Run it under ``nice``:
+the file are kept: "before" / "after" a change; ``--merge`` also keeps the label's points of
+other sizes, so that runs of two trees can alternate point by point); ``--table-only``
+prints the markdown table of the stored file (docs/benchmarks.md). Run it under ``nice``:
 
     nice -n 10 .venv/bin/python experiments/bench/limit.py --label after
 """
@@ -75,15 +79,41 @@ MESSAGE_EXCHANGE = {
 STAGE_OF_EXCHANGE = {"train": 1, "share_keys": 2, "masked_input": 3, "unmask": 4}
 
 
-def median_seconds(call: Callable[[], Any], repeats: int) -> float:
-    """Median wall seconds of ``repeats`` calls of ``call`` (after one warm-up call)."""
+CLOCKS = ("cpu", "wall")
+"""``cpu``: this process's CPU seconds (``time.process_time``: a shared machine's other jobs
+do not count), ``wall``: wall seconds; the ratios are quoted in CPU seconds."""
+
+
+def now() -> tuple[float, float]:
+    return time.process_time(), time.perf_counter()
+
+
+def since(start: tuple[float, float]) -> tuple[float, float]:
+    cpu, wall = now()
+    return cpu - start[0], wall - start[1]
+
+
+def samples(call: Callable[[], Any], repeats: int) -> list[tuple[float, float]]:
+    """``repeats`` (cpu, wall) seconds of one call of ``call``, each the mean of a batch long
+    enough (about a millisecond) for the clocks' resolution (after one warm-up call)."""
+    start = now()
     call()
-    times = []
+    once = max(since(start)[1], 1e-7)
+    number = max(1, min(1000, int(1e-3 / once)))
+    out = []
     for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        start = now()
+        for _ in range(number):
+            call()
+        cpu, wall = since(start)
+        out.append((cpu / number, wall / number))
+    return out
+
+
+def medians(pairs: list[tuple[float, float]]) -> dict[str, float]:
+    return {
+        clock: statistics.median(p[index] for p in pairs) for index, clock in enumerate(CLOCKS)
+    }
 
 
 # ----------------------------------------------------------------------------- the client
@@ -92,24 +122,24 @@ class TimedInner:
     secure work) are subtracted from the train exchange."""
 
     def __init__(self, app) -> None:
-        self.app, self.last_s = app, 0.0
+        self.app, self.last = app, (0.0, 0.0)
 
     def __call__(self, message, context):
-        start = time.perf_counter()
+        start = now()
         reply = self.app(message, context)
-        self.last_s = time.perf_counter() - start
+        self.last = since(start)
         return reply
 
 
 class InProcessGrid:
     """A Grid that runs each message through the ClientApp in this process, one persistent
     Context per node (its node_config as fedsim's worker builds it), and records each call's
-    seconds by exchange, as the worker's ``compute_s`` does."""
+    (cpu, wall) seconds by exchange, as the worker's ``compute_s`` does."""
 
     def __init__(self, app, inner: TimedInner, node_ids: list[int]) -> None:
         self.app, self.inner, self.node_ids = app, inner, list(node_ids)
         self.contexts: dict[int, Any] = {}
-        self.seconds: dict[str, list[float]] = {e: [] for e in EXCHANGES}
+        self.seconds: dict[str, list[tuple[float, float]]] = {e: [] for e in EXCHANGES}
         self.state_bytes: dict[str, list[int]] = {e: [] for e in EXCHANGES}
 
     def open_round(self, root) -> None:
@@ -149,57 +179,64 @@ class InProcessGrid:
             exchange = MESSAGE_EXCHANGE[message.metadata.message_type]
             context = self.contexts[node]
             TaskIdentity.node_id = node
-            self.inner.last_s = 0.0
-            start = time.perf_counter()
+            self.inner.last = (0.0, 0.0)
+            start = now()
             reply = self.app(message, context)
-            seconds = time.perf_counter() - start - self.inner.last_s
+            cpu, wall = since(start)
             TaskIdentity.node_id = 1
             if reply.has_error():
                 raise RuntimeError(f"client {node} failed in {exchange}: {reply.error.reason}")
-            self.seconds[exchange].append(seconds)
+            self.seconds[exchange].append((cpu - self.inner.last[0], wall - self.inner.last[1]))
             stored = context.state.get(STATE_KEY)
             self.state_bytes[exchange].append(len(stored["state"]) if stored else 0)
             replies.append(reply)
         return replies
 
 
-def client_seconds(
-    dim: int, cohort: int, degree: int, ring_bits: int, bits: int, rounds: int, seed: int
-) -> tuple[dict[str, list[float]], dict[str, int], Any]:
-    """Per exchange, the secure seconds of every client call over ``rounds`` rounds of
-    ``degree + 1`` clients; the median sealed state size after each exchange; the encoder."""
-    from flwr.app import ConfigRecord  # noqa: PLC0415
-    from flwr.supercore.task_identity import TaskIdentity  # noqa: PLC0415
+class ClientRounds:
+    """The real DDGauss full-mode strategy and ClientApp on ``degree + 1`` enrolled clients
+    (every client has ``degree`` neighbours), one fresh root per round."""
 
-    from experiments.bench.secure_scale import synthetic_client_app  # noqa: PLC0415
-    from fedsim.engine.client_registry import NODE_ID_OFFSET  # noqa: PLC0415
-    from fedsim.randomness import RunSecret  # noqa: PLC0415
-    from fedsim.record_codec import to_record  # noqa: PLC0415
-    from strategies.ddgauss import ddgauss_client_app, from_options  # noqa: PLC0415
+    def __init__(
+        self, dim: int, cohort: int, degree: int, ring_bits: int, bits: int, seed: int = 0
+    ) -> None:
+        from flwr.supercore.task_identity import TaskIdentity  # noqa: PLC0415
 
-    TaskIdentity.run_id = TaskIdentity.task_id = TaskIdentity.node_id = 1
-    options = {
-        "clipping_norm": 1.0,
-        "noise_multiplier": 1.0,
-        "mode": "full",
-        "secagg_degree": degree,
-        "ring_bits": ring_bits,
-        "bits": bits,
-    }
-    strategy = from_options(options, expected_clients=cohort, seed=seed)
-    inner = TimedInner(synthetic_client_app(dim, seed))
-    nodes = [NODE_ID_OFFSET + p for p in range(degree + 1)]
-    grid = InProcessGrid(ddgauss_client_app(inner), inner, nodes)
-    arrays = to_record({"w": np.zeros(dim, dtype=np.float32)})
-    for server_round in range(1, rounds + 1):
+        from experiments.bench.secure_scale import synthetic_client_app  # noqa: PLC0415
+        from fedsim.engine.client_registry import NODE_ID_OFFSET  # noqa: PLC0415
+        from fedsim.record_codec import to_record  # noqa: PLC0415
+        from strategies.ddgauss import ddgauss_client_app, from_options  # noqa: PLC0415
+
+        TaskIdentity.run_id = TaskIdentity.task_id = TaskIdentity.node_id = 1
+        options = {
+            "clipping_norm": 1.0,
+            "noise_multiplier": 1.0,
+            "mode": "full",
+            "secagg_degree": degree,
+            "ring_bits": ring_bits,
+            "bits": bits,
+        }
+        self.strategy = from_options(options, expected_clients=cohort, seed=seed)
+        inner = TimedInner(synthetic_client_app(dim, seed))
+        nodes = [NODE_ID_OFFSET + p for p in range(degree + 1)]
+        self.grid = InProcessGrid(ddgauss_client_app(inner), inner, nodes)
+        self.arrays = to_record({"w": np.zeros(dim, dtype=np.float32)})
+
+    def run_round(self, server_round: int) -> None:
+        from flwr.app import ConfigRecord  # noqa: PLC0415
+
+        from fedsim.randomness import RunSecret  # noqa: PLC0415
+
+        strategy, grid = self.strategy, self.grid
         grid.open_round(RunSecret.fresh())
-        messages = strategy.configure_train(server_round, arrays, ConfigRecord(), grid)
+        messages = strategy.configure_train(server_round, self.arrays, ConfigRecord(), grid)
         replies = grid.send_and_receive(list(messages))
         strategy.aggregate_train(server_round, replies)
-        if strategy.last_abort is not None or len(strategy.last_survivors) != len(nodes):
+        if strategy.last_abort is not None or len(strategy.last_survivors) != len(grid.node_ids):
             raise RuntimeError(f"round {server_round} did not complete: {strategy.last_abort}")
-    sizes = {e: int(statistics.median(v)) for e, v in grid.state_bytes.items()}
-    return grid.seconds, sizes, strategy.encoder
+
+    def state_sizes(self) -> dict[str, int]:
+        return {e: int(statistics.median(v)) for e, v in self.grid.state_bytes.items()}
 
 
 # ----------------------------------------------------------------------------- the kernels
@@ -207,8 +244,10 @@ def _hkdf(shared: bytes) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=bytes(16), info=b"limit").derive(shared)
 
 
-def kernel_units(encoder, degree: int, ring_bits: int, repeats: int) -> dict[str, float]:
-    """Median seconds of one unit of each kernel at the encoder's sizes."""
+def kernel_samples(
+    encoder, degree: int, ring_bits: int, repeats: int
+) -> dict[str, list[tuple[float, float]]]:
+    """(cpu, wall) seconds of one unit of each kernel at the encoder's sizes."""
     from fedsim.privacy.discrete_gaussian import discrete_gaussian  # noqa: PLC0415
     from protocols.encoding import clip_l2, conditional_round, rotate, rotation_signs  # noqa: PLC0415
     from protocols.secagg import CHUNKS_PER_SECRET, SecAggConfig, shamir_scheme  # noqa: PLC0415
@@ -242,47 +281,45 @@ def kernel_units(encoder, degree: int, ring_bits: int, repeats: int) -> dict[str
         stream = Cipher(algorithms.ChaCha20(bytes(32), bytes(16)), mode=None).encryptor()
         stream.update_into(zeros, buffer)
 
-    keystream_s = median_seconds(keystream, repeats)
     return {
-        "rotation": median_seconds(lambda: rotate(clip_l2(update, encoder.clip), signs), repeats),
-        "rounding": median_seconds(
+        "rotation": samples(lambda: rotate(clip_l2(update, encoder.clip), signs), repeats),
+        "rounding": samples(
             lambda: conditional_round(scaled, encoder.l2_bound, rng, encoder.max_tries), repeats
         ),
-        "noise": median_seconds(lambda: discrete_gaussian(padded, sigma, rng), repeats),
-        "x25519_keygen": median_seconds(
+        "noise": samples(lambda: discrete_gaussian(padded, sigma, rng), repeats),
+        "x25519_keygen": samples(
             lambda: X25519PrivateKey.from_private_bytes(bytes(32)).public_key().public_bytes_raw(),
             repeats,
         ),
-        "x25519_agree": median_seconds(lambda: _hkdf(private.exchange(peer)), repeats),
-        "ed25519_sign": median_seconds(lambda: signer.sign(statement), repeats),
-        "ed25519_verify": median_seconds(lambda: verifier.verify(signature, statement), repeats),
-        "shamir_share": median_seconds(lambda: scheme.share(secrets, rng=rng), repeats),
-        "aead_seal_row": median_seconds(lambda: aead.encrypt(bytes(12), row, b"aad"), repeats),
-        "aead_open_row": median_seconds(
+        "x25519_agree": samples(lambda: _hkdf(private.exchange(peer)), repeats),
+        "ed25519_sign": samples(lambda: signer.sign(statement), repeats),
+        "ed25519_verify": samples(lambda: verifier.verify(signature, statement), repeats),
+        "shamir_share": samples(lambda: scheme.share(secrets, rng=rng), repeats),
+        "aead_seal_row": samples(lambda: aead.encrypt(bytes(12), row, b"aad"), repeats),
+        "aead_open_row": samples(
             lambda: aead.decrypt(bytes(12), sealed_row, b"aad"), repeats
         ),
-        "keystream_D": keystream_s,
-        "mask_add_D": median_seconds(lambda: np.add(total, mask, out=total), repeats),
-        "keystream_bytes_per_s": len(buffer) / keystream_s,
+        "keystream_D": samples(keystream, repeats),
+        "mask_add_D": samples(lambda: np.add(total, mask, out=total), repeats),
     }
 
 
-def state_aead_seconds(size: int, repeats: int) -> tuple[float, float]:
-    """(seal, open) seconds of ChaCha20-Poly1305 over ``size`` bytes of state."""
+def state_samples(size: int, repeats: int) -> dict[str, list[tuple[float, float]]]:
+    """(cpu, wall) seconds of the ChaCha20-Poly1305 seal and open of ``size`` bytes of state."""
     aead = ChaCha20Poly1305(bytes(32))
     data = bytes(max(size - 28, 0))
     sealed = aead.encrypt(bytes(12), data, b"state")
-    return (
-        median_seconds(lambda: aead.encrypt(bytes(12), data, b"state"), repeats),
-        median_seconds(lambda: aead.decrypt(bytes(12), sealed, b"state"), repeats),
-    )
+    return {
+        "seal": samples(lambda: aead.encrypt(bytes(12), data, b"state"), repeats),
+        "open": samples(lambda: aead.decrypt(bytes(12), sealed, b"state"), repeats),
+    }
 
 
 def exchange_kernels(
-    units: dict[str, float], degree: int, state: dict[str, int], repeats: int
+    units: dict[str, float], degree: int, state: dict[str, dict[str, float]]
 ) -> dict[str, dict[str, float]]:
-    """Per exchange, each of its kernels' seconds (unit seconds times the count)."""
-    seal_open = {e: state_aead_seconds(state[e], repeats) for e in EXCHANGES}
+    """Per exchange, each of its kernels' seconds (unit seconds times the count); ``state``:
+    per exchange the seal and open seconds of the state it stores."""
     previous = {"share_keys": "train", "masked_input": "share_keys", "unmask": "masked_input"}
     out = {
         "train": {
@@ -307,9 +344,9 @@ def exchange_kernels(
         "unmask": {},
     }
     for exchange in EXCHANGES:
-        out[exchange]["state_seal"] = seal_open[exchange][0]
+        out[exchange]["state_seal"] = state[exchange]["seal"]
         if exchange in previous:
-            out[exchange]["state_open"] = seal_open[previous[exchange]][1]
+            out[exchange]["state_open"] = state[previous[exchange]]["open"]
     return out
 
 
@@ -318,25 +355,42 @@ def measure_point(
     dim: int, cohort: int, degree: int, ring_bits: int, bits: int, rounds: int, repeats: int,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """One (d, cohort) point: kernels and client, in this process, back to back."""
-    seconds, state, encoder = client_seconds(dim, cohort, degree, ring_bits, bits, rounds, seed)
-    units = kernel_units(encoder, degree, ring_bits, repeats)
-    kernels = exchange_kernels(units, degree, state, repeats)
-    exchanges = {}
+    """One (d, cohort) point in this process: each round of the real clients is followed by
+    one timing of every kernel, so that both see the same spells of a shared machine."""
+    clients = ClientRounds(dim, cohort, degree, ring_bits, bits, seed)
+    unit_samples: dict[str, list[tuple[float, float]]] = {}
+    for server_round in range(1, rounds + 1):
+        clients.run_round(server_round)
+        encoder = clients.strategy.encoder
+        for name, pairs in kernel_samples(encoder, degree, ring_bits, repeats).items():
+            unit_samples.setdefault(name, []).extend(pairs)
+    sizes = clients.state_sizes()
+    state_pairs = {e: state_samples(sizes[e], repeats * rounds) for e in EXCHANGES}
+    units = {clock: {} for clock in CLOCKS}
+    for name, pairs in unit_samples.items():
+        for clock, value in medians(pairs).items():
+            units[clock][name] = value
+    word_bytes = (4 if ring_bits <= 32 else 8) * encoder.padded_dim
+    exchanges: dict[str, dict[str, Any]] = {}
     for exchange in EXCHANGES:
-        client_s = statistics.median(seconds[exchange])
-        limit_s = sum(kernels[exchange].values())
-        exchanges[exchange] = {
-            "client_s": client_s,
-            "client_calls": len(seconds[exchange]),
-            "kernels": kernels[exchange],
-            "limit_s": limit_s,
-            "ratio": client_s / limit_s,
-            "state_bytes": state[exchange],
+        exchanges[exchange] = {"client_calls": len(clients.grid.seconds[exchange]),
+                               "state_bytes": sizes[exchange]}
+    for clock in CLOCKS:
+        state = {
+            e: {kind: medians(pairs)[clock] for kind, pairs in state_pairs[e].items()}
+            for e in EXCHANGES
         }
-    client_total = sum(e["client_s"] for e in exchanges.values())
-    limit_total = sum(e["limit_s"] for e in exchanges.values())
-    return {
+        kernels = exchange_kernels(units[clock], degree, state)
+        for exchange in EXCHANGES:
+            row = exchanges[exchange]
+            suffix = "" if clock == "cpu" else "_wall"
+            client_s = medians(clients.grid.seconds[exchange])[clock]
+            limit_s = sum(kernels[exchange].values())
+            row[f"client{suffix}_s"] = client_s
+            row[f"kernels{suffix}"] = kernels[exchange]
+            row[f"limit{suffix}_s"] = limit_s
+            row[f"ratio{suffix}"] = client_s / limit_s
+    point = {
         "dim": dim,
         "padded_dim": encoder.padded_dim,
         "cohort": cohort,
@@ -346,11 +400,15 @@ def measure_point(
         "scaled_noise_std": encoder.scaled_noise_std,
         "gamma": encoder.gamma,
         "units": units,
+        "keystream_bytes_per_s": word_bytes / units["cpu"]["keystream_D"],
         "exchanges": exchanges,
-        "client_s": client_total,
-        "limit_s": limit_total,
-        "ratio": client_total / limit_total,
     }
+    for suffix in ("", "_wall"):
+        client = sum(e[f"client{suffix}_s"] for e in exchanges.values())
+        limit = sum(e[f"limit{suffix}_s"] for e in exchanges.values())
+        point[f"client{suffix}_s"], point[f"limit{suffix}_s"] = client, limit
+        point[f"ratio{suffix}"] = client / limit
+    return point
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -362,8 +420,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
             points.append(point)
             ratios = " / ".join(f"{point['exchanges'][e]['ratio']:.2f}" for e in EXCHANGES)
-            print(f"d={dim} C={cohort}: ratio per exchange {ratios}, round {point['ratio']:.2f}",
-                  file=sys.stderr)
+            print(f"d={dim} C={cohort}: CPU ratio per exchange {ratios}, "
+                  f"round {point['ratio']:.2f}", file=sys.stderr)
     return {
         "benchmark": "one DDGauss full-mode client's secure seconds over its kernels' sum",
         "machine": f"{os.cpu_count()}-CPU {platform.machine()} {platform.system()}",
@@ -380,23 +438,22 @@ D_NAMES = {16384: "2¹⁴", 131072: "2¹⁷", 1048576: "2²⁰"}
 
 
 def table(stored: dict[str, Any]) -> str:
-    """The docs' table: per label, point and exchange, client ms, limit ms and the ratio."""
+    """The docs' table: per label, point and exchange, client and limit in CPU ms, their
+    ratio, and the same ratio in wall seconds."""
     lines = [
-        "| run | d (D) | C | exchange | client | limit | client / limit |",
-        "|---|---|---|---|---|---|---|",
+        "| run | d (D) | C | exchange | client | limit | client / limit | in wall time |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for label, result in stored["runs"].items():
         for p in result["points"]:
             padded = D_NAMES.get(p["padded_dim"], p["padded_dim"])
             size = f"{p['dim']:.0e}".replace("e+0", "e") + f" ({padded})"
-            rows = [(e, p["exchanges"][e]) for e in EXCHANGES]
-            rows.append(("round", {"client_s": p["client_s"], "limit_s": p["limit_s"],
-                                   "ratio": p["ratio"]}))
+            rows = [(e, p["exchanges"][e]) for e in EXCHANGES] + [("round", p)]
             for exchange, row in rows:
                 lines.append(
                     f"| {label} | {size} | {p['cohort']} | {exchange} | "
                     f"{row['client_s'] * 1e3:.2f} ms | {row['limit_s'] * 1e3:.2f} ms | "
-                    f"{row['ratio']:.2f}× |"
+                    f"{row['ratio']:.2f}× | {row['ratio_wall']:.2f}× |"
                 )
     return "\n".join(lines)
 
@@ -411,6 +468,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--label", default="after")
+    parser.add_argument(
+        "--merge", action="store_true", help="keep the label's stored points of other sizes"
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("limit.json"))
     parser.add_argument(
         "--table-only", action="store_true", help="print the table of --out; measure nothing"
@@ -423,6 +483,13 @@ def main(argv: list[str] | None = None) -> None:
         return
     result = run(args)
     stored = json.loads(args.out.read_text()) if args.out.exists() else {"runs": {}}
+    kept = stored["runs"].get(args.label)
+    if kept is not None and args.merge:  # points of other sizes measured earlier stay
+        fresh = {(p["dim"], p["cohort"]) for p in result["points"]}
+        result["points"] = [
+            p for p in kept["points"] if (p["dim"], p["cohort"]) not in fresh
+        ] + result["points"]
+        result["points"].sort(key=lambda p: (p["dim"], p["cohort"]))
     stored["runs"][args.label] = result
     args.out.write_text(json.dumps(stored, indent=1) + "\n")
     print(table(stored))
