@@ -37,7 +37,7 @@ def test_each_label_holds_one_point_per_size_with_every_exchange(stored):
         # degree + 1 clients, one round: every client answered every exchange
         assert {e["client_calls"] for e in point["exchanges"].values()} == {5}
         share_keys = point["exchanges"]["share_keys"]["kernels"]
-        assert {"ed25519_verify x5", "x25519_agree x4", "aead_seal_row x4"} <= set(share_keys)
+        assert {"ed25519_verify x5", "x25519_agree x8", "aead_seal_row x4"} <= set(share_keys)
         assert "keystream_D x5" in point["exchanges"]["masked_input"]["kernels"]
         assert point["keystream_bytes_per_s"] == pytest.approx(
             512 * 4 / point["units"]["cpu"]["keystream_D"]

@@ -13,11 +13,12 @@ one point per cohort of ``--cohorts`` clients: the cohort sets sigma and gamma):
   client) and the AEAD seal of the state it stores;
 * ``share_keys``: ``degree + 1`` Ed25519 verifications (each neighbour's key proof, and one
   certificate: a worker checks each cohort member's certificate once for all its clients, so
-  one per client), ``degree`` X25519 channel
-  agreements (with their HKDF), the Shamir sharing of the two 32-byte secrets, ``degree``
-  ChaCha20-Poly1305 seals of a share row, and the AEAD open and seal of the state;
-* ``masked_input``: ``degree`` AEAD opens of the share rows, ``degree`` X25519 mask
-  agreements, ``(degree + 1) * D`` keystream words at the PRG's measured throughput (ChaCha20,
+  one per client), ``2 degree`` X25519 agreements with their HKDF (a channel and a mask seed
+  per neighbour: the neighbours' keys arrive here), the Shamir sharing of the two 32-byte
+  secrets, ``degree`` ChaCha20-Poly1305 seals of a share row, and the AEAD open and seal of
+  the state;
+* ``masked_input``: ``degree`` AEAD opens of the share rows, ``(degree + 1) * D`` keystream
+  words at the PRG's measured throughput (ChaCha20,
   the mask PRG of :mod:`protocols.secagg`, written into a buffer), ``degree + 1`` in-place
   additions of D words, and the state's AEAD open and seal;
 * ``unmask``: the state's AEAD open and seal.
@@ -331,13 +332,12 @@ def exchange_kernels(
         },
         "share_keys": {
             f"ed25519_verify x{degree + 1}": (degree + 1) * units["ed25519_verify"],
-            f"x25519_agree x{degree}": degree * units["x25519_agree"],
+            f"x25519_agree x{2 * degree}": 2 * degree * units["x25519_agree"],
             "shamir_share": units["shamir_share"],
             f"aead_seal_row x{degree}": degree * units["aead_seal_row"],
         },
         "masked_input": {
             f"aead_open_row x{degree}": degree * units["aead_open_row"],
-            f"x25519_agree x{degree}": degree * units["x25519_agree"],
             f"keystream_D x{degree + 1}": (degree + 1) * units["keystream_D"],
             f"mask_add_D x{degree + 1}": (degree + 1) * units["mask_add_D"],
         },
