@@ -3,15 +3,16 @@
     fedsim run CONFIG.toml --out DIR [--set KEY=VALUE ...]
     fedsim run [CONFIG.toml] --resume DIR [--set KEY=VALUE ...]
     fedsim sweep CONFIG.toml --grid KEY=V1,V2 ... [--seeds 0..4] [--set KEY=VALUE ...] [--out DIR]
-    fedsim flwr-run APP_DIR [--federation NAME] [--num-supernodes N] [--run-config "k=v ..."]
-                    --out DIR
+    fedsim flwr-run APP_DIR [SUPERLINK] [--federation-config "k=v ..."] [--num-supernodes N]
+                    [--run-config "k=v ..."] --out DIR
     fedsim account {dp-fedavg,dp-sgd,calibrate,sweep,matrix} ... [--json]
     fedsim factorize --kind KIND --rounds N [--bands B] [--participations K --min-sep S]
                      --out FILE.npz [--json]
     fedsim audit RUN_DIR [--attack loss|zlib|mink] [--members N] [--out FILE]
     fedsim minmax CONFIG.toml [--out DIR]
-    fedsim plot RUN_DIR... [--metric NAME ...] [--out FILE.png]
-    fedsim compare RUN_DIR... [--json]
+    fedsim plot RUN_DIR|SWEEP_DIR... [--metric NAME ...] [--band sd|ci95] [--per-seed]
+                [--out FILE.png]
+    fedsim compare RUN_DIR|SWEEP_DIR... [--json] [--per-seed] [--all]
 
 ``run`` and ``flwr-run`` accept ``--ray-address`` (join an existing Ray cluster), ``--workers``,
 ``--backend {ray,local}``, ``--no-progress``, ``--progress-every N|Ss`` and ``--secrets FILE``
@@ -172,12 +173,29 @@ def _parser() -> argparse.ArgumentParser:
     flwr_run = commands.add_parser("flwr-run", help="run a Flower app project on fedsim's engine")
     flwr_run.add_argument("app_dir", help="directory with the app's pyproject.toml")
     flwr_run.add_argument(
-        "--federation",
+        "superlink",
+        nargs="?",
         default=None,
-        help="a federation of the app's [tool.flwr.federations] (default: its default)",
+        help="a local simulation SuperLink connection of $FLWR_HOME/config.toml or of the "
+        "app's [tool.flwr.federations], as `flwr run APP SUPERLINK` (default: the default one)",
     )
     flwr_run.add_argument(
-        "--num-supernodes", type=int, default=None, help="virtual clients (default: federation's)"
+        "--federation",
+        default=None,
+        help="the same as SUPERLINK (a name of the app's [tool.flwr.federations], or a "
+        "connection of $FLWR_HOME/config.toml)",
+    )
+    flwr_run.add_argument(
+        "--federation-config",
+        default=None,
+        help='Flower\'s simulation config over its defaults, as `flwr run` takes it, e.g. '
+        '"num-supernodes=10 client-resources-num-cpus=1" (replaces the connection\'s options)',
+    )
+    flwr_run.add_argument(
+        "--num-supernodes",
+        type=int,
+        default=None,
+        help="virtual clients (default: Flower's simulation config)",
     )
     flwr_run.add_argument(
         "--client-cpus", type=float, default=None, help="Ray CPUs per client worker"
@@ -341,8 +359,19 @@ def cmd_flwr_run(args: argparse.Namespace) -> dict[str, Any]:
         started.append((engine, federation, cohorts, secrets))
         engine.start()
 
+    name = args.superlink or args.federation
+    if args.superlink and args.federation and args.superlink != args.federation:
+        raise ConfigError(
+            "--federation", args.federation, f"nothing, or the same as SUPERLINK ({args.superlink})"
+        )
     try:
-        app = FlowerApp.load(args.app_dir, args.run_config, args.federation, checked=checked)
+        app = FlowerApp.load(
+            args.app_dir,
+            args.run_config,
+            name,
+            checked=checked,
+            federation_config=args.federation_config,
+        )
         engine, federation, cohorts, secrets = started[0]
         return run_flower_app(
             app,

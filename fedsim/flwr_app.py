@@ -19,8 +19,10 @@ fresh root a worker writes); the ServerApp's context holds only the server's
 for an integer, a finite number for a number, true/false, a quoted string), and
 ``num-server-rounds`` an integer >= 1.
 
-The app's ``[tool.flwr.federations]`` (:mod:`fedsim.flwr_federation`) gives the number of
-supernodes and each client's Ray resources, as ``flwr run`` reads them; flags override it.
+Flower's simulation config as ``flwr run`` resolves it (:mod:`fedsim.flwr_federation`:
+``$FLWR_HOME/config.toml`` connections, the app's older ``[tool.flwr.federations]``,
+``--federation-config``, Flower's defaults) gives the number of supernodes and each client's
+Ray resources; flags override it.
 With ``sampling`` the engine draws each phase's cohort (:mod:`fedsim.engine.participation`:
 ``uniform``, a fixed-size cohort without replacement, or ``poisson``) and the grid offers only
 it, so a strategy that takes every node it is offered (``fraction_train=1``) is accounted
@@ -90,9 +92,11 @@ class FlowerApp:
         overrides: str | None = None,
         federation: str | None = None,
         checked: Callable[[Federation], object] | None = None,
+        federation_config: str | None = None,
     ) -> FlowerApp:
-        """Read ``app_dir/pyproject.toml``, fuse the config, read the federation
-        ``federation`` (None: the app's default federation, if any), import the components.
+        """Read ``app_dir/pyproject.toml``, fuse the config, resolve the SuperLink connection
+        ``federation`` (None: the default one) with ``federation_config`` overrides
+        (:func:`fedsim.flwr_federation.read_federation`), import the components.
 
         ``checked(federation)`` is called once the project, the config and the federation have
         passed their checks and before the components are imported (``fedsim flwr-run`` starts
@@ -116,7 +120,7 @@ class FlowerApp:
                 )
         defaults = flatten_dict(project["tool"]["flwr"]["app"].get("config", {}))
         run_config = fuse_run_config(defaults, overrides)
-        chosen = read_federation(project, federation)
+        chosen = read_federation(project, federation, federation_config)
         if checked is not None:
             checked(chosen)
         server_app = _load(
@@ -220,6 +224,19 @@ def _checked_override(key: str, value: Any, defaults: dict[str, Any]) -> Any:
 def _load(reference: str, app_dir: Path, kind: type, error: type[Exception], name: str) -> Any:
     try:
         obj = load_app(reference, error, app_dir)
+    except ModuleNotFoundError as err:
+        if err.name and not (app_dir / err.name.split(".")[0]).exists():
+            # the reference is right: the module imports a package this environment lacks
+            raise ConfigError(
+                f"{_COMPONENTS} {name}",
+                reference,
+                f"a module whose imports are installed: it needs the package {err.name!r}, "
+                "which this environment lacks (install the app's dependencies; `flwr run` "
+                "does not install them either)",
+            ) from err
+        raise ConfigError(
+            f"{_COMPONENTS} {name}", reference, f"an importable '{name}' ({err})"
+        ) from err
     except (error, ImportError) as err:
         raise ConfigError(
             f"{_COMPONENTS} {name}", reference, f"an importable '{name}' ({err})"

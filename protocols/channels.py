@@ -202,6 +202,7 @@ class Endpoint:
         )
         self._send: dict[int, tuple[bytes, ChaCha20Poly1305]] = {}
         self._receive: dict[int, tuple[bytes, ChaCha20Poly1305]] = {}
+        self._receive_keys: dict[int, bytes] = {}
         # per directional key (its peer public key): counters and opened counters, never reset
         self._counters: dict[tuple[int, bytes], int] = {}
         self._seen: dict[tuple[int, bytes], set[int]] = defaultdict(set)
@@ -231,7 +232,31 @@ class Endpoint:
         )
         self._send[peer_id] = (peer_public_key, ChaCha20Poly1305(send))
         self._receive[peer_id] = (peer_public_key, ChaCha20Poly1305(receive))
+        self._receive_keys[peer_id] = receive
         self._counters.setdefault((peer_id, peer_public_key), 0)
+
+    def receive_key(self, peer_id: int) -> bytes:
+        """The 32-byte receive key (peer -> self) :meth:`connect` derived: a secret of this
+        party, for its own sealed state only (:meth:`accept_receive_key` restores it)."""
+        if peer_id not in self._receive_keys:
+            raise ValueError(f"peer_id={peer_id} has no receive key at party {self.party_id}")
+        return self._receive_keys[peer_id]
+
+    def accept_receive_key(self, peer_id: int, peer_public_key: bytes, key: bytes) -> None:
+        """Restore the channel from ``peer_id`` (whose public key is ``peer_public_key``) with
+        the receive key :meth:`receive_key` gave for it, read back from this party's own sealed
+        state: :meth:`open` then works as after :meth:`connect`, without the X25519 agreement.
+        Nothing can be sealed to the peer (no send key, so no nonce counter to restore); a
+        seen-counter record starts empty, as for any new endpoint."""
+        peer_id = _check_party("peer_id", peer_id)
+        if peer_id == self.party_id:
+            raise ValueError(f"peer_id={peer_id} is this endpoint's own id")
+        if not isinstance(peer_public_key, bytes) or len(peer_public_key) != PUBLIC_KEY_BYTES:
+            raise ValueError(f"peer_public_key must be {PUBLIC_KEY_BYTES} bytes")
+        if not isinstance(key, bytes) or len(key) != 32:
+            raise ValueError("a receive key is 32 bytes")
+        self._receive[peer_id] = (peer_public_key, ChaCha20Poly1305(key))
+        self._receive_keys[peer_id] = key
 
     def _directional_key(
         self, shared: bytes, sender: int, sender_key: bytes, receiver: int, receiver_key: bytes
@@ -251,6 +276,11 @@ class Endpoint:
     @property
     def peers(self) -> list[int]:
         return sorted(self._send)
+
+    @property
+    def senders(self) -> list[int]:
+        """The peers whose envelopes this endpoint can open."""
+        return sorted(self._receive)
 
     def seal(self, receiver: int, round_: int, stage: str | Enum, plaintext: bytes) -> Envelope:
         """Encrypt ``plaintext`` for ``receiver``, bound to (self, receiver, round, stage)."""
@@ -336,13 +366,19 @@ class Endpoint:
         return self.seal(receiver, round_, stage, encode_array(array))
 
     def open_array(
-        self, envelope: Envelope, *, round_: int, stage: str | Enum, sender: int | None = None
+        self,
+        envelope: Envelope,
+        *,
+        round_: int,
+        stage: str | Enum,
+        sender: int | None = None,
+        decode=None,
     ) -> np.ndarray:
-        """:meth:`open` and decode a numeric array; a malformed payload is a
-        :class:`ChannelError`."""
+        """:meth:`open` and decode a numeric array (``decode``: a faster decoder of the same
+        bytes, default :func:`decode_array`); a malformed payload is a :class:`ChannelError`."""
         payload = self.open(envelope, round_=round_, stage=stage, sender=sender)
         try:
-            return decode_array(payload)
+            return (decode_array if decode is None else decode)(payload)
         except (ValueError, OSError, EOFError) as err:
             raise ChannelError(
                 f"the payload from sender={envelope.sender} is not a numeric array: {err}"

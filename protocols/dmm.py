@@ -1,8 +1,8 @@
 """The distributed matrix mechanism (DMM): what clients, committee members and the server share.
 
-Bienstock, Kumar & Polychroniadou, ICML 2025, in the corrected form of reference/dmm.md ("Our
-protocol, corrected"). The mechanism is a public *integer* strategy matrix M (m rows x T rounds,
-int64; ``M = round(2^f C)`` for a banded C, or the 0/1 binary-tree matrix with f = 0). Row i is
+Bienstock, Kumar & Polychroniadou, ICML 2025, as docs/dmm-design.md sets it out. The
+mechanism is a public *integer* strategy matrix M (m rows x T rounds, int64;
+``M = round(2^f C)`` for a banded C, or the 0/1 binary-tree matrix with f = 0). Row i is
 released in round r_i, its last non-zero column, as
 
     y_i = sum_{s <= r_i} M[i, s] X_s + z_i,        z_i = sum_{c in S_i} zeta_{c,i},

@@ -1,6 +1,6 @@
 """Client side of a DMM round: share the rounded update and fresh noise, seal per member.
 
-reference/dmm.md "Our protocol, corrected", step 3. Client c of round t holds its rounded update
+docs/dmm-design.md, step 3. Client c of round t holds its rounded update
 u_c (D signed integers, :class:`protocols.encoding.DDGaussEncoder`) and one fresh noise row
 zeta_{c,i} ~ N_Z(0, s^2)^D for every row i of M released in round t, drawn by the caller from
 the client's *own* secret generator. It packed-Shamir-shares each of those 1 + rows segments

@@ -1,6 +1,6 @@
 """Member side of DMM: what the committee members of one round hold and do.
 
-reference/dmm.md "Our protocol, corrected", steps 4-7. A :class:`MemberGroup` hosts some seats
+docs/dmm-design.md, steps 4-7. A :class:`MemberGroup` hosts some seats
 of one committee (several seats may share an object or an actor; each seat's rows are its own
 shares). A committee holds, between rounds, packed Shamir shares of the partial sums
 P_j = sum_{s < t} M[j, s] X_s of the rows j of M still open (:meth:`protocols.dmm.Schedule.

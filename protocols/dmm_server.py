@@ -1,6 +1,6 @@
 """Server side of DMM: orchestrate a round, relay ciphertexts, decode the release.
 
-reference/dmm.md "Our protocol, corrected", steps 3-9. The server of round t (:class:`DMMServer`)
+docs/dmm-design.md, steps 3-9. The server of round t (:class:`DMMServer`)
 
 1. SHARE: asks the committee holding the state (a :class:`protocols.dmm_member.MemberPool`, or
    the engine's actor-hosted pool) for fresh channel keys and hands the clients the public

@@ -1,7 +1,7 @@
 """Linear packed resharing: hand packed Shamir shares from one committee to the next.
 
 The secure transfer between committees of the distributed matrix mechanism (Bienstock, Kumar &
-Polychroniadou, ICML 2025; reference/dmm.md step 7: the partial sums of the data the committees
+Polychroniadou, ICML 2025; docs/dmm-design.md step 7: the partial sums of the data the committees
 hold). The old committee (``old``: n members, threshold t, packing k) holds, per block b,
 shares s_i[b] = f_b(x_i) of a polynomial of degree < t + k whose values at the k secret points
 are the block's secrets. For any set S of t + k members, secret j is

@@ -48,7 +48,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from protocols.channels import PUBLIC_KEY_BYTES, TAG_BYTES, encode_array
+from protocols.channels import PUBLIC_KEY_BYTES, TAG_BYTES, decode_array, encode_array
 from protocols.field import DEFAULT_FIELD, MersenneField
 from protocols.shamir import PackedShamir
 
@@ -327,6 +327,25 @@ class RingZ2k:
         words = np.frombuffer(stream.update(bytes(self.dtype.itemsize * length)), self.dtype)
         return self._wrap(words.copy()) if self.bits < self._width else words
 
+    def masked_sum(
+        self, values: np.ndarray, seeds: list[tuple[bytes, int]]
+    ) -> np.ndarray:
+        """values + sum of sign * PRG(seed) over ``seeds`` ((seed, +1 or -1) pairs), the same
+        ring elements as :meth:`add` / :meth:`sub` of each :meth:`expand` in turn: every
+        keystream is written into one reused buffer and added in place (no array per mask),
+        and the sum is reduced mod 2^bits once at the end (2^bits divides the word modulus)."""
+        total = np.array(values, dtype=self.dtype)
+        zeros = bytes(self.dtype.itemsize * total.size)  # ChaCha20 of zeros is its keystream
+        buffer = bytearray(len(zeros))
+        words = np.frombuffer(buffer, dtype=self.dtype)
+        for seed, sign in seeds:
+            if len(seed) != SEED_BYTES:
+                raise ValueError(f"seed must be {SEED_BYTES} bytes, got {len(seed)}")
+            stream = Cipher(algorithms.ChaCha20(seed, bytes(16)), mode=None).encryptor()
+            stream.update_into(zeros, buffer)
+            (np.add if sign > 0 else np.subtract)(total, words, out=total)
+        return self._wrap(total)
+
     def encode_signed(self, integers) -> np.ndarray:
         """Signed integers in [-2^(bits-1), 2^(bits-1)) to their residues."""
         array = np.asarray(integers)
@@ -419,6 +438,34 @@ def _share_ciphertext_bytes() -> int:
 
 SHARE_CIPHERTEXT_BYTES = _share_ciphertext_bytes()
 """Length of every sealed share row (a .npy int64 row of SHARE_ROW_LENGTH plus the tag)."""
+
+_ROW_BYTES = SHARE_ROW_LENGTH * 8
+_ROW_HEADER = encode_array(np.zeros(SHARE_ROW_LENGTH, dtype="<i8"))[:-_ROW_BYTES]
+"""The .npy header :func:`protocols.channels.encode_array` writes for every share row (its
+dtype and shape are fixed), computed once with the running numpy."""
+
+
+def encode_share_row(row: np.ndarray) -> bytes:
+    """A share row as the bytes :func:`protocols.channels.encode_array` writes for it, byte
+    for byte, without running ``np.save`` each time (an int64 row of SHARE_ROW_LENGTH has one
+    header); any other array goes through ``encode_array``."""
+    array = np.asarray(row)
+    if array.shape == (SHARE_ROW_LENGTH,) and array.dtype == np.dtype("<i8"):
+        return _ROW_HEADER + array.tobytes()
+    return encode_array(array)
+
+
+def decode_share_row(payload: bytes) -> np.ndarray:
+    """The inverse of :func:`encode_share_row`: the row, when ``payload`` is exactly the fixed
+    header and SHARE_ROW_LENGTH int64; anything else is read (or refused, ``ValueError``) by
+    :func:`protocols.channels.decode_array`, so the checks on the row are the same."""
+    if (
+        isinstance(payload, bytes)
+        and len(payload) == len(_ROW_HEADER) + _ROW_BYTES
+        and payload.startswith(_ROW_HEADER)
+    ):
+        return np.frombuffer(payload, dtype="<i8", offset=len(_ROW_HEADER)).astype(np.int64)
+    return decode_array(payload)
 
 
 def integer_vector(value: object, space, length: int, name: str) -> np.ndarray:

@@ -11,7 +11,11 @@ and chosen by the server.
 
 **State between messages.** :meth:`SecAggClient.to_state` writes the protocol state as numeric
 arrays (no pickle; the seed included, so the caller seals it) and :meth:`SecAggClient.from_state`
-restores it, so the client side runs as a sequence of message exchanges. The server numbers the
+restores it, so the client side runs as a sequence of message exchanges. What SHARE_KEYS
+derived is kept there too -- the channel receive keys from the neighbours and the pairwise
+seeds s_ij (one X25519 agreement per neighbour and key, which also checks the key) -- so that
+MASKED_INPUT opens the shares and masks without agreeing again; these are the client's own
+secrets, derivable from its seed, and stored only where the seed is. The server numbers the
 clients of a round (protocol ids below 2^63 - 1) and tells each its number with its neighbours'
 keys in SHARE_KEYS.
 
@@ -57,12 +61,15 @@ from protocols.secagg import (
     SEED_BYTES,
     SHARE_ROW_LENGTH,
     TRANSITIONS,
+    RingZ2k,
     RoundAborted,
     SecAggConfig,
     Stage,
     TooManyDropoutsError,
     UnmaskResponse,
     check_transition,
+    decode_share_row,
+    encode_share_row,
     integer_vector,
     key_problem,
     pairwise_seed,
@@ -106,6 +113,7 @@ class SecAggClient:
         self.contributes = True
         self._endpoint: Endpoint | None = None
         self._neighbour_keys: dict[int, tuple[bytes, bytes]] = {}
+        self._mask_seeds: dict[int, bytes] = {}
         self._held_shares: dict[int, np.ndarray] = {}
 
     def __reduce__(self):
@@ -197,7 +205,9 @@ class SecAggClient:
         )
         shares = shamir_scheme(config, len(recipients)).share(secrets_, rng=share_rng)
         return [
-            self._endpoint.seal_array(peer, config.round, Stage.SHARE_KEYS, shares[member])
+            self._endpoint.seal(
+                peer, config.round, Stage.SHARE_KEYS, encode_share_row(shares[member])
+            )
             for member, peer in enumerate(recipients)
         ]
 
@@ -245,9 +255,10 @@ class SecAggClient:
                     raise ValueError(f"neighbour {peer}'s key repeats another party's key")
                 seen.add(key)
             endpoint.connect(int(peer), keys[0])  # ChannelError (a ValueError) if unusable
-            problem = key_problem(keys[1])
-            if problem is not None:
-                raise ChannelError(f"neighbour {peer}'s agreement key: {problem}")
+            # the mask agreement itself checks the key (X25519 refuses an all-zero or
+            # low-order point): one agreement, kept for MASKED_INPUT, where a check and a
+            # second agreement took two
+            self._mask_seeds[int(peer)] = self._agree(int(peer), keys[1])
             self._neighbour_keys[int(peer)] = (keys[0], keys[1])
         self._endpoint = endpoint
         if contribute and len(self._neighbour_keys) < config.threshold:
@@ -255,6 +266,21 @@ class SecAggClient:
                 f"client {self.client_id} has {len(self._neighbour_keys)} live neighbours; "
                 f"sharing needs threshold={config.threshold}"
             )
+
+    def _agree(self, peer: int, public_key: object) -> bytes:
+        """s_ij with ``peer`` (:func:`protocols.secagg.pairwise_seed`), or a ChannelError
+        naming the neighbour when its agreement key is unusable."""
+        if not isinstance(public_key, bytes) or len(public_key) != PUBLIC_KEY_BYTES:
+            raise ChannelError(f"neighbour {peer}'s agreement key: {key_problem(public_key)}")
+        try:
+            return pairwise_seed(
+                self._agreement_key, public_key, self.session_id, self.client_id, peer
+            )
+        except ValueError as error:
+            raise ChannelError(
+                f"neighbour {peer}'s agreement key: unusable X25519 public key (all-zero or "
+                f"low-order point): {error}"
+            ) from None
 
     def masked_input(self, envelopes: Iterable[Envelope], values) -> np.ndarray | None:
         """MASKED_INPUT: open the neighbours' shares, then return
@@ -273,17 +299,18 @@ class SecAggClient:
         if not self.contributes:
             return None
         space = config.masking
-        masked = space.add(values, prg(space, self._self_mask_seed, values.size))
+        seeds = [(self._self_mask_seed, 1)]
         for peer in sorted(self._held_shares):
-            seed = pairwise_seed(
-                self._agreement_key,
-                self._neighbour_keys[peer][1],
-                self.session_id,
-                self.client_id,
-                peer,
-            )
+            seed = self._mask_seeds.get(peer)
+            if seed is None:
+                seed = self._agree(peer, self._neighbour_keys[peer][1])
+            seeds.append((seed, 1 if self.client_id < peer else -1))
+        if isinstance(space, RingZ2k):
+            return space.masked_sum(values, seeds)
+        masked = values
+        for seed, sign in seeds:
             mask = prg(space, seed, values.size)
-            masked = space.add(masked, mask) if self.client_id < peer else space.sub(masked, mask)
+            masked = space.add(masked, mask) if sign > 0 else space.sub(masked, mask)
         return masked
 
     def _own_input(self, values) -> np.ndarray:
@@ -299,9 +326,10 @@ class SecAggClient:
             ) from None
 
     def _connected(self) -> Endpoint:
-        """The endpoint, connected to every neighbour whose keys it holds (a ChannelError,
-        a ValueError, for an unusable key)."""
-        connected = set(self._endpoint.peers)
+        """The endpoint, able to open from every neighbour whose keys it holds: the channels
+        restored from the state's receive keys, the others connected (a ChannelError, a
+        ValueError, for an unusable key)."""
+        connected = set(self._endpoint.senders)
         for peer, (channel, _) in self._neighbour_keys.items():
             if peer not in connected:
                 self._endpoint.connect(peer, channel)
@@ -320,7 +348,11 @@ class SecAggClient:
                     "a second one"
                 )
             row = self._connected().open_array(
-                envelope, round_=self.config.round, stage=Stage.SHARE_KEYS, sender=sender
+                envelope,
+                round_=self.config.round,
+                stage=Stage.SHARE_KEYS,
+                sender=sender,
+                decode=decode_share_row,
             )
             self._held_shares[sender] = integer_vector(
                 row, self.config.field, SHARE_ROW_LENGTH, f"the share from {sender}"
@@ -374,11 +406,31 @@ class SecAggClient:
             "neighbour_keys": np.frombuffer(
                 b"".join(b"".join(self._neighbour_keys[j]) for j in neighbours), dtype=np.uint8
             ).reshape(len(neighbours), 2 * PUBLIC_KEY_BYTES),
+            "receive_keys": self._receive_keys(neighbours),
+            "mask_seeds": self._seed_rows(neighbours),
             "share_owners": np.array(owners, dtype=np.int64),
             "shares": np.array(
                 [self._held_shares[j] for j in owners], dtype=np.int64
             ).reshape(len(owners), SHARE_ROW_LENGTH),
         }
+
+    def _receive_keys(self, neighbours: tuple[int, ...]) -> np.ndarray:
+        """The channel receive keys from ``neighbours`` (one 32-byte row each), so that a
+        restored client opens their envelopes without redoing the X25519 agreements; no rows
+        until every neighbour is connected."""
+        endpoint = self._endpoint
+        if endpoint is None or not neighbours or set(neighbours) - set(endpoint.senders):
+            return np.zeros((0, 32), dtype=np.uint8)
+        keys = b"".join(endpoint.receive_key(j) for j in neighbours)
+        return np.frombuffer(keys, dtype=np.uint8).reshape(len(neighbours), 32)
+
+    def _seed_rows(self, neighbours: tuple[int, ...]) -> np.ndarray:
+        """The pairwise seeds s_ij agreed in SHARE_KEYS (one 32-byte row per neighbour), so
+        that MASKED_INPUT needs no X25519; no rows until all are agreed."""
+        if not neighbours or set(neighbours) - set(self._mask_seeds):
+            return np.zeros((0, SEED_BYTES), dtype=np.uint8)
+        seeds = b"".join(self._mask_seeds[j] for j in neighbours)
+        return np.frombuffer(seeds, dtype=np.uint8).reshape(len(neighbours), SEED_BYTES)
 
     @classmethod
     def from_state(cls, state: Mapping[str, np.ndarray]) -> SecAggClient:
@@ -401,11 +453,15 @@ class SecAggClient:
         keys = np.asarray(state["neighbour_keys"], dtype=np.uint8)
         owners = np.asarray(state["share_owners"], dtype=np.int64).ravel()
         shares = np.asarray(state["shares"], dtype=np.int64)
-        if keys.shape != (neighbours.size, 2 * PUBLIC_KEY_BYTES) or shares.shape != (
-            owners.size,
-            SHARE_ROW_LENGTH,
+        receive = np.asarray(state["receive_keys"], dtype=np.uint8)
+        seeds = np.asarray(state["mask_seeds"], dtype=np.uint8)
+        if (
+            keys.shape != (neighbours.size, 2 * PUBLIC_KEY_BYTES)
+            or shares.shape != (owners.size, SHARE_ROW_LENGTH)
+            or receive.shape not in ((0, 32), (neighbours.size, 32))
+            or seeds.shape not in ((0, SEED_BYTES), (neighbours.size, SEED_BYTES))
         ):
-            raise ValueError("neighbour keys or shares misshapen")
+            raise ValueError("neighbour keys, receive keys, mask seeds or shares misshapen")
         if client_id < 0:
             early = (Stage.SETUP, Stage.ADVERTISE_KEYS, Stage.ABORTED)
             if neighbours.size or client.stage not in early:
@@ -413,12 +469,17 @@ class SecAggClient:
             return client
         client.client_id = client_id
         client.config = SecAggConfig.from_array(state["config"])
-        # the channel keys to the neighbours are derived when a stage first seals or opens
-        # (_connected), not on every restore: UNMASK uses none of them
+        # the receive keys from the neighbours come back from the state (MASKED_INPUT opens
+        # with them, no X25519); any others are derived when a stage first opens (_connected)
         client._endpoint = Endpoint(client_id, client.session_id, PROTOCOL, client._channel_key)
         for peer, row in zip(neighbours.tolist(), keys):
             raw = bytes(row)
             client._neighbour_keys[peer] = (raw[:PUBLIC_KEY_BYTES], raw[PUBLIC_KEY_BYTES:])
+        for peer, key in zip(neighbours.tolist(), receive):
+            client._endpoint.accept_receive_key(
+                peer, client._neighbour_keys[peer][0], bytes(key)
+            )
+        client._mask_seeds = {p: bytes(row) for p, row in zip(neighbours.tolist(), seeds)}
         client._held_shares = {o: s for o, s in zip(owners.tolist(), shares)}
         return client
 

@@ -1,7 +1,6 @@
 """The distributed matrix mechanism (DMM) as a Flower strategy.
 
-Bienstock, Kumar & Polychroniadou, ICML 2025, in the corrected form of reference/dmm.md ("Our
-protocol, corrected"). Each round:
+Bienstock, Kumar & Polychroniadou, ICML 2025, as docs/dmm-design.md sets it out. Each round:
 
 * the sampled clients (:func:`dmm_client_app` around any training ClientApp) clip, rotate, scale
   by 1/gamma and conditionally round their update to integers u_c (KLS21,

@@ -27,6 +27,15 @@ def _session_secrets_dir(tmp_path_factory):
         yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _flwr_home(tmp_path_factory):
+    """Flower's home (its config.toml of SuperLink connections) is an empty temporary
+    directory, never the user's: `fedsim flwr-run` reads it as `flwr run` does."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FLWR_HOME", str(tmp_path_factory.mktemp("flwr-home")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _secrets_dir(tmp_path_factory, monkeypatch, _session_secrets_dir):
     """A test's own directory of kept roots (empty when the test starts)."""

@@ -32,8 +32,8 @@ def runs(tmp_path_factory):
     return {name: root / name for name in made}
 
 
-def compare_json(capsys, *dirs):
-    assert main(["compare", *map(str, dirs), "--json"]) == 0
+def compare_json(capsys, *dirs, flags=()):
+    assert main(["compare", *map(str, dirs), "--json", *flags]) == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -80,7 +80,8 @@ def test_final_and_best_values_are_the_rounds_values(runs, capsys):
 
 
 def test_config_differences_are_exactly_the_changed_keys(runs, capsys):
-    seeds = compare_json(capsys, runs["fedavg"], runs["other-seed"])
+    # one column per run (without --per-seed: one group, tests/test_seed_groups.py)
+    seeds = compare_json(capsys, runs["fedavg"], runs["other-seed"], flags=["--per-seed"])
     differences = {d["key"]: d["values"] for d in seeds["config_differences"]}
     assert set(differences) == SEEDS
     assert differences["data.seed"] == {"fedavg": 0, "other-seed": 1}
@@ -98,7 +99,7 @@ def test_config_differences_are_exactly_the_changed_keys(runs, capsys):
 
 
 def test_plain_tables_when_not_a_terminal(runs, capsys):
-    assert main(["compare", str(runs["fedavg"]), str(runs["other-seed"])]) == 0
+    assert main(["compare", str(runs["fedavg"]), str(runs["other-seed"]), "--per-seed"]) == 0
     text = capsys.readouterr().out.rstrip("\n")
     blocks = {block.split("\n")[0]: block.split("\n")[1:] for block in text.split("\n\n")}
     assert set(blocks) == {"runs", "metrics (final and best, @round)", "config differences"}

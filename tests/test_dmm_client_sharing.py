@@ -1,4 +1,4 @@
-"""DMM clients share and seal their own update and fresh noise (reference/dmm.md step 3): each
+"""DMM clients share and seal their own update and fresh noise (docs/dmm-design.md step 3): each
 seat opens only its own envelope, the shares reconstruct the client's values, the client's
 randomness is its own, and its reply leaves only ciphertexts and its public key."""
 

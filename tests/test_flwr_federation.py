@@ -1,6 +1,7 @@
-"""`fedsim flwr-run` reads the app's [tool.flwr.federations] as `flwr run` does: the
-federation gives the supernodes and each client's Ray resources, flags override it, and
-what it cannot use is refused by name; so are bad --run-config tokens."""
+"""`fedsim flwr-run` reads the app's older [tool.flwr.federations] as `flwr run` does
+(tests/test_flwr_config.py: the whole resolution): the federation gives the supernodes and
+each client's Ray resources, flags override it, and what it cannot use is refused by name;
+so are bad --run-config tokens."""
 
 import dataclasses
 import json
@@ -37,29 +38,38 @@ SIMULATION = {
 
 
 def test_the_default_federation_and_a_named_one_are_read():
-    assert read_federation(project(SIMULATION), None) == Federation("local", 10)
-    assert read_federation(project(SIMULATION), "gpu") == Federation("gpu", 4, 2.0, 0.25, 8)
-    assert read_federation(project({}), None) == Federation()  # no federations: flags only
-    deployment = {**SIMULATION, "default": "remote"}  # `flwr run`'s default, not a simulation
-    assert read_federation(project(deployment), None) == Federation()
+    assert read_federation(project(SIMULATION), None) == Federation(
+        "local", 10, 2.0, None, None, "[tool.flwr.federations.local] options"
+    )  # client-resources.num-cpus: Flower's default, 2
+    assert read_federation(project(SIMULATION), "gpu") == Federation(
+        "gpu", 4, 2.0, 0.25, 8, "[tool.flwr.federations.gpu] options"
+    )
+    # no federations: Flower's default connection ("local") on Flower's defaults
+    assert read_federation({}, None) == Federation("local", 2, 2.0, None, None, "Flower's defaults")
+
+
+def default_x(options: dict) -> dict:
+    return {"default": "x", "x": {"options": options}}
 
 
 @pytest.mark.parametrize(
     ("federations", "name", "needle"),
     [
-        (SIMULATION, "nope", "--federation = 'nope' is not allowed: a federation of the app's "
-         "pyproject.toml: gpu, local, remote"),
-        ({}, "local", "none is declared"),
+        (SIMULATION, "nope", "SUPERLINK (--federation) = 'nope' is not allowed: a SuperLink "
+         "connection of"),
+        ({"local": {"options": {"num-supernodes": 2}}}, "local", "[tool.flwr.federations] "
+         "default = None"),
         ({**SIMULATION, "default": "missing"}, None, "default = 'missing'"),
+        ({**SIMULATION, "default": "remote"}, None, "address = '127.0.0.1:9093'"),
         (SIMULATION, "remote", "address = '127.0.0.1:9093'"),
-        ({"x": {"options": {"num-supernodes": 0}}}, "x", "options.num-supernodes = 0"),
-        ({"x": {"options": {"num-supernodes": 2.5}}}, "x", "options.num-supernodes = 2.5"),
-        ({"x": {"options": {"num-supernodes": 2, "backend": {"client-resources": {
-            "num-gpus": -1}}}}}, "x", "client-resources.num-gpus = -1"),
-        ({"x": {"options": {"num-supernodes": 2, "backend": {"client-resources": {
-            "num-cpus": 0}}}}}, "x", "client-resources.num-cpus = 0"),
-        ({"x": {"options": {"num-supernodes": 2, "workers": 3}}}, "x", "options.workers = 3"),
-        ({"x": {"options": {"backend": {"name": "mp"}}}}, "x", "backend.name = 'mp'"),
+        (default_x({"num-supernodes": 0}), "x", "options.num-supernodes = 0"),
+        (default_x({"num-supernodes": 2.5}), "x", "options.num-supernodes = 2.5"),
+        (default_x({"num-supernodes": 2, "backend": {"client-resources": {"num-gpus": -1}}}),
+         "x", "client-resources.num-gpus = -1"),
+        (default_x({"num-supernodes": 2, "backend": {"client-resources": {"num-cpus": 0}}}),
+         "x", "client-resources.num-cpus = 0"),
+        (default_x({"num-supernodes": 2, "workers": 3}), "x", "options.workers = 3"),
+        (default_x({"backend": {"name": "mp"}}), "x", "backend.name = 'mp'"),
     ],
 )
 def test_what_a_federation_cannot_give_is_refused_by_name(federations, name, needle):
@@ -72,7 +82,7 @@ def test_flags_override_the_federation():
     federation = Federation("gpu", 4, 2.0, 0.25, 8)
     merged = with_flags(federation, num_supernodes=9, client_cpus=None, client_gpus=0.5)
     assert merged == Federation("gpu", 9, 2.0, 0.5, 8)
-    with pytest.raises(ConfigError, match="--num-supernodes = None.*--federation NAME"):
+    with pytest.raises(ConfigError, match="--num-supernodes = None.*options.num-supernodes"):
         with_flags(Federation(), num_supernodes=None, client_cpus=None, client_gpus=None)
     with pytest.raises(ConfigError, match="--client-gpus = -0.5"):
         with_flags(federation, num_supernodes=None, client_cpus=None, client_gpus=-0.5)
@@ -117,8 +127,8 @@ def test_flwr_run_takes_the_supernodes_and_resources_from_the_federation(tmp_pat
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (("--federation", "cloud"), "--federation = 'cloud' is not allowed: a federation of "
-         "the app's pyproject.toml: local, local-gpu"),
+        (("--federation", "cloud"), "SUPERLINK (--federation) = 'cloud' is not allowed: a "
+         "SuperLink connection of"),
         (("--run-config", "num-server-rounds=1 stray"), "--run-config = 'stray'"),
         (("--run-config", "lr=fast"), "--run-config lr = 'fast'"),
         (("--run-config", "lr=1 momentum=0.9"), "--run-config momentum = 0.9 is not allowed: a "

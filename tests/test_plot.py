@@ -87,7 +87,8 @@ def test_the_png_draws_each_runs_rounds(runs, drawn, tmp_path):
 
 def test_the_legend_names_the_config_keys_that_differ(runs, drawn, tmp_path):
     out = tmp_path / "seeds.png"
-    assert main(["plot", str(runs["seed0"]), str(runs["seed1"]), "--out", str(out)]) == 0
+    seeds = ["plot", str(runs["seed0"]), str(runs["seed1"]), "--out", str(out), "--per-seed"]
+    assert main(seeds) == 0  # one line per seed (without --per-seed: their mean)
     (figure,) = drawn
     # seed, data.seed and client.seed follow one another: named once
     assert [t.get_text() for t in figure.legends[0].get_texts()] == ["seed=0", "seed=1"]

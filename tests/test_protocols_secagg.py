@@ -357,3 +357,72 @@ def test_config_errors_name_the_argument():
         SecAggConfig(10, 4, 3, 0)
     with pytest.raises(ValueError, match="min_survivors=11"):
         SecAggConfig(10, 4, 3, 5, min_survivors=11)
+
+
+# -- the client's fast paths give the same bytes and the same masked input -------------------
+
+
+def test_share_rows_are_encoded_byte_for_byte_as_encode_array():
+    from protocols.channels import decode_array, encode_array
+    from protocols.secagg import SHARE_ROW_LENGTH, decode_share_row, encode_share_row
+
+    row = FIELD.random(np.random.default_rng(30), SHARE_ROW_LENGTH)
+    assert encode_share_row(row) == encode_array(row)
+    back = decode_share_row(encode_share_row(row))
+    assert back.dtype == np.int64 and np.array_equal(back, row) and back.flags.writeable
+    for other in (row[:-1], row.astype(np.int32), row.astype(">i8"), row.reshape(2, -1)):
+        assert encode_share_row(other) == encode_array(other)
+        payload = encode_array(other)
+        assert np.array_equal(decode_share_row(payload), decode_array(payload))
+    with pytest.raises(ValueError, match="header promises"):
+        decode_share_row(encode_array(row)[:-8])
+
+
+@pytest.mark.parametrize("bits", [20, 32, 64])
+def test_ring_masked_sum_equals_adding_each_expanded_mask(bits):
+    from protocols.secagg import RingZ2k
+
+    ring = RingZ2k(bits)
+    values = ring.encode_signed(np.random.default_rng(31).integers(-1000, 1000, LENGTH))
+    kept = values.copy()
+    seeds = [(bytes([s]) * 32, sign) for s, sign in ((1, 1), (2, -1), (3, 1), (4, -1))]
+    expected = values
+    for seed, sign in seeds:
+        mask = ring.expand(seed, LENGTH)
+        expected = ring.add(expected, mask) if sign > 0 else ring.sub(expected, mask)
+    got = ring.masked_sum(values, seeds)
+    assert got.dtype == expected.dtype and np.array_equal(got, expected)
+    assert np.array_equal(values, kept)  # the input is left as it was
+
+
+@pytest.mark.parametrize("ring_bits", [None, 32])
+def test_a_restored_client_masks_as_before_without_any_x25519(ring_bits, monkeypatch):
+    """SHARE_KEYS keeps the channel receive keys and the pairwise seeds in the client's state:
+    after a restore, MASKED_INPUT opens the shares and masks with no X25519 agreement, and the
+    round's sum is the same."""
+    from protocols import secagg_client
+    from protocols.channels import Endpoint
+
+    count = 5
+    config = SecAggConfig(count, 4, 3, LENGTH, ring_bits=ring_bits)
+    space = config.masking
+    inputs = {i: space.asarray(np.arange(LENGTH) % 7 + i) for i in range(count)}
+    session = new_session_id()
+    server = SecAggServer(config, list(inputs), session, np.random.default_rng(32))
+    clients = {i: SecAggClient(session) for i in inputs}
+    routed = server.advertise_keys({i: c.advertise_keys() for i, c in clients.items()})
+    incoming = _share_keys(server, clients, config, routed)
+    restored = {i: SecAggClient.from_state(c.to_state()) for i, c in clients.items()}
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("an X25519 agreement after the restore")
+
+    monkeypatch.setattr(Endpoint, "connect", forbidden)
+    monkeypatch.setattr(secagg_client, "pairwise_seed", forbidden)
+    masked = {i: restored[i].masked_input(incoming[i], inputs[i]) for i in inputs}
+    monkeypatch.undo()
+    survivors, dropped = server.masked_input(masked)
+    responses = {i: restored[i].unmask(survivors, dropped) for i in survivors}
+    total = server.unmask(responses)
+    expected = space.sum(np.stack([inputs[i] for i in inputs]), axis=0)
+    assert np.array_equal(total, expected)

@@ -4,7 +4,8 @@ train: replies ``arrays + (partition-id + 1) * step`` with ``num-examples =
 partition-id + 1``, counts its calls in ``context.state``, fails for the
 partitions listed in ``run_config["fail"]`` (space-separated), sleeps
 ``slow-seconds`` for ``slow-partition`` and, once per file named by
-``run_config["crash-file"]``, kills its worker process at ``crash-partition``.
+``run_config["crash-file"]``, kills its worker process at ``crash-partition``, and keeps
+``state-bytes`` bytes of ballast in its state (a state as large as a sealed DDGauss one).
 Hostile clients: ``spoof-partition`` sends a 1e6-times larger update whose metrics
 pose as a worker's partial sum (``fedsim.clients``); ``forge-partition`` returns
 the engine's own :class:`~fedsim.worker_reduce.PartialReply` type.
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedsim.randomness import Purpose, client_secret
@@ -47,6 +48,9 @@ def train(message: Message, context: Context) -> Message:
     counter = context.state.get("calls", MetricRecord({"n": 0}))
     counter["n"] = int(counter["n"]) + 1
     context.state["calls"] = counter
+    ballast = int(context.run_config.get("state-bytes", 0))
+    if ballast:
+        context.state["ballast"] = ConfigRecord({"bytes": os.urandom(ballast)})
     if str(pid) in failing:
         raise RuntimeError(f"partition {pid} fails on purpose")
     arrays = to_numpy(message.content["arrays"])

@@ -12,7 +12,7 @@ transcript:
   ceil(D / k) field elements) and the seconds it spends sharing and sealing;
 * **member**: bytes a seat receives (the clients' envelopes) and sends (its release share, its
   deal);
-* **handoff** (linear packed resharing, reference/dmm.md step 7): ``dealer_bytes_per_secret`` --
+* **handoff** (linear packed resharing, docs/dmm-design.md step 7): ``dealer_bytes_per_secret`` --
   the DEAL bytes of one dealer of the chosen set S / secrets handed on (n / k elements per
   secret: flat in n when k grows with n) and ``total_bytes_per_secret`` -- every dealer's DEAL
   (the t + k of S, and the others' check blocks) plus the VERIFY check shares / secrets (grows

@@ -348,6 +348,8 @@ def app_mode(args: argparse.Namespace) -> dict:
                     "--no-progress",
                     "--workers",
                     str(args.workers),
+                    "--client-cpus",  # as Flower's side: not Flower's default of 2
+                    "1",
                     "--backend",
                     backend,
                 ]

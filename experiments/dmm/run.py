@@ -72,6 +72,7 @@ sys.path.insert(0, str(ROOT))
 import dp_accounting as dpa  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
+from experiments.dmm.table import study_roots  # noqa: E402
 from experiments.roots import default_key, seed_root, study_root  # noqa: E402
 from fedsim.data import DatasetSpec, build_dataset  # noqa: E402
 from fedsim.data.dataset import FederatedDataset  # noqa: E402
@@ -370,6 +371,7 @@ def run_one(engine, setup, method, epsilon, seed, st: Setting, nonce: str, mode=
         "method": method,
         "mode": mode,
         "secrets_fingerprint": secrets.fingerprint(),
+        "study_root": root.fingerprint(),
         "run_nonce": nonce,
         "target_epsilon": epsilon,
         "epsilon": reported_epsilon(method, strategy, st),
@@ -473,7 +475,14 @@ def finished_point(path: Path, key: str = "run_nonce") -> bool:
     return path.is_file() and key in json.loads(path.read_text())
 
 
-def study_setup(st: Setting, dataset, secrets: RunSecret) -> dict:
+def replayable(path: Path, root: RunSecret, first: str) -> bool:
+    """Whether the point in ``path`` ran under ``root`` (points from before the study root
+    was recorded per point ran under the study's ``first`` root), so a mode check can replay
+    it; a point whose root is gone is run again under ``root`` before its check."""
+    return json.loads(path.read_text()).get("study_root", first) == root.fingerprint()
+
+
+def study_setup(st: Setting, dataset, roots: list[str]) -> dict:
     return {
         "source": st.source,
         "clients": st.clients,
@@ -488,7 +497,7 @@ def study_setup(st: Setting, dataset, secrets: RunSecret) -> dict:
         "committee": COMMITTEE,
         "actors": ACTOR_SHARDS,
         "modes": {family: modes[0] for family, modes in MODES.items()},
-        "secrets_fingerprint": secrets.fingerprint(),
+        "study_roots": roots,
     }
 
 
@@ -513,15 +522,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     results = args.results / f"{args.source}-{clients}-r{args.rounds}"
     root = study_root(args.secrets, results)
     setup_path = results / "setup.json"
-    if setup_path.is_file():  # a resumed study must use the root its stored runs used
-        stored = json.loads(setup_path.read_text()).get("secrets_fingerprint")
-        if stored != root.fingerprint():
-            parser.error(
-                f"--secrets {args.secrets}: root {root.fingerprint()} is not the root "
-                f"{stored} of the runs stored in {results}"
-            )
+    roots = [root.fingerprint()]
+    if setup_path.is_file():  # the study roots of the points stored so far, this one added
+        roots = [*study_roots(json.loads(setup_path.read_text())), root.fingerprint()]
     setup = build_setup(args.source, st, LOCAL[args.source], args.cache, root)
-    write_json(setup_path, study_setup(st, setup[1], root))
+    write_json(setup_path, study_setup(st, setup[1], list(dict.fromkeys(roots))))
     if any(m.startswith("dmm") for m in args.methods):
         ensure_ray(num_cpus=2)  # the committee actors (clients train in this process)
     cells = plan(args)
@@ -532,14 +537,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with Engine(EngineConfig(backend="local")) as engine:
         for cell in cells:
             path = result_path(results, *cell)
-            if not finished_point(path):
+            check = result_path(results, *cell, prefix="check_")
+            checked = cell not in checks or finished_point(check, "replay_of")
+            if not finished_point(path) or not (checked or replayable(path, root, roots[0])):
                 row = run_one(engine, setup, *cell, st, new_nonce())
                 write_json(path, row)
                 keys = ("method", "target_epsilon", "seed", "accuracy", "seconds")
                 print(json.dumps({k: row[k] for k in keys}), flush=True)
                 done.append(row)
-            check = result_path(results, *cell, prefix="check_")
-            if cell in checks and not finished_point(check, "replay_of"):
+            if not checked:
                 write_json(check, check_modes(engine, setup, cell, st, results))
                 print(json.loads(check.read_text()), flush=True)
     return done

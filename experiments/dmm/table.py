@@ -190,6 +190,19 @@ def _hours(runs: list[dict], checks: list[dict]) -> float:
     return (seconds + sum(c["seconds"][1] for c in checks)) / 3600
 
 
+def study_roots(setup: dict) -> list[str]:
+    """The fingerprints of the study roots the stored points ran under (setup.json)."""
+    if "study_roots" in setup:
+        return list(setup["study_roots"])
+    return [setup["secrets_fingerprint"]]
+
+
+def point_roots(setup: dict, runs: list[dict]) -> list[str]:
+    """The study roots the stored ``runs`` ran under, in order of first use."""
+    first = study_roots(setup)[0]
+    return list(dict.fromkeys(run.get("study_root", first) for run in runs))
+
+
 def source_section(setup: dict, runs: list[dict], checks: list[dict]) -> str:
     title = (
         f"### {_source(setup)}: {setup['clients']} clients, {setup['per_round']} per round, "
@@ -197,8 +210,8 @@ def source_section(setup: dict, runs: list[dict], checks: list[dict]) -> str:
     )
     note = (
         f"{len(runs)} stored runs and {len(checks)} mode checks, "
-        f"{_hours(runs, checks):.2f} h of wall time in all; root fingerprint "
-        f"`{setup['secrets_fingerprint']}`."
+        f"{_hours(runs, checks):.2f} h of wall time in all; study root fingerprint "
+        f"{', '.join(f'`{r}`' for r in point_roots(setup, runs))}, each point with its own nonce."
     )
     return "\n\n".join(
         [

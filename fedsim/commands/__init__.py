@@ -5,9 +5,10 @@ console-script entry point, registers and dispatches them):
 - :mod:`fedsim.commands.factorize` -- ``fedsim factorize``: build or reuse a factorization;
 - :mod:`fedsim.commands.audit` -- ``fedsim audit``: audit a finished run directory;
 - :mod:`fedsim.commands.minmax` -- ``fedsim minmax``: QODA on a min-max game;
-- :mod:`fedsim.commands.plot` -- ``fedsim plot``: runs' curves as a PNG;
-- :mod:`fedsim.commands.compare` -- ``fedsim compare``: runs' final and best values, config
-  differences.
+- :mod:`fedsim.commands.plot` -- ``fedsim plot``: runs' curves as a PNG (runs that differ
+  only in seed as a mean with a band);
+- :mod:`fedsim.commands.compare` -- ``fedsim compare``: runs' final and best values (mean ± sd
+  over seeds, paired differences), config differences.
 
 Each module has ``register(subparsers)`` and ``run(args)``, or ``add_parser(subparsers)``,
 which sets the parser's ``func`` to its handler; they sit on top of the layers

@@ -35,13 +35,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedsim.config import ConfigError
+from fedsim.sweep_index import INDEX_FILE
 
 if TYPE_CHECKING:
     from fedsim.config_overrides import Override
     from fedsim.engine import Engine
     from fedsim.run_config import ExperimentConfig
 
-INDEX_FILE = "index.json"
 SUMMARY_FILE = "summary.json"
 #: the index's statuses
 PENDING, FINISHED, INTERRUPTED, STOPPED, FAILED = (

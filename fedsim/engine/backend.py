@@ -22,7 +22,16 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from fedsim.config import ConfigError
-from fedsim.engine.channel import ChannelFuture, ChannelLost, DriverChannel, new_key, wait_any
+from fedsim.engine.channel import (
+    REPLY_TIMEOUT_S,
+    ChannelFuture,
+    ChannelLost,
+    DriverChannel,
+    ReplyLost,
+    heartbeat_interval,
+    new_key,
+    wait_any,
+)
 from fedsim.engine.worker import (
     BatchResult,
     ClientBatch,
@@ -36,6 +45,10 @@ from fedsim.randomness import PartySecret, RootSource
 
 log = logging.getLogger(__name__)
 
+#: the least seconds the driver waits for a Ray call that sets a worker up (its start and
+#: imports, a run's datasets): ``max(reply_timeout_s, SETUP_TIMEOUT_S)``
+SETUP_TIMEOUT_S = 600.0
+
 
 class WorkerLost(RuntimeError):
     """A worker process died while running a batch."""
@@ -43,6 +56,16 @@ class WorkerLost(RuntimeError):
     def __init__(self, worker: int, cause: BaseException) -> None:
         self.worker = worker
         super().__init__(f"worker {worker} died: {type(cause).__name__}: {cause}")
+
+
+class WorkerTimeout(WorkerLost):
+    """A worker's reply did not arrive in time (``engine.reply_timeout_s``): the message
+    names the worker (its index and Ray actor), what it was doing and the round."""
+
+    def __init__(self, worker: int, actor: str, cause: BaseException | str) -> None:
+        self.worker = worker
+        self.actor = actor
+        RuntimeError.__init__(self, f"worker {worker} (Ray actor {actor}) timed out: {cause}")
 
 
 class Backend(ABC):
@@ -185,6 +208,11 @@ class RayBackend(Backend):
             background threads preempt is moved to the other core and loses its
             cache. Pinning needs the machine to itself, so it suits a local Ray
             rather than a shared cluster.
+        reply_timeout_s: seconds a worker may stay silent with batches pending on its
+            channel (it sends heartbeats while it runs one) before they fail with
+            :class:`WorkerTimeout`; without a channel (batches by Ray calls, no
+            heartbeats) the most one batch may run. Calls that set workers up wait
+            ``max(reply_timeout_s, SETUP_TIMEOUT_S)``.
     """
 
     def __init__(
@@ -193,11 +221,16 @@ class RayBackend(Backend):
         cpus_per_worker: float = 1.0,
         gpus_per_worker: float = 0.0,
         pin_workers: bool = False,
+        reply_timeout_s: float = REPLY_TIMEOUT_S,
     ) -> None:
         import ray  # noqa: PLC0415
 
         if not ray.is_initialized():
             raise RuntimeError("RayBackend needs ray.init() first (fedsim.engine.Engine does it)")
+        if not reply_timeout_s > 0:
+            raise ConfigError("engine.reply_timeout_s", reply_timeout_s, "a number of seconds > 0")
+        self.reply_timeout_s = float(reply_timeout_s)
+        self._setup_s = max(self.reply_timeout_s, SETUP_TIMEOUT_S)
         self._ray = ray
         self.cpus_per_worker = cpus_per_worker
         self.gpus_per_worker = gpus_per_worker
@@ -215,6 +248,11 @@ class RayBackend(Backend):
         self._warming = [actor.warm_up.remote() for actor in self._actors]
         self._pin_workers = pin_workers
         self._owner: dict[Any, int] = {}
+        # batches sent by Ray calls: (worker, what, when sent); their deadlines; the last
+        # time each worker finished one
+        self._calls: dict[Any, tuple[int, str, float]] = {}
+        self._expired: dict[Any, WorkerTimeout] = {}
+        self._finished = [0.0] * num_workers
         self._sent: list[OrderedDict[int, None]] = [OrderedDict() for _ in self._actors]
         self._run: RunSpec | None = None
         self._channels: list[DriverChannel | None] = [None] * num_workers
@@ -225,12 +263,33 @@ class RayBackend(Backend):
         """Wait until every worker has started and imported, pin them, open the channels."""
         if self._warming is None:
             return
-        ray = self._ray
         self.pinned = self._pin(self._actors) if self._pin_workers else False
-        ray.get(self._warming)
+        self._get(self._warming, "start and import")
         self._warming = None
-        self.nodes = len(set(ray.get([actor.ray_node.remote() for actor in self._actors])))
+        nodes = self._get([actor.ray_node.remote() for actor in self._actors], "report its node")
+        self.nodes = len(set(nodes))
         self._channels = [self._connect(i) for i in range(len(self._actors))]
+
+    def _actor_id(self, worker: int) -> str:
+        try:
+            return self._actors[worker]._actor_id.hex()
+        except (AttributeError, IndexError):
+            return "?"
+
+    def _get(self, refs: list[Any], what: str, workers: list[int] | None = None) -> list[Any]:
+        """``ray.get(refs)``, one call per worker (``workers``: whose, default all in
+        order), within the set-up timeout; :class:`WorkerTimeout` naming the first worker
+        that did not answer."""
+        workers = list(range(len(refs))) if workers is None else workers
+        _, pending = self._ray.wait(refs, num_returns=len(refs), timeout=self._setup_s)
+        if pending:
+            late = [workers[refs.index(ref)] for ref in pending]
+            raise WorkerTimeout(
+                late[0],
+                self._actor_id(late[0]),
+                f"no answer to {what!r} within {self._setup_s:g} s (workers {late} were late)",
+            )
+        return self._ray.get(refs)
 
     def _check_free(self, num_workers: int, wait_s: float = 5.0) -> None:
         """Refuse (instead of waiting forever for actors that cannot be placed)
@@ -262,7 +321,7 @@ class RayBackend(Backend):
 
     def _pin(self, actors: list[Any]) -> bool:
         """Give the workers on each machine disjoint sets of its allowed cores."""
-        places = self._ray.get([actor.placement.remote() for actor in actors])
+        places = self._get([actor.placement.remote() for actor in actors], "report its cores")
         by_host: dict[str, list[int]] = {}
         for index, (host, _) in enumerate(places):
             by_host.setdefault(host, []).append(index)
@@ -281,15 +340,17 @@ class RayBackend(Backend):
             for slot, index in enumerate(indices):
                 chosen = cores[slot * per_worker : (slot + 1) * per_worker]
                 calls.append(actors[index].pin.remote(chosen))
-        self._ray.get(calls)
+        self._get(calls, "pin", [i for indices in by_host.values() for i in indices])
         return True
 
     def _connect(self, worker: int) -> DriverChannel | None:
         """A direct channel to ``worker``, or None (batches then go by Ray calls)."""
         key = new_key()
+        beat = heartbeat_interval(self.reply_timeout_s)
         try:
-            address = self._ray.get(self._actors[worker].open_channel.remote(key))
-            return DriverChannel(worker, tuple(address), key)
+            ref = self._actors[worker].open_channel.remote(key, None, beat)
+            address = self._get([ref], "open its channel", [worker])[0]
+            return DriverChannel(worker, tuple(address), key, reply_timeout=self.reply_timeout_s)
         except (OSError, EOFError) as err:
             log.warning("worker %d: no direct channel (%s); using Ray calls", worker, err)
             return None
@@ -302,7 +363,7 @@ class RayBackend(Backend):
         self.ready()
         self._run = run
         self._sent = [OrderedDict() for _ in self._actors]
-        self._ray.get([actor.start_run.remote(run) for actor in self._actors])
+        self._get([actor.start_run.remote(run) for actor in self._actors], "start the run")
 
     def share(self, value: Any) -> Any:
         return self._ray.put(value)
@@ -316,9 +377,10 @@ class RayBackend(Backend):
         batch = replace(batch, contents=contents)
         channel = self._channels[worker]
         if channel is not None:
-            return channel.send(batch)
+            return channel.send(batch, batch.describe())
         future = self._actors[worker].run_batch.remote(batch)
         self._owner[future] = worker
+        self._calls[future] = (worker, batch.describe(), time.monotonic())
         return future
 
     def wait(self, futures: list[Any], timeout: float | None) -> list[Any]:
@@ -331,25 +393,62 @@ class RayBackend(Backend):
             ready = [f for f in direct if f.done]
             if refs:
                 ready += self._ray.wait(refs, num_returns=len(refs), timeout=0)[0]
+                ready += self._expire([r for r in refs if r not in ready])
             remaining = None if deadline is None else deadline - time.monotonic()
             if ready or (remaining is not None and remaining <= 0):
                 return ready
-            # Block on the transport that has work; poll both briefly when both do.
+            # Block on the transport that has work; poll both briefly when both do; never
+            # past the first batch's reply deadline (wait_any keeps its channels' own).
             step = remaining if not (direct and refs) else min(0.002, remaining or 0.002)
             if direct:
                 wait_any([c for c in self._channels if c is not None], step)
             else:
+                due = min(self._due(r) for r in refs) - time.monotonic()
+                step = max(0.0, due if step is None else min(step, due))
                 self._ray.wait(refs, num_returns=1, timeout=step)
+
+    def _due(self, ref: Any) -> float:
+        """When a batch sent by a Ray call times out: ``reply_timeout_s`` after it could
+        start (it was sent, and its worker had finished the batch before it)."""
+        worker, _, sent = self._calls[ref]
+        return max(sent, self._finished[worker]) + self.reply_timeout_s
+
+    def _expire(self, refs: list[Any]) -> list[Any]:
+        """The batches among ``refs`` (sent by Ray calls, not finished) past their
+        deadline, each with its :class:`WorkerTimeout`."""
+        now = time.monotonic()
+        late = []
+        for ref in refs:
+            if ref not in self._expired and ref in self._calls and now > self._due(ref):
+                worker, what, _ = self._calls[ref]
+                self._expired[ref] = WorkerTimeout(
+                    worker,
+                    self._actor_id(worker),
+                    f"no reply to {what} within {self.reply_timeout_s:g} s",
+                )
+            if ref in self._expired:
+                late.append(ref)
+        return late
 
     def result(self, future: Any) -> BatchResult:
         if isinstance(future, ChannelFuture):
             try:
                 return future.value()
+            except ReplyLost as err:
+                raise WorkerTimeout(future.worker, self._actor_id(future.worker), err) from err
             except ChannelLost as err:
                 raise WorkerLost(future.worker, err) from err
         worker = self._owner.pop(future, -1)
+        self._calls.pop(future, None)
+        expired = self._expired.pop(future, None)
+        if expired is not None:
+            raise expired
+        if 0 <= worker < len(self._finished):
+            self._finished[worker] = time.monotonic()
         try:
-            return self._ray.get(future)
+            return self._ray.get(future, timeout=self._setup_s)
+        except self._ray.exceptions.GetTimeoutError as err:  # wait() said it was done
+            raise WorkerTimeout(worker, self._actor_id(worker), err) from err
         except self._ray.exceptions.RayActorError as err:
             raise WorkerLost(worker, err) from err
 
@@ -363,9 +462,10 @@ class RayBackend(Backend):
         self._sent[worker] = OrderedDict()
         if self.pinned:  # the new worker takes the cores its predecessor held
             self.pinned = self._pin(self._actors)
-        self._ray.get(actor.warm_up.remote())
+        self._finished[worker] = 0.0
+        self._get([actor.warm_up.remote()], "start and import", [worker])
         if self._run is not None:
-            self._ray.get(actor.start_run.remote(self._run))
+            self._get([actor.start_run.remote(self._run)], "start the run", [worker])
         self._channels[worker] = self._connect(worker)
         log.warning("worker %d was replaced", worker)
 
@@ -378,21 +478,23 @@ class RayBackend(Backend):
         self._actors = []
         self._warming = None
         self._owner.clear()
+        self._calls.clear()
+        self._expired.clear()
 
     def server_secret(self, source: RootSource) -> PartySecret:
         self.ready()
-        token = self._ray.get(self._actors[0].server_secret_token.remote(source))
+        token = self._get([self._actors[0].server_secret_token.remote(source)], "derive")[0]
         return PartySecret.from_token(token, "server")
 
     def fresh_root(self) -> RootSource:
         """A fresh root, written by worker 0 on its machine (on a cluster whose workers span
         machines, give ``--secrets`` a file readable on every one of them instead)."""
         self.ready()
-        return self._ray.get(self._actors[0].create_root.remote())
+        return self._get([self._actors[0].create_root.remote()], "write a root")[0]
 
     def worker_peak_rss_mb(self) -> list[float]:
         """Each worker process's peak resident memory so far, in MiB."""
-        return self._ray.get([actor.peak_rss_mb.remote() for actor in self._actors])
+        return self._get([actor.peak_rss_mb.remote() for actor in self._actors], "peak_rss_mb")
 
     def describe(self) -> dict[str, Any]:
         self.ready()

@@ -14,6 +14,22 @@ runs each batch received on an authenticated connection on the actor's
 fails its check, means the worker is gone: every batch still pending on it is
 reported lost.
 
+Liveness. Neither side ever waits on the other without a deadline, and neither
+stops reading while it writes. The worker reads every frame as it arrives (a
+reader thread queues the batches; one runner answers them in order): a worker
+that only read between batches stalled the driver for good once a batch and a
+reply both outgrew the two socket buffers (the driver blocked sending batch
+``k + 1`` to a worker that was running batch ``k``, the worker then blocked
+sending reply ``k`` to a driver that was not reading; seen at C = 1000,
+d = 10^5, where each client's sealed state is about 0.5 MB). While a batch
+runs, the worker sends an empty frame (a heartbeat) every
+:func:`heartbeat_interval` seconds; each reply starts with the number of the
+batch it answers. The driver declares a batch's reply lost
+(:class:`ReplyLost`, naming the worker and the batch) when the worker sends
+nothing for ``reply_timeout`` seconds while batches are pending on it, when a
+reply comes for a later batch first, or when a frame stops halfway or a batch
+cannot be sent within ``reply_timeout`` (the socket's own timeout).
+
 Security. The driver makes a random 32-byte key ``K`` (from the OS) per worker
 and hands it over through Ray. Each connection starts with a mutual handshake
 (both parties prove knowledge of ``K``, neither learns anything from a party
@@ -52,9 +68,11 @@ import hashlib
 import hmac
 import logging
 import pickle
+import queue
 import secrets
 import socket
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import wait
@@ -72,6 +90,12 @@ HANDSHAKE_TIMEOUT_S = 10.0
 MAX_HANDSHAKES = 32
 #: the largest frame accepted (a length beyond it ends the connection)
 MAX_FRAME_BYTES = 1 << 36
+#: seconds a worker may stay silent with a batch pending before its reply is declared lost
+#: (the default of ``engine.reply_timeout_s``)
+REPLY_TIMEOUT_S = 300.0
+#: the most seconds between two heartbeats of a worker running a batch
+HEARTBEAT_S = 5.0
+_INDEX = 8  # a reply's first bytes: the number of the batch it answers, big-endian
 
 _HEADER = 16  # seq (8) || length (8), big-endian
 _JOIN_BYTES = 1 << 16  # frames up to this size go out in one joined buffer
@@ -93,6 +117,12 @@ class ChannelAuthError(ConnectionError):
 
 class FrameError(ConnectionError):
     """A frame failed its MAC, came out of sequence, or announced an impossible length."""
+
+
+def heartbeat_interval(reply_timeout: float) -> float:
+    """Seconds between a busy worker's heartbeats: four fit in ``reply_timeout``, at most
+    :data:`HEARTBEAT_S`."""
+    return min(HEARTBEAT_S, reply_timeout / 4)
 
 
 def dumps(value: Any) -> bytes:
@@ -152,22 +182,19 @@ def _read_exact(sock: socket.socket, size: int) -> bytearray:
 
 def _send_frame(sock: socket.socket, head: bytes, payload: bytes | bytearray) -> None:
     """Send ``head`` then ``payload``: joined when small (one copy is cheaper than a
-    scatter list), else by one ``sendmsg`` without copying the payload."""
+    scatter list), else without copying the payload."""
     if len(payload) <= _JOIN_BYTES:
         sock.sendall(head + payload)
         return
-    sent = sock.sendmsg([head, payload])
-    if sent < len(head):
-        sock.sendall(head[sent:])
-        sent = len(head)
-    sock.sendall(memoryview(payload)[sent - len(head) :])
+    sock.sendall(head)
+    sock.sendall(memoryview(payload))
 
 
 class FramedSocket:
     """A socket whose frames carry a MAC and a sequence number per direction.
 
-    Built by :func:`driver_handshake` or :func:`worker_handshake`; ``send`` and
-    ``recv`` are each meant for one thread at a time.
+    Built by :func:`driver_handshake` or :func:`worker_handshake`; ``send`` may be called
+    from several threads (frames never interleave), ``recv`` from one at a time.
     """
 
     def __init__(
@@ -179,16 +206,24 @@ class FramedSocket:
         self._recv_mac = hmac.new(receive[0], receive[1], "sha256")
         self._send_seq = 0
         self._recv_seq = 0
+        self._sending = threading.Lock()
         self.closed = False
 
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def send(self, payload: bytes | bytearray) -> None:
-        """Send one frame (OSError if the connection is gone)."""
-        header = self._send_seq.to_bytes(8, "big") + len(payload).to_bytes(8, "big")
-        _send_frame(self.sock, header + _frame_tag(self._send_mac, header, payload), payload)
-        self._send_seq += 1
+    def send(self, payload: bytes | bytearray, prefix: bytes = b"") -> None:
+        """Send one frame of ``prefix || payload`` (OSError if the connection is gone,
+        TimeoutError if the socket's timeout passes first)."""
+        with self._sending:
+            size = len(prefix) + len(payload)
+            header = self._send_seq.to_bytes(8, "big") + size.to_bytes(8, "big")
+            mac = self._send_mac.copy()
+            mac.update(header)
+            mac.update(prefix)
+            mac.update(memoryview(payload))
+            _send_frame(self.sock, header + mac.digest() + prefix, payload)
+            self._send_seq += 1
 
     def recv(self) -> bytearray:
         """The next frame's payload, checked; FrameError if the check fails,
@@ -273,12 +308,16 @@ class WorkerChannel:
         host: str,
         key: bytes,
         handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
+        heartbeat_s: float = HEARTBEAT_S,
     ) -> None:
         if len(key) < 16:
             raise ValueError(f"a channel key of {len(key)} bytes; it must have at least 16")
+        if not heartbeat_s > 0:
+            raise ValueError(f"heartbeat_s={heartbeat_s!r}; it must be a number of seconds > 0")
         self._worker = worker
         self._key = key
         self._timeout = handshake_timeout
+        self._heartbeat = heartbeat_s
         self._serving = threading.Lock()
         self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         self._server = socket.create_server((host, 0))
@@ -317,40 +356,88 @@ class WorkerChannel:
             self._serve(conn, peer)
 
     def _serve(self, conn: FramedSocket, peer: Any) -> None:
+        """Answer the batches in order while a reader thread keeps taking the driver's
+        frames off the socket (so the driver never blocks sending to a worker that is
+        busy running or answering)."""
+        inbox: queue.SimpleQueue[bytearray | None] = queue.SimpleQueue()
+        threading.Thread(
+            target=self._read, args=(conn, peer, inbox), name="fedsim-channel-reader", daemon=True
+        ).start()
         try:
-            while True:
-                try:
-                    payload = conn.recv()
-                except FrameError as err:
-                    log.warning("channel: dropping the connection from %s: %s", peer, err)
-                    return
-                except (EOFError, OSError):
-                    return  # the driver went away; wait for the next one
-                try:  # the payload verified: it is the driver's own batch
-                    reply = dumps((True, self._worker.run_batch(pickle.loads(payload))))
-                except Exception as ex:  # the driver re-raises it
-                    try:
-                        reply = dumps((False, ex))
-                    except Exception:  # an exception that cannot be pickled
-                        reply = dumps((False, RuntimeError(f"{type(ex).__name__}: {ex}")))
-                try:
-                    conn.send(reply)
-                except OSError:
-                    return
+            index = 0
+            while (payload := inbox.get()) is not None:
+                reply = self._answer(conn, payload)
+                if reply is not None:
+                    conn.send(reply, prefix=index.to_bytes(_INDEX, "big"))
+                index += 1
+        except OSError:
+            return  # the driver went away; wait for the next one
         finally:
             conn.close()
+
+    @staticmethod
+    def _read(conn: FramedSocket, peer: Any, inbox: queue.SimpleQueue) -> None:
+        try:
+            while True:
+                inbox.put(conn.recv())
+        except FrameError as err:
+            log.warning("channel: dropping the connection from %s: %s", peer, err)
+        except (EOFError, OSError):
+            pass  # the driver went away (or the runner closed the connection)
+        finally:
+            inbox.put(None)
+
+    def _answer(self, conn: FramedSocket, payload: bytearray) -> bytes | None:
+        """The pickled reply to one batch, heartbeats sent while it runs; None for a batch
+        whose reply is to be lost (an injected fault, ``lose_reply``)."""
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(self._heartbeat):
+                try:
+                    conn.send(b"")
+                except OSError:
+                    return
+
+        beating = threading.Thread(target=beat, name="fedsim-channel-heartbeat", daemon=True)
+        beating.start()
+        try:
+            try:  # the payload verified: it is the driver's own batch
+                batch = pickle.loads(payload)
+                if getattr(batch, "lose_reply", False):
+                    self._worker.run_batch(batch)
+                    return None
+                return dumps((True, self._worker.run_batch(batch)))
+            except Exception as ex:  # the driver re-raises it
+                try:
+                    return dumps((False, ex))
+                except Exception:  # an exception that cannot be pickled
+                    return dumps((False, RuntimeError(f"{type(ex).__name__}: {ex}")))
+        finally:
+            stop.set()
+            beating.join()
 
 
 class ChannelLost(ConnectionError):
     """The connection to a worker closed (or failed a check) with batches pending."""
 
 
+class ReplyLost(ChannelLost, TimeoutError):
+    """A batch's reply did not come: the worker sent nothing for the reply timeout with
+    batches pending, stopped halfway through a frame, stopped reading, or answered a later
+    batch first. The message names the worker and the batch."""
+
+
 @dataclass(eq=False)
 class ChannelFuture:
-    """A batch in flight on a channel; ``payload`` (verified) is set when its reply arrives."""
+    """A batch in flight on a channel; ``payload`` (verified) is set when its reply arrives.
+
+    ``index``: the batch's number on its connection; ``what``: the batch, in words."""
 
     worker: int
-    payload: bytes | bytearray | None = None
+    index: int = 0
+    what: str = "a batch"
+    payload: memoryview | None = None
     lost: BaseException | None = None
 
     @property
@@ -360,7 +447,8 @@ class ChannelFuture:
     def value(self) -> Any:
         if self.lost is not None:
             raise self.lost
-        ok, value = pickle.loads(self.payload or b"")
+        assert self.payload is not None, "the batch is still pending"
+        ok, value = pickle.loads(self.payload)
         if not ok:
             raise value
         return value
@@ -371,7 +459,9 @@ class DriverChannel:
 
     Raises :class:`ChannelAuthError` (an OSError) when the peer at ``address``
     does not prove the key, and a TimeoutError when it does not answer within
-    ``timeout`` seconds.
+    ``timeout`` seconds. ``reply_timeout``: seconds the worker may stay silent with
+    batches pending (it sends heartbeats while it runs one) before they are lost
+    (:class:`ReplyLost`); also the most one send or one read of a frame may block.
     """
 
     def __init__(
@@ -380,42 +470,102 @@ class DriverChannel:
         address: tuple[str, int],
         key: bytes,
         timeout: float = HANDSHAKE_TIMEOUT_S,
+        reply_timeout: float = REPLY_TIMEOUT_S,
     ) -> None:
+        if not reply_timeout > 0:
+            raise ValueError(f"reply_timeout={reply_timeout!r}; it must be seconds > 0")
         sock = socket.create_connection(address, timeout=timeout)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.conn = driver_handshake(sock, key, timeout)
+            sock.settimeout(reply_timeout)
         except BaseException:
             sock.close()
             raise
         self.worker = worker
+        self.reply_timeout = reply_timeout
         self.pending: deque[ChannelFuture] = deque()
+        self.heard = time.monotonic()  # the last sign of the worker (or the first batch sent)
+        self._next = 0
 
-    def send(self, batch: Any) -> ChannelFuture:
-        future = ChannelFuture(self.worker)
+    def send(self, batch: Any, what: str = "a batch") -> ChannelFuture:
+        """Send ``batch`` (``what``: the batch, in words, for errors); a lost future if
+        the connection is gone or the worker does not take the batch in time."""
+        future = ChannelFuture(self.worker, self._next, what)
+        if self.conn.closed:
+            future.lost = ChannelLost(f"worker {self.worker}: the connection is closed")
+            return future
+        payload = dumps(batch)
+        if not self.pending:
+            self.heard = time.monotonic()  # the silence clock starts with a pending batch
         try:
-            self.conn.send(dumps(batch))
+            self.conn.send(payload)
+        except TimeoutError:
+            future.lost = ReplyLost(
+                f"worker {self.worker}: {what} could not be sent within {self.reply_timeout:g} s "
+                "(the worker stopped reading)"
+            )
+            self.fail(future.lost)
+            return future
         except OSError as err:
             future.lost = ChannelLost(f"worker {self.worker}: {err}")
+            self.fail(future.lost)
             return future
+        self._next += 1
         self.pending.append(future)
         return future
 
     def receive(self) -> None:
-        """Read one reply (the connection is readable); on a closed connection or
-        a frame that fails its check, mark every pending batch lost."""
+        """Read one frame (the connection is readable): a heartbeat, or the reply to the
+        oldest pending batch; on a closed connection, a frame that fails its check or
+        stops halfway, mark every pending batch lost."""
         try:
             payload = self.conn.recv()
         except FrameError as err:
             self.fail(ChannelLost(f"worker {self.worker}: reply refused: {err}"))
             return
+        except TimeoutError:
+            what = self.pending[0].what if self.pending else "no batch"
+            self.fail(
+                ReplyLost(
+                    f"worker {self.worker}: a frame stopped halfway for {self.reply_timeout:g} s "
+                    f"with {what} pending"
+                )
+            )
+            return
         except (EOFError, OSError) as err:
             self.fail(ChannelLost(f"worker {self.worker}: connection closed ({err or 'EOF'})"))
             return
-        if self.pending:
-            self.pending.popleft().payload = payload
-        else:  # a reply nobody asked for: the stream is out of step
+        self.heard = time.monotonic()
+        if not payload:
+            return  # a heartbeat: the worker is running a batch
+        index = int.from_bytes(payload[:_INDEX], "big")
+        while self.pending and self.pending[0].index < index and len(payload) > _INDEX:
+            skipped = self.pending.popleft()
+            skipped.lost = ReplyLost(
+                f"worker {self.worker} sent no reply to {skipped.what}: it answered a later "
+                "batch first"
+            )
+        if len(payload) <= _INDEX or not self.pending or self.pending[0].index != index:
+            # a reply nobody asked for: the stream is out of step
             self.fail(ChannelLost(f"worker {self.worker}: a reply with no batch pending"))
+            return
+        self.pending.popleft().payload = memoryview(payload)[_INDEX:]
+
+    def expire(self, now: float) -> bool:
+        """Mark every pending batch lost if the worker has been silent for longer than the
+        reply timeout; True if it was."""
+        silent = now - self.heard
+        if not self.pending or self.conn.closed or silent <= self.reply_timeout:
+            return False
+        self.fail(
+            ReplyLost(
+                f"worker {self.worker}: no reply to {self.pending[0].what} and no heartbeat for "
+                f"{silent:.1f} s (reply timeout {self.reply_timeout:g} s): the reply was lost or "
+                "the worker is stuck"
+            )
+        )
+        return True
 
     def fail(self, error: BaseException) -> None:
         while self.pending:
@@ -427,10 +577,19 @@ class DriverChannel:
 
 
 def wait_any(channels: list[DriverChannel], timeout: float | None) -> None:
-    """Receive every reply that is ready, waiting up to ``timeout`` for the first."""
+    """Receive every frame that is ready, waiting up to ``timeout`` for the first, and
+    never past the first channel's reply deadline: then the silent channels' batches
+    are marked lost (:meth:`DriverChannel.expire`)."""
     busy = [c for c in channels if c.pending and not c.conn.closed]
     if not busy:
         return
     by_conn = {c.conn: c for c in busy}
-    for conn in wait(list(by_conn), timeout):
+    due = min(c.heard + c.reply_timeout for c in busy) - time.monotonic()
+    step = max(0.0, due if timeout is None else min(timeout, due))
+    ready = wait(list(by_conn), step)
+    for conn in ready:
         by_conn[conn].receive()
+    now = time.monotonic()
+    for channel in busy:
+        if channel.conn not in ready:
+            channel.expire(now)

@@ -142,7 +142,8 @@ class Dispatcher:
             task.on_give_up(task.batch, f"{lost} ({task.attempts} attempts)")
             return
         log.warning("%s; re-running its batch of %d clients", lost, len(task.batch.metadata))
-        task.batch = replace(task.batch, crash_after=None)  # injected crashes strike once
+        # injected crashes and lost replies strike once
+        task.batch = replace(task.batch, crash_after=None, lose_reply=False)
         self.queue.appendleft(task)
 
     def drain(self, deadline: float | None) -> bool:

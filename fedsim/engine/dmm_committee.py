@@ -1,6 +1,6 @@
 """DMM committees of clients, hosted by the engine.
 
-reference/dmm.md "Our protocol, corrected", step 8: each round's committee is n clients drawn
+docs/dmm-design.md, step 8: each round's committee is n clients drawn
 publicly from the population (the strategy draws them with ``public_generator(seed, round,
 Stream.COMMITTEE)``); the :class:`CommitteeHost` plays those clients' member side
 (:class:`protocols.dmm_member.MemberGroup`), keyed by client id, on a few Ray actors

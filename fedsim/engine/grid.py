@@ -451,6 +451,7 @@ class SimulationGrid(Grid):
             crash_after=None
             if self.faults is None
             else crash_point(self.faults, phase.round, kind, len(phase.batch_ids), len(chunk)),
+            server_round=phase.server_round,
         )
         phase.batch_ids.append(batch_id)
         phase.pending.add(batch_id)

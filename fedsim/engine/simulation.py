@@ -31,6 +31,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from fedsim.config import ConfigError, device_name, require
 from fedsim.engine.app_grid import AppGrid
 from fedsim.engine.backend import Backend, LocalBackend, RayBackend
+from fedsim.engine.channel import REPLY_TIMEOUT_S
 from fedsim.engine.client_registry import ClientRegistry
 from fedsim.engine.cluster import ensure_ray
 from fedsim.engine.faults import FaultConfig
@@ -69,6 +70,10 @@ class EngineConfig:
         pin_workers: give each worker its own cores; "auto" pins when fedsim
             starts Ray itself (it then owns the machine), not on a joined cluster.
         depth: batches queued per worker.
+        reply_timeout_s: seconds a Ray worker may stay silent (no reply, no heartbeat)
+            while batches are pending on it; its batches then fail with a
+            :class:`~fedsim.engine.backend.WorkerTimeout` naming the worker, and the
+            dispatcher replaces it and runs them again (:mod:`fedsim.engine.channel`).
     """
 
     backend: Literal["ray", "local"] = "ray"
@@ -81,6 +86,7 @@ class EngineConfig:
     object_store_mb: int = 512
     pin_workers: Literal["auto", "on", "off"] = "auto"
     depth: int = 2
+    reply_timeout_s: float = REPLY_TIMEOUT_S
 
     def __post_init__(self) -> None:
         require(
@@ -109,6 +115,17 @@ class EngineConfig:
             "an integer >= 80 (MiB; Ray's minimum is 75 MiB)",
         )
         require(self.depth >= 1, "engine.depth", self.depth, "an integer >= 1")
+        timeout = self.reply_timeout_s
+        require(
+            isinstance(timeout, (int, float))
+            and not isinstance(timeout, bool)
+            and math.isfinite(timeout)
+            and timeout > 0,
+            "engine.reply_timeout_s",
+            timeout,
+            "a finite number of seconds > 0 (how long a worker may stay silent with batches "
+            f"pending; default {REPLY_TIMEOUT_S:g})",
+        )
 
 
 def check_device_and_gpus(device: str, gpus_per_worker: float | None) -> None:
@@ -220,6 +237,7 @@ class Engine:
             cpus_per_worker=cfg.cpus_per_worker,
             gpus_per_worker=self._worker_gpus(),
             pin_workers=pin,
+            reply_timeout_s=cfg.reply_timeout_s,
         )
         self.startup_s = {
             "ray_init": spawned - began,

@@ -154,6 +154,14 @@ class ClientBatch:
     reducer: Reducer | None = None
     late: frozenset[int] = frozenset()  # positions whose reply misses the deadline
     crash_after: int | None = None  # injected fault: the worker dies before this position
+    lose_reply: bool = False  # injected fault: the worker runs the batch and sends no reply
+    server_round: int | None = None  # the FL round of its messages, for errors
+
+    def describe(self) -> str:
+        """The batch in words, for errors: its id, clients, message type and round."""
+        kind = self.metadata[0].message_type if self.metadata else "no messages"
+        round_ = "" if self.server_round is None else f", round {self.server_round}"
+        return f"batch {self.batch_id} ({len(self.metadata)} clients, {kind}{round_})"
 
 
 @dataclass
@@ -244,17 +252,21 @@ class ClientWorker:
         os.sched_setaffinity(0, set(cores))
         return sorted(os.sched_getaffinity(0))
 
-    def open_channel(self, key: bytes, host: str | None = None) -> tuple[str, int]:
+    def open_channel(
+        self, key: bytes, host: str | None = None, heartbeat_s: float | None = None
+    ) -> tuple[str, int]:
         """Also serve batches on a socket (:mod:`fedsim.engine.channel`) at
         ``host`` (default: this Ray node's address) to a driver that proves it
-        holds ``key`` (and to which this worker proves the same); returns the address."""
-        from fedsim.engine.channel import WorkerChannel  # noqa: PLC0415
+        holds ``key`` (and to which this worker proves the same), with a heartbeat every
+        ``heartbeat_s`` seconds while a batch runs; returns the address."""
+        from fedsim.engine.channel import HEARTBEAT_S, WorkerChannel  # noqa: PLC0415
 
         if host is None:
             import ray  # noqa: PLC0415
 
             host = ray.util.get_node_ip_address()
-        self._channel = WorkerChannel(self, host, key)
+        beat = HEARTBEAT_S if heartbeat_s is None else heartbeat_s
+        self._channel = WorkerChannel(self, host, key, heartbeat_s=beat)
         return self._channel.address
 
     def warm_up(self, modules: tuple[str, ...] = ("torch", "torch._dynamo")) -> int:

@@ -1,6 +1,6 @@
 """The integer mechanism a DMM run implements, and its privacy.
 
-reference/dmm.md, "Our protocol, corrected". A factorization A = B C
+docs/dmm-design.md. A factorization A = B C
 (:mod:`fedsim.privacy.matrix`) of the workload becomes the public integer strategy matrix
 
     M = round(2^f C)        (C square, lower-triangular, banded: BandMF, banded Toeplitz), or
@@ -133,7 +133,7 @@ class IntegerMechanism:
                 f"factorization {kind!r} is not banded (bandwidth {b} of n = {n} rounds): DMM "
                 "committees carry the partial sums of every open row of M = round(2^f C), i.e. "
                 "the whole history for a non-banded C, and its noise must be added where the "
-                "query is integer (reference/dmm.md); use kind 'banded' or 'toeplitz' with "
+                "query is integer (docs/dmm-design.md); use kind 'banded' or 'toeplitz' with "
                 "bands < rounds, or 'tree' / 'honaker'"
             )
         if not 1 <= f <= MAX_FRACTIONAL_BITS:

@@ -172,6 +172,10 @@ FLWR_ARG_CASES: list[tuple[list[str], str]] = [
     (["--num-supernodes", "abc"], "--num-supernodes"),
     (["--num-supernodes", "2", "--workers", "0"], "--workers"),
     (["--num-supernodes", "2", "--backend", "gpu"], "--backend"),
+    (["--federation-config", "num-supernodes=0"], "--federation-config num-supernodes"),
+    (["--federation-config", "client-resources-num-cpus=nan"], "client-resources-num-cpus"),
+    (["--federation-config", "num-clients=2"], "--federation-config num-clients"),
+    (["nowhere"], "SUPERLINK (--federation) = 'nowhere'"),
 ]
 
 FEDAVG = ["account", "dp-fedavg", "--noise-multiplier", "1", "--sampling-rate", "0.01",
