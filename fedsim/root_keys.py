@@ -1,0 +1,111 @@
+"""The driver's keys of a run, derived in a child process: the driver never reads the root.
+
+``fedsim run`` (and ``--resume``, ``--replay``, ``fedsim audit``) needs what the server side may
+hold of a run's root -- :class:`~fedsim.randomness.RunKeys`: the file key, the server's own
+secret, the state stores' sub-roots -- and the base root's public fingerprint. Deriving them
+means reading the root file, which also derives every client's secret; so
+:func:`derive_keys` starts a short-lived child (``python -m fedsim.root_keys``, which imports
+neither torch nor Ray) that opens the file -- creating it first, with OS randomness and mode
+0600, when asked to -- mixes in the run nonce (:meth:`~fedsim.randomness.RunSecret.for_run`),
+and writes back through a pipe only the keys and the fingerprint. The root's bytes never enter
+the driver's memory; the clients' secrets are derived where the engine's workers open the file
+(:class:`~fedsim.randomness.RootSource`).
+
+Request (stdin, JSON): ``{"path", "nonce", "create", "run_dir"}``. Reply (stdout, JSON):
+:meth:`~fedsim.randomness.RunKeys.tokens`, or ``{"error": {"key", "value", "allowed"}}`` for a
+refused file, raised again in the driver as the same :class:`~fedsim.config.ConfigError`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from fedsim.config import ConfigError
+from fedsim.randomness import RunKeys, RunSecret, checked_nonce
+
+#: seconds the child may take (it reads one small file and computes a few HMACs)
+CHILD_TIMEOUT_S = 120.0
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])
+
+
+def derive_keys(
+    path: str | Path,
+    nonce: str | None,
+    *,
+    create: bool,
+    run_dir: str | Path | None = None,
+) -> RunKeys:
+    """The driver's keys of the run whose base root lies in ``path``, mixed with ``nonce``
+    (None: unmixed), read -- and with ``create``, first written if missing -- by a child
+    process. ``path`` must lie outside ``run_dir``. A file that is not a root raises the
+    :class:`~fedsim.config.ConfigError` that names it."""
+    if nonce is not None:
+        checked_nonce(nonce)
+    request = {
+        "path": str(path),
+        "nonce": nonce,
+        "create": bool(create),
+        "run_dir": None if run_dir is None else str(run_dir),
+    }
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "fedsim.root_keys"],
+            input=json.dumps(request),
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=CHILD_TIMEOUT_S,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(
+            f"the process reading the root file {path} did not answer in {CHILD_TIMEOUT_S:g} s"
+        ) from None
+    try:
+        reply = json.loads(done.stdout)
+    except ValueError:
+        reply = None
+    if done.returncode != 0 or not isinstance(reply, dict):
+        raise RuntimeError(
+            f"the process reading the root file {path} failed (exit {done.returncode}): "
+            f"{done.stderr.strip()[-2000:]}"
+        )
+    if "error" in reply:
+        err = reply["error"]
+        raise ConfigError(str(err["key"]), err["value"], str(err["allowed"]))
+    return RunKeys.from_tokens(reply)
+
+
+def _answer(request: dict[str, Any]) -> dict[str, Any]:
+    """The child's side: the keys of the root in ``request["path"]``, or the refusal."""
+    path = request["path"]
+    try:
+        base = RunSecret.load_or_create(path, request["run_dir"], create=request["create"])
+    except OSError as err:
+        raise ConfigError(
+            "secrets", str(path), f"a readable file holding this run's root ({err.strerror})"
+        ) from None
+    nonce = request["nonce"]
+    root = base if nonce is None else base.for_run(nonce)
+    return RunKeys.of(root, base.fingerprint()).tokens()
+
+
+def main() -> int:
+    request = json.loads(sys.stdin.read())
+    try:
+        reply = _answer(request)
+    except ConfigError as err:
+        reply = {"error": {"key": err.key, "value": err.value, "allowed": err.allowed}}
+    sys.stdout.write(json.dumps(reply, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
