@@ -11,9 +11,11 @@ and writes back through a pipe only the keys and the fingerprint. The root's byt
 the driver's memory; the clients' secrets are derived where the engine's workers open the file
 (:class:`~fedsim.randomness.RootSource`).
 
-Request (stdin, JSON): ``{"path", "nonce", "create", "run_dir"}``. Reply (stdout, JSON):
-:meth:`~fedsim.randomness.RunKeys.tokens`, or ``{"error": {"key", "value", "allowed"}}`` for a
-refused file, raised again in the driver as the same :class:`~fedsim.config.ConfigError`.
+Request (stdin, JSON): ``{"path", "nonce", "create", "run_dir", "what"}``. Reply (stdout,
+JSON): :meth:`~fedsim.randomness.RunKeys.tokens` (``what`` "keys"), only the fingerprint
+(``what`` "fingerprint": :func:`root_fingerprint`, for ``fedsim flwr-run``), or
+``{"error": {"key", "value", "allowed"}}`` for a refused file, raised again in the driver as
+the same :class:`~fedsim.config.ConfigError`.
 """
 
 from __future__ import annotations
@@ -46,11 +48,26 @@ def derive_keys(
     :class:`~fedsim.config.ConfigError` that names it."""
     if nonce is not None:
         checked_nonce(nonce)
+    return RunKeys.from_tokens(_ask(path, nonce, create, run_dir, "keys"))
+
+
+def root_fingerprint(
+    path: str | Path, *, create: bool, run_dir: str | Path | None = None
+) -> str:
+    """The public fingerprint of the base root in ``path``, read -- and with ``create``, first
+    written if missing -- by a child process, which hands back nothing else (what ``fedsim
+    flwr-run``, whose driver needs no key, records)."""
+    return str(_ask(path, None, create, run_dir, "fingerprint")["fingerprint"])
+
+
+def _ask(path, nonce, create, run_dir, what: str) -> dict[str, Any]:
+    """The child's reply to one request; its refusal raised as the ConfigError it names."""
     request = {
         "path": str(path),
         "nonce": nonce,
         "create": bool(create),
         "run_dir": None if run_dir is None else str(run_dir),
+        "what": what,
     }
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
@@ -80,7 +97,7 @@ def derive_keys(
     if "error" in reply:
         err = reply["error"]
         raise ConfigError(str(err["key"]), err["value"], str(err["allowed"]))
-    return RunKeys.from_tokens(reply)
+    return reply
 
 
 def _answer(request: dict[str, Any]) -> dict[str, Any]:
@@ -92,6 +109,8 @@ def _answer(request: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(
             "secrets", str(path), f"a readable file holding this run's root ({err.strerror})"
         ) from None
+    if request.get("what") == "fingerprint":
+        return {"fingerprint": base.fingerprint()}
     nonce = request["nonce"]
     root = base if nonce is None else base.for_run(nonce)
     return RunKeys.of(root, base.fingerprint()).tokens()

@@ -50,11 +50,15 @@ from fedsim.randomness import (
     new_run_id,
     user_secrets_dir,
 )
-from fedsim.root_keys import derive_keys
+from fedsim.root_keys import derive_keys, root_fingerprint
 from fedsim.runfiles import CONFIG_FILE, RunFileError
 
 RUN_FILE = "run.json"
-KEPT, GIVEN = "kept", "given"
+KEPT, GIVEN, FRESH = "kept", "given", "fresh"
+FRESH_NOTE = (
+    "a fresh root of OS randomness, written by a worker for this run alone and removed when "
+    "it ended: its streams cannot be repeated"
+)
 REPLAY_NOTE = (
     "a replay: this run repeats the noise streams of an earlier run (same root, same nonce); "
     "its releases are a copy of that run's releases, not new ones, and add no privacy cost "
@@ -188,6 +192,30 @@ def start_root(
     _write(run_dir, record)
     source = None if path is None else RootSource(str(path), nonce)
     return RunRoot(keys, source, nonce, record, given if path is None else None)
+
+
+def app_record(
+    run_dir: str | Path, given: RootSource | RunSecret | None, source: RootSource
+) -> dict[str, Any]:
+    """Write ``run.json`` of a Flower app's run (``fedsim flwr-run``) and return it: the
+    public record of its root, as :func:`start_root` writes one (there is no ``config.json``
+    to authenticate and nothing to resume). ``given``: the root handed over (a file and the
+    nonce mixed into it, or an object), recorded with the base root's fingerprint; None: the
+    fresh root a worker wrote (``source``), kept nowhere. A root file is read for its
+    fingerprint by a child process (:func:`~fedsim.root_keys.root_fingerprint`), never here."""
+    if given is None:
+        record: dict[str, Any] = {"root": FRESH, "nonce": source.nonce, "note": FRESH_NOTE}
+    elif isinstance(given, RunSecret):
+        record = {"root": GIVEN, "fingerprint": given.fingerprint(), "nonce": None}
+    elif isinstance(given, RootSource):
+        fingerprint = root_fingerprint(given.path, create=False, run_dir=run_dir)
+        record = {"root": GIVEN, "fingerprint": fingerprint, "nonce": given.nonce}
+    else:
+        raise ValueError(
+            f"secrets is a {type(given).__name__}; allowed: RootSource, RunSecret or None"
+        )
+    _write(Path(run_dir), record)
+    return record
 
 
 def read_record(run_dir: str | Path, key: str = "--resume") -> dict[str, Any]:

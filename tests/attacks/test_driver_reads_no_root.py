@@ -186,6 +186,44 @@ def test_the_driver_of_a_ray_run_opens_nothing_of_the_root(tmp_path, ray_engine)
     assert root_file.is_file()
 
 
+QUICKSTART = Path(__file__).resolve().parents[1] / "apps" / "quickstart"
+
+
+def flwr_run(out: Path, *extra: str) -> int:
+    return main(["flwr-run", str(QUICKSTART), "--backend", "local", "--num-supernodes", "3",
+                 "--run-config", "num-server-rounds=1", "--no-progress", "--out", str(out),
+                 *extra])
+
+
+def test_flwr_run_records_its_root_in_run_json_without_opening_it(tmp_path):
+    """``fedsim flwr-run --secrets FILE`` creates the file and records the root's public
+    fingerprint and the run's nonce in run.json, as ``fedsim run`` does: all of it in a child
+    process; a second run of the root gets a nonce of its own."""
+    root_file = tmp_path / "keys" / "run.root"
+    records = []
+    for name in ("a", "b"):
+        with watching(files=[root_file]) as seen:
+            assert flwr_run(tmp_path / name, "--secrets", str(root_file)) == 0
+        assert driver_opens(seen) == [], "flwr-run's driver opened the root"
+        records.append(json.loads((tmp_path / name / RUN_FILE).read_text()))
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        assert summary["run_nonce"] == records[-1]["nonce"]
+    assert stat.S_IMODE(root_file.stat().st_mode) == 0o600
+    fingerprint = RunSecret.load_or_create(root_file, create=False).fingerprint()
+    for record in records:
+        assert set(record) == {"root", "fingerprint", "nonce"}
+        assert record["root"] == "given" and record["fingerprint"] == fingerprint
+        assert len(record["nonce"]) == 32 and int(record["nonce"], 16) >= 0
+    assert records[0]["nonce"] != records[1]["nonce"]
+
+
+def test_flwr_run_with_a_fresh_root_says_it_cannot_be_repeated(tmp_path):
+    assert flwr_run(tmp_path / "fresh") == 0
+    record = json.loads((tmp_path / "fresh" / RUN_FILE).read_text())
+    assert record["root"] == "fresh" and record["nonce"] is None
+    assert "cannot be repeated" in record["note"] and "fingerprint" not in record
+
+
 def test_a_bad_root_file_is_refused_naming_it(tmp_path):
     bad = tmp_path / "keys" / "bad.root"
     bad.parent.mkdir()
