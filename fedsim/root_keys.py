@@ -4,12 +4,12 @@
 hold of a run's root -- :class:`~fedsim.randomness.RunKeys`: the file key, the server's own
 secret, the state stores' sub-roots -- and the base root's public fingerprint. Deriving them
 means reading the root file, which also derives every client's secret; so
-:func:`derive_keys` starts a short-lived child (``python -m fedsim.root_keys``, which imports
-neither torch nor Ray) that opens the file -- creating it first, with OS randomness and mode
-0600, when asked to -- mixes in the run nonce (:meth:`~fedsim.randomness.RunSecret.for_run`),
-and writes back through a pipe only the keys and the fingerprint. The root's bytes never enter
-the driver's memory; the clients' secrets are derived where the engine's workers open the file
-(:class:`~fedsim.randomness.RootSource`).
+:func:`derive_keys` starts a short-lived child (this module's :func:`main` in an isolated
+interpreter, which imports neither torch nor Ray) that opens the file -- creating it first,
+with OS randomness and mode 0600, when asked to -- mixes in the run nonce
+(:meth:`~fedsim.randomness.RunSecret.for_run`), and writes back through a pipe only the keys
+and the fingerprint. The root's bytes never enter the driver's memory; the clients' secrets are
+derived where the engine's workers open the file (:class:`~fedsim.randomness.RootSource`).
 
 Request (stdin, JSON): ``{"path", "nonce", "create", "run_dir", "what"}``. Reply (stdout,
 JSON): :meth:`~fedsim.randomness.RunKeys.tokens` (``what`` "keys"), only the fingerprint
@@ -21,7 +21,6 @@ the same :class:`~fedsim.config.ConfigError`.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +31,13 @@ from fedsim.randomness import RunKeys, RunSecret, checked_nonce
 
 #: seconds the child may take (it reads one small file and computes a few HMACs)
 CHILD_TIMEOUT_S = 120.0
+#: the child: isolated mode (-I: no PYTHON* variables, no user site, not the working
+#: directory), importing this very fedsim
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])
+_CHILD = (
+    f"import sys; sys.path.insert(0, {_PACKAGE_ROOT!r}); from fedsim.root_keys import main; "
+    "sys.exit(main())"
+)
 
 
 def derive_keys(
@@ -69,15 +74,12 @@ def _ask(path, nonce, create, run_dir, what: str) -> dict[str, Any]:
         "run_dir": None if run_dir is None else str(run_dir),
         "what": what,
     }
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "fedsim.root_keys"],
+            [sys.executable, "-I", "-c", _CHILD],
             input=json.dumps(request),
             capture_output=True,
             text=True,
-            env=env,
             timeout=CHILD_TIMEOUT_S,
             check=False,
         )
