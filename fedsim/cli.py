@@ -253,13 +253,17 @@ def _check_address(address: str, backend: str, key: str) -> None:
 
 
 def _secrets(args: argparse.Namespace) -> RootSource:
-    """Where a Flower app's parties find their root: ``--secrets`` (created if missing, never
-    read here) with a fresh run nonce; without it, a fresh root a worker writes (None)."""
-    from fedsim.randomness import RootSource, new_nonce, root_file  # noqa: PLC0415
+    """Where a Flower app's parties find their root: ``--secrets`` (created if missing by a
+    child process, never read here: :mod:`fedsim.root_keys`) with a fresh run nonce; without
+    it, a fresh root a worker writes (None)."""
+    from fedsim.randomness import RootSource, new_nonce, outside_run_dir  # noqa: PLC0415
+    from fedsim.root_keys import root_fingerprint  # noqa: PLC0415
 
     if args.secrets is None:
         return None
-    return RootSource(str(root_file(args.secrets, args.out)), new_nonce())
+    path = outside_run_dir(args.secrets, args.out)
+    root_fingerprint(path, create=True, run_dir=args.out)
+    return RootSource(str(path), new_nonce())
 
 
 def _progress(args: argparse.Namespace) -> bool | Cadence:

@@ -10,10 +10,11 @@ opened (:func:`close_run`), whether it finished or failed.
 Secrets: every party's secret derives from the run's secret root
 (:class:`~fedsim.randomness.RunSecret`), which never enters the run directory
 (:mod:`fedsim.run_root`). The driver keeps only the keys the server may hold
-(:class:`~fedsim.randomness.RunKeys`); the engine's workers and the committees' member actors
-open the root themselves (:class:`~fedsim.randomness.RootSource`), so with the Ray backend and
-committee actors nothing the strategy reaches holds a client's or a member's secret. The
-local backend and committees hosted in process give no such isolation.
+(:class:`~fedsim.randomness.RunKeys`), which a child process that reads the root file derives
+(:mod:`fedsim.root_keys`): the driver never opens it. The engine's workers and the
+committees' member actors open the root themselves (:class:`~fedsim.randomness.RootSource`),
+so with the Ray backend and committee actors nothing the strategy reaches holds a client's or
+a member's secret. The local backend and committees hosted in process give no such isolation.
 """
 
 from __future__ import annotations
