@@ -390,6 +390,30 @@ def cmd_factorize(args: argparse.Namespace) -> int:
     return 0
 
 
+def stopped_early(summary: dict[str, Any]) -> str | None:
+    """One line for a run its strategy ended before its last round (the privacy budget's
+    ``max_epsilon``, a factorization's length), with the epsilon it ended at; None for a
+    run that ran every round."""
+    reason = summary.get("stopped_reason")
+    if not reason:
+        return None
+    planned = (summary.get("config") or {}).get("rounds")
+    of = f" of {planned}" if planned is not None else ""
+    privacy = summary.get("privacy") or {}
+    epsilon = privacy.get("epsilon")
+    at = ""
+    if isinstance(epsilon, (int, float)) and not isinstance(epsilon, bool):
+        delta = privacy.get("delta")
+        at = f" at epsilon = {epsilon:.6g}" + (
+            f" (delta = {delta:g})" if isinstance(delta, (int, float)) else ""
+        )
+    what = "the privacy budget" if reason.startswith("max_epsilon") else "its strategy"
+    return (
+        f"fedsim: STOPPED EARLY by {what} after round {summary.get('rounds', 0)}{of}{at}: "
+        f"{reason}"
+    )
+
+
 def _program() -> list[str]:
     """How this process was started, to repeat it: ``python -m fedsim`` (this interpreter)
     when run as a module, else the ``fedsim`` command."""
@@ -488,6 +512,9 @@ def _run_command(args: argparse.Namespace, started: float) -> int:
         )
         return EXIT_INTERRUPTED
     out = Path(args.out or args.resume)
+    stopped = stopped_early(summary)
+    if stopped:
+        print(stopped)
     print(
         f"fedsim: {summary.get('rounds', 0)} rounds in {time.perf_counter() - started:.1f} s; "
         f"results in {out / 'rounds.jsonl'} and {out / 'summary.json'}"

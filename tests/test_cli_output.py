@@ -3,6 +3,7 @@
 
 import importlib.metadata
 import io
+import json
 import logging
 import os
 import re
@@ -111,13 +112,48 @@ def test_plain_progress_lines_per_round_when_stderr_is_a_pipe(dp_runs):
     assert [re.match(r"fedsim: round (\d+)/3, ", p).group(1) for p in progress] == ["1", "2", "3"]
     for line in progress:  # whole lines: the rate and the metrics at the end, nothing cut
         assert re.fullmatch(
-            r"fedsim: round \d/3, [\d.]+ s, \d+ clients/s, central\.accuracy=[\d.e-]+ "
-            r"central\.loss=[\d.e+-]+",
+            r"fedsim: round \d/3, [\d.]+ s, \d+ clients/s, (?:ε|epsilon)=[\d.e+-]+ "
+            r"\((?:δ|delta)=1e-05\), central\.accuracy=[\d.e-]+ central\.loss=[\d.e+-]+",
             line,
         ), line
     assert "\r" not in err and "\x1b[" not in err  # no cursor control
     assert err.strip() == "\n".join(progress)  # nothing else without --verbose
     assert "results in" in dp_runs["normal"].stdout
+
+
+def test_each_progress_line_shows_the_epsilon_of_its_round(dp_runs, tmp_path_factory):
+    err = dp_runs["normal"].stderr
+    shown = [
+        float(m.group(1))
+        for m in re.finditer(r"^fedsim: round \d/3, .*?(?:ε|epsilon)=([\d.e+-]+) ", err, re.M)
+    ]
+    out = Path(re.search(r"results in (\S+)/rounds\.jsonl", dp_runs["normal"].stdout).group(1))
+    written = [json.loads(x)["privacy"]["epsilon"] for x in (out / "rounds.jsonl").open()]
+    assert shown == pytest.approx(written[1:], rel=1e-3) and len(shown) == ROUNDS
+    assert shown[0] < shown[1] < shown[2]
+
+
+def test_progress_privacy_text_on_a_pipe_and_in_ascii():
+    line = {
+        "round": 1,
+        "clients_per_s": 3.0,
+        "privacy": {"epsilon": 1.23456, "delta": 1e-5},
+        "client_privacy": {"max_epsilon": 7.5},
+    }
+    utf8 = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")
+    ascii_ = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    for stream in (utf8, ascii_):
+        with RunProgress(2, enabled=Cadence(), stream=stream) as bar:
+            bar(line)
+        stream.flush()
+    assert "3 clients/s, ε=1.235 (δ=1e-05) client ε<=7.5" in utf8.buffer.getvalue().decode()
+    text = ascii_.buffer.getvalue().decode("ascii")
+    assert "3 clients/s, epsilon=1.235 (delta=1e-05) client epsilon<=7.5" in text
+    plain = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")
+    with RunProgress(2, enabled=Cadence(), stream=plain) as bar:
+        bar(record(1))  # a run without privacy: no epsilon
+    plain.flush()
+    assert "ε" not in plain.buffer.getvalue().decode()
 
 
 def test_quiet_prints_only_the_final_summary(dp_runs):
@@ -183,7 +219,8 @@ def test_processes_a_command_starts_log_flower_at_its_verbosity(monkeypatch, ver
             [sys.executable, "-c", WORKER], capture_output=True, text=True, timeout=120
         )
     assert "FLWR_LOG_LEVEL" not in os.environ  # restored
-    printed = [kind for kind in ("info", "warning", "error") if f"a worker's {kind}" in child.stderr]
+    kinds = ("info", "warning", "error")
+    printed = [kind for kind in kinds if f"a worker's {kind}" in child.stderr]
     assert printed == shown, child.stderr
 
 
