@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedsim.commands import account, audit, compare, factorize, minmax, plot, sweep
-from fedsim.commands.console import Verbosity, console
+from fedsim.commands.console import Verbosity, console, hush_ray
 from fedsim.config import ConfigError, device_name
 from fedsim.progress import Cadence
 from fedsim.results_json import dumps
@@ -288,6 +288,8 @@ def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
         config.engine.backend,
         "--ray-address" if args.ray_address else "engine.ray_address",
     )
+    if args.quiet and config.engine.backend == "ray":
+        hush_ray()  # no "(raylet) A worker died ..." text for each injected crash
     return run_experiment(
         config,
         args.resume or args.out,
@@ -319,6 +321,8 @@ def cmd_flwr_run(args: argparse.Namespace) -> dict[str, Any]:
     )
     if args.device is not None:
         device_name(args.device, "--device")
+    if args.quiet and (args.backend or "ray") == "ray":
+        hush_ray()
     started: list[tuple[Engine, Federation, CohortModel | None, RootSource | None]] = []
     locks: list[RunLock] = []
 

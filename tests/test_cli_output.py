@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fedsim.commands.console import Verbosity, console
+from fedsim.commands.console import Verbosity, console, hush_ray
 from fedsim.config import ConfigError
 from fedsim.progress import Cadence, RunProgress
 
@@ -303,3 +303,47 @@ def test_progress_every_parses_rounds_or_seconds(text, cadence):
 def test_bad_progress_every_is_refused_by_name(text):
     with pytest.raises(ConfigError, match="--progress-every"):
         Cadence.parse(text)
+
+
+RAYLET_TEXT = (
+    "A worker died or was killed while executing a task by an unexpected system error. ... "
+    "(1) the process was killed by the OOM killer due to high memory usage"
+)
+
+
+def test_quiet_keeps_rays_own_driver_text_in_the_debug_log(capsys):
+    """What Ray's driver thread prints for a dead worker (on stdout, from a background
+    thread) is hushed under --quiet, shown at DEBUG with --verbose, and Ray's own printer is
+    back once the command ends."""
+    import ray._private.worker as ray_worker
+
+    original = ray_worker.print_to_stdstream
+    message = {"lines": [RAYLET_TEXT], "pid": "raylet", "is_err": False}
+    for verbosity in (Verbosity.QUIET, Verbosity.VERBOSE):
+        with console(verbosity):
+            hush_ray()
+            hush_ray()  # once is enough: the second changes nothing
+            ray_worker.print_to_stdstream(message, ignore_prefix=False)
+        assert ray_worker.print_to_stdstream is original
+        captured = capsys.readouterr()
+        if verbosity is Verbosity.QUIET:
+            assert captured.out == captured.err == ""
+        else:
+            assert captured.out == ""
+            assert captured.err == f"DEBUG fedsim.ray_driver: (raylet) {RAYLET_TEXT}\n"
+
+
+def test_quiet_prints_nothing_of_injected_worker_crashes_on_ray(tmp_path):
+    """crash_probability = 1: the first attempt of every batch kills its Ray worker (a
+    re-run never crashes), so Ray's driver has a dead worker to report in each phase."""
+    config = tmp_path / "crashes.toml"
+    config.write_text(
+        DP_CONFIG.replace("rounds = 3", "rounds = 1").replace(
+            'backend = "local"', 'backend = "ray"\nworkers = 1'
+        )
+        + "\n[faults]\ncrash_probability = 1.0\n"
+    )
+    quiet = fedsim("--quiet", "run", str(config), "--out", str(tmp_path / "out"))
+    assert quiet.returncode == 0, quiet.stderr
+    assert quiet.stderr == ""
+    assert re.fullmatch(r"fedsim: 1 rounds in [\d.]+ s; results in \S+ and \S+\n", quiet.stdout)
