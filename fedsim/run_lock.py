@@ -82,6 +82,8 @@ class RunLock:
     path: Path
     fd: int
     holder: dict[str, Any]
+    #: the outermost directory :meth:`acquire` made (None: the directory was there)
+    created: Path | None = None
 
     @classmethod
     def acquire(cls, out: str | Path, key: str = "--out", command: str = "") -> RunLock:
@@ -91,10 +93,14 @@ class RunLock:
         out = Path(out)
         if out.exists() and not out.is_dir():
             raise ConfigError(key, str(out), "a directory path (a file has this name)")
-        out.mkdir(parents=True, exist_ok=True)
+        created = next((d for d in reversed((out, *out.parents)) if not d.exists()), None)
         path = out / LOCK_FILE
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            out.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except FileNotFoundError:  # an ending run removed the empty directory it made
+                continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as err:
@@ -126,11 +132,12 @@ class RunLock:
         os.lseek(fd, 0, os.SEEK_SET)
         os.write(fd, json.dumps(holder, sort_keys=True).encode("utf-8") + b"\n")
         os.fsync(fd)
-        return cls(path, fd, holder)
+        return cls(path, fd, holder, created)
 
     def release(self) -> None:
         """Remove the lock file and unlock it (in that order: a waiting acquirer then finds
-        it gone and opens a new one). Idempotent."""
+        it gone and opens a new one), then the directories :meth:`acquire` made if they are
+        still empty (a run refused before it wrote anything leaves nothing). Idempotent."""
         if self.fd < 0:
             return
         with contextlib.suppress(FileNotFoundError):
@@ -138,6 +145,17 @@ class RunLock:
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
         self.fd = -1
+        if self.created is None:
+            return
+        directory = self.path.parent
+        while True:
+            try:
+                directory.rmdir()  # only an empty one
+            except OSError:
+                return
+            if directory == self.created:
+                return
+            directory = directory.parent
 
 
 @contextlib.contextmanager

@@ -61,7 +61,16 @@ def test_a_held_lock_refuses_a_second_writer_naming_the_holder(tmp_path):
         assert "(fedsim run)" in message and str(out / LOCK_FILE) in message
         assert err.value.holder == held.holder
     assert not (out / LOCK_FILE).exists()  # released: removed
+    assert not tmp_path.joinpath("run").exists()  # with the empty directory it made
     RunLock.acquire(out).release()  # and free again
+    kept = tmp_path / "kept"
+    (kept / "a" / "b").mkdir(parents=True)
+    with locked(kept / "a" / "b" / "c" / "d"):
+        pass
+    assert sorted(p.name for p in kept.rglob("*")) == ["a", "b"]  # only what it made went
+    with locked(kept / "a"):
+        (kept / "a" / "results.txt").write_text("x")
+    assert (kept / "a" / "results.txt").is_file()  # a directory with files stays
 
 
 def test_a_lock_left_by_a_dead_run_is_taken_over(tmp_path, caplog):
