@@ -67,7 +67,10 @@ class StopRequests:
         return bool(self.received)
 
     def install(self) -> None:
-        """Make this the handler of :data:`SIGNALS` (again, if another took them over)."""
+        """Make this the handler of :data:`SIGNALS` (again, if another took them over); in a
+        thread other than the main one, where no handler can be set, nothing changes."""
+        if threading.current_thread() is not threading.main_thread():
+            return
         for sig in SIGNALS:
             current = signal.getsignal(sig)
             if current != self._handle:
