@@ -211,7 +211,7 @@ def tiny(strategy: dict) -> dict:
     raw.update(rounds=2, seed=4)
     raw["data"].update(num_clients=40)
     raw["client"].update(epochs=1)
-    raw["model"].update(channels=[4], hidden=[16])
+    raw["model"].update(channels=[4, 4], hidden=[16])
     raw["strategy"] = {"clients_per_round": 12, "sampling": "uniform", **strategy}
     raw["evaluation"].update(clients=4, every=2)
     return raw
