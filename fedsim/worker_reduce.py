@@ -258,6 +258,11 @@ class Reducer(ABC):
     #: fold seals); a worker never ships them: replies it cannot fold become failed replies,
     #: and its ``bytes_up`` counts the folded reply, the bytes that leave it
     confidential: ClassVar[bool] = False
+    #: True: the fold is exact (integer or field arithmetic), so its result is the same for
+    #: any split of the replies; the grid then folds whole batches, not fold chunks
+    #: (:func:`fold_chunk_size`), which a floating-point fold needs to give the same bits on
+    #: every backend
+    exact: ClassVar[bool] = False
 
     def to_config(self) -> ConfigRecord:
         """This reducer as a ConfigRecord: its import path plus its parameters."""

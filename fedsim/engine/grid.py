@@ -15,13 +15,15 @@ for the addressed virtual clients on the backend's workers:
   late replies) and returns the replies ordered by node id, so a run's result
   does not depend on which worker finished first.
 
-When the instructions carry a reducer (:mod:`fedsim.worker_reduce`), the messages of
-one content are cut into fixed fold chunks (:func:`~fedsim.worker_reduce.fold_chunk_size`,
-a function of their number alone), batches hold whole chunks, each batch returns one
-partial reply per chunk in place of its clients' replies, and the grid folds the partials
-in chunk order into one reply (``reply_to_message_id``: that of the first chunk's first
-replying message). The floating-point operations of the fold are then the same whatever the
-number of workers or the backend: a run gives the same bits on each.
+When the instructions carry a reducer (:mod:`fedsim.worker_reduce`) whose fold is not
+exact (floating point), the messages of one content are cut into fixed fold chunks
+(:func:`~fedsim.worker_reduce.fold_chunk_size`, a function of their number alone), batches
+hold whole chunks, each batch returns one partial reply per chunk in place of its clients'
+replies, and the grid folds the partials in chunk order into one reply
+(``reply_to_message_id``: that of the first chunk's first replying message). The
+floating-point operations of the fold are then the same whatever the number of workers or
+the backend: a run gives the same bits on each. An exact fold
+(:attr:`~fedsim.worker_reduce.Reducer.exact`: integer or field sums) folds whole batches.
 
 Each push is one *phase*. A :class:`~fedsim.engine.participation.CohortModel`
 model decides which node ids ``get_node_ids`` reports in each phase; every
@@ -352,9 +354,10 @@ class SimulationGrid(Grid):
             messages = [m for m, x in zip(messages, drawn.dropped) if not x]
             phase.dropped = int(drawn.dropped.sum())
         for group in self._batch_groups(messages, shared):
-            folded = shared[id(group[0].content)][2] is not None
-            fold_chunk = fold_chunk_size(len(group)) if folded else 1
-            for size in batch_sizes(len(group), self.backend.num_workers, fold_chunk):
+            reducer = shared[id(group[0].content)][2]
+            chunked = reducer is not None and not reducer.exact
+            fold_chunk = fold_chunk_size(len(group)) if chunked else None
+            for size in batch_sizes(len(group), self.backend.num_workers, fold_chunk or 1):
                 chunk, group = group[:size], group[size:]
                 self._submit(phase, chunk, shared, folds, late, phase_kind, fold_chunk)
         if not phase.pending:
@@ -381,7 +384,7 @@ class SimulationGrid(Grid):
         folds: dict[int, OrderedFold],
         late: set[str],
         kind: int,
-        fold_chunk: int = 1,
+        fold_chunk: int | None = None,
     ) -> None:
         handles: list[Content] = []
         position: dict[int, int] = {}
