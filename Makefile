@@ -19,6 +19,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 test: setup
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
 # the Flower compatibility suite alone (part of `make test`): each surface under fedsim
