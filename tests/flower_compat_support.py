@@ -73,11 +73,18 @@ run_simulation(
     server_app=server,
     client_app=Configured(inner_client, configs[0]),
     num_supernodes=nodes,
+    # address "local": a Ray of its own, as `flwr run` starts on a machine without one (with
+    # no address Ray joins whatever cluster a `ray start` here last left behind, and with
+    # num_cpus given to it Flower's backend never starts: the run waits forever)
     backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                    "init_args": {"num_cpus": 2, "logging_level": "WARNING"}},
+                    "init_args": {"address": "local", "num_cpus": 2,
+                                  "logging_level": "WARNING"}},
 )
 """
 
+#: seconds one Flower process may take (below pytest's per-test 900: a hung Flower run fails
+#: with its own output)
+FLOWER_TIMEOUT_S = 600
 #: the run config keys the ClientApps read must be the same in every run of one Flower process
 CLIENT_KEYS = ("local-steps", "lr")
 
@@ -98,15 +105,21 @@ def flower_runs(
     given = [{**overrides, "output-path": str(outputs[n])} for n, overrides in runs.items()]
     app_dir = APPS / app
     env = dict(
-        os.environ,
+        {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
         PYTHONPATH=os.pathsep.join([str(ROOT), str(app_dir)]),
         RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO="0",
         RAY_USAGE_STATS_ENABLED="0",
     )
-    done = subprocess.run(
-        [sys.executable, str(script), str(app_dir), json.dumps(given), str(nodes)],
-        env=env, capture_output=True, text=True, timeout=900,
-    )
+    try:
+        done = subprocess.run(
+            [sys.executable, str(script), str(app_dir), json.dumps(given), str(nodes)],
+            env=env, capture_output=True, text=True, timeout=FLOWER_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired as err:  # Flower's output, not pytest's timeout
+        raise AssertionError(
+            f"Flower's run_simulation did not finish in {FLOWER_TIMEOUT_S} s",
+            str(err.stdout or "")[-2000:], str(err.stderr or "")[-4000:],
+        ) from err
     missing = [name for name, path in outputs.items() if not path.exists()]
     assert not missing, (missing, done.stdout[-2000:], done.stderr[-4000:])
     return {name: json.loads(path.read_text()) for name, path in outputs.items()}
