@@ -163,3 +163,106 @@ def test_the_stages_of_one_protocol_count_each_node_once():
     assert record["train"]["messages"] == 16 and record["train"]["clients"] == 4
     assert record["train"]["bytes_down"] == 400
     assert record["clients_per_s"] == pytest.approx(4 / record["seconds"])
+
+
+def test_a_flower_strategys_results_land_in_their_rounds_lines():
+    """What a Flower strategy files (fedsim.flwr_metrics): the initial model's central
+    evaluation before any phase is a round-0 line; each round's aggregated metrics and central
+    evaluation join that round's line; a loss and metrics of one section make one mapping."""
+    records = []
+    recorder = RoundRecorder([records.append], infer_rounds=True)
+    recorder.strategy_metrics(0, "central", {"loss": 4.0})
+    recorder.strategy_metrics(0, "central", {"acc": 0.1})
+    recorder.phase_finished(report(0, "train", 1))
+    assert [r["round"] for r in records] == [0]  # a phase of round 1 closed round 0
+    assert records[0]["central"] == {"loss": 4.0, "acc": 0.1} and "train" not in records[0]
+    recorder.strategy_metrics(1, "aggregated", {"train_loss": 0.5})
+    recorder.phase_finished(report(1, "evaluate", 1))
+    recorder.strategy_metrics(1, "aggregated_evaluate", {"loss": 0.6})
+    recorder.strategy_metrics(1, "central", {"loss": 0.7})
+    recorder.phase_finished(report(2, "train", 2))
+    recorder.strategy_metrics(2, "aggregated", {"train_loss": 0.2})
+    recorder.close()
+    assert [r["round"] for r in records] == [0, 1, 2]
+    assert records[1]["aggregated"] == {"train_loss": 0.5}
+    assert records[1]["aggregated_evaluate"] == {"loss": 0.6}
+    assert records[1]["central"] == {"loss": 0.7} and records[1]["train"]["clients"] == 4
+    assert records[2]["aggregated"] == {"train_loss": 0.2} and "central" not in records[2]
+
+
+def test_a_strategy_result_of_the_next_round_closes_the_open_one():
+    """Central evaluation of round 2 with no phase of round 2 yet (a strategy that
+    evaluates centrally only): round 1's line is closed first."""
+    records = []
+    recorder = RoundRecorder([records.append], infer_rounds=True)
+    recorder.phase_finished(report(0, "train", 1))
+    recorder.strategy_metrics(1, "central", {"loss": 1.0})
+    recorder.strategy_metrics(2, "central", {"loss": 0.5})
+    recorder.close()
+    assert [(r["round"], r["central"]) for r in records] == [(1, {"loss": 1.0}),
+                                                            (2, {"loss": 0.5})]
+    assert "train" not in records[1]
+
+
+def test_results_filed_after_an_evaluate_phase_without_a_round_number_join_its_line():
+    """An evaluate phase without a round number ends its round at the next phase, so what
+    the strategy aggregates from its replies is still that round's."""
+    records = []
+    recorder = RoundRecorder([records.append], infer_rounds=True)
+    recorder.phase_finished(report(0, "train", None))
+    recorder.phase_finished(report(1, "evaluate", None))
+    recorder.strategy_metrics(1, "aggregated_evaluate", {"loss": 0.3})
+    recorder.phase_finished(report(2, "train", None))
+    recorder.close()
+    assert [r["round"] for r in records] == [1, 2]
+    assert records[0]["aggregated_evaluate"] == {"loss": 0.3} and "evaluate" in records[0]
+    assert "aggregated_evaluate" not in records[1]
+
+
+def test_a_private_run_keeps_the_strategys_client_aggregates_out_but_central_in():
+    records = []
+    recorder = RoundRecorder([records.append], infer_rounds=True, private=True)
+    recorder.phase_finished(report(0, "train", 1))
+    recorder.strategy_metrics(1, "aggregated", {"train_loss": 0.5})
+    recorder.strategy_metrics(1, "aggregated_evaluate", {"loss": 0.6})
+    recorder.strategy_metrics(1, "central", {"loss": 0.7})
+    recorder.close()
+    (record,) = records
+    assert "aggregated" not in record and "aggregated_evaluate" not in record
+    assert record["central"] == {"loss": 0.7} and "metrics" not in record["train"]
+    shown = []
+    clear = RoundRecorder([shown.append], infer_rounds=True, private=True, metrics_in_clear=True)
+    clear.phase_finished(report(0, "train", 1))
+    clear.strategy_metrics(1, "aggregated", {"train_loss": 0.5})
+    clear.close()
+    assert shown[0]["aggregated"] == {"train_loss": 0.5} and shown[0]["metrics_in_clear"]
+
+
+def test_a_run_whose_boundary_accounts_a_mechanism_keeps_flower_aggregates_out():
+    """A Flower strategy's aggregates are un-noised means of the clients' numbers: in a run
+    whose release boundary accounted a mechanism they are not written (central is)."""
+    from fedsim.engine.boundary import ReleaseBoundary
+    from fedsim.privacy.accounting import PoissonSampling, PrivacyLedger, round_event
+
+    class Mechanism:
+        accountant = "rdp"
+
+        def __init__(self):
+            self.ledger = PrivacyLedger("add_remove", 1e-5)
+            self.ledger.record(1, round_event(1.0, PoissonSampling(0.1)))
+
+        def epsilon(self):
+            return self.ledger.epsilon()
+
+    records = []
+    recorder = RoundRecorder([records.append], infer_rounds=True)
+    boundary = ReleaseBoundary()
+    recorder.attach_boundary(boundary)
+    recorder.phase_finished(report(0, "train", 1))
+    recorder.strategy_metrics(1, "aggregated", {"train_loss": 0.5})
+    recorder.strategy_metrics(1, "central", {"loss": 0.7})
+    boundary.register(Mechanism())
+    recorder.close()
+    (record,) = records
+    assert "aggregated" not in record and record["central"] == {"loss": 0.7}
+    assert math.isfinite(record["privacy"]["epsilon"])

@@ -1,1 +1,1 @@
-"""Federated analytics with query messages (fedsim's compatibility suite)."""
+"""Message-API surfaces: query messages with actions, FedAvg (fedsim's compatibility suite)."""

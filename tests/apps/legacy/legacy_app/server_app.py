@@ -182,6 +182,7 @@ def main(grid: Grid, context: Context) -> None:
             "losses_centralized": history.losses_centralized,
             "metrics_distributed_fit": history.metrics_distributed_fit,
             "metrics_distributed": history.metrics_distributed,
+            "metrics_centralized": history.metrics_centralized,
         }
     out.update(
         final=recorder.final,
