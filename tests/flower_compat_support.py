@@ -118,11 +118,18 @@ def flower_runs(
     except subprocess.TimeoutExpired as err:  # Flower's output, not pytest's timeout
         raise AssertionError(
             f"Flower's run_simulation did not finish in {FLOWER_TIMEOUT_S} s",
-            str(err.stdout or "")[-2000:], str(err.stderr or "")[-4000:],
+            text_of(err.stdout)[-2000:], text_of(err.stderr)[-4000:],
         ) from err
     missing = [name for name, path in outputs.items() if not path.exists()]
     assert not missing, (missing, done.stdout[-2000:], done.stderr[-4000:])
     return {name: json.loads(path.read_text()) for name, path in outputs.items()}
+
+
+def text_of(output: str | bytes | None) -> str:
+    """A subprocess's output as text (a timed-out run's is bytes, whatever ``text`` said)."""
+    if isinstance(output, bytes):
+        return output.decode(errors="replace")
+    return output or ""
 
 
 def toml_value(value: Any) -> str:
