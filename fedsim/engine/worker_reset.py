@@ -11,8 +11,9 @@ brings the process back to it:
   its ClientApp afresh);
 - in every baseline module, names added after the baseline are deleted and names rebound
   are bound back; the same for the attributes of the classes those modules define;
-- the worker's own attributes, ``sys.path``, ``os.environ`` and the working directory are
-  restored;
+- the worker's own attributes, ``sys.path``, ``os.environ``, the working directory, the
+  global random states (``random``, numpy's, torch's CPU generator) and torch's thread
+  count, default dtype and grad mode are restored;
 - a thread started by the run that is still alive fails the reset.
 
 A reset that fails (or raises) says why; the caller must then not reuse the worker (the
@@ -71,7 +72,7 @@ def _thread_owner(thread: threading.Thread) -> str:
 
 
 #: threads these packages start for themselves are not a run's
-_SYSTEM_THREADS = ("ray", "grpc", "threading", "concurrent", "fedsim.engine.channel", "torch")
+_SYSTEM_THREADS = ("ray", "grpc", "concurrent", "fedsim.engine.channel", "torch")
 
 
 @dataclass
@@ -86,6 +87,10 @@ class Baseline:
     cwd: str
     threads: set[int]
     attributes: dict[str, Any] = field(default_factory=dict)
+    #: global random states (``random``, numpy's, torch's CPU generator) and torch's
+    #: process settings: a cold worker starts with torch's fixed default seed, so a warm one
+    #: must too for a run to give the same bits (tested)
+    globals_: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def take(cls, owner: object) -> Baseline:
@@ -109,6 +114,7 @@ class Baseline:
             cwd=os.getcwd(),
             threads={t.ident for t in threading.enumerate() if t.ident is not None},
             attributes=dict(vars(owner)),
+            globals_=_global_state(),
         )
 
     def restore(self, owner: object) -> list[str]:
@@ -146,6 +152,7 @@ class Baseline:
             os.chdir(self.cwd)
         except OSError as err:
             problems.append(f"working directory {self.cwd}: {err}")
+        _set_global_state(self.globals_)
         owned = vars(owner)
         for key in [k for k in list(owned) if k not in self.attributes]:
             del owned[key]
@@ -158,6 +165,40 @@ class Baseline:
             if not owner_module.startswith(_SYSTEM_THREADS):
                 problems.append(f"thread {thread.name!r} ({owner_module}) is still running")
         return problems
+
+
+def _global_state() -> dict[str, Any]:
+    import random  # noqa: PLC0415
+
+    state: dict[str, Any] = {"random": random.getstate()}
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        state["numpy"] = numpy.random.get_state()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        state["torch"] = (
+            torch.get_rng_state(),
+            torch.get_num_threads(),
+            torch.get_default_dtype(),
+            torch.is_grad_enabled(),
+        )
+    return state
+
+
+def _set_global_state(state: dict[str, Any]) -> None:
+    import random  # noqa: PLC0415
+
+    random.setstate(state["random"])
+    if "numpy" in state:
+        sys.modules["numpy"].random.set_state(state["numpy"])
+    if "torch" in state:
+        torch = sys.modules["torch"]
+        rng, threads, dtype, grad = state["torch"]
+        torch.set_rng_state(rng)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        torch.set_default_dtype(dtype)
+        torch.set_grad_enabled(grad)
 
 
 class ResettableWorker(ClientWorker):
@@ -195,6 +236,7 @@ class ResettableWorker(ClientWorker):
         channel = self.__dict__.get("_channel")
         if channel is not None:
             channel.close()
+        self._content_cache.clear()  # the baseline's own (emptied) dict is put back
         try:
             problems = baseline.restore(self)
         except Exception as err:  # a process the reset cannot vouch for is not reused
