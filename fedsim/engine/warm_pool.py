@@ -224,7 +224,14 @@ def _stop_group(pid: int, wait_s: float = 30.0) -> bool:
     try:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
-        pass
+        return True
+    deadline = time.monotonic() + 10.0  # killed processes leave the group once reaped
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
     return True
 
 
