@@ -8,14 +8,14 @@ from dp_accounting.rdp import RdpAccountant
 
 from fedsim.config import ConfigError
 from fedsim.privacy.accounting import (
+    Z_MAX,
+    Z_MIN,
     FixedSizeSampling,
     FullParticipation,
     MinSeparation,
     NeighbouringRelation,
     PoissonSampling,
     PrivacyLedger,
-    Z_MAX,
-    Z_MIN,
     adaptive_clipping_round_event,
     calibrate_noise,
     effective_noise_multiplier,

@@ -1,19 +1,20 @@
-"""Start-up on a warm pool against a cold start, in one run (issue 29, point 3).
+"""Benchmark: what importing fedsim and starting Ray cost, whole processes (docs/start-up.md).
 
-Each measurement is a fresh process that runs one small experiment (the quickstart: digits,
-a small CNN, one round of 10 of 60 clients, 2 Ray workers) through ``run_experiment`` and
-reports the seconds from its call to the end of the run (``attach_to_first_round_s``: Ray's
-start or attach, the workers, the run's set-up and its one round), and the whole process
-(``process_s``, with the interpreter's imports). Three kinds, in this order:
+Each measurement is a fresh interpreter, timed from outside: wall seconds, and CPU seconds
+(user + system of the child and of every process it reaped, ``RUSAGE_CHILDREN``), median over
+``--reps`` repetitions after one warm-up:
 
-- ``cold``: ``FEDSIM_WARM=off``, a fresh local Ray per run (what every run paid before);
-- ``first``: ``FEDSIM_WARM=on`` with no head up: the run starts the head and the pool;
-- ``warm``: ``FEDSIM_WARM=auto`` with the head up: the run attaches to warm workers.
+* ``import_cli``: ``python -c "import fedsim.cli"``; ``help``: ``python -m fedsim --help``;
+* ``import_experiment``: ``import fedsim.experiment`` (a ``fedsim run``'s driver imports);
+* ``import_ray``, ``import_torch``, ``import_torch_dynamo`` (``import torch, torch._dynamo``:
+  what a process pays the first time it builds a torch optimiser);
+* ``ray_start_stop``: ``ray.init`` as the engine starts it (``ensure_ray``), two bare actors,
+  ``ray.shutdown``.
 
-The pool is stopped (``fedsim down``) at the end, whatever happens. Writes startup.json
-beside this file (``--out`` to change) with the medians and the ratios cold / warm.
+The load average before and after is stored with the result: wall time stretches with the
+machine's load, CPU time far less. Writes ``startup.json`` next to this file.
 
-    .venv/bin/python experiments/bench/startup.py --reps 3
+    python experiments/bench/startup.py [--reps 3]
 """
 
 from __future__ import annotations
@@ -21,123 +22,73 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
+OUT = Path(__file__).with_name("startup.json")
+RAY_START_STOP = """
+import ray
+from fedsim.engine.cluster import ensure_ray
+ensure_ray(num_cpus=2)
+@ray.remote
+class Bare:
+    def ping(self):
+        return 1
+actors = [Bare.remote() for _ in range(2)]
+ray.get([a.ping.remote() for a in actors])
+ray.shutdown()
+"""
+COMMANDS = {
+    "import_cli": ["-c", "import fedsim.cli"],
+    "help": ["-m", "fedsim", "--help"],
+    "import_experiment": ["-c", "import fedsim.experiment"],
+    "import_ray": ["-c", "import ray"],
+    "import_torch": ["-c", "import torch"],
+    "import_torch_dynamo": ["-c", "import torch, torch._dynamo"],
+    "ray_start_stop": ["-c", RAY_START_STOP],
+}
 
 
-def _config() -> dict:
-    from fedsim.config import load_toml
-
-    raw = load_toml(ROOT / "experiments" / "quickstart" / "config.toml")
-    raw["rounds"] = 1
-    raw["data"]["num_clients"] = 60
-    raw["client"]["epochs"] = 1
-    raw["strategy"]["clients_per_round"] = 10
-    raw["evaluation"].update(clients=5, every=1)
-    raw["engine"] = {"backend": "ray", "workers": 2, "num_cpus": 2}
-    return raw
-
-
-def measure(out: str) -> None:
-    """One run in this process; prints a JSON line."""
-    from fedsim.experiment import run_experiment
-    from fedsim.randomness import RunSecret
-    from fedsim.run_config import ExperimentConfig
-
-    config = ExperimentConfig.from_dict(_config())
-    began = time.perf_counter()
-    summary = run_experiment(
-        config, out, progress=False, secrets=RunSecret.from_passphrase("startup bench")
-    )
-    seconds = time.perf_counter() - began
-    print(
-        "RESULT "
-        + json.dumps(
-            {"attach_to_first_round_s": seconds, "engine_startup": summary.get("engine_startup")}
-        ),
-        flush=True,
-    )
-
-
-def _child(mode: str, out: Path, env: dict) -> dict:
-    began = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, __file__, "--measure", str(out)],
-        env=dict(env, FEDSIM_WARM=mode),
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    wall = time.perf_counter() - began
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"the {mode} run failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
-    result = json.loads(lines[-1].removeprefix("RESULT "))
-    result["process_s"] = wall
-    return result
+def timed(args: list[str]) -> tuple[float, float]:
+    """(wall s, CPU s) of one child interpreter running ``args``."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    subprocess.run([sys.executable, *args], check=True, capture_output=True)  # noqa: S603
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, cpu
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--out", default=str(HERE / "startup.json"))
-    parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=3, help="repetitions per command (>= 1)")
     args = parser.parse_args()
-    if args.measure:
-        measure(args.measure)
-        return
     if args.reps < 1:
-        parser.error(f"--reps {args.reps}: at least 1")
-    from fedsim.engine.warm_pool import WARM_DIR_ENV, down
-
-    work = Path(tempfile.mkdtemp(prefix="fedsim-startup-"))
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    )
-    env[WARM_DIR_ENV] = os.environ[WARM_DIR_ENV] = str(work / "warm")
-    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    env.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-    runs: dict[str, list[dict]] = {"cold": [], "first": [], "warm": []}
-    load = [os.getloadavg()[0]]
-    try:
-        down()
-        for rep in range(args.reps):
-            runs["cold"].append(_child("off", work / f"cold{rep}", env))
-        runs["first"].append(_child("on", work / "first", env))
-        for rep in range(args.reps):
-            runs["warm"].append(_child("auto", work / f"warm{rep}", env))
-    finally:
-        down()
-        load.append(os.getloadavg()[0])
-
-    def median(kind: str, key: str) -> float:
-        return statistics.median(r[key] for r in runs[kind])
-
-    result = {
-        "what": "one quickstart round (60 clients, 10 per round, 2 Ray workers), a process each",
-        "reps": args.reps,
-        "load_average": load,
+        parser.error(f"--reps must be >= 1, got {args.reps}")
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    result: dict = {
         "cpus": os.cpu_count(),
-        "runs": runs,
+        "repetitions": args.reps,
+        "load_average_before": list(os.getloadavg()),
     }
-    for kind in runs:
-        result[f"{kind}_attach_to_first_round_s"] = round(
-            median(kind, "attach_to_first_round_s"), 3
-        )
-        result[f"{kind}_process_s"] = round(median(kind, "process_s"), 3)
-    result["speedup_attach_to_first_round"] = round(
-        result["cold_attach_to_first_round_s"] / result["warm_attach_to_first_round_s"], 2
-    )
-    result["speedup_process"] = round(result["cold_process_s"] / result["warm_process_s"], 2)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
+    for name, command in COMMANDS.items():
+        timed(command)  # warm-up: file caches
+        runs = [timed(command) for _ in range(args.reps)]
+        result[name] = {
+            "wall_s": statistics.median(w for w, _ in runs),
+            "cpu_s": statistics.median(c for _, c in runs),
+            "all": {"wall_s": [w for w, _ in runs], "cpu_s": [c for _, c in runs]},
+        }
+        print(name, result[name]["wall_s"], result[name]["cpu_s"], file=sys.stderr, flush=True)
+    result["load_average_after"] = list(os.getloadavg())
+    OUT.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
