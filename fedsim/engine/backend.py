@@ -395,9 +395,8 @@ class RayBackend(Backend):
         self.ready()
         if self._run is not None:  # the workers ran another run: nothing of it may stay
             for worker, ok in enumerate(self._reset_workers()):
-                if not ok:
+                if not ok:  # a worker the reset cannot vouch for is replaced by a fresh one
                     self.restart(worker, run=False)
-            self._sent = [OrderedDict() for _ in self._actors]
         self._run = run
         self._sent = [OrderedDict() for _ in self._actors]
         self._get([actor.start_run.remote(run) for actor in self._actors], "start the run")
@@ -490,6 +489,8 @@ class RayBackend(Backend):
             raise WorkerLost(worker, err) from err
 
     def restart(self, worker: int, run: bool = True) -> None:
+        """Replace ``worker`` by a fresh one, loaded with the current run unless ``run`` is
+        False (a worker replaced between runs)."""
         self.ready()
         channel = self._channels[worker]
         if channel is not None:

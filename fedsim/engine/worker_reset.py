@@ -1,7 +1,8 @@
 """A worker that can be reset between runs: nothing of one run reaches the next.
 
-A worker process kept warm for many runs (:mod:`fedsim.engine.warm_pool`, or one
-:class:`~fedsim.engine.simulation.Engine` serving several runs) must not carry a run's
+A worker process kept for more than one run (one :class:`~fedsim.engine.simulation.Engine`
+serving several runs, or a warm pool's workers leased to one run after another; the Ray
+backend resets its workers before every run but the first) must not carry a run's
 modules, state or secrets into the next run. :meth:`ResettableWorker.warm_up` takes a
 baseline of the process once its heavy imports are loaded; :meth:`ResettableWorker.reset`
 brings the process back to it:
@@ -17,9 +18,10 @@ brings the process back to it:
 - a thread started by the run that is still alive fails the reset.
 
 A reset that fails (or raises) says why; the caller must then not reuse the worker (the
-pool kills and replaces it). What a reset cannot undo is a change *inside* an object that
-the baseline already held (an item appended to a list of a baseline module, say), or C-level
-state; a run that needs that isolation runs in a fresh worker (``[engine] warm = "off"``).
+backend kills it and puts a fresh one in its place). What a reset cannot undo is a change
+*inside* an object that the baseline already held (an item appended to a list of a baseline
+module, say), or C-level state; a run that needs that isolation runs in fresh workers (a new
+Engine).
 """
 
 from __future__ import annotations
