@@ -41,6 +41,7 @@ from fedsim.engine.worker import (
     RunSpec,
     remember,
 )
+from fedsim.engine.worker_reset import ResettableWorker
 from fedsim.randomness import PartySecret, RootSource
 
 log = logging.getLogger(__name__)
@@ -239,7 +240,7 @@ class RayBackend(Backend):
             num_workers = max(1, int(cpus // cpus_per_worker)) if cpus_per_worker > 0 else 1
         self._check_free(num_workers)
         self._threads = max(1, int(cpus_per_worker)) if cpus_per_worker >= 1 else 1
-        self._actor_cls = ray.remote(ClientWorker).options(
+        self._actor_cls = ray.remote(ResettableWorker).options(
             num_cpus=cpus_per_worker, num_gpus=gpus_per_worker, max_restarts=0
         )
         # Spawn the workers and let them import without waiting: the driver goes on with
@@ -258,6 +259,19 @@ class RayBackend(Backend):
         self._channels: list[DriverChannel | None] = [None] * num_workers
         self.pinned = False
         self.nodes = 0
+
+    def _reset_workers(self) -> list[bool]:
+        """Reset every worker to its warm baseline (:mod:`fedsim.engine.worker_reset`), so
+        nothing of an earlier run reaches the next; True per worker whose reset succeeded."""
+        reports = self._get([actor.reset.remote() for actor in self._actors], "reset")
+        for index, report in enumerate(reports):
+            if not report["ok"]:
+                log.warning(
+                    "worker %d is replaced: its reset failed: %s",
+                    index,
+                    "; ".join(report["problems"]),
+                )
+        return [bool(report["ok"]) for report in reports]
 
     def ready(self) -> None:
         """Wait until every worker has started and imported, pin them, open the channels."""
@@ -361,6 +375,10 @@ class RayBackend(Backend):
 
     def start_run(self, run: RunSpec) -> None:
         self.ready()
+        if self._run is not None:  # the workers ran another run: nothing of it may stay
+            for worker, ok in enumerate(self._reset_workers()):
+                if not ok:  # a worker the reset cannot vouch for is replaced by a fresh one
+                    self.restart(worker, run=False)
         self._run = run
         self._sent = [OrderedDict() for _ in self._actors]
         self._get([actor.start_run.remote(run) for actor in self._actors], "start the run")
@@ -452,7 +470,9 @@ class RayBackend(Backend):
         except self._ray.exceptions.RayActorError as err:
             raise WorkerLost(worker, err) from err
 
-    def restart(self, worker: int) -> None:
+    def restart(self, worker: int, run: bool = True) -> None:
+        """Replace ``worker`` by a fresh one, loaded with the current run unless ``run`` is
+        False (a worker replaced between runs)."""
         self.ready()
         channel = self._channels[worker]
         if channel is not None:
@@ -464,7 +484,7 @@ class RayBackend(Backend):
             self.pinned = self._pin(self._actors)
         self._finished[worker] = 0.0
         self._get([actor.warm_up.remote()], "start and import", [worker])
-        if self._run is not None:
+        if run and self._run is not None:
             self._get([actor.start_run.remote(self._run)], "start the run", [worker])
         self._channels[worker] = self._connect(worker)
         log.warning("worker %d was replaced", worker)
