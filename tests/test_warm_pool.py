@@ -33,7 +33,9 @@ def test_warm_runs_equal_a_cold_run_bit_for_bit_and_down_stops_the_head(tmp_path
     seen = json.loads(lines[-1].removeprefix("RESULT "))
     assert seen["head_recorded"] and seen["stopped"]
     assert not seen["head_alive_after_down"]  # no Ray process of the head is left
-    assert seen["warm"][0] == seen["warm"][1] == seen["cold"]  # final model.npz bytes
+    # the two warm runs ran on the pool, the cold one did not
+    assert [bool(e.get("warm_pool")) for e in seen["engines"]] == [True, True, False], seen
+    assert seen["warm"][0] == seen["warm"][1] == seen["cold"], seen  # final model.npz bytes
     assert not (tmp_path / "warm" / "head.json").exists()
 
 

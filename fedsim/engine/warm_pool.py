@@ -207,18 +207,32 @@ def start_head(
     return head
 
 
+def _group_gone(pid: int) -> bool:
+    """True once no process of ``pid``'s group is left. The head's own process is reaped
+    first if this process started it (``up`` and ``down`` in one process): an unreaped
+    child stays in its group as a zombie."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass  # not our child: whoever is its parent (init, once `fedsim up` exited) reaps it
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
 def _stop_group(pid: int, wait_s: float = 30.0) -> bool:
     """SIGTERM the head's process group (``ray start --block`` then stops what it started),
-    SIGKILL what is left after ``wait_s``; True if something was stopped."""
+    SIGKILL what is left after ``wait_s`` and wait until the group is empty; True if
+    something was stopped."""
     try:
         os.killpg(pid, signal.SIGTERM)
     except ProcessLookupError:
         return False
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
-        try:
-            os.killpg(pid, 0)
-        except ProcessLookupError:
+        if _group_gone(pid):
             return True
         time.sleep(0.2)
     try:
@@ -226,11 +240,7 @@ def _stop_group(pid: int, wait_s: float = 30.0) -> bool:
     except ProcessLookupError:
         return True
     deadline = time.monotonic() + 10.0  # killed processes leave the group once reaped
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pid, 0)
-        except ProcessLookupError:
-            break
+    while time.monotonic() < deadline and not _group_gone(pid):
         time.sleep(0.2)
     return True
 
