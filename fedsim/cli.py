@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedsim.commands import account, audit, compare, factorize, minmax, plot, sweep
+from fedsim.commands import account, audit, compare, factorize, minmax, plot, sweep, updown
 from fedsim.commands.console import Verbosity, console, hush_ray
 from fedsim.config import ConfigError, device_name
 from fedsim.progress import Cadence
@@ -238,6 +238,7 @@ def _parser() -> argparse.ArgumentParser:
     minmax.register(commands)
     plot.add_parser(commands)
     compare.add_parser(commands)
+    updown.register(commands)
     _output_flags(parser, top=True)
     _path_flags(parser)
     return parser
