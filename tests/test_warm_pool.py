@@ -32,6 +32,8 @@ def test_warm_runs_equal_a_cold_run_bit_for_bit_and_down_stops_the_head(tmp_path
     assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
     seen = json.loads(lines[-1].removeprefix("RESULT "))
     assert seen["head_recorded"] and seen["stopped"]
+    # a plain ray.init() elsewhere (Flower's run_simulation) must not join the pool's head
+    assert not seen["head_in_default_ray_record"]
     assert not seen["head_alive_after_down"]  # no Ray process of the head is left
     # the two warm runs ran on the pool, the cold one did not
     assert [bool(e.get("warm_pool")) for e in seen["engines"]] == [True, True, False], seen

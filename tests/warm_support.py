@@ -24,6 +24,7 @@ def identical(out: Path) -> dict[str, Any]:
     the digests of the three final models (model.npz) and whether the head is gone. The second
     and the cold run replay the first (its nonce: the same noise streams; without it each run
     draws its own noise, as every run of one root must)."""
+    from ray._private.utils import read_ray_address
     from run_dir_support import SECRETS, private
 
     from fedsim.engine.warm_pool import Head, down, up
@@ -37,8 +38,11 @@ def identical(out: Path) -> dict[str, Any]:
         config = ExperimentConfig.from_dict(raw)
         return run_experiment(config, out / name, progress=False, secrets=SECRETS, replay=replay)
 
+    # Ray's default record of "the current cluster" (/tmp/ray), which a plain ray.init() joins
+    before = read_ray_address()
     up(workers=2, num_cpus=2, idle_timeout_s=300)
     head = Head.load()
+    in_default_record = read_ray_address() not in (None, before)
     try:
         engines = [run("warm1", None).get("engine"), run("warm2", out / "warm1").get("engine")]
     finally:
@@ -53,6 +57,7 @@ def identical(out: Path) -> dict[str, Any]:
         "stopped": stopped,
         "head_alive_after_down": alive,
         "head_recorded": head is not None,
+        "head_in_default_ray_record": in_default_record,
     }
 
 

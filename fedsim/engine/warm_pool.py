@@ -30,6 +30,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -57,6 +58,15 @@ HEAD_WAIT_S = 120.0
 
 def warm_dir() -> Path:
     return Path(os.environ.get(WARM_DIR_ENV) or Path.home() / ".fedsim" / "warm")
+
+
+def head_temp_dir() -> Path:
+    """The local head's Ray temporary directory: its own, not Ray's default ``/tmp/ray``,
+    where ``ray start`` would record the head in ``ray_current_cluster`` and every later
+    ``ray.init()`` without an address (Flower's ``run_simulation``, a user's script) would join
+    it. Short, since Ray's socket paths under it must stay within the 107 bytes of a Unix
+    socket address."""
+    return Path(tempfile.gettempdir()) / f"fedsim-ray-{os.getuid()}"
 
 
 def warm_mode(configured: str) -> str:
@@ -165,6 +175,7 @@ def start_head(
         "--disable-usage-stats",
         f"--object-store-memory={object_store_mb * 1024 * 1024}",
         f"--system-config={json.dumps(system)}",
+        f"--temp-dir={head_temp_dir()}",
     ]
     env = dict(os.environ)
     roots = [str(Path(p).parent) for p in packages]
