@@ -74,10 +74,11 @@ from fedsim.engine.client_registry import (
     public_committee,
 )
 from fedsim.privacy import dmm as dmm_privacy
-from fedsim.privacy.accounting import NeighbouringRelation, PrivacyLedger
+from fedsim.privacy.ledger import PrivacyLedger
 from fedsim.privacy.matrix.factorization import Factorization
 from fedsim.privacy.matrix.sensitivity import Participation
 from fedsim.privacy.mechanisms import discrete_gaussian
+from fedsim.privacy.sampling import NeighbouringRelation
 from fedsim.randomness import Purpose, Stream, client_secret, public_generator
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.worker_reduce import FOLDS_KEY, attach_reducer, is_partial, single

@@ -25,10 +25,10 @@ norm geometrically towards the target quantile ``gamma``:
 
 The two Gaussian releases compose to one Gaussian of the configured noise
 multiplier ``z``: ``z_D = (z^-2 - (2 sigma_b)^-2)^(-1/2)``
-(:func:`fedsim.privacy.accounting.split_noise_multiplier`), so a round is
+(:func:`fedsim.privacy.round_events.split_noise_multiplier`), so a round is
 accounted as ``adaptive_clipping_round_event(z, sigma_b, sampling)``.
 
-Accounting. The strategy holds a :class:`~fedsim.privacy.accounting.PrivacyLedger`
+Accounting. The strategy holds a :class:`~fedsim.privacy.ledger.PrivacyLedger`
 and records one event per round in which it released an update, with the
 round's sampling model (Poisson rate ``q``, fixed-size ``m`` of ``N``, full
 participation, or b-min-separation) and noise. Without an explicit sampling model (a
@@ -94,17 +94,22 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedsim.config import ConfigError, require
-from fedsim.privacy import accounting
-from fedsim.privacy.accounting import (
+from fedsim.privacy.accountant import ACCOUNTANTS
+from fedsim.privacy.epsilon import epsilon
+from fedsim.privacy.ledger import PrivacyLedger
+from fedsim.privacy.round_events import (
+    Z_MAX,
+    Z_MIN,
+    adaptive_clipping_round_event,
+    round_event,
+    split_noise_multiplier,
+)
+from fedsim.privacy.sampling import (
     FixedSizeSampling,
     FullParticipation,
     MinSeparation,
     NeighbouringRelation,
-    PrivacyLedger,
     Sampling,
-    adaptive_clipping_round_event,
-    round_event,
-    split_noise_multiplier,
 )
 from fedsim.randomness import Purpose
 from fedsim.record_codec import to_numpy, to_record
@@ -292,7 +297,7 @@ class DPFedAvg(ClippedSumShell):
             bound on each client's update, in model-parameter units.
         noise_multiplier: ``z >= 0``, what a round is accounted as. Without
             adaptive clipping the sum's noise has std ``z C``; with it, ``z_D C``
-            with ``z_D`` from :func:`~fedsim.privacy.accounting.split_noise_multiplier`.
+            with ``z_D`` from :func:`~fedsim.privacy.round_events.split_noise_multiplier`.
         expected_clients: ``m``, the expected number of clients per round.
         worker_reduction: let workers fold clipped sums (same result, less traffic).
         adaptive: adaptive clipping settings; None keeps ``C`` fixed.
@@ -598,8 +603,8 @@ def from_options(options: Mapping[str, Any], facts: RunFacts) -> DPFedAvg:
         options,
         "noise_multiplier",
         None,
-        lambda v: v == 0 or accounting.Z_MIN <= v <= accounting.Z_MAX,
-        f"0 (no noise) or a number in [{accounting.Z_MIN:g}, {accounting.Z_MAX:g}] (noise std / "
+        lambda v: v == 0 or Z_MIN <= v <= Z_MAX,
+        f"0 (no noise) or a number in [{Z_MIN:g}, {Z_MAX:g}] (noise std / "
         "clipping norm; below, dp_accounting's epsilon loses its precision)",
     )
     adaptive = _adaptive_from(options, z, facts.expected_clients)
@@ -681,7 +686,7 @@ def _budget_from(
     delta = pop_number(options, "delta", default_delta, lambda v: 0 < v < 1, "a number in (0, 1)")
     accountant = options.pop("accountant", "rdp")
     require(
-        accountant in accounting.ACCOUNTANTS,
+        accountant in ACCOUNTANTS,
         "strategy.options.accountant",
         accountant,
         "one of 'rdp', 'pld'",
@@ -704,7 +709,7 @@ def check_accountant(
 ) -> None:
     """Refuse ``accountant`` (named ``key``) when it cannot account ``sampling``."""
     try:
-        accounting.epsilon(1.0, sampling, 1, delta, accountant, relation_for(sampling))
+        epsilon(1.0, sampling, 1, delta, accountant, relation_for(sampling))
     except ConfigError as err:
         raise ConfigError(
             key, accountant, f"an accountant for {type(sampling).__name__} ({err.allowed})"

@@ -29,7 +29,7 @@ Thm. 2.1: adaptively chosen inputs do not change this). After T rounds what was 
 encoder_through`), so epsilon is that of a Gaussian with noise multiplier
 ``z sens(C) / sens_T``, ``sens_T`` the sensitivity of ``C_T`` under the participation
 restricted to T rounds. Round t records ``GaussianDpEvent(z sens(C) / sqrt(sens_t^2 -
-sens_{t-1}^2))`` in the run's :class:`~fedsim.privacy.accounting.PrivacyLedger` (a
+sens_{t-1}^2))`` in the run's :class:`~fedsim.privacy.ledger.PrivacyLedger` (a
 ``NoOpDpEvent`` if the sensitivity does not grow); Gaussian precisions add under composition,
 so the ledger's epsilon after T rounds is exactly the Gaussian epsilon above, and
 ``z`` alone at T = n.
@@ -64,7 +64,8 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAvg, Strategy
 
 from fedsim.config import ConfigError, require
-from fedsim.privacy.accounting import ACCOUNTANTS, NeighbouringRelation, PrivacyLedger
+from fedsim.privacy.accountant import ACCOUNTANTS
+from fedsim.privacy.ledger import PrivacyLedger
 from fedsim.privacy.matrix import (
     Factorization,
     Participation,
@@ -73,6 +74,7 @@ from fedsim.privacy.matrix import (
     noise_stream,
 )
 from fedsim.privacy.matrix.streaming import NoiseStream
+from fedsim.privacy.sampling import NeighbouringRelation
 from fedsim.record_codec import to_record
 from strategies.dp_fedavg import ClippedSum
 from strategies.dp_shell import ClippedSumShell

@@ -38,7 +38,7 @@ from flwr.serverapp.strategy.fedopt import FedOpt
 
 from fedsim.config import ConfigError, require
 from fedsim.engine.participation import CohortModel, FullCohort, MinSeparationCohort
-from fedsim.privacy.accounting import (
+from fedsim.privacy.sampling import (
     FixedSizeSampling,
     FullParticipation,
     MinSeparation,

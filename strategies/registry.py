@@ -14,7 +14,7 @@ from typing import Any, Literal
 from flwr.serverapp.strategy import Strategy
 
 from fedsim.config import ConfigError, require
-from fedsim.privacy.accounting import MinSeparation, Sampling
+from fedsim.privacy.sampling import MinSeparation, Sampling
 from strategies import (
     ddgauss,
     dmm,

@@ -17,7 +17,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import Strategy
 
 from fedsim.config import require
-from fedsim.privacy.accounting import MinSeparation, Sampling
+from fedsim.privacy.sampling import MinSeparation, Sampling
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,7 +65,7 @@ class Accounting:
 
     Attributes:
         ledger: what each round records in the strategy's
-            :class:`~fedsim.privacy.accounting.PrivacyLedger`.
+            :class:`~fedsim.privacy.ledger.PrivacyLedger`.
         command: the ``fedsim account`` subcommand that recomputes the epsilon offline
             (None: none does).
     """

@@ -12,6 +12,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
 BASELINE = ROOT / "tests" / "data" / "accounting_baseline.json"
@@ -137,10 +138,23 @@ def _cli_cases() -> dict[str, float]:
     return out
 
 
+def _api() -> SimpleNamespace:
+    """The public accounting names, wherever they live."""
+    from fedsim.privacy import calibration, epsilon, ledger, round_events, sampling  # noqa: PLC0415
+
+    return SimpleNamespace(
+        **{
+            name: getattr(module, name)
+            for module in (calibration, epsilon, ledger, round_events, sampling)
+            for name in dir(module)
+            if not name.startswith("_")
+        }
+    )
+
+
 def compute(tmp: Path) -> dict[str, float]:
     """Every case's value (epsilon in nats, or a calibrated noise multiplier)."""
-    from fedsim.privacy import accounting as acc  # noqa: PLC0415
-
+    acc = _api()
     values = {
         **_fedavg_cases(acc),
         **_ddgauss_dmm_cases(acc),

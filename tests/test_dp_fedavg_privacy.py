@@ -15,13 +15,9 @@ from flwr.supercore.task_identity import TaskIdentity
 from fedsim.cli import main
 from fedsim.config import ConfigError
 from fedsim.engine import ClientRegistry
-from fedsim.privacy import accounting
-from fedsim.privacy.accounting import (
-    FixedSizeSampling,
-    MinSeparation,
-    PoissonSampling,
-    split_noise_multiplier,
-)
+from fedsim.privacy.epsilon import epsilon, epsilon_curve
+from fedsim.privacy.round_events import split_noise_multiplier
+from fedsim.privacy.sampling import FixedSizeSampling, MinSeparation, PoissonSampling
 from fedsim.randomness import RunSecret
 from fedsim.record_codec import to_numpy, to_record
 from strategies.dp_fedavg import AdaptiveClipping, DPFedAvg
@@ -200,7 +196,7 @@ def test_ledger_epsilon_equals_the_accounting_library(sampling, accountant, rela
     for r in range(1, rounds + 1):
         for strategy in (plain, adaptive):
             one_round(strategy, r, with_norms(rng, rng.uniform(0.5, 2, size=5)))
-    expected = accounting.epsilon(z, sampling, rounds, delta, accountant, relation)
+    expected = epsilon(z, sampling, rounds, delta, accountant, relation)
     for strategy in (plain, adaptive):
         report = strategy.privacy_report()
         assert report["epsilon"] == pytest.approx(expected, rel=1e-6)
@@ -213,13 +209,13 @@ def test_min_separation_is_accounted_per_participation():
     strategy = dp(z, sampling=MinSeparation(3, 2), delta=delta)
     for r in range(1, 7):
         one_round(strategy, r, [np.zeros(SIZE)])
-    expected = accounting.epsilon(z, MinSeparation(3, 2), 6, delta)
+    expected = epsilon(z, MinSeparation(3, 2), 6, delta)
     assert strategy.epsilon() == pytest.approx(expected, rel=1e-9)
 
 
 def test_max_epsilon_stops_before_the_round_that_would_exceed_it():
     z, q, delta = 1.0, 0.1, 1e-5
-    curve = accounting.epsilon_curve(z, PoissonSampling(q), [1, 2, 3, 4, 5, 6], delta)
+    curve = epsilon_curve(z, PoissonSampling(q), [1, 2, 3, 4, 5, 6], delta)
     budget = (curve[3] + curve[4]) / 2  # four rounds fit, five do not
     strategy = dp(z, sampling=PoissonSampling(q), delta=delta, max_epsilon=budget)
     ran = 0
@@ -253,7 +249,7 @@ def test_flower_start_with_a_budget_spends_no_more_than_it():
             return replies
 
     z, q, delta = 1.0, 0.1, 1e-5
-    curve = accounting.epsilon_curve(z, PoissonSampling(q), [1, 2, 3], delta)
+    curve = epsilon_curve(z, PoissonSampling(q), [1, 2, 3], delta)
     strategy = DPFedAvg(
         FedAvg(fraction_evaluate=0.0, min_available_nodes=0),
         clipping_norm=1.0,
@@ -422,7 +418,7 @@ def fedsim_run(tmp_path, name, **fields):
 
 def test_fedsim_run_reports_epsilon_every_round_and_stops_at_max_epsilon(tmp_path):
     z, q, delta = 1.0, 8 / 30, 1e-5
-    curve = accounting.epsilon_curve(z, PoissonSampling(q), [1, 2, 3], delta)
+    curve = epsilon_curve(z, PoissonSampling(q), [1, 2, 3], delta)
     budget = (curve[1] + curve[2]) / 2
     lines, summary = fedsim_run(
         tmp_path,
@@ -456,7 +452,7 @@ def test_fedsim_run_with_adaptive_clipping_uniform_sampling_and_fedadam(tmp_path
     assert [r["round"] for r in lines] == [0, 1, 2, 3] and summary["stopped_reason"] is None
     norms = [r["aggregated"]["dp-clipping-norm"] for r in lines[1:]]
     assert norms[0] == 0.05 and norms[2] > norms[1] > norms[0]  # updates are far above 0.05
-    expected = accounting.epsilon_curve(
+    expected = epsilon_curve(
         z, FixedSizeSampling(8, 30), [1, 2, 3], delta, "rdp", "replace_one"
     )
     assert [r["privacy"]["epsilon"] for r in lines[1:]] == pytest.approx(expected, rel=1e-9)

@@ -17,7 +17,7 @@ from fedsim.cli import main
 from fedsim.config import ConfigError
 from fedsim.engine import MinSeparationCohort, UniformCohort
 from fedsim.engine.client_registry import ClientRegistry
-from fedsim.privacy.accounting import FixedSizeSampling
+from fedsim.privacy.sampling import FixedSizeSampling
 from fedsim.record_codec import to_record
 from strategies.dp_fedavg import DPFedAvg
 

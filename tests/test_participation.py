@@ -86,17 +86,22 @@ def test_min_separation_schedule(n, b):
 def test_each_cohort_model_gives_the_accounting_view_of_its_draws():
     """One sampling fact: the sampler the accountant is told about is the one that draws."""
     from fedsim.engine.participation import MinSeparationCohort
-    from fedsim.privacy import accounting
+    from fedsim.privacy.sampling import (
+        FixedSizeSampling,
+        FullParticipation,
+        MinSeparation,
+        PoissonSampling,
+    )
 
     uniform = UniformCohort(50, 7, seed=1).accounting(rounds=9)
-    assert uniform == accounting.FixedSizeSampling(7, 50)
+    assert uniform == FixedSizeSampling(7, 50)
     assert all(len(UniformCohort(50, 7, seed=1).cohort(r)) == uniform.sample_size for r in (1, 2))
-    assert PoissonCohort(50, 0.2, seed=1).accounting(9) == accounting.PoissonSampling(0.2)
-    assert FullCohort(50).accounting(9) == accounting.FullParticipation()
+    assert PoissonCohort(50, 0.2, seed=1).accounting(9) == PoissonSampling(0.2)
+    assert FullCohort(50).accounting(9) == FullParticipation()
     # min-separation: b rounds apart, ceil(T / b) participations, as the schedule draws them
     model = MinSeparationCohort(40, 4, seed=3)
     view = model.accounting(rounds=10)
-    assert view == accounting.MinSeparation(4, 3)
+    assert view == MinSeparation(4, 3)
     rounds_of: dict[int, list[int]] = {}
     for r in range(1, 11):
         for k in model.cohort(r):

@@ -7,24 +7,25 @@ import pytest
 from dp_accounting.rdp import RdpAccountant
 
 from fedsim.config import ConfigError
-from fedsim.privacy.accounting import (
+from fedsim.privacy.accountant import for_accountant
+from fedsim.privacy.calibration import calibrate_noise
+from fedsim.privacy.epsilon import epsilon, epsilon_curve
+from fedsim.privacy.ledger import PrivacyLedger
+from fedsim.privacy.round_events import (
+    Z_MAX,
+    Z_MIN,
+    adaptive_clipping_round_event,
+    effective_noise_multiplier,
+    round_event,
+    run_event,
+    split_noise_multiplier,
+)
+from fedsim.privacy.sampling import (
     FixedSizeSampling,
     FullParticipation,
     MinSeparation,
     NeighbouringRelation,
     PoissonSampling,
-    PrivacyLedger,
-    Z_MAX,
-    Z_MIN,
-    adaptive_clipping_round_event,
-    calibrate_noise,
-    effective_noise_multiplier,
-    epsilon,
-    epsilon_curve,
-    for_accountant,
-    round_event,
-    run_event,
-    split_noise_multiplier,
 )
 
 DELTA = 1e-5

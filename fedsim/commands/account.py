@@ -41,7 +41,7 @@ from fedsim.commands.flags import flags
 from fedsim.config import ConfigError, require
 
 if TYPE_CHECKING:  # dp_accounting (and scipy) load when a subcommand runs, not for --help
-    from fedsim.privacy import accounting as acc
+    from fedsim.privacy.sampling import NeighbouringRelation, Sampling
 
 _FEDAVG_FLAGS = {
     "noise_multiplier": "--noise-multiplier",
@@ -56,7 +56,7 @@ _FEDAVG_FLAGS = {
 }
 _SGD_FLAGS = {**_FEDAVG_FLAGS, "rate": "--batch-size", "rounds": "--epochs"}
 #: one accounted setting: (sampling, neighbouring relation, echoed inputs, rounds or steps)
-Setting = tuple["acc.Sampling", "acc.NeighbouringRelation", dict[str, Any], int]
+Setting = tuple["Sampling", "NeighbouringRelation", dict[str, Any], int]
 
 
 def _common(parser: argparse.ArgumentParser, *, relation: bool) -> None:
@@ -195,17 +195,17 @@ def _check_noise(z: Any, accountant: str) -> float:
     reports epsilon = 0 for Poisson sampling at z = 1e-154 and divides by zero at 1e-300),
     so the command refuses rather than print a meaningless or optimistic number. ``z = 0``
     (no noise, epsilon infinite) is what a run reports; here it is refused too."""
-    from fedsim.privacy import accounting as acc  # noqa: PLC0415
+    from fedsim.privacy.round_events import Z_MAX, Z_MIN  # noqa: PLC0415
 
     require(
         isinstance(z, (int, float))
         and not isinstance(z, bool)
         and math.isfinite(z)
-        and acc.Z_MIN <= z <= acc.Z_MAX,
+        and Z_MIN <= z <= Z_MAX,
         "--noise-multiplier",
         z,
-        f"a number in [{acc.Z_MIN:g}, {acc.Z_MAX:g}] (noise std / clipping norm; below "
-        f"{acc.Z_MIN:g} epsilon exceeds 1e5 and dp_accounting's bound loses its precision)",
+        f"a number in [{Z_MIN:g}, {Z_MAX:g}] (noise std / clipping norm; below "
+        f"{Z_MIN:g} epsilon exceeds 1e5 and dp_accounting's bound loses its precision)",
     )
     require(
         accountant != "pld" or z >= PLD_MIN_NOISE,
@@ -218,19 +218,24 @@ def _check_noise(z: Any, accountant: str) -> float:
 
 
 def _check_common(args: argparse.Namespace) -> tuple[float, str]:
-    from fedsim.privacy import accounting as acc  # noqa: PLC0415
+    from fedsim.privacy.accountant import ACCOUNTANTS  # noqa: PLC0415
 
     delta = args.delta
     require(
         isinstance(delta, (int, float)) and 0 < delta < 1, "--delta", delta, "a number in (0, 1)"
     )
-    require(args.accountant in acc.ACCOUNTANTS, "--accountant", args.accountant, "one of rdp, pld")
+    require(args.accountant in ACCOUNTANTS, "--accountant", args.accountant, "one of rdp, pld")
     return float(delta), args.accountant
 
 
 def _fedavg_setting(args: argparse.Namespace, rate: float | None) -> Setting:
     """The sampling model, relation, echoed inputs and rounds of a dp-fedavg invocation."""
-    from fedsim.privacy import accounting as acc  # noqa: PLC0415
+    from fedsim.privacy.sampling import (  # noqa: PLC0415
+        FixedSizeSampling,
+        FullParticipation,
+        NeighbouringRelation,
+        PoissonSampling,
+    )
 
     kind = args.sampling
     require(kind in ("poisson", "fixed", "full"), "--sampling", kind, "one of poisson, fixed, full")
@@ -245,7 +250,7 @@ def _fedavg_setting(args: argparse.Namespace, rate: float | None) -> Setting:
         require(
             rate is None or rate == 1, "--sampling-rate", rate, "1 or nothing with --sampling full"
         )
-        sampling: acc.Sampling = acc.FullParticipation()
+        sampling: Sampling = FullParticipation()
         echo["sampling_rate"] = 1.0
     else:
         require(
@@ -262,7 +267,7 @@ def _fedavg_setting(args: argparse.Namespace, rate: float | None) -> Setting:
         )
         echo["sampling_rate"] = float(rate)
         if kind == "poisson":
-            sampling = acc.PoissonSampling(float(rate))
+            sampling = PoissonSampling(float(rate))
         else:
             n = args.population
             require(
@@ -278,10 +283,10 @@ def _fedavg_setting(args: argparse.Namespace, rate: float | None) -> Setting:
                 rate,
                 f"a rate giving a cohort round(q N) of at least 1 of N = {n} clients",
             )
-            sampling = acc.FixedSizeSampling(cohort, n)
+            sampling = FixedSizeSampling(cohort, n)
             echo.update(population=n, cohort_size=cohort)
     default = "replace_one" if kind == "fixed" else "add_remove"
-    relation = acc.NeighbouringRelation.parse(args.relation or default, "--relation")
+    relation = NeighbouringRelation.parse(args.relation or default, "--relation")
     echo["relation"] = relation.value
     return sampling, relation, echo, args.rounds
 
@@ -289,7 +294,7 @@ def _fedavg_setting(args: argparse.Namespace, rate: float | None) -> Setting:
 def _sgd_setting(args: argparse.Namespace, batch_size: int) -> Setting:
     """Poisson sampling q = B/N (add/remove neighbours), the echoed inputs and the number of
     steps ceil(E N / B)."""
-    from fedsim.privacy import accounting as acc  # noqa: PLC0415
+    from fedsim.privacy.sampling import NeighbouringRelation, PoissonSampling  # noqa: PLC0415
 
     n = args.dataset_size
     require(isinstance(n, int) and n >= 1, "--dataset-size", n, "an integer >= 1")
@@ -317,7 +322,7 @@ def _sgd_setting(args: argparse.Namespace, batch_size: int) -> Setting:
         "sampling": "poisson",
         "relation": "add_remove",
     }
-    return acc.PoissonSampling(q), acc.NeighbouringRelation.ADD_REMOVE, echo, steps
+    return PoissonSampling(q), NeighbouringRelation.ADD_REMOVE, echo, steps
 
 
 def _fedavg_rounds(args: argparse.Namespace, verb: str) -> None:
@@ -388,14 +393,14 @@ MECHANISMS: dict[str, AccountedMechanism] = {
 
 
 def _epsilon(args: argparse.Namespace) -> dict[str, Any]:
-    from fedsim.privacy import accounting as acc  # noqa: PLC0415
+    from fedsim.privacy.epsilon import epsilon  # noqa: PLC0415
 
     delta, accountant = _check_common(args)
     z = _check_noise(args.noise_multiplier, accountant)
     mechanism = MECHANISMS[args.mechanism]
     sampling, relation, echo, rounds = mechanism.setting(args, mechanism.value(args))
     with flags(mechanism.flags):
-        eps = acc.epsilon(z, sampling, rounds, delta, accountant, relation)
+        eps = epsilon(z, sampling, rounds, delta, accountant, relation)
     return {
         "command": args.mechanism,
         "epsilon": eps,
@@ -407,7 +412,8 @@ def _epsilon(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _calibrate(args: argparse.Namespace) -> dict[str, Any]:
-    from fedsim.privacy import accounting as acc  # noqa: PLC0415
+    from fedsim.privacy.calibration import calibrate_noise  # noqa: PLC0415
+    from fedsim.privacy.epsilon import epsilon  # noqa: PLC0415
 
     delta, accountant = _check_common(args)
     target = args.target_epsilon
@@ -430,8 +436,8 @@ def _calibrate(args: argparse.Namespace) -> dict[str, Any]:
                 f"a target that needs a noise multiplier >= {PLD_MIN_NOISE:g} with --accountant "
                 f"pld (rdp calibrates it to {z_rdp:.4g}; use --accountant rdp)",
             )
-        z = acc.calibrate_noise(float(target), delta, sampling, rounds, accountant, relation)
-        eps = acc.epsilon(z, sampling, rounds, delta, accountant, relation)
+        z = calibrate_noise(float(target), delta, sampling, rounds, accountant, relation)
+        eps = epsilon(z, sampling, rounds, delta, accountant, relation)
     return {
         "command": "calibrate",
         "mechanism": args.mechanism,
@@ -447,15 +453,15 @@ def _calibrate(args: argparse.Namespace) -> dict[str, Any]:
 def _rdp_calibration(
     target: float,
     delta: float,
-    sampling: acc.Sampling,
+    sampling: Sampling,
     rounds: int,
-    relation: acc.NeighbouringRelation,
+    relation: NeighbouringRelation,
 ) -> float | None:
     """The RDP calibration of the setting, or None where RDP does not account it."""
-    from fedsim.privacy import accounting as acc  # noqa: PLC0415
+    from fedsim.privacy.calibration import calibrate_noise  # noqa: PLC0415
 
     try:
-        return acc.calibrate_noise(target, delta, sampling, rounds, "rdp", relation)
+        return calibrate_noise(target, delta, sampling, rounds, "rdp", relation)
     except ConfigError as err:
         if err.key == "target_epsilon":
             raise  # out of range for RDP: out of range for PLD too
@@ -468,10 +474,11 @@ def _matrix(args: argparse.Namespace) -> dict[str, Any]:
     so far have sensitivity ``sens_T`` and the multiplier is ``z sens(C) / sens_T``
     (:mod:`strategies.matrix_mechanism`). RMSE per round is ``z sens(C) ||B[t]||`` in units of
     the clipping norm."""
-    from fedsim.privacy import accounting as acc  # noqa: PLC0415
+    from fedsim.privacy.epsilon import epsilon  # noqa: PLC0415
     from fedsim.privacy.matrix import Factorization  # noqa: PLC0415
     from fedsim.privacy.matrix.build import spec_of  # noqa: PLC0415
     from fedsim.privacy.matrix.sensitivity import Participation  # noqa: PLC0415
+    from fedsim.privacy.sampling import FullParticipation, NeighbouringRelation  # noqa: PLC0415
 
     delta, accountant = _check_common(args)
     z = _check_noise(args.noise_multiplier, accountant)
@@ -489,7 +496,7 @@ def _matrix(args: argparse.Namespace) -> dict[str, Any]:
     )
     b = args.min_sep if args.min_sep is not None else getattr(spec, "min_sep", None)
     rounds = f.n if args.rounds is None else args.rounds
-    relation = acc.NeighbouringRelation.parse(args.relation or "add_remove", "--relation")
+    relation = NeighbouringRelation.parse(args.relation or "add_remove", "--relation")
     with flags(
         {
             "participations": "--participations",
@@ -509,7 +516,7 @@ def _matrix(args: argparse.Namespace) -> dict[str, Any]:
         sens = f.sensitivity(participation)
         released = f.sensitivity_through(rounds, participation)
         effective = z * sens.value / released.value
-        eps = acc.epsilon(effective, acc.FullParticipation(), 1, delta, accountant, relation)
+        eps = epsilon(effective, FullParticipation(), 1, delta, accountant, relation)
     errors = z * sens.value * np.sqrt(f.squared_error_per_round())
     return {
         "command": "matrix",
@@ -543,7 +550,7 @@ def _grid(total: int, points: int) -> list[int]:
 
 
 def _sweep(args: argparse.Namespace) -> dict[str, Any]:
-    from fedsim.privacy import accounting as acc  # noqa: PLC0415
+    from fedsim.privacy.epsilon import epsilon_curve  # noqa: PLC0415
 
     delta, accountant = _check_common(args)
     points = args.points
@@ -565,7 +572,7 @@ def _sweep(args: argparse.Namespace) -> dict[str, Any]:
         for sampling, relation, echo, total in settings:
             grid = _grid(total, points)
             with flags(names):
-                eps = acc.epsilon_curve(z, sampling, grid, delta, accountant, relation)
+                eps = epsilon_curve(z, sampling, grid, delta, accountant, relation)
             label = f"z={z:g}, q={echo['sampling_rate']:g}"
             curves.append(
                 {"label": label, "noise_multiplier": z, **echo, x_name: grid, "epsilon": eps}

@@ -42,7 +42,7 @@ import numpy as np
 from fedsim.config import require
 
 if TYPE_CHECKING:  # dp_accounting loads when a run asks for its accounting, not with the grid
-    from fedsim.privacy.accounting import (
+    from fedsim.privacy.sampling import (
         FixedSizeSampling,
         FullParticipation,
         MinSeparation,
@@ -92,7 +92,7 @@ class FullCohort(CohortModel):
 
     def accounting(self, rounds: int) -> FullParticipation:
         """Every client in every round: no amplification claimed."""
-        from fedsim.privacy.accounting import FullParticipation  # noqa: PLC0415
+        from fedsim.privacy.sampling import FullParticipation  # noqa: PLC0415
 
         return FullParticipation()
 
@@ -122,7 +122,7 @@ class UniformCohort(CohortModel):
 
     def accounting(self, rounds: int) -> FixedSizeSampling:
         """Fixed-size sampling of ``cohort_size`` of ``num_clients`` without replacement."""
-        from fedsim.privacy.accounting import FixedSizeSampling  # noqa: PLC0415
+        from fedsim.privacy.sampling import FixedSizeSampling  # noqa: PLC0415
 
         return FixedSizeSampling(self.cohort_size, self.num_clients)
 
@@ -152,7 +152,7 @@ class PoissonCohort(CohortModel):
 
     def accounting(self, rounds: int) -> PoissonSampling:
         """Poisson sampling at ``rate``."""
-        from fedsim.privacy.accounting import PoissonSampling  # noqa: PLC0415
+        from fedsim.privacy.sampling import PoissonSampling  # noqa: PLC0415
 
         return PoissonSampling(self.rate)
 
@@ -217,7 +217,7 @@ class MinSeparationCohort(CohortModel):
         """b-min-separation with at most ``ceil(rounds / b)`` participations per client (its
         :meth:`~fedsim.privacy.accounting.MinSeparation.matrix_participation` is the matrix
         mechanism's schema of the same schedule)."""
-        from fedsim.privacy.accounting import MinSeparation  # noqa: PLC0415
+        from fedsim.privacy.sampling import MinSeparation  # noqa: PLC0415
 
         b = self.min_separation
         return MinSeparation(b, -(-rounds // b))

@@ -3,7 +3,7 @@
 Modules:
 
 - :mod:`fedsim.privacy.accounting` -- sampling models, neighbouring relations, per-round
-  ``dp_accounting`` events, the run's :class:`~fedsim.privacy.accounting.PrivacyLedger`,
+  ``dp_accounting`` events, the run's :class:`~fedsim.privacy.ledger.PrivacyLedger`,
   epsilon and noise calibration;
 - :mod:`fedsim.privacy.events` -- an explicit JSON (de)serialiser for the event classes used;
 - :mod:`fedsim.privacy.mechanisms` -- Gaussian, exact discrete Gaussian and Skellam noise.

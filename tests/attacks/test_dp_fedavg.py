@@ -21,8 +21,8 @@ from flwr.supercore.task_identity import TaskIdentity
 from fedsim.config import ConfigError
 from fedsim.engine import ClientRegistry
 from fedsim.experiment import run_experiment
-from fedsim.privacy.accounting import MinSeparation, PoissonSampling
 from fedsim.privacy.matrix import noise_stream
+from fedsim.privacy.sampling import MinSeparation, PoissonSampling
 from fedsim.randomness import RunSecret, Stream, public_generator
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.results import read_rounds

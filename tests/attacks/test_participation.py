@@ -17,9 +17,9 @@ from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedsim.engine import ClientRegistry
-from fedsim.privacy.accounting import MinSeparation
 from fedsim.privacy.matrix.banded import banded
 from fedsim.privacy.matrix.sensitivity import Participation
+from fedsim.privacy.sampling import MinSeparation
 from fedsim.record_codec import to_record
 from strategies.matrix_mechanism import MatrixMechanism
 from strategies.participation_guard import ParticipationGuard
