@@ -19,6 +19,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 test: setup
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
 demo: setup

@@ -27,22 +27,26 @@ version (:mod:`fedsim.commands.console`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedsim.commands import account, audit, compare, factorize, minmax, plot, sweep
-from fedsim.commands.console import Verbosity, console
+from fedsim.commands.console import Verbosity, console, hush_ray
 from fedsim.config import ConfigError, device_name
 from fedsim.progress import Cadence
 from fedsim.results_json import dumps
 
 if TYPE_CHECKING:
     from fedsim.engine import CohortModel, Engine
+    from fedsim.interrupt import Interrupted
     from fedsim.randomness import RootSource
+    from fedsim.run_lock import RunLock
 
 
 def _cadence(text: str) -> Cadence:
@@ -253,13 +257,17 @@ def _check_address(address: str, backend: str, key: str) -> None:
 
 
 def _secrets(args: argparse.Namespace) -> RootSource:
-    """Where a Flower app's parties find their root: ``--secrets`` (created if missing, never
-    read here) with a fresh run nonce; without it, a fresh root a worker writes (None)."""
-    from fedsim.randomness import RootSource, new_nonce, root_file  # noqa: PLC0415
+    """Where a Flower app's parties find their root: ``--secrets`` (created if missing by a
+    child process, never read here: :mod:`fedsim.root_keys`) with a fresh run nonce; without
+    it, a fresh root a worker writes (None)."""
+    from fedsim.randomness import RootSource, new_nonce, outside_run_dir  # noqa: PLC0415
+    from fedsim.root_keys import root_fingerprint  # noqa: PLC0415
 
     if args.secrets is None:
         return None
-    return RootSource(str(root_file(args.secrets, args.out)), new_nonce())
+    path = outside_run_dir(args.secrets, args.out)
+    root_fingerprint(path, create=True, run_dir=args.out)
+    return RootSource(str(path), new_nonce())
 
 
 def _progress(args: argparse.Namespace) -> bool | Cadence:
@@ -302,6 +310,8 @@ def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
         config.engine.backend,
         "--ray-address" if args.ray_address else "engine.ray_address",
     )
+    if args.quiet and config.engine.backend == "ray":
+        hush_ray()  # no "(raylet) A worker died ..." text for each injected crash
     return run_experiment(
         config,
         args.resume or args.out,
@@ -321,6 +331,7 @@ def cmd_flwr_run(args: argparse.Namespace) -> dict[str, Any]:
     )
     from fedsim.flwr_federation import Federation, with_flags  # noqa: PLC0415
     from fedsim.results import RunWriter  # noqa: PLC0415
+    from fedsim.run_lock import RunLock  # noqa: PLC0415
 
     _check_workers(args.workers)
     if args.num_supernodes is not None and args.num_supernodes < 1:
@@ -332,7 +343,10 @@ def cmd_flwr_run(args: argparse.Namespace) -> dict[str, Any]:
     )
     if args.device is not None:
         device_name(args.device, "--device")
+    if args.quiet and (args.backend or "ray") == "ray":
+        hush_ray()
     started: list[tuple[Engine, Federation, CohortModel | None, RootSource | None]] = []
+    locks: list[RunLock] = []
 
     def checked(chosen: Federation) -> None:
         # the arguments are good: the workers start while the app's modules import
@@ -344,6 +358,7 @@ def cmd_flwr_run(args: argparse.Namespace) -> dict[str, Any]:
         )
         n = federation.num_supernodes
         cohorts = cohort_model(args.sampling, args.clients_per_round, n, args.seed)
+        locks.append(RunLock.acquire(args.out, "--out", "fedsim flwr-run"))  # one writer
         RunWriter.check_new(args.out)
         secrets = _secrets(args)
         engine = flower_engine(
@@ -386,6 +401,8 @@ def cmd_flwr_run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         for engine, *_ in started:
             engine.close()
+        for lock in locks:
+            lock.release()
 
 
 def cmd_account(args: argparse.Namespace) -> int:
@@ -408,6 +425,72 @@ def cmd_factorize(args: argparse.Namespace) -> int:
         return 2
     print(dumps(result, indent=2) if args.json else factorize.format_text(result))
     return 0
+
+
+def stopped_early(summary: dict[str, Any]) -> str | None:
+    """One line for a run its strategy ended before its last round (the privacy budget's
+    ``max_epsilon``, a factorization's length), with the epsilon it ended at; None for a
+    run that ran every round."""
+    reason = summary.get("stopped_reason")
+    if not reason:
+        return None
+    planned = (summary.get("config") or {}).get("rounds")
+    of = f" of {planned}" if planned is not None else ""
+    privacy = summary.get("privacy") or {}
+    epsilon = privacy.get("epsilon")
+    at = ""
+    if isinstance(epsilon, (int, float)) and not isinstance(epsilon, bool):
+        delta = privacy.get("delta")
+        at = f" at epsilon = {epsilon:.6g}" + (
+            f" (delta = {delta:g})" if isinstance(delta, (int, float)) else ""
+        )
+    what = "the privacy budget" if reason.startswith("max_epsilon") else "its strategy"
+    return (
+        f"fedsim: STOPPED EARLY by {what} after round {summary.get('rounds', 0)}{of}{at}: "
+        f"{reason}"
+    )
+
+
+def _program() -> list[str]:
+    """How this process was started, to repeat it: ``python -m fedsim`` (this interpreter)
+    when run as a module, else the ``fedsim`` command."""
+    if Path(sys.argv[0]).name == "__main__.py":
+        return [sys.executable, "-m", "fedsim"]
+    return ["fedsim"]
+
+
+def resume_command(args: argparse.Namespace) -> str:
+    """The shell command that continues the ``fedsim run`` of ``args`` (its directory and,
+    when one was given, its ``--secrets`` file: the saved config holds the rest)."""
+    parts = [*_program(), "run", "--resume", args.resume or args.out]
+    if args.secrets is not None:
+        parts += ["--secrets", args.secrets]
+    return shlex.join(parts)
+
+
+def _interrupted(args: argparse.Namespace, err: Interrupted) -> str:
+    """The one line a stopped ``fedsim run`` prints: what is kept, and how to continue."""
+    from fedsim.checkpoint import CONFIG_FILE, checkpoint_files, round_of  # noqa: PLC0415
+
+    out = Path(args.resume or args.out)
+    if not (out / CONFIG_FILE).is_file():
+        return (
+            f"fedsim: stopped by {err.signal_name} before the run started; nothing to resume "
+            "(run the same command again)"
+        )
+    if not err.at_once:
+        kept = f"rounds up to {err.server_round} and their checkpoint are kept in {out}"
+    else:
+        files = checkpoint_files(out)
+        kept = (
+            f"the round in progress was abandoned; {out} keeps its rounds up to the checkpoint "
+            f"of round {round_of(files[0])}"
+            if files
+            else f"the round in progress was abandoned before any checkpoint; {out} resumes "
+            "from round 1"
+        )
+        kept = f"{kept} (a second {err.signal_name} stopped it at once)"
+    return f"fedsim: stopped by {err.signal_name}; {kept}; to continue: {resume_command(args)}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -434,9 +517,19 @@ def _dispatch(args: argparse.Namespace) -> int:
         return audit.run(args)
     if args.command == "minmax":
         return minmax.run(args)
-    from fedsim.engine.rounds import RunStopped  # noqa: PLC0415  (Flower, only for runs)
+    from fedsim.interrupt import stop_requests  # noqa: PLC0415
 
     started = time.perf_counter()
+    # fedsim run: Ctrl-C / SIGTERM stop after the round in progress, a second one at once
+    stops = stop_requests(announce=not args.quiet) if args.command == "run" else None
+    with stops or contextlib.nullcontext():  # held until the last line is printed
+        return _run_command(args, started)
+
+
+def _run_command(args: argparse.Namespace, started: float) -> int:
+    from fedsim.engine.rounds import RunStopped  # noqa: PLC0415  (Flower, only for runs)
+    from fedsim.interrupt import EXIT_INTERRUPTED, Interrupted  # noqa: PLC0415
+
     try:
         summary = cmd_run(args) if args.command == "run" else cmd_flwr_run(args)
     except ConfigError as err:
@@ -445,7 +538,20 @@ def _dispatch(args: argparse.Namespace) -> int:
     except RunStopped as err:  # the rounds before it are on disk
         print(f"fedsim: error: {err}; earlier rounds: {args.out or args.resume}", file=sys.stderr)
         return 1
+    except Interrupted as err:  # fedsim run: resumable
+        print(_interrupted(args, err), file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except KeyboardInterrupt:  # fedsim flwr-run: a Flower app's run has no --resume
+        print(
+            f"fedsim: interrupted; the rounds written so far are in {args.out} "
+            "(a Flower app's run cannot be resumed: run it again into a new --out)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
     out = Path(args.out or args.resume)
+    stopped = stopped_early(summary)
+    if stopped:
+        print(stopped)
     print(
         f"fedsim: {summary.get('rounds', 0)} rounds in {time.perf_counter() - started:.1f} s; "
         f"results in {out / 'rounds.jsonl'} and {out / 'summary.json'}"

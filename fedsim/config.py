@@ -14,6 +14,7 @@ Floats must be finite: TOML's ``nan``, ``inf`` and ``-inf`` are refused for ever
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import tomllib
 import types
@@ -93,7 +94,43 @@ def _type_name(tp: Any) -> str:
         return " | ".join(_type_name(a) for a in typing.get_args(tp))
     if tp is type(None):
         return "none"
+    if origin in (tuple, list):
+        return f"list of {_items_words(tp)}"
     return getattr(tp, "__name__", str(tp))
+
+
+#: what the items of a list of this type are called, in words
+_ITEM_WORDS = {int: "integers", float: "numbers", str: "strings", bool: "true/false values"}
+
+
+def _items_words(tp: Any) -> str:
+    """The items of the list type ``tp`` in words: ``tuple[int, ...]`` gives "integers"."""
+    args = [a for a in typing.get_args(tp) if a is not Ellipsis]
+    if not args or args[0] is Any:
+        return "values"
+    item = args[0]
+    if typing.get_origin(item) is Annotated:
+        item = typing.get_args(item)[0]
+    if item in _ITEM_WORDS:
+        return _ITEM_WORDS[item]
+    if dataclasses.is_dataclass(item):
+        return f"tables of {item.__name__} keys"
+    return f"{_type_name(item)} values"
+
+
+def _list_allowed(tp: Any, value: Any, key: str) -> str:
+    """What a list key allows, in words, and (when ``value`` would be a good item) how to
+    write it as a one-item list: ``model.channels = 4`` is told it is written ``[4]``."""
+    allowed = f"a list of {_items_words(tp)}, in brackets"
+    args = [a for a in typing.get_args(tp) if a is not Ellipsis]
+    if args and not isinstance(value, Mapping):
+        try:
+            _convert(args[0], value, key)
+        except (ConfigError, TypeError):
+            return allowed
+        shown = json.dumps(value) if isinstance(value, (int, float, str, bool)) else repr(value)
+        allowed += f" (one item is written [{shown}])"
+    return allowed
 
 
 def _convert(tp: Any, value: Any, key: str, number: str = "a number (finite)") -> Any:
@@ -133,7 +170,8 @@ def _convert(tp: Any, value: Any, key: str, number: str = "a number (finite)") -
         require(isinstance(value, Mapping), key, value, f"a table of {tp.__name__} keys")
         return from_mapping(tp, value, key)
     if origin in (tuple, list):
-        require(isinstance(value, (list, tuple)), key, value, f"a list of {_type_name(tp)}")
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(key, value, _list_allowed(tp, value, key))
         args = typing.get_args(tp)
         item_type = args[0] if args else Any
         return tuple(_convert(item_type, v, f"{key}[{i}]") for i, v in enumerate(value))

@@ -10,10 +10,11 @@ opened (:func:`close_run`), whether it finished or failed.
 Secrets: every party's secret derives from the run's secret root
 (:class:`~fedsim.randomness.RunSecret`), which never enters the run directory
 (:mod:`fedsim.run_root`). The driver keeps only the keys the server may hold
-(:class:`~fedsim.randomness.RunKeys`); the engine's workers and the committees' member actors
-open the root themselves (:class:`~fedsim.randomness.RootSource`), so with the Ray backend and
-committee actors nothing the strategy reaches holds a client's or a member's secret. The
-local backend and committees hosted in process give no such isolation.
+(:class:`~fedsim.randomness.RunKeys`), which a child process that reads the root file derives
+(:mod:`fedsim.root_keys`): the driver never opens it. The engine's workers and the
+committees' member actors open the root themselves (:class:`~fedsim.randomness.RootSource`),
+so with the Ray backend and committee actors nothing the strategy reaches holds a client's or
+a member's secret. The local backend and committees hosted in process give no such isolation.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from flwr.app import ArrayRecord, MetricRecord
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import Strategy
 
-from fedsim import __version__
+from fedsim import __version__, interrupt
 from fedsim.audits.run_audit import (
     MODEL_FILE,
     SUMMARY_FILE,
@@ -75,6 +76,7 @@ from fedsim.randomness import PartySecret, RootSource, RunSecret, outside_run_di
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.results import RoundRecorder, RunWriter, metrics_dict, read_rounds
 from fedsim.run_config import ExperimentConfig, is_personalised
+from fedsim.run_lock import locked
 from fedsim.run_root import RunRoot, authenticated_config, start_root
 from fedsim.rundir import RunDirectory
 from fedsim.runfiles import RunFileError
@@ -247,16 +249,18 @@ def run_experiment(
     """
     if _local_devices(config.engine):  # a cluster's workers check their own
         check_device_available(config.engine.device)
-    run = open_run(config, Path(out_dir), resume=resume, secrets=secrets, replay=replay)
-    try:
-        set_up_run(run, engine)
-        final, ready = run_loop(run, progress)
-        summary = finish_run(run, final, ready)
-        if engine is None:
-            run.engine.close()
-        return summary
-    finally:
-        close_run(run)
+    # one writer per directory: a second run into it is refused naming the holder
+    with locked(out_dir, "--resume" if resume else "--out", "fedsim run"):
+        run = open_run(config, Path(out_dir), resume=resume, secrets=secrets, replay=replay)
+        try:
+            set_up_run(run, engine)
+            final, ready = run_loop(run, progress)
+            summary = finish_run(run, final, ready)
+            if engine is None:
+                run.engine.close()
+            return summary
+        finally:
+            close_run(run)
 
 
 @dataclass
@@ -442,32 +446,43 @@ def run_loop(run: ExperimentRun, progress: bool | Cadence) -> tuple[ArrayRecord,
 def _round_handler(run: ExperimentRun, recorder: RoundRecorder) -> Callable[[RoundOutcome], None]:
     """What happens after each round: its line in rounds.jsonl, then a checkpoint when one
     is due (every ``checkpoint_every`` rounds, and at the last round, also when the
-    strategy's privacy budget ends the run early)."""
+    strategy's privacy budget ends the run early). After a stop request (Ctrl-C, SIGTERM:
+    :mod:`fedsim.interrupt`) the round is checkpointed and the run ends there."""
     config, strategy = run.config, run.strategy
     privacy_report = getattr(strategy, "privacy_report", None)
     should_stop = getattr(strategy, "should_stop", None)
     registry = ClientRegistry(run.dataset.num_clients)
+    stops = interrupt.active()  # Ctrl-C / SIGTERM: stop after the round (fedsim.interrupt)
+    if stops is not None:
+        stops.install()  # again: ray.init sets its own SIGTERM handler
 
     def on_round(outcome: RoundOutcome) -> None:
-        recorder.end_round(
-            outcome.server_round,
-            aggregated=metrics_dict(outcome.train_metrics),
-            aggregated_evaluate=metrics_dict(outcome.evaluate_metrics),
-            central=metrics_dict(outcome.central_metrics),
-            privacy=privacy_report() if privacy_report is not None else None,
-            client_privacy=_client_privacy(
-                config, run.participation, registry, run.run_dir.store, outcome.server_round
-            ),
+        client_privacy = _client_privacy(
+            config, run.participation, registry, run.run_dir.store, outcome.server_round
         )
+        with interrupt.writing():
+            recorder.end_round(
+                outcome.server_round,
+                aggregated=metrics_dict(outcome.train_metrics),
+                aggregated_evaluate=metrics_dict(outcome.evaluate_metrics),
+                central=metrics_dict(outcome.central_metrics),
+                privacy=privacy_report() if privacy_report is not None else None,
+                client_privacy=client_privacy,
+            )
         last = outcome.server_round == config.rounds or (
             should_stop is not None
             and outcome.server_round >= 1
             and should_stop(outcome.server_round + 1)  # the budget ends the run here
         )
-        if outcome.server_round and (outcome.server_round % config.checkpoint_every == 0 or last):
+        stopping = stops is not None and stops.requested and not last
+        due = outcome.server_round % config.checkpoint_every == 0 or last or stopping
+        if outcome.server_round and due:
             arrays_now = {k: np.array(v) for k, v in to_numpy(outcome.arrays).items()}
-            run.writer.sync()  # the checkpoint must never be ahead of rounds.jsonl
-            run.run_dir.save(Checkpoint(outcome.server_round, arrays_now, strategy, {}))
+            with interrupt.writing():
+                run.writer.sync()  # the checkpoint must never be ahead of rounds.jsonl
+                run.run_dir.save(Checkpoint(outcome.server_round, arrays_now, strategy, {}))
+        if stopping:
+            stops.after_round(outcome.server_round)  # raises Interrupted
 
     return on_round
 

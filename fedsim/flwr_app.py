@@ -11,7 +11,9 @@ and ``num-partitions``, as in Flower's simulation, and its own secret
 secret root, which the worker opens itself (``--secrets FILE`` with a fresh run nonce, or a
 fresh root a worker writes); the ServerApp's context holds only the server's
 (:func:`fedsim.randomness.server_secret`), and its grid is Flower's interface
-(:class:`fedsim.engine.app_grid.AppGrid`). Neither secret is in the run config.
+(:class:`fedsim.engine.app_grid.AppGrid`). Neither secret is in the run config. The results
+directory's ``run.json`` is the root's public record, as ``fedsim run`` writes it
+(:func:`fedsim.run_root.app_record`: given or fresh, the base root's fingerprint, the nonce).
 
 ``--run-config`` is checked more strictly than ``flwr run`` does: every token must be a
 ``key=value`` pair (Flower drops a token without ``=`` silently), every key one of
@@ -69,6 +71,7 @@ from fedsim.flwr_federation import Federation, read_federation
 from fedsim.progress import Cadence, RunProgress
 from fedsim.randomness import RootSource, RunSecret
 from fedsim.results import RoundRecorder, RunWriter
+from fedsim.run_root import app_record
 
 _COMPONENTS = "[tool.flwr.app.components]"
 
@@ -353,6 +356,7 @@ def run_flower_app(
             )
         engine.start()
         source = engine.fresh_root() if secrets is None else secrets
+        record = app_record(out_dir, secrets, source)  # run.json: the root's public record
         if participation is not None and not public_cohorts:
             server = (
                 source.server() if isinstance(source, RunSecret) else engine.server_secret(source)
@@ -375,7 +379,7 @@ def run_flower_app(
         finished = time.perf_counter()
         summary = _summary(app, num_supernodes, recorder, engine, finished - started)
         summary["participation"] = _described(participation)
-        summary["run_nonce"] = getattr(source, "nonce", None)
+        summary["run_nonce"] = record["nonce"]
         writer.write_summary(summary)
         if own_engine:
             engine.close()

@@ -18,8 +18,8 @@ copy weights across devices.
 
 from __future__ import annotations
 
-import math
 import inspect
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal

@@ -1,4 +1,5 @@
-"""Progress of a run on stderr: round, clients per second, latest metrics.
+"""Progress of a run on stderr: round, clients per second, epsilon so far (a private run's
+``privacy`` section, and with client DP-SGD the worst client's), latest metrics.
 
 On a terminal, a live bar (rich). Anywhere else (a batch job, ``nohup``, a pipe), plain
 lines, flushed as they are written, never cut and without cursor control, at the
@@ -30,6 +31,42 @@ def _latest_metrics(record: dict[str, Any]) -> str:
             if isinstance(metrics.get(key), (int, float)):
                 parts.append(f"{section}.{key}={metrics[key]:.4g}")
     return " ".join(parts[:3])
+
+
+def _epsilon_of(value: Any) -> float | None:
+    """A privacy section's epsilon: a number, or the largest of a list of them (one per
+    delta or per party); None when there is none."""
+    if isinstance(value, (list, tuple)):
+        numbers = [v for v in value if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        return max(numbers) if numbers else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def _privacy(record: dict[str, Any], symbol: str) -> str:
+    """The run's epsilon so far (``privacy``), and with client DP-SGD the worst client's
+    (``client_privacy``), as ``ε=1.23 (δ=1e-05)``; empty for a run with neither."""
+    parts = []
+    run = record.get("privacy")
+    if isinstance(run, dict) and (eps := _epsilon_of(run.get("epsilon"))) is not None:
+        delta = run.get("delta")
+        at = f" (δ={delta:g})" if isinstance(delta, (int, float)) else ""
+        parts.append(f"{symbol}={eps:.4g}{at}")
+    client = record.get("client_privacy")
+    if isinstance(client, dict) and (eps := _epsilon_of(client.get("max_epsilon"))) is not None:
+        parts.append(f"client {symbol}<={eps:.4g}")
+    text = " ".join(parts)
+    return text if symbol == "ε" else text.replace("δ", "delta")
+
+
+def _symbol(stream: TextIO) -> str:
+    """``ε`` where ``stream`` can encode it, else ``epsilon`` (a stream in ASCII)."""
+    try:
+        "εδ".encode(getattr(stream, "encoding", None) or "ascii")
+    except (LookupError, UnicodeEncodeError):
+        return "epsilon"
+    return "ε"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +114,7 @@ class _PlainLines:
         self._started = self._last_time = clock()
         self._last_round: int | None = None
         self._first = done + 1
+        self._symbol = _symbol(stream)
 
     def _due(self, round_: int, now: float) -> bool:
         if round_ in (self._first, self._total) or self._last_round is None:
@@ -95,6 +133,9 @@ class _PlainLines:
             f"{now - self._started:.1f} s",
             f"{record.get('clients_per_s', 0.0):.0f} clients/s",
         ]
+        privacy = _privacy(record, self._symbol)
+        if privacy:
+            parts.append(privacy)
         metrics = _latest_metrics(record)
         self._stream.write(", ".join(parts) + (f", {metrics}" if metrics else "") + "\n")
         self._stream.flush()
@@ -140,12 +181,14 @@ class RunProgress:
                 MofNCompleteColumn(),
                 BarColumn(),
                 TextColumn("{task.fields[rate]}"),
+                TextColumn("{task.fields[privacy]}"),
                 TextColumn("{task.fields[metrics]}"),
                 TimeElapsedColumn(),
                 console=Console(file=stream),
             )
+            self._symbol = _symbol(stream)
             self._task = self._progress.add_task(
-                "run", total=total_rounds, completed=done, rate="", metrics=""
+                "run", total=total_rounds, completed=done, rate="", privacy="", metrics=""
             )
 
     def __enter__(self) -> RunProgress:
@@ -162,12 +205,14 @@ class RunProgress:
             self._plain.write(record)
         if self._progress is None:
             return
+        privacy = _privacy(record, self._symbol)
         if record.get("round", 0) == 0:
-            self._progress.update(self._task, metrics=_latest_metrics(record))
+            self._progress.update(self._task, privacy=privacy, metrics=_latest_metrics(record))
             return
         self._progress.update(
             self._task,
             advance=1,
             rate=f"{record.get('clients_per_s', 0.0):.0f} clients/s",
+            privacy=privacy,
             metrics=_latest_metrics(record),
         )

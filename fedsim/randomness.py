@@ -26,7 +26,8 @@ the same run (same nonce) or an explicit replay repeats the streams.
 
 The engine's workers find their clients' secrets through a :class:`RootSource` (the root file's
 path and the run nonce): each worker opens the file itself, so the driver process, which runs
-the ServerApp, never holds the root or a client's secret.
+the ServerApp, never holds the root or a client's secret; what it holds (:class:`RunKeys`) is
+derived by a child process that reads the file (:mod:`fedsim.root_keys`).
 
 Secrets refuse to be pickled (a checkpoint that reaches one fails loudly instead of storing it)
 and hide themselves in ``repr``.
@@ -43,13 +44,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
 from fedsim.config import ConfigError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 SECRET_BYTES = 32
 NODE_SECRET_KEY = "fedsim.party-secret"
@@ -87,6 +90,8 @@ class Purpose(IntEnum):
 
 def public_generator(seed: int, *words: int) -> np.random.Generator:
     """The public stream ``(seed, *words)``: fine to recompute anywhere, never for a secret."""
+    import numpy as np  # noqa: PLC0415  (numpy only when drawing: fedsim.root_keys is cheap)
+
     return np.random.default_rng([int(seed), *(int(w) for w in words)])
 
 
@@ -159,6 +164,8 @@ class PartySecret(_Hidden):
 
     def generator(self, *words: Any) -> np.random.Generator:
         """The party's numpy stream for ``words`` (usually ``round, Purpose.X``)."""
+        import numpy as np  # noqa: PLC0415
+
         entropy = int.from_bytes(_derive(self._key, "stream", *words), "little")
         return np.random.default_rng(np.random.SeedSequence(entropy))
 
@@ -175,7 +182,8 @@ class PartySecret(_Hidden):
         if len(sealed) < 12 + 16:
             raise ValueError("sealed state is too short to be a sealed record")
         try:
-            return ChaCha20Poly1305(self.seed_bytes("seal")).decrypt(sealed[:12], sealed[12:], label)
+            aead = ChaCha20Poly1305(self.seed_bytes("seal"))
+            return aead.decrypt(sealed[:12], sealed[12:], label)
         except InvalidTag:
             raise ValueError(
                 "sealed state failed authentication: altered, or sealed by another party"
@@ -222,7 +230,7 @@ class RunSecret(_Hidden):
         """The root of the one run named by the public ``nonce`` (:func:`new_nonce`):
         HMAC-SHA256(root, "run", nonce), so that one root file gives every run independent
         party secrets."""
-        return RunSecret(_derive(self._key, "run", _checked_nonce(nonce)), self.reproducible)
+        return RunSecret(_derive(self._key, "run", checked_nonce(nonce)), self.reproducible)
 
     @classmethod
     def load_or_create(
@@ -323,6 +331,37 @@ class RunKeys(_Hidden):
             root.fingerprint() if fingerprint is None else fingerprint,
         )
 
+    def tokens(self) -> dict[str, Any]:
+        """The keys in hex, for their one hand-over: from the child process that reads the
+        root (:mod:`fedsim.root_keys`) to the driver, through a pipe; never for a file."""
+        return {
+            "mac": self._mac.hex(),
+            "server": self._server.token(),
+            "client_states": self.client_states._key.hex(),
+            "party_states": self.party_states._key.hex(),
+            "reproducible": self.client_states.reproducible,
+            "fingerprint": self._fingerprint,
+        }
+
+    @classmethod
+    def from_tokens(cls, tokens: Mapping[str, Any]) -> RunKeys:
+        """The keys :meth:`tokens` gave (``ValueError`` naming the entry when one is bad)."""
+        try:
+            reproducible = bool(tokens["reproducible"])
+            mac, client, party = (
+                bytes.fromhex(tokens[k]) for k in ("mac", "client_states", "party_states")
+            )
+            server = PartySecret.from_token(tokens["server"], "server")
+            return cls(
+                mac,
+                server,
+                RunSecret(client, reproducible),
+                RunSecret(party, reproducible),
+                str(tokens["fingerprint"]),
+            )
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"run keys handed over are incomplete or damaged ({err})") from None
+
     def mac_key(self) -> bytes:
         """The run's file key (:meth:`RunSecret.mac_key`)."""
         return self._mac
@@ -378,7 +417,8 @@ def new_nonce() -> str:
     return os.urandom(NONCE_BYTES).hex()
 
 
-def _checked_nonce(nonce: str) -> str:
+def checked_nonce(nonce: str) -> str:
+    """``nonce`` if it is a run nonce fedsim writes (:func:`new_nonce`), else a ConfigError."""
     if not (isinstance(nonce, str) and len(nonce) == 2 * NONCE_BYTES and set(nonce) <= set(_HEX)):
         raise ConfigError(
             "nonce", nonce, f"{2 * NONCE_BYTES} lowercase hex digits (a run nonce fedsim wrote)"
@@ -402,7 +442,7 @@ class RootSource:
 
     def __post_init__(self) -> None:
         if self.nonce is not None:
-            _checked_nonce(self.nonce)
+            checked_nonce(self.nonce)
 
     def open(self) -> RunSecret:
         """The run's root: the file's root mixed with the nonce (:meth:`RunSecret.for_run`)."""

@@ -19,11 +19,14 @@ HMAC-SHA256 (RFC 2104) of ``config.json`` under the run's file key
 before anything parses ``config.json`` -- which names modules to import (``[model] factory``,
 ``python_path``), so an edited one would otherwise run code -- and refuses it naming the file.
 
-**The driver holds no root.** :func:`start_root` and :func:`resume_root` read the root once,
-derive what the server side may hold (:class:`~fedsim.randomness.RunKeys`: the file key, the
-server's secret, the state stores' sub-roots) and drop it; the clients' and committee members'
-secrets are derived where the root is opened again: on the engine's workers and the committee
-hosts' member actors (:class:`~fedsim.randomness.RootSource`).
+**The driver reads no root.** :func:`start_root` and :func:`resume_root` get what the server
+side may hold (:class:`~fedsim.randomness.RunKeys`: the file key, the server's secret, the state
+stores' sub-roots) and the base root's fingerprint from a short-lived child process that reads
+the root file -- and writes a fresh one, mode 0600 -- and hands back only those
+(:mod:`fedsim.root_keys`); the clients' and committee members' secrets are derived where the
+root is opened: on the engine's workers and the committee hosts' member actors
+(:class:`~fedsim.randomness.RootSource`). A root handed over as an object
+(``run_experiment(..., secrets=RunSecret)``) is the caller's, already in the driver's process.
 """
 
 from __future__ import annotations
@@ -41,15 +44,21 @@ from fedsim.randomness import (
     RootSource,
     RunKeys,
     RunSecret,
+    checked_nonce,
     kept_root_path,
     new_nonce,
     new_run_id,
     user_secrets_dir,
 )
+from fedsim.root_keys import derive_keys, root_fingerprint
 from fedsim.runfiles import CONFIG_FILE, RunFileError
 
 RUN_FILE = "run.json"
-KEPT, GIVEN = "kept", "given"
+KEPT, GIVEN, FRESH = "kept", "given", "fresh"
+FRESH_NOTE = (
+    "a fresh root of OS randomness, written by a worker for this run alone and removed when "
+    "it ended: its streams cannot be repeated"
+)
 REPLAY_NOTE = (
     "a replay: this run repeats the noise streams of an earlier run (same root, same nonce); "
     "its releases are a copy of that run's releases, not new ones, and add no privacy cost "
@@ -63,8 +72,8 @@ class RunRoot:
 
     Attributes:
         keys: what the server side may hold (:class:`~fedsim.randomness.RunKeys`: the file key,
-            the server's secret, the state stores' sub-roots), derived by :func:`_keys_of`,
-            which drops the root it opened.
+            the server's secret, the state stores' sub-roots), derived by a child process
+            that reads the root file (:mod:`fedsim.root_keys`).
         source: where the engine's workers and the committee hosts' member actors open the
             root themselves (a file and the nonce), or None when the root was handed over as
             an object (the engine then writes it to a private file for them).
@@ -101,8 +110,8 @@ class RunRoot:
 
 
 def _keys_of(base: RunSecret, nonce: str | None) -> RunKeys:
-    """The driver's keys of the run ``base`` mixed with ``nonce``: the one place the driver
-    derives from a root, which it drops on return."""
+    """The keys of the run ``base`` mixed with ``nonce``, for a root the caller handed over
+    as an object (and so holds in this process already)."""
     root = base if nonce is None else base.for_run(nonce)
     return RunKeys.of(root, base.fingerprint())
 
@@ -112,16 +121,32 @@ def config_mac(keys: RunKeys | RunSecret, data: bytes) -> str:
     return hmac.new(keys.mac_key(), b"config.json\x00" + data, hashlib.sha256).hexdigest()
 
 
-def _base(given: RunSecret | str | Path | None, run_dir: Path, create: bool):
-    """The base root, the file it lies in (None for an object) and run.json's root fields."""
+def _root(
+    given: RunSecret | str | Path | None, run_dir: Path, nonce: str | None, *, create: bool
+) -> tuple[RunKeys, Path | None, dict[str, Any]]:
+    """The run's keys, the file its base root lies in (None: an object) and run.json's root
+    fields. A root file -- ``given``, or without it a fresh one kept under a new run id -- is
+    read (and created) by a child process (:func:`~fedsim.root_keys.derive_keys`): the driver
+    never holds its bytes. A root object is the caller's, already in this process."""
     if isinstance(given, RunSecret):
-        return given, None, {"root": GIVEN}
+        return _keys_of(given, nonce), None, {"root": GIVEN}
     if given is not None:
         path = Path(given).expanduser().resolve()
-        return RunSecret.load_or_create(path, run_dir, create=create), path, {"root": GIVEN}
+        return derive_keys(path, nonce, create=create, run_dir=run_dir), path, {"root": GIVEN}
     run_id = new_run_id()
     path = kept_root_path(run_id)
-    return RunSecret.load_or_create(path, run_dir), path, {"root": KEPT, "run_id": run_id}
+    keys = derive_keys(path, nonce, create=True, run_dir=run_dir)
+    return keys, path, {"root": KEPT, "run_id": run_id}
+
+
+def _run_nonce(nonce: Any, where: Path) -> str | None:
+    """The nonce a run.json holds, checked (None: a run from before nonces)."""
+    if nonce is None:
+        return None
+    try:
+        return checked_nonce(nonce)
+    except ConfigError:
+        raise RunFileError(where, f"holds a nonce fedsim did not write: {nonce!r}") from None
 
 
 def _write(run_dir: Path, record: dict[str, Any]) -> None:
@@ -143,33 +168,54 @@ def start_root(
     run_dir = Path(run_dir)
     if replay is not None:
         earlier = read_record(replay, "--replay")
+        nonce = _run_nonce(earlier.get("nonce"), Path(replay) / RUN_FILE)
         kept = given is None and earlier.get("root") == KEPT
         if kept:
             given = _kept_file(earlier)
-        base, path, record = _base(given, run_dir, create=False)
+        keys, path, record = _root(given, run_dir, nonce, create=False)
         if kept:
             record = {"root": KEPT, "run_id": earlier["run_id"]}
-        if base.fingerprint() != str(earlier.get("fingerprint")):
+        if keys.fingerprint() != str(earlier.get("fingerprint")):
             raise ConfigError(
                 "--secrets",
-                base.fingerprint(),
+                keys.fingerprint(),
                 f"the root the replayed run {replay} used (fingerprint "
                 f"{earlier.get('fingerprint')}): a replay repeats that run's streams",
             )
-        nonce = earlier.get("nonce")
         record["replay_of"] = {"run_dir": str(Path(replay).resolve()), "nonce": nonce}
         record["note"] = REPLAY_NOTE
     else:
-        base, path, record = _base(given, run_dir, create=True)
         nonce = new_nonce()
-    keys = _keys_of(base, nonce)
-    given = base if path is None else None
-    del base  # the driver keeps the derived keys only
+        keys, path, record = _root(given, run_dir, nonce, create=True)
     record.update(fingerprint=keys.fingerprint(), nonce=nonce)
     record["config_mac"] = config_mac(keys, config_data)
     _write(run_dir, record)
     source = None if path is None else RootSource(str(path), nonce)
-    return RunRoot(keys, source, nonce, record, given)
+    return RunRoot(keys, source, nonce, record, given if path is None else None)
+
+
+def app_record(
+    run_dir: str | Path, given: RootSource | RunSecret | None, source: RootSource
+) -> dict[str, Any]:
+    """Write ``run.json`` of a Flower app's run (``fedsim flwr-run``) and return it: the
+    public record of its root, as :func:`start_root` writes one (there is no ``config.json``
+    to authenticate and nothing to resume). ``given``: the root handed over (a file and the
+    nonce mixed into it, or an object), recorded with the base root's fingerprint; None: the
+    fresh root a worker wrote (``source``), kept nowhere. A root file is read for its
+    fingerprint by a child process (:func:`~fedsim.root_keys.root_fingerprint`), never here."""
+    if given is None:
+        record: dict[str, Any] = {"root": FRESH, "nonce": source.nonce, "note": FRESH_NOTE}
+    elif isinstance(given, RunSecret):
+        record = {"root": GIVEN, "fingerprint": given.fingerprint(), "nonce": None}
+    elif isinstance(given, RootSource):
+        fingerprint = root_fingerprint(given.path, create=False, run_dir=run_dir)
+        record = {"root": GIVEN, "fingerprint": fingerprint, "nonce": given.nonce}
+    else:
+        raise ValueError(
+            f"secrets is a {type(given).__name__}; allowed: RootSource, RunSecret or None"
+        )
+    _write(Path(run_dir), record)
+    return record
 
 
 def read_record(run_dir: str | Path, key: str = "--resume") -> dict[str, Any]:
@@ -218,24 +264,16 @@ def resume_root(run_dir: str | Path, given: RunSecret | str | Path | None) -> Ru
                 "fedsim did not keep its root)",
             )
         given = _kept_file(record)
-    base, path, _ = _base(given, run_dir, create=False)
-    if base.fingerprint() != fingerprint:
+    nonce = _run_nonce(record.get("nonce"), run_dir / RUN_FILE)
+    keys, path, _ = _root(given, run_dir, nonce, create=False)
+    if keys.fingerprint() != fingerprint:
         raise ConfigError(
             "--secrets",
-            base.fingerprint(),
+            keys.fingerprint(),
             f"the root this run was started with (fingerprint {fingerprint})",
         )
-    nonce = record.get("nonce")
-    try:
-        keys = _keys_of(base, nonce)
-    except ConfigError:
-        raise RunFileError(
-            run_dir / RUN_FILE, f"holds a nonce fedsim did not write: {nonce!r}"
-        ) from None
-    given = base if path is None else None
-    del base  # the driver keeps the derived keys only
     source = None if path is None else RootSource(str(path), nonce)
-    return RunRoot(keys, source, nonce, record, given)
+    return RunRoot(keys, source, nonce, record, given if path is None else None)
 
 
 def authenticated_config(

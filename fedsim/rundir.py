@@ -104,7 +104,8 @@ class RunDirectory:
         taken over; anything else already there is refused."""
         out = Path(out)
         rounds = out / "rounds.jsonl"
-        results = (rounds.is_file() and rounds.stat().st_size > 0) or (out / "summary.json").exists()
+        wrote_rounds = rounds.is_file() and rounds.stat().st_size > 0
+        results = wrote_rounds or (out / "summary.json").exists()
         if not results and not checkpoint_files(out):
             _clear_unstarted(out)
         taken = [p for p in (out / STATE_FILE, out / CONFIG_FILE) if p.exists()]
@@ -232,7 +233,8 @@ class RunDirectory:
         recorded = None if self.resumed is None else self.resumed.parties.get(name)
         if self.resumed is not None and recorded is None and path.exists():
             raise RunFileError(
-                path, "is not recorded by the checkpoint being resumed from (a stale or foreign file)"
+                path,
+                "is not recorded by the checkpoint being resumed from (a stale or foreign file)",
             )
         store = ClientStateStore(
             path,
@@ -288,7 +290,8 @@ def _clear_unstarted(out: Path) -> None:
     if not stores:
         return
     for store in stores:
-        for path in (store, store.with_name(store.name + "-wal"), store.with_name(store.name + "-shm")):
+        sidecars = (store.with_name(store.name + suffix) for suffix in ("-wal", "-shm"))
+        for path in (store, *sidecars):
             path.unlink(missing_ok=True)
     (out / CONFIG_FILE).unlink(missing_ok=True)
     fsync_directory(out)

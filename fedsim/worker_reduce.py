@@ -6,10 +6,12 @@ O(workers) model-sized messages to the server instead of O(clients).
 
 The interface is one :class:`flwr.app.ConfigRecord` in the instruction's
 content, under :data:`REDUCER_KEY`, that names a :class:`Reducer` subclass and
-its parameters (:meth:`Reducer.to_config`). The grid finds it; each worker folds
-its batch's successful replies into an :class:`Accumulator` as they come, and
-the grid folds the batches' partial replies, in batch order, into one reply for
-the strategy. Error replies are never folded; they come back one per client.
+its parameters (:meth:`Reducer.to_config`). The grid finds it and cuts the sorted
+messages into fixed fold chunks (:func:`fold_chunk_size`); each worker folds each chunk's
+successful replies into an :class:`Accumulator` as they come (:class:`ChunkedFold`), and
+the grid folds the chunks' partial replies, in chunk order, into one reply for the
+strategy, so the result does not depend on the number of workers. Error replies are never
+folded; they come back one per client.
 
 A reducer must be *associative*: ``reduce(P + Q)`` equals
 ``reduce([reduce(P), reduce(Q)])`` (to float round-off) for any split of the
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from copy import copy
@@ -74,31 +77,112 @@ WEIGHT_KEY = "num-examples"
 log = logging.getLogger(__name__)
 
 
+class ExactSum:
+    """A sum of floats kept exactly, as non-overlapping partials (Shewchuk 1997, the
+    algorithm of ``math.fsum``): :meth:`value` is the exact sum rounded once, so it is the
+    same bits for any order and any grouping of the terms (:meth:`merge` of sums of any split
+    equals adding every term to one). Infinities and NaNs are summed apart (IEEE addition of
+    those is associative and commutative)."""
+
+    __slots__ = ("partials", "special")
+
+    def __init__(self) -> None:
+        self.partials: list[float] = []
+        self.special = 0.0
+
+    def add(self, x: float) -> None:
+        x = float(x)
+        if not math.isfinite(x):
+            self.special += x
+            return
+        kept = 0
+        for y in self.partials:
+            if abs(x) < abs(y):
+                x, y = y, x
+            high = x + y
+            low = y - (high - x)
+            if low:
+                self.partials[kept] = low
+                kept += 1
+            x = high
+        self.partials[kept:] = [x]
+
+    def merge(self, other: ExactSum) -> None:
+        for x in other.partials:
+            self.add(x)
+        self.special += other.special
+
+    def value(self) -> float:
+        if self.special or math.isnan(self.special):
+            return self.special
+        try:
+            return math.fsum(self.partials)
+        except OverflowError:
+            return math.copysign(math.inf, sum(self.partials))
+
+    def __getstate__(self) -> tuple[list[float], float]:
+        return self.partials, self.special
+
+    def __setstate__(self, state: tuple[list[float], float]) -> None:
+        self.partials, self.special = state
+
+
+def _exact(values: Iterable[float]) -> ExactSum:
+    total = ExactSum()
+    for value in values:
+        total.add(value)
+    return total
+
+
 @dataclass
 class MetricSums:
-    """``sum_i w_i m_i`` and ``sum_i w_i`` per metric key (scalars and lists)."""
+    """``sum_i w_i m_i`` and ``sum_i w_i`` per metric key (scalars and lists).
 
-    weighted: dict[str, float | np.ndarray] = field(default_factory=dict)
-    weights: dict[str, float] = field(default_factory=dict)
-    total: float = 0.0
+    Every sum is an :class:`ExactSum`, so the means do not depend on the order in which
+    replies were added or on how the replies were split between sums later merged: a worker's
+    batch, a phase's batches in whatever order they finish and the whole cohort at once give
+    the same bits (each term ``w_i m_i`` is one product per reply, the same everywhere).
+    """
+
+    weighted: dict[str, ExactSum | list[ExactSum]] = field(default_factory=dict)
+    weights: dict[str, ExactSum] = field(default_factory=dict)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    total_sum: ExactSum = field(default_factory=ExactSum)
     conflicts: set[str] = field(default_factory=set)
 
-    def _accumulate(self, key: str, term: float | np.ndarray, weight: float) -> None:
+    @property
+    def total(self) -> float:
+        """``sum_i w_i`` over every record added."""
+        return self.total_sum.value()
+
+    def _drop(self, key: str) -> None:
+        self.conflicts.add(key)
+        for table in (self.weighted, self.weights, self.shapes):
+            table.pop(key, None)
+
+    def _accumulate(
+        self, key: str, shape: tuple[int, ...], terms: list[ExactSum], weight: ExactSum
+    ) -> None:
         if key in self.conflicts:
             return
-        previous = self.weighted.get(key)
-        if previous is not None and np.shape(previous) != np.shape(term):
+        previous = self.shapes.get(key)
+        if previous is not None and previous != shape:
             log.warning(
                 "metric %r has shape %s in one reply and %s in another; it is left out",
                 key,
-                np.shape(term),
-                np.shape(previous),
+                shape,
+                previous,
             )
-            self.conflicts.add(key)
-            del self.weighted[key], self.weights[key]
+            self._drop(key)
             return
-        self.weighted[key] = term if previous is None else previous + term
-        self.weights[key] = self.weights.get(key, 0.0) + weight
+        if previous is None:
+            self.shapes[key] = shape
+            self.weighted[key] = [ExactSum() for _ in terms] if shape else ExactSum()
+            self.weights[key] = ExactSum()
+        held = self.weighted[key]
+        for mine, term in zip(held if isinstance(held, list) else [held], terms, strict=True):
+            mine.merge(term)
+        self.weights[key].merge(weight)
 
     def add(
         self, record: MetricRecord, weight: float | None = None, skip: tuple[str, ...] = ()
@@ -107,31 +191,38 @@ class MetricSums:
         if weight is None:
             value = record.get(WEIGHT_KEY, 1)
             weight = float(value) if isinstance(value, (int, float)) else 1.0
-        self.total += weight
+        weight = float(weight)
+        self.total_sum.add(weight)
         for key, value in record.items():
             if key == WEIGHT_KEY or key in skip:
                 continue
-            term = weight * (
-                np.asarray(value, dtype=np.float64) if isinstance(value, list) else float(value)
-            )
-            self._accumulate(key, term, weight)
+            if isinstance(value, list):
+                term = weight * np.asarray(value, dtype=np.float64)
+                shape: tuple[int, ...] = term.shape
+                terms = [_exact((x,)) for x in term.reshape(-1).tolist()]
+            else:
+                shape, terms = (), [_exact((weight * float(value),))]
+            self._accumulate(key, shape, terms, _exact((weight,)))
 
     def merge(self, other: MetricSums) -> None:
-        self.total += other.total
+        self.total_sum.merge(other.total_sum)
         for key in other.conflicts - self.conflicts:
-            self.conflicts.add(key)
-            self.weighted.pop(key, None)
-            self.weights.pop(key, None)
-        for key, value in other.weighted.items():
-            self._accumulate(key, value, other.weights[key])
+            self._drop(key)
+        for key, held in other.weighted.items():
+            terms = held if isinstance(held, list) else [held]
+            self._accumulate(key, other.shapes[key], terms, other.weights[key])
 
     def means(self) -> dict[str, float | list[float]]:
         """Weighted mean of each metric (keys with zero total weight are left out)."""
         out: dict[str, float | list[float]] = {}
-        for key, value in self.weighted.items():
-            if self.weights[key] > 0:
-                mean = value / self.weights[key]
-                out[key] = mean.tolist() if isinstance(mean, np.ndarray) else float(mean)
+        for key, held in self.weighted.items():
+            weight = self.weights[key].value()
+            if weight > 0:
+                if isinstance(held, list):
+                    mean = np.array([s.value() for s in held]).reshape(self.shapes[key]) / weight
+                    out[key] = mean.tolist()
+                else:
+                    out[key] = held.value() / weight
         return out
 
     def record(self, weight_key: str) -> MetricRecord:
@@ -167,6 +258,11 @@ class Reducer(ABC):
     #: fold seals); a worker never ships them: replies it cannot fold become failed replies,
     #: and its ``bytes_up`` counts the folded reply, the bytes that leave it
     confidential: ClassVar[bool] = False
+    #: True: the fold is exact (integer or field arithmetic), so its result is the same for
+    #: any split of the replies; the grid then folds whole batches, not fold chunks
+    #: (:func:`fold_chunk_size`), which a floating-point fold needs to give the same bits on
+    #: every backend
+    exact: ClassVar[bool] = False
 
     def to_config(self) -> ConfigRecord:
         """This reducer as a ConfigRecord: its import path plus its parameters."""
@@ -201,6 +297,52 @@ class Reducer(ABC):
         for reply in replies:
             accumulator.add(reply)
         return accumulator.result()
+
+
+#: a content group's sorted replies are folded in at most this many fixed chunks
+FOLD_CHUNKS = 64
+
+
+def fold_chunk_size(num_messages: int) -> int:
+    """Messages per fold chunk for a group of ``num_messages`` instructions (one content).
+
+    The chunks are fixed by the cohort alone: chunk ``k`` is the messages ``k c .. (k+1) c - 1``
+    of the group sorted by node id, ``c = ceil(n / FOLD_CHUNKS)``. Every batch holds whole
+    chunks; a worker folds each chunk's replies, in order, into one partial reply; the grid
+    folds the chunk partials in chunk order. The sequence of floating-point operations is then
+    a function of the cohort and of which clients replied, never of how many workers there are
+    or how the chunks were spread over batches, so every backend gives the same bits.
+    """
+    if num_messages < 0:
+        raise ValueError(f"num_messages = {num_messages!r}; it must be >= 0")
+    return max(1, math.ceil(num_messages / FOLD_CHUNKS))
+
+
+class ChunkedFold:
+    """A worker's fold of one batch: one accumulator per fold chunk (:func:`fold_chunk_size`).
+
+    ``add(position, reply)`` takes the batch's replies in order, ``position`` counted from the
+    batch's first message (a chunk boundary; ``chunk`` None: the batch is one chunk);
+    :meth:`results` is one partial reply per chunk
+    with at least one reply, in chunk order. A :class:`ReductionError` of any chunk reaches
+    the caller, who then ships the batch's replies unfolded.
+    """
+
+    def __init__(self, reducer: Reducer, instruction: RecordDict, chunk: int | None) -> None:
+        if chunk is not None and chunk < 1:
+            raise ValueError(f"chunk = {chunk!r}; it must be >= 1 (or None: one chunk)")
+        self.reducer, self.instruction, self.chunk = reducer, instruction, chunk
+        self._folds: dict[int, Accumulator] = {}
+
+    def add(self, position: int, reply: Message) -> None:
+        index = 0 if self.chunk is None else position // self.chunk
+        accumulator = self._folds.get(index)
+        if accumulator is None:
+            accumulator = self._folds[index] = self.reducer.accumulator(self.instruction)
+        accumulator.add(reply)
+
+    def results(self) -> list[Message]:
+        return [self._folds[index].result() for index in sorted(self._folds)]
 
 
 def reducer_of(content: RecordDict) -> Reducer | None:
@@ -348,13 +490,20 @@ class _WeightedMeanAccumulator(Accumulator):
 
 
 def weighted_mean(arrays: Sequence[np.ndarray], weights: np.ndarray) -> np.ndarray:
-    """``sum_i w_i a_i / sum_i w_i`` as one matrix-vector product in the arrays'
-    floating dtype (at least float32); equal weights when all weights are 0."""
+    """``sum_i w_i a_i / sum_i w_i`` in the arrays' floating dtype (at least float32); equal
+    weights when all weights are 0.
+
+    The terms are added one after another, elementwise, in the order given: IEEE elementwise
+    arithmetic, not a BLAS product whose summation order may follow the process's thread
+    count, so the same inputs give the same bits in any process."""
     first = arrays[0]
     dtype = np.promote_types(
         first.dtype if np.issubdtype(first.dtype, np.floating) else np.float64, np.float32
     )
     total = weights.sum()
     factors = weights / total if total > 0 else np.full(len(weights), 1.0 / len(weights))
-    stacked = np.stack([np.asarray(a, dtype=dtype).reshape(-1) for a in arrays])
-    return (factors.astype(dtype) @ stacked).reshape(first.shape).astype(first.dtype, copy=False)
+    factors = factors.astype(dtype)
+    out = np.multiply(np.asarray(first, dtype=dtype), factors[0])
+    for factor, array in zip(factors[1:], arrays[1:], strict=True):
+        out += np.multiply(np.asarray(array, dtype=dtype), factor)
+    return out.reshape(first.shape).astype(first.dtype, copy=False)

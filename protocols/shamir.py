@@ -40,6 +40,7 @@ import numpy as np
 
 from protocols.field import DEFAULT_FIELD, MersenneField
 
+
 class NotEnoughSharesError(ValueError):
     """Fewer than t + k shares: the secrets are information-theoretically hidden."""
 

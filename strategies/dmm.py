@@ -54,6 +54,7 @@ shares: federated evaluation is refused (config, strategy, client app) unless
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -67,6 +68,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedsim.config import ConfigError
+from fedsim.engine.boundary import ClaimRefused, ReleaseBoundary, boundary_of
 from fedsim.engine.client_registry import (
     NUM_PARTITIONS_KEY,
     client_name,
@@ -499,6 +501,15 @@ def _check_arguments(
 class DMM(LedgerShell):
     """Wrap a FedAvg-family strategy with the distributed matrix mechanism.
 
+    At the release boundary (:mod:`fedsim.engine.boundary`) it claims the replies it consumes,
+    by the instructions they answer, wherever the rounds run (fedsim's loop, Flower's
+    ``Strategy.start``, an app's own loop): the train replies that enter the secure sum are
+    claimed for this ledger; a reply the boundary refuses (never delivered, or consumed
+    already) is rejected and never enters the sum; the other train replies it rejects are
+    withheld (sealed to the committee in full mode, dropped by the ideal sum in ideal mode:
+    nothing of them is released); evaluation replies are claimed, and the ledger makes epsilon
+    infinite for them. A reply nobody claims counts as an unaccounted release.
+
     Args:
         strategy: samples clients and applies the mean update.
         factorization: A = B C of the workload; C banded (BandMF, banded Toeplitz) or the 0/1
@@ -531,6 +542,10 @@ class DMM(LedgerShell):
             arrive. Without it a ``strategy`` whose ``fraction_evaluate`` is > 0, or that sends
             evaluate messages, is refused.
     """
+
+    #: the replies it consumes are claimed at the release boundary (fedsim.engine.boundary)
+    claims_replies = True
+    _boundary: ReleaseBoundary | None = None
 
     def __init__(
         self,
@@ -642,6 +657,7 @@ class DMM(LedgerShell):
         members' shares are theirs) or a round in flight."""
         state = dict(self.__dict__)
         state.update(host=None, _round={})
+        state.pop("_boundary", None)  # the run's, bound again by the next configure_train
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -842,6 +858,10 @@ class DMM(LedgerShell):
     ) -> MetricRecord | None:
         replies = list(replies)
         answered = sum(not reply.has_error() for reply in replies)
+        if self._boundary is not None:  # consumed here: the ledger makes epsilon infinite
+            for reply in replies:
+                with contextlib.suppress(ClaimRefused):
+                    self._boundary.claim([reply], self)
         if answered:
             self._unaccounted(server_round, f"evaluation metrics of {answered} clients")
         return self.strategy.aggregate_evaluate(server_round, replies)
@@ -850,6 +870,10 @@ class DMM(LedgerShell):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
+        boundary = boundary_of(grid)
+        if boundary is not None:  # this ledger's releases are claimed there
+            self._boundary = boundary
+            boundary.register(self)
         reference = to_numpy(arrays)
         encoder = self._ensure(int(sum(v.size for v in reference.values())))
         if self.halted:
@@ -989,6 +1013,27 @@ class DMM(LedgerShell):
                 valid[node] = reply
         return valid, rejected
 
+    def _at_boundary(
+        self, replies: list[Message], valid: dict[int, Message], rejected: dict[int, str]
+    ) -> None:
+        """Claim ``valid`` (the replies the secure sum takes) at the release boundary; one
+        the boundary refuses leaves ``valid`` for ``rejected``. The other replies consumed
+        here are withheld (see the class docstring)."""
+        if self._boundary is None:
+            return
+        for node, reply in list(valid.items()):
+            try:
+                self._boundary.claim([reply], self)
+            except ClaimRefused as refused:
+                rejected[node] = f"refused at the release boundary: {refused}"
+                del valid[node]
+                self._round.get("batches", {}).pop(node, None)
+        summed = {id(reply) for reply in valid.values()}
+        for reply in replies:
+            if not reply.has_error() and id(reply) not in summed:
+                with contextlib.suppress(ClaimRefused):
+                    self._boundary.withhold([reply], type(self).__name__)
+
     def _sealed(self, valid: dict[int, Message], rejected: dict[int, str]) -> dict:
         keys: RoundKeys = self._round["keys"]
         sealed = {}
@@ -1101,6 +1146,7 @@ class DMM(LedgerShell):
             )
             metrics["dmm-key-refusals"] = len(refusals)
         valid, rejected = self._validate(replies)
+        self._at_boundary(replies, valid, rejected)
         try:
             output = self._run_protocol(server_round, valid, rejected)
         except (RoundAborted, ReleaseTampering) as error:

@@ -117,6 +117,7 @@ class ShareFoldReducer(Reducer):
     batches reach the strategy one by one."""
 
     confidential = True
+    exact = True  # sums in the protocol's field: any split folds to the same release
     params = ("round", "step", "rows", "n", "t", "k", "field_exponent", "dim", "session")
     params += ("members", "member_keys", "cohort")
 

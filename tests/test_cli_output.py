@@ -3,6 +3,7 @@
 
 import importlib.metadata
 import io
+import json
 import logging
 import os
 import re
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fedsim.commands.console import Verbosity, console
+from fedsim.commands.console import Verbosity, console, hush_ray
 from fedsim.config import ConfigError
 from fedsim.progress import Cadence, RunProgress
 
@@ -111,13 +112,48 @@ def test_plain_progress_lines_per_round_when_stderr_is_a_pipe(dp_runs):
     assert [re.match(r"fedsim: round (\d+)/3, ", p).group(1) for p in progress] == ["1", "2", "3"]
     for line in progress:  # whole lines: the rate and the metrics at the end, nothing cut
         assert re.fullmatch(
-            r"fedsim: round \d/3, [\d.]+ s, \d+ clients/s, central\.accuracy=[\d.e-]+ "
-            r"central\.loss=[\d.e+-]+",
+            r"fedsim: round \d/3, [\d.]+ s, \d+ clients/s, (?:ε|epsilon)=[\d.e+-]+ "
+            r"\((?:δ|delta)=1e-05\), central\.accuracy=[\d.e-]+ central\.loss=[\d.e+-]+",
             line,
         ), line
     assert "\r" not in err and "\x1b[" not in err  # no cursor control
     assert err.strip() == "\n".join(progress)  # nothing else without --verbose
     assert "results in" in dp_runs["normal"].stdout
+
+
+def test_each_progress_line_shows_the_epsilon_of_its_round(dp_runs, tmp_path_factory):
+    err = dp_runs["normal"].stderr
+    shown = [
+        float(m.group(1))
+        for m in re.finditer(r"^fedsim: round \d/3, .*?(?:ε|epsilon)=([\d.e+-]+) ", err, re.M)
+    ]
+    out = Path(re.search(r"results in (\S+)/rounds\.jsonl", dp_runs["normal"].stdout).group(1))
+    written = [json.loads(x)["privacy"]["epsilon"] for x in (out / "rounds.jsonl").open()]
+    assert shown == pytest.approx(written[1:], rel=1e-3) and len(shown) == ROUNDS
+    assert shown[0] < shown[1] < shown[2]
+
+
+def test_progress_privacy_text_on_a_pipe_and_in_ascii():
+    line = {
+        "round": 1,
+        "clients_per_s": 3.0,
+        "privacy": {"epsilon": 1.23456, "delta": 1e-5},
+        "client_privacy": {"max_epsilon": 7.5},
+    }
+    utf8 = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")
+    ascii_ = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    for stream in (utf8, ascii_):
+        with RunProgress(2, enabled=Cadence(), stream=stream) as bar:
+            bar(line)
+        stream.flush()
+    assert "3 clients/s, ε=1.235 (δ=1e-05) client ε<=7.5" in utf8.buffer.getvalue().decode()
+    text = ascii_.buffer.getvalue().decode("ascii")
+    assert "3 clients/s, epsilon=1.235 (delta=1e-05) client epsilon<=7.5" in text
+    plain = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")
+    with RunProgress(2, enabled=Cadence(), stream=plain) as bar:
+        bar(record(1))  # a run without privacy: no epsilon
+    plain.flush()
+    assert "ε" not in plain.buffer.getvalue().decode()
 
 
 def test_quiet_prints_only_the_final_summary(dp_runs):
@@ -183,7 +219,8 @@ def test_processes_a_command_starts_log_flower_at_its_verbosity(monkeypatch, ver
             [sys.executable, "-c", WORKER], capture_output=True, text=True, timeout=120
         )
     assert "FLWR_LOG_LEVEL" not in os.environ  # restored
-    printed = [kind for kind in ("info", "warning", "error") if f"a worker's {kind}" in child.stderr]
+    kinds = ("info", "warning", "error")
+    printed = [kind for kind in kinds if f"a worker's {kind}" in child.stderr]
     assert printed == shown, child.stderr
 
 
@@ -266,3 +303,47 @@ def test_progress_every_parses_rounds_or_seconds(text, cadence):
 def test_bad_progress_every_is_refused_by_name(text):
     with pytest.raises(ConfigError, match="--progress-every"):
         Cadence.parse(text)
+
+
+RAYLET_TEXT = (
+    "A worker died or was killed while executing a task by an unexpected system error. ... "
+    "(1) the process was killed by the OOM killer due to high memory usage"
+)
+
+
+def test_quiet_keeps_rays_own_driver_text_in_the_debug_log(capsys):
+    """What Ray's driver thread prints for a dead worker (on stdout, from a background
+    thread) is hushed under --quiet, shown at DEBUG with --verbose, and Ray's own printer is
+    back once the command ends."""
+    import ray._private.worker as ray_worker
+
+    original = ray_worker.print_to_stdstream
+    message = {"lines": [RAYLET_TEXT], "pid": "raylet", "is_err": False}
+    for verbosity in (Verbosity.QUIET, Verbosity.VERBOSE):
+        with console(verbosity):
+            hush_ray()
+            hush_ray()  # once is enough: the second changes nothing
+            ray_worker.print_to_stdstream(message, ignore_prefix=False)
+        assert ray_worker.print_to_stdstream is original
+        captured = capsys.readouterr()
+        if verbosity is Verbosity.QUIET:
+            assert captured.out == captured.err == ""
+        else:
+            assert captured.out == ""
+            assert captured.err == f"DEBUG fedsim.ray_driver: (raylet) {RAYLET_TEXT}\n"
+
+
+def test_quiet_prints_nothing_of_injected_worker_crashes_on_ray(tmp_path):
+    """crash_probability = 1: the first attempt of every batch kills its Ray worker (a
+    re-run never crashes), so Ray's driver has a dead worker to report in each phase."""
+    config = tmp_path / "crashes.toml"
+    config.write_text(
+        DP_CONFIG.replace("rounds = 3", "rounds = 1").replace(
+            'backend = "local"', 'backend = "ray"\nworkers = 1'
+        )
+        + "\n[faults]\ncrash_probability = 1.0\n"
+    )
+    quiet = fedsim("--quiet", "run", str(config), "--out", str(tmp_path / "out"))
+    assert quiet.returncode == 0, quiet.stderr
+    assert quiet.stderr == ""
+    assert re.fullmatch(r"fedsim: 1 rounds in [\d.]+ s; results in \S+ and \S+\n", quiet.stdout)

@@ -90,6 +90,9 @@ def test_values_are_typed_by_the_schema(config_file):
         ("data.alpha=[1, 2]", ["--set data.alpha", "[1, 2]", "number"]),
         ("privacy.metrics_in_clear=1", ["--set privacy.metrics_in_clear", "1", "true or false"]),
         ("model.kind=lstm", ["--set model.kind", "'lstm'", "'logreg'"]),
+        # a list key given one value: what it allows in words, and how one item is written
+        ("model.channels=4", ["--set model.channels", "4", "a list of integers", "[4]"]),
+        ("model.hidden=x", ["--set model.hidden", "'x'", "a list of integers"]),
         # a range checked with the whole config, still under the flag
         ("strategy.clients_per_round=50", ["--set strategy.clients_per_round", "50", "20"]),
         ("rounds=0", ["--set rounds", "0", ">= 1"]),
@@ -131,3 +134,13 @@ def test_the_effective_config_is_stored_and_resume_compares_it(tmp_path, config_
     code = main(["run", str(config_file), "--resume", str(out), "--no-progress", "--set", "seed=4"])
     assert code == 2  # the file gives clients_per_round 5, the run stored 6
     assert "these keys differ: strategy.clients_per_round" in capsys.readouterr().err
+
+
+def test_a_list_key_given_one_value_is_told_in_words(config_file):
+    """``--set model.channels=4`` once said ``a list of tuple``: the error names the items
+    in words and shows the one-item list, with no Python type name in it."""
+    with pytest.raises(ConfigError) as err:
+        load_config(config_file, parse_overrides(["model.channels=4"]))
+    message = str(err.value)
+    assert "tuple" not in message and "int" not in message.replace("integers", "")
+    assert message.endswith("a list of integers, in brackets (one item is written [4])")

@@ -53,7 +53,10 @@ def test_ddgauss_encodings_sum_the_same_in_the_ring_and_the_field():
     enc = DDGaussEncoder(dim=40, clip=1.0, gamma=1e-3, noise_std=0.01)
     enc.headroom_bits(8, bits=20)  # the budget holds, so Z_{2^20} cannot wrap
     ring = RingZ2k(20)
-    fields = [enc.encode(rng.normal(size=40), 3, rng, sampler=discrete_gaussian).elements for _ in range(8)]
+    fields = [
+        enc.encode(rng.normal(size=40), 3, rng, sampler=discrete_gaussian).elements
+        for _ in range(8)
+    ]
     via_field = DEFAULT_FIELD.decode_signed(DEFAULT_FIELD.sum(np.stack(fields), axis=0))
     via_ring = ring.decode_signed(
         ring.sum_list([ring.encode_signed(DEFAULT_FIELD.decode_signed(f)) for f in fields])

@@ -416,7 +416,7 @@ def fedsim_run(tmp_path, name, **fields):
     return lines, json.loads((out / "summary.json").read_text())
 
 
-def test_fedsim_run_reports_epsilon_every_round_and_stops_at_max_epsilon(tmp_path):
+def test_fedsim_run_reports_epsilon_every_round_and_stops_at_max_epsilon(tmp_path, capsys):
     z, q, delta = 1.0, 8 / 30, 1e-5
     curve = epsilon_curve(z, PoissonSampling(q), [1, 2, 3], delta)
     budget = (curve[1] + curve[2]) / 2
@@ -436,6 +436,13 @@ def test_fedsim_run_reports_epsilon_every_round_and_stops_at_max_epsilon(tmp_pat
     assert summary["rounds"] == 2 and "max_epsilon" in summary["stopped_reason"]
     assert summary["privacy"]["epsilon"] == pytest.approx(curve[1])
     assert summary["privacy"]["epsilon"] <= budget
+    # said on the console, in one line with the epsilon it stopped at
+    stopped = [x for x in capsys.readouterr().out.splitlines() if "STOPPED EARLY" in x]
+    assert len(stopped) == 1
+    assert stopped[0].startswith(
+        f"fedsim: STOPPED EARLY by the privacy budget after round 2 of 5 at epsilon = "
+        f"{summary['privacy']['epsilon']:.6g} (delta = 1e-05): max_epsilon: round 3 would "
+    )
 
 
 def test_fedsim_run_with_adaptive_clipping_uniform_sampling_and_fedadam(tmp_path):

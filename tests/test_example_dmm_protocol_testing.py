@@ -10,6 +10,9 @@ def test_three_scenarios_release_correct_or_abort_with_the_reason(capsys):
     names = ["tamperer at RELEASE + 2 dropouts", "9 dropouts at RELEASE", "5 tamperers at RELEASE"]
     argv = [arg for name in names for arg in ("--scenario", name)]
     corrected, lost, beyond = scenarios.main(argv)
+    # every scenario replays the fault-free reference run's nonce, and says so
+    assert len({o["replay_of"] for o in (corrected, lost, beyond)}) == 1
+    assert len(corrected["replay_of"]) == 32
     # one tamperer and two dropouts (within the radius): corrected, named, the release exact
     assert corrected["status"] == "released" and corrected["verified"]
     assert corrected["corrected"] == [1] and corrected["member_dropouts"] == 2

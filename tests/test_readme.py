@@ -75,4 +75,4 @@ def test_the_license_is_the_apache_license_2_0():
     text = (ROOT / "LICENSE").read_text()
     assert "Apache License\n                           Version 2.0, January 2004" in text
     assert "END OF TERMS AND CONDITIONS" in text and "APPENDIX" in text
-    assert 'license = { text = "Apache-2.0" }' in (ROOT / "pyproject.toml").read_text()
+    assert 'license = "Apache-2.0"' in (ROOT / "pyproject.toml").read_text()  # SPDX (PEP 639)

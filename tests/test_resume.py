@@ -71,15 +71,15 @@ def strip_times(record):
 PASSPHRASE = "tests"
 ROOT = Path(fedsim.__file__).resolve().parent.parent
 # A run in its own process, with the fixed secret root that resuming needs.
-PROCESS = """
+PROCESS = f"""
 import sys
 from fedsim.experiment import run_experiment
 from fedsim.run_config import ExperimentConfig
 from fedsim.randomness import RunSecret
 config, out, mode, replay = sys.argv[1:]
 run_experiment(ExperimentConfig.load(config), out, resume=mode == "resume", progress=False,
-               secrets=RunSecret.from_passphrase(%r), replay=replay or None)
-""" % PASSPHRASE
+               secrets=RunSecret.from_passphrase({PASSPHRASE!r}), replay=replay or None)
+"""
 
 
 def in_process(*args):

@@ -56,8 +56,8 @@ def test_a_missing_record_is_refused_naming_the_file(tmp_path):
 
 
 def test_a_new_run_takes_over_only_what_an_unstarted_run_left(tmp_path):
-    from fedsim.rundir import RunDirectory  # noqa: PLC0415
     from fedsim.randomness import RunSecret  # noqa: PLC0415
+    from fedsim.rundir import RunDirectory  # noqa: PLC0415
 
     root = RunSecret.from_passphrase("tests")
     unstarted = RunDirectory.create(tmp_path / "a", '{"a": 1}', root, 0)

@@ -13,8 +13,8 @@ from fedsim.engine.rounds import run_rounds
 from fedsim.models import ModelSpec, build_model, initial_arrays, load_arrays, model_arrays
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.workloads.averaging import Averaging
-from fedsim.workloads.compression import Quantization
 from fedsim.workloads.client_app import training_app
+from fedsim.workloads.compression import Quantization
 from fedsim.workloads.methods import MethodsTraining, train_with_methods
 from fedsim.workloads.supervised import LocalTraining, make_client_app
 from fedsim.workloads.training import as_tensors, evaluate_model

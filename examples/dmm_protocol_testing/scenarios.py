@@ -49,7 +49,7 @@ from fedsim.engine import Engine, EngineConfig, MinSeparationCohort  # noqa: E40
 from fedsim.engine.dmm_committee import CommitteeHost  # noqa: E402
 from fedsim.engine.rounds import run_rounds  # noqa: E402
 from fedsim.models import ModelSpec, initial_arrays  # noqa: E402
-from fedsim.randomness import RunSecret  # noqa: E402
+from fedsim.randomness import RunSecret, new_nonce  # noqa: E402
 from fedsim.record_codec import to_numpy, to_record  # noqa: E402
 from fedsim.workloads.supervised import LocalTraining, make_client_app  # noqa: E402
 from protocols.dmm import ACTIVE, DMMFaults  # noqa: E402
@@ -116,6 +116,8 @@ class Federation:
     member_dropouts: int
     bands: int
     secrets: RunSecret
+    #: the public nonce mixed into ``secrets`` (the reference run's); every scenario replays it
+    nonce: str
     data: DatasetSpec = field(init=False)
 
     def __post_init__(self) -> None:
@@ -222,6 +224,8 @@ def run_scenario(fed: Federation, engine: Engine, scenario: Scenario, reference)
     host = ScenarioHost(fed.secrets, scenario.round, plan)
     final = fed.run(engine, "full", host, watch)
     seen["later"] = later
+    # the reference's streams again: a copy of its releases, made only for this comparison
+    seen["replay_of"] = fed.nonce
     if seen.get("status") == "released":
         seen["exact"] = all(np.array_equal(final[k], reference[k]) for k in reference)
     return seen
@@ -319,6 +323,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             print(scenario.name)
         return []
     scenarios = chosen_scenarios(args)
+    nonce = new_nonce()
     fed = Federation(
         args.clients,
         args.rounds,
@@ -328,9 +333,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         args.member_dropouts,
         args.bands,
         # a fresh root from OS randomness for each invocation (never a phrase in the
-        # repository): the scenarios of one invocation share it, so each is compared with the
-        # ideal run on the same noise; two invocations draw independent noise
-        RunSecret(os.urandom(32)),
+        # repository) mixed with the reference run's nonce: every scenario of one invocation
+        # replays it (``replay_of``), so each is compared with the ideal run on the same
+        # noise; two invocations draw independent noise
+        RunSecret(os.urandom(32)).for_run(nonce),
+        nonce,
     )
     print(
         f"DMM full mode: {args.clients} clients in {args.bands} groups (BandMF, "

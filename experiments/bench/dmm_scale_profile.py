@@ -30,8 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from experiments.bench.dmm import banded_matrix  # noqa: E402
 from protocols.dmm import MEMBER_ID_BASE, Schedule  # noqa: E402
-from protocols.dmm_client import ShareFold, seal_client_shares, seal_rows  # noqa: E402
-from protocols.dmm_client import sharing_inputs  # noqa: E402
+from protocols.dmm_client import (  # noqa: E402
+    ShareFold,
+    seal_client_shares,
+    seal_rows,
+    sharing_inputs,  # noqa: E402
+)
 from protocols.dmm_member import MemberPool  # noqa: E402
 from protocols.dmm_server import DMMServer  # noqa: E402
 from protocols.shamir import PackedShamir  # noqa: E402

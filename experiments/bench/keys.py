@@ -189,8 +189,12 @@ def main() -> None:
     if args.table_only:
         print(table(json.loads(args.out.read_text())))
         return
-    root = RunSecret.fresh()
-    rows = [*committee_cases(root, args), dmm_case(root, args), secagg_case(root, args)]
+    # each case its own root from OS randomness: no two cases share a party's stream
+    rows = [
+        *committee_cases(RunSecret.fresh(), args),
+        dmm_case(RunSecret.fresh(), args),
+        secagg_case(RunSecret.fresh(), args),
+    ]
     result = {"members": args.members, "clients": args.clients, "dim": args.dim,
               "repeats": args.repeats, "cases": rows}
     args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -68,14 +68,21 @@ SPREAD = (
 
 
 def load(directory: Path) -> tuple[dict, list[dict], list[dict]]:
-    """(setup, runs, checks) stored in one setting directory."""
+    """(setup, runs, checks) stored in one setting directory. Points stored before each point
+    had its own root (no ``run_nonce``; checks without ``replay_of``) are left out, and counted
+    in ``setup["stale"]``: :mod:`experiments.dmm.run` runs them again."""
     setup = json.loads((directory / "setup.json").read_text())
-    runs, checks = [], []
+    runs, checks, stale = [], [], 0
     for path in sorted(directory.glob("*.json")):
         if path.name == "setup.json":
             continue
-        (checks if path.name.startswith("check_") else runs).append(json.loads(path.read_text()))
-    return setup, runs, checks
+        data = json.loads(path.read_text())
+        check = path.name.startswith("check_")
+        if ("replay_of" if check else "run_nonce") not in data:
+            stale += 1
+            continue
+        (checks if check else runs).append(data)
+    return {**setup, "stale": stale}, runs, checks
 
 
 def _accuracies(runs, method, eps) -> list[float]:
@@ -213,6 +220,11 @@ def source_section(setup: dict, runs: list[dict], checks: list[dict]) -> str:
         f"{_hours(runs, checks):.2f} h of wall time in all; study root fingerprint "
         f"{', '.join(f'`{r}`' for r in point_roots(setup, runs))}, each point with its own nonce."
     )
+    if setup.get("stale"):
+        note += (
+            f" {setup['stale']} files stored before each point had its own root are left out"
+            " until the study runs them again."
+        )
     return "\n\n".join(
         [
             title,

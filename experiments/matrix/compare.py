@@ -13,9 +13,11 @@ the noise differs. For each target epsilon (delta = 1e-5, RDP):
 
 Each run's reported epsilon is read back from its summary.json (its ledger), not assumed.
 Secrets: the study root in ``--secrets`` (default ``~/.fedsim/matrix.key``, kept outside the
-results) gives each seed its own root (:mod:`experiments.roots`): the clients' secrets and the
-server's noise of both methods at that seed come from it, so the same root repeats every run
-bit for bit; ``results.json`` records only the root's fingerprint. Writes ``results.json`` and
+results) gives each seed its own root (:mod:`experiments.roots`), and every run (method, epsilon,
+seed) mixes its own fresh public nonce into it (:func:`fedsim.experiment.run_experiment`,
+:mod:`fedsim.run_root`): the clients' secrets and the server's noise of two points never share a
+stream, and each invocation draws new noise. ``results.json`` records the root's fingerprint
+and every run's nonce (``run_nonces``, in the order of ``seeds``). Writes ``results.json`` and
 the table in ``README.md`` (between the markers) with the mean and sample standard deviation
 (ddof = 1) of the final central test accuracy over ``--seeds``; ``--table-only`` rebuilds the
 README table from the stored ``results.json``.
@@ -61,7 +63,10 @@ def run_one(config, out: Path, engine, secrets) -> dict:
     from fedsim.experiment import run_experiment  # noqa: PLC0415
 
     summary = run_experiment(config, out, progress=False, engine=engine, secrets=secrets)
+    from fedsim.run_root import RUN_FILE  # noqa: PLC0415
+
     return {
+        "nonce": json.loads((out / RUN_FILE).read_text())["nonce"],
         "accuracy": summary["final"]["central"]["accuracy"],
         "epsilon": summary.get("privacy", {}).get("epsilon"),
         "rounds": summary["rounds"],
@@ -141,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                             "accuracy_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
                             "accuracy": accs,
                             "seeds": args.seeds,
+                            "run_nonces": [r["nonce"] for r in runs],
                         }
                     )
     finally:

@@ -28,10 +28,18 @@ run can be resumed or split over several processes (``--only``); the table
 (``OUT/table.md``, ``OUT/results.json``) is rebuilt from the stages at the end.
 
 Secrets: the study root in ``--secrets`` (default ``~/.fedsim/popri.key``, kept outside the
-results) gives the config's seed its own root (:mod:`experiments.roots`); the server's noise
-of POPri, PE and DP-FedAvg (bound with :func:`strategies.server_secret.bind_parties`) and the
-clients' secrets (given by the engine) come from it, so the same root repeats every stage bit
-for bit. A stage records only the root's fingerprint (``secrets_fingerprint``).
+results) gives the config's seed its own root (:mod:`experiments.roots`), and every *point* of
+the study -- a stage that opens a run on the engine: POPri, PE or DP-FedAvg at one epsilon --
+mixes its own fresh public nonce into it (:meth:`~fedsim.randomness.RunSecret.for_run`), stored
+in the stage as ``run_nonce``: no two points (two methods, two epsilons, two invocations) share
+a noise stream, so no difference of their releases cancels the noise. The server's noise
+(bound with :func:`strategies.server_secret.bind_parties`), DP-FedAvg's cohorts (the server's
+secret draw, :func:`fedsim.engine.participation.secret_cohorts`: its epsilon credits
+amplification by sampling) and the clients' secrets (given by the engine) come from the
+point's root. A stage records the study root's fingerprint (``secrets_fingerprint``) and a
+point also its own root's (``point_fingerprint``). A point's stage without ``run_nonce`` (from
+before points had their own roots) is stale and runs again. Nothing here replays a point; a
+replay would reuse the stored nonce and say so (``replay_of``).
 """
 
 from __future__ import annotations
@@ -178,26 +186,42 @@ class Context:
     """The federation, tokenised data and models one process needs, built on first use."""
 
     def __init__(self, config: Config, out: Path, root=None) -> None:
+        from fedsim.randomness import RunSecret  # noqa: PLC0415
+
         self.config = config
         self.out = out
-        self.root = root  # the study's RunSecret (None: fresh OS secrets, not repeatable)
+        # the study's RunSecret (None: a fresh root from OS randomness, not repeatable)
+        self.root = RunSecret.fresh() if root is None else root
+        self.nonce: str | None = None  # the running point's public nonce (:func:`run_stages`)
         self._cache: dict[str, Any] = {}
 
     @property
     def secrets(self):
-        """This seed's root (:mod:`experiments.roots`), or None without a study root."""
+        """The running point's root: this seed's root (:mod:`experiments.roots`) mixed with
+        the point's nonce, so that no two points of the study share a stream."""
         from experiments.roots import seed_root  # noqa: PLC0415
 
-        return None if self.root is None else seed_root(self.root, STUDY, self.config.seed)
+        if self.nonce is None:
+            raise RuntimeError(
+                "a stage that opens a run needs its point's nonce: run it through run_stages "
+                f"(stages that are points: {', '.join(PRIVATE_METHODS)})"
+            )
+        return seed_root(self.root, STUDY, self.config.seed).for_run(self.nonce)
 
-    def open_run(self, app, num_clients: int, strategy, **options):
+    def open_run(self, app, num_clients: int, strategy, *, secret_cohorts=False, **options):
         """A run on the engine whose clients get their secrets from :attr:`secrets`, with
-        ``strategy``'s server noise bound to the seed root's server secret."""
+        ``strategy``'s server noise bound to the point root's server secret; with
+        ``secret_cohorts`` the ``participation`` draws from that secret too (a strategy whose
+        epsilon credits amplification by sampling: cohorts from the public seed would tell
+        every client which rounds it was in)."""
+        from fedsim.engine.participation import secret_cohorts as secret_draw  # noqa: PLC0415
         from strategies.server_secret import bind_parties  # noqa: PLC0415
 
         secrets = self.secrets
-        if secrets is not None:
-            bind_parties(strategy, secrets.server())
+        server = secrets.server()
+        bind_parties(strategy, server)
+        if secret_cohorts:
+            options["participation"] = secret_draw(options["participation"], server)
         return self.engine().open_run(
             app, num_clients, raise_errors=True, secrets=secrets, **options
         )
@@ -632,7 +656,7 @@ def stage_dp_fedavg(ctx: Context, epsilon: float) -> dict[str, Any]:
     )
     clients = [ctx.sequences(list(fed.client_texts(i))) for i in range(n)]
     app = make_lm_client_app(ctx.spec, clients, s.local, seed=ctx.config.seed)
-    participation = UniformCohort(n, k, ctx.config.seed)
+    participation = UniformCohort(n, k, ctx.config.seed)  # drawn from the server's secret
     strategy = DPFedAvg(
         FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=0, min_train_nodes=1),
         clipping_norm=s.clipping_norm,
@@ -641,7 +665,7 @@ def stage_dp_fedavg(ctx: Context, epsilon: float) -> dict[str, Any]:
         sampling=sampling,
         delta=ctx.delta,
     )
-    grid = ctx.open_run(app, n, strategy, participation=participation)
+    grid = ctx.open_run(app, n, strategy, participation=participation, secret_cohorts=True)
     rounds: list[dict[str, Any]] = []
 
     def on_round(outcome) -> None:
@@ -689,20 +713,54 @@ def stage_list(config: Config, only: tuple[str, ...]) -> list[tuple[str, Any]]:
     return stages
 
 
+def is_point(name: str) -> bool:
+    """Whether stage ``name`` is a point of the study: a run on the engine whose parties
+    draw secret streams (POPri, PE, DP-FedAvg at one epsilon), under its own nonce."""
+    return name.rpartition("-eps")[0] in PRIVATE_METHODS
+
+
+def finished_stage(path: Path, name: str) -> bool:
+    """Whether ``path`` holds stage ``name`` finished; a point must hold its ``run_nonce``
+    (one without it ran under the seed's root shared by every point: stale, run again)."""
+    if not path.is_file():
+        return False
+    return not is_point(name) or "run_nonce" in json.loads(path.read_text())
+
+
+def run_stage(ctx: Context, name: str, run: Any) -> dict[str, Any]:
+    """Run stage ``name``; a point under a fresh nonce, recorded with its result."""
+    from fedsim.randomness import new_nonce  # noqa: PLC0415
+
+    ctx.nonce = new_nonce() if is_point(name) else None
+    try:
+        start = time.perf_counter()
+        result = run(ctx)
+        result["seconds"] = time.perf_counter() - start
+        result["secrets_fingerprint"] = ctx.root.fingerprint()
+        if ctx.nonce is not None:
+            result["run_nonce"] = ctx.nonce
+            result["point_fingerprint"] = ctx.secrets.fingerprint()
+    finally:
+        ctx.nonce = None
+    return result
+
+
 def run_stages(ctx: Context, only: tuple[str, ...]) -> None:
     stage_dir = ctx.out / "stages"
     stage_dir.mkdir(parents=True, exist_ok=True)
     for name, run in stage_list(ctx.config, only):
         path = stage_dir / f"{name}.json"
-        if path.exists():
+        if finished_stage(path, name):
             print(f"{name}: done earlier ({path})", flush=True)
             continue
+        if path.exists():
+            print(f"{name}: stale, no run_nonce (from the shared seed root); again", flush=True)
         lock = stage_dir / f"{name}.lock"
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             if name == "public":  # every later stage needs it: wait for the other process
-                while not path.exists():
+                while not finished_stage(path, name):
                     time.sleep(5)
                 continue
             print(f"{name}: another process is running it ({lock})", flush=True)
@@ -710,11 +768,7 @@ def run_stages(ctx: Context, only: tuple[str, ...]) -> None:
         os.close(fd)
         try:
             print(f"{name}: running", flush=True)
-            start = time.perf_counter()
-            result = run(ctx)
-            result["seconds"] = time.perf_counter() - start
-            if ctx.root is not None:
-                result["secrets_fingerprint"] = ctx.root.fingerprint()
+            result = run_stage(ctx, name, run)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps(result, indent=1, default=float))
             os.replace(tmp, path)
@@ -779,11 +833,18 @@ def build_table(config: Config, out: Path) -> str:
     }
     (out / "results.json").write_text(json.dumps(results, indent=1, default=float))
     table = "\n".join(lines)
+    stale = [name for name in stages if is_point(name) and "run_nonce" not in stages[name]]
+    note = (
+        f"\n\nStale points (no run_nonce: run under the seed root every point shared; "
+        f"they run again): {', '.join(stale)}."
+        if stale
+        else ""
+    )
     (out / "table.md").write_text(
         "Next-token top-1 accuracy (%) on private held-out text; in brackets the gap closed "
-        "between fully private and non-private.\n\n" + table + "\n"
+        "between fully private and non-private.\n\n" + table + note + "\n"
     )
-    return table
+    return table + note
 
 
 def combined_table(config: Config, outs: list[Path]) -> str:

@@ -22,9 +22,11 @@ Dataset inference: the 40 inserted canaries (members) and the 40 non-member cana
 suspect sets, digit-perturbed synthetic held-out copies, 5 splits.
 
 Secrets (part ``dp``): the study root in ``--secrets`` (default ``~/.fedsim/audit.key``, kept
-outside the results) gives each seed its own root (:mod:`experiments.roots`), from which the
-engine gives the clients their secrets and the server its noise: the same root repeats every
-run bit for bit; ``audit.json`` records only the root's fingerprint.
+outside the results) gives each seed its own root (:mod:`experiments.roots`), and every run
+(epsilon, seed) mixes its own fresh public nonce into it (:func:`fedsim.experiment.run_experiment`,
+:mod:`fedsim.run_root`), from which the engine gives the clients their secrets and the server
+its noise: no two runs share a stream, and each invocation draws new noise. ``audit.json``
+records the root's fingerprint and each run's nonce (``run_nonce``).
 
 Usage: ``python experiments/workloads/audit.py [--part dp|canary|all] [--seeds 0 1 2]
 [--secrets FILE] [--table-only]``; writes ``audit.json`` next to this file (parts merge into
@@ -63,6 +65,7 @@ from fedsim.experiment import (  # noqa: E402
 from fedsim.privacy.calibration import calibrate_noise  # noqa: E402
 from fedsim.randomness import PartySecret  # noqa: E402
 from fedsim.run_config import ExperimentConfig  # noqa: E402
+from fedsim.run_root import RUN_FILE  # noqa: E402
 from strategies.dp_fedavg import relation_for  # noqa: E402
 
 OUT = Path(__file__).with_name("audit.json")
@@ -128,6 +131,7 @@ def dp_part(seeds: list[int], root) -> list[dict]:
                 )
                 finished = load_finished_run(run_dir, secrets)
                 audits = {a: audit_run(finished, attack=a) for a in ("loss", "zlib")}
+                nonce = json.loads((run_dir / RUN_FILE).read_text())["nonce"]
             row = {
                 "target_epsilon": "inf" if math.isinf(epsilon) else epsilon,
                 "noise_multiplier": z,
@@ -140,6 +144,7 @@ def dp_part(seeds: list[int], root) -> list[dict]:
                 **{f"{a}_auc": audits[a]["auc"] for a in audits},
                 **{f"{a}_tpr_at_5pct_fpr": audits[a]["tpr_at_5pct_fpr"] for a in audits},
                 "secrets_fingerprint": root.fingerprint(),
+                "run_nonce": nonce,
                 "seconds": time.perf_counter() - started,
             }
             print(json.dumps(row), flush=True)

@@ -18,6 +18,9 @@ Processes the command starts (a local Ray instance's workers) inherit ``FLWR_LOG
 level of Flower's own console handler there: ERROR, WARNING or INFO by verbosity, unless the
 user has set it.
 
+With ``--quiet``, what Ray's driver prints by itself (a dead worker's ``(raylet)`` text for
+each injected crash, the workers' output) goes to the log at DEBUG too (:func:`hush_ray`).
+
 Kept at DEBUG (shown only with ``--verbose``):
 
 - absl's log, where dp_accounting reports each fractional RDP order whose series did not
@@ -35,7 +38,7 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import PurePath
 from typing import Any, TextIO
 
@@ -112,6 +115,33 @@ class _FlowerOnce(logging.Filter):
         return flower.isEnabledFor(logging.DEBUG)
 
 
+#: what :func:`console` undoes when its command ends (set by :func:`hush_ray`)
+_UNDO: list[Callable[[], None]] = []
+
+
+def hush_ray() -> None:
+    """Under ``--quiet``, for a command that starts Ray: what Ray's driver prints on its own
+    (``(raylet) A worker died or was killed ...``, with its OOM-killer guesses, for each
+    injected worker crash, and the workers' own output) goes to the ``fedsim.ray_driver`` log at
+    DEBUG instead of stdout and stderr. Called before ``ray.init`` (which binds the printer
+    of the workers' output); undone when the command's :func:`console` block ends."""
+    import ray._private.worker as ray_worker  # noqa: PLC0415
+
+    printer = ray_worker.print_to_stdstream
+    if getattr(printer, "hushed", False):
+        return
+
+    def to_log(data: dict[str, Any], ignore_prefix: bool = False) -> None:
+        del ignore_prefix
+        log = logging.getLogger("fedsim.ray_driver")
+        for line in data.get("lines", ()):
+            log.debug("(%s) %s", data.get("pid", "ray"), line)
+
+    to_log.hushed = True  # type: ignore[attr-defined]
+    ray_worker.print_to_stdstream = to_log
+    _UNDO.append(lambda: setattr(ray_worker, "print_to_stdstream", printer))
+
+
 def _quiet_package(filename: str) -> bool:
     return any(part in _QUIET_PACKAGES for part in PurePath(filename).parts)
 
@@ -168,6 +198,8 @@ def console(verbosity: Verbosity) -> Iterator[None]:
     try:
         yield
     finally:
+        while _UNDO:
+            _UNDO.pop()()
         if child_level is None:
             os.environ.pop("FLWR_LOG_LEVEL", None)
         warnings.showwarning = shown

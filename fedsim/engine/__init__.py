@@ -41,7 +41,31 @@ _WHERE = {
     **dict.fromkeys(("ClientAppSource", "ClientWorker"), "worker"),
 }
 
-__all__ = sorted(_WHERE)
+#: the names above, spelled out so that tools see the TYPE_CHECKING imports exported
+__all__ = [
+    "Backend",
+    "ClientAppSource",
+    "ClientRegistry",
+    "ClientStateStore",
+    "ClientWorker",
+    "CohortModel",
+    "Engine",
+    "EngineConfig",
+    "FaultConfig",
+    "FullCohort",
+    "LocalBackend",
+    "MinSeparationCohort",
+    "NODE_ID_OFFSET",
+    "PhaseObserver",
+    "PhaseReport",
+    "PoissonCohort",
+    "RayBackend",
+    "RoundLog",
+    "SimulationGrid",
+    "UniformCohort",
+    "WorkerLost",
+]
+assert sorted(_WHERE) == __all__
 
 
 def __getattr__(name: str) -> Any:

@@ -76,7 +76,7 @@ class Backend(ABC):
     def num_workers(self) -> int:
         """How many batches can run at once."""
 
-    def ready(self) -> None:
+    def ready(self) -> None:  # noqa: B027 - a no-op for backends whose workers start synchronously
         """Block until the workers are up (backends that start them asynchronously)."""
 
     @abstractmethod

@@ -26,15 +26,21 @@ from fedsim.engine.worker import BatchResult, ClientBatch
 log = logging.getLogger(__name__)
 
 
-def batch_sizes(num_messages: int, num_workers: int) -> list[int]:
+def batch_sizes(num_messages: int, num_workers: int, chunk: int = 1) -> list[int]:
     """Guided self-scheduling batch sizes (Polychronopoulos & Kuck 1987), halved
-    so two batches per worker are in flight."""
+    so two batches per worker are in flight, in whole ``chunk`` s of messages (the last
+    chunk may be short): batches never split a fold chunk
+    (:func:`fedsim.worker_reduce.fold_chunk_size`)."""
+    if chunk < 1:
+        raise ValueError(f"chunk = {chunk!r}; it must be >= 1")
     sizes: list[int] = []
-    remaining = num_messages
+    remaining = math.ceil(num_messages / chunk)
     while remaining > 0:
         size = max(1, math.ceil(remaining / (2 * num_workers)))
-        sizes.append(size)
+        sizes.append(size * chunk)
         remaining -= size
+    if sizes:
+        sizes[-1] -= sum(sizes) - num_messages
     return sizes
 
 

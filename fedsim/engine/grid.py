@@ -15,10 +15,15 @@ for the addressed virtual clients on the backend's workers:
   late replies) and returns the replies ordered by node id, so a run's result
   does not depend on which worker finished first.
 
-When the instructions carry a reducer (:mod:`fedsim.worker_reduce`), each batch
-returns one partial reply in place of its clients' replies: ``pull_messages``
-then gives one reply per batch, whose ``reply_to_message_id`` is that of the
-batch's first message.
+When the instructions carry a reducer (:mod:`fedsim.worker_reduce`) whose fold is not
+exact (floating point), the messages of one content are cut into fixed fold chunks
+(:func:`~fedsim.worker_reduce.fold_chunk_size`, a function of their number alone), batches
+hold whole chunks, each batch returns one partial reply per chunk in place of its clients'
+replies, and the grid folds the partials in chunk order into one reply
+(``reply_to_message_id``: that of the first chunk's first replying message). The
+floating-point operations of the fold are then the same whatever the number of workers or
+the backend: a run gives the same bits on each. An exact fold
+(:attr:`~fedsim.worker_reduce.Reducer.exact`: integer or field sums) folds whole batches.
 
 Each push is one *phase*. A :class:`~fedsim.engine.participation.CohortModel`
 model decides which node ids ``get_node_ids`` reports in each phase; every
@@ -49,7 +54,14 @@ from fedsim.engine.participation import CohortModel
 from fedsim.engine.state import ClientStateStore
 from fedsim.engine.worker import BatchResult, ClientBatch, Content
 from fedsim.record_codec import content_nbytes, records_of
-from fedsim.worker_reduce import Accumulator, MetricSums, Reducer, ReductionError, reducer_of
+from fedsim.worker_reduce import (
+    Accumulator,
+    MetricSums,
+    Reducer,
+    ReductionError,
+    fold_chunk_size,
+    reducer_of,
+)
 
 
 @dataclass(frozen=True)
@@ -108,8 +120,10 @@ def server_round_of(content: RecordDict, group_id: str) -> int | None:
 class OrderedFold:
     """Folds the partial replies of a content group's batches in batch order.
 
-    Batches finish in any order; folding them in batch order makes the result
-    independent of scheduling, so a run is reproducible to the bit. The strategy
+    Batches finish in any order; folding them in batch order (each batch's chunk partials
+    in chunk order) folds the chunk partials in chunk order, which makes the result
+    independent of scheduling and of how chunks were spread over batches, so a run is
+    reproducible to the bit on any backend. The strategy
     receives one reply for the whole group. If a reducer cannot fold (it raised
     :class:`ReductionError`), the replies are passed on unfolded.
     """
@@ -340,9 +354,12 @@ class SimulationGrid(Grid):
             messages = [m for m, x in zip(messages, drawn.dropped) if not x]
             phase.dropped = int(drawn.dropped.sum())
         for group in self._batch_groups(messages, shared):
-            for size in batch_sizes(len(group), self.backend.num_workers):
+            reducer = shared[id(group[0].content)][2]
+            chunked = reducer is not None and not reducer.exact
+            fold_chunk = fold_chunk_size(len(group)) if chunked else None
+            for size in batch_sizes(len(group), self.backend.num_workers, fold_chunk or 1):
                 chunk, group = group[:size], group[size:]
-                self._submit(phase, chunk, shared, folds, late, phase_kind)
+                self._submit(phase, chunk, shared, folds, late, phase_kind, fold_chunk)
         if not phase.pending:
             self._finish(phase)  # every client dropped out
         return phase
@@ -367,6 +384,7 @@ class SimulationGrid(Grid):
         folds: dict[int, OrderedFold],
         late: set[str],
         kind: int,
+        fold_chunk: int | None = None,
     ) -> None:
         handles: list[Content] = []
         position: dict[int, int] = {}
@@ -392,6 +410,7 @@ class SimulationGrid(Grid):
             if self.faults is None
             else crash_point(self.faults, phase.round, kind, len(phase.batch_ids), len(chunk)),
             server_round=phase.server_round,
+            fold_chunk=fold_chunk,
         )
         phase.batch_ids.append(batch_id)
         phase.pending.add(batch_id)

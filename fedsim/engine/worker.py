@@ -8,7 +8,8 @@ Flower's records), builds the client's :class:`flwr.app.Context` from its persis
 state, calls the app, and collects the reply. Models, data and buffers that the
 app caches at module level stay alive across clients and rounds, because the
 process does. When the instruction opts into a :class:`~fedsim.worker_reduce.Reducer`,
-the successful replies of the batch are folded into one partial reply.
+the successful replies of each fold chunk of the batch are folded into one partial reply
+(:class:`~fedsim.worker_reduce.ChunkedFold`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,14 @@ from flwr.supercore.task_identity import TaskIdentity
 from fedsim.engine.client_registry import NODE_ID_OFFSET, Enrolment
 from fedsim.randomness import NODE_SECRET_KEY, RootSource, RunSecret
 from fedsim.record_codec import content_nbytes, records_of
-from fedsim.worker_reduce import FOLDS_KEY, MetricSums, Reducer, ReductionError, is_partial
+from fedsim.worker_reduce import (
+    FOLDS_KEY,
+    ChunkedFold,
+    MetricSums,
+    Reducer,
+    ReductionError,
+    is_partial,
+)
 
 
 @dataclass(frozen=True)
@@ -156,6 +164,8 @@ class ClientBatch:
     crash_after: int | None = None  # injected fault: the worker dies before this position
     lose_reply: bool = False  # injected fault: the worker runs the batch and sends no reply
     server_round: int | None = None  # the FL round of its messages, for errors
+    #: messages per fold chunk (fedsim.worker_reduce.fold_chunk_size); None: the whole batch
+    fold_chunk: int | None = None
 
     def describe(self) -> str:
         """The batch in words, for errors: its id, clients, message type and round."""
@@ -384,7 +394,8 @@ class ClientWorker:
         metrics = MetricSums()
         accumulator = None
         if batch.reducer is not None:
-            accumulator = batch.reducer.accumulator(pickle.loads(blobs[batch.content_index[0]]))
+            instruction = pickle.loads(blobs[batch.content_index[0]])
+            accumulator = ChunkedFold(batch.reducer, instruction, batch.fold_chunk)
         bytes_up = 0
         compute = 0.0
         late = 0
@@ -415,13 +426,13 @@ class ClientWorker:
             replies.append(reply)
             if accumulator is not None:
                 try:
-                    accumulator.add(reply)
+                    accumulator.add(position, reply)
                 except ReductionError:
                     accumulator = None  # the strategy gets raw replies and reports the problem
         succeeded = len(replies)
         if accumulator is not None and replies:
             try:
-                replies = [accumulator.result()]
+                replies = accumulator.results()
             except ReductionError:
                 accumulator = None
         if batch.reducer is not None and batch.reducer.confidential and replies:

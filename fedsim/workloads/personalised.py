@@ -127,7 +127,9 @@ class PersonalTraining:
             require(value > 0, f"personal.{key}", value, "a number > 0")
         require(self.body_kl >= 0, "personal.body_kl", self.body_kl, "a number >= 0")
         require(self.head_kl >= 0, "personal.head_kl", self.head_kl, "a number >= 0")
-        require(self.eval_samples >= 0, "personal.eval_samples", self.eval_samples, "an integer >= 0")
+        require(
+            self.eval_samples >= 0, "personal.eval_samples", self.eval_samples, "an integer >= 0"
+        )
         require(self.ece_bins >= 1, "personal.ece_bins", self.ece_bins, "an integer >= 1")
 
 

@@ -191,7 +191,8 @@ def test_the_run_directory_alone_reconstructs_nothing(local_engine, tmp_path):
         for wrong in (SECRETS.server(), outsider.client(client), SECRETS.client(client + 1)):
             with pytest.raises(ValueError, match="failed authentication"):
                 wrong.open(blob, label)
-        step, own = decode_member_state(SECRETS.client(client).open(blob, label))  # the member itself
+        # the member itself
+        step, own = decode_member_state(SECRETS.client(client).open(blob, label))
         assert step == committee_step and own
     store.close()
 

@@ -63,8 +63,9 @@ def trained_cohorts(monkeypatch, run) -> list[list[int]]:
 
     monkeypatch.setattr(SimulationGrid, "_push", record)
     run()
-    assert sorted(sent) == list(range(1, ROUNDS + 1)), f"train sent in rounds {sorted(sent)}"
-    return [sorted(sent[r]) for r in sorted(sent)]
+    assert set(sent) <= set(range(1, ROUNDS + 1)), f"train sent in rounds {sorted(sent)}"
+    # a round whose cohort is empty (Poisson sampling may draw none) sends no train
+    return [sorted(sent.get(r, ())) for r in range(1, ROUNDS + 1)]
 
 
 def public_guess(sampling: str) -> list[list[int]]:
@@ -89,6 +90,8 @@ def test_dp_fedavg_cohorts_are_not_recomputable_from_the_seed(tmp_path, monkeypa
     guessed = public_guess(sampling)
     if sampling == "uniform":
         assert all(len(c) == COHORT and len(set(c)) == COHORT for c in got)
+    else:
+        assert any(got), "no round trained"
     assert sum(a == b for a, b in zip(got, guessed)) <= 1, (
         f"a client holding config.json recomputed the cohorts the ledger amplifies: {got}"
     )

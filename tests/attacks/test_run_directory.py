@@ -228,7 +228,8 @@ def stopped(base, config_file, reference):
 @pytest.fixture(scope="module")
 def other_run(base, config_file):
     """Another run of the same user (same secret root), another seed, stopped at round 3."""
-    other = ExperimentConfig.from_dict({**to_mapping(ExperimentConfig.load(config_file)), "seed": 12})
+    loaded = to_mapping(ExperimentConfig.load(config_file))
+    other = ExperimentConfig.from_dict({**loaded, "seed": 12})
     return stopped_run(other, base / "other-seed", secrets(), KILL_ROUND)
 
 
@@ -525,7 +526,8 @@ def test_a_given_config_that_differs_from_config_json_is_refused_naming_it(
     copy_of, config_file, reference
 ):
     out = copy_of()
-    changed = ExperimentConfig.from_dict({**to_mapping(ExperimentConfig.load(config_file)), "seed": 3})
+    loaded = to_mapping(ExperimentConfig.load(config_file))
+    changed = ExperimentConfig.from_dict({**loaded, "seed": 3})
     with pytest.raises(ConfigError, match="config.json"):
         run_experiment(changed, out, resume=True, progress=False, secrets=secrets())
     check("given config differs", outcome(out, ("config.json",), reference), "same")
