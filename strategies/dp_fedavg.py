@@ -97,6 +97,7 @@ from fedsim.config import ConfigError, require
 from fedsim.privacy.accountant import ACCOUNTANTS
 from fedsim.privacy.epsilon import epsilon
 from fedsim.privacy.ledger import PrivacyLedger
+from fedsim.privacy.participation import Participation
 from fedsim.privacy.round_events import (
     Z_MAX,
     Z_MIN,
@@ -107,7 +108,6 @@ from fedsim.privacy.round_events import (
 from fedsim.privacy.sampling import (
     FixedSizeSampling,
     FullParticipation,
-    MinSeparation,
     NeighbouringRelation,
     Sampling,
 )
@@ -301,11 +301,12 @@ class DPFedAvg(ClippedSumShell):
         expected_clients: ``m``, the expected number of clients per round.
         worker_reduction: let workers fold clipped sums (same result, less traffic).
         adaptive: adaptive clipping settings; None keeps ``C`` fixed.
-        sampling: how each round's clients are drawn. A :class:`MinSeparation`
-            schedule is accounted by the ledger's worst-case participation (each
-            round then records an unsampled event) and enforced on every instruction
-            (``participation-refused``); a :class:`FixedSizeSampling` round that sends
-            more than its sample size is refused. None (default): the sampling that
+        sampling: how each round's clients are drawn. A b-min-separation
+            :class:`~fedsim.privacy.participation.Participation` schedule is accounted by
+            the ledger's worst-case participation (each round then records an unsampled
+            event) and enforced on every instruction (``participation-refused``); a
+            :class:`FixedSizeSampling` round that sends more than its sample size is
+            refused. None (default): the sampling that
             happens, planned from the grid and the wrapped strategy before the first
             round and checked on every round (:mod:`strategies.observed_sampling`:
             Flower's uniform draw of ``fraction_train`` of the nodes is fixed-size
@@ -365,13 +366,11 @@ class DPFedAvg(ClippedSumShell):
         self.observe_sampling = sampling is None
         self._plan: SamplingPlan | None = None
         sampling = FullParticipation() if sampling is None else sampling
-        schedule = sampling if isinstance(sampling, MinSeparation) else None
+        schedule = sampling if isinstance(sampling, Participation) else None
         self.sampling: Sampling = FullParticipation() if schedule is not None else sampling
         self.ledger = PrivacyLedger(relation_for(self.sampling), delta, schedule)
         #: a min-separation schedule is enforced on every instruction, not assumed
-        self.guard = (
-            None if schedule is None else ParticipationGuard(schedule.matrix_participation())
-        )
+        self.guard = None if schedule is None else ParticipationGuard(schedule)
         self.participation_refused: list[int] = []
         self.accountant = accountant
         self.max_epsilon = None if max_epsilon is None else float(max_epsilon)
@@ -470,7 +469,7 @@ class DPFedAvg(ClippedSumShell):
             return self.ledger
         worst = max(self.instructions_per_node.values(), default=0) + ahead
         ledger = PrivacyLedger(
-            self.ledger.relation, self.ledger.delta, MinSeparation(1, max(1, worst))
+            self.ledger.relation, self.ledger.delta, Participation.separated(1, max(1, worst))
         )
         for round_, event in self.ledger.entries:
             ledger.record(round_, event)
@@ -678,7 +677,7 @@ def _adaptive_from(
 
 def _budget_from(
     options: dict[str, Any], facts: RunFacts
-) -> tuple[float, str, float | None, Sampling | MinSeparation]:
+) -> tuple[float, str, float | None, Sampling]:
     """Pop ``delta``, ``accountant`` and ``max_epsilon``; check that the accountant supports
     the run's sampling. Returns them with that sampling."""
     population = facts.population
@@ -699,7 +698,7 @@ def _budget_from(
         "a number > 0 (epsilon at which the run stops)",
     )
     sampling = FullParticipation() if facts.sampling is None else facts.sampling
-    event_sampling = FullParticipation() if isinstance(sampling, MinSeparation) else sampling
+    event_sampling = FullParticipation() if isinstance(sampling, Participation) else sampling
     check_accountant(accountant, event_sampling, delta, "strategy.options.accountant")
     return delta, accountant, max_epsilon, sampling
 

@@ -25,7 +25,7 @@ def _samplings(acc):
         "fixed": (acc.FixedSizeSampling(20, 1000), "replace_one"),
         "full": (acc.FullParticipation(), "add_remove"),
         "full_replace": (acc.FullParticipation(), "replace_one"),
-        "minsep": (acc.MinSeparation(5, 3), "add_remove"),
+        "minsep": (acc.Participation.separated(5, 3), "add_remove"),
     }
 
 
@@ -93,7 +93,7 @@ def _matrix_cases(acc, tmp: Path) -> dict[str, float]:
                            "--noise-multiplier", "1.2", "--rounds", "10", "--delta", "1e-5",
                            "--accountant", accountant])
             out[f"cli/matrix/{name}/{accountant}"] = result["epsilon"]
-    ledger = acc.PrivacyLedger("add_remove", DELTA, acc.MinSeparation(4, 3))
+    ledger = acc.PrivacyLedger("add_remove", DELTA, acc.Participation.separated(4, 3))
     for r in range(1, 13):
         ledger.record(r, acc.round_event(0.9 + 0.05 * (r % 3), acc.FullParticipation()))
     for accountant in ("rdp", "pld"):
@@ -140,12 +140,19 @@ def _cli_cases() -> dict[str, float]:
 
 def _api() -> SimpleNamespace:
     """The public accounting names, wherever they live."""
-    from fedsim.privacy import calibration, epsilon, ledger, round_events, sampling  # noqa: PLC0415
+    from fedsim.privacy import (  # noqa: PLC0415
+        calibration,
+        epsilon,
+        ledger,
+        participation,
+        round_events,
+        sampling,
+    )
 
     return SimpleNamespace(
         **{
             name: getattr(module, name)
-            for module in (calibration, epsilon, ledger, round_events, sampling)
+            for module in (calibration, epsilon, ledger, participation, round_events, sampling)
             for name in dir(module)
             if not name.startswith("_")
         }

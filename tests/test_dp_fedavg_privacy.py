@@ -16,8 +16,9 @@ from fedsim.cli import main
 from fedsim.config import ConfigError
 from fedsim.engine import ClientRegistry
 from fedsim.privacy.epsilon import epsilon, epsilon_curve
+from fedsim.privacy.participation import Participation
 from fedsim.privacy.round_events import split_noise_multiplier
-from fedsim.privacy.sampling import FixedSizeSampling, MinSeparation, PoissonSampling
+from fedsim.privacy.sampling import FixedSizeSampling, PoissonSampling
 from fedsim.randomness import RunSecret
 from fedsim.record_codec import to_numpy, to_record
 from strategies.dp_fedavg import AdaptiveClipping, DPFedAvg
@@ -206,10 +207,10 @@ def test_ledger_epsilon_equals_the_accounting_library(sampling, accountant, rela
 
 def test_min_separation_is_accounted_per_participation():
     z, delta = 2.0, 1e-5
-    strategy = dp(z, sampling=MinSeparation(3, 2), delta=delta)
+    strategy = dp(z, sampling=Participation.separated(3, 2), delta=delta)
     for r in range(1, 7):
         one_round(strategy, r, [np.zeros(SIZE)])
-    expected = epsilon(z, MinSeparation(3, 2), 6, delta)
+    expected = epsilon(z, Participation.separated(3, 2), 6, delta)
     assert strategy.epsilon() == pytest.approx(expected, rel=1e-9)
 
 

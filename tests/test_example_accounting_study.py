@@ -12,7 +12,7 @@ from examples_support import load_example
 from fedsim.privacy import ddgauss as ddgauss_privacy
 from fedsim.privacy.epsilon import epsilon
 from fedsim.privacy.matrix import Factorization
-from fedsim.privacy.matrix.sensitivity import Participation
+from fedsim.privacy.participation import Participation
 from fedsim.privacy.sampling import FullParticipation, PoissonSampling
 
 

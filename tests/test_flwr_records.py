@@ -189,7 +189,7 @@ def configure(strategy, grid, server_round=1):
         (
             FedAvg(fraction_train=1.0, min_train_nodes=0, min_available_nodes=0),
             Grid(10, MinSeparationCohort(10, 2, 0)),
-            "MinSeparation",
+            "Participation.separated",
         ),
     ],
 )

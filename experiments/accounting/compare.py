@@ -7,7 +7,7 @@ Every accountant gets the same mechanism: ``T`` rounds (or steps) of a Gaussian 
 multiplier ``z`` (noise std / clipping norm) on a Poisson sample with rate ``q``, add/remove
 neighbours, epsilon at ``delta = 1e-5``. The accountants:
 
-- fedsim RDP / PLD: :func:`fedsim.privacy.epsilon.epsilon` (dp_accounting 0.6.0);
+- fedsim RDP / PLD: :func:`fedsim.privacy.accounting.epsilon` (dp_accounting 0.6.0);
 - Flower 1.42 ``flwr.serverapp.RdpAccountant`` configured for Poisson sampling (population
   100 000, ``q * 100 000`` expected clients per round), and the same accountant with
   ``sampling_method="no-amplification"``, the only setting Flower's
@@ -41,9 +41,8 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
+from fedsim.privacy import accounting as acc  # noqa: E402
 from fedsim.privacy import mechanisms as mech  # noqa: E402
-from fedsim.privacy.epsilon import epsilon  # noqa: E402
-from fedsim.privacy.sampling import PoissonSampling  # noqa: E402
 
 DELTA = 1e-5
 POPULATION = 100_000
@@ -128,10 +127,10 @@ def row(
 ) -> dict[str, float | None]:
     """Epsilon from every accountant, and the seconds each took; q = sample_size / population."""
     q = sample_size / population
-    poisson = PoissonSampling(q)
+    poisson = acc.PoissonSampling(q)
     calls = {
-        "fedsim_rdp": lambda: epsilon(z, poisson, steps, DELTA, "rdp"),
-        "fedsim_pld": lambda: epsilon(z, poisson, steps, DELTA, "pld"),
+        "fedsim_rdp": lambda: acc.epsilon(z, poisson, steps, DELTA, "rdp"),
+        "fedsim_pld": lambda: acc.epsilon(z, poisson, steps, DELTA, "pld"),
         "flower_rdp": lambda: flower_epsilon(z, sample_size, population, steps, True),
         "flower_noamp": (lambda: flower_epsilon(z, sample_size, population, steps, False))
         if flower_noamp

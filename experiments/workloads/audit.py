@@ -62,7 +62,7 @@ from fedsim.experiment import (  # noqa: E402
     participation_for,
     run_experiment,
 )
-from fedsim.privacy.calibration import calibrate_noise  # noqa: E402
+from fedsim.privacy import accounting  # noqa: E402
 from fedsim.randomness import PartySecret  # noqa: E402
 from fedsim.run_config import ExperimentConfig  # noqa: E402
 from fedsim.run_root import RUN_FILE  # noqa: E402
@@ -112,7 +112,7 @@ def noise_for(epsilon: float) -> float:
     config = dp_config(0, 1.0)
     # the accounting of the cohorts, not a draw: any server secret gives the same model
     sampling = participation_for(config, CLIENTS, PartySecret.fresh("server")).accounting(ROUNDS)
-    return calibrate_noise(
+    return accounting.calibrate_noise(
         epsilon, DELTA, sampling, ROUNDS, "rdp", relation_for(sampling)
     )
 

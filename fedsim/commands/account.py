@@ -477,7 +477,7 @@ def _matrix(args: argparse.Namespace) -> dict[str, Any]:
     from fedsim.privacy.epsilon import epsilon  # noqa: PLC0415
     from fedsim.privacy.matrix import Factorization  # noqa: PLC0415
     from fedsim.privacy.matrix.build import spec_of  # noqa: PLC0415
-    from fedsim.privacy.matrix.sensitivity import Participation  # noqa: PLC0415
+    from fedsim.privacy.participation import Participation  # noqa: PLC0415
     from fedsim.privacy.sampling import FullParticipation, NeighbouringRelation  # noqa: PLC0415
 
     delta, accountant = _check_common(args)

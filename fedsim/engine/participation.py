@@ -24,10 +24,10 @@ unknown to the clients; :attr:`CohortModel.secret_draws` says which, and a DP st
 amplification only for secret draws (:mod:`strategies.observed_sampling`).
 
 Each model also gives its accounting view (:meth:`CohortModel.accounting`): the sampling
-model of :mod:`fedsim.privacy.accounting` that describes its training cohorts, so that the
+model of :mod:`fedsim.privacy.sampling` that describes its training cohorts, so that the
 cohorts drawn and the amplification claimed are one fact. The names of the models here say
 *cohort*; the names ``FullParticipation`` and ``Participation`` belong to the privacy side
-(:mod:`fedsim.privacy.accounting`, :mod:`fedsim.privacy.matrix.sensitivity`).
+(:mod:`fedsim.privacy.sampling`, :mod:`fedsim.privacy.participation`).
 """
 
 from __future__ import annotations
@@ -40,12 +40,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fedsim.config import require
+from fedsim.privacy.participation import Participation
 
 if TYPE_CHECKING:  # dp_accounting loads when a run asks for its accounting, not with the grid
     from fedsim.privacy.sampling import (
         FixedSizeSampling,
         FullParticipation,
-        MinSeparation,
         PoissonSampling,
         Sampling,
     )
@@ -213,14 +213,12 @@ class MinSeparationCohort(CohortModel):
         a, c = self._permutation()
         return ((a * partition_id + c) % self.num_clients) % self.min_separation
 
-    def accounting(self, rounds: int) -> MinSeparation:
-        """b-min-separation with at most ``ceil(rounds / b)`` participations per client (its
-        :meth:`~fedsim.privacy.accounting.MinSeparation.matrix_participation` is the matrix
-        mechanism's schema of the same schedule)."""
-        from fedsim.privacy.sampling import MinSeparation  # noqa: PLC0415
-
+    def accounting(self, rounds: int) -> Participation:
+        """b-min-separation with at most ``ceil(rounds / b)`` participations per client: the
+        one :class:`~fedsim.privacy.participation.Participation` that the accountant, the
+        matrix mechanism's sensitivity and the participation guard all read."""
         b = self.min_separation
-        return MinSeparation(b, -(-rounds // b))
+        return Participation.separated(b, -(-rounds // b))
 
 
 def secret_cohorts(model: CohortModel, secret: Any) -> CohortModel:

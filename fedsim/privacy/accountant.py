@@ -25,7 +25,7 @@ sampling                rdp                 pld
 PoissonSampling         add_remove          add_remove, replace_one
 FixedSizeSampling       replace_one         (no dp_accounting event)
 FullParticipation       both                both
-MinSeparation           both                both
+Participation           both                both
 ======================  ==================  ==========================
 """
 

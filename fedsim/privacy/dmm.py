@@ -76,7 +76,8 @@ import scipy.linalg
 
 from fedsim.privacy import ddgauss as ddgauss_privacy
 from fedsim.privacy.matrix.factorization import Factorization
-from fedsim.privacy.matrix.sensitivity import Participation, Sensitivity, sensitivity
+from fedsim.privacy.matrix.sensitivity import Sensitivity, sensitivity
+from fedsim.privacy.participation import Participation
 
 MAX_FRACTIONAL_BITS = 40
 RELATION = "zero_out"

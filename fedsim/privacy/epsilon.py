@@ -18,9 +18,9 @@ from fedsim.privacy.accountant import (
     supports,
     unsupported,
 )
+from fedsim.privacy.participation import Participation
 from fedsim.privacy.round_events import round_event, run_event
 from fedsim.privacy.sampling import (
-    MinSeparation,
     NeighbouringRelation,
     Sampling,
     check_delta,
@@ -90,7 +90,7 @@ def epsilon_curve(
             require(r > counts[i - 1], f"rounds[{i}]", r, f"an integer > {counts[i - 1]}")
     check_combination(sampling, accountant, relation)
     translated = for_accountant(event, accountant, relation)
-    if isinstance(sampling, MinSeparation):
+    if isinstance(sampling, Participation):
         counts = [sampling.participations(r) for r in counts]
     kind = accountant_kind(accountant)
     one = kind.fresh(relation).compose(translated)

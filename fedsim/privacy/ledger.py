@@ -25,8 +25,9 @@ from fedsim.privacy.accountant import (
     unsupported,
 )
 from fedsim.privacy.events import check_event, event_from_dict, event_to_dict
+from fedsim.privacy.participation import Participation
 from fedsim.privacy.round_events import effective_noise_multiplier
-from fedsim.privacy.sampling import MinSeparation, NeighbouringRelation, check_delta, is_int
+from fedsim.privacy.sampling import NeighbouringRelation, check_delta, is_int
 
 LEDGER_FORMAT = "fedsim.privacy_ledger/1"
 
@@ -58,11 +59,13 @@ class PrivacyLedger:
     neighbours the run's guarantee is for and is applied when accounting.
 
     ``participation``: ``None`` (default) composes every recorded event -- right for sampled
-    rounds, where every client may be in every round. With :class:`MinSeparation`, rounds must
+    rounds, where every client may be in every round. With a b-min-separation
+    :class:`~fedsim.privacy.participation.Participation` (kind ``min_sep``), rounds must
     record Gaussian events without sampling, and epsilon composes the worst set of rounds one
-    client can be in: the ``m = min(k, most rounds pickable b apart)`` rounds with the smallest
-    effective noise multipliers (a Gaussian with smaller ``z`` dominates one with larger ``z``;
-    ignoring the spacing of those ``m`` rounds can only overstate epsilon).
+    client can be in: the ``m = min(k, most rounds pickable b apart)`` rounds (k None: as many
+    as fit) with the smallest effective noise multipliers (a Gaussian with smaller ``z``
+    dominates one with larger ``z``; ignoring the spacing of those ``m`` rounds can only
+    overstate epsilon).
     """
 
     __slots__ = ("_relation", "_delta", "_participation", "_entries")
@@ -71,15 +74,16 @@ class PrivacyLedger:
         self,
         relation: NeighbouringRelation | str,
         delta: float,
-        participation: MinSeparation | None = None,
+        participation: Participation | None = None,
     ) -> None:
         self._relation = NeighbouringRelation.parse(relation)
         self._delta = check_delta(delta)
         require(
-            participation is None or isinstance(participation, MinSeparation),
+            participation is None
+            or (isinstance(participation, Participation) and participation.kind == "min_sep"),
             "participation",
             participation,
-            "None or a MinSeparation",
+            "None or a b-min-separation Participation (Participation.separated(b, k))",
         )
         self._participation = participation
         self._entries: list[tuple[int, dpa.DpEvent]] = []
@@ -94,7 +98,7 @@ class PrivacyLedger:
         return self._delta
 
     @property
-    def participation(self) -> MinSeparation | None:
+    def participation(self) -> Participation | None:
         return self._participation
 
     @property
@@ -125,7 +129,7 @@ class PrivacyLedger:
                 or isinstance(event, dpa.NonPrivateDpEvent),
                 "event",
                 event,
-                "Gaussian events without sampling (the ledger's participation is MinSeparation)",
+                "Gaussian events without sampling (the ledger's participation is b-min-separation)",
             )
         if not any(supports(event, acc, self._relation) for acc in ACCOUNTANTS):
             raise unsupported(event, "rdp", self._relation, "this event")
@@ -150,9 +154,10 @@ class PrivacyLedger:
             precision[r] = precision.get(r, 0.0) + (math.inf if z == 0 else z**-2)
         pickable, last = 0, None
         for r in sorted(precision):
-            if last is None or r - last >= self._participation.min_separation:
+            if last is None or r - last >= self._participation.min_sep:
                 pickable, last = pickable + 1, r
-        m = min(self._participation.max_participations, pickable)
+        k = self._participation.max_participations
+        m = pickable if k is None else min(k, pickable)
         worst = sorted(precision.values(), reverse=True)[:m]
         return dpa.ComposedDpEvent(
             [
@@ -163,7 +168,7 @@ class PrivacyLedger:
 
     def worst_case_event(self) -> dpa.DpEvent:
         """One event that bounds everything recorded for the worst-placed participant (all
-        entries composed, or, with a MinSeparation participation, its worst rounds)."""
+        entries composed, or, with a b-min-separation participation, its worst rounds)."""
         return self._worst_case(self._entries)
 
     def epsilon(self, delta: float | None = None, accountant: Accountant = "rdp") -> float:
@@ -209,7 +214,7 @@ class PrivacyLedger:
             "participation": None
             if p is None
             else {
-                "min_separation": p.min_separation,
+                "min_separation": p.min_sep,
                 "max_participations": p.max_participations,
             },
             "entries": [{"round": r, "event": event_to_dict(e)} for r, e in self._entries],
@@ -237,7 +242,7 @@ class PrivacyLedger:
                 p,
                 "null or {min_separation, max_participations}",
             )
-            participation = MinSeparation(p["min_separation"], p["max_participations"])
+            participation = Participation.separated(p["min_separation"], p["max_participations"])
         ledger = cls(
             NeighbouringRelation.parse(data.get("relation"), "ledger.relation"),
             check_delta(data.get("delta"), "ledger.delta"),

@@ -15,9 +15,9 @@ import dp_accounting as dpa
 
 from fedsim.config import require
 from fedsim.privacy.events import kind_of
+from fedsim.privacy.participation import Participation
 from fedsim.privacy.sampling import (
     FixedSizeSampling,
-    MinSeparation,
     PoissonSampling,
     Sampling,
     check_rounds,
@@ -65,7 +65,7 @@ def round_event(noise_multiplier: float, sampling: Sampling) -> dpa.DpEvent:
             ``NonPrivateDpEvent`` (no noise, no amplification claimed).
         sampling: how the round's participants are chosen. Poisson with ``rate = 1`` and fixed
             size with ``sample_size == population`` are full participation, a plain
-            ``GaussianDpEvent``. For :class:`MinSeparation` this is the event of one
+            ``GaussianDpEvent``. For a :class:`Participation` schedule this is the event of one
             participation (how many of them a client sees is :func:`run_event`'s business).
     """
     z = check_noise_multiplier(noise_multiplier)
@@ -78,12 +78,13 @@ def round_event(noise_multiplier: float, sampling: Sampling) -> dpa.DpEvent:
 def run_event(noise_multiplier: float, sampling: Sampling, rounds: int) -> dpa.DpEvent:
     """``rounds`` rounds of :func:`round_event`, as seen by the worst-case client.
 
-    That is ``rounds`` self-compositions, except under :class:`MinSeparation`, where a client is
-    in at most ``min(k, ceil(rounds / b))`` rounds and the Gaussian is composed that many times.
+    That is ``rounds`` self-compositions, except under a :class:`Participation` schedule, where a
+    client is in at most ``participations(rounds)`` rounds (b-min-separation:
+    ``min(k, ceil(rounds / b))``) and the Gaussian is composed that many times.
     """
     rounds = check_rounds(rounds)
     event = round_event(noise_multiplier, sampling)
-    count = sampling.participations(rounds) if isinstance(sampling, MinSeparation) else rounds
+    count = sampling.participations(rounds) if isinstance(sampling, Participation) else rounds
     if count == 0:
         return dpa.NoOpDpEvent()
     return dpa.SelfComposedDpEvent(event, count)

@@ -2,7 +2,8 @@
 
 A round's participants are Poisson sampled (Mironov, Talwar & Zhang 2019), a fixed-size sample
 without replacement (Wang, Balle & Kasiviswanathan 2019, Thm. 27), everyone, or chosen under
-b-min-separation with at most k participations (Choquette-Choo et al. 2023). The accountant
+b-min-separation with at most k participations (Choquette-Choo et al. 2023), the
+:class:`~fedsim.privacy.participation.Participation` every other layer reads too. The accountant
 (:mod:`fedsim.privacy.accountant`) reads which combinations dp_accounting supports.
 """
 
@@ -15,7 +16,7 @@ from typing import Any
 import dp_accounting as dpa
 
 from fedsim.config import ConfigError, require
-from fedsim.privacy.matrix.sensitivity import Participation
+from fedsim.privacy.participation import Participation
 
 
 def is_number(value: Any) -> bool:
@@ -103,47 +104,12 @@ class FullParticipation:
     """Every client takes part in every round: no amplification."""
 
 
-@dataclass(frozen=True, slots=True)
-class MinSeparation:
-    """Deterministic participation: at least ``min_separation`` (b) rounds between two
-    participations of a client, and at most ``max_participations`` (k) in the whole run.
-
-    This is the participation schema of the matrix-mechanism papers (Choquette-Choo et al.
-    2023, "Multi-Epoch Matrix Factorization Mechanisms", b-min-separation). There is no
-    subsampling, hence no amplification. For a plain Gaussian mechanism in each round (fresh
-    noise per round) a client is seen by at most ``min(k, ceil(T / b))`` of ``T`` rounds, and is
-    accounted as exactly that many Gaussian events -- the worst case over clients.
-    """
-
-    min_separation: int
-    max_participations: int
-
-    def __post_init__(self) -> None:
-        require(
-            is_int(self.min_separation) and self.min_separation >= 1,
-            "min_separation",
-            self.min_separation,
-            "an integer >= 1 (rounds between participations)",
-        )
-        require(
-            is_int(self.max_participations) and self.max_participations >= 1,
-            "max_participations",
-            self.max_participations,
-            "an integer >= 1",
-        )
-
-    def participations(self, rounds: int) -> int:
-        """The most rounds out of ``rounds`` consecutive ones that one client can be in."""
-        return min(self.max_participations, -(-rounds // self.min_separation))
-
-    def matrix_participation(self) -> Participation:
-        """The same schedule as the matrix mechanism's participation schema (its sensitivity
-        and the participation guard read this): ``min_sep`` = b, at most k participations."""
-        return Participation.separated(self.min_separation, self.max_participations)
-
-
-Sampling = PoissonSampling | FixedSizeSampling | FullParticipation | MinSeparation
-SAMPLINGS = (PoissonSampling, FixedSizeSampling, FullParticipation, MinSeparation)
+#: The accountant's models of a run's cohorts. A
+#: :class:`~fedsim.privacy.participation.Participation` (b-min-separation, single or
+#: fixed-epoch) is a deterministic schedule without subsampling: a client is seen by at most
+#: ``participations(rounds)`` rounds, each one Gaussian event.
+Sampling = PoissonSampling | FixedSizeSampling | FullParticipation | Participation
+SAMPLINGS = (PoissonSampling, FixedSizeSampling, FullParticipation, Participation)
 
 
 def check_delta(value: Any, key: str = "delta") -> float:
@@ -164,6 +130,6 @@ def check_sampling(value: Any, key: str = "sampling") -> Sampling:
         isinstance(value, SAMPLINGS),
         key,
         value,
-        "PoissonSampling, FixedSizeSampling, FullParticipation or MinSeparation",
+        "PoissonSampling, FixedSizeSampling, FullParticipation or Participation",
     )
     return value
