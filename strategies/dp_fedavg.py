@@ -95,6 +95,7 @@ from flwr.serverapp.strategy import Strategy
 
 from fedsim.config import ConfigError, require
 from fedsim.privacy.accountant import ACCOUNTANTS
+from fedsim.privacy.calibration import calibrate_noise
 from fedsim.privacy.epsilon import epsilon
 from fedsim.privacy.ledger import PrivacyLedger
 from fedsim.privacy.participation import Participation
@@ -578,14 +579,17 @@ class DPFedAvg(ClippedSumShell):
 
 # -- from a run config ---------------------------------------------------------------------
 NAME = "dp-fedavg"
-_REQUIRED = ("clipping_norm", "noise_multiplier")
+_NOISE = ("noise_multiplier", "target_epsilon")
 _ADAPTIVE = ("target_unclipped_quantile", "clip_learning_rate", "clipped_count_stddev")
 
 
 def from_options(options: Mapping[str, Any], facts: RunFacts) -> DPFedAvg:
     """DP-FedAvg from ``strategy.options``.
 
-    Options: ``clipping_norm`` and ``noise_multiplier`` (required);
+    Options: ``clipping_norm`` (required) and either ``noise_multiplier`` or
+    ``target_epsilon`` (the noise multiplier dp_accounting calibrates so that the run's
+    ``rounds`` under its sampling reach at most that epsilon at ``delta``, with the run's
+    accountant; :func:`~fedsim.privacy.calibration.calibrate_noise`);
     ``adaptive_clipping`` (false) with ``target_unclipped_quantile`` (0.5),
     ``clip_learning_rate`` (0.2) and ``clipped_count_stddev`` (clients per
     round / 20, Andrew et al. 2021's choice); ``delta`` (min(1e-5, 1 / population));
@@ -594,20 +598,29 @@ def from_options(options: Mapping[str, Any], facts: RunFacts) -> DPFedAvg:
     option goes to the server optimiser (e.g. ``server_momentum``, ``eta``).
     """
     options = dict(options)
-    for key in _REQUIRED:
-        if key not in options:
-            raise ConfigError(f"strategy.options.{key}", None, f"a number (required by {NAME})")
+    if "clipping_norm" not in options:
+        raise ConfigError("strategy.options.clipping_norm", None, f"a number (required by {NAME})")
+    given = [key for key in _NOISE if key in options]
+    if len(given) != 1:
+        raise ConfigError(
+            f"strategy.options.{given[-1] if given else 'noise_multiplier'}",
+            options.get(given[-1]) if given else None,
+            f"exactly one of noise_multiplier, target_epsilon (required by {NAME})",
+        )
     clipping_norm = pop_number(options, "clipping_norm", None, lambda v: v > 0, "a number > 0")
-    z = pop_number(
-        options,
-        "noise_multiplier",
-        None,
-        lambda v: v == 0 or Z_MIN <= v <= Z_MAX,
-        f"0 (no noise) or a number in [{Z_MIN:g}, {Z_MAX:g}] (noise std / "
-        "clipping norm; below, dp_accounting's epsilon loses its precision)",
-    )
-    adaptive = _adaptive_from(options, z, facts.expected_clients)
     delta, accountant, max_epsilon, sampling = _budget_from(options, facts)
+    if "target_epsilon" in options:
+        z = _calibrated(options.pop("target_epsilon"), delta, accountant, sampling, facts)
+    else:
+        z = pop_number(
+            options,
+            "noise_multiplier",
+            None,
+            lambda v: v == 0 or Z_MIN <= v <= Z_MAX,
+            f"0 (no noise) or a number in [{Z_MIN:g}, {Z_MAX:g}] (noise std / "
+            "clipping norm; below, dp_accounting's epsilon loses its precision)",
+        )
+    adaptive = _adaptive_from(options, z, facts.expected_clients)
     optimizer = options.pop("server_optimizer", "fedavg")
     cls = flower.server_optimizer(optimizer)
     require(
@@ -629,6 +642,41 @@ def from_options(options: Mapping[str, Any], facts: RunFacts) -> DPFedAvg:
         max_epsilon=max_epsilon,
         metrics_in_clear=facts.metrics_in_clear,
     )
+
+
+def _calibrated(
+    target: Any, delta: float, accountant: str, sampling: Sampling, facts: RunFacts
+) -> float:
+    """The noise multiplier dp_accounting calibrates to ``target`` (epsilon after the run's
+    rounds under ``sampling`` at ``delta``), else a ConfigError naming
+    ``strategy.options.target_epsilon``.
+
+    The round is accounted as one Gaussian with this ``z`` also under adaptive clipping (its
+    two noises are split from ``z``), so the calibrated run's epsilon is at most ``target``.
+    """
+    key = "strategy.options.target_epsilon"
+    require(
+        isinstance(target, (int, float))
+        and not isinstance(target, bool)
+        and math.isfinite(target)
+        and target > 0,
+        key,
+        target,
+        "a finite number > 0 (the epsilon the run may reach)",
+    )
+    rounds = facts.required("rounds", f"the run's rounds (required by {key})")
+    # the ledger's relation: a schedule's rounds are recorded unsampled (DPFedAvg.__init__)
+    unsampled = isinstance(sampling, Participation)
+    relation = relation_for(FullParticipation() if unsampled else sampling)
+    try:
+        return calibrate_noise(float(target), delta, sampling, rounds, accountant, relation)
+    except ConfigError as err:
+        raise ConfigError(
+            key,
+            target,
+            f"an epsilon {accountant} reaches for {rounds} rounds of {type(sampling).__name__} "
+            f"at delta = {delta:g} ({err.allowed})",
+        ) from err
 
 
 def _adaptive_from(

@@ -15,13 +15,14 @@ from flwr.supercore.task_identity import TaskIdentity
 from fedsim.cli import main
 from fedsim.config import ConfigError
 from fedsim.engine import ClientRegistry
+from fedsim.privacy.calibration import calibrate_noise
 from fedsim.privacy.epsilon import epsilon, epsilon_curve
 from fedsim.privacy.participation import Participation
 from fedsim.privacy.round_events import split_noise_multiplier
 from fedsim.privacy.sampling import FixedSizeSampling, PoissonSampling
 from fedsim.randomness import RunSecret
 from fedsim.record_codec import to_numpy, to_record
-from strategies.dp_fedavg import AdaptiveClipping, DPFedAvg
+from strategies.dp_fedavg import AdaptiveClipping, DPFedAvg, relation_for
 from strategies.registry import build_strategy
 
 GLOBAL = {"w": np.zeros((3, 4), dtype=np.float32), "b": np.zeros(5, dtype=np.float32)}
@@ -371,6 +372,57 @@ def test_an_accountant_that_cannot_amplify_the_sampling_is_refused():
             sampling=FixedSizeSampling(5, 30),
         )
     assert err.value.key == "strategy.options.accountant" and "rdp" in err.value.allowed
+
+
+@pytest.mark.parametrize(
+    ("sampling", "accountant"),
+    [
+        (PoissonSampling(0.1), "rdp"),
+        (PoissonSampling(0.1), "pld"),
+        (FixedSizeSampling(5, 50), "rdp"),
+        (Participation.separated(3, 4), "rdp"),
+    ],
+)
+def test_target_epsilon_calibrates_the_noise_the_ledger_then_accounts(sampling, accountant):
+    """target_epsilon: dp_accounting's calibration for the run's rounds and sampling; the
+    ledger of the whole run then reports at most the target (never more), and barely less."""
+    rounds, target = 12, 2.0
+    strategy = build_strategy(
+        "dp-fedavg",
+        {"clipping_norm": 1.0, "target_epsilon": target, "accountant": accountant},
+        expected_clients=5, evaluate_fraction=0.0, seed=0, sampling=sampling,
+        population=50, rounds=rounds,
+    )
+    z = strategy.noise_multiplier
+    relation = relation_for(strategy.sampling)
+    assert z == calibrate_noise(target, strategy.ledger.delta, sampling, rounds, accountant,
+                                relation)
+    for r in range(1, rounds + 1):
+        strategy.ledger.record(r, strategy.round_event())
+    spent = strategy.ledger.epsilon(accountant=accountant)
+    assert target * 0.99 < spent <= target
+
+
+@pytest.mark.parametrize(
+    ("options", "rounds", "key", "needle"),
+    [
+        ({"target_epsilon": 1e6}, 10, "target_epsilon", "reaches for 10 rounds"),
+        ({"target_epsilon": 0}, 10, "target_epsilon", "finite number > 0"),
+        ({"target_epsilon": True}, 10, "target_epsilon", "finite number > 0"),
+        ({"target_epsilon": 2.0}, None, "rounds", "target_epsilon"),
+        ({"target_epsilon": 2.0, "noise_multiplier": 1.0}, 10, "target_epsilon", "exactly one"),
+        ({}, 10, "noise_multiplier", "exactly one of noise_multiplier, target_epsilon"),
+    ],
+)
+def test_an_unreachable_or_ambiguous_target_epsilon_is_refused_by_name(
+    options, rounds, key, needle
+):
+    with pytest.raises(ConfigError) as err:
+        build_strategy(
+            "dp-fedavg", {"clipping_norm": 1.0, **options}, expected_clients=5,
+            evaluate_fraction=0.0, seed=0, sampling=PoissonSampling(0.1), rounds=rounds,
+        )
+    assert key in err.value.key and needle in str(err.value)
 
 
 # -- fedsim run -------------------------------------------------------------------------------

@@ -4,7 +4,7 @@
                              [--accountant rdp|pld] [--sampling poisson|fixed|full]
                              [--population N] [--relation add_remove|replace_one]
     fedsim account dp-sgd --noise-multiplier Z --batch-size B --dataset-size N --epochs E
-                          --delta D [--accountant rdp|pld]
+                          --delta D [--accountant rdp|pld|prv]
     fedsim account calibrate {dp-fedavg|dp-sgd} --target-epsilon E ...  (the same flags minus
                           --noise-multiplier)
     fedsim account sweep {dp-fedavg|dp-sgd} --noise-multiplier Z1 Z2 ... --plot FILE.png
@@ -19,8 +19,11 @@ flag (``--delta``, ``--sampling-rate``, ...).
 
 ``--sampling fixed`` takes ``round(Q * N)`` of ``N`` clients per round without replacement,
 which dp_accounting accounts (RDP only) for replace-one neighbours, the default relation there;
-``poisson`` and ``full`` default to add/remove. All epsilons come from
-:mod:`fedsim.privacy.accounting`.
+``poisson`` and ``full`` default to add/remove. All epsilons come from dp_accounting
+(:mod:`fedsim.privacy.epsilon`), except ``fedsim account dp-sgd --accountant prv``:
+dp_accounting 0.6.0 ships RDP and PLD accountants only, so PRV (privacy random variables,
+Gopi, Lee & Wutschitz 2021) is Opacus's ``PRVAccountant``, the one a ``[client.dp_sgd]``
+client with ``accountant = "prv"`` reports (its upper bound, eps_error 0.01).
 """
 
 from __future__ import annotations
@@ -59,10 +62,13 @@ _SGD_FLAGS = {**_FEDAVG_FLAGS, "rate": "--batch-size", "rounds": "--epochs"}
 Setting = tuple["Sampling", "NeighbouringRelation", dict[str, Any], int]
 
 
-def _common(parser: argparse.ArgumentParser, *, relation: bool) -> None:
+def _common(parser: argparse.ArgumentParser, *, relation: bool, prv: bool = False) -> None:
     parser.add_argument("--delta", type=float, required=True, help="target delta, in (0, 1)")
     parser.add_argument(
-        "--accountant", default="rdp", help="rdp (default) or pld, both from dp_accounting"
+        "--accountant",
+        default="rdp",
+        help="rdp (default) or pld, both from dp_accounting"
+        + ("; or prv (Opacus's PRV accountant, epsilon only)" if prv else ""),
     )
     if relation:
         parser.add_argument(
@@ -112,7 +118,7 @@ def _sgd_args(parser: argparse.ArgumentParser, *, many: bool) -> None:
     parser.add_argument(
         "--epochs", type=float, required=True, help="epochs E; steps = ceil(E N / B)"
     )
-    _common(parser, relation=False)
+    _common(parser, relation=False, prv=not many)
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -120,7 +126,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     account = subparsers.add_parser(
         "account",
         help="privacy accounting: epsilon, noise calibration, sweeps",
-        description="Privacy accounting with dp_accounting's RDP and PLD accountants.",
+        description="Privacy accounting with dp_accounting's RDP and PLD accountants "
+        "(and Opacus's PRV accountant for dp-sgd).",
     )
     commands = account.add_subparsers(dest="account_command", required=True)
     for name, mechanism in MECHANISMS.items():
@@ -185,6 +192,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 #: the smallest noise multiplier the PLD accountant is asked about: its grid grows as 1/z^2
 #: (z = 0.05 over 1000 Poisson rounds takes minutes and over 4 GB)
 PLD_MIN_NOISE = 0.1
+#: the same for Opacus's PRV accountant, whose domain also widens as z falls (z = 0.1 over 100
+#: steps at q = 0.01 takes about two minutes, z = 0.5 over 1000 steps a few seconds)
+PRV_MIN_NOISE = 0.5
+#: what ``--accountant prv`` accounts: ``fedsim account dp-sgd`` (epsilon) only
+PRV_COMMANDS = ("dp-sgd",)
 
 
 def _check_noise(z: Any, accountant: str) -> float:
@@ -214,6 +226,13 @@ def _check_noise(z: Any, accountant: str) -> float:
         f"a number >= {PLD_MIN_NOISE:g} with --accountant pld (its grid grows as 1/z^2; "
         "--accountant rdp takes smaller ones)",
     )
+    require(
+        accountant != "prv" or z >= PRV_MIN_NOISE,
+        "--noise-multiplier",
+        z,
+        f"a number >= {PRV_MIN_NOISE:g} with --accountant prv (its domain widens as z "
+        "falls; --accountant rdp or pld take smaller ones)",
+    )
     return float(z)
 
 
@@ -224,7 +243,18 @@ def _check_common(args: argparse.Namespace) -> tuple[float, str]:
     require(
         isinstance(delta, (int, float)) and 0 < delta < 1, "--delta", delta, "a number in (0, 1)"
     )
-    require(args.accountant in ACCOUNTANTS, "--accountant", args.accountant, "one of rdp, pld")
+    if args.accountant == "prv":
+        require(
+            getattr(args, "account_command", None) in PRV_COMMANDS,
+            "--accountant",
+            args.accountant,
+            "rdp or pld here (prv, Opacus's PRV accountant, accounts fedsim account dp-sgd "
+            "only; dp_accounting ships no PRV accountant)",
+        )
+        return float(delta), args.accountant
+    prv = getattr(args, "account_command", None) in PRV_COMMANDS
+    allowed = "one of rdp, pld" + (", prv" if prv else "")
+    require(args.accountant in ACCOUNTANTS, "--accountant", args.accountant, allowed)
     return float(delta), args.accountant
 
 
@@ -399,8 +429,11 @@ def _epsilon(args: argparse.Namespace) -> dict[str, Any]:
     z = _check_noise(args.noise_multiplier, accountant)
     mechanism = MECHANISMS[args.mechanism]
     sampling, relation, echo, rounds = mechanism.setting(args, mechanism.value(args))
-    with flags(mechanism.flags):
-        eps = epsilon(z, sampling, rounds, delta, accountant, relation)
+    if accountant == "prv":  # dp-sgd: Poisson sampling at q = B / N, add/remove
+        eps = _prv_epsilon(z, echo["sampling_rate"], rounds, delta)
+    else:
+        with flags(mechanism.flags):
+            eps = epsilon(z, sampling, rounds, delta, accountant, relation)
     return {
         "command": args.mechanism,
         "epsilon": eps,
@@ -409,6 +442,14 @@ def _epsilon(args: argparse.Namespace) -> dict[str, Any]:
         "noise_multiplier": z,
         **echo,
     }
+
+
+def _prv_epsilon(z: float, q: float, steps: int, delta: float) -> float:
+    """Opacus's PRV epsilon (upper bound) of ``steps`` Poisson-sampled Gaussian steps, the
+    value a ``[client.dp_sgd]`` client with ``accountant = "prv"`` reports."""
+    from fedsim.workloads.dp_sgd import client_epsilon  # noqa: PLC0415
+
+    return client_epsilon([(z, q, steps)], delta, "prv")
 
 
 def _calibrate(args: argparse.Namespace) -> dict[str, Any]:
