@@ -48,7 +48,7 @@ gamma is the finest granularity for which the sum of n encodings fits ``bits`` s
 (:func:`protocols.encoding.choose_gamma`).
 
 Accounting (:mod:`fedsim.privacy.ddgauss`): every released round records KLS21 Theorem 1's
-bound as ``GaussianDpEvent(1/eps)`` in a :class:`~fedsim.privacy.accounting.PrivacyLedger`
+bound as ``GaussianDpEvent(1/eps)`` in a :class:`~fedsim.privacy.ledger.PrivacyLedger`
 (no amplification by sampling claimed), with sensitivities Delta_2, Delta_1 of the rounded
 vector and **the number of clients whose noise is in the sum** (the survivors, after dropouts
 and rejected replies; never the planned n). A round with dropouts therefore costs more privacy
@@ -97,8 +97,9 @@ from flwr.serverapp.strategy import Strategy
 from fedsim.config import ConfigError
 from fedsim.engine.committee import Committee, CommitteeSpec
 from fedsim.privacy import ddgauss as ddgauss_privacy
-from fedsim.privacy.accounting import NeighbouringRelation, PrivacyLedger
+from fedsim.privacy.ledger import PrivacyLedger
 from fedsim.privacy.mechanisms import SecureRandom, discrete_gaussian
+from fedsim.privacy.sampling import NeighbouringRelation
 from fedsim.randomness import PartySecret, Purpose, Stream, client_secret, public_generator
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.worker_reduce import single

@@ -76,10 +76,11 @@ from fedsim.engine.client_registry import (
     public_committee,
 )
 from fedsim.privacy import dmm as dmm_privacy
-from fedsim.privacy.accounting import NeighbouringRelation, PrivacyLedger
+from fedsim.privacy.ledger import PrivacyLedger
 from fedsim.privacy.matrix.factorization import Factorization
-from fedsim.privacy.matrix.sensitivity import Participation
 from fedsim.privacy.mechanisms import discrete_gaussian
+from fedsim.privacy.participation import Participation
+from fedsim.privacy.sampling import NeighbouringRelation
 from fedsim.randomness import Purpose, Stream, client_secret, public_generator
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.worker_reduce import FOLDS_KEY, attach_reducer, is_partial, single
@@ -777,10 +778,8 @@ class DMM(LedgerShell):
         p = self.mechanism.participation
         if p.kind != "min_sep" or not self.aborted_rounds:
             return p
-        return Participation(
-            kind="min_sep",
-            min_sep=max(1, int(p.min_sep) - self.aborted_rounds),
-            max_participations=p.max_participations,
+        return Participation.separated(
+            max(1, int(p.min_sep) - self.aborted_rounds), p.max_participations
         )
 
     def _account(self, server_round: int, opened: OpenedRelease | None = None) -> None:
@@ -1328,8 +1327,7 @@ def from_options(
     expected_clients: float,
     population: int,
     seed: int,
-    min_separation: int | None,
-    max_participations: int | None,
+    participation: Participation | None = None,
     evaluate_fraction: float = 0.0,
     metrics_in_clear: bool = False,
 ) -> DMM:
@@ -1342,8 +1340,9 @@ def from_options(
     actors), ``committee_shards`` (4), ``worker_fold`` (false; true folds each worker
     batch's sharing inputs into one sealed message, :mod:`strategies.dmm_fold`) and
     ``reshare_checks`` (1: a handoff needs t + k + 1 dealers, so that a wrong dealing is
-    caught). The
-    participation comes from the engine's schedule."""
+    caught). ``participation`` is the engine's schedule (a b-min-separation
+    :class:`~fedsim.privacy.participation.Participation`; None: every client may be in every
+    round)."""
     from flwr.serverapp.strategy import FedAvg  # noqa: PLC0415
 
     from fedsim.privacy.matrix.build import Spec, build  # noqa: PLC0415
@@ -1354,14 +1353,20 @@ def from_options(
     for key in ("clipping_norm", "noise_multiplier"):
         if key not in options:
             raise ValueError(f"strategy.options.{key} is required (a number)")
-    sep = 1 if min_separation is None else int(min_separation)
-    k = -(-rounds // sep) if max_participations is None else int(max_participations)
+    participation = Participation.separated(1) if participation is None else participation
+    if participation.kind != "min_sep":
+        raise ValueError(
+            f"participation = {participation!r}; allowed: a b-min-separation Participation "
+            "(Participation.separated(b, k)) or None (every client may be in every round)"
+        )
+    sep = int(participation.min_sep)
+    k = participation.participations(rounds)
     kind = options.get("kind", "banded")
     bands = options.get("bands")
     if bands is None and kind in dmm_privacy.BANDED_KINDS:
         bands = max(1, min(sep, rounds - 1))
     spec = Spec(kind=kind, rounds=rounds, bands=bands, participations=k, min_sep=sep)
-    participation = Participation(kind="min_sep", min_sep=sep, max_participations=k)
+    participation = Participation.separated(sep, k)
     inner = FedAvg(
         fraction_train=1.0,
         fraction_evaluate=evaluate_fraction,
@@ -1408,7 +1413,6 @@ def _build(options: Mapping[str, Any], facts: RunFacts) -> DMM:
     """:func:`from_options` with the run's facts; a bad option is a ConfigError."""
     rounds = facts.required("rounds", f"the run's rounds (required by {NAME})")
     population = facts.required("population", "the registered clients")
-    min_separation, max_participations = facts.separation()
     try:
         return from_options(
             dict(options),
@@ -1416,8 +1420,7 @@ def _build(options: Mapping[str, Any], facts: RunFacts) -> DMM:
             expected_clients=facts.expected_clients,
             population=population,
             seed=facts.seed,
-            min_separation=min_separation,
-            max_participations=max_participations,
+            participation=facts.participation,
             evaluate_fraction=facts.evaluate_fraction,
             metrics_in_clear=facts.metrics_in_clear,
         )

@@ -25,10 +25,10 @@ norm geometrically towards the target quantile ``gamma``:
 
 The two Gaussian releases compose to one Gaussian of the configured noise
 multiplier ``z``: ``z_D = (z^-2 - (2 sigma_b)^-2)^(-1/2)``
-(:func:`fedsim.privacy.accounting.split_noise_multiplier`), so a round is
+(:func:`fedsim.privacy.round_events.split_noise_multiplier`), so a round is
 accounted as ``adaptive_clipping_round_event(z, sigma_b, sampling)``.
 
-Accounting. The strategy holds a :class:`~fedsim.privacy.accounting.PrivacyLedger`
+Accounting. The strategy holds a :class:`~fedsim.privacy.ledger.PrivacyLedger`
 and records one event per round in which it released an update, with the
 round's sampling model (Poisson rate ``q``, fixed-size ``m`` of ``N``, full
 participation, or b-min-separation) and noise. Without an explicit sampling model (a
@@ -94,17 +94,23 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedsim.config import ConfigError, require
-from fedsim.privacy import accounting
-from fedsim.privacy.accounting import (
-    FixedSizeSampling,
-    FullParticipation,
-    MinSeparation,
-    NeighbouringRelation,
-    PrivacyLedger,
-    Sampling,
+from fedsim.privacy.accountant import ACCOUNTANTS
+from fedsim.privacy.calibration import calibrate_noise
+from fedsim.privacy.epsilon import epsilon
+from fedsim.privacy.ledger import PrivacyLedger
+from fedsim.privacy.participation import Participation
+from fedsim.privacy.round_events import (
+    Z_MAX,
+    Z_MIN,
     adaptive_clipping_round_event,
     round_event,
     split_noise_multiplier,
+)
+from fedsim.privacy.sampling import (
+    FixedSizeSampling,
+    FullParticipation,
+    NeighbouringRelation,
+    Sampling,
 )
 from fedsim.randomness import Purpose
 from fedsim.record_codec import to_numpy, to_record
@@ -292,15 +298,16 @@ class DPFedAvg(ClippedSumShell):
             bound on each client's update, in model-parameter units.
         noise_multiplier: ``z >= 0``, what a round is accounted as. Without
             adaptive clipping the sum's noise has std ``z C``; with it, ``z_D C``
-            with ``z_D`` from :func:`~fedsim.privacy.accounting.split_noise_multiplier`.
+            with ``z_D`` from :func:`~fedsim.privacy.round_events.split_noise_multiplier`.
         expected_clients: ``m``, the expected number of clients per round.
         worker_reduction: let workers fold clipped sums (same result, less traffic).
         adaptive: adaptive clipping settings; None keeps ``C`` fixed.
-        sampling: how each round's clients are drawn. A :class:`MinSeparation`
-            schedule is accounted by the ledger's worst-case participation (each
-            round then records an unsampled event) and enforced on every instruction
-            (``participation-refused``); a :class:`FixedSizeSampling` round that sends
-            more than its sample size is refused. None (default): the sampling that
+        sampling: how each round's clients are drawn. A b-min-separation
+            :class:`~fedsim.privacy.participation.Participation` schedule is accounted by
+            the ledger's worst-case participation (each round then records an unsampled
+            event) and enforced on every instruction (``participation-refused``); a
+            :class:`FixedSizeSampling` round that sends more than its sample size is
+            refused. None (default): the sampling that
             happens, planned from the grid and the wrapped strategy before the first
             round and checked on every round (:mod:`strategies.observed_sampling`:
             Flower's uniform draw of ``fraction_train`` of the nodes is fixed-size
@@ -360,13 +367,11 @@ class DPFedAvg(ClippedSumShell):
         self.observe_sampling = sampling is None
         self._plan: SamplingPlan | None = None
         sampling = FullParticipation() if sampling is None else sampling
-        schedule = sampling if isinstance(sampling, MinSeparation) else None
+        schedule = sampling if isinstance(sampling, Participation) else None
         self.sampling: Sampling = FullParticipation() if schedule is not None else sampling
         self.ledger = PrivacyLedger(relation_for(self.sampling), delta, schedule)
         #: a min-separation schedule is enforced on every instruction, not assumed
-        self.guard = (
-            None if schedule is None else ParticipationGuard(schedule.matrix_participation())
-        )
+        self.guard = None if schedule is None else ParticipationGuard(schedule)
         self.participation_refused: list[int] = []
         self.accountant = accountant
         self.max_epsilon = None if max_epsilon is None else float(max_epsilon)
@@ -465,7 +470,7 @@ class DPFedAvg(ClippedSumShell):
             return self.ledger
         worst = max(self.instructions_per_node.values(), default=0) + ahead
         ledger = PrivacyLedger(
-            self.ledger.relation, self.ledger.delta, MinSeparation(1, max(1, worst))
+            self.ledger.relation, self.ledger.delta, Participation.separated(1, max(1, worst))
         )
         for round_, event in self.ledger.entries:
             ledger.record(round_, event)
@@ -574,14 +579,17 @@ class DPFedAvg(ClippedSumShell):
 
 # -- from a run config ---------------------------------------------------------------------
 NAME = "dp-fedavg"
-_REQUIRED = ("clipping_norm", "noise_multiplier")
+_NOISE = ("noise_multiplier", "target_epsilon")
 _ADAPTIVE = ("target_unclipped_quantile", "clip_learning_rate", "clipped_count_stddev")
 
 
 def from_options(options: Mapping[str, Any], facts: RunFacts) -> DPFedAvg:
     """DP-FedAvg from ``strategy.options``.
 
-    Options: ``clipping_norm`` and ``noise_multiplier`` (required);
+    Options: ``clipping_norm`` (required) and either ``noise_multiplier`` or
+    ``target_epsilon`` (the noise multiplier dp_accounting calibrates so that the run's
+    ``rounds`` under its sampling reach at most that epsilon at ``delta``, with the run's
+    accountant; :func:`~fedsim.privacy.calibration.calibrate_noise`);
     ``adaptive_clipping`` (false) with ``target_unclipped_quantile`` (0.5),
     ``clip_learning_rate`` (0.2) and ``clipped_count_stddev`` (clients per
     round / 20, Andrew et al. 2021's choice); ``delta`` (min(1e-5, 1 / population));
@@ -590,20 +598,29 @@ def from_options(options: Mapping[str, Any], facts: RunFacts) -> DPFedAvg:
     option goes to the server optimiser (e.g. ``server_momentum``, ``eta``).
     """
     options = dict(options)
-    for key in _REQUIRED:
-        if key not in options:
-            raise ConfigError(f"strategy.options.{key}", None, f"a number (required by {NAME})")
+    if "clipping_norm" not in options:
+        raise ConfigError("strategy.options.clipping_norm", None, f"a number (required by {NAME})")
+    given = [key for key in _NOISE if key in options]
+    if len(given) != 1:
+        raise ConfigError(
+            f"strategy.options.{given[-1] if given else 'noise_multiplier'}",
+            options.get(given[-1]) if given else None,
+            f"exactly one of noise_multiplier, target_epsilon (required by {NAME})",
+        )
     clipping_norm = pop_number(options, "clipping_norm", None, lambda v: v > 0, "a number > 0")
-    z = pop_number(
-        options,
-        "noise_multiplier",
-        None,
-        lambda v: v == 0 or accounting.Z_MIN <= v <= accounting.Z_MAX,
-        f"0 (no noise) or a number in [{accounting.Z_MIN:g}, {accounting.Z_MAX:g}] (noise std / "
-        "clipping norm; below, dp_accounting's epsilon loses its precision)",
-    )
-    adaptive = _adaptive_from(options, z, facts.expected_clients)
     delta, accountant, max_epsilon, sampling = _budget_from(options, facts)
+    if "target_epsilon" in options:
+        z = _calibrated(options.pop("target_epsilon"), delta, accountant, sampling, facts)
+    else:
+        z = pop_number(
+            options,
+            "noise_multiplier",
+            None,
+            lambda v: v == 0 or Z_MIN <= v <= Z_MAX,
+            f"0 (no noise) or a number in [{Z_MIN:g}, {Z_MAX:g}] (noise std / "
+            "clipping norm; below, dp_accounting's epsilon loses its precision)",
+        )
+    adaptive = _adaptive_from(options, z, facts.expected_clients)
     optimizer = options.pop("server_optimizer", "fedavg")
     cls = flower.server_optimizer(optimizer)
     require(
@@ -625,6 +642,41 @@ def from_options(options: Mapping[str, Any], facts: RunFacts) -> DPFedAvg:
         max_epsilon=max_epsilon,
         metrics_in_clear=facts.metrics_in_clear,
     )
+
+
+def _calibrated(
+    target: Any, delta: float, accountant: str, sampling: Sampling, facts: RunFacts
+) -> float:
+    """The noise multiplier dp_accounting calibrates to ``target`` (epsilon after the run's
+    rounds under ``sampling`` at ``delta``), else a ConfigError naming
+    ``strategy.options.target_epsilon``.
+
+    The round is accounted as one Gaussian with this ``z`` also under adaptive clipping (its
+    two noises are split from ``z``), so the calibrated run's epsilon is at most ``target``.
+    """
+    key = "strategy.options.target_epsilon"
+    require(
+        isinstance(target, (int, float))
+        and not isinstance(target, bool)
+        and math.isfinite(target)
+        and target > 0,
+        key,
+        target,
+        "a finite number > 0 (the epsilon the run may reach)",
+    )
+    rounds = facts.required("rounds", f"the run's rounds (required by {key})")
+    # the ledger's relation: a schedule's rounds are recorded unsampled (DPFedAvg.__init__)
+    unsampled = isinstance(sampling, Participation)
+    relation = relation_for(FullParticipation() if unsampled else sampling)
+    try:
+        return calibrate_noise(float(target), delta, sampling, rounds, accountant, relation)
+    except ConfigError as err:
+        raise ConfigError(
+            key,
+            target,
+            f"an epsilon {accountant} reaches for {rounds} rounds of {type(sampling).__name__} "
+            f"at delta = {delta:g} ({err.allowed})",
+        ) from err
 
 
 def _adaptive_from(
@@ -673,7 +725,7 @@ def _adaptive_from(
 
 def _budget_from(
     options: dict[str, Any], facts: RunFacts
-) -> tuple[float, str, float | None, Sampling | MinSeparation]:
+) -> tuple[float, str, float | None, Sampling]:
     """Pop ``delta``, ``accountant`` and ``max_epsilon``; check that the accountant supports
     the run's sampling. Returns them with that sampling."""
     population = facts.population
@@ -681,7 +733,7 @@ def _budget_from(
     delta = pop_number(options, "delta", default_delta, lambda v: 0 < v < 1, "a number in (0, 1)")
     accountant = options.pop("accountant", "rdp")
     require(
-        accountant in accounting.ACCOUNTANTS,
+        accountant in ACCOUNTANTS,
         "strategy.options.accountant",
         accountant,
         "one of 'rdp', 'pld'",
@@ -694,7 +746,7 @@ def _budget_from(
         "a number > 0 (epsilon at which the run stops)",
     )
     sampling = FullParticipation() if facts.sampling is None else facts.sampling
-    event_sampling = FullParticipation() if isinstance(sampling, MinSeparation) else sampling
+    event_sampling = FullParticipation() if isinstance(sampling, Participation) else sampling
     check_accountant(accountant, event_sampling, delta, "strategy.options.accountant")
     return delta, accountant, max_epsilon, sampling
 
@@ -704,7 +756,7 @@ def check_accountant(
 ) -> None:
     """Refuse ``accountant`` (named ``key``) when it cannot account ``sampling``."""
     try:
-        accounting.epsilon(1.0, sampling, 1, delta, accountant, relation_for(sampling))
+        epsilon(1.0, sampling, 1, delta, accountant, relation_for(sampling))
     except ConfigError as err:
         raise ConfigError(
             key, accountant, f"an accountant for {type(sampling).__name__} ({err.allowed})"

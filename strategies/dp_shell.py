@@ -28,7 +28,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 
 from fedsim.engine.boundary import ClaimRefused, ReleaseBoundary, boundary_of
-from fedsim.privacy.accounting import PrivacyLedger
+from fedsim.privacy.ledger import PrivacyLedger
 from fedsim.record_codec import to_numpy
 from fedsim.worker_reduce import attach_reducer, is_partial, single
 from strategies.participation_guard import ParticipationGuard

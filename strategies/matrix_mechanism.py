@@ -29,14 +29,15 @@ Thm. 2.1: adaptively chosen inputs do not change this). After T rounds what was 
 encoder_through`), so epsilon is that of a Gaussian with noise multiplier
 ``z sens(C) / sens_T``, ``sens_T`` the sensitivity of ``C_T`` under the participation
 restricted to T rounds. Round t records ``GaussianDpEvent(z sens(C) / sqrt(sens_t^2 -
-sens_{t-1}^2))`` in the run's :class:`~fedsim.privacy.accounting.PrivacyLedger` (a
+sens_{t-1}^2))`` in the run's :class:`~fedsim.privacy.ledger.PrivacyLedger` (a
 ``NoOpDpEvent`` if the sensitivity does not grow); Gaussian precisions add under composition,
 so the ledger's epsilon after T rounds is exactly the Gaussian epsilon above, and
 ``z`` alone at T = n.
 
 Participation: b-min-separation, at most ``max_participations`` (default ``ceil(n / b)``)
 rounds ``b`` apart -- what :class:`fedsim.engine.participation.MinSeparationCohort` with
-``min_separation = b`` guarantees -- or single participation (``min_separation=None``). A
+``min_separation = b`` guarantees (its ``accounting``) -- or single participation (the
+default), one :class:`~fedsim.privacy.participation.Participation` either way. A
 banded C with at most ``b`` bands then has the exact sensitivity ``sqrt(k)`` after column
 normalisation. The schema is enforced, not assumed
 (:class:`~strategies.participation_guard.ParticipationGuard`): an instruction that would break
@@ -64,7 +65,8 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAvg, Strategy
 
 from fedsim.config import ConfigError, require
-from fedsim.privacy.accounting import ACCOUNTANTS, NeighbouringRelation, PrivacyLedger
+from fedsim.privacy.accountant import ACCOUNTANTS
+from fedsim.privacy.ledger import PrivacyLedger
 from fedsim.privacy.matrix import (
     Factorization,
     Participation,
@@ -73,33 +75,17 @@ from fedsim.privacy.matrix import (
     noise_stream,
 )
 from fedsim.privacy.matrix.streaming import NoiseStream
+from fedsim.privacy.sampling import NeighbouringRelation
 from fedsim.record_codec import to_record
 from strategies.dp_fedavg import ClippedSum
 from strategies.dp_shell import ClippedSumShell
 from strategies.participation_guard import ParticipationGuard
 from strategies.spec import Accounting, RunFacts, StrategySpec
 
-
-def matrix_participation(
-    min_separation: int | None, max_participations: int | None = None
-) -> Participation:
-    """The sensitivity schema of a run: b-min-separation (``min_separation`` = b, at most
-    ``max_participations`` rounds, default as many as fit) or single participation (None)."""
-    if min_separation is None:
-        require(
-            max_participations in (None, 1),
-            "max_participations",
-            max_participations,
-            "none or 1 without min_separation (single participation)",
-        )
-        return Participation.single()
-    require(
-        isinstance(min_separation, (int, np.integer)) and min_separation >= 1,
-        "min_separation",
-        min_separation,
-        "an integer >= 1 (rounds between two participations of a client) or none",
-    )
-    return Participation.separated(int(min_separation), max_participations)
+#: the constructor's default: every client in at most one round
+SINGLE = Participation.single()
+#: a run without a schedule: every client may be in every round
+EVERY_ROUND = Participation.separated(1)
 
 
 def _learning_rates(value: float | Sequence[float], n: int) -> np.ndarray:
@@ -127,8 +113,9 @@ class MatrixMechanism(ClippedSumShell):
         noise_multiplier: ``z >= 0`` for the whole run: fresh noise std
             ``z * c * sens(C)``; epsilon after all n rounds is that of a Gaussian with ``z``.
         expected_clients: ``m > 0``, the sums are divided by it (never by who replied).
-        min_separation, max_participations: the participation schema
-            (:func:`matrix_participation`).
+        participation: the participation schema sens(C) assumes and the guard enforces
+            (:class:`~fedsim.privacy.participation.Participation`; default single
+            participation).
         server_learning_rate: ``eta`` (one number, or one per round).
         server_momentum: ``beta`` in [0, 1).
         worker_reduction: let workers fold clipped sums (same result, less traffic).
@@ -150,8 +137,7 @@ class MatrixMechanism(ClippedSumShell):
         clipping_norm: float,
         noise_multiplier: float,
         expected_clients: float,
-        min_separation: int | None = None,
-        max_participations: int | None = None,
+        participation: Participation = SINGLE,
         server_learning_rate: float | Sequence[float] = 1.0,
         server_momentum: float = 0.0,
         worker_reduction: bool = True,
@@ -178,9 +164,15 @@ class MatrixMechanism(ClippedSumShell):
             0.0 <= server_momentum < 1.0, "server_momentum", server_momentum, "a number in [0, 1)"
         )
         require(accountant in ACCOUNTANTS, "accountant", accountant, "one of 'rdp', 'pld'")
+        require(
+            isinstance(participation, Participation),
+            "participation",
+            participation,
+            "a fedsim.privacy.participation.Participation (e.g. Participation.separated(b, k))",
+        )
         super().__init__(strategy)
         self.factorization = factorization
-        self.participation = matrix_participation(min_separation, max_participations)
+        self.participation = participation
         self.weight_key = getattr(strategy, "weighted_by_key", "num-examples")
         self.reducer = ClippedSum(clipping_norm, self.weight_key)
         self.noise_multiplier = float(noise_multiplier)
@@ -366,8 +358,8 @@ def from_options(options: Mapping[str, Any], facts: RunFacts) -> MatrixMechanism
     rounds) or ``kind`` (default "banded"; see :mod:`fedsim.privacy.matrix.build`) with
     ``bands`` (default: the min separation) and ``buffers``; ``server_learning_rate`` (1.0),
     ``server_momentum`` (0.0), ``delta`` (min(1e-5, 1 / population)), ``accountant`` ("rdp").
-    ``min_separation`` / ``max_participations`` come from the engine's schedule (none:
-    every client may be in every round, ``min_separation = 1``).
+    The participation comes from the engine's schedule (``facts.participation``; none:
+    every client may be in every round, ``Participation.separated(1)``).
     """
     rounds = facts.required("rounds", f"the run's rounds (required by {NAME})")
     for key in options:
@@ -375,9 +367,15 @@ def from_options(options: Mapping[str, Any], facts: RunFacts) -> MatrixMechanism
     for key in ("clipping_norm", "noise_multiplier"):
         if key not in options:
             raise ConfigError(f"strategy.options.{key}", None, "a number (required)")
-    min_separation, max_participations = facts.separation()
-    sep = 1 if min_separation is None else int(min_separation)
-    k = -(-rounds // sep) if max_participations is None else int(max_participations)
+    participation = facts.participation or EVERY_ROUND
+    require(
+        participation.kind == "min_sep",
+        "sampling",
+        participation,
+        "a b-min-separation schedule (or none: every client may be in every round)",
+    )
+    sep = int(participation.min_sep)
+    k = participation.participations(rounds)
     f = _factorization_from(options, rounds, sep, k)
     population = facts.population
     default_delta = 1e-5 if population is None else min(1e-5, 1.0 / population)
@@ -395,8 +393,7 @@ def from_options(options: Mapping[str, Any], facts: RunFacts) -> MatrixMechanism
             clipping_norm=_option_number(options, "clipping_norm", None),
             noise_multiplier=_option_number(options, "noise_multiplier", None),
             expected_clients=facts.expected_clients,
-            min_separation=sep,
-            max_participations=k,
+            participation=Participation.separated(sep, k),
             server_learning_rate=_option_number(options, "server_learning_rate", 1.0),
             server_momentum=_option_number(options, "server_momentum", 0.0),
             worker_reduction=facts.worker_reduction,

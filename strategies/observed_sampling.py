@@ -38,10 +38,10 @@ from flwr.serverapp.strategy.fedopt import FedOpt
 
 from fedsim.config import ConfigError, require
 from fedsim.engine.participation import CohortModel, FullCohort, MinSeparationCohort
-from fedsim.privacy.accounting import (
+from fedsim.privacy.participation import Participation
+from fedsim.privacy.sampling import (
     FixedSizeSampling,
     FullParticipation,
-    MinSeparation,
     PoissonSampling,
     Sampling,
 )
@@ -52,8 +52,19 @@ UNIFORM_SAMPLERS = frozenset(cls.configure_train for cls in (FedAvg, FedAvgM, Fe
 KEY = "sampling"
 
 
-def describe(sampling: Sampling | MinSeparation) -> dict[str, Any]:
-    """The sampling model as a privacy report shows it: its class and its fields."""
+def describe(sampling: Sampling) -> dict[str, Any]:
+    """The sampling model as a privacy report shows it: its class and its fields (a
+    :class:`~fedsim.privacy.participation.Participation` by the fields of its kind)."""
+    if isinstance(sampling, Participation):
+        fields = {
+            "single": {},
+            "min_sep": {
+                "min_separation": sampling.min_sep,
+                "max_participations": sampling.max_participations,
+            },
+            "fixed_epoch": {"epochs": sampling.epochs},
+        }[sampling.kind]
+        return {"model": "Participation", "kind": sampling.kind, **fields}
     return {"model": type(sampling).__name__, **dataclasses.asdict(sampling)}
 
 
@@ -156,7 +167,7 @@ def _engine_plan(
         raise ConfigError(
             KEY,
             None,
-            "an explicit sampling=MinSeparation(...) for a min-separation schedule (the "
+            "an explicit sampling=Participation.separated(b, k) for a min-separation schedule (the "
             "ledger and its participation guard need it before the first round)",
         )
     settings = tuple(

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from flwr.app import Message
 
-from fedsim.privacy.matrix.sensitivity import Participation
+from fedsim.privacy.participation import Participation
 
 
 @dataclass

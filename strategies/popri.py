@@ -13,7 +13,7 @@ Synthetic Data", ICML 2025, Alg. 1. Each round ``t``:
    ``sigma = z * 1`` (L2 sensitivity 1 under add/remove; fixed-size sampling is accounted
    under replace-one, where the ledger doubles it) and ``m`` the expected number of clients.
    One ``dp_accounting`` event per round goes to a
-   :class:`~fedsim.privacy.accounting.PrivacyLedger` with the round's sampling; ``z`` is given
+   :class:`~fedsim.privacy.ledger.PrivacyLedger` with the round's sampling; ``z`` is given
    or calibrated to a target epsilon over the planned rounds.
 5. **Pairs**: for each prompt, its ``J`` samples sorted by ``s~``; chosen = rank 1,
    rejected = rank ``reject_rank`` (default the middle, ``ceil(J / 2)``: 5 of 10, the
@@ -54,16 +54,11 @@ from flwr.serverapp.strategy import Strategy
 from torch import nn
 
 from fedsim.config import require
-from fedsim.privacy.accounting import (
-    FixedSizeSampling,
-    FullParticipation,
-    PoissonSampling,
-    PrivacyLedger,
-    Sampling,
-    calibrate_noise,
-    round_event,
-)
+from fedsim.privacy.calibration import calibrate_noise
+from fedsim.privacy.ledger import PrivacyLedger
 from fedsim.privacy.mechanisms import gaussian_noise
+from fedsim.privacy.round_events import round_event
+from fedsim.privacy.sampling import FixedSizeSampling, FullParticipation, PoissonSampling, Sampling
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.workloads.dpo import DPOSettings, PreferencePair, add_lora, train_dpo
 from fedsim.workloads.popri_feedback import feedback_instruction, summed_scores

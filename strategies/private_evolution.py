@@ -12,7 +12,7 @@ data. Each round
 3. ``aggregate_train`` clips every reply to L2 norm 1 (so the bound holds whatever a client
    sends), sums them and adds ``N(0, sigma^2 I_M)`` with ``sigma = z`` (noise multiplier ``z``
    times the sensitivity 1): the DP nearest-neighbour histogram. One Gaussian event (with the
-   round's sampling) goes to the run's :class:`~fedsim.privacy.accounting.PrivacyLedger`.
+   round's sampling) goes to the run's :class:`~fedsim.privacy.ledger.PrivacyLedger`.
 4. Selection (post-processing): the candidates whose noisy vote exceeds the threshold
    ``H = threshold * sigma`` are ranked by vote and the first ``keep`` survive; if none passes,
    the ``keep`` best-voted survive (their ranking is then mostly noise).
@@ -43,8 +43,10 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedsim.config import positive_int, require
-from fedsim.privacy.accounting import FullParticipation, PrivacyLedger, Sampling, round_event
+from fedsim.privacy.ledger import PrivacyLedger
 from fedsim.privacy.mechanisms import gaussian_noise
+from fedsim.privacy.round_events import round_event
+from fedsim.privacy.sampling import FullParticipation, Sampling
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.workloads.pe_votes import CANDIDATES, EMBEDDINGS, Embedder, votes_of
 from strategies.dp_fedavg import relation_for

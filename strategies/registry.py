@@ -14,7 +14,7 @@ from typing import Any, Literal
 from flwr.serverapp.strategy import Strategy
 
 from fedsim.config import ConfigError, require
-from fedsim.privacy.accounting import MinSeparation, Sampling
+from fedsim.privacy.sampling import Sampling
 from strategies import (
     ddgauss,
     dmm,
@@ -65,7 +65,7 @@ def build_strategy(
     evaluate_fraction: float,
     seed: int,
     partial_aggregation: Literal["auto", "on", "off"] = "auto",
-    sampling: Sampling | MinSeparation | None = None,
+    sampling: Sampling | None = None,
     population: int | None = None,
     rounds: int | None = None,
     metrics_in_clear: bool = False,

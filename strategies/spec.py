@@ -17,7 +17,8 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import Strategy
 
 from fedsim.config import require
-from fedsim.privacy.accounting import MinSeparation, Sampling
+from fedsim.privacy.participation import Participation
+from fedsim.privacy.sampling import Sampling
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,7 +32,8 @@ class RunFacts:
             server's secret, bound by the front end).
         worker_reduction: workers fold their clients' replies (the spec is summable and
             partial aggregation is not off).
-        sampling: the accountant's model of the cohorts (None: full participation).
+        sampling: the accountant's model of the cohorts (None: full participation); a
+            :class:`~fedsim.privacy.participation.Participation` for a schedule.
         population: registered clients (None: unknown).
         rounds: the run's rounds (None: unknown).
         metrics_in_clear: private strategies also release their clients' metrics.
@@ -41,7 +43,7 @@ class RunFacts:
     evaluate_fraction: float
     seed: int
     worker_reduction: bool
-    sampling: Sampling | MinSeparation | None = None
+    sampling: Sampling | None = None
     population: int | None = None
     rounds: int | None = None
     metrics_in_clear: bool = False
@@ -52,11 +54,10 @@ class RunFacts:
         require(value is not None, name, value, allowed)
         return value
 
-    def separation(self) -> tuple[int | None, int | None]:
-        """``(min_separation, max_participations)`` of a min-separation schedule, else Nones."""
-        if isinstance(self.sampling, MinSeparation):
-            return self.sampling.min_separation, self.sampling.max_participations
-        return None, None
+    @property
+    def participation(self) -> Participation | None:
+        """The run's participation schedule (a b-min-separation cohort's), else None."""
+        return self.sampling if isinstance(self.sampling, Participation) else None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,7 +66,7 @@ class Accounting:
 
     Attributes:
         ledger: what each round records in the strategy's
-            :class:`~fedsim.privacy.accounting.PrivacyLedger`.
+            :class:`~fedsim.privacy.ledger.PrivacyLedger`.
         command: the ``fedsim account`` subcommand that recomputes the epsilon offline
             (None: none does).
     """

@@ -167,8 +167,8 @@ def make_dmm(mode: str, clients: int, rounds: int, kind: str = "banded", **kwarg
     from flwr.serverapp.strategy import FedAvg  # noqa: PLC0415
 
     from fedsim.privacy.matrix.banded import banded  # noqa: PLC0415
-    from fedsim.privacy.matrix.sensitivity import Participation  # noqa: PLC0415
     from fedsim.privacy.matrix.tree import honaker_tree  # noqa: PLC0415
+    from fedsim.privacy.participation import Participation  # noqa: PLC0415
     from strategies.dmm import DMM  # noqa: PLC0415
 
     options = dict(

@@ -259,6 +259,46 @@ def test_sweep_dp_sgd_over_batch_sizes(capsys, tmp_path):
 FEDAVG = ["account", "dp-fedavg", "--noise-multiplier", "1", "--rounds", "10"]
 
 
+SGD = ["account", "dp-sgd", "--batch-size", "256", "--dataset-size", "60000", "--epochs", "2"]
+
+
+def test_dp_sgd_prv_is_opacus_prv_upper_bound_below_rdp(capsys):
+    """--accountant prv: Opacus's PRV accountant (dp_accounting 0.6.0 ships none), the value
+    a [client.dp_sgd] client with accountant = "prv" reports; it lies between PLD's estimate
+    region and RDP's looser bound, and grows with the steps."""
+    from opacus.accountants import PRVAccountant
+
+    argv = [*SGD, "--noise-multiplier", "1.1", "--delta", "1e-5"]
+    prv = account(capsys, *argv, "--accountant", "prv")
+    assert prv["accountant"] == "prv" and prv["steps"] == 469  # ceil(2 * 60000 / 256)
+    direct_prv = PRVAccountant()
+    direct_prv.history = [(1.1, 256 / 60000, 469)]
+    assert prv["epsilon"] == pytest.approx(direct_prv.get_epsilon(delta=1e-5), rel=1e-12)
+    rdp = account(capsys, *argv)
+    pld = account(capsys, *argv, "--accountant", "pld")
+    assert pld["epsilon"] * 0.95 < prv["epsilon"] < rdp["epsilon"]
+    longer = account(capsys, *SGD[:-1], "4", "--noise-multiplier", "1.1", "--delta", "1e-5",
+                     "--accountant", "prv")
+    assert longer["epsilon"] > prv["epsilon"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        ([*SGD, "--noise-multiplier", "0.2", "--delta", "1e-5"], "--noise-multiplier = 0.2"),
+        (
+            ["account", "calibrate", "dp-sgd", "--target-epsilon", "2", *SGD[2:]]
+            + ["--delta", "1e-5"],
+            "--accountant = 'prv'",
+        ),
+    ],
+)
+def test_prv_refuses_what_it_does_not_account(capsys, argv, needle):
+    assert main([*argv, "--accountant", "prv", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fedsim: error: {needle} is not allowed: ") and "prv" in err
+
+
 @pytest.mark.parametrize(
     ("argv", "flag", "value"),
     [

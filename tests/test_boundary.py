@@ -8,16 +8,16 @@ from flwr.app import Message, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedsim.engine.boundary import ClaimRefused, ReleaseBoundary, mechanism_of
-from fedsim.privacy.accounting import (
+from fedsim.privacy.composition import run_epsilon
+from fedsim.privacy.epsilon import epsilon
+from fedsim.privacy.ledger import PrivacyLedger
+from fedsim.privacy.round_events import round_event
+from fedsim.privacy.sampling import (
     FixedSizeSampling,
     FullParticipation,
     NeighbouringRelation,
     PoissonSampling,
-    PrivacyLedger,
-    epsilon,
-    round_event,
 )
-from fedsim.privacy.composition import run_epsilon
 
 
 @pytest.fixture(autouse=True)

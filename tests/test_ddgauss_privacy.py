@@ -48,11 +48,11 @@ def test_bound_dominates_the_exact_renyi_divergence(sigma, n, shift):
 
 
 def test_large_noise_approaches_the_continuous_gaussian():
-    # tau vanishes, so the event is the Gaussian with z = sqrt(n) sigma / Delta_2
+    # tau vanishes, so the event is the zCDP of the Gaussian with z = sqrt(n) sigma / Delta_2
     assert tau(5.0, 100) < 1e-100
     event = round_event(3.0, 30.0, 5.0, 100, 1024)
-    assert isinstance(event, dpa.GaussianDpEvent)
-    assert math.isclose(event.noise_multiplier, 10 * 5.0 / 3.0, rel_tol=1e-12)
+    assert isinstance(event, dpa.ZCDpEvent) and event.xi == 0
+    assert math.isclose(event.rho, (10 * 5.0 / 3.0) ** -2 / 2, rel_tol=1e-12)
 
 
 def test_small_noise_is_penalised_by_tau():

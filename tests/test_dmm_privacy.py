@@ -12,9 +12,10 @@ from fedsim.privacy.dmm import IntegerMechanism, increment_event, worst_release,
 from fedsim.privacy.matrix.banded import banded
 from fedsim.privacy.matrix.build import Spec, build
 from fedsim.privacy.matrix.factorization import from_square_encoder
-from fedsim.privacy.matrix.sensitivity import Participation, brute_force, sensitivity
+from fedsim.privacy.matrix.sensitivity import brute_force, sensitivity
 from fedsim.privacy.matrix.toeplitz import banded_toeplitz
 from fedsim.privacy.matrix.tree import binary_tree, honaker_tree
+from fedsim.privacy.participation import Participation
 
 SEP = Participation(kind="min_sep", min_sep=3)
 

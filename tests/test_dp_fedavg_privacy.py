@@ -15,16 +15,14 @@ from flwr.supercore.task_identity import TaskIdentity
 from fedsim.cli import main
 from fedsim.config import ConfigError
 from fedsim.engine import ClientRegistry
-from fedsim.privacy import accounting
-from fedsim.privacy.accounting import (
-    FixedSizeSampling,
-    MinSeparation,
-    PoissonSampling,
-    split_noise_multiplier,
-)
+from fedsim.privacy.calibration import calibrate_noise
+from fedsim.privacy.epsilon import epsilon, epsilon_curve
+from fedsim.privacy.participation import Participation
+from fedsim.privacy.round_events import split_noise_multiplier
+from fedsim.privacy.sampling import FixedSizeSampling, PoissonSampling
 from fedsim.randomness import RunSecret
 from fedsim.record_codec import to_numpy, to_record
-from strategies.dp_fedavg import AdaptiveClipping, DPFedAvg
+from strategies.dp_fedavg import AdaptiveClipping, DPFedAvg, relation_for
 from strategies.registry import build_strategy
 
 GLOBAL = {"w": np.zeros((3, 4), dtype=np.float32), "b": np.zeros(5, dtype=np.float32)}
@@ -200,7 +198,7 @@ def test_ledger_epsilon_equals_the_accounting_library(sampling, accountant, rela
     for r in range(1, rounds + 1):
         for strategy in (plain, adaptive):
             one_round(strategy, r, with_norms(rng, rng.uniform(0.5, 2, size=5)))
-    expected = accounting.epsilon(z, sampling, rounds, delta, accountant, relation)
+    expected = epsilon(z, sampling, rounds, delta, accountant, relation)
     for strategy in (plain, adaptive):
         report = strategy.privacy_report()
         assert report["epsilon"] == pytest.approx(expected, rel=1e-6)
@@ -210,16 +208,16 @@ def test_ledger_epsilon_equals_the_accounting_library(sampling, accountant, rela
 
 def test_min_separation_is_accounted_per_participation():
     z, delta = 2.0, 1e-5
-    strategy = dp(z, sampling=MinSeparation(3, 2), delta=delta)
+    strategy = dp(z, sampling=Participation.separated(3, 2), delta=delta)
     for r in range(1, 7):
         one_round(strategy, r, [np.zeros(SIZE)])
-    expected = accounting.epsilon(z, MinSeparation(3, 2), 6, delta)
+    expected = epsilon(z, Participation.separated(3, 2), 6, delta)
     assert strategy.epsilon() == pytest.approx(expected, rel=1e-9)
 
 
 def test_max_epsilon_stops_before_the_round_that_would_exceed_it():
     z, q, delta = 1.0, 0.1, 1e-5
-    curve = accounting.epsilon_curve(z, PoissonSampling(q), [1, 2, 3, 4, 5, 6], delta)
+    curve = epsilon_curve(z, PoissonSampling(q), [1, 2, 3, 4, 5, 6], delta)
     budget = (curve[3] + curve[4]) / 2  # four rounds fit, five do not
     strategy = dp(z, sampling=PoissonSampling(q), delta=delta, max_epsilon=budget)
     ran = 0
@@ -253,7 +251,7 @@ def test_flower_start_with_a_budget_spends_no_more_than_it():
             return replies
 
     z, q, delta = 1.0, 0.1, 1e-5
-    curve = accounting.epsilon_curve(z, PoissonSampling(q), [1, 2, 3], delta)
+    curve = epsilon_curve(z, PoissonSampling(q), [1, 2, 3], delta)
     strategy = DPFedAvg(
         FedAvg(fraction_evaluate=0.0, min_available_nodes=0),
         clipping_norm=1.0,
@@ -376,6 +374,57 @@ def test_an_accountant_that_cannot_amplify_the_sampling_is_refused():
     assert err.value.key == "strategy.options.accountant" and "rdp" in err.value.allowed
 
 
+@pytest.mark.parametrize(
+    ("sampling", "accountant"),
+    [
+        (PoissonSampling(0.1), "rdp"),
+        (PoissonSampling(0.1), "pld"),
+        (FixedSizeSampling(5, 50), "rdp"),
+        (Participation.separated(3, 4), "rdp"),
+    ],
+)
+def test_target_epsilon_calibrates_the_noise_the_ledger_then_accounts(sampling, accountant):
+    """target_epsilon: dp_accounting's calibration for the run's rounds and sampling; the
+    ledger of the whole run then reports at most the target (never more), and barely less."""
+    rounds, target = 12, 2.0
+    strategy = build_strategy(
+        "dp-fedavg",
+        {"clipping_norm": 1.0, "target_epsilon": target, "accountant": accountant},
+        expected_clients=5, evaluate_fraction=0.0, seed=0, sampling=sampling,
+        population=50, rounds=rounds,
+    )
+    z = strategy.noise_multiplier
+    relation = relation_for(strategy.sampling)
+    assert z == calibrate_noise(target, strategy.ledger.delta, sampling, rounds, accountant,
+                                relation)
+    for r in range(1, rounds + 1):
+        strategy.ledger.record(r, strategy.round_event())
+    spent = strategy.ledger.epsilon(accountant=accountant)
+    assert target * 0.99 < spent <= target
+
+
+@pytest.mark.parametrize(
+    ("options", "rounds", "key", "needle"),
+    [
+        ({"target_epsilon": 1e6}, 10, "target_epsilon", "reaches for 10 rounds"),
+        ({"target_epsilon": 0}, 10, "target_epsilon", "finite number > 0"),
+        ({"target_epsilon": True}, 10, "target_epsilon", "finite number > 0"),
+        ({"target_epsilon": 2.0}, None, "rounds", "target_epsilon"),
+        ({"target_epsilon": 2.0, "noise_multiplier": 1.0}, 10, "target_epsilon", "exactly one"),
+        ({}, 10, "noise_multiplier", "exactly one of noise_multiplier, target_epsilon"),
+    ],
+)
+def test_an_unreachable_or_ambiguous_target_epsilon_is_refused_by_name(
+    options, rounds, key, needle
+):
+    with pytest.raises(ConfigError) as err:
+        build_strategy(
+            "dp-fedavg", {"clipping_norm": 1.0, **options}, expected_clients=5,
+            evaluate_fraction=0.0, seed=0, sampling=PoissonSampling(0.1), rounds=rounds,
+        )
+    assert key in err.value.key and needle in str(err.value)
+
+
 # -- fedsim run -------------------------------------------------------------------------------
 
 RUN = """
@@ -422,7 +471,7 @@ def fedsim_run(tmp_path, name, **fields):
 
 def test_fedsim_run_reports_epsilon_every_round_and_stops_at_max_epsilon(tmp_path, capsys):
     z, q, delta = 1.0, 8 / 30, 1e-5
-    curve = accounting.epsilon_curve(z, PoissonSampling(q), [1, 2, 3], delta)
+    curve = epsilon_curve(z, PoissonSampling(q), [1, 2, 3], delta)
     budget = (curve[1] + curve[2]) / 2
     lines, summary = fedsim_run(
         tmp_path,
@@ -463,7 +512,7 @@ def test_fedsim_run_with_adaptive_clipping_uniform_sampling_and_fedadam(tmp_path
     assert [r["round"] for r in lines] == [0, 1, 2, 3] and summary["stopped_reason"] is None
     norms = [r["aggregated"]["dp-clipping-norm"] for r in lines[1:]]
     assert norms[0] == 0.05 and norms[2] > norms[1] > norms[0]  # updates are far above 0.05
-    expected = accounting.epsilon_curve(
+    expected = epsilon_curve(
         z, FixedSizeSampling(8, 30), [1, 2, 3], delta, "rdp", "replace_one"
     )
     assert [r["privacy"]["epsilon"] for r in lines[1:]] == pytest.approx(expected, rel=1e-9)

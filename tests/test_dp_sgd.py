@@ -15,7 +15,8 @@ from fedsim.engine import ClientRegistry
 from fedsim.engine.participation import TRAIN
 from fedsim.experiment import participation_for, run_experiment
 from fedsim.models import ModelSpec, initial_arrays
-from fedsim.privacy import accounting
+from fedsim.privacy.epsilon import epsilon
+from fedsim.privacy.sampling import PoissonSampling
 from fedsim.randomness import RunSecret
 from fedsim.results import read_rounds
 from fedsim.run_config import ExperimentConfig
@@ -72,7 +73,7 @@ def test_a_clients_epsilon_composes_over_its_rounds_in_its_state():
     assert reported[0] > 0 and reported[0] < reported[1] < reported[2]
     assert history_of(state) == [(1.0, 1 / 8, 24)] and epsilon_of(state) == reported[2]
     # what dp_accounting says of 24 Poisson-sampled Gaussian steps (its own RDP orders)
-    ours = accounting.epsilon(1.0, accounting.PoissonSampling(1 / 8), 24, 1e-5)
+    ours = epsilon(1.0, PoissonSampling(1 / 8), 24, 1e-5)
     assert reported[2] == pytest.approx(ours, rel=0.01)
     # a fresh state starts the count again
     _, fresh = train_client(SPEC, arrays, x, y, training(), RecordDict(), **own(7))

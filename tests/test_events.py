@@ -8,8 +8,9 @@ import dp_accounting as dpa
 import pytest
 
 from fedsim.config import ConfigError
-from fedsim.privacy.accounting import effective_noise_multiplier, for_accountant
+from fedsim.privacy.accountant import for_accountant
 from fedsim.privacy.events import KINDS, check_event, event_from_dict, event_to_dict
+from fedsim.privacy.round_events import effective_noise_multiplier
 
 G = dpa.GaussianDpEvent(1.5)
 EXAMPLES = {
@@ -20,6 +21,7 @@ EXAMPLES = {
     "composed": dpa.ComposedDpEvent([G, dpa.GaussianDpEvent(3.0)]),
     "non_private": dpa.NonPrivateDpEvent(),
     "no_op": dpa.NoOpDpEvent(),
+    "zcdp": dpa.ZCDpEvent(0.125),
 }
 
 

@@ -9,10 +9,11 @@ import dp_accounting as dpa
 import pytest
 from examples_support import load_example
 
-from fedsim.privacy import accounting as acc
 from fedsim.privacy import ddgauss as ddgauss_privacy
+from fedsim.privacy.epsilon import epsilon
 from fedsim.privacy.matrix import Factorization
-from fedsim.privacy.matrix.sensitivity import Participation
+from fedsim.privacy.participation import Participation
+from fedsim.privacy.sampling import FullParticipation, PoissonSampling
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def test_dp_fedavg_is_the_poisson_accountant(study):
     _, report = study
     q = 40 / 200
     for rounds, eps in zip(report["rounds"], report["epsilon"]["dp-fedavg-poisson"]):
-        direct = acc.epsilon(1.0, acc.PoissonSampling(q), rounds, 1e-5)
+        direct = epsilon(1.0, PoissonSampling(q), rounds, 1e-5)
         assert eps == pytest.approx(direct, rel=1e-9)
 
 
@@ -53,7 +54,7 @@ def test_the_matrix_mechanism_is_the_gaussian_on_the_released_rows(study):
     sensitivity = f.sensitivity(participation).value
     for rounds, eps in zip(report["rounds"], report["epsilon"]["matrix-bandmf"]):
         released = f.sensitivity_through(rounds, participation).value
-        direct = acc.epsilon(sensitivity / released, acc.FullParticipation(), 1, 1e-5)
+        direct = epsilon(sensitivity / released, FullParticipation(), 1, 1e-5)
         assert eps == pytest.approx(direct, rel=1e-9)
 
 

@@ -17,7 +17,7 @@ from fedsim.cli import main
 from fedsim.config import ConfigError
 from fedsim.engine import MinSeparationCohort, UniformCohort
 from fedsim.engine.client_registry import ClientRegistry
-from fedsim.privacy.accounting import FixedSizeSampling
+from fedsim.privacy.sampling import FixedSizeSampling
 from fedsim.record_codec import to_record
 from strategies.dp_fedavg import DPFedAvg
 
@@ -189,7 +189,7 @@ def configure(strategy, grid, server_round=1):
         (
             FedAvg(fraction_train=1.0, min_train_nodes=0, min_available_nodes=0),
             Grid(10, MinSeparationCohort(10, 2, 0)),
-            "MinSeparation",
+            "Participation.separated",
         ),
     ],
 )

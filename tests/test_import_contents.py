@@ -132,7 +132,7 @@ def test_a_worker_process_loads_none_of_the_drivers_modules():
         "fedsim.engine.grid",
         "fedsim.engine.participation",
         "fedsim.engine.simulation",
-        "fedsim.privacy.accounting",
+        "fedsim.privacy.sampling",
         "dp_accounting",
         "strategies",
         "ray",

@@ -27,7 +27,7 @@ from fedsim.privacy.matrix.sensitivity import brute_force
 from fedsim.privacy.matrix.streaming import dense_fresh_noise
 from fedsim.randomness import RunSecret
 from fedsim.record_codec import to_numpy, to_record
-from strategies.matrix_mechanism import MatrixMechanism, matrix_participation
+from strategies.matrix_mechanism import MatrixMechanism
 
 GLOBAL = {"w": np.zeros((3, 4), dtype=np.float64), "b": np.zeros(5, dtype=np.float64)}
 SIZE = sum(v.size for v in GLOBAL.values())
@@ -122,13 +122,19 @@ def test_model_is_the_workload_applied_to_gradients_plus_streamed_noise(beta):
     n, m, z, clip, eta = 8, 2.0, 0.7, 1.0, 0.3
     f = banded(n, bands=2)
     strategy = mechanism(
-        f, z, clip, m, min_separation=4, server_learning_rate=eta, server_momentum=beta
+        f,
+        z,
+        clip,
+        m,
+        participation=Participation.separated(4),
+        server_learning_rate=eta,
+        server_momentum=beta,
     )
     ups = small_updates(np.random.default_rng(0), n, 2)
     models, _, _ = run(strategy, ups)
     X = np.array([sum(u) for u in ups]) / m  # mean clipped updates, one row per round
     Z = dense_fresh_noise(strategy.stream)  # the fresh noise the rounds drew
-    sigma = z * clip * f.sensitivity(matrix_participation(4)).value
+    sigma = z * clip * f.sensitivity(Participation.separated(4)).value
     A = momentum(n, beta, eta)
     expected = A @ (X + sigma / m * f.apply_noising(Z))
     np.testing.assert_allclose(np.array(models), expected, atol=1e-10)
@@ -152,7 +158,7 @@ def test_tree_factorization_streams_its_noise_too():
 def test_noise_has_the_calibrated_scale():
     n, m, z, clip = 4, 5.0, 2.0, 0.5
     f = banded(n, bands=2)
-    strategy = mechanism(f, z, clip, m, min_separation=2)
+    strategy = mechanism(f, z, clip, m, participation=Participation.separated(2))
     assert strategy.sensitivity == pytest.approx(math.sqrt(2))  # k = 2 columns of norm 1
     assert strategy.noise_std == pytest.approx(z * clip * math.sqrt(2))
     global_big = {"w": np.zeros(200_000)}
@@ -187,7 +193,7 @@ def test_epsilon_per_round_is_the_gaussian_of_the_released_rows():
     n, b, z = 9, 3, 1.5
     f = sqrt_factorization(n)  # C >= 0, so enumerating patterns gives the exact sensitivity
     participation = Participation.separated(b)
-    eps = epsilons(mechanism(f, z, min_separation=b, delta=DELTA), n)
+    eps = epsilons(mechanism(f, z, participation=Participation.separated(b), delta=DELTA), n)
     full = brute_force(f.C, participation)
     for t, e in enumerate(eps, start=1):
         released = brute_force(f.C[:t, :t], participation)  # rows 0..t-1 are out
@@ -199,7 +205,7 @@ def test_epsilon_per_round_is_the_gaussian_of_the_released_rows():
 def test_banded_epsilon_is_z_after_the_last_round():
     n, b, z = 12, 4, 1.5
     f = banded(n, bands=b)
-    strategy = mechanism(f, z, min_separation=b, delta=DELTA)
+    strategy = mechanism(f, z, participation=Participation.separated(b), delta=DELTA)
     eps = epsilons(strategy, n)
     for t in range(1, b + 1):  # one participation so far: the largest released column norm
         norm = np.linalg.norm(f.C[:t, :t], axis=0).max()
@@ -225,8 +231,9 @@ def test_pickled_strategy_resumes_to_the_same_models():
     n = 6
     f = banded(n, bands=3)
     ups = small_updates(np.random.default_rng(2), n, 2)
-    whole, _, _ = run(mechanism(f, min_separation=3, server_momentum=0.5), ups)
-    first = mechanism(f, min_separation=3, server_momentum=0.5)
+    three = Participation.separated(3)
+    whole, _, _ = run(mechanism(f, participation=three, server_momentum=0.5), ups)
+    first = mechanism(f, participation=three, server_momentum=0.5)
     head, arrays, _ = run(first, ups[:3])
     blob = cloudpickle.dumps(first)  # what a checkpoint holds: no secret, no past noise
     restored = pickle.loads(blob)
@@ -276,8 +283,8 @@ def test_clipping_and_metrics():
         ({"noise_multiplier": -1.0}, "noise_multiplier"),
         ({"server_learning_rate": [1.0, 2.0]}, "server_learning_rate"),
         ({"server_momentum": 1.0}, "server_momentum"),
-        ({"min_separation": 0}, "min_separation"),
-        ({"max_participations": 2}, "max_participations"),
+        ({"participation": (2, 2)}, "participation"),
+        ({"participation": "min_sep"}, "participation"),
         ({"accountant": "moments"}, "accountant"),
     ],
 )

@@ -9,9 +9,9 @@ import pytest
 
 from fedsim.config import ConfigError
 from fedsim.privacy.matrix import sensitivity as sens
-from fedsim.privacy.matrix.sensitivity import Participation
 from fedsim.privacy.matrix.toeplitz import sqrt_coefficients, toeplitz_matrix
 from fedsim.privacy.matrix.tree import binary_tree, honaker_tree
+from fedsim.privacy.participation import Participation
 
 
 def _random_banded(n, bands, rng, nonneg=True):

@@ -86,17 +86,22 @@ def test_min_separation_schedule(n, b):
 def test_each_cohort_model_gives_the_accounting_view_of_its_draws():
     """One sampling fact: the sampler the accountant is told about is the one that draws."""
     from fedsim.engine.participation import MinSeparationCohort
-    from fedsim.privacy import accounting
+    from fedsim.privacy.participation import Participation
+    from fedsim.privacy.sampling import (
+        FixedSizeSampling,
+        FullParticipation,
+        PoissonSampling,
+    )
 
     uniform = UniformCohort(50, 7, seed=1).accounting(rounds=9)
-    assert uniform == accounting.FixedSizeSampling(7, 50)
+    assert uniform == FixedSizeSampling(7, 50)
     assert all(len(UniformCohort(50, 7, seed=1).cohort(r)) == uniform.sample_size for r in (1, 2))
-    assert PoissonCohort(50, 0.2, seed=1).accounting(9) == accounting.PoissonSampling(0.2)
-    assert FullCohort(50).accounting(9) == accounting.FullParticipation()
+    assert PoissonCohort(50, 0.2, seed=1).accounting(9) == PoissonSampling(0.2)
+    assert FullCohort(50).accounting(9) == FullParticipation()
     # min-separation: b rounds apart, ceil(T / b) participations, as the schedule draws them
     model = MinSeparationCohort(40, 4, seed=3)
     view = model.accounting(rounds=10)
-    assert view == accounting.MinSeparation(4, 3)
+    assert view == Participation.separated(4, 3)
     rounds_of: dict[int, list[int]] = {}
     for r in range(1, 11):
         for k in model.cohort(r):
@@ -105,16 +110,17 @@ def test_each_cohort_model_gives_the_accounting_view_of_its_draws():
     assert min(b - a for rs in rounds_of.values() for a, b in zip(rs, rs[1:])) == 4
 
 
-def test_the_min_separation_view_gives_the_matrix_schema_the_guard_enforces():
-    """The matrix mechanism's schema of the schedule (matrix_participation) admits every
-    training cohort the engine draws, and nothing more: a client whose k participations are
-    spent, or one asked back before b rounds have passed, is refused."""
+def test_the_min_separation_view_is_the_schema_the_guard_enforces():
+    """The schedule's one Participation (what the accountant reads, and the matrix
+    mechanism's sensitivity) admits, in the guard, every training cohort the engine draws, and
+    nothing more: a client whose k participations are spent, or one asked back before b rounds
+    have passed, is refused."""
     from fedsim.engine.participation import MinSeparationCohort
-    from fedsim.privacy.matrix.sensitivity import Participation
+    from fedsim.privacy.participation import Participation
     from strategies.participation_guard import ParticipationGuard
 
     model = MinSeparationCohort(30, 3, seed=5)
-    schema = model.accounting(rounds=9).matrix_participation()
+    schema = model.accounting(rounds=9)
     assert schema == Participation.separated(3, 3)
     guard = ParticipationGuard(schema, rounds=9)
     for row in range(9):  # round row + 1

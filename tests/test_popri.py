@@ -17,7 +17,8 @@ from scipy import linalg
 from fedsim.config import ConfigError
 from fedsim.data.text import TextSourceSpec, cached_text_federation
 from fedsim.engine.rounds import run_rounds
-from fedsim.privacy.accounting import FullParticipation, calibrate_noise
+from fedsim.privacy.calibration import calibrate_noise
+from fedsim.privacy.sampling import FullParticipation
 from fedsim.randomness import Purpose, RunSecret
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.worker_reduce import attach_reducer

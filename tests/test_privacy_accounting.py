@@ -7,24 +7,25 @@ import pytest
 from dp_accounting.rdp import RdpAccountant
 
 from fedsim.config import ConfigError
-from fedsim.privacy.accounting import (
+from fedsim.privacy.accountant import for_accountant
+from fedsim.privacy.calibration import calibrate_noise
+from fedsim.privacy.epsilon import epsilon, epsilon_curve
+from fedsim.privacy.ledger import PrivacyLedger
+from fedsim.privacy.participation import Participation
+from fedsim.privacy.round_events import (
     Z_MAX,
     Z_MIN,
-    FixedSizeSampling,
-    FullParticipation,
-    MinSeparation,
-    NeighbouringRelation,
-    PoissonSampling,
-    PrivacyLedger,
     adaptive_clipping_round_event,
-    calibrate_noise,
     effective_noise_multiplier,
-    epsilon,
-    epsilon_curve,
-    for_accountant,
     round_event,
     run_event,
     split_noise_multiplier,
+)
+from fedsim.privacy.sampling import (
+    FixedSizeSampling,
+    FullParticipation,
+    NeighbouringRelation,
+    PoissonSampling,
 )
 
 DELTA = 1e-5
@@ -50,7 +51,7 @@ def test_round_event_is_the_dp_accounting_event():
         PoissonSampling(1.0),
         FixedSizeSampling(7, 7),
         FullParticipation(),
-        MinSeparation(3, 2),
+        Participation.separated(3, 2),
     ):
         assert round_event(1.5, full) == dpa.GaussianDpEvent(1.5)
     assert round_event(0.0, POISSON) == dpa.NonPrivateDpEvent()
@@ -67,7 +68,7 @@ def test_amplification_orders_the_sampling_models():
 
 @pytest.mark.parametrize("accountant", ["rdp", "pld"])
 def test_no_noise_is_infinite_and_no_rounds_is_zero(accountant):
-    for sampling in (POISSON, FullParticipation(), MinSeparation(2, 3)):
+    for sampling in (POISSON, FullParticipation(), Participation.separated(2, 3)):
         assert epsilon(0.0, sampling, 10, DELTA, accountant) == math.inf
         assert epsilon(1.0, sampling, 0, DELTA, accountant) == 0.0
 
@@ -149,7 +150,7 @@ def test_supported_combinations_give_finite_epsilon():
         (POISSON, "pld", "replace_one"),
         (FixedSizeSampling(10, 1000), "rdp", "replace_one"),
     ]
-    for sampling in (FullParticipation(), MinSeparation(3, 2)):
+    for sampling in (FullParticipation(), Participation.separated(3, 2)):
         for acc in ("rdp", "pld"):
             for rel in ("add_remove", "replace_one"):
                 cases.append((sampling, acc, rel))
@@ -161,7 +162,7 @@ def test_supported_combinations_give_finite_epsilon():
 
 
 def test_min_separation_counts_at_most_k_participations():
-    sep = MinSeparation(min_separation=10, max_participations=3)
+    sep = Participation.separated(10, 3)
     assert sep.participations(100) == 3
     assert sep.participations(15) == 2  # rounds 0 and 10 only
     assert sep.participations(0) == 0
@@ -171,6 +172,37 @@ def test_min_separation_counts_at_most_k_participations():
         assert epsilon(1.0, sep, 10_000, DELTA, acc) == three  # no growth after k
         assert epsilon(1.0, sep, 15, DELTA, acc) == epsilon(1.0, FullParticipation(), 2, DELTA, acc)
     assert run_event(1.0, sep, 100) == dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(1.0), 3)
+
+
+def test_every_participation_kind_is_accounted_as_its_most_participations():
+    """single: one Gaussian; fixed_epoch: one per epoch; min_sep with k None: ceil(T / b)."""
+    for acc in ("rdp", "pld"):
+        def gaussians(count, acc=acc):
+            return epsilon(1.0, FullParticipation(), count, DELTA, acc)
+
+        assert epsilon(1.0, Participation.single(), 50, DELTA, acc) == gaussians(1)
+        assert epsilon(1.0, Participation.fixed(4), 40, DELTA, acc) == gaussians(4)
+        assert epsilon(1.0, Participation.separated(10), 35, DELTA, acc) == gaussians(4)
+
+
+def test_a_min_separation_ledger_round_trips_through_json_with_its_keys():
+    ledger = PrivacyLedger("add_remove", DELTA, Participation.separated(4, 3))
+    for r in range(1, 9):
+        ledger.record(r, round_event(1.0, FullParticipation()))
+    data = ledger.to_dict()
+    assert data["participation"] == {"min_separation": 4, "max_participations": 3}
+    back = PrivacyLedger.from_dict(data)
+    assert back.participation == Participation.separated(4, 3)
+    assert back.epsilon() == ledger.epsilon()
+    # rounds 1, 5 pickable 4 apart among 8: two, fewer than k = 3
+    assert ledger.epsilon() == pytest.approx(epsilon(1.0, FullParticipation(), 2, DELTA), rel=1e-9)
+
+
+@pytest.mark.parametrize("participation", [Participation.single(), Participation.fixed(2), (4, 3)])
+def test_a_ledger_takes_only_a_min_separation_participation(participation):
+    with pytest.raises(ConfigError) as err:
+        PrivacyLedger("add_remove", DELTA, participation)
+    assert err.value.key == "participation"
 
 
 # ---------------------------------------------------------------- validation
@@ -221,8 +253,13 @@ def test_bad_inputs_name_their_key(kwargs, key):
         (lambda: FixedSizeSampling(11, 10), "sample_size"),
         (lambda: FixedSizeSampling(1, 0), "population"),
         (lambda: FixedSizeSampling(1.5, 10), "sample_size"),
-        (lambda: MinSeparation(0, 1), "min_separation"),
-        (lambda: MinSeparation(1, 0), "max_participations"),
+        (lambda: Participation.separated(0, 1), "min_separation"),
+        (lambda: Participation.separated(1, 0), "max_participations"),
+        (lambda: Participation.separated(1.5, 2), "min_separation"),
+        (lambda: Participation.separated(True, 2), "min_separation"),
+        (lambda: Participation.separated(2, 2.0), "max_participations"),
+        (lambda: Participation.fixed(0), "epochs"),
+        (lambda: Participation("weekly"), "kind"),
     ],
 )
 def test_sampling_models_check_their_fields(make, key):
@@ -240,7 +277,7 @@ def test_sampling_models_check_their_fields(make, key):
         (2.0, PoissonSampling(0.01), 1000),
         (0.5, PoissonSampling(0.05), 300),
         (8.0, FullParticipation(), 50),
-        (1.0, MinSeparation(10, 4), 100),
+        (1.0, Participation.separated(10, 4), 100),
     ],
 )
 def test_calibrate_then_account_round_trips_rdp(target, sampling, rounds):
@@ -369,7 +406,7 @@ FULL_CURVE = [1, 2, 5, 9]  # composed afresh per point: a short curve (std z / s
         ("pld", PoissonSampling(0.02), 1e-6, [1, 5, 12, 40, 100]),
         ("rdp", FixedSizeSampling(5, 100), 1e-9, [1, 5, 12, 40, 100]),
         ("pld", FullParticipation(), 1e-9, FULL_CURVE),
-        ("rdp", MinSeparation(4, 3), 1e-9, [1, 5, 12, 40, 100]),
+        ("rdp", Participation.separated(4, 3), 1e-9, [1, 5, 12, 40, 100]),
     ],
 )
 def test_epsilon_curve_matches_fresh_accountants(accountant, sampling, rel, rounds):

@@ -8,7 +8,8 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedsim.engine.rounds import run_rounds
-from fedsim.privacy.accounting import FullParticipation, calibrate_noise
+from fedsim.privacy.calibration import calibrate_noise
+from fedsim.privacy.sampling import FullParticipation
 from fedsim.randomness import RunSecret
 from fedsim.record_codec import to_record
 from fedsim.workloads.pe_votes import (

@@ -6,7 +6,7 @@ own runs use:
 
 * **DP-FedAvg, Poisson sampling** (``dp-fedavg``, ``sampling = "poisson"``): each client in each
   round with probability q = cohort / population; the Gaussian mechanism amplified by Poisson
-  subsampling, composed over rounds (:func:`fedsim.privacy.accounting.epsilon_curve`, what
+  subsampling, composed over rounds (:func:`fedsim.privacy.epsilon.epsilon_curve`, what
   ``fedsim account sweep dp-fedavg`` plots; add/remove neighbours).
 * **DP-FTRL / BandMF matrix mechanism** (``matrix-mechanism``, ``sampling = "min-separation"``):
   clients in b = population / cohort groups, each group every b rounds, so a client takes part
@@ -18,7 +18,7 @@ own runs use:
   client of the cohort adds its share of discrete Gaussian noise to its rounded update, with the
   granularity the strategy picks for ``--dim`` parameters and a ``--bits`` modular sum
   (:meth:`strategies.ddgauss.DDGauss.encoder_for`); each round recorded in a
-  :class:`~fedsim.privacy.accounting.PrivacyLedger` as KLS21 Theorem 1's zCDP bound for the noise
+  :class:`~fedsim.privacy.ledger.PrivacyLedger` as KLS21 Theorem 1's zCDP bound for the noise
   of the clients that did not drop out (``--dropout``), with no amplification by sampling, for
   zero-out neighbours (one client's update zeroed, its noise share kept: what the bound proves).
 
@@ -47,9 +47,10 @@ from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
 from fedsim.cli import _parser as fedsim_parser  # noqa: E402
 from fedsim.commands import account  # noqa: E402
-from fedsim.privacy import accounting as acc  # noqa: E402
 from fedsim.privacy import ddgauss as ddgauss_privacy  # noqa: E402
+from fedsim.privacy.epsilon import epsilon_curve  # noqa: E402
 from fedsim.privacy.matrix.build import Spec, cached  # noqa: E402
+from fedsim.privacy.sampling import PoissonSampling  # noqa: E402
 from strategies.ddgauss import DDGauss  # noqa: E402
 
 MECHANISMS = ("dp-fedavg-poisson", "matrix-bandmf", "ddgauss")
@@ -90,7 +91,7 @@ def round_grid(rounds: int, points: int) -> list[int]:
 
 def dp_fedavg_curve(args: argparse.Namespace, grid: list[int]) -> tuple[list[float], dict]:
     q = args.cohort / args.population
-    eps = acc.epsilon_curve(args.noise_multiplier, acc.PoissonSampling(q), grid, args.delta)
+    eps = epsilon_curve(args.noise_multiplier, PoissonSampling(q), grid, args.delta)
     return eps, {"sampling_rate": q, "relation": "add_remove", "accountant": "rdp"}
 
 

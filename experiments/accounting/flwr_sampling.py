@@ -4,7 +4,7 @@ The settings of ``tests/test_flwr_records.py`` (20 nodes, clipping norm 1, noise
 δ = 1e-5, RDP): fixed-size cohorts of 10 of 20 under replace-one neighbours (FedAvg
 ``fraction_train=0.5``, ``fedsim run`` uniform) and Poisson sampling at rate 0.25 under
 add/remove neighbours (``flwr-run --sampling poisson --clients-per-round 5``), after rounds
-1, 2 and 3, from :func:`fedsim.privacy.accounting.epsilon`. Writes ``flwr_sampling.json``
+1, 2 and 3, from :func:`fedsim.privacy.epsilon.epsilon`. Writes ``flwr_sampling.json``
 next to this file.
 
     python experiments/accounting/flwr_sampling.py
@@ -16,7 +16,8 @@ import json
 from pathlib import Path
 
 from fedsim.commands.account import quiet_dp_accounting
-from fedsim.privacy import accounting as acc
+from fedsim.privacy.epsilon import epsilon
+from fedsim.privacy.sampling import FixedSizeSampling, NeighbouringRelation, PoissonSampling
 
 NODES, COHORT, RATE, NOISE, DELTA, ROUNDS = 20, 10, 0.25, 1.0, 1e-5, 3
 OUT = Path(__file__).with_name("flwr_sampling.json")
@@ -24,8 +25,8 @@ OUT = Path(__file__).with_name("flwr_sampling.json")
 
 def main() -> None:
     settings = {
-        "uniform": (acc.FixedSizeSampling(COHORT, NODES), acc.NeighbouringRelation.REPLACE_ONE),
-        "poisson": (acc.PoissonSampling(RATE), acc.NeighbouringRelation.ADD_REMOVE),
+        "uniform": (FixedSizeSampling(COHORT, NODES), NeighbouringRelation.REPLACE_ONE),
+        "poisson": (PoissonSampling(RATE), NeighbouringRelation.ADD_REMOVE),
     }
     result: dict = {
         "setting": {
@@ -42,7 +43,7 @@ def main() -> None:
             result[name] = {
                 "relation": relation.value,
                 "epsilon": [
-                    acc.epsilon(NOISE, sampling, t, DELTA, "rdp", relation)
+                    epsilon(NOISE, sampling, t, DELTA, "rdp", relation)
                     for t in range(1, ROUNDS + 1)
                 ],
             }

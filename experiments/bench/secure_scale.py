@@ -207,6 +207,7 @@ def dmm_mode(point: Point, worker_fold: bool = True) -> ModeRun:
     whose workers do not fold)."""
     from fedsim.engine import FaultConfig  # noqa: PLC0415
     from fedsim.engine.dmm_committee import CommitteeHost  # noqa: PLC0415
+    from fedsim.privacy.participation import Participation  # noqa: PLC0415
     from fedsim.randomness import RunSecret  # noqa: PLC0415
     from protocols.dmm import MEMBER_ID_BASE  # noqa: PLC0415
     from protocols.resharing import NEW_ID_BASE, OLD_ID_BASE  # noqa: PLC0415
@@ -228,8 +229,8 @@ def dmm_mode(point: Point, worker_fold: bool = True) -> ModeRun:
         expected_clients=point.cohort,
         population=point.population,
         seed=point.seed,
-        min_separation=2,  # the bands of M; a client sampled twice in a row is refused
-        max_participations=None,
+        # the bands of M; a client sampled twice in a row is refused
+        participation=Participation.separated(2),
     )
     secrets = RunSecret.fresh()  # each client's own secret comes from it, never the seed
     state: dict[str, Any] = {"cpu": 0.0}

@@ -82,12 +82,14 @@ from fedsim.engine.dmm_committee import CommitteeHost  # noqa: E402
 from fedsim.engine.participation import MinSeparationCohort  # noqa: E402
 from fedsim.engine.rounds import run_rounds  # noqa: E402
 from fedsim.models import ModelSpec, build_model, initial_arrays, load_arrays  # noqa: E402
-from fedsim.privacy import accounting as acc  # noqa: E402
 from fedsim.privacy import ddgauss as ddgauss_privacy  # noqa: E402
 from fedsim.privacy import dmm as dmm_privacy  # noqa: E402
+from fedsim.privacy.calibration import calibrate_noise  # noqa: E402
+from fedsim.privacy.ledger import PrivacyLedger  # noqa: E402
 from fedsim.privacy.matrix.banded import banded  # noqa: E402
-from fedsim.privacy.matrix.sensitivity import Participation  # noqa: E402
 from fedsim.privacy.matrix.tree import honaker_tree  # noqa: E402
+from fedsim.privacy.participation import Participation  # noqa: E402
+from fedsim.privacy.sampling import FullParticipation  # noqa: E402
 from fedsim.randomness import RunSecret, new_nonce  # noqa: E402
 from fedsim.record_codec import to_numpy, to_record  # noqa: E402
 from fedsim.workloads.supervised import LocalTraining, make_client_app  # noqa: E402
@@ -157,7 +159,7 @@ class Setting:
 
     @property
     def participation(self) -> Participation:
-        return Participation(kind="min_sep", min_sep=SEP, max_participations=self.k)
+        return Participation.separated(SEP, self.k)
 
 
 def pooled_femnist(clients: int, pool: int, cache: Path) -> DatasetSpec:
@@ -230,17 +232,17 @@ def make_strategy(method: str, epsilon: float, seed: int, dim: int, st: Setting,
     if method == "non-private":
         return inner, None
     if method == "dp-fedavg":
-        z = acc.calibrate_noise(epsilon, DELTA, acc.MinSeparation(SEP, k), rounds)
+        z = calibrate_noise(epsilon, DELTA, Participation.separated(SEP, k), rounds)
         return DPFedAvg(
             inner,
             clipping_norm=CLIP,
             noise_multiplier=z,
             expected_clients=per_round,
-            sampling=acc.MinSeparation(SEP, k),
+            sampling=Participation.separated(SEP, k),
             delta=DELTA,
         ), z
     if method.startswith("central"):
-        z = acc.calibrate_noise(epsilon, DELTA, acc.FullParticipation(), 1)
+        z = calibrate_noise(epsilon, DELTA, FullParticipation(), 1)
         fac = honaker_tree(rounds) if method.endswith("tree") else banded(rounds, SEP)
         return MatrixMechanism(
             inner,
@@ -248,8 +250,7 @@ def make_strategy(method: str, epsilon: float, seed: int, dim: int, st: Setting,
             clipping_norm=CLIP,
             noise_multiplier=z,
             expected_clients=per_round,
-            min_separation=SEP,
-            max_participations=k,
+            participation=Participation.separated(SEP, k),
             delta=DELTA,
         ), z
     if method == "ddgauss":
@@ -282,7 +283,7 @@ def reported_epsilon(method: str, strategy, st: Setting) -> float | None:
     if method == "non-private":
         return None
     if method == "ddgauss":  # its ledger composes every round; a client is in k of them
-        ledger = acc.PrivacyLedger("add_remove", DELTA, acc.MinSeparation(SEP, st.k))
+        ledger = PrivacyLedger("add_remove", DELTA, Participation.separated(SEP, st.k))
         for r, event in strategy.ledger.entries:
             ledger.record(r, event)
         return ledger.epsilon()

@@ -6,7 +6,7 @@ times in 100 rounds), the same clipping norm, server learning rate 1 and client 
 the noise differs. For each target epsilon (delta = 1e-5, RDP):
 
 * DP-FedAvg: independent noise each round, ``z`` calibrated for k compositions of the Gaussian
-  (:func:`fedsim.privacy.accounting.calibrate_noise` with ``MinSeparation(10, 10)``);
+  (:func:`fedsim.privacy.calibration.calibrate_noise` with ``Participation.separated(10, 10)``);
 * BandMF: the whole run is one Gaussian mechanism, so ``z`` is calibrated for one Gaussian;
   the fresh noise std is ``z * clip * sens(C)`` with ``sens(C) = sqrt(k)`` for the 10-banded,
   column-normalised C, correlated across rounds through ``C^{-1}``.
@@ -47,14 +47,16 @@ BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
 def noise_multipliers(epsilon: float, rounds: int, min_separation: int) -> dict[str, float]:
     """``z`` for each method at ``epsilon`` (see the module docstring)."""
-    from fedsim.privacy import accounting as acc  # noqa: PLC0415
+    from fedsim.privacy.calibration import calibrate_noise  # noqa: PLC0415
+    from fedsim.privacy.participation import Participation  # noqa: PLC0415
+    from fedsim.privacy.sampling import FullParticipation  # noqa: PLC0415
 
     k = -(-rounds // min_separation)
     return {
-        "dp-fedavg": acc.calibrate_noise(
-            epsilon, DELTA, acc.MinSeparation(min_separation, k), rounds
+        "dp-fedavg": calibrate_noise(
+            epsilon, DELTA, Participation.separated(min_separation, k), rounds
         ),
-        "bandmf": acc.calibrate_noise(epsilon, DELTA, acc.FullParticipation(), 1),
+        "bandmf": calibrate_noise(epsilon, DELTA, FullParticipation(), 1),
     }
 
 

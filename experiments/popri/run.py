@@ -565,7 +565,8 @@ def stage_popri(ctx: Context, epsilon: float) -> dict[str, Any]:
 
 def stage_pe(ctx: Context, epsilon: float, index: int) -> dict[str, Any]:
     from fedsim.engine.rounds import run_rounds  # noqa: PLC0415
-    from fedsim.privacy.accounting import FullParticipation, calibrate_noise  # noqa: PLC0415
+    from fedsim.privacy.calibration import calibrate_noise  # noqa: PLC0415
+    from fedsim.privacy.sampling import FullParticipation  # noqa: PLC0415
     from fedsim.workloads.pe_votes import make_vote_client_app  # noqa: PLC0415
     from fedsim.workloads.popri_feedback import EmbedderSpec, client_embeddings  # noqa: PLC0415
     from strategies.private_evolution import PEConfig, PrivateEvolution  # noqa: PLC0415
@@ -634,7 +635,8 @@ def stage_dp_fedavg(ctx: Context, epsilon: float) -> dict[str, Any]:
 
     from fedsim.engine import UniformCohort  # noqa: PLC0415
     from fedsim.engine.rounds import run_rounds  # noqa: PLC0415
-    from fedsim.privacy.accounting import FixedSizeSampling, calibrate_noise  # noqa: PLC0415
+    from fedsim.privacy.calibration import calibrate_noise  # noqa: PLC0415
+    from fedsim.privacy.sampling import FixedSizeSampling  # noqa: PLC0415
     from fedsim.record_codec import to_numpy, to_record  # noqa: PLC0415
     from fedsim.workloads.downstream_lm import load_lm_arrays, next_token_accuracy  # noqa: PLC0415
     from fedsim.workloads.lm_client import make_lm_client_app  # noqa: PLC0415

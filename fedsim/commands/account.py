@@ -4,7 +4,7 @@
                              [--accountant rdp|pld] [--sampling poisson|fixed|full]
                              [--population N] [--relation add_remove|replace_one]
     fedsim account dp-sgd --noise-multiplier Z --batch-size B --dataset-size N --epochs E
-                          --delta D [--accountant rdp|pld]
+                          --delta D [--accountant rdp|pld|prv]
     fedsim account calibrate {dp-fedavg|dp-sgd} --target-epsilon E ...  (the same flags minus
                           --noise-multiplier)
     fedsim account sweep {dp-fedavg|dp-sgd} --noise-multiplier Z1 Z2 ... --plot FILE.png
@@ -19,8 +19,11 @@ flag (``--delta``, ``--sampling-rate``, ...).
 
 ``--sampling fixed`` takes ``round(Q * N)`` of ``N`` clients per round without replacement,
 which dp_accounting accounts (RDP only) for replace-one neighbours, the default relation there;
-``poisson`` and ``full`` default to add/remove. All epsilons come from
-:mod:`fedsim.privacy.accounting`.
+``poisson`` and ``full`` default to add/remove. All epsilons come from dp_accounting
+(:mod:`fedsim.privacy.epsilon`), except ``fedsim account dp-sgd --accountant prv``:
+dp_accounting 0.6.0 ships RDP and PLD accountants only, so PRV (privacy random variables,
+Gopi, Lee & Wutschitz 2021) is Opacus's ``PRVAccountant``, the one a ``[client.dp_sgd]``
+client with ``accountant = "prv"`` reports (its upper bound, eps_error 0.01).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from fedsim.commands.flags import flags
 from fedsim.config import ConfigError, require
 
 if TYPE_CHECKING:  # dp_accounting (and scipy) load when a subcommand runs, not for --help
-    from fedsim.privacy import accounting as acc
+    from fedsim.privacy.sampling import NeighbouringRelation, Sampling
 
 _FEDAVG_FLAGS = {
     "noise_multiplier": "--noise-multiplier",
@@ -56,13 +59,16 @@ _FEDAVG_FLAGS = {
 }
 _SGD_FLAGS = {**_FEDAVG_FLAGS, "rate": "--batch-size", "rounds": "--epochs"}
 #: one accounted setting: (sampling, neighbouring relation, echoed inputs, rounds or steps)
-Setting = tuple["acc.Sampling", "acc.NeighbouringRelation", dict[str, Any], int]
+Setting = tuple["Sampling", "NeighbouringRelation", dict[str, Any], int]
 
 
-def _common(parser: argparse.ArgumentParser, *, relation: bool) -> None:
+def _common(parser: argparse.ArgumentParser, *, relation: bool, prv: bool = False) -> None:
     parser.add_argument("--delta", type=float, required=True, help="target delta, in (0, 1)")
     parser.add_argument(
-        "--accountant", default="rdp", help="rdp (default) or pld, both from dp_accounting"
+        "--accountant",
+        default="rdp",
+        help="rdp (default) or pld, both from dp_accounting"
+        + ("; or prv (Opacus's PRV accountant, epsilon only)" if prv else ""),
     )
     if relation:
         parser.add_argument(
@@ -112,7 +118,7 @@ def _sgd_args(parser: argparse.ArgumentParser, *, many: bool) -> None:
     parser.add_argument(
         "--epochs", type=float, required=True, help="epochs E; steps = ceil(E N / B)"
     )
-    _common(parser, relation=False)
+    _common(parser, relation=False, prv=not many)
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -120,7 +126,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     account = subparsers.add_parser(
         "account",
         help="privacy accounting: epsilon, noise calibration, sweeps",
-        description="Privacy accounting with dp_accounting's RDP and PLD accountants.",
+        description="Privacy accounting with dp_accounting's RDP and PLD accountants "
+        "(and Opacus's PRV accountant for dp-sgd).",
     )
     commands = account.add_subparsers(dest="account_command", required=True)
     for name, mechanism in MECHANISMS.items():
@@ -185,6 +192,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 #: the smallest noise multiplier the PLD accountant is asked about: its grid grows as 1/z^2
 #: (z = 0.05 over 1000 Poisson rounds takes minutes and over 4 GB)
 PLD_MIN_NOISE = 0.1
+#: the same for Opacus's PRV accountant, whose domain also widens as z falls (z = 0.1 over 100
+#: steps at q = 0.01 takes about two minutes, z = 0.5 over 1000 steps a few seconds)
+PRV_MIN_NOISE = 0.5
+#: what ``--accountant prv`` accounts: ``fedsim account dp-sgd`` (epsilon) only
+PRV_COMMANDS = ("dp-sgd",)
 
 
 def _check_noise(z: Any, accountant: str) -> float:
@@ -195,17 +207,17 @@ def _check_noise(z: Any, accountant: str) -> float:
     reports epsilon = 0 for Poisson sampling at z = 1e-154 and divides by zero at 1e-300),
     so the command refuses rather than print a meaningless or optimistic number. ``z = 0``
     (no noise, epsilon infinite) is what a run reports; here it is refused too."""
-    from fedsim.privacy import accounting as acc  # noqa: PLC0415
+    from fedsim.privacy.round_events import Z_MAX, Z_MIN  # noqa: PLC0415
 
     require(
         isinstance(z, (int, float))
         and not isinstance(z, bool)
         and math.isfinite(z)
-        and acc.Z_MIN <= z <= acc.Z_MAX,
+        and Z_MIN <= z <= Z_MAX,
         "--noise-multiplier",
         z,
-        f"a number in [{acc.Z_MIN:g}, {acc.Z_MAX:g}] (noise std / clipping norm; below "
-        f"{acc.Z_MIN:g} epsilon exceeds 1e5 and dp_accounting's bound loses its precision)",
+        f"a number in [{Z_MIN:g}, {Z_MAX:g}] (noise std / clipping norm; below "
+        f"{Z_MIN:g} epsilon exceeds 1e5 and dp_accounting's bound loses its precision)",
     )
     require(
         accountant != "pld" or z >= PLD_MIN_NOISE,
@@ -214,23 +226,46 @@ def _check_noise(z: Any, accountant: str) -> float:
         f"a number >= {PLD_MIN_NOISE:g} with --accountant pld (its grid grows as 1/z^2; "
         "--accountant rdp takes smaller ones)",
     )
+    require(
+        accountant != "prv" or z >= PRV_MIN_NOISE,
+        "--noise-multiplier",
+        z,
+        f"a number >= {PRV_MIN_NOISE:g} with --accountant prv (its domain widens as z "
+        "falls; --accountant rdp or pld take smaller ones)",
+    )
     return float(z)
 
 
 def _check_common(args: argparse.Namespace) -> tuple[float, str]:
-    from fedsim.privacy import accounting as acc  # noqa: PLC0415
+    from fedsim.privacy.accountant import ACCOUNTANTS  # noqa: PLC0415
 
     delta = args.delta
     require(
         isinstance(delta, (int, float)) and 0 < delta < 1, "--delta", delta, "a number in (0, 1)"
     )
-    require(args.accountant in acc.ACCOUNTANTS, "--accountant", args.accountant, "one of rdp, pld")
+    if args.accountant == "prv":
+        require(
+            getattr(args, "account_command", None) in PRV_COMMANDS,
+            "--accountant",
+            args.accountant,
+            "rdp or pld here (prv, Opacus's PRV accountant, accounts fedsim account dp-sgd "
+            "only; dp_accounting ships no PRV accountant)",
+        )
+        return float(delta), args.accountant
+    prv = getattr(args, "account_command", None) in PRV_COMMANDS
+    allowed = "one of rdp, pld" + (", prv" if prv else "")
+    require(args.accountant in ACCOUNTANTS, "--accountant", args.accountant, allowed)
     return float(delta), args.accountant
 
 
 def _fedavg_setting(args: argparse.Namespace, rate: float | None) -> Setting:
     """The sampling model, relation, echoed inputs and rounds of a dp-fedavg invocation."""
-    from fedsim.privacy import accounting as acc  # noqa: PLC0415
+    from fedsim.privacy.sampling import (  # noqa: PLC0415
+        FixedSizeSampling,
+        FullParticipation,
+        NeighbouringRelation,
+        PoissonSampling,
+    )
 
     kind = args.sampling
     require(kind in ("poisson", "fixed", "full"), "--sampling", kind, "one of poisson, fixed, full")
@@ -245,7 +280,7 @@ def _fedavg_setting(args: argparse.Namespace, rate: float | None) -> Setting:
         require(
             rate is None or rate == 1, "--sampling-rate", rate, "1 or nothing with --sampling full"
         )
-        sampling: acc.Sampling = acc.FullParticipation()
+        sampling: Sampling = FullParticipation()
         echo["sampling_rate"] = 1.0
     else:
         require(
@@ -262,7 +297,7 @@ def _fedavg_setting(args: argparse.Namespace, rate: float | None) -> Setting:
         )
         echo["sampling_rate"] = float(rate)
         if kind == "poisson":
-            sampling = acc.PoissonSampling(float(rate))
+            sampling = PoissonSampling(float(rate))
         else:
             n = args.population
             require(
@@ -278,10 +313,10 @@ def _fedavg_setting(args: argparse.Namespace, rate: float | None) -> Setting:
                 rate,
                 f"a rate giving a cohort round(q N) of at least 1 of N = {n} clients",
             )
-            sampling = acc.FixedSizeSampling(cohort, n)
+            sampling = FixedSizeSampling(cohort, n)
             echo.update(population=n, cohort_size=cohort)
     default = "replace_one" if kind == "fixed" else "add_remove"
-    relation = acc.NeighbouringRelation.parse(args.relation or default, "--relation")
+    relation = NeighbouringRelation.parse(args.relation or default, "--relation")
     echo["relation"] = relation.value
     return sampling, relation, echo, args.rounds
 
@@ -289,7 +324,7 @@ def _fedavg_setting(args: argparse.Namespace, rate: float | None) -> Setting:
 def _sgd_setting(args: argparse.Namespace, batch_size: int) -> Setting:
     """Poisson sampling q = B/N (add/remove neighbours), the echoed inputs and the number of
     steps ceil(E N / B)."""
-    from fedsim.privacy import accounting as acc  # noqa: PLC0415
+    from fedsim.privacy.sampling import NeighbouringRelation, PoissonSampling  # noqa: PLC0415
 
     n = args.dataset_size
     require(isinstance(n, int) and n >= 1, "--dataset-size", n, "an integer >= 1")
@@ -317,7 +352,7 @@ def _sgd_setting(args: argparse.Namespace, batch_size: int) -> Setting:
         "sampling": "poisson",
         "relation": "add_remove",
     }
-    return acc.PoissonSampling(q), acc.NeighbouringRelation.ADD_REMOVE, echo, steps
+    return PoissonSampling(q), NeighbouringRelation.ADD_REMOVE, echo, steps
 
 
 def _fedavg_rounds(args: argparse.Namespace, verb: str) -> None:
@@ -388,14 +423,17 @@ MECHANISMS: dict[str, AccountedMechanism] = {
 
 
 def _epsilon(args: argparse.Namespace) -> dict[str, Any]:
-    from fedsim.privacy import accounting as acc  # noqa: PLC0415
+    from fedsim.privacy.epsilon import epsilon  # noqa: PLC0415
 
     delta, accountant = _check_common(args)
     z = _check_noise(args.noise_multiplier, accountant)
     mechanism = MECHANISMS[args.mechanism]
     sampling, relation, echo, rounds = mechanism.setting(args, mechanism.value(args))
-    with flags(mechanism.flags):
-        eps = acc.epsilon(z, sampling, rounds, delta, accountant, relation)
+    if accountant == "prv":  # dp-sgd: Poisson sampling at q = B / N, add/remove
+        eps = _prv_epsilon(z, echo["sampling_rate"], rounds, delta)
+    else:
+        with flags(mechanism.flags):
+            eps = epsilon(z, sampling, rounds, delta, accountant, relation)
     return {
         "command": args.mechanism,
         "epsilon": eps,
@@ -406,8 +444,17 @@ def _epsilon(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _prv_epsilon(z: float, q: float, steps: int, delta: float) -> float:
+    """Opacus's PRV epsilon (upper bound) of ``steps`` Poisson-sampled Gaussian steps, the
+    value a ``[client.dp_sgd]`` client with ``accountant = "prv"`` reports."""
+    from fedsim.workloads.dp_sgd import client_epsilon  # noqa: PLC0415
+
+    return client_epsilon([(z, q, steps)], delta, "prv")
+
+
 def _calibrate(args: argparse.Namespace) -> dict[str, Any]:
-    from fedsim.privacy import accounting as acc  # noqa: PLC0415
+    from fedsim.privacy.calibration import calibrate_noise  # noqa: PLC0415
+    from fedsim.privacy.epsilon import epsilon  # noqa: PLC0415
 
     delta, accountant = _check_common(args)
     target = args.target_epsilon
@@ -430,8 +477,8 @@ def _calibrate(args: argparse.Namespace) -> dict[str, Any]:
                 f"a target that needs a noise multiplier >= {PLD_MIN_NOISE:g} with --accountant "
                 f"pld (rdp calibrates it to {z_rdp:.4g}; use --accountant rdp)",
             )
-        z = acc.calibrate_noise(float(target), delta, sampling, rounds, accountant, relation)
-        eps = acc.epsilon(z, sampling, rounds, delta, accountant, relation)
+        z = calibrate_noise(float(target), delta, sampling, rounds, accountant, relation)
+        eps = epsilon(z, sampling, rounds, delta, accountant, relation)
     return {
         "command": "calibrate",
         "mechanism": args.mechanism,
@@ -447,15 +494,15 @@ def _calibrate(args: argparse.Namespace) -> dict[str, Any]:
 def _rdp_calibration(
     target: float,
     delta: float,
-    sampling: acc.Sampling,
+    sampling: Sampling,
     rounds: int,
-    relation: acc.NeighbouringRelation,
+    relation: NeighbouringRelation,
 ) -> float | None:
     """The RDP calibration of the setting, or None where RDP does not account it."""
-    from fedsim.privacy import accounting as acc  # noqa: PLC0415
+    from fedsim.privacy.calibration import calibrate_noise  # noqa: PLC0415
 
     try:
-        return acc.calibrate_noise(target, delta, sampling, rounds, "rdp", relation)
+        return calibrate_noise(target, delta, sampling, rounds, "rdp", relation)
     except ConfigError as err:
         if err.key == "target_epsilon":
             raise  # out of range for RDP: out of range for PLD too
@@ -468,10 +515,11 @@ def _matrix(args: argparse.Namespace) -> dict[str, Any]:
     so far have sensitivity ``sens_T`` and the multiplier is ``z sens(C) / sens_T``
     (:mod:`strategies.matrix_mechanism`). RMSE per round is ``z sens(C) ||B[t]||`` in units of
     the clipping norm."""
-    from fedsim.privacy import accounting as acc  # noqa: PLC0415
+    from fedsim.privacy.epsilon import epsilon  # noqa: PLC0415
     from fedsim.privacy.matrix import Factorization  # noqa: PLC0415
     from fedsim.privacy.matrix.build import spec_of  # noqa: PLC0415
-    from fedsim.privacy.matrix.sensitivity import Participation  # noqa: PLC0415
+    from fedsim.privacy.participation import Participation  # noqa: PLC0415
+    from fedsim.privacy.sampling import FullParticipation, NeighbouringRelation  # noqa: PLC0415
 
     delta, accountant = _check_common(args)
     z = _check_noise(args.noise_multiplier, accountant)
@@ -489,7 +537,7 @@ def _matrix(args: argparse.Namespace) -> dict[str, Any]:
     )
     b = args.min_sep if args.min_sep is not None else getattr(spec, "min_sep", None)
     rounds = f.n if args.rounds is None else args.rounds
-    relation = acc.NeighbouringRelation.parse(args.relation or "add_remove", "--relation")
+    relation = NeighbouringRelation.parse(args.relation or "add_remove", "--relation")
     with flags(
         {
             "participations": "--participations",
@@ -509,7 +557,7 @@ def _matrix(args: argparse.Namespace) -> dict[str, Any]:
         sens = f.sensitivity(participation)
         released = f.sensitivity_through(rounds, participation)
         effective = z * sens.value / released.value
-        eps = acc.epsilon(effective, acc.FullParticipation(), 1, delta, accountant, relation)
+        eps = epsilon(effective, FullParticipation(), 1, delta, accountant, relation)
     errors = z * sens.value * np.sqrt(f.squared_error_per_round())
     return {
         "command": "matrix",
@@ -543,7 +591,7 @@ def _grid(total: int, points: int) -> list[int]:
 
 
 def _sweep(args: argparse.Namespace) -> dict[str, Any]:
-    from fedsim.privacy import accounting as acc  # noqa: PLC0415
+    from fedsim.privacy.epsilon import epsilon_curve  # noqa: PLC0415
 
     delta, accountant = _check_common(args)
     points = args.points
@@ -565,7 +613,7 @@ def _sweep(args: argparse.Namespace) -> dict[str, Any]:
         for sampling, relation, echo, total in settings:
             grid = _grid(total, points)
             with flags(names):
-                eps = acc.epsilon_curve(z, sampling, grid, delta, accountant, relation)
+                eps = epsilon_curve(z, sampling, grid, delta, accountant, relation)
             label = f"z={z:g}, q={echo['sampling_rate']:g}"
             curves.append(
                 {"label": label, "noise_multiplier": z, **echo, x_name: grid, "epsilon": eps}

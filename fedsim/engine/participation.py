@@ -24,10 +24,10 @@ unknown to the clients; :attr:`CohortModel.secret_draws` says which, and a DP st
 amplification only for secret draws (:mod:`strategies.observed_sampling`).
 
 Each model also gives its accounting view (:meth:`CohortModel.accounting`): the sampling
-model of :mod:`fedsim.privacy.accounting` that describes its training cohorts, so that the
+model of :mod:`fedsim.privacy.sampling` that describes its training cohorts, so that the
 cohorts drawn and the amplification claimed are one fact. The names of the models here say
 *cohort*; the names ``FullParticipation`` and ``Participation`` belong to the privacy side
-(:mod:`fedsim.privacy.accounting`, :mod:`fedsim.privacy.matrix.sensitivity`).
+(:mod:`fedsim.privacy.sampling`, :mod:`fedsim.privacy.participation`).
 """
 
 from __future__ import annotations
@@ -40,12 +40,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fedsim.config import require
+from fedsim.privacy.participation import Participation
 
 if TYPE_CHECKING:  # dp_accounting loads when a run asks for its accounting, not with the grid
-    from fedsim.privacy.accounting import (
+    from fedsim.privacy.sampling import (
         FixedSizeSampling,
         FullParticipation,
-        MinSeparation,
         PoissonSampling,
         Sampling,
     )
@@ -92,7 +92,7 @@ class FullCohort(CohortModel):
 
     def accounting(self, rounds: int) -> FullParticipation:
         """Every client in every round: no amplification claimed."""
-        from fedsim.privacy.accounting import FullParticipation  # noqa: PLC0415
+        from fedsim.privacy.sampling import FullParticipation  # noqa: PLC0415
 
         return FullParticipation()
 
@@ -122,7 +122,7 @@ class UniformCohort(CohortModel):
 
     def accounting(self, rounds: int) -> FixedSizeSampling:
         """Fixed-size sampling of ``cohort_size`` of ``num_clients`` without replacement."""
-        from fedsim.privacy.accounting import FixedSizeSampling  # noqa: PLC0415
+        from fedsim.privacy.sampling import FixedSizeSampling  # noqa: PLC0415
 
         return FixedSizeSampling(self.cohort_size, self.num_clients)
 
@@ -152,7 +152,7 @@ class PoissonCohort(CohortModel):
 
     def accounting(self, rounds: int) -> PoissonSampling:
         """Poisson sampling at ``rate``."""
-        from fedsim.privacy.accounting import PoissonSampling  # noqa: PLC0415
+        from fedsim.privacy.sampling import PoissonSampling  # noqa: PLC0415
 
         return PoissonSampling(self.rate)
 
@@ -213,14 +213,12 @@ class MinSeparationCohort(CohortModel):
         a, c = self._permutation()
         return ((a * partition_id + c) % self.num_clients) % self.min_separation
 
-    def accounting(self, rounds: int) -> MinSeparation:
-        """b-min-separation with at most ``ceil(rounds / b)`` participations per client (its
-        :meth:`~fedsim.privacy.accounting.MinSeparation.matrix_participation` is the matrix
-        mechanism's schema of the same schedule)."""
-        from fedsim.privacy.accounting import MinSeparation  # noqa: PLC0415
-
+    def accounting(self, rounds: int) -> Participation:
+        """b-min-separation with at most ``ceil(rounds / b)`` participations per client: the
+        one :class:`~fedsim.privacy.participation.Participation` that the accountant, the
+        matrix mechanism's sensitivity and the participation guard all read."""
         b = self.min_separation
-        return MinSeparation(b, -(-rounds // b))
+        return Participation.separated(b, -(-rounds // b))
 
 
 def secret_cohorts(model: CohortModel, secret: Any) -> CohortModel:

@@ -23,7 +23,8 @@ from typing import Any
 import dp_accounting as dpa
 
 from fedsim.config import ConfigError
-from fedsim.privacy.accounting import ACCOUNTANTS, PrivacyLedger, event_epsilon
+from fedsim.privacy.accountant import ACCOUNTANTS, event_epsilon
+from fedsim.privacy.ledger import PrivacyLedger
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,12 @@ Renyi divergence of every order alpha > 1 by the minimum of
 
     eps = min( sqrt(eps_2^2 + 2 eps_1 tau + tau^2 D),  eps_2 + tau sqrt(D) ),
 
-i.e. 1/2 eps^2-zCDP (KLS21 Theorem 1's form). Its RDP curve is exactly that of a Gaussian
-mechanism with noise multiplier z = 1/eps, so a round is recorded as ``GaussianDpEvent(1/eps)``
-and dp_accounting composes it and converts to (epsilon, delta). Dropping term (a) can only
-overstate epsilon; :func:`rdp_curve` keeps all three for comparison. Because the equivalence holds
-for the unsampled mechanism only, no amplification by sampling is claimed: every round composes
-in full (as if every client took part in every round).
+i.e. 1/2 eps^2-zCDP (KLS21 Theorem 1's form), recorded as ``ZCDpEvent(eps^2 / 2)``; the RDP
+accountant composes it as the Gaussian of the same RDP curve (z = 1/eps) and converts to
+(epsilon, delta), and the PLD accountant refuses it (a Gaussian's PLD would be optimistic).
+Dropping term (a) can only overstate epsilon; :func:`rdp_curve` keeps all three for comparison.
+Because the equivalence holds for the unsampled mechanism only, no amplification by sampling is
+claimed: every round composes in full (as if every client took part in every round).
 
 Units: Delta_1, Delta_2 and sigma in integer (granularity) units, D the padded dimension.
 
@@ -97,14 +97,14 @@ def zcdp_epsilon(
 def round_event(
     l2_bound: float, l1_bound: float, scaled_std: float, count: int, dim: int
 ) -> dpa.DpEvent:
-    """One DDGauss release as a dp_accounting event: ``GaussianDpEvent(1/eps)`` with eps from
+    """One DDGauss release as a dp_accounting event: ``ZCDpEvent(eps^2 / 2)`` with eps from
     :func:`zcdp_epsilon`; ``NonPrivateDpEvent`` when no noise is present (count = 0)."""
     eps = zcdp_epsilon(l2_bound, l1_bound, scaled_std, count, dim)
     if math.isinf(eps):
         return dpa.NonPrivateDpEvent()
     if eps == 0:
         return dpa.NoOpDpEvent()
-    return dpa.GaussianDpEvent(1.0 / eps)
+    return dpa.ZCDpEvent(eps**2 / 2)
 
 
 def rdp_curve(

@@ -55,8 +55,8 @@ below is the number of noise shares present *with* the client, never one fewer.
    row i (never the planned cohort): a client that drops contributes neither update nor noise,
    and a release with fewer clients costs more epsilon.
 6. **Composition.** The whole run is one mechanism on the joint release, accounted as
-   1/2 eps_T^2-zCDP; the ledger records increments ``GaussianDpEvent`` with 1/z^2 =
-   eps_T^2 - eps_{T-1}^2, so dp_accounting's composition of the recorded events is exactly the
+   1/2 eps_T^2-zCDP; the ledger records increments ``ZCDpEvent`` with rho =
+   (eps_T^2 - eps_{T-1}^2) / 2, so the RDP composition of the recorded events is exactly the
    1/2 eps_T^2 curve and converts it to (epsilon, delta) (:func:`increment_event`).
 7. **Finite field.** Everything is exact in F_p while |y_i| < p/2, checked before the run
    (:func:`worst_release`); a wrap would be a deterministic function of the integer release
@@ -76,7 +76,8 @@ import scipy.linalg
 
 from fedsim.privacy import ddgauss as ddgauss_privacy
 from fedsim.privacy.matrix.factorization import Factorization
-from fedsim.privacy.matrix.sensitivity import Participation, Sensitivity, sensitivity
+from fedsim.privacy.matrix.sensitivity import Sensitivity, sensitivity
+from fedsim.privacy.participation import Participation
 
 MAX_FRACTIONAL_BITS = 40
 RELATION = "zero_out"
@@ -257,14 +258,15 @@ def zcdp_epsilon(
 
 
 def increment_event(previous_eps: float, current_eps: float) -> dpa.DpEvent:
-    """The ledger event that lifts a 1/2 eps_prev^2-zCDP run to 1/2 eps_now^2: a Gaussian with
-    1/z^2 = eps_now^2 - eps_prev^2 (Gaussian precisions add under composition)."""
+    """The ledger event that lifts a 1/2 eps_prev^2-zCDP run to 1/2 eps_now^2: a
+    ``ZCDpEvent`` with rho = (eps_now^2 - eps_prev^2) / 2 (zCDP's rho adds under
+    composition, Bun & Steinke 2016, Lemma 2.3)."""
     if math.isinf(current_eps):
         return dpa.NonPrivateDpEvent()
     growth = current_eps**2 - previous_eps**2
     if growth <= 1e-15 * max(current_eps**2, 1.0):
         return dpa.NoOpDpEvent()
-    return dpa.GaussianDpEvent(1.0 / math.sqrt(growth))
+    return dpa.ZCDpEvent(growth / 2)
 
 
 def worst_release(

@@ -18,12 +18,13 @@ event                                          JSON object
 ``ComposedDpEvent([e, ...])``                  ``{"type": "composed", "events": [e, ...]}``
 ``NonPrivateDpEvent()``                        ``{"type": "non_private"}``
 ``NoOpDpEvent()``                              ``{"type": "no_op"}``
+``ZCDpEvent(rho, 0)``                          ``{"type": "zcdp", "rho": rho, "xi": 0}``
 =============================================  ================================================
 
 Floats go through JSON as Python writes them (shortest round-tripping repr), so a round trip
 gives the identical event and hence the identical epsilon. Ranges: noise multiplier ``z >= 0``
-and finite (``z = 0`` means no noise), ``q`` in ``[0, 1]``, ``1 <= n``, ``0 <= m <= n``,
-``count >= 0``.
+and finite (``z = 0`` means no noise), ``rho >= 0`` and finite, ``q`` in ``[0, 1]``,
+``1 <= n``, ``0 <= m <= n``, ``count >= 0``.
 
 Everything this module and :mod:`fedsim.privacy.accounting` know about an event class sits in
 one row of :data:`KINDS` (:class:`EventKind`): its fields, which of them nest events, the
@@ -66,6 +67,20 @@ def _check_noise(values: Mapping[str, Any], key: str) -> None:
         value,
         "a finite number >= 0 (noise std / L2 sensitivity; 0 means no noise)",
     )
+
+
+def _check_zcdp(values: Mapping[str, Any], key: str) -> None:
+    """rho-zCDP (Bun & Steinke 2016, Def. 1.1) under add/remove neighbours of one participant
+    with L2 contribution ``C``; the accountants translate it (:mod:`fedsim.privacy.accountant`)
+    and the RDP-curve equivalence they use needs ``xi = 0``."""
+    value = values["rho"]
+    require(
+        _is_number(value) and math.isfinite(value) and value >= 0,
+        f"{key}.rho",
+        value,
+        "a finite number >= 0 (rho of rho-zCDP under add/remove neighbours)",
+    )
+    require(values["xi"] == 0, f"{key}.xi", values["xi"], "0 (fedsim records rho-zCDP)")
 
 
 def _check_probability(values: Mapping[str, Any], key: str) -> None:
@@ -200,6 +215,7 @@ KINDS: dict[str, EventKind] = {
         EventKind("composed", dpa.ComposedDpEvent, ("events",), noise=_composed_noise),
         EventKind("non_private", dpa.NonPrivateDpEvent),
         EventKind("no_op", dpa.NoOpDpEvent, noise=_no_release),
+        EventKind("zcdp", dpa.ZCDpEvent, ("rho", "xi"), check=_check_zcdp),
     )
 }
 #: The event classes by JSON type.

@@ -123,7 +123,7 @@ def test_the_release_carries_the_noise_the_ledger_accounts_for(local_engine):
     round 1 is exactly the decoded noise gamma * z_0 / (M[0, 0] m) (rotated), and its spread must
     be the std the accounting assumes, z * c * sens(M) / (M[0, 0] m), not less."""
     from fedsim.models import initial_arrays  # noqa: PLC0415
-    from fedsim.privacy.matrix.sensitivity import Participation  # noqa: PLC0415
+    from fedsim.privacy.participation import Participation  # noqa: PLC0415
 
     clients, z = 12, 1.0
     data, dataset, model, _ = digits_setup(clients)

@@ -22,10 +22,10 @@ from sympy.matrices.normalforms import smith_normal_form
 from fedsim.privacy.dmm import IntegerMechanism
 from fedsim.privacy.matrix.banded import banded
 from fedsim.privacy.matrix.build import Spec, build
-from fedsim.privacy.matrix.sensitivity import Participation
 from fedsim.privacy.matrix.toeplitz import banded_toeplitz
 from fedsim.privacy.matrix.tree import binary_tree, honaker_tree
 from fedsim.privacy.mechanisms import discrete_gaussian
+from fedsim.privacy.participation import Participation
 from protocols.dmm import Schedule
 from protocols.dmm_server import DMMServer
 from protocols.shamir import PackedShamir

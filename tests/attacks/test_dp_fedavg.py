@@ -21,8 +21,9 @@ from flwr.supercore.task_identity import TaskIdentity
 from fedsim.config import ConfigError
 from fedsim.engine import ClientRegistry
 from fedsim.experiment import run_experiment
-from fedsim.privacy.accounting import MinSeparation, PoissonSampling
 from fedsim.privacy.matrix import noise_stream
+from fedsim.privacy.participation import Participation
+from fedsim.privacy.sampling import PoissonSampling
 from fedsim.randomness import RunSecret, Stream, public_generator
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.results import read_rounds
@@ -107,7 +108,7 @@ def test_a_client_that_knows_the_seed_cannot_strip_the_matrix_mechanisms_noise()
     options = {"clipping_norm": C, "noise_multiplier": Z, "kind": "banded", "bands": 2}
     strategy = build_strategy(
         "matrix-mechanism", options, expected_clients=M, evaluate_fraction=0.0, seed=SEED,
-        rounds=4, sampling=MinSeparation(2, 2),
+        rounds=4, sampling=Participation.separated(2, 2),
     )
     bind_parties(strategy, ROOT.server())
     f, sigma = strategy.factorization, strategy.noise_std

@@ -16,13 +16,13 @@ import pytest
 
 from fedsim.cli import main
 from fedsim.engine import ClientRegistry, UniformCohort
-from fedsim.privacy import accounting
-from fedsim.privacy.accounting import FixedSizeSampling, FullParticipation
+from fedsim.privacy.epsilon import epsilon
+from fedsim.privacy.sampling import FixedSizeSampling, FullParticipation
 
 APP = Path(__file__).resolve().parents[1] / "apps" / "boundary"
 NODES, COHORT, ROUNDS, Z, DELTA = 20, 5, 4, 1.0, 1e-5
 #: what the ledger claims for 4 rounds of 5 of 20 (replace-one, the relation it amplifies)
-CLAIMED = accounting.epsilon(Z, FixedSizeSampling(COHORT, NODES), ROUNDS, DELTA, "rdp",
+CLAIMED = epsilon(Z, FixedSizeSampling(COHORT, NODES), ROUNDS, DELTA, "rdp",
                              "replace_one")
 
 
@@ -63,7 +63,7 @@ def test_two_strategies_started_one_after_the_other_compose(tmp_path):
     """Two DPFedAvg runs of 4 rounds each on the same nodes: the run's epsilon is that of 8
     rounds, in summary.json and the last line of rounds.jsonl (before: the second's 4)."""
     run = flwr_run(tmp_path / "two", "two-strategies")
-    eight = accounting.epsilon(Z, FixedSizeSampling(COHORT, NODES), 2 * ROUNDS, DELTA, "rdp",
+    eight = epsilon(Z, FixedSizeSampling(COHORT, NODES), 2 * ROUNDS, DELTA, "rdp",
                                "replace_one")
     privacy = run["summary"]["privacy"]
     assert privacy["epsilon"] == pytest.approx(eight, rel=1e-9)
@@ -151,12 +151,12 @@ def test_public_engine_cohorts_are_accounted_without_amplification(tmp_path):
         for node in nodes:
             counts[node] = counts.get(node, 0) + 1
     worst = max(counts.values())
-    unamplified = accounting.epsilon(Z, FullParticipation(), worst, DELTA)
+    unamplified = epsilon(Z, FullParticipation(), worst, DELTA)
     privacy = run["summary"]["privacy"]
     assert privacy["cohorts"] == "public" and privacy["max_rounds_per_client"] == worst
     assert privacy["epsilon"] == pytest.approx(unamplified, rel=1e-9)
     assert run["summary"]["participation"]["cohorts"] == "public"
-    amplified = accounting.epsilon(Z, FixedSizeSampling(COHORT, NODES), ROUNDS, DELTA, "rdp",
+    amplified = epsilon(Z, FixedSizeSampling(COHORT, NODES), ROUNDS, DELTA, "rdp",
                                    "replace_one")
     print(f"public cohorts: {privacy['epsilon']:.2f} for a client in {worst} of {ROUNDS} "
           f"rounds (amplified, as before: {amplified:.2f})")

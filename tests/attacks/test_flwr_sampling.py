@@ -25,8 +25,8 @@ from scipy.stats import chisquare
 
 from fedsim.config import ConfigError
 from fedsim.engine import ClientRegistry
-from fedsim.privacy import accounting
-from fedsim.privacy.accounting import FixedSizeSampling, NeighbouringRelation
+from fedsim.privacy.epsilon import epsilon
+from fedsim.privacy.sampling import FixedSizeSampling, NeighbouringRelation
 from fedsim.randomness import RunSecret
 from fedsim.record_codec import to_numpy, to_record
 from strategies.dp_fedavg import DPFedAvg
@@ -100,7 +100,7 @@ def test_the_epsilon_reported_is_never_below_the_sampling_that_happened():
     assert report["sampling"] == {
         "model": "FixedSizeSampling", "sample_size": M, "population": N
     }
-    happened = accounting.epsilon(
+    happened = epsilon(
         Z, observed, ROUNDS, DELTA, "rdp", NeighbouringRelation.REPLACE_ONE
     )
     assert report["epsilon"] >= happened * (1 - 1e-9)

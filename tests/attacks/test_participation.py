@@ -17,9 +17,8 @@ from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedsim.engine import ClientRegistry
-from fedsim.privacy.accounting import MinSeparation
 from fedsim.privacy.matrix.banded import banded
-from fedsim.privacy.matrix.sensitivity import Participation
+from fedsim.privacy.participation import Participation
 from fedsim.record_codec import to_record
 from strategies.matrix_mechanism import MatrixMechanism
 from strategies.participation_guard import ParticipationGuard
@@ -59,9 +58,8 @@ def test_single_participation_matrix_mechanism_instructs_each_client_once():
         clipping_norm=1.0,
         noise_multiplier=1.0,
         expected_clients=CLIENTS,
-        min_separation=None,
     )
-    assert strategy.participation.kind == "single"
+    assert strategy.participation == Participation.single()  # the default
     sent = instructed(strategy, 3)
     assert sent == [sorted(NODES), [], []]
     assert strategy.participation_refused == sorted(NODES)
@@ -72,7 +70,7 @@ def test_min_separation_matrix_mechanism_keeps_b_rounds_apart_and_at_most_k():
         "matrix-mechanism",
         {"clipping_norm": 1.0, "noise_multiplier": 1.0, "kind": "banded", "bands": 2},
         expected_clients=CLIENTS, evaluate_fraction=0.0, seed=0, rounds=6,
-        sampling=MinSeparation(2, 2),
+        sampling=Participation.separated(2, 2),
     )
     assert instructed(strategy, 6) == [sorted(NODES), [], sorted(NODES), [], [], []]
 
@@ -81,7 +79,7 @@ def test_dp_fedavg_enforces_its_min_separation_ledger():
     strategy = build_strategy(
         "dp-fedavg", {"clipping_norm": 1.0, "noise_multiplier": 1.0},
         expected_clients=CLIENTS, evaluate_fraction=0.0, seed=0, rounds=5,
-        sampling=MinSeparation(3, 2),
+        sampling=Participation.separated(3, 2),
     )
     assert instructed(strategy, 5) == [sorted(NODES), [], [], sorted(NODES), []]
 

@@ -59,8 +59,6 @@ def make_strategy(config: dict, nodes: int, rounds: int, context: Context) -> St
             expected_clients=nodes,
             population=nodes,
             seed=int(config["seed"]),
-            min_separation=None,
-            max_participations=None,
         )
     raise ValueError(f"strategy = {name!r}; allowed: 'fedavg', 'dp-fedavg', 'dmm'")
 

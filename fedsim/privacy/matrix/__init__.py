@@ -35,11 +35,12 @@ from fedsim.privacy.matrix.banded import banded
 from fedsim.privacy.matrix.blt import blt
 from fedsim.privacy.matrix.dense import dense
 from fedsim.privacy.matrix.factorization import Factorization
-from fedsim.privacy.matrix.sensitivity import Participation, Sensitivity
+from fedsim.privacy.matrix.sensitivity import Sensitivity
 from fedsim.privacy.matrix.streaming import noise_stream
 from fedsim.privacy.matrix.toeplitz import banded_toeplitz, sqrt_factorization
 from fedsim.privacy.matrix.tree import binary_tree, honaker_tree
 from fedsim.privacy.matrix.workload_matrices import momentum, prefix_sum
+from fedsim.privacy.participation import Participation
 
 __all__ = [
     "Factorization",

@@ -25,13 +25,13 @@ from fedsim.privacy.matrix.factorization import (
     from_square_encoder,
     lbfgs,
 )
-from fedsim.privacy.matrix.sensitivity import Participation
 from fedsim.privacy.matrix.structure import blt_coefficients as blt_coefficients
 from fedsim.privacy.matrix.toeplitz import (
     toeplitz_loss_and_grad,
     toeplitz_matrix,
     toeplitz_participation,
 )
+from fedsim.privacy.participation import Participation
 
 
 def inverse_blt(weights: np.ndarray, thetas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -23,9 +23,9 @@ from fedsim.privacy.matrix.banded import banded
 from fedsim.privacy.matrix.blt import blt
 from fedsim.privacy.matrix.dense import dense
 from fedsim.privacy.matrix.factorization import Factorization, Progress
-from fedsim.privacy.matrix.sensitivity import Participation
 from fedsim.privacy.matrix.toeplitz import banded_toeplitz, sqrt_factorization
 from fedsim.privacy.matrix.tree import binary_tree, honaker_tree
+from fedsim.privacy.participation import Participation
 
 KINDS = ("tree", "honaker", "sqrt", "toeplitz", "banded", "dense", "blt")
 #: version of the cache key; bump when an optimiser's result changes

@@ -28,8 +28,9 @@ import scipy.linalg
 import scipy.optimize
 
 from fedsim.config import ConfigError, require
-from fedsim.privacy.matrix.sensitivity import Participation, Sensitivity, sensitivity
+from fedsim.privacy.matrix.sensitivity import Sensitivity, sensitivity
 from fedsim.privacy.matrix.structure import check_rounds as check_rounds
+from fedsim.privacy.participation import Participation
 
 _REDUCTIONS = ("mean", "max")
 

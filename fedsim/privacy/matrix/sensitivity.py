@@ -11,7 +11,8 @@ over neighbouring streams, each differing gradient having norm <= 1 (Choquette-C
   (exact: all gradients aligned), and ``sum |X_ij|`` bounds it from above for any X
   (Choquette-Choo et al. 2023b, "(Amplified) Banded Matrix Factorization", Eq. 5).
 
-Schemas (:class:`Participation`): ``single``; ``min_sep`` -- at most k participations, any two
+Schemas (:class:`~fedsim.privacy.participation.Participation`, fedsim's one participation
+type): ``single``; ``min_sep`` -- at most k participations, any two
 at least ``min_sep`` rounds apart (b-min-separation); ``fixed_epoch`` -- n = epochs * b rounds,
 the user takes part in rounds r, r + b, ..., r + (epochs - 1) b for one r < b.
 
@@ -26,86 +27,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedsim.config import require
+from fedsim.privacy.participation import Participation, rounds_per_epoch
 
-_KINDS = ("single", "min_sep", "fixed_epoch")
 #: Zero tolerance for "X_ij is zero / non-negative" tests on float64 Gram matrices.
 _TOL = 1e-12
-
-
-@dataclass(frozen=True)
-class Participation:
-    """How often, and how far apart, one user may take part in the n rounds.
-
-    ``kind`` is one of ``single``, ``min_sep`` (``min_sep`` >= 1 rounds apart, at most
-    ``max_participations`` times; None means as many as fit: ceil(n / min_sep)) or
-    ``fixed_epoch`` (``epochs`` passes over the data in a fixed order; n must be a multiple
-    of ``epochs``).
-    """
-
-    kind: str = "single"
-    min_sep: int = 1
-    max_participations: int | None = None
-    epochs: int = 1
-
-    def __post_init__(self) -> None:
-        require(self.kind in _KINDS, "kind", self.kind, f"one of {_KINDS}")
-        require(int(self.min_sep) >= 1, "min_sep", self.min_sep, "an integer >= 1")
-        require(
-            self.max_participations is None or int(self.max_participations) >= 1,
-            "max_participations",
-            self.max_participations,
-            "None or an integer >= 1",
-        )
-        require(int(self.epochs) >= 1, "epochs", self.epochs, "an integer >= 1")
-
-    @classmethod
-    def single(cls) -> Participation:
-        """Every user takes part in at most one round."""
-        return cls("single")
-
-    @classmethod
-    def separated(cls, min_sep: int, max_participations: int | None = None) -> Participation:
-        """b-min-separation: at most ``max_participations`` rounds, ``min_sep`` apart."""
-        return cls("min_sep", min_sep=min_sep, max_participations=max_participations)
-
-    @classmethod
-    def fixed(cls, epochs: int) -> Participation:
-        """Fixed-epoch order: rounds r, r + n/epochs, r + 2n/epochs, ..."""
-        return cls("fixed_epoch", epochs=epochs)
-
-    def participations(self, n: int) -> int:
-        """The largest number of rounds one user can take part in, over n rounds."""
-        if self.kind == "single":
-            return 1
-        if self.kind == "fixed_epoch":
-            return int(self.epochs)
-        fit = -(-n // int(self.min_sep))
-        k = self.max_participations
-        return fit if k is None else min(int(k), fit)
-
-    def patterns(self, n: int) -> list[tuple[int, ...]]:
-        """Every maximal pattern (tuple of rounds) for n rounds; for brute-force checks.
-
-        Under ``min_sep`` every pattern of up to k rounds is listed (subsets of a pattern are
-        patterns too, and with ``X >= 0`` they never give more).
-        """
-        if self.kind == "single":
-            return [(j,) for j in range(n)]
-        if self.kind == "fixed_epoch":
-            b = _rounds_per_epoch(n, self.epochs)
-            return [tuple(range(r, n, b)) for r in range(b)]
-        k, sep = self.participations(n), int(self.min_sep)
-        out: list[tuple[int, ...]] = []
-
-        def extend(prefix: tuple[int, ...], first: int) -> None:
-            for j in range(first, n):
-                pattern = (*prefix, j)
-                out.append(pattern)
-                if len(pattern) < k:
-                    extend(pattern, j + sep)
-
-        extend((), 0)
-        return sorted(out, key=lambda p: (len(p), p))
 
 
 @dataclass(frozen=True)
@@ -125,11 +50,6 @@ def _as_matrix(C: np.ndarray, name: str = "C") -> np.ndarray:
     require(C.ndim == 2 and min(C.shape) >= 1, name, C.shape, "a non-empty 2-D array")
     require(bool(np.all(np.isfinite(C))), name, "non-finite entries", "finite entries")
     return C
-
-
-def _rounds_per_epoch(n: int, epochs: int) -> int:
-    require(n % int(epochs) == 0, "epochs", epochs, f"a divisor of the number of rounds n = {n}")
-    return n // int(epochs)
 
 
 def column_norms(C: np.ndarray) -> np.ndarray:
@@ -232,7 +152,7 @@ def fixed_epoch(C: np.ndarray, epochs: int) -> Sensitivity:
     """
     C = _as_matrix(C)
     n = C.shape[1]
-    b = _rounds_per_epoch(n, epochs)
+    b = rounds_per_epoch(n, epochs)
     X = C.T @ C
     best, exact = 0.0, True
     for r in range(b):

@@ -20,8 +20,8 @@ from fedsim.privacy.matrix.factorization import (
     from_square_encoder,
     lbfgs,
 )
-from fedsim.privacy.matrix.sensitivity import Participation
 from fedsim.privacy.matrix.structure import toeplitz_matrix as toeplitz_matrix
+from fedsim.privacy.participation import Participation
 
 
 def inverse_coefficients(coef: np.ndarray, n: int) -> np.ndarray:
