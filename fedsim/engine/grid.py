@@ -22,13 +22,14 @@ returned, whatever the other clients do. Under a timeout the grid sends each cli
 batch of its own, a *solo* batch, which never waits behind a slow client: the dispatcher
 takes it back unstarted and gives it to a free worker
 (:class:`~fedsim.engine.dispatch.Dispatcher`). Where workers fold the replies (a reducer),
-the unit is one fold chunk (:func:`~fedsim.worker_reduce.fold_chunk_size`: one client up to
-64 clients, 1/64 of them beyond), so past 64 clients a slow client's chunk-mates miss the
-timeout with it. A late reply becomes what it becomes in Flower: the ServerApp never gets it
-(it is not among the replies returned); the client ran, and its state is kept, as Flower's
-context store keeps it; the phase counts it ``timed_out``, and one warning line says how
-many replies arrived within the timeout. The replies, their order and their folds do not
-depend on the batches, so a timeout that does not fire changes no bit of a run.
+the unit is one fold chunk (:func:`~fedsim.worker_reduce.fold_chunk_size`: one client while
+the cohort has at most :data:`~fedsim.worker_reduce.FOLD_CHUNKS` clients), so in larger
+cohorts a slow client's chunk-mates miss the timeout with it. A late reply becomes what it
+becomes in Flower: the ServerApp never gets it (it is not among the replies returned); the
+client ran, and its state is kept, as Flower's context store keeps it; the phase counts it
+``timed_out``, and one warning line says how many replies arrived within the timeout. The
+replies, their order and their folds do not depend on the batches, so a timeout that does
+not fire changes no bit of a run.
 
 When the instructions carry a reducer (:mod:`fedsim.worker_reduce`) whose fold is not
 exact (floating point), the messages of one content are cut into fixed fold chunks
