@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO := 0
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup test demo bench bench-scale clean
+.PHONY: setup test compat demo bench bench-scale clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,11 @@ setup: $(VENV)/.installed
 test: setup
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
+
+# the Flower compatibility suite alone (part of `make test`): each surface under fedsim
+# flwr-run and under Flower's own run_simulation
+compat: setup
+	$(PY) -m pytest -q tests/test_flower_compat.py
 
 demo: setup
 	$(VENV)/bin/fedsim run experiments/quickstart/config.toml --out results/quickstart

@@ -66,6 +66,52 @@ NUMBER = re.compile(
     r"(?<![\w.^])(?<![A-Za-z]-)(?<![A-Za-z]−)[−-]?\d+(?:[.,]\d+)*(?:e[−-]?\d+)?(?!\d)(?!st\b|nd\b|rd\b|th\b)"
 )
 
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function I_x(a, b) (continued fraction, Lentz)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    if x > (a + 1.0) / (a + b + 2.0):  # the fraction converges fast on this side only
+        return 1.0 - _betainc(b, a, 1.0 - x)
+    tiny = 1e-300
+    front = math.exp(
+        math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    )
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 1000):
+        for numerator in (
+            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
+        ):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    return front * h / a
+
+
+def paired_t_p(differences: list[float]) -> float:
+    """Two-sided p of the paired t-test whose per-pair differences are ``differences``: the
+    one-sample t-test of their mean against 0, t = mean / (sample sd (ddof = 1) / sqrt(n)),
+    n - 1 degrees of freedom (what scipy.stats.ttest_rel returns)."""
+    n = len(differences)
+    if n < 2:
+        raise NumbersError(f"paired_t_p: needs at least 2 differences, got {n}")
+    mean, sd = statistics.fmean(differences), statistics.stdev(differences)
+    if sd == 0:
+        raise NumbersError(f"paired_t_p: the {n} differences are all equal (sd 0)")
+    t = mean / (sd / math.sqrt(n))
+    df = n - 1
+    return _betainc(df / 2.0, 0.5, df / (df + t * t))
+
+
 FUNCTIONS = {
     "abs": abs,
     "min": min,
@@ -78,6 +124,7 @@ FUNCTIONS = {
     "sample_sd": statistics.stdev,  # ddof = 1
     "sqrt": math.sqrt,
     "count_below": lambda values, bound: sum(v < bound for v in values),
+    "paired_t_p": paired_t_p,
 }
 ALLOWED_NODES = (
     ast.Expression,

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedsim.commands import account, audit, compare, factorize, minmax, plot, sweep
+from fedsim.commands import account, audit, compare, factorize, minmax, plot, sweep, updown
 from fedsim.commands.console import Verbosity, console, hush_ray
 from fedsim.config import ConfigError, device_name
 from fedsim.progress import Cadence
@@ -238,6 +238,7 @@ def _parser() -> argparse.ArgumentParser:
     minmax.register(commands)
     plot.add_parser(commands)
     compare.add_parser(commands)
+    updown.register(commands)
     _output_flags(parser, top=True)
     _path_flags(parser)
     return parser
@@ -527,12 +528,16 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _run_command(args: argparse.Namespace, started: float) -> int:
+    from fedsim.engine.grid import UnsupportedMessage  # noqa: PLC0415  (Flower, only for runs)
     from fedsim.engine.rounds import RunStopped  # noqa: PLC0415  (Flower, only for runs)
     from fedsim.interrupt import EXIT_INTERRUPTED, Interrupted  # noqa: PLC0415
 
     try:
         summary = cmd_run(args) if args.command == "run" else cmd_flwr_run(args)
     except ConfigError as err:
+        print(f"fedsim: error: {err}", file=sys.stderr)
+        return 2
+    except UnsupportedMessage as err:  # the ServerApp sent what no ClientApp runs
         print(f"fedsim: error: {err}", file=sys.stderr)
         return 2
     except RunStopped as err:  # the rounds before it are on disk

@@ -362,7 +362,9 @@ def set_up_run(run: ExperimentRun, engine: Engine | None) -> None:
         else make_client_app(run.spec, config.data, config.client, in_clear)
     )
     # the protocol's client wrapper (DMM, DDGauss) releases metrics only when told to
-    run.client_app = spec_for(config.strategy.name).wrap_client_app(client_app, in_clear)
+    run.client_app = spec_for(config.strategy.name).wrap_client_app(
+        client_app, in_clear, config.strategy.options
+    )
     # the server's secret and the committee hosts (DMM's, DDGauss's), bound again after a
     # resume (pickling drops them); the hosts get where the root lies, never the root: their
     # member actors open it (in process, where no isolation is possible, the host does)

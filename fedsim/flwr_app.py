@@ -38,6 +38,11 @@ run's epsilon composed over every accounted mechanism the app ran, and
 ``unaccounted_releases``, client contributions that reached the ServerApp outside all of
 them (then epsilon is infinite).
 
+What a Flower strategy or the ServerApp's legacy workflow computes each round reaches
+rounds.jsonl as well (:mod:`fedsim.flwr_metrics`): the aggregated train metrics
+(``aggregated``), the aggregated evaluate metrics and loss (``aggregated_evaluate``), and the
+central evaluation (``central``; the initial model's is round 0), as ``fedsim run`` writes them.
+
 A fedsim strategy started inside the ServerApp (``strategy.start``, see
 :mod:`strategies.recorded_start`) reports each round to the run's
 :class:`~fedsim.results.RoundRecorder`: rounds.jsonl gets the sections ``fedsim run`` writes
@@ -70,6 +75,7 @@ from fedsim.config import ConfigError, is_finite_number, require
 from fedsim.engine import ClientAppSource, Engine, EngineConfig, PoissonCohort, UniformCohort
 from fedsim.engine.participation import CohortModel, secret_cohorts
 from fedsim.flwr_federation import Federation, read_federation
+from fedsim.flwr_metrics import recorded_metrics
 from fedsim.progress import Cadence, RunProgress
 from fedsim.randomness import RootSource, RunSecret
 from fedsim.results import RoundRecorder, RunWriter
@@ -367,7 +373,10 @@ def run_flower_app(
         rounds = app.run_config.get("num-server-rounds")
         with RunProgress(rounds if isinstance(rounds, int) else None, enabled=progress) as bar:
             recorder = RoundRecorder([writer.write_round, bar], infer_rounds=True)
-            with _server_errors(recorder.server_error):
+            with (
+                _server_errors(recorder.server_error),
+                recorded_metrics(recorder.strategy_metrics),
+            ):
                 engine.run_server_app(
                     app.server_app,
                     app.client_source(),

@@ -29,10 +29,21 @@ The server's ``central`` evaluation on its own held-out set is always written.
 
 :class:`RoundRecorder` builds these lines from the grid's phase reports. With
 ``infer_rounds`` (a Flower ServerApp whose loop fedsim does not see) a round
-ends when a phase of a later round starts, after its evaluate phase, or when the
-run closes. A fedsim strategy started inside such a ServerApp reports its rounds itself
-(the recorder is the grid's :class:`~fedsim.engine.grid.RoundLog`), with the same sections
-as ``fedsim run``.
+ends when a phase of a later round starts or when the run closes, or, after an evaluate
+phase that carries no round number (nothing else would close it), when the next phase
+starts. Phases of one kind in one round make one section (``start_grid`` sends each node
+its own message, SecAgg+ sends its stages to the same nodes): counts, bytes and seconds add
+up, except that a node in several of them counts once among ``clients``; client metrics are
+client-weighted means.
+Legacy phases (``get_parameters``, ``get_properties``) have sections of their own name,
+other query phases ``query``; a legacy phase before any round, without a round number
+(``start_grid``'s initial ``get_parameters``), is round 0. What a plain Flower strategy or
+the ServerApp's legacy workflow files each round (:mod:`fedsim.flwr_metrics`: aggregated
+train and evaluate metrics, central evaluation) lands in the round's ``aggregated``,
+``aggregated_evaluate`` and ``central`` sections (:meth:`RoundRecorder.strategy_metrics`); a
+central evaluation of the initial model before any phase makes a round-0 line. A fedsim
+strategy started inside such a ServerApp reports its rounds itself (the recorder is the grid's
+:class:`~fedsim.engine.grid.RoundLog`), with the same sections as ``fedsim run``.
 
 A private run's ``privacy`` section is the run's, from the grid's release boundary
 (:mod:`fedsim.engine.boundary`): its ``epsilon`` composes every accounted mechanism of the
@@ -52,11 +63,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from flwr.app import MetricRecord
 
 from fedsim.config import ConfigError
 from fedsim.engine.boundary import ReleaseBoundary
-from fedsim.engine.grid import PhaseReport
+from fedsim.engine.grid import LEGACY_MESSAGE_TYPES, PhaseReport
 from fedsim.results_json import ROUNDS_FILE, SUMMARY_FILE, dumps, json_ready, read_rounds
 from fedsim.runfiles import write_atomic
 
@@ -138,6 +150,48 @@ def _phase_section(report: PhaseReport, client_metrics: bool) -> dict[str, Any]:
     return section
 
 
+def _section_name(message_type: str) -> str:
+    """The round line's section for a phase of ``message_type``."""
+    category = message_type.split(".")[0]
+    if category in ("train", "evaluate") or message_type in LEGACY_MESSAGE_TYPES:
+        return category
+    return "query"
+
+
+_ADDED = ("clients", "failed", "timed_out", "dropped", "messages", "seconds", "compute_s",
+          "bytes_down", "bytes_up")
+
+
+def _merged_section(reports: list[PhaseReport], client_metrics: bool) -> dict[str, Any]:
+    """Several phases of one kind in one round as one section: sums, except that a node
+    answering in several phases (SecAgg+'s stages) counts once among ``clients``, and client
+    metrics weighted by each phase's clients."""
+    sections = [_phase_section(report, client_metrics) for report in reports]
+    out = {key: sum(section[key] for section in sections) for key in _ADDED}
+    timeouts = [report.timeout_s for report in reports if report.timeout_s is not None]
+    if timeouts:  # the longest any of them waited
+        out["timeout_s"] = max(timeouts)
+    if all(report.nodes for report in reports):
+        nodes = frozenset().union(*(report.nodes for report in reports))
+        out["clients"] = min(out["clients"], len(nodes))
+    if client_metrics:
+        weights = [section["clients"] for section in sections]
+        keys = sorted({key for section in sections for key in section["metrics"]})
+        metrics = {}
+        for key in keys:
+            parts = [
+                (w, np.asarray(section["metrics"][key], dtype=np.float64))
+                for w, section in zip(weights, sections, strict=True)
+                if key in section["metrics"] and w > 0
+            ]
+            total = sum(w for w, _ in parts)
+            if total > 0 and len({v.shape for _, v in parts}) == 1:  # a list metric: per entry
+                mean = sum(w * v for w, v in parts) / total
+                metrics[key] = mean.tolist() if mean.ndim else float(mean)
+        out["metrics"] = metrics
+    return out
+
+
 #: sections of a round line that hold the clients' own numbers
 CLIENT_SECTIONS = ("aggregated_evaluate",)
 
@@ -165,6 +219,10 @@ class RoundRecorder:
         self.records: list[dict[str, Any]] = []
         self._round: int | None = None
         self._phases: list[PhaseReport] = []
+        #: what a Flower strategy or ServerApp filed for the open round, by section
+        self._filed: dict[str, dict[str, Any]] = {}
+        #: an evaluate phase without a round number ended the open round (inferred rounds)
+        self._ended = False
         self._round_start = self.started
         self._errors: list[str] = []
         #: what the strategy adds to summary.json (its final privacy report, ...)
@@ -183,17 +241,47 @@ class RoundRecorder:
             return None if privacy is None else dict(privacy)
         return json_ready({**(privacy or {}), **self.boundary.report()})
 
+    def _open(self) -> bool:
+        """Whether a round is open: it has phases or values a strategy filed."""
+        return bool(self._phases or self._filed)
+
     # PhaseObserver
     def phase_finished(self, report: PhaseReport) -> None:
         server_round = report.server_round
-        if self.infer_rounds and self._phases:
-            if server_round is not None and server_round != self._round:
+        legacy = report.message_type in LEGACY_MESSAGE_TYPES
+        if server_round is None and legacy and not self.records and not self._phases:
+            server_round = 0  # start_grid's initial parameters: before round 1
+        if self.infer_rounds and self._open():
+            if self._ended or (server_round is not None and server_round != self._round):
                 self._flush(None)
-        if self._round is None or not self._phases:
+        if self._round is None or not self._open():
             self._round = server_round if server_round is not None else (self._last_round() + 1)
         self._phases.append(report)
-        if self.infer_rounds and report.message_type.startswith("evaluate"):
-            self._flush(None)
+        if (
+            self.infer_rounds
+            and report.message_type.startswith("evaluate")
+            and server_round is None
+        ):
+            # nothing else delimits this ServerApp's rounds: the next phase starts a new one
+            # (what the strategy files in between, its aggregated metrics, is this round's)
+            self._ended = True
+
+    # fedsim.flwr_metrics.MetricsSink: a Flower strategy's or ServerApp's own results
+    def strategy_metrics(self, server_round: int, section: str, values: dict[str, Any]) -> None:
+        """What a Flower strategy or ServerApp filed for ``server_round`` (its aggregated
+        train or evaluate metrics, its central evaluation): section ``section`` of that
+        round's line. Inferred rounds close the open round first when it is another one, as a
+        phase of another round does; so a round without phases (central evaluation of the
+        initial model, round 0) gets a line of its own. In a private run (or one whose
+        release boundary accounted a mechanism) the clients' aggregated numbers are left out
+        unless ``metrics_in_clear`` (the server's ``central`` is always kept)."""
+        if section != "central" and not self.client_metrics:
+            return
+        if self.infer_rounds and self._open() and server_round != self._round:
+            self._flush(None)  # as a phase of another round would
+        if not self._open():
+            self._round = server_round
+        self._filed[section] = {**self._filed.get(section, {}), **values}
 
     def server_error(self, message: str) -> None:
         """The ServerApp logged an error during the open round (a stopped round)."""
@@ -244,23 +332,34 @@ class RoundRecorder:
         }
         bytes_down = bytes_up = 0
         trained = 0
+        kinds: dict[str, list[PhaseReport]] = {}
         for report in phases:
-            name = (
-                "train"
-                if report.message_type.startswith("train")
-                else ("evaluate" if report.message_type.startswith("evaluate") else "query")
-            )
-            record[name] = _phase_section(report, self.client_metrics)
+            kinds.setdefault(_section_name(report.message_type), []).append(report)
             bytes_down += report.bytes_down
             bytes_up += report.bytes_up
-            if name == "train":
-                trained += report.succeeded
+        for name, reports in kinds.items():
+            record[name] = (
+                _phase_section(reports[0], self.client_metrics)
+                if len(reports) == 1
+                else _merged_section(reports, self.client_metrics)
+            )
+        if "train" in record:
+            trained = record["train"]["clients"]
         record["bytes_down"] = bytes_down
         record["bytes_up"] = bytes_up
         record["clients_per_s"] = trained / record["seconds"] if record["seconds"] > 0 else 0.0
+        filed, self._filed, self._ended = self._filed, {}, False
+        accounted = self.boundary is not None and self.boundary.private
+        for name, value in filed.items():
+            # a Flower strategy's aggregates of the clients' numbers are un-noised: left out
+            # of a run with an accounted mechanism unless its metrics are in clear
+            if name == "central" or not accounted or self.mark_in_clear:
+                record[name] = value
         for name, value in (sections or {}).items():
             if value is not None and (self.client_metrics or name not in CLIENT_SECTIONS):
-                record[name] = value
+                given = record.get(name)
+                both = isinstance(given, dict) and isinstance(value, dict)
+                record[name] = {**given, **value} if both else value
         privacy = self.run_privacy(record.get("privacy"))
         if privacy is not None:
             record["privacy"] = privacy
@@ -279,5 +378,5 @@ class RoundRecorder:
 
     def close(self) -> None:
         """Flush a round that is still open (inferred rounds)."""
-        if self._phases:
+        if self._open():
             self._flush(None)

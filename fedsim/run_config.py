@@ -366,8 +366,11 @@ class ExperimentConfig:
 
     @property
     def private(self) -> bool:
-        """Whether the run is private: a DP or secure strategy, or DP-SGD clients."""
-        return spec_for(self.strategy.name).private or self.client.dp_sgd is not None
+        """Whether the run is private: a DP or secure strategy (a FedAvg-family strategy with
+        a ``secure_sum`` too), or DP-SGD clients."""
+        spec = spec_for(self.strategy.name)
+        secure = spec.secure_replies(self.strategy.options)
+        return spec.private or secure or self.client.dp_sgd is not None
 
 
 def is_personalised(config: ExperimentConfig) -> bool:

@@ -33,6 +33,11 @@ around any training ClientApp). Rounding and noise come from the client's own se
   encoding (the members' keys it relays are taken as authentic). ``member_dropout`` drops
   members from a public schedule.
 
+Each mode is a :class:`strategies.secure.SecureSum` (:data:`SECURE_SUMS`: "full" runs
+``secagg``, "plaintext" ``plaintext``, "committee" ``committee``), which instructs the cohort,
+checks the clients' first replies and finishes into a :class:`strategies.secure.Release`;
+DDGauss itself is the KLS21 encoder, the ledger that reads each release, and the decoding.
+
 The server decodes the sum (signed, times gamma, inverse rotation), divides by the planned
 cohort size ``expected_clients`` and hands ``g + mean update`` to the wrapped Flower strategy
 (FedAvg, FedAvgM, FedAdam, ...) as a single reply.
@@ -80,7 +85,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import dp_accounting as dpa
@@ -91,8 +95,6 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedsim.config import ConfigError
-from fedsim.engine.boundary import boundary_of
-from fedsim.engine.client_registry import enrolled, member_name
 from fedsim.engine.committee import Committee, CommitteeSpec
 from fedsim.privacy import ddgauss as ddgauss_privacy
 from fedsim.privacy.accounting import NeighbouringRelation, PrivacyLedger
@@ -100,42 +102,30 @@ from fedsim.privacy.mechanisms import SecureRandom, discrete_gaussian
 from fedsim.randomness import PartySecret, Purpose, Stream, client_secret, public_generator
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.worker_reduce import single
-from protocols.channels import KeySubstitution, new_session_id
-from protocols.committee import (
-    MEMBER_ID_BASE,
-    CommitteeAbort,
-    CommitteeFaults,
-    CommitteeKeys,
-    SealedInput,
-    TamperingDetected,
-)
-from protocols.committee_client import seal_input
-from protocols.encoding import DEFAULT_BETA, DDGaussEncoder, choose_gamma
-from protocols.field import DEFAULT_FIELD
-from protocols.secagg import SecAggConfig, Stage, TooManyDropoutsError, integer_vector
+from protocols.channels import KeySubstitution
+from protocols.encoding import DEFAULT_BETA, DDGaussEncoder, EncodedUpdate, choose_gamma
+from protocols.secagg import SecAggConfig, Stage
+from strategies import secure
 from strategies.answered_rounds import claim_round
 from strategies.dp_shell import LedgerShell
-from strategies.secagg_messages import (
-    KEYS_KEY,
-    MALFORMED,
-    envelopes_from,
-    envelopes_record,
-    register_client_stages,
-    run_over_grid,
-    start_client,
-)
+from strategies.secagg_messages import register_client_stages
+from strategies.secure import Release, SecAggPlan, SecureSum
+from strategies.secure.committee import COMMITTEE_OPTIONS, sealed_key
+from strategies.secure.plaintext import encoded_key
+from strategies.secure.replies import first_replies
 from strategies.spec import Accounting, RunFacts, StrategySpec
 from strategies.wrapper import server_reply
 
 log = logging.getLogger(__name__)
 
-ENCODED_KEY = "ddgauss.encoded"
-SEALED_KEY = "ddgauss.sealed"
-"""Committee mode's reply: ConfigRecord of the client's ``public-key`` and its envelopes."""
 PREFIX = "ddgauss."
-COMMITTEE_PREFIX = "ddgauss.committee."
-_COMMITTEE_KEYS = ("n", "t", "k", "field-exponent", "session", "member-keys", "party")
-MODES = ("full", "plaintext", "committee")
+ENCODED_KEY = encoded_key(PREFIX)
+SEALED_KEY = sealed_key(PREFIX)
+"""Committee mode's reply: ConfigRecord of the client's ``public-key`` and its envelopes."""
+COMMITTEE_PREFIX = PREFIX + "committee."
+#: DDGauss's ``mode`` -> the secure sum it runs (:mod:`strategies.secure`)
+SECURE_SUMS = {"full": "secagg", "plaintext": "plaintext", "committee": "committee"}
+MODES = tuple(SECURE_SUMS)
 _KEYS = ("dim", "clip", "gamma", "noise-std", "beta", "max-tries", "rotation-seed", "mode")
 _EVALUATION = (
     "{} with DDGauss: federated evaluation sends each evaluating client's un-noised loss and "
@@ -199,92 +189,27 @@ def trained_update(
     return flatten(to_numpy(trained)) - flatten(to_numpy(global_record)), metrics
 
 
-def committee_keys_config(keys: CommitteeKeys, party: int) -> dict[str, Any]:
-    """The ``ddgauss.committee.*`` entries of one client's committee-mode instruction: the
-    round's public :class:`protocols.committee.CommitteeKeys` (the round is ``server-round``)
-    and the client's channel id. Nothing secret."""
-    values = {
-        "n": keys.n,
-        "t": keys.t,
-        "k": keys.k,
-        "field-exponent": keys.field_exponent,
-        "session": keys.session_id,
-        "member-keys": list(keys.member_keys),
-        "party": int(party),
-    }
-    if keys.member_proofs:
-        values["member-proofs"] = list(keys.member_proofs)
-    return {COMMITTEE_PREFIX + name: value for name, value in values.items()}
-
-
-def committee_keys_from(config: ConfigRecord) -> tuple[CommitteeKeys, int]:
-    """(keys, party) from an instruction's ``ddgauss.committee.*`` entries; ValueError naming
-    what is missing or malformed."""
-    missing = [COMMITTEE_PREFIX + k for k in _COMMITTEE_KEYS if COMMITTEE_PREFIX + k not in config]
-    if missing:
-        raise ValueError(f"the committee-mode instruction's config lacks {missing}")
-    member_keys = config[COMMITTEE_PREFIX + "member-keys"]
-    if not isinstance(member_keys, list):
-        raise ValueError(f"{COMMITTEE_PREFIX}member-keys must be a list of public keys")
-    keys = CommitteeKeys(
-        round=int(config["server-round"]),
-        n=int(config[COMMITTEE_PREFIX + "n"]),
-        t=int(config[COMMITTEE_PREFIX + "t"]),
-        k=int(config[COMMITTEE_PREFIX + "k"]),
-        field_exponent=int(config[COMMITTEE_PREFIX + "field-exponent"]),
-        session_id=config[COMMITTEE_PREFIX + "session"],
-        member_keys=tuple(member_keys),
-        member_proofs=tuple(config.get(COMMITTEE_PREFIX + "member-proofs", [])),
-    )
-    return keys, int(config[COMMITTEE_PREFIX + "party"])
-
-
-def sealed_record(sealed: SealedInput) -> ConfigRecord:
-    """A client's sealed input as its reply record: its public key and its envelopes (member
-    order) as parallel lists (:func:`strategies.secagg_messages.envelopes_record`)."""
-    record = envelopes_record(sealed.envelopes[j] for j in sorted(sealed.envelopes))
-    record["public-key"] = sealed.public_key
-    return record
-
-
-def sealed_from(record: object) -> SealedInput:
-    """The :class:`~protocols.committee.SealedInput` of a committee-mode reply record;
-    ValueError if it is not one (what the envelopes say is the committee's to check)."""
-    if not isinstance(record, ConfigRecord) or "public-key" not in record:
-        raise ValueError(f"{SEALED_KEY} must be a ConfigRecord with a 'public-key'")
-    key = record["public-key"]
-    if not isinstance(key, bytes):
-        raise ValueError(f"{SEALED_KEY}'s public-key is a {type(key).__name__}, not bytes")
-    envelopes = envelopes_from(ConfigRecord({k: v for k, v in record.items() if k != "public-key"}))
-    members = [e.receiver - MEMBER_ID_BASE for e in envelopes]
-    if len(set(members)) != len(members):
-        raise ValueError(f"{SEALED_KEY} holds two envelopes for one member")
-    return SealedInput(key, dict(zip(members, envelopes)))
-
-
-def _committee_content(
-    secret: PartySecret,
+def _encode(
+    encoder: DDGaussEncoder,
+    update: np.ndarray,
     config: ConfigRecord,
-    elements: np.ndarray,
+    secret: PartySecret,
     server_round: int,
-    node_config: Mapping[str, Any],
-) -> RecordDict:
-    """Committee mode on the client: share ``elements`` and seal each member's row, with
-    share randomness and key from the client's own ``secret``. An enrolled client (its
-    ``node_config``) first checks that every member key was signed by member j itself
-    (:func:`protocols.committee_client.check_member_keys`): a substituted key is refused."""
-    keys, party = committee_keys_from(config)
-    enrolment = enrolled(node_config, secret)
-    sealed = seal_input(
-        keys,
-        party,
-        elements,
-        secret.generator(server_round, Purpose.SHARES, PREFIX),
-        secret.seed_bytes(server_round, Purpose.KEYS, PREFIX, keys.session_id.hex()),
-        verifier=None if enrolment is None else enrolment[1],
-        names=[member_name(j) for j in range(keys.n)],
+    secure_noise: bool,
+) -> EncodedUpdate:
+    """The client's encoding: rounding and noise from its own secret's round streams (the
+    noise from the OS with ``secure_noise``)."""
+    rng = secret.generator(server_round, Purpose.ROUNDING, PREFIX)
+    noise_rng = secret.generator(server_round, Purpose.NOISE, PREFIX)
+    if secure_noise:
+        noise_rng = SecureRandom()
+    return encoder.encode(
+        update,
+        int(config[PREFIX + "rotation-seed"]),
+        rng,
+        noise_rng=noise_rng,
+        sampler=discrete_gaussian,
     )
-    return RecordDict({SEALED_KEY: sealed_record(sealed)})
 
 
 def ddgauss_client_app(
@@ -320,26 +245,9 @@ def ddgauss_client_app(
             return local
         update, metrics = local
         secret = client_secret(context.node_config)
-        rng = secret.generator(server_round, Purpose.ROUNDING, PREFIX)
-        noise_rng = secret.generator(server_round, Purpose.NOISE, PREFIX)
-        if secure_noise:
-            noise_rng = SecureRandom()
-        encoded = encoder.encode(
-            update,
-            int(config[PREFIX + "rotation-seed"]),
-            rng,
-            noise_rng=noise_rng,
-            sampler=discrete_gaussian,
-        )
-        if mode == "full":
-            signed = encoder.field.decode_signed(encoded.elements)
-            content = start_client(context, server_round, config[PREFIX + "session"], signed)
-        elif mode == "committee":
-            content = _committee_content(
-                secret, config, encoded.elements, server_round, context.node_config
-            )
-        else:
-            content = RecordDict({ENCODED_KEY: to_record({ENCODED_KEY: encoded.elements})})
+        encoded = _encode(encoder, update, config, secret, server_round, secure_noise)
+        contribute = secure.CONTRIBUTE[SECURE_SUMS[mode]]
+        content = contribute(context, secret, config, encoded.elements, server_round, PREFIX)
         if metrics_in_clear:
             out_metrics = MetricRecord(dict(metrics))
             out_metrics["ddgauss.tries"] = encoded.tries
@@ -360,24 +268,6 @@ def ddgauss_client_app(
         return inner(message, context)
 
     return app
-
-
-@dataclass
-class _Release:
-    """What one round's secure sum gave: the total in F_p (None: no sum decoded), the nodes
-    whose noise it holds, the nodes rejected with reasons, why it aborted, (full mode) the
-    SecAgg+ server's final stage and the nodes that refused a stage, (committee mode) the
-    members' counts for the round metrics, and ``opened``: when it aborted after the server
-    held enough to determine the sum, the nodes whose noise that sum holds (accounted)."""
-
-    total: np.ndarray | None
-    survivors: tuple[int, ...] = ()
-    rejected: dict[int, str] = field(default_factory=dict)
-    aborted: str | None = None
-    stage: str | None = None
-    refused: dict[int, str] = field(default_factory=dict)
-    counts: dict[str, int] = field(default_factory=dict)
-    opened: tuple[int, ...] = ()
 
 
 def _check_arguments(
@@ -510,10 +400,15 @@ class DDGauss(LedgerShell):
         self.ring_bits = ring_bits
         self.protocol_dropout = float(protocol_dropout)
         self.member_dropout = float(member_dropout)
-        self._spec = committee if isinstance(committee, CommitteeSpec) else None
-        if isinstance(committee, Committee):
-            self._spec = committee.spec()
-        self.committee = committee if isinstance(committee, Committee) else None
+        #: the round's secure sum, chosen by ``mode`` (:data:`SECURE_SUMS`)
+        self.secure: SecureSum = secure.build(
+            SECURE_SUMS[mode],
+            prefix=PREFIX,
+            plan=SecAggPlan(int(seed), secagg_degree, ring_bits, float(protocol_dropout)),
+            stage_timeout=stage_timeout,
+            committee=committee,
+            member_dropout=float(member_dropout),
+        )
         self.clipping_norm = float(clipping_norm)
         self.noise_multiplier = float(noise_multiplier)
         self.expected_clients = expected_clients
@@ -541,34 +436,28 @@ class DDGauss(LedgerShell):
         self.unaccounted: list[str] = []
         self._global: tuple[str, ArrayRecord] | None = None
         self._grid: Grid | None = None
-        self._session: bytes | None = None
         self._asked: set[int] = set()
-        self._party: dict[int, int] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_grid"] = None  # the round's transport, never part of a checkpoint
-        state["committee"] = None  # the members' keys and shares are theirs; bound again
-        return state
+        return state  # the secure sum drops its committee: the members' keys are theirs
+
+    @property
+    def committee(self) -> Committee | None:
+        """The bound committee (committee mode; None until the front end binds one)."""
+        return getattr(self.secure, "committee", None)
 
     def committee_spec(self) -> CommitteeSpec | None:
         """The committee the front end should build and bind (None outside committee mode)."""
-        return self._spec
+        return getattr(self.secure, "spec", None)
 
     def bind_committee(self, committee: Committee) -> None:
         """Sum through ``committee`` (engine-side: it holds the members' keys, this strategy
         never holds their secrets); the front end binds one again after ``--resume``."""
-        if self._spec is None:
+        if not isinstance(self.secure, secure.CommitteeSum):
             raise ValueError(f"bind_committee with mode={self.mode!r}; only mode='committee'")
-        if not isinstance(committee, Committee):
-            raise ValueError(f"committee is a {type(committee).__name__}, not a Committee")
-        scheme, spec = committee.scheme, self._spec
-        if (scheme.n, scheme.t, scheme.k) != (spec.size, spec.threshold, spec.packing):
-            raise ValueError(
-                f"the committee has (n, t, k) = {(scheme.n, scheme.t, scheme.k)}; this strategy "
-                f"is configured for {(spec.size, spec.threshold, spec.packing)}"
-            )
-        self.committee = committee
+        self.secure.bind(committee)
 
     @property
     def client_noise_std(self) -> float:
@@ -656,220 +545,54 @@ class DDGauss(LedgerShell):
                 PREFIX + "mode": self.mode,
             }
         )
-        self._session = new_session_id() if self.mode == "full" else None
-        if self._session is not None:
-            extended[PREFIX + "session"] = self._session
-        if self.mode == "committee" and self.committee is None:
-            raise RuntimeError(
-                "mode='committee' needs a committee: pass committee=Committee(...), or run "
-                "through fedsim's front end, which builds one from committee_spec() and binds "
-                "it (bind_committee)"
-            )
+        self.secure.instruct(server_round, extended, grid)  # a session id, a committee check
         self._global = (getattr(self.strategy, "arrayrecord_key", "arrays"), arrays)
         self._grid = grid
         messages = list(self.strategy.configure_train(server_round, arrays, extended, grid))
         self._asked = {int(m.metadata.dst_node_id) for m in messages}
-        if self.mode == "committee":
-            self._party = {int(m.metadata.dst_node_id): p for p, m in enumerate(messages)}
-            keys = self.committee.keys_for(server_round)
-            for message in messages:
-                own = committee_keys_config(keys, self._party[int(message.metadata.dst_node_id)])
-                message.content = RecordDict(
-                    {
-                        name: ConfigRecord({**dict(record), **own})
-                        if isinstance(record, ConfigRecord)
-                        else record
-                        for name, record in message.content.items()
-                    }
-                )
+        self.secure.address(server_round, messages)  # committee mode: keys, channel ids
         return messages
-
-    def member_faults(self, server_round: int) -> CommitteeFaults:
-        """The committee members that drop out this round, by stage (a public schedule)."""
-        if not self.member_dropout:
-            return CommitteeFaults()
-        rng = public_generator(self.seed, server_round, Stream.FAULTS, 2)
-        return CommitteeFaults.random(self.committee.scheme.n, rng, drop=self.member_dropout)
 
     def protocol_dropouts(self, server_round: int, ids: list[int]) -> dict[Stage, set[int]]:
         """The clients that stop answering inside SecAgg+ this round, by stage."""
-        rng = public_generator(self.seed, server_round, Stream.FAULTS, 1)
-        lost = rng.random(len(ids)) < self.protocol_dropout
-        stage_index = rng.integers(0, 4, size=len(ids))
-        stages = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASK)
-        out: dict[Stage, set[int]] = {}
-        for client, is_lost, index in zip(ids, lost, stage_index):
-            if is_lost:
-                out.setdefault(stages[index], set()).add(client)
-        return out
+        return self.secure_plan.dropouts(server_round, ids)
 
     def secagg_config(self, server_round: int, count: int, length: int) -> SecAggConfig:
         """The SecAgg+ parameters for ``count`` clients: degree ``secagg_degree`` (None: the
         complete graph), threshold a majority of the neighbours."""
-        degree = count - 1 if self.secagg_degree is None else min(self.secagg_degree, count - 1)
-        if degree != count - 1 and degree % 2:
-            degree -= 1
-        return SecAggConfig(
-            num_clients=count,
-            degree=degree,
-            threshold=degree // 2 + 1 if degree >= 2 else 2,
-            vector_length=length,
-            round=server_round,
-            ring_bits=self.ring_bits,
-        )
+        return self.secure_plan.config(server_round, count, length)
+
+    @property
+    def secure_plan(self) -> SecAggPlan:
+        """SecAgg+'s public parameters (full mode runs them; plaintext mode simulates them)."""
+        return SecAggPlan(self.seed, self.secagg_degree, self.ring_bits, self.protocol_dropout)
 
     def sum_in_clear(self, server_round: int, inputs: dict[int, np.ndarray]) -> np.ndarray:
         """sum_i inputs[i] mod p over the clients that contribute, in plaintext mode (the only
         one in which the server holds the encodings): the outcome SecAgg+ reaches on the
         complete graph under the round's protocol dropouts; sets ``last_survivors``. Raises
         :class:`protocols.secagg.TooManyDropoutsError` when the round cannot complete."""
-        ids = sorted(inputs)
-        if self.mode != "plaintext":
+        if not isinstance(self.secure, secure.PlaintextSum):
             raise ValueError(
                 f"in {self.mode} mode the server never holds the inputs; see aggregate_train"
             )
-        dropouts = self.protocol_dropouts(server_round, ids)
-        config = self.secagg_config(server_round, len(ids), inputs[ids[0]].size)
-        advertised = [i for i in ids if i not in dropouts.get(Stage.ADVERTISE_KEYS, ())]
-        before_input = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT)
-        gone = set().union(*(dropouts.get(stage, set()) for stage in before_input))
-        contributors = [i for i in ids if i not in gone]
-        responders = [i for i in contributors if i not in dropouts.get(Stage.UNMASK, ())]
-        if (
-            len(advertised) - 1 < config.threshold
-            or len(contributors) < config.survivors_needed
-            or len(responders) < config.threshold
-        ):
-            raise TooManyDropoutsError(
-                f"round {server_round}: {len(contributors)} clients contributed and "
-                f"{len(responders)} answered in UNMASK; at least {config.threshold} needed"
-            )
-        self.last_survivors = tuple(contributors)
-        return DEFAULT_FIELD.sum(np.stack([inputs[i] for i in contributors]), axis=0)
+        total, self.last_survivors = self.secure.sum_in_clear(server_round, inputs)
+        return total
 
     def _first_replies(self, replies: Iterable[Message]) -> tuple[dict, dict, list]:
-        """The train replies checked: (node -> public keys or encoding, rejected node ->
-        reason, the metric records clients sent in the clear)."""
-        accepted: dict[int, Any] = {}
-        rejected: dict[int, str] = {}
-        clear: dict[int, MetricRecord] = {}
-        seen: set[int] = set()
-        boundary = boundary_of(self._grid)
-        self.last_key_refusals = {}
-        for reply in replies:
-            if reply.has_error():  # the client failed: a dropout (or refused a relayed key)
-                reason = str(getattr(reply.error, "reason", ""))
-                if reason.startswith(KeySubstitution.__name__):
-                    node = int(reply.metadata.src_node_id)
-                    self.last_key_refusals[node] = reason.splitlines()[0][:500]
-                continue
-            node = int(reply.metadata.src_node_id)
-            try:
-                if node not in self._asked or node in seen:
-                    raise ValueError("a train reply from a node not asked, or a second one")
-                if boundary is not None:  # the release boundary: each reply consumed once
-                    boundary.claim([reply], self)
-                seen.add(node)
-                accepted[node] = self._payload(reply.content)
-            except MALFORMED as error:
-                rejected[node] = f"train reply: {error}"
-                continue
-            if "metrics" in reply.content:
-                clear[node] = reply.content["metrics"]
-        for node in rejected:
-            accepted.pop(node, None)
-            clear.pop(node, None)
-        return accepted, rejected, list(clear.values())
-
-    def _payload(self, content: RecordDict) -> Any:
-        """A train reply's public keys (full mode), sealed input (committee mode) or encoding
-        (plaintext mode); ValueError if it is not one."""
-        key, kind = {
-            "full": (KEYS_KEY, ConfigRecord),
-            "committee": (SEALED_KEY, ConfigRecord),
-            "plaintext": (ENCODED_KEY, ArrayRecord),
-        }[self.mode]
-        if set(content.keys()) - {"metrics"} != {key} or not isinstance(content[key], kind):
-            raise ValueError(f"it must hold exactly {key!r} (and 'metrics')")
-        if "metrics" in content and not isinstance(content["metrics"], MetricRecord):
-            raise ValueError("'metrics' must be a MetricRecord")
-        if self.mode == "full":
-            record = content[KEYS_KEY]
-            if set(record) - {"proof"} != {"channel", "agreement"}:
-                raise ValueError("public keys must be 'channel' and 'agreement' (and 'proof')")
-            if "proof" in record:  # relayed with the keys; the clients check it
-                return (record["channel"], record["agreement"], record["proof"])
-            return (record["channel"], record["agreement"])
-        if self.mode == "committee":
-            return sealed_from(content[SEALED_KEY])
-        arrays = to_numpy(content[ENCODED_KEY])
-        if list(arrays) != [ENCODED_KEY]:
-            raise ValueError(f"the encoding must be one array named {ENCODED_KEY!r}")
-        length = self.encoder.padded_dim
-        return integer_vector(arrays[ENCODED_KEY], DEFAULT_FIELD, length, "the encoding")
-
-    def _release(self, server_round: int, payloads: dict[int, Any]) -> _Release:
-        """The round's secure sum over the accepted clients, in F_p, or why there is none."""
-        length = self.encoder.padded_dim
-        if self.mode == "full":
-            outcome = run_over_grid(
-                self._grid,
-                server_round=server_round,
-                session=self._session,
-                public_keys=payloads,
-                config_for=lambda count: self.secagg_config(server_round, count, length),
-                graph_rng=public_generator(self.seed, server_round, Stream.COMMITTEE, 1),
-                timeout=self.stage_timeout,
-                silent=self.protocol_dropouts(server_round, sorted(payloads)),
-            )
-            total = outcome.aggregate
-            if total is not None and outcome.config.ring_bits is not None:
-                total = DEFAULT_FIELD.encode_signed(outcome.config.masking.decode_signed(total))
-            return _Release(
-                total,
-                outcome.survivors,
-                outcome.rejected,
-                outcome.aborted,
-                outcome.stage.name,
-                outcome.refused,
-                opened=outcome.opened,
-            )
-        if len(payloads) < 1:
-            return _Release(None, aborted=f"round {server_round}: no client contributed")
-        if self.mode == "committee":
-            return self._committee_release(server_round, payloads)
-        try:
-            total = self.sum_in_clear(server_round, payloads)
-        except TooManyDropoutsError as error:
-            return _Release(None, aborted=str(error))
-        return _Release(total, self.last_survivors)
-
-    def _committee_release(self, server_round: int, sealed: dict[int, SealedInput]) -> _Release:
-        """The committee's sum of the clients' sealed inputs (by node id); clients whose input
-        the committee excluded are rejected with its reason."""
-        node_of = {party: node for node, party in self._party.items()}
-        inputs = {self._party[node]: value for node, value in sealed.items()}
-        length = self.encoder.padded_dim
-        faults = self.member_faults(server_round)
-        try:
-            result = self.committee.run_round_sealed(server_round, inputs, length, faults)
-        except (CommitteeAbort, TamperingDetected) as error:
-            rejected = {node_of[c]: why for c, why in error.excluded.items()}
-            opened = () if error.opened is None else error.opened.clients
-            return _Release(
-                None,
-                rejected=rejected,
-                aborted=str(error),
-                opened=tuple(sorted(node_of[c] for c in opened)),
-            )
-        rejected = {node_of[c]: _reason(result.reasons, c) for c in result.excluded}
-        clients = tuple(sorted(node_of[c] for c in result.clients))
-        counts = {
-            "ddgauss-member-dropouts": len(result.dropped) + len(result.late),
-            "ddgauss-members-rejected": len(result.rejected) + len(result.tampered),
-            "ddgauss-verified": int(result.verified),
-        }
-        return _Release(result.aggregate, clients, rejected, counts=counts)
+        """The train replies checked (:func:`strategies.secure.replies.first_replies`): (node
+        -> public keys, sealed input or encoding, rejected node -> reason, the metric records
+        clients sent in the clear)."""
+        checked = first_replies(
+            replies,
+            self.secure,
+            asked=self._asked,
+            grid=self._grid,
+            mechanism=self,
+            length=self.encoder.padded_dim,
+        )
+        self.last_key_refusals = checked.key_refusals
+        return checked.accepted, checked.rejected, checked.clear
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -880,22 +603,8 @@ class DDGauss(LedgerShell):
         before = self.epsilon()
         if clear:
             self._unaccounted(server_round, f"train metrics of {len(clear)} clients in the clear")
-        release = self._release(server_round, payloads)
-        refusals = dict(self.last_key_refusals)
-        refusals.update(
-            {n: r for n, r in release.refused.items() if KeySubstitution.__name__ in r}
-        )
-        if refusals:  # a key relay that substitutes keys is named, never a silent dropout
-            node, reason = sorted(refusals.items())[0]
-            log.warning(
-                "round %d: %d clients refused keys relayed by the server (node %d: %s)",
-                server_round, len(refusals), node, reason,
-            )
-            if release.total is None:
-                release.aborted = (
-                    f"{release.aborted}; {len(refusals)} clients refused relayed keys "
-                    f"(node {node}: {reason})"
-                )
+        release = self.secure.finish(server_round, payloads, self.encoder.padded_dim)
+        refusals = self._key_refusals(server_round, release)
         rejected.update(release.rejected)
         for node, reason in sorted(rejected.items()):
             log.warning("round %d: DDGauss rejected node %d: %s", server_round, node, reason)
@@ -913,30 +622,58 @@ class DDGauss(LedgerShell):
         )
         self.last_opened = release.opened
         if release.total is None:  # no model update; accounted if the server holds the sum
-            self.last_survivors, self.last_sum, self.last_abort = (), None, release.aborted
-            metrics["ddgauss-survivors"] = len(release.opened)
-            metrics["ddgauss-aborted"] = 1
-            if not release.opened:
-                return None, self._with_epsilon(metrics, before)
-            self._record(server_round, len(release.opened))  # opened is released
-            metrics["ddgauss-opened"] = 1
-            metrics = self._with_epsilon(metrics, before)
-            self.aborted_releases.append(
-                {
-                    "round": server_round,
-                    "clients": len(release.opened),
-                    "epsilon_cost": metrics["ddgauss-epsilon-cost"],
-                }
-            )
-            return None, metrics
-        self.last_sum, self.last_survivors, self.last_abort = release.total, release.survivors, None
+            return None, self._aborted(server_round, release, metrics, before)
+        self.last_sum, self.last_survivors = release.total, release.contributors
+        self.last_abort = None
         arrays, aggregated = self._apply(server_round, release, clear)
         aggregated.update(dict(metrics))
-        aggregated.update(release.counts)
-        aggregated["ddgauss-survivors"] = len(release.survivors)
+        aggregated.update({"ddgauss-" + name: n for name, n in release.counts.items()})
+        aggregated["ddgauss-survivors"] = len(release.contributors)
         aggregated["ddgauss-aborted"] = 0
         aggregated["ddgauss-gamma"] = self.encoder.gamma
         return arrays, self._with_epsilon(aggregated, before)
+
+    def _key_refusals(self, server_round: int, release: Release) -> dict[int, str]:
+        """The clients that refused keys the server relayed (named, never a silent dropout);
+        an aborted release says so in ``aborted``."""
+        refusals = dict(self.last_key_refusals)
+        refusals.update(
+            {n: r for n, r in release.refused.items() if KeySubstitution.__name__ in r}
+        )
+        if refusals:
+            node, reason = sorted(refusals.items())[0]
+            log.warning(
+                "round %d: %d clients refused keys relayed by the server (node %d: %s)",
+                server_round, len(refusals), node, reason,
+            )
+            if release.total is None:
+                release.aborted = (
+                    f"{release.aborted}; {len(refusals)} clients refused relayed keys "
+                    f"(node {node}: {reason})"
+                )
+        return refusals
+
+    def _aborted(
+        self, server_round: int, release: Release, metrics: MetricRecord, before: float
+    ) -> MetricRecord:
+        """An aborted round's metrics; opened is released: accounted for the noise of the
+        clients in the sum the server could determine, if any (``aborted_releases``)."""
+        self.last_survivors, self.last_sum, self.last_abort = (), None, release.aborted
+        metrics["ddgauss-survivors"] = len(release.opened)
+        metrics["ddgauss-aborted"] = 1
+        if not release.accounted:
+            return self._with_epsilon(metrics, before)
+        self._record(server_round, len(release.accounted))  # opened is released
+        metrics["ddgauss-opened"] = 1
+        metrics = self._with_epsilon(metrics, before)
+        self.aborted_releases.append(
+            {
+                "round": server_round,
+                "clients": len(release.accounted),
+                "epsilon_cost": metrics["ddgauss-epsilon-cost"],
+            }
+        )
+        return metrics
 
     def _with_epsilon(self, metrics: MetricRecord, before: float) -> MetricRecord:
         """``metrics`` with epsilon so far and what this round cost (``ddgauss-epsilon-cost``:
@@ -965,13 +702,13 @@ class DDGauss(LedgerShell):
         log.warning("round %d: DDGauss received %s: epsilon is now infinite", server_round, what)
 
     def _apply(
-        self, server_round: int, release: _Release, clear: list[MetricRecord]
+        self, server_round: int, release: Release, clear: list[MetricRecord]
     ) -> tuple[ArrayRecord | None, MetricRecord]:
         """Account the release (survivors' noise only) and hand the mean update to the
         wrapped strategy; client metrics sent in the clear are averaged and marked."""
         encoder = self.encoder
         key, global_record = self._global
-        self._record(server_round, len(release.survivors))
+        self._record(server_round, len(release.contributors))
         reference = to_numpy(global_record)
         mean_update = encoder.decode(release.total, self.rotation_seed(server_round))
         mean_update /= self.expected_clients
@@ -992,12 +729,6 @@ class DDGauss(LedgerShell):
             aggregated["metrics_in_clear"] = 1
             aggregated["ddgauss-clipped"] = sum(int(m.get("ddgauss.clipped", 0)) for m in clear)
         return arrays, aggregated
-
-
-def _reason(reasons: Iterable[str], client: int) -> str:
-    """The committee's reason for excluding ``client`` (``"client C: ..."`` entries)."""
-    prefix = f"client {client}: "
-    return "; ".join(r[len(prefix) :] for r in reasons if r.startswith(prefix))
 
 
 def _number(value: object) -> bool:
@@ -1025,14 +756,7 @@ OPTIONS = (
     "committee_actors",
     "member_dropout",
 )
-_COMMITTEE_OPTIONS = {
-    "committee_size": "size",
-    "threshold": "threshold",
-    "packing": "packing",
-    "detect": "detect",
-    "committee_shards": "shards",
-    "committee_actors": "actors",
-}
+_COMMITTEE_OPTIONS = COMMITTEE_OPTIONS
 
 
 def from_options(

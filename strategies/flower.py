@@ -28,6 +28,7 @@ from flwr.serverapp.strategy import (
 )
 
 from fedsim.config import ConfigError
+from strategies import secure_aggregation
 from strategies.spec import RunFacts, StrategySpec
 from strategies.worker_reduced import WorkerReduced
 
@@ -96,12 +97,27 @@ def flower_strategy(
 
 def _spec(name: str, cls: type[FedAvg], summable: bool) -> StrategySpec:
     def build(options: Mapping[str, Any], facts: RunFacts) -> Strategy:
-        strategy = flower_strategy(cls, options, facts.evaluate_fraction)
+        plain, secured = secure_aggregation.split_options(options)
+        if secured and not summable:
+            raise ConfigError(
+                "strategy.options.secure_sum",
+                secured.get("secure_sum"),
+                f"unset for {name}, whose aggregation is not a sum (a secure sum works with "
+                f"{', '.join(WEIGHTED_MEAN)})",
+            )
+        strategy = flower_strategy(cls, plain, facts.evaluate_fraction)
+        if secured:  # the clients' weighted sum by a secure sum, never folded on workers
+            return secure_aggregation.from_options(strategy, secured, facts)
         return WorkerReduced(strategy) if facts.worker_reduction else strategy
 
     proximal = issubclass(cls, FedProx)
     return StrategySpec(
-        name=name, build=build, summable=summable, proximal=lambda options: proximal
+        name=name,
+        build=build,
+        summable=summable,
+        proximal=lambda options: proximal,
+        secure_replies=secure_aggregation.asks_secure_sum,
+        client_app_for=secure_aggregation.client_app_for,
     )
 
 

@@ -25,6 +25,7 @@ from strategies import (
     pfedbayes,
     pfedhb,
     pfedvem,
+    secure_aggregation,
 )
 from strategies.spec import RunFacts, StrategySpec
 
@@ -94,14 +95,8 @@ def build_strategy(
         "a strategy for build_strategy; personalised strategies are built by "
         "build_personalised_strategy (their clients run make_personal_app)",
     )
-    if partial_aggregation == "on" and not spec.summable:
-        summable = ", ".join(s.name for s in SPECS if s.summable)
-        raise ConfigError(
-            "strategy.partial_aggregation",
-            "on",
-            f"'auto' or 'off' for {name}, whose aggregation is not a sum "
-            f"(worker-side sums work with {summable})",
-        )
+    if partial_aggregation == "on":
+        _check_worker_sums(spec, options)
     facts = RunFacts(
         expected_clients=expected_clients,
         evaluate_fraction=min(1.0, evaluate_fraction),
@@ -113,6 +108,25 @@ def build_strategy(
         metrics_in_clear=metrics_in_clear,
     )
     return spec.build(options, facts)
+
+
+def _check_worker_sums(spec: StrategySpec, options: Mapping[str, Any]) -> None:
+    """``partial_aggregation = "on"`` needs a sum the workers may fold."""
+    if not spec.summable:
+        summable = ", ".join(s.name for s in SPECS if s.summable)
+        raise ConfigError(
+            "strategy.partial_aggregation",
+            "on",
+            f"'auto' or 'off' for {spec.name}, whose aggregation is not a sum "
+            f"(worker-side sums work with {summable})",
+        )
+    if secure_aggregation.asks_secure_sum(options):
+        raise ConfigError(
+            "strategy.partial_aggregation",
+            "on",
+            "'auto' or 'off' with strategy.options.secure_sum (masked or sealed inputs are "
+            "summed by the secure sum, never folded on workers)",
+        )
 
 
 def build_personalised_strategy(name: str, options: Mapping[str, Any], **cohort: Any) -> Strategy:

@@ -103,6 +103,8 @@ class StrategySpec:
         secure_replies: whether, with these options, its clients reply nothing
             data-dependent outside the mechanism, so that federated evaluation (each client's
             un-noised metrics, straight to the server) needs ``[privacy] metrics_in_clear``.
+        client_app_for: ``client_app_for(options)`` -> the client app wrapper these options
+            need (None: ``client_app``), e.g. a FedAvg-family strategy with ``secure_sum``.
     """
 
     name: str
@@ -114,12 +116,22 @@ class StrategySpec:
     proximal: Callable[[Mapping[str, Any]], bool] = _no_proximal_term
     secure_replies: Callable[[Mapping[str, Any]], bool] = _no_proximal_term
     amplified_by_sampling: bool = False
+    client_app_for: Callable[[Mapping[str, Any]], Callable | None] | None = None
 
     @property
     def private(self) -> bool:
         """A DP or secure-aggregation method: its clients' metrics stay private by default."""
         return self.accounting is not None
 
-    def wrap_client_app(self, inner: ClientApp, metrics_in_clear: bool) -> ClientApp:
-        """The client app this method's clients run around the training app ``inner``."""
-        return inner if self.client_app is None else self.client_app(inner, metrics_in_clear)
+    def wrap_client_app(
+        self,
+        inner: ClientApp,
+        metrics_in_clear: bool,
+        options: Mapping[str, Any] | None = None,
+    ) -> ClientApp:
+        """The client app this method's clients run around the training app ``inner`` (with
+        the strategy's ``options``, which may ask for another, :attr:`client_app_for`)."""
+        wrap = self.client_app
+        if self.client_app_for is not None and options is not None:
+            wrap = self.client_app_for(options) or wrap
+        return inner if wrap is None else wrap(inner, metrics_in_clear)

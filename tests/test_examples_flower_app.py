@@ -36,10 +36,18 @@ def test_each_private_strategy_reports_epsilon_every_round(tmp_path, strategy, c
 
 
 def test_fedavg_has_no_privacy_lines(tmp_path):
+    """Flower's own FedAvg: what its ``start`` files in its Result is in rounds.jsonl, the
+    evaluate_fn's central evaluation (round 0: the initial model) and the aggregated train
+    metrics of each round."""
     lines = run(tmp_path / "fedavg", "fedavg")
-    assert [r["round"] for r in lines] == list(range(1, ROUNDS + 1))  # Flower's own FedAvg
+    assert [r["round"] for r in lines] == list(range(ROUNDS + 1))
     assert all("privacy" not in r for r in lines)
-    assert all("train_loss" in r["train"]["metrics"] for r in lines)
+    assert all("train_loss" in r["train"]["metrics"] for r in lines[1:])
+    assert sorted(lines[0]) == sorted(
+        ["round", "time_s", "seconds", "clients_per_s", "bytes_down", "bytes_up", "central"])
+    assert all(sorted(r["central"]) == ["accuracy", "loss"] for r in lines)
+    assert all(sorted(r["aggregated"]) == ["train_loss"] for r in lines[1:])
+    assert lines[-1]["central"]["accuracy"] > lines[0]["central"]["accuracy"]
 
 
 @pytest.mark.ray

@@ -139,3 +139,42 @@ def test_seeded_sampling_repeats_flower_fedavg_and_restores_random(local_engine)
     messages = strategy.configure_train(3, arrays, ConfigRecord(), grid)
     explicit = random.Random(sampling_seed(9, 3, 0)).sample(list(grid.get_node_ids()), 10)
     assert [m.metadata.dst_node_id for m in messages] == explicit
+
+
+def test_legacy_and_action_types_reach_the_clientapp_and_system_types_are_refused(local_engine):
+    """What Flower's ClientApps execute runs; a ClientApp without a handler answers with an
+    error reply, as under Flower; ``system`` and ``reconnect`` (no ClientApp handles them)
+    are refused whole, naming the type, before any client runs."""
+    from fedsim.engine.grid import UnsupportedMessage
+
+    reports = Reports()
+    grid = local_engine.open_run(TOY, 4, observer=reports)
+    for kind in ("get_parameters", "get_properties", "query.no_such_action"):
+        (reply,) = grid.send_and_receive(messages([2], kind=kind))
+        assert reply.has_error() and reply.metadata.src_node_id == NODE_ID_OFFSET + 2
+        assert reply.metadata.reply_to_message_id  # the instruction it answers
+    assert [r.message_type for r in reports.items] == [
+        "get_parameters", "get_properties", "query.no_such_action"]
+    for kind in ("system", "reconnect"):
+        with pytest.raises(UnsupportedMessage, match=f"message type '{kind}' .*to node"):
+            grid.push_messages(messages([0, 1], kind=kind))
+    assert len(reports.items) == 3  # nothing of the refused pushes ran
+
+
+def test_concurrent_send_and_receive_calls_each_get_their_own_reply(local_engine):
+    """``start_grid`` sends each node's message from its own thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    grid = local_engine.open_run(TOY, 8)
+
+    def one(partition):
+        (message,) = messages([partition])
+        (reply,) = grid.send_and_receive([message])
+        return message.metadata.message_id, reply
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(one, range(8)))
+    for partition, (sent, reply) in enumerate(results):
+        assert reply.metadata.reply_to_message_id == sent
+        assert reply.metadata.src_node_id == NODE_ID_OFFSET + partition
+        assert reply.content["metrics"]["num-examples"] == partition + 1

@@ -149,6 +149,24 @@ def test_a_worker_process_loads_none_of_the_drivers_modules():
     assert loaded["dp_accounting"]
 
 
+def test_a_warmed_up_worker_loads_none_of_the_drivers_modules():
+    """The Ray backend's worker (a resettable one) imports torch, Flower's client side and
+    fedsim's data and models as it starts: still nothing of the driver's."""
+    driver_side = (
+        "fedsim.engine.grid",
+        "fedsim.engine.participation",
+        "fedsim.engine.simulation",
+        "fedsim.privacy.accounting",
+        "dp_accounting",
+        "strategies",
+        "torch",
+    )
+    code = "from fedsim.engine.worker_reset import ResettableWorker\nResettableWorker(1).warm_up()"
+    loaded = loaded_after(code, driver_side)
+    assert loaded.pop("torch"), "warm_up imported no torch"
+    assert not any(loaded.values()), [m for m, yes in loaded.items() if yes]
+
+
 def test_the_flower_app_driver_loads_no_accounting_and_no_text_stack():
     watched = (*TEXT_STACK, "opacus", "dp_accounting", "scipy", "strategies", "ray")
     loaded = loaded_after("import fedsim.flwr_app", watched)

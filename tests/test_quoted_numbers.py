@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import statistics
 import sys
@@ -183,6 +184,28 @@ def test_an_expression_may_only_call_the_listed_functions(tree):
             {"source": "experiments/study/results.json", "key": "runs", "expr": "x.__class__"},
             tree,
         )
+
+
+def test_paired_t_p_is_the_two_sided_paired_t_test(tree):
+    """Against the t distribution's closed forms for 1 and 2 degrees of freedom (two-sided:
+    1 - (2/pi) atan|t| and 1 - |t| / sqrt(2 + t^2)), through a manifest expression too."""
+    t1 = 2.0 / (statistics.stdev([1.0, 3.0]) / math.sqrt(2))
+    assert qn.paired_t_p([1.0, 3.0]) == pytest.approx(1 - 2 / math.pi * math.atan(t1), rel=1e-12)
+    d = [0.5, 1.0, 3.0]
+    t2 = statistics.fmean(d) / (statistics.stdev(d) / math.sqrt(3))
+    assert qn.paired_t_p(d) == pytest.approx(1 - t2 / math.sqrt(2 + t2 * t2), rel=1e-12)
+    assert qn.paired_t_p([-x for x in d]) == pytest.approx(qn.paired_t_p(d), rel=1e-12)
+    tight = [10.0, 10.1, 9.9, 10.05, 9.95]  # t ~ 280: a p far in the tail, not 0
+    assert 0 < qn.paired_t_p(tight) < 1e-8
+    spec = {"source": "experiments/study/results.json", "key": "runs[*].acc"}
+    t = 0.6 / (statistics.stdev([0.5, 0.7]) / math.sqrt(2))
+    assert qn.resolve("p", {**spec, "expr": "paired_t_p(x)"}, tree) == pytest.approx(
+        1 - 2 / math.pi * math.atan(t), rel=1e-12
+    )
+    with pytest.raises(qn.NumbersError, match="at least 2"):
+        qn.paired_t_p([1.0])
+    with pytest.raises(qn.NumbersError, match="all equal"):
+        qn.paired_t_p([2.0, 2.0])
 
 
 def test_a_pending_page_may_not_gain_unsourced_numbers(tree):

@@ -306,8 +306,8 @@ def tables(runs: list[dict[str, Any]]) -> str:
             cells = [mean_sd([final(r, k) for r in sel], s, d) for k, _, s, d in METRICS]
             lines.append(f"| {method} | {len(sel)} | " + " | ".join(cells) + " |")
     lines += [
-        "\nPaired per-seed differences, pFedHB − other (points of accuracy; mean ± sample std "
-        "over seeds; p: two-sided paired t-test):\n",
+        "\nPaired per-seed differences, pFedHB − other (points of accuracy; mean ± sample std, "
+        "ddof = 1, over seeds; p: two-sided paired t-test):\n",
         "| federation | pFedHB | vs | personalised acc | p | global acc | p |",
         "|---|---|---|---|---|---|---|",
     ]

@@ -41,6 +41,7 @@ from fedsim.engine.worker import (
     RunSpec,
     remember,
 )
+from fedsim.engine.worker_reset import ResettableWorker
 from fedsim.randomness import PartySecret, RootSource
 
 log = logging.getLogger(__name__)
@@ -249,13 +250,13 @@ class RayBackend(Backend):
             num_workers = max(1, int(cpus // cpus_per_worker)) if cpus_per_worker > 0 else 1
         self._check_free(num_workers)
         self._threads = max(1, int(cpus_per_worker)) if cpus_per_worker >= 1 else 1
-        self._actor_cls = ray.remote(ClientWorker).options(
+        self._actor_cls = ray.remote(ResettableWorker).options(
             num_cpus=cpus_per_worker, num_gpus=gpus_per_worker, max_restarts=0
         )
         # Spawn the workers and let them import without waiting: the driver goes on with
         # its own set-up and meets them in ready() (start_run calls it).
-        self._actors = [self._actor_cls.remote(self._threads) for _ in range(num_workers)]
-        self._warming = [actor.warm_up.remote() for actor in self._actors]
+        self._actors = self._spawn(num_workers)
+        self._warming = [actor.warm_up.remote() for actor in self._actors if self._warm_on_spawn]
         self._pin_workers = pin_workers
         self._owner: dict[Any, int] = {}
         # batches sent by Ray calls: (worker, what, when sent); their deadlines; the last
@@ -268,6 +269,37 @@ class RayBackend(Backend):
         self._channels: list[DriverChannel | None] = [None] * num_workers
         self.pinned = False
         self.nodes = 0
+
+    #: spawned actors import torch first (a warm pool's leased ones have)
+    _warm_on_spawn = True
+
+    def _spawn(self, count: int) -> list[Any]:
+        """``count`` new worker actors (a warm pool leases them instead)."""
+        return [self._actor_cls.remote(self._threads) for _ in range(count)]
+
+    def _replace_actor(self, worker: int) -> Any:
+        """Kill ``worker``'s actor and put a new one in its place (not yet warm)."""
+        self._ray.kill(self._actors[worker], no_restart=True)
+        self._actors[worker] = actor = self._actor_cls.remote(self._threads)
+        return actor
+
+    def _release_actors(self, clean: list[bool]) -> None:
+        """The run is over: kill the actors (a warm pool keeps the ``clean`` ones)."""
+        for actor in self._actors:
+            self._ray.kill(actor, no_restart=True)
+
+    def _reset_workers(self) -> list[bool]:
+        """Reset every worker to its warm baseline (:mod:`fedsim.engine.worker_reset`), so
+        nothing of an earlier run reaches the next; True per worker whose reset succeeded."""
+        reports = self._get([actor.reset.remote() for actor in self._actors], "reset")
+        for index, report in enumerate(reports):
+            if not report["ok"]:
+                log.warning(
+                    "worker %d is replaced: its reset failed: %s",
+                    index,
+                    "; ".join(report["problems"]),
+                )
+        return [bool(report["ok"]) for report in reports]
 
     def ready(self) -> None:
         """Wait until every worker has started and imported, pin them, open the channels."""
@@ -371,6 +403,10 @@ class RayBackend(Backend):
 
     def start_run(self, run: RunSpec) -> None:
         self.ready()
+        if self._run is not None:  # the workers ran another run: nothing of it may stay
+            for worker, ok in enumerate(self._reset_workers()):
+                if not ok:  # a worker the reset cannot vouch for is replaced by a fresh one
+                    self.restart(worker, run=False)
         self._run = run
         self._sent = [OrderedDict() for _ in self._actors]
         self._get([actor.start_run.remote(run) for actor in self._actors], "start the run")
@@ -472,19 +508,20 @@ class RayBackend(Backend):
         except self._ray.exceptions.RayActorError as err:
             raise WorkerLost(worker, err) from err
 
-    def restart(self, worker: int) -> None:
+    def restart(self, worker: int, run: bool = True) -> None:
+        """Replace ``worker`` by a fresh one, loaded with the current run unless ``run`` is
+        False (a worker replaced between runs)."""
         self.ready()
         channel = self._channels[worker]
         if channel is not None:
             channel.fail(ChannelLost(f"worker {worker} was replaced"))
-        self._ray.kill(self._actors[worker], no_restart=True)
-        self._actors[worker] = actor = self._actor_cls.remote(self._threads)
+        actor = self._replace_actor(worker)
         self._sent[worker] = OrderedDict()
         if self.pinned:  # the new worker takes the cores its predecessor held
             self.pinned = self._pin(self._actors)
         self._finished[worker] = 0.0
         self._get([actor.warm_up.remote()], "start and import", [worker])
-        if self._run is not None:
+        if run and self._run is not None:
             self._get([actor.start_run.remote(self._run)], "start the run", [worker])
         self._channels[worker] = self._connect(worker)
         log.warning("worker %d was replaced", worker)
@@ -493,8 +530,7 @@ class RayBackend(Backend):
         for channel in self._channels:
             if channel is not None:
                 channel.close()
-        for actor in self._actors:
-            self._ray.kill(actor, no_restart=True)
+        self._release_actors([False] * len(self._actors))
         self._actors = []
         self._warming = None
         self._owner.clear()

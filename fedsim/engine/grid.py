@@ -41,6 +41,18 @@ floating-point operations of the fold are then the same whatever the number of w
 the backend: a run gives the same bits on each. An exact fold
 (:attr:`~fedsim.worker_reduce.Reducer.exact`: integer or field sums) folds whole batches.
 
+The messages the grid runs are those Flower's ClientApps execute
+(:func:`runnable_message_type`): ``train``, ``evaluate`` and ``query``, each optionally
+followed by ``.<action>``, and the legacy ``get_parameters`` and ``get_properties`` of
+``flwr.server.compat`` and ``DefaultWorkflow``. Flower's ``system`` messages (its runtime's
+own) and the deprecated ``reconnect`` reach no ClientApp handler: a push holding one is
+refused whole with :class:`UnsupportedMessage`, which names it, before any client runs. A
+reply is Flower's: ``src_node_id`` the node, ``reply_to_message_id`` the instruction's id, a
+client's failure an error reply; every content-carrying reply, whatever its type, passes the
+release boundary. The grid may be called from several threads (``start_grid`` sends one
+message per node from a thread pool, ``DefaultWorkflow`` polls ``get_node_ids`` from its
+own): a lock orders the calls, and a waiting ``send_and_receive`` lets the others push.
+
 Each push is one *phase*. A :class:`~fedsim.engine.participation.CohortModel`
 model decides which node ids ``get_node_ids`` reports in each phase; every
 finished phase is reported to an observer as a :class:`PhaseReport`.
@@ -50,6 +62,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -58,7 +71,7 @@ from uuid import uuid4
 
 from flwr.app import ConfigRecord, Error, Message, RecordDict
 from flwr.app.metadata import validate_message_type
-from flwr.common.constant import ErrorCode
+from flwr.common.constant import ErrorCode, MessageTypeLegacy
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 
@@ -82,6 +95,46 @@ from fedsim.worker_reduce import (
 
 log = logging.getLogger(__name__)
 
+#: the legacy message types a ClientApp built from a ``client_fn`` executes
+LEGACY_MESSAGE_TYPES = (MessageTypeLegacy.GET_PARAMETERS, MessageTypeLegacy.GET_PROPERTIES)
+#: the categories of Flower's Message API a ClientApp executes (each optionally ``.<action>``)
+MESSAGE_CATEGORIES = ("train", "evaluate", "query")
+#: seconds a waiting ``send_and_receive`` holds the grid's lock at most before others may push
+_WAIT_SLICE_S = 0.05
+
+
+class UnsupportedMessage(ValueError):
+    """A ServerApp pushed a message type that no ClientApp executes (``system``, ``reconnect``,
+    or one outside Flower's format); nothing of the push was sent."""
+
+
+def runnable_message_type(message_type: str) -> bool:
+    """Whether a ClientApp executes ``message_type``: ``train``, ``evaluate`` or ``query``,
+    optionally followed by ``.<action>`` (a Python identifier), as Flower's
+    ``validate_message_type`` has it but without its runtime's own ``system``; or a legacy
+    ``get_parameters`` / ``get_properties``."""
+    if message_type in LEGACY_MESSAGE_TYPES:
+        return True
+    category, _, action = message_type.partition(".")
+    return (
+        category in MESSAGE_CATEGORIES
+        and (not action or action.isidentifier())
+        and validate_message_type(message_type)
+    )
+
+
+def unsupported(message_type: str, node_id: int) -> UnsupportedMessage:
+    """The error for a message of ``message_type`` to ``node_id``."""
+    why = {
+        "system": "Flower's runtime keeps 'system' messages to itself; no ClientApp handles one",
+        "reconnect": "Flower's deprecated 'reconnect' has no ClientApp handler",
+    }.get(message_type, "not a type Flower's ClientApps execute")
+    return UnsupportedMessage(
+        f"message type {message_type!r} (to node {node_id}) cannot run on fedsim's grid: {why}; "
+        "allowed: 'train', 'evaluate' or 'query', each optionally followed by '.<action>', "
+        f"or the legacy {' or '.join(repr(t) for t in LEGACY_MESSAGE_TYPES)}"
+    )
+
 
 @dataclass(frozen=True)
 class PhaseReport:
@@ -100,6 +153,8 @@ class PhaseReport:
     wall_s: float
     compute_s: float
     client_metrics: dict[str, float]
+    #: the node ids the phase's messages went to (empty: not given)
+    nodes: frozenset[int] = frozenset()
     #: the ``send_and_receive`` timeout the phase ran under (None: none)
     timeout_s: float | None = None
 
@@ -195,6 +250,7 @@ class _Phase:
     message_type: str
     server_round: int | None
     message_ids: list[str]
+    nodes: frozenset[int]
     started: float
     bytes_down: int
     batch_ids: list[int] = field(default_factory=list)
@@ -258,6 +314,7 @@ class SimulationGrid(Grid):
         self._phase_of_message: dict[str, int] = {}
         self._next_batch = 0
         self._next_content = 0
+        self._lock = threading.RLock()
         #: every instruction sent and reply delivered, and what consumed each reply
         self.boundary = ReleaseBoundary()
         for sink in (observer, round_log):
@@ -299,11 +356,12 @@ class SimulationGrid(Grid):
     def get_node_ids(self) -> Iterable[int]:
         if self.participation is None:
             return self.registry.node_ids()
-        key = self._phase_key()
-        if self._cohort is None or self._cohort[0] != key:
-            cohort = self.participation.cohort(*key)
-            self._cohort = (key, self.registry.node_ids_of(cohort))
-        return list(self._cohort[1])
+        with self._lock:
+            key = self._phase_key()
+            if self._cohort is None or self._cohort[0] != key:
+                cohort = self.participation.cohort(*key)
+                self._cohort = (key, self.registry.node_ids_of(cohort))
+            return list(self._cohort[1])
 
     # -- Grid: push / pull ------------------------------------------------------
     def _check(self, message: Message) -> None:
@@ -316,11 +374,8 @@ class SimulationGrid(Grid):
             raise ValueError(
                 f"message to node {meta.dst_node_id} has ttl={meta.ttl}; it must be > 0"
             )
-        if not validate_message_type(meta.message_type):
-            raise ValueError(
-                f"message type {meta.message_type!r} is not 'train', 'evaluate' or 'query' "
-                "(optionally followed by '.<action>')"
-            )
+        if not runnable_message_type(meta.message_type):
+            raise unsupported(meta.message_type, meta.dst_node_id)
         self.registry.partition_id(meta.dst_node_id)  # raises for unknown nodes
 
     def push_messages(self, messages: Iterable[Message]) -> list[str]:
@@ -333,6 +388,10 @@ class SimulationGrid(Grid):
         messages = list(messages)
         for message in messages:
             self._check(message)
+        with self._lock:
+            return self._push_checked(messages, timeout)
+
+    def _push_checked(self, messages: list[Message], timeout: float | None = None) -> _Phase | None:
         index = self._phase_counter
         phase_round, phase_kind = self._phase_key()
         self._phase_counter += 1
@@ -364,6 +423,7 @@ class SimulationGrid(Grid):
             message_type=first.metadata.message_type,
             server_round=server_round_of(first.content, first.metadata.group_id),
             message_ids=[m.metadata.message_id for m in messages],
+            nodes=frozenset(int(m.metadata.dst_node_id) for m in messages),
             started=time.perf_counter(),
             bytes_down=bytes_down,
             timeout_s=timeout,
@@ -518,6 +578,7 @@ class SimulationGrid(Grid):
                     wall_s=time.perf_counter() - phase.started,
                     compute_s=phase.compute_s,
                     client_metrics=phase.metrics.means(),
+                    nodes=phase.nodes,
                     timeout_s=phase.timeout_s,
                 )
             )
@@ -557,12 +618,13 @@ class SimulationGrid(Grid):
 
     def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
         wanted = set(message_ids)
-        self._dispatcher.poll()
-        phases = {self._phase_of_message[m] for m in wanted if m in self._phase_of_message}
-        replies: list[Message] = []
-        for index in sorted(phases):
-            replies.extend(self._take(self._phases[index], wanted))
-        return replies
+        with self._lock:
+            self._dispatcher.poll()
+            phases = {self._phase_of_message[m] for m in wanted if m in self._phase_of_message}
+            replies: list[Message] = []
+            for index in sorted(phases):
+                replies.extend(self._take(self._phases[index], wanted))
+            return replies
 
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
@@ -572,17 +634,18 @@ class SimulationGrid(Grid):
         phase = self._push(messages, timeout)
         if phase is None:
             return []
-        expired = False
-        while phase.pending:
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                expired = True
-                break
-            self._dispatcher.progress(remaining)
-        if expired:
-            self._missed(phase)
-            self._finish(phase)  # late replies are dropped, as Flower drops them
-        return self._take(phase, None)
+        while True:
+            with self._lock:
+                if not phase.pending:
+                    return self._take(phase, None)
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    self._missed(phase)
+                    self._finish(phase)  # late replies are dropped, as Flower drops them
+                    return self._take(phase, None)
+                # other threads' pushes wait at most one slice for the lock
+                wait = _WAIT_SLICE_S if remaining is None else min(remaining, _WAIT_SLICE_S)
+                self._dispatcher.progress(wait)
 
     def _missed(self, phase: _Phase) -> None:
         """Say in one line how many replies of ``phase`` arrived within its timeout."""
@@ -605,4 +668,5 @@ class SimulationGrid(Grid):
 
     def wait_idle(self) -> None:
         """Block until every dispatched batch has finished (late ones included)."""
-        self._dispatcher.drain(None)
+        with self._lock:
+            self._dispatcher.drain(None)

@@ -87,6 +87,7 @@ class EngineConfig:
     pin_workers: Literal["auto", "on", "off"] = "auto"
     depth: int = 2
     reply_timeout_s: float = REPLY_TIMEOUT_S
+    warm: Literal["auto", "on", "off"] = "auto"
 
     def __post_init__(self) -> None:
         require(
@@ -125,6 +126,12 @@ class EngineConfig:
             timeout,
             "a finite number of seconds > 0 (how long a worker may stay silent with batches "
             f"pending; default {REPLY_TIMEOUT_S:g})",
+        )
+        require(
+            self.warm in ("auto", "on", "off"),
+            "engine.warm",
+            self.warm,
+            "'auto' (a warm pool if one is up), 'on' (start one if none) or 'off' (cold start)",
         )
 
 
@@ -224,7 +231,9 @@ class Engine:
             self.backend = LocalBackend(torch_threads=max(1, int(cfg.cpus_per_worker)))
             return self
         began = time.perf_counter()
-        self._ray_mode = ensure_ray(
+        if self._start_warm(began):
+            return self
+        self._ray_mode = self._ray_mode or ensure_ray(
             cfg.ray_address,
             cfg.num_cpus or None,
             self.extra_modules,
@@ -244,6 +253,44 @@ class Engine:
             "workers_spawn": time.perf_counter() - spawned,
         }
         return self
+
+    def _start_warm(self, began: float) -> bool:
+        """Attach to a warm pool (:mod:`fedsim.engine.warm_pool`) unless Ray is initialised
+        or ``warm`` is off; True if this engine now runs on pooled workers."""
+        import ray  # noqa: PLC0415
+
+        from fedsim.engine.warm_pool import attach, warm_mode  # noqa: PLC0415
+
+        cfg = self.config
+        if ray.is_initialized():
+            return False
+        keeper = attach(
+            warm_mode(cfg.warm),
+            cfg.ray_address,
+            cfg.num_cpus or None,
+            cfg.object_store_mb,
+            self.extra_modules,
+        )
+        if keeper is None:
+            if ray.is_initialized():  # joined a cluster without a pool: an ordinary run on it
+                self._ray_mode = "cluster"
+            return False
+        from fedsim.engine.pooled_backend import PooledRayBackend  # noqa: PLC0415
+
+        self._ray_mode = "warm"
+        spawned = time.perf_counter()
+        self.backend = PooledRayBackend(
+            keeper,
+            num_workers=cfg.workers or None,
+            cpus_per_worker=cfg.cpus_per_worker,
+            gpus_per_worker=self._worker_gpus(),
+            reply_timeout_s=cfg.reply_timeout_s,
+        )
+        self.startup_s = {
+            "ray_init": spawned - began,
+            "workers_spawn": time.perf_counter() - spawned,
+        }
+        return True
 
     def ready(self) -> Engine:
         """Start (if needed) and wait until the workers are up; idempotent."""

@@ -160,3 +160,32 @@ def test_public_engine_cohorts_are_accounted_without_amplification(tmp_path):
                                    "replace_one")
     print(f"public cohorts: {privacy['epsilon']:.2f} for a client in {worst} of {ROUNDS} "
           f"rounds (amplified, as before: {amplified:.2f})")
+
+
+# -- Flower's legacy messages: client content outside the mechanism, counted ----------------
+
+
+def test_a_legacy_get_parameters_reply_outside_the_strategy_makes_epsilon_infinite(tmp_path):
+    """``get_parameters`` to one node before DPFedAvg starts, as ``DefaultWorkflow`` asks for
+    initial parameters: the node's own vector reached the ServerApp in clear; the run's
+    records count it and epsilon is infinite (on main the grid refused the message type
+    mid-run with a ValueError traceback)."""
+    run = flwr_run(tmp_path / "parameters", "legacy-parameters")
+    privacy = run["summary"]["privacy"]
+    assert privacy["unaccounted"] == {"get_parameters": 1}
+    assert privacy["unaccounted_releases"] == 1 and epsilon_of(privacy) == float("inf")
+    assert epsilon_of(run["lines"][-1]["privacy"]) == float("inf")
+    asked = [line["get_parameters"] for line in run["lines"] if "get_parameters" in line]
+    assert [section["clients"] for section in asked] == [1]  # the phase is in the records
+    assert len(run["sent"]) == ROUNDS  # the strategy's rounds ran after it
+
+
+def test_legacy_get_properties_replies_outside_the_strategy_make_epsilon_infinite(tmp_path):
+    """``get_properties`` to every node (Flower's legacy federated analytics): every node's
+    properties are a release nothing accounts."""
+    run = flwr_run(tmp_path / "properties", "legacy-properties")
+    privacy = run["summary"]["privacy"]
+    assert privacy["unaccounted"] == {"get_properties": NODES}
+    assert run["summary"]["unaccounted_releases"] == NODES
+    assert epsilon_of(privacy) == float("inf")
+    assert epsilon_of(run["lines"][-1]["privacy"]) == float("inf")

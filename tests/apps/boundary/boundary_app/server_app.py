@@ -10,7 +10,11 @@
   raw updates reach the ServerApp);
 * ``extra-instructions``: a DPFedAvg subclass adds instructions to more nodes after the
   sampling check;
-* ``handed-twice``: a DPFedAvg subclass hands every reply to the aggregate twice.
+* ``handed-twice``: a DPFedAvg subclass hands every reply to the aggregate twice;
+* ``legacy-parameters``: before the strategy, one node's parameters asked for as
+  ``DefaultWorkflow`` does (a ``get_parameters`` message: the node's own vector comes back);
+* ``legacy-properties``: before the strategy, every node's ``get_properties`` (each node's
+  norm and first entry come back).
 
 Every train instruction that leaves is logged (node ids per phase) to ``sent-path``.
 """
@@ -21,6 +25,9 @@ import random
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.app.message_type import MessageType
+from flwr.common import GetParametersIns, GetPropertiesIns
+from flwr.common.constant import MessageTypeLegacy
+from flwr.compat.common import recorddict_compat as compat
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
@@ -112,6 +119,17 @@ def attack(grid: Grid, context: Context) -> None:
             [Message(content, n, MessageType.TRAIN, group_id="1") for n in nodes]
         )
         assert len(raw) == len(nodes)  # every node's update, un-noised
+    if attack in ("legacy-parameters", "legacy-properties"):
+        if attack == "legacy-parameters":
+            kind, asked = MessageTypeLegacy.GET_PARAMETERS, nodes[:1]
+            content = compat.getparametersins_to_recorddict(GetParametersIns({}))
+        else:
+            kind, asked = MessageTypeLegacy.GET_PROPERTIES, nodes
+            content = compat.getpropertiesins_to_recorddict(GetPropertiesIns({}))
+        legacy = logged.send_and_receive(
+            [Message(content, n, kind, group_id="0") for n in asked]
+        )
+        assert all(r.has_content() for r in legacy)  # the nodes' own values, in clear
     cls = {"extra-instructions": ExtraInstructions, "handed-twice": HandedTwice}.get(
         attack, DPFedAvg
     )

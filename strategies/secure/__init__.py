@@ -1,0 +1,67 @@
+"""Secure summation as its own layer: one interface, three implementations.
+
+* :mod:`strategies.secure.release`: the :class:`SecureSum` interface and the round's
+  :class:`Release` (a release exists whenever values were opened, also on abort);
+* :mod:`strategies.secure.plaintext`: SecAgg+'s outcome simulated with the inputs in the clear;
+* :mod:`strategies.secure.secagg`: SecAgg+ (Bell et al., CCS 2020) over the Grid;
+* :mod:`strategies.secure.committee`: the committee host's sum of sealed inputs.
+
+:func:`build` makes one by name; :data:`CONTRIBUTE` holds each one's client side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fedsim.engine.committee import Committee, CommitteeSpec
+from strategies.secure import committee, plaintext, secagg
+from strategies.secure.committee import CommitteeSum
+from strategies.secure.plaintext import PlaintextSum
+from strategies.secure.release import Release, SecureSum
+from strategies.secure.secagg import SecAggPlan, SecAggSum
+
+__all__ = [
+    "CONTRIBUTE",
+    "NAMES",
+    "CommitteeSum",
+    "PlaintextSum",
+    "Release",
+    "SecAggPlan",
+    "SecAggSum",
+    "SecureSum",
+    "build",
+]
+
+#: name -> the client side: ``contribute(context, secret, config, elements, round, prefix)``
+CONTRIBUTE: dict[str, Callable] = {
+    PlaintextSum.name: plaintext.contribute,
+    SecAggSum.name: secagg.contribute,
+    CommitteeSum.name: committee.contribute,
+}
+NAMES = tuple(CONTRIBUTE)
+
+
+def build(
+    name: str,
+    *,
+    prefix: str,
+    plan: SecAggPlan,
+    stage_timeout: float | None = None,
+    committee: Committee | CommitteeSpec | None = None,
+    member_dropout: float = 0.0,
+) -> SecureSum:
+    """The secure sum ``name`` (one of :data:`NAMES`): ``plan`` gives SecAgg+'s public
+    parameters (``plaintext`` simulates them), ``stage_timeout`` its exchanges' limit, and
+    ``committee`` (required exactly for ``committee``) the committee or its spec."""
+    if name not in NAMES:
+        raise ValueError(f"secure sum {name!r}; allowed: {', '.join(map(repr, NAMES))}")
+    if (name == CommitteeSum.name) != (committee is not None):
+        raise ValueError(
+            f"committee={committee!r} with secure sum {name!r}: a Committee or CommitteeSpec "
+            "is given exactly for 'committee'"
+        )
+    if name == PlaintextSum.name:
+        return PlaintextSum(prefix, plan)
+    if name == SecAggSum.name:
+        return SecAggSum(prefix, plan, stage_timeout)
+    return CommitteeSum(prefix, committee, seed=plan.seed, member_dropout=member_dropout)

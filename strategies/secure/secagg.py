@@ -1,0 +1,151 @@
+"""``secagg``: SecAgg+ (Bell et al., CCS 2020) over the Grid, as a :class:`SecureSum`.
+
+The train instruction carries the round's public SecAgg+ session id (``<prefix>session``);
+each client masks before anything leaves its ClientApp: its first reply holds only its two
+public keys (``secagg.keys``, :func:`strategies.secagg_messages.start_client`), and the server
+then runs SHARE_KEYS, MASKED_INPUT and UNMASK as three more message exchanges through the
+round's Grid (:func:`strategies.secagg_messages.run_over_grid`). The server holds public keys,
+sealed share rows it relays, masked inputs and its own protocol state; it learns the modular
+sum of the survivors' inputs and nothing else about them, against an honest-but-curious
+server (relayed keys are checked by enrolled clients, :mod:`strategies.secagg_messages`).
+
+:class:`SecAggPlan` holds the round's public SecAgg+ parameters (neighbour degree, ring,
+simulated protocol dropouts drawn from the run seed), shared with the ``plaintext``
+simulation so that both reach the same outcome.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from flwr.app import ConfigRecord, Context, RecordDict
+from flwr.serverapp import Grid
+
+from fedsim.randomness import PartySecret, Stream, public_generator
+from protocols.channels import new_session_id
+from protocols.field import DEFAULT_FIELD
+from protocols.secagg import SecAggConfig, Stage
+from strategies.secagg_messages import KEYS_KEY, run_over_grid, start_client
+from strategies.secure.release import Release, SecureSum
+
+_STAGES = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASK)
+
+
+@dataclass(frozen=True)
+class SecAggPlan:
+    """The public SecAgg+ parameters of a run: ``seed`` (the run seed: the neighbour graph and
+    the simulated dropouts are public streams of it), ``degree`` (neighbours per client; None:
+    the complete graph), ``ring_bits`` (mask in Z_{2^ring_bits}; None: in F_p) and
+    ``dropout`` (probability that a client whose first reply arrived stops answering, at a
+    stage drawn uniformly from SecAgg+'s four)."""
+
+    seed: int
+    degree: int | None = None
+    ring_bits: int | None = None
+    dropout: float = 0.0
+
+    def config(self, server_round: int, count: int, length: int) -> SecAggConfig:
+        """The SecAgg+ parameters for ``count`` clients: degree ``degree`` (None: the complete
+        graph), threshold a majority of the neighbours."""
+        degree = count - 1 if self.degree is None else min(self.degree, count - 1)
+        if degree != count - 1 and degree % 2:
+            degree -= 1
+        return SecAggConfig(
+            num_clients=count,
+            degree=degree,
+            threshold=degree // 2 + 1 if degree >= 2 else 2,
+            vector_length=length,
+            round=server_round,
+            ring_bits=self.ring_bits,
+        )
+
+    def dropouts(self, server_round: int, ids: list[int]) -> dict[Stage, set[int]]:
+        """The clients that stop answering inside SecAgg+ this round, by stage."""
+        rng = public_generator(self.seed, server_round, Stream.FAULTS, 1)
+        lost = rng.random(len(ids)) < self.dropout
+        stage_index = rng.integers(0, 4, size=len(ids))
+        out: dict[Stage, set[int]] = {}
+        for client, is_lost, index in zip(ids, lost, stage_index):
+            if is_lost:
+                out.setdefault(_STAGES[index], set()).add(client)
+        return out
+
+
+class SecAggSum(SecureSum):
+    """SecAgg+ over the round's Grid; ``stage_timeout``: seconds each exchange waits."""
+
+    name = "secagg"
+    reply_kind = ConfigRecord
+
+    def __init__(self, prefix: str, plan: SecAggPlan, stage_timeout: float | None) -> None:
+        super().__init__(prefix)
+        self.plan = plan
+        self.stage_timeout = stage_timeout
+        self._session: bytes | None = None
+        self._grid: Grid | None = None
+
+    @property
+    def reply_key(self) -> str:
+        return KEYS_KEY
+
+    def instruct(self, server_round: int, config: ConfigRecord, grid: Grid | None) -> None:
+        """A fresh public session id for the round's channels (``<prefix>session``)."""
+        self._session = new_session_id()
+        config[self.prefix + "session"] = self._session
+        super().instruct(server_round, config, grid)
+
+    def payload(self, record: Any, length: int) -> tuple:
+        """The client's (channel, agreement[, proof]) public keys; the proof, relayed with
+        the keys, is the clients' to check."""
+        if not isinstance(record, ConfigRecord) or set(record) - {"proof"} != {
+            "channel",
+            "agreement",
+        }:
+            raise ValueError("public keys must be 'channel' and 'agreement' (and 'proof')")
+        if "proof" in record:
+            return (record["channel"], record["agreement"], record["proof"])
+        return (record["channel"], record["agreement"])
+
+    def finish(self, server_round: int, payloads: Mapping[int, Any], length: int) -> Release:
+        """SHARE_KEYS, MASKED_INPUT and UNMASK over the Grid; the total back in F_p (from the
+        ring when ``ring_bits``)."""
+        plan = self.plan
+        outcome = run_over_grid(
+            self._grid,
+            server_round=server_round,
+            session=self._session,
+            public_keys=payloads,
+            config_for=lambda count: plan.config(server_round, count, length),
+            graph_rng=public_generator(plan.seed, server_round, Stream.COMMITTEE, 1),
+            timeout=self.stage_timeout,
+            silent=plan.dropouts(server_round, sorted(payloads)),
+        )
+        total = outcome.aggregate
+        if total is not None and outcome.config.ring_bits is not None:
+            total = DEFAULT_FIELD.encode_signed(outcome.config.masking.decode_signed(total))
+        return Release(
+            total,
+            outcome.survivors,
+            outcome.rejected,
+            outcome.aborted,
+            outcome.stage.name,
+            outcome.refused,
+            opened=outcome.opened,
+        )
+
+
+def contribute(
+    context: Context,
+    secret: PartySecret,
+    config: ConfigRecord,
+    elements: np.ndarray,
+    server_round: int,
+    prefix: str,
+) -> RecordDict:
+    """ADVERTISE_KEYS on the client: keep the signed input in the client's state (its
+    protocol seed from its own secret) and reply its two public keys only."""
+    signed = DEFAULT_FIELD.decode_signed(elements)
+    return start_client(context, server_round, config[prefix + "session"], signed)

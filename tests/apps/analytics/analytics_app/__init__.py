@@ -1,0 +1,1 @@
+"""Message-API surfaces: query messages with actions, FedAvg (fedsim's compatibility suite)."""

@@ -1,0 +1,1 @@
+"""A Flower app in the legacy form (fedsim's compatibility suite)."""

@@ -1,0 +1,157 @@
+"""A one-round harness for :class:`strategies.secure.SecureSum` implementations: enrolled
+clients (their secrets and certificates from one root) answer in this process, each with its
+own persistent Context, as fedsim's workers would."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import numpy as np
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common.constant import NUM_PARTITIONS_KEY, PARTITION_ID_KEY
+
+from fedsim.engine.client_registry import NODE_ID_OFFSET, Enrolment
+from fedsim.engine.committee import Committee
+from fedsim.randomness import NODE_SECRET_KEY, RunSecret, client_secret
+from protocols.field import DEFAULT_FIELD
+from strategies import secure
+from strategies.secagg_messages import register_client_stages
+from strategies.secure import CommitteeSum, PlaintextSum, Release, SecAggPlan, SecAggSum
+
+PREFIX = "contract."
+PHRASE = "secure-contract"
+SEED = 11
+
+
+def nodes(count: int) -> list[int]:
+    return [NODE_ID_OFFSET + p for p in range(count)]
+
+
+def make_sum(name: str, plan: SecAggPlan | None = None, members: int = 7) -> secure.SecureSum:
+    """The implementation ``name`` over ``plan`` (default: the complete graph, no dropouts);
+    a committee of ``members`` (t = 2, k = 2) enrolled under the harness's root."""
+    plan = plan if plan is not None else SecAggPlan(SEED)
+    if name == PlaintextSum.name:
+        return PlaintextSum(PREFIX, plan)
+    if name == SecAggSum.name:
+        return SecAggSum(PREFIX, plan, None)
+    root = RunSecret.from_passphrase(PHRASE)
+    committee = Committee(
+        members,
+        2,
+        2,
+        member_secrets={m: root.member(m) for m in range(members)},
+        enrolment=Enrolment(root),
+    )
+    return CommitteeSum(PREFIX, committee, seed=plan.seed)
+
+
+def client_app(inputs: Mapping[int, np.ndarray], name: str) -> ClientApp:
+    """Clients whose train handler contributes ``inputs[node]`` through ``name``'s client side
+    and that answer SecAgg+'s stages."""
+    app = ClientApp()
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        config = message.content["config"]
+        server_round = int(config["server-round"])
+        contribute = secure.CONTRIBUTE[name]
+        secret = client_secret(context.node_config)
+        content = contribute(
+            context, secret, config, inputs[context.node_id], server_round, PREFIX
+        )
+        return Message(content=content, reply_to=message)
+
+    register_client_stages(app)
+    return app
+
+
+class LocalGrid:
+    """A Grid that runs each message through ``app`` in this process, one persistent Context
+    per node; it keeps every message sent and every reply received (the server's view)."""
+
+    def __init__(self, app: ClientApp, node_ids: list[int]) -> None:
+        root = RunSecret.from_passphrase(PHRASE)
+        enrolment = Enrolment(root)
+        self.app, self.node_ids = app, list(node_ids)
+        self.sent: list[Message] = []
+        self.received: list[Message] = []
+        self.silent: set[int] = set()
+        self.contexts = {}
+        for node in self.node_ids:
+            partition = node - NODE_ID_OFFSET
+            own = root.client(partition)
+            config = {
+                PARTITION_ID_KEY: partition,
+                NUM_PARTITIONS_KEY: len(self.node_ids),
+                NODE_SECRET_KEY: own.token(),
+                **enrolment.node_entries(partition, own),
+            }
+            self.contexts[node] = Context(
+                run_id=1, node_id=node, node_config=config, state=RecordDict(), run_config={}
+            )
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.node_ids)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        from flwr.supercore.task_identity import TaskIdentity
+
+        replies = []
+        for message in messages:
+            self.sent.append(message)
+            node = int(message.metadata.dst_node_id)
+            if node in self.silent:
+                continue
+            TaskIdentity.node_id = node
+            try:
+                reply = self.app(message, self.contexts[node])
+            finally:
+                TaskIdentity.node_id = 1
+            replies.append(reply)
+        self.received.extend(replies)
+        return replies
+
+
+def one_round(
+    name: str,
+    inputs: Mapping[int, np.ndarray],
+    *,
+    plan: SecAggPlan | None = None,
+    tamper: Callable[[int, RecordDict], None] | None = None,
+    server_round: int = 1,
+) -> tuple[Release, LocalGrid, secure.SecureSum]:
+    """One round of ``name`` over ``inputs`` (node -> field elements): instruct, address, the
+    clients' first replies (``tamper(node, content)`` may rewrite one), payloads, finish."""
+    summing = make_sum(name, plan)
+    grid = LocalGrid(client_app(inputs, name), sorted(inputs))
+    config = ConfigRecord({"server-round": server_round})
+    summing.instruct(server_round, config, grid)
+    messages = [
+        Message(RecordDict({"config": ConfigRecord(dict(config))}), node, "train")
+        for node in sorted(inputs)
+    ]
+    summing.address(server_round, messages)
+    length = len(next(iter(inputs.values())))
+    payloads = {}
+    for reply in grid.send_and_receive(messages):
+        node = int(reply.metadata.src_node_id)
+        assert not reply.has_error(), reply.error
+        content = RecordDict(dict(reply.content))
+        if tamper is not None:
+            tamper(node, content)
+        try:
+            payloads[node] = summing.payload(content[summing.reply_key], length)
+        except ValueError:
+            continue
+    return summing.finish(server_round, payloads, length), grid, summing
+
+
+def random_inputs(count: int, length: int, seed: int = 0) -> dict[int, np.ndarray]:
+    """Signed 20-bit integers per node, as field elements."""
+    rng = np.random.default_rng(seed)
+    return {
+        node: DEFAULT_FIELD.encode_signed(rng.integers(-(2**19), 2**19, size=length))
+        for node in nodes(count)
+    }

@@ -1,0 +1,165 @@
+"""The contract every :class:`strategies.secure.SecureSum` passes (plaintext, secagg,
+committee): the release is the field sum of the accepted inputs and names them; the first
+reply holds only the implementation's record; a malformed record is refused; a round with no
+input releases nothing and accounts nothing; a dropped client is left out; pickling keeps no
+transport and no committee; an implementation that hides inputs never shows one."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, ConfigRecord
+from secure_support import make_sum, nodes, one_round, random_inputs
+
+from fedsim.record_codec import to_numpy, to_record
+from protocols.field import DEFAULT_FIELD
+from strategies import secure
+from strategies.secure import Release, SecAggPlan
+
+NAMES = secure.NAMES
+COUNT, LENGTH = 6, 10
+
+
+@pytest.fixture(autouse=True)
+def task_identity(monkeypatch):
+    """Messages built outside a runtime need the process's task identity (Flower)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for name in ("_run_id", "_task_id", "_node_id"):
+        monkeypatch.setattr(TaskIdentity, name, 1)
+
+
+def test_the_three_implementations_are_registered():
+    assert set(NAMES) == {"plaintext", "secagg", "committee"}
+    for name in NAMES:
+        summing = make_sum(name)
+        assert summing.name == name and isinstance(summing, secure.SecureSum)
+        assert summing.hides_inputs == (name != "plaintext")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_release_is_the_field_sum_of_every_input(name):
+    inputs = random_inputs(COUNT, LENGTH)
+    release, _, _ = one_round(name, inputs)
+    assert isinstance(release, Release) and release.aborted is None, release.aborted
+    expected = DEFAULT_FIELD.sum(np.stack([inputs[n] for n in sorted(inputs)]), axis=0)
+    np.testing.assert_array_equal(release.total, expected)
+    assert release.contributors == tuple(sorted(inputs)) == release.accounted
+    assert release.rejected == {} and release.opened == ()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_first_reply_holds_only_the_sum_record(name):
+    inputs = random_inputs(COUNT, LENGTH, seed=1)
+    _, grid, summing = one_round(name, inputs)
+    first = [r for r in grid.received if r.metadata.message_type == "train"]
+    assert len(first) == COUNT
+    for reply in first:
+        assert set(reply.content.keys()) == {summing.reply_key}
+        assert isinstance(reply.content[summing.reply_key], summing.reply_kind)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_an_input_never_reaches_the_server_unless_plaintext(name):
+    """Every array and byte string the server received is compared with every input (as
+    field elements, signed integers and their bytes)."""
+    inputs = random_inputs(COUNT, LENGTH, seed=2)
+    _, grid, summing = one_round(name, inputs)
+    seen_arrays, seen_bytes = [], b""
+    for reply in grid.received:
+        for record in reply.content.values():
+            if isinstance(record, ArrayRecord):
+                seen_arrays += [np.asarray(a).ravel() for a in to_numpy(record).values()]
+            if isinstance(record, ConfigRecord):
+                for value in record.values():
+                    for item in value if isinstance(value, list) else [value]:
+                        seen_bytes += item if isinstance(item, bytes) else b""
+    found = 0
+    for value in inputs.values():
+        signed = DEFAULT_FIELD.decode_signed(value)
+        for array in seen_arrays:
+            if array.size == value.size and (
+                np.array_equal(array, value) or np.array_equal(array, signed)
+            ):
+                found += 1
+        found += value.astype(np.int64).tobytes() in seen_bytes
+    assert found == (0 if summing.hides_inputs else COUNT)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_malformed_record_is_refused_and_the_round_goes_on(name):
+    inputs = random_inputs(COUNT, LENGTH, seed=3)
+    bad = nodes(COUNT)[2]
+
+    def tamper(node, content):
+        if node == bad:
+            key = next(iter(content.keys()))
+            if isinstance(content[key], ArrayRecord):
+                content[key] = to_record({"wrong": np.zeros(3, dtype=np.int64)})
+            else:
+                content[key] = ConfigRecord({"public-key": 7})
+
+    release, _, summing = one_round(name, inputs, tamper=tamper)
+    kept = [n for n in sorted(inputs) if n != bad]
+    with pytest.raises(ValueError):
+        summing.payload(ConfigRecord({"public-key": 7}), LENGTH)
+    if name == "plaintext":
+        with pytest.raises(ValueError):
+            summing.payload(to_record({"wrong": np.zeros(3, dtype=np.int64)}), LENGTH)
+    assert release.contributors == tuple(kept), release.aborted
+    expected = DEFAULT_FIELD.sum(np.stack([inputs[n] for n in kept]), axis=0)
+    np.testing.assert_array_equal(release.total, expected)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_no_input_releases_nothing_and_accounts_nothing(name):
+    summing = make_sum(name)
+    summing.instruct(1, ConfigRecord({"server-round": 1}), None)
+    summing.address(1, [])
+    release = summing.finish(1, {}, LENGTH)
+    assert release.total is None and release.aborted
+    assert release.accounted == () and release.contributors == ()
+
+
+def test_plaintext_reproduces_secagg_under_protocol_dropouts():
+    """The plaintext simulation and SecAgg+ over messages lose the same clients under one
+    public dropout plan, and release the same sum (or both nothing)."""
+    inputs = random_inputs(10, LENGTH, seed=4)
+    outcomes = []
+    for seed in range(SEEDS := 6):
+        plan = SecAggPlan(seed, dropout=0.25)
+        plain, _, _ = one_round("plaintext", inputs, plan=plan)
+        masked, _, _ = one_round("secagg", inputs, plan=plan)
+        assert plain.contributors == masked.contributors
+        if plain.total is None:
+            assert masked.total is None
+        else:
+            np.testing.assert_array_equal(plain.total, masked.total)
+        outcomes.append(len(plain.contributors))
+    assert len(outcomes) == SEEDS and min(outcomes) < 10  # some clients were lost
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_pickling_keeps_no_transport_and_no_committee(name):
+    inputs = random_inputs(COUNT, LENGTH, seed=5)
+    _, _, summing = one_round(name, inputs)
+    restored = pickle.loads(pickle.dumps(summing))
+    assert getattr(restored, "_grid", None) is None
+    assert getattr(restored, "committee", None) is None
+    assert restored.name == name and restored.reply_key == summing.reply_key
+
+
+def test_a_release_accounts_its_contributors_or_what_was_opened():
+    total = np.zeros(3, dtype=np.int64)
+    assert Release(total, (1, 2)).accounted == (1, 2)
+    assert Release(None, opened=(1, 2, 3), aborted="late").accounted == (1, 2, 3)
+    assert Release(None, aborted="too few").accounted == ()
+
+
+def test_build_names_the_implementations():
+    with pytest.raises(ValueError, match="allowed: 'plaintext', 'secagg', 'committee'"):
+        secure.build("lightsecagg", prefix="x.", plan=SecAggPlan(0))
+    with pytest.raises(ValueError, match="exactly for 'committee'"):
+        secure.build("committee", prefix="x.", plan=SecAggPlan(0))
