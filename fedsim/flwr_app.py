@@ -52,11 +52,13 @@ A fedsim strategy started inside the ServerApp (``strategy.start``, see
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import platform
 import re
 import time
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -371,7 +373,10 @@ def run_flower_app(
         rounds = app.run_config.get("num-server-rounds")
         with RunProgress(rounds if isinstance(rounds, int) else None, enabled=progress) as bar:
             recorder = RoundRecorder([writer.write_round, bar], infer_rounds=True)
-            with recorded_metrics(recorder.strategy_metrics):
+            with (
+                _server_errors(recorder.server_error),
+                recorded_metrics(recorder.strategy_metrics),
+            ):
                 engine.run_server_app(
                     app.server_app,
                     app.client_source(),
@@ -395,6 +400,37 @@ def run_flower_app(
         writer.close()
 
 
+class _ErrorsOf(logging.Filter):
+    """On Flower's logger: passes every record on, and hands the text of each ERROR of the
+    server side to ``sink`` (not Flower's client code, which an in-process worker runs in
+    this process too)."""
+
+    def __init__(self, sink: Callable[[str], None]) -> None:
+        super().__init__()
+        self.sink = sink
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        client_side = re.search(r"[\\/]flwr[\\/](client|clientapp)[\\/]", record.pathname)
+        if record.levelno >= logging.ERROR and not client_side:
+            self.sink(record.getMessage())
+        return True
+
+
+@contextlib.contextmanager
+def _server_errors(sink: Callable[[str], None]) -> Iterator[None]:
+    """While the ServerApp runs, every error it logs through Flower's logger goes to ``sink``:
+    Flower's workflows stop a round by logging one (SecAgg+'s ``Insufficient available
+    nodes.``) and returning, so the round is marked incomplete rather than finished. A filter,
+    not a handler: the console detaches the handlers of Flower's logger."""
+    flower = logging.getLogger("flwr")
+    errors = _ErrorsOf(sink)
+    flower.addFilter(errors)
+    try:
+        yield
+    finally:
+        flower.removeFilter(errors)
+
+
 def _summary(
     app: FlowerApp, num_supernodes: int, recorder: RoundRecorder, engine: Engine, seconds: float
 ) -> dict[str, Any]:
@@ -408,6 +444,7 @@ def _summary(
         "federation": app.federation.name,
         "num_supernodes": num_supernodes,
         "rounds": len(rounds),
+        "rounds_incomplete": sum(bool(r.get("incomplete")) for r in rounds),
         "clients_trained": sum(r.get("train", {}).get("clients", 0) for r in rounds),
         "seconds": {"total": seconds, "engine_startup": dict(engine.startup_s)},
         "final": recorder.records[-1] if recorder.records else None,

@@ -99,6 +99,14 @@ class Cadence:
         return cls(rounds=None, seconds=float(match.group(2)))
 
 
+def _incomplete(record: dict[str, Any]) -> str:
+    """How a round the ServerApp stopped is shown (empty for a finished round)."""
+    errors = record.get("incomplete")
+    if not errors:
+        return ""
+    return f"did not complete (the ServerApp logged: {' '.join(map(str, errors))})"
+
+
 class _PlainLines:
     """Progress as plain lines on ``stream`` at a :class:`Cadence`; ``clock`` in seconds."""
 
@@ -125,11 +133,12 @@ class _PlainLines:
 
     def write(self, record: dict[str, Any]) -> None:
         round_, now = int(record.get("round", 0)), self._clock()
-        if round_ == 0 or not self._due(round_, now):
+        stopped = _incomplete(record)
+        if round_ == 0 or not (stopped or self._due(round_, now)):
             return
         of = f"/{self._total}" if self._total else ""
         parts = [
-            f"fedsim: round {round_}{of}",
+            f"fedsim: round {round_}{of}" + (f" {stopped}" if stopped else ""),
             f"{now - self._started:.1f} s",
             f"{record.get('clients_per_s', 0.0):.0f} clients/s",
         ]
@@ -214,5 +223,5 @@ class RunProgress:
             advance=1,
             rate=f"{record.get('clients_per_s', 0.0):.0f} clients/s",
             privacy=privacy,
-            metrics=_latest_metrics(record),
+            metrics=_incomplete(record) or _latest_metrics(record),
         )

@@ -14,6 +14,12 @@ A round's line::
      "aggregated": {the strategy's aggregated train metrics},
      "aggregated_evaluate": {...}, "central": {server-side evaluation}}
 
+A phase sent under a ``send_and_receive`` timeout says so (``"timeout_s"``; its
+``timed_out`` counts the replies that missed it). A round in which the ServerApp logged an
+error through Flower's logger (Flower's workflows stop a round that way, e.g. SecAgg+'s
+``Insufficient available nodes.``) is not a finished round: its line has ``"incomplete"``,
+the messages logged, and the progress line says so.
+
 A private run (DP or secure strategies, DP-SGD clients) writes no client metrics:
 its phase sections carry no ``metrics`` and its lines no ``aggregated_evaluate``
 (un-noised means of the clients' own numbers); the strategy's ``aggregated`` holds
@@ -137,6 +143,8 @@ def _phase_section(report: PhaseReport, client_metrics: bool) -> dict[str, Any]:
         "bytes_down": report.bytes_down,
         "bytes_up": report.bytes_up,
     }
+    if report.timeout_s is not None:
+        section["timeout_s"] = report.timeout_s
     if client_metrics:
         section["metrics"] = report.client_metrics
     return section
@@ -160,6 +168,9 @@ def _merged_section(reports: list[PhaseReport], client_metrics: bool) -> dict[st
     metrics weighted by each phase's clients."""
     sections = [_phase_section(report, client_metrics) for report in reports]
     out = {key: sum(section[key] for section in sections) for key in _ADDED}
+    timeouts = [report.timeout_s for report in reports if report.timeout_s is not None]
+    if timeouts:  # the longest any of them waited
+        out["timeout_s"] = max(timeouts)
     if all(report.nodes for report in reports):
         nodes = frozenset().union(*(report.nodes for report in reports))
         out["clients"] = min(out["clients"], len(nodes))
@@ -213,6 +224,7 @@ class RoundRecorder:
         #: an evaluate phase without a round number ended the open round (inferred rounds)
         self._ended = False
         self._round_start = self.started
+        self._errors: list[str] = []
         #: what the strategy adds to summary.json (its final privacy report, ...)
         self.run_summary: dict[str, Any] = {}
         #: the grid's release boundary (the run's privacy), once the grid attached it
@@ -270,6 +282,10 @@ class RoundRecorder:
         if not self._open():
             self._round = server_round
         self._filed[section] = {**self._filed.get(section, {}), **values}
+
+    def server_error(self, message: str) -> None:
+        """The ServerApp logged an error during the open round (a stopped round)."""
+        self._errors.append(message)
 
     def _last_round(self) -> int:
         return int(self.records[-1]["round"]) if self.records else 0
@@ -347,6 +363,8 @@ class RoundRecorder:
         privacy = self.run_privacy(record.get("privacy"))
         if privacy is not None:
             record["privacy"] = privacy
+        if self._errors:
+            record["incomplete"], self._errors = self._errors, []
         if self.boundary is not None:
             self.boundary.close_round()
         if self.mark_in_clear and (phases or any(k in record for k in CLIENT_SECTIONS)):

@@ -106,6 +106,16 @@ class Backend(ABC):
     def restart(self, worker: int) -> None:
         """Replace a dead worker by a fresh one running the current run."""
 
+    def release(self, future: Any) -> bool:
+        """Ask for a submitted batch back if its worker has not started it: its future then
+        resolves with :class:`~fedsim.engine.channel.BatchReleased` from :meth:`result`, or
+        as usual if it had started. False where the backend cannot ask (the default)."""
+        return False
+
+    def releases(self, worker: int) -> bool:
+        """Whether :meth:`release` can ask ``worker`` for its batches back."""
+        return False
+
     @abstractmethod
     def close(self) -> None:
         """Release the workers."""
@@ -405,12 +415,15 @@ class RayBackend(Backend):
         return self._ray.put(value)
 
     def submit(self, worker: int, batch: ClientBatch) -> Any:
-        # Send each content to each worker once; later batches name it by key.
-        sent = self._sent[worker]
-        contents = [
-            Content(c.key, None) if remember(sent, c.key, None) else c for c in batch.contents
-        ]
-        batch = replace(batch, contents=contents)
+        # Send each content to each worker once; later batches name it by key. A solo batch
+        # (one that may be released unstarted) carries its contents and leaves the cache be.
+        if not batch.solo:
+            sent = self._sent[worker]
+            contents = [
+                Content(c.key, None) if remember(sent, c.key, None) else c
+                for c in batch.contents
+            ]
+            batch = replace(batch, contents=contents)
         channel = self._channels[worker]
         if channel is not None:
             return channel.send(batch, batch.describe())
@@ -442,6 +455,13 @@ class RayBackend(Backend):
                 due = min(self._due(r) for r in refs) - time.monotonic()
                 step = max(0.0, due if step is None else min(step, due))
                 self._ray.wait(refs, num_returns=1, timeout=step)
+
+    def release(self, future: Any) -> bool:
+        channel = self._channels[future.worker] if isinstance(future, ChannelFuture) else None
+        return channel is not None and channel.release(future)
+
+    def releases(self, worker: int) -> bool:
+        return self._channels[worker] is not None
 
     def _due(self, ref: Any) -> float:
         """When a batch sent by a Ray call times out: ``reply_timeout_s`` after it could

@@ -30,6 +30,13 @@ nothing for ``reply_timeout`` seconds while batches are pending on it, when a
 reply comes for a later batch first, or when a frame stops halfway or a batch
 cannot be sent within ``reply_timeout`` (the socket's own timeout).
 
+Release. The driver may ask for a batch back that the worker has not started (a frame
+``RELEASE || index``): the worker's reader takes it out of the queue, if the runner has not
+taken it yet, and answers ``index || RELEASED`` at once, ahead of the batch it is running;
+a batch already started is not answered (its reply comes as usual). The driver then runs the
+batch elsewhere (:class:`BatchReleased`): a client under a timeout never waits behind a
+slow one (:mod:`fedsim.engine.dispatch`).
+
 Security. The driver makes a random 32-byte key ``K`` (from the OS) per worker
 and hands it over through Ray. Each connection starts with a mutual handshake
 (both parties prove knowledge of ``K``, neither learns anything from a party
@@ -68,7 +75,6 @@ import hashlib
 import hmac
 import logging
 import pickle
-import queue
 import secrets
 import socket
 import threading
@@ -96,6 +102,11 @@ REPLY_TIMEOUT_S = 300.0
 #: the most seconds between two heartbeats of a worker running a batch
 HEARTBEAT_S = 5.0
 _INDEX = 8  # a reply's first bytes: the number of the batch it answers, big-endian
+#: a driver's frame asking for batch ``index`` back (followed by the index, big-endian); a
+#: batch is a pickle, which never starts with this byte
+RELEASE = b"R"
+#: a worker's answer to a release: the batch was not started and will not be
+RELEASED = b"R"
 
 _HEADER = 16  # seq (8) || length (8), big-endian
 _JOIN_BYTES = 1 << 16  # frames up to this size go out in one joined buffer
@@ -358,28 +369,35 @@ class WorkerChannel:
     def _serve(self, conn: FramedSocket, peer: Any) -> None:
         """Answer the batches in order while a reader thread keeps taking the driver's
         frames off the socket (so the driver never blocks sending to a worker that is
-        busy running or answering)."""
-        inbox: queue.SimpleQueue[bytearray | None] = queue.SimpleQueue()
+        busy running or answering, and a release is answered while a batch runs)."""
+        inbox = _Inbox()
         threading.Thread(
             target=self._read, args=(conn, peer, inbox), name="fedsim-channel-reader", daemon=True
         ).start()
         try:
-            index = 0
-            while (payload := inbox.get()) is not None:
+            while (entry := inbox.get()) is not None:
+                index, payload = entry
                 reply = self._answer(conn, payload)
                 if reply is not None:
                     conn.send(reply, prefix=index.to_bytes(_INDEX, "big"))
-                index += 1
         except OSError:
             return  # the driver went away; wait for the next one
         finally:
             conn.close()
 
     @staticmethod
-    def _read(conn: FramedSocket, peer: Any, inbox: queue.SimpleQueue) -> None:
+    def _read(conn: FramedSocket, peer: Any, inbox: _Inbox) -> None:
         try:
+            index = 0
             while True:
-                inbox.put(conn.recv())
+                payload = conn.recv()
+                if payload[:1] == RELEASE and len(payload) == 1 + _INDEX:
+                    wanted = int.from_bytes(payload[1:], "big")
+                    if inbox.take(wanted):  # not started: it never will be here
+                        conn.send(RELEASED, prefix=wanted.to_bytes(_INDEX, "big"))
+                    continue
+                inbox.put((index, payload))
+                index += 1
         except FrameError as err:
             log.warning("channel: dropping the connection from %s: %s", peer, err)
         except (EOFError, OSError):
@@ -418,6 +436,39 @@ class WorkerChannel:
             beating.join()
 
 
+class _Inbox:
+    """A worker's queue of received batches ``(index, payload)``: the runner takes them in
+    order; the reader may take back one the runner has not taken (a release)."""
+
+    def __init__(self) -> None:
+        self._items: deque[tuple[int, bytearray] | None] = deque()
+        self._ready = threading.Condition()
+
+    def put(self, item: tuple[int, bytearray] | None) -> None:
+        with self._ready:
+            self._items.append(item)
+            self._ready.notify()
+
+    def get(self) -> tuple[int, bytearray] | None:
+        with self._ready:
+            while not self._items:
+                self._ready.wait()
+            return self._items.popleft()
+
+    def take(self, index: int) -> bool:
+        """Remove batch ``index`` if it is still queued; True if it was."""
+        with self._ready:
+            for item in self._items:
+                if item is not None and item[0] == index:
+                    self._items.remove(item)
+                    return True
+            return False
+
+
+class BatchReleased(RuntimeError):
+    """The worker handed a batch back unstarted, as the driver asked: run it elsewhere."""
+
+
 class ChannelLost(ConnectionError):
     """The connection to a worker closed (or failed a check) with batches pending."""
 
@@ -439,14 +490,18 @@ class ChannelFuture:
     what: str = "a batch"
     payload: memoryview | None = None
     lost: BaseException | None = None
+    released: bool = False  # handed back unstarted (:meth:`DriverChannel.release`)
+    release_asked: bool = False
 
     @property
     def done(self) -> bool:
-        return self.payload is not None or self.lost is not None
+        return self.payload is not None or self.lost is not None or self.released
 
     def value(self) -> Any:
         if self.lost is not None:
             raise self.lost
+        if self.released:
+            raise BatchReleased(f"worker {self.worker} handed {self.what} back unstarted")
         assert self.payload is not None, "the batch is still pending"
         ok, value = pickle.loads(self.payload)
         if not ok:
@@ -540,6 +595,14 @@ class DriverChannel:
         if not payload:
             return  # a heartbeat: the worker is running a batch
         index = int.from_bytes(payload[:_INDEX], "big")
+        if payload[_INDEX:] == RELEASED:
+            asked = next((f for f in self.pending if f.index == index and f.release_asked), None)
+            if asked is None:
+                self.fail(ChannelLost(f"worker {self.worker}: a release nobody asked for"))
+                return
+            self.pending.remove(asked)
+            asked.released = True
+            return
         while self.pending and self.pending[0].index < index and len(payload) > _INDEX:
             skipped = self.pending.popleft()
             skipped.lost = ReplyLost(
@@ -551,6 +614,26 @@ class DriverChannel:
             self.fail(ChannelLost(f"worker {self.worker}: a reply with no batch pending"))
             return
         self.pending.popleft().payload = memoryview(payload)[_INDEX:]
+
+    def release(self, future: ChannelFuture) -> bool:
+        """Ask the worker for ``future``'s batch back if it has not started it (the future
+        then resolves released, else with its reply as usual); False if it cannot be asked
+        (done, asked before, the first pending batch, or the connection is gone)."""
+        if (
+            future.done
+            or future.release_asked
+            or self.conn.closed
+            or not self.pending
+            or self.pending[0] is future
+            or future not in self.pending
+        ):
+            return False
+        future.release_asked = True
+        try:
+            self.conn.send(RELEASE + future.index.to_bytes(_INDEX, "big"))
+        except OSError as err:
+            self.fail(ChannelLost(f"worker {self.worker}: {err}"))
+        return True
 
     def expire(self, now: float) -> bool:
         """Mark every pending batch lost if the worker has been silent for longer than the

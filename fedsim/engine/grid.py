@@ -15,6 +15,22 @@ for the addressed virtual clients on the backend's workers:
   late replies) and returns the replies ordered by node id, so a run's result
   does not depend on which worker finished first.
 
+A timeout means what it means in Flower's simulation (``InMemoryGrid.send_and_receive``
+over an actor pool fed from one queue): each message is one client's work, a client starts
+when a worker is free, and every reply that arrives within ``timeout`` seconds of the call is
+returned, whatever the other clients do. Under a timeout the grid sends each client as a
+batch of its own, a *solo* batch, which never waits behind a slow client: the dispatcher
+takes it back unstarted and gives it to a free worker
+(:class:`~fedsim.engine.dispatch.Dispatcher`). Where workers fold the replies (a reducer),
+the unit is one fold chunk (:func:`~fedsim.worker_reduce.fold_chunk_size`: one client while
+the cohort has at most :data:`~fedsim.worker_reduce.FOLD_CHUNKS` clients), so in larger
+cohorts a slow client's chunk-mates miss the timeout with it. A late reply becomes what it
+becomes in Flower: the ServerApp never gets it (it is not among the replies returned); the
+client ran, and its state is kept, as Flower's context store keeps it; the phase counts it
+``timed_out``, and one warning line says how many replies arrived within the timeout. The
+replies, their order and their folds do not depend on the batches, so a timeout that does
+not fire changes no bit of a run.
+
 When the instructions carry a reducer (:mod:`fedsim.worker_reduce`) whose fold is not
 exact (floating point), the messages of one content are cut into fixed fold chunks
 (:func:`~fedsim.worker_reduce.fold_chunk_size`, a function of their number alone), batches
@@ -44,6 +60,7 @@ finished phase is reported to an observer as a :class:`PhaseReport`.
 
 from __future__ import annotations
 
+import logging
 import pickle
 import threading
 import time
@@ -75,6 +92,8 @@ from fedsim.worker_reduce import (
     fold_chunk_size,
     reducer_of,
 )
+
+log = logging.getLogger(__name__)
 
 #: the legacy message types a ClientApp built from a ``client_fn`` executes
 LEGACY_MESSAGE_TYPES = (MessageTypeLegacy.GET_PARAMETERS, MessageTypeLegacy.GET_PROPERTIES)
@@ -136,6 +155,8 @@ class PhaseReport:
     client_metrics: dict[str, float]
     #: the node ids the phase's messages went to (empty: not given)
     nodes: frozenset[int] = frozenset()
+    #: the ``send_and_receive`` timeout the phase ran under (None: none)
+    timeout_s: float | None = None
 
 
 class PhaseObserver(Protocol):
@@ -245,6 +266,7 @@ class _Phase:
     compute_s: float = 0.0
     metrics: MetricSums = field(default_factory=MetricSums)
     closed: bool = False
+    timeout_s: float | None = None
 
 
 class SimulationGrid(Grid):
@@ -360,14 +382,16 @@ class SimulationGrid(Grid):
         phase = self._push(messages)
         return [] if phase is None else list(phase.message_ids)
 
-    def _push(self, messages: Iterable[Message]) -> _Phase | None:
+    def _push(self, messages: Iterable[Message], timeout: float | None = None) -> _Phase | None:
+        """Start a phase; ``timeout`` (that of ``send_and_receive``): its messages go out as
+        solo batches of one client (one fold chunk) each."""
         messages = list(messages)
         for message in messages:
             self._check(message)
         with self._lock:
-            return self._push_checked(messages)
+            return self._push_checked(messages, timeout)
 
-    def _push_checked(self, messages: list[Message]) -> _Phase | None:
+    def _push_checked(self, messages: list[Message], timeout: float | None = None) -> _Phase | None:
         index = self._phase_counter
         phase_round, phase_kind = self._phase_key()
         self._phase_counter += 1
@@ -402,6 +426,7 @@ class SimulationGrid(Grid):
             nodes=frozenset(int(m.metadata.dst_node_id) for m in messages),
             started=time.perf_counter(),
             bytes_down=bytes_down,
+            timeout_s=timeout,
         )
         self._phases[index] = phase
         self.boundary.sent(messages, phase.server_round)
@@ -417,9 +442,16 @@ class SimulationGrid(Grid):
             reducer = shared[id(group[0].content)][2]
             chunked = reducer is not None and not reducer.exact
             fold_chunk = fold_chunk_size(len(group)) if chunked else None
-            for size in batch_sizes(len(group), self.backend.num_workers, fold_chunk or 1):
+            if timeout is None:
+                sizes = batch_sizes(len(group), self.backend.num_workers, fold_chunk or 1)
+            else:  # a client (a fold chunk under a reducer) per batch, started by a free worker
+                unit = 1 if reducer is None else fold_chunk_size(len(group))
+                sizes = [min(unit, len(group) - start) for start in range(0, len(group), unit)]
+            for size in sizes:
                 chunk, group = group[:size], group[size:]
-                self._submit(phase, chunk, shared, folds, late, phase_kind, fold_chunk)
+                self._submit(
+                    phase, chunk, shared, folds, late, phase_kind, fold_chunk, timeout is not None
+                )
         if not phase.pending:
             self._finish(phase)  # every client dropped out
         return phase
@@ -445,6 +477,7 @@ class SimulationGrid(Grid):
         late: set[str],
         kind: int,
         fold_chunk: int | None = None,
+        solo: bool = False,
     ) -> None:
         handles: list[Content] = []
         position: dict[int, int] = {}
@@ -471,6 +504,7 @@ class SimulationGrid(Grid):
             else crash_point(self.faults, phase.round, kind, len(phase.batch_ids), len(chunk)),
             server_round=phase.server_round,
             fold_chunk=fold_chunk,
+            solo=solo,
         )
         phase.batch_ids.append(batch_id)
         phase.pending.add(batch_id)
@@ -483,6 +517,7 @@ class SimulationGrid(Grid):
             batch,
             on_result=lambda result, p=phase: self._on_result(p, result),
             on_give_up=lambda b, reason, p=phase: self._on_give_up(p, b, reason),
+            solo=solo,
         )
 
     def _on_result(self, phase: _Phase, result: BatchResult) -> None:
@@ -544,6 +579,7 @@ class SimulationGrid(Grid):
                     compute_s=phase.compute_s,
                     client_metrics=phase.metrics.means(),
                     nodes=phase.nodes,
+                    timeout_s=phase.timeout_s,
                 )
             )
 
@@ -593,21 +629,37 @@ class SimulationGrid(Grid):
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> list[Message]:
-        phase = self._push(messages)
+        # the clock starts before the push: an in-process worker runs a client inside it
+        deadline = None if timeout is None else time.monotonic() + timeout
+        phase = self._push(messages, timeout)
         if phase is None:
             return []
-        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._lock:
                 if not phase.pending:
                     return self._take(phase, None)
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    self._finish(phase)  # late batches are dropped
+                    self._missed(phase)
+                    self._finish(phase)  # late replies are dropped, as Flower drops them
                     return self._take(phase, None)
                 # other threads' pushes wait at most one slice for the lock
                 wait = _WAIT_SLICE_S if remaining is None else min(remaining, _WAIT_SLICE_S)
                 self._dispatcher.progress(wait)
+
+    def _missed(self, phase: _Phase) -> None:
+        """Say in one line how many replies of ``phase`` arrived within its timeout."""
+        arrived = phase.succeeded + phase.failed
+        where = "" if phase.server_round is None else f"round {phase.server_round}, "
+        log.warning(
+            "%s%s: %d of %d replies arrived within the timeout of %g s; as in Flower, the "
+            "ServerApp gets only those",
+            where,
+            phase.message_type,
+            arrived,
+            len(phase.message_ids),
+            phase.timeout_s,
+        )
 
     @property
     def workers_replaced(self) -> int:

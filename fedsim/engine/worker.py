@@ -166,6 +166,9 @@ class ClientBatch:
     server_round: int | None = None  # the FL round of its messages, for errors
     #: messages per fold chunk (fedsim.worker_reduce.fold_chunk_size); None: the whole batch
     fold_chunk: int | None = None
+    #: a batch of a phase under a timeout: it carries its contents and leaves the worker's
+    #: content cache as it is (the driver may take it back unstarted, fedsim.engine.dispatch)
+    solo: bool = False
 
     def describe(self) -> str:
         """The batch in words, for errors: its id, clients, message type and round."""
@@ -387,7 +390,10 @@ class ClientWorker:
         """Run every message of ``batch`` through the ClientApp, in order."""
         if self._run is None or self._app is None:
             raise RuntimeError("start_run must be called before run_batch")
-        blobs = [self._content(c) for c in batch.contents]
+        blobs = [
+            c.blob if batch.solo and c.blob is not None else self._content(c)
+            for c in batch.contents
+        ]
         replies: list[Message] = []
         failures: list[Message] = []
         states: dict[int, bytes | None] = {}
