@@ -19,8 +19,9 @@ Both workloads keep a small state per client in the engine's client-state store 
 seen); the ``lenet`` clients also record there the seconds their training took
 (``perf_counter``, the clock of the engine's ``client_s``) per round, which the harness reads
 back after the run (:func:`training_seconds`) to split ``client_s`` into training and
-secure-protocol seconds. Only the harness reads them; nothing about them leaves a client in
-a message.
+secure-protocol seconds. They travel only with the client's state to the engine's state store
+(as every client state does); no message, and so no strategy, carries them. A benchmark
+instrument: a deployed client keeps no such record.
 """
 
 from __future__ import annotations
