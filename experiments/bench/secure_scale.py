@@ -20,30 +20,46 @@ SecAgg+ exchange, so clients also drop out inside the protocol), and runs ``--wa
 A mode is a function ``(point) -> ModeRun`` registered in :data:`MODES`; a committee mode
 also reports its members' CPU seconds and bytes per member (``ModeRun.committee``).
 
-The clients' training is a fixed synthetic workload (:func:`synthetic_client_app`): a
-client's update is a fixed vector of norm 0.5 drawn from ``(partition, round)``, so the
-benchmark measures the protocol and the engine, not training; the client still keeps a small
-state (its rounds seen) in the client-state store.
+The clients' work is a *workload* (``--workload``, :data:`secure_workloads.WORKLOADS`), the
+same under every mode (the secure modes wrap its ClientApp): ``synthetic`` (the default), a
+fixed update of norm 0.5 drawn from ``(partition, round)``, so the benchmark measures the
+protocol and the engine, not training; or ``lenet``, the engine benchmark's LeNet-5 trained
+for one local epoch on FEMNIST-like writers (``--writers``, ``--rows-per-writer``; built once
+per invocation and memory-mapped by the workers; d is the model's, ``--dims`` is ignored).
+With 10^6 registered clients and ``--writers`` writers, **registered client p trains on
+writer p % writers** (its node id, secret and state stay its own). Either way each client
+keeps a small state (its rounds seen) in the client-state store; see
+``experiments/bench/secure_workloads.py``.
 
 Per round it records: ``round_s`` (wall seconds, driver), ``client_s`` (seconds inside the
 ClientApps, summed over every client call of the round; the clients' CPU), ``server_cpu_s``
 (CPU seconds of the driver's main thread: the strategy, the protocol's server side and the
 grid's message handling), ``committee_cpu_s`` (committee modes), ``bytes_up_per_client`` /
 ``bytes_down_per_client`` (serialised message contents each cohort client sends / receives,
-summed over the round's exchanges, divided by the cohort), ``bytes_per_member``, and per
-point the peak resident memory of the driver and of each worker. Points alternate modes
-within a repetition, so a slow spell of the shared machine hits all modes alike;
-``ratio_round_s`` is a mode's median round over plaintext FedAvg's at the same (cohort, d).
+summed over the round's exchanges, divided by the cohort), ``bytes_per_member``,
+``global_change_l2`` (how far the global model moved), for a training workload ``train_s``
+(the clients' own training seconds, read back from their states), ``train_calls`` and
+``secure_s`` = ``client_s`` - ``train_s`` (encoding, noise, masking, sharing, sealing, the
+protocol's other exchanges), and per point the peak resident memory of the driver and of
+each worker and the load average before and after (``load_average``: 1, 5, 15 min).
+Points alternate modes within a repetition, so a slow spell of the shared machine hits all
+modes alike;
+``ratio_round_s`` is a mode's median round over plaintext FedAvg's at the same (cohort, d),
+``ratio_vs_ddgauss`` a DMM mode's over DDGauss's.
 ``--populations`` also runs the smallest cohort and d at each population for the "memory
 flat in the registered clients" check (``population_sweep``). The curve (time per round
 against cohort, log-log, with the fitted exponent t ∝ C^a per mode and d) goes to
 ``--plot``; the JSON to stdout and ``--out`` (rewritten after every point). ``--merge`` combines
 runs made with different settings per d into one JSON and plot; ``--profile`` runs one point
-with the clients in the driver under cProfile. Results and the profile:
-``experiments/bench/secure_scale.md``.
+with the clients in the driver under cProfile; ``--md`` writes the table of the JSON (``--table
+JSON`` makes it from a stored one).
+Results and the profile: ``experiments/bench/secure_scale.md``; the LeNet workload:
+``experiments/bench/secure_scale_lenet.md``.
 
     nice -n 10 .venv/bin/python experiments/bench/secure_scale.py \
         --cohorts 100 --dims 10000 --rounds 2
+    nice -n 10 .venv/bin/python experiments/bench/secure_scale.py --workload lenet \
+        --modes fedavg,ddgauss,dmm --cohorts 100,300 --rounds 2 --md lenet.md --out lenet.json
 """
 
 from __future__ import annotations
@@ -51,11 +67,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -68,59 +82,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np  # noqa: E402
 
-UPDATE_NORM = 0.5
-"""L2 norm of every synthetic client update (below the clipping norm 1)."""
-ARRAY_KEY = "w"
+from experiments.bench.secure_report import (  # noqa: E402
+    Rounds,
+    markdown,
+    merge,
+    plot,
+    report,
+    summarise,
+)
+from experiments.bench.secure_workloads import (  # noqa: E402, F401  (re-exported)
+    ARRAY_KEY,
+    LENET_DIM,
+    UPDATE_NORM,
+    WORKLOADS,
+    make_writers,
+    synthetic_client_app,
+    training_seconds,
+)
+
 HERE = Path(__file__).resolve().parent
-
-
-# ----------------------------------------------------------------------------- the workload
-def synthetic_client_app(dim: int, seed: int):
-    """A real Flower ClientApp whose train reply is the global vector plus a fixed update of
-    norm :data:`UPDATE_NORM`, the client's simulated data: the public stream ``(seed, round,
-    Stream.PARTITION, partition)``; the client counts its rounds in ``context.state`` (so every
-    client is stateful)."""
-    from flwr.app import (  # noqa: PLC0415
-        ArrayRecord,
-        ConfigRecord,
-        Context,
-        Message,
-        MetricRecord,
-        RecordDict,
-    )
-    from flwr.clientapp import ClientApp  # noqa: PLC0415
-
-    from fedsim.randomness import Stream, public_generator  # noqa: PLC0415
-    from fedsim.record_codec import to_numpy, to_record  # noqa: PLC0415
-
-    app = ClientApp()
-
-    @app.train()
-    def train(message: Message, context: Context) -> Message:
-        ((key, record),) = [
-            (k, v) for k, v in message.content.items() if isinstance(v, ArrayRecord)
-        ]
-        weights = to_numpy(record)[ARRAY_KEY]
-        if weights.shape != (dim,):
-            raise ValueError(f"the global vector has shape {weights.shape}, expected ({dim},)")
-        config = message.content["config"]
-        partition = int(context.node_config["partition-id"])
-        server_round = int(config.get("server-round", 0))
-        rng = public_generator(seed, server_round, Stream.PARTITION, partition)
-        update = rng.standard_normal(dim, dtype=np.float32)
-        update *= UPDATE_NORM / float(np.linalg.norm(update))
-        seen = context.state.get("synthetic")
-        rounds = int(seen["rounds"]) + 1 if isinstance(seen, ConfigRecord) else 1
-        context.state["synthetic"] = ConfigRecord({"rounds": rounds})
-        content = RecordDict(
-            {
-                key: to_record({ARRAY_KEY: weights + update}),
-                "metrics": MetricRecord({"num-examples": 1}),
-            }
-        )
-        return Message(content=content, reply_to=message)
-
-    return app
 
 
 # ----------------------------------------------------------------------------- the modes
@@ -142,6 +122,9 @@ class Point:
     noise_multiplier: float
     state_memory_mb: int = 256
     backend: str = "ray"
+    workload: str = "synthetic"
+    writers: int = 0
+    data_dir: str = ""
 
 
 @dataclass
@@ -160,6 +143,11 @@ class ModeRun:
     details: dict[str, Any] = field(default_factory=dict)
 
 
+def workload_app(point: Point):
+    """The ClientApp of ``point``'s workload (:data:`secure_workloads.WORKLOADS`)."""
+    return WORKLOADS[point.workload].client_app(point)
+
+
 def fedavg_mode(point: Point) -> ModeRun:
     """Plaintext FedAvg with worker-side partial sums."""
     from flwr.serverapp.strategy import FedAvg  # noqa: PLC0415
@@ -169,7 +157,7 @@ def fedavg_mode(point: Point) -> ModeRun:
 
     inner = FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=1)
     strategy = SeededSampling(WorkerReduced(inner), point.seed)
-    return ModeRun(strategy, synthetic_client_app(point.dim, point.seed))
+    return ModeRun(strategy, workload_app(point))
 
 
 def ddgauss_mode(point: Point) -> ModeRun:
@@ -187,7 +175,7 @@ def ddgauss_mode(point: Point) -> ModeRun:
         "bits": min(point.ring_bits, 20),
     }
     strategy = from_options(options, expected_clients=point.cohort, seed=point.seed)
-    app = ddgauss_client_app(synthetic_client_app(point.dim, point.seed))
+    app = ddgauss_client_app(workload_app(point))
     secrets = RunSecret.fresh()  # each client's own secret comes from it, never the seed
     return ModeRun(
         SeededSampling(strategy, point.seed),
@@ -266,7 +254,7 @@ def dmm_mode(point: Point, worker_fold: bool = True) -> ModeRun:
 
     return ModeRun(
         SeededSampling(strategy, point.seed),
-        dmm_client_app(synthetic_client_app(point.dim, point.seed)),
+        dmm_client_app(workload_app(point)),
         secrets,
         committee=committee,
         bind=bind,
@@ -284,39 +272,45 @@ MODES: dict[str, Callable[[Point], ModeRun]] = {
 
 
 # ----------------------------------------------------------------------------- one point
-class _Rounds:
-    """Per-round totals of the grid's phase reports (a :class:`PhaseObserver`)."""
+def _round_recorder(mode: ModeRun, rows: list[dict[str, Any]], initial: dict[str, np.ndarray]):
+    """The ``on_round`` callback: per round its wall and driver-CPU seconds (the callback's
+    own time excluded), the protocol's survivors, the committee's numbers and the L2 norm of
+    the change of the global model (``global_change_l2``)."""
+    from fedsim.record_codec import to_numpy  # noqa: PLC0415
 
-    def __init__(self) -> None:
-        self.phases: dict[int, dict[str, float]] = {}
-        self.lock = threading.Lock()
+    clock = {"wall": time.perf_counter(), "cpu": time.thread_time()}
+    last = {"flat": np.concatenate([v.ravel() for v in initial.values()])}
 
-    def phase_finished(self, report) -> None:
-        with self.lock:
-            row = self.phases.setdefault(
-                report.server_round or 0,
-                {"client_s": 0.0, "bytes_up": 0, "bytes_down": 0, "exchanges": 0, "failed": 0},
-            )
-            row["client_s"] += report.compute_s
-            kind = report.message_type.removeprefix("query.")
-            row[f"client_s.{kind}"] = row.get(f"client_s.{kind}", 0.0) + report.compute_s
-            row[f"wall_s.{kind}"] = row.get(f"wall_s.{kind}", 0.0) + report.wall_s
-            row["bytes_up"] += report.bytes_up
-            row["bytes_down"] += report.bytes_down
-            row["exchanges"] += 1
-            row["failed"] += report.failed + report.dropped
-
-    def attach(self, row: dict[str, Any], cohort: int) -> None:
-        """Add round ``row["round"]``'s client seconds (total and by exchange), exchanges and
-        bytes per cohort client to ``row``."""
-        phases = self.phases.get(row["round"], {})
-        row["client_s"] = phases.get("client_s", 0.0)
-        row["by_exchange"] = {
-            k: v for k, v in phases.items() if k.startswith(("client_s.", "wall_s."))
+    def on_round(outcome) -> None:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        metrics = dict(outcome.train_metrics or {})
+        arrays = to_numpy(outcome.arrays)
+        flat = np.concatenate([np.asarray(arrays[k], np.float64).ravel() for k in initial])
+        row = {
+            "round": outcome.server_round,
+            "round_s": wall - clock["wall"],
+            "server_cpu_s": cpu - clock["cpu"],
+            "survivors": metrics.get("ddgauss-survivors"),
+            "aborted": metrics.get("ddgauss-aborted"),
+            "global_change_l2": float(np.linalg.norm(flat - last["flat"])),
         }
-        row["exchanges"] = phases.get("exchanges", 0)
-        row["bytes_up_per_client"] = phases.get("bytes_up", 0) / cohort
-        row["bytes_down_per_client"] = phases.get("bytes_down", 0) / cohort
+        last["flat"] = flat
+        if mode.committee is not None:
+            row.update(mode.committee())
+        rows.append(row)
+        clock["wall"], clock["cpu"] = time.perf_counter(), time.thread_time()
+
+    return on_round
+
+
+def _engine(point: Point):
+    """A started engine of ``point.workers`` workers (one CPU each)."""
+    from fedsim.engine import Engine, EngineConfig  # noqa: PLC0415
+
+    config = EngineConfig(
+        backend=point.backend, workers=point.workers, num_cpus=point.workers, object_store_mb=1024
+    )
+    return Engine(config).start()
 
 
 def run_point(point: Point) -> dict[str, Any]:
@@ -325,31 +319,17 @@ def run_point(point: Point) -> dict[str, Any]:
 
     from flwr.supercore.logger import FLOWER_LOGGER  # noqa: PLC0415
 
-    from fedsim.engine import (  # noqa: PLC0415
-        ClientStateStore,
-        Engine,
-        EngineConfig,
-        FaultConfig,
-        UniformCohort,
-    )
+    from fedsim.engine import ClientStateStore, FaultConfig, UniformCohort  # noqa: PLC0415
     from fedsim.engine.metrics import peak_rss_mb  # noqa: PLC0415
     from fedsim.engine.rounds import run_rounds  # noqa: PLC0415
     from fedsim.record_codec import to_record  # noqa: PLC0415
 
     FLOWER_LOGGER.setLevel(logging.WARNING)
     logging.getLogger("strategies").setLevel(logging.ERROR)
-    mode = MODES[point.mode](point)
-    observer = _Rounds()
-    engine = Engine(
-        EngineConfig(
-            backend=point.backend,
-            workers=point.workers,
-            num_cpus=point.workers,
-            object_store_mb=1024,
-        )
-    ).start()
-    total_rounds = point.warmup + point.rounds
-    rows: list[dict[str, Any]] = []
+    load_before = list(os.getloadavg())
+    mode, observer, rows = MODES[point.mode](point), Rounds(), []
+    engine = _engine(point)
+    initial = WORKLOADS[point.workload].initial(point)
     with tempfile.TemporaryDirectory(prefix="fedsim-secure-scale-") as tmp:
         store = ClientStateStore(
             Path(tmp) / "state.sqlite", memory_budget=point.state_memory_mb * 2**20
@@ -368,135 +348,36 @@ def run_point(point: Point) -> dict[str, Any]:
             mode.bind(engine, grid)
         if mode.committee is not None:
             mode.committee()  # reset its counters
-        clock = {"wall": time.perf_counter(), "cpu": time.thread_time()}
-        initial = {ARRAY_KEY: np.zeros(point.dim, dtype=np.float32)}
-
-        def on_round(outcome) -> None:
-            wall, cpu = time.perf_counter(), time.thread_time()
-            metrics = dict(outcome.train_metrics or {})
-            row = {
-                "round": outcome.server_round,
-                "round_s": wall - clock["wall"],
-                "server_cpu_s": cpu - clock["cpu"],
-                "survivors": metrics.get("ddgauss-survivors"),
-                "aborted": metrics.get("ddgauss-aborted"),
-            }
-            if mode.committee is not None:
-                row.update(mode.committee())
-            rows.append(row)
-            clock["wall"], clock["cpu"] = time.perf_counter(), time.thread_time()
-
+        on_round = _round_recorder(mode, rows, initial)
+        total_rounds = point.warmup + point.rounds
         run_rounds(mode.strategy, grid, to_record(initial), total_rounds, on_round=on_round)
         grid.wait_idle()
         workers = getattr(engine.backend, "worker_peak_rss_mb", list)()
         stored = len(store)
+        trains = point.workload != "synthetic"
+        training = training_seconds(store, observer.train_nodes) if trains else None
         store.close()
     engine.close()
     for row in rows:
-        observer.attach(row, point.cohort)
+        observer.attach(row, point.cohort, training)
     driver = peak_rss_mb()
     return {
         "rounds": rows[point.warmup :],
         "warmup_rounds": rows[: point.warmup],
         "clients_with_state": stored,
         "peak_rss_mb": {"driver": driver, "workers": workers, "total": driver + sum(workers)},
+        "load_average": {"before": load_before, "after": list(os.getloadavg())},
         "details": mode.details,
     }
 
 
-# ----------------------------------------------------------------------------- summaries
-_PER_ROUND = ("round_s", "client_s", "server_cpu_s", "bytes_up_per_client", "bytes_down_per_client")
-_COMMITTEE = ("committee_cpu_s", "bytes_per_member")
-
-
-def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Medians over every measured round of every repetition; the largest memory peaks."""
-    rounds = [row for run in runs for row in run["rounds"]]
-    out: dict[str, Any] = {"measured_rounds": len(rounds)}
-    for key in (*_PER_ROUND, *_COMMITTEE):
-        values = [row[key] for row in rounds if row.get(key) is not None]
-        out[key] = statistics.median(values) if values else None
-    exchanges = sorted({k for row in rounds for k in row.get("by_exchange", {})})
-    out["by_exchange"] = {
-        k: statistics.median(row["by_exchange"].get(k, 0.0) for row in rounds) for k in exchanges
-    }
-    survivors = [row["survivors"] for row in rounds if row.get("survivors") is not None]
-    out["median_survivors"] = statistics.median(survivors) if survivors else None
-    out["aborted_rounds"] = sum(int(row.get("aborted") or 0) for row in rounds)
-    peaks = [run["peak_rss_mb"] for run in runs]
-    out["peak_rss_mb"] = {
-        "driver": max(p["driver"] for p in peaks),
-        "workers": [max(w) for w in zip(*(p["workers"] for p in peaks))],
-        "total": max(p["total"] for p in peaks),
-    }
-    out["clients_with_state"] = max(run["clients_with_state"] for run in runs)
-    out["per_round"] = [run["rounds"] for run in runs]
-    return out
-
-
-def fit_exponent(cohorts: list[int], seconds: list[float]) -> float | None:
-    """a in t = b * C^a, least squares on log t against log C (None below two cohorts)."""
-    if len(set(cohorts)) < 2:
-        return None
-    slope, _ = np.polyfit(np.log(cohorts), np.log(seconds), 1)
-    return float(slope)
-
-
-def exponents(points: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
-    """The fitted exponent of round time against cohort, per mode and d."""
-    out: dict[str, dict[str, float | None]] = {}
-    for mode in sorted({p["mode"] for p in points}):
-        for dim in sorted({p["dim"] for p in points}):
-            rows = sorted(
-                (p["cohort"], p["summary"]["round_s"])
-                for p in points
-                if p["mode"] == mode and p["dim"] == dim
-            )
-            if rows:
-                out.setdefault(mode, {})[str(dim)] = fit_exponent(*map(list, zip(*rows)))
-    return out
-
-
-def plot(points: list[dict[str, Any]], fits: dict, path: Path) -> None:
-    """Seconds per round against cohort size, log-log, one line per mode and d."""
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    fig, ax = plt.subplots(figsize=(8.4, 4.4))
-    styles = {"fedavg": "o-", "ddgauss": "s-", "dmm": "^-", "dmm-unfolded": "v--"}
-    for mode in sorted({p["mode"] for p in points}):
-        for dim in sorted({p["dim"] for p in points}):
-            rows = sorted(
-                (p["cohort"], p["summary"]["round_s"])
-                for p in points
-                if p["mode"] == mode and p["dim"] == dim
-            )
-            if not rows:
-                continue
-            exponent = fits.get(mode, {}).get(str(dim))
-            label = f"{mode}, d = {dim:.0e}" + (
-                f" (t ∝ C^{exponent:.2f})" if exponent is not None else ""
-            )
-            ax.plot(*zip(*rows), styles.get(mode, "x-"), label=label)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("clients per round C")
-    ax.set_ylabel("seconds per round (median)")
-    ax.set_title("Secure aggregation at scale: time per round (2 workers)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 # ----------------------------------------------------------------------------- driver
 def _points(args: argparse.Namespace) -> list[Point]:
-    """The (mode, cohort, d) grid; d = 10^6 only at the smallest cohort (``--big-dim-cohorts``)."""
+    """The (mode, cohort, d) grid; d = 10^6 only at the smallest cohort (``--big-dim-cohorts``);
+    a workload with a model of its own has its d (``--dims`` ignored)."""
     out = []
-    for dim in args.dims:
+    fixed = WORKLOADS[args.workload].dim
+    for dim in args.dims if fixed is None else [fixed]:
         cohorts = (
             args.cohorts if dim < 10**6 else [c for c in args.cohorts if c <= args.big_dim_cohort]
         )
@@ -521,6 +402,9 @@ def _point(args: argparse.Namespace, mode: str, cohort: int, dim: int, populatio
         ring_bits=args.ring_bits,
         noise_multiplier=args.noise_multiplier,
         state_memory_mb=args.state_memory_mb,
+        workload=args.workload,
+        writers=args.writers if args.workload == "lenet" else 0,
+        data_dir=args.data_dir,
     )
 
 
@@ -540,9 +424,14 @@ def _ints(text: str) -> list[int]:
     return [int(float(v)) for v in text.split(",") if v]
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES))
+    parser.add_argument("--workload", choices=list(WORKLOADS), default="synthetic")
+    parser.add_argument("--writers", type=int, default=1000, help="lenet: FEMNIST-like writers")
+    parser.add_argument(
+        "--rows-per-writer", type=int, default=90, help="lenet: training rows per writer"
+    )
     parser.add_argument("--cohorts", type=_ints, default=[100, 300, 1000])
     parser.add_argument("--dims", type=_ints, default=[10**4, 10**5, 10**6])
     parser.add_argument(
@@ -570,7 +459,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="client states kept in memory (MiB, the engine's default) before SQLite",
     )
     parser.add_argument("--seed", type=int, default=0)
+    _output_arguments(parser)
+    return parser
+
+
+def _output_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here too")
+    parser.add_argument("--md", type=Path, default=None, help="write the Markdown table here")
     parser.add_argument("--plot", type=Path, default=None, help="write the log-log curve here")
     parser.add_argument(
         "--profile",
@@ -587,16 +482,27 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="instead: combine the JSON of earlier runs (e.g. small d with more rounds, large d "
         "with fewer) into one --out and --plot, exponents fitted over all their points",
     )
+    parser.add_argument(
+        "--table",
+        type=Path,
+        default=None,
+        help="instead: the Markdown table of this stored JSON, to --md (else stdout)",
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = _parser()
     args = parser.parse_args(argv)
+    args.data_dir = ""  # the lenet writers' directory, once main has built them
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
         parser.error(f"--modes: {unknown} unknown; allowed: {', '.join(MODES)}")
     if "fedavg" not in args.modes:
         parser.error("--modes must include 'fedavg': every ratio is taken against it")
-    for name in ("rounds", "repeats", "workers", "population"):
+    for name in ("rounds", "repeats", "workers", "population", "writers", "rows_per_writer"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name}={getattr(args, name)}; it must be >= 1")
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)}; it must be >= 1")
     if not 0.0 <= args.dropout < 1.0:
         parser.error(f"--dropout={args.dropout}; allowed: a probability in [0, 1)")
     return args
@@ -609,11 +515,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return {}
     if args.merge:
         return merge(args.merge, args.out, args.plot)
+    if args.table:
+        text = markdown(json.loads(args.table.read_text()))
+        print(text, end="") if args.md is None else args.md.write_text(text)
+        return {}
+    if args.workload == "synthetic":
+        return _measure(args)
+    with tempfile.TemporaryDirectory(prefix="fedsim-secure-writers-") as tmp:
+        args.data_dir = str(make_writers(Path(tmp), args.writers, args.rows_per_writer, args.seed))
+        return _measure(args)
+
+
+def _measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Run every point (each in a fresh process), writing the JSON (and table) after each."""
     points = _points(args)
     if args.profile is not None:
         return profile(points[-1], args.profile)
     sweep = [
-        _point(args, mode, min(args.cohorts), min(args.dims), population)
+        _point(args, mode, min(args.cohorts), points[0].dim, population)
         for population in args.populations
         for mode in args.modes
     ]
@@ -634,46 +553,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             result = report(args, points, sweep, runs)  # written after every point
             if args.out is not None:
                 args.out.write_text(json.dumps(result, indent=2) + "\n")
+            if args.md is not None:
+                args.md.write_text(markdown(result))
     print(json.dumps(result, indent=2))
     if args.plot is not None:
         plot(result["points"], result["exponents"], args.plot)
-    return result
-
-
-def report(
-    args: argparse.Namespace, points: list[Point], sweep: list[Point], runs: dict[Point, list]
-) -> dict[str, Any]:
-    """The JSON of the points measured so far (a mode's ratio once FedAvg's point is in)."""
-    rows = [
-        {**{k: getattr(p, k) for k in ("mode", "cohort", "dim", "population")},
-         "summary": summarise(runs[p])}
-        for p in points
-        if runs[p]
-    ]  # fmt: skip
-    for row in rows:
-        reference = [
-            r for r in rows
-            if r["mode"] == "fedavg" and (r["cohort"], r["dim"]) == (row["cohort"], row["dim"])
-        ]  # fmt: skip
-        row["ratio_round_s"] = (
-            row["summary"]["round_s"] / reference[0]["summary"]["round_s"] if reference else None
-        )
-    result = {
-        "settings": {
-            k: getattr(args, k)
-            for k in (
-                "population", "rounds", "warmup", "repeats", "workers", "dropout",
-                "secagg_degree", "ring_bits", "noise_multiplier", "seed", "state_memory_mb",
-            )
-        },  # fmt: skip
-        "cpu_count": os.cpu_count(),
-        "points": rows,
-        "exponents": exponents(rows),
-        "ratios": _ratios(rows),
-    }
-    done = [p for p in sweep if runs[p]]
-    if done:
-        result["population_sweep"] = _population_sweep(done, runs)
     return result
 
 
@@ -693,66 +577,6 @@ def profile(point: Point, path: Path) -> dict[str, Any]:
     print(text.getvalue())
     print(json.dumps(summarise([result]), indent=1))
     return result
-
-
-def _ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """Each secure point's round time over FedAvg's at the same (C, d), keyed for reading."""
-    return {
-        f"{r['mode']} C={r['cohort']} d={r['dim']}": r["ratio_round_s"]
-        for r in rows
-        if r["mode"] != "fedavg"
-    }
-
-
-def merge(paths: list[Path], out: Path | None, plot_path: Path | None) -> dict[str, Any]:
-    """One result from several runs' JSON: their points (a later run's point replaces an
-    earlier one at the same mode, cohort, d and population), each run's settings, the
-    exponents refitted over all points, and the first memory sweep found."""
-    runs = [json.loads(Path(path).read_text()) for path in paths]
-    points: dict[tuple, dict[str, Any]] = {}
-    for run in runs:
-        for row in run["points"]:
-            row = {"settings": run.get("settings"), **row}  # a merged run's rows keep theirs
-            points[(row["mode"], row["cohort"], row["dim"], row["population"])] = row
-    rows = sorted(points.values(), key=lambda r: (r["dim"], r["cohort"], r["mode"] != "fedavg"))
-    result = {
-        "merged_from": [str(p) for p in paths],
-        "cpu_count": os.cpu_count(),
-        "points": rows,
-        "exponents": exponents(rows),
-        "ratios": _ratios(rows),
-    }
-    sweeps = [run["population_sweep"] for run in runs if "population_sweep" in run]
-    if sweeps:
-        result["population_sweep"] = sweeps[0]
-    text = json.dumps(result, indent=2)
-    print(text)
-    if out is not None:
-        out.write_text(text + "\n")
-    if plot_path is not None:
-        plot(rows, result["exponents"], plot_path)
-    return result
-
-
-def _population_sweep(sweep: list[Point], runs: dict[Point, list[dict]]) -> dict[str, Any]:
-    """Per mode: round time and peak memory at each population, and largest / smallest."""
-    out: dict[str, Any] = {}
-    for mode in dict.fromkeys(p.mode for p in sweep):
-        mine = sorted((p for p in sweep if p.mode == mode), key=lambda p: p.population)
-        table = {str(p.population): summarise(runs[p]) for p in mine}
-        small, large = table[str(mine[0].population)], table[str(mine[-1].population)]
-        out[mode] = {
-            "cohort": mine[0].cohort,
-            "dim": mine[0].dim,
-            "populations": {
-                n: {"round_s": s["round_s"], "peak_rss_mb": s["peak_rss_mb"]}
-                for n, s in table.items()
-            },
-            "ratio_round_s": large["round_s"] / small["round_s"],
-            "ratio_total_peak_rss": large["peak_rss_mb"]["total"]
-            / small["peak_rss_mb"]["total"],
-        }
-    return out
 
 
 if __name__ == "__main__":
