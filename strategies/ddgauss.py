@@ -102,7 +102,6 @@ from fedsim.privacy.mechanisms import SecureRandom, discrete_gaussian
 from fedsim.privacy.sampling import NeighbouringRelation
 from fedsim.randomness import PartySecret, Purpose, Stream, client_secret, public_generator
 from fedsim.record_codec import to_numpy, to_record
-from fedsim.worker_reduce import single
 from protocols.channels import KeySubstitution
 from protocols.encoding import DEFAULT_BETA, DDGaussEncoder, EncodedUpdate, choose_gamma
 from protocols.secagg import SecAggConfig, Stage
@@ -115,6 +114,7 @@ from strategies.secure.committee import COMMITTEE_OPTIONS, sealed_key
 from strategies.secure.plaintext import encoded_key
 from strategies.secure.replies import first_replies
 from strategies.spec import Accounting, RunFacts, StrategySpec
+from strategies.vectors import trained_update, unflatten
 from strategies.wrapper import server_reply
 
 log = logging.getLogger(__name__)
@@ -137,19 +137,6 @@ _RENAMED = (
     "mode='ideal' is now mode='plaintext': the clients' encodings reach the server in the "
     "clear (only the sum's arithmetic matches full mode); use 'full' for SecAgg+"
 )
-
-
-def flatten(arrays: dict[str, np.ndarray]) -> np.ndarray:
-    """The arrays' entries, in record order, as one float64 vector."""
-    return np.concatenate([np.asarray(v, dtype=np.float64).ravel() for v in arrays.values()])
-
-
-def unflatten(vector: np.ndarray, like: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    out, start = {}, 0
-    for key, value in like.items():
-        out[key] = vector[start : start + value.size].reshape(value.shape)
-        start += value.size
-    return out
 
 
 def encoder_from_config(config: ConfigRecord) -> DDGaussEncoder:
@@ -175,19 +162,6 @@ def _instruction_parts(message: Message) -> tuple[str, ArrayRecord, ConfigRecord
     if len(arrays) != 1 or not configs:
         raise ValueError("a DDGauss instruction needs one ArrayRecord and a ConfigRecord")
     return arrays[0][0], arrays[0][1], configs[0]
-
-
-def trained_update(
-    inner: ClientApp, message: Message, context: Context, global_record: ArrayRecord
-) -> Message | tuple[np.ndarray, MetricRecord]:
-    """Train with ``inner``: its error reply, or the flattened update (trained minus global)
-    and its metrics."""
-    reply = inner(message, context)
-    if reply.has_error():
-        return reply
-    _, trained = single(reply.content, ArrayRecord)
-    _, metrics = single(reply.content, MetricRecord)
-    return flatten(to_numpy(trained)) - flatten(to_numpy(global_record)), metrics
 
 
 def _encode(

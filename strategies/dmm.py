@@ -109,7 +109,6 @@ from protocols.encoding import (
 from protocols.field import MersenneField
 from protocols.shamir import PackedShamir
 from strategies.answered_rounds import claim_round
-from strategies.ddgauss import flatten, unflatten
 from strategies.dmm_fold import (
     BATCH_KEY,
     FOLD_KEY,
@@ -123,6 +122,7 @@ from strategies.dmm_fold import (
 from strategies.dp_shell import LedgerShell
 from strategies.participation_guard import ParticipationGuard
 from strategies.spec import Accounting, RunFacts, StrategySpec
+from strategies.vectors import flatten, unflatten
 from strategies.wrapper import server_reply
 
 log = logging.getLogger(__name__)

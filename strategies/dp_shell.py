@@ -3,7 +3,7 @@
 :class:`LedgerShell` holds the privacy ledger and what a round record shows of it
 (DP-FedAvg, the matrix mechanism, DMM, DDGauss). :class:`ClippedSumShell` adds the central-DP
 round of DP-FedAvg and the matrix mechanism: the clients' updates are clipped and summed by
-:class:`~strategies.dp_fedavg.ClippedSum` (on the workers when ``worker_reduction``), the
+:class:`~strategies.clipped_sum.ClippedSum` (on the workers when ``worker_reduction``), the
 server adds noise drawn from its own secret (:class:`~strategies.server_secret.ServerNoise`)
 and divides by the *expected* cohort size ``m``; refused replies are listed as ``rejected``
 and the clients' own metrics and the exact clipped fraction are released only with
@@ -31,14 +31,10 @@ from fedsim.engine.boundary import ClaimRefused, ReleaseBoundary, boundary_of
 from fedsim.privacy.ledger import PrivacyLedger
 from fedsim.record_codec import to_numpy
 from fedsim.worker_reduce import attach_reducer, is_partial, single
+from strategies.clipped_sum import BOOKKEEPING, CLIENTS_KEY, CLIPPED_KEY
 from strategies.participation_guard import ParticipationGuard
 from strategies.server_secret import ServerNoise
 from strategies.wrapper import StrategyWrapper
-
-#: the clipped sum's bookkeeping metrics: clients summed, clients clipped
-CLIENTS_KEY = "fedsim.clients"
-CLIPPED_KEY = "fedsim.clipped"
-BOOKKEEPING = (CLIENTS_KEY, CLIPPED_KEY)
 
 
 class LedgerShell(StrategyWrapper):
@@ -94,7 +90,7 @@ class ClippedRound:
 class ClippedSumShell(ServerNoise, LedgerShell):
     """Central DP over a clipped sum (see the module docstring).
 
-    Subclasses set ``reducer`` (a :class:`~strategies.dp_fedavg.ClippedSum`), ``weight_key``,
+    Subclasses set ``reducer`` (a :class:`~strategies.clipped_sum.ClippedSum`), ``weight_key``,
     ``expected_clients``, ``worker_reduction`` and ``metrics_in_clear``, and implement
     ``aggregate_train`` with :meth:`clipped_round` and :meth:`add_round_metrics`.
     """

@@ -77,7 +77,7 @@ from fedsim.privacy.matrix import (
 from fedsim.privacy.matrix.streaming import NoiseStream
 from fedsim.privacy.sampling import NeighbouringRelation
 from fedsim.record_codec import to_record
-from strategies.dp_fedavg import ClippedSum
+from strategies.clipped_sum import ClippedSum
 from strategies.dp_shell import ClippedSumShell
 from strategies.participation_guard import ParticipationGuard
 from strategies.spec import Accounting, RunFacts, StrategySpec

@@ -138,6 +138,19 @@ def reports_of(replies: Iterable[Message]) -> list[Report]:
     return out
 
 
+def unstack_part(
+    flat: np.ndarray, bases: list[str], like: dict[str, np.ndarray], suffix: str
+) -> dict[str, np.ndarray]:
+    """Split a flat vector back into ``<base><suffix>`` arrays shaped like ``like``."""
+    out, at = {}, 0
+    for b in bases:
+        shape = like[b + suffix].shape
+        size = int(np.prod(shape))
+        out[b + suffix] = flat[at : at + size].reshape(shape)
+        at += size
+    return out
+
+
 class PersonalisedStrategy(Strategy):
     """Sampling, messaging and evaluation; subclasses supply :meth:`global_update`."""
 

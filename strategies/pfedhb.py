@@ -75,7 +75,7 @@ import numpy as np
 
 from fedsim.config import from_mapping, require
 from fedsim.workloads.bayesian import MU, RHO, check_split, softplus, softplus_inverse, split_names
-from strategies.personalised import Cohorts, PersonalisedStrategy, Report
+from strategies.personalised import Cohorts, PersonalisedStrategy, Report, unstack_part
 from strategies.personalised_config import personalised_spec
 
 Variance = Literal["shared", "per-client", "rho-average"]
@@ -295,19 +295,6 @@ def stack_part(reports: list[Report], bases: list[str]) -> tuple[np.ndarray, np.
     mu = np.stack([np.concatenate([r.arrays[b + MU].ravel() for b in bases]) for r in reports])
     rho = np.stack([np.concatenate([r.arrays[b + RHO].ravel() for b in bases]) for r in reports])
     return mu, softplus(rho) ** 2
-
-
-def unstack_part(
-    flat: np.ndarray, bases: list[str], like: dict[str, np.ndarray], suffix: str
-) -> dict[str, np.ndarray]:
-    """Split a flat vector back into ``<base><suffix>`` arrays shaped like ``like``."""
-    out, at = {}, 0
-    for b in bases:
-        shape = like[b + suffix].shape
-        size = int(np.prod(shape))
-        out[b + suffix] = flat[at : at + size].reshape(shape)
-        at += size
-    return out
 
 
 # --------------------------------------------------------------------------- strategy

@@ -28,9 +28,8 @@ import numpy as np
 from fedsim.config import require
 from fedsim.workloads.bayesian import MU, RHO, check_split, softplus_inverse, split_names
 from fedsim.workloads.personalised import PRIOR_VAR
-from strategies.personalised import Cohorts, PersonalisedStrategy, Report
+from strategies.personalised import Cohorts, PersonalisedStrategy, Report, unstack_part
 from strategies.personalised_config import personalised_spec
-from strategies.pfedhb import unstack_part
 
 
 def vem_head_mean(mu: np.ndarray, rho2: np.ndarray) -> np.ndarray:

@@ -58,12 +58,17 @@ from fedsim.privacy.calibration import calibrate_noise
 from fedsim.privacy.ledger import PrivacyLedger
 from fedsim.privacy.mechanisms import gaussian_noise
 from fedsim.privacy.round_events import round_event
-from fedsim.privacy.sampling import FixedSizeSampling, FullParticipation, PoissonSampling, Sampling
+from fedsim.privacy.sampling import (
+    FixedSizeSampling,
+    FullParticipation,
+    PoissonSampling,
+    Sampling,
+    relation_for,
+)
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.workloads.dpo import DPOSettings, PreferencePair, add_lora, train_dpo
 from fedsim.workloads.popri_feedback import feedback_instruction, summed_scores
 from fedsim.workloads.text_models import build_prompt, generate
-from strategies.dp_fedavg import relation_for
 from strategies.server_secret import ServerNoise
 from strategies.wrapper import train_message
 

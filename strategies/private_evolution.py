@@ -46,10 +46,9 @@ from fedsim.config import positive_int, require
 from fedsim.privacy.ledger import PrivacyLedger
 from fedsim.privacy.mechanisms import gaussian_noise
 from fedsim.privacy.round_events import round_event
-from fedsim.privacy.sampling import FullParticipation, Sampling
+from fedsim.privacy.sampling import FullParticipation, Sampling, relation_for
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.workloads.pe_votes import CANDIDATES, EMBEDDINGS, Embedder, votes_of
-from strategies.dp_fedavg import relation_for
 from strategies.server_secret import ServerNoise
 from strategies.wrapper import train_message
 

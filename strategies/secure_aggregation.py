@@ -45,11 +45,11 @@ from fedsim.record_codec import to_numpy, to_record
 from protocols.field import DEFAULT_FIELD
 from strategies import secure
 from strategies.answered_rounds import claim_round
-from strategies.ddgauss import trained_update, unflatten
 from strategies.secagg_messages import register_client_stages
 from strategies.secure import Release, SecAggPlan, SecureSum
 from strategies.secure.committee import COMMITTEE_OPTIONS, spec_from_options
 from strategies.secure.replies import first_replies
+from strategies.vectors import trained_update, unflatten
 from strategies.wrapper import StrategyWrapper, server_reply
 
 log = logging.getLogger(__name__)

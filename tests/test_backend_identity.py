@@ -31,7 +31,7 @@ from fedsim.worker_reduce import (
     attach_reducer,
     fold_chunk_size,
 )
-from strategies.dp_fedavg import ClippedSum
+from strategies.clipped_sum import ClippedSum
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "experiments" / "quickstart" / "config.toml"
 SHAPES = {"w": (7, 5), "b": (5,)}

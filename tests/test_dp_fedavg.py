@@ -9,7 +9,8 @@ from flwr.supercore.task_identity import TaskIdentity
 from fedsim.engine import ClientRegistry
 from fedsim.randomness import RunSecret
 from fedsim.record_codec import to_numpy, to_record
-from strategies.dp_fedavg import CLIENTS_KEY, CLIPPED_KEY, ClippedSum, DPFedAvg
+from strategies.clipped_sum import CLIENTS_KEY, CLIPPED_KEY, ClippedSum
+from strategies.dp_fedavg import DPFedAvg
 
 
 @pytest.fixture(autouse=True)

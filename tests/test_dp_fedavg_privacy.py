@@ -19,10 +19,10 @@ from fedsim.privacy.calibration import calibrate_noise
 from fedsim.privacy.epsilon import epsilon, epsilon_curve
 from fedsim.privacy.participation import Participation
 from fedsim.privacy.round_events import split_noise_multiplier
-from fedsim.privacy.sampling import FixedSizeSampling, PoissonSampling
+from fedsim.privacy.sampling import FixedSizeSampling, PoissonSampling, relation_for
 from fedsim.randomness import RunSecret
 from fedsim.record_codec import to_numpy, to_record
-from strategies.dp_fedavg import AdaptiveClipping, DPFedAvg, relation_for
+from strategies.dp_fedavg import AdaptiveClipping, DPFedAvg
 from strategies.registry import build_strategy
 
 GLOBAL = {"w": np.zeros((3, 4), dtype=np.float32), "b": np.zeros(5, dtype=np.float32)}

@@ -295,3 +295,125 @@ def test_the_checks_see_function_level_imports_arrows_and_cycles():
         "fedsim/engine/grid.py -> strategies/wrapper.py (engine -> strategies), line 3"
     ]
     assert file_cycles(graph) == [["fedsim/engine/grid.py", "strategies/wrapper.py"]]
+
+
+# --------------------------------------------------------------------------- methods
+# strategies/ holds methods and the plumbing they share (issue 28, point 7): a method's module
+# may import plumbing and its own parts, never another method's module; whatever two methods
+# share is plumbing, in a module named for what it holds.
+
+#: method -> its files under strategies/ (the method's module first); every method the
+#: registry lists (strategies.registry.SPECS) and the server halves of the client workloads
+METHODS: dict[str, tuple[str, ...]] = {
+    "averaging": ("strategies/averaging.py",),  # LAWA / EMA of the global model
+    "conformal": ("strategies/conformal.py",),
+    "ddgauss": ("strategies/ddgauss.py",),
+    "dmm": ("strategies/dmm.py", "strategies/dmm_fold.py"),
+    "dp-fedavg": ("strategies/dp_fedavg.py",),
+    "matrix-mechanism": ("strategies/matrix_mechanism.py",),
+    "pfedbayes": ("strategies/pfedbayes.py",),
+    "pfedhb": ("strategies/pfedhb.py",),
+    "pfedvem": ("strategies/pfedvem.py",),
+    "popri": ("strategies/popri.py",),
+    "private-evolution": ("strategies/private_evolution.py",),
+    "quantized": ("strategies/quantized.py",),  # server side of quantised uploads
+    "secure-aggregation": ("strategies/secure_aggregation.py",),  # FedAvg over a SecureSum
+}
+
+#: what the methods share; flower.py configures Flower's own strategies (the FedAvg family
+#: every fedsim wrapper builds on), personalised.py is the round protocol the personalised
+#: methods share (with its two reference baselines), the registry lists every method
+PLUMBING: tuple[str, ...] = (
+    "strategies/__init__.py",
+    "strategies/answered_rounds.py",
+    "strategies/clipped_sum.py",
+    "strategies/dp_shell.py",
+    "strategies/flower.py",
+    "strategies/observed_sampling.py",
+    "strategies/options.py",
+    "strategies/participation_guard.py",
+    "strategies/personalised.py",
+    "strategies/personalised_config.py",
+    "strategies/recorded_start.py",
+    "strategies/registry.py",
+    "strategies/secagg_messages.py",
+    "strategies/secure/",
+    "strategies/seeded_sampling.py",
+    "strategies/server_secret.py",
+    "strategies/spec.py",
+    "strategies/vectors.py",
+    "strategies/worker_reduced.py",
+    "strategies/wrapper.py",
+)
+
+
+def method_of(path: str) -> str | None:
+    """The method whose files hold ``path`` (None: plumbing or not under strategies/)."""
+    owners = [name for name, files in METHODS.items() if path in files]
+    return owners[0] if owners else None
+
+
+def methods_importing_methods(graph: dict[str, dict[str, int]]) -> list[str]:
+    """``file -> file (method -> method), line N`` for every arrow from one method's file to
+    another method's."""
+    found = []
+    for source, arrows in sorted(graph.items()):
+        mine = method_of(source)
+        if mine is None:
+            continue
+        for target, line in sorted(arrows.items()):
+            theirs = method_of(target)
+            if theirs is not None and theirs != mine:
+                found.append(f"{source} -> {target} ({mine} -> {theirs}), line {line}")
+    return found
+
+
+def test_every_strategies_module_is_a_method_or_plumbing():
+    files = [p for p in module_files() if p.startswith("strategies/")]
+    methods = [f for files_ in METHODS.values() for f in files_]
+    unplaced = [
+        p for p in files if p not in methods and not any(p.startswith(q) for q in PLUMBING)
+    ]
+    both = [p for p in methods if any(p.startswith(q) for q in PLUMBING)]
+    missing = [p for p in methods if p not in files]
+    assert not unplaced, f"neither METHODS nor PLUMBING holds {unplaced}"
+    assert not both, f"both METHODS and PLUMBING hold {both}"
+    assert not missing, f"METHODS names files that do not exist: {missing}"
+
+
+def test_every_registered_method_module_is_a_method():
+    """Each spec's builder lives in a method's file, or in the plumbing that hosts Flower's own
+    strategies and the personalised baselines."""
+    import inspect  # noqa: PLC0415
+
+    from strategies.registry import SPECS  # noqa: PLC0415
+
+    hosts = ("strategies/flower.py", "strategies/personalised_config.py")
+    for spec in SPECS:
+        build = inspect.unwrap(spec.build)
+        module = getattr(build, "__module__", None) or type(build).__module__
+        path = file_of(module)
+        assert path is not None, f"{spec.name}: its builder's module {module} is not ours"
+        assert method_of(path) is not None or path in hosts, (
+            f"{spec.name} is built in {path}, which METHODS does not list"
+        )
+
+
+def test_no_method_imports_another_method():
+    arrows = methods_importing_methods(import_graph())
+    assert not arrows, (
+        f"{len(arrows)} imports from one method's module to another's (move what they share "
+        "into a plumbing module):\n" + "\n".join(arrows)
+    )
+
+
+def test_the_method_check_flags_a_method_importing_a_method():
+    graph = {
+        "strategies/dmm.py": {"strategies/dmm_fold.py": 3, "strategies/vectors.py": 4},
+        "strategies/secure_aggregation.py": {"strategies/ddgauss.py": 9},
+        "strategies/registry.py": {"strategies/dmm.py": 1},
+    }
+    assert methods_importing_methods(graph) == [
+        "strategies/secure_aggregation.py -> strategies/ddgauss.py "
+        "(secure-aggregation -> ddgauss), line 9"
+    ]

@@ -636,11 +636,11 @@ def stage_dp_fedavg(ctx: Context, epsilon: float) -> dict[str, Any]:
     from fedsim.engine import UniformCohort  # noqa: PLC0415
     from fedsim.engine.rounds import run_rounds  # noqa: PLC0415
     from fedsim.privacy.calibration import calibrate_noise  # noqa: PLC0415
-    from fedsim.privacy.sampling import FixedSizeSampling  # noqa: PLC0415
+    from fedsim.privacy.sampling import FixedSizeSampling, relation_for  # noqa: PLC0415
     from fedsim.record_codec import to_numpy, to_record  # noqa: PLC0415
     from fedsim.workloads.downstream_lm import load_lm_arrays, next_token_accuracy  # noqa: PLC0415
     from fedsim.workloads.lm_client import make_lm_client_app  # noqa: PLC0415
-    from strategies.dp_fedavg import DPFedAvg, relation_for  # noqa: PLC0415
+    from strategies.dp_fedavg import DPFedAvg  # noqa: PLC0415
 
     s = ctx.config.dp_fedavg
     fed = ctx.federation

@@ -63,10 +63,10 @@ from fedsim.experiment import (  # noqa: E402
     run_experiment,
 )
 from fedsim.privacy import accounting  # noqa: E402
+from fedsim.privacy.sampling import relation_for  # noqa: E402
 from fedsim.randomness import PartySecret  # noqa: E402
 from fedsim.run_config import ExperimentConfig  # noqa: E402
 from fedsim.run_root import RUN_FILE  # noqa: E402
-from strategies.dp_fedavg import relation_for  # noqa: E402
 
 OUT = Path(__file__).with_name("audit.json")
 README = Path(__file__).with_name("README.md")

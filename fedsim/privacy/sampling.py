@@ -112,6 +112,17 @@ Sampling = PoissonSampling | FixedSizeSampling | FullParticipation | Participati
 SAMPLINGS = (PoissonSampling, FixedSizeSampling, FullParticipation, Participation)
 
 
+def relation_for(sampling: Sampling) -> NeighbouringRelation:
+    """The neighbouring relation a run with ``sampling`` is accounted under.
+
+    Fixed-size sampling of fewer than all clients is amplified by dp_accounting
+    only under replace-one neighbours; everything else uses add/remove.
+    """
+    if isinstance(sampling, FixedSizeSampling) and sampling.sample_size < sampling.population:
+        return NeighbouringRelation.REPLACE_ONE
+    return NeighbouringRelation.ADD_REMOVE
+
+
 def check_delta(value: Any, key: str = "delta") -> float:
     """``value`` as a delta in (0, 1), else :class:`ConfigError` naming ``key``."""
     require(is_number(value) and 0 < value < 1, key, value, "a number in (0, 1)")
