@@ -385,20 +385,45 @@ def flower_app_once(app_dir: Path, supernodes: int, run_config: dict, cpus: int)
 
 
 def _timed(command: list[str], env: dict[str, str] | None = None) -> float:
-    """Wall seconds of ``command`` as a fresh process, from spawn to exit."""
+    """Wall seconds of ``command`` as a fresh process, from spawn to exit; refused after
+    :data:`CHILD_TIMEOUT_S` (a Ray whose raylet died hangs its driver), its process group
+    killed with it."""
     start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
+    done = _run(command, env)
     seconds = time.perf_counter() - start
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
     return seconds
 
 
+#: seconds a benchmark's child process may run
+CHILD_TIMEOUT_S = 1200.0
+
+
+def _run(command: list[str], env: dict[str, str] | None) -> subprocess.CompletedProcess:
+    """``command`` in its own session with its output in files (not pipes, which a Ray
+    daemon it leaves behind would hold open); on :data:`CHILD_TIMEOUT_S` its process group
+    is killed and the run refused."""
+    import signal  # noqa: PLC0415
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        child = subprocess.Popen(command, stdout=out, stderr=err, env=env, start_new_session=True)
+        try:
+            child.wait(timeout=CHILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            raise RuntimeError(
+                f"{' '.join(command)} ran past {CHILD_TIMEOUT_S:.0f} s: stopped"
+            ) from None
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(command, child.returncode, out.read(), err.read())
+
+
 def _child_json(command: list[str], env: dict[str, str]) -> dict:
     """The last stdout line of ``python COMMAND`` (a fresh process), parsed as JSON."""
-    done = subprocess.run(
-        [sys.executable, *command], capture_output=True, text=True, check=False, env=env
-    )
+    done = _run([sys.executable, *command], env)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
