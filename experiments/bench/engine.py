@@ -32,6 +32,18 @@ MLP on 32 generated rows per node) end to end, each run a fresh process as a use
 ``fedsim flwr-run`` against Flower's ``run_simulation`` (``--supernodes``, ``--app-rounds``,
 ``--clients-per-round``), alternating, and prints the medians and
 ``speedup_vs_flower = flower_s / fedsim_s`` (also the median of the per-pair ratios).
+
+``--warm-head`` (either mode) also times runs on a warm Ray head (issue 29, point 3): the
+benchmark starts one with ``fedsim up`` (its record under a private ``FEDSIM_WARM_DIR`` in a
+temp dir) before any timing and stops it with ``fedsim down`` at the end, whatever happens.
+The engine benchmark then times, alternating with Flower's repetitions, a fresh process's
+first run on an engine that attaches to the head (``fedsim_warm_head_cold_s``, timed as
+``fedsim_cold_s``: from the engine's start to the run's end) and reports
+``speedup_vs_flower_warm_head = flower_s / fedsim_warm_head_cold_s``; ``--app`` times
+``fedsim flwr-run`` attaching to the head (``fedsim_warm_head_s``) in each repetition next to
+the cold ``fedsim flwr-run`` (``FEDSIM_WARM=off``) and Flower, and reports
+``speedup_vs_flower_warm_head``. Cold runs are always run with the warm pool off, so a head
+left up elsewhere never turns them warm. Both modes record the load average before and after.
 """
 
 from __future__ import annotations
@@ -45,6 +57,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
@@ -198,7 +212,8 @@ def fedsim_and_raw(
     FLOWER_LOGGER.setLevel(logging.WARNING)
     server_app, client_app, *_ = apps(data_dir, rounds, worker_sums)
     start = time.perf_counter()
-    engine = Engine(EngineConfig(workers=workers, num_cpus=workers)).start()  # starts Ray too
+    # a cold start even if a warm head is up (``warm = "auto"`` would attach to it)
+    engine = Engine(EngineConfig(workers=workers, num_cpus=workers, warm="off")).start()
     rounds_seen = _RoundTimes()
     engine.run_server_app(server_app, client_app, NUM_CLIENTS, observer=rounds_seen)
     cold = time.perf_counter() - start
@@ -213,6 +228,78 @@ def fedsim_and_raw(
         compute.append(observer.seconds)
     engine.close()
     return cold, breakdown, warm, raw, compute
+
+
+def fedsim_once(data_dir: Path, rounds: int, workers: int, worker_sums: bool) -> dict:
+    """A fresh process's first run, timed as ``fedsim_cold_s`` (from the engine's start to the
+    run's end), on the warm head that ``$FEDSIM_WARM_DIR`` records: refused if the engine did
+    not attach to it, so a cold start is never reported as a warm one."""
+    import logging  # noqa: PLC0415
+
+    from flwr.supercore.logger import FLOWER_LOGGER  # noqa: PLC0415
+
+    from fedsim.engine import Engine, EngineConfig  # noqa: PLC0415
+
+    FLOWER_LOGGER.setLevel(logging.WARNING)
+    server_app, client_app, *_ = apps(data_dir, rounds, worker_sums)
+    start = time.perf_counter()
+    engine = Engine(EngineConfig(workers=workers, num_cpus=workers, warm="auto")).start()
+    rounds_seen = _RoundTimes()
+    try:
+        engine.run_server_app(server_app, client_app, NUM_CLIENTS, observer=rounds_seen)
+        seconds = time.perf_counter() - start
+        mode = engine._ray_mode
+    finally:
+        engine.close()
+    if mode != "warm":
+        raise RuntimeError(
+            f"the warm-head run did not attach to the head in {os.environ.get('FEDSIM_WARM_DIR')} "
+            f"(Ray mode {mode!r})"
+        )
+    return {"seconds": seconds, "breakdown": {**engine.startup_s, **rounds_seen.summary()}}
+
+
+#: what the JSON says of the machine the numbers come from
+MACHINE_NOTE = (
+    "a shared machine, heavily loaded while measured (a study runs at higher priority and "
+    "other jobs share its CPUs): absolute seconds are inflated; fedsim and Flower alternate, "
+    "so the ratios are the comparable numbers"
+)
+
+
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+@contextmanager
+def warm_head(workers: int, record: dict) -> Iterator[dict[str, str]]:
+    """A warm head started by ``fedsim up`` (``workers`` warm workers on ``workers`` CPUs),
+    recorded under a private ``FEDSIM_WARM_DIR`` in a temp dir; yields the environment a run
+    attaches with (``FEDSIM_WARM=auto``); ``fedsim down`` at the end, whatever happens.
+    ``record`` gets ``up_s`` (the seconds ``fedsim up`` took: the head's and the warm
+    workers' start, which no timed run pays) and ``stopped`` (``fedsim down`` stopped it)."""
+    root = Path(__file__).resolve().parents[2]
+    with tempfile.TemporaryDirectory(prefix="fedsim-bench-warm-") as tmp:
+        env = dict(
+            os.environ,
+            FEDSIM_WARM_DIR=str(Path(tmp) / "warm"),
+            FEDSIM_WARM="auto",
+            PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+        )
+        fedsim = [sys.executable, "-m", "fedsim"]
+        up = [*fedsim, "up", "--workers", str(workers), "--num-cpus", str(workers)]
+        try:
+            began = time.perf_counter()
+            done = subprocess.run(
+                [*up, "--idle-timeout", "900"], env=env, capture_output=True, text=True
+            )
+            if done.returncode != 0:
+                raise RuntimeError(f"fedsim up failed:\n{done.stderr[-3000:]}")
+            record["up_s"] = time.perf_counter() - began
+            yield env
+        finally:
+            down = subprocess.run([*fedsim, "down"], env=env, capture_output=True, text=True)
+            record["stopped"] = "stopped" in down.stdout
 
 
 class _RoundTimes:
@@ -297,14 +384,65 @@ def flower_app_once(app_dir: Path, supernodes: int, run_config: dict, cpus: int)
     )
 
 
-def _timed(command: list[str]) -> float:
-    """Wall seconds of ``command`` as a fresh process, from spawn to exit."""
+def _timed(command: list[str], env: dict[str, str] | None = None) -> float:
+    """Wall seconds of ``command`` as a fresh process, from spawn to exit; refused after
+    :data:`CHILD_TIMEOUT_S` (a Ray whose raylet died hangs its driver), its process group
+    killed with it."""
     start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    done = _run(command, env)
     seconds = time.perf_counter() - start
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
     return seconds
+
+
+#: seconds a benchmark's child process may run
+CHILD_TIMEOUT_S = 1200.0
+
+
+def _run(command: list[str], env: dict[str, str] | None) -> subprocess.CompletedProcess:
+    """``command`` in its own session with its output in files (not pipes, which a Ray
+    daemon it leaves behind would hold open); on :data:`CHILD_TIMEOUT_S` its process group
+    is killed and the run refused."""
+    import signal  # noqa: PLC0415
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        child = subprocess.Popen(command, stdout=out, stderr=err, env=env, start_new_session=True)
+        try:
+            child.wait(timeout=CHILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            raise RuntimeError(
+                f"{' '.join(command)} ran past {CHILD_TIMEOUT_S:.0f} s: stopped"
+            ) from None
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(command, child.returncode, out.read(), err.read())
+
+
+def _child_json(command: list[str], env: dict[str, str]) -> dict:
+    """The last stdout line of ``python COMMAND`` (a fresh process), parsed as JSON."""
+    done = _run([sys.executable, *command], env)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@contextmanager
+def _no_head() -> Iterator[None]:
+    yield None
+
+
+def _pairs(flower: list[float], fedsim: list[float]) -> float:
+    """The median of the per-pair ratios flower / fedsim."""
+    return statistics.median(f / s for f, s in zip(flower, fedsim, strict=True))
+
+
+def _attached(out: Path) -> bool:
+    """Whether the ``fedsim flwr-run`` that wrote ``out`` ran on a warm pool's workers."""
+    summary = json.loads((out / "summary.json").read_text())
+    return bool(summary.get("engine", {}).get("warm_pool"))
 
 
 def app_mode(args: argparse.Namespace) -> dict:
@@ -327,12 +465,24 @@ def app_mode(args: argparse.Namespace) -> dict:
         str(args.workers),
     ]
     times: dict[str, list[float]] = {"fedsim_s": [], "flower_s": []}
-    backends = ["ray", "local"] if args.also_local else ["ray"]
+    # (key, backend, warm head?): the cold ``fedsim flwr-run`` always with the pool off
+    kinds = [("fedsim_s", "ray", False)]
+    if args.warm_head:
+        kinds.append(("fedsim_warm_head_s", "ray", True))
     if args.also_local:
-        times["fedsim_local_s"] = []
-    with tempfile.TemporaryDirectory(prefix="fedsim-bench-app-") as tmp:
+        kinds.append(("fedsim_local_s", "local", False))
+    for key, *_ in kinds:
+        times[key] = []
+    cold_env = dict(os.environ, FEDSIM_WARM="off")
+    load = [_load()]
+    head: dict = {}
+    with (
+        tempfile.TemporaryDirectory(prefix="fedsim-bench-app-") as tmp,
+        warm_head(args.workers, head) if args.warm_head else _no_head() as head_env,
+    ):
         for rep in range(args.reps):
-            for backend in backends:
+            for key, backend, warm in kinds:
+                out = Path(tmp) / f"{key}-{rep}"
                 fedsim = [
                     *env_python,
                     "-m",
@@ -344,7 +494,7 @@ def app_mode(args: argparse.Namespace) -> dict:
                     "--run-config",
                     pairs,
                     "--out",
-                    str(Path(tmp) / f"{backend}-{rep}"),
+                    str(out),
                     "--no-progress",
                     "--workers",
                     str(args.workers),
@@ -353,9 +503,13 @@ def app_mode(args: argparse.Namespace) -> dict:
                     "--backend",
                     backend,
                 ]
-                key = "fedsim_s" if backend == "ray" else "fedsim_local_s"
-                times[key].append(_timed(fedsim))
-            times["flower_s"].append(_timed(flower))
+                times[key].append(_timed(fedsim, head_env if warm else cold_env))
+                if backend == "ray" and _attached(out) != warm:
+                    raise RuntimeError(
+                        f"{key}: the run {'did not attach' if warm else 'attached'} to a warm pool"
+                    )
+            times["flower_s"].append(_timed(flower, cold_env))
+    load.append(_load())
     medians = {k: statistics.median(v) for k, v in times.items()}
     result = {
         "workload": {
@@ -366,13 +520,20 @@ def app_mode(args: argparse.Namespace) -> dict:
         },
         "workers": args.workers,
         "repetitions": args.reps,
+        "load_average": load,
+        "machine": MACHINE_NOTE,
+        "niceness": os.nice(0),
         **medians,
         "speedup_vs_flower": medians["flower_s"] / medians["fedsim_s"],
-        "speedup_vs_flower_pairs": statistics.median(
-            f / s for f, s in zip(times["flower_s"], times["fedsim_s"], strict=True)
-        ),
+        "speedup_vs_flower_pairs": _pairs(times["flower_s"], times["fedsim_s"]),
         "all": times,
     }
+    if args.warm_head:
+        result["warm_head"] = head
+        result["speedup_vs_flower_warm_head"] = medians["flower_s"] / medians["fedsim_warm_head_s"]
+        result["speedup_vs_flower_warm_head_pairs"] = _pairs(
+            times["flower_s"], times["fedsim_warm_head_s"]
+        )
     if args.also_local:
         result["speedup_vs_flower_local"] = medians["flower_s"] / medians["fedsim_local_s"]
     return result
@@ -410,7 +571,14 @@ def main() -> None:
         action="store_true",
         help="--app: also time `fedsim flwr-run --backend local` (clients in the driver)",
     )
+    parser.add_argument(
+        "--warm-head",
+        action="store_true",
+        help="also time runs attaching to a warm head (`fedsim up` before timing, "
+        "`fedsim down` after; a private FEDSIM_WARM_DIR)",
+    )
     parser.add_argument("--flower-once", metavar="DATA_DIR", help=argparse.SUPPRESS)
+    parser.add_argument("--fedsim-once", metavar="DATA_DIR", help=argparse.SUPPRESS)
     parser.add_argument("--flower-app-once", metavar="APP_DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -422,36 +590,44 @@ def main() -> None:
         print(json.dumps(app_mode(args), indent=2))
         return
 
+    if args.fedsim_once:
+        once = fedsim_once(
+            Path(args.fedsim_once), args.rounds, args.workers, not args.no_worker_sums
+        )
+        print(json.dumps(once))
+        return
     if args.flower_once:
         print(
             json.dumps({"seconds": flower_once(Path(args.flower_once), args.rounds, args.workers)})
         )
         return
 
+    load = [_load()]
+    head: dict = {}
+    warm_head_runs: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="fedsim-bench-") as tmp:
         data_dir, sizes = make_data(Path(tmp) / "femnist", args.seed, args.rows_per_client)
         cold, breakdown, warm, raw, compute = fedsim_and_raw(
             data_dir, args.rounds, args.reps, args.workers, not args.no_worker_sums
         )
+        child = [
+            "--rounds",
+            str(args.rounds),
+            "--workers",
+            str(args.workers),
+            *(["--no-worker-sums"] if args.no_worker_sums else []),
+        ]
         flower: list[float] = []
-        if not args.skip_flower:
+        with warm_head(args.workers, head) if args.warm_head else _no_head() as head_env:
             for _ in range(args.reps):
-                out = subprocess.run(
-                    [
-                        sys.executable,
-                        __file__,
-                        "--flower-once",
-                        str(data_dir),
-                        "--rounds",
-                        str(args.rounds),
-                        "--workers",
-                        str(args.workers),
-                    ],
-                    check=True,
-                    capture_output=True,
-                    text=True,
-                )
-                flower.append(json.loads(out.stdout.strip().splitlines()[-1])["seconds"])
+                if head_env is not None:  # alternating: a run on the warm head, then Flower
+                    warm_head_runs.append(
+                        _child_json([__file__, "--fedsim-once", str(data_dir), *child], head_env)
+                    )
+                if not args.skip_flower:
+                    flower_child = [__file__, "--flower-once", str(data_dir), *child]
+                    flower.append(_child_json(flower_child, dict(os.environ))["seconds"])
+    load.append(_load())
 
     fedsim_s = statistics.median(warm)
     raw_s = statistics.median(raw)
@@ -478,13 +654,25 @@ def main() -> None:
         # seconds all clients spent inside the ClientApp on fedsim's workers,
         # relative to the raw loop: the part of the overhead that is compute
         "clientapp_vs_raw": statistics.median(compute) / raw_s,
+        "load_average": load,
+        "machine": MACHINE_NOTE,
+        "niceness": os.nice(0),
         "all": {"fedsim_s": warm, "raw_s": raw, "flower_s": flower},
     }
+    if warm_head_runs:
+        result["warm_head"] = head
+        seconds = [r["seconds"] for r in warm_head_runs]
+        result["fedsim_warm_head_cold_s"] = statistics.median(seconds)
+        result["warm_head_breakdown"] = [r["breakdown"] for r in warm_head_runs]
+        result["all"]["fedsim_warm_head_cold_s"] = seconds
     if flower:
         flower_s = statistics.median(flower)
         result["flower_s"] = flower_s
         result["speedup_vs_flower"] = flower_s / fedsim_s
         result["speedup_vs_flower_cold"] = flower_s / cold
+        if warm_head_runs:
+            result["speedup_vs_flower_warm_head"] = flower_s / result["fedsim_warm_head_cold_s"]
+            result["speedup_vs_flower_warm_head_pairs"] = _pairs(flower, seconds)
     print(json.dumps(result, indent=2))
 
 
