@@ -213,11 +213,22 @@ class Recorded:
 
 
 def run_dmm(
-    engine, setup, strategy, rounds, *, faults=None, alter=None, host=None, arrays=None, first=1
+    engine,
+    setup,
+    strategy,
+    rounds,
+    *,
+    faults=None,
+    alter=None,
+    host=None,
+    arrays=None,
+    first=1,
+    timeout=3600,
 ):
     """Run rounds ``first..rounds`` of ``strategy`` from ``arrays`` (default: the initial
-    model), with a fresh in-process committee host bound unless ``host`` is given; returns
-    (final arrays, the :class:`Recorded` strategy)."""
+    model), with a fresh in-process committee host bound unless ``host`` is given, each
+    exchange under ``timeout`` (Flower's default; ``None``: batches of several clients);
+    returns (final arrays, the :class:`Recorded` strategy)."""
     from fedsim.engine.dmm_committee import CommitteeHost  # noqa: PLC0415
     from fedsim.engine.rounds import run_rounds  # noqa: PLC0415
     from fedsim.models import initial_arrays  # noqa: PLC0415
@@ -237,5 +248,5 @@ def run_dmm(
     )
     recorded = Recorded(strategy, alter)
     arrays = to_record(initial_arrays(model, 0) if arrays is None else arrays)
-    final = run_rounds(recorded, grid, arrays, rounds, first_round=first)
+    final = run_rounds(recorded, grid, arrays, rounds, first_round=first, timeout=timeout)
     return to_numpy(final), recorded

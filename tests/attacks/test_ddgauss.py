@@ -533,7 +533,8 @@ def test_a_bad_reply_drops_its_client_and_the_round_goes_on(
         encoder.l2_bound, encoder.l1_bound, encoder.scaled_noise_std, len(kept), encoder.padded_dim
     )
     (event,) = [e for _, e in server.ledger.entries]
-    assert event.noise_multiplier == pytest.approx(1 / eps, rel=1e-12)
+    # the survivors' noise only: KLS21's round is (eps^2 / 2)-zCDP
+    assert event.rho == pytest.approx(eps**2 / 2, rel=1e-12) and event.xi == 0
 
 
 def test_two_clients_with_one_key_are_both_dropped(local_engine, client_secrets):

@@ -165,7 +165,8 @@ def test_a_worker_cannot_count_a_client_whose_noise_it_left_out(local_engine, mo
 
     monkeypatch.setattr(dmm_fold._ShareFoldAccumulator, "add", compromised)
     strategy = make_dmm("full", 12, 3, worker_fold=True)
-    _, recorded = run_dmm(local_engine, digits_setup(12), strategy, 3)
+    # no timeout: a worker folds batches of several clients (under one, each is its own batch)
+    _, recorded = run_dmm(local_engine, digits_setup(12), strategy, 3, timeout=None)
     assert "node" in left_out
     released = recorded.outputs[1]
     assert released is None, (

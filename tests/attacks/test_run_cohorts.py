@@ -52,14 +52,14 @@ def trained_cohorts(monkeypatch, run) -> list[list[int]]:
     sent: dict[int, set[int]] = {}
     push = SimulationGrid._push
 
-    def record(self, messages):
+    def record(self, messages, *rest):
         messages = list(messages)
         for m in messages:
             if m.metadata.message_type.split(".")[0] == "train":
                 sent.setdefault(int(m.content["config"]["server-round"]), set()).add(
                     int(m.metadata.dst_node_id)
                 )
-        return push(self, messages)
+        return push(self, messages, *rest)
 
     monkeypatch.setattr(SimulationGrid, "_push", record)
     run()
