@@ -242,7 +242,8 @@ def test_a_run_whose_boundary_accounts_a_mechanism_keeps_flower_aggregates_out()
     """A Flower strategy's aggregates are un-noised means of the clients' numbers: in a run
     whose release boundary accounted a mechanism they are not written (central is)."""
     from fedsim.engine.boundary import ReleaseBoundary
-    from fedsim.privacy.accounting import PoissonSampling, PrivacyLedger, round_event
+    from fedsim.privacy.accounting import PoissonSampling, PrivacyLedger
+    from fedsim.privacy.round_events import round_event
 
     class Mechanism:
         accountant = "rdp"
