@@ -112,7 +112,7 @@ from strategies.secagg_messages import register_client_stages
 from strategies.secure import Release, SecAggPlan, SecureSum
 from strategies.secure.committee import COMMITTEE_OPTIONS, sealed_key
 from strategies.secure.plaintext import encoded_key
-from strategies.secure.replies import first_replies
+from strategies.secure.replies import clear_train_loss, first_replies
 from strategies.spec import Accounting, RunFacts, StrategySpec
 from strategies.vectors import trained_update, unflatten
 from strategies.wrapper import server_reply
@@ -690,11 +690,9 @@ class DDGauss(LedgerShell):
         updates = unflatten(mean_update, reference)
         new = {k: (v.astype(np.float64) + updates[k]).astype(v.dtype) for k, v in reference.items()}
         client_metrics = MetricRecord({"num-examples": 1})
-        weighted = [(m.get("num-examples", 1), m.get("train_loss")) for m in clear]
-        weighted = [(w, v) for w, v in weighted if _number(w) and w > 0 and _number(v)]
-        if weighted:
-            total = sum(w for w, _ in weighted)
-            client_metrics["train_loss"] = sum(w * v for w, v in weighted) / total
+        loss = clear_train_loss(clear, default_weight=1)
+        if loss is not None:
+            client_metrics["train_loss"] = loss
         content = RecordDict({key: to_record(new), "metrics": client_metrics})
         arrays, aggregated = self.strategy.aggregate_train(
             server_round, [server_reply(content, server_round)]
@@ -704,10 +702,6 @@ class DDGauss(LedgerShell):
             aggregated["metrics_in_clear"] = 1
             aggregated["ddgauss-clipped"] = sum(int(m.get("ddgauss.clipped", 0)) for m in clear)
         return arrays, aggregated
-
-
-def _number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 #: ``strategy.options`` keys of "ddgauss" (see :func:`from_options`)

@@ -48,7 +48,7 @@ from strategies.answered_rounds import claim_round
 from strategies.secagg_messages import register_client_stages
 from strategies.secure import Release, SecAggPlan, SecureSum
 from strategies.secure.committee import COMMITTEE_OPTIONS, spec_from_options
-from strategies.secure.replies import first_replies
+from strategies.secure.replies import clear_train_loss, first_replies
 from strategies.vectors import trained_update, unflatten
 from strategies.wrapper import StrategyWrapper, server_reply
 
@@ -371,10 +371,9 @@ class SecureAggregation(StrategyWrapper):
         updates = unflatten(decoded[:dim] / weight, reference)
         new = {k: (v.astype(np.float64) + updates[k]).astype(v.dtype) for k, v in reference.items()}
         client_metrics = MetricRecord({"num-examples": 1})
-        losses = [(m.get("num-examples"), m.get("train_loss")) for m in clear]
-        losses = [(w, v) for w, v in losses if _number(w) and w > 0 and _number(v)]
-        if losses:
-            client_metrics["train_loss"] = sum(w * v for w, v in losses) / sum(w for w, _ in losses)
+        loss = clear_train_loss(clear, default_weight=None)
+        if loss is not None:
+            client_metrics["train_loss"] = loss
         content = RecordDict({key: to_record(new), "metrics": client_metrics})
         arrays, aggregated = self.strategy.aggregate_train(
             server_round, [server_reply(content, server_round)]
@@ -386,10 +385,6 @@ class SecureAggregation(StrategyWrapper):
         if clear:
             aggregated["metrics_in_clear"] = 1
         return arrays, aggregated
-
-
-def _number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 

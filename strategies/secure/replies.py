@@ -12,6 +12,7 @@ named.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,3 +87,18 @@ def first_replies(
         clear.pop(node, None)
     out.clear = list(clear.values())
     return out
+
+
+def clear_train_loss(clear: Iterable[MetricRecord], default_weight: float | None) -> float | None:
+    """The ``num-examples``-weighted mean ``train_loss`` of metrics clients sent in the clear
+    (``default_weight`` for a record without ``num-examples``; records without a finite
+    positive weight and a finite loss are left out); None when none is left."""
+    pairs = [(m.get("num-examples", default_weight), m.get("train_loss")) for m in clear]
+    pairs = [(w, v) for w, v in pairs if _number(w) and w > 0 and _number(v)]
+    if not pairs:
+        return None
+    return sum(w * v for w, v in pairs) / sum(w for w, _ in pairs)
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
