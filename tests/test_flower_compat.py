@@ -42,7 +42,12 @@ FROM_A_NODE = ("fedavg", "server-fn")
 
 
 #: the Message-API surfaces (tests/apps/analytics), on 5 nodes
-MESSAGE_API = {"analytics": {"surface": "analytics"}, "fedavg": {"surface": "fedavg"}}
+MESSAGE_API = {
+    "analytics": {"surface": "analytics"},
+    "fedavg": {"surface": "fedavg"},
+    "dp-server": {"surface": "dp-server"},
+    "dp-client": {"surface": "dp-client"},
+}
 #: sections of a round line that hold what the strategy computed
 STRATEGY_SECTIONS = ("aggregated", "aggregated_evaluate", "central")
 
@@ -242,6 +247,29 @@ def test_message_api_fedavg_ends_where_flower_ends_with_its_results_per_round(
     for line in lines[1:]:
         assert line["train"]["clients"] == 5 and line["evaluate"]["clients"] == 5
     assert ours["_summary"]["rounds"] == 2
+
+
+@pytest.mark.parametrize("surface", ["dp-server", "dp-client"])
+def test_message_api_dp_wrappers_and_client_mods_end_where_flower_ends(
+    tmp_path, flower_message_api, surface
+):
+    """The Message API's ``DifferentialPrivacyServerSideFixedClipping`` and (with Flower's
+    ``fixedclipping_mod`` behind the custom message type ``train.clipped``)
+    ``DifferentialPrivacyClientSideFixedClipping``, z = 0: the same final arrays and Result
+    as Flower's, the clipping moved them off plain FedAvg's, the app's own mod ran on every
+    train and evaluate reply, and fedsim claims no epsilon for a mechanism it does not
+    account."""
+    flower = flower_message_api[surface]
+    ours = fedsim_run("analytics", MESSAGE_API[surface], 5, tmp_path)
+    close(ours["final"], flower["final"])
+    check_strategy_sections(ours, result_sections(flower), values=True)
+    assert not np.allclose(ours["final"], flower_message_api["fedavg"]["final"], atol=1e-6)
+    for field in ("train_metrics_clientapp", "evaluate_metrics_clientapp"):
+        assert [ours[field][r]["mod-calls"] for r in ("1", "2")] == pytest.approx([1.0, 1.0])
+    for line in ours["_rounds"][1:]:
+        assert line["train"]["clients"] == 5 and line["train"]["failed"] == 0
+    assert "privacy" not in ours["_summary"]
+    assert all("privacy" not in line for line in ours["_rounds"])
 
 
 @pytest.mark.parametrize("kind", ["reconnect", "system"])

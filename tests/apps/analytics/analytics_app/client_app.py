@@ -1,13 +1,25 @@
 """ClientApp: each node holds 20 + 4 * partition_id values drawn from its partition id, and
 answers ``query`` (count and sum) and ``query.histogram`` (counts in the server's bins); for
 the ``fedavg`` surface it fits y = w * x + b to its values (``train``: gradient steps on the
-squared error) and reports its squared error (``evaluate``)."""
+squared error) and reports its squared error (``evaluate``); ``train.clipped`` is the same
+training behind Flower's ``fixedclipping_mod``. A mod of the app's own stamps every train and
+evaluate reply's metrics (``mod-calls``), so a runtime that skips the mods is seen."""
 
 import numpy as np
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.clientapp.mod import fixedclipping_mod
 
-app = ClientApp()
+
+def stamp_mod(msg: Message, context: Context, call_next) -> Message:
+    """Adds ``mod-calls = 1`` to a train or evaluate reply's metrics."""
+    reply = call_next(msg, context)
+    if reply.has_content() and "metrics" in reply.content:
+        reply.content["metrics"]["mod-calls"] = 1
+    return reply
+
+
+app = ClientApp(mods=[stamp_mod])
 
 
 def values(context: Context) -> np.ndarray:
@@ -43,6 +55,15 @@ def histogram(msg: Message, context: Context) -> Message:
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
+    return fit(msg, context)
+
+
+@app.train("clipped", mods=[fixedclipping_mod])
+def train_clipped(msg: Message, context: Context) -> Message:
+    return fit(msg, context)
+
+
+def fit(msg: Message, context: Context) -> Message:
     (params,) = msg.content["arrays"].to_numpy_ndarrays()
     w, b = (float(v) for v in params)
     x = values(context)
