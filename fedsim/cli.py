@@ -528,7 +528,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _run_command(args: argparse.Namespace, started: float) -> int:
-    from fedsim.engine.grid import UnsupportedMessage  # noqa: PLC0415  (Flower, only for runs)
+    from fedsim.engine.message_types import UnsupportedMessage  # noqa: PLC0415  (Flower, only for runs)
     from fedsim.engine.rounds import RunStopped  # noqa: PLC0415  (Flower, only for runs)
     from fedsim.interrupt import EXIT_INTERRUPTED, Interrupted  # noqa: PLC0415
 

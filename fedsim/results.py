@@ -43,7 +43,7 @@ train and evaluate metrics, central evaluation) lands in the round's ``aggregate
 ``aggregated_evaluate`` and ``central`` sections (:meth:`RoundRecorder.strategy_metrics`); a
 central evaluation of the initial model before any phase makes a round-0 line. A fedsim
 strategy started inside such a ServerApp reports its rounds itself (the recorder is the grid's
-:class:`~fedsim.engine.grid.RoundLog`), with the same sections as ``fedsim run``.
+:class:`~fedsim.engine.phase_report.RoundLog`), with the same sections as ``fedsim run``.
 
 A private run's ``privacy`` section is the run's, from the grid's release boundary
 (:mod:`fedsim.engine.boundary`): its ``epsilon`` composes every accounted mechanism of the
@@ -68,7 +68,8 @@ from flwr.app import MetricRecord
 
 from fedsim.config import ConfigError
 from fedsim.engine.boundary import ReleaseBoundary
-from fedsim.engine.grid import LEGACY_MESSAGE_TYPES, PhaseReport
+from fedsim.engine.message_types import LEGACY_MESSAGE_TYPES
+from fedsim.engine.phase_report import PhaseReport
 from fedsim.results_json import ROUNDS_FILE, SUMMARY_FILE, dumps, json_ready, read_rounds
 from fedsim.runfiles import write_atomic
 
@@ -301,7 +302,7 @@ class RoundRecorder:
             }
         )
 
-    # RoundLog (fedsim.engine.grid): a fedsim strategy inside a Flower ServerApp
+    # RoundLog (fedsim.engine.phase_report): a fedsim strategy inside a Flower ServerApp
     def open_rounds(self, *, private: bool, metrics_in_clear: bool) -> None:
         """From now on the strategy closes each round (:meth:`end_round`), and a private
         one's clients' metrics are left out unless ``metrics_in_clear``."""

@@ -8,7 +8,7 @@ rounds.jsonl. fedsim's strategy wrappers (DPFedAvg, the matrix mechanism, DMM, D
 start with :func:`recorded_start` instead. It runs the rounds with
 :func:`fedsim.engine.rounds.run_rounds`, the loop ``fedsim run`` uses (the calls of Flower's
 ``start``, in the same order, plus the ``should_stop`` check of a privacy budget), and hands
-every finished round to the grid's round log (:class:`fedsim.engine.grid.RoundLog`; fedsim's
+every finished round to the grid's round log (:class:`fedsim.engine.phase_report.RoundLog`; fedsim's
 grid has one under ``fedsim flwr-run``) with the sections ``fedsim run`` writes:
 ``aggregated``, ``aggregated_evaluate``, ``central`` and ``privacy`` (the strategy's
 ``privacy_report()``). A strategy with a privacy report is private: the log then keeps the

@@ -145,7 +145,7 @@ def test_legacy_and_action_types_reach_the_clientapp_and_system_types_are_refuse
     """What Flower's ClientApps execute runs; a ClientApp without a handler answers with an
     error reply, as under Flower; ``system`` and ``reconnect`` (no ClientApp handles them)
     are refused whole, naming the type, before any client runs."""
-    from fedsim.engine.grid import UnsupportedMessage
+    from fedsim.engine.message_types import UnsupportedMessage
 
     reports = Reports()
     grid = local_engine.open_run(TOY, 4, observer=reports)

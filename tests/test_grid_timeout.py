@@ -98,6 +98,40 @@ def test_no_warning_and_the_same_replies_when_no_timeout_fires(ray_engine, caplo
     assert not [r for r in caplog.records if r.name == "fedsim.engine.grid"]
 
 
+def test_a_serverapp_polling_pull_messages_gets_every_reply_on_ray_workers(ray_engine):
+    """Flower's push-then-poll loop: ``pull_messages`` alone (no ``send_and_receive`` waiting)
+    receives the workers' replies. Before, a poll never read the workers' channels, so the
+    loop waited forever."""
+    grid = ray_engine.open_run(SLOW, slow_app.NODES)
+    ids = set(grid.push_messages(timed_messages(slow_app.NODES, 0.0)))
+    replies, deadline = [], time.monotonic() + 60.0
+    while len(replies) < len(ids) and time.monotonic() < deadline:
+        replies += grid.pull_messages(ids)
+        time.sleep(0.05)
+    assert sorted(r.metadata.reply_to_message_id for r in replies) == sorted(ids)
+
+
+def test_a_late_reply_waits_for_pull_messages_until_its_ttl(ray_engine):
+    """A reply late for ``send_and_receive`` is pulled later by its message id, once; with
+    its TTL run out it is gone, as in Flower's LinkState."""
+    grid = ray_engine.open_run(SLOW, slow_app.NODES)
+    for ttl in (600.0, 1.0):
+        timed = timed_messages(slow_app.NODES, 2.0)
+        for message in timed:
+            message.metadata.ttl = ttl
+        replies = grid.send_and_receive(timed, timeout=1.0)
+        assert len(replies) == slow_app.NODES - 1
+        late = [timed[slow_app.SLOW].metadata.message_id]
+        grid.wait_idle()
+        time.sleep(max(0.0, ttl - 1.0) if ttl < 2 else 0.0)
+        pulled = grid.pull_messages(late)
+        if ttl > 2:
+            assert [r.content["metrics"]["pid"] for r in pulled] == [slow_app.SLOW]
+            assert grid.pull_messages(late) == []  # pulled once
+        else:
+            assert pulled == [] and not grid._phases  # expired: nothing kept
+
+
 class InOrder:
     """A backend stand-in: records (worker, batch id) of each submit; finishes the oldest;
     cannot take batches back (as the in-process backend and Ray calls)."""
@@ -157,15 +191,17 @@ run_simulation(server_app=slow_app.server, client_app=slow_app.app,
                backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
                                "init_args": {"address": "local", "num_cpus": 2,
                                              "logging_level": "WARNING"}})
-json.dump({"warmed": slow_app.WARMED, "replied": slow_app.REPLIED}, open(sys.argv[1], "w"))
+json.dump({"warmed": slow_app.WARMED, "replied": slow_app.REPLIED, "late": slow_app.LATE},
+          open(sys.argv[1], "w"))
 """
 
 
 def test_the_same_nodes_reply_as_under_flowers_own_runtime(ray_engine, tmp_path):
     """The same ServerApp and ClientApp under Flower's ``run_simulation`` (two actors, its
-    own Ray) and under fedsim (two workers): the same partitions reply in the timed phase."""
+    own Ray) and under fedsim (two workers): the same partitions reply in the timed phase,
+    and the slow client's late reply is there for ``pull_messages`` afterwards."""
     ray_engine.run_server_app(slow_app.server, SLOW, slow_app.NODES)
-    fedsim_replied = list(slow_app.REPLIED)
+    fedsim_replied, fedsim_late = list(slow_app.REPLIED), list(slow_app.LATE)
     script, out = tmp_path / "flower_run.py", tmp_path / "out.json"
     script.write_text(textwrap.dedent(FLOWER_RUN))
     env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO="0")
@@ -180,6 +216,7 @@ def test_the_same_nodes_reply_as_under_flowers_own_runtime(ray_engine, tmp_path)
     expected = [p for p in range(slow_app.NODES) if p != slow_app.SLOW]
     assert flower["replied"] == expected
     assert fedsim_replied == expected
+    assert flower["late"] == fedsim_late == [slow_app.SLOW]
 
 
 SECAGG_APP = Path(__file__).parent / "apps" / "secagg_timeout"

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from fedsim.config import ConfigError
-from fedsim.engine.grid import PhaseReport
+from fedsim.engine.phase_report import PhaseReport
 from fedsim.results import RoundRecorder, RunWriter, read_rounds
 from fedsim.results_json import json_ready
 

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from fedsim.engine.backend import Backend, LocalBackend, RayBackend, WorkerLost
     from fedsim.engine.client_registry import NODE_ID_OFFSET, ClientRegistry
     from fedsim.engine.faults import FaultConfig
-    from fedsim.engine.grid import PhaseObserver, PhaseReport, RoundLog, SimulationGrid
+    from fedsim.engine.grid import SimulationGrid
     from fedsim.engine.participation import (
         CohortModel,
         FullCohort,
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
         PoissonCohort,
         UniformCohort,
     )
+    from fedsim.engine.phase_report import PhaseObserver, PhaseReport, RoundLog
     from fedsim.engine.simulation import Engine, EngineConfig
     from fedsim.engine.state import ClientStateStore
     from fedsim.engine.worker import ClientAppSource, ClientWorker
@@ -31,7 +32,8 @@ _WHERE = {
     **dict.fromkeys(("Backend", "LocalBackend", "RayBackend", "WorkerLost"), "backend"),
     **dict.fromkeys(("NODE_ID_OFFSET", "ClientRegistry"), "client_registry"),
     "FaultConfig": "faults",
-    **dict.fromkeys(("PhaseObserver", "PhaseReport", "RoundLog", "SimulationGrid"), "grid"),
+    **dict.fromkeys(("PhaseObserver", "PhaseReport", "RoundLog"), "phase_report"),
+    "SimulationGrid": "grid",
     **dict.fromkeys(
         ("CohortModel", "FullCohort", "MinSeparationCohort", "PoissonCohort", "UniformCohort"),
         "participation",

@@ -438,6 +438,8 @@ class RayBackend(Backend):
         direct = [f for f in futures if isinstance(f, ChannelFuture)]
         refs = [f for f in futures if not isinstance(f, ChannelFuture)]
         deadline = None if timeout is None else time.monotonic() + timeout
+        if direct:  # the frames already here (a poll, timeout 0, must see them too)
+            wait_any([c for c in self._channels if c is not None], 0.0)
         while True:
             ready = [f for f in direct if f.done]
             if refs:

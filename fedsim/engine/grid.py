@@ -11,8 +11,7 @@ for the addressed virtual clients on the backend's workers:
   dispatcher, which keeps every worker busy;
 * ``pull_messages`` returns the replies of finished batches;
 * ``send_and_receive`` pushes, waits until every batch is done (or ``timeout``
-  seconds have passed: batches still running then are dropped, as Flower drops
-  late replies) and returns the replies ordered by node id, so a run's result
+  seconds have passed) and returns the replies ordered by node id, so a run's result
   does not depend on which worker finished first.
 
 A timeout means what it means in Flower's simulation (``InMemoryGrid.send_and_receive``
@@ -25,8 +24,10 @@ takes it back unstarted and gives it to a free worker
 the unit is one fold chunk (:func:`~fedsim.worker_reduce.fold_chunk_size`: one client while
 the cohort has at most :data:`~fedsim.worker_reduce.FOLD_CHUNKS` clients), so in larger
 cohorts a slow client's chunk-mates miss the timeout with it. A late reply becomes what it
-becomes in Flower: the ServerApp never gets it (it is not among the replies returned); the
-client ran, and its state is kept, as Flower's context store keeps it; the phase counts it
+becomes in Flower: that call does not return it; the client ran, and its state is kept, as
+Flower's context store keeps it; the reply waits, like a reply in Flower's LinkState, until
+``pull_messages`` asks for its message id or the message's TTL runs out (a late fold chunk's
+partial reply is not kept: its clients are folded with nobody); the phase counts it
 ``timed_out``, and one warning line says how many replies arrived within the timeout. The
 replies, their order and their folds do not depend on the batches, so a timeout that does
 not fire changes no bit of a run.
@@ -65,13 +66,10 @@ import pickle
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
 from uuid import uuid4
 
-from flwr.app import ConfigRecord, Error, Message, RecordDict
-from flwr.app.metadata import validate_message_type
-from flwr.common.constant import ErrorCode, MessageTypeLegacy
+from flwr.app import Error, Message, RecordDict
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 
@@ -80,193 +78,23 @@ from fedsim.engine.boundary import ReleaseBoundary
 from fedsim.engine.client_registry import ClientRegistry
 from fedsim.engine.dispatch import Dispatcher, batch_sizes
 from fedsim.engine.faults import FaultConfig, client_faults, crash_point
+from fedsim.engine.message_types import runnable_message_type, unsupported
 from fedsim.engine.participation import CohortModel
+from fedsim.engine.phase_report import PhaseObserver, PhaseReport, RoundLog
+from fedsim.engine.phases import OrderedFold, Phase, server_round_of
 from fedsim.engine.state import ClientStateStore
 from fedsim.engine.worker import BatchResult, ClientBatch, Content
-from fedsim.record_codec import content_nbytes, records_of
+from fedsim.record_codec import content_nbytes
 from fedsim.worker_reduce import (
-    Accumulator,
-    MetricSums,
     Reducer,
-    ReductionError,
     fold_chunk_size,
     reducer_of,
 )
 
 log = logging.getLogger(__name__)
 
-#: the legacy message types a ClientApp built from a ``client_fn`` executes
-LEGACY_MESSAGE_TYPES = (MessageTypeLegacy.GET_PARAMETERS, MessageTypeLegacy.GET_PROPERTIES)
-#: the categories of Flower's Message API a ClientApp executes (each optionally ``.<action>``)
-MESSAGE_CATEGORIES = ("train", "evaluate", "query")
 #: seconds a waiting ``send_and_receive`` holds the grid's lock at most before others may push
 _WAIT_SLICE_S = 0.05
-
-
-class UnsupportedMessage(ValueError):
-    """A ServerApp pushed a message type that no ClientApp executes (``system``, ``reconnect``,
-    or one outside Flower's format); nothing of the push was sent."""
-
-
-def runnable_message_type(message_type: str) -> bool:
-    """Whether a ClientApp executes ``message_type``: ``train``, ``evaluate`` or ``query``,
-    optionally followed by ``.<action>`` (a Python identifier), as Flower's
-    ``validate_message_type`` has it but without its runtime's own ``system``; or a legacy
-    ``get_parameters`` / ``get_properties``."""
-    if message_type in LEGACY_MESSAGE_TYPES:
-        return True
-    category, _, action = message_type.partition(".")
-    return (
-        category in MESSAGE_CATEGORIES
-        and (not action or action.isidentifier())
-        and validate_message_type(message_type)
-    )
-
-
-def unsupported(message_type: str, node_id: int) -> UnsupportedMessage:
-    """The error for a message of ``message_type`` to ``node_id``."""
-    why = {
-        "system": "Flower's runtime keeps 'system' messages to itself; no ClientApp handles one",
-        "reconnect": "Flower's deprecated 'reconnect' has no ClientApp handler",
-    }.get(message_type, "not a type Flower's ClientApps execute")
-    return UnsupportedMessage(
-        f"message type {message_type!r} (to node {node_id}) cannot run on fedsim's grid: {why}; "
-        "allowed: 'train', 'evaluate' or 'query', each optionally followed by '.<action>', "
-        f"or the legacy {' or '.join(repr(t) for t in LEGACY_MESSAGE_TYPES)}"
-    )
-
-
-@dataclass(frozen=True)
-class PhaseReport:
-    """What happened in one phase (one push of messages)."""
-
-    phase: int
-    server_round: int | None
-    message_type: str
-    messages: int
-    succeeded: int
-    failed: int
-    timed_out: int
-    dropped: int
-    bytes_down: int
-    bytes_up: int
-    wall_s: float
-    compute_s: float
-    client_metrics: dict[str, float]
-    #: the node ids the phase's messages went to (empty: not given)
-    nodes: frozenset[int] = frozenset()
-    #: the ``send_and_receive`` timeout the phase ran under (None: none)
-    timeout_s: float | None = None
-
-
-class PhaseObserver(Protocol):
-    """Receives a report after each phase."""
-
-    def phase_finished(self, report: PhaseReport) -> None: ...
-
-
-class RoundLog(Protocol):
-    """Where a strategy that runs its own round loop inside a ServerApp (``Strategy.start``)
-    reports each round it finished, so the run's records hold what the strategy returned.
-
-    ``open_rounds`` comes first: from then on the strategy closes every round itself
-    (``end_round``, with its sections: aggregated metrics, privacy, ...), ``private`` says
-    that the clients' own metrics stay out of the records unless ``metrics_in_clear``.
-    ``end_run`` gives what the run's summary adds (the final privacy report, why it stopped).
-    The values are the strategy's own (MetricRecords, dicts); the log makes them JSON.
-    """
-
-    def open_rounds(self, *, private: bool, metrics_in_clear: bool) -> None: ...
-
-    def end_round(self, server_round: int, **sections: Any) -> None: ...
-
-    def end_run(self, **summary: Any) -> None: ...
-
-
-def server_round_of(content: RecordDict, group_id: str) -> int | None:
-    """The FL round a message belongs to: a ConfigRecord's ``server-round`` (as
-    Flower's strategies set it), else a numeric ``group_id``."""
-    for _, record in records_of(content, ConfigRecord):
-        value = record.get("server-round")
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return int(group_id) if group_id.isdigit() else None
-
-
-class OrderedFold:
-    """Folds the partial replies of a content group's batches in batch order.
-
-    Batches finish in any order; folding them in batch order (each batch's chunk partials
-    in chunk order) folds the chunk partials in chunk order, which makes the result
-    independent of scheduling and of how chunks were spread over batches, so a run is
-    reproducible to the bit on any backend. The strategy
-    receives one reply for the whole group. If a reducer cannot fold (it raised
-    :class:`ReductionError`), the replies are passed on unfolded.
-    """
-
-    def __init__(self, reducer: Reducer, instruction: RecordDict) -> None:
-        self.accumulator: Accumulator | None = reducer.accumulator(instruction)
-        self.order: list[int] = []
-        self._next = 0
-        self._ready: dict[int, list[Message]] = {}
-        self._seen: list[Message] = []
-
-    def add(self, batch_id: int, replies: list[Message]) -> None:
-        """The successful replies of one batch (a partial reply, normally)."""
-        self._ready[batch_id] = replies
-        while self._next < len(self.order) and self.order[self._next] in self._ready:
-            self._fold(self._ready.pop(self.order[self._next]))
-            self._next += 1
-
-    def _fold(self, replies: list[Message]) -> None:
-        self._seen.extend(replies)
-        if self.accumulator is None:
-            return
-        try:
-            for reply in replies:
-                self.accumulator.add(reply)
-        except ReductionError:
-            self.accumulator = None
-
-    def result(self) -> list[Message]:
-        """The folded reply (batches that never finished are left out)."""
-        for batch_id in self.order[self._next :]:
-            if batch_id in self._ready:
-                self._fold(self._ready.pop(batch_id))
-        self._next = len(self.order)
-        if not self._seen:
-            return []
-        if self.accumulator is None:
-            return self._seen
-        return [self.accumulator.result()]
-
-
-@dataclass
-class _Phase:
-    """Book-keeping for one push of messages."""
-
-    index: int
-    round: int  # the round its writes to the state store are filed under
-    message_type: str
-    server_round: int | None
-    message_ids: list[str]
-    nodes: frozenset[int]
-    started: float
-    bytes_down: int
-    batch_ids: list[int] = field(default_factory=list)
-    results: dict[int, list[Message]] = field(default_factory=dict)
-    batch_messages: dict[int, set[str]] = field(default_factory=dict)
-    pending: set[int] = field(default_factory=set)
-    folds: dict[int, OrderedFold] = field(default_factory=dict)
-    succeeded: int = 0
-    failed: int = 0
-    late: int = 0
-    dropped: int = 0
-    bytes_up: int = 0
-    compute_s: float = 0.0
-    metrics: MetricSums = field(default_factory=MetricSums)
-    closed: bool = False
-    timeout_s: float | None = None
 
 
 class SimulationGrid(Grid):
@@ -310,7 +138,7 @@ class SimulationGrid(Grid):
         self._phase_counter = 0
         self._declared: tuple[int, int] | None = None
         self._cohort: tuple[tuple[int, int], list[int]] | None = None
-        self._phases: dict[int, _Phase] = {}
+        self._phases: dict[int, Phase] = {}
         self._phase_of_message: dict[str, int] = {}
         self._next_batch = 0
         self._next_content = 0
@@ -382,7 +210,7 @@ class SimulationGrid(Grid):
         phase = self._push(messages)
         return [] if phase is None else list(phase.message_ids)
 
-    def _push(self, messages: Iterable[Message], timeout: float | None = None) -> _Phase | None:
+    def _push(self, messages: Iterable[Message], timeout: float | None = None) -> Phase | None:
         """Start a phase; ``timeout`` (that of ``send_and_receive``): its messages go out as
         solo batches of one client (one fold chunk) each."""
         messages = list(messages)
@@ -391,7 +219,8 @@ class SimulationGrid(Grid):
         with self._lock:
             return self._push_checked(messages, timeout)
 
-    def _push_checked(self, messages: list[Message], timeout: float | None = None) -> _Phase | None:
+    def _push_checked(self, messages: list[Message], timeout: float | None = None) -> Phase | None:
+        self._expire()
         index = self._phase_counter
         phase_round, phase_kind = self._phase_key()
         self._phase_counter += 1
@@ -417,7 +246,7 @@ class SimulationGrid(Grid):
             bytes_down += shared[key][1]
             message.metadata.__dict__["_message_id"] = str(uuid4())
         first = messages[0]
-        phase = _Phase(
+        phase = Phase(
             index=index,
             round=phase_round,
             message_type=first.metadata.message_type,
@@ -428,6 +257,7 @@ class SimulationGrid(Grid):
             bytes_down=bytes_down,
             timeout_s=timeout,
         )
+        phase.expires = phase.started + max(float(m.metadata.ttl) for m in messages)
         self._phases[index] = phase
         self.boundary.sent(messages, phase.server_round)
         for message_id in phase.message_ids:
@@ -470,7 +300,7 @@ class SimulationGrid(Grid):
 
     def _submit(
         self,
-        phase: _Phase,
+        phase: Phase,
         chunk: list[Message],
         shared: dict[int, tuple[Content, int, Reducer | None]],
         folds: dict[int, OrderedFold],
@@ -520,10 +350,13 @@ class SimulationGrid(Grid):
             solo=solo,
         )
 
-    def _on_result(self, phase: _Phase, result: BatchResult) -> None:
+    def _on_result(self, phase: Phase, result: BatchResult) -> None:
         # the clients ran, even if late: their states count
         self.state_store.put_many(result.states, version=phase.round)
         if phase.closed:
+            if result.batch_id in phase.overdue:  # late: kept for pull_messages
+                phase.overdue.discard(result.batch_id)
+                phase.results[result.batch_id] = result.replies
             return
         phase.pending.discard(result.batch_id)
         fold = phase.folds.get(result.batch_id)
@@ -541,8 +374,9 @@ class SimulationGrid(Grid):
         if not phase.pending:
             self._finish(phase)
 
-    def _on_give_up(self, phase: _Phase, batch: ClientBatch, reason: str) -> None:
+    def _on_give_up(self, phase: Phase, batch: ClientBatch, reason: str) -> None:
         if phase.closed:
+            phase.overdue.discard(batch.batch_id)
             return
         phase.pending.discard(batch.batch_id)
         phase.failed += len(batch.metadata)
@@ -556,11 +390,12 @@ class SimulationGrid(Grid):
         if not phase.pending:
             self._finish(phase)
 
-    def _finish(self, phase: _Phase) -> None:
+    def _finish(self, phase: Phase) -> None:
         if phase.closed:
             return
         phase.closed = True
         timed_out = phase.late + sum(len(phase.batch_messages[b]) for b in phase.pending)
+        phase.overdue = {b for b in phase.pending if b not in phase.folds}
         phase.pending.clear()
         if self.observer is not None:
             self.observer.phase_finished(
@@ -583,7 +418,7 @@ class SimulationGrid(Grid):
                 )
             )
 
-    def _take(self, phase: _Phase, wanted: set[str] | None) -> list[Message]:
+    def _take(self, phase: Phase, wanted: set[str] | None) -> list[Message]:
         """Remove and return finished replies of ``phase``: folded replies once the
         phase is over, then the others in node-id order."""
         out: list[Message] = []
@@ -607,19 +442,26 @@ class SimulationGrid(Grid):
                 self.boundary.delivered(reply)
             out.extend(replies)
             del phase.results[batch_id]
-        if phase.closed and not phase.results and not phase.folds:
+        if phase.closed and not (phase.results or phase.folds or phase.overdue):
             self._forget(phase)
         return out
 
-    def _forget(self, phase: _Phase) -> None:
+    def _forget(self, phase: Phase) -> None:
         for message_id in phase.message_ids:
             self._phase_of_message.pop(message_id, None)
         self._phases.pop(phase.index, None)
+
+    def _expire(self) -> None:
+        """Forget the closed phases whose replies outlived their messages' TTL unpulled."""
+        now = time.perf_counter()
+        for phase in [p for p in self._phases.values() if p.closed and p.expires < now]:
+            self._forget(phase)
 
     def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
         wanted = set(message_ids)
         with self._lock:
             self._dispatcher.poll()
+            self._expire()
             phases = {self._phase_of_message[m] for m in wanted if m in self._phase_of_message}
             replies: list[Message] = []
             for index in sorted(phases):
@@ -641,13 +483,13 @@ class SimulationGrid(Grid):
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     self._missed(phase)
-                    self._finish(phase)  # late replies are dropped, as Flower drops them
+                    self._finish(phase)  # late replies wait for pull_messages, as in Flower
                     return self._take(phase, None)
                 # other threads' pushes wait at most one slice for the lock
                 wait = _WAIT_SLICE_S if remaining is None else min(remaining, _WAIT_SLICE_S)
                 self._dispatcher.progress(wait)
 
-    def _missed(self, phase: _Phase) -> None:
+    def _missed(self, phase: Phase) -> None:
         """Say in one line how many replies of ``phase`` arrived within its timeout."""
         arrived = phase.succeeded + phase.failed
         where = "" if phase.server_round is None else f"round {phase.server_round}, "

@@ -35,8 +35,9 @@ from fedsim.engine.channel import REPLY_TIMEOUT_S
 from fedsim.engine.client_registry import ClientRegistry
 from fedsim.engine.cluster import ensure_ray
 from fedsim.engine.faults import FaultConfig
-from fedsim.engine.grid import PhaseObserver, RoundLog, SimulationGrid
+from fedsim.engine.grid import SimulationGrid
 from fedsim.engine.participation import CohortModel
+from fedsim.engine.phase_report import PhaseObserver, RoundLog
 from fedsim.engine.state import ClientStateStore
 from fedsim.engine.worker import ClientAppSource, RunSpec, SharedDataset
 from fedsim.randomness import NODE_SECRET_KEY, RootSource, RunSecret
