@@ -45,6 +45,7 @@ from strategies.dmm.calibration import (
 from strategies.dmm.custody import Custody
 from strategies.dmm.fold import ShareFoldReducer
 from strategies.dmm.metrics import clear_metrics, round_metrics
+from strategies.dmm.options import DMMOptions as OPTIONS
 from strategies.dmm.state import RoundState
 from strategies.dmm.wire import PREFIX, cohort_config, round_keys_config, with_share_config
 from strategies.dp_shell import LedgerShell
@@ -67,7 +68,7 @@ class DMM(LedgerShell):
     nothing of them is released); evaluation replies are claimed, and the ledger makes epsilon
     infinite for them. A reply nobody claims counts as an unaccounted release.
 
-    Args:
+    Args (the defaults are :class:`~strategies.dmm.options.DMMOptions`'s, written there once):
         strategy: samples clients and applies the mean update.
         factorization: A = B C of the workload; C banded (BandMF, banded Toeplitz) or the 0/1
             tree (binary / Honaker); its n is the number of rounds.
@@ -118,26 +119,26 @@ class DMM(LedgerShell):
         noise_multiplier: float,
         expected_clients: int,
         seed: int,
-        committee_size: int = 20,
-        threshold: int = 3,
-        packing: int = 3,
-        member_dropouts: int = 3,
-        fractional_bits: int | None = None,
-        mode: Literal["full", "ideal"] = "full",
+        committee_size: int = OPTIONS.committee_size,
+        threshold: int = OPTIONS.threshold,
+        packing: int = OPTIONS.packing,
+        member_dropouts: int = OPTIONS.member_dropouts,
+        fractional_bits: int | None = OPTIONS.fractional_bits,
+        mode: Literal["full", "ideal"] = OPTIONS.mode,
         participation: Participation | None = None,
-        expected_client_dropout: float = 0.0,
-        min_clients: int = 1,
-        bits: int = 20,
+        expected_client_dropout: float = OPTIONS.expected_client_dropout,
+        min_clients: int = OPTIONS.min_clients,
+        bits: int = OPTIONS.bits,
         beta: float = DEFAULT_BETA,
         max_tries: int = 100,
         field_exponent: int = 61,
-        delta: float = 1e-5,
+        delta: float = OPTIONS.delta,
         failure_probability: float = DEFAULT_FAILURE_PROBABILITY,
-        committee_actors: bool = False,
-        committee_shards: int = 4,
-        worker_fold: bool = False,
+        committee_actors: bool = OPTIONS.committee_actors,
+        committee_shards: int = OPTIONS.committee_shards,
+        worker_fold: bool = OPTIONS.worker_fold,
         metrics_in_clear: bool = False,
-        reshare_checks: int = 1,
+        reshare_checks: int = OPTIONS.reshare_checks,
     ) -> None:
         check_arguments(
             worker_fold=worker_fold,
