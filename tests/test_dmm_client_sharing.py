@@ -16,7 +16,8 @@ from fedsim.record_codec import to_numpy, to_record
 from protocols.channels import ChannelError, Endpoint, new_session_id
 from protocols.dmm import MEMBER_ID_BASE, PROTOCOL, DMMStage, RoundKeys
 from protocols.dmm_client import seal_client_shares
-from strategies.dmm import NOISE_KEY, SEALED_KEY, UPDATE_KEY, dmm_client_app, round_keys_config
+from strategies.dmm import dmm_client_app
+from strategies.dmm.wire import NOISE_KEY, SEALED_KEY, UPDATE_KEY, round_keys_config
 
 D = 8
 

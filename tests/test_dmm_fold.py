@@ -1,4 +1,4 @@
-"""Worker-side folding of DMM's client shares (strategies/dmm_fold.py): the fold of a batch's
+"""Worker-side folding of DMM's client shares (strategies/dmm/fold.py): the fold of a batch's
 sharing inputs deals exactly the sum of the clients' own share rows, and a folded full-mode run
 releases what the unfolded and the ideal runs release, counting every folded client's noise."""
 
@@ -12,7 +12,7 @@ from fedsim.engine import FaultConfig
 from protocols.dmm import RoundKeys
 from protocols.dmm_client import ShareFold, share_segments, sharing_inputs
 from protocols.shamir import PackedShamir
-from strategies.dmm_fold import BATCH_KEY
+from strategies.dmm.wire import BATCH_KEY
 
 CLIENTS, ROUNDS = 12, 3
 

@@ -14,7 +14,7 @@ from dmm_support import SECRETS, digits_setup, make_dmm, run_dmm
 from fedsim.engine import FaultConfig
 from fedsim.engine.dmm_committee import CommitteeHost
 from fedsim.privacy.matrix.build import Spec, build
-from strategies.dmm import committee_bound
+from strategies.dmm.calibration import committee_bound
 
 CLIENTS, ROUNDS = 12, 4
 
@@ -96,7 +96,7 @@ def test_resume_from_the_checkpoint_and_the_members_sealed_states(local_engine, 
     blob = cloudpickle.dumps(strategy)
     host.close()
     restored = pickle.loads(blob)
-    assert restored.host is None and restored.server.pool is None
+    assert restored.custody.host is None and restored.server.pool is None
     again = CommitteeHost(SECRETS, state_path=tmp_path / "dmm_members.sqlite")
     again.rollback(2)
     resumed, _ = run_dmm(
@@ -216,8 +216,9 @@ def test_the_committee_claim_names_the_round_whose_public_draw_holds_the_state()
     from fedsim.engine.client_registry import public_committee  # noqa: PLC0415
 
     strategy = make_dmm("full", 30, 6)
-    strategy.committee, strategy.committee_round = strategy.committee_for(3), 3
-    assert strategy._committee_claim(5) == (3, public_committee(7, 3, 30, 11))
-    del strategy.__dict__["committee_round"]  # an older checkpoint
-    assert strategy._committee_claim(5) == (3, strategy.committee_for(3))
-    assert strategy.committee_round == 3
+    custody = strategy.custody
+    custody.seat(3)
+    assert custody.claim(5) == (3, public_committee(7, 3, 30, 11))
+    custody.committee_round = None  # an older checkpoint
+    assert custody.claim(5) == (3, custody.draw(3))
+    assert custody.committee_round == 3

@@ -44,7 +44,8 @@ from protocols.dmm import (
 from protocols.dmm_member import REFUSALS, MemberGroup, MemberPool
 from protocols.dmm_server import DMMServer
 from protocols.shamir import PackedShamir
-from strategies.dmm import NOISE_KEY, SEALED_KEY, dmm_client_app
+from strategies.dmm import dmm_client_app
+from strategies.dmm.wire import NOISE_KEY, SEALED_KEY
 
 D, CLIENTS, ROUNDS = 8, 5, 6
 
@@ -164,7 +165,7 @@ def test_the_run_directory_alone_reconstructs_nothing(local_engine, tmp_path):
     host.checkpoint(3)
     held = _held_shares(strategy.server.pool)
     assert held and all(len(row) >= 64 for row in held)
-    holders = [strategy.committee[s] for s in strategy.server.holders]
+    holders = [strategy.custody.committee[s] for s in strategy.server.holders]
     committee_step = strategy.server.step
     host.close()
     # the attacker: every file of the run directory, as bytes and as objects
@@ -173,7 +174,7 @@ def test_the_run_directory_alone_reconstructs_nothing(local_engine, tmp_path):
         for start in range(0, len(row) - 32, 32):
             assert not any(row[start : start + 32] in blob for blob in files.values())
     checkpoint = pickle.loads(payload)
-    assert checkpoint.strategy.host is None and checkpoint.strategy.server.pool is None
+    assert checkpoint.strategy.custody.host is None and checkpoint.strategy.server.pool is None
     from fedsim.engine.state import ClientStateStore  # noqa: PLC0415
     from fedsim.runfiles import RunFileError  # noqa: PLC0415
 
@@ -454,7 +455,7 @@ def test_fuzz_the_strategy_rejects_bad_replies_and_names_them(local_engine):
 
     def oversized(server_round, replies):
         if server_round == 1:
-            from strategies.dmm import UPDATE_KEY  # noqa: PLC0415
+            from strategies.dmm.wire import UPDATE_KEY  # noqa: PLC0415
 
             update = to_numpy(replies[0].content[UPDATE_KEY])[UPDATE_KEY] * 1000
             replies[0].content[UPDATE_KEY] = to_record({UPDATE_KEY: update})
@@ -469,6 +470,6 @@ def test_checkpoints_never_carry_the_host_or_a_pool():
     strategy = make_dmm("full", 12, ROUNDS)
     strategy.bind_committee_host(CommitteeHost(SECRETS))
     restored = pickle.loads(cloudpickle.dumps(strategy))
-    assert restored.host is None
+    assert restored.custody.host is None
     with pytest.raises(TypeError, match="never pickled"):
         cloudpickle.dumps(CommitteeHost(SECRETS))

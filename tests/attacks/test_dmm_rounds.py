@@ -22,7 +22,8 @@ from fedsim.engine.dmm_committee import CommitteeHost
 from fedsim.models import initial_arrays
 from fedsim.randomness import NODE_SECRET_KEY
 from fedsim.record_codec import to_numpy, to_record
-from strategies.dmm import NOISE_KEY, dmm_client_app
+from strategies.dmm import dmm_client_app
+from strategies.dmm.wire import NOISE_KEY
 
 CLIENTS = 12
 

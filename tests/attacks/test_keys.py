@@ -371,7 +371,7 @@ def _dmm_instruction(mode, keys=None, committee=None, *, padded: int):
     from flwr.app import ConfigRecord, Message, RecordDict  # noqa: PLC0415
 
     from fedsim.record_codec import to_record  # noqa: PLC0415
-    from strategies.dmm import round_keys_config  # noqa: PLC0415
+    from strategies.dmm.wire import round_keys_config  # noqa: PLC0415
 
     config = {
         "server-round": ROUND, "dmm.dim": 6, "dmm.clip": 1.0, "dmm.gamma": 0.001,
@@ -420,11 +420,11 @@ def test_dmm_seats_held_by_enrolled_clients_the_draw_did_not_choose_are_refused(
     from fedsim.record_codec import to_numpy  # noqa: PLC0415
     from protocols.dmm_client import check_seat_keys  # noqa: PLC0415
     from protocols.encoding import padded_dimension  # noqa: PLC0415
-    from strategies.dmm import (  # noqa: PLC0415
+    from strategies.dmm import dmm_client_app  # noqa: PLC0415
+    from strategies.dmm.wire import (  # noqa: PLC0415
         NOISE_KEY,
         SEALED_KEY,
         UPDATE_KEY,
-        dmm_client_app,
         sealed_from_record,
     )
 
@@ -492,17 +492,17 @@ def test_dmm_dealers_deal_only_to_the_next_public_committee(tmp_path, monkeypatc
     from fedsim.experiment import run_experiment  # noqa: PLC0415
     from fedsim.results import read_rounds  # noqa: PLC0415
     from fedsim.run_config import ExperimentConfig  # noqa: PLC0415
-    from strategies.dmm import DMM  # noqa: PLC0415
+    from strategies.dmm.custody import Custody  # noqa: PLC0415
 
-    drawn = DMM.committee_for
+    drawn = Custody.draw
 
     def seating(self, server_round):  # the next committee: clients the draw left out
         if server_round == 1:
             return drawn(self, server_round)
         chosen = drawn(self, server_round)
-        return [c for c in range(self.population) if c not in chosen][: self.scheme.n]
+        return [c for c in range(self.population) if c not in chosen][: self.size]
 
-    monkeypatch.setattr(DMM, "committee_for", seating)
+    monkeypatch.setattr(Custody, "draw", seating)
     config = ExperimentConfig.from_dict({
         "rounds": 3, "seed": 1,  # bands = 2: each hand-off deals the open row
         "data": {"source": "digits", "partition": "iid", "num_clients": 24},

@@ -45,8 +45,16 @@ from fedsim.worker_reduce import (
     refuse,
 )
 from protocols.channels import Envelope
-from protocols.dmm import FOLD_PAD, MEMBER_ID_BASE, DMMSealedShares, FoldedClient, RoundKeys
+from protocols.dmm import FOLD_PAD, MEMBER_ID_BASE, FoldedClient, RoundKeys
 from protocols.dmm_client import MaskedFold, MaskedShares
+from strategies.dmm.wire import (
+    BATCH_KEY,
+    FOLD_KEY,
+    PADS_KEY,
+    SEALED_ENTRIES,
+    SEALED_KEY,
+    sealed_to_record,
+)
 
 
 def fold_party(cohort_size: int, parties) -> int:
@@ -60,7 +68,7 @@ def pads_from_record(record, party: int, round_: int, seats) -> FoldedClient:
     ``party``, one sealed seed per seat in ``seats``); ValueError naming what is malformed."""
     if not isinstance(record, ConfigRecord):
         raise ValueError(f"{PADS_KEY} is a {type(record).__name__}, not a ConfigRecord")
-    if set(record.keys()) != {"public-key", "members", "nonces", "ciphertexts"}:
+    if set(record.keys()) != SEALED_ENTRIES:
         raise ValueError(f"{PADS_KEY} has entries {sorted(record.keys())}")
     members, nonces, bodies = record["members"], record["nonces"], record["ciphertexts"]
     if not isinstance(record["public-key"], bytes) or list(members) != list(seats):
@@ -79,35 +87,6 @@ def folded_client(party, key, round_, seats, nonces, bodies) -> FoldedClient:
         for j, nonce, body in zip(seats, nonces, bodies)
     }
     return FoldedClient(int(party), key, pads)
-
-FOLD_KEY = "dmm.fold"
-"""A client's reply to its worker's fold: ArrayRecord ``masked``, its padded share rows."""
-PADS_KEY = "dmm.pads"
-"""A client's reply to its worker's fold: its public key and sealed pad seeds (ConfigRecord in
-the form of :func:`sealed_to_record`)."""
-BATCH_KEY = "dmm.batch"
-"""A folded reply's ConfigRecord: ``nodes``, the node ids whose inputs it holds, and for each in
-order its ``public-keys`` entry and, per announced seat in order, ``pad-nonces`` and
-``pad-ciphertexts`` (:class:`protocols.dmm.FoldedClient`)."""
-SEALED_KEY = "dmm.sealed"
-"""A SHARE message's record (:func:`sealed_to_record`), a client's or a folded batch's."""
-
-
-def sealed_to_record(sealed: DMMSealedShares) -> ConfigRecord:
-    """Sealed shares as a reply record: the sender's public key and, per seat, the envelope's
-    nonce and ciphertext (the header is the server's to rebuild)."""
-    seats = sorted(sealed.shares)
-    envelopes = [sealed.shares[j] for j in seats]
-    if not all(isinstance(e, Envelope) for e in envelopes):
-        raise ValueError("sealed.shares must all be Envelopes; clients never send plain shares")
-    return ConfigRecord(
-        {
-            "public-key": sealed.public_key,
-            "members": seats,
-            "nonces": [e.nonce for e in envelopes],
-            "ciphertexts": [e.ciphertext for e in envelopes],
-        }
-    )
 
 
 class ShareFoldReducer(Reducer):
