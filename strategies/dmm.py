@@ -8,7 +8,7 @@ Bienstock, Kumar & Polychroniadou, ICML 2025, as docs/dmm-design.md sets it out.
   every row of the integer strategy matrix M released this round -- all from the client's own
   secret (``client_secret(node_config).generator(round, Purpose.X)``), never from anything the
   server knows; in ``mode="full"`` they packed-Shamir-share both and seal each share to its
-  committee seat (:func:`protocols.dmm_client.seal_client_shares`): the reply carries only
+  committee seat (:func:`protocols.dmm.client.seal_client_shares`): the reply carries only
   ciphertexts and the client's public key (with ``worker_fold`` the clients of a fedsim worker
   batch hand their sharing inputs to the worker, which deals their sum once and seals one row
   per seat: :mod:`strategies.dmm_fold`);
@@ -17,7 +17,7 @@ Bienstock, Kumar & Polychroniadou, ICML 2025, as docs/dmm-design.md sets it out.
   :class:`fedsim.engine.dmm_committee.CommitteeHost` (bound with :meth:`DMM.bind_committee_host`)
   -- combines the agreed clients' shares with the partial sums it holds, releases
   y_i = sum_s M[i, s] X_s + z_i and hands the partial sums of the rows still open to the next
-  round's committee (:class:`protocols.dmm_server.DMMServer`);
+  round's committee (:class:`protocols.dmm.server.DMMServer`);
 * the server decodes x_hat_t = (D y)_t (D M = I: forward substitution for the banded M), and
   applies ``g + gamma * unrotate(x_hat_t) / expected_clients`` through the wrapped FedAvg: the
   matrix mechanism in its x + C^{-1} z form.
@@ -40,8 +40,8 @@ the protocol's records, well-formed sealed shares / plaintext integers in range)
 drops that client, and the round's metrics name it in ``rejected``.
 
 **Opened is released**: a round whose release shares reached the server from more than t
-members (:class:`protocols.dmm.OpenedRelease`) is accounted as the release of its step even when
-it aborts (too few on time to decode, or tampering beyond the radius): its metrics say
+members (:class:`protocols.dmm.common.OpenedRelease`) is accounted as the release of its step even
+when it aborts (too few on time to decode, or tampering beyond the radius): its metrics say
 ``dmm-aborted = 1``, ``dmm-opened = 1`` and what it cost (``dmm-epsilon-cost``), the report lists
 it under ``aborted_releases``, and the mechanism halts, since that state must not be released
 again with fresh noise. A round aborted before that point records nothing. Neighbours are
@@ -85,20 +85,19 @@ from fedsim.randomness import Purpose, Stream, client_secret, public_generator
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.worker_reduce import FOLDS_KEY, attach_reducer, is_partial, single
 from protocols.channels import Envelope, KeySubstitution, stage_label
-from protocols.dmm import (
-    MEMBER_ID_BASE,
+from protocols.dmm.client import check_seat_keys, mask_client_shares, seal_client_shares
+from protocols.dmm.common import (
+    DMMAbort,
     DMMFaults,
     DMMSealedShares,
     DMMStage,
     OpenedRelease,
-    ReleaseTampering,
-    RoundAborted,
     RoundKeys,
     Schedule,
     StateLost,
 )
-from protocols.dmm_client import check_seat_keys, mask_client_shares, seal_client_shares
-from protocols.dmm_server import DMMServer, RoundOutput
+from protocols.dmm.release import RoundOutput
+from protocols.dmm.server import DMMServer
 from protocols.encoding import (
     DEFAULT_BETA,
     DEFAULT_FAILURE_PROBABILITY,
@@ -107,6 +106,7 @@ from protocols.encoding import (
     unrotate,
 )
 from protocols.field import MersenneField
+from protocols.kit import SEAT_ID_BASE, TamperingDetected
 from protocols.shamir import PackedShamir
 from strategies.answered_rounds import claim_round
 from strategies.dmm_fold import (
@@ -156,7 +156,7 @@ def round_keys_config(
     keys: RoundKeys, party: int, committee: tuple[int, Sequence[int]] | None = None
 ) -> dict[str, Any]:
     """The ``dmm.share.*`` entries of one client's full-mode instruction: the round's public
-    :class:`protocols.dmm.RoundKeys`, the client's channel party id and ``committee``: (the
+    :class:`protocols.dmm.common.RoundKeys`, the client's channel party id and ``committee``: (the
     server round whose public draw holds the state, its client ids in seat order), which an
     enrolled client recomputes and checks every seat's certificate against. Nothing secret."""
     if keys.session_id is None:
@@ -294,7 +294,7 @@ def sealed_from_record(record: ConfigRecord, party: int, round_: int) -> DMMSeal
         raise ValueError(f"{SEALED_KEY}: seats must be integers, nonces and ciphertexts bytes")
     label = stage_label(DMMStage.SHARE)
     shares = {
-        j: Envelope(party, MEMBER_ID_BASE + j, int(round_), label, nonce, body)
+        j: Envelope(party, SEAT_ID_BASE + j, int(round_), label, nonce, body)
         for j, nonce, body in zip(seats, nonces, bodies)
     }
     return DMMSealedShares(int(party), key, shares)
@@ -532,7 +532,7 @@ class DMM(LedgerShell):
         committee_actors, committee_shards: how the front end's committee host runs members
             (Ray actors, and how many).
         reshare_checks: dealers beyond t + k a committee handoff needs, so that a wrong
-            dealing is caught (:class:`protocols.dmm_server.DMMServer`; 0 lets t + k deal
+            dealing is caught (:class:`protocols.dmm.server.DMMServer`; 0 lets t + k deal
             unchecked and reports every later release of those rows unverified).
         worker_fold: full mode: the clients of a fedsim worker batch fold their sharing
             inputs and the worker seals one message per batch (:mod:`strategies.dmm_fold`);
@@ -1147,7 +1147,7 @@ class DMM(LedgerShell):
         self._at_boundary(replies, valid, rejected)
         try:
             output = self._run_protocol(server_round, valid, rejected)
-        except (RoundAborted, ReleaseTampering) as error:
+        except (DMMAbort, TamperingDetected) as error:
             aborted = self._aborted(server_round, error, rejected, metrics)
             if refusals:
                 self.last_abort += f"; {len(refusals)} clients refused relayed keys ({reason})"
@@ -1164,8 +1164,8 @@ class DMM(LedgerShell):
 
     def _aborted(self, server_round, error, rejected, metrics) -> MetricRecord:
         """An aborted round. One whose release shares reached the server (``error.opened``,
-        :class:`protocols.dmm.OpenedRelease`) is accounted as the release of its step, and the
-        mechanism halts: that state was opened, so it is never released again with fresh
+        :class:`protocols.dmm.common.OpenedRelease`) is accounted as the release of its step, and
+        the mechanism halts: that state was opened, so it is never released again with fresh
         noise (and its decoding cannot go on without the rows)."""
         self.last_output, self.last_abort = None, str(error)
         before = self.epsilon()
@@ -1228,7 +1228,7 @@ class DMM(LedgerShell):
         return arrays, aggregated if aggregated is not None else MetricRecord()
 
     def _round_metrics(self, output: RoundOutput, rejected, replies) -> dict[str, Any]:
-        from protocols.resharing import NEW_ID_BASE, OLD_ID_BASE  # noqa: PLC0415
+        from protocols.kit import NEW_ID_BASE, OLD_ID_BASE  # noqa: PLC0415
 
         t = output.transcript
 
@@ -1244,11 +1244,11 @@ class DMM(LedgerShell):
             "dmm-bytes": t.nbytes(),
             "dmm-bytes-per-client": self._bytes_per_client(t),
             "dmm-bytes-per-member-sent": float(
-                np.mean([t.nbytes(sender=MEMBER_ID_BASE + j) for j in seats])
+                np.mean([t.nbytes(sender=SEAT_ID_BASE + j) for j in seats])
                 + np.mean([t.nbytes(sender=OLD_ID_BASE + j) for j in seats])
             ),
             "dmm-bytes-per-member-received": mean_over(
-                [MEMBER_ID_BASE + j for j in seats], "receiver"
+                [SEAT_ID_BASE + j for j in seats], "receiver"
             ),
             "dmm-bytes-per-next-member-received": mean_over(
                 [NEW_ID_BASE + j for j in seats], "receiver"

@@ -26,17 +26,19 @@ from fedsim.engine.client_registry import (
 )
 from fedsim.engine.committee import Committee
 from fedsim.randomness import RunSecret
-from protocols import dmm, secagg
 from protocols.channels import SERVER_ID, Endpoint, KeySubstitution
-from protocols.committee import CHANNEL_PROTOCOL, MEMBER_ID_BASE, CommitteeStage
-from protocols.committee_client import seal_input
-from protocols.dmm import DMMStage, Schedule
-from protocols.dmm_client import seal_client_shares
-from protocols.dmm_member import MemberPool
-from protocols.dmm_server import DMMServer
+from protocols.committee.client import seal_input
+from protocols.committee.common import CHANNEL_PROTOCOL, CommitteeStage
+from protocols.dmm import common as dmm
+from protocols.dmm.client import seal_client_shares
+from protocols.dmm.common import DMMStage, Schedule
+from protocols.dmm.member import MemberPool
+from protocols.dmm.server import DMMServer
 from protocols.field import DEFAULT_FIELD
-from protocols.resharing import NEW_ID_BASE
-from protocols.secagg import (
+from protocols.kit import MEMBER_ID_BASE, NEW_ID_BASE
+from protocols.secagg import common as secagg
+from protocols.secagg.client import SecAggClient
+from protocols.secagg.common import (
     CHUNKS_PER_SECRET,
     SecAggConfig,
     Stage,
@@ -44,8 +46,7 @@ from protocols.secagg import (
     raw_public_key,
     shamir_scheme,
 )
-from protocols.secagg_client import SecAggClient
-from protocols.secagg_server import SecAggServer, run_secagg
+from protocols.secagg.server import SecAggServer, run_secagg
 from protocols.shamir import PackedShamir
 
 
@@ -418,7 +419,7 @@ def test_dmm_seats_held_by_enrolled_clients_the_draw_did_not_choose_are_refused(
     from flwr.supercore.task_identity import TaskIdentity  # noqa: PLC0415
 
     from fedsim.record_codec import to_numpy  # noqa: PLC0415
-    from protocols.dmm_client import check_seat_keys  # noqa: PLC0415
+    from protocols.dmm.client import check_seat_keys  # noqa: PLC0415
     from protocols.encoding import padded_dimension  # noqa: PLC0415
     from strategies.dmm import (  # noqa: PLC0415
         NOISE_KEY,

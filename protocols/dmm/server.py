@@ -2,26 +2,26 @@
 
 docs/dmm-design.md, steps 3-9. The server of round t (:class:`DMMServer`)
 
-1. SHARE: asks the committee holding the state (a :class:`protocols.dmm_member.MemberPool`, or
+1. SHARE: asks the committee holding the state (a :class:`protocols.dmm.member.MemberPool`, or
    the engine's actor-hosted pool) for fresh channel keys and hands the clients the public
-   :class:`protocols.dmm.RoundKeys` (:meth:`DMMServer.open_round`); it then validates every
-   client's :class:`protocols.dmm.DMMSealedShares` (type, party, public key usable, exactly the
-   announced seats, envelope headers, nonce and ciphertext lengths) -- a bad one is *rejected*
+   :class:`protocols.dmm.common.RoundKeys` (:meth:`DMMServer.open_round`); it then validates every
+   client's :class:`protocols.dmm.common.DMMSealedShares` (type, party, public key usable, exactly
+   the announced seats, envelope headers, nonce and ciphertext lengths) -- a bad one is *rejected*
    with its reason and the round goes on -- and relays the envelopes, which it cannot open;
 2. agrees with the members on the clients whose shares every live member opened;
 3. COMBINE / RELEASE: collects the sealed release shares of the rows of M released at t,
    validates them, and decodes with :meth:`protocols.shamir.PackedShamir.decode` (corrects at
    most floor((m - t - k) / 2) wrong shares among m, names members only when the decoding is
    unique, reports ``verified = False`` when m = t + k; beyond the radius no release is
-   decoded and nobody is named: :class:`protocols.dmm.ReleaseTampering`). **Opened is
+   decoded and nobody is named: :class:`protocols.kit.TamperingDetected`). **Opened is
    released**: the quorum (t + k on-time shares) is checked before any share is opened, and
    once more than t members' shares have reached the server (on time or late: it holds the
-   key that opens them) the step is an :class:`protocols.dmm.OpenedRelease`
+   key that opens them) the step is an :class:`protocols.dmm.common.OpenedRelease`
    (:attr:`DMMServer.opened`), carried by an abort after that point (``error.opened``) for the
    strategy to account; such a step is never run again (:meth:`DMMServer.open_round`
    refuses it), so its state is not released a second time with fresh noise;
 4. RESHARE: runs the linear packed resharing of the open rows' partial sums from the old to the
-   next committee (announce / deal / accumulate / verify of :mod:`protocols.resharing`); if it
+   next committee (announce / deal / accumulate / verify of :mod:`protocols.dmm.resharing`); if it
    fails the release stands and the old committee keeps the state. A dealing is checked only
    when more than t + k members deal (m - t - k parity checks), so the server needs
    t + k + ``reshare_checks`` dealers (default 1: a wrong dealing is always caught) and
@@ -39,9 +39,8 @@ ids (OS CSPRNG).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -55,134 +54,30 @@ from protocols.channels import (
     Envelope,
     Relay,
     Transcript,
-    encode_array,
     new_session_id,
     stage_label,
 )
-from protocols.dmm import (
+from protocols.dmm.common import (
     CLIENT_ID_LIMIT,
     FOLD_PAD,
-    MEMBER_ID_BASE,
     PAD_SEED_BYTES,
     PROTOCOL,
+    DMMAbort,
     DMMFaults,
     DMMSealedShares,
     DMMStage,
     FoldedClient,
     OpenedRelease,
-    ReleaseTampering,
-    RoundAborted,
     RoundKeys,
     Schedule,
     StateLost,
     check_transition,
 )
+from protocols.dmm.handoff import HandoffSteps, answer_union, key_proofs
+from protocols.dmm.release import ReleaseDecoder, ReleaseSteps, RoundOutput, ciphertext_bytes
 from protocols.field import DEFAULT_FIELD
-from protocols.resharing import (
-    NEW_ID_BASE,
-    OLD_ID_BASE,
-    ReshareAbort,
-    ReshareTampering,
-    open_parity_checks,
-    parity_checks,
-    reshare_coefficients,
-)
-from protocols.shamir import PackedShamir, UncorrectableSharesError
-
-
-class ReleaseDecoder:
-    """x_hat = D y with D M = I, row by row as releases arrive (post-processing).
-
-    Square lower-triangular M with a non-zero diagonal (banded): forward substitution,
-    x_hat_t = (y_t - sum_{s < t} M[t, s] x_hat_s) / M[t, t], keeping only the x_hat_s later rows
-    still use. Otherwise ``decoding`` (T x m, float64) must be causal -- row t reads only rows
-    released by t -- with D M = I (the tree: D = A^{-1} B of its factorization). float64; the
-    releases are exact integers below 2^53.
-    """
-
-    def __init__(self, schedule: Schedule, decoding: np.ndarray | None = None) -> None:
-        M = schedule.matrix
-        self.schedule = schedule
-        if decoding is None:
-            square = M.shape[0] == M.shape[1]
-            if not (square and np.all(np.triu(M, 1) == 0) and np.all(np.diag(M) != 0)):
-                raise ValueError(
-                    "decoding=None needs a square lower-triangular M with a non-zero diagonal; "
-                    "pass the factorization's causal decoding matrix D (D M = I)"
-                )
-            self.decoding = None
-        else:
-            D = np.asarray(decoding, dtype=np.float64)
-            if D.shape != (M.shape[1], M.shape[0]):
-                raise ValueError(
-                    f"decoding has shape {D.shape}; allowed {(M.shape[1], M.shape[0])}"
-                )
-            late = schedule.release_rounds[None, :] > np.arange(M.shape[1])[:, None]
-            if np.any(D[late] != 0):
-                raise ValueError("decoding reads rows before they are released (not causal)")
-            if not np.allclose(D @ M, np.eye(M.shape[1]), atol=1e-8):
-                raise ValueError("decoding is not a left inverse of M (D M != I)")
-            self.decoding = D
-        self.rows: dict[int, np.ndarray] = {}
-        self.estimates: dict[int, np.ndarray] = {}
-
-    def add(self, t: int, rows: Mapping[int, np.ndarray]) -> np.ndarray:
-        """Take round t's released rows (row -> D signed integers); return x_hat_t."""
-        M = self.schedule.matrix
-        for i, y in rows.items():
-            self.rows[int(i)] = np.asarray(y, dtype=np.float64)
-        if self.decoding is None:
-            y = self.rows.pop(t)
-            for s in np.flatnonzero(M[t, :t]):
-                y = y - float(M[t, s]) * self.estimates[int(s)]
-            estimate = y / float(M[t, t])
-            self.estimates[t] = estimate
-            still = {int(s) for s in np.flatnonzero(np.any(M[t + 1 :] != 0, axis=0))}
-            self.estimates = {s: v for s, v in self.estimates.items() if s in still}
-            return estimate
-        weights = self.decoding[t]
-        estimate = sum(weights[i] * y for i, y in sorted(self.rows.items()) if weights[i] != 0)
-        if isinstance(estimate, int):
-            raise ValueError(f"round {t}: the decoding reads no released row")
-        needed = {int(i) for i in np.flatnonzero(np.any(self.decoding[t + 1 :] != 0, axis=0))}
-        self.rows = {i: y for i, y in self.rows.items() if i in needed}
-        return estimate
-
-
-@dataclass
-class RoundOutput:
-    """What a round released and what it cost.
-
-    ``rows``: rows of M released; ``release``: (len(rows), D) signed integers y_i; ``clients``:
-    the clients (caller's keys) whose update and noise are in it; ``excluded``: clients the
-    members left out (missing, unauthentic or unreadable shares, unusable keys); ``rejected``:
-    client -> reason its message failed the server's validation; ``rejected_members``: seat ->
-    reason; ``corrected``: seats whose release shares were corrected (named only when the
-    decoding is unique); ``verified``/``radius``: of that decoding; ``holders``: seats of the
-    committee holding the state after the round; ``handed_over``: whether that is the next
-    committee; ``handoff_error``: why not; ``dropped``: holders of this committee whose release
-    share did not arrive; ``estimate``: x_hat_t = (D y)_t (float64, integer units of X);
-    ``transcript``: bytes per (sender, receiver, stage).
-    """
-
-    step: int
-    rows: tuple[int, ...]
-    release: np.ndarray
-    clients: tuple[int, ...]
-    contributors: int = 0
-    excluded: tuple[int, ...] = ()
-    rejected: dict[int, str] = field(default_factory=dict)
-    rejected_members: dict[int, str] = field(default_factory=dict)
-    corrected: tuple[int, ...] = ()
-    verified: bool = True
-    radius: int = 0
-    holders: tuple[int, ...] = ()
-    handed_over: bool = True
-    handoff_error: str | None = None
-    dropped: tuple[int, ...] = ()
-    estimate: np.ndarray | None = None
-    reshare_attempts: int = 0
-    transcript: Transcript = field(default_factory=Transcript)
+from protocols.kit import SEAT_ID_BASE, Fault, TamperingDetected
+from protocols.shamir import PackedShamir
 
 
 @dataclass
@@ -194,14 +89,6 @@ class _Round:
     transcript: Transcript
     rejected_members: dict[int, str]
     holders: tuple[int, ...]
-
-
-def _merge(dicts) -> dict:
-    out: dict = {}
-    for d in dicts:
-        if isinstance(d, Mapping):
-            out.update(d)
-    return out
 
 
 def _weights(weights, sealed) -> dict:
@@ -216,13 +103,7 @@ def _weights(weights, sealed) -> dict:
     return out
 
 
-@functools.lru_cache(maxsize=64)
-def ciphertext_bytes(width: int) -> int:
-    """Length of the ciphertext of one sealed row of ``width`` int64 field elements."""
-    return len(encode_array(np.zeros(width, dtype=np.int64))) + TAG_BYTES
-
-
-class DMMServer:
+class DMMServer(ReleaseSteps, HandoffSteps):
     """The server's driver of DMM rounds over the public integer ``schedule``.
 
     ``scheme``: (n, t, k) and field of every committee; ``dim``: D; ``mode``: 'full' (members
@@ -296,7 +177,7 @@ class DMMServer:
 
     @property
     def member_kwargs(self) -> dict[str, object]:
-        """What a :class:`protocols.dmm_member.MemberGroup` of this run is built with."""
+        """What a :class:`protocols.dmm.member.MemberGroup` of this run is built with."""
         return {
             "n": self.scheme.n,
             "t": self.scheme.t,
@@ -321,7 +202,7 @@ class DMMServer:
         check_transition(self.stage, target, f"DMM round (step {self.step})")
         self.stage = target
 
-    def _abort(self, error: RoundAborted | ReleaseTampering):
+    def _abort(self, error: DMMAbort | TamperingDetected):
         self.stage = DMMStage.ABORTED
         step = self.step
         if step in self.opened:  # the release shares reached the server before the abort
@@ -381,7 +262,7 @@ class DMMServer:
             "announce", int(round_), session, list(self.holders), faults.dropped_by(DMMStage.SHARE)
         )
         keys, rejected = self._check_keys(
-            self.pool, answers, self.holders, MEMBER_ID_BASE, transcript
+            self.pool, answers, self.holders, SEAT_ID_BASE, transcript
         )
         round_keys = RoundKeys(
             round=int(round_),
@@ -394,7 +275,7 @@ class DMMServer:
             dim=self.dim,
             session_id=session,
             member_keys=keys,
-            member_proofs=_key_proofs(self.pool, keys, MEMBER_ID_BASE, transcript),
+            member_proofs=key_proofs(self.pool, keys, SEAT_ID_BASE, transcript),
         )
         self._open = _Round(round_keys, faults, transcript, rejected, self.holders)
         return round_keys
@@ -450,7 +331,7 @@ class DMMServer:
             if not isinstance(envelope, Envelope):
                 return f"seat {seat}: a {type(envelope).__name__}, not an Envelope"
             header = (envelope.sender, envelope.receiver, envelope.round, envelope.stage)
-            if header != (item.party, MEMBER_ID_BASE + seat, keys.round, label):
+            if header != (item.party, SEAT_ID_BASE + seat, keys.round, label):
                 return f"seat {seat}: envelope header {header} is not this round's SHARE"
             if not isinstance(envelope.nonce, bytes) or len(envelope.nonce) != NONCE_BYTES:
                 return f"seat {seat}: nonce is not {NONCE_BYTES} bytes"
@@ -461,7 +342,7 @@ class DMMServer:
     def _check_folded(self, item: DMMSealedShares, keys: RoundKeys) -> str | None:
         """Why a folded message's list of clients is malformed (None if well formed): each
         listed client a distinct party other than the fold's, a usable key, one sealed pad
-        seed per announced seat (:class:`protocols.dmm.FoldedClient`)."""
+        seed per announced seat (:class:`protocols.dmm.common.FoldedClient`)."""
         folded = item.folded
         if not isinstance(folded, tuple):
             return f"folded is a {type(folded).__name__}, not a tuple"
@@ -489,7 +370,7 @@ class DMMServer:
                     getattr(envelope, "stage", None),
                 )
                 if not isinstance(envelope, Envelope) or header != (
-                    party, MEMBER_ID_BASE + seat, keys.round, FOLD_PAD
+                    party, SEAT_ID_BASE + seat, keys.round, FOLD_PAD
                 ):
                     return f"folded party {party}, seat {seat}: not its sealed pad seed"
                 if not isinstance(envelope.nonce, bytes) or len(envelope.nonce) != NONCE_BYTES:
@@ -509,9 +390,9 @@ class DMMServer:
         """Finish the round :meth:`open_round` opened from the clients' sealed shares
         (``sealed[client]``) and hand the state to ``next_pool`` (the next round's committee).
         ``weights[client]``: how many clients' inputs that message folded (a worker batch,
-        :class:`protocols.dmm_client.ShareFold`; default 1). Raises
-        :class:`protocols.dmm.RoundAborted` / :class:`~protocols.dmm.StateLost` /
-        :class:`protocols.dmm.ReleaseTampering` when nothing is released."""
+        :class:`protocols.dmm.client.ShareFold`; default 1). Raises
+        :class:`protocols.dmm.common.DMMAbort` / :class:`~protocols.dmm.common.StateLost` /
+        :class:`protocols.kit.TamperingDetected` when nothing is released."""
         opened = self._open
         if opened is None or self.stage is not DMMStage.SHARE:
             raise ValueError(f"finish_round at stage {self.stage.name}: call open_round first")
@@ -552,8 +433,8 @@ class DMMServer:
             "combine",
             keys.step,
             sorted(party_of.values()),
-            faults.members("drop", DMMStage.COMBINE),
-            faults.members("tamper", DMMStage.COMBINE),
+            faults.members(Fault.DROP, DMMStage.COMBINE),
+            faults.members(Fault.TAMPER, DMMStage.COMBINE),
             faults.seed,
             {party_of[c]: weights[c] for c in clients},
         ) if carried >= self.min_clients else None
@@ -580,7 +461,7 @@ class DMMServer:
             if relay is None:
                 for j in reach:
                     row = item.shares[j]
-                    transcript.record(party, MEMBER_ID_BASE + j, DMMStage.SHARE, row.size * 8)
+                    transcript.record(party, SEAT_ID_BASE + j, DMMStage.SHARE, row.size * 8)
                     deliveries[party][j] = row
                 continue
             transcript.record(party, SERVER_ID, DMMStage.SHARE, len(item.public_key) + 8)
@@ -600,9 +481,9 @@ class DMMServer:
                     relay.post(folded.pads[j])
         if relay is not None:
             peers = {SERVER_ID: self._server.public_key, **keys}
-            refused_keys = _union(self.pool.broadcast("connect", peers))
+            refused_keys = answer_union(self.pool.broadcast("connect", peers))
             for j in live:
-                for envelope in relay.deliver(MEMBER_ID_BASE + j):
+                for envelope in relay.deliver(SEAT_ID_BASE + j):
                     if envelope.stage == FOLD_PAD:
                         pads[fold_of[envelope.sender]][j].append((envelope.sender, envelope))
                     else:
@@ -622,351 +503,6 @@ class DMMServer:
             if isinstance(answer, Mapping):
                 refused |= {p for p, seats in answer.items() if seats}
         return {client_of[p] for p in refused if p in client_of}
-
-    def _release_full(self, keys, faults, transcript, opened, clients, excluded, rejected,
-                      combined, next_pool, carried) -> RoundOutput:
-        t, need = keys.step, self.scheme.threshold
-        self._enter(DMMStage.COMBINE)
-        if combined is None:
-            raise self._abort(self._too_few_clients(t, carried))
-        live = sorted({int(s) for part in combined if isinstance(part, list) for s in part})
-        live = [s for s in live if s in keys.member_keys]
-        if len(live) < need:
-            raise self._abort(self._state_lost(t, DMMStage.COMBINE, len(live)))
-        self._enter(DMMStage.RELEASE)
-        answered = self.pool.broadcast(
-            "release",
-            keys.round,
-            faults.members("drop", DMMStage.RELEASE),
-            faults.members("late", DMMStage.RELEASE),
-            faults.members("tamper", DMMStage.RELEASE),
-            faults.seed,
-        )
-        rows, sent, on_time = self._open_release(
-            answered, live, keys, transcript, opened.rejected_members, carried
-        )
-        if len(rows) < need:
-            self.holders = tuple(sent)
-            raise self._abort(self._too_few_members(t, len(rows) if rows else on_time))
-        answering = sorted(rows)
-        released = self.schedule.released_at(t)
-        length = len(released) * self.blocks * self.scheme.k
-        try:
-            decoding = self.scheme.decode(np.stack([rows[j] for j in answering]), answering, length)
-        except UncorrectableSharesError as error:
-            raise self._abort(
-                ReleaseTampering(
-                    f"step {t}: the release shares of seats {answering} hold more errors than "
-                    f"the {len(answering)} answers can correct; no release decoded, nobody "
-                    "named, the state is kept"
-                )
-            ) from error
-        values = self.scheme.field.decode_signed(decoding.values)
-        release = values.reshape(len(released), self.blocks * self.scheme.k)[:, : self.dim]
-        output = self._released(t, released, release, clients, excluded, rejected, transcript,
-                                carried)
-        output.rejected_members = dict(opened.rejected_members)
-        output.corrected = tuple(int(s) for s in decoding.corrected)
-        output.verified = bool(decoding.verified) and not self.unverified_rows & set(released)
-        output.radius = int(decoding.radius)
-        output.dropped = tuple(s for s in opened.holders if s not in rows)
-        self._enter(DMMStage.RESHARE)
-        dealers = [s for s in live if s in sent and s not in output.corrected]
-        self._handoff(keys.round, t, dealers, faults, transcript, next_pool, output)
-        self._enter(DMMStage.DONE)
-        return output
-
-    def _too_few_clients(self, t: int, count: int) -> RoundAborted:
-        return RoundAborted(
-            f"step {t}: {count} clients' shares reached every member, min_clients = "
-            f"{self.min_clients} needed; nothing released",
-            DMMStage.COMBINE,
-            self.min_clients,
-            count,
-        )
-
-    def _too_few_members(self, t: int, count: int) -> RoundAborted:
-        need = self.scheme.threshold
-        return RoundAborted(
-            f"step {t}: {count} members released, t + k = {need} needed; nothing released, "
-            "the state is kept",
-            DMMStage.RELEASE,
-            need,
-            count,
-        )
-
-    def _open_release(self, answered, live, keys, transcript, rejected_members, carried):
-        """seat -> its opened release row; the seats that sent (late ones included); how many
-        well-formed shares came on time.
-        Notes the step as opened when more than t seats sent (:meth:`_note_opened`) and opens
-        nothing when fewer than t + k well-formed shares came on time (the quorum)."""
-        width = len(self.schedule.released_at(keys.step)) * self.blocks
-        arrived, sent = [], []
-        for group, answer in zip(self.pool.groups, answered):
-            if not isinstance(answer, Mapping):
-                continue
-            seats, items = list(answer.get("seats", [])), list(answer.get("rows", []))
-            late = set(answer.get("late", []))
-            if len(seats) != len(items):
-                rejected_members.update({int(s): "release answer is malformed" for s in group})
-                continue
-            for seat, item in zip(seats, items):
-                if seat not in group or seat not in live or int(seat) in sent:
-                    continue
-                sent.append(int(seat))
-                if seat not in late:
-                    arrived.append((int(seat), item))
-        self._note_opened(keys.step, sent, carried)
-        well_formed = [(s, i) for s, i in arrived if self._release_form(s, i, keys) is None]
-        if len(well_formed) < self.scheme.threshold:
-            for seat, item in arrived:
-                if (problem := self._release_form(seat, item, keys)) is not None:
-                    rejected_members[seat] = f"release share refused: {problem}"
-            return {}, sorted(sent), len(well_formed)
-        rows = self._open_rows(arrived, keys, transcript, rejected_members, width)
-        return rows, sorted(sent), len(well_formed)
-
-    def _release_form(self, seat: int, item, keys) -> str | None:
-        """Why ``item`` is no release share of ``seat`` for the server (None if its form is
-        right; whether it opens is checked only after the quorum)."""
-        if self._server is None:
-            return None if isinstance(item, np.ndarray) else f"a {type(item).__name__}"
-        if not isinstance(item, Envelope):
-            return f"a {type(item).__name__}, not an Envelope"
-        header = (item.sender, item.receiver, item.round, item.stage)
-        expected = (MEMBER_ID_BASE + seat, SERVER_ID, keys.round, stage_label(DMMStage.RELEASE))
-        if header != expected:
-            return f"envelope header {header!r}; expected {expected!r}"
-        return None
-
-    def _open_rows(self, arrived, keys, transcript, rejected_members, width):
-        """seat -> its opened, checked release row (``arrived``: the on-time (seat, share))."""
-        f = self.scheme.field
-        rows = {}
-        for seat, item in arrived:
-            try:
-                if isinstance(item, Envelope) and self._server is not None:
-                    transcript.record(item.sender, item.receiver, item.stage, item.nbytes)
-                    row = self._server.open_array(
-                        item,
-                        round_=keys.round,
-                        stage=DMMStage.RELEASE,
-                        sender=MEMBER_ID_BASE + int(seat),
-                    )
-                elif self._server is None and isinstance(item, np.ndarray):
-                    row = item
-                    transcript.record(
-                        MEMBER_ID_BASE + seat, SERVER_ID, DMMStage.RELEASE, row.size * 8
-                    )
-                else:
-                    raise ChannelError(f"a {type(item).__name__}, not an Envelope")
-                if row.shape != (width,):
-                    raise ChannelError(f"a row of shape {row.shape}, not ({width},)")
-                rows[int(seat)] = f.asarray(row, "release share")
-            except (ChannelError, ValueError) as error:
-                rejected_members[int(seat)] = f"release share refused: {error}"
-        return rows
-
-    def _released(self, t, released, release, clients, excluded, rejected, transcript,
-                  carried=None):
-        """Record a final release: counts (``carried``: the clients whose noise it holds,
-        default one per entry of ``clients``), step, decoder."""
-        for i in released:
-            self.counts[int(i)] = len(clients) if carried is None else int(carried)
-        self.step += 1
-        estimate = self.decoder.add(t, dict(zip(released, release)))
-        self.last_output = RoundOutput(
-            estimate=estimate,
-            step=t,
-            rows=tuple(int(i) for i in released),
-            release=np.asarray(release, dtype=np.int64),
-            clients=tuple(clients),
-            contributors=len(clients) if carried is None else int(carried),
-            excluded=tuple(sorted(excluded)),
-            rejected=dict(rejected),
-            transcript=transcript,
-        )
-        return self.last_output
-
-    # ------------------------------------------------------------------ RESHARE
-    def _handoff(self, round_, t, dealers, faults, transcript, next_pool, output) -> None:
-        """Hand the open rows' partial sums to ``next_pool``; on failure the old committee
-        keeps them (the release stands)."""
-        try:
-            holders, attempts = self._reshare(round_, t, dealers, faults, transcript, next_pool)
-        except (ReshareAbort, ReshareTampering) as error:
-            self.pool.broadcast("keep")
-            next_pool.broadcast("discard")
-            next_pool.close()
-            self.holders = tuple(dealers)
-            output.holders, output.handed_over = self.holders, False
-            output.handoff_error = str(error) + _deal_refusal(self.pool)
-            return
-        self.pool.broadcast("retire")
-        self.pool.close()
-        self.pool, self.holders = next_pool, tuple(holders)
-        output.holders, output.reshare_attempts = self.holders, attempts
-
-    def _reshare(self, round_, t, dealers, faults, transcript, new) -> tuple[list[int], int]:
-        """The linear packed resharing of :mod:`protocols.resharing`, run by the members.
-        Returns the new holders and the DEAL attempts."""
-        need = self.scheme.threshold
-        keep = self.schedule.open_after(t)
-        session = new_session_id() if self.encrypt else None
-        self._server = Endpoint(SERVER_ID, session, protocol=PROTOCOL) if session else None
-        old_keys, new_keys = self._announce_handoff(
-            round_, t, dealers, faults, transcript, new, session
-        )
-        holders, candidates = sorted(new_keys), sorted(old_keys)
-        if len(holders) < need:
-            raise ReshareAbort(
-                f"resharing of round {round_}: {len(holders)} new members answered, t + k = "
-                f"{need} needed; the old committee keeps its shares",
-                "new",
-                need,
-                len(holders),
-            )
-        if not keep:
-            return new_commit(new, holders), 0
-        if session is not None:  # each side checks the other's keys against their proofs
-            new_proofs = _key_proofs(new, new_keys, NEW_ID_BASE, transcript)
-            old_proofs = _key_proofs(self.pool, old_keys, OLD_ID_BASE, transcript)
-            self.pool.broadcast(
-                "connect",
-                {NEW_ID_BASE + j: k for j, k in new_keys.items()},
-                {NEW_ID_BASE + j: p for j, p in new_proofs.items()},
-            )
-            new.broadcast(
-                "connect",
-                {OLD_ID_BASE + i: k for i, k in old_keys.items()},
-                {OLD_ID_BASE + i: p for i, p in old_proofs.items()},
-            )
-        attempts, checked = self._deal_until_verified(
-            round_, len(keep), candidates, holders, faults, transcript, new
-        )
-        if not checked:
-            self.unverified_rows |= set(keep)
-        return new_commit(new, holders), attempts
-
-    def _announce_handoff(
-        self, round_, t, dealers, faults, transcript, new, session
-    ) -> tuple[dict[int, bytes], dict[int, bytes]]:
-        """ANNOUNCE: the old committee's ``dealers`` and every seat of ``new`` take fresh
-        channel keys for ``session``; returns old seat -> key and new seat -> key of the
-        members that answered with a usable one."""
-        old, n = self.pool, self.scheme.n
-        old_answers = old.broadcast(
-            "announce_handoff",
-            round_,
-            session,
-            "old",
-            t,
-            dealers,
-            faults.members("drop", DMMStage.RESHARE),
-        )
-        new_answers = new.broadcast(
-            "announce_handoff", round_, session, "new", t, list(range(n)), faults.next_drop
-        )
-        old_keys, _ = self._check_keys(old, old_answers, dealers, OLD_ID_BASE, transcript)
-        new_keys, _ = self._check_keys(new, new_answers, range(n), NEW_ID_BASE, transcript)
-        return old_keys, new_keys
-
-    def _deal_until_verified(
-        self, round_, rows, candidates, holders, faults, transcript, new
-    ) -> tuple[int, bool]:
-        """DEAL, ACCUMULATE and VERIFY of ``rows`` open rows from the first t + k
-        ``candidates`` to ``holders``, again without every dealer that fails to deal or is
-        caught by the parity checks until a dealing verifies; returns the DEAL attempts and
-        whether a parity check ran. Raises :class:`protocols.resharing.ReshareAbort` when
-        fewer than t + k + ``reshare_checks`` can deal (a dealing by t + k is unchecked)."""
-        old, scheme = self.pool, self.scheme
-        need = scheme.threshold
-        dealing = need + self.reshare_checks
-        removed: list[int] = []
-        attempts = 0
-        while True:
-            if len(candidates) < dealing:
-                raise ReshareAbort(
-                    f"resharing of round {round_}: {len(candidates)} old members can deal, "
-                    f"t + k + reshare_checks = {need} + {self.reshare_checks} needed so that a "
-                    f"wrong dealing is caught (removed after failing: {removed}); the old "
-                    "committee keeps its shares",
-                    "old",
-                    dealing,
-                    len(candidates),
-                )
-            attempts += 1
-            chosen = candidates[:need]
-            lam = reshare_coefficients(scheme, chosen)
-            mix = scheme.field.random_secure(rows * self.blocks)
-            columns = {i: (lam[:, chosen.index(i)] if i in chosen else None) for i in candidates}
-            tamper = faults.members("tamper", DMMStage.RESHARE)
-            deal_args = [
-                ({i: c for i, c in columns.items() if i in g}, mix, holders, tamper, faults.seed)
-                for g in old.groups
-            ]
-            deals = _merge(old.call("deal", deal_args))
-            inbox = self._deal_inbox(deals, candidates, holders, transcript)
-            parts = [({j: inbox[j] for j in g if j in inbox},) for g in new.groups]
-            refused = _union(new.call("receive", parts))
-            failed = [i for i in candidates if i not in deals or i in refused]
-            if failed:
-                removed.extend(failed)
-                candidates = [i for i in candidates if i not in failed]
-                continue
-            new.broadcast("accumulate", chosen)
-            checks = parity_checks(scheme, candidates)
-            if checks.shape[0] == 0:
-                return attempts, False
-            culprit = self._verify(round_, new, checks, candidates, holders, transcript)
-            if culprit is None:
-                return attempts, True
-            removed.append(culprit)
-            candidates = [i for i in candidates if i != culprit]
-
-    def _deal_inbox(self, deals, candidates, holders, transcript) -> dict[int, dict[int, object]]:
-        """new seat -> dealer -> its deal; a dealer whose answer is malformed delivers
-        nothing (it is removed and DEAL restarts)."""
-        inbox: dict[int, dict[int, object]] = {j: {} for j in holders}
-        for i, items in list(deals.items()):
-            if i not in candidates or not isinstance(items, list) or len(items) != len(holders):
-                deals.pop(i, None)
-                continue
-            for j, item in zip(holders, items):
-                if isinstance(item, Envelope):
-                    transcript.record(item.sender, item.receiver, item.stage, item.nbytes)
-                elif isinstance(item, np.ndarray):
-                    transcript.record(
-                        OLD_ID_BASE + i, NEW_ID_BASE + j, DMMStage.RESHARE, item.size * 8
-                    )
-                inbox[j][int(i)] = item
-        return inbox
-
-    def _verify(self, round_, new, checks, candidates, holders, transcript) -> int | None:
-        """VERIFY: the parity checks of the dealings; the single faulty dealer or None."""
-        scheme, need = self.scheme, self.scheme.threshold
-        answers = _merge(new.broadcast("check_shares", checks, candidates))
-        rows = {}
-        for j in holders:
-            row = answers.get(j)
-            if isinstance(row, np.ndarray) and row.shape == (checks.shape[0],):
-                try:
-                    rows[j] = scheme.field.asarray(row, "check share")
-                except ValueError:
-                    continue
-        checked = sorted(rows)
-        if len(checked) < need:
-            raise ReshareAbort(
-                f"resharing of round {round_}: {len(checked)} new members answered the check, "
-                f"t + k = {need} needed; the old committee keeps its shares",
-                "new",
-                need,
-                len(checked),
-            )
-        stacked = np.stack([rows[j] for j in checked])
-        for j in checked:
-            transcript.record(NEW_ID_BASE + j, SERVER_ID, DMMStage.RESHARE, stacked.shape[1] * 8)
-        return open_parity_checks(scheme, scheme, stacked, checked, candidates, checks, round_)
 
     # ------------------------------------------------------------------ ideal mode
     def run_plain_round(
@@ -1008,7 +544,7 @@ class DMMServer:
             raise self._abort(self._state_lost(t, DMMStage.COMBINE, len(live)))
         self._enter(DMMStage.RELEASE)
         sent = [j for j in live if j not in faults.dropped_by(DMMStage.RELEASE)]
-        answering = [j for j in sent if j not in faults.members("late", DMMStage.RELEASE)]
+        answering = [j for j in sent if j not in faults.members(Fault.LATE, DMMStage.RELEASE)]
         self._note_opened(t, sent, len(clients))
         if len(answering) < need:
             self.holders = tuple(sent)
@@ -1055,43 +591,6 @@ class DMMServer:
                 got = None if array is None else (array.shape, str(array.dtype))
                 return f"{name} is {got}; allowed {shape} integers"
         return None
-
-
-def new_commit(pool, holders) -> list[int]:
-    """The next committee commits the handed state; the seats that hold it."""
-    answers = pool.broadcast("commit")
-    held = sorted({int(s) for part in answers if isinstance(part, list) for s in part})
-    return [s for s in held if s in holders]
-
-
-def _deal_refusal(pool) -> str:
-    """Why the old committee's last refusing dealer refused (a key it could not verify, ...),
-    for the hand-off's error; empty when none refused."""
-    reasons = [r for _, method, r in getattr(pool, "refusals", ()) if method == "deal"]
-    return f"; a dealer refused: {reasons[-1]}" if reasons else ""
-
-
-def _key_proofs(pool, keys: Mapping[int, bytes], base: int, transcript) -> dict[int, bytes]:
-    """Seat -> the enrolment proof ``pool``'s members gave for the key they announced (relayed
-    as given: the receivers check them), for the seats in ``keys``; each proof's bytes are
-    counted in ``transcript`` with its key's message (channel id ``base + seat``)."""
-    proofs: dict[int, bytes] = {}
-    for answer in pool.broadcast("key_proofs"):
-        if isinstance(answer, Mapping):
-            proofs.update(
-                {int(s): p for s, p in answer.items() if s in keys and isinstance(p, bytes)}
-            )
-    for seat, proof in proofs.items():
-        transcript.record(base + seat, SERVER_ID, DMMStage.SHARE, len(proof), messages=0)
-    return dict(sorted(proofs.items()))
-
-
-def _union(answers) -> set[int]:
-    out: set[int] = set()
-    for answer in answers:
-        if isinstance(answer, list):
-            out |= {int(p) for p in answer if isinstance(p, int | np.integer)}
-    return out
 
 
 def flip(envelope: Envelope) -> Envelope:
