@@ -8,7 +8,6 @@ import itertools
 import numpy as np
 import pytest
 from dmm_support import Committees, Reference, assert_same, inputs
-from protocols.dmm.release import ReleaseDecoder
 
 from fedsim.privacy.dmm import IntegerMechanism
 from fedsim.privacy.matrix.banded import banded
@@ -23,6 +22,7 @@ from protocols.dmm.common import (
     StateLost,
     check_transition,
 )
+from protocols.dmm.release import ReleaseDecoder
 from protocols.kit import StageError, TamperingDetected
 
 D, CLIENTS, ROUNDS = 8, 6, 8

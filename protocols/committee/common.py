@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import Any
 
 import numpy as np
@@ -46,6 +46,19 @@ from protocols.shamir import PackedShamir
 CHANNEL_PROTOCOL = b"fedsim/committee"
 """The protocol label every committee channel binds (protocols.channels associated data)."""
 
+
+
+class CommitteeCall(StrEnum):
+    """The member requests a committee server makes of its shard pool, by name (``pool.call``:
+    each shard's method of that name, :class:`protocols.committee.member.CommitteeShard`)."""
+
+    ABORT = "abort"
+    COMBINE = "combine"
+    CONNECT = "connect"
+    KEY_PROOFS = "key_proofs"
+    PUBLIC_KEYS = "public_keys"
+    RELEASE = "release"
+    SHARE = "share"
 
 
 class CommitteeStage(Enum):

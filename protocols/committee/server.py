@@ -62,6 +62,7 @@ from protocols.channels import NONCE_BYTES, PUBLIC_KEY_BYTES, SERVER_ID, Endpoin
 from protocols.committee.common import (
     CHANNEL_PROTOCOL,
     CommitteeAbort,
+    CommitteeCall,
     CommitteeFaults,
     CommitteeKeys,
     CommitteeResult,
@@ -134,16 +135,17 @@ class CommitteeServer:
         self.relay = Relay()
         self.member_keys: dict[int, bytes] = {}
         self._server = Endpoint(SERVER_ID, self.session_id, CHANNEL_PROTOCOL)
-        for part in self.pool.call("public_keys", [() for _ in self.groups]):
+        for part in self.pool.call(CommitteeCall.PUBLIC_KEYS, [() for _ in self.groups]):
             self.member_keys.update(part)
         #: each enrolled member's proof of its key, relayed to the clients with it
         self.member_proofs: dict[int, bytes] = {}
-        for part in self.pool.call("key_proofs", [() for _ in self.groups]):
+        for part in self.pool.call(CommitteeCall.KEY_PROOFS, [() for _ in self.groups]):
             self.member_proofs.update(part)
         for member, key in sorted(self.member_keys.items()):
             self.relay.publish(MEMBER_ID_BASE + member, key)
             self._server.connect(MEMBER_ID_BASE + member, key)
-        self.pool.call("connect", [(SERVER_ID, self._server.public_key) for _ in self.groups])
+        server_key = (SERVER_ID, self._server.public_key)
+        self.pool.call(CommitteeCall.CONNECT, [server_key for _ in self.groups])
 
     def __reduce__(self):
         raise TypeError("a Committee is never pickled: its members' keys and shares are theirs")
@@ -217,7 +219,7 @@ class CommitteeServer:
             )
         except BaseException as error:
             self.stages[round_] = CommitteeStage.ABORTED
-            self.pool.call("abort", [(round_,) for _ in self.groups])
+            self.pool.call(CommitteeCall.ABORT, [(round_,) for _ in self.groups])
             if round_ in self.opened:  # the rows reached the server before the abort
                 opened = dataclasses.replace(self.opened[round_], outcome=str(error)[:500])
                 self.opened[round_] = opened
@@ -256,7 +258,9 @@ class CommitteeServer:
         shares reached every member that is online and on time (the others are ``excluded``)
         and the members late at SHARE; aborts when too few members are online."""
         self._advance(round_, CommitteeStage.SHARE)
-        answers = self.pool.call("share", [(round_, part, faults, width) for part in parts])
+        answers = self.pool.call(
+            CommitteeCall.SHARE, [(round_, part, faults, width) for part in parts]
+        )
         late = set(faults.late)
         online = sorted(m for part in answers for m in part["online"] if m not in late)
         self._require(len(online), CommitteeStage.SHARE, round_)
@@ -275,7 +279,9 @@ class CommitteeServer:
         """COMBINE: every shard sums its members' rows of ``clients``; aborts, before any
         member is asked to release, when too few are online and on time."""
         self._advance(round_, CommitteeStage.COMBINE)
-        answers = self.pool.call("combine", [(round_, list(clients), faults) for _ in self.groups])
+        answers = self.pool.call(
+            CommitteeCall.COMBINE, [(round_, list(clients), faults) for _ in self.groups]
+        )
         online: set[int] = set()
         for group, part in zip(self.groups, answers):
             if isinstance(part, list | tuple):  # a malformed answer: its members are offline
@@ -297,7 +303,7 @@ class CommitteeServer:
         members to ``late``), then opens them and decodes the sum; aborts when too few
         answered."""
         self._advance(round_, CommitteeStage.RELEASE)
-        released = self.pool.call("release", [(round_, faults) for _ in self.groups])
+        released = self.pool.call(CommitteeCall.RELEASE, [(round_, faults) for _ in self.groups])
         reasons = [f"client {c}: {r}" for c, r in sorted(excluded.items())]
         arrived, on_time, rejected = self._arrivals(round_, released, late, reasons)
         self._note_opened(round_, clients, arrived)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
 from functools import cached_property
 
 import numpy as np
@@ -51,6 +51,29 @@ FOLD_PAD = "FOLD_PAD"
 """Stage label of a folded client's sealed pad seed (:class:`FoldedClient`)."""
 PAD_SEED_BYTES = 32
 """Bytes of one pad seed."""
+
+
+class MemberCall(StrEnum):
+    """The requests a DMM server makes of a committee's pool, by name (``pool.call`` /
+    ``pool.broadcast``: each group's handler of that name,
+    :class:`protocols.dmm.member.MemberGroup`)."""
+
+    ACCUMULATE = "accumulate"
+    ANNOUNCE = "announce"
+    ANNOUNCE_HANDOFF = "announce_handoff"
+    CHECK_SHARES = "check_shares"
+    COMBINE = "combine"
+    COMMIT = "commit"
+    CONNECT = "connect"
+    DEAL = "deal"
+    DISCARD = "discard"
+    KEEP = "keep"
+    KEY_PROOFS = "key_proofs"
+    RECEIVE = "receive"
+    RELEASE = "release"
+    RETIRE = "retire"
+    SHARE = "share"
+    SNAPSHOT = "snapshot"
 
 
 class DMMStage(Enum):

@@ -16,7 +16,7 @@ from protocols.channels import (
     Envelope,
     new_session_id,
 )
-from protocols.dmm.common import PROTOCOL, DMMStage
+from protocols.dmm.common import PROTOCOL, DMMStage, MemberCall
 from protocols.dmm.parity import open_parity_checks, parity_checks, reshare_coefficients
 from protocols.dmm.resharing import ReshareAbort
 from protocols.kit import NEW_ID_BASE, OLD_ID_BASE, Fault, TamperingDetected
@@ -32,7 +32,7 @@ def merge_answers(dicts) -> dict:
 
 def new_commit(pool, holders) -> list[int]:
     """The next committee commits the handed state; the seats that hold it."""
-    answers = pool.broadcast("commit")
+    answers = pool.broadcast(MemberCall.COMMIT)
     held = sorted({int(s) for part in answers if isinstance(part, list) for s in part})
     return [s for s in held if s in holders]
 
@@ -40,7 +40,7 @@ def new_commit(pool, holders) -> list[int]:
 def deal_refusal(pool) -> str:
     """Why the old committee's last refusing dealer refused (a key it could not verify, ...),
     for the hand-off's error; empty when none refused."""
-    reasons = [r for _, method, r in getattr(pool, "refusals", ()) if method == "deal"]
+    reasons = [r for _, method, r in getattr(pool, "refusals", ()) if method == MemberCall.DEAL]
     return f"; a dealer refused: {reasons[-1]}" if reasons else ""
 
 
@@ -49,7 +49,7 @@ def key_proofs(pool, keys: Mapping[int, bytes], base: int, transcript) -> dict[i
     as given: the receivers check them), for the seats in ``keys``; each proof's bytes are
     counted in ``transcript`` with its key's message (channel id ``base + seat``)."""
     proofs: dict[int, bytes] = {}
-    for answer in pool.broadcast("key_proofs"):
+    for answer in pool.broadcast(MemberCall.KEY_PROOFS):
         if isinstance(answer, Mapping):
             proofs.update(
                 {int(s): p for s, p in answer.items() if s in keys and isinstance(p, bytes)}
@@ -76,14 +76,14 @@ class HandoffSteps:
         try:
             holders, attempts = self._reshare(round_, t, dealers, faults, transcript, next_pool)
         except (ReshareAbort, TamperingDetected) as error:
-            self.pool.broadcast("keep")
-            next_pool.broadcast("discard")
+            self.pool.broadcast(MemberCall.KEEP)
+            next_pool.broadcast(MemberCall.DISCARD)
             next_pool.close()
             self.holders = tuple(dealers)
             output.holders, output.handed_over = self.holders, False
             output.handoff_error = str(error) + deal_refusal(self.pool)
             return
-        self.pool.broadcast("retire")
+        self.pool.broadcast(MemberCall.RETIRE)
         self.pool.close()
         self.pool, self.holders = next_pool, tuple(holders)
         output.holders, output.reshare_attempts = self.holders, attempts
@@ -113,12 +113,12 @@ class HandoffSteps:
             new_proofs = key_proofs(new, new_keys, NEW_ID_BASE, transcript)
             old_proofs = key_proofs(self.pool, old_keys, OLD_ID_BASE, transcript)
             self.pool.broadcast(
-                "connect",
+                MemberCall.CONNECT,
                 {NEW_ID_BASE + j: k for j, k in new_keys.items()},
                 {NEW_ID_BASE + j: p for j, p in new_proofs.items()},
             )
             new.broadcast(
-                "connect",
+                MemberCall.CONNECT,
                 {OLD_ID_BASE + i: k for i, k in old_keys.items()},
                 {OLD_ID_BASE + i: p for i, p in old_proofs.items()},
             )
@@ -137,7 +137,7 @@ class HandoffSteps:
         members that answered with a usable one."""
         old, n = self.pool, self.scheme.n
         old_answers = old.broadcast(
-            "announce_handoff",
+            MemberCall.ANNOUNCE_HANDOFF,
             round_,
             session,
             "old",
@@ -146,7 +146,7 @@ class HandoffSteps:
             faults.members(Fault.DROP, DMMStage.RESHARE),
         )
         new_answers = new.broadcast(
-            "announce_handoff", round_, session, "new", t, list(range(n)), faults.next_drop
+            MemberCall.ANNOUNCE_HANDOFF, round_, session, "new", t, list(range(n)), faults.next_drop
         )
         old_keys, _ = self._check_keys(old, old_answers, dealers, OLD_ID_BASE, transcript)
         new_keys, _ = self._check_keys(new, new_answers, range(n), NEW_ID_BASE, transcript)
@@ -186,16 +186,16 @@ class HandoffSteps:
                 ({i: c for i, c in columns.items() if i in g}, mix, holders, tamper, faults.seed)
                 for g in old.groups
             ]
-            deals = merge_answers(old.call("deal", deal_args))
+            deals = merge_answers(old.call(MemberCall.DEAL, deal_args))
             inbox = self._deal_inbox(deals, candidates, holders, transcript)
             parts = [({j: inbox[j] for j in g if j in inbox},) for g in new.groups]
-            refused = answer_union(new.call("receive", parts))
+            refused = answer_union(new.call(MemberCall.RECEIVE, parts))
             failed = [i for i in candidates if i not in deals or i in refused]
             if failed:
                 removed.extend(failed)
                 candidates = [i for i in candidates if i not in failed]
                 continue
-            new.broadcast("accumulate", chosen)
+            new.broadcast(MemberCall.ACCUMULATE, chosen)
             checks = parity_checks(scheme, candidates)
             if checks.shape[0] == 0:
                 return attempts, False
@@ -226,7 +226,7 @@ class HandoffSteps:
     def _verify(self, round_, new, checks, candidates, holders, transcript) -> int | None:
         """VERIFY: the parity checks of the dealings; the single faulty dealer or None."""
         scheme, need = self.scheme, self.scheme.threshold
-        answers = merge_answers(new.broadcast("check_shares", checks, candidates))
+        answers = merge_answers(new.broadcast(MemberCall.CHECK_SHARES, checks, candidates))
         rows = {}
         for j in holders:
             row = answers.get(j)

@@ -22,7 +22,8 @@ open_after`): data, never noise. Round t (its :attr:`step`), as the *current* co
    its Lagrange column, to the next committee (:class:`protocols.dmm.resharing.OldMember`).
 
 As the *next* committee a group only receives (:meth:`announce_handoff` with role 'new',
-:meth:`receive`, :meth:`accumulate`, :meth:`check_shares`, :meth:`commit`).
+:meth:`receive`, :meth:`accumulate`, :meth:`check_shares`, :meth:`commit`). The RESHARE
+handlers are :class:`protocols.dmm.reshare_member.ReshareDuties`.
 
 Every handler checks the stage (:data:`protocols.dmm.common.TRANSITIONS`), the step, the seats and
 the shapes and field ranges of what it is given; a bad request raises :class:`protocols.dmm.
@@ -54,6 +55,7 @@ from protocols.dmm.common import (
     PROTOCOL,
     REFUSALS,
     DMMStage,
+    MemberCall,
     MemberRefused,
     Schedule,
     check_transition,
@@ -79,17 +81,17 @@ class MemberGroup(ReshareDuties):
     integer matrix ``matrix``; ``step`` is the next round this committee runs."""
 
     SILENT: dict[str, object] = {
-        "announce": {},
-        "announce_handoff": {},
-        "connect": [],
-        "key_proofs": {},
-        "share": {},
-        "combine": [],
-        "release": {"seats": [], "rows": [], "late": []},
-        "deal": {},
-        "receive": [],
-        "check_shares": {},
-        "snapshot": None,
+        MemberCall.ANNOUNCE: {},
+        MemberCall.ANNOUNCE_HANDOFF: {},
+        MemberCall.CONNECT: [],
+        MemberCall.KEY_PROOFS: {},
+        MemberCall.SHARE: {},
+        MemberCall.COMBINE: [],
+        MemberCall.RELEASE: {"seats": [], "rows": [], "late": []},
+        MemberCall.DEAL: {},
+        MemberCall.RECEIVE: [],
+        MemberCall.CHECK_SHARES: {},
+        MemberCall.SNAPSHOT: None,
     }
     """What each method answers for seats that are gone (a crashed or refusing member)."""
 

@@ -21,7 +21,7 @@ from protocols.channels import (
     encode_array,
     stage_label,
 )
-from protocols.dmm.common import DMMAbort, DMMStage, Schedule
+from protocols.dmm.common import DMMAbort, DMMStage, MemberCall, Schedule
 from protocols.kit import SEAT_ID_BASE, Fault, TamperingDetected
 from protocols.shamir import UncorrectableSharesError
 
@@ -142,7 +142,7 @@ class ReleaseSteps:
             raise self._abort(self._state_lost(t, DMMStage.COMBINE, len(live)))
         self._enter(DMMStage.RELEASE)
         answered = self.pool.broadcast(
-            "release",
+            MemberCall.RELEASE,
             keys.round,
             faults.members(Fault.DROP, DMMStage.RELEASE),
             faults.members(Fault.LATE, DMMStage.RELEASE),

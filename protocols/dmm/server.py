@@ -32,8 +32,10 @@ docs/dmm-design.md, steps 3-9. The server of round t (:class:`DMMServer`)
 
 ``mode="ideal"`` (:meth:`DMMServer.run_plain_round`) is the no-cryptography reference: the
 clients' plaintext integers, the same agreement, dropout and abort rules, and bit-identical
-releases. Nothing here draws randomness except the public resharing check vector and session
-ids (OS CSPRNG).
+releases. COMBINE and RELEASE are :mod:`protocols.dmm.release`'s (:class:`ReleaseSteps`),
+RESHARE :mod:`protocols.dmm.handoff`'s (:class:`HandoffSteps`), ideal mode
+:mod:`protocols.dmm.ideal`'s (:class:`IdealRound`). Nothing here draws randomness except the
+public resharing check vector and session ids (OS CSPRNG).
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from protocols.dmm.common import (
     DMMSealedShares,
     DMMStage,
     FoldedClient,
+    MemberCall,
     OpenedRelease,
     RoundKeys,
     Schedule,
@@ -74,6 +77,7 @@ from protocols.dmm.common import (
     check_transition,
 )
 from protocols.dmm.handoff import HandoffSteps, answer_union, key_proofs
+from protocols.dmm.ideal import IdealRound
 from protocols.dmm.release import ReleaseDecoder, ReleaseSteps, RoundOutput, ciphertext_bytes
 from protocols.field import DEFAULT_FIELD
 from protocols.kit import SEAT_ID_BASE, Fault, TamperingDetected
@@ -103,7 +107,7 @@ def _weights(weights, sealed) -> dict:
     return out
 
 
-class DMMServer(ReleaseSteps, HandoffSteps):
+class DMMServer(ReleaseSteps, HandoffSteps, IdealRound):
     """The server's driver of DMM rounds over the public integer ``schedule``.
 
     ``scheme``: (n, t, k) and field of every committee; ``dim``: D; ``mode``: 'full' (members
@@ -214,7 +218,7 @@ class DMMServer(ReleaseSteps, HandoffSteps):
             self.opened[step] = dataclasses.replace(record, outcome=str(error)[:500])
             error.opened = self.opened[step]
         if self.pool is not None:
-            self.pool.broadcast("discard")
+            self.pool.broadcast(MemberCall.DISCARD)
         return error
 
     def _check_step(self) -> int:
@@ -259,7 +263,11 @@ class DMMServer(ReleaseSteps, HandoffSteps):
         session = new_session_id() if self.encrypt else None
         self._server = Endpoint(SERVER_ID, session, protocol=PROTOCOL) if session else None
         answers = self.pool.broadcast(
-            "announce", int(round_), session, list(self.holders), faults.dropped_by(DMMStage.SHARE)
+            MemberCall.ANNOUNCE,
+            int(round_),
+            session,
+            list(self.holders),
+            faults.dropped_by(DMMStage.SHARE),
         )
         keys, rejected = self._check_keys(
             self.pool, answers, self.holders, SEAT_ID_BASE, transcript
@@ -401,6 +409,37 @@ class DMMServer(ReleaseSteps, HandoffSteps):
         if not isinstance(sealed, Mapping):
             raise ValueError(f"sealed is a {type(sealed).__name__}; allowed: client -> message")
         weights = _weights(weights, sealed)
+        rejected, parties = self._screen(sealed, keys, weights)
+        senders = [
+            c
+            for c in sorted(parties.values())
+            if faults.client_drop.get(c) is not DMMStage.SHARE
+        ]
+        live = sorted(keys.member_keys)
+        if len(live) < self.scheme.threshold:
+            raise self._abort(self._state_lost(keys.step, DMMStage.SHARE, len(live)))
+        excluded = set(faults.client_partial) & set(senders)
+        excluded |= self._relay(sealed, senders, live, faults, transcript)
+        clients = [c for c in senders if c not in excluded]
+        party_of = {c: int(sealed[c].party) for c in clients}
+        carried = sum(weights[c] for c in clients)
+        combined = self.pool.broadcast(
+            MemberCall.COMBINE,
+            keys.step,
+            sorted(party_of.values()),
+            faults.members(Fault.DROP, DMMStage.COMBINE),
+            faults.members(Fault.TAMPER, DMMStage.COMBINE),
+            faults.seed,
+            {party_of[c]: weights[c] for c in clients},
+        ) if carried >= self.min_clients else None
+        output = self._release_full(keys, faults, transcript, opened, clients, excluded,
+                                    rejected, combined, next_pool, carried)
+        output.contributors = carried
+        return output
+
+    def _screen(self, sealed, keys, weights) -> tuple[dict[int, str], dict[int, int]]:
+        """(client -> why its message is rejected, party -> client of each accepted message);
+        a folded message's weight is set to the clients it lists (``weights``, in place)."""
         rejected: dict[int, str] = {}
         parties: dict[int, int] = {}
         listed: dict[int, int] = {}
@@ -416,32 +455,7 @@ class DMMServer(ReleaseSteps, HandoffSteps):
             listed.update({p: client for p in used[1:]})
             if item.folded:  # the weight is what the members can check, never more
                 weights[client] = len(item.folded)
-        senders = [
-            c
-            for c in sorted(parties.values())
-            if faults.client_drop.get(c) is not DMMStage.SHARE
-        ]
-        live = sorted(keys.member_keys)
-        if len(live) < self.scheme.threshold:
-            raise self._abort(self._state_lost(keys.step, DMMStage.SHARE, len(live)))
-        excluded = set(faults.client_partial) & set(senders)
-        excluded |= self._relay(sealed, senders, live, faults, transcript)
-        clients = [c for c in senders if c not in excluded]
-        party_of = {c: int(sealed[c].party) for c in clients}
-        carried = sum(weights[c] for c in clients)
-        combined = self.pool.broadcast(
-            "combine",
-            keys.step,
-            sorted(party_of.values()),
-            faults.members(Fault.DROP, DMMStage.COMBINE),
-            faults.members(Fault.TAMPER, DMMStage.COMBINE),
-            faults.seed,
-            {party_of[c]: weights[c] for c in clients},
-        ) if carried >= self.min_clients else None
-        output = self._release_full(keys, faults, transcript, opened, clients, excluded,
-                                    rejected, combined, next_pool, carried)
-        output.contributors = carried
-        return output
+        return rejected, parties
 
     def _relay(self, sealed, senders, live, faults, transcript) -> set[int]:
         """Relay each sender's envelopes to the live seats it reaches; the members open them.
@@ -481,7 +495,7 @@ class DMMServer(ReleaseSteps, HandoffSteps):
                     relay.post(folded.pads[j])
         if relay is not None:
             peers = {SERVER_ID: self._server.public_key, **keys}
-            refused_keys = answer_union(self.pool.broadcast("connect", peers))
+            refused_keys = answer_union(self.pool.broadcast(MemberCall.CONNECT, peers))
             for j in live:
                 for envelope in relay.deliver(SEAT_ID_BASE + j):
                     if envelope.stage == FOLD_PAD:
@@ -497,100 +511,15 @@ class DMMServer(ReleaseSteps, HandoffSteps):
             )
             for group in self.pool.groups
         ]
-        answers = self.pool.call("share", parts)
+        answers = self.pool.call(MemberCall.SHARE, parts)
         refused = set(refused_keys)
         for answer in answers:
             if isinstance(answer, Mapping):
                 refused |= {p for p, seats in answer.items() if seats}
         return {client_of[p] for p in refused if p in client_of}
 
-    # ------------------------------------------------------------------ ideal mode
-    def run_plain_round(
-        self,
-        round_: int,
-        updates: Mapping[int, np.ndarray],
-        noises: Mapping[int, np.ndarray],
-        faults: DMMFaults | None = None,
-    ) -> RoundOutput:
-        """Ideal mode: the same round on the clients' plaintext integers (``updates[c]``: D
-        signed ints; ``noises[c]``: rows released this step x D) under the same rules."""
-        if self.mode != "ideal":
-            raise ValueError("run_plain_round is ideal mode's; full mode shares and seals")
-        faults = faults or DMMFaults()
-        t, need = self._check_step(), self.scheme.threshold
-        released = self.schedule.released_at(t)
-        self.stage = DMMStage.SETUP
-        self._enter(DMMStage.SHARE)
-        rejected = {
-            c: reason
-            for c in sorted(updates)
-            if (reason := self._check_plain(updates.get(c), noises.get(c), len(released)))
-        }
-        senders = [
-            c
-            for c in sorted(updates)
-            if c not in rejected and faults.client_drop.get(c) is not DMMStage.SHARE
-        ]
-        live = [j for j in self.holders if j not in faults.dropped_by(DMMStage.SHARE)]
-        if len(live) < need:
-            raise self._abort(self._state_lost(t, DMMStage.SHARE, len(live)))
-        excluded = set(faults.client_partial) & set(senders)
-        clients = [c for c in senders if c not in excluded]
-        self._enter(DMMStage.COMBINE)
-        if len(clients) < self.min_clients:
-            raise self._abort(self._too_few_clients(t, len(clients)))
-        live = [j for j in live if j not in faults.dropped_by(DMMStage.COMBINE)]
-        if len(live) < need:
-            raise self._abort(self._state_lost(t, DMMStage.COMBINE, len(live)))
-        self._enter(DMMStage.RELEASE)
-        sent = [j for j in live if j not in faults.dropped_by(DMMStage.RELEASE)]
-        answering = [j for j in sent if j not in faults.members(Fault.LATE, DMMStage.RELEASE)]
-        self._note_opened(t, sent, len(clients))
-        if len(answering) < need:
-            self.holders = tuple(sent)
-            raise self._abort(self._too_few_members(t, len(answering)))
-        X = np.sum([np.asarray(updates[c], dtype=np.int64) for c in clients], axis=0)
-        Z = np.sum([np.asarray(noises[c], dtype=np.int64) for c in clients], axis=0)
-        M = self.schedule.matrix
-        release = np.stack(
-            [self.plain_state.get(i, 0) + M[i, t] * X + Z[a] for a, i in enumerate(released)]
-        )
-        tentative = {
-            j: self.plain_state.get(j, 0) + M[j, t] * X for j in self.schedule.open_after(t)
-        }
-        output = self._released(t, released, release, clients, excluded, rejected, Transcript())
-        output.verified = len(answering) > need and not self.unverified_rows & set(released)
-        output.radius = (len(answering) - need) // 2
-        output.dropped = tuple(s for s in self.holders if s not in answering)
-        self._enter(DMMStage.RESHARE)
-        dealers = [j for j in sent if j not in faults.dropped_by(DMMStage.RESHARE)]
-        holders = [j for j in range(self.scheme.n) if j not in faults.next_drop]
-        dealing = need + self.reshare_checks
-        if len(holders) < need or (tentative and len(dealers) < dealing):
-            side, count = ("new", len(holders)) if len(holders) < need else ("old", len(dealers))
-            self.plain_state, self.holders = tentative, tuple(sent)
-            output.holders, output.handed_over = self.holders, False
-            output.handoff_error = f"resharing of round {round_}: {count} {side} members"
-        else:
-            self.plain_state, self.holders = tentative, tuple(holders)
-            output.holders = self.holders
-            if tentative and len(dealers) == need:  # reshare_checks = 0: nothing checked
-                self.unverified_rows |= set(tentative)
-            output.reshare_attempts = 1 if tentative else 0
-        self._enter(DMMStage.DONE)
-        return output
 
-    def _check_plain(self, update, noise, rows: int) -> str | None:
-        """Why an ideal-mode client input is malformed, or None."""
-        expected = (("update", update, (self.dim,)), ("noise", noise, (rows, self.dim)))
-        for name, value, shape in expected:
-            array = np.asarray(value) if value is not None else None
-            if array is None or array.shape != shape or (
-                array.size and array.dtype.kind not in "iu"
-            ):
-                got = None if array is None else (array.shape, str(array.dtype))
-                return f"{name} is {got}; allowed {shape} integers"
-        return None
+
 
 
 def flip(envelope: Envelope) -> Envelope:

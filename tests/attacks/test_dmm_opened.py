@@ -3,7 +3,7 @@ RELEASE after the members' release shares reached the server.
 
 Full mode, committee n = 11, t = 2, k = 1 (t + k = 3). In round 2 seven members drop at RELEASE
 and one colluder (seat 7) sends a wrong share: 4 shares arrive, one redundant, radius 0, and the
-round aborts with ReleaseTampering ("no release decoded, nobody named, the state is kept"). The
+round aborts with TamperingDetected ("no release decoded, nobody named, the state is kept"). The
 server opens the 4 envelopes with its own channel key, leaves out the share its colluder spoiled
 and interpolates the 3 honest ones: it holds round 2's noisy release exactly (with zero updates
 it is the noise itself, a few noise deviations wide; a wrong decoding is a field element ~2^60).

@@ -35,7 +35,7 @@ from protocols.dmm.common import DMMStage, Schedule
 from protocols.dmm.member import MemberPool
 from protocols.dmm.server import DMMServer
 from protocols.field import DEFAULT_FIELD
-from protocols.kit import MEMBER_ID_BASE, NEW_ID_BASE
+from protocols.kit import MEMBER_ID_BASE, NEW_ID_BASE, SEAT_ID_BASE
 from protocols.secagg import common as secagg
 from protocols.secagg.client import SecAggClient
 from protocols.secagg.common import (
@@ -173,7 +173,7 @@ def test_dmm_seat_keys_substituted_by_the_server_are_refused_before_sharing(root
     scheme = server.scheme
     keys = server.open_round(0)
     evil = {
-        j: Endpoint(dmm.MEMBER_ID_BASE + j, keys.session_id, dmm.PROTOCOL)
+        j: Endpoint(SEAT_ID_BASE + j, keys.session_id, dmm.PROTOCOL)
         for j in range(scheme.threshold)
     }
     forged = dataclasses.replace(
@@ -347,9 +347,9 @@ def _inner_app():
 
 def _seat(enrolment, root, session, seat: int, client: int):
     """Seat ``seat``'s endpoint and the proof client ``client``'s enrolled identity signs."""
-    endpoint = Endpoint(dmm.MEMBER_ID_BASE + seat, session, dmm.PROTOCOL)
+    endpoint = Endpoint(SEAT_ID_BASE + seat, session, dmm.PROTOCOL)
     proof = _identity(enrolment, root, client).prove(
-        dmm.PROTOCOL, session, dmm.MEMBER_ID_BASE + seat, (endpoint.public_key,)
+        dmm.PROTOCOL, session, SEAT_ID_BASE + seat, (endpoint.public_key,)
     )
     return endpoint, proof
 
