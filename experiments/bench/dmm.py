@@ -41,11 +41,7 @@ from protocols.dmm.client import seal_client_shares  # noqa: E402
 from protocols.dmm.common import Schedule  # noqa: E402
 from protocols.dmm.member import MemberPool  # noqa: E402
 from protocols.dmm.server import DMMServer  # noqa: E402
-from protocols.kit import (  # noqa: E402
-    NEW_ID_BASE,
-    OLD_ID_BASE,
-    SEAT_ID_BASE,  # noqa: E402
-)
+from protocols.kit import NEW_ID_BASE, OLD_ID_BASE, SEAT_ID_BASE  # noqa: E402
 from protocols.shamir import PackedShamir  # noqa: E402
 
 

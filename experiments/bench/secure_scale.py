@@ -197,11 +197,7 @@ def dmm_mode(point: Point, worker_fold: bool = True) -> ModeRun:
     from fedsim.engine.dmm_committee import CommitteeHost  # noqa: PLC0415
     from fedsim.privacy.participation import Participation  # noqa: PLC0415
     from fedsim.randomness import RunSecret  # noqa: PLC0415
-    from protocols.kit import (  # noqa: PLC0415
-        NEW_ID_BASE,
-        OLD_ID_BASE,
-        SEAT_ID_BASE,  # noqa: PLC0415
-    )
+    from protocols.kit import NEW_ID_BASE, OLD_ID_BASE, SEAT_ID_BASE  # noqa: PLC0415
     from strategies.dmm import dmm_client_app, from_options  # noqa: PLC0415
     from strategies.seeded_sampling import SeededSampling  # noqa: PLC0415
 
