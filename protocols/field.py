@@ -295,6 +295,17 @@ class MersenneField:
                 f"matmul shapes do not align: left {left.shape} @ right {right.shape}; "
                 "allowed: (m, K) @ (K, N)"
             )
+        result = self._matmul_2d(left, right)
+        if left_vector and right_vector:
+            return result[0, 0]
+        if left_vector:
+            return result[0]
+        if right_vector:
+            return result[:, 0]
+        return result
+
+    def _matmul_2d(self, left: np.ndarray, right: np.ndarray) -> np.ndarray:
+        """(left @ right) mod p for aligned 2-D field arrays, by limbs (:meth:`matmul`)."""
         inner = left.shape[1]
         rows, columns = left.shape[0], right.shape[1]
         limb_bits, limbs, chunk = _limb_plan(self.exponent, inner)
@@ -337,14 +348,7 @@ class MersenneField:
                 np.bitwise_and(block, p, out=block)
                 block += scratch
                 np.subtract(block, p, out=block, where=block >= p)
-        result = total.astype(np.int64)
-        if left_vector and right_vector:
-            return result[0, 0]
-        if left_vector:
-            return result[0]
-        if right_vector:
-            return result[:, 0]
-        return result
+        return total.astype(np.int64)
 
     def solve(self, matrix, rhs) -> np.ndarray | None:
         """One solution x of ``matrix @ x = rhs`` (mod p), or None when there is none.

@@ -24,7 +24,7 @@ around any training ClientApp). Rounding and noise come from the client's own se
   channel session id and the members' X25519 keys) and the client's channel id; each client
   packed-Shamir-shares its encoding with share randomness from its own secret (``(round,
   Purpose.SHARES, "ddgauss.")``) and seals row j for member j under its own X25519 key
-  (``(round, Purpose.KEYS, "ddgauss.", session)``; :func:`protocols.committee_client.seal_input`),
+  (``(round, Purpose.KEYS, "ddgauss.", session)``; :func:`protocols.committee.client.seal_input`),
   and its reply holds only that public key and the ciphertexts. A
   :class:`fedsim.engine.committee.Committee` (members' keys from their own secrets; built and
   bound by the run's front end from ``committee_spec()``, or passed in) checks each sealed input,
@@ -57,9 +57,9 @@ client's update zeroed, its noise share still in the sum; ``ddgauss_privacy.RELA
 
 **Opened is released**: a round counts as released as soon as the server holds enough to
 determine its sum, whatever the round is then called -- a committee round that aborts after more
-than t members' rows reached the server (:class:`protocols.committee.OpenedRelease`), a SecAgg+
-round that aborts in UNMASK after the shares of every secret arrived
-(:attr:`protocols.secagg_server.SecAggServer.opened`). Such a round updates no model but is
+than t members' rows reached the server (:class:`protocols.committee.common.OpenedRelease`), a
+SecAgg+ round that aborts in UNMASK after the shares of every secret arrived
+(:attr:`protocols.secagg.server.SecAggServer.opened`). Such a round updates no model but is
 accounted for the noise of the clients in that sum; its metrics say ``ddgauss-aborted = 1``,
 ``ddgauss-opened = 1`` and the epsilon it cost (``ddgauss-epsilon-cost``), and the privacy
 report lists it under ``aborted_releases`` (round, clients, epsilon cost). A round whose sum
@@ -104,7 +104,7 @@ from fedsim.randomness import PartySecret, Purpose, Stream, client_secret, publi
 from fedsim.record_codec import to_numpy, to_record
 from protocols.channels import KeySubstitution
 from protocols.encoding import DEFAULT_BETA, DDGaussEncoder, EncodedUpdate, choose_gamma
-from protocols.secagg import SecAggConfig, Stage
+from protocols.secagg.common import SecAggConfig, Stage
 from strategies import secure
 from strategies.answered_rounds import claim_round
 from strategies.dp_shell import LedgerShell
@@ -546,7 +546,7 @@ class DDGauss(LedgerShell):
         """sum_i inputs[i] mod p over the clients that contribute, in plaintext mode (the only
         one in which the server holds the encodings): the outcome SecAgg+ reaches on the
         complete graph under the round's protocol dropouts; sets ``last_survivors``. Raises
-        :class:`protocols.secagg.TooManyDropoutsError` when the round cannot complete."""
+        :class:`protocols.kit.TooManyDropoutsError` when the round cannot complete."""
         if not isinstance(self.secure, secure.PlaintextSum):
             raise ValueError(
                 f"in {self.mode} mode the server never holds the inputs; see aggregate_train"

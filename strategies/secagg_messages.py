@@ -17,7 +17,7 @@ message (server -> client)     content                                reply (cli
 =============================  =====================================  ========================
 
 so the server holds only public keys, envelopes it relays, masked inputs and its own state
-(:class:`protocols.secagg_server.SecAggServer`). Protocol ids are 1..n in the order of the
+(:class:`protocols.secagg.server.SecAggServer`). Protocol ids are 1..n in the order of the
 clients' node ids (Flower's node ids may exceed the channels' 2^63 - 1).
 
 **Client state.** Between messages a client keeps its protocol state and its input in
@@ -33,14 +33,14 @@ has already begun is refused.
 registry's authority key and its certificate, :func:`fedsim.engine.client_registry.enrolled`)
 signs its two keys (``proof`` in its ADVERTISE_KEYS reply); the server relays each neighbour's
 proof with its keys, and the enrolled client checks them all before it shares anything
-(:meth:`protocols.secagg_client.SecAggClient.share_keys`): a substituted key makes it refuse the
+(:meth:`protocols.secagg.client.SecAggClient.share_keys`): a substituted key makes it refuse the
 round, and a round that aborts for it says so (``aborted`` names the refusals). A client its
 runtime enrolled nowhere takes the keys as relayed.
 
 **Checks.** Every reply is checked at this boundary before the protocol sees it: it must answer
 a message of this stage, come from a node asked in it (once), and hold exactly the records of
 the stage with the right types; anything else rejects that client for the round, named with the
-reason, and the server state machine checks the rest (:mod:`protocols.secagg_server`). A client
+reason, and the server state machine checks the rest (:mod:`protocols.secagg.server`). A client
 refuses a bad, replayed or out-of-order message by answering ``REFUSED_KEY`` and storing itself
 ABORTED for the round; refusals and error replies count as dropouts. With fedsim's grid each
 exchange is declared as phase ``(round, PHASE_KIND[stage])``: clients' states are filed under
@@ -65,16 +65,16 @@ from fedsim.engine.client_registry import enrolled
 from fedsim.randomness import NODE_SECRET_KEY, PartySecret, Purpose, client_secret
 from fedsim.record_codec import to_numpy, to_record
 from protocols.channels import Envelope
-from protocols.secagg import (
+from protocols.kit import RoundAborted
+from protocols.secagg.client import SecAggClient
+from protocols.secagg.common import (
     CHUNKS_PER_SECRET,
     TRANSITIONS,
-    RoundAborted,
     SecAggConfig,
     Stage,
     UnmaskResponse,
 )
-from protocols.secagg_client import SecAggClient
-from protocols.secagg_server import SecAggServer
+from protocols.secagg.server import SecAggServer
 
 KEYS_KEY = "secagg.keys"
 """Reply record of ADVERTISE_KEYS: ConfigRecord with ``channel`` and ``agreement`` (32 bytes)
@@ -145,26 +145,13 @@ def envelopes_from(record: object) -> list[Envelope]:
 
 
 def _config_record(config: SecAggConfig, client_id: int, contribute: bool) -> ConfigRecord:
-    names = ("num-clients", "degree", "threshold", "vector-length", "round", "min-survivors")
-    values = config.to_array().tolist()
-    record = ConfigRecord(dict(zip(names, values[:6])))
-    record.update(
-        {
-            "ring-bits": values[6],
-            "field-exponent": values[7],
-            "client-id": client_id,
-            "contribute": contribute,
-        }
-    )
+    record = ConfigRecord(config.encode())
+    record.update({"client-id": client_id, "contribute": contribute})
     return record
 
 
 def _config_from(record: ConfigRecord) -> tuple[SecAggConfig, int, bool]:
-    names = ("num-clients", "degree", "threshold", "vector-length", "round", "min-survivors")
-    values = [record[name] for name in (*names, "ring-bits", "field-exponent")]
-    if any(not isinstance(v, int) or isinstance(v, bool) for v in values):
-        raise ValueError(f"the round's parameters must be integers, got {values}")
-    config = SecAggConfig.from_array(np.array(values, dtype=np.int64))
+    config = SecAggConfig.decode(record)
     client_id, contribute = record["client-id"], record["contribute"]
     if not isinstance(client_id, int) or not isinstance(contribute, bool):
         raise ValueError("client-id must be an integer and contribute a bool")

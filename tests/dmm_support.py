@@ -9,10 +9,10 @@ import numpy as np
 from flwr.clientapp import ClientApp
 
 from fedsim.randomness import NODE_SECRET_KEY, RunSecret
-from protocols.dmm import DMMFaults, RoundAborted, Schedule
-from protocols.dmm_client import seal_client_shares
-from protocols.dmm_member import MemberPool
-from protocols.dmm_server import DMMServer
+from protocols.dmm.client import seal_client_shares
+from protocols.dmm.common import DMMAbort, DMMFaults, Schedule
+from protocols.dmm.member import MemberPool
+from protocols.dmm.server import DMMServer
 from protocols.shamir import PackedShamir
 
 SECRETS = RunSecret.from_passphrase("dmm tests")
@@ -125,7 +125,7 @@ class Committees:
         ):
             try:
                 out.append(run())
-            except RoundAborted as error:
+            except DMMAbort as error:
                 out.append(error)
         return out
 

@@ -9,21 +9,19 @@ import pytest
 from fedsim.engine.committee import Committee
 from fedsim.randomness import PartySecret, RunSecret
 from protocols.channels import SERVER_ID, Endpoint, new_session_id
-from protocols.committee import (
+from protocols.committee.client import seal_input
+from protocols.committee.common import (
     ACTIVE_STAGES,
     CHANNEL_PROTOCOL,
     TRANSITIONS,
     CommitteeAbort,
     CommitteeFaults,
     CommitteeStage,
-    MemberFault,
     StageFaults,
-    TamperingDetected,
 )
-from protocols.committee_client import seal_input
-from protocols.committee_member import CommitteeShard
+from protocols.committee.member import CommitteeShard
 from protocols.field import DEFAULT_FIELD
-from protocols.secagg import StageError, TooManyDropoutsError
+from protocols.kit import Fault, StageError, TamperingDetected, TooManyDropoutsError
 
 S = CommitteeStage
 
@@ -49,7 +47,7 @@ def faults(**by_kind):
     plan = {}
     for kind, entries in by_kind.items():
         for member, stage in entries:
-            plan[(member, stage)] = MemberFault[kind.upper()]
+            plan[(member, stage)] = Fault[kind.upper()]
     return CommitteeFaults(plan, seed=3)
 
 
@@ -158,7 +156,7 @@ def test_arguments_are_checked():
     with pytest.raises(ValueError, match="shards"):
         Committee(5, 2, 1, shards=6)
     with pytest.raises(ValueError, match="stage"):
-        CommitteeFaults({(0, S.DONE): MemberFault.DROP})
+        CommitteeFaults({(0, S.DONE): Fault.DROP})
 
 
 @pytest.mark.ray

@@ -6,8 +6,8 @@ import pytest
 from fedsim.privacy.mechanisms import discrete_gaussian
 from protocols.encoding import DDGaussEncoder
 from protocols.field import DEFAULT_FIELD
-from protocols.secagg import RingZ2k, SecAggConfig, Stage
-from protocols.secagg_server import run_secagg
+from protocols.secagg.common import RingZ2k, SecAggConfig, Stage
+from protocols.secagg.server import run_secagg
 
 
 @pytest.mark.parametrize("bits", [20, 32, 64])

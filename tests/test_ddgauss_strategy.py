@@ -26,7 +26,8 @@ from fedsim.randomness import RunSecret
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.workloads.supervised import LocalTraining, make_client_app
 from protocols.field import DEFAULT_FIELD
-from protocols.secagg import Stage, TooManyDropoutsError
+from protocols.kit import TooManyDropoutsError
+from protocols.secagg.common import Stage
 from strategies.ddgauss import DDGauss, ddgauss_client_app, from_options
 
 CLIENTS, ROUNDS = 30, 3

@@ -12,8 +12,8 @@ from fedsim.engine import FaultConfig
 from fedsim.engine.dmm_committee import CommitteeHost, member_faults
 from fedsim.privacy.dmm import IntegerMechanism
 from fedsim.privacy.matrix.banded import banded
-from protocols.dmm import ACTIVE, Schedule
-from protocols.dmm_server import DMMServer
+from protocols.dmm.common import ACTIVE, Schedule
+from protocols.dmm.server import DMMServer
 from protocols.shamir import PackedShamir
 
 D, CLIENTS, ROUNDS = 8, 5, 6

@@ -9,8 +9,8 @@ import pytest
 from dmm_support import digits_setup, make_dmm, run_dmm
 
 from fedsim.engine import FaultConfig
-from protocols.dmm import RoundKeys
-from protocols.dmm_client import ShareFold, share_segments, sharing_inputs
+from protocols.dmm.client import ShareFold, share_segments, sharing_inputs
+from protocols.dmm.common import RoundKeys
 from protocols.shamir import PackedShamir
 from strategies.dmm.wire import BATCH_KEY
 

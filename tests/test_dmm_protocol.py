@@ -12,19 +12,18 @@ from dmm_support import Committees, Reference, assert_same, inputs
 from fedsim.privacy.dmm import IntegerMechanism
 from fedsim.privacy.matrix.banded import banded
 from fedsim.privacy.matrix.tree import honaker_tree
-from protocols.dmm import (
+from protocols.dmm.common import (
     ACTIVE,
     TRANSITIONS,
+    DMMAbort,
     DMMFaults,
     DMMStage,
-    ReleaseTampering,
-    RoundAborted,
     Schedule,
     StateLost,
     check_transition,
 )
-from protocols.dmm_server import ReleaseDecoder
-from protocols.secagg import StageError
+from protocols.dmm.release import ReleaseDecoder
+from protocols.kit import StageError, TamperingDetected
 
 D, CLIENTS, ROUNDS = 8, 6, 8
 
@@ -139,7 +138,7 @@ def test_member_dropout_sweep(stage, dropped):
         assert isinstance(full, StateLost) and full.stage is stage
         return
     if dropped > 5 and stage is DMMStage.RELEASE:
-        assert isinstance(full, RoundAborted) and full.stage is DMMStage.RELEASE
+        assert isinstance(full, DMMAbort) and full.stage is DMMStage.RELEASE
         assert run.full.step == 1  # nothing decoded, the state of step 1 is kept
         # but 4 > t = 2 members' shares reached the server: the step counts as released
         assert full.opened is not None and full.opened.members == (6, 7, 8, 9)
@@ -165,7 +164,7 @@ def test_late_releases_abort_the_round_as_an_opened_release_never_run_again():
     updates, noises = inputs(run.full.schedule, 0, CLIENTS, D, 4)
     late = DMMFaults(member={(j, DMMStage.RELEASE): "late" for j in range(6)})
     for outcome in run.both(0, updates, noises, late):
-        assert isinstance(outcome, RoundAborted) and outcome.stage is DMMStage.RELEASE
+        assert isinstance(outcome, DMMAbort) and outcome.stage is DMMStage.RELEASE
         assert outcome.opened.members == tuple(range(10)) and outcome.opened.clients == CLIENTS
     for server in (run.full, run.ideal):
         assert server.step == 0 and 0 in server.opened
@@ -196,7 +195,7 @@ def test_fewer_than_min_clients_release_nothing():
     run = committees(banded_mechanism(), min_clients=4)
     updates, noises = inputs(run.full.schedule, 0, 3, D, 6)
     for outcome in run.both(0, updates, noises):
-        assert isinstance(outcome, RoundAborted) and outcome.stage is DMMStage.COMBINE
+        assert isinstance(outcome, DMMAbort) and outcome.stage is DMMStage.COMBINE
     assert run.full.step == 0 and run.full.stage is DMMStage.ABORTED
 
 
@@ -222,7 +221,7 @@ def test_tampering_beyond_the_radius_aborts_without_release_and_names_nobody():
     run = committees(banded_mechanism())
     updates, noises = inputs(run.full.schedule, 0, CLIENTS, D, 8)
     faults = DMMFaults(member={(j, DMMStage.RELEASE): "tamper" for j in (1, 3, 6)}, seed=2)
-    with pytest.raises(ReleaseTampering) as caught:
+    with pytest.raises(TamperingDetected) as caught:
         run.full_round(0, updates, noises, faults)
     assert caught.value.suspects == ()
     assert run.full.step == 0 and run.full.stage is DMMStage.ABORTED

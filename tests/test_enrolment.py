@@ -15,16 +15,17 @@ from fedsim.engine.client_registry import (
 )
 from fedsim.engine.committee import CommitteeSpec
 from fedsim.randomness import RootSource, RunSecret
-from protocols.channels import (
+from protocols.channels import KeySubstitution
+from protocols.committee.client import check_member_keys
+from protocols.committee.common import CHANNEL_PROTOCOL
+from protocols.enrolment import (
     Certificate,
     EnrolmentAuthority,
     Identity,
-    KeySubstitution,
     KeyVerifier,
     key_statement,
 )
-from protocols.committee import CHANNEL_PROTOCOL, MEMBER_ID_BASE
-from protocols.committee_client import check_member_keys
+from protocols.kit import MEMBER_ID_BASE
 
 SESSION = b"s" * 32
 KEY = bytes(range(32))
@@ -127,13 +128,13 @@ def test_transcripts_count_each_relayed_proofs_bytes_with_its_key():
     message (DMM members -> server; SecAgg+ clients -> server -> neighbours)."""
     import numpy as np  # noqa: PLC0415
 
-    from protocols.dmm import MEMBER_ID_BASE as SEAT_BASE  # noqa: PLC0415
-    from protocols.dmm import DMMStage, Schedule  # noqa: PLC0415
-    from protocols.dmm_member import MemberPool  # noqa: PLC0415
-    from protocols.dmm_server import DMMServer  # noqa: PLC0415
-    from protocols.secagg import SecAggConfig, Stage  # noqa: PLC0415
-    from protocols.secagg_client import SecAggClient  # noqa: PLC0415
-    from protocols.secagg_server import SecAggServer  # noqa: PLC0415
+    from protocols.dmm.common import DMMStage, Schedule  # noqa: PLC0415
+    from protocols.dmm.member import MemberPool  # noqa: PLC0415
+    from protocols.dmm.server import DMMServer  # noqa: PLC0415
+    from protocols.kit import SEAT_ID_BASE as SEAT_BASE  # noqa: PLC0415
+    from protocols.secagg.client import SecAggClient  # noqa: PLC0415
+    from protocols.secagg.common import SecAggConfig, Stage  # noqa: PLC0415
+    from protocols.secagg.server import SecAggServer  # noqa: PLC0415
     from protocols.shamir import PackedShamir  # noqa: PLC0415
 
     root = RunSecret.fresh()

@@ -10,20 +10,18 @@ import pytest
 
 from protocols.channels import new_session_id
 from protocols.field import DEFAULT_FIELD
-from protocols.secagg import (
+from protocols.kit import RoundAborted, StageError, TooManyDropoutsError
+from protocols.secagg.client import SecAggClient
+from protocols.secagg.common import (
     TRANSITIONS,
-    RoundAborted,
     SecAggConfig,
     Stage,
-    StageError,
-    TooManyDropoutsError,
     check_transition,
     expand_mask,
     neighbour_graph,
     pairwise_seed,
 )
-from protocols.secagg_client import SecAggClient
-from protocols.secagg_server import SecAggServer, run_secagg
+from protocols.secagg.server import SecAggServer, run_secagg
 
 FIELD = DEFAULT_FIELD
 LENGTH = 300
@@ -364,7 +362,7 @@ def test_config_errors_name_the_argument():
 
 def test_share_rows_are_encoded_byte_for_byte_as_encode_array():
     from protocols.channels import decode_array, encode_array
-    from protocols.secagg import SHARE_ROW_LENGTH, decode_share_row, encode_share_row
+    from protocols.secagg.common import SHARE_ROW_LENGTH, decode_share_row, encode_share_row
 
     row = FIELD.random(np.random.default_rng(30), SHARE_ROW_LENGTH)
     assert encode_share_row(row) == encode_array(row)
@@ -380,7 +378,7 @@ def test_share_rows_are_encoded_byte_for_byte_as_encode_array():
 
 @pytest.mark.parametrize("bits", [20, 32, 64])
 def test_ring_masked_sum_equals_adding_each_expanded_mask(bits):
-    from protocols.secagg import RingZ2k
+    from protocols.secagg.common import RingZ2k
 
     ring = RingZ2k(bits)
     values = ring.encode_signed(np.random.default_rng(31).integers(-1000, 1000, LENGTH))
@@ -400,8 +398,8 @@ def test_a_restored_client_masks_as_before_without_any_x25519(ring_bits, monkeyp
     """SHARE_KEYS keeps the channel receive keys and the pairwise seeds in the client's state:
     after a restore, MASKED_INPUT opens the shares and masks with no X25519 agreement, and the
     round's sum is the same."""
-    from protocols import secagg_client
     from protocols.channels import Endpoint
+    from protocols.secagg import client as secagg_client
 
     count = 5
     config = SecAggConfig(count, 4, 3, LENGTH, ring_bits=ring_bits)

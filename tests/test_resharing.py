@@ -7,19 +7,17 @@ import itertools
 import numpy as np
 import pytest
 
-from protocols.field import MersenneField
-from protocols.resharing import (
+from protocols.dmm.parity import naive_reshare_elements, parity_checks
+from protocols.dmm.resharing import (
     TRANSITIONS,
     ReshareAbort,
     ReshareFaults,
     ReshareStage,
-    ReshareTampering,
     Resharing,
     check_transition,
-    naive_reshare_elements,
-    parity_checks,
 )
-from protocols.secagg import StageError
+from protocols.field import MersenneField
+from protocols.kit import StageError, TamperingDetected
 from protocols.shamir import NotEnoughSharesError, PackedShamir
 
 
@@ -146,7 +144,7 @@ def test_tampering_is_located_within_the_radius_and_aborts_beyond_it():
     scheme = PackedShamir(6, 2, 3)  # m = t + k + 1: detection only
     rng = np.random.default_rng(6)
     state = _shared(scheme, scheme.field.random(rng, 6), rng)
-    with pytest.raises(ReshareTampering, match="cannot be singled out"):
+    with pytest.raises(TamperingDetected, match="cannot be singled out"):
         Resharing(scheme, scheme).run(state, ReshareFaults(tamper=frozenset({2})), rng=rng)
     scheme = PackedShamir(9, 2, 2)  # 5 parity checks: 2 wrong dealers located, 3 are not
     secrets = scheme.field.random(rng, 6)
@@ -156,7 +154,7 @@ def test_tampering_is_located_within_the_radius_and_aborts_beyond_it():
     rows = np.stack([result.shares[j] for j in result.holders])
     assert np.array_equal(scheme.reconstruct(rows, result.holders, 6), secrets)
     resharing = Resharing(scheme, scheme)
-    with pytest.raises(ReshareTampering, match="cannot be singled out") as caught:
+    with pytest.raises(TamperingDetected, match="cannot be singled out") as caught:
         resharing.run(state, ReshareFaults(tamper=frozenset({1, 5, 7})), rng=rng)
     assert caught.value.suspects == () and resharing.stage is ReshareStage.ABORTED
 

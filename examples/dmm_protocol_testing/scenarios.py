@@ -4,7 +4,7 @@ Runs the distributed matrix mechanism (``strategies.dmm.DMM``, full mode: packed
 sealed per seat with X25519 + ChaCha20-Poly1305, committees of clients drawn each round, linear
 resharing to the next committee) on fedsim's in-process engine, a small digits federation and
 logistic regression. One round of each scenario gets a fault plan
-(:class:`protocols.dmm.DMMFaults`) through the hook the engine already uses for the run's
+(:class:`protocols.dmm.common.DMMFaults`) through the hook the engine already uses for the run's
 ``[faults]``: :meth:`fedsim.engine.dmm_committee.CommitteeHost.member_faults`, here answering
 with the scenario's plan instead of a random one. Seats index the round's committee (0..n-1).
 
@@ -52,7 +52,7 @@ from fedsim.models import ModelSpec, initial_arrays  # noqa: E402
 from fedsim.randomness import RunSecret, new_nonce  # noqa: E402
 from fedsim.record_codec import to_numpy, to_record  # noqa: E402
 from fedsim.workloads.supervised import LocalTraining, make_client_app  # noqa: E402
-from protocols.dmm import ACTIVE, DMMFaults  # noqa: E402
+from protocols.dmm.common import ACTIVE, DMMFaults  # noqa: E402
 from strategies.registry import build_strategy, spec_for  # noqa: E402
 
 STAGES = {stage.name.lower(): stage for stage in ACTIVE}

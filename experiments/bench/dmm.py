@@ -3,7 +3,7 @@
 For n in ``--sizes`` (10, 20, 40, 80) at model size D (``--dim``, 4096 padded coordinates),
 packing k = n / 5 and threshold t = n / 10 (so t + k = 0.3 n and the committee bound
 t + dropouts + k < n / 2 holds with n / 10 planned dropouts), one process runs two rounds of the
-corrected DMM (:class:`protocols.dmm_server.DMMServer`, members in process, everything sealed)
+corrected DMM (:class:`protocols.dmm.server.DMMServer`, members in process, everything sealed)
 with a banded M of ``--bands`` bands, so each committee hands on ``bands - 1`` partial sums
 (``(bands - 1) x D`` secrets), and ``--clients`` clients per round. From the second round's
 transcript:
@@ -37,11 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from fedsim.privacy.mechanisms import discrete_gaussian  # noqa: E402
 from protocols.channels import SERVER_ID  # noqa: E402
-from protocols.dmm import MEMBER_ID_BASE, Schedule  # noqa: E402
-from protocols.dmm_client import seal_client_shares  # noqa: E402
-from protocols.dmm_member import MemberPool  # noqa: E402
-from protocols.dmm_server import DMMServer  # noqa: E402
-from protocols.resharing import NEW_ID_BASE, OLD_ID_BASE  # noqa: E402
+from protocols.dmm.client import seal_client_shares  # noqa: E402
+from protocols.dmm.common import Schedule  # noqa: E402
+from protocols.dmm.member import MemberPool  # noqa: E402
+from protocols.dmm.server import DMMServer  # noqa: E402
+from protocols.kit import NEW_ID_BASE, OLD_ID_BASE, SEAT_ID_BASE  # noqa: E402
 from protocols.shamir import PackedShamir  # noqa: E402
 
 
@@ -84,9 +84,9 @@ def one_round(scheme: PackedShamir, dim: int, bands: int, clients: int) -> dict:
     verify = 0
     for row in t.rows():
         sender, receiver = row["sender"], row["receiver"]
-        if OLD_ID_BASE <= sender < NEW_ID_BASE and NEW_ID_BASE <= receiver < MEMBER_ID_BASE:
+        if OLD_ID_BASE <= sender < NEW_ID_BASE and NEW_ID_BASE <= receiver < SEAT_ID_BASE:
             deal[sender - OLD_ID_BASE] += row["bytes"]
-        elif NEW_ID_BASE <= sender < MEMBER_ID_BASE and receiver == SERVER_ID:
+        elif NEW_ID_BASE <= sender < SEAT_ID_BASE and receiver == SERVER_ID:
             verify += row["bytes"]
     dealers = [b for b in deal.values() if b]
     seats = range(scheme.n)
@@ -97,10 +97,10 @@ def one_round(scheme: PackedShamir, dim: int, bands: int, clients: int) -> dict:
         "client_bytes": t.nbytes(sender=0),
         "client_s": client_s,
         "member_received_bytes": float(
-            np.mean([t.nbytes(receiver=MEMBER_ID_BASE + j) for j in seats])
+            np.mean([t.nbytes(receiver=SEAT_ID_BASE + j) for j in seats])
         ),
         "member_sent_bytes": float(
-            np.mean([t.nbytes(sender=MEMBER_ID_BASE + j) for j in seats])
+            np.mean([t.nbytes(sender=SEAT_ID_BASE + j) for j in seats])
             + np.mean([t.nbytes(sender=OLD_ID_BASE + j) for j in seats])
         ),
         "members_s_per_member": members_s / scheme.n,

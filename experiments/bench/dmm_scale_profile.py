@@ -1,12 +1,12 @@
 """Profile: where one DMM full-mode round spends its time at large cohorts.
 
-One process runs the protocol layer of a DMM round (:class:`protocols.dmm_server.DMMServer`,
+One process runs the protocol layer of a DMM round (:class:`protocols.dmm.server.DMMServer`,
 members in process, everything sealed) with ``--clients`` clients per round and model size
 ``--dim``, committees of n = 20, t = 3, k = 3 (the strategy's defaults) and a banded M of 3 bands,
 and times each phase of the second round: the clients' sharing and sealing (per client and in
 total), the members' opening and summing, the release and its decoding, the resharing. With
 ``--fold B`` the clients of each simulated worker batch of B clients fold their share rows per
-seat before sealing (:class:`protocols.dmm_client.ShareFold`): one sealed message per batch,
+seat before sealing (:class:`protocols.dmm.client.ShareFold`): one sealed message per batch,
 as the engine's workers send them. ``--profile`` prints the top cProfile entries of the round.
 
     nice -n 10 .venv/bin/python experiments/bench/dmm_scale_profile.py --clients 100 --dim 10000
@@ -29,21 +29,17 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from experiments.bench.dmm import banded_matrix  # noqa: E402
-from protocols.dmm import MEMBER_ID_BASE, Schedule  # noqa: E402
-from protocols.dmm_client import (  # noqa: E402
-    ShareFold,
-    seal_client_shares,
-    seal_rows,
-    sharing_inputs,  # noqa: E402
-)
-from protocols.dmm_member import MemberPool  # noqa: E402
-from protocols.dmm_server import DMMServer  # noqa: E402
+from protocols.dmm.client import ShareFold, seal_client_shares, seal_rows, sharing_inputs
+from protocols.dmm.common import Schedule  # noqa: E402
+from protocols.dmm.member import MemberPool  # noqa: E402
+from protocols.dmm.server import DMMServer  # noqa: E402
+from protocols.kit import SEAT_ID_BASE  # noqa: E402
 from protocols.shamir import PackedShamir  # noqa: E402
 
 
 def client_messages(keys, clients: int, dim: int, fold: int, step: int) -> tuple[dict, dict, float]:
     """Sealed SHARE messages of ``clients`` clients (one per batch of ``fold`` clients when
-    fold > 1, folded with :class:`protocols.dmm_client.ShareFold`), their weights (clients per
+    fold > 1, folded with :class:`protocols.dmm.client.ShareFold`), their weights (clients per
     message) and the seconds spent (the clients' integers are drawn outside the timing)."""
     rng = np.random.default_rng([step, 7])
     scheme = keys.scheme()
@@ -109,7 +105,7 @@ def run(args: argparse.Namespace) -> dict:
                 "bytes_per_client": float(np.sum(sent)) / args.clients,
                 "bytes_per_message": float(np.mean(sent)),
                 "bytes_per_member_received": float(
-                    np.mean([t.nbytes(receiver=MEMBER_ID_BASE + j) for j in range(args.n)])
+                    np.mean([t.nbytes(receiver=SEAT_ID_BASE + j) for j in range(args.n)])
                 ),
                 "released_clients": int(sum(weights[c] for c in output.clients)),
                 "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,

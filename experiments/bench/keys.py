@@ -6,13 +6,13 @@ Ed25519 signature over the keys, per key set). This script times, in one run and
 inputs, each party's per-round work with the check and with the keys taken as relayed:
 
 * ``committee``: a DDGauss committee-mode client sharing a ``--dim`` vector to ``--members``
-  members (:func:`protocols.committee_client.seal_input`) -- checking every certificate, or
+  members (:func:`protocols.committee.client.seal_input`) -- checking every certificate, or
   with the certificates known from an earlier round (a worker keeps its verifier) -- and a
   whole committee round of ``--clients`` clients (members sign once per committee session);
 * ``dmm``: a DMM client's SHARE message to ``--members`` seats
-  (:func:`protocols.dmm_client.seal_client_shares`);
+  (:func:`protocols.dmm.client.seal_client_shares`);
 * ``secagg``: a SecAgg+ round of ``--clients`` clients on the complete graph
-  (:func:`protocols.secagg_server.run_secagg`), every client checking every neighbour.
+  (:func:`protocols.secagg.server.run_secagg`), every client checking every neighbour.
 
 Prints one JSON object: per case the median seconds of ``--repeats`` interleaved runs with and
 without the check, the median paired difference ``check_s`` and ``check_overhead = checked_s /
@@ -33,12 +33,12 @@ from fedsim.engine.client_registry import Enrolment, client_name, identity_seed,
 from fedsim.engine.committee import CommitteeSpec
 from fedsim.randomness import RunSecret
 from protocols.channels import new_session_id
-from protocols.committee_client import seal_input
-from protocols.dmm import RoundKeys
-from protocols.dmm_client import seal_client_shares
-from protocols.dmm_member import MemberGroup
-from protocols.secagg import SecAggConfig
-from protocols.secagg_server import run_secagg
+from protocols.committee.client import seal_input
+from protocols.dmm.client import seal_client_shares
+from protocols.dmm.common import RoundKeys
+from protocols.dmm.member import MemberGroup
+from protocols.secagg.common import SecAggConfig
+from protocols.secagg.server import run_secagg
 
 
 def seconds(run) -> float:

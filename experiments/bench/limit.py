@@ -251,7 +251,7 @@ def kernel_samples(
     """(cpu, wall) seconds of one unit of each kernel at the encoder's sizes."""
     from fedsim.privacy.discrete_gaussian import discrete_gaussian  # noqa: PLC0415
     from protocols.encoding import clip_l2, conditional_round, rotate, rotation_signs  # noqa: PLC0415
-    from protocols.secagg import CHUNKS_PER_SECRET, SecAggConfig, shamir_scheme  # noqa: PLC0415
+    from protocols.secagg.common import CHUNKS_PER_SECRET, SecAggConfig, shamir_scheme  # noqa: PLC0415
 
     padded = encoder.padded_dim
     rng = np.random.default_rng(0)

@@ -1,12 +1,12 @@
-"""Benchmark: our SecAgg+ (protocols/secagg.py) vs Flower 1.42's SecAgg+, same vectors.
+"""Benchmark: our SecAgg+ (protocols/secagg/common.py) vs Flower 1.42's SecAgg+, same vectors.
 
 Workload: ``--clients`` (100) clients, each with a float32 vector of length d in [-1, 1]
 (d in ``--dims``, default 10^5 and 10^6), every client ``--degree`` (16) neighbours and a
 reconstruction threshold of ``--threshold`` (9) shares, no dropouts, one round, one process.
 
-* **ours**: :class:`protocols.secagg_client.SecAggClient` and
-  :class:`protocols.secagg_server.SecAggServer` driven stage by stage (as
-  :func:`protocols.secagg_server.run_secagg` does), the server checking every message as it
+* **ours**: :class:`protocols.secagg.client.SecAggClient` and
+  :class:`protocols.secagg.server.SecAggServer` driven stage by stage (as
+  :func:`protocols.secagg.server.run_secagg` does), the server checking every message as it
   does in a run. Inputs are fixed-point integers (round(x * 2^q), q = ``--fraction-bits``)
   masked in the ring Z_{2^32}
   (``SecAggConfig.ring_bits=32``; the bit budget n * 2^q < 2^31 is checked first) with
@@ -52,9 +52,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from protocols.channels import new_session_id  # noqa: E402
 from protocols.field import DEFAULT_FIELD  # noqa: E402
-from protocols.secagg import SecAggConfig  # noqa: E402
-from protocols.secagg_client import SecAggClient  # noqa: E402
-from protocols.secagg_server import SecAggServer  # noqa: E402
+from protocols.secagg.client import SecAggClient  # noqa: E402
+from protocols.secagg.common import SecAggConfig  # noqa: E402
+from protocols.secagg.server import SecAggServer  # noqa: E402
 
 FLOWER_CLIPPING_RANGE = 8.0
 FLOWER_QUANTIZATION_RANGE = 2**22

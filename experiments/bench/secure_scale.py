@@ -197,8 +197,7 @@ def dmm_mode(point: Point, worker_fold: bool = True) -> ModeRun:
     from fedsim.engine.dmm_committee import CommitteeHost  # noqa: PLC0415
     from fedsim.privacy.participation import Participation  # noqa: PLC0415
     from fedsim.randomness import RunSecret  # noqa: PLC0415
-    from protocols.dmm import MEMBER_ID_BASE  # noqa: PLC0415
-    from protocols.resharing import NEW_ID_BASE, OLD_ID_BASE  # noqa: PLC0415
+    from protocols.kit import NEW_ID_BASE, OLD_ID_BASE, SEAT_ID_BASE  # noqa: PLC0415
     from strategies.dmm import dmm_client_app, from_options  # noqa: PLC0415
     from strategies.seeded_sampling import SeededSampling  # noqa: PLC0415
 
@@ -240,7 +239,7 @@ def dmm_mode(point: Point, worker_fold: bool = True) -> ModeRun:
         per_member = [
             sum(
                 t.nbytes(receiver=base + j) + t.nbytes(sender=base + j)
-                for base in (MEMBER_ID_BASE, OLD_ID_BASE)
+                for base in (SEAT_ID_BASE, OLD_ID_BASE)
             )
             for j in seats
         ]

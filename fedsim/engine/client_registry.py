@@ -28,7 +28,7 @@ import numpy as np
 
 from fedsim.config import require
 from fedsim.randomness import PartySecret, RunSecret, Stream, public_generator
-from protocols.channels import Certificate, EnrolmentAuthority, Identity, KeyVerifier
+from protocols.enrolment import Certificate, EnrolmentAuthority, Identity, KeyVerifier
 
 PARTITION_ID_KEY = "partition-id"
 NUM_PARTITIONS_KEY = "num-partitions"

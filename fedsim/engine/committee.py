@@ -1,11 +1,11 @@
 """Committee members hosted by the engine: in this process or on Ray actors.
 
 The committee protocol is :mod:`protocols.committee` (shared definitions), its client side
-:mod:`protocols.committee_client`, its member side :mod:`protocols.committee_member` and its
-server side :mod:`protocols.committee_server` (stage machine, relay, faults, reconstruction).
+:mod:`protocols.committee.client`, its member side :mod:`protocols.committee.member` and its
+server side :mod:`protocols.committee.server` (stage machine, relay, faults, reconstruction).
 The engine only hosts the members: :class:`Committee` is the protocol's server with its members'
-shards built here -- each a :class:`protocols.committee_member.CommitteeShard` in this process
-(:class:`protocols.committee_member.ShardPool`) or on a Ray actor (:class:`ActorShardPool`; no
+shards built here -- each a :class:`protocols.committee.member.CommitteeShard` in this process
+(:class:`protocols.committee.member.ShardPool`) or on a Ray actor (:class:`ActorShardPool`; no
 CPU reserved: shards are light and must not starve the client workers) -- and member m's
 channel key derived per session from its own secret (``member_secrets``,
 :class:`fedsim.randomness.PartySecret`), or from the OS CSPRNG.
@@ -16,7 +16,7 @@ each shard opens it where it runs (:class:`RootedShard`) and derives its members
 there. Member m is enrolled as ``member/m`` by the registry's
 :class:`fedsim.engine.client_registry.Enrolment` (from the same root, on the same shard): its
 shard signs its channel key with its identity, and the clients check every member key before
-they seal (:func:`protocols.committee_client.check_member_keys`). Only on Ray actors are the
+they seal (:func:`protocols.committee.client.check_member_keys`). Only on Ray actors are the
 members' secrets out of the driver's process: committees hosted in process give no isolation.
 """
 
@@ -34,9 +34,9 @@ import numpy as np
 from fedsim.engine.client_registry import Enrolment, identity_seed, member_name
 from fedsim.randomness import PartySecret, Purpose, RootSource, RunSecret
 from protocols.channels import new_session_id
-from protocols.committee import check_layout
-from protocols.committee_member import CommitteeShard, ShardPool, shard_arguments
-from protocols.committee_server import CommitteeServer
+from protocols.committee.common import check_layout
+from protocols.committee.member import CommitteeShard, ShardPool, shard_arguments
+from protocols.committee.server import CommitteeServer
 from protocols.field import DEFAULT_FIELD, MersenneField
 
 __all__ = [
@@ -51,7 +51,7 @@ __all__ = [
 
 
 def shard_actor(ray_module: Any, shard_class: type = CommitteeShard) -> Any:
-    """``shard_class`` (:class:`~protocols.committee_member.CommitteeShard` by default) as a Ray
+    """``shard_class`` (:class:`~protocols.committee.member.CommitteeShard` by default) as a Ray
     actor class that reserves no CPU and is not restarted (a crashed member is a dropped
     member)."""
     return ray_module.remote(shard_class).options(num_cpus=0, max_restarts=0)
@@ -122,7 +122,7 @@ def member_identities(
 
 
 class RootedShard(CommitteeShard):
-    """A :class:`~protocols.committee_member.CommitteeShard` that makes its members' secrets
+    """A :class:`~protocols.committee.member.CommitteeShard` that makes its members' secrets
     itself: it opens the run's root (``root``: a :class:`fedsim.randomness.RootSource`, or the
     root held by its caller) where it runs -- on a member actor, its own process -- derives
     member m's secret ``root.member(m)``, its channel key for the session and its enrolment
@@ -152,12 +152,12 @@ class RootedShard(CommitteeShard):
 class Committee(CommitteeServer):
     """A committee of ``n`` members with privacy threshold ``t`` and packing ``k``, split into
     ``shards`` groups, each a Ray actor (``ray_module`` given) or an in-process object; the
-    protocol is :class:`protocols.committee_server.CommitteeServer`'s.
+    protocol is :class:`protocols.committee.server.CommitteeServer`'s.
 
     ``detect``: extra answers required beyond t + k (see the server). ``member_secrets``:
     member -> its own :class:`~fedsim.randomness.PartySecret`, from which its channel key is
     derived per session (None: keys from the OS CSPRNG). ``shard_class``: the class simulating
-    each group (a :class:`~protocols.committee_member.CommitteeShard` subclass plays hostile
+    each group (a :class:`~protocols.committee.member.CommitteeShard` subclass plays hostile
     members). ``enrolment``: the registry's authority, which enrols member m (its identity
     from ``member_secrets[m]``) so that its shard signs its channel key (None: the members are
     enrolled nowhere). ``root``: instead of ``member_secrets`` and ``enrolment``, where the

@@ -3,7 +3,7 @@
 docs/dmm-design.md, step 8: each round's committee is n clients drawn
 publicly from the population (the strategy draws them with ``public_generator(seed, round,
 Stream.COMMITTEE)``); the :class:`CommitteeHost` plays those clients' member side
-(:class:`protocols.dmm_member.MemberGroup`), keyed by client id, on a few Ray actors
+(:class:`protocols.dmm.member.MemberGroup`), keyed by client id, on a few Ray actors
 (``actors=True``; ``shards`` actors, seat j on actor j mod shards) or in this process.
 
 Secrets. The host is the engine's: the front end builds it with where the run's root lies
@@ -18,7 +18,7 @@ randomness (``generator(round, Purpose.RESHARE, "dmm")``), and it seals its own 
 registry's :class:`fedsim.engine.client_registry.Enrolment` (from the same root, on the same
 actor): it signs every
 channel key it announces, and as a dealer checks the next committee's keys against the
-authority before it deals (:class:`protocols.dmm_member.MemberGroup`).
+authority before it deals (:class:`protocols.dmm.member.MemberGroup`).
 
 Custody. A member's state (its shares of the open rows' partial sums) is its own: after every
 round the host stores each holder's state sealed under that member's secret in a
@@ -66,8 +66,8 @@ from fedsim.randomness import (
     Stream,
     public_generator,
 )
-from protocols.dmm import ACTIVE, DMMFaults, DMMStage
-from protocols.dmm_member import REFUSALS, MemberGroup
+from protocols.dmm.common import ACTIVE, REFUSALS, DMMFaults, DMMStage
+from protocols.dmm.member import MemberGroup
 
 STATE_FILE = "dmm_members.sqlite"
 _MEMBER_FAULTS = 11
@@ -127,7 +127,7 @@ def decode_member_state(data: bytes) -> tuple[int, dict[int, np.ndarray]]:
 class HostedMembers:
     """The seats of one committee on one host, each with its client's own secret.
 
-    Wraps a :class:`protocols.dmm_member.MemberGroup` and supplies the member-side randomness
+    Wraps a :class:`protocols.dmm.member.MemberGroup` and supplies the member-side randomness
     from each seat's :class:`fedsim.randomness.PartySecret` (channel keys, resharing streams),
     and seals / opens each seat's state under it.
     """
@@ -281,7 +281,7 @@ class CommitteeActor:
 
 class HostedPool:
     """One committee (``members``: client ids in seat order) on the host's actors or in
-    process: the pool interface of :class:`protocols.dmm_server.DMMServer`."""
+    process: the pool interface of :class:`protocols.dmm.server.DMMServer`."""
 
     def __init__(self, host: CommitteeHost, key: str, members, groups, handles) -> None:
         self.host, self.key = host, key
@@ -310,7 +310,7 @@ class HostedPool:
 
     def call(self, method: str, args_per_group) -> list:
         """Run ``method`` on every group at once; a dead or refusing group answers
-        :data:`protocols.dmm_member.MemberGroup.SILENT`."""
+        :data:`protocols.dmm.member.MemberGroup.SILENT`."""
         if self.closed:
             raise RuntimeError(f"{method}: committee {self.key} was closed")
         args_per_group = list(args_per_group)

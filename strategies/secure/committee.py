@@ -4,16 +4,16 @@ The train instruction carries the round's public committee parameters (n, t, k, 
 the channel session id and the members' X25519 keys, ``<prefix>committee.*``) and the client's
 channel id. Each client packed-Shamir-shares its elements with share randomness from its own
 secret (``(round, Purpose.SHARES, prefix)``) and seals row j for member j under its own X25519
-key (``(round, Purpose.KEYS, prefix, session)``; :func:`protocols.committee_client.seal_input`);
+key (``(round, Purpose.KEYS, prefix, session)``; :func:`protocols.committee.client.seal_input`);
 its first reply holds only that public key and the ciphertexts (``<prefix>sealed``). A
 :class:`fedsim.engine.committee.Committee` (members' keys from their own secrets; built and
 bound by the run's front end from ``committee_spec()``) checks each sealed input, sums the
-shares and releases only the sum (:class:`protocols.committee_server.CommitteeServer`). The
+shares and releases only the sum (:class:`protocols.committee.server.CommitteeServer`). The
 server and at most t colluding members learn nothing else about one client's input.
 
 Opened is released: a round that aborts after more than t members' rows reached the server
-(:class:`protocols.committee.OpenedRelease`) returns a :class:`Release` whose ``opened`` nodes
-are the clients in that sum. ``member_dropout`` drops members from a public schedule.
+(:class:`protocols.committee.common.OpenedRelease`) returns a :class:`Release` whose ``opened``
+nodes are the clients in that sum. ``member_dropout`` drops members from a public schedule.
 """
 
 from __future__ import annotations
@@ -28,15 +28,9 @@ from flwr.serverapp import Grid
 from fedsim.engine.client_registry import enrolled, member_name
 from fedsim.engine.committee import Committee, CommitteeSpec
 from fedsim.randomness import PartySecret, Purpose, Stream, public_generator
-from protocols.committee import (
-    MEMBER_ID_BASE,
-    CommitteeAbort,
-    CommitteeFaults,
-    CommitteeKeys,
-    SealedInput,
-    TamperingDetected,
-)
-from protocols.committee_client import seal_input
+from protocols.committee.client import seal_input
+from protocols.committee.common import CommitteeAbort, CommitteeFaults, CommitteeKeys, SealedInput
+from protocols.kit import MEMBER_ID_BASE, TamperingDetected
 from strategies.secagg_messages import envelopes_from, envelopes_record
 from strategies.secure.release import Release, SecureSum
 
@@ -74,7 +68,7 @@ def sealed_key(prefix: str) -> str:
 
 def committee_keys_config(keys: CommitteeKeys, party: int, prefix: str) -> dict[str, Any]:
     """The ``<prefix>committee.*`` entries of one client's instruction: the round's public
-    :class:`protocols.committee.CommitteeKeys` (the round is ``server-round``) and the
+    :class:`protocols.committee.common.CommitteeKeys` (the round is ``server-round``) and the
     client's channel id. Nothing secret."""
     values = {
         "n": keys.n,
@@ -122,7 +116,7 @@ def sealed_record(sealed: SealedInput) -> ConfigRecord:
 
 
 def sealed_from(record: object, name: str = "the sealed input") -> SealedInput:
-    """The :class:`~protocols.committee.SealedInput` of a reply record; ValueError if it is
+    """The :class:`~protocols.committee.common.SealedInput` of a reply record; ValueError if it is
     not one (what the envelopes say is the committee's to check)."""
     if not isinstance(record, ConfigRecord) or "public-key" not in record:
         raise ValueError(f"{name} must be a ConfigRecord with a 'public-key'")

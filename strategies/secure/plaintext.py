@@ -20,7 +20,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 from fedsim.randomness import PartySecret
 from fedsim.record_codec import to_numpy, to_record
 from protocols.field import DEFAULT_FIELD
-from protocols.secagg import Stage, TooManyDropoutsError, integer_vector
+from protocols.kit import TooManyDropoutsError
+from protocols.secagg.common import Stage, integer_vector
 from strategies.secure.release import Release, SecureSum
 from strategies.secure.secagg import SecAggPlan
 
@@ -62,7 +63,7 @@ class PlaintextSum(SecureSum):
     ) -> tuple[np.ndarray, tuple[int, ...]]:
         """(sum_i inputs[i] mod p, the contributors): the outcome SecAgg+ reaches on the
         complete graph under the round's protocol dropouts. Raises
-        :class:`protocols.secagg.TooManyDropoutsError` when the round cannot complete."""
+        :class:`protocols.kit.TooManyDropoutsError` when the round cannot complete."""
         ids = sorted(inputs)
         dropouts = self.plan.dropouts(server_round, ids)
         config = self.plan.config(server_round, len(ids), inputs[ids[0]].size)

@@ -27,7 +27,7 @@ from flwr.serverapp import Grid
 from fedsim.randomness import PartySecret, Stream, public_generator
 from protocols.channels import new_session_id
 from protocols.field import DEFAULT_FIELD
-from protocols.secagg import SecAggConfig, Stage
+from protocols.secagg.common import SecAggConfig, Stage
 from strategies.secagg_messages import KEYS_KEY, run_over_grid, start_client
 from strategies.secure.release import Release, SecureSum
 

@@ -15,22 +15,19 @@ import pytest
 
 from fedsim.engine.committee import Committee
 from protocols.channels import SERVER_ID, Endpoint, Envelope, new_session_id
-from protocols.committee import (
+from protocols.committee.client import seal_input
+from protocols.committee.common import (
     CHANNEL_PROTOCOL,
-    MEMBER_ID_BASE,
     CommitteeAbort,
     CommitteeFaults,
     CommitteeStage,
-    MemberFault,
     SealedInput,
     ShardSealedShares,
     StageFaults,
-    TamperingDetected,
 )
-from protocols.committee_client import seal_input
-from protocols.committee_member import CommitteeShard
+from protocols.committee.member import CommitteeShard
 from protocols.field import DEFAULT_FIELD
-from protocols.secagg import StageError
+from protocols.kit import MEMBER_ID_BASE, Fault, StageError, TamperingDetected
 
 S = CommitteeStage
 F = DEFAULT_FIELD
@@ -153,9 +150,9 @@ def test_tampering_with_exactly_t_plus_k_answers_is_reported_unverified():
     committee = Committee(7, 3, 2, detect=0)
     plan = CommitteeFaults(
         {
-            (5, S.RELEASE): MemberFault.DROP,
-            (6, S.RELEASE): MemberFault.DROP,
-            (1, S.RELEASE): MemberFault.TAMPER,
+            (5, S.RELEASE): Fault.DROP,
+            (6, S.RELEASE): Fault.DROP,
+            (1, S.RELEASE): Fault.TAMPER,
         },
         seed=4,
     )
@@ -163,7 +160,7 @@ def test_tampering_with_exactly_t_plus_k_answers_is_reported_unverified():
     result = run(committee, 1, vectors, rng, plan)
     assert not result.verified and result.tampered == ()
     assert not np.array_equal(result.aggregate, total(vectors))  # nothing could tell
-    one_spare = CommitteeFaults({(6, S.RELEASE): MemberFault.DROP})
+    one_spare = CommitteeFaults({(6, S.RELEASE): Fault.DROP})
     checked = run(committee, 2, vectors, rng, one_spare)
     assert checked.verified and np.array_equal(checked.aggregate, total(vectors))
 
@@ -465,7 +462,7 @@ def test_fuzzed_member_releases_reject_that_member_and_the_round_goes_on(capsys)
             np.testing.assert_array_equal(result.aggregate, total(vectors))
         GarbageShard.garbage, GarbageShard.impostor = {}, 8  # shard 0 answers for member 8
         vectors = inputs(rng)
-        dropped = CommitteeFaults({(8, S.RELEASE): MemberFault.DROP})
+        dropped = CommitteeFaults({(8, S.RELEASE): Fault.DROP})
         result = run(committee, 50, vectors, rng, dropped)
         assert 8 not in result.answered and 8 in result.dropped
         np.testing.assert_array_equal(result.aggregate, total(vectors))

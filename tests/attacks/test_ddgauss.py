@@ -28,8 +28,8 @@ from fedsim.privacy import ddgauss as ddgauss_privacy
 from fedsim.privacy.mechanisms import discrete_gaussian
 from fedsim.randomness import NODE_SECRET_KEY, Purpose, RunSecret, Stream, public_generator
 from fedsim.record_codec import to_numpy, to_record
-from protocols.committee import MEMBER_ID_BASE
 from protocols.field import DEFAULT_FIELD
+from protocols.kit import MEMBER_ID_BASE
 from strategies.ddgauss import (
     COMMITTEE_PREFIX,
     ENCODED_KEY,

@@ -30,20 +30,15 @@ from fedsim.engine.committee import Committee
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.results import read_rounds
 from protocols.channels import associated_data, decode_array, new_session_id, stage_label
-from protocols.committee import (
-    CommitteeAbort,
-    CommitteeFaults,
-    CommitteeStage,
-    MemberFault,
-    TamperingDetected,
-)
-from protocols.committee_client import seal_input
-from protocols.committee_member import CommitteeShard, ShardPool
-from protocols.committee_server import CommitteeServer
+from protocols.committee.client import seal_input
+from protocols.committee.common import CommitteeAbort, CommitteeFaults, CommitteeStage
+from protocols.committee.member import CommitteeShard, ShardPool
+from protocols.committee.server import CommitteeServer
 from protocols.field import DEFAULT_FIELD
-from protocols.secagg import (
+from protocols.kit import Fault, RoundAborted, TamperingDetected
+from protocols.secagg.client import SecAggClient
+from protocols.secagg.common import (
     CHUNKS_PER_SECRET,
-    RoundAborted,
     SecAggConfig,
     UnmaskResponse,
     elements_to_secret,
@@ -51,8 +46,7 @@ from protocols.secagg import (
     shamir_scheme,
     sum_vectors,
 )
-from protocols.secagg_client import SecAggClient
-from protocols.secagg_server import SecAggServer
+from protocols.secagg.server import SecAggServer
 from strategies.ddgauss import DDGauss, ddgauss_client_app
 
 S = CommitteeStage
@@ -197,8 +191,8 @@ def _round(committee, round_, vectors, rng, plan):
     (member, stage) faults."""
     keys = committee.keys_for(round_)
     sealed = {c: seal_input(keys, c, v, rng) for c, v in vectors.items()}
-    faults = {key: MemberFault.DROP for key in plan.get("drop", ())}
-    faults.update({key: MemberFault.TAMPER for key in plan.get("tamper", ())})
+    faults = {key: Fault.DROP for key in plan.get("drop", ())}
+    faults.update({key: Fault.TAMPER for key in plan.get("tamper", ())})
     return committee.run_round_sealed(round_, sealed, 10, CommitteeFaults(faults, seed=1))
 
 

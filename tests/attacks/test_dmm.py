@@ -33,16 +33,17 @@ from fedsim.privacy.matrix.banded import banded
 from fedsim.randomness import NODE_SECRET_KEY, Purpose, RunSecret, Stream, public_generator
 from fedsim.record_codec import to_numpy, to_record
 from protocols.channels import Envelope
-from protocols.dmm import (
+from protocols.dmm.common import (
+    REFUSALS,
     DMMFaults,
     DMMSealedShares,
     DMMStage,
     MemberRefused,
-    ReleaseTampering,
     Schedule,
 )
-from protocols.dmm_member import REFUSALS, MemberGroup, MemberPool
-from protocols.dmm_server import DMMServer
+from protocols.dmm.member import MemberGroup, MemberPool
+from protocols.dmm.server import DMMServer
+from protocols.kit import TamperingDetected
 from protocols.shamir import PackedShamir
 from strategies.dmm import dmm_client_app
 from strategies.dmm.wire import NOISE_KEY, SEALED_KEY
@@ -271,7 +272,7 @@ def test_two_colluders_cannot_choose_the_release_nor_blame_an_honest_member():
     a = 1000
     g = {j: a * (j + 1 - 2) * (j + 1 - 4) * (j + 1 - 5) * (j + 1 - 7) for j in (2, 5)}
     server, sealed, next_pool, _ = _colluding_run(7, 3, 2, g)
-    with pytest.raises(ReleaseTampering) as caught:
+    with pytest.raises(TamperingDetected) as caught:
         server.finish_round(sealed, next_pool)
     assert caught.value.suspects == () and server.step == 0  # nothing released, nobody blamed
     # with room to correct (n = 10, t = 2, k = 2: 3 correctable), the colluders are corrected

@@ -177,7 +177,7 @@ def test_a_worker_cannot_count_a_client_whose_noise_it_left_out(local_engine, mo
 
 
 def _fold(keys, parties, updates, noises, party):
-    from protocols.dmm_client import MaskedFold, mask_client_shares  # noqa: PLC0415
+    from protocols.dmm.client import MaskedFold, mask_client_shares  # noqa: PLC0415
 
     fold = MaskedFold(keys)
     for c in parties:

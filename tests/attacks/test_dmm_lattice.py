@@ -26,8 +26,8 @@ from fedsim.privacy.matrix.toeplitz import banded_toeplitz
 from fedsim.privacy.matrix.tree import binary_tree, honaker_tree
 from fedsim.privacy.mechanisms import discrete_gaussian
 from fedsim.privacy.participation import Participation
-from protocols.dmm import Schedule
-from protocols.dmm_server import DMMServer
+from protocols.dmm.common import Schedule
+from protocols.dmm.server import DMMServer
 from protocols.shamir import PackedShamir
 
 T, F = 6, 12

@@ -3,7 +3,7 @@ RELEASE after the members' release shares reached the server.
 
 Full mode, committee n = 11, t = 2, k = 1 (t + k = 3). In round 2 seven members drop at RELEASE
 and one colluder (seat 7) sends a wrong share: 4 shares arrive, one redundant, radius 0, and the
-round aborts with ReleaseTampering ("no release decoded, nobody named, the state is kept"). The
+round aborts with TamperingDetected ("no release decoded, nobody named, the state is kept"). The
 server opens the 4 envelopes with its own channel key, leaves out the share its colluder spoiled
 and interpolates the 3 honest ones: it holds round 2's noisy release exactly (with zero updates
 it is the noise itself, a few noise deviations wide; a wrong decoding is a field element ~2^60).
@@ -26,8 +26,9 @@ from dmm_support import digits_setup, make_dmm, run_dmm
 from attacks.test_dmm import _unchanged_model_app
 from fedsim.engine.dmm_committee import CommitteeHost
 from protocols.channels import SERVER_ID, Endpoint
-from protocols.dmm import MEMBER_ID_BASE, DMMFaults, DMMStage
-from protocols.dmm_server import DMMServer
+from protocols.dmm.common import DMMFaults, DMMStage
+from protocols.dmm.server import DMMServer
+from protocols.kit import SEAT_ID_BASE
 from protocols.shamir import PackedShamir
 
 CLIENTS, ROUNDS, COLLUDER = 12, 3, 7
@@ -46,7 +47,7 @@ class Spy:
         def record(endpoint, envelope, *, round_, stage, sender=None):
             row = open_array(endpoint, envelope, round_=round_, stage=stage, sender=sender)
             if stage is DMMStage.RELEASE and endpoint.party_id == SERVER_ID:
-                seat = int(envelope.sender) - MEMBER_ID_BASE
+                seat = int(envelope.sender) - SEAT_ID_BASE
                 spy.opened.setdefault(int(round_), {})[seat] = np.array(row)
             return row
 
@@ -67,7 +68,7 @@ class Spy:
                 if int(seat) not in out:
                     out[int(seat)] = endpoint.open_array(
                         item, round_=round_, stage=DMMStage.RELEASE,
-                        sender=MEMBER_ID_BASE + int(seat),
+                        sender=SEAT_ID_BASE + int(seat),
                     )  # fmt: skip
         return out
 

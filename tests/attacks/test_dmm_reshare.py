@@ -16,7 +16,7 @@ from dmm_support import Committees, Reference, inputs
 
 from fedsim.privacy.dmm import IntegerMechanism
 from fedsim.privacy.matrix.banded import banded
-from protocols.dmm import DMMFaults, DMMStage
+from protocols.dmm.common import DMMFaults, DMMStage
 
 D, CLIENTS, ROUNDS = 8, 6, 8
 HANDOFF = DMMFaults(

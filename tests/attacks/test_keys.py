@@ -26,17 +26,19 @@ from fedsim.engine.client_registry import (
 )
 from fedsim.engine.committee import Committee
 from fedsim.randomness import RunSecret
-from protocols import dmm, secagg
 from protocols.channels import SERVER_ID, Endpoint, KeySubstitution
-from protocols.committee import CHANNEL_PROTOCOL, MEMBER_ID_BASE, CommitteeStage
-from protocols.committee_client import seal_input
-from protocols.dmm import DMMStage, Schedule
-from protocols.dmm_client import seal_client_shares
-from protocols.dmm_member import MemberPool
-from protocols.dmm_server import DMMServer
+from protocols.committee.client import seal_input
+from protocols.committee.common import CHANNEL_PROTOCOL, CommitteeStage
+from protocols.dmm import common as dmm
+from protocols.dmm.client import seal_client_shares
+from protocols.dmm.common import DMMStage, Schedule
+from protocols.dmm.member import MemberPool
+from protocols.dmm.server import DMMServer
 from protocols.field import DEFAULT_FIELD
-from protocols.resharing import NEW_ID_BASE
-from protocols.secagg import (
+from protocols.kit import MEMBER_ID_BASE, NEW_ID_BASE, SEAT_ID_BASE
+from protocols.secagg import common as secagg
+from protocols.secagg.client import SecAggClient
+from protocols.secagg.common import (
     CHUNKS_PER_SECRET,
     SecAggConfig,
     Stage,
@@ -44,8 +46,7 @@ from protocols.secagg import (
     raw_public_key,
     shamir_scheme,
 )
-from protocols.secagg_client import SecAggClient
-from protocols.secagg_server import SecAggServer, run_secagg
+from protocols.secagg.server import SecAggServer, run_secagg
 from protocols.shamir import PackedShamir
 
 
@@ -172,7 +173,7 @@ def test_dmm_seat_keys_substituted_by_the_server_are_refused_before_sharing(root
     scheme = server.scheme
     keys = server.open_round(0)
     evil = {
-        j: Endpoint(dmm.MEMBER_ID_BASE + j, keys.session_id, dmm.PROTOCOL)
+        j: Endpoint(SEAT_ID_BASE + j, keys.session_id, dmm.PROTOCOL)
         for j in range(scheme.threshold)
     }
     forged = dataclasses.replace(
@@ -346,9 +347,9 @@ def _inner_app():
 
 def _seat(enrolment, root, session, seat: int, client: int):
     """Seat ``seat``'s endpoint and the proof client ``client``'s enrolled identity signs."""
-    endpoint = Endpoint(dmm.MEMBER_ID_BASE + seat, session, dmm.PROTOCOL)
+    endpoint = Endpoint(SEAT_ID_BASE + seat, session, dmm.PROTOCOL)
     proof = _identity(enrolment, root, client).prove(
-        dmm.PROTOCOL, session, dmm.MEMBER_ID_BASE + seat, (endpoint.public_key,)
+        dmm.PROTOCOL, session, SEAT_ID_BASE + seat, (endpoint.public_key,)
     )
     return endpoint, proof
 
@@ -418,7 +419,7 @@ def test_dmm_seats_held_by_enrolled_clients_the_draw_did_not_choose_are_refused(
     from flwr.supercore.task_identity import TaskIdentity  # noqa: PLC0415
 
     from fedsim.record_codec import to_numpy  # noqa: PLC0415
-    from protocols.dmm_client import check_seat_keys  # noqa: PLC0415
+    from protocols.dmm.client import check_seat_keys  # noqa: PLC0415
     from protocols.encoding import padded_dimension  # noqa: PLC0415
     from strategies.dmm import dmm_client_app  # noqa: PLC0415
     from strategies.dmm.wire import (  # noqa: PLC0415

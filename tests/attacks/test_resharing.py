@@ -1,8 +1,8 @@
-"""Against the linear packed resharing (protocols.resharing): colluding old members who try to
+"""Against the linear packed resharing (protocols.dmm.resharing): colluding old members who try to
 get an honest dealer removed, a hostile new member who forges the parity check when it cannot
 be verified, hostile dealers, a hostile relay and garbage arguments. Each test fails if an
 honest member is blamed, a wrong sharing is handed over, or garbage gets anything but a clean
-rejection (a removed dealer, ReshareAbort / ReshareTampering / ValueError / StageError with
+rejection (a removed dealer, ReshareAbort / TamperingDetected / ValueError / StageError with
 the resharing left ABORTED)."""
 
 from __future__ import annotations
@@ -14,16 +14,9 @@ import numpy as np
 import pytest
 
 from protocols.channels import Envelope
-from protocols.resharing import (
-    NEW_ID_BASE,
-    ReshareAbort,
-    ReshareFaults,
-    ReshareStage,
-    ReshareTampering,
-    Resharing,
-    parity_checks,
-)
-from protocols.secagg import StageError
+from protocols.dmm.parity import parity_checks
+from protocols.dmm.resharing import ReshareAbort, ReshareFaults, ReshareStage, Resharing
+from protocols.kit import NEW_ID_BASE, StageError, TamperingDetected
 from protocols.shamir import PackedShamir
 
 
@@ -51,7 +44,7 @@ def test_colluding_dealers_cannot_get_an_honest_dealer_removed():
             value = value * (int(points[member]) - int(points[zero])) % f.modulus
         state[member] = f.add(state[member], value)
     resharing = Resharing(scheme, scheme)
-    with pytest.raises(ReshareTampering, match="cannot be singled out") as caught:
+    with pytest.raises(TamperingDetected, match="cannot be singled out") as caught:
         resharing.run(state, rng=rng)
     assert caught.value.suspects == () and resharing.stage is ReshareStage.ABORTED
 
@@ -74,12 +67,12 @@ def test_an_unverifiable_parity_check_names_nobody():
 
     faults = ReshareFaults(new_drop=frozenset({4, 5, 6, 7}), rewrite_check=forge)
     resharing = Resharing(old, new)
-    with pytest.raises(ReshareTampering, match="cannot be singled out") as caught:
+    with pytest.raises(TamperingDetected, match="cannot be singled out") as caught:
         resharing.run(state, faults, rng=rng)
     assert caught.value.suspects == () and resharing.stage is ReshareStage.ABORTED
     # with all 8 new members the forgery is a wrong check share (radius 2, room for t' = 2):
     # its sender is named
-    with pytest.raises(ReshareTampering, match="sent wrong check shares") as caught:
+    with pytest.raises(TamperingDetected, match="sent wrong check shares") as caught:
         Resharing(old, new).run(state, ReshareFaults(rewrite_check=forge), rng=rng)
     assert caught.value.suspects == (NEW_ID_BASE + 0,)
 
@@ -193,7 +186,7 @@ def test_garbage_check_shares_name_the_new_member():
     for garble in CHECK_GARBAGE:
         resharing = Resharing(scheme, scheme)
         faults = ReshareFaults(rewrite_check=lambda j, row, g=garble: g(row) if j == 6 else row)
-        with pytest.raises(ReshareTampering, match="new member 6") as caught:
+        with pytest.raises(TamperingDetected, match="new member 6") as caught:
             resharing.run(state, faults, rng=rng)
         assert caught.value.suspects == (NEW_ID_BASE + 6,)
         assert resharing.stage is ReshareStage.ABORTED

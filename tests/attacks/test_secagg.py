@@ -35,18 +35,17 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from fedsim.record_codec import to_record
 from protocols.channels import new_session_id
 from protocols.field import DEFAULT_FIELD
-from protocols.secagg import (
+from protocols.kit import RoundAborted, StageError
+from protocols.secagg.client import SecAggClient
+from protocols.secagg.common import (
     CHUNKS_PER_SECRET,
     SHARE_ROW_LENGTH,
     TRANSITIONS,
-    RoundAborted,
     SecAggConfig,
     Stage,
-    StageError,
     UnmaskResponse,
 )
-from protocols.secagg_client import SecAggClient
-from protocols.secagg_server import SecAggServer
+from protocols.secagg.server import SecAggServer
 
 FIELD = DEFAULT_FIELD
 LENGTH = 6

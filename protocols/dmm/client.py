@@ -7,7 +7,7 @@ the client's *own* secret generator. It packed-Shamir-shares each of those 1 + r
 (ceil(D / k) blocks each) for the round's committee and seals seat j's row of shares under a
 key agreed between the client's X25519 key and seat j's fresh public key, bound to
 (protocol, session, client, seat, round, SHARE). The server relays only the ciphertexts and
-the client's public key (:class:`protocols.dmm.DMMSealedShares`).
+the client's public key (:class:`protocols.dmm.common.DMMSealedShares`).
 
 Folding (a simulation's worker batch): sharing is linear, so the clients a worker runs may add
 their sharing inputs -- segments and share randomness, each drawn from the client's own secret
@@ -18,7 +18,7 @@ one share per client, which tells it (and any coalition of seats) less, never mo
 A fold the members can check (:class:`MaskedFold`): each client deals its own shares, adds to
 seat j's row a pad expanded (ChaCha20) from a seed of its own secret stream, and seals only the
 seed to seat j (:func:`mask_client_shares`, 32 bytes per seat); the fold sums the masked rows
-and lists each client with its sealed seeds (:class:`protocols.dmm.FoldedClient`). Seat j
+and lists each client with its sealed seeds (:class:`protocols.dmm.common.FoldedClient`). Seat j
 removes every listed client's pad: the sum is exact when the fold holds every listed client's
 row, and off by a uniform pad at every honest seat when it lists a client whose row it left out
 -- the fold proves who is in it, and never learns a client's shares (they are padded).
@@ -28,7 +28,7 @@ Randomness is passed in: ``rng`` (the client's secret share stream) draws the sh
 OS CSPRNG.
 
 Keys are checked before anything is sealed: with its enrolment's
-:class:`protocols.channels.KeyVerifier` a client seals only to seat keys that distinct enrolled
+:class:`protocols.enrolment.KeyVerifier` a client seals only to seat keys that distinct enrolled
 parties signed for this session and seat (:func:`check_seat_keys`); a substituted key raises
 :class:`protocols.channels.KeySubstitution` and nothing is sealed.
 """
@@ -41,11 +41,10 @@ from dataclasses import dataclass
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
-from protocols.channels import Endpoint, KeySubstitution, KeyVerifier
-from protocols.dmm import (
+from protocols.channels import Endpoint, KeySubstitution
+from protocols.dmm.common import (
     CLIENT_ID_LIMIT,
     FOLD_PAD,
-    MEMBER_ID_BASE,
     PAD_SEED_BYTES,
     PROTOCOL,
     DMMSealedShares,
@@ -53,7 +52,9 @@ from protocols.dmm import (
     FoldedClient,
     RoundKeys,
 )
+from protocols.enrolment import KeyVerifier
 from protocols.field import MersenneField
+from protocols.kit import SEAT_ID_BASE
 from protocols.shamir import PackedShamir
 
 
@@ -72,7 +73,7 @@ def fold_pad(field: MersenneField, seed: bytes, width: int) -> np.ndarray:
 class MaskedShares:
     """What a folded client hands its fold: its shares with each seat's row padded
     (``rows``: (n, width) field elements) and the proof of its pads
-    (:class:`protocols.dmm.FoldedClient`)."""
+    (:class:`protocols.dmm.common.FoldedClient`)."""
 
     rows: np.ndarray
     client: FoldedClient
@@ -83,7 +84,7 @@ def mask_client_shares(
 ) -> MaskedShares:
     """Deal ``update`` and ``noise`` like :func:`seal_client_shares`, then pad seat j's row
     with :func:`fold_pad` of a seed drawn from ``rng`` (the client's own stream) and seal the
-    seed to seat j at :data:`protocols.dmm.FOLD_PAD` from channel ``party``."""
+    seed to seat j at :data:`protocols.dmm.common.FOLD_PAD` from channel ``party``."""
     party = _party(party)
     if keys.session_id is None:
         raise ValueError("keys.session_id=None; folds are sealed over encrypted channels")
@@ -94,8 +95,8 @@ def mask_client_shares(
     for j, key in sorted(keys.member_keys.items()):
         seed = rng.bytes(PAD_SEED_BYTES)
         rows[int(j)] = scheme.field.add(rows[int(j)], fold_pad(scheme.field, seed, keys.width))
-        endpoint.connect(MEMBER_ID_BASE + int(j), key)
-        pads[int(j)] = endpoint.seal(MEMBER_ID_BASE + int(j), keys.round, FOLD_PAD, seed)
+        endpoint.connect(SEAT_ID_BASE + int(j), key)
+        pads[int(j)] = endpoint.seal(SEAT_ID_BASE + int(j), keys.round, FOLD_PAD, seed)
     return MaskedShares(rows, FoldedClient(party, endpoint.public_key, pads))
 
 
@@ -257,7 +258,7 @@ def check_seat_keys(
     entries = [
         (
             f"DMM seat {j}",
-            MEMBER_ID_BASE + int(j),
+            SEAT_ID_BASE + int(j),
             (key,),
             keys.member_proofs[j],
             None if names is None else names[j],
@@ -289,9 +290,9 @@ def seal_rows(
     endpoint = Endpoint(party, keys.session_id, protocol=PROTOCOL, private_key=private_key)
     sealed = {}
     for j, key in sorted(keys.member_keys.items()):
-        endpoint.connect(MEMBER_ID_BASE + int(j), key)
+        endpoint.connect(SEAT_ID_BASE + int(j), key)
         sealed[int(j)] = endpoint.seal_array(
-            MEMBER_ID_BASE + int(j), keys.round, DMMStage.SHARE, shares[int(j)]
+            SEAT_ID_BASE + int(j), keys.round, DMMStage.SHARE, shares[int(j)]
         )
     return DMMSealedShares(party, endpoint.public_key, sealed)
 

@@ -3,7 +3,7 @@
 docs/dmm-design.md, steps 4-7. A :class:`MemberGroup` hosts some seats
 of one committee (several seats may share an object or an actor; each seat's rows are its own
 shares). A committee holds, between rounds, packed Shamir shares of the partial sums
-P_j = sum_{s < t} M[j, s] X_s of the rows j of M still open (:meth:`protocols.dmm.Schedule.
+P_j = sum_{s < t} M[j, s] X_s of the rows j of M still open (:meth:`protocols.dmm.common.Schedule.
 open_after`): data, never noise. Round t (its :attr:`step`), as the *current* committee:
 
 1. SHARE (:meth:`announce`, :meth:`connect`, :meth:`share`): publish fresh X25519 keys, open the
@@ -19,20 +19,21 @@ open_after`): data, never noise. Round t (its :attr:`step`), as the *current* co
 3. RELEASE (:meth:`release`): send its shares of the y_i, sealed to the server.
 4. RESHARE as the *old* committee (:meth:`announce_handoff`, :meth:`deal`, then :meth:`retire`,
    or :meth:`keep` when the handoff fails): re-share each seat's partial-sum shares, scaled by
-   its Lagrange column, to the next committee (:class:`protocols.resharing.OldMember`).
+   its Lagrange column, to the next committee (:class:`protocols.dmm.resharing.OldMember`).
 
 As the *next* committee a group only receives (:meth:`announce_handoff` with role 'new',
-:meth:`receive`, :meth:`accumulate`, :meth:`check_shares`, :meth:`commit`).
+:meth:`receive`, :meth:`accumulate`, :meth:`check_shares`, :meth:`commit`). The RESHARE
+handlers are :class:`protocols.dmm.reshare_member.ReshareDuties`.
 
-Every handler checks the stage (:data:`protocols.dmm.TRANSITIONS`), the step, the seats and the
-shapes and field ranges of what it is given; a bad request raises :class:`protocols.dmm.
-MemberRefused` (or :class:`protocols.secagg.StageError`) and changes nothing. Randomness is
+Every handler checks the stage (:data:`protocols.dmm.common.TRANSITIONS`), the step, the seats and
+the shapes and field ranges of what it is given; a bad request raises :class:`protocols.dmm.
+MemberRefused` (or :class:`protocols.kit.StageError`) and changes nothing. Randomness is
 passed in: ``private_keys`` (seat -> 32 bytes of the member's own secret) fix its channel keys,
 ``rngs`` (seat -> the member's own Generator) its resharing randomness; None draws from the OS.
 :class:`MemberPool` keeps groups in process; :mod:`fedsim.engine.dmm_committee` hosts them on
 Ray actors, one member per client, with each client's own secret.
 
-Keys are bound at enrolment (:mod:`protocols.channels`, "Authenticated keys"): a group built
+Keys are bound at enrolment (:mod:`protocols.enrolment`): a group built
 with its seats' ``identities`` signs every channel key it announces (:meth:`key_proofs`), and one
 built with the enrolment ``authority`` connects to another committee's seat only under that
 seat's valid proof: a member never deals its shares to a key no enrolled member signed
@@ -41,58 +42,33 @@ seat's valid proof: a member never deals its shares to a key no enrolled member 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 
 import numpy as np
 
-from protocols.channels import (
-    SERVER_ID,
-    Certificate,
-    ChannelError,
-    Endpoint,
-    Envelope,
-    Identity,
-    KeySubstitution,
-    KeyVerifier,
-)
-from protocols.dmm import (
+from protocols.channels import SERVER_ID, ChannelError, Endpoint, Envelope, KeySubstitution
+from protocols.dmm.client import fold_pad
+from protocols.dmm.common import (
     CLIENT_ID_LIMIT,
     FOLD_PAD,
-    MEMBER_ID_BASE,
     PROTOCOL,
+    REFUSALS,
     DMMStage,
+    MemberCall,
     MemberRefused,
     Schedule,
     check_transition,
+    request,
 )
-from protocols.dmm_client import fold_pad
+from protocols.dmm.reshare_member import ReshareDuties
+from protocols.dmm.resharing import NewMember
+from protocols.enrolment import Certificate, Identity, KeyVerifier
 from protocols.field import MersenneField
-from protocols.resharing import NEW_ID_BASE, OLD_ID_BASE, NewMember, OldMember, ShareRandomness
-from protocols.secagg import StageError
+from protocols.kit import NEW_ID_BASE, OLD_ID_BASE, SEAT_ID_BASE, StageError
 from protocols.shamir import PackedShamir
 
-REFUSALS = (MemberRefused, StageError)
-"""What a member raises for a request it will not serve."""
-
-
-def request(handler):
-    """A member request: anything malformed in its arguments is refused as
-    :class:`protocols.dmm.MemberRefused` (handlers check before they change anything)."""
-
-    @functools.wraps(handler)
-    def checked(self, *args, **kwargs):
-        try:
-            return handler(self, *args, **kwargs)
-        except REFUSALS:
-            raise
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError) as err:
-            raise MemberRefused(f"{handler.__name__}: malformed request ({err})") from None
-
-    return checked
-
-ROLE_BASES = {"current": MEMBER_ID_BASE, "old": OLD_ID_BASE, "new": NEW_ID_BASE}
+ROLE_BASES = {"current": SEAT_ID_BASE, "old": OLD_ID_BASE, "new": NEW_ID_BASE}
 
 
 def _base_of(party: int) -> int:
@@ -100,22 +76,22 @@ def _base_of(party: int) -> int:
     return max(base for base in ROLE_BASES.values() if base <= party)
 
 
-class MemberGroup:
+class MemberGroup(ReshareDuties):
     """Seats ``seats`` of one committee (n, t, k over F_{2^e - 1}, D = ``dim``) for the public
     integer matrix ``matrix``; ``step`` is the next round this committee runs."""
 
     SILENT: dict[str, object] = {
-        "announce": {},
-        "announce_handoff": {},
-        "connect": [],
-        "key_proofs": {},
-        "share": {},
-        "combine": [],
-        "release": {"seats": [], "rows": [], "late": []},
-        "deal": {},
-        "receive": [],
-        "check_shares": {},
-        "snapshot": None,
+        MemberCall.ANNOUNCE: {},
+        MemberCall.ANNOUNCE_HANDOFF: {},
+        MemberCall.CONNECT: [],
+        MemberCall.KEY_PROOFS: {},
+        MemberCall.SHARE: {},
+        MemberCall.COMBINE: [],
+        MemberCall.RELEASE: {"seats": [], "rows": [], "late": []},
+        MemberCall.DEAL: {},
+        MemberCall.RECEIVE: [],
+        MemberCall.CHECK_SHARES: {},
+        MemberCall.SNAPSHOT: None,
     }
     """What each method answers for seats that are gone (a crashed or refusing member)."""
 
@@ -401,7 +377,7 @@ class MemberGroup:
         refused = set()
         for party, key in peers.items():
             if not isinstance(party, int | np.integer) or not (
-                OLD_ID_BASE <= int(party) < MEMBER_ID_BASE
+                OLD_ID_BASE <= int(party) < SEAT_ID_BASE
             ):
                 continue  # the server and the clients: what they send is checked as it opens
             seat = int(party) - _base_of(int(party))
@@ -441,7 +417,7 @@ class MemberGroup:
         Returns party -> the seats that lack it or refuse it (unauthentic, misaddressed,
         replayed, wrong length, out of the field). ``pads[party][seat]``: for a folded message,
         the (client party, sealed pad seed) of every client it lists; the seat removes each
-        client's pad (:func:`protocols.dmm_client.fold_pad`) and counts the clients it
+        client's pad (:func:`protocols.dmm.client.fold_pad`) and counts the clients it
         verified so (:meth:`combine` refuses a weight above that count)."""
         self._expect(DMMStage.SHARE, "current")
         if not isinstance(deliveries, Mapping):
@@ -567,167 +543,15 @@ class MemberGroup:
         return {"seats": seats, "rows": sent, "late": sorted(late & self._online)}
 
     # ------------------------------------------------------------------ handoff, old side
-    @request
-    def deal(self, columns, mix, receivers, tamper, seed: int, rngs=None) -> dict:
-        """DEAL: each online seat in ``columns`` re-shares its partial-sum shares of the rows
-        still open, scaled by its Lagrange column (None: check block only), for the next
-        committee's seats ``receivers``; returns seat -> one sealed row per receiver."""
-        self._expect(DMMStage.RESHARE, "old")
-        f = self.scheme.field
-        mix = f.asarray(mix, "mix")
-        keep = self.schedule.open_after(self.step)
-        if mix.shape != (len(keep) * self.blocks,):
-            raise MemberRefused(f"mix has shape {mix.shape}; allowed ({len(keep) * self.blocks},)")
-        receivers = [int(j) for j in receivers]
-        if len(set(receivers)) != len(receivers) or not all(
-            0 <= j < self.scheme.n for j in receivers
-        ):
-            raise MemberRefused(f"receivers={receivers}; allowed: distinct seats < n")
-        columns, tamper, seed = dict(columns), set(self._seat_list(tamper, "tamper")), int(seed)
-        out = {}
-        for s, column in columns.items():
-            if s not in self._online:
-                continue
-            if column is not None:
-                column = f.asarray(column, "column")
-                if column.shape != (self.scheme.k,):
-                    raise MemberRefused(f"column has shape {column.shape}; allowed (k,)")
-            flat = np.concatenate([self._tentative[r][self._index[s]] for r in keep])
-            if s in tamper:
-                flat = self._offset_row(flat, s, seed, 3)
-            unverified = [j for j in receivers if NEW_ID_BASE + j in self._unverified]
-            if unverified and self._endpoints.get(s) is not None:
-                raise MemberRefused(
-                    f"seat {s} refuses to deal: {self._unverified[NEW_ID_BASE + unverified[0]]}"
-                )
-            rng = (rngs or {}).get(s)
-            randomness = ShareRandomness(rng, rng is None)
-            rows = OldMember(s, flat).deal(self.scheme, self.scheme, column, mix, randomness)
-            endpoint = self._endpoints.get(s)
-            out[s] = [
-                endpoint.seal_array(NEW_ID_BASE + j, self._round, DMMStage.RESHARE, rows[j])
-                if endpoint is not None
-                else rows[j]
-                for j in receivers
-            ]
-        return out
 
-    @request
-    def retire(self) -> None:
-        """The handoff succeeded: forget everything (state included)."""
-        self._expect(DMMStage.RESHARE, "old")
-        self._move(DMMStage.DONE)
-        self.partials, self.retired = {}, True
-        self._clear_round()
-        self.stage = DMMStage.DONE
 
-    @request
-    def keep(self) -> None:
-        """The release stands but the handoff failed: the combined partial sums become this
-        committee's state for the next step."""
-        if self._tentative is None or self.role not in ("current", "old") or self.stage not in (
-            DMMStage.RELEASE,
-            DMMStage.RESHARE,
-        ):
-            raise StageError(f"DMM members {self.seats}: nothing released to keep")
-        tentative, step = self._tentative, self.step + 1
-        self._clear_round()
-        self.partials, self.step = tentative, step
 
-    @request
-    def discard(self) -> None:
-        """Abort the round: drop what it brought; the committed state is kept."""
-        if self.retired:
-            raise MemberRefused(f"members {self.seats} retired")
-        if self.role == "new":
-            self.partials = {}
-        self._clear_round()
 
     # ------------------------------------------------------------------ handoff, new side
-    @request
-    def receive(self, deliveries: Mapping[int, Mapping[int, object]]) -> list[int]:
-        """``deliveries[seat][dealer]`` is a deal for an online seat; returns the dealers whose
-        deal some seat here could not authenticate or read."""
-        self._expect(DMMStage.RESHARE, "new")
-        if not isinstance(deliveries, Mapping):
-            raise MemberRefused(f"deliveries is a {type(deliveries).__name__}; allowed: a dict")
-        refused: set[int] = set()
-        self._incoming = {s: NewMember(s) for s in sorted(self._online)}
-        for s, deals in deliveries.items():
-            if s not in self._incoming or not isinstance(deals, Mapping):
-                continue
-            for dealer, item in deals.items():
-                try:
-                    dealer = int(dealer)
-                    opened = self._open_deal(s, item, dealer)
-                    self._incoming[s].received[dealer] = opened
-                except (ChannelError, ValueError, TypeError):
-                    if isinstance(dealer, int):
-                        refused.add(dealer)
-        return sorted(refused)
 
-    def _open_deal(self, seat: int, item, dealer: int) -> np.ndarray:
-        keep = self.schedule.open_after(self.step - 1)
-        full = len(keep) * self.blocks + 1
-        if isinstance(item, Envelope):
-            opened = self._endpoints[seat].open_array(
-                item, round_=self._round, stage=DMMStage.RESHARE, sender=OLD_ID_BASE + dealer
-            )
-        elif not self._endpoints and isinstance(item, np.ndarray):
-            opened = item
-        else:
-            raise ChannelError(f"seat {seat} received a {type(item).__name__} from {dealer}")
-        if opened.ndim != 1 or opened.shape[0] not in (1, full):
-            raise ChannelError(f"a deal of shape {opened.shape}; expected (1,) or ({full},)")
-        return self.scheme.field.asarray(opened, "deal")
 
-    @request
-    def accumulate(self, chosen) -> None:
-        """Each online seat sums the deals of the dealers ``chosen``."""
-        self._expect(DMMStage.RESHARE, "new")
-        chosen = [int(i) for i in chosen]
-        keep = self.schedule.open_after(self.step - 1)
-        full = len(keep) * self.blocks + 1
-        for s, member in self._incoming.items():
-            if any(member.received.get(i, np.zeros(0)).shape != (full,) for i in chosen):
-                raise MemberRefused(f"seat {s} lacks a full deal from some of {chosen}")
-        f = self.scheme.field
-        self._handed = np.zeros((len(self.seats), len(keep) * self.blocks), dtype=np.int64)
-        for s, member in self._incoming.items():
-            self._handed[self._index[s]] = member.accumulate(f, chosen)
 
-    @request
-    def check_shares(self, checks, candidates) -> dict[int, np.ndarray]:
-        """VERIFY: each online seat's shares of the parity-check syndromes."""
-        self._expect(DMMStage.RESHARE, "new")
-        f = self.scheme.field
-        checks = f.asarray(checks, "checks")
-        candidates = [int(i) for i in candidates]
-        if checks.ndim != 2 or checks.shape[1] != len(candidates):
-            raise MemberRefused(f"checks has shape {checks.shape} for {len(candidates)} dealers")
-        out = {}
-        for s, member in self._incoming.items():
-            if any(i not in member.received for i in candidates):
-                raise MemberRefused(f"seat {s} has no check block from some of {candidates}")
-            out[s] = member.check_shares(f, checks, candidates)
-        return out
 
-    @request
-    def commit(self) -> list[int]:
-        """The handoff succeeded: the accumulated rows become this committee's state for its
-        step; returns the seats that hold it."""
-        self._expect(DMMStage.RESHARE, "new")
-        keep = self.schedule.open_after(self.step - 1)
-        if self._handed is None:
-            if keep:
-                raise MemberRefused(f"nothing accumulated for rows {list(keep)}")
-            self._handed = np.zeros((len(self.seats), 0), dtype=np.int64)
-        split = self._handed.reshape(len(self.seats), len(keep), self.blocks)
-        holders = sorted(self._online)
-        self._move(DMMStage.DONE)
-        self._clear_round()
-        self.partials = {int(r): split[:, a].copy() for a, r in enumerate(keep)}
-        return holders
 
 
 class MemberPool:

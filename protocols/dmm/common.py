@@ -25,33 +25,55 @@ released M^{-1}-weighted noise on the lattice M Z^m and leaked frac(M^{-1} y) wi
 This module holds what every side needs: the public :class:`Schedule` of M, the round's stages
 (:class:`DMMStage`, an explicit state machine), the public :class:`RoundKeys` a client shares
 with, the :class:`DMMSealedShares` message, the simulation's :class:`DMMFaults` and the errors.
-The client side is :mod:`protocols.dmm_client`, the member side :mod:`protocols.dmm_member`,
-the server side :mod:`protocols.dmm_server`.
+The client side is :mod:`protocols.dmm.client`, the member side :mod:`protocols.dmm.member`,
+the server side :mod:`protocols.dmm.server`.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
 from functools import cached_property
 
 import numpy as np
 
 from protocols.field import MersenneField
-from protocols.secagg import TooManyDropoutsError, check_move
+from protocols.kit import Fault, StageError, TooManyDropoutsError, check_move
 from protocols.shamir import PackedShamir
 
 PROTOCOL = b"fedsim/dmm"
 """The protocol label every DMM channel binds into its keys and associated data."""
-MEMBER_ID_BASE = 2**62 + 2**41
-"""Channel party id of seat j of the round's committee: MEMBER_ID_BASE + j."""
 CLIENT_ID_LIMIT = 2**40
 """Clients' channel party ids lie in [0, CLIENT_ID_LIMIT)."""
 FOLD_PAD = "FOLD_PAD"
 """Stage label of a folded client's sealed pad seed (:class:`FoldedClient`)."""
 PAD_SEED_BYTES = 32
 """Bytes of one pad seed."""
+
+
+class MemberCall(StrEnum):
+    """The requests a DMM server makes of a committee's pool, by name (``pool.call`` /
+    ``pool.broadcast``: each group's handler of that name,
+    :class:`protocols.dmm.member.MemberGroup`)."""
+
+    ACCUMULATE = "accumulate"
+    ANNOUNCE = "announce"
+    ANNOUNCE_HANDOFF = "announce_handoff"
+    CHECK_SHARES = "check_shares"
+    COMBINE = "combine"
+    COMMIT = "commit"
+    CONNECT = "connect"
+    DEAL = "deal"
+    DISCARD = "discard"
+    KEEP = "keep"
+    KEY_PROOFS = "key_proofs"
+    RECEIVE = "receive"
+    RELEASE = "release"
+    RETIRE = "retire"
+    SHARE = "share"
+    SNAPSHOT = "snapshot"
 
 
 class DMMStage(Enum):
@@ -82,7 +104,7 @@ the handoff."""
 
 
 def check_transition(current: DMMStage, target: DMMStage, who: str) -> None:
-    """Raise :class:`protocols.secagg.StageError` unless ``current -> target`` is allowed."""
+    """Raise :class:`protocols.kit.StageError` unless ``current -> target`` is allowed."""
     check_move(TRANSITIONS, current, target, who)
 
 
@@ -112,7 +134,7 @@ class OpenedRelease:
     outcome: str = "released"
 
 
-class RoundAborted(TooManyDropoutsError):
+class DMMAbort(TooManyDropoutsError):
     """The round released nothing; ``stage``, ``needed`` and ``answered`` say why. The
     committee's state is as before the round. ``opened``: the :class:`OpenedRelease` when more
     than t members' release shares had reached the server before it aborted (a release, to be
@@ -125,22 +147,8 @@ class RoundAborted(TooManyDropoutsError):
         self.stage, self.needed, self.answered = stage, needed, answered
 
 
-class StateLost(RoundAborted):
+class StateLost(DMMAbort):
     """Fewer than t + k members still hold the state: the mechanism cannot continue."""
-
-
-class ReleaseTampering(RuntimeError):
-    """The released shares hold more errors than the decoder can correct: no release is
-    decoded and nobody is named (``suspects`` is empty: beyond the unique-decoding radius no
-    member can be blamed without risking an honest one). ``opened``: the
-    :class:`OpenedRelease` of the shares the server holds -- a server colluding with the
-    tampering member decodes the others, so the rows count as released."""
-
-    opened: OpenedRelease | None = None
-
-    def __init__(self, message: str, suspects: tuple[int, ...] = ()) -> None:
-        super().__init__(message)
-        self.suspects = suspects
 
 
 class Schedule:
@@ -215,7 +223,7 @@ class RoundKeys:
     exponent), D, the round and mechanism step, the number of noise rows released this step,
     the channel session id (None: plain rows, no encryption), the online seats' fresh
     X25519 public keys (seat -> 32 bytes; b'' without encryption) and ``member_proofs``: seat ->
-    the enrolment proof of its key (:meth:`protocols.channels.Identity.prove`; empty when the
+    the enrolment proof of its key (:meth:`protocols.enrolment.Identity.prove`; empty when the
     members are enrolled nowhere)."""
 
     round: int
@@ -244,9 +252,9 @@ class RoundKeys:
 class FoldedClient:
     """A client in a folded SHARE message, and the proof that its shares are in the fold: its
     channel ``party``, its ``public_key`` and per seat j the sealed seed (``pads[j]``, an
-    :class:`protocols.channels.Envelope` to ``MEMBER_ID_BASE + j`` at :data:`FOLD_PAD`) of the
+    :class:`protocols.channels.Envelope` to ``SEAT_ID_BASE + j`` at :data:`FOLD_PAD`) of the
     pad it added to its row of shares before handing it to the fold
-    (:func:`protocols.dmm_client.mask_client_shares`). Seat j removes the pad of every folded
+    (:func:`protocols.dmm.client.mask_client_shares`). Seat j removes the pad of every folded
     client listed; a row the fold left out (or a client it lists without its row) leaves a
     uniform pad in seat j's share, which no release decodes, so the fold cannot count clients
     whose noise it does not carry."""
@@ -260,7 +268,7 @@ class FoldedClient:
 class DMMSealedShares:
     """One client's SHARE message as the server holds it: its channel party id, its public
     key, and per seat j one :class:`protocols.channels.Envelope` addressed to
-    ``MEMBER_ID_BASE + j`` (plain share rows only when the round runs without encryption).
+    ``SEAT_ID_BASE + j`` (plain share rows only when the round runs without encryption).
     ``folded``: for a worker's folded message, the clients whose masked rows it sums
     (:class:`FoldedClient`); empty for a client's own message."""
 
@@ -283,7 +291,7 @@ class DMMFaults:
     the relay alters; ``seed``: the tampering offsets' public stream.
     """
 
-    member: Mapping[tuple[int, DMMStage], str] = field(default_factory=dict)
+    member: Mapping[tuple[int, DMMStage], Fault | str] = field(default_factory=dict)
     client_drop: Mapping[int, DMMStage] = field(default_factory=dict)
     client_partial: frozenset[int] = frozenset()
     next_drop: frozenset[int] = frozenset()
@@ -292,17 +300,17 @@ class DMMFaults:
 
     def __post_init__(self) -> None:
         for (j, stage), kind in self.member.items():
-            if stage not in ACTIVE or kind not in ("drop", "late", "tamper"):
+            if stage not in ACTIVE or kind not in tuple(Fault):
                 raise ValueError(
                     f"member[({j}, {stage})] = {kind!r}; allowed stages "
                     f"{[s.name for s in ACTIVE]} and faults 'drop', 'late', 'tamper'"
                 )
-            if kind == "tamper" and stage is DMMStage.SHARE:
+            if kind == Fault.TAMPER and stage is DMMStage.SHARE:
                 raise ValueError(
                     f"member[({j}, SHARE)] = 'tamper'; members hold nothing to alter before "
                     "COMBINE (a corrupted client share is corrupt_in_transit)"
                 )
-            if kind == "late" and stage is not DMMStage.RELEASE:
+            if kind == Fault.LATE and stage is not DMMStage.RELEASE:
                 raise ValueError(
                     f"member[({j}, {stage.name})] = 'late'; only RELEASE has a deadline"
                 )
@@ -310,10 +318,32 @@ class DMMFaults:
             if stage not in ACTIVE:
                 raise ValueError(f"client_drop[{i}] = {stage!r}; allowed: {ACTIVE}")
 
-    def members(self, kind: str, stage: DMMStage) -> set[int]:
+    def members(self, kind: Fault, stage: DMMStage) -> set[int]:
         return {j for (j, s), f in self.member.items() if s is stage and f == kind}
 
     def dropped_by(self, stage: DMMStage) -> set[int]:
         """Seats silent at ``stage`` (dropped there or earlier)."""
         order = ACTIVE.index(stage)
-        return {j for (j, s), f in self.member.items() if f == "drop" and ACTIVE.index(s) <= order}
+        return {
+            j for (j, s), f in self.member.items() if f == Fault.DROP and ACTIVE.index(s) <= order
+        }
+
+
+REFUSALS = (MemberRefused, StageError)
+"""What a member raises for a request it will not serve."""
+
+
+def request(handler):
+    """A member request: anything malformed in its arguments is refused as
+    :class:`protocols.dmm.common.MemberRefused` (handlers check before they change anything)."""
+
+    @functools.wraps(handler)
+    def checked(self, *args, **kwargs):
+        try:
+            return handler(self, *args, **kwargs)
+        except REFUSALS:
+            raise
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError) as err:
+            raise MemberRefused(f"{handler.__name__}: malformed request ({err})") from None
+
+    return checked

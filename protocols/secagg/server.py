@@ -15,7 +15,7 @@ moves to ABORTED and raises :class:`RoundAborted` (:class:`TooManyDropoutsError`
 answered): nothing is released. Keys, seeds and shares of the clients never reach the server in
 the clear. Public keys relayed by the server are bound at enrolment: the server relays each
 client's proof with its keys (:meth:`SecAggServer.advertise_keys`, :meth:`SecAggServer.proofs_for`)
-and enrolled clients check them before they share (:mod:`protocols.secagg_client`); clients
+and enrolled clients check them before they share (:mod:`protocols.secagg.client`); clients
 enrolled nowhere take the keys as relayed.
 
 **Opened is released.** A round that aborts in UNMASK may abort after the server already holds
@@ -35,23 +35,15 @@ from typing import Any
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from protocols.channels import (
-    NONCE_BYTES,
-    SERVER_ID,
-    Envelope,
-    Identity,
-    KeyVerifier,
-    Relay,
-    Transcript,
-    new_session_id,
-)
-from protocols.secagg import (
+from protocols.channels import NONCE_BYTES, SERVER_ID, Envelope, Relay, Transcript, new_session_id
+from protocols.enrolment import Identity, KeyVerifier
+from protocols.kit import RoundAborted, TooManyDropoutsError
+from protocols.secagg.client import SecAggClient
+from protocols.secagg.common import (
     CHUNKS_PER_SECRET,
     SHARE_CIPHERTEXT_BYTES,
-    RoundAborted,
     SecAggConfig,
     Stage,
-    TooManyDropoutsError,
     UnmaskResponse,
     check_transition,
     elements_to_secret,
@@ -64,7 +56,6 @@ from protocols.secagg import (
     shamir_scheme,
     sum_vectors,
 )
-from protocols.secagg_client import SecAggClient
 
 
 @dataclass

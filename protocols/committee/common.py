@@ -5,7 +5,7 @@ A committee of ``n`` members (privacy threshold ``t``, ``k`` secrets per polynom
 with it; the server relays and sees only ciphertexts. A round moves through
 :class:`CommitteeStage` (an explicit state machine, :data:`TRANSITIONS`):
 
-1. **SHARE** (the client, :func:`protocols.committee_client.seal_input`): the client
+1. **SHARE** (the client, :func:`protocols.committee.client.seal_input`): the client
    packed-Shamir-shares its vector -- share randomness from *its own* secret stream -- and seals
    row j of the shares for member j under a key agreed between its X25519 key and member j's
    public key (:class:`CommitteeKeys`, published for the round), bound to (``CHANNEL_PROTOCOL``,
@@ -25,32 +25,43 @@ strategy accounts as a release of the sum.
 
 This module holds the stages, the public round parameters, the messages, the simulation's
 faults (:class:`CommitteeFaults`), the outcome (:class:`CommitteeResult`) and the errors. The
-client side is :mod:`protocols.committee_client`, the member side
-:mod:`protocols.committee_member`, the server side :mod:`protocols.committee_server`.
+client side is :mod:`protocols.committee.client`, the member side
+:mod:`protocols.committee.member`, the server side :mod:`protocols.committee.server`.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum, StrEnum
 from typing import Any
 
 import numpy as np
 
 from protocols.channels import PUBLIC_KEY_BYTES, TAG_BYTES, Envelope, encode_array
 from protocols.field import MersenneField
-from protocols.secagg import TooManyDropoutsError, check_move
+from protocols.kit import MEMBER_ID_BASE, Fault, TooManyDropoutsError, check_move
 from protocols.shamir import PackedShamir
 
 CHANNEL_PROTOCOL = b"fedsim/committee"
 """The protocol label every committee channel binds (protocols.channels associated data)."""
 
-MEMBER_ID_BASE = 2**62
-"""Channel party id of member j: MEMBER_ID_BASE + j; clients' ids lie in [0, MEMBER_ID_BASE)."""
 
 
-class CommitteeStage(enum.Enum):
+class CommitteeCall(StrEnum):
+    """The member requests a committee server makes of its shard pool, by name (``pool.call``:
+    each shard's method of that name, :class:`protocols.committee.member.CommitteeShard`)."""
+
+    ABORT = "abort"
+    COMBINE = "combine"
+    CONNECT = "connect"
+    KEY_PROOFS = "key_proofs"
+    PUBLIC_KEYS = "public_keys"
+    RELEASE = "release"
+    SHARE = "share"
+
+
+class CommitteeStage(Enum):
     """Stages of one committee round, in order; ABORTED is reachable from every live stage."""
 
     SETUP = 0
@@ -74,7 +85,7 @@ ACTIVE_STAGES = (CommitteeStage.SHARE, CommitteeStage.COMBINE, CommitteeStage.RE
 
 
 def check_transition(current: CommitteeStage, target: CommitteeStage, who: str) -> None:
-    """Raise :class:`protocols.secagg.StageError` unless ``current -> target`` is allowed."""
+    """Raise :class:`protocols.kit.StageError` unless ``current -> target`` is allowed."""
     check_move(TRANSITIONS, current, target, who)
 
 
@@ -92,7 +103,7 @@ class CommitteeKeys:
     """What a client needs to share with the committee in one round, all public: the round,
     the scheme (n, t, k, field exponent e of p = 2^e - 1), the channel session id, the
     members' X25519 public keys (member j's at index j, 32 bytes each) and ``member_proofs``:
-    member j's enrolment proof of its key (:meth:`protocols.channels.Identity.prove`; empty
+    member j's enrolment proof of its key (:meth:`protocols.enrolment.Identity.prove`; empty
     when the members are enrolled nowhere)."""
 
     round: int
@@ -145,16 +156,6 @@ class SealedInput:
     envelopes: Mapping[int, Envelope]
 
 
-class MemberFault(enum.Enum):
-    """How a faulty member misbehaves at a stage (:class:`CommitteeFaults`): it drops (silent
-    from then on), is late (its answer misses the deadline) or tampers (a random non-zero
-    offset added to what it holds or sends)."""
-
-    DROP = "drop"
-    LATE = "late"
-    TAMPER = "tamper"
-
-
 @dataclass(frozen=True)
 class OpenedRelease:
     """A round whose sum the server holds enough to determine: the release rows of more than t
@@ -190,22 +191,6 @@ class CommitteeAbort(TooManyDropoutsError):
         self.answered = answered
 
 
-class TamperingDetected(RuntimeError):
-    """Released shares do not lie on one polynomial and correcting them would go beyond the
-    sound decoding radius: detected, no sum decoded, nobody named (``suspects == ()``);
-    ``excluded``: client -> reason, the clients left out before it; ``opened``: the
-    :class:`OpenedRelease` of the rows the server holds -- a server colluding with the
-    tampering member decodes the others, so the sum counts as released."""
-
-    excluded: Mapping[int, str] = {}
-    opened: OpenedRelease | None = None
-
-    def __init__(self, message: str, blocks: np.ndarray, suspects: tuple[int, ...]) -> None:
-        super().__init__(message)
-        self.blocks = blocks
-        self.suspects = suspects
-
-
 @dataclass(frozen=True)
 class CommitteeFaults:
     """Which member misbehaves at which stage: ``plan[(member, stage)] = fault``.
@@ -214,7 +199,7 @@ class CommitteeFaults:
     ``corrupt_in_transit`` lists (client, member) pairs whose sealed share the relay alters.
     """
 
-    plan: Mapping[tuple[int, CommitteeStage], MemberFault] = field(default_factory=dict)
+    plan: Mapping[tuple[int, CommitteeStage], Fault] = field(default_factory=dict)
     seed: int = 0
     corrupt_in_transit: frozenset[tuple[int, int]] = frozenset()
 
@@ -225,8 +210,8 @@ class CommitteeFaults:
                     f"plan has stage {stage!r} for member {member}; allowed: "
                     f"{[s.name for s in ACTIVE_STAGES]}"
                 )
-            if not isinstance(fault, MemberFault):
-                raise ValueError(f"plan[({member}, {stage.name})] = {fault!r}; use a MemberFault")
+            if not isinstance(fault, Fault):
+                raise ValueError(f"plan[({member}, {stage.name})] = {fault!r}; use a Fault")
 
     @classmethod
     def random(
@@ -246,28 +231,28 @@ class CommitteeFaults:
                 raise ValueError(f"{name}={value!r} must be a probability in [0, 1]")
         if drop + late + tamper > 1:
             raise ValueError(f"drop + late + tamper = {drop + late + tamper} exceeds 1")
-        plan: dict[tuple[int, CommitteeStage], MemberFault] = {}
+        plan: dict[tuple[int, CommitteeStage], Fault] = {}
         for member in range(members):
             for stage in stages:
                 u = rng.random()
                 if u < drop:
-                    plan[(member, stage)] = MemberFault.DROP
+                    plan[(member, stage)] = Fault.DROP
                     break
                 if u < drop + late:
-                    plan[(member, stage)] = MemberFault.LATE
+                    plan[(member, stage)] = Fault.LATE
                 elif u < drop + late + tamper:
-                    plan[(member, stage)] = MemberFault.TAMPER
+                    plan[(member, stage)] = Fault.TAMPER
         return cls(plan, int(rng.integers(2**32)))
 
-    def members_with(self, fault: MemberFault, stage: CommitteeStage) -> set[int]:
+    def members_with(self, fault: Fault, stage: CommitteeStage) -> set[int]:
         return {m for (m, s), f in self.plan.items() if s == stage and f == fault}
 
     def at(self, stage: CommitteeStage) -> StageFaults:
         """The faults of ``stage``, as shipped to the shards."""
         return StageFaults(
-            drop=frozenset(self.members_with(MemberFault.DROP, stage)),
-            late=frozenset(self.members_with(MemberFault.LATE, stage)),
-            tamper=frozenset(self.members_with(MemberFault.TAMPER, stage)),
+            drop=frozenset(self.members_with(Fault.DROP, stage)),
+            late=frozenset(self.members_with(Fault.LATE, stage)),
+            tamper=frozenset(self.members_with(Fault.TAMPER, stage)),
             seed=self.seed,
         )
 

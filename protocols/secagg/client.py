@@ -28,8 +28,8 @@ one by moving to ABORTED and raising (``ValueError``, ``TypeError``, ``ChannelEr
 :class:`TooManyDropoutsError`).
 
 **Keys bound at enrolment.** An enrolled client signs its two keys with its identity
-(:meth:`SecAggClient.key_proof`, :meth:`protocols.channels.Identity.prove`) and, given its
-enrolment's :class:`~protocols.channels.KeyVerifier`, shares its secrets only with neighbours
+(:meth:`SecAggClient.key_proof`, :meth:`protocols.enrolment.Identity.prove`) and, given its
+enrolment's :class:`~protocols.enrolment.KeyVerifier`, shares its secrets only with neighbours
 whose keys distinct enrolled parties other than itself signed for this session: a server that
 substitutes keys to collect shares of b_i and of the agreement key (and so unmask y_i) meets a
 :class:`~protocols.channels.KeySubstitution` in SHARE_KEYS, before anything is sealed.
@@ -46,26 +46,18 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from protocols.channels import (
-    PUBLIC_KEY_BYTES,
-    SERVER_ID,
-    ChannelError,
-    Endpoint,
-    Envelope,
-    Identity,
-    KeyVerifier,
-)
-from protocols.secagg import (
+from protocols.channels import PUBLIC_KEY_BYTES, SERVER_ID, ChannelError, Endpoint, Envelope
+from protocols.enrolment import Identity, KeyVerifier
+from protocols.kit import RoundAborted, TooManyDropoutsError
+from protocols.secagg.common import (
     CHUNKS_PER_SECRET,
     PROTOCOL,
     SEED_BYTES,
     SHARE_ROW_LENGTH,
     TRANSITIONS,
     RingZ2k,
-    RoundAborted,
     SecAggConfig,
     Stage,
-    TooManyDropoutsError,
     UnmaskResponse,
     check_transition,
     decode_share_row,
@@ -268,7 +260,7 @@ class SecAggClient:
             )
 
     def _agree(self, peer: int, public_key: object) -> bytes:
-        """s_ij with ``peer`` (:func:`protocols.secagg.pairwise_seed`), or a ChannelError
+        """s_ij with ``peer`` (:func:`protocols.secagg.common.pairwise_seed`), or a ChannelError
         naming the neighbour when its agreement key is unusable."""
         if not isinstance(public_key, bytes) or len(public_key) != PUBLIC_KEY_BYTES:
             raise ChannelError(f"neighbour {peer}'s agreement key: {key_problem(public_key)}")

@@ -7,16 +7,16 @@ from 32 bytes of the member's own secret, or from the OS CSPRNG). A :class:`Shar
 committee's shards in this process; :mod:`fedsim.engine.committee` hosts them on Ray actors.
 
 1. **SHARE** (:meth:`CommitteeShard.share`): each member opens its envelope of every client's
-   :class:`protocols.committee.ShardSealedShares`; one that cannot open it, or finds no ``width``
-   field elements in it (unusable key, unauthenticated, replayed, wrong round or stage, wrong
-   length, dtype or range), refuses it and the server leaves the client out;
+   :class:`protocols.committee.common.ShardSealedShares`; one that cannot open it, or finds no
+   ``width`` field elements in it (unusable key, unauthenticated, replayed, wrong round or stage,
+   wrong length, dtype or range), refuses it and the server leaves the client out;
 2. **COMBINE** (:meth:`CommitteeShard.combine`): each online member sums its rows of the
    clients the server names, mod p;
 3. **RELEASE** (:meth:`CommitteeShard.release`): each member that answers seals its summed row
    for the server.
 
-Faults (:class:`protocols.committee.StageFaults`, per stage): a member that **drops** is silent
-from then on; one that is **late** answers after the deadline; one that **tampers** adds a
+Faults (:class:`protocols.committee.common.StageFaults`, per stage): a member that **drops** is
+silent from then on; one that is **late** answers after the deadline; one that **tampers** adds a
 random non-zero offset (drawn from the faults' public seed) to what it holds (SHARE, COMBINE)
 or sends (RELEASE). Rounds are independent; :meth:`CommitteeShard.abort` ends one.
 """
@@ -28,16 +28,17 @@ from typing import Any
 
 import numpy as np
 
-from protocols.channels import SERVER_ID, Certificate, Endpoint, Identity
-from protocols.committee import (
+from protocols.channels import SERVER_ID, Endpoint
+from protocols.committee.common import (
     CHANNEL_PROTOCOL,
-    MEMBER_ID_BASE,
     CommitteeStage,
     ShardSealedShares,
     StageFaults,
     check_transition,
 )
+from protocols.enrolment import Certificate, Identity
 from protocols.field import MersenneField
+from protocols.kit import MEMBER_ID_BASE
 
 
 class CommitteeShard:
@@ -254,7 +255,7 @@ class ShardPool:
     """A committee's shards hosted in this process: ``groups[i]`` (member indices) held by
     ``shards[i]`` (built from :func:`shard_arguments`; a :class:`CommitteeShard` subclass plays
     hostile members); :meth:`call` runs one method on every shard -- the pool interface of
-    :class:`protocols.committee_server.CommitteeServer`."""
+    :class:`protocols.committee.server.CommitteeServer`."""
 
     def __init__(self, groups: Sequence[Sequence[int]], shards: Sequence[Any]) -> None:
         self.groups = [[int(m) for m in g] for g in groups]

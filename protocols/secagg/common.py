@@ -28,8 +28,8 @@ bytes. The seeds and key shares stay in F_p. A sum of signed values decodes corr
 Z_{2^b} iff it lies in [-2^(b-1), 2^(b-1)), the same bit budget DDGauss plans for
 (:func:`protocols.encoding.sum_headroom_bits` with ``bits=b``).
 
-The client side is :mod:`protocols.secagg_client`, the server side (and an in-process round,
-:func:`protocols.secagg_server.run_secagg`) :mod:`protocols.secagg_server`; this module holds
+The client side is :mod:`protocols.secagg.client`, the server side (and an in-process round,
+:func:`protocols.secagg.server.run_secagg`) :mod:`protocols.secagg.server`; this module holds
 what both use: stages, parameters, the graph, the PRG, the ring and the pairwise seeds.
 """
 
@@ -40,7 +40,6 @@ import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
 
 import numpy as np
 from cryptography.hazmat.primitives import hashes, serialization
@@ -50,6 +49,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from protocols.channels import PUBLIC_KEY_BYTES, TAG_BYTES, decode_array, encode_array
 from protocols.field import DEFAULT_FIELD, MersenneField
+from protocols.kit import check_move
 from protocols.shamir import PackedShamir
 
 SEED_BYTES = 32
@@ -84,31 +84,6 @@ TRANSITIONS: dict[Stage, frozenset[Stage]] = {
     Stage.ABORTED: frozenset(),
 }
 """Allowed moves: each live stage to the next one or to ABORTED; DONE and ABORTED are final."""
-
-
-class StageError(RuntimeError):
-    """A handler was called out of order."""
-
-
-class RoundAborted(RuntimeError):
-    """The round ended in ABORTED: nothing was released."""
-
-
-class TooManyDropoutsError(RoundAborted):
-    """Too few parties answered for the round to complete; the round is aborted."""
-
-
-def check_move(
-    transitions: Mapping[Any, frozenset[Any]], current: Any, target: Any, who: str
-) -> None:
-    """Raise :class:`StageError` unless ``current -> target`` is in ``transitions``
-    (the check every protocol state machine here makes before it changes stage)."""
-    if target not in transitions[current]:
-        allowed = sorted(stage.name for stage in transitions[current]) or ["none (final)"]
-        raise StageError(
-            f"{who} is in stage {current.name}; cannot move to {target.name} "
-            f"(allowed: {', '.join(allowed)})"
-        )
 
 
 def check_transition(current: Stage, target: Stage, who: str) -> None:
@@ -181,6 +156,18 @@ class SecAggConfig:
     def survivors_needed(self) -> int:
         return self.threshold if self.min_survivors is None else self.min_survivors
 
+    WIRE_NAMES = (
+        "num-clients",
+        "degree",
+        "threshold",
+        "vector-length",
+        "round",
+        "min-survivors",
+        "ring-bits",
+        "field-exponent",
+    )
+    """The parameters' names on the wire, in the order of :meth:`to_array`."""
+
     def to_array(self) -> np.ndarray:
         """The parameters as 8 int64 (None as -1), for :meth:`SecAggClient.to_state`."""
         return np.array(
@@ -199,6 +186,7 @@ class SecAggConfig:
 
     @classmethod
     def from_array(cls, values: np.ndarray) -> SecAggConfig:
+        """The config of :meth:`to_array`'s 8 integers."""
         values = [int(v) for v in np.asarray(values, dtype=np.int64).ravel()]
         if len(values) != 8:
             raise ValueError(f"a SecAggConfig is 8 integers, got {len(values)}")
@@ -213,6 +201,19 @@ class SecAggConfig:
             MersenneField(exponent),
             None if ring < 0 else ring,
         )
+
+    def encode(self) -> dict[str, int]:
+        """The parameters as named integers (:data:`WIRE_NAMES`; None as -1), for a record."""
+        return dict(zip(self.WIRE_NAMES, self.to_array().tolist()))
+
+    @classmethod
+    def decode(cls, record: Mapping[str, object]) -> SecAggConfig:
+        """The config of :meth:`encode`'s named integers (other keys of ``record`` are
+        ignored); ValueError if one is missing or not an integer, or the config is invalid."""
+        values = [record[name] for name in cls.WIRE_NAMES]
+        if any(not isinstance(v, int) or isinstance(v, bool) for v in values):
+            raise ValueError(f"the round's parameters must be integers, got {values}")
+        return cls.from_array(np.array(values, dtype=np.int64))
 
 
 def neighbour_graph(

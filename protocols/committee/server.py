@@ -3,21 +3,21 @@
 The server (:class:`CommitteeServer`) drives the members through one round of
 :mod:`protocols.committee` (:meth:`CommitteeServer.run_round_sealed`):
 
-1. **SHARE**: it checks each client's :class:`protocols.committee.SealedInput` (usable key, one
-   envelope per member and none for anyone else, headers for this round and stage, ciphertexts
+1. **SHARE**: it checks each client's :class:`protocols.committee.common.SealedInput` (usable key,
+   one envelope per member and none for anyone else, headers for this round and stage, ciphertexts
    of the right length) and relays member j's envelope to member j, who opens it;
 2. **COMBINE**: the members agree (on the server's list) on the clients whose shares reached
    every live member, and each sums its rows of those clients locally: shares of sum_i x_i;
 3. **RELEASE**: members seal their summed rows for the server, which decodes the sum.
 
-Members are reached through a pool (:class:`protocols.committee_member.ShardPool` in this
+Members are reached through a pool (:class:`protocols.committee.member.ShardPool` in this
 process; :mod:`fedsim.engine.committee` hosts them on Ray actors): ``groups`` (member indices
 per shard) and ``call(method, args_per_shard)``. Transport: every share travels over an
 authenticated encrypted channel (:mod:`protocols.channels`: X25519, HKDF, ChaCha20-Poly1305,
 bound to protocol, session, sender, receiver, round and stage) relayed by the server, which
 counts bytes in a transcript: client -> member in SHARE, member -> server in RELEASE.
 
-Faults (:class:`protocols.committee.CommitteeFaults`) are drawn per member and per stage:
+Faults (:class:`protocols.committee.common.CommitteeFaults`) are drawn per member and per stage:
 a member that **drops** at a stage is silent from then on; one that is **late** at a stage
 answers after the deadline, so its share does not count this round (nothing sleeps); one that
 **tampers** adds a random non-zero offset to what it holds or sends.
@@ -31,18 +31,18 @@ not counted as an answer (:attr:`CommitteeResult.rejected`); the reasons are in
 
 Outcomes. The server needs ``t + k + detect`` answers: ``t + k`` to reconstruct and ``detect``
 more so that up to ``detect`` tampered shares are always caught. Fewer answers ->
-:class:`protocols.committee.CommitteeAbort` (a :class:`protocols.secagg.TooManyDropoutsError`)
+:class:`protocols.committee.common.CommitteeAbort` (a :class:`protocols.kit.TooManyDropoutsError`)
 naming how many were needed and how many answered. The quorum is checked on the members online
 after COMBINE, before any member is asked to release, and again on the on-time envelopes at
 RELEASE before the server opens any. **Opened is released**: once more than t members' rows
 have reached the server (on time or late; it holds the key that opens them) the round is an
-:class:`protocols.committee.OpenedRelease` in :attr:`CommitteeServer.opened`, and an abort after
-that point carries it (``error.opened``) for the strategy to account. The answers are decoded by
-Berlekamp-Welch (:meth:`protocols.shamir.PackedShamir.decode`): wrong shares are corrected and
+:class:`protocols.committee.common.OpenedRelease` in :attr:`CommitteeServer.opened`, and an abort
+after that point carries it (``error.opened``) for the strategy to account. The answers are decoded
+by Berlekamp-Welch (:meth:`protocols.shamir.PackedShamir.decode`): wrong shares are corrected and
 their members named only within the sound radius
 min(floor((m - t - k) / 2), m - t - k - max(t, detect)), so neither t colluding members nor
 ``detect`` tampered shares can choose the release or get an honest member blamed; beyond it
-:class:`protocols.committee.TamperingDetected` is raised naming nobody and no sum is decoded
+:class:`protocols.kit.TamperingDetected` is raised naming nobody and no sum is decoded
 (the rows it holds still count as opened). With exactly t + k answers nothing can be checked:
 the result says ``verified=False``. A round that fails is left ABORTED
 (:meth:`CommitteeServer.stage`) on the server and in every shard, the exception names the
@@ -59,10 +59,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from protocols.channels import NONCE_BYTES, PUBLIC_KEY_BYTES, SERVER_ID, Endpoint, Envelope, Relay
-from protocols.committee import (
+from protocols.committee.common import (
     CHANNEL_PROTOCOL,
-    MEMBER_ID_BASE,
     CommitteeAbort,
+    CommitteeCall,
     CommitteeFaults,
     CommitteeKeys,
     CommitteeResult,
@@ -71,20 +71,20 @@ from protocols.committee import (
     SealedInput,
     ShardSealedShares,
     StageFaults,
-    TamperingDetected,
     check_client_id,
     check_layout,
     check_transition,
     sealed_row_bytes,
 )
 from protocols.field import DEFAULT_FIELD, MersenneField
+from protocols.kit import MEMBER_ID_BASE, TamperingDetected
 from protocols.shamir import PackedShamir, UncorrectableSharesError
 
 
 class CommitteeMembers(Protocol):
     """How the server reaches the members: ``groups[i]``, the member indices shard i holds
     (together 0..n-1, each once); ``call(method, args_per_shard)`` runs a
-    :class:`protocols.committee_member.CommitteeShard` method on every shard and returns the
+    :class:`protocols.committee.member.CommitteeShard` method on every shard and returns the
     answers in shard order; ``close()`` forgets the members."""
 
     groups: list[list[int]]
@@ -135,16 +135,17 @@ class CommitteeServer:
         self.relay = Relay()
         self.member_keys: dict[int, bytes] = {}
         self._server = Endpoint(SERVER_ID, self.session_id, CHANNEL_PROTOCOL)
-        for part in self.pool.call("public_keys", [() for _ in self.groups]):
+        for part in self.pool.call(CommitteeCall.PUBLIC_KEYS, [() for _ in self.groups]):
             self.member_keys.update(part)
         #: each enrolled member's proof of its key, relayed to the clients with it
         self.member_proofs: dict[int, bytes] = {}
-        for part in self.pool.call("key_proofs", [() for _ in self.groups]):
+        for part in self.pool.call(CommitteeCall.KEY_PROOFS, [() for _ in self.groups]):
             self.member_proofs.update(part)
         for member, key in sorted(self.member_keys.items()):
             self.relay.publish(MEMBER_ID_BASE + member, key)
             self._server.connect(MEMBER_ID_BASE + member, key)
-        self.pool.call("connect", [(SERVER_ID, self._server.public_key) for _ in self.groups])
+        server_key = (SERVER_ID, self._server.public_key)
+        self.pool.call(CommitteeCall.CONNECT, [server_key for _ in self.groups])
 
     def __reduce__(self):
         raise TypeError("a Committee is never pickled: its members' keys and shares are theirs")
@@ -189,8 +190,8 @@ class CommitteeServer:
         faults: CommitteeFaults | None = None,
     ) -> CommitteeResult:
         """Run round ``round_`` on the clients' sealed inputs (client channel id ->
-        :class:`~protocols.committee.SealedInput`, made by
-        :func:`protocols.committee_client.seal_input` against :meth:`keys_for`) of ``length`` field
+        :class:`~protocols.committee.common.SealedInput`, made by
+        :func:`protocols.committee.client.seal_input` against :meth:`keys_for`) of ``length`` field
         elements each: relay each member's envelopes, combine, release, decode
         sum_i x_i mod p. A malformed sealed input excludes its client with a reason. Each round
         number runs once; a failed round is left ABORTED. Raises :class:`CommitteeAbort` or
@@ -218,7 +219,7 @@ class CommitteeServer:
             )
         except BaseException as error:
             self.stages[round_] = CommitteeStage.ABORTED
-            self.pool.call("abort", [(round_,) for _ in self.groups])
+            self.pool.call(CommitteeCall.ABORT, [(round_,) for _ in self.groups])
             if round_ in self.opened:  # the rows reached the server before the abort
                 opened = dataclasses.replace(self.opened[round_], outcome=str(error)[:500])
                 self.opened[round_] = opened
@@ -257,7 +258,9 @@ class CommitteeServer:
         shares reached every member that is online and on time (the others are ``excluded``)
         and the members late at SHARE; aborts when too few members are online."""
         self._advance(round_, CommitteeStage.SHARE)
-        answers = self.pool.call("share", [(round_, part, faults, width) for part in parts])
+        answers = self.pool.call(
+            CommitteeCall.SHARE, [(round_, part, faults, width) for part in parts]
+        )
         late = set(faults.late)
         online = sorted(m for part in answers for m in part["online"] if m not in late)
         self._require(len(online), CommitteeStage.SHARE, round_)
@@ -276,7 +279,9 @@ class CommitteeServer:
         """COMBINE: every shard sums its members' rows of ``clients``; aborts, before any
         member is asked to release, when too few are online and on time."""
         self._advance(round_, CommitteeStage.COMBINE)
-        answers = self.pool.call("combine", [(round_, list(clients), faults) for _ in self.groups])
+        answers = self.pool.call(
+            CommitteeCall.COMBINE, [(round_, list(clients), faults) for _ in self.groups]
+        )
         online: set[int] = set()
         for group, part in zip(self.groups, answers):
             if isinstance(part, list | tuple):  # a malformed answer: its members are offline
@@ -298,7 +303,7 @@ class CommitteeServer:
         members to ``late``), then opens them and decodes the sum; aborts when too few
         answered."""
         self._advance(round_, CommitteeStage.RELEASE)
-        released = self.pool.call("release", [(round_, faults) for _ in self.groups])
+        released = self.pool.call(CommitteeCall.RELEASE, [(round_, faults) for _ in self.groups])
         reasons = [f"client {c}: {r}" for c, r in sorted(excluded.items())]
         arrived, on_time, rejected = self._arrivals(round_, released, late, reasons)
         self._note_opened(round_, clients, arrived)
@@ -491,8 +496,7 @@ class CommitteeServer:
                 f"round {round_}: released shares of members {members} are inconsistent in "
                 f"{error.blocks.size} blocks and the tampering members cannot be singled out "
                 f"leaving room for {bound} faulty members; nothing was released",
-                error.blocks,
-                (),
+                blocks=error.blocks,
             ) from error
         return decoding.values, decoding.corrected
 

@@ -33,7 +33,7 @@ sum_{i in S} lambda_{j,i} s_i[b] (Lagrange coefficients of S at secret point j;
    decoded by Berlekamp-Welch) names the wrong old members within the decoding's sound radius
    (at most min(floor((m-t-k)/2), m-t-k-t) of them, room being kept for t colluders); they are
    removed and DEAL restarts. Beyond it, or when the syndromes could not be verified (exactly
-   t' + k new members answered), :class:`ReshareTampering` is raised naming nobody; new members
+   t' + k new members answered), :class:`TamperingDetected` is raised naming nobody; new members
    whose check shares were wrong are named. With m = t + k nothing can be checked
    (``verified`` is False in the result).
 
@@ -69,13 +69,15 @@ from protocols.channels import (
     Transcript,
     new_session_id,
 )
-from protocols.secagg import TooManyDropoutsError, check_move
-from protocols.shamir import PackedShamir, UncorrectableSharesError
-
-OLD_ID_BASE = 2**62
-"""Channel party id of old member i: OLD_ID_BASE + i."""
-NEW_ID_BASE = 2**62 + 2**40
-"""Channel party id of new member j: NEW_ID_BASE + j."""
+from protocols.dmm.parity import parity_checks, reshare_coefficients, verify_dealings
+from protocols.kit import (
+    NEW_ID_BASE,
+    OLD_ID_BASE,
+    TamperingDetected,
+    TooManyDropoutsError,
+    check_move,
+)
+from protocols.shamir import PackedShamir
 
 
 class ReshareStage(Enum):
@@ -105,7 +107,7 @@ TRANSITIONS: dict[ReshareStage, frozenset[ReshareStage]] = {
 
 
 def check_transition(current: ReshareStage, target: ReshareStage, who: str) -> None:
-    """Raise :class:`protocols.secagg.StageError` unless ``current -> target`` is allowed."""
+    """Raise :class:`protocols.kit.StageError` unless ``current -> target`` is allowed."""
     check_move(TRANSITIONS, current, target, who)
 
 
@@ -117,16 +119,6 @@ class ReshareAbort(TooManyDropoutsError):
         self.side = side
         self.needed = needed
         self.answered = answered
-
-
-class ReshareTampering(RuntimeError):
-    """Tampering detected in VERIFY: the old shares fail the parity checks and the faulty
-    members cannot be singled out (``suspects`` empty), or new members sent wrong or malformed
-    check shares (``suspects``: their party ids NEW_ID_BASE + j)."""
-
-    def __init__(self, message: str, suspects: tuple[int, ...] = ()) -> None:
-        super().__init__(message)
-        self.suspects = suspects
 
 
 @dataclass(frozen=True)
@@ -182,125 +174,6 @@ class ReshareResult:
     def bytes_per_dealer_per_secret(self) -> float:
         """Deal bytes one dealer sends, per shared secret (averaged over the dealers)."""
         return self.bytes_per_secret() / max(len(self.dealers), 1)
-
-
-def reshare_coefficients(scheme: PackedShamir, dealers: Sequence[int]) -> np.ndarray:
-    """(k, t + k) Lagrange matrix: secret j = sum_i L[j, i] s_{dealers[i]} (dealers 0-based)."""
-    nodes = scheme.share_points[np.asarray(dealers, dtype=np.int64)]
-    return scheme.field.lagrange_coefficients(nodes, scheme.secret_points)
-
-
-def parity_checks(scheme: PackedShamir, members: Sequence[int]) -> np.ndarray:
-    """(m - t - k, m) rows h_a[i] = v_i x_i^a with v_i = 1 / prod_{l != i} (x_i - x_l): every
-    vector of values at the members' points of a polynomial of degree < t + k satisfies
-    h_a . s = 0 (the dual of a Reed-Solomon code)."""
-    p = scheme.field.modulus
-    points = [int(scheme.share_points[i]) for i in members]
-    rows = len(points) - scheme.threshold
-    if rows <= 0:
-        return np.zeros((0, len(points)), dtype=np.int64)
-    weights = []
-    for i, x in enumerate(points):
-        denominator = 1
-        for j, y in enumerate(points):
-            if j != i:
-                denominator = denominator * (x - y) % p
-        weights.append(pow(denominator, p - 2, p))
-    return np.array(
-        [[weights[i] * pow(x, a, p) % p for i, x in enumerate(points)] for a in range(rows)],
-        dtype=np.int64,
-    )
-
-
-def open_syndromes(
-    new: PackedShamir, rows: np.ndarray, holders: Sequence[int], round_: int
-) -> tuple[np.ndarray, bool]:
-    """VERIFY, at the server: the syndromes from the new members' check shares ``rows`` (one
-    row per holder, one column per parity check) by :meth:`PackedShamir.decode`, and whether
-    the opening was verified (more than t' + k holders). New members whose check shares were
-    wrong are named in a :class:`ReshareTampering`; inconsistent shares beyond the radius
-    raise it naming nobody."""
-    try:
-        decoding = new.decode(rows, holders, rows.shape[1] * new.k)
-    except UncorrectableSharesError as error:
-        raise ReshareTampering(
-            f"resharing of round {round_}: new members' check shares are inconsistent ({error})"
-        ) from error
-    if decoding.corrected:
-        raise ReshareTampering(
-            f"resharing of round {round_}: new members {list(decoding.corrected)} sent wrong "
-            "check shares",
-            tuple(NEW_ID_BASE + j for j in decoding.corrected),
-        )
-    return decoding.values[:: new.k], decoding.verified
-
-
-def locate_faulty_dealers(
-    old: PackedShamir, dealers: Sequence[int], syndromes, round_: int
-) -> tuple[int, ...]:
-    """The old members whose wrong shares explain the ``syndromes`` (one per parity check of
-    :func:`parity_checks`); () when they are all zero.
-
-    Syndrome decoding of the Reed-Solomon code: w, supported on the last m - t - k dealers, is
-    the solution of H w = syndromes (those columns of H form an invertible Vandermonde matrix
-    times a diagonal); w minus its nearest codeword is the error vector, found by
-    :meth:`PackedShamir.decode` (Berlekamp-Welch) within its sound radius. Beyond it
-    :class:`ReshareTampering` names nobody.
-    """
-    syndromes = old.field.asarray(syndromes, "syndromes").ravel()
-    if not np.any(syndromes):
-        return ()
-    checks = parity_checks(old, dealers)
-    redundancy = checks.shape[0]
-    word = np.zeros(len(dealers), dtype=np.int64)
-    word[len(dealers) - redundancy :] = old.field.solve(checks[:, -redundancy:], syndromes)
-    try:
-        return old.decode(word[:, None], list(dealers), 0).corrected
-    except UncorrectableSharesError as error:
-        raise ReshareTampering(
-            f"resharing of round {round_}: the shares of old members {list(dealers)} do not "
-            f"lie on one polynomial of degree < t + k = {old.threshold} and the faulty members "
-            f"cannot be singled out ({redundancy} parity checks)"
-        ) from error
-
-
-def verify_dealings(
-    old: PackedShamir,
-    new: PackedShamir,
-    rows: np.ndarray,
-    holders: Sequence[int],
-    dealers: Sequence[int],
-    round_: int,
-) -> tuple[tuple[int, ...], bool]:
-    """VERIFY: (the old members found wrong, whether the check was verified). Syndromes that
-    could not be verified (t' + k holders) name nobody: non-zero ones raise
-    :class:`ReshareTampering`, zero ones pass unverified."""
-    syndromes, opened_verified = open_syndromes(new, rows, holders, round_)
-    if not opened_verified and np.any(syndromes):
-        raise ReshareTampering(
-            f"resharing of round {round_}: the parity checks of old members {list(dealers)} "
-            f"failed, but only t' + k = {new.threshold} new members opened them, so the faulty "
-            "members cannot be singled out"
-        )
-    return locate_faulty_dealers(old, dealers, syndromes, round_), opened_verified
-
-
-def open_parity_checks(
-    old: PackedShamir,
-    new: PackedShamir,
-    rows: np.ndarray,
-    holders: Sequence[int],
-    dealers: Sequence[int],
-    checks: np.ndarray,
-    round_: int,
-) -> int | None:
-    """:func:`verify_dealings` for callers that remove one dealer per DEAL: None when the
-    dealings pass, else the first old member found wrong (``checks``: the parity checks the
-    rows combine, of which there must be one per column)."""
-    if checks.shape[0] != np.shape(rows)[-1]:
-        raise ValueError(f"{checks.shape[0]} parity checks for {np.shape(rows)[-1]} columns")
-    culprits, _ = verify_dealings(old, new, rows, holders, dealers, round_)
-    return culprits[0] if culprits else None
 
 
 class ShareRandomness:
@@ -417,7 +290,7 @@ class Resharing:
     (dealer, receiver, round, stage)) through a :class:`protocols.channels.Relay`; without it
     the transcript counts ``bytes_per_element`` per element sent. ``round_`` binds the messages.
     A resharing runs once: it ends in DONE, or in ABORTED with :class:`ReshareAbort`,
-    :class:`ReshareTampering` or (bad arguments) ``ValueError``.
+    :class:`TamperingDetected` or (bad arguments) ``ValueError``.
     """
 
     def __init__(
@@ -613,7 +486,7 @@ class Resharing:
             try:
                 rows.append(f.vector(row, checks.shape[0], f"check shares of new member {j}"))
             except ValueError as error:
-                raise self._abort(ReshareTampering(str(error), (NEW_ID_BASE + j,))) from None
+                raise self._abort(TamperingDetected(str(error), (NEW_ID_BASE + j,))) from None
             self.transcript.record(
                 NEW_ID_BASE + j, SERVER_ID, ReshareStage.VERIFY, row.size * f.bytes_per_element
             )
@@ -621,7 +494,7 @@ class Resharing:
             return verify_dealings(
                 self.old, self.new, np.stack(rows), holders, candidates, self.round
             )
-        except ReshareTampering as error:
+        except TamperingDetected as error:
             raise self._abort(error) from error.__cause__
 
     def _send(self, sender, receiver, row, width: int, faults: ReshareFaults) -> None:
@@ -658,7 +531,3 @@ class Resharing:
         self.relay.post(envelope)
 
 
-def naive_reshare_elements(n_old_dealers: int, n_new: int, secrets: int) -> int:
-    """Field elements an unpacked (k = 1) linear resharing sends: every dealer, one element per
-    secret per new member."""
-    return n_old_dealers * n_new * secrets

@@ -4,14 +4,14 @@
 elements (F_p, p = 2^e - 1) with the round's scheme and seals row j of the shares for member j
 under a key agreed between its X25519 key and member j's public key (:class:`CommitteeKeys`),
 bound to (``CHANNEL_PROTOCOL``, session, client, member, round, SHARE). The server relays only
-the ciphertexts and the client's public key (:class:`protocols.committee.SealedInput`).
+the ciphertexts and the client's public key (:class:`protocols.committee.common.SealedInput`).
 
 Randomness is passed in: ``rng`` (the client's share stream) draws the share polynomials,
 ``private_key`` (32 bytes of the client's secret) fixes its X25519 key, or None for a key from
 the OS CSPRNG.
 
 Keys are checked before anything is sealed: a client holding its enrolment's
-:class:`protocols.channels.KeyVerifier` seals only to member keys that n distinct enrolled
+:class:`protocols.enrolment.KeyVerifier` seals only to member keys that n distinct enrolled
 members signed for this session and seat (:func:`check_member_keys`); a substituted key raises
 :class:`protocols.channels.KeySubstitution` and nothing leaves the client.
 """
@@ -22,15 +22,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from protocols.channels import Endpoint, KeySubstitution, KeyVerifier
-from protocols.committee import (
+from protocols.channels import Endpoint, KeySubstitution
+from protocols.committee.common import (
     CHANNEL_PROTOCOL,
-    MEMBER_ID_BASE,
     CommitteeKeys,
     CommitteeStage,
     SealedInput,
     check_client_id,
 )
+from protocols.enrolment import KeyVerifier
+from protocols.kit import MEMBER_ID_BASE
 
 
 def check_member_keys(

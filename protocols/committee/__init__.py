@@ -1,0 +1,1 @@
+"""The committee secure sum: common definitions, client, member and server."""

@@ -1,0 +1,2 @@
+"""The DMM committee (release of a matrix mechanism, with resharing between committees):
+common definitions, client, member and server."""
