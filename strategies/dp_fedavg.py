@@ -121,7 +121,6 @@ from strategies import flower
 from strategies.clipped_sum import ClippedSum
 from strategies.dp_shell import ClippedSumShell
 from strategies.observed_sampling import SamplingPlan, describe, planned_sampling
-from strategies.options import pop_number, pop_value
 from strategies.participation_guard import ParticipationGuard
 from strategies.spec import Accounting, RunFacts, StrategySpec
 from strategies.wrapper import server_reply
@@ -419,9 +418,7 @@ class DPFedAvg(ClippedSumShell):
         )
         arrays, aggregated = self.strategy.aggregate_train(server_round, [synthetic])
         aggregated = aggregated if aggregated is not None else MetricRecord()
-        self.add_round_metrics(
-            aggregated, round_, clipping_norm, self.update_noise_multiplier, std
-        )
+        self.add_round_metrics(aggregated, round_, clipping_norm, self.update_noise_multiplier, std)
         if self.adaptive is not None:
             estimate = self._adapt_clipping_norm(
                 self.adaptive, server_round, round_.clients, round_.clipped
@@ -446,9 +443,93 @@ class DPFedAvg(ClippedSumShell):
 NAME = "dp-fedavg"
 _NOISE = ("noise_multiplier", "target_epsilon")
 _ADAPTIVE = ("target_unclipped_quantile", "clip_learning_rate", "clipped_count_stddev")
+_WHERE = "strategy.options"
 
 
-def from_options(options: Mapping[str, Any], facts: RunFacts) -> DPFedAvg:
+@dataclass(frozen=True, kw_only=True)
+class DPFedAvgOptions(flower.ServerOptimizerOptions):
+    """``strategy.options`` of "dp-fedavg" (see :func:`from_options`); None: unset (the
+    default comes from the run's facts or :class:`AdaptiveClipping`)."""
+
+    clipping_norm: float
+    noise_multiplier: float | None = None
+    target_epsilon: float | None = None
+    adaptive_clipping: bool = False
+    target_unclipped_quantile: float | None = None
+    clip_learning_rate: float | None = None
+    clipped_count_stddev: float | None = None
+    delta: float | None = None
+    accountant: str = "rdp"
+    max_epsilon: float | None = None
+
+    def __post_init__(self) -> None:
+        given = [key for key in _NOISE if getattr(self, key) is not None]
+        if len(given) != 1:
+            raise ConfigError(
+                f"{_WHERE}.{given[-1] if given else 'noise_multiplier'}",
+                getattr(self, given[-1]) if given else None,
+                f"exactly one of noise_multiplier, target_epsilon (required by {NAME})",
+            )
+        require(
+            self.clipping_norm > 0, f"{_WHERE}.clipping_norm", self.clipping_norm, "a number > 0"
+        )
+        _check_optional(self.delta, "delta", lambda v: 0 < v < 1, "a number in (0, 1)")
+        _check_optional(
+            self.max_epsilon,
+            "max_epsilon",
+            lambda v: v > 0,
+            "a number > 0 (epsilon at which the run stops)",
+        )
+        _check_optional(
+            self.target_epsilon,
+            "target_epsilon",
+            lambda v: v > 0,
+            "a finite number > 0 (the epsilon the run may reach)",
+        )
+        _check_optional(
+            self.noise_multiplier,
+            "noise_multiplier",
+            lambda v: v == 0 or Z_MIN <= v <= Z_MAX,
+            f"0 (no noise) or a number in [{Z_MIN:g}, {Z_MAX:g}] (noise std / "
+            "clipping norm; below, dp_accounting's epsilon loses its precision)",
+        )
+        require(
+            self.accountant in ACCOUNTANTS,
+            f"{_WHERE}.accountant",
+            self.accountant,
+            "one of 'rdp', 'pld'",
+        )
+        self._check_adaptive()
+        super().__post_init__()
+
+    def _check_adaptive(self) -> None:
+        """The adaptive-clipping keys only with ``adaptive_clipping = true``, in range."""
+        if not self.adaptive_clipping:
+            for key in _ADAPTIVE:
+                if getattr(self, key) is not None:
+                    raise ConfigError(
+                        f"{_WHERE}.{key}",
+                        getattr(self, key),
+                        f"nothing unless {_WHERE}.adaptive_clipping = true",
+                    )
+            return
+        _check_optional(
+            self.target_unclipped_quantile,
+            "target_unclipped_quantile",
+            lambda v: 0 <= v <= 1,
+            "a number in [0, 1]",
+        )
+        _check_optional(
+            self.clip_learning_rate, "clip_learning_rate", lambda v: v > 0, "a number > 0"
+        )
+
+
+def _check_optional(value: float | None, key: str, ok: Any, allowed: str) -> None:
+    """``strategy.options.key`` unset or passing ``ok``."""
+    require(value is None or ok(value), f"{_WHERE}.{key}", value, allowed)
+
+
+def from_options(options: DPFedAvgOptions, facts: RunFacts) -> DPFedAvg:
     """DP-FedAvg from ``strategy.options``.
 
     Options: ``clipping_norm`` (required) and either ``noise_multiplier`` or
@@ -459,52 +540,30 @@ def from_options(options: Mapping[str, Any], facts: RunFacts) -> DPFedAvg:
     ``clip_learning_rate`` (0.2) and ``clipped_count_stddev`` (clients per
     round / 20, Andrew et al. 2021's choice); ``delta`` (min(1e-5, 1 / population));
     ``accountant`` ("rdp" or "pld"); ``max_epsilon`` (none); ``server_optimizer``
-    (a weighted-mean strategy of :mod:`strategies.flower`, default "fedavg"). Every other
-    option goes to the server optimiser (e.g. ``server_momentum``, ``eta``).
+    (a weighted-mean strategy of :mod:`strategies.flower`, default "fedavg") and its
+    options (e.g. ``server_momentum``, ``eta``).
     """
-    options = dict(options)
-    if "clipping_norm" not in options:
-        raise ConfigError("strategy.options.clipping_norm", None, f"a number (required by {NAME})")
-    given = [key for key in _NOISE if key in options]
-    if len(given) != 1:
-        raise ConfigError(
-            f"strategy.options.{given[-1] if given else 'noise_multiplier'}",
-            options.get(given[-1]) if given else None,
-            f"exactly one of noise_multiplier, target_epsilon (required by {NAME})",
-        )
-    clipping_norm = pop_number(options, "clipping_norm", None, lambda v: v > 0, "a number > 0")
-    delta, accountant, max_epsilon, sampling = _budget_from(options, facts)
-    if "target_epsilon" in options:
-        z = _calibrated(options.pop("target_epsilon"), delta, accountant, sampling, facts)
+    population = facts.population
+    default_delta = 1e-5 if population is None else min(1e-5, 1.0 / population)
+    delta = default_delta if options.delta is None else options.delta
+    sampling = FullParticipation() if facts.sampling is None else facts.sampling
+    event_sampling = FullParticipation() if isinstance(sampling, Participation) else sampling
+    check_accountant(options.accountant, event_sampling, delta, f"{_WHERE}.accountant")
+    if options.target_epsilon is not None:
+        z = _calibrated(options.target_epsilon, delta, options.accountant, sampling, facts)
     else:
-        z = pop_number(
-            options,
-            "noise_multiplier",
-            None,
-            lambda v: v == 0 or Z_MIN <= v <= Z_MAX,
-            f"0 (no noise) or a number in [{Z_MIN:g}, {Z_MAX:g}] (noise std / "
-            "clipping norm; below, dp_accounting's epsilon loses its precision)",
-        )
-    adaptive = _adaptive_from(options, z, facts.expected_clients)
-    optimizer = options.pop("server_optimizer", "fedavg")
-    cls = flower.server_optimizer(optimizer)
-    require(
-        cls is not None,
-        "strategy.options.server_optimizer",
-        optimizer,
-        f"one of {', '.join(flower.WEIGHTED_MEAN)}",
-    )
+        z = options.noise_multiplier
     return DPFedAvg(
-        flower.flower_strategy(cls, options, facts.evaluate_fraction),
-        clipping_norm=clipping_norm,
+        options.strategy(facts.evaluate_fraction),
+        clipping_norm=options.clipping_norm,
         noise_multiplier=z,
         expected_clients=facts.expected_clients,
         worker_reduction=facts.worker_reduction,
-        adaptive=adaptive,
+        adaptive=_adaptive_from(options, z, facts.expected_clients),
         sampling=sampling,
         delta=delta,
-        accountant=accountant,
-        max_epsilon=max_epsilon,
+        accountant=options.accountant,
+        max_epsilon=options.max_epsilon,
         metrics_in_clear=facts.metrics_in_clear,
     )
 
@@ -520,15 +579,6 @@ def _calibrated(
     two noises are split from ``z``), so the calibrated run's epsilon is at most ``target``.
     """
     key = "strategy.options.target_epsilon"
-    require(
-        isinstance(target, (int, float))
-        and not isinstance(target, bool)
-        and math.isfinite(target)
-        and target > 0,
-        key,
-        target,
-        "a finite number > 0 (the epsilon the run may reach)",
-    )
     rounds = facts.required("rounds", f"the run's rounds (required by {key})")
     # the ledger's relation: a schedule's rounds are recorded unsampled (DPFedAvg.__init__)
     unsampled = isinstance(sampling, Participation)
@@ -545,24 +595,11 @@ def _calibrated(
 
 
 def _adaptive_from(
-    options: dict[str, Any], z: float, expected_clients: float
+    options: DPFedAvgOptions, z: float, expected_clients: float
 ) -> AdaptiveClipping | None:
-    """Pop ``adaptive_clipping`` and, when true, its settings (refused when false)."""
-    adaptive_on = options.pop("adaptive_clipping", False)
-    require(
-        isinstance(adaptive_on, bool),
-        "strategy.options.adaptive_clipping",
-        adaptive_on,
-        "true or false",
-    )
-    if not adaptive_on:
-        for key in _ADAPTIVE:
-            if key in options:
-                raise ConfigError(
-                    f"strategy.options.{key}",
-                    options[key],
-                    "nothing unless strategy.options.adaptive_clipping = true",
-                )
+    """The adaptive-clipping settings when ``adaptive_clipping`` is true (defaults:
+    :class:`AdaptiveClipping`'s, ``clipped_count_stddev`` clients per round / 20)."""
+    if not options.adaptive_clipping:
         return None
     require(
         z > 0,
@@ -570,50 +607,23 @@ def _adaptive_from(
         z,
         "a number > 0 with adaptive_clipping = true (the clipped count is noised too)",
     )
-    gamma = pop_number(
-        options, "target_unclipped_quantile", 0.5, lambda v: 0 <= v <= 1, "a number in [0, 1]"
-    )
-    eta = pop_number(options, "clip_learning_rate", 0.2, lambda v: v > 0, "a number > 0")
-    sigma_b = pop_number(
-        options,
-        "clipped_count_stddev",
-        expected_clients / 20,
-        lambda v: 2 * v > z,
+    sigma_b = options.clipped_count_stddev
+    sigma_b = expected_clients / 20 if sigma_b is None else sigma_b
+    require(
+        2 * sigma_b > z,
+        "strategy.options.clipped_count_stddev",
+        sigma_b,
         f"a number > noise_multiplier / 2 = {z / 2:g} (the default is "
         f"clients_per_round / 20 = {expected_clients / 20:g}; at or below z / 2 the "
         "clipped count alone would use the whole privacy budget)",
     )
+    given = {
+        "target_unclipped_quantile": options.target_unclipped_quantile,
+        "learning_rate": options.clip_learning_rate,
+    }
     return AdaptiveClipping(
-        target_unclipped_quantile=gamma, learning_rate=eta, count_stddev=sigma_b
+        count_stddev=sigma_b, **{k: v for k, v in given.items() if v is not None}
     )
-
-
-def _budget_from(
-    options: dict[str, Any], facts: RunFacts
-) -> tuple[float, str, float | None, Sampling]:
-    """Pop ``delta``, ``accountant`` and ``max_epsilon``; check that the accountant supports
-    the run's sampling. Returns them with that sampling."""
-    population = facts.population
-    default_delta = 1e-5 if population is None else min(1e-5, 1.0 / population)
-    delta = pop_number(options, "delta", default_delta, lambda v: 0 < v < 1, "a number in (0, 1)")
-    accountant = options.pop("accountant", "rdp")
-    require(
-        accountant in ACCOUNTANTS,
-        "strategy.options.accountant",
-        accountant,
-        "one of 'rdp', 'pld'",
-    )
-    max_epsilon = pop_value(options, "max_epsilon", None)
-    require(
-        max_epsilon is None or max_epsilon > 0,
-        "strategy.options.max_epsilon",
-        max_epsilon,
-        "a number > 0 (epsilon at which the run stops)",
-    )
-    sampling = FullParticipation() if facts.sampling is None else facts.sampling
-    event_sampling = FullParticipation() if isinstance(sampling, Participation) else sampling
-    check_accountant(accountant, event_sampling, delta, "strategy.options.accountant")
-    return delta, accountant, max_epsilon, sampling
 
 
 def check_accountant(
@@ -629,12 +639,14 @@ def check_accountant(
 
 
 def _proximal(options: Mapping[str, Any]) -> bool:
+    """Whether the config's ``server_optimizer`` is FedProx (its clients add the term)."""
     cls = flower.server_optimizer(options.get("server_optimizer", "fedavg"))
     return cls is not None and issubclass(cls, flower.FedProx)
 
 
 SPEC = StrategySpec(
     name=NAME,
+    options=DPFedAvgOptions,
     build=from_options,
     summable=True,
     accounting=Accounting(

@@ -330,7 +330,6 @@ PLUMBING: tuple[str, ...] = (
     "strategies/dp_shell.py",
     "strategies/flower.py",
     "strategies/observed_sampling.py",
-    "strategies/options.py",
     "strategies/participation_guard.py",
     "strategies/personalised.py",
     "strategies/personalised_config.py",
