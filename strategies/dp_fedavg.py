@@ -122,7 +122,7 @@ from strategies.clipped_sum import ClippedSum
 from strategies.dp_shell import ClippedSumShell
 from strategies.observed_sampling import SamplingPlan, describe, planned_sampling
 from strategies.participation_guard import ParticipationGuard
-from strategies.spec import Accounting, RunFacts, StrategySpec
+from strategies.spec import Accounting, RunFacts, StrategySpec, raw_option
 from strategies.wrapper import server_reply
 
 
@@ -640,7 +640,7 @@ def check_accountant(
 
 def _proximal(options: Mapping[str, Any]) -> bool:
     """Whether the config's ``server_optimizer`` is FedProx (its clients add the term)."""
-    cls = flower.server_optimizer(options.get("server_optimizer", "fedavg"))
+    cls = flower.server_optimizer(raw_option(options, "server_optimizer", "fedavg"))
     return cls is not None and issubclass(cls, flower.FedProx)
 
 

@@ -50,6 +50,7 @@ from strategies.secagg_messages import register_client_stages
 from strategies.secure import Release, SecAggPlan, SecureSum
 from strategies.secure.committee import COMMITTEE_OPTIONS, spec_from_options
 from strategies.secure.replies import clear_train_loss, first_replies
+from strategies.spec import raw_option
 from strategies.vectors import trained_update, unflatten
 from strategies.wrapper import StrategyWrapper, server_reply
 
@@ -474,7 +475,7 @@ SECURE_SUM_KEYS = tuple(f.name for f in dataclasses.fields(SecureSumOptions))
 
 def asks_secure_sum(options: Mapping[str, Any]) -> bool:
     """Whether a FedAvg-family strategy's options (a config's mapping) ask for a secure sum."""
-    return "secure_sum" in options
+    return raw_option(options, "secure_sum") is not None
 
 
 def client_app_for(options: Mapping[str, Any]) -> Any:

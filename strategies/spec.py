@@ -76,6 +76,16 @@ class Accounting:
     command: str | None = None
 
 
+def raw_option(options: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    """``key`` of a config's (unread) ``strategy.options``, spelt with ``-`` or ``_`` as
+    :func:`fedsim.config.from_mapping` reads it: for the spec's predicates, which the front
+    end asks before the strategy is built."""
+    for name, value in options.items():
+        if str(name).replace("-", "_") == key:
+            return value
+    return default
+
+
 def _no_proximal_term(options: Mapping[str, Any]) -> bool:
     """No, whatever the options (the default of the spec's option predicates)."""
     return False

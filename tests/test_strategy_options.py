@@ -122,3 +122,18 @@ def test_build_strategy_reads_the_declared_options():
             seed=0,
         )
     assert err.value.key == f"{WHERE}.clipping_norm"
+
+
+def test_the_predicates_read_keys_as_the_options_are_read():
+    """``-`` and ``_`` spell the same key for the builder and for the spec's predicates (the
+    client app, the proximal term and the evaluation check follow the built strategy)."""
+    from strategies.registry import spec_for  # noqa: PLC0415
+    from strategies.secure_aggregation import SecureAggregation  # noqa: PLC0415
+
+    dashed = {"secure-sum": "secagg"}
+    built = build_strategy("fedavg", dashed, expected_clients=4, evaluate_fraction=0.0, seed=0)
+    assert isinstance(built, SecureAggregation)
+    assert spec_for("fedavg").secure_replies(dashed)
+    assert spec_for("fedavg").client_app_for(dashed) is not None
+    assert spec_for("dp-fedavg").proximal({"server-optimizer": "fedprox"})
+    assert not spec_for("dp-fedavg").proximal({"server_optimizer": "fedadam"})
