@@ -18,7 +18,7 @@ from fedsim.privacy.sampling import Sampling
 from strategies import (
     ddgauss,
     dmm,
-    dp_fedavg,
+    dp_fedavg_config,
     flower,
     matrix_mechanism,
     personalised_config,
@@ -32,7 +32,7 @@ from strategies.spec import RunFacts, StrategySpec
 #: every method a run config can name
 SPECS: tuple[StrategySpec, ...] = (
     *flower.SPECS,
-    dp_fedavg.SPEC,
+    dp_fedavg_config.SPEC,
     matrix_mechanism.SPEC,
     dmm.SPEC,
     ddgauss.SPEC,

@@ -390,7 +390,6 @@ class SecureAggregation(StrategyWrapper):
         return arrays, aggregated
 
 
-
 #: the secure sum's keys that only ``secure_sum = "committee"`` takes
 _COMMITTEE_ONLY = (*COMMITTEE_OPTIONS, "member_dropout")
 

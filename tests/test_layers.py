@@ -309,7 +309,7 @@ METHODS: dict[str, tuple[str, ...]] = {
     "conformal": ("strategies/conformal.py",),
     "ddgauss": ("strategies/ddgauss.py",),
     "dmm": ("strategies/dmm.py", "strategies/dmm_fold.py"),
-    "dp-fedavg": ("strategies/dp_fedavg.py",),
+    "dp-fedavg": ("strategies/dp_fedavg.py", "strategies/dp_fedavg_config.py"),
     "matrix-mechanism": ("strategies/matrix_mechanism.py",),
     "pfedbayes": ("strategies/pfedbayes.py",),
     "pfedhb": ("strategies/pfedhb.py",),
