@@ -20,7 +20,9 @@ sampler) or ``"uniform"`` (exactly k). ``[strategy.options]`` holds the method's
   it evaluates, 1); only the reporting clients train;
 * pfedbayes, local-only: nothing else.
 
-Errors name the key as ``strategy.options.<key>``, with its value and what is allowed.
+Each method's options are a frozen dataclass (:class:`NoOptions` and its subclasses, the
+method's spec's ``options``) read by :func:`fedsim.config.from_mapping`. Errors name the key
+as ``strategy.options.<key>``, with its value and what is allowed.
 """
 
 from __future__ import annotations
