@@ -295,8 +295,11 @@ def _check_options(
     )
 
 
-def _check_arguments(expected_clients: int, mode: str, committee: Any) -> None:
-    """Raise ValueError on a :class:`DDGauss` argument that no option sets."""
+def _check_arguments(
+    expected_clients: int, mode: str, committee: Any, strategy: Strategy, metrics_in_clear: bool
+) -> None:
+    """Raise ValueError on a :class:`DDGauss` argument that no option sets, or on federated
+    evaluation without ``metrics_in_clear``."""
     if not isinstance(expected_clients, int) or expected_clients < 2:
         raise ValueError(f"expected_clients={expected_clients!r}; it must be an integer >= 2")
     if (mode == "committee") != (committee is not None):
@@ -308,6 +311,9 @@ def _check_arguments(expected_clients: int, mode: str, committee: Any) -> None:
         raise ValueError(
             f"committee is a {type(committee).__name__}; allowed: Committee or CommitteeSpec"
         )
+    fraction = getattr(strategy, "fraction_evaluate", 0.0)
+    if not metrics_in_clear and isinstance(fraction, int | float) and fraction > 0:
+        raise ValueError(_EVALUATION.format(f"strategy.fraction_evaluate={fraction!r}"))
 
 
 #: the committee's keys, only with ``mode = "committee"``
@@ -451,10 +457,7 @@ class DDGauss(LedgerShell):
             protocol_dropout=protocol_dropout,
             stage_timeout=stage_timeout,
         )
-        _check_arguments(expected_clients, mode, committee)
-        fraction = getattr(strategy, "fraction_evaluate", 0.0)
-        if not metrics_in_clear and isinstance(fraction, int | float) and fraction > 0:
-            raise ValueError(_EVALUATION.format(f"strategy.fraction_evaluate={fraction!r}"))
+        _check_arguments(expected_clients, mode, committee, strategy, metrics_in_clear)
         super().__init__(strategy)
         self.metrics_in_clear = bool(metrics_in_clear)
         self.ring_bits = ring_bits
@@ -480,6 +483,10 @@ class DDGauss(LedgerShell):
         self.secagg_degree = secagg_degree
         self.stage_timeout = stage_timeout
         self.ledger = PrivacyLedger(NeighbouringRelation.ADD_REMOVE, delta)
+        self._start_state()
+
+    def _start_state(self) -> None:
+        """What the rounds fill in: the latest round's outcome and the run's releases."""
         self.encoder: DDGaussEncoder | None = None
         self.last_sum: np.ndarray | None = None
         self.last_survivors: tuple[int, ...] = ()

@@ -102,6 +102,40 @@ def _learning_rates(value: float | Sequence[float], n: int) -> np.ndarray:
     return eta
 
 
+def _check_arguments(
+    factorization: Any,
+    clipping_norm: float,
+    noise_multiplier: float,
+    expected_clients: float,
+    server_momentum: float,
+    accountant: str,
+    participation: Any,
+) -> None:
+    """A ConfigError naming the :class:`MatrixMechanism` argument out of its range."""
+    require(
+        isinstance(factorization, Factorization),
+        "factorization",
+        type(factorization).__name__,
+        "a fedsim.privacy.matrix.Factorization",
+    )
+    require(clipping_norm > 0, "clipping_norm", clipping_norm, "a number > 0")
+    require(
+        math.isfinite(noise_multiplier) and noise_multiplier >= 0,
+        "noise_multiplier",
+        noise_multiplier,
+        "a finite number >= 0 (0: no noise, epsilon inf)",
+    )
+    require(expected_clients > 0, "expected_clients", expected_clients, "a number > 0")
+    require(0.0 <= server_momentum < 1.0, "server_momentum", server_momentum, "a number in [0, 1)")
+    require(accountant in ACCOUNTANTS, "accountant", accountant, "one of 'rdp', 'pld'")
+    require(
+        isinstance(participation, Participation),
+        "participation",
+        participation,
+        "a fedsim.privacy.participation.Participation (e.g. Participation.separated(b, k))",
+    )
+
+
 class MatrixMechanism(ClippedSumShell):
     """Central matrix-mechanism DP (DP-FTRL, BandMF, BLT, trees) around a sampling strategy.
 
@@ -147,29 +181,14 @@ class MatrixMechanism(ClippedSumShell):
         relation: str = "add_remove",
         metrics_in_clear: bool = False,
     ) -> None:
-        require(
-            isinstance(factorization, Factorization),
-            "factorization",
-            type(factorization).__name__,
-            "a fedsim.privacy.matrix.Factorization",
-        )
-        require(clipping_norm > 0, "clipping_norm", clipping_norm, "a number > 0")
-        require(
-            math.isfinite(noise_multiplier) and noise_multiplier >= 0,
-            "noise_multiplier",
+        _check_arguments(
+            factorization,
+            clipping_norm,
             noise_multiplier,
-            "a finite number >= 0 (0: no noise, epsilon inf)",
-        )
-        require(expected_clients > 0, "expected_clients", expected_clients, "a number > 0")
-        require(
-            0.0 <= server_momentum < 1.0, "server_momentum", server_momentum, "a number in [0, 1)"
-        )
-        require(accountant in ACCOUNTANTS, "accountant", accountant, "one of 'rdp', 'pld'")
-        require(
-            isinstance(participation, Participation),
-            "participation",
+            expected_clients,
+            server_momentum,
+            accountant,
             participation,
-            "a fedsim.privacy.participation.Participation (e.g. Participation.separated(b, k))",
         )
         super().__init__(strategy)
         self.factorization = factorization

@@ -373,6 +373,10 @@ class HBConfig:
         )
         require(self.iterations >= 1, "pfedhb.iterations", self.iterations, "an integer >= 1")
         require(self.head_layers >= 1, "pfedhb.head_layers", self.head_layers, "an integer >= 1")
+        self._check_solver()
+
+    def _check_solver(self) -> None:
+        """The server solver's settings: its kind, steps, learning rate and schedule."""
         require(
             self.server_solver in ("adam", "exact"),
             "pfedhb.server_solver",
