@@ -85,6 +85,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import dp_accounting as dpa
@@ -94,7 +95,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedsim.config import ConfigError
+from fedsim.config import from_mapping, require
 from fedsim.engine.committee import Committee, CommitteeSpec
 from fedsim.privacy import ddgauss as ddgauss_privacy
 from fedsim.privacy.ledger import PrivacyLedger
@@ -110,7 +111,7 @@ from strategies.answered_rounds import claim_round
 from strategies.dp_shell import LedgerShell
 from strategies.secagg_messages import register_client_stages
 from strategies.secure import Release, SecAggPlan, SecureSum
-from strategies.secure.committee import COMMITTEE_OPTIONS, sealed_key
+from strategies.secure.committee import COMMITTEE_OPTIONS, sealed_key, spec_from_options
 from strategies.secure.plaintext import encoded_key
 from strategies.secure.replies import clear_train_loss, first_replies
 from strategies.spec import Accounting, RunFacts, StrategySpec
@@ -245,13 +246,12 @@ def ddgauss_client_app(
     return app
 
 
-def _check_arguments(
+def _check_options(
+    where: str,
     *,
     clipping_norm: float,
     noise_multiplier: float,
-    expected_clients: int,
     mode: str,
-    committee: Any,
     member_dropout: float,
     secagg_degree: int | None,
     ring_bits: int | None,
@@ -259,17 +259,49 @@ def _check_arguments(
     protocol_dropout: float,
     stage_timeout: float | None,
 ) -> None:
-    """Raise ValueError on a :class:`DDGauss` argument out of its range."""
-    if not (math.isfinite(clipping_norm) and clipping_norm > 0):
-        raise ValueError(f"clipping_norm={clipping_norm!r}; it must be finite and > 0")
-    if not (math.isfinite(noise_multiplier) and noise_multiplier > 0):
-        raise ValueError(f"noise_multiplier={noise_multiplier!r}; it must be finite and > 0")
+    """A ConfigError (a ValueError) naming ``<where><key>`` on a :class:`DDGauss` option out
+    of its range (``where``: ``"strategy.options."`` for a config's, ``""`` for arguments)."""
+    require(mode != "ideal", f"{where}mode", mode, _RENAMED)
+    require(mode in MODES, f"{where}mode", mode, f"one of {', '.join(map(repr, MODES))}")
+    for key, value in (("clipping_norm", clipping_norm), ("noise_multiplier", noise_multiplier)):
+        require(math.isfinite(value) and value > 0, where + key, value, "finite and > 0")
+    require(
+        0.0 <= member_dropout <= 1.0 and not (member_dropout and mode != "committee"),
+        f"{where}member_dropout",
+        member_dropout,
+        f"a probability, non-zero only in mode='committee' (mode={mode!r})",
+    )
+    require(
+        secagg_degree is None or (secagg_degree >= 2 and secagg_degree % 2 == 0),
+        f"{where}secagg_degree",
+        secagg_degree,
+        "an even integer >= 2",
+    )
+    require(
+        ring_bits is None or (isinstance(ring_bits, int) and bits <= ring_bits <= 64),
+        f"{where}ring_bits",
+        ring_bits,
+        f"an integer in [bits={bits}, 64] so that the planned sum cannot wrap",
+    )
+    require(
+        0.0 <= protocol_dropout <= 1.0, f"{where}protocol_dropout", protocol_dropout,
+        "a probability",
+    )
+    require(
+        stage_timeout is None or stage_timeout > 0,
+        f"{where}stage_timeout",
+        stage_timeout,
+        "seconds > 0 or None",
+    )
+
+
+def _check_arguments(
+    expected_clients: int, mode: str, committee: Any, strategy: Strategy, metrics_in_clear: bool
+) -> None:
+    """Raise ValueError on a :class:`DDGauss` argument that no option sets, or on federated
+    evaluation without ``metrics_in_clear``."""
     if not isinstance(expected_clients, int) or expected_clients < 2:
         raise ValueError(f"expected_clients={expected_clients!r}; it must be an integer >= 2")
-    if mode == "ideal":
-        raise ValueError(_RENAMED)
-    if mode not in MODES:
-        raise ValueError(f"mode={mode!r}; allowed: {', '.join(map(repr, MODES))}")
     if (mode == "committee") != (committee is not None):
         raise ValueError(
             f"committee={committee!r} with mode={mode!r}: pass a Committee or CommitteeSpec "
@@ -279,22 +311,81 @@ def _check_arguments(
         raise ValueError(
             f"committee is a {type(committee).__name__}; allowed: Committee or CommitteeSpec"
         )
-    if not 0.0 <= member_dropout <= 1.0 or (member_dropout and mode != "committee"):
-        raise ValueError(
-            f"member_dropout={member_dropout!r} with mode={mode!r}; allowed: a probability, "
-            "non-zero only in mode='committee'"
+    fraction = getattr(strategy, "fraction_evaluate", 0.0)
+    if not metrics_in_clear and isinstance(fraction, int | float) and fraction > 0:
+        raise ValueError(_EVALUATION.format(f"strategy.fraction_evaluate={fraction!r}"))
+
+
+#: the committee's keys, only with ``mode = "committee"``
+_COMMITTEE_ONLY = (*COMMITTEE_OPTIONS, "member_dropout")
+
+
+@dataclass(frozen=True)
+class DDGaussOptions:
+    """``strategy.options`` of "ddgauss" (see :func:`from_options`); the committee's keys
+    (None: unset, :class:`~fedsim.engine.committee.CommitteeSpec`'s defaults) only in
+    committee mode."""
+
+    clipping_norm: float
+    noise_multiplier: float
+    mode: str = "full"
+    bits: int = 20
+    beta: float = DEFAULT_BETA
+    max_tries: int = 100
+    delta: float = 1e-5
+    secagg_degree: int | None = None
+    ring_bits: int | None = None
+    protocol_dropout: float = 0.0
+    stage_timeout: float | None = 3600.0
+    committee_size: int | None = None
+    threshold: int | None = None
+    packing: int | None = None
+    detect: int | None = None
+    committee_shards: int | None = None
+    committee_actors: bool | None = None
+    member_dropout: float | None = None
+
+    def __post_init__(self) -> None:
+        require(self.mode != "ideal", f"{_WHERE}.mode", self.mode, _RENAMED)
+        given = [k for k in _COMMITTEE_ONLY if getattr(self, k) is not None]
+        require(
+            self.mode == "committee" or not given,
+            f"{_WHERE}.{given[0] if given else 'mode'}",
+            getattr(self, given[0]) if given else self.mode,
+            "only with mode = 'committee'",
         )
-    if secagg_degree is not None and (secagg_degree < 2 or secagg_degree % 2):
-        raise ValueError(f"secagg_degree={secagg_degree!r}; it must be an even integer >= 2")
-    if ring_bits is not None and not (isinstance(ring_bits, int) and bits <= ring_bits <= 64):
-        raise ValueError(
-            f"ring_bits={ring_bits!r}; it must be an integer in [bits={bits}, 64] so that the "
-            "planned sum cannot wrap"
+        self.committee()
+        _check_options(
+            f"{_WHERE}.",
+            **{k: getattr(self, k) for k in _CHECKED},
+            member_dropout=self.dropout,
         )
-    if not 0.0 <= protocol_dropout <= 1.0:
-        raise ValueError(f"protocol_dropout={protocol_dropout!r}; allowed: a probability")
-    if stage_timeout is not None and not stage_timeout > 0:
-        raise ValueError(f"stage_timeout={stage_timeout!r}; allowed: seconds > 0 or None")
+
+    @property
+    def dropout(self) -> float:
+        """Each committee member's drop probability per stage (unset: 0)."""
+        return 0.0 if self.member_dropout is None else self.member_dropout
+
+    def committee(self) -> CommitteeSpec | None:
+        """The committee these options describe (None unless ``mode = "committee"``)."""
+        if self.mode != "committee":
+            return None
+        return spec_from_options(
+            {k: getattr(self, k) for k in COMMITTEE_OPTIONS if getattr(self, k) is not None}
+        )
+
+
+_WHERE = "strategy.options"
+_CHECKED = (
+    "clipping_norm",
+    "noise_multiplier",
+    "mode",
+    "secagg_degree",
+    "ring_bits",
+    "bits",
+    "protocol_dropout",
+    "stage_timeout",
+)
 
 
 class DDGauss(LedgerShell):
@@ -341,25 +432,24 @@ class DDGauss(LedgerShell):
         noise_multiplier: float,
         expected_clients: int,
         seed: int,
-        mode: Literal["full", "plaintext", "committee"] = "full",
-        bits: int = 20,
-        beta: float = DEFAULT_BETA,
-        max_tries: int = 100,
-        delta: float = 1e-5,
+        mode: Literal["full", "plaintext", "committee"] = DDGaussOptions.mode,
+        bits: int = DDGaussOptions.bits,
+        beta: float = DDGaussOptions.beta,
+        max_tries: int = DDGaussOptions.max_tries,
+        delta: float = DDGaussOptions.delta,
         secagg_degree: int | None = None,
         ring_bits: int | None = None,
-        protocol_dropout: float = 0.0,
+        protocol_dropout: float = DDGaussOptions.protocol_dropout,
         committee: Committee | CommitteeSpec | None = None,
-        stage_timeout: float | None = 3600.0,
+        stage_timeout: float | None = DDGaussOptions.stage_timeout,
         member_dropout: float = 0.0,
         metrics_in_clear: bool = False,
     ) -> None:
-        _check_arguments(
+        _check_options(
+            "",
             clipping_norm=clipping_norm,
             noise_multiplier=noise_multiplier,
-            expected_clients=expected_clients,
             mode=mode,
-            committee=committee,
             member_dropout=member_dropout,
             secagg_degree=secagg_degree,
             ring_bits=ring_bits,
@@ -367,9 +457,7 @@ class DDGauss(LedgerShell):
             protocol_dropout=protocol_dropout,
             stage_timeout=stage_timeout,
         )
-        fraction = getattr(strategy, "fraction_evaluate", 0.0)
-        if not metrics_in_clear and isinstance(fraction, int | float) and fraction > 0:
-            raise ValueError(_EVALUATION.format(f"strategy.fraction_evaluate={fraction!r}"))
+        _check_arguments(expected_clients, mode, committee, strategy, metrics_in_clear)
         super().__init__(strategy)
         self.metrics_in_clear = bool(metrics_in_clear)
         self.ring_bits = ring_bits
@@ -395,6 +483,10 @@ class DDGauss(LedgerShell):
         self.secagg_degree = secagg_degree
         self.stage_timeout = stage_timeout
         self.ledger = PrivacyLedger(NeighbouringRelation.ADD_REMOVE, delta)
+        self._start_state()
+
+    def _start_state(self) -> None:
+        """What the rounds fill in: the latest round's outcome and the run's releases."""
         self.encoder: DDGaussEncoder | None = None
         self.last_sum: np.ndarray | None = None
         self.last_survivors: tuple[int, ...] = ()
@@ -704,75 +796,26 @@ class DDGauss(LedgerShell):
         return arrays, aggregated
 
 
-#: ``strategy.options`` keys of "ddgauss" (see :func:`from_options`)
-OPTIONS = (
-    "clipping_norm",
-    "noise_multiplier",
-    "mode",
-    "bits",
-    "beta",
-    "max_tries",
-    "delta",
-    "secagg_degree",
-    "ring_bits",
-    "protocol_dropout",
-    "stage_timeout",
-    "committee_size",
-    "threshold",
-    "packing",
-    "detect",
-    "committee_shards",
-    "committee_actors",
-    "member_dropout",
-)
-_COMMITTEE_OPTIONS = COMMITTEE_OPTIONS
-
-
 def from_options(
-    options: dict[str, Any],
+    options: DDGaussOptions | Mapping[str, Any],
     *,
     expected_clients: float,
     seed: int,
     evaluate_fraction: float = 0.0,
     metrics_in_clear: bool = False,
 ) -> DDGauss:
-    """ "ddgauss" from a config's ``strategy.options``: ``clipping_norm`` and
-    ``noise_multiplier`` (required), ``mode`` ("full", "plaintext" or "committee"), the other
-    keyword arguments of :class:`DDGauss` and, in committee mode, the committee's
-    ``committee_size`` (required), ``threshold`` (required), ``packing`` (1), ``detect`` (1),
-    ``committee_shards`` (1) and ``committee_actors`` (false; true hosts the members on Ray
-    actors): a :class:`~fedsim.engine.committee.CommitteeSpec` the front end builds.
+    """ "ddgauss" from a config's ``strategy.options`` (a mapping is read as
+    :class:`DDGaussOptions`): ``clipping_norm`` and ``noise_multiplier`` (required),
+    ``mode`` ("full", "plaintext" or "committee"), the other keyword arguments of
+    :class:`DDGauss` and, in committee mode, the committee's ``committee_size`` (required),
+    ``threshold`` (required), ``packing`` (1), ``detect`` (1), ``committee_shards`` (1) and
+    ``committee_actors`` (false; true hosts the members on Ray actors): a
+    :class:`~fedsim.engine.committee.CommitteeSpec` the front end builds.
     ``evaluate_fraction`` > 0 (federated evaluation) needs ``metrics_in_clear``."""
     from flwr.serverapp.strategy import FedAvg  # noqa: PLC0415
 
-    for key in options:
-        if key not in OPTIONS:
-            raise ValueError(f"strategy.options.{key}={options[key]!r}; allowed: one of {OPTIONS}")
-    for key in ("clipping_norm", "noise_multiplier"):
-        if key not in options:
-            raise ValueError(f"strategy.options.{key} is required (a number)")
-    if options.get("mode") == "ideal":
-        raise ValueError(f"strategy.options.mode='ideal': {_RENAMED}")
-    mode = options.get("mode", "full")
-    if mode not in MODES:
-        raise ValueError(
-            f"strategy.options.mode={mode!r}; allowed: {', '.join(map(repr, MODES))}"
-        )
-    given = [k for k in (*_COMMITTEE_OPTIONS, "member_dropout") if k in options]
-    if mode != "committee" and given:
-        raise ValueError(f"strategy.options.{given[0]} is for mode = 'committee' only")
-    committee = None
-    if mode == "committee":
-        for key in ("committee_size", "threshold"):
-            if key not in options:
-                raise ValueError(f"strategy.options.{key} is required in mode 'committee'")
-        try:
-            committee = CommitteeSpec(
-                **{_COMMITTEE_OPTIONS[k]: v for k, v in options.items() if k in _COMMITTEE_OPTIONS}
-            )
-        except ValueError as error:
-            names = ", ".join(f"{v} = strategy.options.{k}" for k, v in _COMMITTEE_OPTIONS.items())
-            raise ValueError(f"the committee's options: {error} ({names})") from None
+    if not isinstance(options, DDGaussOptions):
+        options = from_mapping(DDGaussOptions, options, _WHERE)
     inner = FedAvg(
         fraction_train=1.0,
         fraction_evaluate=evaluate_fraction,
@@ -780,17 +823,24 @@ def from_options(
         min_evaluate_nodes=0,
         min_available_nodes=0,
     )
-    fixed = ("clipping_norm", "noise_multiplier", *_COMMITTEE_OPTIONS)
-    kwargs = {k: v for k, v in options.items() if k not in fixed}
     return DDGauss(
         inner,
-        clipping_norm=float(options["clipping_norm"]),
-        noise_multiplier=float(options["noise_multiplier"]),
+        clipping_norm=options.clipping_norm,
+        noise_multiplier=options.noise_multiplier,
         expected_clients=max(2, round(expected_clients)),
         seed=seed,
-        committee=committee,
+        mode=options.mode,
+        bits=options.bits,
+        beta=options.beta,
+        max_tries=options.max_tries,
+        delta=options.delta,
+        secagg_degree=options.secagg_degree,
+        ring_bits=options.ring_bits,
+        protocol_dropout=options.protocol_dropout,
+        committee=options.committee(),
+        stage_timeout=options.stage_timeout,
+        member_dropout=options.dropout,
         metrics_in_clear=metrics_in_clear,
-        **kwargs,
     )
 
 
@@ -802,22 +852,20 @@ def _always(options: Mapping[str, Any]) -> bool:
     return True
 
 
-def _build(options: Mapping[str, Any], facts: RunFacts) -> DDGauss:
-    """:func:`from_options` with the run's facts; a bad option is a ConfigError."""
-    try:
-        return from_options(
-            dict(options),
-            expected_clients=facts.expected_clients,
-            seed=facts.seed,
-            evaluate_fraction=facts.evaluate_fraction,
-            metrics_in_clear=facts.metrics_in_clear,
-        )
-    except ValueError as err:
-        raise ConfigError("strategy.options", dict(options), str(err)) from err
+def _build(options: DDGaussOptions, facts: RunFacts) -> DDGauss:
+    """:func:`from_options` with the run's facts."""
+    return from_options(
+        options,
+        expected_clients=facts.expected_clients,
+        seed=facts.seed,
+        evaluate_fraction=facts.evaluate_fraction,
+        metrics_in_clear=facts.metrics_in_clear,
+    )
 
 
 SPEC = StrategySpec(
     name=NAME,
+    options=DDGaussOptions,
     build=_build,
     accounting=Accounting(
         ledger="per round whose sum the server can determine (released, or aborted after it "

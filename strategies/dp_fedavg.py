@@ -83,7 +83,7 @@ server optimisers apply their update to the pseudo-gradient ``Delta_bar``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,14 +94,10 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedsim.config import ConfigError, require
-from fedsim.privacy.accountant import ACCOUNTANTS
-from fedsim.privacy.calibration import calibrate_noise
 from fedsim.privacy.epsilon import epsilon
 from fedsim.privacy.ledger import PrivacyLedger
 from fedsim.privacy.participation import Participation
 from fedsim.privacy.round_events import (
-    Z_MAX,
-    Z_MIN,
     adaptive_clipping_round_event,
     round_event,
     split_noise_multiplier,
@@ -117,13 +113,10 @@ from fedsim.record_codec import to_record
 from fedsim.worker_reduce import (
     partial_reply,
 )
-from strategies import flower
 from strategies.clipped_sum import ClippedSum
 from strategies.dp_shell import ClippedSumShell
 from strategies.observed_sampling import SamplingPlan, describe, planned_sampling
-from strategies.options import pop_number, pop_value
 from strategies.participation_guard import ParticipationGuard
-from strategies.spec import Accounting, RunFacts, StrategySpec
 from strategies.wrapper import server_reply
 
 
@@ -419,9 +412,7 @@ class DPFedAvg(ClippedSumShell):
         )
         arrays, aggregated = self.strategy.aggregate_train(server_round, [synthetic])
         aggregated = aggregated if aggregated is not None else MetricRecord()
-        self.add_round_metrics(
-            aggregated, round_, clipping_norm, self.update_noise_multiplier, std
-        )
+        self.add_round_metrics(aggregated, round_, clipping_norm, self.update_noise_multiplier, std)
         if self.adaptive is not None:
             estimate = self._adapt_clipping_norm(
                 self.adaptive, server_round, round_.clients, round_.clipped
@@ -442,180 +433,6 @@ class DPFedAvg(ClippedSumShell):
         return estimate
 
 
-# -- from a run config ---------------------------------------------------------------------
-NAME = "dp-fedavg"
-_NOISE = ("noise_multiplier", "target_epsilon")
-_ADAPTIVE = ("target_unclipped_quantile", "clip_learning_rate", "clipped_count_stddev")
-
-
-def from_options(options: Mapping[str, Any], facts: RunFacts) -> DPFedAvg:
-    """DP-FedAvg from ``strategy.options``.
-
-    Options: ``clipping_norm`` (required) and either ``noise_multiplier`` or
-    ``target_epsilon`` (the noise multiplier dp_accounting calibrates so that the run's
-    ``rounds`` under its sampling reach at most that epsilon at ``delta``, with the run's
-    accountant; :func:`~fedsim.privacy.calibration.calibrate_noise`);
-    ``adaptive_clipping`` (false) with ``target_unclipped_quantile`` (0.5),
-    ``clip_learning_rate`` (0.2) and ``clipped_count_stddev`` (clients per
-    round / 20, Andrew et al. 2021's choice); ``delta`` (min(1e-5, 1 / population));
-    ``accountant`` ("rdp" or "pld"); ``max_epsilon`` (none); ``server_optimizer``
-    (a weighted-mean strategy of :mod:`strategies.flower`, default "fedavg"). Every other
-    option goes to the server optimiser (e.g. ``server_momentum``, ``eta``).
-    """
-    options = dict(options)
-    if "clipping_norm" not in options:
-        raise ConfigError("strategy.options.clipping_norm", None, f"a number (required by {NAME})")
-    given = [key for key in _NOISE if key in options]
-    if len(given) != 1:
-        raise ConfigError(
-            f"strategy.options.{given[-1] if given else 'noise_multiplier'}",
-            options.get(given[-1]) if given else None,
-            f"exactly one of noise_multiplier, target_epsilon (required by {NAME})",
-        )
-    clipping_norm = pop_number(options, "clipping_norm", None, lambda v: v > 0, "a number > 0")
-    delta, accountant, max_epsilon, sampling = _budget_from(options, facts)
-    if "target_epsilon" in options:
-        z = _calibrated(options.pop("target_epsilon"), delta, accountant, sampling, facts)
-    else:
-        z = pop_number(
-            options,
-            "noise_multiplier",
-            None,
-            lambda v: v == 0 or Z_MIN <= v <= Z_MAX,
-            f"0 (no noise) or a number in [{Z_MIN:g}, {Z_MAX:g}] (noise std / "
-            "clipping norm; below, dp_accounting's epsilon loses its precision)",
-        )
-    adaptive = _adaptive_from(options, z, facts.expected_clients)
-    optimizer = options.pop("server_optimizer", "fedavg")
-    cls = flower.server_optimizer(optimizer)
-    require(
-        cls is not None,
-        "strategy.options.server_optimizer",
-        optimizer,
-        f"one of {', '.join(flower.WEIGHTED_MEAN)}",
-    )
-    return DPFedAvg(
-        flower.flower_strategy(cls, options, facts.evaluate_fraction),
-        clipping_norm=clipping_norm,
-        noise_multiplier=z,
-        expected_clients=facts.expected_clients,
-        worker_reduction=facts.worker_reduction,
-        adaptive=adaptive,
-        sampling=sampling,
-        delta=delta,
-        accountant=accountant,
-        max_epsilon=max_epsilon,
-        metrics_in_clear=facts.metrics_in_clear,
-    )
-
-
-def _calibrated(
-    target: Any, delta: float, accountant: str, sampling: Sampling, facts: RunFacts
-) -> float:
-    """The noise multiplier dp_accounting calibrates to ``target`` (epsilon after the run's
-    rounds under ``sampling`` at ``delta``), else a ConfigError naming
-    ``strategy.options.target_epsilon``.
-
-    The round is accounted as one Gaussian with this ``z`` also under adaptive clipping (its
-    two noises are split from ``z``), so the calibrated run's epsilon is at most ``target``.
-    """
-    key = "strategy.options.target_epsilon"
-    require(
-        isinstance(target, (int, float))
-        and not isinstance(target, bool)
-        and math.isfinite(target)
-        and target > 0,
-        key,
-        target,
-        "a finite number > 0 (the epsilon the run may reach)",
-    )
-    rounds = facts.required("rounds", f"the run's rounds (required by {key})")
-    # the ledger's relation: a schedule's rounds are recorded unsampled (DPFedAvg.__init__)
-    unsampled = isinstance(sampling, Participation)
-    relation = relation_for(FullParticipation() if unsampled else sampling)
-    try:
-        return calibrate_noise(float(target), delta, sampling, rounds, accountant, relation)
-    except ConfigError as err:
-        raise ConfigError(
-            key,
-            target,
-            f"an epsilon {accountant} reaches for {rounds} rounds of {type(sampling).__name__} "
-            f"at delta = {delta:g} ({err.allowed})",
-        ) from err
-
-
-def _adaptive_from(
-    options: dict[str, Any], z: float, expected_clients: float
-) -> AdaptiveClipping | None:
-    """Pop ``adaptive_clipping`` and, when true, its settings (refused when false)."""
-    adaptive_on = options.pop("adaptive_clipping", False)
-    require(
-        isinstance(adaptive_on, bool),
-        "strategy.options.adaptive_clipping",
-        adaptive_on,
-        "true or false",
-    )
-    if not adaptive_on:
-        for key in _ADAPTIVE:
-            if key in options:
-                raise ConfigError(
-                    f"strategy.options.{key}",
-                    options[key],
-                    "nothing unless strategy.options.adaptive_clipping = true",
-                )
-        return None
-    require(
-        z > 0,
-        "strategy.options.noise_multiplier",
-        z,
-        "a number > 0 with adaptive_clipping = true (the clipped count is noised too)",
-    )
-    gamma = pop_number(
-        options, "target_unclipped_quantile", 0.5, lambda v: 0 <= v <= 1, "a number in [0, 1]"
-    )
-    eta = pop_number(options, "clip_learning_rate", 0.2, lambda v: v > 0, "a number > 0")
-    sigma_b = pop_number(
-        options,
-        "clipped_count_stddev",
-        expected_clients / 20,
-        lambda v: 2 * v > z,
-        f"a number > noise_multiplier / 2 = {z / 2:g} (the default is "
-        f"clients_per_round / 20 = {expected_clients / 20:g}; at or below z / 2 the "
-        "clipped count alone would use the whole privacy budget)",
-    )
-    return AdaptiveClipping(
-        target_unclipped_quantile=gamma, learning_rate=eta, count_stddev=sigma_b
-    )
-
-
-def _budget_from(
-    options: dict[str, Any], facts: RunFacts
-) -> tuple[float, str, float | None, Sampling]:
-    """Pop ``delta``, ``accountant`` and ``max_epsilon``; check that the accountant supports
-    the run's sampling. Returns them with that sampling."""
-    population = facts.population
-    default_delta = 1e-5 if population is None else min(1e-5, 1.0 / population)
-    delta = pop_number(options, "delta", default_delta, lambda v: 0 < v < 1, "a number in (0, 1)")
-    accountant = options.pop("accountant", "rdp")
-    require(
-        accountant in ACCOUNTANTS,
-        "strategy.options.accountant",
-        accountant,
-        "one of 'rdp', 'pld'",
-    )
-    max_epsilon = pop_value(options, "max_epsilon", None)
-    require(
-        max_epsilon is None or max_epsilon > 0,
-        "strategy.options.max_epsilon",
-        max_epsilon,
-        "a number > 0 (epsilon at which the run stops)",
-    )
-    sampling = FullParticipation() if facts.sampling is None else facts.sampling
-    event_sampling = FullParticipation() if isinstance(sampling, Participation) else sampling
-    check_accountant(accountant, event_sampling, delta, "strategy.options.accountant")
-    return delta, accountant, max_epsilon, sampling
-
-
 def check_accountant(
     accountant: str, sampling: Sampling, delta: float, key: str = "accountant"
 ) -> None:
@@ -626,22 +443,3 @@ def check_accountant(
         raise ConfigError(
             key, accountant, f"an accountant for {type(sampling).__name__} ({err.allowed})"
         ) from err
-
-
-def _proximal(options: Mapping[str, Any]) -> bool:
-    cls = flower.server_optimizer(options.get("server_optimizer", "fedavg"))
-    return cls is not None and issubclass(cls, flower.FedProx)
-
-
-SPEC = StrategySpec(
-    name=NAME,
-    build=from_options,
-    summable=True,
-    accounting=Accounting(
-        ledger="one sampled Gaussian per released round (with adaptive clipping: composed "
-        "with the clipped count's Gaussian), under the cohorts' sampling",
-        command="dp-fedavg",
-    ),
-    proximal=_proximal,
-    amplified_by_sampling=True,
-)

@@ -2,13 +2,16 @@
 
 The engine draws each phase's cohort and the strategy takes all of it (``fraction_train=1``),
 so sampling is seeded and visible to the accountant. Options are the strategy class's
-constructor arguments, checked against its signature. The weighted-mean family (FedAvg and
+constructor arguments: a frozen dataclass made from its signature (types and Flower's
+defaults), plus a secure sum's keys. The weighted-mean family (FedAvg and
 its server optimisers) is summable; the robust aggregators are not.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import typing
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,7 +30,7 @@ from flwr.serverapp.strategy import (
     Strategy,
 )
 
-from fedsim.config import ConfigError
+from fedsim.config import ConfigError, require
 from strategies import secure_aggregation
 from strategies.spec import RunFacts, StrategySpec
 from strategies.worker_reduced import WorkerReduced
@@ -49,6 +52,7 @@ ROBUST: dict[str, type[FedAvg]] = {
     "multikrum": MultiKrum,
     "bulyan": Bulyan,
 }
+#: set by the engine's cohorts (strategy.clients_per_round, evaluation.clients), never options
 _SET_BY_ENGINE = (
     "fraction_train",
     "fraction_evaluate",
@@ -56,30 +60,42 @@ _SET_BY_ENGINE = (
     "min_evaluate_nodes",
     "min_available_nodes",
 )
-_NOT_CONFIGURABLE = ("train_metrics_aggr_fn", "evaluate_metrics_aggr_fn")
+#: the types a config value can take (callables such as Bulyan's selection_rule cannot)
+_CONFIGURABLE = (bool, int, float, str)
+
+
+def constructor_options(cls: type[FedAvg]) -> dict[str, tuple[type, Any]]:
+    """``cls``'s configurable constructor arguments: name -> (type, Flower's default)."""
+    hints = typing.get_type_hints(cls.__init__)
+    return {
+        p.name: (hints[p.name], p.default)
+        for p in inspect.signature(cls.__init__).parameters.values()
+        if p.name not in _SET_BY_ENGINE and hints.get(p.name) in _CONFIGURABLE
+    }
+
+
+def _options_type(cls: type[FedAvg]) -> type:
+    """The frozen dataclass of ``cls``'s options: its constructor arguments (Flower's
+    defaults) and a secure sum's (:class:`~strategies.secure_aggregation.SecureSumOptions`)."""
+    fields = [
+        (name, tp, dataclasses.field(default=default))
+        for name, (tp, default) in constructor_options(cls).items()
+    ]
+    options = dataclasses.make_dataclass(
+        f"{cls.__name__}Options",
+        fields,
+        bases=(secure_aggregation.SecureSumOptions,),
+        frozen=True,
+    )
+    options.__module__ = __name__
+    options.__doc__ = f"``strategy.options`` of Flower's {cls.__name__} (its constructor's)."
+    return options
 
 
 def flower_strategy(
     cls: type[FedAvg], options: Mapping[str, Any], evaluate_fraction: float
 ) -> FedAvg:
-    """``cls`` with ``options`` (its constructor's arguments), over the engine's cohorts."""
-    accepted = [
-        p
-        for p in inspect.signature(cls.__init__).parameters
-        if p != "self" and p not in _NOT_CONFIGURABLE
-    ]
-    for key in options:
-        if key in _SET_BY_ENGINE:
-            raise ConfigError(
-                f"strategy.options.{key}",
-                options[key],
-                "nothing: cohorts are set by strategy.clients_per_round and evaluation.clients",
-            )
-        if key not in accepted:
-            allowed = ", ".join(p for p in accepted if p not in _SET_BY_ENGINE)
-            raise ConfigError(
-                f"strategy.options.{key}", options[key], f"an option of {cls.__name__}: {allowed}"
-            )
+    """``cls`` with ``options`` (checked constructor arguments), over the engine's cohorts."""
     try:
         return cls(
             fraction_train=1.0,
@@ -89,30 +105,37 @@ def flower_strategy(
             min_available_nodes=0,
             **options,
         )
-    except (TypeError, ValueError) as err:
+    except ValueError as err:  # Flower's own range checks (e.g. FedTrimmedAvg's beta)
+        key = next((k for k in options if f"`{k}`" in str(err)), None)
         raise ConfigError(
-            "strategy.options", dict(options), f"valid {cls.__name__} arguments ({err})"
+            f"strategy.options.{key}" if key else "strategy.options",
+            options[key] if key else dict(options),
+            f"valid {cls.__name__} arguments ({err})",
         ) from err
 
 
 def _spec(name: str, cls: type[FedAvg], summable: bool) -> StrategySpec:
-    def build(options: Mapping[str, Any], facts: RunFacts) -> Strategy:
-        plain, secured = secure_aggregation.split_options(options)
-        if secured and not summable:
+    options_type = _options_type(cls)
+    own = tuple(constructor_options(cls))
+
+    def build(options: Any, facts: RunFacts) -> Strategy:
+        if options.secure_sum is not None and not summable:
             raise ConfigError(
                 "strategy.options.secure_sum",
-                secured.get("secure_sum"),
+                options.secure_sum,
                 f"unset for {name}, whose aggregation is not a sum (a secure sum works with "
                 f"{', '.join(WEIGHTED_MEAN)})",
             )
-        strategy = flower_strategy(cls, plain, facts.evaluate_fraction)
-        if secured:  # the clients' weighted sum by a secure sum, never folded on workers
-            return secure_aggregation.from_options(strategy, secured, facts)
+        kwargs = {key: getattr(options, key) for key in own}
+        strategy = flower_strategy(cls, kwargs, facts.evaluate_fraction)
+        if options.secure_sum is not None:  # the weighted sum by a secure sum, never folded
+            return secure_aggregation.from_options(strategy, options, facts)
         return WorkerReduced(strategy) if facts.worker_reduction else strategy
 
     proximal = issubclass(cls, FedProx)
     return StrategySpec(
         name=name,
+        options=options_type,
         build=build,
         summable=summable,
         proximal=lambda options: proximal,
@@ -126,6 +149,52 @@ SPECS: tuple[StrategySpec, ...] = (
     *(_spec(name, cls, True) for name, cls in WEIGHTED_MEAN.items()),
     *(_spec(name, cls, False) for name, cls in ROBUST.items()),
 )
+
+
+def _optimizer_checks(self: Any) -> None:
+    """``server_optimizer`` is a weighted-mean strategy that takes every option given."""
+    cls = server_optimizer(self.server_optimizer)
+    require(
+        cls is not None,
+        "strategy.options.server_optimizer",
+        self.server_optimizer,
+        f"one of {', '.join(WEIGHTED_MEAN)}",
+    )
+    accepted = constructor_options(cls)
+    for key in _OPTIMIZER_KEYS:
+        value = getattr(self, key)
+        if value is not None and key not in accepted:
+            raise ConfigError(
+                f"strategy.options.{key}",
+                value,
+                f"an option of {cls.__name__}: {', '.join(accepted)}",
+            )
+
+
+def _optimizer_strategy(self: Any, evaluate_fraction: float) -> FedAvg:
+    """The server optimiser with the options given (Flower's defaults for the others)."""
+    kwargs = {k: getattr(self, k) for k in _OPTIMIZER_KEYS if getattr(self, k) is not None}
+    return flower_strategy(WEIGHTED_MEAN[self.server_optimizer], kwargs, evaluate_fraction)
+
+
+#: every weighted-mean strategy's constructor options (one type per name)
+_OPTIMIZER_TYPES = {
+    name: tp for cls in WEIGHTED_MEAN.values() for name, (tp, _) in constructor_options(cls).items()
+}
+_OPTIMIZER_KEYS = tuple(_OPTIMIZER_TYPES)
+#: ``strategy.options`` of a private strategy's server optimiser: ``server_optimizer`` (a
+#: weighted-mean strategy, "fedavg") and its constructor options (unset: Flower's default).
+#: ``strategy(evaluate_fraction)`` builds it.
+ServerOptimizerOptions = dataclasses.make_dataclass(
+    "ServerOptimizerOptions",
+    [
+        ("server_optimizer", str, dataclasses.field(default="fedavg")),
+        *((k, tp | None, dataclasses.field(default=None)) for k, tp in _OPTIMIZER_TYPES.items()),
+    ],
+    namespace={"__post_init__": _optimizer_checks, "strategy": _optimizer_strategy},
+    frozen=True,
+)
+ServerOptimizerOptions.__module__ = __name__
 
 
 def server_optimizer(name: Any) -> type[FedAvg] | None:

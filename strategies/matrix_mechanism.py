@@ -55,7 +55,8 @@ fraction are released only with ``metrics_in_clear``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,40 @@ def _learning_rates(value: float | Sequence[float], n: int) -> np.ndarray:
         f"a number > 0 or {n} numbers > 0 (one per round of the factorization)",
     )
     return eta
+
+
+def _check_arguments(
+    factorization: Any,
+    clipping_norm: float,
+    noise_multiplier: float,
+    expected_clients: float,
+    server_momentum: float,
+    accountant: str,
+    participation: Any,
+) -> None:
+    """A ConfigError naming the :class:`MatrixMechanism` argument out of its range."""
+    require(
+        isinstance(factorization, Factorization),
+        "factorization",
+        type(factorization).__name__,
+        "a fedsim.privacy.matrix.Factorization",
+    )
+    require(clipping_norm > 0, "clipping_norm", clipping_norm, "a number > 0")
+    require(
+        math.isfinite(noise_multiplier) and noise_multiplier >= 0,
+        "noise_multiplier",
+        noise_multiplier,
+        "a finite number >= 0 (0: no noise, epsilon inf)",
+    )
+    require(expected_clients > 0, "expected_clients", expected_clients, "a number > 0")
+    require(0.0 <= server_momentum < 1.0, "server_momentum", server_momentum, "a number in [0, 1)")
+    require(accountant in ACCOUNTANTS, "accountant", accountant, "one of 'rdp', 'pld'")
+    require(
+        isinstance(participation, Participation),
+        "participation",
+        participation,
+        "a fedsim.privacy.participation.Participation (e.g. Participation.separated(b, k))",
+    )
 
 
 class MatrixMechanism(ClippedSumShell):
@@ -146,29 +181,14 @@ class MatrixMechanism(ClippedSumShell):
         relation: str = "add_remove",
         metrics_in_clear: bool = False,
     ) -> None:
-        require(
-            isinstance(factorization, Factorization),
-            "factorization",
-            type(factorization).__name__,
-            "a fedsim.privacy.matrix.Factorization",
-        )
-        require(clipping_norm > 0, "clipping_norm", clipping_norm, "a number > 0")
-        require(
-            math.isfinite(noise_multiplier) and noise_multiplier >= 0,
-            "noise_multiplier",
+        _check_arguments(
+            factorization,
+            clipping_norm,
             noise_multiplier,
-            "a finite number >= 0 (0: no noise, epsilon inf)",
-        )
-        require(expected_clients > 0, "expected_clients", expected_clients, "a number > 0")
-        require(
-            0.0 <= server_momentum < 1.0, "server_momentum", server_momentum, "a number in [0, 1)"
-        )
-        require(accountant in ACCOUNTANTS, "accountant", accountant, "one of 'rdp', 'pld'")
-        require(
-            isinstance(participation, Participation),
-            "participation",
+            expected_clients,
+            server_momentum,
+            accountant,
             participation,
-            "a fedsim.privacy.participation.Participation (e.g. Participation.separated(b, k))",
         )
         super().__init__(strategy)
         self.factorization = factorization
@@ -321,36 +341,40 @@ class MatrixMechanism(ClippedSumShell):
         self.released_exact = self.released_exact and self._sens_cache[server_round].exact
 
 
-#: ``strategy.options`` keys of "matrix-mechanism" (besides the server optimiser's)
-OPTIONS = (
-    "clipping_norm",
-    "noise_multiplier",
-    "factorization",
-    "kind",
-    "bands",
-    "buffers",
-    "server_learning_rate",
-    "server_momentum",
-    "delta",
-    "accountant",
-)
-
-
-def _option_number(options: Mapping[str, Any], key: str, default: float | None) -> float:
-    value = options.get(key, default)
-    require(
-        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
-        f"strategy.options.{key}",
-        value,
-        "a finite number" + (" (required)" if default is None else ""),
-    )
-    return float(value)
-
-
 NAME = "matrix-mechanism"
+_WHERE = "strategy.options"
 
 
-def from_options(options: Mapping[str, Any], facts: RunFacts) -> MatrixMechanism:
+@dataclass(frozen=True)
+class MatrixOptions:
+    """``strategy.options`` of "matrix-mechanism" (see :func:`from_options`); None: unset
+    (``kind`` "banded", ``bands`` the min separation, ``buffers`` and ``delta`` as
+    :class:`~fedsim.privacy.matrix.build.Spec` and the run's population set them)."""
+
+    clipping_norm: float
+    noise_multiplier: float
+    factorization: str | None = None
+    kind: str | None = None
+    bands: int | None = None
+    buffers: int | None = None
+    server_learning_rate: float = 1.0
+    server_momentum: float = 0.0
+    delta: float | None = None
+    accountant: str = "rdp"
+
+    def __post_init__(self) -> None:
+        """The file fixes the factorization (the other ranges are the mechanism's checks)."""
+        if self.factorization is not None:
+            for key in ("kind", "bands", "buffers"):
+                require(
+                    getattr(self, key) is None,
+                    f"{_WHERE}.{key}",
+                    getattr(self, key),
+                    f"nothing with {_WHERE}.factorization (the file fixes it)",
+                )
+
+
+def from_options(options: MatrixOptions, facts: RunFacts) -> MatrixMechanism:
     """ "matrix-mechanism" from a config's ``strategy.options``.
 
     Options: ``clipping_norm`` and ``noise_multiplier`` (required, the whole run's ``z``);
@@ -362,11 +386,6 @@ def from_options(options: Mapping[str, Any], facts: RunFacts) -> MatrixMechanism
     every client may be in every round, ``Participation.separated(1)``).
     """
     rounds = facts.required("rounds", f"the run's rounds (required by {NAME})")
-    for key in options:
-        require(key in OPTIONS, f"strategy.options.{key}", options[key], f"one of {OPTIONS}")
-    for key in ("clipping_norm", "noise_multiplier"):
-        if key not in options:
-            raise ConfigError(f"strategy.options.{key}", None, "a number (required)")
     participation = facts.participation or EVERY_ROUND
     require(
         participation.kind == "min_sep",
@@ -390,63 +409,53 @@ def from_options(options: Mapping[str, Any], facts: RunFacts) -> MatrixMechanism
         return MatrixMechanism(
             inner,
             factorization=f,
-            clipping_norm=_option_number(options, "clipping_norm", None),
-            noise_multiplier=_option_number(options, "noise_multiplier", None),
+            clipping_norm=options.clipping_norm,
+            noise_multiplier=options.noise_multiplier,
             expected_clients=facts.expected_clients,
             participation=Participation.separated(sep, k),
-            server_learning_rate=_option_number(options, "server_learning_rate", 1.0),
-            server_momentum=_option_number(options, "server_momentum", 0.0),
+            server_learning_rate=options.server_learning_rate,
+            server_momentum=options.server_momentum,
             worker_reduction=facts.worker_reduction,
-            delta=_option_number(options, "delta", default_delta),
-            accountant=options.get("accountant", "rdp"),
+            delta=default_delta if options.delta is None else options.delta,
+            accountant=options.accountant,
             metrics_in_clear=facts.metrics_in_clear,
         )
-    except ConfigError as err:
-        key = err.key if err.key.startswith("strategy.") else f"strategy.options.{err.key}"
+    except ConfigError as err:  # the mechanism's own checks name its arguments
+        key = err.key if err.key.startswith("strategy.") else f"{_WHERE}.{err.key}"
         raise ConfigError(key, err.value, err.allowed) from err
 
 
-def _factorization_from(
-    options: Mapping[str, Any], rounds: int, sep: int, k: int
-) -> Factorization:
+def _factorization_from(options: MatrixOptions, rounds: int, sep: int, k: int) -> Factorization:
     """The file ``strategy.options.factorization`` (for at least ``rounds`` rounds), or the
     ``kind`` built for ``rounds`` rounds, ``k`` participations ``sep`` apart."""
     from fedsim.privacy.matrix.build import Spec, build  # noqa: PLC0415
 
-    if "factorization" not in options:
-        kind = options.get("kind", "banded")
-        bands = options.get("bands")
+    path = options.factorization
+    if path is None:
+        given = {"buffers": options.buffers} if options.buffers is not None else {}
         try:
             return build(
                 Spec(
-                    kind=kind,
+                    kind="banded" if options.kind is None else options.kind,
                     rounds=rounds,
-                    bands=bands if bands is not None else min(sep, rounds),
+                    bands=options.bands if options.bands is not None else min(sep, rounds),
                     participations=k,
                     min_sep=sep,
-                    buffers=options.get("buffers", 3),
+                    **given,
                 )
             )
         except ConfigError as err:
-            raise ConfigError(f"strategy.options.{err.key}", err.value, err.allowed) from err
-    for key in ("kind", "bands", "buffers"):
-        require(
-            key not in options,
-            f"strategy.options.{key}",
-            options.get(key),
-            "nothing with strategy.options.factorization (the file fixes it)",
-        )
-    path = options["factorization"]
+            raise ConfigError(f"{_WHERE}.{err.key}", err.value, err.allowed) from err
     require(
-        isinstance(path, str) and Path(path).is_file(),
-        "strategy.options.factorization",
+        Path(path).is_file(),
+        f"{_WHERE}.factorization",
         path,
         "the path of an .npz written by fedsim factorize",
     )
     f = Factorization.load(path)
     require(
         f.n >= rounds,
-        "strategy.options.factorization",
+        f"{_WHERE}.factorization",
         path,
         f"a factorization for at least rounds = {rounds} rounds (it has n = {f.n})",
     )
@@ -455,6 +464,7 @@ def _factorization_from(
 
 SPEC = StrategySpec(
     name=NAME,
+    options=MatrixOptions,
     build=from_options,
     summable=True,
     accounting=Accounting(

@@ -20,12 +20,15 @@ sampler) or ``"uniform"`` (exactly k). ``[strategy.options]`` holds the method's
   it evaluates, 1); only the reporting clients train;
 * pfedbayes, local-only: nothing else.
 
-Errors name the key as ``strategy.options.<key>``, with its value and what is allowed.
+Each method's options are a frozen dataclass (:class:`NoOptions` and its subclasses, the
+method's spec's ``options``) read by :func:`fedsim.config.from_mapping`. Errors name the key
+as ``strategy.options.<key>``, with its value and what is allowed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from fedsim.config import ConfigError, require
@@ -33,39 +36,71 @@ from strategies.personalised import Cohorts, FedAvgReference, LocalOnly, Persona
 from strategies.spec import StrategySpec
 
 _WHERE = "strategy.options"
-#: ``make(options, cohorts, head_layers)``: the method from its remaining options
-Make = Callable[[dict[str, Any], Cohorts, int], PersonalisedStrategy]
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """``strategy.options`` of a method with none (local-only): the cohorts' defaults."""
+
+    def cohort(self) -> dict[str, Any]:
+        """The :class:`~strategies.personalised.Cohorts` settings these options give."""
+        return {}
+
+
+@dataclass(frozen=True)
+class MinClients(NoOptions):
+    """``min_clients``: at least this many clients report each round."""
+
+    min_clients: int = Cohorts.min_clients
+
+    def cohort(self) -> dict[str, Any]:
+        return {"min_clients": self.min_clients}
+
+
+@dataclass(frozen=True)
+class ScheduledOptions(MinClients):
+    """``min_clients`` and ``schedule`` ("all" or "sampled", checked by
+    :class:`~strategies.personalised.Cohorts`)."""
+
+    schedule: str = Cohorts.schedule
+
+    def cohort(self) -> dict[str, Any]:
+        return {**super().cohort(), "schedule": self.schedule}
+
+
+@dataclass(frozen=True)
+class FedAvgFTOptions(MinClients):
+    """fedavg-ft: ``min_clients`` and ``finetune_epochs`` (1)."""
+
+    finetune_epochs: int = 1
+
+
+#: ``make(options, cohorts, head_layers)``: the method from its options
+Make = Callable[[Any, Cohorts, int], PersonalisedStrategy]
 
 
 def personalised_spec(
     name: str,
-    allowed: tuple[str, ...],
+    options: type[NoOptions],
     make: Make,
     *,
     schedule: Literal["all", "sampled"] = "all",
-    option_key: Callable[[str], str] = lambda key: key,
 ) -> StrategySpec:
-    """The spec of the personalised method ``name``: its ``strategy.options`` keys
-    ``allowed`` (besides ``schedule``/``min_clients`` when listed), ``make`` building it,
-    its default ``schedule``, and ``option_key`` naming the option behind a key its classes
-    raise errors under (after their ``<name>.`` prefix is removed)."""
+    """The spec of the personalised method ``name``: its ``strategy.options`` type
+    ``options`` (a :class:`NoOptions`), ``make`` building it and its default ``schedule``."""
 
-    def build(options: Mapping[str, Any], **cohort: Any) -> PersonalisedStrategy:
-        return from_options(
-            name, allowed, make, options, schedule=schedule, option_key=option_key, **cohort
-        )
+    def build(opts: NoOptions, **cohort: Any) -> PersonalisedStrategy:
+        return from_options(name, make, opts, schedule=schedule, **cohort)
 
-    return StrategySpec(name=name, build=build, personalised=True)
+    return StrategySpec(name=name, options=options, build=build, personalised=True)
 
 
 def from_options(
     name: str,
-    allowed: tuple[str, ...],
     make: Make,
-    options: Mapping[str, Any],
+    options: NoOptions,
     *,
     schedule: Literal["all", "sampled"],
-    option_key: Callable[[str], str],
     clients_per_round: int,
     sampling: Literal["poisson", "uniform"],
     population: int,
@@ -90,57 +125,37 @@ def from_options(
         sampling,
         "'poisson' (Binomial, the reference sampler) or 'uniform' with a personalised strategy",
     )
-    for key, value in options.items():
-        if key.replace("-", "_") not in allowed:
-            raise ConfigError(
-                f"{_WHERE}.{key}",
-                value,
-                f"an option of {name}: {', '.join(allowed)}"
-                if allowed
-                else f"nothing: {name} has no options",
-            )
-    opts = {k.replace("-", "_"): v for k, v in options.items()}
     try:
         cohorts = Cohorts(
-            schedule=opts.pop("schedule", schedule),
+            **{"schedule": schedule, **options.cohort()},
             fraction=clients_per_round / population,
             sampling="binomial" if sampling == "poisson" else "fixed",
-            min_clients=integer(opts.pop("min_clients", 2), "min_clients"),
             evaluate_every=evaluate_every,
             num_rounds=rounds,
             seed=seed,
         )
-        return make(opts, cohorts, head_layers)
-    except ConfigError as err:
+        return make(options, cohorts, head_layers)
+    except ConfigError as err:  # the classes' own checks name their arguments
         if err.key.startswith("model."):
             raise
         key = err.key
         for prefix in (f"{name}.", "clients.", f"{_WHERE}."):
             if key.startswith(prefix):
                 key = key[len(prefix) :]
-        raise ConfigError(f"{_WHERE}.{option_key(key)}", err.value, err.allowed) from err
+        raise ConfigError(f"{_WHERE}.{key}", err.value, err.allowed) from err
 
 
-def integer(value: Any, key: str) -> int:
-    """``value`` if it is an integer (not a bool), else a ConfigError for ``key``."""
-    require(isinstance(value, int) and not isinstance(value, bool), key, value, "an integer")
-    return value
+def _fedavg_ft(opts: FedAvgFTOptions, cohorts: Cohorts, head_layers: int) -> FedAvgReference:
+    return FedAvgReference(cohorts, finetune_epochs=opts.finetune_epochs)
 
 
-def _fedavg_ft(opts: dict[str, Any], cohorts: Cohorts, head_layers: int) -> FedAvgReference:
-    epochs = integer(opts.pop("finetune_epochs", 1), "finetune_epochs")
-    return FedAvgReference(cohorts, finetune_epochs=epochs)
-
-
-def _local_only(opts: dict[str, Any], cohorts: Cohorts, head_layers: int) -> LocalOnly:
+def _local_only(opts: NoOptions, cohorts: Cohorts, head_layers: int) -> LocalOnly:
     return LocalOnly(cohorts)
 
 
 #: the reference baselines: FedAvg + fine-tuning (only the reporting clients train) and
 #: local-only
 SPECS: tuple[StrategySpec, ...] = (
-    personalised_spec(
-        "fedavg-ft", ("min_clients", "finetune_epochs"), _fedavg_ft, schedule="sampled"
-    ),
-    personalised_spec("local-only", (), _local_only),
+    personalised_spec("fedavg-ft", FedAvgFTOptions, _fedavg_ft, schedule="sampled"),
+    personalised_spec("local-only", NoOptions, _local_only),
 )

@@ -15,12 +15,10 @@ and reports ``w_i``. The server averages the reported parameters, means and
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from strategies.personalised import Cohorts, PersonalisedStrategy, Report
-from strategies.personalised_config import personalised_spec
+from strategies.personalised_config import ScheduledOptions, personalised_spec
 
 
 class PFedBayes(PersonalisedStrategy):
@@ -38,8 +36,8 @@ class PFedBayes(PersonalisedStrategy):
         }
 
 
-def _from_options(opts: dict[str, Any], cohorts: Cohorts, head_layers: int) -> PFedBayes:
+def _from_options(opts: ScheduledOptions, cohorts: Cohorts, head_layers: int) -> PFedBayes:
     return PFedBayes(cohorts)
 
 
-SPEC = personalised_spec("pfedbayes", ("schedule", "min_clients"), _from_options)
+SPEC = personalised_spec("pfedbayes", ScheduledOptions, _from_options)

@@ -68,15 +68,16 @@ Special cases (``tests/test_pfedhb_server.py`` checks each on the same inputs):
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 
-from fedsim.config import from_mapping, require
+from fedsim.config import require
 from fedsim.workloads.bayesian import MU, RHO, check_split, softplus, softplus_inverse, split_names
 from strategies.personalised import Cohorts, PersonalisedStrategy, Report, unstack_part
-from strategies.personalised_config import personalised_spec
+from strategies.personalised_config import ScheduledOptions, personalised_spec
 
 Variance = Literal["shared", "per-client", "rho-average"]
 
@@ -228,10 +229,11 @@ class NormalInverseGamma:
     b0: float = 0.0
 
     def __post_init__(self) -> None:
-        require(self.kappa0 >= 0, "pfedhb.kappa0", self.kappa0, "a number >= 0")
-        require(self.a0 >= -1.5, "pfedhb.a0", self.a0, "a number >= -1.5 (-1.5: flat limit)")
-        require(self.b0 >= 0, "pfedhb.b0", self.b0, "a number >= 0")
-        require(np.isfinite(self.m0), "pfedhb.m0", self.m0, "a finite number")
+        key = "strategy.options.nig."  # read nested in a config's options, named there
+        require(self.kappa0 >= 0, key + "kappa0", self.kappa0, "a number >= 0")
+        require(self.a0 >= -1.5, key + "a0", self.a0, "a number >= -1.5 (-1.5: flat limit)")
+        require(self.b0 >= 0, key + "b0", self.b0, "a number >= 0")
+        require(np.isfinite(self.m0), key + "m0", self.m0, "a finite number")
 
 
 def conjugate_global_update(
@@ -371,6 +373,10 @@ class HBConfig:
         )
         require(self.iterations >= 1, "pfedhb.iterations", self.iterations, "an integer >= 1")
         require(self.head_layers >= 1, "pfedhb.head_layers", self.head_layers, "an integer >= 1")
+        self._check_solver()
+
+    def _check_solver(self) -> None:
+        """The server solver's settings: its kind, steps, learning rate and schedule."""
         require(
             self.server_solver in ("adam", "exact"),
             "pfedhb.server_solver",
@@ -536,18 +542,26 @@ class PFedHB(PersonalisedStrategy):
         return out
 
 
-_HB_KEYS = tuple(f.name for f in dataclasses.fields(HBConfig) if f.name != "head_layers")
-_NIG_KEYS = tuple(f.name for f in dataclasses.fields(NormalInverseGamma))
-
-
-def _from_options(opts: dict[str, Any], cohorts: Cohorts, head_layers: int) -> PFedHB:
-    config = from_mapping(HBConfig, {**opts, "head_layers": head_layers}, "strategy.options")
-    return PFedHB(config, cohorts)
-
-
-SPEC = personalised_spec(
-    "pfedhb",
-    ("schedule", "min_clients", *_HB_KEYS),
-    _from_options,
-    option_key=lambda key: f"nig.{key}" if key in _NIG_KEYS else key,
+_HB_TYPES = typing.get_type_hints(HBConfig, include_extras=True)
+#: ``strategy.options`` of "pfedhb": ``min_clients``, ``schedule`` and the fields of
+#: :class:`HBConfig` (its defaults) but ``head_layers``, which ``[model] head_layers`` sets
+PFedHBOptions = dataclasses.make_dataclass(
+    "PFedHBOptions",
+    [
+        (f.name, _HB_TYPES[f.name], dataclasses.field(default=f.default))
+        for f in dataclasses.fields(HBConfig)
+        if f.name != "head_layers"
+    ],
+    bases=(ScheduledOptions,),
+    frozen=True,
 )
+PFedHBOptions.__module__ = __name__
+
+
+def _from_options(opts: Any, cohorts: Cohorts, head_layers: int) -> PFedHB:
+    fields = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}
+    fields = {k: v for k, v in fields.items() if k in _HB_TYPES}
+    return PFedHB(HBConfig(**fields, head_layers=head_layers), cohorts)
+
+
+SPEC = personalised_spec("pfedhb", PFedHBOptions, _from_options)

@@ -21,7 +21,7 @@ the ``rho_i^2``, as pFedHB's per-client mode reports it.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -29,7 +29,7 @@ from fedsim.config import require
 from fedsim.workloads.bayesian import MU, RHO, check_split, softplus_inverse, split_names
 from fedsim.workloads.personalised import PRIOR_VAR
 from strategies.personalised import Cohorts, PersonalisedStrategy, Report, unstack_part
-from strategies.personalised_config import personalised_spec
+from strategies.personalised_config import ScheduledOptions, personalised_spec
 
 
 def vem_head_mean(mu: np.ndarray, rho2: np.ndarray) -> np.ndarray:
@@ -84,15 +84,16 @@ class PFedVEM(PersonalisedStrategy):
         return out
 
 
-def _from_options(opts: dict[str, Any], cohorts: Cohorts, head_layers: int) -> PFedVEM:
-    beta = opts.pop("beta", 0.0)
-    require(
-        isinstance(beta, (int, float)) and not isinstance(beta, bool),
-        "beta",
-        beta,
-        "a number in [0, 1)",
-    )
-    return PFedVEM(cohorts, beta=float(beta), head_layers=head_layers)
+@dataclass(frozen=True)
+class PFedVEMOptions(ScheduledOptions):
+    """pfedvem: ``min_clients``, ``schedule`` and ``beta`` (server momentum of the body, in
+    [0, 1), checked by :class:`PFedVEM`)."""
+
+    beta: float = 0.0
 
 
-SPEC = personalised_spec("pfedvem", ("schedule", "min_clients", "beta"), _from_options)
+def _from_options(opts: PFedVEMOptions, cohorts: Cohorts, head_layers: int) -> PFedVEM:
+    return PFedVEM(cohorts, beta=opts.beta, head_layers=head_layers)
+
+
+SPEC = personalised_spec("pfedvem", PFedVEMOptions, _from_options)

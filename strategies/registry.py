@@ -18,7 +18,7 @@ from fedsim.privacy.sampling import Sampling
 from strategies import (
     ddgauss,
     dmm,
-    dp_fedavg,
+    dp_fedavg_config,
     flower,
     matrix_mechanism,
     personalised_config,
@@ -32,7 +32,7 @@ from strategies.spec import RunFacts, StrategySpec
 #: every method a run config can name
 SPECS: tuple[StrategySpec, ...] = (
     *flower.SPECS,
-    dp_fedavg.SPEC,
+    dp_fedavg_config.SPEC,
     matrix_mechanism.SPEC,
     dmm.SPEC,
     ddgauss.SPEC,
@@ -107,7 +107,7 @@ def build_strategy(
         rounds=rounds,
         metrics_in_clear=metrics_in_clear,
     )
-    return spec.build(options, facts)
+    return spec.build(spec.read_options(options), facts)
 
 
 def _check_worker_sums(spec: StrategySpec, options: Mapping[str, Any]) -> None:
@@ -133,4 +133,5 @@ def build_personalised_strategy(name: str, options: Mapping[str, Any], **cohort:
     """The personalised strategy ``name`` (one of :data:`PERSONALISED`) with ``options``;
     ``cohort`` as :func:`strategies.personalised_config.from_options` takes it."""
     require(name in PERSONALISED, "strategy.name", name, f"one of {', '.join(PERSONALISED)}")
-    return BY_NAME[name].build(options, **cohort)
+    spec = BY_NAME[name]
+    return spec.build(spec.read_options(options), **cohort)

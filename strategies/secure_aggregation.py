@@ -26,11 +26,12 @@ it (with the others' help). Clients reply nothing but their masked or sealed inp
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -38,7 +39,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedsim.config import ConfigError
+from fedsim.config import ConfigError, require
 from fedsim.engine.committee import Committee, CommitteeSpec
 from fedsim.randomness import client_secret
 from fedsim.record_codec import to_numpy, to_record
@@ -49,6 +50,7 @@ from strategies.secagg_messages import register_client_stages
 from strategies.secure import Release, SecAggPlan, SecureSum
 from strategies.secure.committee import COMMITTEE_OPTIONS, spec_from_options
 from strategies.secure.replies import clear_train_loss, first_replies
+from strategies.spec import raw_option
 from strategies.vectors import trained_update, unflatten
 from strategies.wrapper import StrategyWrapper, server_reply
 
@@ -60,6 +62,7 @@ NAME = "secure-sum"
 SECURE_SUMS = ("secagg", "committee")
 _KEYS = ("sum", "dim", "fractional-bits", "value-bound")
 MECHANISM = "secure aggregation without DP"
+_WHERE = "strategy.options"
 
 
 @dataclass(frozen=True)
@@ -387,33 +390,91 @@ class SecureAggregation(StrategyWrapper):
         return arrays, aggregated
 
 
+#: the secure sum's keys that only ``secure_sum = "committee"`` takes
+_COMMITTEE_ONLY = (*COMMITTEE_OPTIONS, "member_dropout")
+
+
+@dataclass(frozen=True)
+class SecureSumOptions:
+    """The ``strategy.options`` a FedAvg-family strategy takes for a secure sum.
+
+    ``secure_sum`` ("secagg" or "committee") turns it on; every other key is refused without
+    it, and the committee's (``committee_size``, ``threshold``, ``packing``, ``detect``,
+    ``committee_shards``, ``committee_actors``, ``member_dropout``) with "secagg". An unset
+    key (None) takes the default of :class:`FixedPoint`, :class:`SecureAggregation` or
+    :class:`~fedsim.engine.committee.CommitteeSpec`.
+    """
+
+    secure_sum: Literal["secagg", "committee"] | None = None
+    fractional_bits: int | None = None
+    value_bound: float | None = None
+    secagg_degree: int | None = None
+    stage_timeout: float | None = None
+    member_dropout: float | None = None
+    committee_size: int | None = None
+    threshold: int | None = None
+    packing: int | None = None
+    detect: int | None = None
+    committee_shards: int | None = None
+    committee_actors: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in SECURE_SUM_KEYS[1:] if getattr(self, k) is not None]
+        if self.secure_sum is None and given:
+            key = sorted(given)[0]
+            raise ConfigError(f"{_WHERE}.{key}", getattr(self, key), "set only with secure_sum")
+        committee = [k for k in _COMMITTEE_ONLY if getattr(self, k) is not None]
+        require(
+            self.secure_sum == "committee" or not committee,
+            f"{_WHERE}.{committee[0] if committee else 'secure_sum'}",
+            getattr(self, committee[0]) if committee else self.secure_sum,
+            "only with secure_sum = 'committee'",
+        )
+        degree = self.secagg_degree
+        require(
+            degree is None or (degree >= 2 and degree % 2 == 0),
+            f"{_WHERE}.secagg_degree",
+            degree,
+            "an even integer >= 2 (neighbours per client; unset: all)",
+        )
+        dropout = self.member_dropout
+        require(
+            dropout is None or 0.0 <= dropout <= 1.0,
+            f"{_WHERE}.member_dropout",
+            dropout,
+            "a probability in [0, 1]",
+        )
+        if self.secure_sum is not None:
+            self.codec()
+        if self.secure_sum == "committee":
+            self.committee()
+
+    def codec(self) -> FixedPoint:
+        """The fixed-point encoding these options set (a ConfigError naming the key)."""
+        bits = self.fractional_bits
+        bits = FixedPoint.fractional_bits if bits is None else bits
+        require(0 <= bits <= 40, f"{_WHERE}.fractional_bits", bits, "an integer in [0, 40]")
+        bound = FixedPoint.value_bound if self.value_bound is None else self.value_bound
+        try:
+            return FixedPoint(bits, bound)
+        except ValueError as error:
+            raise ConfigError(f"{_WHERE}.value_bound", bound, str(error)) from None
+
+    def committee(self) -> CommitteeSpec | None:
+        """The committee these options describe (None unless ``secure_sum = "committee"``)."""
+        if self.secure_sum != "committee":
+            return None
+        given = {k: getattr(self, k) for k in COMMITTEE_OPTIONS if getattr(self, k) is not None}
+        return spec_from_options(given)
+
 
 #: ``strategy.options`` keys a FedAvg-family strategy takes with a secure sum
-OPTIONS = (
-    "secure_sum",
-    "fractional_bits",
-    "value_bound",
-    "secagg_degree",
-    "stage_timeout",
-    "member_dropout",
-    *COMMITTEE_OPTIONS,
-)
+SECURE_SUM_KEYS = tuple(f.name for f in dataclasses.fields(SecureSumOptions))
 
 
 def asks_secure_sum(options: Mapping[str, Any]) -> bool:
-    """Whether a FedAvg-family strategy's options ask for a secure sum."""
-    return "secure_sum" in options
-
-
-def split_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(the wrapped strategy's options, the secure sum's) -- the latter empty without
-    ``secure_sum``; a secure-sum option without it is a ConfigError naming it."""
-    secured = {k: v for k, v in options.items() if k in OPTIONS}
-    plain = {k: v for k, v in options.items() if k not in OPTIONS}
-    if secured and "secure_sum" not in secured:
-        key = sorted(secured)[0]
-        raise ConfigError(f"strategy.options.{key}", secured[key], "set only with secure_sum")
-    return plain, secured
+    """Whether a FedAvg-family strategy's options (a config's mapping) ask for a secure sum."""
+    return raw_option(options, "secure_sum") is not None
 
 
 def client_app_for(options: Mapping[str, Any]) -> Any:
@@ -421,33 +482,27 @@ def client_app_for(options: Mapping[str, Any]) -> Any:
     return secure_client_app if asks_secure_sum(options) else None
 
 
-def from_options(strategy: Strategy, options: Mapping[str, Any], facts: Any) -> SecureAggregation:
-    """``strategy`` (built from the other options) behind the secure sum ``options`` ask for
-    (:data:`OPTIONS`); a bad option is a ConfigError naming ``strategy.options.<key>``."""
-    name = options["secure_sum"]
-    if name not in SECURE_SUMS:
-        raise ConfigError("strategy.options.secure_sum", name, f"one of {SECURE_SUMS}")
-    given = [k for k in (*COMMITTEE_OPTIONS, "member_dropout") if k in options]
-    if name != "committee" and given:
-        raise ConfigError(f"strategy.options.{given[0]}", options[given[0]], "only with "
-                          "secure_sum = 'committee'")
+def from_options(
+    strategy: Strategy, options: SecureSumOptions, facts: Any
+) -> SecureAggregation:
+    """``strategy`` (built from the other options) behind the secure sum ``options`` ask
+    for; a bad option is a ConfigError naming ``strategy.options.<key>``."""
+    set_ = {
+        k: getattr(options, k)
+        for k in ("secagg_degree", "stage_timeout", "member_dropout")
+        if getattr(options, k) is not None
+    }
     try:
-        committee = spec_from_options(options) if name == "committee" else None
-        codec = FixedPoint(
-            options.get("fractional_bits", FixedPoint.fractional_bits),
-            options.get("value_bound", FixedPoint.value_bound),
-        )
         return SecureAggregation(
             strategy,
-            secure_sum=name,
+            secure_sum=options.secure_sum,
             seed=facts.seed,
             expected_clients=max(2, round(facts.expected_clients)),
-            codec=codec,
-            secagg_degree=options.get("secagg_degree"),
-            stage_timeout=options.get("stage_timeout", 3600.0),
-            committee=committee,
-            member_dropout=float(options.get("member_dropout", 0.0)),
+            codec=options.codec(),
+            committee=options.committee(),
             metrics_in_clear=facts.metrics_in_clear,
+            **set_,
         )
-    except (TypeError, ValueError) as error:
-        raise ConfigError("strategy.options", dict(options), str(error)) from error
+    except ValueError as error:  # the cohort's sum (value_bound) or federated evaluation
+        key = "value_bound" if "could wrap" in str(error) else "secure_sum"
+        raise ConfigError(f"{_WHERE}.{key}", getattr(options, key), str(error)) from error

@@ -2,9 +2,10 @@
 
 Each strategy module exposes its spec (``SPEC``, or ``SPECS`` for a module holding a family
 such as Flower's own strategies) and :mod:`strategies.registry` lists them; nothing else
-tests a strategy's name. A spec builds the strategy from a config's ``strategy.options``
-(errors name ``strategy.options.<key>``, its value and what is allowed), says what its
-clients run, whether worker-side sums apply and how its privacy is accounted.
+tests a strategy's name. A spec declares its ``strategy.options`` schema (a frozen
+dataclass read by :func:`fedsim.config.from_mapping`: errors name ``strategy.options.<key>``,
+its value and what is allowed), builds the strategy from it, says what its clients run,
+whether worker-side sums apply and how its privacy is accounted.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import Strategy
 
-from fedsim.config import require
+from fedsim.config import from_mapping, require
 from fedsim.privacy.participation import Participation
 from fedsim.privacy.sampling import Sampling
 
@@ -75,6 +76,16 @@ class Accounting:
     command: str | None = None
 
 
+def raw_option(options: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    """``key`` of a config's (unread) ``strategy.options``, spelt with ``-`` or ``_`` as
+    :func:`fedsim.config.from_mapping` reads it: for the spec's predicates, which the front
+    end asks before the strategy is built."""
+    for name, value in options.items():
+        if str(name).replace("-", "_") == key:
+            return value
+    return default
+
+
 def _no_proximal_term(options: Mapping[str, Any]) -> bool:
     """No, whatever the options (the default of the spec's option predicates)."""
     return False
@@ -86,8 +97,12 @@ class StrategySpec:
 
     Attributes:
         name: ``[strategy] name``.
-        build: ``build(options, facts)`` -> the strategy (a :class:`RunFacts`), or for a
-            personalised method ``build(options, **cohort)`` as
+        options: the frozen dataclass ``strategy.options`` is read into (its defaults are
+            the method's; facts the run supplies, e.g. ``delta`` from the population, default
+            to None and are resolved by ``build``).
+        build: ``build(options, facts)`` -> the strategy, from an instance of
+            :attr:`options` and the :class:`RunFacts`, or for a personalised method
+            ``build(options, **cohort)`` as
             :func:`strategies.personalised_config.from_options` takes the cohort.
         summable: its aggregation is a sum, so workers may fold their clients' replies.
         accounting: how its privacy is accounted (None: not a private strategy).
@@ -110,6 +125,8 @@ class StrategySpec:
 
     name: str
     build: Callable[..., Strategy]
+    # None only until strategies/dmm.py declares its schema (tests/test_strategy_options.py)
+    options: type | None = None
     summable: bool = False
     accounting: Accounting | None = None
     client_app: Callable[[ClientApp, bool], ClientApp] | None = None
@@ -118,6 +135,12 @@ class StrategySpec:
     secure_replies: Callable[[Mapping[str, Any]], bool] = _no_proximal_term
     amplified_by_sampling: bool = False
     client_app_for: Callable[[Mapping[str, Any]], Callable | None] | None = None
+
+    def read_options(self, options: Mapping[str, Any]) -> Any:
+        """``options`` (a config's ``strategy.options``) as an instance of :attr:`options`."""
+        if self.options is None:
+            return dict(options)
+        return from_mapping(self.options, options, "strategy.options")
 
     @property
     def private(self) -> bool:

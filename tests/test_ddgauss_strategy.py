@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from flwr.serverapp.strategy import FedAvg
 
+from fedsim.config import ConfigError
 from fedsim.data import DatasetSpec, build_dataset
 from fedsim.engine import FaultConfig
 from fedsim.engine.client_registry import NODE_ID_OFFSET
@@ -267,9 +268,9 @@ def test_arguments_are_checked():
     assert from_options(committee, expected_clients=4, seed=0).committee_spec() == CommitteeSpec(
         5, 2, 2
     )
-    with pytest.raises(ValueError, match="committee_size is required"):
+    with pytest.raises(ConfigError, match="strategy.options.committee_size = None"):
         from_options({**base, "mode": "committee", "threshold": 2}, expected_clients=4, seed=0)
-    with pytest.raises(ValueError, match="threshold is for mode = 'committee' only"):
+    with pytest.raises(ConfigError, match="strategy.options.threshold = 2 .* only with mode"):
         from_options({**base, "threshold": 2}, expected_clients=4, seed=0)
     with pytest.raises(ValueError, match=r"detect=2 .* detect = strategy.options.detect"):
         from_options({**committee, "detect": 2}, expected_clients=4, seed=0)

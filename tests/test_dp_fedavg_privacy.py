@@ -408,7 +408,7 @@ def test_target_epsilon_calibrates_the_noise_the_ledger_then_accounts(sampling, 
     [
         ({"target_epsilon": 1e6}, 10, "target_epsilon", "reaches for 10 rounds"),
         ({"target_epsilon": 0}, 10, "target_epsilon", "finite number > 0"),
-        ({"target_epsilon": True}, 10, "target_epsilon", "finite number > 0"),
+        ({"target_epsilon": True}, 10, "target_epsilon", "a number (finite)"),
         ({"target_epsilon": 2.0}, None, "rounds", "target_epsilon"),
         ({"target_epsilon": 2.0, "noise_multiplier": 1.0}, 10, "target_epsilon", "exactly one"),
         ({}, 10, "noise_multiplier", "exactly one of noise_multiplier, target_epsilon"),

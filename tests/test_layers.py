@@ -315,7 +315,7 @@ METHODS: dict[str, tuple[str, ...]] = {
             "options", "replies", "spec", "state", "strategy", "wire",
         )
     ),  # fmt: skip
-    "dp-fedavg": ("strategies/dp_fedavg.py",),
+    "dp-fedavg": ("strategies/dp_fedavg.py", "strategies/dp_fedavg_config.py"),
     "matrix-mechanism": ("strategies/matrix_mechanism.py",),
     "pfedbayes": ("strategies/pfedbayes.py",),
     "pfedhb": ("strategies/pfedhb.py",),
@@ -336,7 +336,6 @@ PLUMBING: tuple[str, ...] = (
     "strategies/dp_shell.py",
     "strategies/flower.py",
     "strategies/observed_sampling.py",
-    "strategies/options.py",
     "strategies/participation_guard.py",
     "strategies/personalised.py",
     "strategies/personalised_config.py",

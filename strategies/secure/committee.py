@@ -25,6 +25,7 @@ import numpy as np
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid
 
+from fedsim.config import ConfigError, require
 from fedsim.engine.client_registry import enrolled, member_name
 from fedsim.engine.committee import Committee, CommitteeSpec
 from fedsim.randomness import PartySecret, Purpose, Stream, public_generator
@@ -48,17 +49,22 @@ COMMITTEE_OPTIONS = {
 
 def spec_from_options(options: Mapping[str, Any]) -> CommitteeSpec:
     """The :class:`CommitteeSpec` a strategy's options describe (``committee_size`` and
-    ``threshold`` required); ValueError naming the options."""
+    ``threshold`` required); a ConfigError naming ``strategy.options.<key>``."""
     for key in ("committee_size", "threshold"):
-        if key not in options:
-            raise ValueError(f"strategy.options.{key} is required with a committee")
+        require(
+            key in options, f"strategy.options.{key}", None, "a value (required with a committee)"
+        )
     try:
         return CommitteeSpec(
             **{COMMITTEE_OPTIONS[k]: v for k, v in options.items() if k in COMMITTEE_OPTIONS}
         )
     except ValueError as error:
         names = ", ".join(f"{v} = strategy.options.{k}" for k, v in COMMITTEE_OPTIONS.items())
-        raise ValueError(f"the committee's options: {error} ({names})") from None
+        raise ConfigError(
+            "strategy.options.committee_size",
+            options["committee_size"],
+            f"a committee layout that holds ({error}; {names})",
+        ) from None
 
 
 def sealed_key(prefix: str) -> str:
