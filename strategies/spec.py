@@ -125,8 +125,7 @@ class StrategySpec:
 
     name: str
     build: Callable[..., Strategy]
-    # None only until strategies/dmm.py declares its schema (tests/test_strategy_options.py)
-    options: type | None = None
+    options: type
     summable: bool = False
     accounting: Accounting | None = None
     client_app: Callable[[ClientApp, bool], ClientApp] | None = None
@@ -138,8 +137,6 @@ class StrategySpec:
 
     def read_options(self, options: Mapping[str, Any]) -> Any:
         """``options`` (a config's ``strategy.options``) as an instance of :attr:`options`."""
-        if self.options is None:
-            return dict(options)
         return from_mapping(self.options, options, "strategy.options")
 
     @property

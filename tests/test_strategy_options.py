@@ -14,23 +14,13 @@ from strategies.registry import SPECS, build_personalised_strategy, build_strate
 #: the keys a method cannot default (everything else does)
 REQUIRED = {
     name: {"clipping_norm": 1.0, "noise_multiplier": 1.0}
-    for name in ("dp-fedavg", "matrix-mechanism", "ddgauss")
+    for name in ("dp-fedavg", "matrix-mechanism", "ddgauss", "dmm")
 }
-#: methods whose options are converted on another branch (strict: fails once declared)
-NOT_YET_DECLARED = {"dmm"}
 
 WHERE = "strategy.options"
 
 
-def _params():
-    for spec in SPECS:
-        marks = ()
-        if spec.name in NOT_YET_DECLARED:
-            marks = pytest.mark.xfail(reason="options declared by the DMM branch", strict=True)
-        yield pytest.param(spec, id=spec.name, marks=marks)
-
-
-SPEC_PARAMS = list(_params())
+SPEC_PARAMS = [pytest.param(spec, id=spec.name) for spec in SPECS]
 
 
 def _read(spec, options):
@@ -100,7 +90,7 @@ def test_the_defaults_round_trip_and_build(spec):
             expected_clients=4,
             evaluate_fraction=0.0,
             seed=0,
-            population=8,
+            population=100,
             rounds=4,
         )
     assert strategy is not None

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from fedsim.config import ConfigError, from_mapping
+from fedsim.config import ConfigError, from_mapping, to_mapping
 from fedsim.privacy import dmm as dmm_privacy
 from fedsim.privacy.participation import Participation
 from strategies.dmm.client import dmm_client_app
@@ -32,7 +32,7 @@ def _factorization(opts: DMMOptions, rounds: int, participation: Participation):
 
 
 def from_options(
-    options: Mapping[str, Any],
+    options: DMMOptions | Mapping[str, Any],
     *,
     rounds: int,
     expected_clients: float,
@@ -48,7 +48,7 @@ def from_options(
     round). A bad option is a ConfigError naming ``strategy.options.<key>``."""
     from flwr.serverapp.strategy import FedAvg  # noqa: PLC0415
 
-    opts = from_mapping(DMMOptions, options, WHERE)
+    opts = options if isinstance(options, DMMOptions) else from_mapping(DMMOptions, options, WHERE)
     participation = Participation.separated(1) if participation is None else participation
     if participation.kind != "min_sep":
         raise ValueError(
@@ -95,14 +95,14 @@ def _always(options: Mapping[str, Any]) -> bool:
     return True
 
 
-def _build(options: Mapping[str, Any], facts: RunFacts) -> DMM:
+def _build(options: DMMOptions, facts: RunFacts) -> DMM:
     """:func:`from_options` with the run's facts; a bad option is a ConfigError naming it,
     one the strategy refuses (e.g. a committee below its bound) names the options."""
     rounds = facts.required("rounds", f"the run's rounds (required by {NAME})")
     population = facts.required("population", "the registered clients")
     try:
         return from_options(
-            dict(options),
+            options,
             rounds=rounds,
             expected_clients=facts.expected_clients,
             population=population,
@@ -114,12 +114,13 @@ def _build(options: Mapping[str, Any], facts: RunFacts) -> DMM:
     except ValueError as err:
         if isinstance(err, ConfigError) and err.key.startswith(f"{WHERE}."):
             raise
-        raise ConfigError(WHERE, dict(options), str(err)) from err
+        raise ConfigError(WHERE, to_mapping(options), str(err)) from err
 
 
 SPEC = StrategySpec(
     name=NAME,
     build=_build,
+    options=DMMOptions,
     accounting=Accounting(
         ledger="per round whose release the server can determine (released, or aborted after "
         "more than t members' shares reached it), the increase of the discrete-Gaussian zCDP "
