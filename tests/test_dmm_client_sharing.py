@@ -14,8 +14,9 @@ from fedsim.models import initial_arrays
 from fedsim.randomness import NODE_SECRET_KEY, RunSecret
 from fedsim.record_codec import to_numpy, to_record
 from protocols.channels import ChannelError, Endpoint, new_session_id
-from protocols.dmm import MEMBER_ID_BASE, PROTOCOL, DMMStage, RoundKeys
-from protocols.dmm_client import seal_client_shares
+from protocols.dmm.client import seal_client_shares
+from protocols.dmm.common import PROTOCOL, DMMStage, RoundKeys
+from protocols.kit import SEAT_ID_BASE
 from strategies.dmm import dmm_client_app
 from strategies.dmm.wire import NOISE_KEY, SEALED_KEY, UPDATE_KEY, round_keys_config
 
@@ -24,7 +25,7 @@ D = 8
 
 def _keys(seats, rows=2, round_=4, dim=D):
     session = new_session_id()
-    endpoints = {j: Endpoint(MEMBER_ID_BASE + j, session, protocol=PROTOCOL) for j in seats}
+    endpoints = {j: Endpoint(SEAT_ID_BASE + j, session, protocol=PROTOCOL) for j in seats}
     keys = RoundKeys(
         round=round_,
         step=1,

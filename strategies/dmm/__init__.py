@@ -9,7 +9,7 @@ Bienstock, Kumar & Polychroniadou, ICML 2025, as docs/dmm-design.md sets it out.
   round -- all from the client's own secret (``client_secret(node_config).generator(round,
   Purpose.X)``), never from anything the server knows; in ``mode="full"`` they
   packed-Shamir-share both and seal each share to its committee seat
-  (:func:`protocols.dmm_client.seal_client_shares`): the reply carries only ciphertexts and the
+  (:func:`protocols.dmm.client.seal_client_shares`): the reply carries only ciphertexts and the
   client's public key (with ``worker_fold`` the clients of a fedsim worker batch hand their
   sharing inputs to the worker, which deals their sum once and seals one row per seat:
   :mod:`strategies.dmm.fold`);
@@ -18,7 +18,7 @@ Bienstock, Kumar & Polychroniadou, ICML 2025, as docs/dmm-design.md sets it out.
   :class:`fedsim.engine.dmm_committee.CommitteeHost` (bound with :meth:`DMM.bind_committee_host`,
   held by :mod:`strategies.dmm.custody`) -- combines the agreed clients' shares with the
   partial sums it holds, releases y_i = sum_s M[i, s] X_s + z_i and hands the partial sums of
-  the rows still open to the next round's committee (:class:`protocols.dmm_server.DMMServer`);
+  the rows still open to the next round's committee (:class:`protocols.dmm.server.DMMServer`);
 * the server decodes x_hat_t = (D y)_t (D M = I: forward substitution for the banded M), and
   applies ``g + gamma * unrotate(x_hat_t) / expected_clients`` through the wrapped FedAvg: the
   matrix mechanism in its x + C^{-1} z form (:mod:`strategies.dmm.strategy`).
@@ -44,8 +44,8 @@ integers in range); a bad one drops that client, and the round's metrics name it
 ``rejected``.
 
 **Opened is released**: a round whose release shares reached the server from more than t
-members (:class:`protocols.dmm.OpenedRelease`) is accounted as the release of its step even when
-it aborts (too few on time to decode, or tampering beyond the radius): its metrics say
+members (:class:`protocols.dmm.common.OpenedRelease`) is accounted as the release of its step even
+when it aborts (too few on time to decode, or tampering beyond the radius): its metrics say
 ``dmm-aborted = 1``, ``dmm-opened = 1`` and what it cost (``dmm-epsilon-cost``), the report lists
 it under ``aborted_releases``, and the mechanism halts, since that state must not be released
 again with fresh noise. A round aborted before that point records nothing. Neighbours are

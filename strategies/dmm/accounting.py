@@ -8,7 +8,7 @@ import numpy as np
 
 from fedsim.privacy import dmm as dmm_privacy
 from fedsim.privacy.participation import Participation
-from protocols.dmm import OpenedRelease
+from protocols.dmm.common import OpenedRelease
 from protocols.encoding import DDGaussEncoder
 
 

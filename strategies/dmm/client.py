@@ -23,8 +23,8 @@ from fedsim.randomness import Purpose, RunSecret, client_secret
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.worker_reduce import FOLDS_KEY, single
 from protocols.channels import KeySubstitution
-from protocols.dmm import DMMSealedShares, RoundKeys
-from protocols.dmm_client import check_seat_keys, mask_client_shares, seal_client_shares
+from protocols.dmm.client import check_seat_keys, mask_client_shares, seal_client_shares
+from protocols.dmm.common import DMMSealedShares, RoundKeys
 from protocols.encoding import DDGaussEncoder
 from strategies.answered_rounds import claim_round
 from strategies.dmm.wire import (

@@ -13,8 +13,9 @@ import logging
 from typing import Any
 
 from fedsim.engine.client_registry import public_committee
-from protocols.dmm import DMMFaults
-from protocols.dmm_server import DMMServer, RoundOutput
+from protocols.dmm.common import DMMFaults
+from protocols.dmm.release import RoundOutput
+from protocols.dmm.server import DMMServer
 
 log = logging.getLogger(__name__)
 

@@ -4,10 +4,10 @@ Packed Shamir sharing is linear (Franklin & Yung, STOC 1992): the sum of the cli
 for seat j is seat j's share of the sum of their inputs. So the clients a fedsim worker runs
 need not each seal every row: each deals its own shares of its rounded update and fresh noise
 rows, pads seat j's row with a pad only seat j can remove and seals that pad's 32-byte seed to
-seat j (all from its own secret, :func:`protocols.dmm_client.mask_client_shares`), and hands
+seat j (all from its own secret, :func:`protocols.dmm.client.mask_client_shares`), and hands
 the padded rows and the sealed seeds to the worker's :class:`ShareFoldReducer` accumulator,
 which sums the rows, seals one row per seat from a fresh channel key of the batch (OS CSPRNG)
-and lists each client with its sealed seeds (:class:`protocols.dmm.FoldedClient`).
+and lists each client with its sealed seeds (:class:`protocols.dmm.common.FoldedClient`).
 
 **Who is in the fold is proved, not claimed.** Seat j removes the pad of every client the fold
 lists: the sum is exact when the fold holds each listed client's row, and carries a uniform pad
@@ -45,8 +45,9 @@ from fedsim.worker_reduce import (
     refuse,
 )
 from protocols.channels import Envelope
-from protocols.dmm import FOLD_PAD, MEMBER_ID_BASE, FoldedClient, RoundKeys
-from protocols.dmm_client import MaskedFold, MaskedShares
+from protocols.dmm.client import MaskedFold, MaskedShares
+from protocols.dmm.common import FOLD_PAD, FoldedClient, RoundKeys
+from protocols.kit import SEAT_ID_BASE
 from strategies.dmm.wire import (
     BATCH_KEY,
     FOLD_KEY,
@@ -83,7 +84,7 @@ def folded_client(party, key, round_, seats, nonces, bodies) -> FoldedClient:
     if not all(isinstance(b, bytes) for b in [key, *nonces, *bodies]):
         raise ValueError("a folded client's key, nonces and ciphertexts must be bytes")
     pads = {
-        int(j): Envelope(int(party), MEMBER_ID_BASE + int(j), int(round_), FOLD_PAD, nonce, body)
+        int(j): Envelope(int(party), SEAT_ID_BASE + int(j), int(round_), FOLD_PAD, nonce, body)
         for j, nonce, body in zip(seats, nonces, bodies)
     }
     return FoldedClient(int(party), key, pads)
@@ -91,7 +92,7 @@ def folded_client(party, key, round_, seats, nonces, bodies) -> FoldedClient:
 
 class ShareFoldReducer(Reducer):
     """Fold the clients of a worker batch into one sealed SHARE message (module docstring),
-    for the round whose public :class:`protocols.dmm.RoundKeys` and cohort (node ids in
+    for the round whose public :class:`protocols.dmm.common.RoundKeys` and cohort (node ids in
     channel-party order) it carries. Sealed folds are never folded again: on the server the
     batches reach the strategy one by one."""
 

@@ -11,9 +11,8 @@ from typing import Any
 import numpy as np
 from flwr.app import Message
 
-from protocols.dmm import MEMBER_ID_BASE
-from protocols.dmm_server import RoundOutput
-from protocols.resharing import NEW_ID_BASE, OLD_ID_BASE
+from protocols.dmm.release import RoundOutput
+from protocols.kit import NEW_ID_BASE, OLD_ID_BASE, SEAT_ID_BASE
 from strategies.dmm.state import RoundState
 
 log = logging.getLogger(__name__)
@@ -43,11 +42,11 @@ def byte_metrics(state: RoundState, transcript, seats: int) -> dict[str, float]:
         "dmm-bytes": transcript.nbytes(),
         "dmm-bytes-per-client": bytes_per_client(state, transcript),
         "dmm-bytes-per-member-sent": float(
-            np.mean([transcript.nbytes(sender=MEMBER_ID_BASE + j) for j in members])
+            np.mean([transcript.nbytes(sender=SEAT_ID_BASE + j) for j in members])
             + np.mean([transcript.nbytes(sender=OLD_ID_BASE + j) for j in members])
         ),
         "dmm-bytes-per-member-received": _mean_over(
-            transcript, [MEMBER_ID_BASE + j for j in members], "receiver"
+            transcript, [SEAT_ID_BASE + j for j in members], "receiver"
         ),
         "dmm-bytes-per-next-member-received": _mean_over(
             transcript, [NEW_ID_BASE + j for j in members], "receiver"

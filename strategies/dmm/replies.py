@@ -17,7 +17,7 @@ from fedsim.engine.boundary import ClaimRefused, ReleaseBoundary
 from fedsim.record_codec import to_numpy
 from fedsim.worker_reduce import is_partial
 from protocols.channels import KeySubstitution
-from protocols.dmm import DMMSealedShares, RoundKeys
+from protocols.dmm.common import DMMSealedShares, RoundKeys
 from protocols.encoding import DDGaussEncoder
 from strategies.dmm.fold import folded_client
 from strategies.dmm.state import RoundState

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from protocols.dmm import DMMFaults, RoundKeys
+from protocols.dmm.common import DMMFaults, RoundKeys
 from strategies.dmm.fold import fold_party
 
 

@@ -28,10 +28,12 @@ from fedsim.privacy.sampling import NeighbouringRelation
 from fedsim.randomness import Stream, public_generator
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.worker_reduce import attach_reducer
-from protocols.dmm import ReleaseTampering, RoundAborted, Schedule, StateLost
-from protocols.dmm_server import DMMServer, RoundOutput
+from protocols.dmm.common import DMMAbort, Schedule, StateLost
+from protocols.dmm.release import RoundOutput
+from protocols.dmm.server import DMMServer
 from protocols.encoding import DEFAULT_BETA, DEFAULT_FAILURE_PROBABILITY, DDGaussEncoder, unrotate
 from protocols.field import MersenneField
+from protocols.kit import TamperingDetected
 from protocols.shamir import PackedShamir
 from strategies.dmm import accounting
 from strategies.dmm import replies as checks
@@ -90,7 +92,7 @@ class DMM(LedgerShell):
         committee_actors, committee_shards: how the front end's committee host runs members
             (Ray actors, and how many).
         reshare_checks: dealers beyond t + k a committee handoff needs, so that a wrong
-            dealing is caught (:class:`protocols.dmm_server.DMMServer`; 0 lets t + k deal
+            dealing is caught (:class:`protocols.dmm.server.DMMServer`; 0 lets t + k deal
             unchecked and reports every later release of those rows unverified).
         worker_fold: full mode: the clients of a fedsim worker batch fold their sharing
             inputs and the worker seals one message per batch (:mod:`strategies.dmm.fold`);
@@ -502,7 +504,7 @@ class DMM(LedgerShell):
         checks.at_boundary(self._boundary, self, self._round, replies, valid, rejected)
         try:
             output = self._run_protocol(server_round, valid, rejected)
-        except (RoundAborted, ReleaseTampering) as error:
+        except (DMMAbort, TamperingDetected) as error:
             aborted = self._aborted(server_round, error, rejected, metrics)
             if refused:
                 self.last_abort += f"; {refused}"
@@ -521,8 +523,8 @@ class DMM(LedgerShell):
 
     def _aborted(self, server_round, error, rejected, metrics) -> MetricRecord:
         """An aborted round. One whose release shares reached the server (``error.opened``,
-        :class:`protocols.dmm.OpenedRelease`) is accounted as the release of its step, and the
-        mechanism halts: that state was opened, so it is never released again with fresh
+        :class:`protocols.dmm.common.OpenedRelease`) is accounted as the release of its step, and
+        the mechanism halts: that state was opened, so it is never released again with fresh
         noise (and its decoding cannot go on without the rows)."""
         self.last_output, self.last_abort = None, str(error)
         before = self.epsilon()

@@ -1,5 +1,5 @@
 """DMM's wire names and codecs: the records of an instruction and of a reply, and the
-``dmm.share.*`` entries that carry a round's public :class:`protocols.dmm.RoundKeys`
+``dmm.share.*`` entries that carry a round's public :class:`protocols.dmm.common.RoundKeys`
 (docs/dmm-design.md, step 3). Nothing here is secret."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from typing import Any
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
 from protocols.channels import Envelope, stage_label
-from protocols.dmm import MEMBER_ID_BASE, DMMSealedShares, DMMStage, RoundKeys
+from protocols.dmm.common import DMMSealedShares, DMMStage, RoundKeys
+from protocols.kit import SEAT_ID_BASE
 
 NAME = "dmm"
 UPDATE_KEY = "dmm.update"
@@ -27,7 +28,7 @@ the form of :func:`sealed_to_record`)."""
 BATCH_KEY = "dmm.batch"
 """A folded reply's ConfigRecord: ``nodes``, the node ids whose inputs it holds, and for each in
 order its ``public-keys`` entry and, per announced seat in order, ``pad-nonces`` and
-``pad-ciphertexts`` (:class:`protocols.dmm.FoldedClient`)."""
+``pad-ciphertexts`` (:class:`protocols.dmm.common.FoldedClient`)."""
 SEALED_KEY = "dmm.sealed"
 """A SHARE message's record (:func:`sealed_to_record`), a client's or a folded batch's."""
 
@@ -46,7 +47,7 @@ def round_keys_config(
     keys: RoundKeys, party: int, committee: tuple[int, Sequence[int]] | None = None
 ) -> dict[str, Any]:
     """The ``dmm.share.*`` entries of one client's full-mode instruction: the round's public
-    :class:`protocols.dmm.RoundKeys`, the client's channel party id and ``committee``: (the
+    :class:`protocols.dmm.common.RoundKeys`, the client's channel party id and ``committee``: (the
     server round whose public draw holds the state, its client ids in seat order), which an
     enrolled client recomputes and checks every seat's certificate against. Nothing secret."""
     if keys.session_id is None:
@@ -177,7 +178,7 @@ def sealed_from_record(record: ConfigRecord, party: int, round_: int) -> DMMSeal
         raise ValueError(f"{SEALED_KEY}: seats must be integers, nonces and ciphertexts bytes")
     label = stage_label(DMMStage.SHARE)
     shares = {
-        j: Envelope(party, MEMBER_ID_BASE + j, int(round_), label, nonce, body)
+        j: Envelope(party, SEAT_ID_BASE + j, int(round_), label, nonce, body)
         for j, nonce, body in zip(seats, nonces, bodies)
     }
     return DMMSealedShares(int(party), key, shares)
