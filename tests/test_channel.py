@@ -9,14 +9,11 @@ import time
 
 import pytest
 
-from fedsim.engine.channel import (
+from fedsim.engine.channel import ChannelLost, DriverChannel, WorkerChannel, wait_any
+from fedsim.engine.channel_frames import (
     ChannelAuthError,
-    ChannelLost,
-    DriverChannel,
-    WorkerChannel,
     driver_handshake,
     new_key,
-    wait_any,
     worker_handshake,
 )
 

@@ -178,3 +178,15 @@ def test_concurrent_send_and_receive_calls_each_get_their_own_reply(local_engine
         assert reply.metadata.reply_to_message_id == sent
         assert reply.metadata.src_node_id == NODE_ID_OFFSET + partition
         assert reply.content["metrics"]["num-examples"] == partition + 1
+
+
+def test_a_phase_whose_every_client_drops_out_returns_no_reply(local_engine):
+    """Injected dropouts that take every client of a phase: no reply, one report counting
+    them dropped (it raised an IndexError on an empty batch group before)."""
+    from fedsim.engine import FaultConfig
+
+    reports = Reports()
+    grid = local_engine.open_run(TOY, 4, observer=reports, faults=FaultConfig(dropout=1.0))
+    assert grid.send_and_receive(messages([0, 1, 2, 3])) == []
+    (report,) = reports.items
+    assert (report.messages, report.dropped, report.succeeded) == (4, 4, 0)

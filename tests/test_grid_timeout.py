@@ -332,13 +332,8 @@ class Sleeper:
 
 
 def test_a_worker_hands_back_a_batch_it_has_not_started_while_it_runs_another():
-    from fedsim.engine.channel import (
-        BatchReleased,
-        DriverChannel,
-        WorkerChannel,
-        new_key,
-        wait_any,
-    )
+    from fedsim.engine.channel import BatchReleased, DriverChannel, WorkerChannel, wait_any
+    from fedsim.engine.channel_frames import new_key
 
     key = new_key()
     runner = Sleeper()

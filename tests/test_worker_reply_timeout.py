@@ -23,15 +23,8 @@ import pytest
 from flwr.app import ConfigRecord, Message, RecordDict
 
 from fedsim.config import ConfigError
-from fedsim.engine.channel import (
-    TAG_BYTES,
-    DriverChannel,
-    ReplyLost,
-    WorkerChannel,
-    new_key,
-    wait_any,
-    worker_handshake,
-)
+from fedsim.engine.channel import DriverChannel, ReplyLost, WorkerChannel, wait_any
+from fedsim.engine.channel_frames import TAG_BYTES, new_key, worker_handshake
 from fedsim.engine.client_registry import NODE_ID_OFFSET
 from fedsim.engine.worker import ClientAppSource
 from fedsim.record_codec import to_numpy, to_record

@@ -25,7 +25,8 @@ import time
 
 import numpy as np
 
-from fedsim.engine.channel import DriverChannel, WorkerChannel, new_key, wait_any
+from fedsim.engine.channel import DriverChannel, WorkerChannel, wait_any
+from fedsim.engine.channel_frames import new_key
 
 
 class Ack:

@@ -29,9 +29,9 @@ from fedsim.engine.channel import (
     DriverChannel,
     ReplyLost,
     heartbeat_interval,
-    new_key,
     wait_any,
 )
+from fedsim.engine.channel_frames import new_key
 from fedsim.engine.worker import (
     BatchResult,
     ClientBatch,

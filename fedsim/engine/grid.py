@@ -228,23 +228,7 @@ class SimulationGrid(Grid):
         if not messages:
             return None
         messages.sort(key=lambda m: m.metadata.dst_node_id)
-        # Each distinct content is serialised and shared once.
-        shared: dict[int, tuple[Content, int, Reducer | None]] = {}
-        folds: dict[int, OrderedFold] = {}
-        bytes_down = 0
-        for message in messages:
-            content = message.content
-            key = id(content)
-            if key not in shared:
-                blob = pickle.dumps(content, protocol=pickle.HIGHEST_PROTOCOL)
-                reducer = reducer_of(content)
-                self._next_content += 1
-                handle = Content(self._next_content, blob)
-                shared[key] = (handle, content_nbytes(content), reducer)
-                if reducer is not None:
-                    folds[key] = OrderedFold(reducer, content)
-            bytes_down += shared[key][1]
-            message.metadata.__dict__["_message_id"] = str(uuid4())
+        shared, folds, bytes_down = self._share_contents(messages)
         first = messages[0]
         phase = Phase(
             index=index,
@@ -286,11 +270,36 @@ class SimulationGrid(Grid):
             self._finish(phase)  # every client dropped out
         return phase
 
+    def _share_contents(
+        self, messages: list[Message]
+    ) -> tuple[dict[int, tuple[Content, int, Reducer | None]], dict[int, OrderedFold], int]:
+        """Each distinct content serialised once (its handle, bytes and reducer), the folds of
+        the contents that carry a reducer, and the bytes sent; gives each message its id."""
+        shared: dict[int, tuple[Content, int, Reducer | None]] = {}
+        folds: dict[int, OrderedFold] = {}
+        bytes_down = 0
+        for message in messages:
+            content = message.content
+            key = id(content)
+            if key not in shared:
+                blob = pickle.dumps(content, protocol=pickle.HIGHEST_PROTOCOL)
+                reducer = reducer_of(content)
+                self._next_content += 1
+                handle = Content(self._next_content, blob)
+                shared[key] = (handle, content_nbytes(content), reducer)
+                if reducer is not None:
+                    folds[key] = OrderedFold(reducer, content)
+            bytes_down += shared[key][1]
+            message.metadata.__dict__["_message_id"] = str(uuid4())
+        return shared, folds, bytes_down
+
     def _batch_groups(
         self, messages: list[Message], shared: dict[int, tuple[Content, int, Reducer | None]]
     ) -> list[list[Message]]:
         """Messages that may share a batch: all of them, unless a reducer asks for
         batches whose messages share one content."""
+        if not messages:  # every client dropped out
+            return []
         if all(entry[2] is None for entry in shared.values()):
             return [messages]
         groups: dict[int, list[Message]] = {}

@@ -17,17 +17,8 @@ import time
 
 import pytest
 
-from fedsim.engine.channel import (
-    NONCE_BYTES,
-    PROTOCOL,
-    TAG_BYTES,
-    ChannelAuthError,
-    ChannelLost,
-    DriverChannel,
-    WorkerChannel,
-    new_key,
-    wait_any,
-)
+from fedsim.engine.channel import ChannelLost, DriverChannel, WorkerChannel, wait_any
+from fedsim.engine.channel_frames import NONCE_BYTES, PROTOCOL, TAG_BYTES, ChannelAuthError, new_key
 
 HELLO = len(PROTOCOL) + NONCE_BYTES
 FRAME_HEAD = 16 + TAG_BYTES
