@@ -33,6 +33,7 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -174,6 +175,22 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("config", nargs="?", help="experiment TOML file (optional with --resume)")
     sweep.add_set_flag(run)
     _engine_args(run, resumable=True)
+    _flwr_run_parser(commands)
+    account.register(commands)
+    sweep.add_parser(commands)
+    factorize.register(commands)
+    audit.register(commands)
+    minmax.register(commands)
+    plot.add_parser(commands)
+    compare.add_parser(commands)
+    updown.register(commands)
+    _output_flags(parser, top=True)
+    _path_flags(parser)
+    return parser
+
+
+def _flwr_run_parser(commands: Any) -> None:
+    """``fedsim flwr-run``: a Flower app project on fedsim's engine, as ``flwr run`` takes it."""
     flwr_run = commands.add_parser("flwr-run", help="run a Flower app project on fedsim's engine")
     flwr_run.add_argument("app_dir", help="directory with the app's pyproject.toml")
     flwr_run.add_argument(
@@ -231,17 +248,6 @@ def _parser() -> argparse.ArgumentParser:
         help='overrides of [tool.flwr.app.config], e.g. "num-server-rounds=5 lr=0.1"',
     )
     _engine_args(flwr_run)
-    account.register(commands)
-    sweep.add_parser(commands)
-    factorize.register(commands)
-    audit.register(commands)
-    minmax.register(commands)
-    plot.add_parser(commands)
-    compare.add_parser(commands)
-    updown.register(commands)
-    _output_flags(parser, top=True)
-    _path_flags(parser)
-    return parser
 
 
 def _check_workers(workers: int | None) -> None:
@@ -323,17 +329,8 @@ def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
-def cmd_flwr_run(args: argparse.Namespace) -> dict[str, Any]:
-    from fedsim.flwr_app import (  # noqa: PLC0415
-        FlowerApp,
-        cohort_model,
-        flower_engine,
-        run_flower_app,
-    )
-    from fedsim.flwr_federation import Federation, with_flags  # noqa: PLC0415
-    from fedsim.results import RunWriter  # noqa: PLC0415
-    from fedsim.run_lock import RunLock  # noqa: PLC0415
-
+def _check_flwr_run(args: argparse.Namespace) -> None:
+    """``fedsim flwr-run``'s flags that need no app, checked before anything starts."""
     _check_workers(args.workers)
     if args.num_supernodes is not None and args.num_supernodes < 1:
         raise ConfigError("--num-supernodes", args.num_supernodes, "an integer >= 1")
@@ -346,8 +343,25 @@ def cmd_flwr_run(args: argparse.Namespace) -> dict[str, Any]:
         device_name(args.device, "--device")
     if args.quiet and (args.backend or "ray") == "ray":
         hush_ray()
-    started: list[tuple[Engine, Federation, CohortModel | None, RootSource | None]] = []
-    locks: list[RunLock] = []
+
+
+def _federation_name(args: argparse.Namespace) -> str | None:
+    """The federation SUPERLINK or ``--federation`` names (None: the default one)."""
+    if args.superlink and args.federation and args.superlink != args.federation:
+        raise ConfigError(
+            "--federation", args.federation, f"nothing, or the same as SUPERLINK ({args.superlink})"
+        )
+    return args.superlink or args.federation
+
+
+def _starter(args: argparse.Namespace, started: list, locks: list) -> Callable[[Any], None]:
+    """What ``FlowerApp.load`` calls once the app's federation is chosen: the run's lock
+    (into ``locks``), then its engine started (into ``started``, with the federation, the
+    cohort model and the secrets)."""
+    from fedsim.flwr_app import cohort_model, flower_engine  # noqa: PLC0415
+    from fedsim.flwr_federation import Federation, with_flags  # noqa: PLC0415
+    from fedsim.results import RunWriter  # noqa: PLC0415
+    from fedsim.run_lock import RunLock  # noqa: PLC0415
 
     def checked(chosen: Federation) -> None:
         # the arguments are good: the workers start while the app's modules import
@@ -375,11 +389,21 @@ def cmd_flwr_run(args: argparse.Namespace) -> dict[str, Any]:
         started.append((engine, federation, cohorts, secrets))
         engine.start()
 
-    name = args.superlink or args.federation
-    if args.superlink and args.federation and args.superlink != args.federation:
-        raise ConfigError(
-            "--federation", args.federation, f"nothing, or the same as SUPERLINK ({args.superlink})"
-        )
+    return checked
+
+
+def cmd_flwr_run(args: argparse.Namespace) -> dict[str, Any]:
+    from fedsim.flwr_app import (  # noqa: PLC0415
+        FlowerApp,
+        run_flower_app,
+    )
+    from fedsim.flwr_federation import Federation  # noqa: PLC0415
+
+    _check_flwr_run(args)
+    started: list[tuple[Engine, Federation, CohortModel | None, RootSource | None]] = []
+    locks: list[RunLock] = []
+    checked = _starter(args, started, locks)
+    name = _federation_name(args)
     try:
         app = FlowerApp.load(
             args.app_dir,

@@ -133,6 +133,27 @@ def _list_allowed(tp: Any, value: Any, key: str) -> str:
     return allowed
 
 
+def _convert_union(tp: Any, value: Any, key: str) -> Any:
+    """``value`` as the first member of the union ``tp`` it converts to; else the error of
+    a table of the right kind with a bad key inside, or one naming every member allowed."""
+    args = typing.get_args(tp)
+    if value is None and type(None) in args:
+        return None
+    errors = []
+    for arg in args:
+        if arg is type(None):
+            continue
+        try:
+            return _convert(arg, value, key)
+        except ConfigError as err:
+            errors.append(err)
+    deeper = [err for err in errors if err.key != key]
+    if deeper:  # a table of the right kind with a bad key inside: name that key
+        raise deeper[0]
+    allowed = " or ".join(dict.fromkeys(err.allowed for err in errors))
+    raise ConfigError(key, value, f"{allowed} ({_type_name(tp)})")
+
+
 def _convert(tp: Any, value: Any, key: str, number: str = "a number (finite)") -> Any:
     """Check ``value`` against the annotation ``tp`` and convert where lossless."""
     origin = typing.get_origin(tp)
@@ -150,22 +171,7 @@ def _convert(tp: Any, value: Any, key: str, number: str = "a number (finite)") -
         require(value in allowed, key, value, f"one of {', '.join(map(repr, allowed))}")
         return value
     if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _convert(arg, value, key)
-            except ConfigError as err:
-                errors.append(err)
-        deeper = [err for err in errors if err.key != key]
-        if deeper:  # a table of the right kind with a bad key inside: name that key
-            raise deeper[0]
-        allowed = " or ".join(dict.fromkeys(err.allowed for err in errors))
-        raise ConfigError(key, value, f"{allowed} ({_type_name(tp)})")
+        return _convert_union(tp, value, key)
     if dataclasses.is_dataclass(tp):
         require(isinstance(value, Mapping), key, value, f"a table of {tp.__name__} keys")
         return from_mapping(tp, value, key)

@@ -24,7 +24,6 @@ import dataclasses
 import json
 import os
 import pickle
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,12 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from flwr.app import ArrayRecord, MetricRecord
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import Strategy
 
-from fedsim import __version__, interrupt
+from fedsim import interrupt
 from fedsim.audits.run_audit import (
     MODEL_FILE,
     SUMMARY_FILE,
@@ -45,22 +43,19 @@ from fedsim.audits.run_audit import (
     run_configured_audit,
 )
 from fedsim.checkpoint import CONFIG_FILE, Checkpoint
-from fedsim.config import ConfigError, differing_keys, require, to_mapping
+from fedsim.config import ConfigError, differing_keys, to_mapping
 from fedsim.data import FederatedDataset, build_dataset
 from fedsim.engine import (
     ClientStateStore,
     Engine,
     EngineConfig,
-    FullCohort,
-    MinSeparationCohort,
-    PoissonCohort,
-    UniformCohort,
 )
 from fedsim.engine.app_grid import AppGrid
 from fedsim.engine.client_registry import ClientRegistry
 from fedsim.engine.committee import Committee, committee_for
 from fedsim.engine.dmm_committee import CommitteeHost, committee_host_for
-from fedsim.engine.participation import TRAIN, CohortModel, secret_cohorts
+from fedsim.engine.hooks import Closable, PrivacyReporting, Stoppable, find
+from fedsim.engine.participation import TRAIN, CohortModel
 from fedsim.engine.rounds import RoundOutcome, run_rounds
 from fedsim.models import (
     ModelSpec,
@@ -78,6 +73,8 @@ from fedsim.results import RoundRecorder, RunWriter, metrics_dict, read_rounds
 from fedsim.run_config import ExperimentConfig, is_personalised
 from fedsim.run_lock import locked
 from fedsim.run_root import RunRoot, authenticated_config, start_root
+from fedsim.run_strategy import build_experiment_strategy, engine_participation, participation_for
+from fedsim.run_summary import privacy_summary, run_summary_record
 from fedsim.rundir import RunDirectory
 from fedsim.runfiles import RunFileError
 from fedsim.tensorboard_events import TensorBoardEvents
@@ -85,48 +82,9 @@ from fedsim.workloads.coto import build_lora_model, initial_adapter_arrays, load
 from fedsim.workloads.dp_sgd import DPSGD, epsilon_of
 from fedsim.workloads.supervised import make_client_app
 from fedsim.workloads.training import as_tensors, evaluate_model
-from strategies.averaging import AveragedGlobalModel, averaged_evaluation
-from strategies.conformal import ConformalEvaluation
-from strategies.quantized import DequantizedUploads
-from strategies.recorded_start import run_summary
-from strategies.registry import build_personalised_strategy, build_strategy, spec_for
-from strategies.seeded_sampling import SeededSampling
+from strategies.averaging import averaged_evaluation
+from strategies.registry import spec_for
 from strategies.server_secret import bind_parties
-
-
-def participation_for(
-    config: ExperimentConfig, population: int, server: PartySecret | None = None
-) -> CohortModel:
-    """The engine's cohort model for this config (personalised strategies: the reporting
-    clients' draw; every client stays reachable, see :func:`engine_participation`). A strategy
-    whose epsilon credits amplification by sampling draws its uniform or Poisson cohorts from
-    the server's own secret (``server``): cohorts recomputable from the public seed would let
-    a client know the rounds it was in, against which no amplification holds."""
-    k = config.strategy.clients_per_round
-    if config.strategy.sampling == "poisson":
-        model: CohortModel = PoissonCohort(population, k / population, config.seed)
-    elif config.strategy.sampling == "min-separation":
-        return MinSeparationCohort(population, max(1, round(population / k)), config.seed)
-    else:
-        model = UniformCohort(population, k, config.seed)
-    if not spec_for(config.strategy.name).amplified_by_sampling:
-        return model
-    require(
-        server is not None,
-        "strategy.sampling",
-        config.strategy.sampling,
-        f"cohorts drawn from the server's secret for {config.strategy.name}, whose epsilon "
-        "credits amplification by sampling (no server secret was given)",
-    )
-    return secret_cohorts(model, server)
-
-
-def engine_participation(config: ExperimentConfig, participation: CohortModel) -> CohortModel:
-    """Whom the grid offers each phase: everyone for a personalised strategy (it draws its
-    reporting clients itself and, by default, every client personalises each round)."""
-    if is_personalised(config):
-        return FullCohort(participation.num_clients)
-    return participation
 
 
 def model_spec(config: ExperimentConfig, dataset: FederatedDataset) -> ModelSpec:
@@ -451,8 +409,7 @@ def _round_handler(run: ExperimentRun, recorder: RoundRecorder) -> Callable[[Rou
     strategy's privacy budget ends the run early). After a stop request (Ctrl-C, SIGTERM:
     :mod:`fedsim.interrupt`) the round is checkpointed and the run ends there."""
     config, strategy = run.config, run.strategy
-    privacy_report = getattr(strategy, "privacy_report", None)
-    should_stop = getattr(strategy, "should_stop", None)
+    private, stoppable = find(strategy, PrivacyReporting), find(strategy, Stoppable)
     registry = ClientRegistry(run.dataset.num_clients)
     stops = interrupt.active()  # Ctrl-C / SIGTERM: stop after the round (fedsim.interrupt)
     if stops is not None:
@@ -468,13 +425,13 @@ def _round_handler(run: ExperimentRun, recorder: RoundRecorder) -> Callable[[Rou
                 aggregated=metrics_dict(outcome.train_metrics),
                 aggregated_evaluate=metrics_dict(outcome.evaluate_metrics),
                 central=metrics_dict(outcome.central_metrics),
-                privacy=privacy_report() if privacy_report is not None else None,
+                privacy=private.privacy_report() if private is not None else None,
                 client_privacy=client_privacy,
             )
         last = outcome.server_round == config.rounds or (
-            should_stop is not None
+            stoppable is not None
             and outcome.server_round >= 1
-            and should_stop(outcome.server_round + 1)  # the budget ends the run here
+            and stoppable.should_stop(outcome.server_round + 1)  # the budget ends the run here
         )
         stopping = stops is not None and stops.requested and not last
         due = outcome.server_round % config.checkpoint_every == 0 or last or stopping
@@ -495,9 +452,11 @@ def finish_run(run: ExperimentRun, final: ArrayRecord, ready: float) -> dict[str
     finished = time.perf_counter()
     np.savez(run.out / "model.npz", **to_numpy(final))
     records = read_rounds(run.writer.rounds_path)
-    summary = _summary(run.config, run.dataset, run.engine, records, run.started, ready, finished)
+    summary = run_summary_record(
+        run.config, run.dataset, run.engine, records, run.started, ready, finished
+    )
     summary["resumed_after_round"] = run.start_round - 1 if run.resumed else None
-    summary.update(_privacy_summary(run.strategy, records))
+    summary.update(privacy_summary(run.strategy, records))
     summary["run_nonce"] = run.secrets.nonce
     if run.secrets.replay_of is not None:  # a copy of an earlier run's releases, said so
         summary["replay_of"] = {**run.secrets.replay_of, "note": run.secrets.record["note"]}
@@ -512,9 +471,9 @@ def finish_run(run: ExperimentRun, final: ArrayRecord, ready: float) -> dict[str
 def close_run(run: ExperimentRun) -> None:
     """Close what the run opened, whether it finished or failed: the strategy's own actors
     (e.g. DMM's committee), the committee host and committee, the writer and the directory."""
-    close = getattr(run.strategy, "close", None)  # e.g. DMM's committee actors
-    if close is not None:
-        close()
+    closable = find(run.strategy, Closable)  # e.g. DMM's committee actors
+    if closable is not None:
+        closable.close()
     if run.committee_host is not None:
         run.committee_host.close()
     if run.committee is not None:
@@ -530,47 +489,6 @@ def _local_devices(engine: EngineConfig) -> bool:
 
 def _file_backed(dataset: FederatedDataset) -> bool:
     return any(isinstance(a, np.memmap) for a in dataset.to_arrays().values())
-
-
-def build_experiment_strategy(config: ExperimentConfig, participation: CohortModel) -> Strategy:
-    """The configured strategy, with seeded sampling, for this participation model."""
-    k = config.strategy.clients_per_round
-    if is_personalised(config):
-        personalised = build_personalised_strategy(
-            config.strategy.name,
-            config.strategy.options,
-            clients_per_round=k,
-            sampling=config.strategy.sampling,
-            population=participation.num_clients,
-            seed=config.seed,
-            rounds=config.rounds,
-            evaluate_every=config.evaluation.every,
-            head_layers=config.model.head_layers,
-        )
-        return SeededSampling(personalised, config.seed)
-    expected = participation.group_size(0) if isinstance(participation, MinSeparationCohort) else k
-    compressed = config.client.compression is not None
-    strategy = build_strategy(
-        config.strategy.name,
-        config.strategy.options,
-        expected_clients=expected,
-        evaluate_fraction=config.evaluation.clients / k + 1e-9
-        if config.evaluation.clients
-        else 0.0,
-        seed=config.seed,
-        partial_aggregation="off" if compressed else config.strategy.partial_aggregation,
-        sampling=participation.accounting(config.rounds),
-        population=participation.num_clients,
-        rounds=config.rounds,
-        metrics_in_clear=config.privacy.metrics_in_clear,
-    )
-    if compressed:
-        strategy = DequantizedUploads(strategy)
-    if config.evaluation.conformal is not None:
-        strategy = ConformalEvaluation(strategy, config.evaluation.conformal)
-    if config.strategy.averaging is not None:
-        strategy = AveragedGlobalModel(strategy, config.strategy.averaging, config.rounds)
-    return SeededSampling(strategy, config.seed)
 
 
 def _client_privacy(
@@ -596,23 +514,6 @@ def _client_privacy(
         "delta": dp.delta,
         "accountant": dp.accountant,
     }
-
-
-def _privacy_summary(strategy: Strategy, records: list[dict[str, Any]]) -> dict[str, Any]:
-    """summary.json's privacy keys: the run's epsilon (when the strategy keeps a ledger),
-    why it stopped early (if it did), and the worst client's own epsilon (client DP-SGD)."""
-    out = run_summary(strategy)
-    if "privacy" in out and records and "privacy" in records[-1]:  # the run's, at the boundary
-        out["privacy"] = records[-1]["privacy"]
-        out["unaccounted_releases"] = records[-1]["privacy"].get("unaccounted_releases", 0)
-    client = [r["client_privacy"] for r in records if "client_privacy" in r]
-    if client:
-        out["max_client_epsilon"] = max(c["max_epsilon"] for c in client)
-        out["client_privacy"] = {
-            "delta": client[-1]["delta"],
-            "accountant": client[-1]["accountant"],
-        }
-    return out
 
 
 def load_run_config(
@@ -666,50 +567,3 @@ def _matching_config(
             f"a run of the same config; these keys differ: {', '.join(differing)}",
         )
     return dataclasses.replace(saved, engine=given.engine)
-
-
-def _summary(
-    config: ExperimentConfig,
-    dataset: FederatedDataset,
-    engine: Engine,
-    records: list[dict[str, Any]],
-    started: float,
-    ready: float,
-    finished: float,
-) -> dict[str, Any]:
-    rounds = [r for r in records if r["round"] >= 1]
-    trained = sum(r.get("train", {}).get("clients", 0) for r in rounds)
-    last_central = next((r["central"] for r in reversed(records) if "central" in r), None)
-    last_eval = next(
-        (r["evaluate"].get("metrics") for r in reversed(rounds) if "evaluate" in r), None
-    )
-    return {
-        "name": config.name,
-        "config": to_mapping(config),
-        "rounds": len(rounds),
-        "clients_trained": trained,
-        "seconds": {
-            "total": finished - started,
-            "setup": ready - started,
-            "rounds": finished - ready,
-            "engine_startup": dict(engine.startup_s),
-        },
-        "clients_per_s": trained / (finished - ready) if finished > ready else 0.0,
-        "bytes": {
-            "down": sum(r["bytes_down"] for r in records),
-            "up": sum(r["bytes_up"] for r in records),
-        },
-        "final": {
-            "central": last_central,
-            "evaluate": last_eval,
-            "train": rounds[-1].get("train", {}).get("metrics") if rounds else None,
-        },
-        "dataset": {"name": dataset.name, **dataset.stats()},
-        "engine": engine.describe(),
-        "versions": {
-            "fedsim": __version__,
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "numpy": np.__version__,
-        },
-    }

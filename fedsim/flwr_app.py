@@ -77,7 +77,7 @@ from fedsim.engine.participation import CohortModel, secret_cohorts
 from fedsim.flwr_federation import Federation, read_federation
 from fedsim.flwr_metrics import recorded_metrics
 from fedsim.progress import Cadence, RunProgress
-from fedsim.randomness import RootSource, RunSecret
+from fedsim.randomness import PartySecret, RootSource, RunSecret
 from fedsim.results import RoundRecorder, RunWriter
 from fedsim.run_root import app_record
 
@@ -366,28 +366,8 @@ def run_flower_app(
         source = engine.fresh_root() if secrets is None else secrets
         record = app_record(out_dir, secrets, source)  # run.json: the root's public record
         if participation is not None and not public_cohorts:
-            server = (
-                source.server() if isinstance(source, RunSecret) else engine.server_secret(source)
-            )
-            participation = secret_cohorts(participation, server)
-        rounds = app.run_config.get("num-server-rounds")
-        with RunProgress(rounds if isinstance(rounds, int) else None, enabled=progress) as bar:
-            recorder = RoundRecorder([writer.write_round, bar], infer_rounds=True)
-            with (
-                _server_errors(recorder.server_error),
-                recorded_metrics(recorder.strategy_metrics),
-            ):
-                engine.run_server_app(
-                    app.server_app,
-                    app.client_source(),
-                    num_supernodes,
-                    run_config=app.run_config,
-                    participation=participation,
-                    observer=recorder,
-                    round_log=recorder,
-                    secrets=source,
-                )
-            recorder.close()
+            participation = secret_cohorts(participation, _server_secret(engine, source))
+        recorder = _run_rounds(app, engine, num_supernodes, writer, progress, participation, source)
         finished = time.perf_counter()
         summary = _summary(app, num_supernodes, recorder, engine, finished - started)
         summary["participation"] = _described(participation)
@@ -398,6 +378,44 @@ def run_flower_app(
         return summary
     finally:
         writer.close()
+
+
+def _server_secret(engine: Engine, source: RootSource | RunSecret) -> PartySecret:
+    """The server's secret of the run's root (``source``: the root, or where it lies)."""
+    return source.server() if isinstance(source, RunSecret) else engine.server_secret(source)
+
+
+def _run_rounds(
+    app: FlowerApp,
+    engine: Engine,
+    num_supernodes: int,
+    writer: RunWriter,
+    progress: bool | Cadence,
+    participation: CohortModel | None,
+    source: RootSource | RunSecret,
+) -> RoundRecorder:
+    """Run the app's ServerApp on ``engine``, every round to ``writer`` (and the progress
+    bar), the server's errors and the strategy's metrics to the records; returns the closed
+    recorder."""
+    rounds = app.run_config.get("num-server-rounds")
+    with RunProgress(rounds if isinstance(rounds, int) else None, enabled=progress) as bar:
+        recorder = RoundRecorder([writer.write_round, bar], infer_rounds=True)
+        with (
+            _server_errors(recorder.server_error),
+            recorded_metrics(recorder.strategy_metrics),
+        ):
+            engine.run_server_app(
+                app.server_app,
+                app.client_source(),
+                num_supernodes,
+                run_config=app.run_config,
+                participation=participation,
+                observer=recorder,
+                round_log=recorder,
+                secrets=source,
+            )
+        recorder.close()
+    return recorder
 
 
 class _ErrorsOf(logging.Filter):

@@ -292,6 +292,11 @@ class ExperimentConfig:
             "MiB of client states kept in memory (>= 0)",
         )
         require(self.timeout > 0, "timeout", self.timeout, "a number of seconds > 0")
+        self._check_cohorts()
+        self._check_combinations()
+
+    def _check_cohorts(self) -> None:
+        """The cohorts fit: training within the population, evaluation within training."""
         population = self.data.num_clients
         require(
             self.strategy.clients_per_round <= population,
@@ -305,6 +310,10 @@ class ExperimentConfig:
             self.evaluation.clients,
             f"at most strategy.clients_per_round = {self.strategy.clients_per_round}",
         )
+
+    def _check_combinations(self) -> None:
+        """The client methods, the model and the strategy go together, and no un-noised
+        client metric reaches a private strategy's server unless ``[privacy]`` allows it."""
         proximal = spec_for(self.strategy.name).proximal(self.strategy.options)
         check_parts(self.client, fedprox=proximal)
         require(

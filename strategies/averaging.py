@@ -17,6 +17,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
+from fedsim.engine.hooks import find
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.workloads.averaging import Averager, Averaging
 from strategies.wrapper import StrategyWrapper
@@ -74,13 +75,7 @@ class AveragedGlobalModel(StrategyWrapper):
 
 def find_averaging(strategy: Strategy) -> AveragedGlobalModel | None:
     """The :class:`AveragedGlobalModel` in a chain of strategy wrappers, if any."""
-    seen: set[int] = set()
-    while strategy is not None and id(strategy) not in seen:
-        if isinstance(strategy, AveragedGlobalModel):
-            return strategy
-        seen.add(id(strategy))
-        strategy = strategy.__dict__.get("strategy")
-    return None
+    return find(strategy, AveragedGlobalModel)
 
 
 def averaged_evaluation(strategy: Strategy, evaluate: EvaluateFn | None) -> EvaluateFn | None:

@@ -116,7 +116,7 @@ from strategies.secure.plaintext import encoded_key
 from strategies.secure.replies import clear_train_loss, first_replies
 from strategies.spec import Accounting, RunFacts, StrategySpec
 from strategies.vectors import trained_update, unflatten
-from strategies.wrapper import server_reply
+from strategies.wrapper import arrayrecord_key, fraction_evaluate, server_reply
 
 log = logging.getLogger(__name__)
 
@@ -311,7 +311,7 @@ def _check_arguments(
         raise ValueError(
             f"committee is a {type(committee).__name__}; allowed: Committee or CommitteeSpec"
         )
-    fraction = getattr(strategy, "fraction_evaluate", 0.0)
+    fraction = fraction_evaluate(strategy)
     if not metrics_in_clear and isinstance(fraction, int | float) and fraction > 0:
         raise ValueError(_EVALUATION.format(f"strategy.fraction_evaluate={fraction!r}"))
 
@@ -613,7 +613,7 @@ class DDGauss(LedgerShell):
             }
         )
         self.secure.instruct(server_round, extended, grid)  # a session id, a committee check
-        self._global = (getattr(self.strategy, "arrayrecord_key", "arrays"), arrays)
+        self._global = (arrayrecord_key(self.strategy), arrays)
         self._grid = grid
         messages = list(self.strategy.configure_train(server_round, arrays, extended, grid))
         self._asked = {int(m.metadata.dst_node_id) for m in messages}

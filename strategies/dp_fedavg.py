@@ -117,7 +117,7 @@ from strategies.clipped_sum import ClippedSum
 from strategies.dp_shell import ClippedSumShell
 from strategies.observed_sampling import SamplingPlan, describe, planned_sampling
 from strategies.participation_guard import ParticipationGuard
-from strategies.wrapper import server_reply
+from strategies.wrapper import server_reply, weighted_by_key
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +208,7 @@ class DPFedAvg(ClippedSumShell):
             "a number > 0 (or none)",
         )
         super().__init__(strategy)
-        self.weight_key = getattr(strategy, "weighted_by_key", "num-examples")
+        self.weight_key = weighted_by_key(strategy)
         self.reducer = ClippedSum(clipping_norm, self.weight_key)
         self.noise_multiplier = float(noise_multiplier)
         self.adaptive = adaptive

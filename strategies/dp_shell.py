@@ -34,7 +34,7 @@ from fedsim.worker_reduce import attach_reducer, is_partial, single
 from strategies.clipped_sum import BOOKKEEPING, CLIENTS_KEY, CLIPPED_KEY
 from strategies.participation_guard import ParticipationGuard
 from strategies.server_secret import ServerNoise
-from strategies.wrapper import StrategyWrapper
+from strategies.wrapper import StrategyWrapper, arrayrecord_key
 
 
 class LedgerShell(StrategyWrapper):
@@ -119,7 +119,7 @@ class ClippedSumShell(ServerNoise, LedgerShell):
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
         if self.guard is not None:
             messages, self.participation_refused = self.guard.admit(server_round - 1, messages)
-        key = getattr(self.strategy, "arrayrecord_key", "arrays")
+        key = arrayrecord_key(self.strategy)
         self._global = (key, arrays)
         if self.worker_reduction:
             attach_reducer(messages, self.reducer)

@@ -82,6 +82,7 @@ from strategies.clipped_sum import ClippedSum
 from strategies.dp_shell import ClippedSumShell
 from strategies.participation_guard import ParticipationGuard
 from strategies.spec import Accounting, RunFacts, StrategySpec
+from strategies.wrapper import weighted_by_key
 
 #: the constructor's default: every client in at most one round
 SINGLE = Participation.single()
@@ -193,7 +194,7 @@ class MatrixMechanism(ClippedSumShell):
         super().__init__(strategy)
         self.factorization = factorization
         self.participation = participation
-        self.weight_key = getattr(strategy, "weighted_by_key", "num-examples")
+        self.weight_key = weighted_by_key(strategy)
         self.reducer = ClippedSum(clipping_norm, self.weight_key)
         self.noise_multiplier = float(noise_multiplier)
         self.expected_clients = float(expected_clients)

@@ -30,6 +30,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from flwr.serverapp.strategy.strategy_utils import log_strategy_start_info
 from flwr.supercore import log
 
+from fedsim.engine.hooks import ClearMetrics, GridBound, PrivacyReporting, Stoppable, find
 from fedsim.engine.rounds import RoundOutcome, run_rounds
 
 
@@ -49,15 +50,17 @@ def recorded_start(
     log(INFO, "Starting %s strategy:", type(strategy).__name__)
     log_strategy_start_info(num_rounds, initial_arrays, train_config, evaluate_config)
     strategy.summary()
-    bind_grid = getattr(strategy, "bind_grid", None)  # e.g. DPFedAvg plans its sampling
-    if bind_grid is not None:
-        bind_grid(grid)
+    bound = find(strategy, GridBound)  # e.g. DPFedAvg plans its sampling
+    if bound is not None:
+        bound.bind_grid(grid)
     round_log = getattr(grid, "round_log", None)
-    report = getattr(strategy, "privacy_report", None)
+    private = find(strategy, PrivacyReporting)
+    report = None if private is None else private.privacy_report
     if round_log is not None:
+        clear = find(strategy, ClearMetrics)
         round_log.open_rounds(
             private=report is not None,
-            metrics_in_clear=bool(getattr(strategy, "metrics_in_clear", False)),
+            metrics_in_clear=clear is not None and bool(clear.metrics_in_clear),
         )
     result = Result()
     started = time.time()
@@ -95,10 +98,10 @@ def recorded_start(
 def run_summary(strategy: Strategy) -> dict[str, Any]:
     """What a run's summary adds for ``strategy``: why it stopped early (None: it did not)
     and, for a private strategy, its final privacy report (as ``fedsim run`` writes them)."""
-    out: dict[str, Any] = {"stopped_reason": getattr(strategy, "stop_reason", None)}
-    report = getattr(strategy, "privacy_report", None)
-    if report is not None:
-        out["privacy"] = report()
+    stoppable, private = find(strategy, Stoppable), find(strategy, PrivacyReporting)
+    out: dict[str, Any] = {"stopped_reason": None if stoppable is None else stoppable.stop_reason}
+    if private is not None:
+        out["privacy"] = private.privacy_report()
     return out
 
 

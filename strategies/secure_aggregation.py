@@ -52,7 +52,13 @@ from strategies.secure.committee import COMMITTEE_OPTIONS, spec_from_options
 from strategies.secure.replies import clear_train_loss, first_replies
 from strategies.spec import raw_option
 from strategies.vectors import trained_update, unflatten
-from strategies.wrapper import StrategyWrapper, server_reply
+from strategies.wrapper import (
+    StrategyWrapper,
+    arrayrecord_key,
+    fraction_evaluate,
+    server_reply,
+    weighted_by_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +227,7 @@ class SecureAggregation(StrategyWrapper):
             raise ValueError(f"secagg_degree={secagg_degree!r}; it must be an even integer >= 2")
         if not 0.0 <= member_dropout <= 1.0:
             raise ValueError(f"member_dropout={member_dropout!r}; allowed: a probability")
-        fraction = getattr(strategy, "fraction_evaluate", 0.0)
+        fraction = fraction_evaluate(strategy)
         if not metrics_in_clear and isinstance(fraction, int | float) and fraction > 0:
             raise ValueError(
                 f"strategy.fraction_evaluate={fraction!r} with a secure sum: federated "
@@ -293,11 +299,11 @@ class SecureAggregation(StrategyWrapper):
         extended[PREFIX + "dim"] = dim
         extended[PREFIX + "fractional-bits"] = self.codec.fractional_bits
         extended[PREFIX + "value-bound"] = float(self.codec.value_bound)
-        extended[PREFIX + "weight-key"] = str(getattr(self.strategy, "weighted_by_key", ""))
+        extended[PREFIX + "weight-key"] = weighted_by_key(self.strategy)
         if not extended[PREFIX + "weight-key"]:
             extended[PREFIX + "weight-key"] = "num-examples"
         self.secure.instruct(server_round, extended, grid)
-        self._global = (getattr(self.strategy, "arrayrecord_key", "arrays"), arrays, dim)
+        self._global = (arrayrecord_key(self.strategy), arrays, dim)
         self._grid = grid
         messages = list(self.strategy.configure_train(server_round, arrays, extended, grid))
         self._asked = {int(m.metadata.dst_node_id) for m in messages}

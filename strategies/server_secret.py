@@ -8,11 +8,11 @@ uninterrupted one would, and nothing about the noise is ever stored. The secret 
 run seed and never anything a client can see.
 
 The front end binds the run's :meth:`~fedsim.randomness.RunSecret.server` secret with
-:func:`bind_parties`, which walks the wrapper chain (``.strategy`` links) and calls
-``bind_server_secret`` (and ``bind_committee_host``, ``bind_committee``) on every object that
-defines it. A strategy used on its own, unbound, binds a fresh OS secret the first time it
-needs one (never a seeded fallback). Pickling (checkpoints) drops the bound secret; the front
-end binds again after ``--resume``.
+:func:`bind_parties`, which walks the wrapper chain (:func:`fedsim.engine.hooks.layers`)
+and binds every layer that declares it takes the secret (or the committee host, the
+committee: :mod:`fedsim.engine.hooks`). A strategy used on its own, unbound, binds a fresh OS
+secret the first time it needs one (never a seeded fallback). Pickling (checkpoints) drops
+the bound secret; the front end binds again after ``--resume``.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from fedsim.engine.hooks import CommitteeBound, CommitteeHostBound, ServerSecretBound, layers
 from fedsim.randomness import PartySecret, Purpose
 
 
@@ -56,19 +57,14 @@ def bind_parties(
     strategy: Any, server: PartySecret, committee_host: Any = None, committee: Any = None
 ) -> None:
     """Bind ``server`` (and ``committee_host`` -- DMM's -- and ``committee`` -- DDGauss's --
-    when given) to every object of ``strategy``'s wrapper chain that accepts it; the methods
-    are looked up on each object's class, so a wrapper does not pass an inner strategy's
-    method off as its own."""
-    seen: set[int] = set()
-    current = strategy
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if callable(getattr(type(current), "bind_server_secret", None)):
-            current.bind_server_secret(server)
-        if committee_host is not None and callable(
-            getattr(type(current), "bind_committee_host", None)
-        ):
-            current.bind_committee_host(committee_host)
-        if committee is not None and callable(getattr(type(current), "bind_committee", None)):
-            current.bind_committee(committee)
-        current = getattr(current, "strategy", None)
+    when given) to every layer of ``strategy``'s wrapper chain
+    (:func:`fedsim.engine.hooks.layers`) that declares it takes it (the protocols
+    ``ServerSecretBound``, ``CommitteeHostBound``, ``CommitteeBound`` of
+    :mod:`fedsim.engine.hooks`)."""
+    for layer in layers(strategy):
+        if isinstance(layer, ServerSecretBound):
+            layer.bind_server_secret(server)
+        if committee_host is not None and isinstance(layer, CommitteeHostBound):
+            layer.bind_committee_host(committee_host)
+        if committee is not None and isinstance(layer, CommitteeBound):
+            layer.bind_committee(committee)

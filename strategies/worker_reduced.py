@@ -10,7 +10,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedsim.worker_reduce import Reducer, WeightedMean, attach_reducer
-from strategies.wrapper import StrategyWrapper
+from strategies.wrapper import StrategyWrapper, weighted_by_key
 
 
 class WorkerReduced(StrategyWrapper):
@@ -25,7 +25,7 @@ class WorkerReduced(StrategyWrapper):
 
     def __init__(self, strategy: Strategy, reducer: Reducer | None = None) -> None:
         super().__init__(strategy)
-        self.reducer = reducer or WeightedMean(getattr(strategy, "weighted_by_key", "num-examples"))
+        self.reducer = reducer or WeightedMean(weighted_by_key(strategy))
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

@@ -1,9 +1,13 @@
 """A strategy that delegates everything to another: the base of strategy wrappers.
 
 Wrappers (DP, worker-side sums, seeded sampling) change one or two of the
-Message-API hooks and pass the others through; attributes they do not define
-(``weighted_by_key``, ``arrayrecord_key``, ...) are read from the wrapped strategy.
-Their ``start`` (what a Flower ServerApp calls) is
+Message-API hooks and pass the others through. A wrapper declares what it wraps
+(:class:`fedsim.engine.hooks.Wrapping`: its ``strategy``) and forwards nothing else by name:
+what callers read of the wrapped strategy's messages is declared here (:class:`MessageKeys`:
+``arrayrecord_key``, ``weighted_by_key``, ``fraction_evaluate``, which a wrapper passes on as
+properties), and the front end's hooks (privacy report, stop, close, ...) are the protocols of
+:mod:`fedsim.engine.hooks`, found on the layer that implements them. Their ``start`` (what a
+Flower ServerApp calls) is
 :func:`~strategies.recorded_start.recorded_start`: Flower's calls, with every round in the
 run's records under fedsim.
 """
@@ -11,7 +15,7 @@ run's records under fedsim.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Protocol, runtime_checkable
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.app.message_type import MessageType
@@ -22,17 +26,57 @@ from flwr.serverapp.strategy import Result, Strategy
 from strategies.recorded_start import recorded_start
 
 
+@runtime_checkable
+class MessageKeys(Protocol):
+    """What a strategy of Flower's FedAvg family declares about its messages: the key of the
+    global arrays, the metric its mean is weighted by, and the fraction it evaluates."""
+
+    arrayrecord_key: str
+    weighted_by_key: str
+    fraction_evaluate: float
+
+
+def arrayrecord_key(strategy: Strategy) -> str:
+    """``strategy``'s key of the global arrays (Flower's default ``"arrays"`` when it
+    declares none)."""
+    return strategy.arrayrecord_key if isinstance(strategy, MessageKeys) else "arrays"
+
+
+def weighted_by_key(strategy: Strategy) -> str:
+    """The reply metric ``strategy`` weights its mean by (Flower's ``"num-examples"`` when
+    it declares none)."""
+    return strategy.weighted_by_key if isinstance(strategy, MessageKeys) else "num-examples"
+
+
+def fraction_evaluate(strategy: Strategy) -> float:
+    """The fraction of nodes ``strategy`` evaluates on (0: it declares no federated
+    evaluation)."""
+    return strategy.fraction_evaluate if isinstance(strategy, MessageKeys) else 0.0
+
+
 class StrategyWrapper(Strategy):
-    """Delegates every hook to ``strategy``."""
+    """Delegates every hook to ``strategy`` (declared: :class:`fedsim.engine.hooks.Wrapping`),
+    and passes on its :class:`MessageKeys`."""
+
+    strategy: Strategy  #: the wrapped strategy
 
     def __init__(self, strategy: Strategy) -> None:
         self.strategy = strategy
 
-    def __getattr__(self, name: str) -> Any:
-        # Only called for attributes not found on the wrapper itself.
-        if name == "strategy":
-            raise AttributeError(name)
-        return getattr(self.strategy, name)
+    @property
+    def arrayrecord_key(self) -> str:
+        """The wrapped strategy's key of the global arrays."""
+        return arrayrecord_key(self.strategy)
+
+    @property
+    def weighted_by_key(self) -> str:
+        """The reply metric the wrapped strategy weights its mean by."""
+        return weighted_by_key(self.strategy)
+
+    @property
+    def fraction_evaluate(self) -> float:
+        """The fraction of nodes the wrapped strategy evaluates on."""
+        return fraction_evaluate(self.strategy)
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

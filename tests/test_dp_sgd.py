@@ -13,7 +13,7 @@ from fedsim.config import ConfigError, from_mapping, to_mapping
 from fedsim.data import build_dataset
 from fedsim.engine import ClientRegistry
 from fedsim.engine.participation import TRAIN
-from fedsim.experiment import participation_for, run_experiment
+from fedsim.experiment import run_experiment
 from fedsim.models import ModelSpec, initial_arrays
 from fedsim.privacy.epsilon import epsilon
 from fedsim.privacy.sampling import PoissonSampling
@@ -21,6 +21,7 @@ from fedsim.randomness import RunSecret
 from fedsim.results import read_rounds
 from fedsim.run_config import ExperimentConfig
 from fedsim.run_root import resume_root
+from fedsim.run_strategy import participation_for
 from fedsim.rundir import RunDirectory
 from fedsim.workloads import dp_sgd
 from fedsim.workloads.dp_sgd import DPSGD, client_epsilon, epsilon_of, history_of

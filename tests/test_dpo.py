@@ -13,9 +13,10 @@ from fedsim.workloads.dpo import (
     dpo_loss,
     pair_logprobs,
     reference_logprobs,
+    sequence_logprobs,
     train_dpo,
 )
-from fedsim.workloads.text_models import sequence_logprobs, tiny_generator
+from fedsim.workloads.text_models import tiny_generator
 
 PAIRS = [
     PreferencePair("List: Sample 1:", "a tidy one.", "zq"),

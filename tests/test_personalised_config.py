@@ -15,9 +15,9 @@ import pytest
 
 from fedsim.cli import main
 from fedsim.config import ConfigError
-from fedsim.experiment import build_experiment_strategy, participation_for
 from fedsim.results import read_rounds
 from fedsim.run_config import ExperimentConfig
+from fedsim.run_strategy import build_experiment_strategy, participation_for
 from strategies.registry import PERSONALISED, build_strategy
 
 BASE = {

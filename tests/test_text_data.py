@@ -7,14 +7,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from fedsim.config import ConfigError
+from fedsim.data.docstrings import docstring_federation, docstring_paragraphs, module_docstrings
 from fedsim.data.text import (
     TextSourceSpec,
     cached_text_federation,
-    docstring_federation,
-    docstring_paragraphs,
     in_memory_federation,
     load_text_table,
-    module_docstrings,
     table_federation,
 )
 

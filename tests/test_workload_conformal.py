@@ -13,11 +13,12 @@ from flwr.serverapp.strategy import FedAvg
 from fedsim.config import ConfigError
 from fedsim.data import DatasetSpec, build_dataset
 from fedsim.engine.rounds import run_rounds
-from fedsim.experiment import build_experiment_strategy, participation_for, run_experiment
+from fedsim.experiment import run_experiment
 from fedsim.models import ModelSpec, build_model, initial_arrays, load_arrays
 from fedsim.record_codec import to_record
 from fedsim.results import read_rounds
 from fedsim.run_config import ExperimentConfig
+from fedsim.run_strategy import build_experiment_strategy, participation_for
 from fedsim.workloads.conformal import (
     DPSM,
     ConformalTraining,

@@ -225,6 +225,30 @@ class DatasetInferenceResult:
         }
 
 
+def _split_sizes(
+    lengths: tuple[int, int, int, int], splits: int, fractions: tuple[float, float, float]
+) -> tuple[int, int]:
+    """The sizes of splits A and B of ``lengths[0]`` paired items (C takes the rest); a
+    ValueError when the inputs are not paired, ``splits`` < 1, ``fractions`` not three
+    positive shares summing to 1, or a split would hold fewer than 4 items."""
+    n, n_synthetic, n_suspect_f, n_synthetic_f = lengths
+    if not (n_synthetic == n == n_suspect_f == n_synthetic_f):
+        raise ValueError(
+            "suspect_texts, synthetic_texts, suspect_features and synthetic_features must be "
+            f"paired (lengths {n}, {n_synthetic}, {n_suspect_f}, {n_synthetic_f})"
+        )
+    if splits < 1:
+        raise ValueError(f"splits = {splits!r} is not allowed: an integer >= 1")
+    if len(fractions) != 3 or min(fractions) <= 0 or abs(sum(fractions) - 1) > 1e-9:
+        raise ValueError(
+            f"fractions = {fractions!r} is not allowed: three positive shares summing to 1"
+        )
+    size_a, size_b = int(fractions[0] * n), int(fractions[1] * n)
+    if min(size_a, size_b, n - size_a - size_b) < 4:
+        raise ValueError(f"suspect_texts holds {n} texts: too few for three splits of >= 4")
+    return size_a, size_b
+
+
 def dataset_inference(
     suspect_texts: Sequence[str],
     synthetic_texts: Sequence[str],
@@ -244,21 +268,11 @@ def dataset_inference(
     """
     fit_classifier = text_classifier if classifier is None else classifier
     n = len(suspect_texts)
-    if not (len(synthetic_texts) == n == len(suspect_features) == len(synthetic_features)):
-        raise ValueError(
-            "suspect_texts, synthetic_texts, suspect_features and synthetic_features must be "
-            f"paired (lengths {n}, {len(synthetic_texts)}, {len(suspect_features)}, "
-            f"{len(synthetic_features)})"
-        )
-    if splits < 1:
-        raise ValueError(f"splits = {splits!r} is not allowed: an integer >= 1")
-    if len(fractions) != 3 or min(fractions) <= 0 or abs(sum(fractions) - 1) > 1e-9:
-        raise ValueError(
-            f"fractions = {fractions!r} is not allowed: three positive shares summing to 1"
-        )
-    size_a, size_b = int(fractions[0] * n), int(fractions[1] * n)
-    if min(size_a, size_b, n - size_a - size_b) < 4:
-        raise ValueError(f"suspect_texts holds {n} texts: too few for three splits of >= 4")
+    size_a, size_b = _split_sizes(
+        (n, len(synthetic_texts), len(suspect_features), len(synthetic_features)),
+        splits,
+        fractions,
+    )
     susp_f, synth_f = np.asarray(suspect_features, float), np.asarray(synthetic_features, float)
     p_values, auc_text, auc_combined = [], [], []
     for _ in range(splits):

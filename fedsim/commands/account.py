@@ -32,93 +32,24 @@ import argparse
 import contextlib
 import logging
 import math
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from fractions import Fraction
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fedsim.commands.account_mechanisms import (
+    MECHANISMS,
+    PLD_MIN_NOISE,
+    check_common,
+    check_noise,
+    common_args,
+)
 from fedsim.commands.flags import flags
 from fedsim.config import ConfigError, require
 
 if TYPE_CHECKING:  # dp_accounting (and scipy) load when a subcommand runs, not for --help
     from fedsim.privacy.sampling import NeighbouringRelation, Sampling
-
-_FEDAVG_FLAGS = {
-    "noise_multiplier": "--noise-multiplier",
-    "rate": "--sampling-rate",
-    "sample_size": "--sampling-rate",
-    "population": "--population",
-    "rounds": "--rounds",
-    "delta": "--delta",
-    "accountant": "--accountant",
-    "relation": "--relation",
-    "target_epsilon": "--target-epsilon",
-}
-_SGD_FLAGS = {**_FEDAVG_FLAGS, "rate": "--batch-size", "rounds": "--epochs"}
-#: one accounted setting: (sampling, neighbouring relation, echoed inputs, rounds or steps)
-Setting = tuple["Sampling", "NeighbouringRelation", dict[str, Any], int]
-
-
-def _common(parser: argparse.ArgumentParser, *, relation: bool, prv: bool = False) -> None:
-    parser.add_argument("--delta", type=float, required=True, help="target delta, in (0, 1)")
-    parser.add_argument(
-        "--accountant",
-        default="rdp",
-        help="rdp (default) or pld, both from dp_accounting"
-        + ("; or prv (Opacus's PRV accountant, epsilon only)" if prv else ""),
-    )
-    if relation:
-        parser.add_argument(
-            "--relation",
-            default=None,
-            help="add_remove or replace_one neighbours (default: replace_one "
-            "for --sampling fixed, else add_remove)",
-        )
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
-
-
-def _fedavg_args(parser: argparse.ArgumentParser, *, many: bool) -> None:
-    nargs = "+" if many else None
-    parser.add_argument(
-        "--sampling-rate",
-        type=float,
-        nargs=nargs,
-        default=None,
-        help="client sampling rate q in (0, 1] (Poisson) or cohort fraction",
-    )
-    parser.add_argument("--rounds", type=int, required=True, help="number of rounds T")
-    parser.add_argument(
-        "--sampling",
-        default="poisson",
-        help="poisson (default), fixed (round(q N) of N without replacement) "
-        "or full (every client, every round)",
-    )
-    parser.add_argument(
-        "--population",
-        type=int,
-        default=None,
-        help="number of clients N (needed by --sampling fixed)",
-    )
-    _common(parser, relation=True)
-
-
-def _sgd_args(parser: argparse.ArgumentParser, *, many: bool) -> None:
-    nargs = "+" if many else None
-    parser.add_argument(
-        "--batch-size",
-        type=int,
-        nargs=nargs,
-        required=True,
-        help="expected batch size B (Poisson sampling q = B / N)",
-    )
-    parser.add_argument("--dataset-size", type=int, required=True, help="examples N")
-    parser.add_argument(
-        "--epochs", type=float, required=True, help="epochs E; steps = ceil(E N / B)"
-    )
-    _common(parser, relation=False, prv=not many)
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -165,6 +96,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         parser.add_argument("--plot", required=True, help="PNG file to write")
         parser.add_argument("--points", type=int, default=50, help="points per curve (default 50)")
 
+    _add_matrix(commands)
+    return account
+
+
+def _add_matrix(commands: Any) -> None:
+    """``fedsim account matrix``: epsilon and error of a factorization file."""
     matrix = commands.add_parser("matrix", help="epsilon and error of a matrix mechanism")
     matrix.add_argument(
         "--factorization", required=True, help="an .npz written by fedsim factorize"
@@ -180,241 +117,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     matrix.add_argument(
         "--rounds", type=int, default=None, help="epsilon after the first T rounds (default n)"
     )
-    _common(matrix, relation=True)
-    return account
-
-
-# --------------------------------------------------------------------------------------------
-# Settings
-# --------------------------------------------------------------------------------------------
-
-
-#: the smallest noise multiplier the PLD accountant is asked about: its grid grows as 1/z^2
-#: (z = 0.05 over 1000 Poisson rounds takes minutes and over 4 GB)
-PLD_MIN_NOISE = 0.1
-#: the same for Opacus's PRV accountant, whose domain also widens as z falls (z = 0.1 over 100
-#: steps at q = 0.01 takes about two minutes, z = 0.5 over 1000 steps a few seconds)
-PRV_MIN_NOISE = 0.5
-#: what ``--accountant prv`` accounts: ``fedsim account dp-sgd`` (epsilon) only
-PRV_COMMANDS = ("dp-sgd",)
-
-
-def _check_noise(z: Any, accountant: str) -> float:
-    """A noise multiplier the accountant handles soundly, else a ConfigError.
-
-    The range is the one noise calibration searches, ``[Z_MIN, Z_MAX]``: below ``Z_MIN``
-    epsilon exceeds 1e5 per round and dp_accounting's RDP bound loses its precision (it
-    reports epsilon = 0 for Poisson sampling at z = 1e-154 and divides by zero at 1e-300),
-    so the command refuses rather than print a meaningless or optimistic number. ``z = 0``
-    (no noise, epsilon infinite) is what a run reports; here it is refused too."""
-    from fedsim.privacy.round_events import Z_MAX, Z_MIN  # noqa: PLC0415
-
-    require(
-        isinstance(z, (int, float))
-        and not isinstance(z, bool)
-        and math.isfinite(z)
-        and Z_MIN <= z <= Z_MAX,
-        "--noise-multiplier",
-        z,
-        f"a number in [{Z_MIN:g}, {Z_MAX:g}] (noise std / clipping norm; below "
-        f"{Z_MIN:g} epsilon exceeds 1e5 and dp_accounting's bound loses its precision)",
-    )
-    require(
-        accountant != "pld" or z >= PLD_MIN_NOISE,
-        "--noise-multiplier",
-        z,
-        f"a number >= {PLD_MIN_NOISE:g} with --accountant pld (its grid grows as 1/z^2; "
-        "--accountant rdp takes smaller ones)",
-    )
-    require(
-        accountant != "prv" or z >= PRV_MIN_NOISE,
-        "--noise-multiplier",
-        z,
-        f"a number >= {PRV_MIN_NOISE:g} with --accountant prv (its domain widens as z "
-        "falls; --accountant rdp or pld take smaller ones)",
-    )
-    return float(z)
-
-
-def _check_common(args: argparse.Namespace) -> tuple[float, str]:
-    from fedsim.privacy.accountant import ACCOUNTANTS  # noqa: PLC0415
-
-    delta = args.delta
-    require(
-        isinstance(delta, (int, float)) and 0 < delta < 1, "--delta", delta, "a number in (0, 1)"
-    )
-    if args.accountant == "prv":
-        require(
-            getattr(args, "account_command", None) in PRV_COMMANDS,
-            "--accountant",
-            args.accountant,
-            "rdp or pld here (prv, Opacus's PRV accountant, accounts fedsim account dp-sgd "
-            "only; dp_accounting ships no PRV accountant)",
-        )
-        return float(delta), args.accountant
-    prv = getattr(args, "account_command", None) in PRV_COMMANDS
-    allowed = "one of rdp, pld" + (", prv" if prv else "")
-    require(args.accountant in ACCOUNTANTS, "--accountant", args.accountant, allowed)
-    return float(delta), args.accountant
-
-
-def _fedavg_setting(args: argparse.Namespace, rate: float | None) -> Setting:
-    """The sampling model, relation, echoed inputs and rounds of a dp-fedavg invocation."""
-    from fedsim.privacy.sampling import (  # noqa: PLC0415
-        FixedSizeSampling,
-        FullParticipation,
-        NeighbouringRelation,
-        PoissonSampling,
-    )
-
-    kind = args.sampling
-    require(kind in ("poisson", "fixed", "full"), "--sampling", kind, "one of poisson, fixed, full")
-    require(
-        isinstance(args.rounds, int) and args.rounds >= 0,
-        "--rounds",
-        args.rounds,
-        "an integer >= 0",
-    )
-    echo: dict[str, Any] = {"sampling": kind, "rounds": args.rounds}
-    if kind == "full":
-        require(
-            rate is None or rate == 1, "--sampling-rate", rate, "1 or nothing with --sampling full"
-        )
-        sampling: Sampling = FullParticipation()
-        echo["sampling_rate"] = 1.0
-    else:
-        require(
-            rate is not None,
-            "--sampling-rate",
-            rate,
-            f"a rate in (0, 1] (required with --sampling {kind})",
-        )
-        require(
-            isinstance(rate, (int, float)) and 0 < rate <= 1,
-            "--sampling-rate",
-            rate,
-            "a rate in (0, 1]",
-        )
-        echo["sampling_rate"] = float(rate)
-        if kind == "poisson":
-            sampling = PoissonSampling(float(rate))
-        else:
-            n = args.population
-            require(
-                isinstance(n, int) and n >= 1,
-                "--population",
-                n,
-                "an integer >= 1 (required with --sampling fixed)",
-            )
-            cohort = round(rate * n)
-            require(
-                1 <= cohort <= n,
-                "--sampling-rate",
-                rate,
-                f"a rate giving a cohort round(q N) of at least 1 of N = {n} clients",
-            )
-            sampling = FixedSizeSampling(cohort, n)
-            echo.update(population=n, cohort_size=cohort)
-    default = "replace_one" if kind == "fixed" else "add_remove"
-    relation = NeighbouringRelation.parse(args.relation or default, "--relation")
-    echo["relation"] = relation.value
-    return sampling, relation, echo, args.rounds
-
-
-def _sgd_setting(args: argparse.Namespace, batch_size: int) -> Setting:
-    """Poisson sampling q = B/N (add/remove neighbours), the echoed inputs and the number of
-    steps ceil(E N / B)."""
-    from fedsim.privacy.sampling import NeighbouringRelation, PoissonSampling  # noqa: PLC0415
-
-    n = args.dataset_size
-    require(isinstance(n, int) and n >= 1, "--dataset-size", n, "an integer >= 1")
-    require(
-        isinstance(batch_size, int) and 1 <= batch_size <= n,
-        "--batch-size",
-        batch_size,
-        f"an integer in [1, --dataset-size = {n}]",
-    )
-    epochs = args.epochs
-    require(
-        isinstance(epochs, (int, float)) and math.isfinite(epochs) and epochs > 0,
-        "--epochs",
-        epochs,
-        "a finite number > 0",
-    )
-    steps = math.ceil(Fraction(repr(float(epochs))) * n / batch_size)
-    q = batch_size / n
-    echo = {
-        "batch_size": batch_size,
-        "dataset_size": n,
-        "epochs": float(epochs),
-        "sampling_rate": q,
-        "steps": steps,
-        "sampling": "poisson",
-        "relation": "add_remove",
-    }
-    return PoissonSampling(q), NeighbouringRelation.ADD_REMOVE, echo, steps
-
-
-def _fedavg_rounds(args: argparse.Namespace, verb: str) -> None:
-    require(args.rounds >= 1, "--rounds", args.rounds, f"an integer >= 1 to {verb}")
-
-
-def _any_steps(args: argparse.Namespace, verb: str) -> None:
-    """Steps are ceil(E N / B) >= 1 for any valid --epochs: nothing to check."""
-
-
-@dataclass(frozen=True)
-class AccountedMechanism:
-    """One mechanism the ``account`` command accounts, and everything it needs of it.
-
-    Attributes:
-        add_args: adds its flags to a parser (``many``: the sweep's lists).
-        value: the flag its settings vary over (one value, or the sweep's list).
-        setting: ``(sampling, relation, echoed inputs, length)`` for one value of it.
-        length: what its releases are counted in ("rounds" or "steps").
-        check_length: refuses a length that cannot be calibrated or swept (``verb``).
-        flags: library keys -> the flags that set them, for error messages.
-        inputs: the inputs a sweep's result echoes.
-    """
-
-    add_args: Callable[..., None]
-    value: Callable[[argparse.Namespace], Any]
-    setting: Callable[[argparse.Namespace, Any], Setting]
-    length: str
-    check_length: Callable[[argparse.Namespace, str], None]
-    flags: dict[str, str]
-    inputs: Callable[[argparse.Namespace], dict[str, Any]]
-
-
-#: the mechanisms by subcommand name
-MECHANISMS: dict[str, AccountedMechanism] = {
-    "dp-fedavg": AccountedMechanism(
-        add_args=_fedavg_args,
-        value=lambda args: args.sampling_rate,
-        setting=_fedavg_setting,
-        length="rounds",
-        check_length=_fedavg_rounds,
-        flags=_FEDAVG_FLAGS,
-        inputs=lambda args: {
-            "rounds": args.rounds,
-            "sampling": args.sampling,
-            "sampling_rate": args.sampling_rate,
-        },
-    ),
-    "dp-sgd": AccountedMechanism(
-        add_args=_sgd_args,
-        value=lambda args: args.batch_size,
-        setting=_sgd_setting,
-        length="steps",
-        check_length=_any_steps,
-        flags=_SGD_FLAGS,
-        inputs=lambda args: {
-            "batch_size": args.batch_size,
-            "dataset_size": args.dataset_size,
-            "epochs": float(args.epochs),
-        },
-    ),
-}
+    common_args(matrix, relation=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -425,8 +128,8 @@ MECHANISMS: dict[str, AccountedMechanism] = {
 def _epsilon(args: argparse.Namespace) -> dict[str, Any]:
     from fedsim.privacy.epsilon import epsilon  # noqa: PLC0415
 
-    delta, accountant = _check_common(args)
-    z = _check_noise(args.noise_multiplier, accountant)
+    delta, accountant = check_common(args)
+    z = check_noise(args.noise_multiplier, accountant)
     mechanism = MECHANISMS[args.mechanism]
     sampling, relation, echo, rounds = mechanism.setting(args, mechanism.value(args))
     if accountant == "prv":  # dp-sgd: Poisson sampling at q = B / N, add/remove
@@ -456,7 +159,7 @@ def _calibrate(args: argparse.Namespace) -> dict[str, Any]:
     from fedsim.privacy.calibration import calibrate_noise  # noqa: PLC0415
     from fedsim.privacy.epsilon import epsilon  # noqa: PLC0415
 
-    delta, accountant = _check_common(args)
+    delta, accountant = check_common(args)
     target = args.target_epsilon
     require(
         isinstance(target, (int, float)) and math.isfinite(target) and target > 0,
@@ -509,35 +212,38 @@ def _rdp_calibration(
         return None
 
 
-def _matrix(args: argparse.Namespace) -> dict[str, Any]:
-    """The whole run is one Gaussian mechanism: fresh noise std ``z c sens(C)`` on ``C X``, so
-    epsilon after all n rounds is the Gaussian's with ``z``; after T rounds the rows released
-    so far have sensitivity ``sens_T`` and the multiplier is ``z sens(C) / sens_T``
-    (:mod:`strategies.matrix_mechanism`). RMSE per round is ``z sens(C) ||B[t]||`` in units of
-    the clipping norm."""
-    from fedsim.privacy.epsilon import epsilon  # noqa: PLC0415
+def _factorization(args: argparse.Namespace) -> tuple[Path, Any, Any]:
+    """``--factorization``'s path, its :class:`~fedsim.privacy.matrix.Factorization` and the
+    spec it was built for (its participation, unless the flags say otherwise)."""
     from fedsim.privacy.matrix import Factorization  # noqa: PLC0415
     from fedsim.privacy.matrix.build import spec_of  # noqa: PLC0415
-    from fedsim.privacy.participation import Participation  # noqa: PLC0415
-    from fedsim.privacy.sampling import FullParticipation, NeighbouringRelation  # noqa: PLC0415
 
-    delta, accountant = _check_common(args)
-    z = _check_noise(args.noise_multiplier, accountant)
     path = Path(args.factorization)
     require(path.is_file(), "--factorization", args.factorization, "an existing .npz file")
     try:
         f = Factorization.load(path)
-        spec = spec_of(f, str(path))  # the participation it was built for, unless flags say
+        return path, f, spec_of(f, str(path))
     except ConfigError as err:
         raise ConfigError("--factorization", args.factorization, err.allowed) from None
-    k = (
-        args.participations
-        if args.participations is not None
-        else getattr(spec, "participations", None)
-    )
-    b = args.min_sep if args.min_sep is not None else getattr(spec, "min_sep", None)
-    rounds = f.n if args.rounds is None else args.rounds
-    relation = NeighbouringRelation.parse(args.relation or "add_remove", "--relation")
+
+
+def _matrix_epsilon(
+    f: Any,
+    z: float,
+    separation: tuple[int | None, int | None],
+    rounds: int,
+    delta: float,
+    accountant: str,
+    relation: Any,
+) -> tuple[Any, Any, Any, float, float]:
+    """The participation ``(k, b)`` describes (``(None, None)``: one), the sensitivity of
+    ``f`` under it (all rows, and those released after ``rounds``), the effective noise
+    multiplier and epsilon after ``rounds``."""
+    from fedsim.privacy.epsilon import epsilon  # noqa: PLC0415
+    from fedsim.privacy.participation import Participation  # noqa: PLC0415
+    from fedsim.privacy.sampling import FullParticipation  # noqa: PLC0415
+
+    k, b = separation
     with flags(
         {
             "participations": "--participations",
@@ -558,6 +264,31 @@ def _matrix(args: argparse.Namespace) -> dict[str, Any]:
         released = f.sensitivity_through(rounds, participation)
         effective = z * sens.value / released.value
         eps = epsilon(effective, FullParticipation(), 1, delta, accountant, relation)
+    return participation, sens, released, effective, eps
+
+
+def _matrix(args: argparse.Namespace) -> dict[str, Any]:
+    """The whole run is one Gaussian mechanism: fresh noise std ``z c sens(C)`` on ``C X``, so
+    epsilon after all n rounds is the Gaussian's with ``z``; after T rounds the rows released
+    so far have sensitivity ``sens_T`` and the multiplier is ``z sens(C) / sens_T``
+    (:mod:`strategies.matrix_mechanism`). RMSE per round is ``z sens(C) ||B[t]||`` in units of
+    the clipping norm."""
+    from fedsim.privacy.sampling import NeighbouringRelation  # noqa: PLC0415
+
+    delta, accountant = check_common(args)
+    z = check_noise(args.noise_multiplier, accountant)
+    path, f, spec = _factorization(args)
+    k = (
+        args.participations
+        if args.participations is not None
+        else getattr(spec, "participations", None)
+    )
+    b = args.min_sep if args.min_sep is not None else getattr(spec, "min_sep", None)
+    rounds = f.n if args.rounds is None else args.rounds
+    relation = NeighbouringRelation.parse(args.relation or "add_remove", "--relation")
+    participation, sens, released, effective, eps = _matrix_epsilon(
+        f, z, (k, b), rounds, delta, accountant, relation
+    )
     errors = z * sens.value * np.sqrt(f.squared_error_per_round())
     return {
         "command": "matrix",
@@ -593,7 +324,7 @@ def _grid(total: int, points: int) -> list[int]:
 def _sweep(args: argparse.Namespace) -> dict[str, Any]:
     from fedsim.privacy.epsilon import epsilon_curve  # noqa: PLC0415
 
-    delta, accountant = _check_common(args)
+    delta, accountant = check_common(args)
     points = args.points
     require(
         isinstance(points, int) and 2 <= points <= 1000,
@@ -603,7 +334,7 @@ def _sweep(args: argparse.Namespace) -> dict[str, Any]:
     )
     plot = Path(args.plot)
     require(plot.suffix.lower() == ".png", "--plot", args.plot, "a path ending in .png")
-    zs = [_check_noise(z, accountant) for z in args.noise_multiplier]
+    zs = [check_noise(z, accountant) for z in args.noise_multiplier]
     curves: list[dict[str, Any]] = []
     mechanism = MECHANISMS[args.mechanism]
     mechanism.check_length(args, "sweep")

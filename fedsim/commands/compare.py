@@ -359,6 +359,24 @@ def config_table(result: dict[str, Any], names: Sequence[str]) -> Table:
     return (config_title, ["key", *names], config_rows)
 
 
+def _metric_table(result: dict[str, Any], names: list[str]) -> tuple[list[str], list[list[str]]]:
+    """The header and rows of the metrics table: each metric's final and best value per
+    group (mean ± sd)."""
+    header = ["metric", "best is"]
+    for name in names:
+        header += [f"{name} final", f"{name} best"]
+    metric_table = []
+    for row in result["metrics"]:
+        cells = [row["metric"], row["best_is"] or MISSING]
+        for cell in row["groups"]:
+            if cell is None:
+                cells += [MISSING, MISSING]
+            else:
+                cells += [_mean_sd(cell["final"]), _mean_sd(cell["best"])]
+        metric_table.append(cells)
+    return header, metric_table
+
+
 def group_tables(result: dict[str, Any]) -> list[Table]:
     """The tables of a :func:`compare_groups` result: the groups, their facts and metrics
     as mean ± sd, the paired differences and the config differences between groups."""
@@ -383,18 +401,7 @@ def group_tables(result: dict[str, Any]) -> list[Table]:
         for title, key, fmt in facts
         if any(g[key] is not None for g in groups)
     ]
-    header = ["metric", "best is"]
-    for name in names:
-        header += [f"{name} final", f"{name} best"]
-    metric_table = []
-    for row in result["metrics"]:
-        cells = [row["metric"], row["best_is"] or MISSING]
-        for cell in row["groups"]:
-            if cell is None:
-                cells += [MISSING, MISSING]
-            else:
-                cells += [_mean_sd(cell["final"]), _mean_sd(cell["best"])]
-        metric_table.append(cells)
+    header, metric_table = _metric_table(result, names)
     paired = [
         [
             p["metric"],

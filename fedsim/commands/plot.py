@@ -127,6 +127,36 @@ def plot_groups(groups: Sequence[Group], metrics: Sequence[str], band: str) -> R
     return _draw(curves, metrics, group_labels(groups), runs, title)
 
 
+def _plot_panel(
+    ax: Any,
+    names: Sequence[str],
+    curves: Sequence[Curves],
+    labels: Sequence[str],
+    lines: dict[tuple[str, int], Any],
+    bands: dict[tuple[str, int], Any],
+) -> None:
+    """Draw metrics ``names`` of every curve on ``ax`` (a line style per metric, a colour
+    per curve, its band where it has one), filing them in ``lines`` and ``bands``."""
+    for style, metric in enumerate(names):
+        for i, curve in enumerate(curves):
+            if metric not in curve:
+                continue
+            xs, ys, low, high = curve[metric]
+            colour = f"C{i % 10}"
+            (lines[metric, i],) = ax.plot(
+                xs,
+                ys,
+                color=colour,
+                linestyle=_STYLES[style % len(_STYLES)],
+                marker="." if len(xs) <= _MARKERS_UP_TO else None,
+                label=f"{labels[i]}: {metric}" if len(curves) > 1 else metric,
+            )
+            if low is not None:
+                bands[metric, i] = ax.fill_between(
+                    xs, low, high, color=colour, alpha=0.2, linewidth=0
+                )
+
+
 def _draw(
     curves: Sequence[Curves],
     metrics: Sequence[str],
@@ -154,24 +184,7 @@ def _draw(
     bands: dict[tuple[str, int], PolyCollection] = {}
     for index, (title, names) in enumerate(grouped.items()):
         ax = figure.add_subplot(rows, columns, index + 1)
-        for style, metric in enumerate(names):
-            for i, curve in enumerate(curves):
-                if metric not in curve:
-                    continue
-                xs, ys, low, high = curve[metric]
-                colour = f"C{i % 10}"
-                (lines[metric, i],) = ax.plot(
-                    xs,
-                    ys,
-                    color=colour,
-                    linestyle=_STYLES[style % len(_STYLES)],
-                    marker="." if len(xs) <= _MARKERS_UP_TO else None,
-                    label=f"{labels[i]}: {metric}" if several else metric,
-                )
-                if low is not None:
-                    bands[metric, i] = ax.fill_between(
-                        xs, low, high, color=colour, alpha=0.2, linewidth=0
-                    )
+        _plot_panel(ax, names, curves, labels, lines, bands)
         ax.set_title(title)
         ax.set_xlabel("round")
         ax.set_ylabel(_y_label(title, names, runs))

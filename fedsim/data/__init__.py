@@ -2,6 +2,7 @@
 partitioners, a client-contiguous array layout and reproducible dataset specs."""
 
 from fedsim.data.dataset import ClientArrays, FederatedDataset, from_partition
+from fedsim.data.femnist import femnist_like
 from fedsim.data.partition import (
     PARTITIONERS,
     dirichlet_partition,
@@ -12,7 +13,6 @@ from fedsim.data.partition import (
     split_classes_partition,
 )
 from fedsim.data.sources import (
-    femnist_like,
     load_digits,
     load_leaf,
     load_table,

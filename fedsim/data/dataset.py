@@ -336,6 +336,32 @@ def release_pages(dataset: FederatedDataset) -> None:
             region.madvise(mmap.MADV_DONTNEED)
 
 
+def _part_rows(parts: Sequence[np.ndarray], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The clients' row indices, concatenated client by client, and each client's count; a
+    ConfigError unless there is a client and the parts are disjoint indices in ``[0, n)``."""
+    require(len(parts) >= 1, "parts", len(parts), "at least one client")
+    sizes = np.array([np.size(p) for p in parts], dtype=np.int64)
+    rows = (
+        np.concatenate([np.asarray(p, dtype=np.int64).reshape(-1) for p in parts])
+        if sizes.sum()
+        else np.zeros(0, dtype=np.int64)
+    )
+    if rows.size:
+        require(
+            int(rows.min()) >= 0 and int(rows.max()) < n,
+            "parts",
+            (int(rows.min()), int(rows.max())),
+            f"row indices in [0, {n})",
+        )
+        require(
+            int(np.bincount(rows, minlength=n).max()) <= 1,
+            "parts",
+            "overlapping parts",
+            "disjoint index arrays (no row in two clients)",
+        )
+    return rows, sizes
+
+
 def from_partition(
     x: np.ndarray,
     y: np.ndarray,
@@ -368,27 +394,7 @@ def from_partition(
         test_fraction,
         "a number in [0, 1)",
     )
-    require(len(parts) >= 1, "parts", len(parts), "at least one client")
-    n = len(y)
-    sizes = np.array([np.size(p) for p in parts], dtype=np.int64)
-    rows = (
-        np.concatenate([np.asarray(p, dtype=np.int64).reshape(-1) for p in parts])
-        if sizes.sum()
-        else np.zeros(0, dtype=np.int64)
-    )
-    if rows.size:
-        require(
-            int(rows.min()) >= 0 and int(rows.max()) < n,
-            "parts",
-            (int(rows.min()), int(rows.max())),
-            f"row indices in [0, {n})",
-        )
-        require(
-            int(np.bincount(rows, minlength=n).max()) <= 1,
-            "parts",
-            "overlapping parts",
-            "disjoint index arrays (no row in two clients)",
-        )
+    rows, sizes = _part_rows(parts, len(y))
     num_clients = len(parts)
     owner = np.repeat(np.arange(num_clients, dtype=np.int64), sizes)
     n_test = np.minimum(

@@ -174,12 +174,7 @@ def shard_partition(
     labels = _check(labels, num_clients)
     ok = isinstance(classes_per_client, (int, np.integer)) and classes_per_client >= 1
     require(ok, "classes_per_client", classes_per_client, "an integer >= 1")
-    require(
-        isinstance(sigma, (int, float)) and sigma >= 0 and np.isfinite(sigma),
-        "sigma",
-        sigma,
-        "a finite number >= 0",
-    )
+    _check_sigma(sigma)
     class_counts = np.bincount(labels)
     present = np.flatnonzero(class_counts)
     num_present = present.size
@@ -190,14 +185,7 @@ def shard_partition(
         k,
         f"at most the number of classes present ({num_present})",
     )
-    num_blocks = -(-num_clients // num_present)
-    cyclic = np.argsort(rng.random((num_blocks, num_present)), axis=1)  # per-block label order
-    client = np.arange(num_clients)
-    pos = (client[:, None] % num_present * k + np.arange(k)[None, :]) % num_present
-    slot_class = present[cyclic[client[:, None] // num_present, pos]].ravel()  # (K*k,)
-    slot_client = np.repeat(client, k)
-    by_class = np.argsort(slot_class, kind="stable")
-    slot_class, slot_client = slot_class[by_class], slot_client[by_class]
+    slot_class, slot_client = _cyclic_slots(present, num_clients, k, rng)
     holders = np.bincount(slot_class, minlength=class_counts.size)  # slots per class
     first = np.concatenate([[0], np.cumsum(holders)[:-1]])
     q = np.arange(slot_class.size) - first[slot_class]  # rank of the slot within its class
@@ -210,7 +198,21 @@ def shard_partition(
     used = holders[labels] > 0
     order = _class_sorted(labels, rng)
     owner[order[used[order]]] = np.repeat(slot_client, shard)
-    parts = _split_by_owner(owner, num_clients)
+    _require_no_empty(owner, num_clients, k)
+    return _split_by_owner(owner, num_clients)
+
+
+def _check_sigma(sigma: Any) -> None:
+    require(
+        isinstance(sigma, (int, float)) and sigma >= 0 and np.isfinite(sigma),
+        "sigma",
+        sigma,
+        "a finite number >= 0",
+    )
+
+
+def _require_no_empty(owner: np.ndarray, num_clients: int, k: int) -> None:
+    """Every client owns a row (else a ConfigError naming ``classes_per_client`` = ``k``)."""
     empty = int(np.count_nonzero(np.bincount(owner[owner >= 0], minlength=num_clients) == 0))
     require(
         empty == 0,
@@ -219,7 +221,27 @@ def shard_partition(
         f"a value for which every client gets data ({empty} clients would be empty; "
         "use more classes per client or fewer clients)",
     )
-    return parts
+
+
+def _cyclic_slots(
+    present: np.ndarray, num_clients: int, k: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`shard_partition`'s label slots, ``k`` per client: clients dealt in blocks of
+    ``C`` (the classes ``present``), each block with its own random cyclic order of the
+    labels; ``(slot class, slot client)`` sorted by class (stable)."""
+    num_present = present.size
+    num_blocks = -(-num_clients // num_present)
+    cyclic = np.argsort(rng.random((num_blocks, num_present)), axis=1)  # per-block label order
+    client = np.arange(num_clients)
+    pos = (client[:, None] % num_present * k + np.arange(k)[None, :]) % num_present
+    slot_class = present[cyclic[client[:, None] // num_present, pos]].ravel()  # (K*k,)
+    return _by_class(slot_class, np.repeat(client, k))
+
+
+def _by_class(slot_class: np.ndarray, slot_client: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The slots sorted by class, in their order within a class."""
+    by_class = np.argsort(slot_class, kind="stable")
+    return slot_class[by_class], slot_client[by_class]
 
 
 def _weighted_shards(
@@ -261,12 +283,7 @@ def quantity_skew_partition(
     ``sigma = 0`` gives equal sizes; the spread of sizes grows with sigma.
     """
     labels = _check(labels, num_clients)
-    require(
-        isinstance(sigma, (int, float)) and sigma >= 0 and np.isfinite(sigma),
-        "sigma",
-        sigma,
-        "a finite number >= 0",
-    )
+    _check_sigma(sigma)
     n = labels.size
     w = rng.lognormal(0.0, float(sigma), size=num_clients)
     share = (n - num_clients) * w / w.sum()
@@ -316,9 +333,7 @@ def split_classes_partition(
     shuffled = np.argsort(rng.random((-(-num_clients // g), present.size)), axis=1)
     member = (client % g)[:, None] * k + np.arange(k)[None, :]
     slot_class = present[np.take_along_axis(shuffled[client // g], member, axis=1)].ravel()
-    slot_client = np.repeat(client, k)
-    by_class = np.argsort(slot_class, kind="stable")
-    slot_class, slot_client = slot_class[by_class], slot_client[by_class]
+    slot_class, slot_client = _by_class(slot_class, np.repeat(client, k))
     holders = np.bincount(slot_class, minlength=class_counts.size)
     short = np.flatnonzero((holders > 0) & (class_counts < holders))
     require(
@@ -329,12 +344,22 @@ def split_classes_partition(
         f"{int(short[0]) if short.size else -1} has fewer rows than clients holding it; "
         "use fewer clients)",
     )
+    owner = _random_chunk_owners(labels, holders, slot_client, rng)
+    return _split_by_owner(owner, num_clients)
+
+
+def _random_chunk_owners(
+    labels: np.ndarray, holders: np.ndarray, slot_client: np.ndarray, rng: np.random.Generator
+) -> np.ndarray:
+    """Each row's client (-1: a class no client holds) when every class's rows, in a random
+    order, are cut at ``m_c - 1`` distinct uniformly random points into one chunk per holder
+    (``holders``: the slots per class; ``slot_client``: the slots' clients, by class)."""
     first_slot = np.concatenate([[0], np.cumsum(holders)[:-1]])
     order = _class_sorted(labels, rng)
     label = labels[order]
     used = holders[label] > 0
     order, label = order[used], label[used]
-    start = np.concatenate([[0], np.cumsum(np.bincount(label, minlength=class_counts.size))])
+    start = np.concatenate([[0], np.cumsum(np.bincount(label, minlength=holders.size))])
     position = np.arange(label.size) - start[label]  # within the class, 0 .. n_c - 1
     # cut before position p (p >= 1) if its random key is among the class's m_c - 1 smallest
     keys = np.where(position > 0, rng.random(label.size), np.inf)
@@ -345,7 +370,7 @@ def split_classes_partition(
     chunk = cuts - cuts[start[label]]
     owner = np.full(labels.size, -1, dtype=np.int64)
     owner[order] = slot_client[first_slot[label] + chunk]
-    return _split_by_owner(owner, num_clients)
+    return owner
 
 
 def partition_stats(

@@ -3,8 +3,8 @@
 * :func:`load_digits` — scikit-learn's bundled 8x8 digits (centralised).
 * :func:`synthetic_fedprox` — synthetic(alpha, beta) of Li et al. (FedProx, MLSys 2020),
   also in LEAF (Caldas et al., 2018); one part per device.
-* :func:`femnist_like` — a generated stand-in for FEMNIST: 62 glyph classes rendered with
-  per-writer style; one part per writer.
+* :func:`~fedsim.data.femnist.femnist_like` — a generated stand-in for FEMNIST: 62 glyph
+  classes rendered with per-writer style; one part per writer (:mod:`fedsim.data.femnist`).
 * :func:`load_leaf` — LEAF JSON files, one part per user.
 * :func:`load_table` — a local Parquet / CSV / JSON Lines file, with or without client ids.
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -60,12 +61,12 @@ def non_finite_problem(x: np.ndarray, columns: tuple[str, ...] | None = None) ->
     return f"{kind} in {where} at row {row} (features must be finite numbers)"
 
 
-def _check_count(value: int, key: str, minimum: int = 1) -> None:
+def check_count(value: int, key: str, minimum: int = 1) -> None:
     ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
     require(ok and value >= minimum, key, value, f"an integer >= {minimum}")
 
 
-def _split_rows(x: np.ndarray, y: np.ndarray, sizes: np.ndarray) -> ClientData:
+def split_rows(x: np.ndarray, y: np.ndarray, sizes: np.ndarray) -> ClientData:
     """Views ``(x[a:b], y[a:b])`` for consecutive blocks of the given sizes."""
     ends = np.cumsum(sizes)
     starts = ends - sizes
@@ -122,16 +123,12 @@ def synthetic_fedprox(
 
     Returns one ``(x_k (n_k, dim) float32, y_k (n_k,) int64)`` per device.
     """
-    _check_count(num_clients, "num_clients")
-    _check_count(dim, "dim")
-    _check_count(num_classes, "num_classes", 2)
+    check_count(num_clients, "num_clients")
+    check_count(dim, "dim")
+    check_count(num_classes, "num_classes", 2)
     for key, val in (("alpha", alpha), ("beta", beta)):
-        require(
-            isinstance(val, (int, float)) and val >= 0 and np.isfinite(val),
-            key,
-            val,
-            "a finite number >= 0",
-        )
+        ok = isinstance(val, (int, float)) and val >= 0 and np.isfinite(val)
+        require(ok, key, val, "a finite number >= 0")
     sizes = np.minimum(
         rng.lognormal(4.0, 2.0, size=num_clients).astype(np.int64) + 50, SYNTHETIC_MAX_SAMPLES
     )
@@ -158,184 +155,7 @@ def synthetic_fedprox(
             w_k = rng.normal(u[k], 1.0, size=(dim, num_classes))
             b_k = rng.normal(u[k], 1.0, size=num_classes)
         y[a:b] = np.argmax(x[a:b].astype(np.float64) @ w_k + b_k, axis=1)  # softmax: monotone
-    return _split_rows(x, y, sizes)
-
-
-# --------------------------------------------------------------------------- FEMNIST-like
-
-_SIDE = 28
-_STROKE_POINTS = 32  # points sampled along each stroke
-_MAX_STROKES = 3
-_CLASS_CONCENTRATION = 0.5  # per-writer label distribution ~ Dir(0.5 * 1_C)
-_SIZE_MEDIAN, _SIZE_SIGMA, _SIZE_MIN, _SIZE_MAX = 200.0, 0.5, 10, 1000  # FEMNIST: ~226/writer
-_THICKNESS = (0.5, 0.7, 0.9, 1.1)  # Gaussian blur sigmas (pixels) a writer may use
-_NOISE_HALF_WIDTH = 0.14  # pixel noise ~ U(-0.14, 0.14): standard deviation 0.08
-_CHUNK = 16384  # samples generated per vectorised batch (bounds memory)
-_GLYPH_HALF_SIZE = 9.5  # pixels from the image centre to a glyph coordinate of +-1
-_INK_GAIN = 1.6  # blurred stroke centres reach 1.6 before clipping to 1
-
-
-def _glyph_points(rng: np.random.Generator, num_classes: int) -> np.ndarray:
-    """Stroke points of ``num_classes`` random glyphs, shape (C, S*P, 3): (x, y, ink).
-
-    Each glyph is 1..3 quadratic Bezier strokes in [-1, 1]^2: a start point, an
-    end point 1.0-2.0 away (clipped to the box) and a control point pushed
-    sideways from the middle (curvature). ``ink`` is the length each point stands
-    for, in pixels, so a stroke deposits one unit of ink per pixel of length;
-    unused strokes have ink 0.
-    """
-    c, s = num_classes, _MAX_STROKES
-    start = rng.uniform(-0.9, 0.9, size=(c, s, 2))
-    angle = rng.uniform(0.0, 2 * np.pi, size=(c, s))
-    length = rng.uniform(1.0, 2.0, size=(c, s))
-    direction = np.stack([np.cos(angle), np.sin(angle)], axis=-1)
-    end = np.clip(start + length[..., None] * direction, -1.0, 1.0)
-    normal = np.stack([-direction[..., 1], direction[..., 0]], axis=-1)
-    bend = rng.uniform(-0.7, 0.7, size=(c, s, 1)) * length[..., None]
-    ctrl = np.stack([start, (start + end) / 2 + bend * normal, end], axis=2)  # (C, S, 3, 2)
-    t = np.linspace(0.0, 1.0, _STROKE_POINTS)[:, None]
-    basis = np.concatenate([(1 - t) ** 2, 2 * t * (1 - t), t**2], axis=1)  # (P, 3)
-    pts = np.einsum("pj,csjd->cspd", basis, ctrl)  # (C, S, P, 2)
-    seg = np.linalg.norm(np.diff(pts, axis=2), axis=-1).sum(axis=2)  # stroke length, glyph units
-    strokes = rng.integers(1, _MAX_STROKES + 1, size=c)
-    used = np.arange(s)[None, :] < strokes[:, None]
-    ink = np.where(used, seg * _GLYPH_HALF_SIZE / (_STROKE_POINTS - 1), 0.0)
-    ink = np.broadcast_to(ink[:, :, None, None], (*pts.shape[:3], 1))
-    out = np.concatenate([pts, ink], axis=-1)
-    return out.reshape(c, s * _STROKE_POINTS, 3)
-
-
-def _render(points: np.ndarray, affine: np.ndarray, shift: np.ndarray) -> np.ndarray:
-    """Splat transformed stroke points into (m, 28, 28) float32 images (bilinear).
-
-    points: (m, M, 3) glyph points (x, y, ink) in [-1, 1]; affine: (m, 2, 2);
-    shift: (m, 2) in pixels. Glyph coordinate 0 maps to the image centre and
-    +-1 to +-9.5 pixels (about (F)EMNIST's 20x20 box). Pixel values are ink per pixel.
-    """
-    m = points.shape[0]
-    px, py, ink = points[..., 0], points[..., 1], points[..., 2]
-    centre = (_SIDE - 1) / 2.0
-    half = _GLYPH_HALF_SIZE
-    gx = (affine[:, 0, 0, None] * px + affine[:, 0, 1, None] * py) * half + centre + shift[:, :1]
-    gy = (affine[:, 1, 0, None] * px + affine[:, 1, 1, None] * py) * half + centre + shift[:, 1:]
-    bx, by = np.floor(gx), np.floor(gy)
-    fx, fy = gx - bx, gy - by
-    bx, by = bx.astype(np.int64), by.astype(np.int64)
-    sample = np.arange(m)[:, None] * (_SIDE * _SIDE)
-    idx, wts = [], []
-    for dx, wx in ((0, 1 - fx), (1, fx)):
-        for dy, wy in ((0, 1 - fy), (1, fy)):
-            cx, cy = bx + dx, by + dy
-            inside = (cx >= 0) & (cx < _SIDE) & (cy >= 0) & (cy < _SIDE) & (ink > 0)
-            idx.append((sample + cy * _SIDE + cx)[inside])
-            wts.append((wx * wy * ink)[inside])
-    img = np.bincount(np.concatenate(idx), weights=np.concatenate(wts), minlength=m * _SIDE * _SIDE)
-    return img.reshape(m, _SIDE, _SIDE).astype(np.float32)
-
-
-def femnist_like(
-    num_writers: int,
-    rng: np.random.Generator,
-    samples_per_writer: int | None = None,
-    num_classes: int = 62,
-) -> ClientData:
-    """A FEMNIST-like federated image source (generated; no download).
-
-    Mimics FEMNIST (LEAF, Caldas et al., 2018: handwritten characters in 62
-    classes, one client per writer) for benchmarks:
-
-    * class prototypes: ``num_classes`` glyphs of 1-3 random quadratic Bezier
-      strokes, drawn from a child generator spawned from ``rng``;
-    * per-writer style, applied to the strokes before rasterising: rotation
-      (+-0.25 rad), shear (+-0.3), scale (0.8-1.1, aspect 0.9-1.1), shift
-      (+-2.5 px), stroke thickness (Gaussian blur of sigma 0.5-1.1 px, then the
-      ink is scaled so a stroke's centre reaches 1.6 and clipped to 1, so a
-      stroke is about 2 sigma wide) and ink intensity (0.6-1.0);
-    * per sample: a shift by -1/0/+1 px per axis, intensity x U(0.85, 1) and
-      uniform pixel noise of standard deviation 0.08, clipped to [0, 1];
-    * per-writer label skew: writer w draws labels from q_w ~ Dir(0.5 * 1_C);
-    * sizes: ``samples_per_writer`` each, or else
-      ``clip(round(LogNormal(ln 200, 0.5)), 10, 1000)`` (mean ~226, as FEMNIST).
-
-    Each (writer, class) pair is rendered once and its samples are derived from
-    that image, in batches of about 16384 samples.
-
-    Returns one ``(x_k (n_k, 1, 28, 28) float32 in [0, 1], y_k (n_k,) int64)`` per writer.
-    """
-    from scipy.ndimage import gaussian_filter
-
-    _check_count(num_writers, "num_writers")
-    _check_count(num_classes, "num_classes", 2)
-    if samples_per_writer is not None:
-        _check_count(samples_per_writer, "samples_per_writer")
-    glyph_rng, rng = rng.spawn(2)
-    glyphs = _glyph_points(glyph_rng, num_classes)
-    if samples_per_writer is None:
-        raw = rng.lognormal(np.log(_SIZE_MEDIAN), _SIZE_SIGMA, size=num_writers)
-        sizes = np.clip(np.round(raw), _SIZE_MIN, _SIZE_MAX).astype(np.int64)
-    else:
-        sizes = np.full(num_writers, int(samples_per_writer), dtype=np.int64)
-    counts = rng.multinomial(
-        sizes, rng.dirichlet(np.full(num_classes, _CLASS_CONCENTRATION), size=num_writers)
-    )  # (W, C)
-    # writer style
-    rot = rng.uniform(-0.25, 0.25, num_writers)
-    shear = rng.uniform(-0.3, 0.3, num_writers)
-    scale = rng.uniform(0.8, 1.1, num_writers)
-    aspect = rng.uniform(0.9, 1.1, num_writers)
-    cos, sin = np.cos(rot), np.sin(rot)
-    rotm = np.stack([np.stack([cos, -sin], -1), np.stack([sin, cos], -1)], -2)
-    shape = np.zeros((num_writers, 2, 2))
-    shape[:, 0, 0], shape[:, 0, 1], shape[:, 1, 1] = scale * aspect, shear * scale, scale / aspect
-    affine = rotm @ shape  # (W, 2, 2)
-    shift = rng.uniform(-2.5, 2.5, (num_writers, 2))
-    thickness = rng.integers(0, len(_THICKNESS), num_writers)
-    intensity = rng.uniform(0.6, 1.0, num_writers)
-
-    n = int(sizes.sum())
-    x = np.empty((n, 1, _SIDE, _SIDE), dtype=np.float32)
-    y = np.empty(n, dtype=np.int64)
-    ends = np.cumsum(sizes)
-    w0 = 0
-    while w0 < num_writers:  # batches of whole writers holding about _CHUNK samples
-        base = int(ends[w0 - 1]) if w0 else 0
-        w1 = max(int(np.searchsorted(ends, base + _CHUNK, side="right")), w0 + 1)
-        a, b = base, int(ends[w1 - 1])
-        # one image per (writer, class) pair present in the batch
-        block = counts[w0:w1].ravel()
-        present = np.flatnonzero(block)
-        pair_writer = w0 + present // num_classes
-        pair_class = present % num_classes
-        pair_of_sample = np.repeat(np.arange(present.size), block[present])
-        writer_of_sample = pair_writer[pair_of_sample]
-        shuffle = np.argsort(writer_of_sample + rng.random(b - a), kind="stable")
-        pair_of_sample = pair_of_sample[shuffle]
-        y[a:b] = pair_class[pair_of_sample]
-        imgs = _render(glyphs[pair_class], affine[pair_writer], shift[pair_writer])
-        # thickness: blur, then scale so a stroke's centre line reaches _INK_GAIN and clip
-        gain = np.empty(present.size, dtype=np.float32)
-        for level, sigma in enumerate(_THICKNESS):
-            sel = np.flatnonzero(thickness[pair_writer] == level)
-            if sel.size:
-                imgs[sel] = gaussian_filter(imgs[sel], sigma=(0, sigma, sigma), truncate=3.0)
-                gain[sel] = _INK_GAIN * np.sqrt(2 * np.pi) * sigma
-        imgs *= gain[:, None, None]
-        np.clip(imgs, 0.0, 1.0, out=imgs)
-        imgs *= intensity[pair_writer].astype(np.float32)[:, None, None]
-        # per-sample integer shift: windows of the 1-pixel padded pair images
-        padded = np.pad(imgs, ((0, 0), (1, 1), (1, 1)))
-        windows = np.lib.stride_tricks.sliding_window_view(padded, (_SIDE, _SIDE), axis=(1, 2))
-        d = rng.integers(0, 3, size=(b - a, 2))
-        out = x[a:b, 0]
-        out[...] = windows[pair_of_sample, d[:, 0], d[:, 1]]
-        out *= rng.uniform(0.85, 1.0, size=(b - a, 1, 1)).astype(np.float32)
-        noise = rng.integers(0, 256, size=out.shape, dtype=np.uint8).astype(np.float32)
-        noise -= 127.5
-        noise *= _NOISE_HALF_WIDTH / 127.5
-        out += noise
-        np.clip(out, 0.0, 1.0, out=out)
-        w0 = w1
-    return _split_rows(x, y, sizes)
+    return split_rows(x, y, sizes)
 
 
 # --------------------------------------------------------------------------- LEAF JSON
@@ -365,6 +185,44 @@ def _leaf_split(folder: Path) -> dict[str, tuple[list, list]]:
     return out
 
 
+def _leaf_user(
+    directory: Path, user: str, xs: list, ys: list, length: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """User ``user``'s rows of one LEAF split (``xs``, ``ys``; none: an empty part), checked:
+    numeric features of ``length`` each (784 reshaped to (1, 28, 28)), integer labels."""
+    feature_shape = (1, 28, 28) if length == 784 else (length,)
+    if not xs and not ys:
+        return np.zeros((0, *feature_shape), np.float32), np.zeros(0, np.int64)
+    try:
+        x = np.asarray(xs, dtype=np.float32).reshape(len(xs), -1)
+        y = np.asarray(ys)
+    except ValueError as err:
+        raise ConfigError(
+            "path", str(directory), f"numeric features of equal length for user {user!r}"
+        ) from err
+    require(
+        x.shape[1] == length or len(ys) == 0,
+        "path",
+        str(directory),
+        f"{length} features per sample (user {user!r} has {x.shape[1]})",
+    )
+    require(
+        len(xs) == len(ys),
+        "path",
+        str(directory),
+        f"as many x as y entries (user {user!r})",
+    )
+    require(
+        y.size == 0 or np.issubdtype(y.dtype, np.integer),
+        "path",
+        str(directory),
+        f"integer labels (user {user!r} has {y.dtype})",
+    )
+    problem = label_problem(y) or non_finite_problem(x)
+    require(problem is None, "path", str(directory), f"usable rows: user {user!r}: {problem}")
+    return x.reshape(-1, *feature_shape), y.astype(np.int64).reshape(-1)
+
+
 def load_leaf(directory: str | Path) -> tuple[ClientData, ClientData]:
     """Read a LEAF dataset (Caldas et al., 2018) with its natural per-user partition.
 
@@ -391,51 +249,38 @@ def load_leaf(directory: str | Path) -> tuple[ClientData, ClientData]:
     sample = next((xs[0] for xs, _ in (*train.values(), *test.values()) if xs), None)
     require(sample is not None, "path", str(directory), "LEAF JSON files with at least one sample")
     length = int(np.size(sample))
-    feature_shape = (1, 28, 28) if length == 784 else (length,)
 
     def parts(split: dict[str, tuple[list, list]]) -> ClientData:
-        result = []
-        for user in users:
-            xs, ys = split.get(user, ([], []))
-            if not xs and not ys:
-                result.append((np.zeros((0, *feature_shape), np.float32), np.zeros(0, np.int64)))
-                continue
-            try:
-                x = np.asarray(xs, dtype=np.float32).reshape(len(xs), -1)
-                y = np.asarray(ys)
-            except ValueError as err:
-                raise ConfigError(
-                    "path", str(directory), f"numeric features of equal length for user {user!r}"
-                ) from err
-            require(
-                x.shape[1] == length or len(ys) == 0,
-                "path",
-                str(directory),
-                f"{length} features per sample (user {user!r} has {x.shape[1]})",
-            )
-            require(
-                len(xs) == len(ys),
-                "path",
-                str(directory),
-                f"as many x as y entries (user {user!r})",
-            )
-            require(
-                y.size == 0 or np.issubdtype(y.dtype, np.integer),
-                "path",
-                str(directory),
-                f"integer labels (user {user!r} has {y.dtype})",
-            )
-            problem = label_problem(y) or non_finite_problem(x)
-            require(
-                problem is None, "path", str(directory), f"usable rows: user {user!r}: {problem}"
-            )
-            result.append((x.reshape(-1, *feature_shape), y.astype(np.int64).reshape(-1)))
-        return result
+        return [_leaf_user(directory, user, *split.get(user, ([], [])), length) for user in users]
 
     return parts(train), parts(test)
 
 
 # --------------------------------------------------------------------------- Parquet / JSONL
+
+
+def _read_table(path: Path) -> tuple[Any, str, bool]:
+    """The pyarrow table of ``path`` (by its suffix), how errors show the path, and whether
+    it is a link: a link (the file or a folder above it) may point anywhere, so errors then
+    quote nothing read from the file (not even its header), only the path and where it
+    leads."""
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+    import pyarrow.json as pajson
+    import pyarrow.parquet as pq
+
+    require(path.is_file(), "path", str(path), "an existing .parquet, .csv or .jsonl file")
+    suffix = path.suffix.lower()
+    readers = {".parquet": pq.read_table, ".csv": pacsv.read_csv, ".jsonl": pajson.read_json}
+    require(suffix in readers, "path", str(path), "a file ending in .parquet, .csv or .jsonl")
+    target = path.resolve()
+    linked = target != path.absolute()
+    shown = f"{path} (a link to {target})" if linked else str(path)
+    try:
+        return readers[suffix](path), shown, linked
+    except (pa.ArrowInvalid, OSError) as err:
+        detail = type(err).__name__ if linked else _arrow_problem(err)
+        raise ConfigError("path", shown, f"a readable {suffix} table ({detail})") from None
 
 
 def load_table(
@@ -457,26 +302,9 @@ def load_table(
     part is a view into the pooled arrays, rows kept in file order within a client. A table
     without ``client_column`` is one part holding every row, unless ``require_clients``.
     """
-    import pyarrow as pa
-    import pyarrow.csv as pacsv
-    import pyarrow.json as pajson
-    import pyarrow.parquet as pq
 
     path = Path(path)
-    require(path.is_file(), "path", str(path), "an existing .parquet, .csv or .jsonl file")
-    suffix = path.suffix.lower()
-    readers = {".parquet": pq.read_table, ".csv": pacsv.read_csv, ".jsonl": pajson.read_json}
-    require(suffix in readers, "path", str(path), "a file ending in .parquet, .csv or .jsonl")
-    # a link (the file or a folder above it) may point anywhere: errors then quote nothing
-    # read from the file (not even its header), only the path and where it leads
-    target = path.resolve()
-    linked = target != path.absolute()
-    shown = f"{path} (a link to {target})" if linked else str(path)
-    try:
-        table = readers[suffix](path)
-    except (pa.ArrowInvalid, OSError) as err:
-        detail = type(err).__name__ if linked else _arrow_problem(err)
-        raise ConfigError("path", shown, f"a readable {suffix} table ({detail})") from None
+    table, shown, linked = _read_table(path)
     present = list(table.column_names)
 
     def column(key: str, name: str):
@@ -486,22 +314,8 @@ def load_table(
 
     has_clients = client_column in present or require_clients
     ids = column("client_column", client_column) if has_clients else None
-    label_col = column("label_column", label_column)
-    require(
-        pa.types.is_integer(label_col.type),
-        "label_column",
-        label_column,
-        f"a column of integer labels (it holds {label_col.type})",
-    )
-    require(
-        label_col.null_count == 0 and (ids is None or ids.null_count == 0),
-        "path",
-        str(path),
-        f"no missing values in {client_column!r} and {label_column!r}",
-    )
-    y = label_col.to_numpy().astype(np.int64)
-    problem = label_problem(y)
-    require(problem is None, "label_column", label_column, f"class labels: {problem}")
+    labels = column("label_column", label_column)
+    y = _table_labels(labels, ids, path, (client_column, label_column))
     if not feature_columns and "x" not in present and "features" not in present:
         feature_columns = tuple(c for c in present if c not in (label_column, client_column))
         require(
@@ -523,7 +337,32 @@ def load_table(
     unique, inverse = np.unique(ids.to_numpy(zero_copy_only=False), return_inverse=True)
     order = np.argsort(inverse, kind="stable")
     sizes = np.bincount(inverse.reshape(-1), minlength=unique.size)
-    return _split_rows(x[order], y[order], sizes)
+    return split_rows(x[order], y[order], sizes)
+
+
+def _table_labels(label_col: Any, ids: Any, path: Path, names: tuple[str, str]) -> np.ndarray:
+    """The class labels of a table's label column (``names``: the client and label
+    columns), int64; a ConfigError unless they are integers, none is missing (nor a client
+    id) and they are class labels."""
+    import pyarrow as pa
+
+    client_column, label_column = names
+    require(
+        pa.types.is_integer(label_col.type),
+        "label_column",
+        label_column,
+        f"a column of integer labels (it holds {label_col.type})",
+    )
+    require(
+        label_col.null_count == 0 and (ids is None or ids.null_count == 0),
+        "path",
+        str(path),
+        f"no missing values in {client_column!r} and {label_column!r}",
+    )
+    y = label_col.to_numpy().astype(np.int64)
+    problem = label_problem(y)
+    require(problem is None, "label_column", label_column, f"class labels: {problem}")
+    return y
 
 
 def _arrow_problem(err: Exception) -> str:

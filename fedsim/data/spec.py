@@ -9,6 +9,7 @@ dataset is built (or registered, after being shipped) once per process.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -17,11 +18,11 @@ import numpy as np
 
 from fedsim.config import ConfigError, frozen, import_reference, python_path, require
 from fedsim.data.dataset import FederatedDataset, concat_clients, from_partition, release_pages
+from fedsim.data.femnist import femnist_like
 from fedsim.data.partition import PARTITIONERS
 from fedsim.data.python_source import load_python
 from fedsim.data.sources import (
     ClientData,
-    femnist_like,
     load_digits,
     load_leaf,
     load_table,
@@ -117,6 +118,11 @@ class DatasetSpec:
             f"centralised source {self.source!r}; natural needs one of "
             f"{', '.join(NATURAL_SOURCES)}",
         )
+        self._check_numbers()
+        self._check_files()
+
+    def _check_numbers(self) -> None:
+        """The counts, fractions and rates of ``[data]`` and its column names."""
         _int(self.num_clients, "data.num_clients", 1)
         _int(self.seed, "data.seed", 0)
         _int(self.classes_per_client, "data.classes_per_client", 1)
@@ -146,22 +152,24 @@ class DatasetSpec:
             self.feature_columns,
             "a tuple of column names",
         )
-        if self.source in FILE_SOURCES:
-            want = {
-                "leaf": "a directory with train/ and test/ folders of LEAF JSON",
-                "table": "a .parquet, .csv or .jsonl file",
-                "npy": "a directory written by FederatedDataset.save",
-            }[self.source]
-            require(
-                bool(self.path),
-                "data.path",
-                self.path,
-                f"{want} (required for source {self.source!r})",
-            )
-            exists = (
-                Path(self.path).is_file() if self.source == "table" else Path(self.path).is_dir()
-            )
-            require(exists, "data.path", self.path, f"an existing path: {want}")
+
+    def _check_files(self) -> None:
+        """A file source's ``path``: given, and an existing file or directory of its kind."""
+        if self.source not in FILE_SOURCES:
+            return
+        want = {
+            "leaf": "a directory with train/ and test/ folders of LEAF JSON",
+            "table": "a .parquet, .csv or .jsonl file",
+            "npy": "a directory written by FederatedDataset.save",
+        }[self.source]
+        require(
+            bool(self.path),
+            "data.path",
+            self.path,
+            f"{want} (required for source {self.source!r})",
+        )
+        exists = Path(self.path).is_file() if self.source == "table" else Path(self.path).is_dir()
+        require(exists, "data.path", self.path, f"an existing path: {want}")
 
     def _check_python(self) -> None:
         """``loader`` (importable and callable), ``options`` and ``python_path``: set with
@@ -208,7 +216,11 @@ def _number(
 # --------------------------------------------------------------------------- building
 
 
-def _stage_rngs(seed: int) -> tuple[np.random.Generator, ...]:
+#: the source, partition and split generators of :func:`build_dataset`
+Rngs = tuple[np.random.Generator, np.random.Generator, np.random.Generator]
+
+
+def _stage_rngs(seed: int) -> Rngs:
     """Independent generators for the source, partition and train/test-split stages."""
     return tuple(np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3))
 
@@ -290,7 +302,8 @@ def _natural(
 
 
 def build_dataset(spec: DatasetSpec) -> FederatedDataset:
-    """Build the federated dataset a spec describes; the same spec gives identical arrays.
+    """Build the federated dataset a spec describes (its source's builder in
+    :data:`SOURCES`); the same spec gives identical arrays.
 
     Randomness: ``SeedSequence(spec.seed)`` spawns one generator each for the
     source, the partition and the train/test split. Source ``npy`` with the
@@ -298,56 +311,72 @@ def build_dataset(spec: DatasetSpec) -> FederatedDataset:
     clients as views).
     """
     require(isinstance(spec, DatasetSpec), "data", type(spec).__name__, "a DatasetSpec")
-    src_rng, part_rng, split_rng = _stage_rngs(spec.seed)
-    name = f"{spec.source}-{spec.partition}"
+    rngs = _stage_rngs(spec.seed)
+    return SOURCES[spec.source](spec, rngs, f"{spec.source}-{spec.partition}")
+
+
+def _digits(spec: DatasetSpec, rngs: Rngs, name: str) -> FederatedDataset:
+    _, part_rng, split_rng = rngs
+    x, y = load_digits()
+    return _resplit(x, y, spec, part_rng, split_rng, 10, name)
+
+
+def _generated(spec: DatasetSpec, rngs: Rngs, name: str) -> FederatedDataset:
+    """Sources ``synthetic`` (FedProx's) and ``femnist`` (FEMNIST-like), drawn with the
+    source generator."""
+    src_rng, part_rng, split_rng = rngs
+    if spec.source == "synthetic":
+        parts = synthetic_fedprox(
+            spec.num_clients, spec.synthetic_alpha, spec.synthetic_beta, src_rng
+        )
+        num_classes = _SYNTHETIC_CLASSES
+    else:
+        parts = femnist_like(
+            spec.num_clients, src_rng, spec.samples_per_client or None, spec.femnist_classes
+        )
+        num_classes = spec.femnist_classes
+    if spec.partition == "natural":
+        return _natural(parts, spec, split_rng, num_classes, name)
+    x, y = _pool(parts)
+    return _resplit(x, y, spec, part_rng, split_rng, num_classes, name)
+
+
+def _table(spec: DatasetSpec, rngs: Rngs, name: str) -> FederatedDataset:
+    _, part_rng, split_rng = rngs
     natural = spec.partition == "natural"
-    if spec.source == "digits":
-        x, y = load_digits()
-        return _resplit(x, y, spec, part_rng, split_rng, 10, name)
-    if spec.source in ("synthetic", "femnist"):
-        if spec.source == "synthetic":
-            parts = synthetic_fedprox(
-                spec.num_clients, spec.synthetic_alpha, spec.synthetic_beta, src_rng
-            )
-            num_classes = _SYNTHETIC_CLASSES
-        else:
-            parts = femnist_like(
-                spec.num_clients, src_rng, spec.samples_per_client or None, spec.femnist_classes
-            )
-            num_classes = spec.femnist_classes
-        if natural:
-            return _natural(parts, spec, split_rng, num_classes, name)
-        x, y = _pool(parts)
-        return _resplit(x, y, spec, part_rng, split_rng, num_classes, name)
-    if spec.source == "python":
-        return _python(spec, part_rng, split_rng, name)
-    if spec.source == "table":
-        try:
-            parts = load_table(
-                spec.path,
-                spec.client_column,
-                spec.label_column,
-                spec.feature_columns or None,
-                require_clients=natural,
-            )
-        except ConfigError as err:  # name the [data] key
-            raise ConfigError(f"data.{err.key}", err.value, err.allowed) from err
-        num_classes = _num_classes(*(y for _, y in parts))
-        if natural:
-            return _natural(_first(parts, spec, "clients"), spec, split_rng, num_classes, name)
-        x, y = _pool(parts)
-        return _resplit(x, y, spec, part_rng, split_rng, num_classes, name)
-    if spec.source == "leaf":
-        train, test = load_leaf(spec.path)
-        num_classes = _num_classes(*(y for _, y in train), *(y for _, y in test))
-        if natural:
-            train, test = _first(train, spec, "users"), _first(test, spec, "users")
-            return _own_rows(train, test, num_classes, name)
-        x, y = _pool([*train, *test])
-        return _resplit(x, y, spec, part_rng, split_rng, num_classes, name)
-    # npy: a saved FederatedDataset
-    saved = FederatedDataset.load(spec.path, mmap=True)
+    try:
+        parts = load_table(
+            spec.path,
+            spec.client_column,
+            spec.label_column,
+            spec.feature_columns or None,
+            require_clients=natural,
+        )
+    except ConfigError as err:  # name the [data] key
+        raise ConfigError(f"data.{err.key}", err.value, err.allowed) from err
+    num_classes = _num_classes(*(y for _, y in parts))
     if natural:
+        return _natural(_first(parts, spec, "clients"), spec, split_rng, num_classes, name)
+    x, y = _pool(parts)
+    return _resplit(x, y, spec, part_rng, split_rng, num_classes, name)
+
+
+def _leaf(spec: DatasetSpec, rngs: Rngs, name: str) -> FederatedDataset:
+    _, part_rng, split_rng = rngs
+    train, test = load_leaf(spec.path)
+    num_classes = _num_classes(*(y for _, y in train), *(y for _, y in test))
+    if spec.partition == "natural":
+        train, test = _first(train, spec, "users"), _first(test, spec, "users")
+        return _own_rows(train, test, num_classes, name)
+    x, y = _pool([*train, *test])
+    return _resplit(x, y, spec, part_rng, split_rng, num_classes, name)
+
+
+def _npy(spec: DatasetSpec, rngs: Rngs, name: str) -> FederatedDataset:
+    """A saved FederatedDataset (natural: its first clients, memory-mapped)."""
+    _, part_rng, split_rng = rngs
+    saved = FederatedDataset.load(spec.path, mmap=True)
+    if spec.partition == "natural":
         require(
             spec.num_clients <= saved.num_clients,
             "data.num_clients",
@@ -404,6 +433,18 @@ def _python(
         return _natural(_first(loaded.train, spec, what), spec, split_rng, num_classes, name)
     x, y = _pool(loaded.train)
     return _resplit(x, y, spec, part_rng, split_rng, num_classes, name)
+
+
+#: source name -> its builder (:func:`build_dataset`)
+SOURCES: dict[str, Callable[[DatasetSpec, Rngs, str], FederatedDataset]] = {
+    "digits": _digits,
+    "synthetic": _generated,
+    "femnist": _generated,
+    "leaf": _leaf,
+    "table": _table,
+    "npy": _npy,
+    "python": lambda spec, rngs, name: _python(spec, rngs[1], rngs[2], name),
+}
 
 
 # --------------------------------------------------------------------------- cache

@@ -34,6 +34,8 @@ from typing import Any
 
 from flwr.app import Message
 
+from fedsim.engine.hooks import PrivacyReporting, find
+
 
 class ClaimRefused(ValueError):
     """A claim of a reply that the grid never delivered, or that was already consumed."""
@@ -219,14 +221,7 @@ def boundary_of(grid: Any) -> ReleaseBoundary | None:
     return boundary if isinstance(boundary, ReleaseBoundary) else None
 
 
-def mechanism_of(strategy: Any) -> Any:
-    """The object of ``strategy``'s wrapper chain that holds the privacy ledger (the first
-    whose class defines ``privacy_report``), or None for a strategy without one."""
-    seen: set[int] = set()
-    current = strategy
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if callable(getattr(type(current), "privacy_report", None)):
-            return current
-        current = current.__dict__.get("strategy") if hasattr(current, "__dict__") else None
-    return None
+def mechanism_of(strategy: Any) -> PrivacyReporting | None:
+    """The layer of ``strategy``'s wrapper chain that holds the privacy ledger (the first
+    :class:`~fedsim.engine.hooks.PrivacyReporting` one), or None for a strategy without one."""
+    return find(strategy, PrivacyReporting)

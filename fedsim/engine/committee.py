@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from fedsim.engine.client_registry import Enrolment, identity_seed, member_name
+from fedsim.engine.hooks import CommitteeBound, find
 from fedsim.randomness import PartySecret, Purpose, RootSource, RunSecret
 from protocols.channels import new_session_id
 from protocols.committee.common import check_layout
@@ -299,13 +300,11 @@ class CommitteeSpec:
 def committee_for(
     strategy: Any, secrets: RootSource | RunSecret | None
 ) -> Committee | None:
-    """The :class:`Committee` that the first object of the wrapper chain (``.strategy`` links)
-    defining ``bind_committee`` asks for (its ``committee_spec()``, None: no committee), each
+    """The :class:`Committee` that the first :class:`~fedsim.engine.hooks.CommitteeBound`
+    layer of the wrapper chain asks for (its ``committee_spec()``, None: no committee), each
     member with its own secret from the run's root (``secrets``: where it lies), made where the
-    member runs; None when no object asks. The caller binds
+    member runs; None when no layer asks. The caller binds
     it (:func:`strategies.server_secret.bind_parties`) and closes it after the run."""
-    target = strategy
-    while target is not None and not callable(getattr(type(target), "bind_committee", None)):
-        target = getattr(target, "__dict__", {}).get("strategy")
+    target = find(strategy, CommitteeBound)
     spec = None if target is None else target.committee_spec()
     return None if spec is None else spec.build(secrets)

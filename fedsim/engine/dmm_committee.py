@@ -57,6 +57,7 @@ from fedsim.engine.client_registry import (
 )
 from fedsim.engine.committee import shard_actor
 from fedsim.engine.faults import FaultConfig
+from fedsim.engine.hooks import CommitteeHostBound, find
 from fedsim.engine.state import ClientStateStore
 from fedsim.randomness import (
     PartySecret,
@@ -584,15 +585,13 @@ def committee_host_for(
     store: Callable[[str], ClientStateStore] | None = None,
     draw: tuple[int, int] | None = None,
 ) -> CommitteeHost | None:
-    """The :class:`CommitteeHost` that the first object of the wrapper chain (``.strategy``
-    links) defining ``bind_committee_host`` asks for (its ``committee_host_options()``), or None
-    when none does. ``store(STATE_FILE)`` gives the member-state store (a run's
+    """The :class:`CommitteeHost` that the first :class:`~fedsim.engine.hooks.CommitteeHostBound`
+    layer of the wrapper chain asks for (its ``committee_host_options()``), or None when none
+    does. ``store(STATE_FILE)`` gives the member-state store (a run's
     :meth:`~fedsim.rundir.RunDirectory.party_store`; None: in memory); ``draw``: the run's
     public (seed, population), from which dealers recompute the next committee. The caller binds it
     (:func:`strategies.server_secret.bind_parties`)."""
-    target = strategy
-    while target is not None and not callable(getattr(type(target), "bind_committee_host", None)):
-        target = target.__dict__.get("strategy")
+    target = find(strategy, CommitteeHostBound)
     if target is None:
         return None
     options = dict(target.committee_host_options())

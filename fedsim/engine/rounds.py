@@ -34,6 +34,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedsim.engine.boundary import boundary_of, mechanism_of
+from fedsim.engine.hooks import Stoppable, find
 from fedsim.engine.participation import EVALUATE, TRAIN
 from fedsim.record_codec import to_numpy
 
@@ -116,8 +117,9 @@ def run_rounds(
 
     ``on_round`` also receives a round-0 outcome with the central evaluation of
     the initial arrays when ``evaluate_fn`` is given and ``first_round`` is 1.
-    The loop ends early when the strategy's ``should_stop(server_round)`` (if it
-    has one) returns True before a round. On a grid with a release boundary
+    The loop ends early when the strategy's ``should_stop(server_round)`` (a
+    :class:`~fedsim.engine.hooks.Stoppable` layer's) returns True before a round. On a grid
+    with a release boundary
     (:mod:`fedsim.engine.boundary`) a private strategy is registered as the run's mechanism
     and each round's calls run in its scope.
     """
@@ -137,33 +139,51 @@ def run_rounds(
         central = evaluate_fn(0, arrays)
         if on_round is not None:
             on_round(RoundOutcome(0, arrays, None, None, central))
-    declare = getattr(grid, "begin_phase", None)  # fedsim's grid keys cohorts by round
-    should_stop = getattr(strategy, "should_stop", None)
+    stoppable = find(strategy, Stoppable)
     for server_round in range(first_round, num_rounds + 1):
-        if should_stop is not None and should_stop(server_round):
+        if stoppable is not None and stoppable.should_stop(server_round):
             break
         with scope():
-            if declare is not None:
-                declare(server_round, TRAIN)
-            replies = list(
-                grid.send_and_receive(
-                    strategy.configure_train(server_round, arrays, train_config, grid),
-                    timeout=timeout,
-                )
+            arrays, train_metrics, evaluate_metrics = _round(
+                strategy, grid, server_round, arrays, (train_config, evaluate_config), timeout
             )
-            check_replies(server_round, replies)
-            new_arrays, train_metrics = strategy.aggregate_train(server_round, replies)
-            if new_arrays is not None:
-                check_finite(server_round, new_arrays)
-                arrays = new_arrays
-            if declare is not None:
-                declare(server_round, EVALUATE)
-            replies = grid.send_and_receive(
-                strategy.configure_evaluate(server_round, arrays, evaluate_config, grid),
-                timeout=timeout,
-            )
-            evaluate_metrics = strategy.aggregate_evaluate(server_round, replies)
         central = evaluate_fn(server_round, arrays) if evaluate_fn is not None else None
         if on_round is not None:
             on_round(RoundOutcome(server_round, arrays, train_metrics, evaluate_metrics, central))
     return arrays
+
+
+def _round(
+    strategy: Strategy,
+    grid: Grid,
+    server_round: int,
+    arrays: ArrayRecord,
+    configs: tuple[ConfigRecord, ConfigRecord],
+    timeout: float | None,
+) -> tuple[ArrayRecord, MetricRecord | None, MetricRecord | None]:
+    """One round's train and evaluate phases (``configs``: their configs), as Flower's
+    ``Strategy.start`` calls them: the new arrays (``arrays`` when the strategy kept them)
+    and the aggregated train and evaluate metrics."""
+    train_config, evaluate_config = configs
+    declare = getattr(grid, "begin_phase", None)  # fedsim's grid keys cohorts by round
+    if declare is not None:
+        declare(server_round, TRAIN)
+    replies = list(
+        grid.send_and_receive(
+            strategy.configure_train(server_round, arrays, train_config, grid),
+            timeout=timeout,
+        )
+    )
+    check_replies(server_round, replies)
+    new_arrays, train_metrics = strategy.aggregate_train(server_round, replies)
+    if new_arrays is not None:
+        check_finite(server_round, new_arrays)
+        arrays = new_arrays
+    if declare is not None:
+        declare(server_round, EVALUATE)
+    replies = grid.send_and_receive(
+        strategy.configure_evaluate(server_round, arrays, evaluate_config, grid),
+        timeout=timeout,
+    )
+    evaluate_metrics = strategy.aggregate_evaluate(server_round, replies)
+    return arrays, train_metrics, evaluate_metrics

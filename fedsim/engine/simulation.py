@@ -407,28 +407,13 @@ class Engine:
         backend = self.ready().backend
         assert backend is not None
         registry = ClientRegistry(num_clients)
-        if participation is not None and participation.num_clients != num_clients:
-            raise ValueError(
-                f"participation model covers {participation.num_clients} clients, "
-                f"the run has {num_clients}"
-            )
+        _check_covers(participation, num_clients)
         self._runs += 1
         run_id = self._runs if run_id is None else run_id
-        source = (
-            client_app
-            if isinstance(client_app, ClientAppSource)
-            else ClientAppSource(app=client_app)
-        )
+        app, shared = _app_source(client_app), share_datasets(backend, datasets)
+        secret = self.root_source(secrets)
         backend.start_run(
-            RunSpec(
-                run_id=run_id,
-                num_clients=num_clients,
-                run_config=dict(run_config or {}),
-                app=source,
-                datasets=share_datasets(backend, datasets),
-                raise_errors=raise_errors,
-                secret=self.root_source(secrets),
-            )
+            RunSpec(run_id, num_clients, dict(run_config or {}), app, shared, raise_errors, secret)
         )
         return SimulationGrid(
             backend,
@@ -488,3 +473,19 @@ class Engine:
         server_app(AppGrid(grid), context)
         grid.wait_idle()
         return context
+
+
+def _check_covers(participation: CohortModel | None, num_clients: int) -> None:
+    """A participation model (if any) covers exactly the run's ``num_clients`` clients."""
+    if participation is not None and participation.num_clients != num_clients:
+        raise ValueError(
+            f"participation model covers {participation.num_clients} clients, "
+            f"the run has {num_clients}"
+        )
+
+
+def _app_source(client_app: ClientApp | ClientAppSource) -> ClientAppSource:
+    """Where the workers get ``client_app`` (an object, or already a source)."""
+    if isinstance(client_app, ClientAppSource):
+        return client_app
+    return ClientAppSource(app=client_app)

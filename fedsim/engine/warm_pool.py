@@ -150,6 +150,41 @@ def _ray_cli() -> list[str]:
     ]
 
 
+def _head_env(packages: tuple[str, ...]) -> dict[str, str]:
+    """The head's environment: ours, with the packages' roots on ``PYTHONPATH`` and Ray's
+    usage stats off."""
+    env = dict(os.environ)
+    roots = [str(Path(p).parent) for p in packages]
+    env["PYTHONPATH"] = os.pathsep.join(
+        dict.fromkeys(roots + env.get("PYTHONPATH", "").split(os.pathsep))
+    )
+    env.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    return env
+
+
+def _wait_for_head(process: subprocess.Popen, address: str) -> None:
+    """Wait (at most ``HEAD_WAIT_S``) until the head at ``address`` is reachable; a
+    RuntimeError if its process exits first or it is not reachable in time (then stopped)."""
+    deadline = time.monotonic() + HEAD_WAIT_S
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(
+                f"`ray start --head` exited with {process.returncode}; "
+                f"see {warm_dir() / 'head.log'}"
+            )
+        try:
+            check_reachable(address, timeout=1.0)
+            break
+        except ConfigError as err:
+            if time.monotonic() > deadline:
+                _stop_group(process.pid)
+                raise RuntimeError(
+                    f"the Ray head at {address} did not start in {HEAD_WAIT_S:g} s"
+                ) from err
+            time.sleep(0.2)
+
+
 def start_head(
     num_cpus: int | None = None, idle_timeout_s: float = IDLE_TIMEOUT_S, object_store_mb: int = 512
 ) -> Head:
@@ -177,13 +212,7 @@ def start_head(
         f"--system-config={json.dumps(system)}",
         f"--temp-dir={head_temp_dir()}",
     ]
-    env = dict(os.environ)
-    roots = [str(Path(p).parent) for p in packages]
-    env["PYTHONPATH"] = os.pathsep.join(
-        dict.fromkeys(roots + env.get("PYTHONPATH", "").split(os.pathsep))
-    )
-    env.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    env = _head_env(packages)
     warm_dir().mkdir(parents=True, exist_ok=True)
     log = open(warm_dir() / "head.log", "ab")  # noqa: SIM115 (the head's own output)
     process = subprocess.Popen(
@@ -196,23 +225,7 @@ def start_head(
     )
     log.close()
     address = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + HEAD_WAIT_S
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(
-                f"`ray start --head` exited with {process.returncode}; "
-                f"see {warm_dir() / 'head.log'}"
-            )
-        try:
-            check_reachable(address, timeout=1.0)
-            break
-        except ConfigError as err:
-            if time.monotonic() > deadline:
-                _stop_group(process.pid)
-                raise RuntimeError(
-                    f"the Ray head at {address} did not start in {HEAD_WAIT_S:g} s"
-                ) from err
-            time.sleep(0.2)
+    _wait_for_head(process, address)
     head = Head(address, process.pid, cpus, packages, float(idle_timeout_s))
     head.save()
     return head

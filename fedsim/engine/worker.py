@@ -402,9 +402,7 @@ class ClientWorker:
         if batch.reducer is not None:
             instruction = pickle.loads(blobs[batch.content_index[0]])
             accumulator = ChunkedFold(batch.reducer, instruction, batch.fold_chunk)
-        bytes_up = 0
-        compute = 0.0
-        late = 0
+        bytes_up, compute, late = 0, 0.0, 0
         for position, (metadata, index) in enumerate(
             zip(batch.metadata, batch.content_index, strict=True)
         ):
@@ -419,10 +417,7 @@ class ClientWorker:
             if reply.has_error():
                 failures.append(reply)  # as in Flower, a failed client's state is not kept
                 continue
-            if context.state:
-                states[node_id] = pickle.dumps(context.state, protocol=pickle.HIGHEST_PROTOCOL)
-            elif node_id in batch.states:
-                states[node_id] = None  # the client cleared its state
+            _keep_state(states, batch, node_id, context)
             if position in batch.late:
                 late += 1  # it ran, but its reply misses the deadline
                 continue
@@ -435,19 +430,9 @@ class ClientWorker:
                     accumulator.add(position, reply)
                 except ReductionError:
                     accumulator = None  # the strategy gets raw replies and reports the problem
-        succeeded = len(replies)
-        if accumulator is not None and replies:
-            try:
-                replies = accumulator.results()
-            except ReductionError:
-                accumulator = None
-        if batch.reducer is not None and batch.reducer.confidential and replies:
-            if accumulator is None:  # fail closed: nothing unfolded leaves the worker
-                failures += [_unfolded(reply) for reply in replies]
-                for reply in replies:  # as for any failed client, its state is not kept
-                    states.pop(int(reply.metadata.src_node_id), None)
-                succeeded, replies = 0, []
-            bytes_up = sum(content_nbytes(reply.content) for reply in replies)
+        replies, succeeded, bytes_up = _folded(
+            batch, accumulator, replies, failures, states, (len(replies), bytes_up)
+        )
         return BatchResult(
             batch_id=batch.batch_id,
             replies=replies + failures,
@@ -460,3 +445,41 @@ class ClientWorker:
             metrics=metrics,
             worker_pid=os.getpid(),
         )
+
+
+def _keep_state(
+    states: dict[int, bytes | None], batch: ClientBatch, node_id: int, context: Context
+) -> None:
+    """File client ``node_id``'s state after its call (None: it cleared the one it had)."""
+    if context.state:
+        states[node_id] = pickle.dumps(context.state, protocol=pickle.HIGHEST_PROTOCOL)
+    elif node_id in batch.states:
+        states[node_id] = None  # the client cleared its state
+
+
+def _folded(
+    batch: ClientBatch,
+    accumulator: ChunkedFold | None,
+    replies: list[Message],
+    failures: list[Message],
+    states: dict[int, bytes | None],
+    counts: tuple[int, int],
+) -> tuple[list[Message], int, int]:
+    """The batch's replies after the worker's fold (``accumulator``; None: none, or it
+    failed), with the ``counts`` (succeeded, bytes up) they leave with. A confidential
+    reducer fails closed: unfolded replies become failures (into ``failures``) and their
+    clients' states are dropped from ``states``."""
+    succeeded, bytes_up = counts
+    if accumulator is not None and replies:
+        try:
+            replies = accumulator.results()
+        except ReductionError:
+            accumulator = None
+    if batch.reducer is not None and batch.reducer.confidential and replies:
+        if accumulator is None:  # fail closed: nothing unfolded leaves the worker
+            failures += [_unfolded(reply) for reply in replies]
+            for reply in replies:  # as for any failed client, its state is not kept
+                states.pop(int(reply.metadata.src_node_id), None)
+            succeeded, replies = 0, []
+        bytes_up = sum(content_nbytes(reply.content) for reply in replies)
+    return replies, succeeded, bytes_up

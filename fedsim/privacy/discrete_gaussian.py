@@ -189,6 +189,87 @@ def _alias(weights: list[int], column_bits: int, alias_bits: int) -> tuple[np.nd
     return np.asarray(threshold, dtype=np.int64), np.asarray(alias, dtype=np.int64)
 
 
+def _block_heights(
+    s2: Fraction, c: int, blocks: int, up: decimal.Context
+) -> list[decimal.Decimal]:
+    """Upper bounds ``hi_q >= f(a_q) = exp(-a_q^2 / (2 s2))`` of each block's left end, by
+    ``f(a_{q+1}) = f(a_q) r0 r1^(q-1)``, ``r0 = exp(-(2c + c^2) / (2 s2))``,
+    ``r1 = exp(-c^2 / s2)``: products of upper bounds, rounded up (``up``)."""
+    r0 = exp_neg_upper(Fraction(2 * c + c * c) / (2 * s2), _DIGITS)
+    r1 = exp_neg_upper(Fraction(c * c) / s2, _DIGITS)
+    hi = [exp_neg_upper(1 / (2 * s2), _DIGITS)]
+    power = decimal.Decimal(1)
+    for _ in range(blocks - 1):
+        hi.append(up.multiply(up.multiply(hi[-1], r0), power))
+        power = up.multiply(power, r1)
+    return hi
+
+
+def _tail_mass(s2: Fraction, top: int, up: decimal.Context) -> decimal.Decimal:
+    """An upper bound ``>= 2 f(T + 1) / (1 - r)`` of the mass beyond ``top`` (both sides)."""
+    edge, rate = _tail_exponents(s2, top)
+    digits = _DIGITS + _tail_digits(rate)
+    f_edge = exp_neg_upper(edge, digits)
+    gap = decimal.Context(prec=digits, rounding=decimal.ROUND_FLOOR).subtract(
+        1, exp_neg_upper(rate, digits)
+    )  # <= 1 - r
+    return up.divide(up.multiply(2, f_edge), gap)
+
+
+def _alias_weights(
+    s2: Fraction,
+    alias_bits: int,
+    block_hi: list[decimal.Decimal],
+    tail_hi: decimal.Decimal,
+    total: decimal.Decimal,
+    up: decimal.Context,
+) -> tuple[int, list[int]]:
+    """The scale ``L`` and the integer alias weights (0, each block, the tail, the null
+    remainder) summing to ``2^k``, ``k = alias_bits``. ``W_q <= L * bound + 1`` each, so this
+    L keeps the sum within ``2^k``; k is at least 10 bits more than the proposals per draw
+    need (L >= 2^10 / 2.5, so rounding L down costs under 0.1% of the proposals)."""
+    sigma = math.sqrt(float(s2))
+    free = (1 << alias_bits) - (len(block_hi) + 2)
+    scale = int(decimal.Context(prec=_DIGITS, rounding=decimal.ROUND_FLOOR).divide(free, total))
+    require(scale >= 1, "sigma", sigma, f"a standard deviation <= {MAX_SIGMA}")
+
+    def ceil(value: decimal.Decimal) -> int:
+        return int(up.multiply(scale, value).to_integral_value(rounding=decimal.ROUND_CEILING))
+
+    weights = [scale] + [max(1, ceil(b)) for b in block_hi] + [max(1, ceil(tail_hi))]
+    null = (1 << alias_bits) - sum(weights)
+    if null < 0:  # cannot happen (see above); an exactness guard, not an input check
+        raise RuntimeError(f"discrete Gaussian table for sigma^2 = {s2} overfull by {-null}")
+    weights.append(null)
+    return scale, weights
+
+
+def _columns(
+    columns: int,
+    c: int,
+    hi: list[decimal.Decimal],
+    weights: list[int],
+    scale: int,
+    uniform_bits: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per alias column: the first value of its block, the in-block position mask and the
+    acceptance threshold ``beta`` (column 0: the value 0, always accepted; the tail's: NaN,
+    decided exactly; null and padding: never accepted)."""
+    blocks = len(hi)
+    base = np.zeros(columns, dtype=np.int64)
+    base[1 : blocks + 1] = 1 + np.arange(blocks, dtype=np.int64) * c
+    mask = np.zeros(columns, dtype=np.int64)
+    mask[1 : blocks + 1] = c - 1
+    beta = np.full(columns, -(2.0**60))  # null and padding: never accepted
+    beta[0] = 2.0 ** (uniform_bits + 1)  # a(0) = 1: always accepted
+    beta[1 : blocks + 1] = [
+        float(2 * c * scale * h) / w * 2.0**uniform_bits
+        for h, w in zip(hi, weights[1:], strict=False)
+    ]
+    beta[blocks + 1] = math.nan  # the tail: always decided exactly
+    return base, mask, beta
+
+
 @functools.lru_cache(maxsize=64)
 def table(s2: Fraction) -> Table:
     """The proposal table of ``N_Z(0, s2)``, ``0 < s2``, built once per ``s2`` (cached)."""
@@ -203,60 +284,22 @@ def table(s2: Fraction) -> Table:
         Emin=decimal.MIN_EMIN,
         Emax=decimal.MAX_EMAX,
     )
-    # hi_q >= f(a_q) = exp(-a_q^2 / (2 s2)) by f(a_{q+1}) = f(a_q) r0 r1^(q-1),
-    # r0 = exp(-(2c + c^2) / (2 s2)), r1 = exp(-c^2 / s2): products of upper bounds, rounded up
-    r0 = exp_neg_upper(Fraction(2 * c + c * c) / (2 * s2), _DIGITS)
-    r1 = exp_neg_upper(Fraction(c * c) / s2, _DIGITS)
-    hi = [exp_neg_upper(1 / (2 * s2), _DIGITS)]
-    power = decimal.Decimal(1)
-    for _ in range(blocks - 1):
-        hi.append(up.multiply(up.multiply(hi[-1], r0), power))
-        power = up.multiply(power, r1)
-    edge, rate = _tail_exponents(s2, top)
-    digits = _DIGITS + _tail_digits(rate)
-    f_edge = exp_neg_upper(edge, digits)
-    gap = decimal.Context(prec=digits, rounding=decimal.ROUND_FLOOR).subtract(
-        1, exp_neg_upper(rate, digits)
-    )  # <= 1 - r
-    tail_hi = up.divide(up.multiply(2, f_edge), gap)  # >= 2 f(T + 1) / (1 - r)
+    hi = _block_heights(s2, c, blocks, up)
+    tail_hi = _tail_mass(s2, top, up)
     two_c = decimal.Decimal(2 * c)
     block_hi = [up.multiply(two_c, h) for h in hi]  # >= 2 c f(a_q)
     total = up.add(up.add(1, functools.reduce(up.add, block_hi)), tail_hi)
-    # W_q <= L * bound + 1 each, so this L keeps the sum within 2^k
-    # k: at least 10 bits more than the proposals per draw need (L >= 2^10 / 2.5, so rounding L
-    # down costs under 0.1% of the proposals); the position moves to its own word when the
-    # first word has no room left for it and one bit of U
+    # the position moves to its own word when the first word has no room left for it and
+    # one bit of U
     alias_bits = max(ALIAS_BITS, math.ceil(math.log2(2.5 * max(sigma, 1.0))) + 10)
     wide = width_bits > _POSITION_BITS or alias_bits + 1 + width_bits > 63
     if wide:
         alias_bits = WIDE_ALIAS_BITS
-    free = (1 << alias_bits) - (blocks + 2)
-    scale = int(decimal.Context(prec=_DIGITS, rounding=decimal.ROUND_FLOOR).divide(free, total))
-    require(scale >= 1, "sigma", sigma, f"a standard deviation <= {MAX_SIGMA}")
-
-    def ceil(value: decimal.Decimal) -> int:
-        return int(up.multiply(scale, value).to_integral_value(rounding=decimal.ROUND_CEILING))
-
-    weights = [scale] + [max(1, ceil(b)) for b in block_hi] + [max(1, ceil(tail_hi))]
-    null = (1 << alias_bits) - sum(weights)
-    if null < 0:  # cannot happen (see above); an exactness guard, not an input check
-        raise RuntimeError(f"discrete Gaussian table for sigma^2 = {s2} overfull by {-null}")
-    weights.append(null)
+    scale, weights = _alias_weights(s2, alias_bits, block_hi, tail_hi, total, up)
     column_bits = max(1, (len(weights) - 1).bit_length())
     threshold, alias = _alias(weights, column_bits, alias_bits)
-    columns = 1 << column_bits
-    base = np.zeros(columns, dtype=np.int64)
-    base[1 : blocks + 1] = 1 + np.arange(blocks, dtype=np.int64) * c
-    mask = np.zeros(columns, dtype=np.int64)
-    mask[1 : blocks + 1] = c - 1
-    beta = np.full(columns, -(2.0**60))  # null and padding: never accepted
     uniform_bits = 1 if wide else 63 - alias_bits - width_bits
-    beta[0] = 2.0 ** (uniform_bits + 1)  # a(0) = 1: always accepted
-    beta[1 : blocks + 1] = [
-        float(2 * c * scale * h) / w * 2.0**uniform_bits
-        for h, w in zip(hi, weights[1:], strict=False)
-    ]
-    beta[blocks + 1] = math.nan  # the tail: always decided exactly
+    base, mask, beta = _columns(1 << column_bits, c, hi, weights, scale, uniform_bits)
     z = (
         math.sqrt(2 * math.pi * float(s2))
         if sigma >= 2

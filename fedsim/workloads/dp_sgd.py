@@ -225,6 +225,59 @@ class PrivateRound:
         return _state_record(self.history, self.epsilon, delta)
 
 
+def _loader_and_engine(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    training: LocalSteps,
+    dp: DPSGD,
+    history: list[tuple[float, float, int]],
+    secret: PartySecret,
+    server_round: int,
+) -> tuple[DataLoader, Any]:
+    """The round's loader (its batches from the client's secret unless ``dp.secure_mode``)
+    and an Opacus PrivacyEngine whose accountant continues from ``history``."""
+    from opacus import PrivacyEngine  # noqa: PLC0415  (only DP-SGD runs import Opacus)
+
+    secure = dp.secure_mode
+    loader = DataLoader(
+        TensorDataset(x, y),
+        batch_size=min(training.batch_size, len(y)),
+        generator=None if secure else secret_generator(secret, server_round, Purpose.TRAINING),
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "secure RNG turned off": seeded on purpose
+        engine = PrivacyEngine(accountant=dp.accountant, secure_mode=secure)
+    engine.accountant.history = list(history)
+    return loader, engine
+
+
+def _private_steps(
+    module: nn.Module, dp_optimizer: Any, dp_loader: Any, training: LocalSteps, device: str
+) -> tuple[int, list[torch.Tensor]]:
+    """The DP-SGD steps of ``training.epochs`` passes of ``dp_loader`` (at most
+    ``training.max_steps``): the number taken and the losses of the non-empty batches."""
+    steps, losses = 0, []
+    for _ in range(training.epochs):
+        for xb, yb in dp_loader:
+            if training.max_steps and steps >= training.max_steps:
+                break
+            # the rows are on the model's device; an empty Poisson batch is built on the CPU
+            xb, yb = xb.to(device), yb.to(device)
+            dp_optimizer.zero_grad(set_to_none=True)
+            out = module(xb)
+            if len(yb):
+                loss = nn.functional.cross_entropy(out, yb)
+                losses.append(loss.detach())
+            else:  # an empty Poisson batch: the step is pure noise, and still counted
+                loss = out.sum()
+            with warnings.catch_warnings():  # inputs need no gradient; Opacus's hooks know
+                warnings.filterwarnings("ignore", "Full backward hook is firing")
+                loss.backward()
+            dp_optimizer.step()
+            steps += 1
+    return steps, losses
+
+
 def train_private(
     spec: ModelSpec,
     arrays: dict[str, np.ndarray],
@@ -254,17 +307,7 @@ def train_private(
     params = list(module.parameters())
     optimizer = sgd_optimizer(params, training, lr, momentum_buffers)
     secure = dp.secure_mode
-    from opacus import PrivacyEngine  # noqa: PLC0415  (only DP-SGD runs import Opacus)
-
-    loader = DataLoader(
-        TensorDataset(x, y),
-        batch_size=min(training.batch_size, len(y)),
-        generator=None if secure else secret_generator(secret, server_round, Purpose.TRAINING),
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "secure RNG turned off": seeded on purpose
-        engine = PrivacyEngine(accountant=dp.accountant, secure_mode=secure)
-    engine.accountant.history = list(history)
+    loader, engine = _loader_and_engine(x, y, training, dp, history, secret, server_round)
     try:
         module, dp_optimizer, dp_loader = engine.make_private(
             module=module,
@@ -279,25 +322,7 @@ def train_private(
                 else secret_generator(secret, server_round, Purpose.NOISE, device=spec.device)
             ),
         )
-        steps, losses = 0, []
-        for _ in range(training.epochs):
-            for xb, yb in dp_loader:
-                if training.max_steps and steps >= training.max_steps:
-                    break
-                # the rows are on the model's device; an empty Poisson batch is built on the CPU
-                xb, yb = xb.to(spec.device), yb.to(spec.device)
-                dp_optimizer.zero_grad(set_to_none=True)
-                out = module(xb)
-                if len(yb):
-                    loss = nn.functional.cross_entropy(out, yb)
-                    losses.append(loss.detach())
-                else:  # an empty Poisson batch: the step is pure noise, and still counted
-                    loss = out.sum()
-                with warnings.catch_warnings():  # inputs need no gradient; Opacus's hooks know
-                    warnings.filterwarnings("ignore", "Full backward hook is firing")
-                    loss.backward()
-                dp_optimizer.step()
-                steps += 1
+        steps, losses = _private_steps(module, dp_optimizer, dp_loader, training, spec.device)
         dp_optimizer.zero_grad(set_to_none=True)
     except BaseException:
         _PRIVATE_MODELS.pop(spec, None)  # hooks may hold a half-done step

@@ -8,7 +8,7 @@ Reward Model", NeurIPS 2023, eq. 7) fits a policy ``pi_theta`` to preference pai
                                - (log pi_theta(y_l|x) - log pi_ref(y_l|x)) ] )
 
 with ``log pi(y|x)`` summed over the completion's tokens
-(:func:`fedsim.workloads.text_models.sequence_logprobs`). POPri (Hou et al., ICML 2025,
+(:func:`sequence_logprobs`). POPri (Hou et al., ICML 2025,
 Sec. 3.2 and App. C) uses the sigmoid loss with ``beta = 0.01``, LoRA (Hu et al., ICLR 2022)
 of rank 16 and alpha 16 on the attention and MLP projections, one epoch per round, a cosine
 learning-rate schedule and batches of 24 pairs; the reference model is the base model, i.e.
@@ -28,7 +28,8 @@ from torch import nn
 
 from fedsim.config import require
 from fedsim.extras import require_extra
-from fedsim.workloads.text_models import sequence_logprobs
+from fedsim.models import model_device
+from fedsim.workloads.text_models import check_texts
 
 #: LLaMA's attention and MLP projections (where POPri puts its LoRA adapters).
 LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -217,3 +218,58 @@ def train_dpo(
         "dpo_reward_accuracy": correct / seen,
         "dpo_steps": float(step),
     }
+
+
+def sequence_logprobs(
+    model: nn.Module, tokenizer: Any, prompts: list[str], completions: list[str]
+) -> torch.Tensor:
+    """``log pi(completion_i | prompt_i)``: the sum of the model's token log-probabilities over
+    the completion's tokens only (the prompt's are context), shape ``(n,)``.
+
+    Prompt and completion are tokenised separately (no special tokens) and concatenated,
+    so the completion's tokens are the same whatever the prompt; a non-empty completion is
+    preceded by a space, as it follows "Sample k:" in a prompt. Rows are left-padded with
+    position ids counted from each row's first real token (as in generation), so every row
+    ends at the same position and only the last ``max completion length + 1`` positions go
+    through the output layer (``logits_to_keep``), which keeps the ``(rows, positions,
+    vocabulary)`` logits small. Differentiable: gradients flow when the model is trainable.
+    Inputs are built on the model's device; the result lives there too.
+    """
+    prompts, completions = (
+        check_texts(prompts, "prompts"),
+        check_texts(completions, "completions"),
+    )
+    if len(prompts) != len(completions):
+        raise ValueError(
+            f"completions has {len(completions)} entries; it must have one per prompt "
+            f"({len(prompts)})"
+        )
+    if not prompts:
+        return torch.zeros(0)
+    prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    if any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("prompts contains an empty prompt: every completion needs a context")
+    completion_ids = tokenizer(
+        [" " + c if c else c for c in completions], add_special_tokens=False
+    )["input_ids"]
+    rows = [p + c for p, c in zip(prompt_ids, completion_ids, strict=True)]
+    width = max(len(r) for r in rows)
+    span = max(1, max(len(c) for c in completion_ids))  # target positions kept per row
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    scored = torch.zeros((len(rows), span), dtype=torch.bool)
+    for i, (row, c) in enumerate(zip(rows, completion_ids, strict=True)):
+        ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+        attention[i, width - len(row) :] = 1
+        if c:
+            scored[i, span - len(c) :] = True
+    device = model_device(model)
+    ids, attention, scored = ids.to(device), attention.to(device), scored.to(device)
+    positions = (attention.cumsum(dim=1) - 1).clamp_min(0)
+    logits = model(
+        input_ids=ids, attention_mask=attention, position_ids=positions, logits_to_keep=span + 1
+    ).logits[:, :-1]  # position t predicts token t + 1
+    targets = ids[:, width - span :]
+    logits = logits.float()
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
+    return (picked * scored).sum(dim=1)

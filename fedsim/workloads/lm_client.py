@@ -52,6 +52,27 @@ def _server_round(message: Message) -> int:
     return 0
 
 
+def _checked_clients(
+    spec: LMSpec, client_sequences: Sequence[Sequence[np.ndarray]]
+) -> list[list[np.ndarray]]:
+    """Each client's sequences, each a 1-d array of at least two ids of ``spec``'s
+    vocabulary (a ValueError naming the first that is not)."""
+    clients = [list(group) for group in client_sequences]
+    for i, group in enumerate(clients):
+        for s in group:
+            if not (isinstance(s, np.ndarray) and s.ndim == 1 and len(s) >= 2):
+                raise ValueError(
+                    f"client_sequences[{i}] holds {s!r:.60}; each sequence is a 1-d id array "
+                    "of length >= 2 (<bos> and one token)"
+                )
+            if int(s.max()) >= spec.vocab_size or int(s.min()) < 0:
+                raise ValueError(
+                    f"client_sequences[{i}] holds ids outside [0, {spec.vocab_size}) "
+                    "(spec.vocab_size)"
+                )
+    return clients
+
+
 def make_lm_client_app(
     spec: LMSpec,
     client_sequences: Sequence[Sequence[np.ndarray]],
@@ -68,19 +89,7 @@ def make_lm_client_app(
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"seed = {seed!r} is not allowed: an integer")
     device_name(device, "device")
-    clients = [list(group) for group in client_sequences]
-    for i, group in enumerate(clients):
-        for s in group:
-            if not (isinstance(s, np.ndarray) and s.ndim == 1 and len(s) >= 2):
-                raise ValueError(
-                    f"client_sequences[{i}] holds {s!r:.60}; each sequence is a 1-d id array "
-                    "of length >= 2 (<bos> and one token)"
-                )
-            if int(s.max()) >= spec.vocab_size or int(s.min()) < 0:
-                raise ValueError(
-                    f"client_sequences[{i}] holds ids outside [0, {spec.vocab_size}) "
-                    "(spec.vocab_size)"
-                )
+    clients = _checked_clients(spec, client_sequences)
     app = ClientApp()
     cache: dict[str, Any] = {"model": None}
 
@@ -111,28 +120,38 @@ def make_lm_client_app(
             losses = train_lm(
                 model, sequences, training, client_generator(seed, server_round, partition)
             )
-        metrics = MetricRecord(
-            {
-                "num-examples": len(sequences),
-                "train_loss": float(np.mean(losses)) if losses else 0.0,
-                "steps": len(losses),
-            }
-        )
-        content = RecordDict({key: to_record(lm_arrays(model)), "metrics": metrics})
-        return Message(content=content, reply_to=message)
+        return _trained_reply(message, key, model, len(sequences), losses)
 
     @app.evaluate()
     def evaluate(message: Message, context: Context) -> Message:
         _, arrays = _arrays_of(message)
-        model = model_with(arrays)
-        sequences = sequences_of(context)
-        result = next_token_accuracy(model, sequences) if sequences else None
-        metrics = MetricRecord(
-            {
-                "num-examples": 0 if result is None else result.predictions,
-                "accuracy": 0.0 if result is None else result.accuracy,
-            }
-        )
-        return Message(content=RecordDict({"metrics": metrics}), reply_to=message)
+        return _accuracy_reply(message, model_with(arrays), sequences_of(context))
 
     return app
+
+
+def _trained_reply(
+    message: Message, key: str, model: Any, examples: int, losses: list[float]
+) -> Message:
+    """The train reply: the trained arrays under ``key``, the examples, mean loss and steps."""
+    metrics = MetricRecord(
+        {
+            "num-examples": examples,
+            "train_loss": float(np.mean(losses)) if losses else 0.0,
+            "steps": len(losses),
+        }
+    )
+    content = RecordDict({key: to_record(lm_arrays(model)), "metrics": metrics})
+    return Message(content=content, reply_to=message)
+
+
+def _accuracy_reply(message: Message, model: Any, sequences: list[np.ndarray]) -> Message:
+    """The evaluate reply: next-token accuracy over the client's sequences."""
+    result = next_token_accuracy(model, sequences) if sequences else None
+    metrics = MetricRecord(
+        {
+            "num-examples": 0 if result is None else result.predictions,
+            "accuracy": 0.0 if result is None else result.accuracy,
+        }
+    )
+    return Message(content=RecordDict({"metrics": metrics}), reply_to=message)

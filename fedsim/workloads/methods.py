@@ -96,6 +96,29 @@ EXCLUDES = {
 :func:`fedsim.workloads.supervised.check_parts`)."""
 
 
+def _gradient_step(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    xb: torch.Tensor,
+    yb: torch.Tensor,
+    objective: DPSM | None,
+    after_step: Callable[[torch.optim.Optimizer], object] | None,
+) -> torch.Tensor:
+    """One gradient step on the minibatch (``objective``'s loss; None: cross-entropy);
+    returns its loss."""
+    opt.zero_grad(set_to_none=True)
+    out = model(xb)
+    if objective is not None:
+        loss = objective.loss(out, yb)
+    else:
+        loss = nn.functional.cross_entropy(out, yb)
+    loss.backward()
+    opt.step()
+    if after_step is not None:
+        after_step(opt)
+    return loss
+
+
 def train_with_methods(
     model: nn.Module,
     x: torch.Tensor,
@@ -124,18 +147,9 @@ def train_with_methods(
     if sst is not None:
         spectral = SparseSpectralTraining(model, sst, generator)
         result = train_with_methods(
-            spectral.model,
-            x,
-            y,
-            training,
-            generator,
-            optimizer=optimizer,
-            averaging=averaging,
-            lr=lr,
-            objective=objective,
-            before_step=before_step,
-            after_step=spectral.after_step,
-        )
+            spectral.model, x, y, training, generator, optimizer=optimizer, averaging=averaging,
+            lr=lr, objective=objective, before_step=before_step, after_step=spectral.after_step,
+        )  # fmt: skip
         spectral.export(model)
         return result
     model.train()
@@ -148,9 +162,8 @@ def train_with_methods(
     )
     budget = max(training.budget(len(y)), 1)
     averager = averaging.for_budget(budget) if averaging is not None else None
-    steps, total, size = 0, 0.0, training.batch_size
-    epochs, cap = training.epochs, training.max_steps
-    for idx in minibatches(len(y), size, generator, epochs=epochs, max_steps=cap):
+    steps, total, epochs, cap = 0, 0.0, training.epochs, training.max_steps
+    for idx in minibatches(len(y), training.batch_size, generator, epochs=epochs, max_steps=cap):
         xb, yb = x[idx], y[idx]
         if before_step is not None:
             before_step(steps)
@@ -159,16 +172,7 @@ def train_with_methods(
         elif choice.zeroth_order:
             loss = opt.step(lambda xb=xb, yb=yb: nn.functional.cross_entropy(model(xb), yb))
         else:
-            opt.zero_grad(set_to_none=True)
-            out = model(xb)
-            if objective is not None:
-                loss = objective.loss(out, yb)
-            else:
-                loss = nn.functional.cross_entropy(out, yb)
-            loss.backward()
-            opt.step()
-            if after_step is not None:
-                after_step(opt)
+            loss = _gradient_step(model, opt, xb, yb, objective, after_step)
         total += float(loss.detach())
         steps += 1
         if averager is not None and averager.due(steps):

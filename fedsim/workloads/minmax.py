@@ -116,6 +116,27 @@ class QODAResult:
     steps: int
 
 
+def _mean_operator(
+    operators: Sequence[Operator],
+    point: Point,
+    levels: dict[str, np.ndarray] | None,
+    rng: np.random.Generator,
+) -> dict[str, np.ndarray]:
+    """The workers' mean operator value at ``point``, each worker's sent exactly (float32;
+    ``levels`` None) or quantised to the block's ``levels``."""
+    value = {n: np.zeros_like(v) for n, v in point.items()}
+    for op in operators:
+        out = op(point)
+        for n in value:
+            if levels is None:
+                value[n] += np.asarray(out[n], np.float32)
+            else:
+                value[n] += quantize(out[n], levels[n], rng).value()
+    for n in value:
+        value[n] /= len(operators)
+    return value
+
+
 def qoda(
     operators: Sequence[Operator],
     start: Mapping[str, np.ndarray],
@@ -158,16 +179,8 @@ def qoda(
     squares, gamma = 0.0, lr
     for step in range(1, steps + 1):
         half = {n: z[n] - gamma * previous[n] if optimistic else z[n].copy() for n in z}
-        value = {n: np.zeros_like(v) for n, v in z.items()}
-        for op in operators:
-            out = op(half)
-            for n in value:
-                if quantization is None:
-                    value[n] += np.asarray(out[n], np.float32)
-                else:
-                    value[n] += quantize(out[n], levels[n], rng).value()
+        value = _mean_operator(operators, half, levels if quantization is not None else None, rng)
         for n in value:
-            value[n] /= len(operators)
             dual[n] -= value[n]
             total[n] += half[n]
         squares += sum(float(np.sum((value[n] - previous[n]) ** 2)) for n in value)

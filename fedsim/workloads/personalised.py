@@ -37,8 +37,9 @@ local its own model; fedavg fine-tunes the global model (``finetune-epochs``) fi
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -350,11 +351,103 @@ def _personal(context: Context) -> dict[str, np.ndarray] | None:
     return {k: np.array(v) for k, v in to_numpy(context.state[PERSONAL]).items()}
 
 
+@dataclass
+class ClientRound:
+    """What a personalised method's client step gets: the client's model ``net`` (loaded by
+    the step), the global arrays ``g``, its personal arrays (None: none yet), its train rows,
+    the round's config, the training settings, the round's generator and its state."""
+
+    net: BayesMLP
+    g: dict[str, np.ndarray]
+    personal: dict[str, np.ndarray] | None
+    x: torch.Tensor
+    y: torch.Tensor
+    config: ConfigRecord
+    training: PersonalTraining
+    gen: torch.Generator
+    context: Context
+    second: Callable[[], BayesMLP]  # the process's second model (pFedBayes' local global)
+    metrics: dict[str, float | int]
+
+
+def _hb_train(r: ClientRound) -> tuple[float, dict[str, np.ndarray]]:
+    """pFedHB / pFedVEM: the hierarchical-Bayes client step from the global body and the
+    client's own head; the personal head and body are kept (the reference's clients test
+    with both before the server overwrites their bodies)."""
+    load_arrays(r.net, r.g)
+    if r.personal is not None:
+        load_arrays(r.net, r.personal, only="head.")
+    head_prior = str(r.config.get("head-prior", "global"))
+    prior_var = None
+    if head_prior == "per-client":
+        prior_var = prior_variance(r.personal if r.personal is not None else r.g, r.g)
+    loss = hb_client_step(
+        r.net,
+        r.g,
+        r.x,
+        r.y,
+        r.training,
+        r.gen,
+        head_prior=head_prior,
+        body_bayesian=bool(int(r.config.get("body-bayesian", 1))),
+        prior_var=prior_var,
+    )
+    reply = model_arrays(r.net)
+    r.context.state[PERSONAL] = to_record(reply)
+    if prior_var is not None:  # the variance its head was trained against
+        r.metrics[PRIOR_VAR] = prior_var
+    return loss, reply
+
+
+def _bayes_train(r: ClientRound) -> tuple[float, dict[str, np.ndarray]]:
+    """pFedBayes: the personal posterior trained against the local copy of the global one,
+    which is the reply."""
+    load_arrays(r.net, r.personal if r.personal is not None else r.g)
+    local_global = r.second()
+    load_arrays(local_global, r.g)
+    loss = bayes_client_step(r.net, local_global, r.x, r.y, r.training, r.gen)
+    r.context.state[PERSONAL] = to_record(model_arrays(r.net))
+    return loss, model_arrays(local_global)
+
+
+def _sgd_train(r: ClientRound) -> tuple[float, dict[str, np.ndarray]]:
+    """FedAvg: SGD from the global model."""
+    load_arrays(r.net, r.g)
+    loss = sgd_step(r.net, r.x, r.y, r.training, r.gen)
+    return loss, model_arrays(r.net)
+
+
+def _local_train(r: ClientRound) -> tuple[float, dict[str, np.ndarray]]:
+    """Local only: SGD from the client's own model, which it keeps."""
+    load_arrays(r.net, r.personal if r.personal is not None else r.g)
+    loss = sgd_step(r.net, r.x, r.y, r.training, r.gen)
+    reply = model_arrays(r.net)
+    r.context.state[PERSONAL] = to_record(reply)
+    return loss, reply
+
+
+#: method -> its client train step: (loss, the arrays it replies)
+PERSONAL_TRAINING: dict[str, Callable[[ClientRound], tuple[float, dict[str, np.ndarray]]]] = {
+    "pfedhb": _hb_train,
+    "pfedvem": _hb_train,
+    "pfedbayes": _bayes_train,
+    "fedavg": _sgd_train,
+    "local": _local_train,
+}
+
+
+def _method(config: ConfigRecord) -> str:
+    method = str(config["method"])
+    require(method in METHODS, "method", method, f"one of {', '.join(METHODS)}")
+    return method
+
+
 def make_personal_app(
     model: BayesSpec, data: DatasetSpec, training: PersonalTraining, device: str = "cpu"
 ) -> ClientApp:
-    """A ClientApp running every personalised method on ``data``'s clients, training and
-    evaluating on ``device`` (the model once per process, each client's rows per call)."""
+    """A ClientApp running every personalised method on ``data``'s clients, training
+    (:data:`PERSONAL_TRAINING`) and evaluating on ``device`` (the model once per process,
+    each client's rows per call)."""
     device_name(device, "device")
     app = ClientApp()
 
@@ -362,91 +455,62 @@ def make_personal_app(
     def train(message: Message, context: Context) -> Message:
         partition = int(context.node_config["partition-id"])
         config: ConfigRecord = message.content["config"]
-        method = str(config["method"])
-        require(method in METHODS, "method", method, f"one of {', '.join(METHODS)}")
-        server_round = int(config["server-round"])
-        report = bool(int(config.get("report", 0)))
+        step = PERSONAL_TRAINING[_method(config)]
         g = {k: np.asarray(v) for k, v in to_numpy(message.content["global"]).items()}
         x, y = _tensors(*cached_dataset(data).train.client(partition), device)
-        net = cached_model(model, device=device)
-        personal = _personal(context)
+        net, personal = cached_model(model, device=device), _personal(context)
         metrics: dict[str, float | int] = {"num-examples": int(len(y))}
-        reply = g
-        with seeded(training.seed, server_round, partition, 0) as gen:
-            if method in ("pfedhb", "pfedvem"):
-                load_arrays(net, g)
-                if personal is not None:
-                    load_arrays(net, personal, only="head.")
-                head_prior = str(config.get("head-prior", "global"))
-                body_bayesian = bool(int(config.get("body-bayesian", 1)))
-                prior_var = None
-                if head_prior == "per-client":
-                    before = personal if personal is not None else g
-                    prior_var = prior_variance(before, g)
-                loss = hb_client_step(
-                    net,
-                    g,
-                    x,
-                    y,
-                    training,
-                    gen,
-                    head_prior=head_prior,
-                    body_bayesian=body_bayesian,
-                    prior_var=prior_var,
+        second = functools.partial(cached_model, model, slot=1, device=device)
+        with seeded(training.seed, int(config["server-round"]), partition, 0) as gen:
+            loss, reply = step(
+                ClientRound(
+                    net, g, personal, x, y, config, training, gen, context, second, metrics
                 )
-                reply = model_arrays(net)
-                # the personal head and the body trained this round: the reference's clients
-                # test with both before the server overwrites their bodies
-                context.state[PERSONAL] = to_record(reply)
-                if prior_var is not None:  # the variance its head was trained against
-                    metrics[PRIOR_VAR] = prior_var
-            elif method == "pfedbayes":
-                load_arrays(net, personal if personal is not None else g)
-                local_global = cached_model(model, slot=1, device=device)
-                load_arrays(local_global, g)
-                loss = bayes_client_step(net, local_global, x, y, training, gen)
-                context.state[PERSONAL] = to_record(model_arrays(net))
-                reply = model_arrays(local_global)
-            else:
-                start = personal if method == "local" and personal is not None else g
-                load_arrays(net, start)
-                loss = sgd_step(net, x, y, training, gen)
-                reply = model_arrays(net)
-                if method == "local":
-                    context.state[PERSONAL] = to_record(reply)
+            )
         metrics["train_loss"] = loss
         content = RecordDict({"metrics": MetricRecord(metrics)})
-        if report:
+        if bool(int(config.get("report", 0))):
             content["posterior"] = to_record(reply)
         return Message(content=content, reply_to=message)
 
     @app.evaluate()
     def evaluate(message: Message, context: Context) -> Message:
-        partition = int(context.node_config["partition-id"])
-        config: ConfigRecord = message.content["config"]
-        method = str(config["method"])
-        require(method in METHODS, "method", method, f"one of {', '.join(METHODS)}")
-        server_round = int(config["server-round"])
-        dataset = cached_dataset(data)
-        x, y = _tensors(*dataset.test.client(partition), device)
-        g = {k: np.asarray(v) for k, v in to_numpy(message.content["global"]).items()}
-        personal = _personal(context)
-        net = cached_model(model, device=device)
-        load_arrays(net, g)
-        bayesian = method in ("pfedhb", "pfedvem", "pfedbayes")
-        with seeded(training.seed, server_round, partition, 1) as gen:
-            if personal is not None and method in ("pfedhb", "pfedvem", "pfedbayes", "local"):
-                load_arrays(net, personal)
-            elif method == "fedavg" and int(config.get("finetune-epochs", 0)) > 0:
-                xt, yt = _tensors(*dataset.train.client(partition), device)
-                tune = PersonalTraining(
-                    **{**training.__dict__, "sgd_epochs": int(config["finetune-epochs"])}
-                )
-                sgd_step(net, xt, yt, tune, gen)
-            result = evaluate_personal(net, x, y, training, gen, bayesian)
-        return Message(content=RecordDict({"metrics": MetricRecord(result)}), reply_to=message)
+        return _evaluate(model, data, training, device, message, context)
 
     return app
+
+
+def _evaluate(
+    model: BayesSpec,
+    data: DatasetSpec,
+    training: PersonalTraining,
+    device: str,
+    message: Message,
+    context: Context,
+) -> Message:
+    """A client's evaluation: its personal model where it keeps one (FedAvg: the global
+    model, fine-tuned first with ``finetune-epochs``)."""
+    partition = int(context.node_config["partition-id"])
+    config: ConfigRecord = message.content["config"]
+    method = _method(config)
+    dataset = cached_dataset(data)
+    x, y = _tensors(*dataset.test.client(partition), device)
+    g = {k: np.asarray(v) for k, v in to_numpy(message.content["global"]).items()}
+    personal = _personal(context)
+    net = cached_model(model, device=device)
+    load_arrays(net, g)
+    bayesian = method in ("pfedhb", "pfedvem", "pfedbayes")
+    with seeded(training.seed, int(config["server-round"]), partition, 1) as gen:
+        if personal is not None and method in ("pfedhb", "pfedvem", "pfedbayes", "local"):
+            load_arrays(net, personal)
+        elif method == "fedavg" and int(config.get("finetune-epochs", 0)) > 0:
+            xt, yt = _tensors(*dataset.train.client(partition), device)
+            tune = PersonalTraining(
+                **{**training.__dict__, "sgd_epochs": int(config["finetune-epochs"])}
+            )
+            sgd_step(net, xt, yt, tune, gen)
+        result = evaluate_personal(net, x, y, training, gen, bayesian)
+    return Message(content=RecordDict({"metrics": MetricRecord(result)}), reply_to=message)
 
 
 def global_metrics(

@@ -18,6 +18,7 @@ drawing batches and noise from their own secret, and their replies carry
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, is_dataclass
 from typing import Any
 
@@ -148,21 +149,48 @@ def check_parts(training: LocalTraining, *, fedprox: bool = False) -> None:
                 raise ConfigError(f"client.{named}", _value(training, named), exclusion.allowed)
 
 
+@dataclass(frozen=True)
+class TrainingChoice:
+    """A client training a :class:`LocalTraining` may select: whether ``training`` selects
+    it, and how it is built (``build(model, training, metrics_in_clear)``)."""
+
+    selected: Callable[[LocalTraining], bool]
+    build: Callable[[ModelSpec, LocalTraining, bool], ClientTraining]
+
+
+def _adapters(model: ModelSpec, training: LocalTraining, _: bool) -> ClientTraining:
+    optimizer = training.optimizer
+    chosen = optimizer if isinstance(optimizer, ClientOptimizer) else None
+    return AdapterTraining(model, training, training.lora, chosen)
+
+
+#: name -> client training, in the order they are tried (the first selected one is built;
+#: none selected: plain SGD, :class:`~fedsim.workloads.sgd.SGDTraining`)
+CLIENT_TRAININGS: dict[str, TrainingChoice] = {
+    "lora": TrainingChoice(lambda t: isinstance(t.lora, LoRATraining), _adapters),
+    "constraints": TrainingChoice(
+        lambda t: isinstance(t.constraints, LinearConstraints),
+        lambda model, t, _: ConstrainedTraining(model, t, t.constraints),
+    ),
+    "methods": TrainingChoice(
+        lambda t: t.uses_methods,
+        lambda model, t, _: MethodsTraining(model, t, **{k: getattr(t, k) for k in METHODS}),
+    ),
+    "dp_sgd": TrainingChoice(
+        lambda t: isinstance(t.dp_sgd, DPSGD),
+        lambda model, t, in_clear: PrivateSGD(model, t, t.dp_sgd, in_clear),
+    ),
+}
+
+
 def client_training(
     model: ModelSpec, training: LocalTraining, metrics_in_clear: bool = False
 ) -> ClientTraining:
-    """The implementation ``training`` selects (``metrics_in_clear``: DP-SGD clients also
-    reply their un-noised train loss)."""
-    optimizer, dp = training.optimizer, training.dp_sgd
-    if isinstance(training.lora, LoRATraining):
-        chosen = optimizer if isinstance(optimizer, ClientOptimizer) else None
-        return AdapterTraining(model, training, training.lora, chosen)
-    if isinstance(training.constraints, LinearConstraints):
-        return ConstrainedTraining(model, training, training.constraints)
-    if training.uses_methods:
-        return MethodsTraining(model, training, **{key: getattr(training, key) for key in METHODS})
-    if isinstance(dp, DPSGD):
-        return PrivateSGD(model, training, dp, metrics_in_clear)
+    """The implementation ``training`` selects (:data:`CLIENT_TRAININGS`; ``metrics_in_clear``:
+    DP-SGD clients also reply their un-noised train loss)."""
+    for choice in CLIENT_TRAININGS.values():
+        if choice.selected(training):
+            return choice.build(model, training, metrics_in_clear)
     return SGDTraining(model, training)
 
 

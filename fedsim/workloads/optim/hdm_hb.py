@@ -101,26 +101,7 @@ class HDMHB(torch.optim.Optimizer):
         group = self.param_groups[0]
         hyper = self.state[params[0]]
         if "fx" not in hyper:
-            fx, grads = self._evaluate(closure)
-            for p, g in zip(params, grads, strict=True):
-                self.state[p].update(
-                    grad=g,
-                    x_prev=p.detach().clone(),
-                    P=torch.zeros_like(p),
-                    G=torch.zeros_like(p),
-                )
-            hyper.update(
-                fx=fx,
-                beta=group["beta0"],
-                Gm=0.0,
-                lr=group["lr"],
-                lr_start=group["lr"],
-                steps=0,
-                monotone=0,
-                curvature_sum=0.0,
-                curvature_count=0,
-                L=math.nan,
-            )
+            self._first_state(closure, params, group, hyper)
         states = [self.state[p] for p in params]
         x = [p.detach().clone() for p in params]
         g = [s["grad"] for s in states]
@@ -136,15 +117,7 @@ class HDMHB(torch.optim.Optimizer):
         scale = grad_sq + damping
         finite = math.isfinite(trial_f)
         if finite:
-            for gi, ti, s in zip(g, trial_g, states, strict=True):
-                h_p = -ti * gi / scale
-                s["G"].add_(h_p * h_p)
-                s["P"].sub_(hyper["lr"] * h_p / (s["G"].sqrt() + 1e-12)).clamp_(min=0.0)
-            h_beta = float(sum((ti * mi).sum() for ti, mi in zip(trial_g, momentum, strict=True)))
-            h_beta /= scale
-            hyper["Gm"] += h_beta * h_beta
-            beta -= group["beta_lr"] * h_beta / (math.sqrt(hyper["Gm"]) + 1e-12)
-            hyper["beta"] = min(max(beta, 0.0), group["beta_max"])
+            _learn_steps(g, trial_g, momentum, states, hyper, group, scale)
         else:
             for s in states:
                 s["P"].mul_(0.5)
@@ -154,19 +127,7 @@ class HDMHB(torch.optim.Optimizer):
         for xi, s in zip(x, states, strict=True):
             s["x_prev"] = xi
         if finite and trial_f < hyper["fx"]:
-            step_norm = math.sqrt(
-                sum(float(((p - xi) ** 2).sum()) for p, xi in zip(params, x, strict=True))
-            )
-            if step_norm > 1e-3:
-                change = math.sqrt(
-                    sum(float(((ti - gi) ** 2).sum()) for ti, gi in zip(trial_g, g, strict=True))
-                )
-                hyper["curvature_sum"] += change / step_norm
-                hyper["curvature_count"] += 1
-            hyper["fx"] = trial_f
-            for ti, s in zip(trial_g, states, strict=True):
-                s["grad"] = ti
-            hyper["monotone"] += 1
+            _accept(params, x, g, (trial_f, trial_g), states, hyper)
         else:
             for p, xi in zip(params, x, strict=True):
                 p.copy_(xi)
@@ -184,8 +145,72 @@ class HDMHB(torch.optim.Optimizer):
                 s["G"].zero_()
         return torch.tensor(hyper["fx"], dtype=torch.float64)
 
+    def _first_state(
+        self, closure: Callable[[], Any], params: list, group: dict, hyper: dict
+    ) -> None:
+        """The first call: the loss and gradients at the start, zero preconditioner and
+        accumulators, the starting hyper-parameters."""
+        fx, grads = self._evaluate(closure)
+        for p, g in zip(params, grads, strict=True):
+            self.state[p].update(
+                grad=g,
+                x_prev=p.detach().clone(),
+                P=torch.zeros_like(p),
+                G=torch.zeros_like(p),
+            )
+        hyper.update(
+            fx=fx,
+            beta=group["beta0"],
+            Gm=0.0,
+            lr=group["lr"],
+            lr_start=group["lr"],
+            steps=0,
+            monotone=0,
+            curvature_sum=0.0,
+            curvature_count=0,
+            L=math.nan,
+        )
+
     @property
     def beta(self) -> float:
         """The current momentum coefficient (``beta0`` before the first step)."""
         params = self._params()
         return float(self.state[params[0]].get("beta", self.param_groups[0]["beta0"]))
+
+
+def _accept(
+    params: list, x: list, g: list, trial: tuple[float, list], states: list, hyper: dict
+) -> None:
+    """Keep the trial point (its loss and gradients ``trial``), and add the secant
+    curvature of the step (gradient change / step length) to the estimate of L."""
+    trial_f, trial_g = trial
+    step_norm = math.sqrt(
+        sum(float(((p - xi) ** 2).sum()) for p, xi in zip(params, x, strict=True))
+    )
+    if step_norm > 1e-3:
+        change = math.sqrt(
+            sum(float(((ti - gi) ** 2).sum()) for ti, gi in zip(trial_g, g, strict=True))
+        )
+        hyper["curvature_sum"] += change / step_norm
+        hyper["curvature_count"] += 1
+    hyper["fx"] = trial_f
+    for ti, s in zip(trial_g, states, strict=True):
+        s["grad"] = ti
+    hyper["monotone"] += 1
+
+
+def _learn_steps(
+    g: list, trial_g: list, momentum: list, states: list, hyper: dict, group: dict, scale: float
+) -> None:
+    """After a finite trial: one AdaGrad step on the diagonal preconditioner ``P`` and on
+    the momentum ``beta`` (clipped to ``[0, beta_max]``), along the hypergradients of the
+    trial loss (normalised by ``scale``)."""
+    for gi, ti, s in zip(g, trial_g, states, strict=True):
+        h_p = -ti * gi / scale
+        s["G"].add_(h_p * h_p)
+        s["P"].sub_(hyper["lr"] * h_p / (s["G"].sqrt() + 1e-12)).clamp_(min=0.0)
+    h_beta = float(sum((ti * mi).sum() for ti, mi in zip(trial_g, momentum, strict=True)))
+    h_beta /= scale
+    hyper["Gm"] += h_beta * h_beta
+    beta = hyper["beta"] - group["beta_lr"] * h_beta / (math.sqrt(hyper["Gm"]) + 1e-12)
+    hyper["beta"] = min(max(beta, 0.0), group["beta_max"])
