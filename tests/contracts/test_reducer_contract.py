@@ -1,6 +1,7 @@
 """The contract every :class:`fedsim.worker_reduce.Reducer` passes (module docstring there):
-any chunking of the replies folds to the same result (the same bits for an exact reducer; to
-float rounding, and the same bits for the same chunks, for the others); a reply that cannot be
+any chunking of the replies folds to the same result (the same bits for an exact reducer --
+for DMM's sealed fold, the sums its seats open; to float rounding, and the same bits for the
+same chunks, for the others); a reply that cannot be
 folded raises :class:`ReductionError` or is refused by name, never folded silently; the
 reducer, and its partial replies, survive pickling (the worker-to-driver path) and its config
 record; and where the method has an unfolded aggregation (Flower's FedAvg, Flower's clipping)
@@ -57,8 +58,9 @@ class Case:
     ``reply(rng, index)`` is client ``index``'s valid raw reply to ``instruction()``;
     ``bad`` maps a label to a reply that must not be folded with valid ones; ``view(result)``
     is what two results are compared by (name -> array); ``refolds``: partial replies fold
-    again (else each chunk's partial is final: a sealed fold, whose views concatenate);
-    ``reference(instruction, replies)``: the unfolded aggregation the fold must equal."""
+    again (else each chunk's partial is final, a sealed fold, and ``combine(views)`` is the
+    view of them all); ``reference(instruction, replies)``: the unfolded aggregation the fold
+    must equal."""
 
     make: Callable[[], Reducer]
     instruction: Callable[[], RecordDict]
@@ -66,6 +68,7 @@ class Case:
     view: Callable[[Message], dict[str, np.ndarray]]
     bad: dict[str, Callable[[np.random.Generator, int], Message]] = field(default_factory=dict)
     refolds: bool = True
+    combine: Callable[[list[dict[str, np.ndarray]]], dict[str, np.ndarray]] | None = None
     reference: Callable[[RecordDict, list[Message]], dict[str, np.ndarray]] | None = None
 
 
@@ -221,30 +224,34 @@ SCORE_BAD = {
 
 # -------------------------------------------------------------------------- ShareFoldReducer
 class DMMFold:
-    """A DMM round's public keys (seats' keys from fixed secrets) and its clients' masked
-    shares, as :func:`strategies.dmm.client` makes them for a folding worker."""
+    """A DMM round's public keys (the seats' keys from fixed secrets) and its clients' masked
+    shares, as :mod:`strategies.dmm.client` makes them for a folding worker; a fold's view is
+    what the seats open: each seat's row of the sum with every listed client's pad removed."""
 
     N, T, K, DIM, SESSION = 5, 1, 2, 6, b"contract-session-id-0123456789ab"
 
     def __init__(self) -> None:
-        from protocols.channels import Endpoint
-        from protocols.dmm.common import PROTOCOL, RoundKeys
-        from protocols.kit import SEAT_ID_BASE
+        from protocols.dmm.common import RoundKeys
 
-        seats = {
-            j: Endpoint(SEAT_ID_BASE + j, self.SESSION, PROTOCOL, private_key=bytes([j + 1]) * 32)
-            for j in range(self.N)
-        }
+        self.cohort = [node(i) for i in range(COUNT + 2)]
         self.keys = RoundKeys(
             round=1, step=0, rows=1, n=self.N, t=self.T, k=self.K, field_exponent=61,
             dim=self.DIM, session_id=self.SESSION,
-            member_keys={j: e.public_key for j, e in seats.items()},
+            member_keys={j: self.seat(j).public_key for j in range(self.N)},
         )  # fmt: skip
+
+    def seat(self, j: int):
+        """Seat ``j``'s channel endpoint (a fresh one: each opens an envelope once)."""
+        from protocols.channels import Endpoint
+        from protocols.dmm.common import PROTOCOL
+        from protocols.kit import SEAT_ID_BASE
+
+        return Endpoint(SEAT_ID_BASE + j, self.SESSION, PROTOCOL, private_key=bytes([j + 1]) * 32)
 
     def make(self) -> Reducer:
         from strategies.dmm.fold import ShareFoldReducer
 
-        return ShareFoldReducer.for_round(self.keys, [node(i) for i in range(COUNT + 2)])
+        return ShareFoldReducer.for_round(self.keys, self.cohort)
 
     def reply(self, rng, index) -> Message:
         from protocols.dmm.client import mask_client_shares
@@ -263,14 +270,64 @@ class DMMFold:
             ),
         )
 
-    @staticmethod
-    def view(message: Message) -> dict[str, np.ndarray]:
-        """What the fold shows the server: the clients it lists and their public keys (the
-        opened sum is the members'; tests/test_dmm_fold.py checks it end to end)."""
+    def opened(self, message: Message) -> np.ndarray:
+        """(n, width): each seat's row of the fold, opened, less the pads of its clients."""
+        from protocols.channels import Envelope
+        from protocols.dmm.client import fold_pad
+        from protocols.dmm.common import FOLD_PAD, DMMStage
+        from strategies.dmm.fold import fold_party
+        from strategies.dmm.wire import BATCH_KEY, SEALED_KEY
+
+        keys, field = self.keys, self.keys.scheme().field
+        sealed, batch = message.content[SEALED_KEY], message.content[BATCH_KEY]
+        parties = [self.cohort.index(int(n)) for n in batch["nodes"]]
+        party, seats, rows = fold_party(len(self.cohort), parties), list(sealed["members"]), []
+        for i, j in enumerate(seats):
+            seat, receiver = self.seat(j), self.seat(j).party_id
+            seat.connect(party, sealed["public-key"])
+            share = DMMStage.SHARE
+            envelope = Envelope(
+                party,
+                receiver,
+                keys.round,
+                share.name,
+                sealed["nonces"][i],
+                sealed["ciphertexts"][i],
+            )
+            row = field.asarray(seat.open_array(envelope, round_=keys.round, stage=share), "row")
+            for c, (client, key) in enumerate(zip(parties, batch["public-keys"], strict=True)):
+                seat.connect(client, key)
+                at = c * len(seats) + i
+                pad = Envelope(
+                    client, receiver, keys.round, FOLD_PAD,
+                    batch["pad-nonces"][at], batch["pad-ciphertexts"][at],
+                )  # fmt: skip
+                seed = seat.open(pad, round_=keys.round, stage=FOLD_PAD, sender=client)
+                row = field.sub(row, fold_pad(field, seed, keys.width))
+            rows.append(row)
+        return np.stack(rows)
+
+    def view(self, message: Message) -> dict[str, np.ndarray]:
+        """The clients the fold lists, their public keys, and the sum the seats open."""
         from strategies.dmm.wire import BATCH_KEY
 
         batch = message.content[BATCH_KEY]
-        return {"nodes": np.asarray(batch["nodes"]), "keys": np.asarray(batch["public-keys"])}
+        return {
+            "nodes": np.asarray(batch["nodes"]),
+            "keys": np.asarray(batch["public-keys"]),
+            "opened": self.opened(message),
+        }
+
+    def combine(self, views: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """The view of several folds: their clients in order, their opened sums added."""
+        total = views[0]["opened"]
+        for view in views[1:]:
+            total = self.keys.scheme().field.add(total, view["opened"])
+        return {
+            "nodes": np.concatenate([v["nodes"] for v in views]),
+            "keys": np.concatenate([v["keys"] for v in views]),
+            "opened": total,
+        }
 
     def bad(self) -> dict[str, Callable]:
         from strategies.dmm.wire import FOLD_KEY, PADS_KEY
@@ -304,7 +361,10 @@ class DMMFold:
 
 def dmm_case() -> Case:
     fold = DMMFold()
-    return Case(fold.make, RecordDict, fold.reply, DMMFold.view, bad=fold.bad(), refolds=False)
+    return Case(
+        fold.make, RecordDict, fold.reply, fold.view, bad=fold.bad(), refolds=False,
+        combine=fold.combine,
+    )  # fmt: skip
 
 
 CASES: dict[str, Callable[[], Case]] = {
@@ -367,10 +427,6 @@ def fold_in_chunks(case: Case, reducer: Reducer, instruction, replies, chunk):
     return [case.view(p) for p in partials]
 
 
-def concatenated(views: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    return {k: np.concatenate([np.atleast_1d(v[k]) for v in views]) for k in views[0]}
-
-
 def assert_views_equal(ours, theirs, exact: bool) -> None:
     assert ours.keys() == theirs.keys(), (sorted(ours), sorted(theirs))
     for key, value in theirs.items():
@@ -393,9 +449,8 @@ def test_any_chunking_folds_to_the_same_result(name, chunk):
         assert_views_equal(first[0], whole[0], exact=reducer.exact)
         again = fold_in_chunks(case, reducer, instruction, replies, chunk)
         assert_views_equal(again[0], first[0], exact=True)  # fixed chunks: the same bits
-    else:  # sealed partials: together they list every client once, in order
-        assert_views_equal(concatenated(first), whole[0], exact=True)
-        assert list(whole[0].values())[0].shape[0] == COUNT
+    else:  # sealed partials: together they are the whole fold
+        assert_views_equal(case.combine(first), whole[0], exact=True)
 
 
 @pytest.mark.parametrize("name, label", BAD)
