@@ -17,7 +17,7 @@ from fedsim.randomness import NODE_SECRET_KEY, RunSecret, client_secret
 from protocols.field import DEFAULT_FIELD
 from strategies import secure
 from strategies.secagg_messages import register_client_stages
-from strategies.secure import CommitteeSum, PlaintextSum, Release, SecAggPlan, SecAggSum
+from strategies.secure import CommitteeSum, Release, SecAggPlan
 
 PREFIX = "contract."
 PHRASE = "secure-contract"
@@ -29,22 +29,21 @@ def nodes(count: int) -> list[int]:
 
 
 def make_sum(name: str, plan: SecAggPlan | None = None, members: int = 7) -> secure.SecureSum:
-    """The implementation ``name`` over ``plan`` (default: the complete graph, no dropouts);
-    a committee of ``members`` (t = 2, k = 2) enrolled under the harness's root."""
+    """The implementation ``name`` over ``plan`` (default: the complete graph, no dropouts),
+    built by the registry's :func:`strategies.secure.build`; ``committee`` gets a committee of
+    ``members`` (t = 2, k = 2) enrolled under the harness's root."""
     plan = plan if plan is not None else SecAggPlan(SEED)
-    if name == PlaintextSum.name:
-        return PlaintextSum(PREFIX, plan)
-    if name == SecAggSum.name:
-        return SecAggSum(PREFIX, plan, None)
-    root = RunSecret.from_passphrase(PHRASE)
-    committee = Committee(
-        members,
-        2,
-        2,
-        member_secrets={m: root.member(m) for m in range(members)},
-        enrolment=Enrolment(root),
-    )
-    return CommitteeSum(PREFIX, committee, seed=plan.seed)
+    committee = None
+    if name == CommitteeSum.name:
+        root = RunSecret.from_passphrase(PHRASE)
+        committee = Committee(
+            members,
+            2,
+            2,
+            member_secrets={m: root.member(m) for m in range(members)},
+            enrolment=Enrolment(root),
+        )
+    return secure.build(name, prefix=PREFIX, plan=plan, committee=committee)
 
 
 def client_app(inputs: Mapping[int, np.ndarray], name: str) -> ClientApp:
@@ -58,9 +57,7 @@ def client_app(inputs: Mapping[int, np.ndarray], name: str) -> ClientApp:
         server_round = int(config["server-round"])
         contribute = secure.CONTRIBUTE[name]
         secret = client_secret(context.node_config)
-        content = contribute(
-            context, secret, config, inputs[context.node_id], server_round, PREFIX
-        )
+        content = contribute(context, secret, config, inputs[context.node_id], server_round, PREFIX)
         return Message(content=content, reply_to=message)
 
     register_client_stages(app)

@@ -1,8 +1,9 @@
-"""The contract every :class:`strategies.secure.SecureSum` passes (plaintext, secagg,
-committee): the release is the field sum of the accepted inputs and names them; the first
-reply holds only the implementation's record; a malformed record is refused; a round with no
-input releases nothing and accounts nothing; a dropped client is left out; pickling keeps no
-transport and no committee; an implementation that hides inputs never shows one."""
+"""The contract every :class:`strategies.secure.SecureSum` passes (each one found in the
+tree, :mod:`contracts.discovery`, and registered in :data:`strategies.secure.NAMES`): the
+release is the field sum of the accepted inputs and names them; the first reply holds only the
+implementation's record; a malformed record is refused; a round with no input releases nothing
+and accounts nothing; a dropped client is left out; pickling keeps no transport and no
+committee; an implementation that hides inputs never shows one."""
 
 from __future__ import annotations
 
@@ -13,30 +14,32 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord
 from secure_support import make_sum, nodes, one_round, random_inputs
 
+from contracts.discovery import implementations
 from fedsim.record_codec import to_numpy, to_record
 from protocols.field import DEFAULT_FIELD
 from strategies import secure
-from strategies.secure import Release, SecAggPlan
+from strategies.secure import Release, SecAggPlan, SecureSum
 
 NAMES = secure.NAMES
+FOUND = implementations(SecureSum)
 COUNT, LENGTH = 6, 10
 
 
-@pytest.fixture(autouse=True)
-def task_identity(monkeypatch):
-    """Messages built outside a runtime need the process's task identity (Flower)."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    for name in ("_run_id", "_task_id", "_node_id"):
-        monkeypatch.setattr(TaskIdentity, name, 1)
-
-
-def test_the_three_implementations_are_registered():
-    assert set(NAMES) == {"plaintext", "secagg", "committee"}
+def test_every_implementation_is_registered():
+    """The SecureSum classes found in the tree (printed with -v) are the registered names,
+    each with its client side, each built by the registry's factory."""
+    print("secure sums:", ", ".join(f"{cls.name} ({path})" for path, cls in FOUND.items()))
+    assert FOUND, "no SecureSum subclass found under fedsim/, strategies/, protocols/"
+    found = sorted(cls.name for cls in FOUND.values())
+    assert len(set(found)) == len(found), f"two implementations share a name: {found}"
+    assert sorted(NAMES) == found, f"registered {sorted(NAMES)}, found {found}"
+    assert sorted(secure.CONTRIBUTE) == found
     for name in NAMES:
         summing = make_sum(name)
         assert summing.name == name and isinstance(summing, secure.SecureSum)
-        assert summing.hides_inputs == (name != "plaintext")
+        assert type(summing) in FOUND.values()
+        assert isinstance(summing.hides_inputs, bool)
+        assert summing.reply_kind in (ArrayRecord, ConfigRecord)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -103,11 +106,9 @@ def test_a_malformed_record_is_refused_and_the_round_goes_on(name):
 
     release, _, summing = one_round(name, inputs, tamper=tamper)
     kept = [n for n in sorted(inputs) if n != bad]
-    with pytest.raises(ValueError):
-        summing.payload(ConfigRecord({"public-key": 7}), LENGTH)
-    if name == "plaintext":
+    for malformed in (ConfigRecord({"public-key": 7}), to_record({"wrong": np.zeros(3, np.int64)})):
         with pytest.raises(ValueError):
-            summing.payload(to_record({"wrong": np.zeros(3, dtype=np.int64)}), LENGTH)
+            summing.payload(malformed, LENGTH)
     assert release.contributors == tuple(kept), release.aborted
     expected = DEFAULT_FIELD.sum(np.stack([inputs[n] for n in kept]), axis=0)
     np.testing.assert_array_equal(release.total, expected)
@@ -159,7 +160,7 @@ def test_a_release_accounts_its_contributors_or_what_was_opened():
 
 
 def test_build_names_the_implementations():
-    with pytest.raises(ValueError, match="allowed: 'plaintext', 'secagg', 'committee'"):
+    with pytest.raises(ValueError, match="allowed: " + ", ".join(map(repr, NAMES))):
         secure.build("lightsecagg", prefix="x.", plan=SecAggPlan(0))
     with pytest.raises(ValueError, match="exactly for 'committee'"):
         secure.build("committee", prefix="x.", plan=SecAggPlan(0))
