@@ -6,14 +6,17 @@ its member groups answers ``answer(call, args)`` (:class:`protocols.kit.Member`)
 knows nothing more of a protocol: :meth:`MemberHost.open` builds one group per host process
 from a picklable factory (called there, with that process's context: e.g. the run's root,
 opened in the actor's own process), :meth:`HostedGroups.call` sends a typed call to every group
-at once and collects the replies in group order, and a group whose process died, or which
-refuses (``side.refusals``), answers ``side.silent[call]`` -- its members are silent from then
-on, the fault :attr:`protocols.kit.Fault.DROP` -- while the protocol's own faults (late,
-tamper) travel in its calls' arguments, applied by its members.
+at once and collects the replies in group order. The host's own fault is silence
+(:attr:`protocols.kit.Fault.DROP`): for a call the side lists in ``side.silent``, a group whose
+process died, or which refuses (``side.refusals``), answers ``side.silent[call]`` and a dead
+group stays silent; any other error reaches the server. The per-member, per-stage faults
+(drop, late, tamper) are the protocol's: they travel in its calls' arguments and its members
+apply them (a tamper offset is added to what a member holds, a late answer is flagged in its
+reply), so the same plan gives the same bytes on every backend.
 
 On Ray each host process is an actor that reserves no CPU (members are light and must not
-starve the client workers) and is never restarted: a crashed member is a dropped member, and a
-later committee gets a fresh actor in its place. In process (``ray_module`` None) each
+starve the client workers) and is never restarted: a later committee gets a fresh actor in
+place of one that died. In process (``ray_module`` None) each
 committee gets fresh host objects: no isolation, the members' secrets lie beside the server.
 """
 
