@@ -4,10 +4,10 @@ The committee protocol is :mod:`protocols.committee` (shared definitions), its c
 :mod:`protocols.committee.client`, its member side :mod:`protocols.committee.member` and its
 server side :mod:`protocols.committee.server` (stage machine, relay, faults, reconstruction).
 The engine only hosts the members: :class:`Committee` is the protocol's server with its members'
-shards built here -- each a :class:`protocols.committee.member.CommitteeShard` in this process
-(:class:`protocols.committee.member.ShardPool`) or on a Ray actor (:class:`ActorShardPool`; no
-CPU reserved: shards are light and must not starve the client workers) -- and member m's
-channel key derived per session from its own secret (``member_secrets``,
+shards -- each a :class:`protocols.committee.member.CommitteeShard` -- hosted by the engine's one
+member host (:class:`fedsim.engine.committee_host.MemberHost`, under the protocol's
+:data:`protocols.committee.member.MEMBERS`), in this process or one Ray actor per shard, and
+member m's channel key derived per session from its own secret (``member_secrets``,
 :class:`fedsim.randomness.PartySecret`), or from the OS CSPRNG.
 
 The run's front end builds the committee a strategy asks for from its :class:`CommitteeSpec`
@@ -32,52 +32,35 @@ from typing import Any
 import numpy as np
 
 from fedsim.engine.client_registry import Enrolment, identity_seed, member_name
+from fedsim.engine.committee_host import MemberHost
 from fedsim.engine.hooks import CommitteeBound, find
 from fedsim.randomness import PartySecret, Purpose, RootSource, RunSecret
 from protocols.channels import new_session_id
 from protocols.committee.common import check_layout
-from protocols.committee.member import CommitteeShard, ShardPool, shard_arguments
+from protocols.committee.member import MEMBERS, CommitteeShard, shard_arguments
 from protocols.committee.server import CommitteeServer
 from protocols.field import DEFAULT_FIELD, MersenneField
 
 __all__ = [
-    "ActorShardPool",
     "Committee",
     "CommitteeSpec",
     "RootedShard",
+    "ShardFactory",
     "committee_for",
     "member_channel_keys",
-    "shard_actor",
 ]
 
 
-def shard_actor(ray_module: Any, shard_class: type = CommitteeShard) -> Any:
-    """``shard_class`` (:class:`~protocols.committee.member.CommitteeShard` by default) as a Ray
-    actor class that reserves no CPU and is not restarted (a crashed member is a dropped
-    member)."""
-    return ray_module.remote(shard_class).options(num_cpus=0, max_restarts=0)
+@dataclass(frozen=True)
+class ShardFactory:
+    """Builds one shard where it runs: ``shard_class(*arguments)`` (a
+    :class:`fedsim.engine.committee_host.MemberFactory`; the host's context is not used)."""
 
+    shard_class: type
+    arguments: tuple
 
-class ActorShardPool(ShardPool):
-    """A committee's shards on Ray actors (handles of :func:`shard_actor` actors, one per
-    group): :meth:`call` dispatches a method to every actor at once and waits for the answers;
-    :meth:`close` kills them."""
-
-    def __init__(
-        self, ray_module: Any, groups: Sequence[Sequence[int]], shards: Sequence[Any]
-    ) -> None:
-        super().__init__(groups, shards)
-        self._ray = ray_module
-
-    def call(self, method: str, args_per_shard: Sequence[tuple]) -> list[Any]:
-        futures = [getattr(s, method).remote(*a) for s, a in zip(self.shards, args_per_shard)]
-        return self._ray.get(futures)
-
-    def close(self) -> None:
-        """Kill the actors (the members' keys and shares go with them)."""
-        for shard in self.shards:
-            self._ray.kill(shard)
-        self.shards = []
+    def __call__(self, context: Any) -> CommitteeShard:
+        return self.shard_class(*self.arguments)
 
 
 def member_channel_keys(
@@ -197,11 +180,8 @@ class Committee(CommitteeServer):
             keys = member_channel_keys(member_secrets, n, session_id)
             identities = member_identities(enrolment, member_secrets, n)
             arguments = shard_arguments(groups, field_.exponent, session_id, keys, identities)
-        if ray_module is not None:
-            actor = shard_actor(ray_module, shard_class)
-            pool = ActorShardPool(ray_module, groups, [actor.remote(*a) for a in arguments])
-        else:
-            pool = ShardPool(groups, [shard_class(*a) for a in arguments])
+        self.host = MemberHost(MEMBERS, processes=len(groups), ray_module=ray_module)
+        pool = self.host.open(groups, [ShardFactory(shard_class, tuple(a)) for a in arguments])
         super().__init__(n, t, k, members=pool, session_id=session_id, detect=detect, field_=field_)
 
     root_dir: str | None = None
@@ -210,6 +190,7 @@ class Committee(CommitteeServer):
         """Forget the members (on Ray, their actors are killed) and remove a private root file
         written for them."""
         super().close()
+        self.host.close()
         if self.root_dir is not None:
             shutil.rmtree(self.root_dir, ignore_errors=True)
             self.root_dir = None
@@ -226,7 +207,7 @@ class Committee(CommitteeServer):
     def spec(self) -> CommitteeSpec:
         """The :class:`CommitteeSpec` this committee was built to."""
         scheme = self.scheme
-        actors = isinstance(self.pool, ActorShardPool)
+        actors = self.host.actors
         return CommitteeSpec(scheme.n, scheme.t, scheme.k, self.detect, len(self.groups), actors)
 
 

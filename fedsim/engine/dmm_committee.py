@@ -3,15 +3,17 @@
 docs/dmm-design.md, step 8: each round's committee is n clients drawn
 publicly from the population (the strategy draws them with ``public_generator(seed, round,
 Stream.COMMITTEE)``); the :class:`CommitteeHost` plays those clients' member side
-(:class:`protocols.dmm.member.MemberGroup`), keyed by client id, on a few Ray actors
-(``actors=True``; ``shards`` actors, seat j on actor j mod shards) or in this process.
+(:class:`protocols.dmm.member.MemberGroup`), keyed by client id, on the engine's one member
+host (:class:`fedsim.engine.committee_host.MemberHost`, under :data:`HOSTED`: DMM's member
+calls and this module's custody calls): a few Ray actors (``actors=True``; ``shards`` actors,
+seat j on actor j mod shards) or this process.
 
 Secrets. The host is the engine's: the front end builds it with where the run's root lies
 (:class:`fedsim.randomness.RootSource`) and binds it to the strategy (``bind_committee_host``);
 each member actor opens the root in its own process, so neither the host nor the strategy
 holds the root, a member's secret or the enrolment authority. Member c's secret is
 ``root.client(c)`` -- the same secret the client has as a trainer -- made on the actor that
-hosts it (:class:`CommitteeActor`); from it the member
+hosts it (:class:`MemberContext`); from it the member
 derives its channel keys (``seed_bytes(round, Purpose.KEYS, "dmm", role)``) and its resharing
 randomness (``generator(round, Purpose.RESHARE, "dmm")``), and it seals its own state
 (:meth:`fedsim.randomness.PartySecret.seal`). Member c is enrolled as ``client/c`` by the
@@ -41,8 +43,9 @@ import functools
 import io
 import shutil
 import tempfile
-import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +58,7 @@ from fedsim.engine.client_registry import (
     identity_seed,
     public_names,
 )
-from fedsim.engine.committee import shard_actor
+from fedsim.engine.committee_host import HostedGroups, MemberHost
 from fedsim.engine.faults import FaultConfig
 from fedsim.engine.hooks import CommitteeHostBound, find
 from fedsim.engine.state import ClientStateStore
@@ -67,12 +70,37 @@ from fedsim.randomness import (
     Stream,
     public_generator,
 )
-from protocols.dmm.common import ACTIVE, REFUSALS, DMMFaults, DMMStage
+from protocols.dmm.common import (
+    ACTIVE,
+    MEMBERS,
+    REFUSALS,
+    DMMFaults,
+    DMMStage,
+    MemberCall,
+)
 from protocols.dmm.member import MemberGroup
+from protocols.kit import MemberSide
 
 STATE_FILE = "dmm_members.sqlite"
 _MEMBER_FAULTS = 11
 STATE_LABEL = b"fedsim/dmm-member-state/v1/"
+
+
+class CustodyCall(StrEnum):
+    """What the engine asks of the members it hosts besides DMM's own calls: each seat's state
+    sealed under its own secret, and such states opened and held again."""
+
+    SEAL_STATES = "seal_states"
+    LOAD_STATES = "load_states"
+
+
+HOSTED = MemberSide(
+    calls=(MemberCall, CustodyCall),
+    silent={**MEMBERS.silent, CustodyCall.SEAL_STATES: None},
+    refusals=REFUSALS,
+)
+"""The hosted members' side: DMM's (:data:`protocols.dmm.common.MEMBERS`) plus custody; a
+dead or refusing group seals nothing, and loading states is never silenced."""
 
 
 def member_faults(
@@ -100,8 +128,9 @@ def member_faults(
     gone = frozenset(
         seat
         for seat, client in enumerate(next_committee)
-        if public_generator(config.seed, server_round, Stream.FAULTS, _MEMBER_FAULTS + 1, client)
-        .random()
+        if public_generator(
+            config.seed, server_round, Stream.FAULTS, _MEMBER_FAULTS + 1, client
+        ).random()
         < config.dropout
     )
     return DMMFaults(member=plan, next_drop=gone)
@@ -128,9 +157,10 @@ def decode_member_state(data: bytes) -> tuple[int, dict[int, np.ndarray]]:
 class HostedMembers:
     """The seats of one committee on one host, each with its client's own secret.
 
-    Wraps a :class:`protocols.dmm.member.MemberGroup` and supplies the member-side randomness
-    from each seat's :class:`fedsim.randomness.PartySecret` (channel keys, resharing streams),
-    and seals / opens each seat's state under it.
+    Wraps a :class:`protocols.dmm.member.MemberGroup`, to which it supplies the member-side
+    randomness from each seat's :class:`fedsim.randomness.PartySecret` (channel keys, resharing
+    streams: :class:`protocols.dmm.member.MemberSecrets`), and seals / opens each seat's state
+    under it (:class:`CustodyCall`).
     """
 
     def __init__(
@@ -157,32 +187,30 @@ class HostedMembers:
                 int(s): (identity_seed(self.secrets[int(s)]), cert)
                 for s, cert in zip(seats, certificates)
             }
-        self.group = MemberGroup(seats, **member_kwargs, **enrolled)
-        self._rngs: dict[int, np.random.Generator] = {}
+        self.group = MemberGroup(seats, **member_kwargs, **enrolled, secrets=self)
 
-    def _keys(self, round_: int, role: str) -> dict[int, bytes]:
+    def channel_keys(self, round_: int, role: str) -> dict[int, bytes]:
         return {
             s: secret.seed_bytes(int(round_), Purpose.KEYS, "dmm", role)
             for s, secret in self.secrets.items()
         }
 
-    def call(self, method: str, args: tuple) -> Any:
-        """``method`` of the group with ``args``, adding this host's secrets where the member
-        draws randomness."""
-        if method == "announce":
-            return self.group.announce(*args, private_keys=self._keys(args[0], "current"))
-        if method == "announce_handoff":
-            round_, role = args[0], args[2]
-            self._rngs = {
-                s: secret.generator(int(round_), Purpose.RESHARE, "dmm")
-                for s, secret in self.secrets.items()
-            }
-            return self.group.announce_handoff(*args, private_keys=self._keys(round_, str(role)))
-        if method == "deal":
-            return self.group.deal(*args, rngs=self._rngs)
-        if method.startswith("_") or method in ("load", "snapshot"):
-            raise AttributeError(f"{method} is not a member request")
-        return getattr(self.group, method)(*args)
+    def reshare_rngs(self, round_: int) -> dict[int, np.random.Generator]:
+        return {
+            s: secret.generator(int(round_), Purpose.RESHARE, "dmm")
+            for s, secret in self.secrets.items()
+        }
+
+    def answer(self, call: MemberCall | CustodyCall, args: tuple) -> Any:
+        """A member call answered by the group, a custody call here; the committed state in
+        the clear (:attr:`MemberCall.SNAPSHOT`) never leaves the host."""
+        if call is CustodyCall.SEAL_STATES:
+            return self.seal_states(*args)
+        if call is CustodyCall.LOAD_STATES:
+            return self.load_states(*args)
+        if call is MemberCall.SNAPSHOT:
+            raise AttributeError(f"{call} is not a member request")
+        return self.group.answer(call, args)
 
     def seal_states(self) -> dict[int, bytes]:
         """client -> its state (step and its own row of every partial sum) sealed under its
@@ -220,11 +248,12 @@ class HostedMembers:
         self.group.load(step, partials)
 
 
-class CommitteeActor:
-    """One host process: the :class:`HostedMembers` of every committee it serves, by key.
+class MemberContext:
+    """What one host process holds for the DMM members it hosts: the run's root and its
+    enrolment authority, made there.
 
     ``root``: where the run's root lies (a :class:`fedsim.randomness.RootSource`, opened here,
-    in the actor's own process), the root itself (a caller that holds it), or None (every
+    in the host's own process), the root itself (a caller that holds it), or None (every
     member a fresh OS secret, enrolled nowhere). Member client c's secret is ``root.client(c)``
     and its certificate the run's :class:`fedsim.engine.client_registry.Enrolment`'s, both
     made here: the driver that asks for a committee sends only client ids. ``draw``: the run's
@@ -234,143 +263,66 @@ class CommitteeActor:
         self._root = root.open() if isinstance(root, RootSource) else root
         self._enrolment = None if self._root is None else Enrolment(self._root)
         self._draw = draw
-        self.hosted: dict[str, HostedMembers] = {}
 
     def __reduce__(self):
         raise TypeError("a committee host process is never pickled: it holds the run's root")
 
-    def _token(self, client: int) -> str:
+    def token(self, client: int) -> str:
         if self._root is None:
             return PartySecret.fresh("client").token()
         return self._root.client(int(client)).token()
 
-    def _certificates(self, clients: Sequence[int]) -> tuple | None:
+    def certificates(self, clients: Sequence[int]) -> tuple | None:
         """The authority's public key, each member client's certificate (``client/c``, its
         identity from its own secret) and the public draw, or None without the run's root."""
         if self._root is None:
             return None
         certificates = [
-            self._enrolment.identity(client_name(c), self._root.client(int(c)))
-            .certificate.to_bytes()
+            self._enrolment.identity(
+                client_name(c), self._root.client(int(c))
+            ).certificate.to_bytes()
             for c in clients
         ]
         return self._enrolment.public_key, certificates, self._draw
 
-    def open(self, key, seats, clients, member_kwargs) -> None:
-        """Host ``seats`` (members ``clients``, by client id) of committee ``key``."""
-        clients = [int(c) for c in clients]
-        tokens = [self._token(c) for c in clients]
-        enrolment = self._certificates(clients)
-        self.hosted[key] = HostedMembers(seats, clients, tokens, member_kwargs, enrolment)
 
-    def call(self, key: str, method: str, args: tuple) -> Any:
-        return self.hosted[key].call(method, args)
+@dataclass(frozen=True)
+class SeatsFactory:
+    """Builds the :class:`HostedMembers` of ``seats`` (members ``clients``, by client id) where
+    they run, from that process's :class:`MemberContext`."""
 
-    def seal_states(self, key: str) -> dict[int, bytes]:
-        return self.hosted[key].seal_states()
+    seats: tuple[int, ...]
+    clients: tuple[int, ...]
+    member_kwargs: Mapping[str, Any]
 
-    def load_states(self, key: str, sealed: Mapping[int, bytes], step: int) -> None:
-        self.hosted[key].load_states(sealed, step)
-
-    def close(self, key: str) -> None:
-        self.hosted.pop(key, None)
-
-    def cpu_seconds(self) -> float:
-        """CPU seconds this host process has used (its members' work, when it is an actor)."""
-        return time.process_time()
+    def __call__(self, context: MemberContext) -> HostedMembers:
+        tokens = [context.token(c) for c in self.clients]
+        enrolment = context.certificates(self.clients)
+        return HostedMembers(
+            list(self.seats), list(self.clients), tokens, dict(self.member_kwargs), enrolment
+        )
 
 
-class HostedPool:
-    """One committee (``members``: client ids in seat order) on the host's actors or in
-    process: the pool interface of :class:`protocols.dmm.server.DMMServer`."""
+class DMMPool(HostedGroups):
+    """One committee (``members``: client ids in seat order) on the host: the pool interface of
+    :class:`protocols.dmm.server.DMMServer`, and the members' sealed states."""
 
-    def __init__(self, host: CommitteeHost, key: str, members, groups, handles) -> None:
-        self.host, self.key = host, key
+    def __init__(self, host: MemberHost, key: str, groups, handles, *, members) -> None:
+        super().__init__(host, key, groups, handles)
         self.members = [int(m) for m in members]
-        self.groups = [list(g) for g in groups]
-        self.handles = list(handles)
-        self.dead: set[int] = set()
-        self.refusals: list[tuple[int, str, str]] = []
-        self.closed = False
-
-    def _answer(self, g: int, method: str, run) -> Any:
-        try:
-            return run()
-        except REFUSALS as error:
-            self.refusals.append((g, method, str(error)))
-        except Exception as error:  # a remote refusal arrives wrapped by Ray
-            cause = getattr(error, "cause", None)
-            if isinstance(cause, REFUSALS):
-                self.refusals.append((g, method, str(cause)))
-            elif self.host.is_actor_death(error):
-                self.dead.add(g)
-                self.host.note_dead(self.handles[g])
-            else:
-                raise
-        return MemberGroup.SILENT.get(method)
-
-    def call(self, method: str, args_per_group) -> list:
-        """Run ``method`` on every group at once; a dead or refusing group answers
-        :data:`protocols.dmm.member.MemberGroup.SILENT`."""
-        if self.closed:
-            raise RuntimeError(f"{method}: committee {self.key} was closed")
-        args_per_group = list(args_per_group)
-        if not self.host.actors:
-            return [
-                self._answer(g, method, lambda h=h, a=a: h.call(method, tuple(a)))
-                if g not in self.dead
-                else MemberGroup.SILENT.get(method)
-                for g, (h, a) in enumerate(zip(self.handles, args_per_group))
-            ]
-        futures = [
-            None if g in self.dead else h.call.remote(self.key, method, tuple(a))
-            for g, (h, a) in enumerate(zip(self.handles, args_per_group))
-        ]
-        ray = self.host.ray
-        return [
-            MemberGroup.SILENT.get(method)
-            if f is None
-            else self._answer(g, method, lambda f=f: ray.get(f))
-            for g, f in enumerate(futures)
-        ]
-
-    def broadcast(self, method: str, *args) -> list:
-        return self.call(method, [args] * len(self.groups))
-
-    def close(self) -> None:
-        """The members forget this committee (its shares go with them)."""
-        if self.closed:
-            return
-        self.closed = True
-        for g, handle in enumerate(self.handles):
-            if g in self.dead:
-                continue
-            if self.host.actors:
-                handle.close.remote(self.key)
 
     def seal_states(self, seats) -> dict[int, bytes]:
         """client -> sealed state of the live groups' ``seats``."""
-        out: dict[int, bytes] = {}
         wanted = {self.members[s] for s in seats}
-        for g, handle in enumerate(self.handles):
-            if g in self.dead:
-                continue
-            sealed = self._answer(g, "seal_states", self._sealer(handle)) or {}
-            out.update({c: b for c, b in sealed.items() if c in wanted})
+        out: dict[int, bytes] = {}
+        for sealed in self.broadcast(CustodyCall.SEAL_STATES):
+            out.update({c: b for c, b in (sealed or {}).items() if c in wanted})
         return out
-
-    def _sealer(self, handle):
-        """A call that returns ``handle``'s members' sealed states."""
-        if not self.host.actors:
-            return handle.seal_states
-        return lambda: self.host.ray.get(handle.seal_states.remote(self.key))
-
-    def __getstate__(self):
-        raise TypeError("a hosted committee is never pickled: its members' shares are theirs")
 
 
 class CommitteeHost:
-    """Hosts DMM committee members for one run (the engine side of ``bind_committee_host``).
+    """Hosts DMM committee members for one run (the engine side of ``bind_committee_host``),
+    on the engine's :class:`fedsim.engine.committee_host.MemberHost`.
 
     ``secrets``: where the run's root lies (:class:`fedsim.randomness.RootSource`, what the
     front end gives: each member actor opens it in its own process, and the host -- which the
@@ -400,20 +352,7 @@ class CommitteeHost:
         ray_module: Any = None,
         draw: tuple[int, int] | None = None,
     ) -> None:
-        if secrets is not None and not isinstance(secrets, RootSource | RunSecret):
-            raise ValueError(
-                f"secrets is a {type(secrets).__name__}; allowed: RootSource, RunSecret or None"
-            )
-        if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
-            raise ValueError(f"shards={shards!r}; allowed: an integer >= 1")
-        if draw is not None and (
-            len(draw) != 2
-            or any(isinstance(v, bool) or not isinstance(v, int | np.integer) for v in draw)
-            or draw[1] < 1
-        ):
-            raise ValueError(
-                f"draw={draw!r}; allowed: None or the run's public (seed, population) integers"
-            )
+        _check_host_arguments(secrets, shards, draw)
         self._draw = None if draw is None else (int(draw[0]), int(draw[1]))
         #: what each host process gets to open the members' secrets from (never opened here)
         self._root = secrets
@@ -430,77 +369,43 @@ class CommitteeHost:
                 secrets=secrets if isinstance(secrets, RunSecret) else None,
             )
         self.store = store
-        self._handles: list[Any] = []
-        self._dead_handles: set[int] = set()
-        self._count = 0
-        if self.actors:
-            if self.ray is None:
-                import ray  # noqa: PLC0415
+        if self.actors and self.ray is None:
+            import ray  # noqa: PLC0415
 
-                self.ray = ray
-            if not self.ray.is_initialized():
-                raise RuntimeError(
-                    "committee actors need a running Ray: run with the Ray engine backend, or "
-                    "call fedsim.engine.cluster.ensure_ray() first"
-                )
-            if isinstance(secrets, RunSecret):  # a root held here: a private file for actors
-                self._root_dir = tempfile.mkdtemp(prefix="fedsim-root-")
-                self._root = RootSource(str(secrets.write(Path(self._root_dir) / "run.root")))
+            self.ray = ray
+        if self.actors and self.ray.is_initialized() and isinstance(secrets, RunSecret):
+            self._root_dir = tempfile.mkdtemp(prefix="fedsim-root-")  # a private file for actors
+            self._root = RootSource(str(secrets.write(Path(self._root_dir) / "run.root")))
+        self._members = MemberHost(
+            HOSTED,
+            processes=self.shards,
+            ray_module=self.ray if self.actors else None,
+            context=functools.partial(MemberContext, self._root, self._draw),
+        )
 
     def __reduce__(self):
         raise TypeError("a CommitteeHost is never pickled: its members' states are theirs")
 
-    def is_actor_death(self, error: Exception) -> bool:
-        return self.ray is not None and isinstance(error, self.ray.exceptions.RayActorError)
-
-    def _actor(self, g: int) -> Any:
-        """Actor g, replaced by a fresh one if it died."""
-        while len(self._handles) <= g:
-            self._handles.append(self._new_actor())
-        if g in self._dead_handles:
-            self._handles[g] = self._new_actor()
-            self._dead_handles.discard(g)
-        return self._handles[g]
-
-    def _new_actor(self) -> Any:
-        """A member host process, which opens the root itself."""
-        return shard_actor(self.ray, CommitteeActor).remote(self._root, self._draw)
-
-    def pool(self, members: Sequence[int], member_kwargs: Mapping[str, Any]) -> HostedPool:
+    def pool(self, members: Sequence[int], member_kwargs: Mapping[str, Any]) -> DMMPool:
         """Host a committee of ``members`` (client ids, seat order)."""
         members = [int(m) for m in members]
         if len(set(members)) != len(members):
             raise ValueError(f"members={members}; allowed: distinct client ids")
-        self._count += 1
-        key = f"committee-{self._count}"
         groups = [
             [s for s in range(len(members)) if s % self.shards == g]
             for g in range(min(self.shards, len(members)))
         ]
-        handles = []
-        for g, seats in enumerate(groups):
-            args = (key, seats, [members[s] for s in seats], dict(member_kwargs))
-            if self.actors:
-                handle = self._actor(g)
-                self.ray.get(handle.open.remote(*args))
-            else:  # in process: the root is opened here (no isolation)
-                handle = CommitteeActor(self._root, self._draw)
-                handle.open(*args)
-                handle = _LocalHandle(handle, key)
-            handles.append(handle)
-        return HostedPool(self, key, members, groups, handles)
-
-    def note_dead(self, handle: Any) -> None:
-        """An actor found dead is replaced for later committees."""
-        for g, current in enumerate(self._handles):
-            if current is handle:
-                self._dead_handles.add(g)
+        factories = [
+            SeatsFactory(tuple(seats), tuple(members[s] for s in seats), dict(member_kwargs))
+            for seats in groups
+        ]
+        return self._members.open(groups, factories, DMMPool, members=members)
 
     def member_faults(self, server_round: int, committee, next_committee=()) -> DMMFaults:
         return member_faults(self.faults, server_round, committee, next_committee)
 
     # ------------------------------------------------------------------ custody
-    def persist(self, pool: HostedPool, holders, version: int, forget=()) -> None:
+    def persist(self, pool: DMMPool, holders, version: int, forget=()) -> None:
         """Store every holder's state, sealed under its own secret, at ``version``; clients in
         ``forget`` (a retired committee) hold nothing any more."""
         sealed = pool.seal_states(holders)
@@ -508,7 +413,7 @@ class CommitteeHost:
         states = {NODE_ID_OFFSET + int(c): blob for c, blob in {**gone, **sealed}.items()}
         self.store.put_many(states, version=int(version))
 
-    def restore(self, members, holders, member_kwargs, step: int) -> HostedPool:
+    def restore(self, members, holders, member_kwargs, step: int) -> DMMPool:
         """Re-host a committee whose ``holders`` seats stored their states for ``step``."""
         if not self._restorable:
             raise ValueError(
@@ -526,12 +431,11 @@ class CommitteeHost:
             raise ValueError(
                 f"{STATE_FILE}: no stored state for DMM member clients {missing} of step {step}"
             )
-        for seats, handle in zip(pool.groups, pool.handles):
-            mine = {pool.members[s]: stored[pool.members[s]] for s in seats if s in holders}
-            if self.actors:
-                self.ray.get(handle.load_states.remote(pool.key, mine, int(step)))
-            else:
-                handle.load_states(mine, int(step))
+        loads = [
+            ({pool.members[s]: stored[pool.members[s]] for s in seats if s in holders}, int(step))
+            for seats in pool.groups
+        ]
+        pool.call(CustodyCall.LOAD_STATES, loads)
         return pool
 
     def checkpoint(self, version: int) -> None:
@@ -541,10 +445,7 @@ class CommitteeHost:
     def cpu_seconds(self) -> float | None:
         """CPU seconds the committee actors have used so far (None in process: the members'
         work is then the caller's own)."""
-        if not self.actors:
-            return None
-        live = [h for g, h in enumerate(self._handles) if g not in self._dead_handles]
-        return float(sum(self.ray.get([h.cpu_seconds.remote() for h in live])))
+        return self._members.cpu_seconds()
 
     def rollback(self, version: int) -> None:
         """Return the member states to round ``version`` (a resumed run)."""
@@ -552,30 +453,29 @@ class CommitteeHost:
 
     def close(self) -> None:
         """End the actors (their shares go with them) and close the store."""
-        if self.actors and self.ray.is_initialized():  # after a Ray shutdown they are gone
-            for handle in self._handles:
-                handle.__ray_terminate__.remote()
-        self._handles = []
+        self._members.close()
         self.store.close()
         if self._root_dir is not None:
             shutil.rmtree(self._root_dir, ignore_errors=True)
             self._root_dir = None
 
 
-class _LocalHandle:
-    """A :class:`CommitteeActor` in process with the pool's key bound."""
-
-    def __init__(self, actor: CommitteeActor, key: str) -> None:
-        self.actor, self.key = actor, key
-
-    def call(self, method: str, args: tuple) -> Any:
-        return self.actor.call(self.key, method, args)
-
-    def seal_states(self) -> dict[int, bytes]:
-        return self.actor.seal_states(self.key)
-
-    def load_states(self, sealed, step) -> None:
-        self.actor.load_states(self.key, sealed, step)
+def _check_host_arguments(secrets, shards, draw) -> None:
+    """Raise ``ValueError`` naming the argument a :class:`CommitteeHost` cannot take."""
+    if secrets is not None and not isinstance(secrets, RootSource | RunSecret):
+        raise ValueError(
+            f"secrets is a {type(secrets).__name__}; allowed: RootSource, RunSecret or None"
+        )
+    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+        raise ValueError(f"shards={shards!r}; allowed: an integer >= 1")
+    if draw is not None and (
+        len(draw) != 2
+        or any(isinstance(v, bool) or not isinstance(v, int | np.integer) for v in draw)
+        or draw[1] < 1
+    ):
+        raise ValueError(
+            f"draw={draw!r}; allowed: None or the run's public (seed, population) integers"
+        )
 
 
 def committee_host_for(

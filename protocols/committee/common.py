@@ -49,8 +49,8 @@ CHANNEL_PROTOCOL = b"fedsim/committee"
 
 
 class CommitteeCall(StrEnum):
-    """The member requests a committee server makes of its shard pool, by name (``pool.call``:
-    each shard's method of that name, :class:`protocols.committee.member.CommitteeShard`)."""
+    """The member requests a committee server makes of its shard pool (``pool.call``), answered
+    by :meth:`protocols.committee.member.CommitteeShard.answer`."""
 
     ABORT = "abort"
     COMBINE = "combine"

@@ -3,8 +3,9 @@
 :mod:`protocols.committee` steps 1-3 at the members. Members are simulated in groups: one
 :class:`CommitteeShard` holds many members and works on all of them at once (an array with one
 row per member), with one channel endpoint per member (:mod:`protocols.channels`: X25519 key
-from 32 bytes of the member's own secret, or from the OS CSPRNG). A :class:`ShardPool` hosts a
-committee's shards in this process; :mod:`fedsim.engine.committee` hosts them on Ray actors.
+from 32 bytes of the member's own secret, or from the OS CSPRNG). A shard answers the typed
+calls of :data:`MEMBERS` (:meth:`CommitteeShard.answer`); :class:`protocols.kit.LocalMembers`
+hosts a committee's shards in this process, :mod:`fedsim.engine.committee_host` on Ray actors.
 
 1. **SHARE** (:meth:`CommitteeShard.share`): each member opens its envelope of every client's
    :class:`protocols.committee.common.ShardSealedShares`; one that cannot open it, or finds no
@@ -31,6 +32,7 @@ import numpy as np
 from protocols.channels import SERVER_ID, Endpoint
 from protocols.committee.common import (
     CHANNEL_PROTOCOL,
+    CommitteeCall,
     CommitteeStage,
     ShardSealedShares,
     StageFaults,
@@ -38,18 +40,22 @@ from protocols.committee.common import (
 )
 from protocols.enrolment import Certificate, Identity
 from protocols.field import MersenneField
-from protocols.kit import MEMBER_ID_BASE
+from protocols.kit import MEMBER_ID_BASE, MemberSide, answer_by
+
+MEMBERS = MemberSide(calls=(CommitteeCall,))
+"""The committee's member side: shards answer :class:`CommitteeCall`; none is ever silenced
+(a shard's error, or its actor's death, reaches the server)."""
 
 
 class CommitteeShard:
     """Members ``members`` (global indices) of one committee, held as one array per client.
 
-    A plain class; :func:`shard_actor` makes it a Ray actor. Rounds are independent: each has
-    its own stored rows, summed state and stage, and :meth:`abort` ends one. ``session_id``:
-    the committee's channel session; ``private_keys``: member -> 32 bytes of that member's own
-    secret for its channel key (else the OS CSPRNG); ``identities``: member -> (32-byte seed
-    of its Ed25519 identity, its enrolment certificate as bytes), with which it signs its
-    channel key (:meth:`key_proofs`; None: enrolled nowhere).
+    A plain class, hosted in process or on a Ray actor by the engine. Rounds are independent:
+    each has its own stored rows, summed state and stage, and :meth:`abort` ends one.
+    ``session_id``: the committee's channel session; ``private_keys``: member -> 32 bytes of
+    that member's own secret for its channel key (else the OS CSPRNG); ``identities``:
+    member -> (32-byte seed of its Ed25519 identity, its enrolment certificate as bytes),
+    with which it signs its channel key (:meth:`key_proofs`; None: enrolled nowhere).
     """
 
     def __init__(
@@ -83,6 +89,19 @@ class CommitteeShard:
         self._sum: dict[int, np.ndarray] = {}
         self._offline: dict[int, set[int]] = {}
         self._stage: dict[int, CommitteeStage] = {}
+
+    def answer(self, call: CommitteeCall, args: tuple) -> Any:
+        """The handler of ``call`` with ``args`` (:class:`protocols.kit.Member`)."""
+        handlers = {
+            CommitteeCall.ABORT: self.abort,
+            CommitteeCall.COMBINE: self.combine,
+            CommitteeCall.CONNECT: self.connect,
+            CommitteeCall.KEY_PROOFS: self.key_proofs,
+            CommitteeCall.PUBLIC_KEYS: self.public_keys,
+            CommitteeCall.RELEASE: self.release,
+            CommitteeCall.SHARE: self.share,
+        }
+        return answer_by(handlers, call, args)
 
     def _enter(self, round_: int, target: CommitteeStage) -> None:
         current = self._stage.get(round_, CommitteeStage.SETUP)
@@ -249,26 +268,3 @@ def shard_arguments(
         )
         for g in groups
     ]
-
-
-class ShardPool:
-    """A committee's shards hosted in this process: ``groups[i]`` (member indices) held by
-    ``shards[i]`` (built from :func:`shard_arguments`; a :class:`CommitteeShard` subclass plays
-    hostile members); :meth:`call` runs one method on every shard -- the pool interface of
-    :class:`protocols.committee.server.CommitteeServer`."""
-
-    def __init__(self, groups: Sequence[Sequence[int]], shards: Sequence[Any]) -> None:
-        self.groups = [[int(m) for m in g] for g in groups]
-        self.shards = list(shards)
-        if len(self.shards) != len(self.groups):
-            raise ValueError(
-                f"{len(self.shards)} shards for {len(self.groups)} groups; allowed: one per group"
-            )
-
-    def call(self, method: str, args_per_shard: Sequence[tuple]) -> list[Any]:
-        """``method`` of each shard with its arguments; the answers in shard order."""
-        return [getattr(s, method)(*a) for s, a in zip(self.shards, args_per_shard)]
-
-    def close(self) -> None:
-        """The members are forgotten (their keys and shares go with them)."""
-        self.shards = []

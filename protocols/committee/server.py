@@ -10,12 +10,13 @@ The server (:class:`CommitteeServer`) drives the members through one round of
    every live member, and each sums its rows of those clients locally: shares of sum_i x_i;
 3. **RELEASE**: members seal their summed rows for the server, which decodes the sum.
 
-Members are reached through a pool (:class:`protocols.committee.member.ShardPool` in this
-process; :mod:`fedsim.engine.committee` hosts them on Ray actors): ``groups`` (member indices
-per shard) and ``call(method, args_per_shard)``. Transport: every share travels over an
-authenticated encrypted channel (:mod:`protocols.channels`: X25519, HKDF, ChaCha20-Poly1305,
-bound to protocol, session, sender, receiver, round and stage) relayed by the server, which
-counts bytes in a transcript: client -> member in SHARE, member -> server in RELEASE.
+Members are reached through a pool (:class:`protocols.kit.LocalMembers` in this process;
+:mod:`fedsim.engine.committee_host` hosts them on Ray actors): ``groups`` (member indices per
+shard) and ``call(call, args_per_shard)`` with a typed :class:`CommitteeCall`. Transport:
+every share travels over an authenticated encrypted channel (:mod:`protocols.channels`:
+X25519, HKDF, ChaCha20-Poly1305, bound to protocol, session, sender, receiver, round and
+stage) relayed by the server, which counts bytes in a transcript: client -> member in SHARE,
+member -> server in RELEASE.
 
 Faults (:class:`protocols.committee.common.CommitteeFaults`) are drawn per member and per stage:
 a member that **drops** at a stage is silent from then on; one that is **late** at a stage
@@ -83,13 +84,13 @@ from protocols.shamir import PackedShamir, UncorrectableSharesError
 
 class CommitteeMembers(Protocol):
     """How the server reaches the members: ``groups[i]``, the member indices shard i holds
-    (together 0..n-1, each once); ``call(method, args_per_shard)`` runs a
-    :class:`protocols.committee.member.CommitteeShard` method on every shard and returns the
-    answers in shard order; ``close()`` forgets the members."""
+    (together 0..n-1, each once); ``call(call, args_per_shard)`` sends a typed
+    :class:`CommitteeCall` to every shard (:meth:`protocols.committee.member.CommitteeShard.
+    answer`) and returns the answers in shard order; ``close()`` forgets the members."""
 
     groups: list[list[int]]
 
-    def call(self, method: str, args_per_shard: Sequence[tuple]) -> list[Any]: ...
+    def call(self, call: CommitteeCall, args_per_shard: Sequence[tuple]) -> list[Any]: ...
 
     def close(self) -> None: ...
 

@@ -40,7 +40,7 @@ from functools import cached_property
 import numpy as np
 
 from protocols.field import MersenneField
-from protocols.kit import Fault, StageError, TooManyDropoutsError, check_move
+from protocols.kit import Fault, MemberSide, StageError, TooManyDropoutsError, check_move
 from protocols.shamir import PackedShamir
 
 PROTOCOL = b"fedsim/dmm"
@@ -54,9 +54,8 @@ PAD_SEED_BYTES = 32
 
 
 class MemberCall(StrEnum):
-    """The requests a DMM server makes of a committee's pool, by name (``pool.call`` /
-    ``pool.broadcast``: each group's handler of that name,
-    :class:`protocols.dmm.member.MemberGroup`)."""
+    """The requests a DMM server makes of a committee's pool (``pool.call`` /
+    ``pool.broadcast``), answered by :meth:`protocols.dmm.member.MemberGroup.answer`."""
 
     ACCUMULATE = "accumulate"
     ANNOUNCE = "announce"
@@ -331,6 +330,30 @@ class DMMFaults:
 
 REFUSALS = (MemberRefused, StageError)
 """What a member raises for a request it will not serve."""
+
+SILENT: dict[MemberCall, object] = {
+    MemberCall.ACCUMULATE: None,
+    MemberCall.ANNOUNCE: {},
+    MemberCall.ANNOUNCE_HANDOFF: {},
+    MemberCall.CHECK_SHARES: {},
+    MemberCall.COMBINE: [],
+    MemberCall.COMMIT: None,
+    MemberCall.CONNECT: [],
+    MemberCall.DEAL: {},
+    MemberCall.DISCARD: None,
+    MemberCall.KEEP: None,
+    MemberCall.KEY_PROOFS: {},
+    MemberCall.RECEIVE: [],
+    MemberCall.RELEASE: {"seats": [], "rows": [], "late": []},
+    MemberCall.RETIRE: None,
+    MemberCall.SHARE: {},
+    MemberCall.SNAPSHOT: None,
+}
+"""What each call answers for seats that are gone (a crashed or refusing member)."""
+
+MEMBERS = MemberSide(calls=(MemberCall,), silent=SILENT, refusals=REFUSALS)
+"""DMM's member side: groups answer :class:`MemberCall`; a refusing or crashed group is silent
+(:data:`SILENT`) and the round goes on without its seats."""
 
 
 def request(handler):

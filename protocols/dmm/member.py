@@ -30,8 +30,9 @@ the shapes and field ranges of what it is given; a bad request raises :class:`pr
 MemberRefused` (or :class:`protocols.kit.StageError`) and changes nothing. Randomness is
 passed in: ``private_keys`` (seat -> 32 bytes of the member's own secret) fix its channel keys,
 ``rngs`` (seat -> the member's own Generator) its resharing randomness; None draws from the OS.
+A group answers typed calls (:meth:`MemberGroup.answer`, :data:`protocols.dmm.common.MEMBERS`):
 :class:`MemberPool` keeps groups in process; :mod:`fedsim.engine.dmm_committee` hosts them on
-Ray actors, one member per client, with each client's own secret.
+Ray actors, one member per client, with each client's own secret (``secrets``).
 
 Keys are bound at enrolment (:mod:`protocols.enrolment`): a group built
 with its seats' ``identities`` signs every channel key it announces (:meth:`key_proofs`), and one
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
+from typing import Protocol
 
 import numpy as np
 
@@ -52,8 +54,8 @@ from protocols.dmm.client import fold_pad
 from protocols.dmm.common import (
     CLIENT_ID_LIMIT,
     FOLD_PAD,
+    MEMBERS,
     PROTOCOL,
-    REFUSALS,
     DMMStage,
     MemberCall,
     MemberRefused,
@@ -65,10 +67,29 @@ from protocols.dmm.reshare_member import ReshareDuties
 from protocols.dmm.resharing import NewMember
 from protocols.enrolment import Certificate, Identity, KeyVerifier
 from protocols.field import MersenneField
-from protocols.kit import NEW_ID_BASE, OLD_ID_BASE, SEAT_ID_BASE, StageError
+from protocols.kit import (
+    NEW_ID_BASE,
+    OLD_ID_BASE,
+    SEAT_ID_BASE,
+    LocalMembers,
+    StageError,
+    answer_by,
+)
 from protocols.shamir import PackedShamir
 
 ROLE_BASES = {"current": SEAT_ID_BASE, "old": OLD_ID_BASE, "new": NEW_ID_BASE}
+
+
+class MemberSecrets(Protocol):
+    """A host's supply of its seats' own randomness (each seat's secret stays with it)."""
+
+    def channel_keys(self, round_: int, role: str) -> dict[int, bytes]:
+        """Seat -> 32 bytes of its own secret for its channel key of ``round_`` as ``role``."""
+        ...
+
+    def reshare_rngs(self, round_: int) -> dict[int, np.random.Generator]:
+        """Seat -> its own resharing Generator for ``round_``."""
+        ...
 
 
 def _base_of(party: int) -> int:
@@ -79,21 +100,6 @@ def _base_of(party: int) -> int:
 class MemberGroup(ReshareDuties):
     """Seats ``seats`` of one committee (n, t, k over F_{2^e - 1}, D = ``dim``) for the public
     integer matrix ``matrix``; ``step`` is the next round this committee runs."""
-
-    SILENT: dict[str, object] = {
-        MemberCall.ANNOUNCE: {},
-        MemberCall.ANNOUNCE_HANDOFF: {},
-        MemberCall.CONNECT: [],
-        MemberCall.KEY_PROOFS: {},
-        MemberCall.SHARE: {},
-        MemberCall.COMBINE: [],
-        MemberCall.RELEASE: {"seats": [], "rows": [], "late": []},
-        MemberCall.DEAL: {},
-        MemberCall.RECEIVE: [],
-        MemberCall.CHECK_SHARES: {},
-        MemberCall.SNAPSHOT: None,
-    }
-    """What each method answers for seats that are gone (a crashed or refusing member)."""
 
     def __init__(
         self,
@@ -110,6 +116,7 @@ class MemberGroup(ReshareDuties):
         identities: Mapping[int, tuple[bytes, bytes]] | None = None,
         authority: bytes | None = None,
         next_names: Callable[[int], Sequence[str]] | None = None,
+        secrets: MemberSecrets | None = None,
     ) -> None:
         """``identities``: seat -> (its identity seed, its certificate bytes), for the seats
         here that sign their keys (others are ignored); ``authority``: the enrolment
@@ -117,7 +124,8 @@ class MemberGroup(ReshareDuties):
         relayed); ``next_names``: round -> the enrolled names, seat order, of the committee the
         public draw makes for that round: a dealer of round r deals to seat j of the next
         committee only under a proof signed by ``next_names(r + 1)[j]`` (None: any distinct
-        enrolled party)."""
+        enrolled party); ``secrets``: the seats' own randomness (channel keys and resharing
+        streams) where no request passes it (None: the OS's)."""
         self.scheme = PackedShamir(int(n), int(t), int(k), MersenneField(int(field_exponent)))
         self.seats = [int(s) for s in seats]
         self._identities = {
@@ -127,6 +135,8 @@ class MemberGroup(ReshareDuties):
         }
         self._verifier = None if authority is None else KeyVerifier(authority)
         self._next_names = next_names
+        self._secrets = secrets
+        self._reshare_rngs: Mapping[int, np.random.Generator] = {}
         if not self.seats or len(set(self.seats)) != len(self.seats):
             raise ValueError(f"seats={seats!r}; allowed: distinct seats in [0, n={n})")
         if min(self.seats) < 0 or max(self.seats) >= self.scheme.n:
@@ -144,6 +154,28 @@ class MemberGroup(ReshareDuties):
         self.retired = False
         self._index = {s: a for a, s in enumerate(self.seats)}
         self._clear_round()
+
+    def answer(self, call: MemberCall, args: tuple):
+        """The handler of ``call`` with ``args`` (:class:`protocols.kit.Member`)."""
+        handlers = {
+            MemberCall.ACCUMULATE: self.accumulate,
+            MemberCall.ANNOUNCE: self.announce,
+            MemberCall.ANNOUNCE_HANDOFF: self.announce_handoff,
+            MemberCall.CHECK_SHARES: self.check_shares,
+            MemberCall.COMBINE: self.combine,
+            MemberCall.COMMIT: self.commit,
+            MemberCall.CONNECT: self.connect,
+            MemberCall.DEAL: self.deal,
+            MemberCall.DISCARD: self.discard,
+            MemberCall.KEEP: self.keep,
+            MemberCall.KEY_PROOFS: self.key_proofs,
+            MemberCall.RECEIVE: self.receive,
+            MemberCall.RELEASE: self.release,
+            MemberCall.RETIRE: self.retire,
+            MemberCall.SHARE: self.share,
+            MemberCall.SNAPSHOT: self.snapshot,
+        }
+        return answer_by(handlers, call, args)
 
     # ------------------------------------------------------------------ state
     def _clear_round(self) -> None:
@@ -271,6 +303,8 @@ class MemberGroup(ReshareDuties):
     def announce(self, round_: int, session_id, asked, drop, private_keys=None) -> dict:
         """Start round ``round_`` as the current committee: the asked seats not in ``drop``
         answer with a fresh channel key (b'' when ``session_id`` is None)."""
+        if private_keys is None and self._secrets is not None:
+            private_keys = self._secrets.channel_keys(round_, "current")
         if self.stage is not DMMStage.SETUP or self.role is not None:
             raise StageError(f"DMM members {self.seats} are mid-round ({self.stage.name})")
         expected = self.schedule.open_after(self.step - 1)
@@ -287,6 +321,10 @@ class MemberGroup(ReshareDuties):
         """Enter RESHARE of round ``round_`` (mechanism step ``step``) as the ``role`` ('old':
         the releasing committee, only seats still online; 'new': the next committee, which
         must hold nothing yet and will hold the state of step + 1)."""
+        if self._secrets is not None:
+            self._reshare_rngs = self._secrets.reshare_rngs(round_)
+            if private_keys is None:
+                private_keys = self._secrets.channel_keys(round_, str(role))
         if role == "old":
             self._expect(DMMStage.RELEASE, "current")
             if int(round_) != self._round or step != self.step:
@@ -542,43 +580,14 @@ class MemberGroup(ReshareDuties):
             ]
         return {"seats": seats, "rows": sent, "late": sorted(late & self._online)}
 
-    # ------------------------------------------------------------------ handoff, old side
-
-
-
-
-    # ------------------------------------------------------------------ handoff, new side
-
-
-
-
-
-
-class MemberPool:
-    """One committee: ``members`` (client ids, seat order) whose seats are split in ``groups``,
-    each a :class:`MemberGroup` in this process; :meth:`call` runs a method on every group.
-    A group that refuses (:data:`REFUSALS`) answers :data:`MemberGroup.SILENT` and the reason
-    is kept in :attr:`refusals`. :mod:`fedsim.engine.dmm_committee` hosts groups on actors."""
+class MemberPool(LocalMembers):
+    """One committee in this process: ``members`` (client ids, seat order) whose seats are split
+    in ``groups``, each a :class:`MemberGroup` built with ``member_kwargs``, reached as a
+    :class:`protocols.kit.LocalMembers` under :data:`protocols.dmm.common.MEMBERS`.
+    :mod:`fedsim.engine.dmm_committee` hosts groups on actors."""
 
     def __init__(self, members, groups, member_kwargs: Mapping[str, object]) -> None:
-        self.members = [int(m) for m in members]
-        self.groups = [[int(s) for s in g] for g in groups]
         self.member_kwargs = dict(member_kwargs)
-        self.objects = [MemberGroup(g, **self.member_kwargs) for g in self.groups]
-        self.refusals: list[tuple[int, str, str]] = []
-
-    def call(self, method: str, args_per_group) -> list:
-        answers = []
-        for g, (obj, args) in enumerate(zip(self.objects, args_per_group)):
-            try:
-                answers.append(getattr(obj, method)(*args))
-            except REFUSALS as error:
-                self.refusals.append((g, method, str(error)))
-                answers.append(MemberGroup.SILENT.get(method))
-        return answers
-
-    def broadcast(self, method: str, *args) -> list:
-        return self.call(method, [args] * len(self.groups))
-
-    def close(self) -> None:
-        """Nothing to release in process."""
+        groups = [[int(s) for s in g] for g in groups]
+        super().__init__(MEMBERS, groups, [MemberGroup(g, **self.member_kwargs) for g in groups])
+        self.members = [int(m) for m in members]

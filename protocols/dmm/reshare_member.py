@@ -54,7 +54,7 @@ class ReshareDuties:
                 raise MemberRefused(
                     f"seat {s} refuses to deal: {self._unverified[NEW_ID_BASE + unverified[0]]}"
                 )
-            rng = (rngs or {}).get(s)
+            rng = (self._reshare_rngs if rngs is None else rngs).get(s)
             randomness = ShareRandomness(rng, rng is None)
             rows = OldMember(s, flat).deal(self.scheme, self.scheme, column, mix, randomness)
             endpoint = self._endpoints.get(s)

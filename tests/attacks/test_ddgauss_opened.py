@@ -27,12 +27,18 @@ from test_ddgauss_strategy import RUN
 from attacks.test_ddgauss import CLIENTS, PHRASE, Hostile, inner, one_round, strategy
 from fedsim.cli import main
 from fedsim.engine.committee import Committee
+from fedsim.engine.committee_host import HostedGroups
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.results import read_rounds
 from protocols.channels import associated_data, decode_array, new_session_id, stage_label
 from protocols.committee.client import seal_input
-from protocols.committee.common import CommitteeAbort, CommitteeFaults, CommitteeStage
-from protocols.committee.member import CommitteeShard, ShardPool
+from protocols.committee.common import (
+    CommitteeAbort,
+    CommitteeCall,
+    CommitteeFaults,
+    CommitteeStage,
+)
+from protocols.committee.member import CommitteeShard
 from protocols.committee.server import CommitteeServer
 from protocols.field import DEFAULT_FIELD
 from protocols.kit import Fault, RoundAborted, TamperingDetected
@@ -63,16 +69,17 @@ class Server:
         self.committees: list[CommitteeServer] = []
         self.released: dict[int, list] = {}
         self.sums: dict[tuple[str, int], np.ndarray | None] = {}
-        built, called, aggregate = CommitteeServer.__init__, ShardPool.call, DDGauss.aggregate_train
+        built, aggregate = CommitteeServer.__init__, DDGauss.aggregate_train
+        called = HostedGroups.call
         server = self
 
         def init(self, *args, **kwargs):
             built(self, *args, **kwargs)
             server.committees.append(self)
 
-        def call(self, method, args_per_shard):
-            answers = called(self, method, args_per_shard)
-            if method == "release":
+        def call(self, call, args_per_shard):
+            answers = called(self, call, args_per_shard)
+            if call is CommitteeCall.RELEASE:
                 server.released[int(args_per_shard[0][0])] = answers
             return answers
 
@@ -83,7 +90,7 @@ class Server:
             return out
 
         monkeypatch.setattr(CommitteeServer, "__init__", init)
-        monkeypatch.setattr(ShardPool, "call", call)
+        monkeypatch.setattr(HostedGroups, "call", call)
         monkeypatch.setattr(DDGauss, "aggregate_train", aggregate_train)
 
     def decodes(self, round_: int, truth: np.ndarray) -> list[int]:

@@ -145,8 +145,7 @@ def test_the_release_carries_the_noise_the_ledger_accounts_for(local_engine):
 def _held_shares(pool) -> list[bytes]:
     """Test-only: every share row the members of an in-process hosted pool hold."""
     rows = []
-    for handle in pool.handles:
-        hosted = handle.actor.hosted[pool.key]
+    for hosted in pool.shards:
         for partial in hosted.group.partials.values():
             rows.extend(row.tobytes() for row in partial)
     return rows
