@@ -84,308 +84,40 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import dp_accounting as dpa
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
-from flwr.clientapp import ClientApp
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedsim.config import from_mapping, require
 from fedsim.engine.committee import Committee, CommitteeSpec
 from fedsim.privacy import ddgauss as ddgauss_privacy
 from fedsim.privacy.ledger import PrivacyLedger
-from fedsim.privacy.mechanisms import SecureRandom, discrete_gaussian
 from fedsim.privacy.sampling import NeighbouringRelation
-from fedsim.randomness import PartySecret, Purpose, Stream, client_secret, public_generator
+from fedsim.randomness import Stream, public_generator
 from fedsim.record_codec import to_numpy, to_record
 from protocols.channels import KeySubstitution
-from protocols.encoding import DEFAULT_BETA, DDGaussEncoder, EncodedUpdate, choose_gamma
+from protocols.encoding import DDGaussEncoder, choose_gamma
 from protocols.secagg.common import SecAggConfig, Stage
 from strategies import secure
-from strategies.answered_rounds import claim_round
+from strategies.ddgauss_client import PREFIX
+from strategies.ddgauss_options import (
+    EVALUATION_REFUSED,
+    SECURE_SUMS,
+    DDGaussOptions,
+    check_arguments,
+    check_options,
+)
 from strategies.dp_shell import LedgerShell
-from strategies.secagg_messages import register_client_stages
 from strategies.secure import Release, SecAggPlan, SecureSum
-from strategies.secure.committee import COMMITTEE_OPTIONS, sealed_key, spec_from_options
-from strategies.secure.plaintext import encoded_key
 from strategies.secure.replies import clear_train_loss, first_replies
-from strategies.spec import Accounting, RunFacts, StrategySpec
-from strategies.vectors import trained_update, unflatten
-from strategies.wrapper import arrayrecord_key, fraction_evaluate, server_reply
+from strategies.vectors import unflatten
+from strategies.wrapper import arrayrecord_key, server_reply
 
 log = logging.getLogger(__name__)
-
-PREFIX = "ddgauss."
-ENCODED_KEY = encoded_key(PREFIX)
-SEALED_KEY = sealed_key(PREFIX)
-"""Committee mode's reply: ConfigRecord of the client's ``public-key`` and its envelopes."""
-COMMITTEE_PREFIX = PREFIX + "committee."
-#: DDGauss's ``mode`` -> the secure sum it runs (:mod:`strategies.secure`)
-SECURE_SUMS = {"full": "secagg", "plaintext": "plaintext", "committee": "committee"}
-MODES = tuple(SECURE_SUMS)
-_KEYS = ("dim", "clip", "gamma", "noise-std", "beta", "max-tries", "rotation-seed", "mode")
-_EVALUATION = (
-    "{} with DDGauss: federated evaluation sends each evaluating client's un-noised loss and "
-    "accuracy to the server; set fraction_evaluate = 0 ([evaluation] clients = 0), or pass "
-    "metrics_in_clear=True ([privacy] metrics_in_clear = true), which makes epsilon infinite"
-)
-_RENAMED = (
-    "mode='ideal' is now mode='plaintext': the clients' encodings reach the server in the "
-    "clear (only the sum's arithmetic matches full mode); use 'full' for SecAgg+"
-)
-
-
-def encoder_from_config(config: ConfigRecord) -> DDGaussEncoder:
-    """The encoder a train instruction describes (keys ``ddgauss.*``)."""
-    missing = [PREFIX + k for k in _KEYS if PREFIX + k not in config]
-    if "server-round" not in config:
-        missing.append("server-round")
-    if missing:
-        raise ValueError(f"the instruction's config lacks {missing}; is the server DDGauss?")
-    return DDGaussEncoder(
-        dim=int(config[PREFIX + "dim"]),
-        clip=float(config[PREFIX + "clip"]),
-        gamma=float(config[PREFIX + "gamma"]),
-        noise_std=float(config[PREFIX + "noise-std"]),
-        beta=float(config[PREFIX + "beta"]),
-        max_tries=int(config[PREFIX + "max-tries"]),
-    )
-
-
-def _instruction_parts(message: Message) -> tuple[str, ArrayRecord, ConfigRecord]:
-    arrays = [(k, v) for k, v in message.content.items() if isinstance(v, ArrayRecord)]
-    configs = [v for v in message.content.values() if isinstance(v, ConfigRecord)]
-    if len(arrays) != 1 or not configs:
-        raise ValueError("a DDGauss instruction needs one ArrayRecord and a ConfigRecord")
-    return arrays[0][0], arrays[0][1], configs[0]
-
-
-def _encode(
-    encoder: DDGaussEncoder,
-    update: np.ndarray,
-    config: ConfigRecord,
-    secret: PartySecret,
-    server_round: int,
-    secure_noise: bool,
-) -> EncodedUpdate:
-    """The client's encoding: rounding and noise from its own secret's round streams (the
-    noise from the OS with ``secure_noise``)."""
-    rng = secret.generator(server_round, Purpose.ROUNDING, PREFIX)
-    noise_rng = secret.generator(server_round, Purpose.NOISE, PREFIX)
-    if secure_noise:
-        noise_rng = SecureRandom()
-    return encoder.encode(
-        update,
-        int(config[PREFIX + "rotation-seed"]),
-        rng,
-        noise_rng=noise_rng,
-        sampler=discrete_gaussian,
-    )
-
-
-def ddgauss_client_app(
-    inner: ClientApp, metrics_in_clear: bool = False, secure_noise: bool = False
-) -> ClientApp:
-    """A ClientApp that runs ``inner`` and answers DDGauss's train instructions.
-
-    In full mode its train reply holds only the client's two SecAgg+ public keys, and the app
-    answers the SecAgg+ stage messages (``query.secagg_*``) with its state kept in
-    ``context.state``; in committee mode it holds only the client's channel public key and one
-    sealed share row per committee member (``ddgauss.sealed``); in plaintext mode it carries
-    ``ddgauss.encoded`` (D field elements). Rounding, noise, share randomness and keys come
-    from the client's own secret, or the noise from the OS (``secure_noise``).
-    ``metrics_in_clear``: also reply the inner metrics plus ``ddgauss.tries`` and
-    ``ddgauss.clipped`` un-noised, and answer federated evaluation (``inner``'s evaluate, un-noised
-    too); without it a train reply carries nothing data-dependent but the (masked, sealed or, in
-    plaintext mode, clear) encoding and an evaluate message is refused. A round already answered
-    (or an earlier one) is refused before anything is drawn (:func:`claim_round`).
-    """
-    app = ClientApp()
-
-    @app.train()
-    def train(message: Message, context: Context) -> Message:
-        _, global_record, config = _instruction_parts(message)
-        encoder = encoder_from_config(config)
-        mode = config[PREFIX + "mode"]
-        if mode not in MODES:
-            raise ValueError(f"ddgauss.mode={mode!r}; allowed: {MODES}")
-        server_round = int(config["server-round"])
-        claim_round(context.state, NAME, server_round)  # never the same streams twice
-        local = trained_update(inner, message, context, global_record)
-        if isinstance(local, Message):
-            return local
-        update, metrics = local
-        secret = client_secret(context.node_config)
-        encoded = _encode(encoder, update, config, secret, server_round, secure_noise)
-        contribute = secure.CONTRIBUTE[SECURE_SUMS[mode]]
-        content = contribute(context, secret, config, encoded.elements, server_round, PREFIX)
-        if metrics_in_clear:
-            out_metrics = MetricRecord(dict(metrics))
-            out_metrics["ddgauss.tries"] = encoded.tries
-            out_metrics["ddgauss.clipped"] = int(encoded.clipped)
-            content["metrics"] = out_metrics
-        return Message(content=content, reply_to=message)
-
-    register_client_stages(app)
-
-    @app.evaluate()
-    def evaluate(message: Message, context: Context) -> Message:
-        if not metrics_in_clear:
-            raise RuntimeError(
-                "a DDGauss client answers no federated evaluation: it would send its un-noised "
-                "loss and accuracy to the server (build the client app with "
-                "metrics_in_clear=True to allow it; epsilon is then infinite)"
-            )
-        return inner(message, context)
-
-    return app
-
-
-def _check_options(
-    where: str,
-    *,
-    clipping_norm: float,
-    noise_multiplier: float,
-    mode: str,
-    member_dropout: float,
-    secagg_degree: int | None,
-    ring_bits: int | None,
-    bits: int,
-    protocol_dropout: float,
-    stage_timeout: float | None,
-) -> None:
-    """A ConfigError (a ValueError) naming ``<where><key>`` on a :class:`DDGauss` option out
-    of its range (``where``: ``"strategy.options."`` for a config's, ``""`` for arguments)."""
-    require(mode != "ideal", f"{where}mode", mode, _RENAMED)
-    require(mode in MODES, f"{where}mode", mode, f"one of {', '.join(map(repr, MODES))}")
-    for key, value in (("clipping_norm", clipping_norm), ("noise_multiplier", noise_multiplier)):
-        require(math.isfinite(value) and value > 0, where + key, value, "finite and > 0")
-    require(
-        0.0 <= member_dropout <= 1.0 and not (member_dropout and mode != "committee"),
-        f"{where}member_dropout",
-        member_dropout,
-        f"a probability, non-zero only in mode='committee' (mode={mode!r})",
-    )
-    require(
-        secagg_degree is None or (secagg_degree >= 2 and secagg_degree % 2 == 0),
-        f"{where}secagg_degree",
-        secagg_degree,
-        "an even integer >= 2",
-    )
-    require(
-        ring_bits is None or (isinstance(ring_bits, int) and bits <= ring_bits <= 64),
-        f"{where}ring_bits",
-        ring_bits,
-        f"an integer in [bits={bits}, 64] so that the planned sum cannot wrap",
-    )
-    require(
-        0.0 <= protocol_dropout <= 1.0, f"{where}protocol_dropout", protocol_dropout,
-        "a probability",
-    )
-    require(
-        stage_timeout is None or stage_timeout > 0,
-        f"{where}stage_timeout",
-        stage_timeout,
-        "seconds > 0 or None",
-    )
-
-
-def _check_arguments(
-    expected_clients: int, mode: str, committee: Any, strategy: Strategy, metrics_in_clear: bool
-) -> None:
-    """Raise ValueError on a :class:`DDGauss` argument that no option sets, or on federated
-    evaluation without ``metrics_in_clear``."""
-    if not isinstance(expected_clients, int) or expected_clients < 2:
-        raise ValueError(f"expected_clients={expected_clients!r}; it must be an integer >= 2")
-    if (mode == "committee") != (committee is not None):
-        raise ValueError(
-            f"committee={committee!r} with mode={mode!r}: pass a Committee or CommitteeSpec "
-            "exactly when mode='committee'"
-        )
-    if committee is not None and not isinstance(committee, Committee | CommitteeSpec):
-        raise ValueError(
-            f"committee is a {type(committee).__name__}; allowed: Committee or CommitteeSpec"
-        )
-    fraction = fraction_evaluate(strategy)
-    if not metrics_in_clear and isinstance(fraction, int | float) and fraction > 0:
-        raise ValueError(_EVALUATION.format(f"strategy.fraction_evaluate={fraction!r}"))
-
-
-#: the committee's keys, only with ``mode = "committee"``
-_COMMITTEE_ONLY = (*COMMITTEE_OPTIONS, "member_dropout")
-
-
-@dataclass(frozen=True)
-class DDGaussOptions:
-    """``strategy.options`` of "ddgauss" (see :func:`from_options`); the committee's keys
-    (None: unset, :class:`~fedsim.engine.committee.CommitteeSpec`'s defaults) only in
-    committee mode."""
-
-    clipping_norm: float
-    noise_multiplier: float
-    mode: str = "full"
-    bits: int = 20
-    beta: float = DEFAULT_BETA
-    max_tries: int = 100
-    delta: float = 1e-5
-    secagg_degree: int | None = None
-    ring_bits: int | None = None
-    protocol_dropout: float = 0.0
-    stage_timeout: float | None = 3600.0
-    committee_size: int | None = None
-    threshold: int | None = None
-    packing: int | None = None
-    detect: int | None = None
-    committee_shards: int | None = None
-    committee_actors: bool | None = None
-    member_dropout: float | None = None
-
-    def __post_init__(self) -> None:
-        require(self.mode != "ideal", f"{_WHERE}.mode", self.mode, _RENAMED)
-        given = [k for k in _COMMITTEE_ONLY if getattr(self, k) is not None]
-        require(
-            self.mode == "committee" or not given,
-            f"{_WHERE}.{given[0] if given else 'mode'}",
-            getattr(self, given[0]) if given else self.mode,
-            "only with mode = 'committee'",
-        )
-        self.committee()
-        _check_options(
-            f"{_WHERE}.",
-            **{k: getattr(self, k) for k in _CHECKED},
-            member_dropout=self.dropout,
-        )
-
-    @property
-    def dropout(self) -> float:
-        """Each committee member's drop probability per stage (unset: 0)."""
-        return 0.0 if self.member_dropout is None else self.member_dropout
-
-    def committee(self) -> CommitteeSpec | None:
-        """The committee these options describe (None unless ``mode = "committee"``)."""
-        if self.mode != "committee":
-            return None
-        return spec_from_options(
-            {k: getattr(self, k) for k in COMMITTEE_OPTIONS if getattr(self, k) is not None}
-        )
-
-
-_WHERE = "strategy.options"
-_CHECKED = (
-    "clipping_norm",
-    "noise_multiplier",
-    "mode",
-    "secagg_degree",
-    "ring_bits",
-    "bits",
-    "protocol_dropout",
-    "stage_timeout",
-)
 
 
 class DDGauss(LedgerShell):
@@ -445,7 +177,7 @@ class DDGauss(LedgerShell):
         member_dropout: float = 0.0,
         metrics_in_clear: bool = False,
     ) -> None:
-        _check_options(
+        check_options(
             "",
             clipping_norm=clipping_norm,
             noise_multiplier=noise_multiplier,
@@ -457,7 +189,7 @@ class DDGauss(LedgerShell):
             protocol_dropout=protocol_dropout,
             stage_timeout=stage_timeout,
         )
-        _check_arguments(expected_clients, mode, committee, strategy, metrics_in_clear)
+        check_arguments(expected_clients, mode, committee, strategy, metrics_in_clear)
         super().__init__(strategy)
         self.metrics_in_clear = bool(metrics_in_clear)
         self.ring_bits = ring_bits
@@ -581,7 +313,7 @@ class DDGauss(LedgerShell):
     ) -> Iterable[Message]:
         messages = list(self.strategy.configure_evaluate(server_round, arrays, config, grid))
         if messages and not self.metrics_in_clear:
-            raise RuntimeError(_EVALUATION.format(f"{len(messages)} evaluate messages"))
+            raise RuntimeError(EVALUATION_REFUSED.format(f"{len(messages)} evaluate messages"))
         return messages
 
     def aggregate_evaluate(
@@ -795,84 +527,3 @@ class DDGauss(LedgerShell):
             aggregated["ddgauss-clipped"] = sum(int(m.get("ddgauss.clipped", 0)) for m in clear)
         return arrays, aggregated
 
-
-def from_options(
-    options: DDGaussOptions | Mapping[str, Any],
-    *,
-    expected_clients: float,
-    seed: int,
-    evaluate_fraction: float = 0.0,
-    metrics_in_clear: bool = False,
-) -> DDGauss:
-    """ "ddgauss" from a config's ``strategy.options`` (a mapping is read as
-    :class:`DDGaussOptions`): ``clipping_norm`` and ``noise_multiplier`` (required),
-    ``mode`` ("full", "plaintext" or "committee"), the other keyword arguments of
-    :class:`DDGauss` and, in committee mode, the committee's ``committee_size`` (required),
-    ``threshold`` (required), ``packing`` (1), ``detect`` (1), ``committee_shards`` (1) and
-    ``committee_actors`` (false; true hosts the members on Ray actors): a
-    :class:`~fedsim.engine.committee.CommitteeSpec` the front end builds.
-    ``evaluate_fraction`` > 0 (federated evaluation) needs ``metrics_in_clear``."""
-    from flwr.serverapp.strategy import FedAvg  # noqa: PLC0415
-
-    if not isinstance(options, DDGaussOptions):
-        options = from_mapping(DDGaussOptions, options, _WHERE)
-    inner = FedAvg(
-        fraction_train=1.0,
-        fraction_evaluate=evaluate_fraction,
-        min_train_nodes=0,
-        min_evaluate_nodes=0,
-        min_available_nodes=0,
-    )
-    return DDGauss(
-        inner,
-        clipping_norm=options.clipping_norm,
-        noise_multiplier=options.noise_multiplier,
-        expected_clients=max(2, round(expected_clients)),
-        seed=seed,
-        mode=options.mode,
-        bits=options.bits,
-        beta=options.beta,
-        max_tries=options.max_tries,
-        delta=options.delta,
-        secagg_degree=options.secagg_degree,
-        ring_bits=options.ring_bits,
-        protocol_dropout=options.protocol_dropout,
-        committee=options.committee(),
-        stage_timeout=options.stage_timeout,
-        member_dropout=options.dropout,
-        metrics_in_clear=metrics_in_clear,
-    )
-
-
-NAME = "ddgauss"
-
-
-def _always(options: Mapping[str, Any]) -> bool:
-    """DDGauss's clients reply only their encoding, in every mode."""
-    return True
-
-
-def _build(options: DDGaussOptions, facts: RunFacts) -> DDGauss:
-    """:func:`from_options` with the run's facts."""
-    return from_options(
-        options,
-        expected_clients=facts.expected_clients,
-        seed=facts.seed,
-        evaluate_fraction=facts.evaluate_fraction,
-        metrics_in_clear=facts.metrics_in_clear,
-    )
-
-
-SPEC = StrategySpec(
-    name=NAME,
-    options=DDGaussOptions,
-    build=_build,
-    accounting=Accounting(
-        ledger="per round whose sum the server can determine (released, or aborted after it "
-        "was opened), the distributed discrete Gaussian's zCDP bound (KLS21 Thm. 1) for the "
-        "noise of the clients in that sum; zero-out neighbours; any per-client metric the "
-        "server receives is unaccounted (epsilon infinite)",
-    ),
-    client_app=ddgauss_client_app,
-    secure_replies=_always,
-)

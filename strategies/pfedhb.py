@@ -457,27 +457,15 @@ def hb_part_update(
         if adam is None:
             raise ValueError("server_solver = 'adam' needs the part's Adam state")
         mu_g, rho_g = l2_adam_update(
-            mu,
-            sigma2,
-            weights,
-            config.lam_mu,
-            config.lam_sigma,
-            start_mu=start_mu,
-            start_rho=start_rho,
-            state=adam,
-            lr=config.server_lr_at(server_round),
+            mu, sigma2, weights, config.lam_mu, config.lam_sigma, start_mu=start_mu,
+            start_rho=start_rho, state=adam, lr=config.server_lr_at(server_round),
             steps=config.server_steps,
-        )
+        )  # fmt: skip
     else:
         mu_g, s = l2_global_update(
-            mu,
-            sigma2,
-            weights,
-            config.lam_mu,
-            config.lam_sigma,
-            start=start_mu,
+            mu, sigma2, weights, config.lam_mu, config.lam_sigma, start=start_mu,
             iterations=config.iterations,
-        )
+        )  # fmt: skip
         rho_g = softplus_inverse(np.sqrt(np.maximum(s, 1e-30)))
     if part == "body" and not config.body_bayesian:
         rho_g = start_rho

@@ -168,12 +168,23 @@ class POPriSettings:
         integer("max_tokens", 1)
         integer("generation_batch_size", 1)
         integer("rounds", 1)
+        self._check_generation()
+        self._check_privacy()
+
+    def _check_generation(self) -> None:
+        """The preference pairs' ranks and the sampler's settings."""
         require(
             self.reject_rank is None or 2 <= self.reject_rank <= self.samples_per_prompt,
             "reject_rank",
             self.reject_rank,
             f"an integer in [2, samples_per_prompt = {self.samples_per_prompt}] (or none)",
         )
+        require(self.temperature > 0, "temperature", self.temperature, "a number > 0")
+        require(0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1]")
+        require(isinstance(self.dpo, DPOSettings), "dpo", self.dpo, "a DPOSettings")
+
+    def _check_privacy(self) -> None:
+        """The noise (or target epsilon), delta, accountant and the clients' sampling."""
         require(
             (self.noise_multiplier is None) != (self.target_epsilon is None),
             "noise_multiplier",
@@ -213,9 +224,6 @@ class POPriSettings:
             self.sampling_rate,
             "a number in (0, 1] (or none)",
         )
-        require(self.temperature > 0, "temperature", self.temperature, "a number > 0")
-        require(0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1]")
-        require(isinstance(self.dpo, DPOSettings), "dpo", self.dpo, "a DPOSettings")
 
     @property
     def rejected_rank(self) -> int:

@@ -16,7 +16,7 @@ from flwr.serverapp.strategy import Strategy
 from fedsim.config import ConfigError, require
 from fedsim.privacy.sampling import Sampling
 from strategies import (
-    ddgauss,
+    ddgauss_spec,
     dmm,
     dp_fedavg_config,
     flower,
@@ -35,7 +35,7 @@ SPECS: tuple[StrategySpec, ...] = (
     dp_fedavg_config.SPEC,
     matrix_mechanism.SPEC,
     dmm.SPEC,
-    ddgauss.SPEC,
+    ddgauss_spec.SPEC,
     pfedhb.SPEC,
     pfedvem.SPEC,
     pfedbayes.SPEC,

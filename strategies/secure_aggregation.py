@@ -46,7 +46,7 @@ from fedsim.record_codec import to_numpy, to_record
 from protocols.field import DEFAULT_FIELD
 from strategies import secure
 from strategies.answered_rounds import claim_round
-from strategies.secagg_messages import register_client_stages
+from strategies.secagg_client_stages import register_client_stages
 from strategies.secure import Release, SecAggPlan, SecureSum
 from strategies.secure.committee import COMMITTEE_OPTIONS, spec_from_options
 from strategies.secure.replies import clear_train_loss, first_replies

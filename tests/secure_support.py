@@ -16,7 +16,7 @@ from fedsim.engine.committee import Committee
 from fedsim.randomness import NODE_SECRET_KEY, RunSecret, client_secret
 from protocols.field import DEFAULT_FIELD
 from strategies import secure
-from strategies.secagg_messages import register_client_stages
+from strategies.secagg_client_stages import register_client_stages
 from strategies.secure import CommitteeSum, Release, SecAggPlan
 
 PREFIX = "contract."

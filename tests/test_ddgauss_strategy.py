@@ -29,7 +29,9 @@ from fedsim.workloads.supervised import LocalTraining, make_client_app
 from protocols.field import DEFAULT_FIELD
 from protocols.kit import TooManyDropoutsError
 from protocols.secagg.common import Stage
-from strategies.ddgauss import DDGauss, ddgauss_client_app, from_options
+from strategies.ddgauss import DDGauss
+from strategies.ddgauss_client import ddgauss_client_app
+from strategies.ddgauss_spec import from_options
 
 CLIENTS, ROUNDS = 30, 3
 ROOT = Path(__file__).resolve().parents[1]
@@ -476,7 +478,8 @@ from flwr.serverapp import ServerApp
 from flwr.serverapp.strategy import FedAvg
 from flwr.simulation import run_simulation
 from fedsim.record_codec import to_numpy, to_record
-from strategies.ddgauss import DDGauss, ddgauss_client_app
+from strategies.ddgauss import DDGauss
+from strategies.ddgauss_client import ddgauss_client_app
 
 CLIENTS, DIM = 6, 20
 inner = ClientApp()

@@ -26,7 +26,7 @@ one point per cohort of ``--cohorts`` clients: the cohort sets sigma and gamma):
 The state seals are counted at the sizes the client really stores (read off its context), so
 a state kept wider than needed shows in the kernel, not in the ratio.
 
-The **client** is the real one: :func:`strategies.ddgauss.ddgauss_client_app` (its inner app
+The **client** is the real one: :func:`strategies.ddgauss_client.ddgauss_client_app` (its inner app
 the synthetic update of experiments/bench/secure_scale.py, whose seconds are subtracted) for
 ``degree + 1`` enrolled clients with sealed state (the engine's node_config: a secret and an
 enrolment from a fresh root each round), driven by the real strategy
@@ -206,7 +206,8 @@ class ClientRounds:
         from experiments.bench.secure_scale import synthetic_client_app  # noqa: PLC0415
         from fedsim.engine.client_registry import NODE_ID_OFFSET  # noqa: PLC0415
         from fedsim.record_codec import to_record  # noqa: PLC0415
-        from strategies.ddgauss import ddgauss_client_app, from_options  # noqa: PLC0415
+        from strategies.ddgauss_client import ddgauss_client_app  # noqa: PLC0415
+        from strategies.ddgauss_spec import from_options  # noqa: PLC0415
 
         TaskIdentity.run_id = TaskIdentity.task_id = TaskIdentity.node_id = 1
         options = {

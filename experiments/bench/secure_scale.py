@@ -163,7 +163,8 @@ def fedavg_mode(point: Point) -> ModeRun:
 def ddgauss_mode(point: Point) -> ModeRun:
     """DDGauss in full mode: SecAgg+ over the engine, clients masking in their ClientApp."""
     from fedsim.randomness import RunSecret  # noqa: PLC0415
-    from strategies.ddgauss import ddgauss_client_app, from_options  # noqa: PLC0415
+    from strategies.ddgauss_client import ddgauss_client_app  # noqa: PLC0415
+    from strategies.ddgauss_spec import from_options  # noqa: PLC0415
     from strategies.seeded_sampling import SeededSampling  # noqa: PLC0415
 
     options = {

@@ -94,7 +94,8 @@ from fedsim.randomness import RunSecret, new_nonce  # noqa: E402
 from fedsim.record_codec import to_numpy, to_record  # noqa: E402
 from fedsim.workloads.supervised import LocalTraining, make_client_app  # noqa: E402
 from fedsim.workloads.training import evaluate_model  # noqa: E402
-from strategies.ddgauss import DDGauss, ddgauss_client_app  # noqa: E402
+from strategies.ddgauss import DDGauss  # noqa: E402
+from strategies.ddgauss_client import ddgauss_client_app  # noqa: E402
 from strategies.dmm import DMM, dmm_client_app  # noqa: E402
 from strategies.dp_fedavg import DPFedAvg  # noqa: E402
 from strategies.matrix_mechanism import MatrixMechanism  # noqa: E402

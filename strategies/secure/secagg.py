@@ -2,7 +2,7 @@
 
 The train instruction carries the round's public SecAgg+ session id (``<prefix>session``);
 each client masks before anything leaves its ClientApp: its first reply holds only its two
-public keys (``secagg.keys``, :func:`strategies.secagg_messages.start_client`), and the server
+public keys (``secagg.keys``, :func:`strategies.secagg_client_stages.start_client`), and the server
 then runs SHARE_KEYS, MASKED_INPUT and UNMASK as three more message exchanges through the
 round's Grid (:func:`strategies.secagg_messages.run_over_grid`). The server holds public keys,
 sealed share rows it relays, masked inputs and its own protocol state; it learns the modular
@@ -28,7 +28,8 @@ from fedsim.randomness import PartySecret, Stream, public_generator
 from protocols.channels import new_session_id
 from protocols.field import DEFAULT_FIELD
 from protocols.secagg.common import SecAggConfig, Stage
-from strategies.secagg_messages import KEYS_KEY, run_over_grid, start_client
+from strategies.secagg_client_stages import start_client
+from strategies.secagg_messages import KEYS_KEY, run_over_grid
 from strategies.secure.release import Release, SecureSum
 
 _STAGES = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASK)

@@ -30,15 +30,16 @@ from fedsim.randomness import NODE_SECRET_KEY, Purpose, RunSecret, Stream, publi
 from fedsim.record_codec import to_numpy, to_record
 from protocols.field import DEFAULT_FIELD
 from protocols.kit import MEMBER_ID_BASE
-from strategies.ddgauss import (
+from strategies.ddgauss import DDGauss
+from strategies.ddgauss_client import (
     COMMITTEE_PREFIX,
     ENCODED_KEY,
     PREFIX,
     SEALED_KEY,
-    DDGauss,
     ddgauss_client_app,
 )
-from strategies.secagg_messages import KEYS_KEY, STATE_KEY, narrowest
+from strategies.secagg_client_stages import narrowest
+from strategies.secagg_messages import KEYS_KEY, STATE_KEY
 
 D, CLIENTS, SEED, PHRASE = 12, 8, 7, "tests"
 LOW_ORDER = bytes.fromhex("e0eb7a7c3b41b8ae1656e3faf19fc46ada098deb9c32b1fd866205165f49b800")

@@ -23,7 +23,8 @@ from fedsim.config import ConfigError
 from fedsim.engine.committee import Committee
 from fedsim.record_codec import to_record
 from fedsim.run_config import ExperimentConfig
-from strategies.ddgauss import DDGauss, ddgauss_client_app
+from strategies.ddgauss import DDGauss
+from strategies.ddgauss_client import ddgauss_client_app
 
 MODES = ("full", "committee", "plaintext")
 CONFIG = {

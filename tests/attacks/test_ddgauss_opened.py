@@ -53,7 +53,8 @@ from protocols.secagg.common import (
     sum_vectors,
 )
 from protocols.secagg.server import SecAggServer
-from strategies.ddgauss import DDGauss, ddgauss_client_app
+from strategies.ddgauss import DDGauss
+from strategies.ddgauss_client import ddgauss_client_app
 
 S = CommitteeStage
 COMMITTEE = "committee_size = 8\nthreshold = 2\npacking = 2\nmember_dropout = 0.1\n"

@@ -570,7 +570,7 @@ def test_a_stored_state_pack_that_is_not_one_is_refused():
     """The bytes a client keeps between exchanges (sealed under fedsim, plain in Flower's own
     runtime) round-trip exactly, input in its narrowest type; truncated, extended or rewritten
     bytes are a ValueError naming the state, never another exception or a silent misread."""
-    from strategies.secagg_messages import narrowest, pack_arrays, unpack_arrays
+    from strategies.secagg_client_stages import narrowest, pack_arrays, unpack_arrays
 
     trial = Round()
     _client_before(Stage.MASKED_INPUT, trial)
@@ -604,6 +604,7 @@ def test_a_stored_state_pack_that_is_not_one_is_refused():
 def test_fuzz_the_message_layer(monkeypatch):
     from flwr.supercore.task_identity import TaskIdentity
 
+    from strategies import secagg_client_stages as client_stages
     from strategies import secagg_messages as wire
 
     for name in ("_run_id", "_task_id", "_node_id"):
@@ -640,7 +641,7 @@ def test_fuzz_the_message_layer(monkeypatch):
     # a client with a round in progress refuses any bad stage message, and stays ABORTED
     session = new_session_id()
     started = Context(1, 5, {}, RecordDict(), {})
-    wire.start_client(started, 3, session, np.zeros(LENGTH, dtype=np.int64))
+    client_stages.start_client(started, 3, session, np.zeros(LENGTH, dtype=np.int64))
     records = [wire.SETUP_KEY, wire.NEIGHBOURS_KEY, wire.ENVELOPES_KEY, wire.SURVIVORS_KEY, "x"]
     for stage, key, value in itertools.product(wire.ACTIONS, records, junk()):
         header = ConfigRecord({"server-round": 3, "session": session, "stage": stage.name})
@@ -651,8 +652,9 @@ def test_fuzz_the_message_layer(monkeypatch):
         content = RecordDict({wire.ROUND_KEY: header, key: record})
         context = Context(1, 5, {}, RecordDict(dict(started.state)), {})
         tried += 1
-        reply = wire._answer(stage, Message(content, 5, wire.MESSAGE_TYPES[stage]), context)
-        restored = wire._load(context)[1]
+        message = Message(content, 5, wire.MESSAGE_TYPES[stage])
+        reply = client_stages._answer(stage, message, context)
+        restored = client_stages._load(context)[1]
         clean += set(reply.keys()) == {wire.REFUSED_KEY} and restored.stage is Stage.ABORTED
     # and a stage message for another round or session is no message for it at all
     for header in (
@@ -665,7 +667,7 @@ def test_fuzz_the_message_layer(monkeypatch):
         content = RecordDict({wire.ROUND_KEY: header})
         message = Message(content, 5, wire.MESSAGE_TYPES[Stage.UNMASK])
         with pytest.raises(RuntimeError, match="another round or session"):
-            wire._answer(Stage.UNMASK, message, started)
+            client_stages._answer(Stage.UNMASK, message, started)
         clean += 1
     report("message layer", tried, clean)
     assert tried == clean >= 150
