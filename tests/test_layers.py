@@ -425,3 +425,45 @@ def test_the_method_check_flags_a_method_importing_a_method():
         "strategies/secure_aggregation.py -> strategies/ddgauss.py "
         "(secure-aggregation -> ddgauss), line 9"
     ]
+
+
+# --------------------------------------------------------------------------- sizes
+
+#: the packages whose modules and functions stay small enough to read whole
+SIZED = ("fedsim", "protocols", "strategies")
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 60
+
+
+def oversized(root: Path = ROOT) -> list[str]:
+    """Every module over :data:`MAX_MODULE_LINES` lines and every function (or method) over
+    :data:`MAX_FUNCTION_LINES`, as ``path: what (lines)``."""
+    found = []
+    for package in SIZED:
+        for path in sorted((root / package).rglob("*.py")):
+            text = path.read_text()
+            name = path.relative_to(root).as_posix()
+            if len(text.splitlines()) > MAX_MODULE_LINES:
+                found.append(f"{name}: module ({len(text.splitlines())})")
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    lines = node.end_lineno - node.lineno + 1
+                    if lines > MAX_FUNCTION_LINES:
+                        found.append(f"{name}: {node.name} ({lines})")
+    return found
+
+
+def test_no_module_over_600_lines_and_no_function_over_60():
+    assert oversized() == []
+
+
+def test_the_size_check_flags_a_long_function_and_a_long_module(tmp_path):
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "fedsim").mkdir()
+    (tmp_path / "fedsim" / "long.py").write_text("def f():\n" + body + "\n" * 600)
+    for package in SIZED[1:]:
+        (tmp_path / package).mkdir()
+    assert oversized(tmp_path) == [
+        "fedsim/long.py: module (661)",
+        f"fedsim/long.py: f ({MAX_FUNCTION_LINES + 1})",
+    ]
