@@ -37,11 +37,13 @@ def test_every_registered_strategy_has_a_valid_tiny_run():
 
 def test_compare_passes_a_replay_and_fails_a_changed_run(tmp_path, capsys):
     check = load()
-    assert check.main(["record", str(tmp_path / "base"), "--only", "dp-fedavg"]) == 0
+    root = ["--secrets", str(tmp_path / "root.key")]
+    assert check.main(["record", str(tmp_path / "base"), "--only", "dp-fedavg", *root]) == 0
+    assert (tmp_path / "root.key").stat().st_mode & 0o077 == 0  # the root is the owner's alone
     assert check.main(["compare", str(tmp_path / "base"), str(tmp_path / "same"),
-                       "--only", "dp-fedavg"]) == 0
+                       "--only", "dp-fedavg", *root]) == 0
     assert "dp-fedavg: model same, rounds same" in capsys.readouterr().out
     check.DP["noise_multiplier"] = 0.8  # the "refactor" changed the noise
     assert check.main(["compare", str(tmp_path / "base"), str(tmp_path / "changed"),
-                       "--only", "dp-fedavg"]) == 1
+                       "--only", "dp-fedavg", *root]) == 1
     assert "dp-fedavg: model DIFFERS, rounds DIFFER" in capsys.readouterr().out

@@ -5,8 +5,10 @@ fixed seed, secret root and run nonce, must give the same ``model.npz`` and ``ro
     python experiments/differential/run.py record BASE     # on the code before
     python experiments/differential/run.py compare BASE NEW  # on the code after (replays BASE)
 
-``compare`` replays each BASE run's noise streams (``--replay``), so the two runs differ only
-by the code; it prints one line per strategy and exits 1 on any difference.
+``compare`` replays each BASE run's noise streams (``--replay``, the same root and nonce), so
+the two runs differ only by the code; it prints one line per strategy and exits 1 on any
+difference. The root is ``--secrets`` (default ~/.fedsim/differential.key, created with OS
+randomness if missing), outside the repository.
 """
 
 from __future__ import annotations
@@ -123,12 +125,15 @@ def without_timing(value: Any) -> Any:
     return value
 
 
-def run(key: str, out: Path, replay: Path | None) -> None:
+DEFAULT_SECRETS = Path.home() / ".fedsim" / "differential.key"
+
+
+def run(key: str, out: Path, replay: Path | None, secrets: RunSecret) -> None:
     run_experiment(
         ExperimentConfig.from_dict(config(key)),
         out,
         progress=False,
-        secrets=RunSecret.from_passphrase("differential check (not a secret)"),
+        secrets=secrets,
         replay=replay,
     )
 
@@ -145,16 +150,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("base", type=Path)
     parser.add_argument("new", type=Path, nargs="?")
     parser.add_argument("--only", nargs="*", default=None)
+    parser.add_argument("--secrets", type=Path, default=DEFAULT_SECRETS)
     args = parser.parse_args(argv)
+    args.secrets.parent.mkdir(parents=True, exist_ok=True)
+    secrets = RunSecret.load_or_create(args.secrets)
     keys = args.only or list(STRATEGIES)
     failed = 0
     for key in keys:
         try:
             if args.action == "record":
-                run(key, args.base / key, None)
+                run(key, args.base / key, None, secrets)
                 print(f"{key}: recorded", flush=True)
                 continue
-            run(key, args.new / key, args.base / key)
+            run(key, args.new / key, args.base / key, secrets)
         except Exception as error:  # one failing strategy must not hide the others
             failed += 1
             print(f"{key}: FAILED {type(error).__name__}: {error}", flush=True)
