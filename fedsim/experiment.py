@@ -78,7 +78,7 @@ from fedsim.run_summary import privacy_summary, run_summary_record
 from fedsim.rundir import RunDirectory
 from fedsim.runfiles import RunFileError
 from fedsim.tensorboard_events import TensorBoardEvents
-from fedsim.text_run import build_text_run_strategy, initial_text_arrays, text_parts
+from fedsim.text_run import initial_text_arrays, text_parts
 from fedsim.workloads.coto import build_lora_model, initial_adapter_arrays, load_adapter_arrays
 from fedsim.workloads.dp_sgd import DPSGD, epsilon_of
 from fedsim.workloads.supervised import make_client_app
@@ -352,7 +352,7 @@ def _set_up_text_run(run: ExperimentRun) -> None:
     run.dataset = parts.federation
     run.participation = participation_for(config, parts.federation.num_clients,
                                           run.secrets.keys.server())  # fmt: skip
-    run.strategy = build_text_run_strategy(config, run.participation, parts.source)
+    run.strategy = build_experiment_strategy(config, run.participation)
     run.arrays = initial_text_arrays(run.strategy)
     run.client_app = parts.app
     run.root_source = run.secrets.workers_source(run.engine)
@@ -401,7 +401,7 @@ def run_loop(run: ExperimentRun, progress: bool | Cadence) -> tuple[ArrayRecord,
             state_store=run.run_dir.store,
             faults=config.faults,
             # Memory-mapped files are opened by each worker, not copied to it.
-            datasets=() if run.spec is None or _file_backed(run.dataset)
+            datasets=() if is_text(config) or _file_backed(run.dataset)
             else ((config.data, run.dataset),),
             secrets=run.root_source,
         )
@@ -409,7 +409,9 @@ def run_loop(run: ExperimentRun, progress: bool | Cadence) -> tuple[ArrayRecord,
         evaluate = (
             run.personal.evaluate
             if run.personal
-            else run.spec and central_evaluator(config, run.spec, run.dataset)
+            else None  # a text method measures its quality on the server
+            if is_text(config)
+            else central_evaluator(config, run.spec, run.dataset)
         )
         final = run_rounds(
             run.strategy,

@@ -451,8 +451,9 @@ def is_text(config: ExperimentConfig) -> bool:
 
 
 def check_text(config: ExperimentConfig) -> None:
-    """A text method goes with ``[data] source = "text"`` and the other way round, and has no
-    federated evaluation (its quality is measured on the server)."""
+    """A text method goes with ``[data] source = "text"`` and the other way round, has no
+    federated evaluation (its quality is measured on the server), and its options are read
+    here, before anything is written or loaded (errors name ``strategy.options.<key>``)."""
     name = config.strategy.name
     text = is_text(config)
     require(
@@ -466,6 +467,7 @@ def check_text(config: ExperimentConfig) -> None:
     if text:
         require(config.evaluation.clients == 0, "evaluation.clients", config.evaluation.clients,
                 f"0 with strategy.name = {name!r} (it measures quality on the server)")
+        spec_for(name).read_options(config.strategy.options)
 
 
 def with_engine(config: ExperimentConfig, **overrides: Any) -> ExperimentConfig:

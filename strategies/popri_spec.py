@@ -82,6 +82,7 @@ class POPriOptions:
         for key in ("held_out_texts", "max_example_words"):
             value = getattr(self, key)
             require(value >= 0, f"{WHERE}.{key}", value, "an integer >= 0 (0: all)")
+        self.settings(rounds=1, delta=self.delta or 1e-5, seed=0)  # its checks, named here
 
     def settings(self, rounds: int, delta: float, seed: int) -> POPriSettings:
         """The strategy's settings (its errors named under ``strategy.options``)."""

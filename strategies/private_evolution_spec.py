@@ -89,6 +89,7 @@ class PEOptions:
         require(0 < self.top_p <= 1, f"{WHERE}.top_p", self.top_p, "a number in (0, 1]")
         require(self.max_example_words >= 0, f"{WHERE}.max_example_words",
                 self.max_example_words, "an integer >= 0 (0: all)")
+        _pe_config(self, self.noise_multiplier or 0.0, self.delta or 1e-5)  # its checks
 
 
 @dataclass
@@ -125,11 +126,15 @@ def _config(options: PEOptions, run: TextRun, sampling: Any) -> PEConfig:
         model = FullParticipation() if sampling is None else sampling
         z = calibrate_noise(float(options.target_epsilon), delta, model, rounds,
                             options.accountant, relation_for(model))  # fmt: skip
+    return _pe_config(options, float(z), delta)
+
+
+def _pe_config(options: PEOptions, z: float, delta: float) -> PEConfig:
     try:
         return PEConfig(
             num_prompts=options.num_prompts, samples_per_prompt=options.samples_per_prompt,
             examples_per_prompt=options.examples_per_prompt, keep=options.keep,
-            threshold=options.threshold, noise_multiplier=float(z), delta=delta,
+            threshold=options.threshold, noise_multiplier=z, delta=delta,
             accountant=options.accountant,
         )  # fmt: skip
     except ConfigError as err:  # PEConfig names its own keys

@@ -108,8 +108,11 @@ def test_a_tiny_private_evolution_run_through_fedsim_run(tmp_path):
 @pytest.mark.parametrize("name", ["popri", "private-evolution"])
 def test_a_bad_option_is_refused_naming_its_key(tmp_path, name):
     config = _config(tmp_path, name)
+    own = {"popri": [("samples_per_prompt", 1), ("reject_rank", 9), ("top_p", 0.0)],
+           "private-evolution": [("keep", -1), ("threshold", -1.0), ("top_p", 0.0)]}[name]
     for key, value in (("generator", "gpt-4"), ("embedder", "bert"), ("delta", 2.0),
-                       ("target_epsilon", 1.0), ("no_such_key", 1)):  # fmt: skip
+                       ("target_epsilon", 1.0), ("noise_multiplier", -1.0),
+                       ("no_such_key", 1), *own):  # fmt: skip
         bad = {**config, "strategy": {**config["strategy"], "options": {
             **config["strategy"]["options"], key: value}}}  # fmt: skip
         with pytest.raises(ConfigError) as err:
