@@ -70,7 +70,7 @@ from fedsim.progress import Cadence, RunProgress
 from fedsim.randomness import PartySecret, RootSource, RunSecret, outside_run_dir
 from fedsim.record_codec import to_numpy, to_record
 from fedsim.results import RoundRecorder, RunWriter, metrics_dict, read_rounds
-from fedsim.run_config import ExperimentConfig, is_personalised
+from fedsim.run_config import ExperimentConfig, is_personalised, is_text
 from fedsim.run_lock import locked
 from fedsim.run_root import RunRoot, authenticated_config, start_root
 from fedsim.run_strategy import build_experiment_strategy, engine_participation, participation_for
@@ -78,6 +78,7 @@ from fedsim.run_summary import privacy_summary, run_summary_record
 from fedsim.rundir import RunDirectory
 from fedsim.runfiles import RunFileError
 from fedsim.tensorboard_events import TensorBoardEvents
+from fedsim.text_run import initial_text_arrays, text_parts
 from fedsim.workloads.coto import build_lora_model, initial_adapter_arrays, load_adapter_arrays
 from fedsim.workloads.dp_sgd import DPSGD, epsilon_of
 from fedsim.workloads.supervised import make_client_app
@@ -300,6 +301,8 @@ def set_up_run(run: ExperimentRun, engine: Engine | None) -> None:
     config = run.config
     # the workers start and import while the driver builds the rest
     run.engine = (engine or Engine(config.engine)).start()
+    if is_text(config):
+        return _set_up_text_run(run)
     run.dataset = build_dataset(config.data)
     run.personal = personalised_parts(config, run.dataset) if is_personalised(config) else None
     run.spec = None if run.personal else model_spec(config, run.dataset)
@@ -336,6 +339,24 @@ def set_up_run(run: ExperimentRun, engine: Engine | None) -> None:
     )
     run.committee = committee_for(run.strategy, run.root_source)
     bind_parties(run.strategy, run.secrets.keys.server(), run.committee_host, run.committee)
+
+
+def _set_up_text_run(run: ExperimentRun) -> None:
+    """:func:`set_up_run` for a synthetic-text method (:mod:`fedsim.text_run`): no model,
+    the method's own arrays, its clients' app and the server's secret bound."""
+    config = run.config
+    if run.checkpoint is not None:  # the checkpoint keeps the state, not the models
+        raise ConfigError("--resume", str(run.out), f"a run of a method other than "
+                          f"{config.strategy.name!r} (resuming a text method is not supported)")
+    parts = text_parts(config)
+    run.dataset = parts.federation
+    run.participation = participation_for(config, parts.federation.num_clients,
+                                          run.secrets.keys.server())  # fmt: skip
+    run.strategy = build_experiment_strategy(config, run.participation)
+    run.arrays = initial_text_arrays(run.strategy)
+    run.client_app = parts.app
+    run.root_source = run.secrets.workers_source(run.engine)
+    bind_parties(run.strategy, run.secrets.keys.server())
 
 
 def initial_model(
@@ -380,13 +401,16 @@ def run_loop(run: ExperimentRun, progress: bool | Cadence) -> tuple[ArrayRecord,
             state_store=run.run_dir.store,
             faults=config.faults,
             # Memory-mapped files are opened by each worker, not copied to it.
-            datasets=() if _file_backed(run.dataset) else ((config.data, run.dataset),),
+            datasets=() if is_text(config) or _file_backed(run.dataset)
+            else ((config.data, run.dataset),),
             secrets=run.root_source,
         )
         ready = time.perf_counter()
         evaluate = (
             run.personal.evaluate
             if run.personal
+            else None  # a text method measures its quality on the server
+            if is_text(config)
             else central_evaluator(config, run.spec, run.dataset)
         )
         final = run_rounds(

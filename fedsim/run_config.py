@@ -278,6 +278,7 @@ class ExperimentConfig:
             personal = from_mapping(PersonalTraining, self.personal, "personal")
             object.__setattr__(self, "personal", personal)
         check_personalised(self)
+        check_text(self)
         require(self.rounds >= 1, "rounds", self.rounds, "an integer >= 1")
         require(
             self.checkpoint_every >= 1,
@@ -443,6 +444,30 @@ def check_personalised(config: ExperimentConfig) -> None:
         config.strategy.sampling,
         f"'poisson' (Binomial, the reference sampler) or 'uniform' with strategy.name = {name!r}",
     )
+
+
+def is_text(config: ExperimentConfig) -> bool:
+    return spec_for(config.strategy.name).text
+
+
+def check_text(config: ExperimentConfig) -> None:
+    """A text method goes with ``[data] source = "text"`` and the other way round, has no
+    federated evaluation (its quality is measured on the server), and its options are read
+    here, before anything is written or loaded (errors name ``strategy.options.<key>``)."""
+    name = config.strategy.name
+    text = is_text(config)
+    require(
+        text == (config.data.source == "text"),
+        "data.source",
+        config.data.source,
+        f"'text' with strategy.name = {name!r}" if text
+        else f"an array source with strategy.name = {name!r} ('text' is for popri and "
+        "private-evolution)",
+    )
+    if text:
+        require(config.evaluation.clients == 0, "evaluation.clients", config.evaluation.clients,
+                f"0 with strategy.name = {name!r} (it measures quality on the server)")
+        spec_for(name).read_options(config.strategy.options)
 
 
 def with_engine(config: ExperimentConfig, **overrides: Any) -> ExperimentConfig:

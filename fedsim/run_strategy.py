@@ -17,10 +17,12 @@ from dataclasses import dataclass
 from flwr.serverapp.strategy import Strategy
 
 from fedsim.config import require
+from fedsim.data.spec import text_source
 from fedsim.engine import FullCohort, MinSeparationCohort, PoissonCohort, UniformCohort
 from fedsim.engine.participation import CohortModel, secret_cohorts
 from fedsim.randomness import PartySecret
-from fedsim.run_config import ExperimentConfig, is_personalised
+from fedsim.run_config import ExperimentConfig, is_personalised, is_text
+from fedsim.text_run import build_text_run_strategy
 from strategies.averaging import AveragedGlobalModel
 from strategies.conformal import ConformalEvaluation
 from strategies.quantized import DequantizedUploads
@@ -93,8 +95,11 @@ def engine_participation(config: ExperimentConfig, participation: CohortModel) -
 
 def build_experiment_strategy(config: ExperimentConfig, participation: CohortModel) -> Strategy:
     """The configured strategy, with the server half of each configured client method
-    (:data:`SERVER_HALVES`) and seeded sampling, for this participation model."""
+    (:data:`SERVER_HALVES`) and seeded sampling, for this participation model (a text
+    method: :func:`fedsim.text_run.build_text_run_strategy`)."""
     k = config.strategy.clients_per_round
+    if is_text(config):  # POPri, PE: over the text federation of [data]
+        return build_text_run_strategy(config, participation, text_source(config.data))
     if is_personalised(config):
         personalised = build_personalised_strategy(
             config.strategy.name,

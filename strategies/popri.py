@@ -332,6 +332,8 @@ class POPri(ServerNoise, Strategy):
         held_out_texts: clients' held-out texts, for the quality metrics only.
         population: the number of clients ``N`` (for sampling and accounting).
         settings: :class:`POPriSettings`.
+        sampling: the engine's cohorts (``fedsim run``): every node the grid reports is
+            asked, accounted with this model; None: POPri draws ``settings``' cohorts.
     """
 
     def __init__(
@@ -344,6 +346,7 @@ class POPri(ServerNoise, Strategy):
         *,
         population: int,
         settings: POPriSettings,
+        sampling: Sampling | None = None,
     ) -> None:
         require(isinstance(settings, POPriSettings), "settings", settings, "a POPriSettings")
         require(
@@ -359,7 +362,8 @@ class POPri(ServerNoise, Strategy):
         self.embedder = embedder
         self.public_texts = list(public_texts)
         self.population = int(population)
-        self.sampling = settings.sampling(self.population)
+        self.engine_cohorts = sampling is not None
+        self.sampling = settings.sampling(self.population) if sampling is None else sampling
         self.ledger = PrivacyLedger(relation_for(self.sampling), settings.delta)
         if settings.noise_multiplier is not None:
             self.noise_multiplier = float(settings.noise_multiplier)
@@ -464,6 +468,8 @@ class POPri(ServerNoise, Strategy):
 
     def _sample_nodes(self, server_round: int, grid: Grid) -> list[int]:
         nodes = sorted(int(n) for n in grid.get_node_ids())
+        if self.engine_cohorts:
+            return nodes
         rng = round_stream(self.settings.seed, server_round, 2)
         if isinstance(self.sampling, FixedSizeSampling):
             require(

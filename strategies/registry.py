@@ -25,6 +25,8 @@ from strategies import (
     pfedbayes,
     pfedhb,
     pfedvem,
+    popri_spec,
+    private_evolution_spec,
     secure_aggregation,
 )
 from strategies.spec import RunFacts, StrategySpec
@@ -40,6 +42,8 @@ SPECS: tuple[StrategySpec, ...] = (
     pfedvem.SPEC,
     pfedbayes.SPEC,
     *personalised_config.SPECS,
+    popri_spec.SPEC,
+    private_evolution_spec.SPEC,
 )
 BY_NAME: dict[str, StrategySpec] = {spec.name: spec for spec in SPECS}
 NAMES = tuple(BY_NAME)
@@ -48,6 +52,8 @@ NAMES = tuple(BY_NAME)
 PERSONALISED = tuple(spec.name for spec in SPECS if spec.personalised)
 #: private strategies: their clients' metrics are not released in the clear by default
 PRIVATE = tuple(spec.name for spec in SPECS if spec.private)
+#: the synthetic-text methods (``[data] source = "text"``; built by :func:`build_text_strategy`)
+TEXT = tuple(spec.name for spec in SPECS if spec.text)
 
 
 def spec_for(name: str) -> StrategySpec:
@@ -95,9 +101,43 @@ def build_strategy(
         "a strategy for build_strategy; personalised strategies are built by "
         "build_personalised_strategy (their clients run make_personal_app)",
     )
+    require(
+        not spec.text,
+        "strategy.name",
+        name,
+        "a strategy for build_strategy; text methods are built by build_text_strategy "
+        "(their data is a text federation)",
+    )
     if partial_aggregation == "on":
         _check_worker_sums(spec, options)
-    facts = RunFacts(
+    facts = run_facts(
+        spec,
+        expected_clients=expected_clients,
+        evaluate_fraction=evaluate_fraction,
+        seed=seed,
+        partial_aggregation=partial_aggregation,
+        sampling=sampling,
+        population=population,
+        rounds=rounds,
+        metrics_in_clear=metrics_in_clear,
+    )
+    return spec.build(spec.read_options(options), facts)
+
+
+def run_facts(
+    spec: StrategySpec,
+    *,
+    expected_clients: float,
+    evaluate_fraction: float,
+    seed: int,
+    partial_aggregation: str = "auto",
+    sampling: Sampling | None = None,
+    population: int | None = None,
+    rounds: int | None = None,
+    metrics_in_clear: bool = False,
+) -> RunFacts:
+    """The :class:`RunFacts` ``spec``'s builder is told (arguments as :func:`build_strategy`)."""
+    return RunFacts(
         expected_clients=expected_clients,
         evaluate_fraction=min(1.0, evaluate_fraction),
         seed=seed,
@@ -107,7 +147,20 @@ def build_strategy(
         rounds=rounds,
         metrics_in_clear=metrics_in_clear,
     )
-    return spec.build(spec.read_options(options), facts)
+
+
+def build_text_strategy(
+    name: str, options: Mapping[str, Any], text_source: Any, **facts: Any
+) -> Strategy:
+    """The text method ``name`` (one of :data:`TEXT`) with ``options`` over the federation
+    ``text_source`` (a :class:`~fedsim.data.text.TextSourceSpec`); ``facts`` as
+    :func:`build_strategy` takes them (its keyword arguments)."""
+    from strategies.text_method import TextRun  # noqa: PLC0415  (torch, transformers)
+
+    require(name in TEXT, "strategy.name", name, f"one of {', '.join(TEXT)}")
+    spec = BY_NAME[name]
+    run = TextRun(run_facts(spec, **facts), text_source)
+    return spec.build(spec.read_options(options), run)
 
 
 def _check_worker_sums(spec: StrategySpec, options: Mapping[str, Any]) -> None:

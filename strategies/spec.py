@@ -121,6 +121,9 @@ class StrategySpec:
             un-noised metrics, straight to the server) needs ``[privacy] metrics_in_clear``.
         client_app_for: ``client_app_for(options)`` -> the client app wrapper these options
             need (None: ``client_app``), e.g. a FedAvg-family strategy with ``secure_sum``.
+        text_app: a synthetic-text method (``[data] source = "text"``): ``text_app(options,
+            text_source)`` -> its clients' app, and ``build(options, text_run)`` with a
+            :class:`strategies.text_method.TextRun` (None: not a text method).
     """
 
     name: str
@@ -134,10 +137,17 @@ class StrategySpec:
     secure_replies: Callable[[Mapping[str, Any]], bool] = _no_proximal_term
     amplified_by_sampling: bool = False
     client_app_for: Callable[[Mapping[str, Any]], Callable | None] | None = None
+    text_app: Callable[[Any, Any], ClientApp] | None = None
 
     def read_options(self, options: Mapping[str, Any]) -> Any:
         """``options`` (a config's ``strategy.options``) as an instance of :attr:`options`."""
         return from_mapping(self.options, options, "strategy.options")
+
+    @property
+    def text(self) -> bool:
+        """A synthetic-text method: its data is a text federation, its clients run
+        :attr:`text_app`."""
+        return self.text_app is not None
 
     @property
     def private(self) -> bool:

@@ -322,8 +322,11 @@ METHODS: dict[str, tuple[str, ...]] = {
     "pfedbayes": ("strategies/pfedbayes.py",),
     "pfedhb": ("strategies/pfedhb.py",),
     "pfedvem": ("strategies/pfedvem.py",),
-    "popri": ("strategies/popri.py",),
-    "private-evolution": ("strategies/private_evolution.py",),
+    "popri": ("strategies/popri.py", "strategies/popri_spec.py"),
+    "private-evolution": (
+        "strategies/private_evolution.py",
+        "strategies/private_evolution_spec.py",
+    ),
     "quantized": ("strategies/quantized.py",),  # server side of quantised uploads
     "secure-aggregation": ("strategies/secure_aggregation.py",),  # FedAvg over a SecureSum
 }
@@ -349,6 +352,7 @@ PLUMBING: tuple[str, ...] = (
     "strategies/seeded_sampling.py",
     "strategies/server_secret.py",
     "strategies/spec.py",
+    "strategies/text_method.py",
     "strategies/vectors.py",
     "strategies/worker_reduced.py",
     "strategies/wrapper.py",

@@ -9,13 +9,24 @@ import dataclasses
 import pytest
 
 from fedsim.config import ConfigError, from_mapping, to_mapping
-from strategies.registry import SPECS, build_personalised_strategy, build_strategy
+from strategies.registry import (
+    SPECS,
+    build_personalised_strategy,
+    build_strategy,
+    build_text_strategy,
+)
 
 #: the keys a method cannot default (everything else does)
 REQUIRED = {
     name: {"clipping_norm": 1.0, "noise_multiplier": 1.0}
     for name in ("dp-fedavg", "matrix-mechanism", "ddgauss", "dmm")
 }
+#: the text methods: a noise (or target epsilon), and the tiny models for the build below
+REQUIRED.update(
+    {name: {"noise_multiplier": 1.0} for name in ("popri", "private-evolution")}
+)
+TINY = {"generator": "tiny", "embedder": "tiny", "num_prompts": 2, "samples_per_prompt": 2,
+        "examples_per_prompt": 1, "max_new_tokens": 2}  # fmt: skip
 
 WHERE = "strategy.options"
 
@@ -83,6 +94,17 @@ def test_the_defaults_round_trip_and_build(spec):
             evaluate_every=2,
             head_layers=1,
         )
+    elif spec.text:
+        strategy = build_text_strategy(
+            spec.name,
+            {**REQUIRED[spec.name], **TINY},
+            _tiny_text_source(),
+            expected_clients=2,
+            evaluate_fraction=0.0,
+            seed=0,
+            population=3,
+            rounds=4,
+        )
     else:
         strategy = build_strategy(
             spec.name,
@@ -94,6 +116,22 @@ def test_the_defaults_round_trip_and_build(spec):
             rounds=4,
         )
     assert strategy is not None
+
+
+def _tiny_text_source():
+    """A three-client federation from in-memory texts, registered under its spec."""
+    from fedsim.data.text import (  # noqa: PLC0415
+        TextSourceSpec,
+        in_memory_federation,
+        register_text_federation,
+    )
+
+    clients = [(f"c{i}", [f"client {i} text number {j} of four" for j in range(4)])
+               for i in range(3)]  # fmt: skip
+    public = [f"a public example sentence {k}" for k in range(4)]
+    source = TextSourceSpec(kind="table", path="in-memory-options-contract")
+    register_text_federation(source, in_memory_federation(clients, public))
+    return source
 
 
 def test_build_strategy_reads_the_declared_options():

@@ -29,7 +29,8 @@ from fedsim.run_config import ExperimentConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "experiments" / "quickstart" / "config.toml"
-TIMING = {"seconds", "time_s", "clients_per_s", "compute_s", "wall_s", "started_at"}
+TIMING = {"seconds", "time_s", "clients_per_s", "compute_s", "wall_s", "started_at",
+          "generate_s", "embed_s", "dpo_s"}  # POPri's own timings too
 DP = {"clipping_norm": 0.5, "noise_multiplier": 0.7}
 COMMITTEE = {"committee_size": 11, "threshold": 2, "packing": 1, "member_dropouts": 2}
 
@@ -80,7 +81,18 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "pfedbayes": {"options": {"schedule": "sampled"}},
     "fedavg-ft": {"options": {"finetune_epochs": 1}},
     "local-only": {},
+    "popri": {"options": {"dpo": {"batch_size": 2, "lora_rank": 2}}},
+    "private-evolution": {},
 }
+#: the text methods' runs: numpy's docstrings, the tiny generator and embedder (the real
+#: SmolLM2 run is tests/test_text_methods_run.py's), 2 rounds of 3 of 6 clients
+TEXT = {
+    "data": {"source": "text", "partition": "natural", "num_clients": 6, "test_fraction": 0.0,
+             "text": {"kind": "docstrings", "client_packages": ["numpy"]}},
+    "options": {"generator": "tiny", "embedder": "tiny", "num_prompts": 2,
+                "samples_per_prompt": 2, "examples_per_prompt": 1, "max_new_tokens": 4,
+                "max_tokens": 16, "noise_multiplier": 1.0},
+}  # fmt: skip
 PERSONAL = {
     "data": {
         "source": "digits",
@@ -112,6 +124,13 @@ def config(key: str) -> dict[str, Any]:
         raw.update(PERSONAL)
         del raw["client"]
         raw["strategy"].update(clients_per_round=2, sampling="poisson")
+    if name in ("popri", "private-evolution"):
+        raw.update(data=TEXT["data"])
+        for key in ("client", "model"):
+            del raw[key]
+        options = {**TEXT["options"], **raw["strategy"].get("options", {})}
+        raw["strategy"].update(clients_per_round=3, options=options)
+        raw["evaluation"] = {"clients": 0, "every": 0}
     if raw["strategy"].get("options", {}).get("secure_sum") or name in ("ddgauss", "dmm"):
         raw["evaluation"]["clients"] = 0
     return raw

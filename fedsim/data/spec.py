@@ -8,6 +8,7 @@ dataset is built (or registered, after being shipped) once per process.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,12 +29,13 @@ from fedsim.data.sources import (
     load_table,
     synthetic_fedprox,
 )
+from fedsim.data.text import TextSourceSpec
 
-Source = Literal["digits", "synthetic", "femnist", "leaf", "table", "npy", "python"]
+Source = Literal["digits", "synthetic", "femnist", "leaf", "table", "npy", "python", "text"]
 PartitionName = Literal["iid", "dirichlet", "shards", "quantity", "split-classes", "natural"]
 
 #: Sources whose samples come with a writer / user / device (a natural partition).
-NATURAL_SOURCES = ("synthetic", "femnist", "leaf", "table", "npy", "python")
+NATURAL_SOURCES = ("synthetic", "femnist", "leaf", "table", "npy", "python", "text")
 #: Sources read from ``path``.
 FILE_SOURCES = ("leaf", "table", "npy")
 
@@ -53,7 +55,10 @@ class DatasetSpec:
     ``features``, else every other column)), npy (a directory written by
     ``FederatedDataset.save``), python (the user's ``loader = "package.module:function"``,
     called with ``options``, imported with ``python_path`` first on ``sys.path``; what it
-    may return: :mod:`fedsim.data.python_source`).
+    may return: :mod:`fedsim.data.python_source`), text (the ``[data.text]`` table, a
+    :class:`~fedsim.data.text.TextSourceSpec`: a text federation for the synthetic-text
+    methods, its first ``num_clients`` clients, split with ``seed``; natural partition only;
+    :meth:`text_source`).
 
     partition: iid / dirichlet (``alpha``) / shards (``classes_per_client``;
     ``shard_sigma > 0`` also skews client sizes, lognormal) / quantity
@@ -91,6 +96,7 @@ class DatasetSpec:
     loader: str = ""
     options: dict[str, Any] = field(default_factory=dict)
     python_path: tuple[str, ...] = ()
+    text: TextSourceSpec | None = None
 
     def __hash__(self) -> int:  # options is a table: hash its frozen copy
         values = [getattr(self, f) for f in self.__dataclass_fields__ if f != "options"]
@@ -104,6 +110,12 @@ class DatasetSpec:
             "one of digits, synthetic, femnist, leaf, table, npy, python",
         )
         self._check_python()
+        require(
+            (self.text is not None) == (self.source == "text"),
+            "data.text",
+            self.text,
+            "a [data.text] table with source 'text' (the federation's texts), else unset",
+        )
         require(
             self.partition in ("natural", *PARTITIONERS),
             "data.partition",
@@ -301,6 +313,13 @@ def _natural(
     return from_partition(x, y, index, spec.test_fraction, split_rng, num_classes, name)
 
 
+def text_source(spec: DatasetSpec) -> TextSourceSpec:
+    """The text federation of ``[data] source = "text"``: ``[data.text]`` with its first
+    ``num_clients`` clients, split with ``[data] seed``."""
+    require(spec.text is not None, "data.source", spec.source, "'text' with a [data.text] table")
+    return dataclasses.replace(spec.text, max_clients=spec.num_clients, seed=spec.seed)
+
+
 def build_dataset(spec: DatasetSpec) -> FederatedDataset:
     """Build the federated dataset a spec describes (its source's builder in
     :data:`SOURCES`); the same spec gives identical arrays.
@@ -311,6 +330,8 @@ def build_dataset(spec: DatasetSpec) -> FederatedDataset:
     clients as views).
     """
     require(isinstance(spec, DatasetSpec), "data", type(spec).__name__, "a DatasetSpec")
+    require(spec.source != "text", "data.source", spec.source,
+            "an array source (a text federation is built by text_source(spec).build())")
     rngs = _stage_rngs(spec.seed)
     return SOURCES[spec.source](spec, rngs, f"{spec.source}-{spec.partition}")
 

@@ -66,6 +66,11 @@ class TextFederation:
         """Every client's held-out texts, client by client."""
         return [t for texts in self.held_out for t in texts]
 
+    def stats(self) -> dict[str, Any]:
+        """:meth:`summary` (what a run's summary.json says of its data, as
+        :meth:`fedsim.data.dataset.FederatedDataset.stats`)."""
+        return self.summary()
+
     def summary(self) -> dict[str, Any]:
         sizes = np.array([len(t) for t in self.train]) if self.train else np.zeros(1)
         return {
