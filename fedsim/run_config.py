@@ -49,7 +49,7 @@ from fedsim.workloads.averaging import Averaging
 from fedsim.workloads.bayesian import BayesSpec
 from fedsim.workloads.conformal import OnlineConformal
 from fedsim.workloads.personalised import PersonalTraining
-from fedsim.workloads.supervised import LocalTraining, check_parts
+from fedsim.workloads.supervised import LocalTraining, check_parts, server_methods
 from strategies.registry import PERSONALISED, spec_for
 
 #: the model of the personalised strategies (:mod:`fedsim.workloads.bayesian`)
@@ -348,6 +348,32 @@ class ExperimentConfig:
             "on",
             "'auto' or 'off' with client.compression (packed uploads cannot be summed on workers)",
         )
+        self._check_method_halves()
+
+    def _check_method_halves(self) -> None:
+        """A client method with a server half sends un-noised client records and is not
+        folded on workers: only with a strategy that makes no privacy claim and sums in the
+        clear, without ``partial_aggregation = "on"``."""
+        spec = spec_for(self.strategy.name)
+        for method, table in server_methods(self.client):
+            require(
+                spec.accounting is None
+                and not spec.secure_replies(self.strategy.options)
+                and not spec.personalised
+                and not spec.text,
+                f"client.{method.key}",
+                to_mapping(table),
+                f"unset with strategy.name = {self.strategy.name!r} (its server half reads "
+                "each client's record in the clear: a strategy without privacy accounting or "
+                "secure aggregation)",
+            )
+            require(
+                self.strategy.partial_aggregation != "on",
+                "strategy.partial_aggregation",
+                "on",
+                f"'auto' or 'off' with client.{method.key} (its reply records cannot be "
+                "summed on workers)",
+            )
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ExperimentConfig:

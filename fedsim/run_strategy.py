@@ -5,8 +5,9 @@ if-ladder).
 :func:`participation_for` gives the engine's cohort model for a config;
 :func:`build_experiment_strategy` builds the strategy of ``[strategy]`` and wraps it, in the
 order of :data:`SERVER_HALVES`, in the server half of each configured method (quantised
-uploads, online conformal evaluation, a server-side average of the global models), then in
-the seeded sampling every ``fedsim run`` uses.
+uploads, the registered client methods' own halves, online conformal evaluation, a
+server-side average of the global models), then in the seeded sampling every ``fedsim run``
+uses.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from fedsim.engine.participation import CohortModel, secret_cohorts
 from fedsim.randomness import PartySecret
 from fedsim.run_config import ExperimentConfig, is_personalised, is_text
 from fedsim.text_run import build_text_run_strategy
+from fedsim.workloads.supervised import server_methods
 from strategies.averaging import AveragedGlobalModel
+from strategies.client_method_halves import ServerHalfStrategy
 from strategies.conformal import ConformalEvaluation
 from strategies.quantized import DequantizedUploads
 from strategies.registry import build_personalised_strategy, build_strategy, spec_for
@@ -45,6 +48,10 @@ SERVER_HALVES: dict[str, ServerHalf] = {
         lambda config: config.client.compression is not None,
         lambda strategy, config: DequantizedUploads(strategy),
     ),
+    "client methods": ServerHalf(
+        lambda config: bool(server_methods(config.client)),
+        lambda strategy, config: _with_method_halves(strategy, config),
+    ),
     "evaluation.conformal": ServerHalf(
         lambda config: config.evaluation.conformal is not None,
         lambda strategy, config: ConformalEvaluation(strategy, config.evaluation.conformal),
@@ -56,6 +63,15 @@ SERVER_HALVES: dict[str, ServerHalf] = {
         ),
     ),
 }
+
+
+def _with_method_halves(strategy: Strategy, config: ExperimentConfig) -> Strategy:
+    """``strategy`` wrapped in the server half of each configured client method that has one
+    (:data:`fedsim.workloads.supervised.CLIENT_METHODS`, in their order)."""
+    for method, table in server_methods(config.client):
+        half = method.server(table, config.data.num_clients)
+        strategy = ServerHalfStrategy(strategy, half)
+    return strategy
 
 
 def participation_for(
@@ -114,7 +130,8 @@ def build_experiment_strategy(config: ExperimentConfig, participation: CohortMod
         )
         return SeededSampling(personalised, config.seed)
     expected = participation.group_size(0) if isinstance(participation, MinSeparationCohort) else k
-    compressed = config.client.compression is not None
+    # quantised uploads and client methods' reply records cannot be summed on workers
+    unfolded = config.client.compression is not None or bool(server_methods(config.client))
     strategy = build_strategy(
         config.strategy.name,
         config.strategy.options,
@@ -123,7 +140,7 @@ def build_experiment_strategy(config: ExperimentConfig, participation: CohortMod
         if config.evaluation.clients
         else 0.0,
         seed=config.seed,
-        partial_aggregation="off" if compressed else config.strategy.partial_aggregation,
+        partial_aggregation="off" if unfolded else config.strategy.partial_aggregation,
         sampling=participation.accounting(config.rounds),
         population=participation.num_clients,
         rounds=config.rounds,

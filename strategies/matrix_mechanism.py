@@ -358,6 +358,7 @@ class MatrixOptions:
     kind: str | None = None
     bands: int | None = None
     buffers: int | None = None
+    kind_options: dict[str, int] | None = None
     server_learning_rate: float = 1.0
     server_momentum: float = 0.0
     delta: float | None = None
@@ -366,7 +367,7 @@ class MatrixOptions:
     def __post_init__(self) -> None:
         """The file fixes the factorization (the other ranges are the mechanism's checks)."""
         if self.factorization is not None:
-            for key in ("kind", "bands", "buffers"):
+            for key in ("kind", "bands", "buffers", "kind_options"):
                 require(
                     getattr(self, key) is None,
                     f"{_WHERE}.{key}",
@@ -381,8 +382,10 @@ def from_options(options: MatrixOptions, facts: RunFacts) -> MatrixMechanism:
     Options: ``clipping_norm`` and ``noise_multiplier`` (required, the whole run's ``z``);
     ``factorization`` (an ``.npz`` written by ``fedsim factorize``, for at least the run's
     rounds) or ``kind`` (default "banded"; see :mod:`fedsim.privacy.matrix.build`) with
-    ``bands`` (default: the min separation) and ``buffers``; ``server_learning_rate`` (1.0),
-    ``server_momentum`` (0.0), ``delta`` (min(1e-5, 1 / population)), ``accountant`` ("rdp").
+    ``bands`` (default: the min separation), ``buffers`` and ``kind_options`` (the kind's own
+    integer parameters, :attr:`fedsim.privacy.matrix.kind.Kind.options`);
+    ``server_learning_rate`` (1.0), ``server_momentum`` (0.0), ``delta`` (min(1e-5,
+    1 / population)), ``accountant`` ("rdp").
     The participation comes from the engine's schedule (``facts.participation``; none:
     every client may be in every round, ``Participation.separated(1)``).
     """
@@ -434,6 +437,8 @@ def _factorization_from(options: MatrixOptions, rounds: int, sep: int, k: int) -
     path = options.factorization
     if path is None:
         given = {"buffers": options.buffers} if options.buffers is not None else {}
+        if options.kind_options:
+            given["options"] = tuple(options.kind_options.items())
         try:
             return build(
                 Spec(

@@ -337,6 +337,7 @@ METHODS: dict[str, tuple[str, ...]] = {
 PLUMBING: tuple[str, ...] = (
     "strategies/__init__.py",
     "strategies/answered_rounds.py",
+    "strategies/client_method_halves.py",
     "strategies/clipped_sum.py",
     "strategies/dp_shell.py",
     "strategies/flower.py",

@@ -26,6 +26,8 @@ from fedsim.experiment import run_experiment
 from fedsim.randomness import RunSecret
 from fedsim.results import read_rounds
 from fedsim.run_config import ExperimentConfig
+from fedsim.workloads.supervised import CLIENT_METHODS
+from strategies.registry import NAMES
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "experiments" / "quickstart" / "config.toml"
@@ -34,19 +36,11 @@ TIMING = {"seconds", "time_s", "clients_per_s", "compute_s", "wall_s", "started_
 DP = {"clipping_norm": 0.5, "noise_multiplier": 0.7}
 COMMITTEE = {"committee_size": 11, "threshold": 2, "packing": 1, "member_dropouts": 2}
 
-#: strategy table of each run (name, cohort, options); personalised ones get PERSONAL
-STRATEGIES: dict[str, dict[str, Any]] = {
-    "fedavg": {},
+#: strategy table of each run that needs more than the defaults (name, cohort, options);
+#: personalised ones get PERSONAL
+EXAMPLES: dict[str, dict[str, Any]] = {
+    "fedavg": {},  # named here: its secure-sum runs below would otherwise cover the name
     "fedprox": {"options": {"proximal_mu": 0.1}},
-    "fedavgm": {},
-    "fedadam": {},
-    "fedyogi": {},
-    "fedadagrad": {},
-    "fedmedian": {},
-    "fedtrimmedavg": {},
-    "krum": {},
-    "multikrum": {},
-    "bulyan": {},
     "fedavg+secagg": {"name": "fedavg", "options": {"secure_sum": "secagg"}},
     "fedavg+committee": {
         "name": "fedavg",
@@ -77,12 +71,23 @@ STRATEGIES: dict[str, dict[str, Any]] = {
         },
     },
     "pfedhb": {"options": {"server_solver": "adam"}},
-    "pfedvem": {},
     "pfedbayes": {"options": {"schedule": "sampled"}},
     "fedavg-ft": {"options": {"finetune_epochs": 1}},
-    "local-only": {},
     "popri": {"options": {"dpo": {"batch_size": 2, "lora_rank": 2}}},
-    "private-evolution": {},
+}
+#: every run: each registered strategy (its defaults unless EXAMPLES has it), and each
+#: registered client method's example table under FedAvg (``client``: merged into [client])
+STRATEGIES: dict[str, dict[str, Any]] = {
+    **EXAMPLES,
+    **{
+        name: {}
+        for name in NAMES
+        if name not in {table.get("name", key) for key, table in EXAMPLES.items()}
+    },
+    **{
+        f"client.{method.key}": {"name": "fedavg", "client": {method.key: dict(method.example)}}
+        for method in CLIENT_METHODS
+    },
 }
 #: the text methods' runs: numpy's docstrings, the tiny generator and embedder (the real
 #: SmolLM2 run is tests/test_text_methods_run.py's), 2 rounds of 3 of 6 clients
@@ -119,6 +124,7 @@ def config(key: str) -> dict[str, Any]:
     raw["engine"] = {"backend": "local"}
     table = dict(STRATEGIES[key])
     name = table.pop("name", key)
+    raw["client"].update(table.pop("client", {}))
     raw["strategy"] = {"name": name, "clients_per_round": 12, "sampling": "uniform", **table}
     if name in ("pfedhb", "pfedvem", "pfedbayes", "fedavg-ft", "local-only"):
         raw.update(PERSONAL)

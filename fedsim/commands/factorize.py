@@ -1,8 +1,10 @@
 """The ``fedsim factorize`` command: build (or reuse) a factorization and summarise it.
 
-    fedsim factorize --kind {tree,honaker,sqrt,toeplitz,banded,dense,blt} --rounds N
-                     [--bands B] [--participations K --min-sep S] [--buffers NBUF]
-                     --out FILE.npz [--force] [--json]
+    fedsim factorize --kind KIND --rounds N [--bands B] [--participations K --min-sep S]
+                     [--buffers NBUF] [--option NAME=VALUE ...] --out FILE.npz [--force] [--json]
+
+(``KIND``: a registered kind, :mod:`fedsim.privacy.matrix.kinds`; ``--option``: that kind's
+own integer parameters.)
 
 The file is a cache (:func:`fedsim.privacy.matrix.build.cached`): run again with the same
 arguments, it is read instead of optimised again, once its content's sha256 and its noise
@@ -24,10 +26,26 @@ import time
 from typing import Any, TextIO
 
 from fedsim.commands.flags import flags
+from fedsim.config import ConfigError
 
-#: what ``--kind`` accepts (fedsim.privacy.matrix.build.KINDS, which imports scipy: it loads
-#: when the command runs, not for ``fedsim --help``)
-KIND_HELP = "one of tree, honaker, sqrt, toeplitz, banded, dense, blt"
+
+class KindFlag(argparse.Action):
+    """``--kind``, whose help lists the registered kinds (:mod:`fedsim.privacy.matrix.kinds`)
+    when it is shown: they load then (with scipy), not for ``fedsim --help``."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        setattr(namespace, self.dest, values)
+
+    @property
+    def help(self) -> str:
+        from fedsim.privacy.matrix.kinds import NAMES  # noqa: PLC0415
+
+        return "one of " + ", ".join(NAMES)
+
+    @help.setter
+    def help(self, value: Any) -> None:
+        """argparse sets a help; this flag's comes from the registry."""
+
 
 FLAGS = {
     "kind": "--kind",
@@ -39,6 +57,7 @@ FLAGS = {
     "epochs": "--participations",
     "min_sep": "--min-sep",
     "buffers": "--buffers",
+    "kind_options": "--option",
     "out": "--out",
     "force": "--force",
 }
@@ -51,7 +70,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         help="optimise a matrix-mechanism factorization (cached in an .npz)",
         description="Build a factorization A = B C of prefix sums, or reuse the cached file.",
     )
-    parser.add_argument("--kind", required=True, help=KIND_HELP)
+    parser.add_argument("--kind", required=True, action=KindFlag)
     parser.add_argument("--rounds", type=int, required=True, help="number of rounds n")
     parser.add_argument(
         "--bands", type=int, default=None, help="bands of C (banded, toeplitz; default --min-sep)"
@@ -63,6 +82,13 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "--min-sep", type=int, default=None, help="b, the fewest rounds between two of them"
     )
     parser.add_argument("--buffers", type=int, default=3, help="BLT buffers (default 3)")
+    parser.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an integer parameter of the kind's own (repeatable)",
+    )
     parser.add_argument("--out", required=True, help="the .npz file (reused if it matches)")
     parser.add_argument(
         "--force",
@@ -102,6 +128,21 @@ class Reporter:
         )
 
 
+def kind_options(given: list[str]) -> tuple[tuple[str, int], ...]:
+    """``--option NAME=VALUE`` flags as the spec's ``(name, value)`` pairs; ConfigError
+    naming ``--option`` for one that is not a name and an integer."""
+    pairs = []
+    for text in given:
+        name, sep, value = text.partition("=")
+        try:
+            pairs.append((name.strip(), int(value)))
+        except ValueError:
+            sep = ""
+        if not sep or not name.strip():
+            raise ConfigError("--option", text, "NAME=VALUE with an integer VALUE")
+    return tuple(pairs)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Execute a parsed ``fedsim factorize``; returns the JSON-ready summary."""
     from fedsim.privacy.matrix.build import Spec, cached, check_cost  # noqa: PLC0415
@@ -114,6 +155,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             participations=args.participations,
             min_sep=args.min_sep,
             buffers=args.buffers,
+            options=kind_options(getattr(args, "option", [])),
         )
         estimate = check_cost(spec, force=getattr(args, "force", False))
         progress = announce = None

@@ -10,7 +10,10 @@ so a client's update depends only on the global model, the round and the seed.
 
 Train replies carry the arrays under the instruction's key and a ``metrics`` record:
 ``num-examples`` (training rows, FedAvg's weight), ``train_loss`` (mean over steps, unless the
-training withholds it), ``steps`` and the training's own metrics. An instruction whose config
+training withholds it), ``steps`` and the training's own metrics, plus the records of arrays
+a client method returns for its server half (the instruction's records the training
+declares come to it as ``TrainTask.inputs``, :mod:`fedsim.workloads.client_method`). An
+instruction whose config
 has ``proximal-mu > 0`` (Flower's FedProx) is refused by trainings that add no proximal term.
 Evaluate replies carry loss and accuracy on the client's test rows (its training rows when it
 has none), and the conformal scores when the server asks for them
@@ -47,16 +50,32 @@ def instruction_config(message: Message) -> ConfigRecord:
     return records[0][1] if records else ConfigRecord()
 
 
-def arrays_key(message: Message) -> str:
-    """The key of the instruction's one ArrayRecord (the global arrays)."""
-    keys = [key for key, _ in records_of(message.content, ArrayRecord)]
+def arrays_key(message: Message, inputs: tuple[str, ...] = ()) -> str:
+    """The key of the instruction's one ArrayRecord (the global arrays) besides the
+    ``inputs`` a client method's server half added."""
+    keys = [key for key, _ in records_of(message.content, ArrayRecord) if key not in inputs]
     if len(keys) != 1:
         raise ValueError(f"expected one ArrayRecord in the instruction, found {len(keys)}")
     return keys[0]
 
 
-def train_task(message: Message, context: Context, data: DatasetSpec) -> TrainTask:
-    """Read a train message for the client of ``context``."""
+def method_inputs(message: Message, inputs: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """The records ``inputs`` of the instruction (a client method's server half sent them);
+    ValueError naming the missing key when the server did not."""
+    missing = [key for key in inputs if key not in message.content]
+    if missing:
+        raise ValueError(
+            f"the train instruction carries no record {missing[0]!r}: this client training "
+            "needs its method's server half on the server (run it with fedsim run)"
+        )
+    return {key: to_numpy(message.content[key]) for key in inputs}
+
+
+def train_task(
+    message: Message, context: Context, data: DatasetSpec, inputs: tuple[str, ...] = ()
+) -> TrainTask:
+    """Read a train message for the client of ``context`` (``inputs``: the records of
+    :func:`method_inputs` it carries)."""
     partition = int(context.node_config["partition-id"])
     x, y = as_tensors(*cached_dataset(data).train.client(partition))
     config = instruction_config(message)
@@ -69,6 +88,7 @@ def train_task(message: Message, context: Context, data: DatasetSpec) -> TrainTa
         lr=float(lr) if isinstance(lr, (int, float)) else None,
         proximal_mu=float(config.get("proximal-mu", 0.0)),
         node_config=context.node_config,
+        inputs=method_inputs(message, inputs),
     )
 
 
@@ -108,13 +128,13 @@ def training_app(training: ClientTraining, data: DatasetSpec) -> ClientApp:
 
     @app.train()
     def train(message: Message, context: Context) -> Message:
-        task = train_task(message, context, data).to(training.device)
+        task = train_task(message, context, data, training.inputs).to(training.device)
         if task.proximal_mu > 0 and not training.proximal:
             raise ValueError(
                 f"proximal-mu = {task.proximal_mu} (FedProx) is not supported with "
                 f"{training.name}: expected 0"
             )
-        key = arrays_key(message)
+        key = arrays_key(message, training.inputs)
         net = training.model()
         training.load(net, to_numpy(message.content[key]))
         generator = client_generator(training.steps.seed, task.server_round, task.partition)
@@ -127,6 +147,8 @@ def training_app(training: ClientTraining, data: DatasetSpec) -> ClientApp:
             metrics[name] = value
         upload = training.arrays(net) if result.upload is None else result.upload
         content = RecordDict({key: to_record(upload), "metrics": metrics})
+        for name, record in result.replies.items():
+            content[name] = to_record(record)
         return Message(content=content, reply_to=message)
 
     @app.evaluate()

@@ -30,6 +30,7 @@ from fedsim.models import ModelSpec
 from fedsim.workloads import constrained, dp_sgd, lora_client, methods
 from fedsim.workloads.averaging import Averaging
 from fedsim.workloads.client_app import training_app
+from fedsim.workloads.client_method import ClientMethod
 from fedsim.workloads.compression import Quantization
 from fedsim.workloads.conformal import ConformalTraining
 from fedsim.workloads.constrained import ConstrainedTraining, LinearConstraints
@@ -42,8 +43,14 @@ from fedsim.workloads.sgd import SGDTraining
 from fedsim.workloads.sst import SparseSpectral
 from fedsim.workloads.training import ClientTraining, Exclusion, LocalSteps
 
+#: the client methods with a training of their own (and a server half where they talk to
+#: their clients): one :class:`~fedsim.workloads.client_method.ClientMethod` each, whose
+#: ``key`` is a table field of :class:`LocalTraining`
+CLIENT_METHODS: tuple[ClientMethod, ...] = ()
+
 #: the optional tables of ``[client]``: key -> (config class, what it cannot be combined with)
 PARTS: dict[str, tuple[type, tuple[Exclusion, ...]]] = {
+    **{method.key: (method.table, method.excludes) for method in CLIENT_METHODS},
     "dp_sgd": (DPSGD, dp_sgd.EXCLUDES["dp_sgd"]),
     "optimizer": (ClientOptimizer, methods.EXCLUDES["optimizer"]),
     "averaging": (Averaging, methods.EXCLUDES["averaging"]),
@@ -164,9 +171,18 @@ def _adapters(model: ModelSpec, training: LocalTraining, _: bool) -> ClientTrain
     return AdapterTraining(model, training, training.lora, chosen)
 
 
+def _method_choice(method: ClientMethod) -> TrainingChoice:
+    """The training a registered client method selects when its table is set."""
+    return TrainingChoice(
+        lambda t: getattr(t, method.key) is not None,
+        lambda model, t, _: method.training(model, t, getattr(t, method.key)),
+    )
+
+
 #: name -> client training, in the order they are tried (the first selected one is built;
 #: none selected: plain SGD, :class:`~fedsim.workloads.sgd.SGDTraining`)
 CLIENT_TRAININGS: dict[str, TrainingChoice] = {
+    **{method.key: _method_choice(method) for method in CLIENT_METHODS},
     "lora": TrainingChoice(lambda t: isinstance(t.lora, LoRATraining), _adapters),
     "constraints": TrainingChoice(
         lambda t: isinstance(t.constraints, LinearConstraints),
@@ -192,6 +208,15 @@ def client_training(
         if choice.selected(training):
             return choice.build(model, training, metrics_in_clear)
     return SGDTraining(model, training)
+
+
+def server_methods(training: LocalTraining) -> list[tuple[ClientMethod, Any]]:
+    """The configured client methods with a server half, with their tables."""
+    return [
+        (method, getattr(training, method.key))
+        for method in CLIENT_METHODS
+        if method.server is not None and getattr(training, method.key) is not None
+    ]
 
 
 def make_client_app(

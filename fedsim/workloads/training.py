@@ -145,7 +145,10 @@ def cached_model(spec: ModelSpec) -> nn.Module:
 class TrainTask:
     """What a train instruction gives client ``partition``: its training rows, the server
     round, the server's learning rate (None: the client's own), FedProx's ``proximal-mu``
-    (0: none) and the client's ``node_config`` (where its secret is)."""
+    (0: none), the client's ``node_config`` (where its secret is) and ``inputs``, the
+    records the training declares in :attr:`ClientTraining.inputs`, read from the
+    instruction (a client method's server half put them there,
+    :mod:`fedsim.workloads.client_method`)."""
 
     partition: int
     x: torch.Tensor
@@ -154,6 +157,7 @@ class TrainTask:
     lr: float | None = None
     proximal_mu: float = 0.0
     node_config: Mapping[str, Any] = field(default_factory=dict)
+    inputs: Mapping[str, dict[str, np.ndarray]] = field(default_factory=dict)
 
     def secret(self) -> PartySecret:
         """The client's own secret (:func:`fedsim.randomness.client_secret`)."""
@@ -174,12 +178,15 @@ class TrainResult:
         steps: optimiser steps taken.
         metrics: further reply metrics (method-specific).
         upload: the arrays to send (None: the trained model's, :meth:`ClientTraining.arrays`).
+        replies: further records of arrays for the reply, by key (a client method's record
+            for its server half, :mod:`fedsim.workloads.client_method`).
     """
 
     loss: float | None
     steps: int
     metrics: dict[str, float | int] = field(default_factory=dict)
     upload: dict[str, np.ndarray] | None = None
+    replies: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -200,13 +207,15 @@ class Exclusion:
 class ClientTraining(ABC):
     """One way a client trains ``spec`` with the schedule ``steps``.
 
-    Subclasses set :attr:`name` (used in errors) and :attr:`proximal` (whether they add
-    FedProx's ``proximal-mu`` term), implement :meth:`train` and override the model hooks when
-    they train something other than :func:`cached_model` with dense arrays.
+    Subclasses set :attr:`name` (used in errors), :attr:`proximal` (whether they add
+    FedProx's ``proximal-mu`` term) and :attr:`inputs` (the instruction records of arrays
+    they read, :attr:`TrainTask.inputs`), implement :meth:`train` and override the model
+    hooks when they train something other than :func:`cached_model` with dense arrays.
     """
 
     name: str = "client training"
     proximal: bool = False
+    inputs: tuple[str, ...] = ()
 
     def __init__(self, spec: ModelSpec, steps: LocalSteps) -> None:
         self.spec, self.steps = spec, steps

@@ -239,9 +239,9 @@ def test_a_dense_factorization_too_large_is_refused_with_its_cost(tmp_path, monk
     def never(*args, **kwargs):
         raise AssertionError("the optimiser started without a word about its cost")
 
-    import fedsim.privacy.matrix.build as build_module
+    import fedsim.privacy.matrix.kinds.dense as dense_kind
 
-    monkeypatch.setattr(build_module, "dense", never)
+    monkeypatch.setattr(dense_kind, "dense", never)
     out = tmp_path / "dense.npz"
     status, err = call(["factorize", "--kind", "dense", "--rounds", "5000", "--out", str(out)])
     assert_refused(status, err, "--rounds")

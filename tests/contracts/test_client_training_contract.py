@@ -8,8 +8,10 @@ clients ran on the same reused model; and its ClientApp (:func:`training_app`) r
 keys.
 
 The trainings are found in the source tree (:mod:`contracts.discovery`); each has examples in
-:data:`EXAMPLES` (``[client]`` tables that the dispatcher turns into that class), and a
-training without one fails :func:`test_every_client_training_has_examples`.
+:data:`EXAMPLES` (``[client]`` tables that the dispatcher turns into that class; a registered
+client method's declared ``example`` table is one already), and a training without one fails
+:func:`test_every_client_training_has_examples`. A training that reads instruction records
+(``ClientTraining.inputs``) gets them from its method's server half, as in a run.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from fedsim.models import ModelSpec
 from fedsim.randomness import NODE_SECRET_KEY, RunSecret
 from fedsim.record_codec import to_record
 from fedsim.workloads.client_app import train_task, training_app
-from fedsim.workloads.supervised import LocalTraining, client_training
+from fedsim.workloads.supervised import CLIENT_METHODS, LocalTraining, client_training
 from fedsim.workloads.training import ClientTraining, client_generator
 
 CLIENTS = 30
@@ -58,6 +60,14 @@ EXAMPLES: dict[str, list[tuple[str, ModelSpec, dict]]] = {
         ("sst", MLP, {"sst": {}}),
     ],
 }
+#: training class -> the registered client method that selects it (its server half's records)
+METHOD_OF = {}
+for method in CLIENT_METHODS:
+    table = {method.key: dict(method.example)}
+    made = type(client_training(MLP, LocalTraining(**STEPS, **table)))
+    name = f"{made.__module__}:{made.__qualname__}"
+    EXAMPLES.setdefault(name, []).append((f"client.{method.key}", MLP, table))
+    METHOD_OF[name] = method
 FOUND = implementations(ClientTraining)
 NAMES = sorted(FOUND)
 CASES = [
@@ -107,10 +117,17 @@ def global_arrays(training: ClientTraining, seed: int = 0) -> dict[str, np.ndarr
     }
 
 
-def instruction(arrays, partition: int, server_round: int) -> Message:
+def instruction(arrays, partition: int, server_round: int, training=None) -> Message:
+    """A train instruction for client ``partition``, with the records ``training`` declares
+    (:attr:`ClientTraining.inputs`) from its client method's server half."""
     content = RecordDict(
         {"arrays": to_record(arrays), "config": ConfigRecord({"server-round": server_round})}
     )
+    if training is not None and training.inputs:
+        method = METHOD_OF[f"{type(training).__module__}:{type(training).__qualname__}"]
+        table = getattr(LocalTraining(**{method.key: dict(method.example)}), method.key)
+        half = method.server(table, CLIENTS)
+        content[half.key] = to_record(half.instruction(server_round, arrays))
     return Message(content, NODE_ID_OFFSET + partition, "train")
 
 
@@ -118,7 +135,8 @@ def train_once(training, arrays, partition=0, server_round=1, ctx=None):
     """What :func:`training_app`'s train handler does, with the arrays handed in directly:
     ``(upload, result)``."""
     ctx = ctx or context(partition)
-    task = train_task(instruction(arrays, partition, server_round), ctx, DATA)
+    message = instruction(arrays, partition, server_round, training)
+    task = train_task(message, ctx, DATA, training.inputs)
     task = task.to(training.device)
     net = training.model()
     training.load(net, arrays)
@@ -172,7 +190,7 @@ def test_its_client_app_reports_num_examples_and_keeps_the_reply_keys(name, mode
     partition = 3
     rows = len(cached_dataset(DATA).train.client(partition)[1])
     arrays = global_arrays(training)
-    reply = app(instruction(arrays, partition, 1), context(partition))
+    reply = app(instruction(arrays, partition, 1, training), context(partition))
     assert not reply.has_error(), reply.error
     metrics = reply.content["metrics"]
     assert metrics["num-examples"] == rows > 0

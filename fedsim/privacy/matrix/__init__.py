@@ -16,8 +16,10 @@ Modules (pure numpy / scipy, float64; no Ray, no Flower):
   its C (:meth:`Factorization.load` refuses a file that fails);
 - :mod:`.streaming` -- ``C^{-1} z`` round by round with bounded state, fresh noise per round
   from the noise owner's stream;
-- :mod:`.build` -- factorizations by name, cached in ``.npz`` files (``fedsim factorize``,
-  whose argument parsing is :mod:`.cli`).
+- :mod:`.kinds` -- the registered kinds, one module each (:class:`.kind.Kind`: build, cost,
+  noise stream, stream check, cached-file checks);
+- :mod:`.build` -- factorizations by name (:mod:`.kinds`), cached in ``.npz`` files
+  (``fedsim factorize``, whose argument parsing is :mod:`fedsim.commands.factorize`).
 
 Example (BandMF for 4 epochs of 256 rounds, noise for a 10-parameter model)::
 

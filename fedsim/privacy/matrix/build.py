@@ -1,8 +1,9 @@
 """Factorizations by name, and an on-disk cache of optimised ones.
 
-:func:`build` maps a kind (``tree``, ``honaker``, ``sqrt``, ``toeplitz``, ``banded``, ``dense``,
-``blt``) and the run's shape (rounds, bands, participation) to the optimiser of that family
-for the prefix-sum workload. :func:`cached` keeps the result in an ``.npz``
+:func:`build` maps a kind (:data:`fedsim.privacy.matrix.kinds.REGISTERED`: ``tree``, ``honaker``,
+``sqrt``, ``toeplitz``, ``banded``, ``dense``, ``blt``) and the run's shape (rounds, bands,
+participation, the kind's own options) to the optimiser of that family for the prefix-sum
+workload. :func:`cached` keeps the result in an ``.npz``
 (:meth:`Factorization.save`) together with the arguments it was built from and the seconds it
 took, and returns the file's factorization when those arguments match.
 """
@@ -19,15 +20,11 @@ from typing import Any
 import numpy as np
 
 from fedsim.config import ConfigError, require
-from fedsim.privacy.matrix.banded import banded
-from fedsim.privacy.matrix.blt import blt
-from fedsim.privacy.matrix.dense import dense
 from fedsim.privacy.matrix.factorization import Factorization, Progress
-from fedsim.privacy.matrix.toeplitz import banded_toeplitz, sqrt_factorization
-from fedsim.privacy.matrix.tree import binary_tree, honaker_tree
+from fedsim.privacy.matrix.kind import Cost
+from fedsim.privacy.matrix.kinds import NAMES, kind
 from fedsim.privacy.participation import Participation
 
-KINDS = ("tree", "honaker", "sqrt", "toeplitz", "banded", "dense", "blt")
 #: version of the cache key; bump when an optimiser's result changes
 CACHE_FORMAT = "fedsim.factorize/1"
 
@@ -38,7 +35,9 @@ class Spec:
 
     ``participations`` and ``min_sep`` come together (b-min-separation, at most k rounds
     ``min_sep`` apart) or not at all (single participation). ``bands`` is required by
-    ``banded`` and ``toeplitz`` (default: ``min_sep``); ``buffers`` is BLT's.
+    the banded kinds (default: ``min_sep``); ``buffers`` is BLT's; ``options`` are the
+    integer parameters of the kind's own (:attr:`fedsim.privacy.matrix.kind.Kind.options`),
+    as ``(name, value)`` pairs.
     """
 
     kind: str
@@ -47,9 +46,11 @@ class Spec:
     participations: int | None = None
     min_sep: int | None = None
     buffers: int = 3
+    options: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
-        require(self.kind in KINDS, "kind", self.kind, f"one of {', '.join(KINDS)}")
+        require(self.kind in NAMES, "kind", self.kind, f"one of {', '.join(NAMES)}")
+        self._check_options()
         require(
             isinstance(self.rounds, int) and self.rounds >= 1, "rounds", self.rounds, "an int >= 1"
         )
@@ -61,7 +62,7 @@ class Spec:
         for key in ("participations", "min_sep"):
             value = getattr(self, key)
             require(value is None or value >= 1, key, value, "an integer >= 1")
-        if self.kind in ("banded", "toeplitz") and self.bands is None:
+        if kind(self.kind).banded and self.bands is None:
             require(
                 self.min_sep is not None,
                 "bands",
@@ -77,12 +78,37 @@ class Spec:
         )
         require(1 <= self.buffers <= 16, "buffers", self.buffers, "an integer in [1, 16]")
 
+    def _check_options(self) -> None:
+        """``options``: distinct names the kind declares, each an integer >= 1."""
+        pairs = tuple((str(name), value) for name, value in self.options)
+        object.__setattr__(self, "options", tuple(sorted(pairs)))
+        declared = kind(self.kind).options
+        for name, value in self.options:
+            require(
+                name in declared,
+                f"kind_options.{name}",
+                value,
+                f"one of {', '.join(declared)}" if declared else f"nothing for kind {self.kind}",
+            )
+            require(
+                isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                f"kind_options.{name}",
+                value,
+                "an integer >= 1",
+            )
+        names = [name for name, _ in self.options]
+        require(len(set(names)) == len(names), "kind_options", names, "distinct names")
+
+    def option(self, name: str) -> int | None:
+        """The kind's option ``name`` (None: unset)."""
+        return dict(self.options).get(name)
+
     @property
     def band_count(self) -> int | None:
         """Bands used: ``bands``, else ``min(min_sep, rounds)`` for the banded kinds."""
         if self.bands is not None:
             return int(self.bands)
-        if self.kind in ("banded", "toeplitz") and self.min_sep is not None:
+        if kind(self.kind).banded and self.min_sep is not None:
             return min(int(self.min_sep), self.rounds)
         return None
 
@@ -93,50 +119,22 @@ class Spec:
         return Participation.separated(int(self.min_sep), self.participations)
 
     def key(self) -> str:
-        """The cache key: this spec as sorted JSON, with the format version."""
-        return json.dumps({"format": CACHE_FORMAT, **asdict(self)}, sort_keys=True)
+        """The cache key: this spec as sorted JSON, with the format version (``options``
+        only when there are any, so that the keys of files without stay as they were)."""
+        fields = asdict(self)
+        if not fields["options"]:
+            del fields["options"]
+        return json.dumps({"format": CACHE_FORMAT, **fields}, sort_keys=True)
 
 
 #: rounds above which ``dense`` is refused unless forced (:func:`check_cost`)
 DENSE_LIMIT = 1024
-#: the optimisers' iteration caps (their ``max_iter`` defaults)
-MAX_ITER = {"dense": 1000, "banded": 500, "toeplitz": 500, "blt": 500}
-
-
-@dataclass(frozen=True)
-class Cost:
-    """What building a spec costs, before it starts: the optimiser's iteration cap, the
-    floating-point operations of one loss-and-gradient evaluation and the memory it holds."""
-
-    iterations: int
-    flops_per_iteration: float
-    memory_bytes: float
-
-    @property
-    def total_flops(self) -> float:
-        return self.iterations * self.flops_per_iteration
-
-    def describe(self) -> str:
-        return (
-            f"up to {self.iterations} iterations of about {self.flops_per_iteration:.2g} "
-            f"floating-point operations each, about {self.memory_bytes / 2**30:.2g} GiB of memory"
-        )
 
 
 def cost(spec: Spec) -> Cost | None:
-    """The cost of optimising ``spec`` (None for the closed forms: tree, honaker, sqrt).
-
-    Per evaluation: dense ``~4.3 n^3`` (Cholesky of the n x n Gram matrix and two solves)
-    with ``~(8 + 20) n^2`` float64 held (the n x n work arrays and L-BFGS's 20 pairs of
-    ``~n^2 / 2`` parameters); banded ``~4 n^2 bands``; Toeplitz and BLT ``~n^2``."""
-    n, kind = spec.rounds, spec.kind
-    if kind not in MAX_ITER:
-        return None
-    if kind == "dense":
-        return Cost(MAX_ITER[kind], 4.3 * n**3, 8.0 * (8 + 20) * n**2)
-    if kind == "banded":
-        return Cost(MAX_ITER[kind], 4.0 * n**2 * spec.band_count, 8.0 * 6 * n**2)
-    return Cost(MAX_ITER[kind], 10.0 * n**2, 8.0 * 4 * n**2)
+    """The cost of optimising ``spec`` (its kind's; None for the closed forms)."""
+    estimate = kind(spec.kind).cost
+    return None if estimate is None else estimate(spec)
 
 
 def check_cost(spec: Spec, force: bool = False) -> Cost | None:
@@ -153,47 +151,10 @@ def check_cost(spec: Spec, force: bool = False) -> Cost | None:
 
 
 def build(spec: Spec, progress: Progress | None = None) -> Factorization:
-    """The optimised (or closed-form) factorization of prefix sums that ``spec`` names.
-
-    ``dense`` optimises for ``participations`` fixed epochs (rounds must be a multiple); the
-    other optimisers take the min-separation schema directly (banded C needs
-    ``bands <= min_sep`` for its columns to be orthogonal where a user can reappear).
-    ``progress`` hears of each optimiser iteration.
-    """
-    n, kind, p = spec.rounds, spec.kind, spec.participation
-    if kind == "tree":
-        return binary_tree(n)
-    if kind == "honaker":
-        return honaker_tree(n)
-    if kind == "sqrt":
-        return sqrt_factorization(n)
-    if kind == "toeplitz":
-        return banded_toeplitz(n, spec.band_count, p, progress=progress)
-    if kind == "banded":
-        if spec.min_sep is not None and spec.participations and spec.participations > 1:
-            require(
-                spec.band_count <= spec.min_sep,
-                "bands",
-                spec.band_count,
-                f"at most min_sep = {spec.min_sep} (columns one user shares orthogonal)",
-            )
-        return banded(n, spec.band_count, progress=progress)
-    if kind == "dense":
-        epochs = p.participations(n)
-        require(
-            n % epochs == 0,
-            "participations",
-            spec.participations,
-            f"a number of epochs dividing rounds = {n} (dense optimises fixed-epoch order)",
-        )
-        return dense(n, epochs, progress=progress)
-    return blt(n, spec.buffers, p, progress=progress)
-
-
-#: the kind a spec's factorization is saved under
-SAVED_KIND = {"toeplitz": "banded_toeplitz"}
-#: kinds with a closed form: a cached file of one must equal what :func:`build` gives
-CLOSED_FORMS = ("tree", "honaker", "sqrt")
+    """The optimised (or closed-form) factorization of prefix sums that ``spec`` names
+    (its kind's :attr:`~fedsim.privacy.matrix.kind.Kind.build`; ``progress`` hears of each
+    optimiser iteration)."""
+    return kind(spec.kind).build(spec, progress)
 
 
 def reuse_refusal(spec: Spec, path: Path) -> tuple[Factorization | None, str | None]:
@@ -217,18 +178,14 @@ def reuse_refusal(spec: Spec, path: Path) -> tuple[Factorization | None, str | N
     seconds = f.params.get("seconds")
     if not isinstance(seconds, float) or not 0 <= seconds < float("inf"):
         problems.append(f"its build time {seconds!r} is not a number of seconds")
-    if f.kind != SAVED_KIND.get(spec.kind, spec.kind) or f.n != spec.rounds:
+    declared = kind(spec.kind)
+    if f.kind != declared.saved_as or f.n != spec.rounds:
         problems.append(f"it holds {f.kind} for n = {f.n}")
-    if spec.band_count is not None and spec.kind in ("banded", "toeplitz"):
+    if spec.band_count is not None and declared.banded:
         if f.params.get("bands") != spec.band_count:
             problems.append(f"bands {f.params.get('bands')!r}, not {spec.band_count}")
-    if spec.kind == "blt" and np.shape(f.params.get("weights")) != (spec.buffers,):
-        problems.append(f"not {spec.buffers} BLT buffers")
-    if spec.kind == "dense" and f.params.get("epochs") != spec.participation.participations(
-        spec.rounds
-    ):
-        problems.append("another number of epochs")
-    if not problems and spec.kind in CLOSED_FORMS:
+    problems.extend(declared.file_problems(spec, f))
+    if not problems and declared.closed_form:
         expected = build(spec)
         if not (
             np.array_equal(f.encoder, expected.encoder)
@@ -286,6 +243,8 @@ def spec_of(f: Factorization, path: str = "factorization") -> Spec | None:
         data = json.loads(key) if isinstance(key, str) else None
         if not isinstance(data, dict) or data.pop("format", None) != CACHE_FORMAT:
             raise ValueError("not a cache key of this version")
+        if "options" in data:
+            data["options"] = tuple(tuple(pair) for pair in data["options"])
         return Spec(**data)
     except (ValueError, TypeError) as err:
         raise ConfigError(

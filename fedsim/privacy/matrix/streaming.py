@@ -17,7 +17,8 @@ State held (``d`` = number of noise coordinates per round):
 - :class:`DenseStream` -- every past output (``O(t d)``; for dense / square-root C, whose
   inverse is dense).
 
-:func:`noise_stream` picks the generator for a :class:`Factorization`. Outputs have unit
+:func:`noise_stream` picks the generator a :class:`Factorization`'s kind names
+(:mod:`fedsim.privacy.matrix.kinds`). Outputs have unit
 standard deviation per fresh coordinate; multiply by ``noise_multiplier * sens(C) * clip``.
 """
 
@@ -210,17 +211,15 @@ class DenseStream(NoiseStream):
 def noise_stream(
     factorization: Factorization, noise: RoundNoise, shape: tuple[int, ...] | int
 ) -> NoiseStream:
-    """The bounded-state generator for ``factorization``'s noise, where one exists; round t's
-    fresh noise comes from ``noise(t)``."""
-    f = factorization
-    kind, n = f.kind, f.n
-    if kind in ("tree", "honaker"):
-        return TreeStream(n, f.params["alphas"], noise, shape)
-    if kind == "blt":
-        return BLTStream(n, f.params["weights"], f.params["thetas"], noise, shape)
-    if kind in ("banded", "banded_toeplitz"):
-        return BandedStream(f.encoder, f.params["bands"], noise, shape)
-    return DenseStream(f.encoder, noise, shape)
+    """The bounded-state generator for ``factorization``'s noise, where one exists (its
+    kind's, :mod:`fedsim.privacy.matrix.kinds`; a kind no family saves under: forward
+    substitution over its C); round t's fresh noise comes from ``noise(t)``."""
+    from fedsim.privacy.matrix.kinds import saved_kind  # noqa: PLC0415  (the kinds import this)
+
+    kind = saved_kind(factorization.kind)
+    if kind is None:
+        return DenseStream(factorization.encoder, noise, shape)
+    return kind.stream(factorization, noise, shape)
 
 
 def dense_fresh_noise(stream: NoiseStream) -> np.ndarray:

@@ -18,6 +18,8 @@ per family, that the generator's parameters give exactly the C (and B) in the fa
 - every other (square) kind: forward substitution over C's own lower triangle, so C must be
   lower-triangular with a non-zero diagonal.
 
+Each kind names its check (:mod:`fedsim.privacy.matrix.kinds`); these are the families'.
+
 Tolerance (:data:`TOLERANCE`): ``max |rebuilt - stored| <= TOLERANCE * max(1, max |stored|)``
 entrywise, on C for BLT and on B for trees; structure (zeros, the 0/1 node matrix) is exact.
 """
@@ -38,9 +40,6 @@ from fedsim.privacy.matrix.structure import (
 
 #: relative entrywise tolerance between what the stream's parameters give and what is stored
 TOLERANCE = 1e-9
-
-_TREES = ("tree", "honaker")
-_BANDED = ("banded", "banded_toeplitz")
 
 
 def _relative(rebuilt: np.ndarray, stored: np.ndarray) -> float:
@@ -64,55 +63,80 @@ def _vector(f: Any, name: str) -> np.ndarray | str:
 def stream_mismatch(f: Any) -> str | None:
     """None when the noise stream built for the :class:`~.factorization.Factorization` ``f``
     generates ``G z`` for ``f``'s own C (within :data:`TOLERANCE`); else what differs, in
-    words. (Reads ``f``'s attributes only: the module imports no family, so that loading a
-    file can call it.)"""
-    A, B, C, n = f.workload, f.decoder, f.encoder, f.n
-    for name, array in (("workload", A), ("encoder", C), ("decoder", B)):
+    words: the check of ``f``'s kind (:func:`fedsim.privacy.matrix.kinds.saved_kind`; a kind
+    no family saves under: :func:`square_mismatch`)."""
+    from fedsim.privacy.matrix.kinds import saved_kind  # noqa: PLC0415  (the families load this)
+
+    for name, array in (("workload", f.workload), ("encoder", f.encoder), ("decoder", f.decoder)):
         if not np.all(np.isfinite(array)):
             return f"the {name} holds NaN or infinite values"
-    if f.kind in _TREES:
-        alphas = _vector(f, "alphas")
-        if isinstance(alphas, str):
-            return alphas
-        height = tree_height(n)
-        if alphas.shape != (height + 1,):
-            return f"{alphas.shape[0]} alphas for a tree of height {height} ({height + 1} needed)"
-        expected = tree_encoder(n)
-        if C.shape != expected.shape or not np.array_equal(C, expected):
-            return f"C (shape {C.shape}) is not the node matrix of the {n}-round tree"
-        error = _relative(tree_decoder(n, alphas, A), B)
-        if error > TOLERANCE:
-            return f"B differs by {error:.3g} (relative) from the decoder the alphas give"
-        return None
+    kind = saved_kind(f.kind)
+    return square_mismatch(f) if kind is None else kind.mismatch(f)
+
+
+def tree_mismatch(f: Any) -> str | None:
+    """A tree's: C the node matrix of the n-round tree, B the decoder its ``alphas`` give."""
+    A, B, C, n = f.workload, f.decoder, f.encoder, f.n
+    alphas = _vector(f, "alphas")
+    if isinstance(alphas, str):
+        return alphas
+    height = tree_height(n)
+    if alphas.shape != (height + 1,):
+        return f"{alphas.shape[0]} alphas for a tree of height {height} ({height + 1} needed)"
+    expected = tree_encoder(n)
+    if C.shape != expected.shape or not np.array_equal(C, expected):
+        return f"C (shape {C.shape}) is not the node matrix of the {n}-round tree"
+    error = _relative(tree_decoder(n, alphas, A), B)
+    if error > TOLERANCE:
+        return f"B differs by {error:.3g} (relative) from the decoder the alphas give"
+    return None
+
+
+def square_mismatch(f: Any) -> str | None:
+    """A square kind's (forward substitution over C's lower triangle): C n x n,
+    lower-triangular, with a non-zero diagonal."""
+    C, n = f.encoder, f.n
     if C.shape != (n, n):
         return f"C of shape {C.shape} (a {n} x {n} lower-triangular matrix for kind {f.kind})"
     if np.any(np.triu(C, k=1) != 0):
         return "C has non-zero entries above the diagonal (the stream reads rows <= t only)"
     if np.any(np.diag(C) == 0):
         return "C has a zero on its diagonal (not invertible)"
-    if f.kind == "blt":
-        weights, thetas = _vector(f, "weights"), _vector(f, "thetas")
-        for value in (weights, thetas):
-            if isinstance(value, str):
-                return value
-        if weights.shape != thetas.shape:
-            return (
-                f"{weights.shape[0]} weights and {thetas.shape[0]} thetas (one of each per buffer)"
-            )
-        with np.errstate(over="ignore", invalid="ignore"):
-            rebuilt = toeplitz_matrix(blt_coefficients(weights, thetas, n), n)
-        error = _relative(rebuilt, C) if np.all(np.isfinite(rebuilt)) else np.inf
-        if not error <= TOLERANCE:
-            return (
-                f"C differs by {error:.3g} (relative) from the Toeplitz matrix its weights and "
-                "thetas generate"
-            )
-    if f.kind in _BANDED:
-        bands = f.params.get("bands")
-        if isinstance(bands, (bool, np.bool_)) or not isinstance(bands, (int, np.integer)):
-            return f"bands = {bands!r} (an integer in [1, {n}])"
-        if not 1 <= int(bands) <= n:
-            return f"bands = {bands} (an integer in [1, {n}])"
-        if np.any(np.tril(C, k=-int(bands)) != 0):
-            return f"C has non-zero entries below its {int(bands)} bands (the stream ignores them)"
+    return None
+
+
+def blt_mismatch(f: Any) -> str | None:
+    """BLT's: a square C equal to the Toeplitz matrix its ``weights`` and ``thetas`` give."""
+    problem = square_mismatch(f)
+    if problem is not None:
+        return problem
+    weights, thetas = _vector(f, "weights"), _vector(f, "thetas")
+    for value in (weights, thetas):
+        if isinstance(value, str):
+            return value
+    if weights.shape != thetas.shape:
+        return f"{weights.shape[0]} weights and {thetas.shape[0]} thetas (one of each per buffer)"
+    with np.errstate(over="ignore", invalid="ignore"):
+        rebuilt = toeplitz_matrix(blt_coefficients(weights, thetas, f.n), f.n)
+    error = _relative(rebuilt, f.encoder) if np.all(np.isfinite(rebuilt)) else np.inf
+    if not error <= TOLERANCE:
+        return (
+            f"C differs by {error:.3g} (relative) from the Toeplitz matrix its weights and "
+            "thetas generate"
+        )
+    return None
+
+
+def banded_mismatch(f: Any) -> str | None:
+    """A banded kind's: a square C zero below its ``bands`` diagonals."""
+    problem = square_mismatch(f)
+    if problem is not None:
+        return problem
+    bands, n = f.params.get("bands"), f.n
+    if isinstance(bands, (bool, np.bool_)) or not isinstance(bands, (int, np.integer)):
+        return f"bands = {bands!r} (an integer in [1, {n}])"
+    if not 1 <= int(bands) <= n:
+        return f"bands = {bands} (an integer in [1, {n}])"
+    if np.any(np.tril(f.encoder, k=-int(bands)) != 0):
+        return f"C has non-zero entries below its {int(bands)} bands (the stream ignores them)"
     return None
