@@ -39,6 +39,8 @@ from fedsim.workloads.dp_sgd import DPSGD, PrivateSGD
 from fedsim.workloads.lora_client import AdapterTraining
 from fedsim.workloads.methods import MethodsTraining
 from fedsim.workloads.optim.choice import ClientOptimizer
+from fedsim.workloads.scaffold import METHOD as SCAFFOLD
+from fedsim.workloads.scaffold import Scaffold
 from fedsim.workloads.sgd import SGDTraining
 from fedsim.workloads.sst import SparseSpectral
 from fedsim.workloads.training import ClientTraining, Exclusion, LocalSteps
@@ -46,7 +48,7 @@ from fedsim.workloads.training import ClientTraining, Exclusion, LocalSteps
 #: the client methods with a training of their own (and a server half where they talk to
 #: their clients): one :class:`~fedsim.workloads.client_method.ClientMethod` each, whose
 #: ``key`` is a table field of :class:`LocalTraining`
-CLIENT_METHODS: tuple[ClientMethod, ...] = ()
+CLIENT_METHODS: tuple[ClientMethod, ...] = (SCAFFOLD,)
 
 #: the optional tables of ``[client]``: key -> (config class, what it cannot be combined with)
 PARTS: dict[str, tuple[type, tuple[Exclusion, ...]]] = {
@@ -91,6 +93,8 @@ class LocalTraining(LocalSteps):
             (:class:`~fedsim.workloads.coto.LoRATraining`): the global arrays are the
             adapters only (:mod:`fedsim.workloads.lora_client`); combines with a minibatch
             ``optimizer`` only.
+        scaffold: ``[client.scaffold]`` SCAFFOLD's control variates
+            (:class:`~fedsim.workloads.scaffold.Scaffold`: server_lr), with its server half.
     """
 
     dp_sgd: DPSGD | dict[str, Any] | None = None
@@ -101,6 +105,7 @@ class LocalTraining(LocalSteps):
     sst: SparseSpectral | dict[str, Any] | None = None
     constraints: LinearConstraints | dict[str, Any] | None = None
     lora: LoRATraining | dict[str, Any] | None = None
+    scaffold: Scaffold | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         for key, (cls, _) in PARTS.items():
