@@ -40,6 +40,7 @@ from strategies.dmm.wire import (
     round_keys_from_config,
     sealed_to_record,
 )
+from strategies.secure.clear import client_refusal, register_evaluate
 from strategies.vectors import flatten
 
 
@@ -199,14 +200,5 @@ def dmm_client_app(inner: ClientApp, metrics_in_clear: bool = False) -> ClientAp
     def train(message: Message, context: Context) -> Message:
         return _train_reply(message, context, inner, metrics_in_clear)
 
-    @app.evaluate()
-    def evaluate(message: Message, context: Context) -> Message:
-        if not metrics_in_clear:
-            raise RuntimeError(
-                "a DMM client answers no federated evaluation: it would send its un-noised "
-                "loss and accuracy to the server (build the client app with "
-                "metrics_in_clear=True to allow it; epsilon is then infinite)"
-            )
-        return inner(message, context)
-
+    register_evaluate(app, inner, metrics_in_clear, client_refusal("DMM"))
     return app

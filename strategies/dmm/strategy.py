@@ -7,19 +7,17 @@ before round 1), :mod:`strategies.dmm.custody` (the committee holding the state)
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from collections.abc import Iterable
 from typing import Any, Literal
 
-import dp_accounting as dpa
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from fedsim.engine.boundary import ClaimRefused, ReleaseBoundary, boundary_of
+from fedsim.engine.boundary import ReleaseBoundary, boundary_of
 from fedsim.privacy import dmm as dmm_privacy
 from fedsim.privacy.ledger import PrivacyLedger
 from fedsim.privacy.matrix.factorization import Factorization
@@ -37,28 +35,22 @@ from protocols.kit import TamperingDetected
 from protocols.shamir import PackedShamir
 from strategies.dmm import accounting
 from strategies.dmm import replies as checks
-from strategies.dmm.calibration import (
-    EVALUATION,
-    Plan,
-    calibrate,
-    check_arguments,
-    integer_mechanism,
-)
+from strategies.dmm.calibration import Plan, calibrate, check_arguments, integer_mechanism
 from strategies.dmm.custody import Custody
 from strategies.dmm.fold import ShareFoldReducer
 from strategies.dmm.metrics import clear_metrics, round_metrics
 from strategies.dmm.options import DMMOptions as OPTIONS
 from strategies.dmm.state import RoundState
 from strategies.dmm.wire import PREFIX, cohort_config, round_keys_config, with_share_config
-from strategies.dp_shell import LedgerShell
 from strategies.participation_guard import ParticipationGuard
+from strategies.secure.clear import SecureReplies
 from strategies.vectors import unflatten
 from strategies.wrapper import server_reply
 
 log = logging.getLogger(__name__)
 
 
-class DMM(LedgerShell):
+class DMM(SecureReplies):
     """Wrap a FedAvg-family strategy with the distributed matrix mechanism.
 
     At the release boundary (:mod:`fedsim.engine.boundary`) it claims the replies it consumes,
@@ -103,6 +95,7 @@ class DMM(LedgerShell):
             evaluate messages, is refused.
     """
 
+    method = "DMM"
     #: the replies it consumes are claimed at the release boundary (fedsim.engine.boundary)
     claims_replies = True
     _boundary: ReleaseBoundary | None = None
@@ -178,7 +171,6 @@ class DMM(LedgerShell):
         self.ledger = PrivacyLedger(NeighbouringRelation.ADD_REMOVE, delta)
         self.custody = Custody(self.seed, self.population, self.scheme.n)
         self.guard = ParticipationGuard(self.mechanism.participation, self.mechanism.n)
-        #: client content that reached the server outside the secure sum (epsilon = inf)
         self.unaccounted: list[str] = []
         self.participation_refused: list[int] = []
         self.encoder: DDGaussEncoder | None = None
@@ -328,39 +320,8 @@ class DMM(LedgerShell):
             "bound": "discrete Gaussian on the integer query M X (KLS21 Thm 1), noise present",
             "relation": dmm_privacy.RELATION,
         }
-        if self.unaccounted:
-            details["unaccounted"] = {
-                "releases": len(self.unaccounted),
-                "first": self.unaccounted[0],
-            }
+        details.update(self.unaccounted_details())
         return details
-
-    def _unaccounted(self, server_round: int, what: str) -> None:
-        """Client content reached the server outside the secure sum: epsilon is infinite."""
-        self.ledger.record(server_round, dpa.NonPrivateDpEvent())
-        self.unaccounted.append(f"round {server_round}: {what}")
-        log.warning("round %d: DMM received %s: epsilon is now infinite", server_round, what)
-
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        messages = list(self.strategy.configure_evaluate(server_round, arrays, config, grid))
-        if messages and not self.metrics_in_clear:
-            raise RuntimeError(EVALUATION.format(f"{len(messages)} evaluate messages"))
-        return messages
-
-    def aggregate_evaluate(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> MetricRecord | None:
-        replies = list(replies)
-        answered = sum(not reply.has_error() for reply in replies)
-        if self._boundary is not None:  # consumed here: the ledger makes epsilon infinite
-            for reply in replies:
-                with contextlib.suppress(ClaimRefused):
-                    self._boundary.claim([reply], self)
-        if answered:
-            self._unaccounted(server_round, f"evaluation metrics of {answered} clients")
-        return self.strategy.aggregate_evaluate(server_round, replies)
 
     # ------------------------------------------------------------------ rounds
     def _instruction_config(
@@ -496,7 +457,7 @@ class DMM(LedgerShell):
         replies = list(replies)
         clear = sum(not r.has_error() and "metrics" in r.content for r in replies)
         if clear:
-            self._unaccounted(server_round, f"train metrics of {clear} clients in the clear")
+            self.unaccounted_release(server_round, f"train metrics of {clear} clients in the clear")
         refused = self._refusals(server_round, replies, metrics)
         valid, rejected = checks.validate(
             self._round, replies, self.mode == "full", self.worker_fold

@@ -6,7 +6,10 @@
 * :mod:`strategies.secure.secagg`: SecAgg+ (Bell et al., CCS 2020) over the Grid;
 * :mod:`strategies.secure.committee`: the committee host's sum of sealed inputs.
 
-:func:`build` makes one by name; :data:`CONTRIBUTE` holds each one's client side.
+:func:`build` makes one by name; :data:`CONTRIBUTE` holds each one's client side and
+:data:`WITHOUT_DP` the names a FedAvg-family strategy may take with no DP
+(:mod:`strategies.secure_aggregation`): adding an implementation is its module and its entry
+in :data:`CLASSES`.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from strategies.secure.release import Release, SecureSum
 from strategies.secure.secagg import SecAggPlan, SecAggSum
 
 __all__ = [
+    "CLASSES",
     "CONTRIBUTE",
     "NAMES",
     "CommitteeSum",
@@ -29,8 +33,14 @@ __all__ = [
     "SecAggPlan",
     "SecAggSum",
     "SecureSum",
+    "WITHOUT_DP",
     "build",
 ]
+
+#: name -> the implementation
+CLASSES: dict[str, type[SecureSum]] = {
+    cls.name: cls for cls in (PlaintextSum, SecAggSum, CommitteeSum)
+}
 
 #: name -> the client side: ``contribute(context, secret, config, elements, round, prefix)``
 CONTRIBUTE: dict[str, Callable] = {
@@ -38,7 +48,10 @@ CONTRIBUTE: dict[str, Callable] = {
     SecAggSum.name: secagg.contribute,
     CommitteeSum.name: committee.contribute,
 }
-NAMES = tuple(CONTRIBUTE)
+NAMES = tuple(CLASSES)
+#: the secure sums that hide every input and sum on their own: what ``secure_sum`` may name
+#: under a FedAvg-family strategy with no DP
+WITHOUT_DP = tuple(n for n, cls in CLASSES.items() if cls.hides_inputs and cls.standalone)
 
 
 def build(

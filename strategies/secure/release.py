@@ -84,6 +84,10 @@ class SecureSum(ABC):
     name: ClassVar[str]
     #: the server holds no client's input (False only for ``plaintext``)
     hides_inputs: ClassVar[bool] = True
+    #: it sums any cohort's field elements by itself, with no mechanism around it, so a
+    #: FedAvg-family strategy may take it with no DP when it also :attr:`hides_inputs`
+    #: (:data:`strategies.secure.WITHOUT_DP`)
+    standalone: ClassVar[bool] = True
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
