@@ -220,7 +220,11 @@ class DMMSum(SecureSum):
 
     def finish(self, server_round: int, payloads: Mapping[int, Any], length: int) -> Release:
         """Run the round's release over the accepted contents (by node), hand the state to the
-        committee that holds it next, and say what the server learned."""
+        committee that holds it next, and say what the server learned. An abort after the
+        release shares reached the server (``error.opened``) names as ``opened`` the nodes
+        whose shares entered the round; the count of noise contributors the members verified
+        is the transcript's (:class:`protocols.dmm.common.OpenedRelease`), which the ledger
+        reads."""
         state, rejected = self.round, {}
         try:
             output = self._release(payloads, rejected)
