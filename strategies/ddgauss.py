@@ -87,7 +87,6 @@ import math
 from collections.abc import Iterable
 from typing import Any, Literal
 
-import dp_accounting as dpa
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
@@ -105,14 +104,13 @@ from protocols.secagg.common import SecAggConfig, Stage
 from strategies import secure
 from strategies.ddgauss_client import PREFIX
 from strategies.ddgauss_options import (
-    EVALUATION_REFUSED,
     SECURE_SUMS,
     DDGaussOptions,
     check_arguments,
     check_options,
 )
-from strategies.dp_shell import LedgerShell
 from strategies.secure import Release, SecAggPlan, SecureSum
+from strategies.secure.clear import SecureReplies
 from strategies.secure.replies import clear_train_loss, first_replies
 from strategies.vectors import unflatten
 from strategies.wrapper import arrayrecord_key, server_reply
@@ -120,8 +118,10 @@ from strategies.wrapper import arrayrecord_key, server_reply
 log = logging.getLogger(__name__)
 
 
-class DDGauss(LedgerShell):
+class DDGauss(SecureReplies):
     """Wrap a FedAvg-family strategy with DDGauss over SecAgg+ and a privacy ledger.
+    Evaluation and per-client metrics are refused, or accounted as infinite epsilon, by
+    :class:`strategies.secure.clear.SecureReplies`.
 
     Args:
         strategy: samples clients and applies the mean update (FedAvg, FedAdam, ...).
@@ -155,6 +155,8 @@ class DDGauss(LedgerShell):
             infinite once any arrive. Without it a ``strategy`` whose ``fraction_evaluate`` is
             > 0, or that sends evaluate messages, is refused.
     """
+
+    method = "DDGauss"
 
     def __init__(
         self,
@@ -301,29 +303,8 @@ class DDGauss(LedgerShell):
             "mode": self.mode,
             "aborted_releases": list(self.aborted_releases),
         }
-        if self.unaccounted:
-            details["unaccounted"] = {
-                "releases": len(self.unaccounted),
-                "first": self.unaccounted[0],
-            }
+        details.update(self.unaccounted_details())
         return details
-
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        messages = list(self.strategy.configure_evaluate(server_round, arrays, config, grid))
-        if messages and not self.metrics_in_clear:
-            raise RuntimeError(EVALUATION_REFUSED.format(f"{len(messages)} evaluate messages"))
-        return messages
-
-    def aggregate_evaluate(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> MetricRecord | None:
-        replies = list(replies)
-        answered = sum(not reply.has_error() for reply in replies)
-        if answered:
-            self._unaccounted(server_round, f"evaluation metrics of {answered} clients")
-        return self.strategy.aggregate_evaluate(server_round, replies)
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -401,7 +382,8 @@ class DDGauss(LedgerShell):
         payloads, rejected, clear = self._first_replies(replies)
         before = self.epsilon()
         if clear:
-            self._unaccounted(server_round, f"train metrics of {len(clear)} clients in the clear")
+            what = f"train metrics of {len(clear)} clients in the clear"
+            self.unaccounted_release(server_round, what)
         release = self.secure.finish(server_round, payloads, self.encoder.padded_dim)
         refusals = self._key_refusals(server_round, release)
         rejected.update(release.rejected)
@@ -493,12 +475,6 @@ class DDGauss(LedgerShell):
             encoder.padded_dim,
         )
         self.ledger.record(server_round, event)
-
-    def _unaccounted(self, server_round: int, what: str) -> None:
-        """Client content reached the server outside the secure sum: epsilon is infinite."""
-        self.ledger.record(server_round, dpa.NonPrivateDpEvent())
-        self.unaccounted.append(f"round {server_round}: {what}")
-        log.warning("round %d: DDGauss received %s: epsilon is now infinite", server_round, what)
 
     def _apply(
         self, server_round: int, release: Release, clear: list[MetricRecord]

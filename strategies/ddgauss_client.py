@@ -17,6 +17,7 @@ from strategies import secure
 from strategies.answered_rounds import claim_round
 from strategies.ddgauss_options import MODES, NAME, SECURE_SUMS
 from strategies.secagg_client_stages import register_client_stages
+from strategies.secure.clear import client_refusal, register_evaluate
 from strategies.secure.committee import sealed_key
 from strategies.secure.plaintext import encoded_key
 from strategies.vectors import trained_update
@@ -125,15 +126,6 @@ def ddgauss_client_app(
 
     register_client_stages(app)
 
-    @app.evaluate()
-    def evaluate(message: Message, context: Context) -> Message:
-        if not metrics_in_clear:
-            raise RuntimeError(
-                "a DDGauss client answers no federated evaluation: it would send its un-noised "
-                "loss and accuracy to the server (build the client app with "
-                "metrics_in_clear=True to allow it; epsilon is then infinite)"
-            )
-        return inner(message, context)
-
+    register_evaluate(app, inner, metrics_in_clear, client_refusal("DDGauss"))
     return app
 

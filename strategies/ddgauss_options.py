@@ -13,6 +13,7 @@ from flwr.serverapp.strategy import Strategy
 from fedsim.config import require
 from fedsim.engine.committee import Committee, CommitteeSpec
 from protocols.encoding import DEFAULT_BETA
+from strategies.secure import clear
 from strategies.secure.committee import COMMITTEE_OPTIONS, spec_from_options
 from strategies.wrapper import fraction_evaluate
 
@@ -22,11 +23,8 @@ NAME = "ddgauss"
 #: DDGauss's ``mode`` -> the secure sum it runs (:mod:`strategies.secure`)
 SECURE_SUMS = {"full": "secagg", "plaintext": "plaintext", "committee": "committee"}
 MODES = tuple(SECURE_SUMS)
-EVALUATION_REFUSED = (
-    "{} with DDGauss: federated evaluation sends each evaluating client's un-noised loss and "
-    "accuracy to the server; set fraction_evaluate = 0 ([evaluation] clients = 0), or pass "
-    "metrics_in_clear=True ([privacy] metrics_in_clear = true), which makes epsilon infinite"
-)
+#: the refusal of federated evaluation without ``metrics_in_clear``
+EVALUATION_REFUSED = clear.evaluation_refusal("DDGauss")
 _RENAMED = (
     "mode='ideal' is now mode='plaintext': the clients' encodings reach the server in the "
     "clear (only the sum's arithmetic matches full mode); use 'full' for SecAgg+"
@@ -98,9 +96,7 @@ def check_arguments(
         raise ValueError(
             f"committee is a {type(committee).__name__}; allowed: Committee or CommitteeSpec"
         )
-    fraction = fraction_evaluate(strategy)
-    if not metrics_in_clear and isinstance(fraction, int | float) and fraction > 0:
-        raise ValueError(EVALUATION_REFUSED.format(f"strategy.fraction_evaluate={fraction!r}"))
+    clear.check_evaluation(fraction_evaluate(strategy), metrics_in_clear, EVALUATION_REFUSED)
 
 
 #: the committee's keys, only with ``mode = "committee"``

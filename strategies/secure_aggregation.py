@@ -48,12 +48,12 @@ from strategies import secure
 from strategies.answered_rounds import claim_round
 from strategies.secagg_client_stages import register_client_stages
 from strategies.secure import Release, SecAggPlan, SecureSum
+from strategies.secure.clear import ClearMetricsGate, register_evaluate
 from strategies.secure.committee import COMMITTEE_OPTIONS, spec_from_options
 from strategies.secure.replies import clear_train_loss, first_replies
 from strategies.spec import raw_option
 from strategies.vectors import trained_update, unflatten
 from strategies.wrapper import (
-    StrategyWrapper,
     arrayrecord_key,
     fraction_evaluate,
     server_reply,
@@ -64,10 +64,15 @@ log = logging.getLogger(__name__)
 
 PREFIX = "secure."
 NAME = "secure-sum"
-#: the secure sums a FedAvg-family strategy may take (``plaintext`` hides nothing)
-SECURE_SUMS = ("secagg", "committee")
+#: the secure sums a FedAvg-family strategy may take: the registry's
+#: (:data:`strategies.secure.WITHOUT_DP`; ``plaintext`` hides nothing)
+SECURE_SUMS = secure.WITHOUT_DP
 _KEYS = ("sum", "dim", "fractional-bits", "value-bound")
 MECHANISM = "secure aggregation without DP"
+CLIENT_REFUSAL = (
+    "a secure-sum client answers no federated evaluation: it would send its loss and accuracy "
+    "to the server in the clear (metrics_in_clear allows it)"
+)
 _WHERE = "strategy.options"
 
 
@@ -178,19 +183,11 @@ def secure_client_app(inner: ClientApp, metrics_in_clear: bool = False) -> Clien
 
     register_client_stages(app)
 
-    @app.evaluate()
-    def evaluate(message: Message, context: Context) -> Message:
-        if not metrics_in_clear:
-            raise RuntimeError(
-                "a secure-sum client answers no federated evaluation: it would send its "
-                "loss and accuracy to the server in the clear (metrics_in_clear allows it)"
-            )
-        return inner(message, context)
-
+    register_evaluate(app, inner, metrics_in_clear, CLIENT_REFUSAL)
     return app
 
 
-class SecureAggregation(StrategyWrapper):
+class SecureAggregation(ClearMetricsGate):
     """Wrap a FedAvg-family strategy so that the cohort's weighted sum is computed by
     ``secure_sum`` ("secagg" or "committee"); see the module docstring.
 
@@ -310,16 +307,11 @@ class SecureAggregation(StrategyWrapper):
         self.secure.address(server_round, messages)
         return messages
 
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        messages = list(self.strategy.configure_evaluate(server_round, arrays, config, grid))
-        if messages and not self.metrics_in_clear:
-            raise RuntimeError(
-                f"{len(messages)} evaluate messages with a secure sum: federated evaluation "
-                "sends each client's metrics in the clear (metrics_in_clear allows it)"
-            )
-        return messages
+    def evaluation_refused(self, what: str) -> str:
+        return (
+            f"{what} with a secure sum: federated evaluation sends each client's metrics in "
+            "the clear (metrics_in_clear allows it)"
+        )
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -411,7 +403,7 @@ class SecureSumOptions:
     :class:`~fedsim.engine.committee.CommitteeSpec`.
     """
 
-    secure_sum: Literal["secagg", "committee"] | None = None
+    secure_sum: Literal[SECURE_SUMS] | None = None
     fractional_bits: int | None = None
     value_bound: float | None = None
     secagg_degree: int | None = None

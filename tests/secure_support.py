@@ -1,6 +1,8 @@
 """A one-round harness for :class:`strategies.secure.SecureSum` implementations: enrolled
 clients (their secrets and certificates from one root) answer in this process, each with its
-own persistent Context, as fedsim's workers would."""
+own persistent Context, as fedsim's workers would. ``dmm`` runs with M = I (one row per step)
+and no noise, so that its release is the field sum of the inputs, on an in-process committee
+host of the same root."""
 
 from __future__ import annotations
 
@@ -13,11 +15,13 @@ from flwr.common.constant import NUM_PARTITIONS_KEY, PARTITION_ID_KEY
 
 from fedsim.engine.client_registry import NODE_ID_OFFSET, Enrolment
 from fedsim.engine.committee import Committee
+from fedsim.engine.dmm_committee import CommitteeHost
 from fedsim.randomness import NODE_SECRET_KEY, RunSecret, client_secret
 from protocols.field import DEFAULT_FIELD
+from protocols.shamir import PackedShamir
 from strategies import secure
 from strategies.secagg_client_stages import register_client_stages
-from strategies.secure import CommitteeSum, Release, SecAggPlan
+from strategies.secure import CommitteeSum, DMMSum, Release, SecAggPlan
 
 PREFIX = "contract."
 PHRASE = "secure-contract"
@@ -28,10 +32,29 @@ def nodes(count: int) -> list[int]:
     return [NODE_ID_OFFSET + p for p in range(count)]
 
 
-def make_sum(name: str, plan: SecAggPlan | None = None, members: int = 7) -> secure.SecureSum:
+def make_dmm(population: int, length: int) -> DMMSum:
+    """The DMM committees' sum over committees of 5 of ``population`` clients (t = k = 1),
+    started for M = I and no noise on vectors of ``length`` entries, its host bound (in this
+    process, the harness's root)."""
+    summing = DMMSum(PackedShamir(5, 1, 1, DEFAULT_FIELD), seed=SEED, population=population)
+    summing.start(length, np.array([[1]], dtype=np.int64))
+    summing.bind_host(CommitteeHost(RunSecret.from_passphrase(PHRASE)))
+    return summing
+
+
+def make_sum(
+    name: str,
+    plan: SecAggPlan | None = None,
+    members: int = 7,
+    population: int = 6,
+    length: int = 10,
+) -> secure.SecureSum:
     """The implementation ``name`` over ``plan`` (default: the complete graph, no dropouts),
     built by the registry's :func:`strategies.secure.build`; ``committee`` gets a committee of
-    ``members`` (t = 2, k = 2) enrolled under the harness's root."""
+    ``members`` (t = 2, k = 2) enrolled under the harness's root; ``dmm`` (which the DMM
+    strategy builds) is :func:`make_dmm`'s for ``population`` clients and ``length``."""
+    if name == DMMSum.name:
+        return make_dmm(population, length)
     plan = plan if plan is not None else SecAggPlan(SEED)
     committee = None
     if name == CommitteeSum.name:
@@ -86,7 +109,11 @@ class LocalGrid:
                 **enrolment.node_entries(partition, own),
             }
             self.contexts[node] = Context(
-                run_id=1, node_id=node, node_config=config, state=RecordDict(), run_config={}
+                run_id=1,
+                node_id=node,
+                node_config=config,
+                state=RecordDict(),
+                run_config={"seed": SEED},
             )
 
     def get_node_ids(self) -> list[int]:
@@ -121,7 +148,8 @@ def one_round(
 ) -> tuple[Release, LocalGrid, secure.SecureSum]:
     """One round of ``name`` over ``inputs`` (node -> field elements): instruct, address, the
     clients' first replies (``tamper(node, content)`` may rewrite one), payloads, finish."""
-    summing = make_sum(name, plan)
+    length = len(next(iter(inputs.values())))
+    summing = make_sum(name, plan, population=len(inputs), length=length)
     grid = LocalGrid(client_app(inputs, name), sorted(inputs))
     config = ConfigRecord({"server-round": server_round})
     summing.instruct(server_round, config, grid)
@@ -130,7 +158,6 @@ def one_round(
         for node in sorted(inputs)
     ]
     summing.address(server_round, messages)
-    length = len(next(iter(inputs.values())))
     payloads = {}
     for reply in grid.send_and_receive(messages):
         node = int(reply.metadata.src_node_id)

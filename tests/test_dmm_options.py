@@ -86,11 +86,16 @@ def test_a_checkpoint_from_before_the_custody_loads_into_one():
     )  # fmt: skip
     strategy.custody.seat(2)
     state = pickle.loads(pickle.dumps(strategy)).__dict__
-    custody = state.pop("custody")
-    old = {**state, "committee": custody.committee, "committee_round": None, "host": None}
-    old.pop("_round")
+    secure = state.pop("secure")  # before DMMSum and Custody: the strategy's own fields
+    old = {
+        **state, "scheme": secure.scheme, "server": secure.server, "mode": secure.mode,
+        "worker_fold": secure.worker_fold, "min_clients": secure.min_clients,
+        "committee": secure.custody.committee, "committee_round": None, "host": None,
+        "_round": None,
+    }  # fmt: skip
     restored = DMM.__new__(DMM)
     restored.__setstate__(old)
-    assert isinstance(restored.custody, Custody) and restored._round is None
+    assert isinstance(restored.custody, Custody) and restored.secure.round is None
     assert restored.custody.claim(3) == (2, strategy.custody.draw(2))
     assert restored.custody.host is None and "committee" not in restored.__dict__
+    assert restored.scheme is secure.scheme and "scheme" not in restored.__dict__

@@ -16,9 +16,11 @@ Bienstock, Kumar & Polychroniadou, ICML 2025, as docs/dmm-design.md sets it out.
 * the round's committee -- n clients drawn publicly from the population with
   ``public_generator(seed, round, Stream.COMMITTEE)`` and hosted by the engine's
   :class:`fedsim.engine.dmm_committee.CommitteeHost` (bound with :meth:`DMM.bind_committee_host`,
-  held by :mod:`strategies.dmm.custody`) -- combines the agreed clients' shares with the
-  partial sums it holds, releases y_i = sum_s M[i, s] X_s + z_i and hands the partial sums of
-  the rows still open to the next round's committee (:class:`protocols.dmm.server.DMMServer`);
+  held by :mod:`strategies.dmm.custody`; the round's sum is the
+  :class:`strategies.secure.dmm.DMMSum`, a :class:`~strategies.secure.SecureSum`) -- combines
+  the agreed clients' shares with the partial sums it holds, releases
+  y_i = sum_s M[i, s] X_s + z_i and hands the partial sums of the rows still open to the next
+  round's committee (:class:`protocols.dmm.server.DMMServer`);
 * the server decodes x_hat_t = (D y)_t (D M = I: forward substitution for the banded M), and
   applies ``g + gamma * unrotate(x_hat_t) / expected_clients`` through the wrapped FedAvg: the
   matrix mechanism in its x + C^{-1} z form (:mod:`strategies.dmm.strategy`).

@@ -13,12 +13,10 @@ from fedsim.privacy.matrix.factorization import Factorization
 from fedsim.privacy.participation import Participation
 from protocols.encoding import DDGaussEncoder, choose_gamma
 from protocols.field import MersenneField
+from strategies.secure.clear import check_evaluation, evaluation_refusal
 
-EVALUATION = (
-    "{} with DMM: federated evaluation sends each evaluating client's un-noised loss and "
-    "accuracy to the server; set fraction_evaluate = 0 ([evaluation] clients = 0), or pass "
-    "metrics_in_clear=True ([privacy] metrics_in_clear = true), which makes epsilon infinite"
-)
+#: the refusal of federated evaluation without ``metrics_in_clear``
+EVALUATION = evaluation_refusal("DMM")
 
 
 def committee_bound(n: int, t: int, k: int, dropouts: int) -> None:
@@ -93,9 +91,7 @@ def check_arguments(
             f"[1, committee_size={committee_size}]"
         )
     committee_bound(*committee)
-    fraction = fraction_evaluate
-    if not metrics_in_clear and isinstance(fraction, int | float) and fraction > 0:
-        raise ValueError(EVALUATION.format(f"strategy.fraction_evaluate={fraction!r}"))
+    check_evaluation(fraction_evaluate, metrics_in_clear, EVALUATION)
 
 
 def integer_mechanism(

@@ -8,17 +8,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import numpy as np
-from flwr.app import ConfigRecord, Message
+from flwr.app import ConfigRecord, Message, RecordDict
 
 from fedsim.engine.boundary import ClaimRefused, ReleaseBoundary
 from fedsim.record_codec import to_numpy
 from fedsim.worker_reduce import is_partial
 from protocols.channels import KeySubstitution
 from protocols.dmm.common import DMMSealedShares, RoundKeys
-from protocols.encoding import DDGaussEncoder
 from strategies.dmm.fold import folded_client
 from strategies.dmm.state import RoundState
 from strategies.dmm.wire import BATCH_KEY, NOISE_KEY, SEALED_KEY, UPDATE_KEY, sealed_from_record
@@ -122,29 +121,29 @@ def at_boundary(
 
 
 def sealed(
-    state: RoundState, valid: dict[int, Message], rejected: dict[int, str]
+    state: RoundState, valid: Mapping[int, RecordDict], rejected: dict[int, str]
 ) -> dict[int, DMMSealedShares]:
-    """Full mode: each valid reply's sealed shares (a fold's with its proof of who is in
-    it); a malformed one moves to ``rejected``."""
+    """Full mode: each valid reply content's sealed shares (a fold's with its proof of who
+    is in it); a malformed one moves to ``rejected``."""
     keys = state.keys
     out = {}
-    for node, reply in valid.items():
+    for node, content in valid.items():
         try:
-            out[node] = sealed_from_record(
-                reply.content[SEALED_KEY], state.party_of(node), keys.round
-            )
+            out[node] = sealed_from_record(content[SEALED_KEY], state.party_of(node), keys.round)
             if node in state.batches:
-                out[node] = _folded(state, out[node], reply, state.batches[node], keys)
+                out[node] = _folded(state, out[node], content, state.batches[node], keys)
         except (ValueError, TypeError, KeyError) as error:
             rejected[node] = f"malformed sealed shares: {error}"
     return out
 
 
-def _folded(state: RoundState, shares: DMMSealedShares, reply: Message, nodes, keys: RoundKeys):
+def _folded(
+    state: RoundState, shares: DMMSealedShares, content: RecordDict, nodes, keys: RoundKeys
+):
     """``shares`` with the fold's proof of who is in it (:class:`FoldedClient` per node,
     from its :data:`BATCH_KEY` record); ValueError when it does not list each node once
     with a key and a sealed pad seed per announced seat."""
-    record, seats = reply.content[BATCH_KEY], sorted(keys.member_keys)
+    record, seats = content[BATCH_KEY], sorted(keys.member_keys)
     public, nonces, bodies = (
         list(record.get(k, [])) for k in ("public-keys", "pad-nonces", "pad-ciphertexts")
     )
@@ -163,22 +162,22 @@ def _folded(state: RoundState, shares: DMMSealedShares, reply: Message, nodes, k
 
 
 def plain(
-    valid: dict[int, Message],
+    valid: Mapping[int, RecordDict],
     rejected: dict[int, str],
     rows: int,
-    encoder: DDGaussEncoder,
+    dim: int,
+    l2_bound: float,
     noise_std: float,
 ) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
-    """Ideal mode's plaintext integers, each checked: D integers with ||u||_2 <= Delta_2
-    and ``rows`` noise rows inside the tail bound (of std ``noise_std``) the bit budget
-    assumes."""
-    dim = encoder.padded_dim
+    """Ideal mode's plaintext integers (reply contents), each checked: ``dim`` integers with
+    ||u||_2 <= ``l2_bound`` (Delta_2) and ``rows`` noise rows inside the tail bound (of std
+    ``noise_std``) the bit budget assumes."""
     limit = noise_std * math.sqrt(2 * math.log(2 * dim * max(rows, 1) / 1e-12))
     updates, noises = {}, {}
-    for node, reply in valid.items():
+    for node, content in valid.items():
         try:
-            update = np.asarray(to_numpy(reply.content[UPDATE_KEY])[UPDATE_KEY])
-            noise = np.asarray(to_numpy(reply.content[NOISE_KEY])[NOISE_KEY])
+            update = np.asarray(to_numpy(content[UPDATE_KEY])[UPDATE_KEY])
+            noise = np.asarray(to_numpy(content[NOISE_KEY])[NOISE_KEY])
         except (KeyError, ValueError, TypeError) as error:
             rejected[node] = f"unreadable integers: {error}"
             continue
@@ -188,8 +187,8 @@ def plain(
             )
         elif update.dtype.kind not in "iu" or (noise.size and noise.dtype.kind not in "iu"):
             rejected[node] = "not integers"
-        elif float(np.linalg.norm(update.astype(np.float64))) > encoder.l2_bound + 1e-9:
-            rejected[node] = f"||update||_2 exceeds Delta_2 = {encoder.l2_bound:.6g}"
+        elif float(np.linalg.norm(update.astype(np.float64))) > l2_bound + 1e-9:
+            rejected[node] = f"||update||_2 exceeds Delta_2 = {l2_bound:.6g}"
         elif noise.size and float(np.max(np.abs(noise))) > max(limit, 1.0):
             rejected[node] = f"noise beyond its tail bound {limit:.6g}"
         else:

@@ -1,25 +1,26 @@
 """The DMM strategy (Bienstock, Kumar & Polychroniadou, ICML 2025; docs/dmm-design.md): it
-wraps a FedAvg and runs each round's secure release, as the package docstring
-(:mod:`strategies.dmm`) sets out. It composes :mod:`strategies.dmm.calibration` (checked
-before round 1), :mod:`strategies.dmm.custody` (the committee holding the state),
-:mod:`strategies.dmm.replies` (validation at the boundary), :mod:`strategies.dmm.accounting`
-(the zCDP ledger) and :mod:`strategies.dmm.metrics` (bytes and costs)."""
+wraps a FedAvg and is the integer mechanism, its bit budget, the zCDP ledger and the decoding,
+as the package docstring (:mod:`strategies.dmm`) sets out. It composes
+:mod:`strategies.dmm.calibration` (checked before round 1), the committees' sum
+(:class:`strategies.secure.dmm.DMMSum`, through the :class:`~strategies.secure.SecureSum`
+interface: the committee holding the state, the replies checked at the boundary, worker
+folds), :mod:`strategies.dmm.accounting` (the zCDP ledger) and :mod:`strategies.dmm.metrics`
+(bytes and costs); evaluation and clear metrics are refused or accounted by
+:class:`strategies.secure.clear.SecureReplies`."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from collections.abc import Iterable
 from typing import Any, Literal
 
-import dp_accounting as dpa
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from fedsim.engine.boundary import ClaimRefused, ReleaseBoundary, boundary_of
+from fedsim.engine.boundary import ReleaseBoundary, boundary_of
 from fedsim.privacy import dmm as dmm_privacy
 from fedsim.privacy.ledger import PrivacyLedger
 from fedsim.privacy.matrix.factorization import Factorization
@@ -27,38 +28,28 @@ from fedsim.privacy.participation import Participation
 from fedsim.privacy.sampling import NeighbouringRelation
 from fedsim.randomness import Stream, public_generator
 from fedsim.record_codec import to_numpy, to_record
-from fedsim.worker_reduce import attach_reducer
-from protocols.dmm.common import DMMAbort, Schedule, StateLost
+from protocols.dmm.common import StateLost
 from protocols.dmm.release import RoundOutput
-from protocols.dmm.server import DMMServer
 from protocols.encoding import DEFAULT_BETA, DEFAULT_FAILURE_PROBABILITY, DDGaussEncoder, unrotate
 from protocols.field import MersenneField
-from protocols.kit import TamperingDetected
 from protocols.shamir import PackedShamir
 from strategies.dmm import accounting
 from strategies.dmm import replies as checks
-from strategies.dmm.calibration import (
-    EVALUATION,
-    Plan,
-    calibrate,
-    check_arguments,
-    integer_mechanism,
-)
+from strategies.dmm.calibration import Plan, calibrate, check_arguments, integer_mechanism
 from strategies.dmm.custody import Custody
-from strategies.dmm.fold import ShareFoldReducer
 from strategies.dmm.metrics import clear_metrics, round_metrics
 from strategies.dmm.options import DMMOptions as OPTIONS
-from strategies.dmm.state import RoundState
-from strategies.dmm.wire import PREFIX, cohort_config, round_keys_config, with_share_config
-from strategies.dp_shell import LedgerShell
+from strategies.dmm.wire import PREFIX
 from strategies.participation_guard import ParticipationGuard
+from strategies.secure import dmm as dmm_sum  # the module: it imports this package's parts
+from strategies.secure.clear import SecureReplies
 from strategies.vectors import unflatten
 from strategies.wrapper import server_reply
 
 log = logging.getLogger(__name__)
 
 
-class DMM(LedgerShell):
+class DMM(SecureReplies):
     """Wrap a FedAvg-family strategy with the distributed matrix mechanism.
 
     At the release boundary (:mod:`fedsim.engine.boundary`) it claims the replies it consumes,
@@ -103,6 +94,7 @@ class DMM(LedgerShell):
             evaluate messages, is refused.
     """
 
+    method = "DMM"
     #: the replies it consumes are claimed at the release boundary (fedsim.engine.boundary)
     claims_replies = True
     _boundary: ReleaseBoundary | None = None
@@ -158,31 +150,30 @@ class DMM(LedgerShell):
         )
         super().__init__(strategy)
         self.mechanism = integer_mechanism(factorization, fractional_bits, participation)
-        field = MersenneField(field_exponent)
-        self.scheme = PackedShamir(committee_size, threshold, packing, field)
+        scheme = PackedShamir(committee_size, threshold, packing, MersenneField(field_exponent))
+        self.secure = dmm_sum.DMMSum(  # the committees' sum: custody, its server, worker folds
+            scheme, seed=int(seed), population=population, mode=mode, worker_fold=worker_fold,
+            min_clients=min_clients, reshare_checks=reshare_checks,
+        )  # fmt: skip
         self.population, self.member_dropouts = population, member_dropouts
         self.clipping_norm, self.noise_multiplier = float(clipping_norm), float(noise_multiplier)
-        self.expected_clients = expected_clients
+        self.expected_clients, self.seed = expected_clients, int(seed)
         self.expected_client_dropout = float(expected_client_dropout)
-        self.seed, self.mode, self.min_clients = int(seed), mode, int(min_clients)
         self.bits, self.beta, self.max_tries = bits, beta, max_tries
-        self.failure_probability = failure_probability
         self.metrics_in_clear = bool(metrics_in_clear)
         self.committee_actors, self.committee_shards = committee_actors, committee_shards
-        self.worker_fold, self.reshare_checks = worker_fold, reshare_checks
-        self._start_bookkeeping(delta)
+        self._start_bookkeeping(delta, failure_probability)
 
-    def _start_bookkeeping(self, delta: float) -> None:
-        """The ledger at ``delta``, the custody of the committee, the participation guard,
-        and what the rounds record: none released, refused, aborted or unaccounted yet."""
+    def _start_bookkeeping(self, delta: float, failure_probability: float) -> None:
+        """The ledger at ``delta`` (and the rounding's ``failure_probability``, which the
+        calibration reads), the participation guard, and what the rounds record: none
+        released, refused, aborted or unaccounted yet."""
+        self.failure_probability = failure_probability
         self.ledger = PrivacyLedger(NeighbouringRelation.ADD_REMOVE, delta)
-        self.custody = Custody(self.seed, self.population, self.scheme.n)
         self.guard = ParticipationGuard(self.mechanism.participation, self.mechanism.n)
-        #: client content that reached the server outside the secure sum (epsilon = inf)
         self.unaccounted: list[str] = []
         self.participation_refused: list[int] = []
         self.encoder: DDGaussEncoder | None = None
-        self.server: DMMServer | None = None
         self.aborted_rounds = 0
         #: rounds that aborted after their release shares reached the server (accounted):
         #: round, clients, the epsilon it cost
@@ -194,50 +185,52 @@ class DMM(LedgerShell):
         self._zcdp = 0.0
         self._accounted: dict[Participation, dmm_privacy.IntegerMechanism] = {}
         self._global: ArrayRecord | None = None
-        self._round: RoundState | None = None
 
     # ------------------------------------------------------------------ secrets and custody
     def bind_committee_host(self, host) -> None:
         """Contract 1: the front end hands the engine-side committee host (it holds the run's
         secrets; this strategy never does). After ``--resume`` it is bound again and the
         committee holding the state is re-hosted from its members' sealed states."""
-        self.custody.host = host
+        self.secure.bind_host(host)
 
     def committee_host_options(self) -> dict[str, Any]:
         """How the front end should build this run's committee host."""
         return {"actors": self.committee_actors, "shards": self.committee_shards}
 
+    # the committees' sum's parts, as the strategy's report, metrics and tests read them
+    scheme = property(lambda self: self.secure.scheme)
+    server = property(lambda self: self.secure.server)
+    custody = property(lambda self: self.secure.custody)
+    mode = property(lambda self: self.secure.mode)
+    worker_fold = property(lambda self: self.secure.worker_fold)
+    min_clients = property(lambda self: self.secure.min_clients)
+    reshare_checks = property(lambda self: self.secure.reshare_checks)
+
     def __getstate__(self) -> dict:
         """Checkpoints keep only what the server may know: never the host (:class:`Custody`
-        drops it), a pool (the members' shares are theirs) or a round in flight."""
+        drops it), a pool (the members' shares are theirs) or a round in flight
+        (:class:`~strategies.secure.dmm.DMMSum` drops them)."""
         state = dict(self.__dict__)
-        state["_round"] = None
         state.pop("_boundary", None)  # the run's, bound again by the next configure_train
         return state
 
     def __setstate__(self, state: dict) -> None:
         """A checkpoint written before the opened-release and metrics bookkeeping existed
-        loads with none recorded and the defaults; one written before :class:`Custody`
-        (the committee as the strategy's own fields) loads into one."""
+        loads with none recorded and the defaults; one written before the committees' sum
+        was a :class:`~strategies.secure.dmm.DMMSum` (or before :class:`Custody`) loads
+        into one."""
         state = dict(state)
-        if "custody" not in state:
-            custody = Custody(state["seed"], state["population"], state["scheme"].n)
-            custody.committee = list(state.pop("committee", []))
-            custody.committee_round = state.pop("committee_round", None)
-            state.pop("host", None)
-            state["custody"] = custody
-        if not isinstance(state.get("_round"), RoundState):
-            state["_round"] = None
-        self.__dict__.update(
-            aborted_releases=[], unaccounted=[], metrics_in_clear=False, reshare_checks=1
-        )
+        if "secure" not in state:
+            state["secure"] = _sum_of_checkpoint(state)
+        self.__dict__.update(aborted_releases=[], unaccounted=[], metrics_in_clear=False)
         self.__dict__.update(state)
 
     def close(self) -> None:
         """Forget the hosted committee (the host ends its actors)."""
-        if self.server is not None and self.server.pool is not None:
-            self.server.pool.close()
-            self.server.pool = None
+        server = self.secure.server
+        if server is not None and server.pool is not None:
+            server.pool.close()
+            server.pool = None
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -274,15 +267,13 @@ class DMM(LedgerShell):
 
     def _ensure(self, dim: int) -> DDGaussEncoder:
         if self.encoder is None or self.encoder.dim != dim:
-            self.encoder = self.check(dim)
-            self.server = DMMServer(
-                self.scheme,
-                Schedule(self.mechanism.integer_matrix),
-                self.encoder.padded_dim,
-                mode=self.mode,
-                min_clients=self.min_clients,
+            self.encoder = encoder = self.check(dim)
+            self.secure.start(
+                encoder.padded_dim,
+                self.mechanism.integer_matrix,
+                noise_std=self._scaled_noise_std,
                 decoding=self.mechanism.decoding,
-                reshare_checks=self.reshare_checks,
+                l2_bound=encoder.l2_bound,
             )
         return self.encoder
 
@@ -328,39 +319,8 @@ class DMM(LedgerShell):
             "bound": "discrete Gaussian on the integer query M X (KLS21 Thm 1), noise present",
             "relation": dmm_privacy.RELATION,
         }
-        if self.unaccounted:
-            details["unaccounted"] = {
-                "releases": len(self.unaccounted),
-                "first": self.unaccounted[0],
-            }
+        details.update(self.unaccounted_details())
         return details
-
-    def _unaccounted(self, server_round: int, what: str) -> None:
-        """Client content reached the server outside the secure sum: epsilon is infinite."""
-        self.ledger.record(server_round, dpa.NonPrivateDpEvent())
-        self.unaccounted.append(f"round {server_round}: {what}")
-        log.warning("round %d: DMM received %s: epsilon is now infinite", server_round, what)
-
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        messages = list(self.strategy.configure_evaluate(server_round, arrays, config, grid))
-        if messages and not self.metrics_in_clear:
-            raise RuntimeError(EVALUATION.format(f"{len(messages)} evaluate messages"))
-        return messages
-
-    def aggregate_evaluate(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> MetricRecord | None:
-        replies = list(replies)
-        answered = sum(not reply.has_error() for reply in replies)
-        if self._boundary is not None:  # consumed here: the ledger makes epsilon infinite
-            for reply in replies:
-                with contextlib.suppress(ClaimRefused):
-                    self._boundary.claim([reply], self)
-        if answered:
-            self._unaccounted(server_round, f"evaluation metrics of {answered} clients")
-        return self.strategy.aggregate_evaluate(server_round, replies)
 
     # ------------------------------------------------------------------ rounds
     def _instruction_config(
@@ -377,9 +337,6 @@ class DMM(LedgerShell):
                 PREFIX + "beta": encoder.beta,
                 PREFIX + "max-tries": encoder.max_tries,
                 PREFIX + "rotation-seed": self.rotation_seed(),
-                PREFIX + "noise-std": self._scaled_noise_std,
-                PREFIX + "rows": len(self.mechanism.released_at(step)),
-                PREFIX + "mode": self.mode,
             }
         )
         return extended
@@ -401,68 +358,14 @@ class DMM(LedgerShell):
                 f"server round {server_round} needs step {step} but the factorization has "
                 f"n = {self.mechanism.n} rounds; build it for more rounds"
             )
-        if self.mode == "full":
-            self.custody.ensure_pool(self.server, server_round)
-        if not self.custody.committee:
-            self.custody.seat(server_round)
         extended = self._instruction_config(server_round, config, encoder, step)
+        self.secure.instruct(server_round, extended, grid)
         self._global = arrays
         messages, self.participation_refused = self.guard.admit(
             server_round - 1, self.strategy.configure_train(server_round, arrays, extended, grid)
         )
-        following = self.custody.draw(server_round + 1)
-        self._round = RoundState(
-            round=server_round,
-            sent={int(m.metadata.dst_node_id): p for p, m in enumerate(messages)},
-            faults=self.custody.faults(server_round, following),
-            committee=list(self.custody.committee),
-            next=following,
-        )
-        if self.mode != "full":
-            return messages
-        return self._share_instructions(server_round, messages)
-
-    def _share_instructions(self, server_round: int, messages: list[Message]) -> list[Message]:
-        """Full mode: open the round and give each client its ``dmm.share.*`` entries (one
-        shared instruction for the cohort under ``worker_fold``)."""
-        state = self._round
-        state.keys = keys = self.server.open_round(server_round, state.faults)
-        if self.worker_fold:
-            return self._folded_instructions(messages, keys)
-        claim = self.custody.claim(server_round)
-        for message in messages:
-            share = round_keys_config(keys, state.sent[int(message.metadata.dst_node_id)], claim)
-            message.content = with_share_config(message.content, share)
+        self.secure.address(server_round, messages)
         return messages
-
-    def _folded_instructions(self, messages: list[Message], keys) -> list[Message]:
-        """One shared instruction for the whole cohort (so a worker's batch can fold): the
-        round's keys, the cohort in party order and the :class:`ShareFoldReducer`."""
-        if not messages:
-            return messages
-        cohort = self._round.cohort()
-        share = cohort_config(keys, cohort, self.custody.claim(self._round.round))
-        content = with_share_config(messages[0].content, share)
-        for message in messages:
-            message.content = content
-        return attach_reducer(messages, ShareFoldReducer.for_round(keys, cohort))
-
-    def _run_protocol(self, server_round: int, valid, rejected) -> RoundOutput:
-        state = self._round
-        if self.mode == "full":
-            sealed = checks.sealed(state, valid, rejected)
-            next_pool = self.custody.host.pool(state.next, self.server.member_kwargs)
-            weights = {node: state.weight(node) for node in sealed}
-            try:
-                return self.server.finish_round(sealed, next_pool, weights)
-            except BaseException:
-                next_pool.close()
-                raise
-        rows = len(self.mechanism.released_at(self.server.step))
-        updates, noises = checks.plain(
-            valid, rejected, rows, self.encoder, self._scaled_noise_std
-        )
-        return self.server.run_plain_round(server_round, updates, noises, state.faults)
 
     def _refusals(self, server_round: int, replies: list[Message], metrics) -> str | None:
         """Clients that refused relayed keys are named, never silent dropouts: the reason of
@@ -491,34 +394,28 @@ class DMM(LedgerShell):
             metrics["dmm-halted"] = 1
             metrics["epsilon"] = self.epsilon()
             return None, metrics
-        if self._global is None or self.encoder is None or self._round is None:
+        if self._global is None or self.encoder is None or self.secure.round is None:
             raise RuntimeError("aggregate_train called before configure_train")
         replies = list(replies)
         clear = sum(not r.has_error() and "metrics" in r.content for r in replies)
         if clear:
-            self._unaccounted(server_round, f"train metrics of {clear} clients in the clear")
+            self.unaccounted_release(server_round, f"train metrics of {clear} clients in the clear")
         refused = self._refusals(server_round, replies, metrics)
-        valid, rejected = checks.validate(
-            self._round, replies, self.mode == "full", self.worker_fold
-        )
-        checks.at_boundary(self._boundary, self, self._round, replies, valid, rejected)
-        try:
-            output = self._run_protocol(server_round, valid, rejected)
-        except (DMMAbort, TamperingDetected) as error:
-            aborted = self._aborted(server_round, error, rejected, metrics)
+        payloads, rejected = self.secure.first_replies(replies, self._boundary, self)
+        release = self.secure.finish(server_round, payloads, self.encoder.padded_dim)
+        rejected.update(release.rejected)
+        if release.total is None:
+            aborted = self._aborted(server_round, release.transcript, rejected, metrics)
             if refused:
                 self.last_abort += f"; {refused}"
             return None, aborted
-        rejected.update(output.rejected)
+        output = release.transcript
         self.last_output, self.last_abort = output, None
         self._account(server_round)
-        self.custody.persist(
-            self.server, output, server_round, self._round.next, self.mode == "full"
-        )
         arrays, aggregated = self._apply(server_round, output)
         aggregated.update(dict(metrics))
         aggregated.update(self._round_metrics(output, rejected, replies))
-        self._round = None
+        self.secure.round = None
         return arrays, aggregated
 
     def _aborted(self, server_round, error, rejected, metrics) -> MetricRecord:
@@ -553,7 +450,7 @@ class DMM(LedgerShell):
                     "epsilon_cost": metrics["dmm-epsilon-cost"],
                 }
             )
-        self._round = None
+        self.secure.round = None
         return metrics
 
     def _apply(self, server_round: int, output: RoundOutput):
@@ -575,7 +472,7 @@ class DMM(LedgerShell):
         """The released round's metrics (:mod:`strategies.dmm.metrics`), its rejected
         replies and epsilon so far."""
         out = round_metrics(
-            self._round,
+            self.secure.round,
             output,
             step=self.server.step,
             seats=self.scheme.n,
@@ -583,6 +480,33 @@ class DMM(LedgerShell):
         )
         out["rejected"] = sorted(rejected)
         out["epsilon"] = self.epsilon()
-        checks.log_rejected(self._round.round, rejected)
+        checks.log_rejected(self.secure.round.round, rejected)
         out.update(clear_metrics(replies))
         return out
+
+
+def _sum_of_checkpoint(state: dict) -> dmm_sum.DMMSum:
+    """The :class:`~strategies.secure.dmm.DMMSum` of a checkpoint whose strategy held the
+    scheme, the server and the custody itself (removed from ``state``)."""
+    scheme = state.pop("scheme")
+    if "custody" not in state:  # from before Custody: the committee as the strategy's fields
+        custody = Custody(state["seed"], state["population"], scheme.n)
+        custody.committee = list(state.pop("committee", []))
+        custody.committee_round = state.pop("committee_round", None)
+        state.pop("host", None)
+        state["custody"] = custody
+    secure = dmm_sum.DMMSum(
+        scheme,
+        seed=state["seed"],
+        population=state["population"],
+        mode=state.pop("mode"),
+        worker_fold=state.pop("worker_fold", False),
+        min_clients=state.pop("min_clients", 1),
+        reshare_checks=state.pop("reshare_checks", 1),
+    )
+    secure.custody, secure.server = state.pop("custody"), state.pop("server", None)
+    encoder = state.get("encoder")
+    secure.noise_std = float(state.get("_scaled_noise_std", 0.0))
+    secure.l2_bound = encoder.l2_bound if encoder is not None else float("inf")
+    state.pop("_round", None)
+    return secure

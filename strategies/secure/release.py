@@ -54,6 +54,9 @@ class Release:
             the strategy names them in its round record).
         opened: when the round aborted after the server held enough to determine the sum, the
             nodes whose inputs that sum holds -- a release all the same.
+        transcript: the protocol's own record of the round, for the strategy that reads it
+            (``dmm``: its :class:`protocols.dmm.release.RoundOutput`, or the abort that ended
+            the round); None for the others.
     """
 
     total: np.ndarray | None
@@ -64,6 +67,7 @@ class Release:
     refused: dict[int, str] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
     opened: tuple[int, ...] = ()
+    transcript: Any = None
 
     @property
     def accounted(self) -> tuple[int, ...]:
@@ -84,6 +88,10 @@ class SecureSum(ABC):
     name: ClassVar[str]
     #: the server holds no client's input (False only for ``plaintext``)
     hides_inputs: ClassVar[bool] = True
+    #: it sums any cohort's field elements by itself, with no mechanism around it, so a
+    #: FedAvg-family strategy may take it with no DP when it also :attr:`hides_inputs`
+    #: (:data:`strategies.secure.WITHOUT_DP`)
+    standalone: ClassVar[bool] = True
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix

@@ -2,13 +2,13 @@
 tree, :mod:`contracts.discovery`, and registered in :data:`strategies.secure.NAMES`): the
 release is the field sum of the accepted inputs and names them; the first reply holds only the
 implementation's record; a malformed record is refused; a round with no input releases nothing
-and accounts nothing; a dropped client is left out; pickling keeps no transport and no
-committee; an implementation that hides inputs never shows one."""
+and accounts nothing; a dropped client is left out; pickling (as checkpoints do, with
+cloudpickle) keeps no transport and no committee; an implementation that hides inputs never
+shows one."""
 
 from __future__ import annotations
 
-import pickle
-
+import cloudpickle
 import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord
@@ -146,7 +146,7 @@ def test_plaintext_reproduces_secagg_under_protocol_dropouts():
 def test_pickling_keeps_no_transport_and_no_committee(name):
     inputs = random_inputs(COUNT, LENGTH, seed=5)
     _, _, summing = one_round(name, inputs)
-    restored = pickle.loads(pickle.dumps(summing))
+    restored = cloudpickle.loads(cloudpickle.dumps(summing))
     assert getattr(restored, "_grid", None) is None
     assert getattr(restored, "committee", None) is None
     assert restored.name == name and restored.reply_key == summing.reply_key
@@ -164,3 +164,16 @@ def test_build_names_the_implementations():
         secure.build("lightsecagg", prefix="x.", plan=SecAggPlan(0))
     with pytest.raises(ValueError, match="exactly for 'committee'"):
         secure.build("committee", prefix="x.", plan=SecAggPlan(0))
+    with pytest.raises(ValueError, match="built by the DMM strategy"):
+        secure.build("dmm", prefix="x.", plan=SecAggPlan(0))
+
+
+def test_only_standalone_sums_that_hide_inputs_run_without_dp():
+    """FedAvg's ``secure_sum`` names come from the registry: every implementation that hides
+    the inputs and sums on its own, never plaintext nor DMM's committees' sum."""
+    from strategies.secure_aggregation import SECURE_SUMS  # noqa: PLC0415
+
+    expected = [n for n, cls in secure.CLASSES.items() if cls.hides_inputs and cls.standalone]
+    assert list(SECURE_SUMS) == list(secure.WITHOUT_DP) == expected
+    assert "plaintext" not in SECURE_SUMS and "dmm" not in SECURE_SUMS
+    assert {"secagg", "committee"} <= set(SECURE_SUMS)
