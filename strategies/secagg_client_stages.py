@@ -54,19 +54,20 @@ def _save(context: Context, state: ClientState) -> None:
     """Store ``state`` in ``context.state`` (sealed under the client's secret if it persists)."""
     payload = pack_arrays(state.to_arrays())
     secret, persistent = _secret(context)
-    record = ConfigRecord({"round": state.server_round, "sealed": persistent})
-    record["state"] = secret.seal(payload, _STATE_LABEL) if persistent else payload
+    record = ConfigRecord({K.STORED_ROUND: state.server_round, K.STORED_SEALED: persistent})
+    record[K.STORED_BLOB] = secret.seal(payload, _STATE_LABEL) if persistent else payload
     context.state[K.STATE] = record
 
 
 def _load(context: Context) -> ClientState:
     record = context.state.get(K.STATE)
-    if not isinstance(record, ConfigRecord) or "state" not in record:
+    if not isinstance(record, ConfigRecord) or K.STORED_BLOB not in record:
         raise RuntimeError("no SecAgg+ round in progress on this client")
     secret, persistent = _secret(context)
-    if bool(record["sealed"]) != persistent:
+    if bool(record[K.STORED_SEALED]) != persistent:
         raise RuntimeError("this client's secret changed in the middle of a SecAgg+ round")
-    payload = secret.open(record["state"], _STATE_LABEL) if persistent else record["state"]
+    blob = record[K.STORED_BLOB]
+    payload = secret.open(blob, _STATE_LABEL) if persistent else blob
     return ClientState.from_arrays(unpack_arrays(payload))
 
 
@@ -130,9 +131,9 @@ def start_client(context: Context, server_round: int, session: bytes, values) ->
     secret, keep the signed integer input ``values`` in the client's state, and return the
     reply content (its two public keys). Refuses a round it has already begun."""
     previous = context.state.get(K.STATE)
-    if isinstance(previous, ConfigRecord) and int(previous.get("round", -1)) >= server_round:
+    if isinstance(previous, ConfigRecord) and int(previous.get(K.STORED_ROUND, -1)) >= server_round:
         raise RuntimeError(
-            f"this client already began round {previous['round']}; it answers round "
+            f"this client already began round {previous[K.STORED_ROUND]}; it answers round "
             f"{server_round}'s instruction only once"
         )
     if not isinstance(session, bytes) or len(session) < 16:

@@ -134,6 +134,8 @@ class SecAggKeys:
     REFUSED_ENTRIES = ("stage", "reason")
     MASKED_ENTRY = "masked"
     """The one array of a MASKED_INPUT reply."""
+    # the record a client keeps under STATE: its round, whether sealed, and the packed state
+    STORED_ROUND, STORED_SEALED, STORED_BLOB = "round", "sealed", "state"
     # a client's stored state (protocols.secagg.state)
     STATE_SERVER_ROUND = "round"
     STATE_INPUT = "input"
