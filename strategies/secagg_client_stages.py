@@ -1,12 +1,14 @@
 """The client half of SecAgg+ over Flower messages (:mod:`strategies.secagg_messages`): a
-ClientApp's stage handlers, the client state it keeps between stages (sealed under its own
-secret) and the packing of that state."""
+ClientApp's stage entry points, which decode each message, run the protocol's stage handler
+(:data:`protocols.secagg.stages.HANDLERS`) on the state the client keeps between stages
+(sealed under its own secret) and encode the reply; and the packing of that state."""
 
 from __future__ import annotations
 
 import json
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -16,31 +18,31 @@ from flwr.clientapp import ClientApp
 from fedsim.engine.client_registry import enrolled
 from fedsim.randomness import NODE_SECRET_KEY, PartySecret, Purpose, client_secret
 from fedsim.record_codec import to_record
-from protocols.secagg.client import SecAggClient
-from protocols.secagg.common import (
-    TRANSITIONS,
-    Stage,
+from protocols.kit import StageError
+from protocols.secagg.common import SecAggKeys, Stage
+from protocols.secagg.stages import (
+    REFUSALS,
+    AdvertiseKeys,
+    MaskedInput,
+    StageRefused,
+    aborted,
+    begin,
+    handle,
 )
+from protocols.secagg.state import ClientState
 from strategies.secagg_messages import (
     ACTIONS,
-    ENVELOPES_KEY,
-    KEYS_KEY,
-    MASKED_KEY,
-    NEIGHBOURS_KEY,
-    REFUSED_KEY,
-    ROUND_KEY,
-    SETUP_KEY,
-    STATE_KEY,
-    SURVIVORS_KEY,
-    UNMASK_KEY,
-    config_from,
     envelopes_from,
     envelopes_record,
+    keys_record,
+    refused_record,
+    share_keys_from,
+    unmask_from,
     unmask_record,
 )
 
+K = SecAggKeys
 _STATE_LABEL = b"fedsim/secagg/client-state/v2"
-
 
 
 def _secret(context: Context) -> tuple[PartySecret, bool]:
@@ -48,31 +50,25 @@ def _secret(context: Context) -> tuple[PartySecret, bool]:
     return client_secret(context.node_config), NODE_SECRET_KEY in context.node_config
 
 
-def _save(
-    context: Context, server_round: int, client: SecAggClient, values: np.ndarray | None
-) -> None:
-    arrays = dict(client.to_state())
-    arrays["round"] = np.array(server_round, dtype=np.int64)
-    if values is not None:
-        arrays["input"] = narrowest(values)
-    payload = pack_arrays(arrays)
+def _save(context: Context, state: ClientState) -> None:
+    """Store ``state`` in ``context.state`` (sealed under the client's secret if it persists)."""
+    payload = pack_arrays(state.to_arrays())
     secret, persistent = _secret(context)
-    record = ConfigRecord({"round": server_round, "sealed": persistent})
-    record["state"] = secret.seal(payload, _STATE_LABEL) if persistent else payload
-    context.state[STATE_KEY] = record
+    record = ConfigRecord({K.STORED_ROUND: state.server_round, K.STORED_SEALED: persistent})
+    record[K.STORED_BLOB] = secret.seal(payload, _STATE_LABEL) if persistent else payload
+    context.state[K.STATE] = record
 
 
-def _load(context: Context) -> tuple[int, SecAggClient, np.ndarray | None]:
-    record = context.state.get(STATE_KEY)
-    if not isinstance(record, ConfigRecord) or "state" not in record:
+def _load(context: Context) -> ClientState:
+    record = context.state.get(K.STATE)
+    if not isinstance(record, ConfigRecord) or K.STORED_BLOB not in record:
         raise RuntimeError("no SecAgg+ round in progress on this client")
     secret, persistent = _secret(context)
-    if bool(record["sealed"]) != persistent:
+    if bool(record[K.STORED_SEALED]) != persistent:
         raise RuntimeError("this client's secret changed in the middle of a SecAgg+ round")
-    payload = secret.open(record["state"], _STATE_LABEL) if persistent else record["state"]
-    arrays = unpack_arrays(payload)
-    values = arrays.pop("input", None)
-    return int(arrays.pop("round")), SecAggClient.from_state(arrays), values
+    blob = record[K.STORED_BLOB]
+    payload = secret.open(blob, _STATE_LABEL) if persistent else blob
+    return ClientState.from_arrays(unpack_arrays(payload))
 
 
 _STATE_DTYPES = (np.int8, np.int16, np.int32, np.int64)
@@ -134,115 +130,82 @@ def start_client(context: Context, server_round: int, session: bytes, values) ->
     """ADVERTISE_KEYS on the client: draw the round's protocol seed from the client's own
     secret, keep the signed integer input ``values`` in the client's state, and return the
     reply content (its two public keys). Refuses a round it has already begun."""
-    previous = context.state.get(STATE_KEY)
-    if isinstance(previous, ConfigRecord) and int(previous.get("round", -1)) >= server_round:
+    previous = context.state.get(K.STATE)
+    if isinstance(previous, ConfigRecord) and int(previous.get(K.STORED_ROUND, -1)) >= server_round:
         raise RuntimeError(
-            f"this client already began round {previous['round']}; it answers round "
+            f"this client already began round {previous[K.STORED_ROUND]}; it answers round "
             f"{server_round}'s instruction only once"
         )
     if not isinstance(session, bytes) or len(session) < 16:
         raise ValueError("the instruction's SecAgg+ session must be at least 16 bytes")
     secret, _ = _secret(context)
     seed = secret.seed_bytes(server_round, Purpose.KEYS, session.hex())
-    client = SecAggClient(session, seed=seed)
-    channel, agreement = client.advertise_keys()
-    record = ConfigRecord({"channel": channel, "agreement": agreement})
+    state = begin(server_round, session, seed, None if values is None else narrowest(values))
     enrolment = enrolled(context.node_config, secret)
-    if enrolment is not None:
-        record["proof"] = client.key_proof(enrolment[0])
-    _save(context, server_round, client, values)
-    return RecordDict({KEYS_KEY: record})
+    message = AdvertiseKeys(None if enrolment is None else enrolment[0])
+    state, keys = handle(Stage.ADVERTISE_KEYS, state, message)
+    _save(context, state)
+    return RecordDict({K.KEYS: keys_record(keys)})
 
 
-def _stage_of(
-    stage: Stage, message: Message, context: Context
-) -> tuple[int, SecAggClient, Any]:
-    """The stored round, client and input, after checking the message is for them."""
-    server_round, client, values = _load(context)
-    header = message.content.get(ROUND_KEY)
-    if (
-        not isinstance(header, ConfigRecord)
-        or header.get("server-round") != server_round
-        or header.get("session") != client.session_id
-        or header.get("stage") != stage.name
+def _checked(stage: Stage, message: Message, context: Context) -> ClientState:
+    """The stored state, after checking the message is for its round, session and ``stage``."""
+    state = _load(context)
+    header = message.content.get(K.HEADER)
+    expected = (state.server_round, state.protocol.session, stage.name)
+    if not isinstance(header, ConfigRecord) or any(
+        header.get(name) != value for name, value in zip(K.HEADER_ENTRIES, expected)
     ):
         raise RuntimeError(
             f"a SecAgg+ message for another round or session, or stage (this client is in "
-            f"round {server_round}, answering {stage.name})"
+            f"round {state.server_round}, answering {stage.name})"
         )
-    return server_round, client, values
+    return state
 
 
-def _share_keys(
-    message: Message, client: SecAggClient, server_round: int, context: Context
-) -> RecordDict:
-    config, client_id, contribute = config_from(message.content[SETUP_KEY])
-    if config.round != server_round:
-        raise ValueError(f"the parameters are for round {config.round}, not {server_round}")
-    neighbours = message.content[NEIGHBOURS_KEY]
-    ids, channel, agreement = (neighbours[k] for k in ("ids", "channel-keys", "agreement-keys"))
-    if not (isinstance(ids, list) and len(ids) == len(channel) == len(agreement)):
-        raise ValueError("neighbour ids and keys must be lists of one length")
-    keys = {j: (c, a) for j, c, a in zip(ids, channel, agreement)}
-    if len(keys) != len(ids):
-        raise ValueError("a neighbour id is repeated")
-    proofs = neighbours.get("proofs", [])
-    if not isinstance(proofs, list) or len(proofs) not in (0, len(ids)):
-        raise ValueError("neighbour proofs must be a list, one per neighbour")
-    proof_of = {j: p for j, p in zip(ids, proofs) if isinstance(p, bytes) and p}
-    enrolment = enrolled(context.node_config, _secret(context)[0])
-    envelopes = client.share_keys(
-        client_id,
-        config,
-        keys,
-        contribute=contribute,
-        proofs=proof_of,
-        verifier=None if enrolment is None else enrolment[1],
-        own=None if enrolment is None else enrolment[0].name,
-    )
-    return RecordDict({ENVELOPES_KEY: envelopes_record(envelopes)})
+def _message(stage: Stage, content: RecordDict, context: Context):
+    """The typed message of ``stage`` in ``content`` (SHARE_KEYS with the client's enrolment)."""
+    if stage is Stage.SHARE_KEYS:
+        message = share_keys_from(content)
+        enrolment = enrolled(context.node_config, _secret(context)[0])
+        if enrolment is None:
+            return message
+        return replace(message, verifier=enrolment[1], own=enrolment[0].name)
+    if stage is Stage.MASKED_INPUT:
+        return MaskedInput(tuple(envelopes_from(content[K.ENVELOPES])))
+    return unmask_from(content)
 
 
-def _masked_input(message: Message, client: SecAggClient, values: np.ndarray) -> RecordDict:
-    envelopes = envelopes_from(message.content[ENVELOPES_KEY])
-    own = None
-    if client.contributes and client.stage is Stage.SHARE_KEYS:
-        try:
-            own = client.config.masking.encode_signed(values)
-        except ValueError:
-            raise ValueError("this client's input does not fit the round's masking space") from None
-    masked = client.masked_input(envelopes, own)
-    out = np.zeros(0, dtype=np.int64) if masked is None else masked
-    return RecordDict({MASKED_KEY: to_record({"masked": out})})
-
-
-def _unmask(message: Message, client: SecAggClient) -> RecordDict:
-    listing = message.content[SURVIVORS_KEY]
-    response = client.unmask(listing["survivors"], listing["dropped"])
-    return RecordDict({UNMASK_KEY: unmask_record(response)})
+def _reply(stage: Stage, reply: Any) -> RecordDict:
+    """The reply content of a stage handler's ``reply``."""
+    if stage is Stage.SHARE_KEYS:
+        return RecordDict({K.ENVELOPES: envelopes_record(reply)})
+    if stage is Stage.MASKED_INPUT:
+        masked = np.zeros(0, dtype=np.int64) if reply is None else reply
+        return RecordDict({K.MASKED: to_record({K.MASKED_ENTRY: masked})})
+    return RecordDict({K.UNMASK: unmask_record(reply)})
 
 
 def _answer(stage: Stage, message: Message, context: Context) -> RecordDict:
-    """Run the client's handler of ``stage`` on its stored state and store the result. A
-    message the handler refuses (bad, replayed, out of order) leaves the client ABORTED for
-    the round -- stored, so that no later message of the round can resume it -- and the reply
-    says so (REFUSED_KEY); the input is kept only until it is masked."""
-    server_round, client, values = _stage_of(stage, message, context)
+    """Run the client's handler of ``stage`` (:data:`protocols.secagg.stages.HANDLERS`) on its
+    stored state and store the new one. A message the client refuses (bad, replayed, out of
+    order) leaves it ABORTED for the round -- stored, so that no later message of the round
+    can resume it -- and the reply says so (``secagg.refused``); the input is kept only until
+    it is masked."""
+    state = _checked(stage, message, context)
     try:
-        if stage is Stage.SHARE_KEYS:
-            content = _share_keys(message, client, server_round, context)
-        elif stage is Stage.MASKED_INPUT:
-            content, values = _masked_input(message, client, values), None
-        else:
-            content = _unmask(message, client)
-    except (ValueError, TypeError, KeyError, RuntimeError) as error:
-        if Stage.ABORTED in TRANSITIONS[client.stage]:
-            client.abort()
-        _save(context, server_round, client, None)
-        reason = f"{type(error).__name__}: {error}"
-        return RecordDict({REFUSED_KEY: ConfigRecord({"stage": stage.name, "reason": reason})})
-    _save(context, server_round, client, values)
-    return content
+        state, reply = handle(stage, state, _message(stage, message.content, context))
+    except StageRefused as refusal:
+        return _refuse(context, refusal.state, stage, refusal.cause)
+    except (StageError, *REFUSALS) as error:
+        return _refuse(context, aborted(state), stage, error)
+    _save(context, state)
+    return _reply(stage, reply)
+
+
+def _refuse(context: Context, state: ClientState, stage: Stage, error: BaseException):
+    _save(context, replace(state, values=None))
+    return RecordDict({K.REFUSED: refused_record(stage, f"{type(error).__name__}: {error}")})
 
 
 def register_client_stages(app: ClientApp) -> None:

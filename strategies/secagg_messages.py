@@ -41,7 +41,7 @@ runtime enrolled nowhere takes the keys as relayed.
 a message of this stage, come from a node asked in it (once), and hold exactly the records of
 the stage with the right types; anything else rejects that client for the round, named with the
 reason, and the server state machine checks the rest (:mod:`protocols.secagg.server`). A client
-refuses a bad, replayed or out-of-order message by answering ``REFUSED_KEY`` and storing itself
+refuses a bad, replayed or out-of-order message by answering ``secagg.refused`` and storing itself
 ABORTED for the round; refusals and error replies count as dropouts. With fedsim's grid each
 exchange is declared as phase ``(round, PHASE_KIND[stage])``: clients' states are filed under
 the round, and injected faults are drawn per exchange, so a client can also drop out inside
@@ -64,24 +64,20 @@ from protocols.kit import RoundAborted
 from protocols.secagg.common import (
     CHUNKS_PER_SECRET,
     SecAggConfig,
+    SecAggKeys,
     Stage,
     UnmaskResponse,
 )
 from protocols.secagg.server import SecAggServer
+from protocols.secagg.stages import AdvertisedKeys, ShareKeys, Unmask
 
-KEYS_KEY = "secagg.keys"
+K = SecAggKeys
+"""SecAgg+'s record and entry names (:class:`protocols.secagg.common.SecAggKeys`)."""
+KEYS_KEY = K.KEYS
 """Reply record of ADVERTISE_KEYS: ConfigRecord with ``channel`` and ``agreement`` (32 bytes)
 and, from an enrolled client, ``proof`` (its enrolment proof of the two keys)."""
-ROUND_KEY = "secagg"
-SETUP_KEY = "secagg.setup"
-NEIGHBOURS_KEY = "secagg.neighbours"
-ENVELOPES_KEY = "secagg.envelopes"
-MASKED_KEY = "secagg.masked"
-SURVIVORS_KEY = "secagg.survivors"
-UNMASK_KEY = "secagg.unmask"
-STATE_KEY = "secagg.state"
-REFUSED_KEY = "secagg.refused"
-"""Reply record of a client that refuses a stage's message (it is ABORTED for the round)."""
+STATE_KEY = K.STATE
+"""Where a client keeps its state between messages, in ``context.state``."""
 
 ACTIONS = {
     Stage.SHARE_KEYS: "secagg_share_keys",
@@ -93,11 +89,11 @@ PHASE_KIND = {Stage.SHARE_KEYS: 2, Stage.MASKED_INPUT: 3, Stage.UNMASK: 4}
 """fedsim phase kinds of the exchanges (0 and 1 are training and evaluation)."""
 
 _REPLY_RECORDS = {
-    Stage.SHARE_KEYS: {ENVELOPES_KEY: ConfigRecord},
-    Stage.MASKED_INPUT: {MASKED_KEY: ArrayRecord},
-    Stage.UNMASK: {UNMASK_KEY: ArrayRecord},
+    Stage.SHARE_KEYS: {K.ENVELOPES: ConfigRecord},
+    Stage.MASKED_INPUT: {K.MASKED: ArrayRecord},
+    Stage.UNMASK: {K.UNMASK: ArrayRecord},
 }
-_ENVELOPE_FIELDS = ("senders", "receivers", "rounds", "stages", "nonces", "ciphertexts")
+_ENVELOPE_FIELDS = K.ENVELOPE_ENTRIES
 MALFORMED = (ValueError, TypeError, KeyError, IndexError, AttributeError, SyntaxError)
 """What decoding an untrusted record may raise; each is a malformed reply."""
 
@@ -110,16 +106,11 @@ class MalformedReply(ValueError):
 def envelopes_record(envelopes: Iterable[Envelope]) -> ConfigRecord:
     """Envelopes as a ConfigRecord of parallel lists (no pickle)."""
     envelopes = list(envelopes)
-    return ConfigRecord(
-        {
-            "senders": [e.sender for e in envelopes],
-            "receivers": [e.receiver for e in envelopes],
-            "rounds": [e.round for e in envelopes],
-            "stages": [e.stage for e in envelopes],
-            "nonces": [e.nonce for e in envelopes],
-            "ciphertexts": [e.ciphertext for e in envelopes],
-        }
-    )
+    columns = [
+        [getattr(e, attribute) for e in envelopes]
+        for attribute in ("sender", "receiver", "round", "stage", "nonce", "ciphertext")
+    ]
+    return ConfigRecord(dict(zip(_ENVELOPE_FIELDS, columns)))
 
 
 def envelopes_from(record: object) -> list[Envelope]:
@@ -136,25 +127,84 @@ def envelopes_from(record: object) -> list[Envelope]:
     return [Envelope(*values) for values in zip(*columns)]
 
 
-def _config_record(config: SecAggConfig, client_id: int, contribute: bool) -> ConfigRecord:
-    record = ConfigRecord(config.encode())
-    record.update({"client-id": client_id, "contribute": contribute})
+def setup_record(config: SecAggConfig, client_id: int, contribute: bool) -> ConfigRecord:
+    """SHARE_KEYS' ``secagg.setup`` record: the round's parameters, the client's protocol id
+    and whether it contributes."""
+    record = ConfigRecord(config.to_record())
+    record.update({K.CLIENT_ID: client_id, K.CONTRIBUTE: contribute})
     return record
 
 
-def config_from(record: ConfigRecord) -> tuple[SecAggConfig, int, bool]:
-    config = SecAggConfig.decode(record)
-    client_id, contribute = record["client-id"], record["contribute"]
+def share_keys_from(content: RecordDict) -> ShareKeys:
+    """The typed SHARE_KEYS message of a ``query.secagg_share_keys`` content (the client's
+    own enrolment is added by the caller); ValueError / KeyError naming what is malformed."""
+    setup = content[K.SETUP]
+    config = SecAggConfig.from_record(setup)
+    client_id, contribute = setup[K.CLIENT_ID], setup[K.CONTRIBUTE]
     if not isinstance(client_id, int) or not isinstance(contribute, bool):
-        raise ValueError("client-id must be an integer and contribute a bool")
-    return config, client_id, contribute
+        raise ValueError(
+            f"{K.CLIENT_ID}={client_id!r}, {K.CONTRIBUTE}={contribute!r}; allowed: an "
+            "integer and a bool"
+        )
+    neighbours = content[K.NEIGHBOURS]
+    ids, channel, agreement = (neighbours[k] for k in K.NEIGHBOUR_ENTRIES[:3])
+    if not (isinstance(ids, list) and len(ids) == len(channel) == len(agreement)):
+        raise ValueError("neighbour ids and keys must be lists of one length")
+    keys = {j: (c, a) for j, c, a in zip(ids, channel, agreement)}
+    if len(keys) != len(ids):
+        raise ValueError("a neighbour id is repeated")
+    proofs = neighbours.get(K.NEIGHBOUR_ENTRIES[3], [])
+    if not isinstance(proofs, list) or len(proofs) not in (0, len(ids)):
+        raise ValueError("neighbour proofs must be a list, one per neighbour")
+    proof_of = {j: p for j, p in zip(ids, proofs) if isinstance(p, bytes) and p}
+    return ShareKeys(client_id, config, contribute, keys, proof_of)
+
+
+def _neighbours_record(neighbours: Mapping[int, tuple], relayed: Mapping[int, bytes]):
+    columns = (
+        list(neighbours),
+        [neighbours[j][0] for j in neighbours],
+        [neighbours[j][1] for j in neighbours],
+        [relayed.get(j, b"") for j in neighbours],
+    )
+    return ConfigRecord(dict(zip(K.NEIGHBOUR_ENTRIES, columns)))
+
+
+def keys_record(keys: AdvertisedKeys) -> ConfigRecord:
+    """ADVERTISE_KEYS' reply record (:data:`KEYS_KEY`): channel, agreement, and proof if any."""
+    channel, agreement, proof = K.KEY_ENTRIES
+    record = ConfigRecord({channel: keys.channel, agreement: keys.agreement})
+    if keys.proof is not None:
+        record[proof] = keys.proof
+    return record
+
+
+def survivors_record(survivors, dropped) -> ConfigRecord:
+    """UNMASK's ``secagg.survivors`` record."""
+    return ConfigRecord(dict(zip(K.SURVIVOR_ENTRIES, (list(survivors), list(dropped)))))
+
+
+def unmask_from(content: RecordDict) -> Unmask:
+    """The typed UNMASK message of a ``query.secagg_unmask`` content."""
+    listing = content[K.SURVIVORS]
+    survivors, dropped = (listing[k] for k in K.SURVIVOR_ENTRIES)
+    return Unmask(survivors, dropped)
+
+
+def header_record(server_round: int, session: bytes, stage: Stage) -> ConfigRecord:
+    """The ``secagg`` header of every stage's message: the round, session and stage."""
+    return ConfigRecord(dict(zip(K.HEADER_ENTRIES, (server_round, session, stage.name))))
+
+
+def refused_record(stage: Stage, reason: str) -> ConfigRecord:
+    """A refusing client's reply record (:attr:`SecAggKeys.REFUSED`)."""
+    return ConfigRecord(dict(zip(K.REFUSED_ENTRIES, (stage.name, reason))))
 
 
 def unmask_record(response: UnmaskResponse) -> ArrayRecord:
     arrays = {}
-    for name, shares in (
-        ("self-mask", response.self_mask_shares),
-        ("secret-key", response.secret_key_shares),
+    for name, shares in zip(
+        K.UNMASK_PARTS, (response.self_mask_shares, response.secret_key_shares)
     ):
         owners = sorted(shares)
         arrays[f"{name}-owners"] = np.array(owners, dtype=np.int64)
@@ -166,11 +216,11 @@ def unmask_record(response: UnmaskResponse) -> ArrayRecord:
 
 def _unmask_from(record: ArrayRecord) -> UnmaskResponse:
     arrays = to_numpy(record)
-    names = {f"{n}-{p}" for n in ("self-mask", "secret-key") for p in ("owners", "shares")}
+    names = {f"{n}-{p}" for n in K.UNMASK_PARTS for p in ("owners", "shares")}
     if set(arrays) != names:
         raise MalformedReply(f"an unmask reply holds exactly the arrays {sorted(names)}")
     parts = []
-    for name in ("self-mask", "secret-key"):
+    for name in K.UNMASK_PARTS:
         owners, shares = arrays[f"{name}-owners"], arrays[f"{name}-shares"]
         if (
             owners.ndim != 1
@@ -222,18 +272,8 @@ class _Exchange:
     refused: dict[int, str] = field(default_factory=dict)
 
     def message(self, node: int, stage: Stage, records: dict[str, Any]) -> Message:
-        content = RecordDict(
-            {
-                ROUND_KEY: ConfigRecord(
-                    {
-                        "server-round": self.server_round,
-                        "session": self.session,
-                        "stage": stage.name,
-                    }
-                ),
-                **records,
-            }
-        )
+        header = header_record(self.server_round, self.session, stage)
+        content = RecordDict({K.HEADER: header, **records})
         return Message(
             content=content,
             dst_node_id=node,
@@ -270,8 +310,9 @@ class _Exchange:
                 self.foreign[node] = f"{stage.name}: {problem}"
             if problem is not None:
                 continue
-            if REFUSED_KEY in reply.content:
-                self.refused[node] = str(reply.content[REFUSED_KEY].get("reason"))[:500]
+            if K.REFUSED in reply.content:
+                reason = reply.content[K.REFUSED].get(K.REFUSED_ENTRIES[1])
+                self.refused[node] = str(reason)[:500]
                 continue
             accepted[client_of[node]] = reply.content
         return accepted
@@ -294,7 +335,7 @@ def reply_problem(
         return f"a {reply.metadata.message_type!r} reply in stage {stage.name}"
     expected = _REPLY_RECORDS[stage]
     content = reply.content
-    if set(content.keys()) == {REFUSED_KEY} and isinstance(content[REFUSED_KEY], ConfigRecord):
+    if set(content.keys()) == {K.REFUSED} and isinstance(content[K.REFUSED], ConfigRecord):
         return None  # the client refused the stage: a dropout
     if set(content.keys()) != set(expected) or any(
         not isinstance(content[k], kind) for k, kind in expected.items()
@@ -378,49 +419,42 @@ def _run_stages(
     for c, neighbours in routed.items():
         relayed = server.proofs_for(c)
         setups[c] = {
-            SETUP_KEY: _config_record(config, c, c not in excluded),
-            NEIGHBOURS_KEY: ConfigRecord(
-                {
-                    "ids": list(neighbours),
-                    "channel-keys": [neighbours[j][0] for j in neighbours],
-                    "agreement-keys": [neighbours[j][1] for j in neighbours],
-                    "proofs": [relayed.get(j, b"") for j in neighbours],
-                }
-            ),
+            K.SETUP: setup_record(config, c, c not in excluded),
+            K.NEIGHBOURS: _neighbours_record(neighbours, relayed),
         }
     envelopes = {}
     for c, content in exchange.send(Stage.SHARE_KEYS, setups).items():
         try:
-            envelopes[c] = envelopes_from(content[ENVELOPES_KEY])
+            envelopes[c] = envelopes_from(content[K.ENVELOPES])
         except MalformedReply as error:
             server.reject(c, Stage.SHARE_KEYS, str(error))
     incoming = server.share_keys(envelopes)
     answered = {c for c in envelopes if c not in server.rejected}
     deliveries = {
-        c: {ENVELOPES_KEY: envelopes_record(incoming[c])} for c in incoming if c in answered
+        c: {K.ENVELOPES: envelopes_record(incoming[c])} for c in incoming if c in answered
     }
     masked, holders = {}, []
     for c, content in exchange.send(Stage.MASKED_INPUT, deliveries).items():
         try:
-            arrays = to_numpy(content[MASKED_KEY])
+            arrays = to_numpy(content[K.MASKED])
         except MALFORMED as error:
             server.reject(c, Stage.MASKED_INPUT, f"malformed masked input: {error}")
             continue
-        if list(arrays) != ["masked"]:
+        if list(arrays) != [K.MASKED_ENTRY]:
             server.reject(c, Stage.MASKED_INPUT, "the reply must hold one array, 'masked'")
             continue
-        value = arrays["masked"]
+        value = arrays[K.MASKED_ENTRY]
         if c in excluded and isinstance(value, np.ndarray) and value.size == 0:
             holders.append(c)  # excluded: holds shares, contributes nothing
         else:
             masked[c] = value
     survivors, dropped = server.masked_input(masked)
-    listing = ConfigRecord({"survivors": list(survivors), "dropped": list(dropped)})
-    asked = {c: {SURVIVORS_KEY: listing} for c in (*survivors, *holders)}
+    listing = survivors_record(survivors, dropped)
+    asked = {c: {K.SURVIVORS: listing} for c in (*survivors, *holders)}
     responses = {}
     for c, content in exchange.send(Stage.UNMASK, asked).items():
         try:
-            responses[c] = _unmask_from(content[UNMASK_KEY])
+            responses[c] = _unmask_from(content[K.UNMASK])
         except MALFORMED as error:
             server.reject(c, Stage.UNMASK, f"malformed unmask reply: {error}")
     return server.unmask(responses)

@@ -98,6 +98,62 @@ def check_client_id(party) -> int:
     return int(party)
 
 
+class CommitteeWire:
+    """The committee protocol's wire names: the ``<prefix>committee.*`` entries of a client's
+    instruction (:class:`CommitteeKeys` and its channel party) and the entries of the members'
+    answers to SHARE (:class:`ShareAnswer`) and RELEASE (:class:`ReleaseAnswer`)."""
+
+    N, T, K, FIELD_EXPONENT = "n", "t", "k", "field-exponent"
+    SESSION, MEMBER_KEYS, PARTY = "session", "member-keys", "party"
+    INSTRUCTION = (N, T, K, FIELD_EXPONENT, SESSION, MEMBER_KEYS, PARTY)
+    ONLINE, REFUSED = "online", "refused"
+    MEMBERS, ROWS, LATE = "members", "rows", "late"
+
+
+def _answer_entry(record: object, name: str, call: str) -> Any:
+    """``record[name]`` of a member's answer, or ValueError naming the key and what is allowed."""
+    if not isinstance(record, Mapping) or name not in record:
+        kind = type(record).__name__
+        raise ValueError(f"a {call} answer ({kind}) lacks {name!r}; allowed: a mapping with it")
+    return record[name]
+
+
+@dataclass(frozen=True)
+class ShareAnswer:
+    """A shard's answer to SHARE: its ``online`` members and, per client whose shares some of
+    them refused, those members (``refused``)."""
+
+    online: list[int]
+    refused: Mapping[int, list[int]]
+
+    def to_record(self) -> dict[str, Any]:
+        return {CommitteeWire.ONLINE: list(self.online), CommitteeWire.REFUSED: self.refused}
+
+    @classmethod
+    def from_record(cls, record: object) -> ShareAnswer:
+        online = _answer_entry(record, CommitteeWire.ONLINE, "SHARE")
+        return cls(online, _answer_entry(record, CommitteeWire.REFUSED, "SHARE"))
+
+
+@dataclass(frozen=True)
+class ReleaseAnswer:
+    """A shard's answer to RELEASE: the ``members`` that answer with their summed ``rows``
+    (sealed to the server when channels are on) and the members among them that are ``late``."""
+
+    members: list[int]
+    rows: Any
+    late: list[int]
+
+    def to_record(self) -> dict[str, Any]:
+        names = (CommitteeWire.MEMBERS, CommitteeWire.ROWS, CommitteeWire.LATE)
+        return dict(zip(names, (self.members, self.rows, self.late)))
+
+    @classmethod
+    def from_record(cls, record: object) -> ReleaseAnswer:
+        names = (CommitteeWire.MEMBERS, CommitteeWire.ROWS, CommitteeWire.LATE)
+        return cls(*(_answer_entry(record, name, "RELEASE") for name in names))
+
+
 @dataclass(frozen=True)
 class CommitteeKeys:
     """What a client needs to share with the committee in one round, all public: the round,

@@ -34,7 +34,9 @@ from protocols.committee.common import (
     CHANNEL_PROTOCOL,
     CommitteeCall,
     CommitteeStage,
+    ReleaseAnswer,
     ShardSealedShares,
+    ShareAnswer,
     StageFaults,
     check_transition,
 )
@@ -197,7 +199,8 @@ class CommitteeShard:
             if bad:
                 refused[int(client)] = bad
             stored[int(client)] = self._tamper(rows, faults.tamper, faults.seed, int(client))
-        return {"online": [int(m) for m in self.members if m not in offline], "refused": refused}
+        online = [int(m) for m in self.members if m not in offline]
+        return ShareAnswer(online, refused).to_record()
 
     def combine(self, round_: int, clients: Sequence[int], faults: StageFaults) -> list[int]:
         """COMBINE: each online member sums its rows of ``clients`` (all at once, mod p)."""
@@ -229,11 +232,8 @@ class CommitteeShard:
                 self._endpoints[m].seal_array(SERVER_ID, round_, CommitteeStage.RELEASE, row)
                 for m, row in zip(members, rows)
             ]
-        return {
-            "members": members,
-            "rows": rows,
-            "late": [int(m) for m in self.members[keep] if m in faults.late],
-        }
+        late = [int(m) for m in self.members[keep] if m in faults.late]
+        return ReleaseAnswer(members, rows, late).to_record()
 
     def abort(self, round_: int) -> None:
         """The driver aborted ``round_``: drop everything of it and leave it ABORTED."""

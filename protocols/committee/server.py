@@ -69,8 +69,10 @@ from protocols.committee.common import (
     CommitteeResult,
     CommitteeStage,
     OpenedRelease,
+    ReleaseAnswer,
     SealedInput,
     ShardSealedShares,
+    ShareAnswer,
     StageFaults,
     check_client_id,
     check_layout,
@@ -263,11 +265,12 @@ class CommitteeServer:
             CommitteeCall.SHARE, [(round_, part, faults, width) for part in parts]
         )
         late = set(faults.late)
-        online = sorted(m for part in answers for m in part["online"] if m not in late)
+        shares_answered = [ShareAnswer.from_record(part) for part in answers]
+        online = sorted(m for part in shares_answered for m in part.online if m not in late)
         self._require(len(online), CommitteeStage.SHARE, round_)
         refusals: dict[int, set[int]] = {}
-        for part in answers:
-            for client, who in part["refused"].items():
+        for part in shares_answered:
+            for client, who in part.refused.items():
                 refusals.setdefault(client, set()).update(who)
         for client, who in refusals.items():
             if who - late:
@@ -423,8 +426,9 @@ class CommitteeServer:
         rejected: list[int] = []
         for group, part in zip(self.groups, released):
             try:
-                pairs = list(zip(part["members"], part["rows"], strict=True))
-                late |= {int(m) for m in part["late"] if m in group}
+                answer = ReleaseAnswer.from_record(part)
+                pairs = list(zip(answer.members, answer.rows, strict=True))
+                late |= {int(m) for m in answer.late if m in group}
             except (TypeError, KeyError, ValueError):
                 reasons.append(f"members {group}: malformed release reply")
                 continue

@@ -216,6 +216,58 @@ class Schedule:
         self.__init__(state["matrix"])
 
 
+class DMMKeys:
+    """DMM's wire names, all in one place: the records of its instructions and replies
+    (``dmm.*``), the ``dmm.share.*`` entries of a full-mode instruction
+    (:class:`strategies.dmm.wire.ShareConfig`), the entries of a sealed-shares record and of a
+    member group's RELEASE answer."""
+
+    NAME = "dmm"
+    PREFIX = "dmm."
+    SHARE_PREFIX = "dmm.share."
+    UPDATE = "dmm.update"
+    NOISE = "dmm.noise"
+    FOLD = "dmm.fold"
+    PADS = "dmm.pads"
+    BATCH = "dmm.batch"
+    SEALED = "dmm.sealed"
+    INSTRUCTION = (
+        "dim", "clip", "gamma", "beta", "max-tries", "rotation-seed", "noise-std", "rows", "mode"
+    )  # fmt: skip
+    """The ``dmm.*`` entries of every instruction (:func:`strategies.dmm.wire.instruction`)."""
+    # the dmm.share.* entries (:class:`strategies.dmm.wire.ShareConfig`), without their prefix
+    ROUND, STEP, N, T, K, FIELD_EXPONENT = "round", "step", "n", "t", "k", "field-exponent"
+    DIM, SESSION, MEMBERS, MEMBER_KEYS, PARTY = "dim", "session", "members", "member-keys", "party"
+    MEMBER_PROOFS, COHORT = "member-proofs", "cohort"
+    COMMITTEE_ROUND, COMMITTEE = "committee-round", "committee"
+    SHARE = (ROUND, STEP, N, T, K, FIELD_EXPONENT, DIM, SESSION, MEMBERS, MEMBER_KEYS, PARTY)
+    """The ``dmm.share.*`` entries every full-mode instruction holds (a folded round's has
+    ``cohort`` in place of ``party``)."""
+    SEALED_ENTRIES = ("public-key", "members", "nonces", "ciphertexts")
+    """The entries of a sealed-shares record (:func:`strategies.dmm.wire.sealed_to_record`)."""
+    RELEASE_ENTRIES = ("seats", "rows", "late")
+    """The entries of a member group's answer to RELEASE (:class:`ReleaseAnswer`)."""
+
+
+@dataclass(frozen=True)
+class ReleaseAnswer:
+    """A member group's answer to RELEASE: its online ``seats`` with their shares of the
+    released rows (``rows``, sealed to the server when channels are on) and the seats among
+    them whose answer misses the deadline (``late``). Read leniently, as the server reads any
+    member's word: an entry left out is empty."""
+
+    seats: list
+    rows: list
+    late: list
+
+    def to_record(self) -> dict[str, list]:
+        return dict(zip(DMMKeys.RELEASE_ENTRIES, (self.seats, self.rows, self.late)))
+
+    @classmethod
+    def from_record(cls, record: Mapping) -> ReleaseAnswer:
+        return cls(*(list(record.get(name, [])) for name in DMMKeys.RELEASE_ENTRIES))
+
+
 @dataclass(frozen=True)
 class RoundKeys:
     """What a client needs to share in one round, all public: the scheme (n, t, k, field
@@ -344,7 +396,7 @@ SILENT: dict[MemberCall, object] = {
     MemberCall.KEEP: None,
     MemberCall.KEY_PROOFS: {},
     MemberCall.RECEIVE: [],
-    MemberCall.RELEASE: {"seats": [], "rows": [], "late": []},
+    MemberCall.RELEASE: ReleaseAnswer([], [], []).to_record(),
     MemberCall.RETIRE: None,
     MemberCall.SHARE: {},
     MemberCall.SNAPSHOT: None,

@@ -59,6 +59,7 @@ from protocols.dmm.common import (
     DMMStage,
     MemberCall,
     MemberRefused,
+    ReleaseAnswer,
     Schedule,
     check_transition,
     request,
@@ -578,7 +579,7 @@ class MemberGroup(ReshareDuties):
                 self._endpoints[s].seal_array(SERVER_ID, self._round, DMMStage.RELEASE, row)
                 for s, row in zip(seats, sent)
             ]
-        return {"seats": seats, "rows": sent, "late": sorted(late & self._online)}
+        return ReleaseAnswer(seats, sent, sorted(late & self._online)).to_record()
 
 class MemberPool(LocalMembers):
     """One committee in this process: ``members`` (client ids, seat order) whose seats are split

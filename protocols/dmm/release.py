@@ -21,7 +21,7 @@ from protocols.channels import (
     encode_array,
     stage_label,
 )
-from protocols.dmm.common import DMMAbort, DMMStage, MemberCall, Schedule
+from protocols.dmm.common import DMMAbort, DMMStage, MemberCall, ReleaseAnswer, Schedule
 from protocols.kit import SEAT_ID_BASE, Fault, TamperingDetected
 from protocols.shamir import UncorrectableSharesError
 
@@ -212,8 +212,8 @@ class ReleaseSteps:
         for group, answer in zip(self.pool.groups, answered):
             if not isinstance(answer, Mapping):
                 continue
-            seats, items = list(answer.get("seats", [])), list(answer.get("rows", []))
-            late = set(answer.get("late", []))
+            answer = ReleaseAnswer.from_record(answer)
+            seats, items, late = answer.seats, answer.rows, set(answer.late)
             if len(seats) != len(items):
                 rejected_members.update({int(s): "release answer is malformed" for s in group})
                 continue

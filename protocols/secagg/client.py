@@ -9,12 +9,13 @@ the OS CSPRNG). Replaying a stage from the same stored state therefore seals the
 under the same nonce. The session id (the HKDF salt of the pairwise seeds and channels) is public
 and chosen by the server.
 
-**State between messages.** :meth:`SecAggClient.to_state` writes the protocol state as numeric
-arrays (no pickle; the seed included, so the caller seals it) and :meth:`SecAggClient.from_state`
-restores it, so the client side runs as a sequence of message exchanges. What SHARE_KEYS
-derived is kept there too -- the channel receive keys from the neighbours and the pairwise
-seeds s_ij (one X25519 agreement per neighbour and key, which also checks the key) -- so that
-MASKED_INPUT opens the shares and masks without agreeing again; these are the client's own
+**State between messages.** :meth:`SecAggClient.to_state` writes the protocol state as a
+:class:`~protocols.secagg.state.SecAggClientState` (named integer arrays, no pickle; the seed
+included, so the caller seals it) and :meth:`SecAggClient.from_state` restores it, so the
+client side runs as a sequence of message exchanges (:mod:`protocols.secagg.stages`). What
+SHARE_KEYS derived is kept there too -- the channel receive keys from the neighbours and the
+pairwise seeds s_ij (one X25519 agreement per neighbour and key, which also checks the key) --
+so that MASKED_INPUT opens the shares and masks without agreeing again; these are the client's own
 secrets, derivable from its seed, and stored only where the seed is. The server numbers the
 clients of a round (protocol ids below 2^63 - 1) and tells each its number with its neighbours'
 keys in SHARE_KEYS.
@@ -71,6 +72,7 @@ from protocols.secagg.common import (
     secret_to_elements,
     shamir_scheme,
 )
+from protocols.secagg.state import SecAggClientState
 
 _DERIVE_LABEL = b"fedsim/secagg/client/v2/"
 
@@ -383,28 +385,28 @@ class SecAggClient:
         self._enter(Stage.DONE)
         return UnmaskResponse(self_mask, secret_key)
 
-    def to_state(self) -> dict[str, np.ndarray]:
-        """The client's whole protocol state as numeric arrays (its seed included: seal it)."""
+    def to_state(self) -> SecAggClientState:
+        """The client's whole protocol state (its seed included: seal it)."""
         owners = sorted(self._held_shares)
         neighbours = self._recipients
-        return {
-            "seed": np.frombuffer(self._seed, dtype=np.uint8).copy(),
-            "session": np.frombuffer(self.session_id, dtype=np.uint8).copy(),
-            "stage": np.array(self.stage.value, dtype=np.int64),
-            "client_id": np.array(-1 if self.client_id is None else self.client_id, np.int64),
-            "contributes": np.array(int(self.contributes), dtype=np.int64),
-            "config": np.zeros(0, np.int64) if self.config is None else self.config.to_array(),
-            "neighbours": np.array(neighbours, dtype=np.int64),
-            "neighbour_keys": np.frombuffer(
+        return SecAggClientState(
+            seed=self._seed,
+            session=self.session_id,
+            stage=self.stage,
+            client_id=self.client_id,
+            contributes=self.contributes,
+            config=self.config,
+            neighbours=np.array(neighbours, dtype=np.int64),
+            neighbour_keys=np.frombuffer(
                 b"".join(b"".join(self._neighbour_keys[j]) for j in neighbours), dtype=np.uint8
             ).reshape(len(neighbours), 2 * PUBLIC_KEY_BYTES),
-            "receive_keys": self._receive_keys(neighbours),
-            "mask_seeds": self._seed_rows(neighbours),
-            "share_owners": np.array(owners, dtype=np.int64),
-            "shares": np.array(
-                [self._held_shares[j] for j in owners], dtype=np.int64
-            ).reshape(len(owners), SHARE_ROW_LENGTH),
-        }
+            receive_keys=self._receive_keys(neighbours),
+            mask_seeds=self._seed_rows(neighbours),
+            share_owners=np.array(owners, dtype=np.int64),
+            shares=np.array([self._held_shares[j] for j in owners], dtype=np.int64).reshape(
+                len(owners), SHARE_ROW_LENGTH
+            ),
+        )
 
     def _receive_keys(self, neighbours: tuple[int, ...]) -> np.ndarray:
         """The channel receive keys from ``neighbours`` (one 32-byte row each), so that a
@@ -425,54 +427,43 @@ class SecAggClient:
         return np.frombuffer(seeds, dtype=np.uint8).reshape(len(neighbours), SEED_BYTES)
 
     @classmethod
-    def from_state(cls, state: Mapping[str, np.ndarray]) -> SecAggClient:
-        """The client :meth:`to_state` wrote; ``ValueError`` if the arrays are not such a state."""
+    def from_state(cls, state: SecAggClientState) -> SecAggClient:
+        """The client :meth:`to_state` wrote; ``ValueError`` if it is not such a state."""
+        if not isinstance(state, SecAggClientState):
+            raise TypeError(f"state must be a SecAggClientState, got {type(state).__name__}")
         try:
+            state.check()
             return cls._restore(state)
         except (KeyError, TypeError, ValueError, OverflowError, IndexError) as error:
-            raise ValueError(f"not a SecAgg+ client state: {error}") from None
+            message = str(error)
+            prefix = "not a SecAgg+ client state: "
+            raise ValueError(message if message.startswith(prefix) else prefix + message) from None
 
     @classmethod
-    def _restore(cls, state: Mapping[str, np.ndarray]) -> SecAggClient:
-        client = cls(
-            bytes(np.asarray(state["session"], np.uint8)),
-            seed=bytes(np.asarray(state["seed"], np.uint8)),
-        )
-        client.stage = Stage(int(state["stage"]))
-        client_id = int(state["client_id"])
-        client.contributes = bool(int(state["contributes"]))
-        neighbours = np.asarray(state["neighbours"], dtype=np.int64).ravel()
-        keys = np.asarray(state["neighbour_keys"], dtype=np.uint8)
-        owners = np.asarray(state["share_owners"], dtype=np.int64).ravel()
-        shares = np.asarray(state["shares"], dtype=np.int64)
-        receive = np.asarray(state["receive_keys"], dtype=np.uint8)
-        seeds = np.asarray(state["mask_seeds"], dtype=np.uint8)
-        if (
-            keys.shape != (neighbours.size, 2 * PUBLIC_KEY_BYTES)
-            or shares.shape != (owners.size, SHARE_ROW_LENGTH)
-            or receive.shape not in ((0, 32), (neighbours.size, 32))
-            or seeds.shape not in ((0, SEED_BYTES), (neighbours.size, SEED_BYTES))
-        ):
-            raise ValueError("neighbour keys, receive keys, mask seeds or shares misshapen")
-        if client_id < 0:
-            early = (Stage.SETUP, Stage.ADVERTISE_KEYS, Stage.ABORTED)
-            if neighbours.size or client.stage not in early:
-                raise ValueError(f"stage {client.stage.name} without a protocol id")
+    def _restore(cls, state: SecAggClientState) -> SecAggClient:
+        client = cls(state.session, seed=state.seed)
+        client.stage = state.stage
+        client.contributes = state.contributes
+        if state.client_id is None:
             return client
-        client.client_id = client_id
-        client.config = SecAggConfig.from_array(state["config"])
+        client.client_id, client.config = state.client_id, state.config
+        neighbours = state.neighbours.astype(np.int64).tolist()
         # the receive keys from the neighbours come back from the state (MASKED_INPUT opens
         # with them, no X25519); any others are derived when a stage first opens (_connected)
-        client._endpoint = Endpoint(client_id, client.session_id, PROTOCOL, client._channel_key)
-        for peer, row in zip(neighbours.tolist(), keys):
+        client._endpoint = Endpoint(
+            client.client_id, client.session_id, PROTOCOL, client._channel_key
+        )
+        for peer, row in zip(neighbours, state.neighbour_keys.astype(np.uint8)):
             raw = bytes(row)
             client._neighbour_keys[peer] = (raw[:PUBLIC_KEY_BYTES], raw[PUBLIC_KEY_BYTES:])
-        for peer, key in zip(neighbours.tolist(), receive):
+        for peer, key in zip(neighbours, state.receive_keys.astype(np.uint8)):
             client._endpoint.accept_receive_key(
                 peer, client._neighbour_keys[peer][0], bytes(key)
             )
-        client._mask_seeds = {p: bytes(row) for p, row in zip(neighbours.tolist(), seeds)}
-        client._held_shares = {o: s for o, s in zip(owners.tolist(), shares)}
+        seeds = state.mask_seeds.astype(np.uint8)
+        client._mask_seeds = {p: bytes(row) for p, row in zip(neighbours, seeds)}
+        owners = state.share_owners.astype(np.int64).tolist()
+        client._held_shares = dict(zip(owners, state.shares.astype(np.int64)))
         return client
 
 

@@ -91,6 +91,62 @@ def check_transition(current: Stage, target: Stage, who: str) -> None:
     check_move(TRANSITIONS, current, target, who)
 
 
+class SecAggKeys:
+    """SecAgg+'s wire names, all in one place: the records of its messages and replies
+    (``secagg.*``), the entries inside them, the parameters of :class:`SecAggConfig` and the
+    entries of a client's stored state (:class:`protocols.secagg.state.ClientState`)."""
+
+    # records of a message or reply (Flower RecordDict keys)
+    HEADER = "secagg"
+    KEYS = "secagg.keys"
+    SETUP = "secagg.setup"
+    NEIGHBOURS = "secagg.neighbours"
+    ENVELOPES = "secagg.envelopes"
+    MASKED = "secagg.masked"
+    SURVIVORS = "secagg.survivors"
+    UNMASK = "secagg.unmask"
+    STATE = "secagg.state"
+    REFUSED = "secagg.refused"
+    # the round's parameters (SETUP's entries, and a stored state's with prefix "config.")
+    NUM_CLIENTS = "num-clients"
+    DEGREE = "degree"
+    THRESHOLD = "threshold"
+    VECTOR_LENGTH = "vector-length"
+    ROUND = "round"
+    MIN_SURVIVORS = "min-survivors"
+    RING_BITS = "ring-bits"
+    FIELD_EXPONENT = "field-exponent"
+    CONFIG = (
+        NUM_CLIENTS, DEGREE, THRESHOLD, VECTOR_LENGTH, ROUND, MIN_SURVIVORS, RING_BITS,
+        FIELD_EXPONENT,
+    )  # fmt: skip
+    OPTIONAL = (MIN_SURVIVORS, RING_BITS)
+    """Parameters that may be None, written as -1."""
+    # entries of the other records
+    CLIENT_ID = "client-id"
+    CONTRIBUTE = "contribute"
+    HEADER_ENTRIES = ("server-round", "session", "stage")
+    KEY_ENTRIES = ("channel", "agreement", "proof")
+    NEIGHBOUR_ENTRIES = ("ids", "channel-keys", "agreement-keys", "proofs")
+    ENVELOPE_ENTRIES = ("senders", "receivers", "rounds", "stages", "nonces", "ciphertexts")
+    SURVIVOR_ENTRIES = ("survivors", "dropped")
+    UNMASK_PARTS = ("self-mask", "secret-key")
+    REFUSED_ENTRIES = ("stage", "reason")
+    MASKED_ENTRY = "masked"
+    """The one array of a MASKED_INPUT reply."""
+    # the record a client keeps under STATE: its round, whether sealed, and the packed state
+    STORED_ROUND, STORED_SEALED, STORED_BLOB = "round", "sealed", "state"
+    # a client's stored state (protocols.secagg.state)
+    STATE_SERVER_ROUND = "round"
+    STATE_INPUT = "input"
+    STATE_CONFIG_PREFIX = "config."
+    STATE_ARRAYS = (
+        "seed", "session", "stage", "client_id", "contributes", "neighbours", "neighbour_keys",
+        "receive_keys", "mask_seeds", "share_owners", "shares",
+    )  # fmt: skip
+    """The protocol state's entries besides its parameters (named ``config.<parameter>``)."""
+
+
 @dataclass(frozen=True)
 class SecAggConfig:
     """Parameters of a round.
@@ -156,64 +212,49 @@ class SecAggConfig:
     def survivors_needed(self) -> int:
         return self.threshold if self.min_survivors is None else self.min_survivors
 
-    WIRE_NAMES = (
-        "num-clients",
-        "degree",
-        "threshold",
-        "vector-length",
-        "round",
-        "min-survivors",
-        "ring-bits",
-        "field-exponent",
-    )
-    """The parameters' names on the wire, in the order of :meth:`to_array`."""
-
-    def to_array(self) -> np.ndarray:
-        """The parameters as 8 int64 (None as -1), for :meth:`SecAggClient.to_state`."""
-        return np.array(
-            [
-                self.num_clients,
-                self.degree,
-                self.threshold,
-                self.vector_length,
-                self.round,
-                -1 if self.min_survivors is None else self.min_survivors,
-                -1 if self.ring_bits is None else self.ring_bits,
-                self.field.exponent,
-            ],
-            dtype=np.int64,
-        )
+    def to_record(self) -> dict[str, int]:
+        """The parameters as named integers (:attr:`SecAggKeys.CONFIG`; None as -1)."""
+        return {
+            SecAggKeys.NUM_CLIENTS: self.num_clients,
+            SecAggKeys.DEGREE: self.degree,
+            SecAggKeys.THRESHOLD: self.threshold,
+            SecAggKeys.VECTOR_LENGTH: self.vector_length,
+            SecAggKeys.ROUND: self.round,
+            SecAggKeys.MIN_SURVIVORS: -1 if self.min_survivors is None else self.min_survivors,
+            SecAggKeys.RING_BITS: -1 if self.ring_bits is None else self.ring_bits,
+            SecAggKeys.FIELD_EXPONENT: self.field.exponent,
+        }
 
     @classmethod
-    def from_array(cls, values: np.ndarray) -> SecAggConfig:
-        """The config of :meth:`to_array`'s 8 integers."""
-        values = [int(v) for v in np.asarray(values, dtype=np.int64).ravel()]
-        if len(values) != 8:
-            raise ValueError(f"a SecAggConfig is 8 integers, got {len(values)}")
-        n, degree, threshold, length, round_, minimum, ring, exponent = values
+    def from_record(cls, record: Mapping[str, object], prefix: str = "") -> SecAggConfig:
+        """The config of :meth:`to_record`'s entries, each read as ``prefix + name`` (other
+        keys of ``record`` are ignored); ValueError naming the key, the value and what is
+        allowed when one is missing or not an integer, or the config is invalid."""
+        values = {}
+        for name in SecAggKeys.CONFIG:
+            value = record.get(prefix + name, _MISSING)
+            if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iu":
+                value = int(value)
+            if value is _MISSING or not isinstance(value, int) or isinstance(value, bool):
+                shown = "missing" if value is _MISSING else repr(value)
+                raise ValueError(
+                    f"SecAgg+ parameter {prefix + name!r}: {shown}; allowed: an integer"
+                )
+            values[name] = value
+        optional = {k: None if values[k] < 0 else values[k] for k in SecAggKeys.OPTIONAL}
         return cls(
-            n,
-            degree,
-            threshold,
-            length,
-            round_,
-            None if minimum < 0 else minimum,
-            MersenneField(exponent),
-            None if ring < 0 else ring,
+            num_clients=values[SecAggKeys.NUM_CLIENTS],
+            degree=values[SecAggKeys.DEGREE],
+            threshold=values[SecAggKeys.THRESHOLD],
+            vector_length=values[SecAggKeys.VECTOR_LENGTH],
+            round=values[SecAggKeys.ROUND],
+            min_survivors=optional[SecAggKeys.MIN_SURVIVORS],
+            field=MersenneField(values[SecAggKeys.FIELD_EXPONENT]),
+            ring_bits=optional[SecAggKeys.RING_BITS],
         )
 
-    def encode(self) -> dict[str, int]:
-        """The parameters as named integers (:data:`WIRE_NAMES`; None as -1), for a record."""
-        return dict(zip(self.WIRE_NAMES, self.to_array().tolist()))
 
-    @classmethod
-    def decode(cls, record: Mapping[str, object]) -> SecAggConfig:
-        """The config of :meth:`encode`'s named integers (other keys of ``record`` are
-        ignored); ValueError if one is missing or not an integer, or the config is invalid."""
-        values = [record[name] for name in cls.WIRE_NAMES]
-        if any(not isinstance(v, int) or isinstance(v, bool) for v in values):
-            raise ValueError(f"the round's parameters must be integers, got {values}")
-        return cls.from_array(np.array(values, dtype=np.int64))
+_MISSING = object()
 
 
 def neighbour_graph(

@@ -1,77 +1,154 @@
-"""DMM's wire names and codecs: the records of an instruction and of a reply, and the
-``dmm.share.*`` entries that carry a round's public :class:`protocols.dmm.common.RoundKeys`
-(docs/dmm-design.md, step 3). Nothing here is secret."""
+"""DMM's wire names (:class:`DMMKeys`) and codecs: the records of an instruction and of a
+reply, and the ``dmm.share.*`` entries that carry a round's public
+:class:`protocols.dmm.common.RoundKeys` (:class:`ShareConfig`; docs/dmm-design.md, step 3).
+Nothing here is secret."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
 from protocols.channels import Envelope, stage_label
-from protocols.dmm.common import DMMSealedShares, DMMStage, RoundKeys
+from protocols.dmm.common import DMMKeys, DMMSealedShares, DMMStage, RoundKeys
 from protocols.kit import SEAT_ID_BASE
 
-NAME = "dmm"
-UPDATE_KEY = "dmm.update"
+K = DMMKeys
+NAME = K.NAME
+UPDATE_KEY = K.UPDATE
 """Ideal mode's reply: ArrayRecord of the rounded update (D int64)."""
-NOISE_KEY = "dmm.noise"
+NOISE_KEY = K.NOISE
 """Ideal mode's reply: ArrayRecord of the fresh noise rows (rows x D int64)."""
-PREFIX = "dmm."
-SHARE_PREFIX = "dmm.share."
-FOLD_KEY = "dmm.fold"
+PREFIX = K.PREFIX
+SHARE_PREFIX = K.SHARE_PREFIX
+FOLD_KEY = K.FOLD
 """A client's reply to its worker's fold: ArrayRecord ``masked``, its padded share rows."""
-PADS_KEY = "dmm.pads"
+PADS_KEY = K.PADS
 """A client's reply to its worker's fold: its public key and sealed pad seeds (ConfigRecord in
 the form of :func:`sealed_to_record`)."""
-BATCH_KEY = "dmm.batch"
+BATCH_KEY = K.BATCH
 """A folded reply's ConfigRecord: ``nodes``, the node ids whose inputs it holds, and for each in
 order its ``public-keys`` entry and, per announced seat in order, ``pad-nonces`` and
 ``pad-ciphertexts`` (:class:`protocols.dmm.common.FoldedClient`)."""
-SEALED_KEY = "dmm.sealed"
+SEALED_KEY = K.SEALED
 """A SHARE message's record (:func:`sealed_to_record`), a client's or a folded batch's."""
+SEALED_ENTRIES = set(K.SEALED_ENTRIES)
 
-#: the ``dmm.*`` entries of every instruction (:func:`instruction`)
-INSTRUCTION_KEYS = (
-    "dim", "clip", "gamma", "beta", "max-tries", "rotation-seed", "noise-std", "rows", "mode"
-)  # fmt: skip
-#: the ``dmm.share.*`` entries of a full-mode instruction (:func:`round_keys_config`)
-SHARE_KEYS = ("round", "step", "n", "t", "k", "field-exponent", "dim", "session")
-SHARE_KEYS += ("members", "member-keys", "party")
-#: the entries of a sealed-shares record (:func:`sealed_to_record`)
-SEALED_ENTRIES = {"public-key", "members", "nonces", "ciphertexts"}
+
+def _integer(config: Mapping[str, Any], name: str) -> int:
+    value = config[SHARE_PREFIX + name]
+    if not isinstance(value, int | np.integer) or isinstance(value, bool):
+        raise ValueError(f"{SHARE_PREFIX}{name}={value!r}; allowed: an integer")
+    return int(value)
+
+
+def _integers(config: Mapping[str, Any], name: str) -> tuple[int, ...]:
+    values = config[SHARE_PREFIX + name]
+    if not isinstance(values, list | tuple) or not all(
+        isinstance(v, int | np.integer) and not isinstance(v, bool) for v in values
+    ):
+        raise ValueError(f"{SHARE_PREFIX}{name}={values!r}; allowed: a list of integers")
+    return tuple(int(v) for v in values)
+
+
+def _byte_strings(config: Mapping[str, Any], name: str) -> list[bytes]:
+    values = config.get(SHARE_PREFIX + name, ())
+    if not isinstance(values, list | tuple) or not all(isinstance(v, bytes) for v in values):
+        raise ValueError(f"{SHARE_PREFIX}{name}: {values!r}; allowed: a list of byte strings")
+    return list(values)
+
+
+@dataclass(frozen=True)
+class ShareConfig:
+    """The ``dmm.share.*`` entries of a full-mode instruction, typed: the round's public
+    :class:`~protocols.dmm.common.RoundKeys`, the client's channel ``party`` or, in a folded
+    round's one shared instruction, the ``cohort`` (node ids in party order), and ``committee``
+    (the server round whose public draw holds the state, its client ids in seat order), which
+    an enrolled client recomputes and checks every seat's certificate against. Nothing secret."""
+
+    keys: RoundKeys
+    party: int | None = None
+    cohort: tuple[int, ...] | None = None
+    committee: tuple[int, tuple[int, ...]] | None = None
+
+    def to_record(self) -> dict[str, Any]:
+        """The entries, each under ``dmm.share.``."""
+        keys = self.keys
+        if keys.session_id is None:
+            raise ValueError("keys.session_id=None; clients share only over encrypted channels")
+        seats = sorted(keys.member_keys)
+        out: dict[str, Any] = dict(
+            zip(
+                K.SHARE[:7],
+                (keys.round, keys.step, keys.n, keys.t, keys.k, keys.field_exponent, keys.dim),
+            )
+        )
+        out[K.SESSION] = keys.session_id
+        out[K.MEMBERS] = seats
+        out[K.MEMBER_KEYS] = [keys.member_keys[j] for j in seats]
+        if self.party is not None:
+            out[K.PARTY] = int(self.party)
+        if seats and set(seats) <= set(keys.member_proofs):  # relayed; the clients check them
+            out[K.MEMBER_PROOFS] = [keys.member_proofs[j] for j in seats]
+        if self.committee is not None:
+            out[K.COMMITTEE_ROUND] = int(self.committee[0])
+            out[K.COMMITTEE] = [int(c) for c in self.committee[1]]
+        if self.cohort is not None:
+            out[K.COHORT] = [int(node) for node in self.cohort]
+        return {SHARE_PREFIX + k: v for k, v in out.items()}
+
+    @classmethod
+    def from_record(cls, config: Mapping[str, Any], rows: int) -> ShareConfig:
+        """The entries :meth:`to_record` wrote (``rows``: the noise rows released this step);
+        ValueError naming the key, the value and what is allowed."""
+        folded = SHARE_PREFIX + K.COHORT in config
+        required = [k for k in K.SHARE if k != K.PARTY or not folded]
+        missing = [SHARE_PREFIX + k for k in required if SHARE_PREFIX + k not in config]
+        if missing:
+            raise ValueError(f"the full-mode instruction's config lacks {missing}")
+        seats = _integers(config, K.MEMBERS)
+        member_keys = _byte_strings(config, K.MEMBER_KEYS)
+        if len(seats) != len(member_keys):
+            raise ValueError(
+                f"{SHARE_PREFIX}members has {len(seats)} entries but {SHARE_PREFIX}member-keys "
+                f"has {len(member_keys)}; allowed: one key per seat"
+            )
+        session = config[SHARE_PREFIX + K.SESSION]
+        if not isinstance(session, bytes):
+            raise ValueError(f"{SHARE_PREFIX}session={session!r}; allowed: bytes")
+        scalars = {name: _integer(config, name) for name in K.SHARE[:7]}
+        keys = RoundKeys(
+            round=scalars[K.ROUND],
+            step=scalars[K.STEP],
+            rows=int(rows),
+            n=scalars[K.N],
+            t=scalars[K.T],
+            k=scalars[K.K],
+            field_exponent=scalars[K.FIELD_EXPONENT],
+            dim=scalars[K.DIM],
+            session_id=session,
+            member_keys=dict(zip(seats, member_keys)),
+            member_proofs=dict(zip(seats, _byte_strings(config, K.MEMBER_PROOFS))),
+        )
+        committee = None
+        if SHARE_PREFIX + K.COMMITTEE_ROUND in config:
+            drawn = _integer(config, K.COMMITTEE_ROUND)
+            committee = (drawn, _integers(config, K.COMMITTEE))
+        party = _integer(config, K.PARTY) if SHARE_PREFIX + K.PARTY in config else None
+        cohort = _integers(config, K.COHORT) if party is None else None
+        return cls(keys, party, cohort, committee)
 
 
 def round_keys_config(
     keys: RoundKeys, party: int, committee: tuple[int, Sequence[int]] | None = None
 ) -> dict[str, Any]:
-    """The ``dmm.share.*`` entries of one client's full-mode instruction: the round's public
-    :class:`protocols.dmm.common.RoundKeys`, the client's channel party id and ``committee``: (the
-    server round whose public draw holds the state, its client ids in seat order), which an
-    enrolled client recomputes and checks every seat's certificate against. Nothing secret."""
-    if keys.session_id is None:
-        raise ValueError("keys.session_id=None; clients share only over encrypted channels")
-    seats = sorted(keys.member_keys)
-    out: dict[str, Any] = {
-        "round": keys.round,
-        "step": keys.step,
-        "n": keys.n,
-        "t": keys.t,
-        "k": keys.k,
-        "field-exponent": keys.field_exponent,
-        "dim": keys.dim,
-        "session": keys.session_id,
-        "members": seats,
-        "member-keys": [keys.member_keys[j] for j in seats],
-        "party": int(party),
-    }
-    if seats and set(seats) <= set(keys.member_proofs):  # relayed; the clients check them
-        out["member-proofs"] = [keys.member_proofs[j] for j in seats]
-    if committee is not None:
-        out["committee-round"] = int(committee[0])
-        out["committee"] = [int(c) for c in committee[1]]
-    return {SHARE_PREFIX + k: v for k, v in out.items()}
+    """The ``dmm.share.*`` entries of one client's full-mode instruction
+    (:meth:`ShareConfig.to_record` with its channel party id)."""
+    drawn = None if committee is None else (int(committee[0]), tuple(committee[1]))
+    return ShareConfig(keys, party=int(party), committee=drawn).to_record()
 
 
 def cohort_config(
@@ -80,10 +157,8 @@ def cohort_config(
     """The ``dmm.share.*`` entries of a folded round's one shared instruction: the round's
     public keys and committee and the cohort's node ids in order (client ``cohort[p]`` has
     channel party p)."""
-    out = round_keys_config(keys, 0, committee)
-    del out[SHARE_PREFIX + "party"]
-    out[SHARE_PREFIX + "cohort"] = [int(node) for node in cohort]
-    return out
+    drawn = None if committee is None else (int(committee[0]), tuple(committee[1]))
+    return ShareConfig(keys, cohort=tuple(cohort), committee=drawn).to_record()
 
 
 def with_share_config(content: RecordDict, share: dict[str, Any]) -> RecordDict:
@@ -103,40 +178,12 @@ def round_keys_from_config(
 ) -> tuple[RoundKeys, int]:
     """(keys, party) from an instruction's ``dmm.share.*`` entries; in a folded round (a
     ``cohort`` list instead of a ``party``) the party of ``node`` is its place in the cohort."""
-    keys = _round_keys(config, rows)
-    if SHARE_PREFIX + "party" in config:
-        return keys, int(config[SHARE_PREFIX + "party"])
-    cohort = [int(c) for c in config[SHARE_PREFIX + "cohort"]]
-    if node is None or int(node) not in cohort:
+    share = ShareConfig.from_record(config, rows)
+    if share.cohort is None:
+        return share.keys, share.party
+    if node is None or int(node) not in share.cohort:
         raise ValueError(f"node {node} is not in the round's {SHARE_PREFIX}cohort")
-    return keys, cohort.index(int(node))
-
-
-def _round_keys(config: ConfigRecord, rows: int) -> RoundKeys:
-    required = [k for k in SHARE_KEYS if k != "party" or SHARE_PREFIX + "cohort" not in config]
-    missing = [SHARE_PREFIX + k for k in required if SHARE_PREFIX + k not in config]
-    if missing:
-        raise ValueError(f"the full-mode instruction's config lacks {missing}")
-    seats = [int(j) for j in config[SHARE_PREFIX + "members"]]
-    member_keys = list(config[SHARE_PREFIX + "member-keys"])
-    if len(seats) != len(member_keys):
-        raise ValueError(
-            f"{SHARE_PREFIX}members has {len(seats)} entries but {SHARE_PREFIX}member-keys "
-            f"has {len(member_keys)}; allowed: one key per seat"
-        )
-    return RoundKeys(
-        round=int(config[SHARE_PREFIX + "round"]),
-        step=int(config[SHARE_PREFIX + "step"]),
-        rows=int(rows),
-        n=int(config[SHARE_PREFIX + "n"]),
-        t=int(config[SHARE_PREFIX + "t"]),
-        k=int(config[SHARE_PREFIX + "k"]),
-        field_exponent=int(config[SHARE_PREFIX + "field-exponent"]),
-        dim=int(config[SHARE_PREFIX + "dim"]),
-        session_id=bytes(config[SHARE_PREFIX + "session"]),
-        member_keys=dict(zip(seats, (bytes(key) for key in member_keys))),
-        member_proofs=dict(zip(seats, map(bytes, config.get(SHARE_PREFIX + "member-proofs", ())))),
-    )
+    return share.keys, share.cohort.index(int(node))
 
 
 def sealed_to_record(sealed: DMMSealedShares) -> ConfigRecord:
@@ -146,14 +193,13 @@ def sealed_to_record(sealed: DMMSealedShares) -> ConfigRecord:
     envelopes = [sealed.shares[j] for j in seats]
     if not all(isinstance(e, Envelope) for e in envelopes):
         raise ValueError("sealed.shares must all be Envelopes; clients never send plain shares")
-    return ConfigRecord(
-        {
-            "public-key": sealed.public_key,
-            "members": seats,
-            "nonces": [e.nonce for e in envelopes],
-            "ciphertexts": [e.ciphertext for e in envelopes],
-        }
+    columns = (
+        sealed.public_key,
+        seats,
+        [e.nonce for e in envelopes],
+        [e.ciphertext for e in envelopes],
     )
+    return ConfigRecord(dict(zip(K.SEALED_ENTRIES, columns)))
 
 
 def sealed_from_record(record: ConfigRecord, party: int, round_: int) -> DMMSealedShares:
@@ -163,8 +209,7 @@ def sealed_from_record(record: ConfigRecord, party: int, round_: int) -> DMMSeal
         raise ValueError(f"{SEALED_KEY} is a {type(record).__name__}, not a ConfigRecord")
     if set(record.keys()) != SEALED_ENTRIES:
         raise ValueError(f"{SEALED_KEY} has entries {sorted(record.keys())}")
-    seats, nonces, bodies = record["members"], record["nonces"], record["ciphertexts"]
-    key = record["public-key"]
+    key, seats, nonces, bodies = (record[name] for name in K.SEALED_ENTRIES)
     if not isinstance(key, bytes) or not all(isinstance(v, list) for v in (seats, nonces, bodies)):
         raise ValueError(f"{SEALED_KEY} entries have the wrong types")
     if not len(seats) == len(nonces) == len(bodies) or len(set(seats)) != len(seats):
@@ -186,13 +231,13 @@ def sealed_from_record(record: ConfigRecord, party: int, round_: int) -> DMMSeal
 
 def instruction(content: RecordDict) -> tuple[ArrayRecord, ConfigRecord]:
     """(the global model, the config) of a DMM train instruction; ValueError when it lacks
-    one of them or an entry of :data:`INSTRUCTION_KEYS` / ``server-round``."""
+    one of them or an entry of :attr:`DMMKeys.INSTRUCTION` / ``server-round``."""
     arrays = [v for v in content.values() if isinstance(v, ArrayRecord)]
     configs = [v for v in content.values() if isinstance(v, ConfigRecord)]
     if len(arrays) != 1 or not configs:
         raise ValueError("a DMM instruction needs one ArrayRecord and a ConfigRecord")
     config = configs[0]
-    missing = [PREFIX + k for k in INSTRUCTION_KEYS if PREFIX + k not in config]
+    missing = [PREFIX + k for k in K.INSTRUCTION if PREFIX + k not in config]
     if missing or "server-round" not in config:
         raise ValueError(f"the instruction's config lacks {missing or ['server-round']}")
     return arrays[0], config

@@ -46,6 +46,7 @@ from protocols.secagg.common import (
     UnmaskResponse,
 )
 from protocols.secagg.server import SecAggServer
+from protocols.secagg.state import SecAggClientState
 
 FIELD = DEFAULT_FIELD
 LENGTH = 6
@@ -542,25 +543,26 @@ def test_every_client_handler_refuses_every_wrong_stage_and_keeps_its_stage():
 
 
 def test_a_client_state_that_is_not_one_is_refused():
-    """from_state reads the client's own (sealed) storage: anything malformed is a ValueError,
-    never another exception."""
+    """from_arrays reads the client's own (sealed) storage: anything malformed is a ValueError
+    naming the client state, never another exception."""
     trial = Round()
     _client_before(Stage.MASKED_INPUT, trial)
-    state = trial.clients[1].to_state()
-    assert SecAggClient.from_state(state).to_state().keys() == state.keys()
+    state = trial.clients[1].to_state().to_arrays()
+    restored = SecAggClient.from_state(SecAggClientState.from_arrays(state))
+    assert restored.to_state().to_arrays().keys() == state.keys()
     tried = clean = 0
     for key, value in itertools.product(state, junk()):
         broken = {**state, key: value}
         tried += 1
         try:
-            SecAggClient.from_state(broken)
+            SecAggClient.from_state(SecAggClientState.from_arrays(broken))
             clean += 1  # a value the state can hold (e.g. 0 for a count)
-        except ValueError:
-            clean += 1
+        except ValueError as error:
+            clean += "not a SecAgg+ client state" in str(error)
     for key in state:
         tried += 1
         with pytest.raises(ValueError, match="not a SecAgg"):
-            SecAggClient.from_state({k: v for k, v in state.items() if k != key})
+            SecAggClientState.from_arrays({k: v for k, v in state.items() if k != key})
         clean += 1
     report("client state", tried, clean)
     assert tried == clean
@@ -574,7 +576,7 @@ def test_a_stored_state_pack_that_is_not_one_is_refused():
 
     trial = Round()
     _client_before(Stage.MASKED_INPUT, trial)
-    state = dict(trial.clients[1].to_state())
+    state = trial.clients[1].to_state().to_arrays()
     state["input"] = narrowest(np.array([-300, 5, 299]))
     assert state["input"].dtype == np.int16
     payload = pack_arrays(state)
@@ -582,7 +584,8 @@ def test_a_stored_state_pack_that_is_not_one_is_refused():
     assert back.keys() == state.keys()
     for key, value in state.items():
         assert back[key].dtype == value.dtype and np.array_equal(back[key], value)
-    assert SecAggClient.from_state({k: v for k, v in back.items() if k != "input"}).client_id == 1
+    protocol = SecAggClientState.from_arrays({k: v for k, v in back.items() if k != "input"})
+    assert SecAggClient.from_state(protocol).client_id == 1
     head = int.from_bytes(payload[:4], "little")
     broken = [
         payload[:-1],
@@ -642,20 +645,20 @@ def test_fuzz_the_message_layer(monkeypatch):
     session = new_session_id()
     started = Context(1, 5, {}, RecordDict(), {})
     client_stages.start_client(started, 3, session, np.zeros(LENGTH, dtype=np.int64))
-    records = [wire.SETUP_KEY, wire.NEIGHBOURS_KEY, wire.ENVELOPES_KEY, wire.SURVIVORS_KEY, "x"]
+    records = [wire.K.SETUP, wire.K.NEIGHBOURS, wire.K.ENVELOPES, wire.K.SURVIVORS, "x"]
     for stage, key, value in itertools.product(wire.ACTIONS, records, junk()):
         header = ConfigRecord({"server-round": 3, "session": session, "stage": stage.name})
         try:
             record = ConfigRecord({"v": value})
         except (TypeError, ValueError):
             record = ArrayRecord()
-        content = RecordDict({wire.ROUND_KEY: header, key: record})
+        content = RecordDict({wire.K.HEADER: header, key: record})
         context = Context(1, 5, {}, RecordDict(dict(started.state)), {})
         tried += 1
         message = Message(content, 5, wire.MESSAGE_TYPES[stage])
         reply = client_stages._answer(stage, message, context)
-        restored = client_stages._load(context)[1]
-        clean += set(reply.keys()) == {wire.REFUSED_KEY} and restored.stage is Stage.ABORTED
+        restored = client_stages._load(context)
+        clean += set(reply.keys()) == {wire.K.REFUSED} and restored.stage is Stage.ABORTED
     # and a stage message for another round or session is no message for it at all
     for header in (
         ConfigRecord({"server-round": 2, "session": session, "stage": "UNMASK"}),
@@ -664,7 +667,7 @@ def test_fuzz_the_message_layer(monkeypatch):
         ConfigRecord({"server-round": "3"}),
     ):
         tried += 1
-        content = RecordDict({wire.ROUND_KEY: header})
+        content = RecordDict({wire.K.HEADER: header})
         message = Message(content, 5, wire.MESSAGE_TYPES[Stage.UNMASK])
         with pytest.raises(RuntimeError, match="another round or session"):
             client_stages._answer(Stage.UNMASK, message, started)

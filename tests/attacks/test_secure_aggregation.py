@@ -21,7 +21,7 @@ from fedsim.engine.rounds import run_rounds
 from fedsim.randomness import RunSecret
 from fedsim.record_codec import to_numpy, to_record
 from protocols.field import DEFAULT_FIELD
-from strategies.secagg_messages import MASKED_KEY
+from protocols.secagg.common import SecAggKeys
 from strategies.secure_aggregation import FixedPoint, SecureAggregation, secure_client_app
 
 D, CLIENTS, WEIGHT, PHRASE = 16, 8, 5, "tests"
@@ -130,7 +130,7 @@ def test_the_server_holds_only_masked_or_sealed_inputs(local_engine, client_secr
     train = [r for r in grid.received if r.metadata.message_type == "train"]
     assert len(train) == CLIENTS
     if secure_sum == "secagg":
-        masked = [r for r in grid.received if MASKED_KEY in r.content]
+        masked = [r for r in grid.received if SecAggKeys.MASKED in r.content]
         assert len(masked) == CLIENTS  # the masked inputs did reach it
     assert leaks(grid.received) == []
 
