@@ -25,7 +25,7 @@ test: setup
 # the Flower compatibility suite alone (part of `make test`): each surface under fedsim
 # flwr-run and under Flower's own run_simulation
 compat: setup
-	$(PY) -m pytest -q tests/test_flower_compat.py
+	$(PY) -m pytest -q tests/frontend/test_flower_compat.py
 
 demo: setup
 	$(VENV)/bin/fedsim run experiments/quickstart/config.toml --out results/quickstart

@@ -16,7 +16,7 @@ written by its command, or, for a command that prints tables, filled with the on
 region or a changed source without a rerun fails ``check``.
 Any other number in prose or tables, outside code, is a quoted number without a source.
 
-    python experiments/quote_numbers.py check          # what tests/test_quoted_numbers.py asserts
+    python experiments/quote_numbers.py check          # what the quoted-numbers test asserts
     python experiments/quote_numbers.py fill           # rewrite every value marker from its source
     python experiments/quote_numbers.py tables         # rerun every generator (needs .venv), stamp
     python experiments/quote_numbers.py stamp          # stamp the regions as they stand

@@ -4,8 +4,8 @@ Each experiment reads one *study root* from a file kept outside its results (``-
 created from OS randomness, mode 0600, when missing) and gives every seed its own root derived
 from it, HMAC-SHA256(study root, "sub-root", "fedsim-<study>/seed/<seed>") (RFC 2104,
 :meth:`~fedsim.randomness.RunSecret.derive`). A run started with ``run_experiment`` mixes a
-fresh public nonce into its root (:mod:`fedsim.run_root`), so no two points of a study share a
-noise stream; the nonce is in each run's ``run.json``. The study root lives outside the
+fresh public nonce into its root (:mod:`fedsim.frontend.run_root`), so no two points of a study
+share a noise stream; the nonce is in each run's ``run.json``. The study root lives outside the
 repository (default ``~/.fedsim/<study>.key``), never in a source file.
 """
 

@@ -40,14 +40,14 @@ from typing import TYPE_CHECKING, Any
 from fedsim.commands import account, audit, compare, factorize, minmax, plot, sweep, updown
 from fedsim.commands.console import Verbosity, console, hush_ray
 from fedsim.config import ConfigError, device_name
-from fedsim.progress import Cadence
+from fedsim.frontend.progress import Cadence
 from fedsim.results_json import dumps
 
 if TYPE_CHECKING:
     from fedsim.engine import CohortModel, Engine
-    from fedsim.interrupt import Interrupted
+    from fedsim.frontend.interrupt import Interrupted
+    from fedsim.frontend.run_lock import RunLock
     from fedsim.randomness import RootSource
-    from fedsim.run_lock import RunLock
 
 
 def _cadence(text: str) -> Cadence:
@@ -265,10 +265,10 @@ def _check_address(address: str, backend: str, key: str) -> None:
 
 def _secrets(args: argparse.Namespace) -> RootSource:
     """Where a Flower app's parties find their root: ``--secrets`` (created if missing by a
-    child process, never read here: :mod:`fedsim.root_keys`) with a fresh run nonce; without
-    it, a fresh root a worker writes (None)."""
+    child process, never read here: :mod:`fedsim.frontend.root_keys`) with a fresh run nonce;
+    without it, a fresh root a worker writes (None)."""
+    from fedsim.frontend.root_keys import root_fingerprint  # noqa: PLC0415
     from fedsim.randomness import RootSource, new_nonce, outside_run_dir  # noqa: PLC0415
-    from fedsim.root_keys import root_fingerprint  # noqa: PLC0415
 
     if args.secrets is None:
         return None
@@ -283,18 +283,18 @@ def _progress(args: argparse.Namespace) -> bool | Cadence:
 
 
 def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
-    from fedsim.config_overrides import (  # noqa: PLC0415
+    from fedsim.frontend.config_overrides import (  # noqa: PLC0415
         load_config,
         parse_overrides,
         resume_config,
     )
-    from fedsim.experiment import load_run_config, run_experiment  # noqa: PLC0415
-    from fedsim.run_config import with_engine  # noqa: PLC0415
+    from fedsim.frontend.experiment import load_run_config, run_experiment  # noqa: PLC0415
+    from fedsim.frontend.run_config import with_engine  # noqa: PLC0415
 
     _check_workers(args.workers)
     overrides = parse_overrides(args.set)
     if args.resume:
-        from fedsim.run_root import authenticated_config  # noqa: PLC0415
+        from fedsim.frontend.run_root import authenticated_config  # noqa: PLC0415
 
         authenticated_config(args.resume, args.secrets)  # nothing of it is parsed before
         given = resume_config(args.resume, args.config, overrides)
@@ -358,10 +358,10 @@ def _starter(args: argparse.Namespace, started: list, locks: list) -> Callable[[
     """What ``FlowerApp.load`` calls once the app's federation is chosen: the run's lock
     (into ``locks``), then its engine started (into ``started``, with the federation, the
     cohort model and the secrets)."""
-    from fedsim.flwr_app import cohort_model, flower_engine  # noqa: PLC0415
-    from fedsim.flwr_federation import Federation, with_flags  # noqa: PLC0415
-    from fedsim.results import RunWriter  # noqa: PLC0415
-    from fedsim.run_lock import RunLock  # noqa: PLC0415
+    from fedsim.frontend.flwr_app import cohort_model, flower_engine  # noqa: PLC0415
+    from fedsim.frontend.flwr_federation import Federation, with_flags  # noqa: PLC0415
+    from fedsim.frontend.results import RunWriter  # noqa: PLC0415
+    from fedsim.frontend.run_lock import RunLock  # noqa: PLC0415
 
     def checked(chosen: Federation) -> None:
         # the arguments are good: the workers start while the app's modules import
@@ -393,11 +393,11 @@ def _starter(args: argparse.Namespace, started: list, locks: list) -> Callable[[
 
 
 def cmd_flwr_run(args: argparse.Namespace) -> dict[str, Any]:
-    from fedsim.flwr_app import (  # noqa: PLC0415
+    from fedsim.frontend.flwr_app import (  # noqa: PLC0415
         FlowerApp,
         run_flower_app,
     )
-    from fedsim.flwr_federation import Federation  # noqa: PLC0415
+    from fedsim.frontend.flwr_federation import Federation  # noqa: PLC0415
 
     _check_flwr_run(args)
     started: list[tuple[Engine, Federation, CohortModel | None, RootSource | None]] = []
@@ -542,7 +542,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         return audit.run(args)
     if args.command == "minmax":
         return minmax.run(args)
-    from fedsim.interrupt import stop_requests  # noqa: PLC0415
+    from fedsim.frontend.interrupt import stop_requests  # noqa: PLC0415
 
     started = time.perf_counter()
     # fedsim run: Ctrl-C / SIGTERM stop after the round in progress, a second one at once
@@ -554,7 +554,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 def _run_command(args: argparse.Namespace, started: float) -> int:
     from fedsim.engine.message_types import UnsupportedMessage  # noqa: PLC0415  (Flower, only for runs)
     from fedsim.engine.rounds import RunStopped  # noqa: PLC0415  (Flower, only for runs)
-    from fedsim.interrupt import EXIT_INTERRUPTED, Interrupted  # noqa: PLC0415
+    from fedsim.frontend.interrupt import EXIT_INTERRUPTED, Interrupted  # noqa: PLC0415
 
     try:
         summary = cmd_run(args) if args.command == "run" else cmd_flwr_run(args)

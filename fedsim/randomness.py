@@ -27,7 +27,7 @@ the same run (same nonce) or an explicit replay repeats the streams.
 The engine's workers find their clients' secrets through a :class:`RootSource` (the root file's
 path and the run nonce): each worker opens the file itself, so the driver process, which runs
 the ServerApp, never holds the root or a client's secret; what it holds (:class:`RunKeys`) is
-derived by a child process that reads the file (:mod:`fedsim.root_keys`).
+derived by a child process that reads the file (:mod:`fedsim.frontend.root_keys`).
 
 Secrets refuse to be pickled (a checkpoint that reaches one fails loudly instead of storing it)
 and hide themselves in ``repr``.
@@ -90,7 +90,7 @@ class Purpose(IntEnum):
 
 def public_generator(seed: int, *words: int) -> np.random.Generator:
     """The public stream ``(seed, *words)``: fine to recompute anywhere, never for a secret."""
-    import numpy as np  # noqa: PLC0415  (numpy only when drawing: fedsim.root_keys is cheap)
+    import numpy as np  # noqa: PLC0415  (numpy only when drawing: fedsim.frontend.root_keys is cheap)
 
     return np.random.default_rng([int(seed), *(int(w) for w in words)])
 
@@ -333,7 +333,7 @@ class RunKeys(_Hidden):
 
     def tokens(self) -> dict[str, Any]:
         """The keys in hex, for their one hand-over: from the child process that reads the
-        root (:mod:`fedsim.root_keys`) to the driver, through a pipe; never for a file."""
+        root (:mod:`fedsim.frontend.root_keys`) to the driver, through a pipe; never for a file."""
         return {
             "mac": self._mac.hex(),
             "server": self._server.token(),

@@ -22,7 +22,7 @@ may call the same reducer itself on whatever it receives.
 :class:`WeightedMean` matches Flower's FedAvg family: a partial reply carries the
 weighted mean of its clients' arrays and metrics, with the weight key set to the
 sum of their weights, so FedAvg's own ``aggregate_train`` over partial replies
-gives the same result as over raw ones. ``strategies.worker_reduced.WorkerReduced`` opts
+gives the same result as over raw ones. ``strategies.plumbing.worker_reduced.WorkerReduced`` opts
 any such strategy in without changing it.
 
 :class:`MetricSums` are weighted metric sums, additive so they can be split and merged

@@ -1,7 +1,7 @@
 """Strategies by name, for configuration files: the list of every method's spec.
 
 ``build_strategy("fedadam", {"eta": 0.01}, ...)`` returns Flower's own ``FedAdam``
-configured for the engine's participation model (see :mod:`strategies.flower`); every other
+configured for the engine's participation model (see :mod:`strategies.plumbing.flower`); every other
 name is built by its module's :class:`~strategies.spec.StrategySpec`. A new method is one
 module exposing its spec and one line in :data:`SPECS`.
 """
@@ -15,20 +15,12 @@ from flwr.serverapp.strategy import Strategy
 
 from fedsim.config import ConfigError, require
 from fedsim.privacy.sampling import Sampling
-from strategies import (
-    ddgauss_spec,
-    dmm,
-    dp_fedavg_config,
-    flower,
-    matrix_mechanism,
-    personalised_config,
-    pfedbayes,
-    pfedhb,
-    pfedvem,
-    popri_spec,
-    private_evolution_spec,
-    secure_aggregation,
-)
+from strategies.methods import dmm, matrix_mechanism, pfedbayes, pfedhb, pfedvem
+from strategies.methods.ddgauss import spec as ddgauss_spec
+from strategies.methods.dp_fedavg import config as dp_fedavg_config
+from strategies.methods.popri import spec as popri_spec
+from strategies.methods.private_evolution import spec as private_evolution_spec
+from strategies.plumbing import flower, personalised_config, secure_aggregation
 from strategies.spec import RunFacts, StrategySpec
 
 #: every method a run config can name
@@ -155,7 +147,7 @@ def build_text_strategy(
     """The text method ``name`` (one of :data:`TEXT`) with ``options`` over the federation
     ``text_source`` (a :class:`~fedsim.data.text.TextSourceSpec`); ``facts`` as
     :func:`build_strategy` takes them (its keyword arguments)."""
-    from strategies.text_method import TextRun  # noqa: PLC0415  (torch, transformers)
+    from strategies.plumbing.text_method import TextRun  # noqa: PLC0415  (torch, transformers)
 
     require(name in TEXT, "strategy.name", name, f"one of {', '.join(TEXT)}")
     spec = BY_NAME[name]
@@ -184,7 +176,7 @@ def _check_worker_sums(spec: StrategySpec, options: Mapping[str, Any]) -> None:
 
 def build_personalised_strategy(name: str, options: Mapping[str, Any], **cohort: Any) -> Strategy:
     """The personalised strategy ``name`` (one of :data:`PERSONALISED`) with ``options``;
-    ``cohort`` as :func:`strategies.personalised_config.from_options` takes it."""
+    ``cohort`` as :func:`strategies.plumbing.personalised_config.from_options` takes it."""
     require(name in PERSONALISED, "strategy.name", name, f"one of {', '.join(PERSONALISED)}")
     spec = BY_NAME[name]
     return spec.build(spec.read_options(options), **cohort)

@@ -103,7 +103,7 @@ class StrategySpec:
         build: ``build(options, facts)`` -> the strategy, from an instance of
             :attr:`options` and the :class:`RunFacts`, or for a personalised method
             ``build(options, **cohort)`` as
-            :func:`strategies.personalised_config.from_options` takes the cohort.
+            :func:`strategies.plumbing.personalised_config.from_options` takes the cohort.
         summable: its aggregation is a sum, so workers may fold their clients' replies.
         accounting: how its privacy is accounted (None: not a private strategy).
         client_app: wraps the training client app for this method's protocol
@@ -123,7 +123,7 @@ class StrategySpec:
             need (None: ``client_app``), e.g. a FedAvg-family strategy with ``secure_sum``.
         text_app: a synthetic-text method (``[data] source = "text"``): ``text_app(options,
             text_source)`` -> its clients' app, and ``build(options, text_run)`` with a
-            :class:`strategies.text_method.TextRun` (None: not a text method).
+            :class:`strategies.plumbing.text_method.TextRun` (None: not a text method).
     """
 
     name: str

@@ -1,8 +1,8 @@
-"""The accounting cases of the differential check (tests/test_accounting_differential.py).
+"""The accounting cases of the differential check (tests/privacy/test_accounting_differential.py).
 
 Each case is computed through the public API -- epsilon, epsilon curves, noise calibration,
 ledgers of DP-FedAvg, DDGauss, DMM and the matrix mechanism, and ``fedsim account`` -- and
-stored in ``tests/data/accounting_baseline.json``; refactors of the accounting code must keep
+stored in ``tests/privacy/accounting_baseline.json``; refactors of the accounting code must keep
 every value. ``python tests/accounting_cases.py`` rewrites that file.
 """
 

@@ -169,7 +169,7 @@ def make_dmm(mode: str, clients: int, rounds: int, kind: str = "banded", **kwarg
     from fedsim.privacy.matrix.banded import banded  # noqa: PLC0415
     from fedsim.privacy.matrix.tree import honaker_tree  # noqa: PLC0415
     from fedsim.privacy.participation import Participation  # noqa: PLC0415
-    from strategies.dmm import DMM  # noqa: PLC0415
+    from strategies.methods.dmm import DMM  # noqa: PLC0415
 
     options = dict(
         factorization=banded(rounds, 2) if kind == "banded" else honaker_tree(rounds),
@@ -233,7 +233,7 @@ def run_dmm(
     from fedsim.engine.rounds import run_rounds  # noqa: PLC0415
     from fedsim.models import initial_arrays  # noqa: PLC0415
     from fedsim.record_codec import to_numpy, to_record  # noqa: PLC0415
-    from strategies.dmm import dmm_client_app  # noqa: PLC0415
+    from strategies.methods.dmm import dmm_client_app  # noqa: PLC0415
 
     data, dataset, model, inner = setup
     if host is None:

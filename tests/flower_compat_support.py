@@ -1,5 +1,5 @@
 """One Flower app project run two ways, for the compatibility suite
-(tests/test_flower_compat.py): under ``fedsim flwr-run`` and under Flower's own
+(tests/frontend/test_flower_compat.py): under ``fedsim flwr-run`` and under Flower's own
 ``flwr.simulation.run_simulation``.
 
 ``run_simulation`` takes no run config (``flwr run`` fuses it into the ``Run`` it makes), so

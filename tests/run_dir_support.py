@@ -1,6 +1,6 @@
 """Shared pieces of the tests of ``fedsim plot``, ``fedsim compare`` and TensorBoard events:
 small copies of the quickstart config run to real run directories, and the values of a round
-line read straight from its JSON (not through :mod:`fedsim.run_series`)."""
+line read straight from its JSON (not through :mod:`fedsim.frontend.run_series`)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from fedsim.config import load_toml
-from fedsim.experiment import run_experiment
+from fedsim.frontend.experiment import run_experiment
+from fedsim.frontend.results import read_rounds
+from fedsim.frontend.run_config import ExperimentConfig
 from fedsim.randomness import RunSecret
-from fedsim.results import read_rounds
-from fedsim.run_config import ExperimentConfig
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "experiments" / "quickstart" / "config.toml"
 SECRETS = RunSecret.from_passphrase("run directory tests")

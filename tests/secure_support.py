@@ -20,8 +20,8 @@ from fedsim.randomness import NODE_SECRET_KEY, RunSecret, client_secret
 from protocols.field import DEFAULT_FIELD
 from protocols.shamir import PackedShamir
 from strategies import secure
-from strategies.secagg_client_stages import register_client_stages
 from strategies.secure import CommitteeSum, DMMSum, Release, SecAggPlan
+from strategies.secure.secagg_client_stages import register_client_stages
 
 PREFIX = "contract."
 PHRASE = "secure-contract"

@@ -9,7 +9,7 @@ Each check runs in a fresh interpreter, so what another test imported does not c
   the engine built, one round trained in-process) loads neither the text extra nor Opacus;
 * a worker process (``fedsim.engine.worker``) loads none of the driver's modules (grid,
   cohorts, privacy accounting, strategies), and ``fedsim flwr-run``'s driver
-  (``fedsim.flwr_app``) neither dp_accounting nor the strategies;
+  (``fedsim.frontend.flwr_app``) neither dp_accounting nor the strategies;
 * a method that needs the text extra says so when it is missing.
 """
 
@@ -111,9 +111,9 @@ def test_a_logreg_fedavg_run_loads_neither_the_text_extra_nor_opacus(tmp_path):
     code = f"""
         import json
         from pathlib import Path
-        from fedsim.experiment import run_experiment
+        from fedsim.frontend.experiment import run_experiment
         from fedsim.randomness import RunSecret
-        from fedsim.run_config import ExperimentConfig
+        from fedsim.frontend.run_config import ExperimentConfig
         config = ExperimentConfig.load({str(config)!r})
         summary = run_experiment(
             config, Path({str(tmp_path / "out")!r}), progress=False, secrets=RunSecret.fresh()
@@ -169,7 +169,7 @@ def test_a_warmed_up_worker_loads_none_of_the_drivers_modules():
 
 def test_the_flower_app_driver_loads_no_accounting_and_no_text_stack():
     watched = (*TEXT_STACK, "opacus", "dp_accounting", "scipy", "strategies", "ray")
-    loaded = loaded_after("import fedsim.flwr_app", watched)
+    loaded = loaded_after("import fedsim.frontend.flwr_app", watched)
     assert not any(loaded.values()), [m for m, yes in loaded.items() if yes]
 
 

@@ -56,11 +56,11 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "strategies": ("strategies/",),
     # privacy audits of finished runs (membership inference, canaries, dataset inference,
     # unlearning): they take the rebuilt run (FinishedRun) as an argument; the front end
-    # rebuilds it (fedsim.experiment.load_finished_run) and runs the configured audit, and
+    # rebuilds it (fedsim.frontend.experiment.load_finished_run) and runs the configured audit, and
     # ``fedsim audit`` (commands) does both, so every arrow points down
     "audits": ("fedsim/audits/",),
-    # the run front end: every other fedsim module (run_config.py, experiment.py, ...)
-    "front end": ("fedsim/",),
+    # the run front end: run configs, the experiment runner, run directories, results
+    "front end": ("fedsim/frontend/",),
     # the command-line entry point, its subcommands and the studies under experiments/
     "commands": (
         "fedsim/__main__.py",
@@ -278,120 +278,70 @@ def test_the_checks_see_function_level_imports_arrows_and_cycles():
     checks flag a made-up upward arrow and a made-up two-file cycle."""
     source = (
         "def f():\n"
-        "    from strategies import wrapper\n"
+        "    from strategies.plumbing import wrapper\n"
         "    import importlib\n"
         "    importlib.import_module('fedsim.engine.grid')\n"
     )
     names = [n for n, _ in imported_names(ast.parse(source), "fedsim/engine/x.py")]
     assert [imported_file(n) for n in names if imported_file(n)] == [
-        "strategies/wrapper.py",
+        "strategies/plumbing/wrapper.py",
         "fedsim/engine/grid.py",
     ]
     graph = {
-        "fedsim/engine/grid.py": {"strategies/wrapper.py": 3},
-        "strategies/wrapper.py": {"fedsim/engine/grid.py": 5},
+        "fedsim/engine/grid.py": {"strategies/plumbing/wrapper.py": 3},
+        "strategies/plumbing/wrapper.py": {"fedsim/engine/grid.py": 5},
     }
     assert upward_arrows(graph) == [
-        "fedsim/engine/grid.py -> strategies/wrapper.py (engine -> strategies), line 3"
+        "fedsim/engine/grid.py -> strategies/plumbing/wrapper.py (engine -> strategies), line 3"
     ]
-    assert file_cycles(graph) == [["fedsim/engine/grid.py", "strategies/wrapper.py"]]
+    assert file_cycles(graph) == [["fedsim/engine/grid.py", "strategies/plumbing/wrapper.py"]]
 
 
 # --------------------------------------------------------------------------- methods
-# strategies/ holds methods and the plumbing they share (issue 28, point 7): a method's module
-# may import plumbing and its own parts, never another method's module; whatever two methods
-# share is plumbing, in a module named for what it holds.
+# strategies/ holds the methods (strategies/methods/: one module or package per method) and what
+# they share (strategies/plumbing/, the secure-summation layer strategies/secure/, the registry
+# and the spec type): a method may import plumbing and its own parts, never another method.
 
-#: method -> its files under strategies/ (the method's module first); every method the
-#: registry lists (strategies.registry.SPECS) and the server halves of the client workloads
-METHODS: dict[str, tuple[str, ...]] = {
-    "averaging": ("strategies/averaging.py",),  # LAWA / EMA of the global model
-    "conformal": ("strategies/conformal.py",),
-    "ddgauss": tuple(
-        f"strategies/ddgauss{part}.py" for part in ("", "_client", "_options", "_spec")
-    ),
-    "dmm": tuple(
-        f"strategies/dmm/{name}.py"
-        for name in (
-            "__init__", "accounting", "calibration", "client", "custody", "fold", "metrics",
-            "options", "replies", "spec", "state", "strategy", "wire",
-        )
-    ),  # fmt: skip
-    "dp-fedavg": ("strategies/dp_fedavg.py", "strategies/dp_fedavg_config.py"),
-    "matrix-mechanism": ("strategies/matrix_mechanism.py",),
-    "pfedbayes": ("strategies/pfedbayes.py",),
-    "pfedhb": ("strategies/pfedhb.py",),
-    "pfedvem": ("strategies/pfedvem.py",),
-    "popri": ("strategies/popri.py", "strategies/popri_spec.py"),
-    "private-evolution": (
-        "strategies/private_evolution.py",
-        "strategies/private_evolution_spec.py",
-    ),
-    "quantized": ("strategies/quantized.py",),  # server side of quantised uploads
-    "secure-aggregation": ("strategies/secure_aggregation.py",),  # FedAvg over a SecureSum
-}
-
-#: what the methods share; flower.py configures Flower's own strategies (the FedAvg family
-#: every fedsim wrapper builds on), personalised.py is the round protocol the personalised
-#: methods share (with its two reference baselines), the registry lists every method
+METHODS_DIR = "strategies/methods/"
+#: what the methods share, by path prefix
 PLUMBING: tuple[str, ...] = (
     "strategies/__init__.py",
-    "strategies/answered_rounds.py",
-    "strategies/client_method_halves.py",
-    "strategies/clipped_sum.py",
-    "strategies/dp_shell.py",
-    "strategies/flower.py",
-    "strategies/observed_sampling.py",
-    "strategies/participation_guard.py",
-    "strategies/personalised.py",
-    "strategies/personalised_config.py",
-    "strategies/recorded_start.py",
     "strategies/registry.py",
-    "strategies/secagg_client_stages.py",
-    "strategies/secagg_messages.py",
-    "strategies/secure/",
-    "strategies/seeded_sampling.py",
-    "strategies/server_secret.py",
     "strategies/spec.py",
-    "strategies/text_method.py",
-    "strategies/vectors.py",
-    "strategies/worker_reduced.py",
-    "strategies/wrapper.py",
+    "strategies/plumbing/",
+    "strategies/secure/",
 )
 
 
 def method_of(path: str) -> str | None:
-    """The method whose files hold ``path`` (None: plumbing or not under strategies/)."""
-    owners = [name for name, files in METHODS.items() if path in files]
-    return owners[0] if owners else None
+    """The method whose module or package holds ``path`` (None: plumbing or not a method)."""
+    if not path.startswith(METHODS_DIR) or path == METHODS_DIR + "__init__.py":
+        return None
+    return path[len(METHODS_DIR) :].split("/")[0].removesuffix(".py")
 
 
 def methods_importing_methods(graph: dict[str, dict[str, int]]) -> list[str]:
     """``file -> file (method -> method), line N`` for every arrow from one method's file to
-    another method's."""
+    another method's, and from plumbing to any method (the registry lists them all)."""
     found = []
     for source, arrows in sorted(graph.items()):
         mine = method_of(source)
-        if mine is None:
+        if not source.startswith("strategies/") or source == "strategies/registry.py":
             continue
         for target, line in sorted(arrows.items()):
             theirs = method_of(target)
             if theirs is not None and theirs != mine:
-                found.append(f"{source} -> {target} ({mine} -> {theirs}), line {line}")
+                who = f"{mine or 'plumbing'} -> {theirs}"
+                found.append(f"{source} -> {target} ({who}), line {line}")
     return found
 
 
 def test_every_strategies_module_is_a_method_or_plumbing():
     files = [p for p in module_files() if p.startswith("strategies/")]
-    methods = [f for files_ in METHODS.values() for f in files_]
     unplaced = [
-        p for p in files if p not in methods and not any(p.startswith(q) for q in PLUMBING)
+        p for p in files if method_of(p) is None and not p.startswith((*PLUMBING, METHODS_DIR))
     ]
-    both = [p for p in methods if any(p.startswith(q) for q in PLUMBING)]
-    missing = [p for p in methods if p not in files]
-    assert not unplaced, f"neither METHODS nor PLUMBING holds {unplaced}"
-    assert not both, f"both METHODS and PLUMBING hold {both}"
-    assert not missing, f"METHODS names files that do not exist: {missing}"
+    assert not unplaced, f"neither a method under {METHODS_DIR} nor plumbing: {unplaced}"
 
 
 def test_every_registered_method_module_is_a_method():
@@ -401,14 +351,14 @@ def test_every_registered_method_module_is_a_method():
 
     from strategies.registry import SPECS  # noqa: PLC0415
 
-    hosts = ("strategies/flower.py", "strategies/personalised_config.py")
+    hosts = ("strategies/plumbing/flower.py", "strategies/plumbing/personalised_config.py")
     for spec in SPECS:
         build = inspect.unwrap(spec.build)
         module = getattr(build, "__module__", None) or type(build).__module__
         path = file_of(module)
         assert path is not None, f"{spec.name}: its builder's module {module} is not ours"
         assert method_of(path) is not None or path in hosts, (
-            f"{spec.name} is built in {path}, which METHODS does not list"
+            f"{spec.name} is built in {path}, which is no method's module"
         )
 
 
@@ -422,13 +372,19 @@ def test_no_method_imports_another_method():
 
 def test_the_method_check_flags_a_method_importing_a_method():
     graph = {
-        "strategies/dmm/strategy.py": {"strategies/dmm/fold.py": 3, "strategies/vectors.py": 4},
-        "strategies/secure_aggregation.py": {"strategies/ddgauss.py": 9},
-        "strategies/registry.py": {"strategies/dmm/__init__.py": 1},
+        "strategies/methods/dmm/strategy.py": {
+            "strategies/methods/dmm/fold.py": 3,
+            "strategies/plumbing/vectors.py": 4,
+        },
+        "strategies/methods/dmm/fold.py": {"strategies/methods/ddgauss/client.py": 7},
+        "strategies/plumbing/secure_aggregation.py": {"strategies/methods/ddgauss/strategy.py": 9},
+        "strategies/registry.py": {"strategies/methods/dmm/__init__.py": 1},
     }
     assert methods_importing_methods(graph) == [
-        "strategies/secure_aggregation.py -> strategies/ddgauss.py "
-        "(secure-aggregation -> ddgauss), line 9"
+        "strategies/methods/dmm/fold.py -> strategies/methods/ddgauss/client.py "
+        "(dmm -> ddgauss), line 7",
+        "strategies/plumbing/secure_aggregation.py -> strategies/methods/ddgauss/strategy.py "
+        "(plumbing -> ddgauss), line 9",
     ]
 
 

@@ -28,8 +28,8 @@ def identical(out: Path) -> dict[str, Any]:
     from run_dir_support import SECRETS, private
 
     from fedsim.engine.warm_pool import Head, down, up
-    from fedsim.experiment import run_experiment
-    from fedsim.run_config import ExperimentConfig
+    from fedsim.frontend.experiment import run_experiment
+    from fedsim.frontend.run_config import ExperimentConfig
 
     raw = private(seed=3, noise_multiplier=0.8)
     raw["engine"] = {"backend": "ray", "workers": 2, "num_cpus": 2}

@@ -17,7 +17,7 @@ own runs use:
 * **DDGauss** (``ddgauss``: the distributed discrete Gaussian over secure aggregation): every
   client of the cohort adds its share of discrete Gaussian noise to its rounded update, with the
   granularity the strategy picks for ``--dim`` parameters and a ``--bits`` modular sum
-  (:meth:`strategies.ddgauss.DDGauss.encoder_for`); each round recorded in a
+  (:meth:`strategies.methods.ddgauss.strategy.DDGauss.encoder_for`); each round recorded in a
   :class:`~fedsim.privacy.ledger.PrivacyLedger` as KLS21 Theorem 1's zCDP bound for the noise
   of the clients that did not drop out (``--dropout``), with no amplification by sampling, for
   zero-out neighbours (one client's update zeroed, its noise share kept: what the bound proves).
@@ -51,7 +51,7 @@ from fedsim.privacy import ddgauss as ddgauss_privacy  # noqa: E402
 from fedsim.privacy.epsilon import epsilon_curve  # noqa: E402
 from fedsim.privacy.matrix.build import Spec, cached  # noqa: E402
 from fedsim.privacy.sampling import PoissonSampling  # noqa: E402
-from strategies.ddgauss import DDGauss  # noqa: E402
+from strategies.methods.ddgauss.strategy import DDGauss  # noqa: E402
 
 MECHANISMS = ("dp-fedavg-poisson", "matrix-bandmf", "ddgauss")
 

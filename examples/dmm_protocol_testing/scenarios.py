@@ -1,8 +1,8 @@
 """DMM protocol testing: committee dropouts and a tampering member at chosen stages.
 
-Runs the distributed matrix mechanism (``strategies.dmm.DMM``, full mode: packed Shamir shares
-sealed per seat with X25519 + ChaCha20-Poly1305, committees of clients drawn each round, linear
-resharing to the next committee) on fedsim's in-process engine, a small digits federation and
+Runs the distributed matrix mechanism (``strategies.methods.dmm.DMM``, full mode: packed Shamir
+shares sealed per seat with X25519 + ChaCha20-Poly1305, committees of clients drawn each round,
+linear resharing to the next committee) on fedsim's in-process engine, a small digits federation and
 logistic regression. One round of each scenario gets a fault plan
 (:class:`protocols.dmm.common.DMMFaults`) through the hook the engine already uses for the run's
 ``[faults]``: :meth:`fedsim.engine.dmm_committee.CommitteeHost.member_faults`, here answering

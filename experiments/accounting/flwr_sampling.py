@@ -1,7 +1,7 @@
 """ε per round of the two samplings docs/fedsim-strategies-in-flower-apps.md quotes.
 
-The settings of ``tests/test_flwr_records.py`` (20 nodes, clipping norm 1, noise multiplier 1,
-δ = 1e-5, RDP): fixed-size cohorts of 10 of 20 under replace-one neighbours (FedAvg
+The settings of ``tests/frontend/test_flwr_records.py`` (20 nodes, clipping norm 1, noise multiplier
+1, δ = 1e-5, RDP): fixed-size cohorts of 10 of 20 under replace-one neighbours (FedAvg
 ``fraction_train=0.5``, ``fedsim run`` uniform) and Poisson sampling at rate 0.25 under
 add/remove neighbours (``flwr-run --sampling poisson --clients-per-round 5``), after rounds
 1, 2 and 3, from :func:`fedsim.privacy.epsilon.epsilon`. Writes ``flwr_sampling.json``

@@ -112,7 +112,7 @@ def apps(data_dir: Path, rounds: int, worker_sums: bool):
     from fedsim.models import ModelSpec, initial_arrays  # noqa: PLC0415
     from fedsim.record_codec import to_record  # noqa: PLC0415
     from fedsim.workloads.supervised import LocalTraining, make_client_app  # noqa: PLC0415
-    from strategies.worker_reduced import WorkerReduced  # noqa: PLC0415
+    from strategies.plumbing.worker_reduced import WorkerReduced  # noqa: PLC0415
 
     model = ModelSpec(kind="cnn", input_shape=(1, 28, 28), num_classes=CLASSES, hidden=(120, 84))
     data = DatasetSpec(

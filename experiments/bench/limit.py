@@ -26,12 +26,12 @@ one point per cohort of ``--cohorts`` clients: the cohort sets sigma and gamma):
 The state seals are counted at the sizes the client really stores (read off its context), so
 a state kept wider than needed shows in the kernel, not in the ratio.
 
-The **client** is the real one: :func:`strategies.ddgauss_client.ddgauss_client_app` (its inner app
-the synthetic update of experiments/bench/secure_scale.py, whose seconds are subtracted) for
-``degree + 1`` enrolled clients with sealed state (the engine's node_config: a secret and an
+The **client** is the real one: :func:`strategies.methods.ddgauss.client.ddgauss_client_app` (its
+inner app the synthetic update of experiments/bench/secure_scale.py, whose seconds are subtracted)
+for ``degree + 1`` enrolled clients with sealed state (the engine's node_config: a secret and an
 enrolment from a fresh root each round), driven by the real strategy
-(:class:`strategies.ddgauss.DDGauss`, ``mode = "full"``) through an in-process grid that times
-each ClientApp call as fedsim's worker does. Every client then has ``degree`` neighbours,
+(:class:`strategies.methods.ddgauss.strategy.DDGauss`, ``mode = "full"``) through an in-process grid
+that times each ClientApp call as fedsim's worker does. Every client then has ``degree`` neighbours,
 as in a cohort of any size at that degree. Every round of the clients is followed by
 ``--repeats`` timings of every kernel, so that both see the same spells of a shared machine.
 Reported per exchange: the median client seconds over all calls of ``--rounds`` rounds, the
@@ -172,7 +172,7 @@ class InProcessGrid:
     def send_and_receive(self, messages, *, timeout=None):
         from flwr.supercore.task_identity import TaskIdentity  # noqa: PLC0415
 
-        from strategies.secagg_messages import STATE_KEY  # noqa: PLC0415
+        from strategies.secure.secagg_messages import STATE_KEY  # noqa: PLC0415
 
         replies = []
         for message in messages:
@@ -206,8 +206,8 @@ class ClientRounds:
         from experiments.bench.secure_scale import synthetic_client_app  # noqa: PLC0415
         from fedsim.engine.client_registry import NODE_ID_OFFSET  # noqa: PLC0415
         from fedsim.record_codec import to_record  # noqa: PLC0415
-        from strategies.ddgauss_client import ddgauss_client_app  # noqa: PLC0415
-        from strategies.ddgauss_spec import from_options  # noqa: PLC0415
+        from strategies.methods.ddgauss.client import ddgauss_client_app  # noqa: PLC0415
+        from strategies.methods.ddgauss.spec import from_options  # noqa: PLC0415
 
         TaskIdentity.run_id = TaskIdentity.task_id = TaskIdentity.node_id = 1
         options = {

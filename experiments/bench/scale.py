@@ -99,7 +99,7 @@ def one_population(data_dir: Path, population: int, args: argparse.Namespace) ->
     from fedsim.models import ModelSpec, initial_arrays  # noqa: PLC0415
     from fedsim.record_codec import to_record  # noqa: PLC0415
     from fedsim.workloads.supervised import LocalTraining, make_client_app  # noqa: PLC0415
-    from strategies.seeded_sampling import SeededSampling  # noqa: PLC0415
+    from strategies.plumbing.seeded_sampling import SeededSampling  # noqa: PLC0415
 
     FLOWER_LOGGER.setLevel(logging.WARNING)
     model = ModelSpec(kind="logreg", input_shape=(FEATURES,), num_classes=CLASSES)

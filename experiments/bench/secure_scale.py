@@ -11,7 +11,8 @@ SecAgg+ exchange, so clients also drop out inside the protocol), and runs ``--wa
 
 * ``fedavg``: plaintext FedAvg (Flower's ``FedAvg`` with the engine's worker-side partial
   sums, its fastest path), the reference every ratio is taken against;
-* ``ddgauss``: DDGauss in full mode (``strategies.ddgauss``, KLS21 over SecAgg+ with real
+* ``ddgauss``: DDGauss in full mode (``strategies.methods.ddgauss.strategy``, KLS21 over SecAgg+
+with real
   X25519 / ChaCha20-Poly1305 / Shamir): each client clips, rotates, rounds and noises its
   update and masks it inside its ClientApp, and the strategy runs SecAgg+ as three more
   message exchanges through the engine (``--secagg-degree`` neighbours, a majority
@@ -152,8 +153,8 @@ def fedavg_mode(point: Point) -> ModeRun:
     """Plaintext FedAvg with worker-side partial sums."""
     from flwr.serverapp.strategy import FedAvg  # noqa: PLC0415
 
-    from strategies.seeded_sampling import SeededSampling  # noqa: PLC0415
-    from strategies.worker_reduced import WorkerReduced  # noqa: PLC0415
+    from strategies.plumbing.seeded_sampling import SeededSampling  # noqa: PLC0415
+    from strategies.plumbing.worker_reduced import WorkerReduced  # noqa: PLC0415
 
     inner = FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=1)
     strategy = SeededSampling(WorkerReduced(inner), point.seed)
@@ -163,9 +164,9 @@ def fedavg_mode(point: Point) -> ModeRun:
 def ddgauss_mode(point: Point) -> ModeRun:
     """DDGauss in full mode: SecAgg+ over the engine, clients masking in their ClientApp."""
     from fedsim.randomness import RunSecret  # noqa: PLC0415
-    from strategies.ddgauss_client import ddgauss_client_app  # noqa: PLC0415
-    from strategies.ddgauss_spec import from_options  # noqa: PLC0415
-    from strategies.seeded_sampling import SeededSampling  # noqa: PLC0415
+    from strategies.methods.ddgauss.client import ddgauss_client_app  # noqa: PLC0415
+    from strategies.methods.ddgauss.spec import from_options  # noqa: PLC0415
+    from strategies.plumbing.seeded_sampling import SeededSampling  # noqa: PLC0415
 
     options = {
         "clipping_norm": 1.0,
@@ -199,8 +200,8 @@ def dmm_mode(point: Point, worker_fold: bool = True) -> ModeRun:
     from fedsim.privacy.participation import Participation  # noqa: PLC0415
     from fedsim.randomness import RunSecret  # noqa: PLC0415
     from protocols.kit import NEW_ID_BASE, OLD_ID_BASE, SEAT_ID_BASE  # noqa: PLC0415
-    from strategies.dmm import dmm_client_app, from_options  # noqa: PLC0415
-    from strategies.seeded_sampling import SeededSampling  # noqa: PLC0415
+    from strategies.methods.dmm import dmm_client_app, from_options  # noqa: PLC0415
+    from strategies.plumbing.seeded_sampling import SeededSampling  # noqa: PLC0415
 
     options = {
         "clipping_norm": 1.0,

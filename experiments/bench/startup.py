@@ -5,7 +5,7 @@ Each measurement is a fresh interpreter, timed from outside: wall seconds, and C
 ``--reps`` repetitions after one warm-up:
 
 * ``import_cli``: ``python -c "import fedsim.cli"``; ``help``: ``python -m fedsim --help``;
-* ``import_experiment``: ``import fedsim.experiment`` (a ``fedsim run``'s driver imports);
+* ``import_experiment``: ``import fedsim.frontend.experiment`` (a ``fedsim run``'s driver imports);
 * ``import_ray``, ``import_torch``, ``import_torch_dynamo`` (``import torch, torch._dynamo``:
   what a process pays the first time it builds a torch optimiser);
 * ``ray_start_stop``: ``ray.init`` as the engine starts it (``ensure_ray``), two bare actors,
@@ -45,7 +45,7 @@ ray.shutdown()
 COMMANDS = {
     "import_cli": ["-c", "import fedsim.cli"],
     "help": ["-m", "fedsim", "--help"],
-    "import_experiment": ["-c", "import fedsim.experiment"],
+    "import_experiment": ["-c", "import fedsim.frontend.experiment"],
     "import_ray": ["-c", "import ray"],
     "import_torch": ["-c", "import torch"],
     "import_torch_dynamo": ["-c", "import torch, torch._dynamo"],

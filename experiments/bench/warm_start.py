@@ -47,8 +47,8 @@ def _config() -> dict:
 
 def measure(out: str) -> None:
     """One run in this process; prints a JSON line."""
-    from fedsim.experiment import run_experiment
-    from fedsim.run_config import ExperimentConfig
+    from fedsim.frontend.experiment import run_experiment
+    from fedsim.frontend.run_config import ExperimentConfig
 
     config = ExperimentConfig.from_dict(_config())
     began = time.perf_counter()

@@ -46,8 +46,8 @@ from fedsim.randomness import RunSecret, new_nonce  # noqa: E402
 from fedsim.record_codec import to_numpy, to_record  # noqa: E402
 from fedsim.workloads.supervised import LocalTraining, make_client_app  # noqa: E402
 from fedsim.workloads.training import evaluate_model  # noqa: E402
-from strategies.ddgauss import DDGauss  # noqa: E402
-from strategies.ddgauss_client import ddgauss_client_app  # noqa: E402
+from strategies.methods.ddgauss.client import ddgauss_client_app  # noqa: E402
+from strategies.methods.ddgauss.strategy import DDGauss  # noqa: E402
 
 CLIENTS, ROUNDS, SEED = 30, 10, 7
 

@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 
 from fedsim.config import load_toml
-from fedsim.experiment import run_experiment
+from fedsim.frontend.experiment import run_experiment
+from fedsim.frontend.results import read_rounds
+from fedsim.frontend.run_config import ExperimentConfig
 from fedsim.randomness import RunSecret
-from fedsim.results import read_rounds
-from fedsim.run_config import ExperimentConfig
 from fedsim.workloads.supervised import CLIENT_METHODS
 from strategies.registry import NAMES
 
@@ -90,7 +90,7 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     },
 }
 #: the text methods' runs: numpy's docstrings, the tiny generator and embedder (the real
-#: SmolLM2 run is tests/test_text_methods_run.py's), 2 rounds of 3 of 6 clients
+#: SmolLM2 run is tests/frontend/test_text_methods_run.py's), 2 rounds of 3 of 6 clients
 TEXT = {
     "data": {"source": "text", "partition": "natural", "num_clients": 6, "test_fraction": 0.0,
              "text": {"kind": "docstrings", "client_packages": ["numpy"]}},

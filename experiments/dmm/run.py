@@ -16,11 +16,14 @@ round, k = ceil(rounds / 5) times), clipping norm 1, delta 1e-5, server learning
 private method is calibrated to the target epsilon under that participation:
 
 * ``dp-fedavg``: Gaussian noise each round, ``calibrate_noise`` over k compositions;
-* ``central-bandmf`` / ``central-tree``: :class:`strategies.matrix_mechanism.MatrixMechanism` with
+* ``central-bandmf`` / ``central-tree``:
+:class:`strategies.methods.matrix_mechanism.MatrixMechanism` with
   a 5-banded BandMF C / Honaker's tree;
-* ``ddgauss``: :class:`strategies.ddgauss.DDGauss` (20-bit sum) in ``mode="plaintext"`` (the
+* ``ddgauss``: :class:`strategies.methods.ddgauss.strategy.DDGauss` (20-bit sum) in
+``mode="plaintext"`` (the
   same sum and accounting as full mode's SecAgg+), z bisected on the KLS21 bound;
-* ``dmm-banded`` / ``dmm-tree``: :class:`strategies.dmm.DMM` in ``mode="full"``: committees of 20
+* ``dmm-banded`` / ``dmm-tree``: :class:`strategies.methods.dmm.DMM` in ``mode="full"``: committees
+of 20
   clients (t = 3, k = 3, planned for 3 member dropouts) drawn from the population each round and
   hosted on 4 Ray actors, M = round(2^12 C) of the same BandMF / the 0/1 Honaker tree; z bisected
   on :func:`fedsim.privacy.dmm.zcdp_epsilon` of that integer M.
@@ -30,9 +33,10 @@ if missing) gives each seed its own root (:mod:`experiments.roots`), and every p
 (method, ε, seed) mixes a fresh public nonce into it (:meth:`RunSecret.for_run`), stored in the
 point's file as ``run_nonce``: no two points share a noise stream. The engine gives client i its
 own secret from the point's root (``Engine.open_run(..., secrets=...)``), the server's noise
-secret and DMM's committee host are bound with :func:`strategies.server_secret.bind_parties`;
-the stored results carry only the roots' fingerprints and the nonces. A mode check replays its
-point's nonce (``replay_of``): a copy of that release, made only to compare the two modes.
+secret and DMM's committee host are bound with
+:func:`strategies.plumbing.server_secret.bind_parties`; the stored results carry only the roots'
+fingerprints and the nonces. A mode check replays its point's nonce (``replay_of``): a copy of that
+release, made only to compare the two modes.
 
 Every run is stored as one JSON file ``{results}/{source}/{method}_eps{e}_seed{s}.json``
 (``non-private_seed{s}.json``) as soon as it ends; a point whose file holds its nonce is
@@ -94,12 +98,12 @@ from fedsim.randomness import RunSecret, new_nonce  # noqa: E402
 from fedsim.record_codec import to_numpy, to_record  # noqa: E402
 from fedsim.workloads.supervised import LocalTraining, make_client_app  # noqa: E402
 from fedsim.workloads.training import evaluate_model  # noqa: E402
-from strategies.ddgauss import DDGauss  # noqa: E402
-from strategies.ddgauss_client import ddgauss_client_app  # noqa: E402
-from strategies.dmm import DMM, dmm_client_app  # noqa: E402
-from strategies.dp_fedavg import DPFedAvg  # noqa: E402
-from strategies.matrix_mechanism import MatrixMechanism  # noqa: E402
-from strategies.server_secret import bind_parties  # noqa: E402
+from strategies.methods.ddgauss.client import ddgauss_client_app  # noqa: E402
+from strategies.methods.ddgauss.strategy import DDGauss  # noqa: E402
+from strategies.methods.dmm import DMM, dmm_client_app  # noqa: E402
+from strategies.methods.dp_fedavg.strategy import DPFedAvg  # noqa: E402
+from strategies.methods.matrix_mechanism import MatrixMechanism  # noqa: E402
+from strategies.plumbing.server_secret import bind_parties  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 STUDY = "dmm-study"  # its roots: experiments/roots.py

@@ -14,9 +14,9 @@ the noise differs. For each target epsilon (delta = 1e-5, RDP):
 Each run's reported epsilon is read back from its summary.json (its ledger), not assumed.
 Secrets: the study root in ``--secrets`` (default ``~/.fedsim/matrix.key``, kept outside the
 results) gives each seed its own root (:mod:`experiments.roots`), and every run (method, epsilon,
-seed) mixes its own fresh public nonce into it (:func:`fedsim.experiment.run_experiment`,
-:mod:`fedsim.run_root`): the clients' secrets and the server's noise of two points never share a
-stream, and each invocation draws new noise. ``results.json`` records the root's fingerprint
+seed) mixes its own fresh public nonce into it (:func:`fedsim.frontend.experiment.run_experiment`,
+:mod:`fedsim.frontend.run_root`): the clients' secrets and the server's noise of two points never
+share a stream, and each invocation draws new noise. ``results.json`` records the root's fingerprint
 and every run's nonce (``run_nonces``, in the order of ``seeds``). Writes ``results.json`` and
 the table in ``README.md`` (between the markers) with the mean and sample standard deviation
 (ddof = 1) of the final central test accuracy over ``--seeds``; ``--table-only`` rebuilds the
@@ -61,10 +61,10 @@ def noise_multipliers(epsilon: float, rounds: int, min_separation: int) -> dict[
 
 
 def run_one(config, out: Path, engine, secrets) -> dict:
-    from fedsim.experiment import run_experiment  # noqa: PLC0415
+    from fedsim.frontend.experiment import run_experiment  # noqa: PLC0415
 
     summary = run_experiment(config, out, progress=False, engine=engine, secrets=secrets)
-    from fedsim.run_root import RUN_FILE  # noqa: PLC0415
+    from fedsim.frontend.run_root import RUN_FILE  # noqa: PLC0415
 
     return {
         "nonce": json.loads((out / RUN_FILE).read_text())["nonce"],
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
     FLOWER_LOGGER.setLevel(logging.WARNING)
     from fedsim.engine import Engine  # noqa: PLC0415
-    from fedsim.run_config import ExperimentConfig  # noqa: PLC0415
+    from fedsim.frontend.run_config import ExperimentConfig  # noqa: PLC0415
 
     base = {
         "bandmf": ExperimentConfig.load(HERE / "configs" / "bandmf.toml"),

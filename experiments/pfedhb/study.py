@@ -177,9 +177,9 @@ def _run_and_store(job: tuple[str, str, int, int, str]) -> dict[str, Any]:
     torch.set_num_threads(1)
     from fedsim.checkpoint import CHECKPOINT_FILE, CONFIG_FILE, STATE_FILE  # noqa: PLC0415
     from fedsim.config import to_mapping  # noqa: PLC0415
-    from fedsim.experiment import run_experiment  # noqa: PLC0415
-    from fedsim.results import read_rounds  # noqa: PLC0415
-    from fedsim.run_config import ExperimentConfig  # noqa: PLC0415
+    from fedsim.frontend.experiment import run_experiment  # noqa: PLC0415
+    from fedsim.frontend.results import read_rounds  # noqa: PLC0415
+    from fedsim.frontend.run_config import ExperimentConfig  # noqa: PLC0415
 
     config = ExperimentConfig.from_dict(config_for(federation, method, seed, rounds))
     out = Path(work) / federation / method / f"s{seed}"

@@ -7,10 +7,12 @@ Data" (ICML 2025), Table 2 / Fig. 3, on the offline docstring federation
 * **fully private**: the downstream LM pretrained on public text only (the paper's
   "no fine-tuning" evaluation of its C4-pretrained DistilGPT2): no private information;
 * **non-private**: that model fine-tuned on the clients' private training text itself;
-* **POPri** (:mod:`strategies.popri`), **PE** (:mod:`strategies.private_evolution`): that
+* **POPri** (:mod:`strategies.methods.popri.strategy`), **PE**
+(:mod:`strategies.methods.private_evolution.strategy`): that
   model fine-tuned on ``synthetic_texts`` synthetic texts made with the same generator
   (SmolLM2-135M-Instruct), prompts, sampling settings and generation budget per round;
-* **DP-FedAvg** (:mod:`strategies.dp_fedavg` + :mod:`fedsim.workloads.lm_client`): that
+* **DP-FedAvg** (:mod:`strategies.methods.dp_fedavg.strategy` + :mod:`fedsim.workloads.lm_client`):
+that
   model fine-tuned federatedly on the clients' text with client-level DP;
 * **base generator** (extra row): fine-tuned on the generator's samples from public prompts
   before any private feedback (PE's initial population).
@@ -33,8 +35,8 @@ the study -- a stage that opens a run on the engine: POPri, PE or DP-FedAvg at o
 mixes its own fresh public nonce into it (:meth:`~fedsim.randomness.RunSecret.for_run`), stored
 in the stage as ``run_nonce``: no two points (two methods, two epsilons, two invocations) share
 a noise stream, so no difference of their releases cancels the noise. The server's noise
-(bound with :func:`strategies.server_secret.bind_parties`), DP-FedAvg's cohorts (the server's
-secret draw, :func:`fedsim.engine.participation.secret_cohorts`: its epsilon credits
+(bound with :func:`strategies.plumbing.server_secret.bind_parties`), DP-FedAvg's cohorts (the
+server's secret draw, :func:`fedsim.engine.participation.secret_cohorts`: its epsilon credits
 amplification by sampling) and the clients' secrets (given by the engine) come from the
 point's root. A stage records the study root's fingerprint (``secrets_fingerprint``) and a
 point also its own root's (``point_fingerprint``). A point's stage without ``run_nonce`` (from
@@ -215,7 +217,7 @@ class Context:
         epsilon credits amplification by sampling: cohorts from the public seed would tell
         every client which rounds it was in)."""
         from fedsim.engine.participation import secret_cohorts as secret_draw  # noqa: PLC0415
-        from strategies.server_secret import bind_parties  # noqa: PLC0415
+        from strategies.plumbing.server_secret import bind_parties  # noqa: PLC0415
 
         secrets = self.secrets
         server = secrets.server()
@@ -414,7 +416,7 @@ def stage_nonprivate(ctx: Context) -> dict[str, Any]:
 
 
 def popri_settings(ctx: Context, epsilon: float):
-    from strategies.popri import POPriSettings  # noqa: PLC0415
+    from strategies.methods.popri.strategy import POPriSettings  # noqa: PLC0415
 
     g, p = ctx.config.generation, ctx.config.popri
     return POPriSettings(
@@ -455,7 +457,7 @@ def first_round_samples(ctx: Context) -> tuple[list[str], list[list[str]]]:
     """
     from types import SimpleNamespace  # noqa: PLC0415
 
-    from strategies.popri import POPri, int_seed, round_stream  # noqa: PLC0415
+    from strategies.methods.popri.strategy import POPri, int_seed, round_stream  # noqa: PLC0415
 
     path = ctx.out / "cache" / "first_round.json"
     lock = path.with_suffix(".lock")
@@ -511,7 +513,7 @@ def stage_spread(ctx: Context) -> dict[str, Any]:
 def stage_popri(ctx: Context, epsilon: float) -> dict[str, Any]:
     from fedsim.engine.rounds import run_rounds  # noqa: PLC0415
     from fedsim.workloads.popri_feedback import EmbedderSpec, make_feedback_app  # noqa: PLC0415
-    from strategies.popri import POPri  # noqa: PLC0415
+    from strategies.methods.popri.strategy import POPri  # noqa: PLC0415
 
     class SharedFirstRound(POPri):
         """POPri whose round-1 samples come from :func:`first_round_samples` (identical to
@@ -569,7 +571,7 @@ def stage_pe(ctx: Context, epsilon: float, index: int) -> dict[str, Any]:
     from fedsim.privacy.sampling import FullParticipation  # noqa: PLC0415
     from fedsim.workloads.pe_votes import make_vote_client_app  # noqa: PLC0415
     from fedsim.workloads.popri_feedback import EmbedderSpec, client_embeddings  # noqa: PLC0415
-    from strategies.private_evolution import PEConfig, PrivateEvolution  # noqa: PLC0415
+    from strategies.methods.private_evolution.strategy import PEConfig, PrivateEvolution  # noqa: PLC0415
 
     g, pe = ctx.config.generation, ctx.config.pe
     fed = ctx.federation
@@ -640,7 +642,7 @@ def stage_dp_fedavg(ctx: Context, epsilon: float) -> dict[str, Any]:
     from fedsim.record_codec import to_numpy, to_record  # noqa: PLC0415
     from fedsim.workloads.downstream_lm import load_lm_arrays, next_token_accuracy  # noqa: PLC0415
     from fedsim.workloads.lm_client import make_lm_client_app  # noqa: PLC0415
-    from strategies.dp_fedavg import DPFedAvg  # noqa: PLC0415
+    from strategies.methods.dp_fedavg.strategy import DPFedAvg  # noqa: PLC0415
 
     s = ctx.config.dp_fedavg
     fed = ctx.federation

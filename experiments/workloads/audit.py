@@ -23,10 +23,11 @@ suspect sets, digit-perturbed synthetic held-out copies, 5 splits.
 
 Secrets (part ``dp``): the study root in ``--secrets`` (default ``~/.fedsim/audit.key``, kept
 outside the results) gives each seed its own root (:mod:`experiments.roots`), and every run
-(epsilon, seed) mixes its own fresh public nonce into it (:func:`fedsim.experiment.run_experiment`,
-:mod:`fedsim.run_root`), from which the engine gives the clients their secrets and the server
-its noise: no two runs share a stream, and each invocation draws new noise. ``audit.json``
-records the root's fingerprint and each run's nonce (``run_nonce``).
+(epsilon, seed) mixes its own fresh public nonce into it
+(:func:`fedsim.frontend.experiment.run_experiment`, :mod:`fedsim.frontend.run_root`), from which the
+engine gives the clients their secrets and the server its noise: no two runs share a stream, and
+each invocation draws new noise. ``audit.json`` records the root's fingerprint and each run's nonce
+(``run_nonce``).
 
 Usage: ``python experiments/workloads/audit.py [--part dp|canary|all] [--seeds 0 1 2]
 [--secrets FILE] [--table-only]``; writes ``audit.json`` next to this file (parts merge into
@@ -57,16 +58,16 @@ from fedsim.audits import canaries, lm, mia  # noqa: E402
 from fedsim.audits import dataset_inference as di  # noqa: E402
 from fedsim.audits.run_audit import audit_run  # noqa: E402
 from fedsim.audits.unlearn import unlearn  # noqa: E402
-from fedsim.experiment import (  # noqa: E402
+from fedsim.frontend.experiment import (  # noqa: E402
     load_finished_run,
     participation_for,
     run_experiment,
 )
+from fedsim.frontend.run_config import ExperimentConfig  # noqa: E402
+from fedsim.frontend.run_root import RUN_FILE  # noqa: E402
 from fedsim.privacy import accounting  # noqa: E402
 from fedsim.privacy.sampling import relation_for  # noqa: E402
 from fedsim.randomness import PartySecret  # noqa: E402
-from fedsim.run_config import ExperimentConfig  # noqa: E402
-from fedsim.run_root import RUN_FILE  # noqa: E402
 
 OUT = Path(__file__).with_name("audit.json")
 README = Path(__file__).with_name("README.md")

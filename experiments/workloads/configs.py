@@ -1,11 +1,11 @@
 """The README's "from a config" numbers: every ``configs/*.toml`` quoted there, run once.
 
-Each config runs through ``fedsim run``'s own code (:func:`fedsim.experiment.run_experiment`,
-the local engine and the seed written in the config) from the repository root, so that
-``configs/coto_lora.toml`` finds the base that ``configs/coto_base.toml`` writes to
-``results/coto-base``. The rounds.jsonl lines the README quotes (every evaluated round)
-and the run's seconds are stored in ``configs.json`` next to this file; ``--tables`` prints
-the README's values from that file without running anything::
+Each config runs through ``fedsim run``'s own code
+(:func:`fedsim.frontend.experiment.run_experiment`, the local engine and the seed written in the
+config) from the repository root, so that ``configs/coto_lora.toml`` finds the base that
+``configs/coto_base.toml`` writes to ``results/coto-base``. The rounds.jsonl lines the README quotes
+(every evaluated round) and the run's seconds are stored in ``configs.json`` next to this file;
+``--tables`` prints the README's values from that file without running anything::
 
     nice -n 19 python experiments/workloads/configs.py      # 380 s wall on 2 busy cores
     python experiments/workloads/configs.py --tables
@@ -60,9 +60,9 @@ def run(name: str) -> dict[str, Any]:
     import torch  # noqa: PLC0415
 
     from fedsim.config import load_toml  # noqa: PLC0415
-    from fedsim.experiment import run_experiment  # noqa: PLC0415
-    from fedsim.results import read_rounds  # noqa: PLC0415
-    from fedsim.run_config import ExperimentConfig  # noqa: PLC0415
+    from fedsim.frontend.experiment import run_experiment  # noqa: PLC0415
+    from fedsim.frontend.results import read_rounds  # noqa: PLC0415
+    from fedsim.frontend.run_config import ExperimentConfig  # noqa: PLC0415
 
     torch.set_num_threads(1)
     logging.getLogger("flwr").setLevel(logging.WARNING)

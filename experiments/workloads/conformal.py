@@ -7,7 +7,7 @@ hidden layer of 32 units, all clients train and evaluate every round, one local 
 
 Table 1 (20 rounds, alpha 0.1, eta 0.05): every round the clients send the nonconformity
 scores (1 - p_y) of their local test rows; the server runs both calibrators on the same
-stream (``strategies.conformal.ConformalEvaluation`` with kind "multigroup" and a global
+stream (``strategies.methods.conformal.ConformalEvaluation`` with kind "multigroup" and a global
 group, and a plain-ACI calibrator fed ``last_streams``). Per-client miss rates are over all
 rounds (including the warm-up from theta = 0) and over the second half of the rounds.
 
@@ -52,7 +52,7 @@ from fedsim.workloads.conformal import (  # noqa: E402
     split_conformal_threshold,
 )
 from fedsim.workloads.supervised import LocalTraining, make_client_app  # noqa: E402
-from strategies.conformal import ConformalEvaluation  # noqa: E402
+from strategies.methods.conformal import ConformalEvaluation  # noqa: E402
 
 CLIENTS, SEEDS, ETA, SPLITS = 30, (0, 1, 2), 0.05, 50
 DATA = DatasetSpec(source="digits", partition="dirichlet", alpha=0.5, num_clients=CLIENTS, seed=1)

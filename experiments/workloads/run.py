@@ -46,8 +46,8 @@ from fedsim.workloads.client_app import training_app  # noqa: E402
 from fedsim.workloads.methods import MethodsTraining  # noqa: E402
 from fedsim.workloads.supervised import METHODS, LocalTraining  # noqa: E402
 from fedsim.workloads.training import evaluate_model  # noqa: E402
-from strategies.averaging import AveragedGlobalModel  # noqa: E402
-from strategies.quantized import DequantizedUploads  # noqa: E402
+from strategies.methods.averaging import AveragedGlobalModel  # noqa: E402
+from strategies.methods.quantized import DequantizedUploads  # noqa: E402
 
 CLIENTS, SEEDS = 30, (0, 1, 2)
 DATA = DatasetSpec(source="digits", partition="dirichlet", alpha=0.5, num_clients=CLIENTS, seed=1)

@@ -2,7 +2,7 @@
 
 The run's saved config (``config.json``) rebuilds its federated dataset and model exactly
 (``build_dataset`` is deterministic in the spec; the run front end rebuilds them,
-:func:`fedsim.experiment.load_finished_run`), ``model.npz`` holds the final global weights
+:func:`fedsim.frontend.experiment.load_finished_run`), ``model.npz`` holds the final global weights
 and ``summary.json`` the number of rounds run and, for DP runs, the final epsilon. Members are
 the training rows of the clients that the run's cohort model put in at least one training
 round (every client, after enough rounds); non-members are the held-out test rows, which no
@@ -70,11 +70,11 @@ AUDIT_FILE = "audit.json"
 @dataclass(frozen=True)
 class FinishedRun:
     """What ``fedsim run`` left in a directory, rebuilt by the run front end
-    (:func:`fedsim.experiment.load_finished_run`): its config and summary, its final model,
+    (:func:`fedsim.frontend.experiment.load_finished_run`): its config and summary, its final model,
     the federation it trained on and the clients of its training cohorts."""
 
     path: Path
-    config: Any  # fedsim.experiment.ExperimentConfig
+    config: Any  # fedsim.frontend.experiment.ExperimentConfig
     arrays: dict[str, np.ndarray]
     summary: dict[str, Any]
     dataset: Any  # fedsim.data.FederatedDataset, rebuilt from the config

@@ -271,8 +271,8 @@ def _matrix(args: argparse.Namespace) -> dict[str, Any]:
     """The whole run is one Gaussian mechanism: fresh noise std ``z c sens(C)`` on ``C X``, so
     epsilon after all n rounds is the Gaussian's with ``z``; after T rounds the rows released
     so far have sensitivity ``sens_T`` and the multiplier is ``z sens(C) / sens_T``
-    (:mod:`strategies.matrix_mechanism`). RMSE per round is ``z sens(C) ||B[t]||`` in units of
-    the clipping norm."""
+    (:mod:`strategies.methods.matrix_mechanism`). RMSE per round is ``z sens(C) ||B[t]||`` in units
+    of the clipping norm."""
     from fedsim.privacy.sampling import NeighbouringRelation  # noqa: PLC0415
 
     delta, accountant = check_common(args)

@@ -2,8 +2,8 @@
 [--out FILE]``.
 
 Registers the subcommand (no heavy imports here) and runs it: authenticates the run's
-``config.json`` under its root (:func:`fedsim.run_root.authenticated_config`; an edited one is
-refused, naming the file, before any module it names is imported), loads the finished run,
+``config.json`` under its root (:func:`fedsim.frontend.run_root.authenticated_config`; an edited one
+is refused, naming the file, before any module it names is imported), loads the finished run,
 computes the membership-inference audit (:mod:`fedsim.audits.run_audit`), writes
 ``audit.json`` (or ``--out``) and prints a summary.
 """
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         format_audit,
         write_audit,
     )
-    from fedsim.experiment import load_finished_run  # noqa: PLC0415
+    from fedsim.frontend.experiment import load_finished_run  # noqa: PLC0415
 
     try:
         run = load_finished_run(args.run_dir, args.secrets)

@@ -2,12 +2,12 @@
 in the terminal.
 
 Three tables: per run its rounds, final epsilon and delta (the run's, and with DP-SGD clients
-the largest a client reports), seconds and bytes; per metric (:mod:`fedsim.run_series`) each
-run's final value and best value, with the round of each (best = the largest for
+the largest a client reports), seconds and bytes; per metric (:mod:`fedsim.frontend.run_series`)
+each run's final value and best value, with the round of each (best = the largest for
 accuracy-like metrics, the smallest for loss-like ones; the table says which, and gives no
 best for other metrics); and the config keys whose values differ between the runs, with each
 run's value (or "unknown" for runs whose config is not there: never "none" by default).
-Damaged run files are refused by name and line (:func:`fedsim.run_series.load_run`). A
+Damaged run files are refused by name and line (:func:`fedsim.frontend.run_series.load_run`). A
 terminal gets rich tables; a pipe or file plain text; ``--json`` the same numbers as JSON.
 
 Config differences show what differs: a key that is null (unset) where it is written and
@@ -15,12 +15,12 @@ absent elsewhere is not a difference, and when the runs' configs share no key at
 ``fedsim run`` run next to a Flower app's run) each run's keys are counted, not listed;
 ``--all`` lists every key.
 
-Runs that differ only in their seed (:mod:`fedsim.seed_groups`) are one group: the tables
+Runs that differ only in their seed (:mod:`fedsim.frontend.seed_groups`) are one group: the tables
 give each group's mean ± sample sd (ddof=1) over its runs, and for two groups that ran the
 same seeds the paired differences of their final values (later group minus earlier, seed by
 seed) with their mean, sd and 95 % t-interval. ``--per-seed`` shows one column per run, as
 when no two runs share a config. A sweep's directory stands for its points that ran
-(:mod:`fedsim.sweep_index`).
+(:mod:`fedsim.frontend.sweep_index`).
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ from dataclasses import replace
 from typing import Any
 
 from fedsim.config import ConfigError
-from fedsim.results_json import dumps
-from fedsim.run_series import (
+from fedsim.frontend.run_series import (
     ABSENT,
     COSTS,
     EPSILONS,
@@ -47,7 +46,7 @@ from fedsim.run_series import (
     run_labels,
     run_names,
 )
-from fedsim.seed_groups import (
+from fedsim.frontend.seed_groups import (
     INTERVAL_TEXT,
     SD_TEXT,
     Group,
@@ -57,7 +56,8 @@ from fedsim.seed_groups import (
     paired_seeds,
     summarize,
 )
-from fedsim.sweep_index import expand_run_dirs
+from fedsim.frontend.sweep_index import expand_run_dirs
+from fedsim.results_json import dumps
 
 MISSING = "-"
 
@@ -183,7 +183,7 @@ def grouped(runs: Sequence[RunSeries]) -> bool:
 
 def compare_groups(runs: Sequence[RunSeries], show_all: bool = False) -> dict[str, Any]:
     """What ``fedsim compare`` shows when runs differ only in seed, as JSON-ready data:
-    ``groups`` (each its runs, seeds and facts as :func:`~fedsim.seed_groups.summarize`
+    ``groups`` (each its runs, seeds and facts as :func:`~fedsim.frontend.seed_groups.summarize`
     gives them: n, mean, sd, low, high), ``metrics`` (per metric and group, the summaries
     of the runs' final and best values), ``paired`` (per metric and pair of groups with
     seeds in common, the summary of ``b - a`` over those seeds), the config differences

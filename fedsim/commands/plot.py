@@ -3,17 +3,17 @@
 
 One panel per quantity: accuracy-like metrics, loss-like metrics, epsilon, bytes per round (up
 and down), seconds per round, and a panel of its own for any other metric chosen with
-``--metric`` (names: :mod:`fedsim.run_series`). Each run has its colour, each metric of a
+``--metric`` (names: :mod:`fedsim.frontend.run_series`). Each run has its colour, each metric of a
 panel its line style; the legend names runs by the config keys that differ between them. A
 run that did not record a metric (no epsilon in a non-private run) has no line for it.
 Matplotlib is imported when a figure is drawn (Agg canvas; pyplot's global state is not used).
 
-Runs that differ only in their seed (:mod:`fedsim.seed_groups`) are drawn as one line, their
-mean at the rounds every one of them recorded, with a band: ± one sample sd (``--band sd``,
+Runs that differ only in their seed (:mod:`fedsim.frontend.seed_groups`) are drawn as one line,
+their mean at the rounds every one of them recorded, with a band: ± one sample sd (``--band sd``,
 ddof=1, the default) or the 95 % t-interval of the mean (``--band ci95``); the figure's
 legend says which. ``--per-seed`` draws one line per run, as when no two runs share a config.
 A sweep's directory (``fedsim sweep``'s ``--out``) stands for its points that ran
-(:mod:`fedsim.sweep_index`).
+(:mod:`fedsim.frontend.sweep_index`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedsim.config import ConfigError, require
-from fedsim.run_series import (
+from fedsim.frontend.run_series import (
     EPSILONS,
     RunSeries,
     best_is,
@@ -35,8 +35,15 @@ from fedsim.run_series import (
     load_runs,
     run_labels,
 )
-from fedsim.seed_groups import INTERVAL_TEXT, SD_TEXT, Group, group_labels, group_runs, mean_curve
-from fedsim.sweep_index import expand_run_dirs
+from fedsim.frontend.seed_groups import (
+    INTERVAL_TEXT,
+    SD_TEXT,
+    Group,
+    group_labels,
+    group_runs,
+    mean_curve,
+)
+from fedsim.frontend.sweep_index import expand_run_dirs
 
 if TYPE_CHECKING:
     from matplotlib.collections import PolyCollection
@@ -99,7 +106,7 @@ def plot_runs(runs: Sequence[RunSeries], metrics: Sequence[str]) -> RunPlot:
 
     A run's lines share its colour and a metric's its line style; a panel's legend names its
     metrics (when it has several, or there is one run), the figure's legend (below the panels)
-    names the runs by :func:`~fedsim.run_series.run_labels`. A line's own label is
+    names the runs by :func:`~fedsim.frontend.run_series.run_labels`. A line's own label is
     ``"<run label>: <metric>"`` (just the metric with one run)."""
     curves: list[Curves] = [
         {m: (s.rounds, s.values, None, None) for m, s in run.series.items()} for run in runs
@@ -110,8 +117,9 @@ def plot_runs(runs: Sequence[RunSeries], metrics: Sequence[str]) -> RunPlot:
 def plot_groups(groups: Sequence[Group], metrics: Sequence[str], band: str) -> RunPlot:
     """Draw each group of runs that differ only in seed as its mean (at the rounds all its
     runs recorded) with a ``band`` (:data:`BANDS`) shaded around it; a group of one run is
-    its line. The figure's legend names the groups (:func:`~fedsim.seed_groups.group_labels`)
-    under a title that says what the line and the band are."""
+    its line. The figure's legend names the groups
+    (:func:`~fedsim.frontend.seed_groups.group_labels`) under a title that says what the line and
+    the band are."""
     curves: list[Curves] = []
     for group in groups:
         drawn: Curves = {}

@@ -1,12 +1,12 @@
 """``fedsim sweep CONFIG.toml --grid KEY=V1,V2 ... [--seeds 0..4] [--out DIR]``: a grid of runs.
 
 The points are the cartesian product of the ``--grid`` values (in the order given) and the
-``--seeds``; each is the config with its values as overrides (:mod:`fedsim.config_overrides`,
-typed and checked like ``--set``), validated before anything runs. Each point is one ordinary
-run directory, ``DIR/<point>`` (named from its values, e.g. ``noise_multiplier=1.2,seed=3``),
-and ``DIR/index.json`` lists every point: its values, run directory, status (``pending``,
-``finished``, ``interrupted``, ``stopped``, ``failed``), rounds, final metrics and ε (from the
-run's summary.json), rewritten after each point.
+``--seeds``; each is the config with its values as overrides
+(:mod:`fedsim.frontend.config_overrides`, typed and checked like ``--set``), validated before
+anything runs. Each point is one ordinary run directory, ``DIR/<point>`` (named from its values,
+e.g. ``noise_multiplier=1.2,seed=3``), and ``DIR/index.json`` lists every point: its values, run
+directory, status (``pending``, ``finished``, ``interrupted``, ``stopped``, ``failed``), rounds,
+final metrics and ε (from the run's summary.json), rewritten after each point.
 
 The points run one after the other on ONE engine: Ray is started (or joined) once and its
 worker actors are reused by every run (:class:`~fedsim.engine.Engine` loads each run's
@@ -35,12 +35,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedsim.config import ConfigError
-from fedsim.sweep_index import INDEX_FILE
+from fedsim.frontend.sweep_index import INDEX_FILE
 
 if TYPE_CHECKING:
-    from fedsim.config_overrides import Override
     from fedsim.engine import Engine
-    from fedsim.run_config import ExperimentConfig
+    from fedsim.frontend.config_overrides import Override
+    from fedsim.frontend.run_config import ExperimentConfig
 
 SUMMARY_FILE = "summary.json"
 #: the index's statuses
@@ -125,7 +125,7 @@ def split_values(text: str) -> list[str]:
 
 def parse_grid(token: str) -> list[Override]:
     """One ``--grid KEY=V1,V2`` as one override per value."""
-    from fedsim.config_overrides import parse_override  # noqa: PLC0415
+    from fedsim.frontend.config_overrides import parse_override  # noqa: PLC0415
 
     key, sep, text = token.partition("=")
     values = split_values(text) if sep else []
@@ -198,7 +198,7 @@ def point_name(overrides: tuple[Override, ...]) -> str:
 def plan(config_path: str, sets: list[str], grids: list[str], seeds: str | None) -> list[Point]:
     """Every point of the sweep, each config validated before anything runs."""
     from fedsim.config import load_toml  # noqa: PLC0415
-    from fedsim.config_overrides import (  # noqa: PLC0415
+    from fedsim.frontend.config_overrides import (  # noqa: PLC0415
         build_config,
         check_distinct,
         parse_override,
@@ -281,7 +281,7 @@ def run_point(
 ) -> str:
     """Run or resume one point on ``engine`` (a finished one is checked, not run again);
     returns what was done: ``ran``, ``resumed`` or ``skipped``."""
-    from fedsim.experiment import load_run_config, run_experiment  # noqa: PLC0415
+    from fedsim.frontend.experiment import load_run_config, run_experiment  # noqa: PLC0415
 
     run_dir = out / point.name
     status = status_of(run_dir)
@@ -360,7 +360,7 @@ def run(args: argparse.Namespace) -> int:
     """``fedsim sweep``: exit 0 when every point finished, 1 when a run stopped, 2 on a bad
     flag or config."""
     from fedsim.engine import Engine  # noqa: PLC0415
-    from fedsim.run_config import with_engine  # noqa: PLC0415
+    from fedsim.frontend.run_config import with_engine  # noqa: PLC0415
 
     try:
         if args.workers is not None and args.workers < 1:

@@ -285,7 +285,7 @@ def committee_for(
     layer of the wrapper chain asks for (its ``committee_spec()``, None: no committee), each
     member with its own secret from the run's root (``secrets``: where it lies), made where the
     member runs; None when no layer asks. The caller binds
-    it (:func:`strategies.server_secret.bind_parties`) and closes it after the run."""
+    it (:func:`strategies.plumbing.server_secret.bind_parties`) and closes it after the run."""
     target = find(strategy, CommitteeBound)
     spec = None if target is None else target.committee_spec()
     return None if spec is None else spec.build(secrets)

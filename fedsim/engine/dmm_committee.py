@@ -330,7 +330,7 @@ class CommitteeHost:
     e.g. a test), or None (every member gets a fresh OS secret and states cannot be restored);
     ``faults``: the run's fault model for the members; ``actors``: host on Ray actors (Ray must
     be running) or in process; ``shards``: actors; ``store``: the store of the members' sealed
-    states (a run's :meth:`fedsim.rundir.RunDirectory.party_store`, which checkpoints and
+    states (a run's :meth:`fedsim.frontend.rundir.RunDirectory.party_store`, which checkpoints and
     cross-checks it with the run), or ``state_path``: a file for one (None for both: in
     memory; with a source, a file opens only in this process). States are keyed by the
     member's node id.
@@ -488,9 +488,9 @@ def committee_host_for(
     """The :class:`CommitteeHost` that the first :class:`~fedsim.engine.hooks.CommitteeHostBound`
     layer of the wrapper chain asks for (its ``committee_host_options()``), or None when none
     does. ``store(STATE_FILE)`` gives the member-state store (a run's
-    :meth:`~fedsim.rundir.RunDirectory.party_store`; None: in memory); ``draw``: the run's
+    :meth:`~fedsim.frontend.rundir.RunDirectory.party_store`; None: in memory); ``draw``: the run's
     public (seed, population), from which dealers recompute the next committee. The caller binds it
-    (:func:`strategies.server_secret.bind_parties`)."""
+    (:func:`strategies.plumbing.server_secret.bind_parties`)."""
     target = find(strategy, CommitteeHostBound)
     if target is None:
         return None

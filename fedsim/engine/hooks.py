@@ -4,7 +4,7 @@ A Flower strategy is driven by its Message-API hooks; fedsim's round loop and fr
 also ask it for a privacy report, whether a budget stops the run, to bind the grid or the
 run's parties, and to close what it opened. Each of these is a runtime-checkable
 :class:`~typing.Protocol` below, and a strategy takes part by implementing it (no attribute
-is looked up by name). A wrapper (:class:`strategies.wrapper.StrategyWrapper`) declares the
+is looked up by name). A wrapper (:class:`strategies.plumbing.wrapper.StrategyWrapper`) declares the
 strategy it wraps with :class:`Wrapping`; :func:`layers` follows those links, and
 :func:`find` gives the first layer of a wrapper chain that implements a protocol — the
 object whose hook the front end calls (the outer layers change the Message-API hooks, not

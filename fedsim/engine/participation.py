@@ -21,7 +21,7 @@ holds. A :class:`UniformCohort` or :class:`PoissonCohort` given the server's sec
 (``secret``, a :class:`~fedsim.randomness.PartySecret`) draws from
 ``secret.generator(round, Purpose.COHORT, kind)`` instead: reproducible under the run's root,
 unknown to the clients; :attr:`CohortModel.secret_draws` says which, and a DP strategy claims
-amplification only for secret draws (:mod:`strategies.observed_sampling`).
+amplification only for secret draws (:mod:`strategies.plumbing.observed_sampling`).
 
 Each model also gives its accounting view (:meth:`CohortModel.accounting`): the sampling
 model of :mod:`fedsim.privacy.sampling` that describes its training cohorts, so that the

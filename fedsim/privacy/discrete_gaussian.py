@@ -29,8 +29,8 @@ whatever the weights are, provided every ``a(x) <= 1``: the output is exactly
 in ``B_q`` (correctly rounded decimal ``exp``, every rounding upward), ``W_t`` likewise from
 upper bounds of ``f(T + 1)`` and ``r``; ``L`` is chosen so that the weights sum to at most
 ``2^k`` (checked in integers), the rest is ``null``. Step 1 is exact: every outcome has
-probability ``W_q / 2^k`` exactly (tests/test_discrete_gaussian.py rebuilds it from the table);
-step 2's uniforms are bit fields. Step 3 decides ``U < a(x)`` for ``U`` uniform on [0, 1),
+probability ``W_q / 2^k`` exactly (tests/privacy/test_discrete_gaussian.py rebuilds it from the
+table); step 2's uniforms are bit fields. Step 3 decides ``U < a(x)`` for ``U`` uniform on [0, 1),
 whose binary digits are read only as far as the decision needs: its first ``b`` bits ``u1``
 come from the proposal's word (``b = 63 - k - j``, 1 for ``sigma >= 2^28``), the next 53 ``u2``
 from a fresh word, then 64 at a time. Each stage settles the decision where ``U``'s known
@@ -45,8 +45,8 @@ alone. The float stages are right whenever ``|p_hat - a(x)| <= 2^-40``: the expo
 ``(m - a_q)(m + a_q) / (2 sigma^2) <= 0.7`` carries at most four roundings (relative
 ``4 * 2^-53``, so ``exp`` moves by at most ``4/e * 2^-53``), numpy's float64 ``exp`` is within
 a few ulps, ``beta_q`` and the product one rounding each: the total is below ``2^-49``, 500
-times inside the window (tests/test_discrete_gaussian.py checks it against 60-digit decimals).
-Were the bound ever exceeded, a decision would be wrong with probability at most
+times inside the window (tests/privacy/test_discrete_gaussian.py checks it against 60-digit
+decimals). Were the bound ever exceeded, a decision would be wrong with probability at most
 ``|p_hat - a(x)|``.
 
 Cost: one uniform 64-bit word per proposal (two for ``sigma >= 2^28``), a second for about

@@ -10,7 +10,8 @@ dp_accounting recomputes an event's RDP curve or PLD (tenths of a second each) o
 
 Both return None when the state is not there (another version); callers then compose.
 :class:`CachedAccountant` overrides ``PrivacyAccountant._maybe_compose``, the hook
-``supports`` and ``compose`` both call. ``tests/test_privacy_dpa_adapter.py`` pins all of it.
+``supports`` and ``compose`` both call. ``tests/privacy/test_privacy_dpa_adapter.py`` pins all of
+it.
 """
 
 from __future__ import annotations

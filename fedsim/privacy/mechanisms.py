@@ -354,7 +354,7 @@ def _batched_discrete_gaussian(count: int, s2: Fraction, rng: np.random.Generato
     are rounded once from exact rationals, so ``|gamma_hat - gamma| <= 2^-53 (5 gamma +
     sqrt(2 gamma) + 2)``, hence ``exp(-gamma) |gamma_hat - gamma| <= 5 * 2^-53``; with numpy's
     float64 ``exp`` within a few ulps the total is below 2^-49, 500 times inside the window
-    (tests/test_privacy_mechanisms.py checks the bound against 60-digit decimals). Were the
+    (tests/privacy/test_privacy_mechanisms.py checks the bound against 60-digit decimals). Were the
     bound ever exceeded, a decision would still be wrong with probability at most
     ``|p_hat - exp(-gamma)|``.
     """

@@ -12,7 +12,7 @@ Choquette-Choo et al. 2023, "Multi-Epoch Matrix Factorization Mechanisms") or ``
 - the matrix mechanism's sensitivity (:mod:`fedsim.privacy.matrix.sensitivity`);
 - the cohort: :meth:`fedsim.engine.participation.MinSeparationCohort.accounting` is the
   participation of the schedule it draws;
-- the guard that enforces it (:class:`strategies.participation_guard.ParticipationGuard`).
+- the guard that enforces it (:class:`strategies.plumbing.participation_guard.ParticipationGuard`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Train the raw weights, evaluate (or upload) the averaged ones.
 Defaults follow the paper: ``k = 10``, a checkpoint every 0.2 % of the step
 budget after a 2 % burn-in (:meth:`Averaging.for_budget`). Both work on a
 client (over its local steps) and on the server (over rounds;
-``strategies.averaging.AveragedGlobalModel``). Arrays are ``{name: ndarray}``;
+``strategies.methods.averaging.AveragedGlobalModel``). Arrays are ``{name: ndarray}``;
 averages are computed in float64 and returned in the pushed dtype.
 """
 

@@ -17,7 +17,7 @@ instruction whose config
 has ``proximal-mu > 0`` (Flower's FedProx) is refused by trainings that add no proximal term.
 Evaluate replies carry loss and accuracy on the client's test rows (its training rows when it
 has none), and the conformal scores when the server asks for them
-(:mod:`strategies.conformal`).
+(:mod:`strategies.methods.conformal`).
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ carries under the same key; the client's training declares that key in
 :attr:`~fedsim.workloads.training.TrainTask.inputs` and returns its own in
 :attr:`~fedsim.workloads.training.TrainResult.replies`
 (:func:`fedsim.workloads.client_app.training_app` moves both). The front end wraps the run's
-strategy in :class:`strategies.client_method_halves.ServerHalfStrategy` for every configured
-method with a server half; such replies are not folded on workers, and they carry un-noised
-client content, so these methods run only with strategies that make no privacy claim.
+strategy in :class:`strategies.plumbing.client_method_halves.ServerHalfStrategy` for every
+configured method with a server half; such replies are not folded on workers, and they carry
+un-noised client content, so these methods run only with strategies that make no privacy claim.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ point is *missed* when its true label's score exceeds ``q``.
   ``kind = "aci"`` is the baseline with one global theta (marginal coverage
   only). In a federation the groups are the clients (plus an optional global
   group); the server runs the calibrator over the clients' evaluation streams
-  (``strategies.conformal.ConformalEvaluation``), fed by
+  (``strategies.methods.conformal.ConformalEvaluation``), fed by
   :func:`score_reply_record` on the clients.
 * **DPSM conformal training** (:class:`DPSM`; Shi et al., ICML 2025, "Direct
   Prediction Set Minimization"): each batch is split in two; on the first half

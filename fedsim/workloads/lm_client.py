@@ -2,8 +2,8 @@
 
 The DP-FL baseline of POPri (Hou et al., ICML 2025, Sec. 5: DP-FedAvg, McMahan et al. 2018)
 trains the downstream model directly on private text: the server's
-:class:`~strategies.dp_fedavg.DPFedAvg` clips each client's update, adds Gaussian noise and
-accounts the rounds; this module is the client side. A client loads the global weights
+:class:`~strategies.methods.dp_fedavg.strategy.DPFedAvg` clips each client's update, adds Gaussian
+noise and accounts the rounds; this module is the client side. A client loads the global weights
 (:func:`~fedsim.workloads.downstream_lm.lm_arrays` layout: trainable parameters, tied
 embeddings once), trains on its own sequences with
 :func:`~fedsim.workloads.downstream_lm.train_lm` (AdamW, fresh optimiser state each round) and

@@ -13,7 +13,7 @@ conformal training, sparse spectral training.
   weights and uploads the average;
 * ``compression`` — :class:`~fedsim.workloads.compression.Quantization` of the
   upload (:mod:`fedsim.workloads.upload`; the server side is
-  ``strategies.quantized.DequantizedUploads``);
+  ``strategies.methods.quantized.DequantizedUploads``);
 * ``conformal`` — :class:`~fedsim.workloads.conformal.ConformalTraining`: the
   DPSM objective (cross-entropy plus a soft prediction-set size at a learned
   quantile tau, which each client keeps in its ``context.state``). Not with

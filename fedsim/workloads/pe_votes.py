@@ -9,8 +9,8 @@ count vector ``h_i`` in ``N^M``. The client sends ``h_i / ||h_i||_2``: **normali
 norm (a client with no text sends zeros), so one client moves the sum of votes by at most 1 in
 L2 -- the add/remove sensitivity the server's Gaussian noise is calibrated to. (Clipping at 1
 would be the same map: a non-empty count vector has norm >= 1.) The server clips every reply
-to norm 1 again (:func:`strategies.private_evolution.clip_votes`), so the bound holds whatever
-a client sends.
+to norm 1 again (:func:`strategies.methods.private_evolution.strategy.clip_votes`), so the bound
+holds whatever a client sends.
 
 :func:`make_vote_client_app` returns a Flower ClientApp whose train handler reads the
 ``"candidates"`` ArrayRecord (``"embeddings"``: ``(M, d)`` float32) and replies with a

@@ -1,7 +1,7 @@
 """Client side of the personalised methods: pFedHB, pFedVEM, pFedBayes, FedAvg(+FT), local-only.
 
 :func:`make_personal_app` returns a Flower ClientApp. The instruction's config
-names the ``method`` (set by the strategies in :mod:`strategies.personalised`);
+names the ``method`` (set by the strategies in :mod:`strategies.plumbing.personalised`);
 personal posteriors persist in ``context.state`` (``"fedsim.personal"``) from
 one round to the next. A train instruction carries the global posterior
 (``"global"``); a client with ``report = 1`` replies with its posterior

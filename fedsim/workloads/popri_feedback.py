@@ -11,8 +11,8 @@ private texts embedded as unit rows ``e_1..e_m``, replies with
     v_i     = z_i * min(1, 1 / ||z_i||_2)       (clip to L2 norm <= 1)
 
 so the sum ``sum_i v_i`` has L2 sensitivity 1 under adding or removing one client, which is
-what the server's Gaussian noise is calibrated to (:mod:`strategies.popri`). The server
-applies the same clipping again when it sums (:class:`ClippedScoreSum`), so the bound holds
+what the server's Gaussian noise is calibrated to (:mod:`strategies.methods.popri.strategy`). The
+server applies the same clipping again when it sums (:class:`ClippedScoreSum`), so the bound holds
 whatever a client sends. Workers may fold their clients' replies into one partial sum
 (:mod:`fedsim.worker_reduce`).
 

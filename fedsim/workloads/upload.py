@@ -14,7 +14,7 @@ Reply layout (under the instruction's ArrayRecord key)::
                                        adapted levels only}
 
 :func:`dequantize_reply` restores ``global + Q(delta)`` on the server
-(``strategies.quantized.DequantizedUploads`` does it for any strategy).
+(``strategies.methods.quantized.DequantizedUploads`` does it for any strategy).
 Draws come from ``(base seed, config seed, server round, partition id)``.
 """
 

@@ -219,8 +219,8 @@ class Schedule:
 class DMMKeys:
     """DMM's wire names, all in one place: the records of its instructions and replies
     (``dmm.*``), the ``dmm.share.*`` entries of a full-mode instruction
-    (:class:`strategies.dmm.wire.ShareConfig`), the entries of a sealed-shares record and of a
-    member group's RELEASE answer."""
+    (:class:`strategies.secure.dmm.wire.ShareConfig`), the entries of a sealed-shares record and of
+    a member group's RELEASE answer."""
 
     NAME = "dmm"
     PREFIX = "dmm."
@@ -234,8 +234,10 @@ class DMMKeys:
     INSTRUCTION = (
         "dim", "clip", "gamma", "beta", "max-tries", "rotation-seed", "noise-std", "rows", "mode"
     )  # fmt: skip
-    """The ``dmm.*`` entries of every instruction (:func:`strategies.dmm.wire.instruction`)."""
-    # the dmm.share.* entries (:class:`strategies.dmm.wire.ShareConfig`), without their prefix
+    """The ``dmm.*`` entries of every instruction
+    (:func:`strategies.secure.dmm.wire.instruction`)."""
+    # the dmm.share.* entries (:class:`strategies.secure.dmm.wire.ShareConfig`), without their
+    # prefix
     ROUND, STEP, N, T, K, FIELD_EXPONENT = "round", "step", "n", "t", "k", "field-exponent"
     DIM, SESSION, MEMBERS, MEMBER_KEYS, PARTY = "dim", "session", "members", "member-keys", "party"
     MEMBER_PROOFS, COHORT = "member-proofs", "cohort"
@@ -244,7 +246,8 @@ class DMMKeys:
     """The ``dmm.share.*`` entries every full-mode instruction holds (a folded round's has
     ``cohort`` in place of ``party``)."""
     SEALED_ENTRIES = ("public-key", "members", "nonces", "ciphertexts")
-    """The entries of a sealed-shares record (:func:`strategies.dmm.wire.sealed_to_record`)."""
+    """The entries of a sealed-shares record
+    (:func:`strategies.secure.dmm.wire.sealed_to_record`)."""
     RELEASE_ENTRIES = ("seats", "rows", "late")
     """The entries of a member group's answer to RELEASE (:class:`ReleaseAnswer`)."""
 

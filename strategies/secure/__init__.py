@@ -5,13 +5,14 @@
 * :mod:`strategies.secure.plaintext`: SecAgg+'s outcome simulated with the inputs in the clear;
 * :mod:`strategies.secure.secagg`: SecAgg+ (Bell et al., CCS 2020) over the Grid;
 * :mod:`strategies.secure.committee`: the committee host's sum of sealed inputs;
-* :mod:`strategies.secure.dmm`: the DMM committees' sum through an integer matrix, its state
+* :mod:`strategies.secure.dmm.committee_sum`: the DMM committees' sum through an integer matrix, its
+state
   handed from committee to committee (with worker folding), run by the DMM strategy.
 
 :func:`build` makes one by name; :data:`CONTRIBUTE` holds each one's client side and
 :data:`WITHOUT_DP` the names a FedAvg-family strategy may take with no DP
-(:mod:`strategies.secure_aggregation`): adding an implementation is its module and its entry
-in :data:`CLASSES`.
+(:mod:`strategies.plumbing.secure_aggregation`): adding an implementation is its module and its
+entry in :data:`CLASSES`.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from fedsim.engine.committee import Committee, CommitteeSpec
-from strategies.secure import committee, dmm, plaintext, secagg
+from strategies.secure import committee, plaintext, secagg
 from strategies.secure.committee import CommitteeSum
-from strategies.secure.dmm import DMMSum
+from strategies.secure.dmm import committee_sum as dmm
+from strategies.secure.dmm.committee_sum import DMMSum
 from strategies.secure.plaintext import PlaintextSum
 from strategies.secure.release import Release, SecureSum
 from strategies.secure.secagg import SecAggPlan, SecAggSum
@@ -76,7 +78,7 @@ def build(
     if name == DMMSum.name:
         raise ValueError(
             "secure sum 'dmm' is built by the DMM strategy, which owns its integer matrix "
-            "(strategies.secure.dmm.DMMSum)"
+            "(strategies.secure.dmm.committee_sum.DMMSum)"
         )
     if (name == CommitteeSum.name) != (committee is not None):
         raise ValueError(

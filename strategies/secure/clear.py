@@ -27,8 +27,8 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 
 from fedsim.engine.boundary import ClaimRefused, ReleaseBoundary
-from strategies.dp_shell import LedgerShell
-from strategies.wrapper import StrategyWrapper
+from strategies.plumbing.dp_shell import LedgerShell
+from strategies.plumbing.wrapper import StrategyWrapper
 
 log = logging.getLogger(__name__)
 

@@ -32,8 +32,8 @@ from fedsim.randomness import PartySecret, Purpose, Stream, public_generator
 from protocols.committee.client import seal_input
 from protocols.committee.common import CommitteeAbort, CommitteeFaults, CommitteeKeys, SealedInput
 from protocols.kit import MEMBER_ID_BASE, TamperingDetected
-from strategies.secagg_messages import envelopes_from, envelopes_record
 from strategies.secure.release import Release, SecureSum
+from strategies.secure.secagg_messages import envelopes_from, envelopes_record
 
 _KEYS = ("n", "t", "k", "field-exponent", "session", "member-keys", "party")
 #: ``strategy.options`` keys of a committee -> the :class:`CommitteeSpec` field each sets
@@ -115,7 +115,7 @@ def committee_keys_from(config: ConfigRecord, prefix: str) -> tuple[CommitteeKey
 
 def sealed_record(sealed: SealedInput) -> ConfigRecord:
     """A client's sealed input as its reply record: its public key and its envelopes (member
-    order) as parallel lists (:func:`strategies.secagg_messages.envelopes_record`)."""
+    order) as parallel lists (:func:`strategies.secure.secagg_messages.envelopes_record`)."""
     record = envelopes_record(sealed.envelopes[j] for j in sorted(sealed.envelopes))
     record["public-key"] = sealed.public_key
     return record

@@ -22,8 +22,8 @@ from flwr.serverapp import Grid
 
 from fedsim.engine.boundary import boundary_of
 from protocols.channels import KeySubstitution
-from strategies.secagg_messages import MALFORMED
 from strategies.secure.release import SecureSum
+from strategies.secure.secagg_messages import MALFORMED
 
 
 @dataclass

@@ -2,12 +2,12 @@
 
 The train instruction carries the round's public SecAgg+ session id (``<prefix>session``);
 each client masks before anything leaves its ClientApp: its first reply holds only its two
-public keys (``secagg.keys``, :func:`strategies.secagg_client_stages.start_client`), and the server
-then runs SHARE_KEYS, MASKED_INPUT and UNMASK as three more message exchanges through the
-round's Grid (:func:`strategies.secagg_messages.run_over_grid`). The server holds public keys,
-sealed share rows it relays, masked inputs and its own protocol state; it learns the modular
+public keys (``secagg.keys``, :func:`strategies.secure.secagg_client_stages.start_client`), and the
+server then runs SHARE_KEYS, MASKED_INPUT and UNMASK as three more message exchanges through the
+round's Grid (:func:`strategies.secure.secagg_messages.run_over_grid`). The server holds public
+keys, sealed share rows it relays, masked inputs and its own protocol state; it learns the modular
 sum of the survivors' inputs and nothing else about them, against an honest-but-curious
-server (relayed keys are checked by enrolled clients, :mod:`strategies.secagg_messages`).
+server (relayed keys are checked by enrolled clients, :mod:`strategies.secure.secagg_messages`).
 
 :class:`SecAggPlan` holds the round's public SecAgg+ parameters (neighbour degree, ring,
 simulated protocol dropouts drawn from the run seed), shared with the ``plaintext``
@@ -28,9 +28,9 @@ from fedsim.randomness import PartySecret, Stream, public_generator
 from protocols.channels import new_session_id
 from protocols.field import DEFAULT_FIELD
 from protocols.secagg.common import SecAggConfig, Stage
-from strategies.secagg_client_stages import start_client
-from strategies.secagg_messages import KEYS_KEY, run_over_grid
 from strategies.secure.release import Release, SecureSum
+from strategies.secure.secagg_client_stages import start_client
+from strategies.secure.secagg_messages import KEYS_KEY, run_over_grid
 
 _STAGES = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASK)
 

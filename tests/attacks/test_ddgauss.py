@@ -30,16 +30,16 @@ from fedsim.randomness import NODE_SECRET_KEY, Purpose, RunSecret, Stream, publi
 from fedsim.record_codec import to_numpy, to_record
 from protocols.field import DEFAULT_FIELD
 from protocols.kit import MEMBER_ID_BASE
-from strategies.ddgauss import DDGauss
-from strategies.ddgauss_client import (
+from strategies.methods.ddgauss.client import (
     COMMITTEE_PREFIX,
     ENCODED_KEY,
     PREFIX,
     SEALED_KEY,
     ddgauss_client_app,
 )
-from strategies.secagg_client_stages import narrowest
-from strategies.secagg_messages import KEYS_KEY, STATE_KEY
+from strategies.methods.ddgauss.strategy import DDGauss
+from strategies.secure.secagg_client_stages import narrowest
+from strategies.secure.secagg_messages import KEYS_KEY, STATE_KEY
 
 D, CLIENTS, SEED, PHRASE = 12, 8, 7, "tests"
 LOW_ORDER = bytes.fromhex("e0eb7a7c3b41b8ae1656e3faf19fc46ada098deb9c32b1fd866205165f49b800")

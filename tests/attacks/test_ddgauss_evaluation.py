@@ -21,10 +21,10 @@ from flwr.serverapp.strategy import FedAvg
 from attacks.test_ddgauss import CLIENTS, PHRASE, inner, node, one_round
 from fedsim.config import ConfigError
 from fedsim.engine.committee import Committee
+from fedsim.frontend.run_config import ExperimentConfig
 from fedsim.record_codec import to_record
-from fedsim.run_config import ExperimentConfig
-from strategies.ddgauss import DDGauss
-from strategies.ddgauss_client import ddgauss_client_app
+from strategies.methods.ddgauss.client import ddgauss_client_app
+from strategies.methods.ddgauss.strategy import DDGauss
 
 MODES = ("full", "committee", "plaintext")
 CONFIG = {

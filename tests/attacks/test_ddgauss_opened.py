@@ -21,15 +21,15 @@ import math
 
 import numpy as np
 import pytest
+from ddgauss_support import RUN
 from flwr.app import RecordDict
-from test_ddgauss_strategy import RUN
 
 from attacks.test_ddgauss import CLIENTS, PHRASE, Hostile, inner, one_round, strategy
 from fedsim.cli import main
 from fedsim.engine.committee import Committee
 from fedsim.engine.committee_host import HostedGroups
+from fedsim.frontend.results import read_rounds
 from fedsim.record_codec import to_numpy, to_record
-from fedsim.results import read_rounds
 from protocols.channels import associated_data, decode_array, new_session_id, stage_label
 from protocols.committee.client import seal_input
 from protocols.committee.common import (
@@ -53,8 +53,8 @@ from protocols.secagg.common import (
     sum_vectors,
 )
 from protocols.secagg.server import SecAggServer
-from strategies.ddgauss import DDGauss
-from strategies.ddgauss_client import ddgauss_client_app
+from strategies.methods.ddgauss.client import ddgauss_client_app
+from strategies.methods.ddgauss.strategy import DDGauss
 
 S = CommitteeStage
 COMMITTEE = "committee_size = 8\nthreshold = 2\npacking = 2\nmember_dropout = 0.1\n"

@@ -17,7 +17,7 @@ from dp_accounting.rdp import rdp_privacy_accountant
 from flwr.serverapp.strategy import FedAvg
 
 from fedsim.privacy import ddgauss as ddgauss_privacy
-from strategies.ddgauss import DDGauss
+from strategies.methods.ddgauss.strategy import DDGauss
 
 SIGMA, SHIFT, SHARES, DELTA = 1.5, 2, 3, 1e-5
 ORDERS = (1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0)

@@ -32,7 +32,7 @@ from fedsim.engine.state import ClientStateStore
 from fedsim.randomness import NODE_SECRET_KEY, RunSecret
 from fedsim.record_codec import to_numpy, to_record
 from protocols.field import DEFAULT_FIELD
-from strategies.ddgauss_client import ENCODED_KEY, ddgauss_client_app
+from strategies.methods.ddgauss.client import ENCODED_KEY, ddgauss_client_app
 
 PARTITION, OTHER = 4, 0.2  # the client re-asked, the weights of the second model
 inner = ClientApp()

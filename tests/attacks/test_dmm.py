@@ -45,8 +45,8 @@ from protocols.dmm.member import MemberGroup, MemberPool
 from protocols.dmm.server import DMMServer
 from protocols.kit import TamperingDetected
 from protocols.shamir import PackedShamir
-from strategies.dmm import dmm_client_app
-from strategies.dmm.wire import NOISE_KEY, SEALED_KEY
+from strategies.methods.dmm import dmm_client_app
+from strategies.secure.dmm.wire import NOISE_KEY, SEALED_KEY
 
 D, CLIENTS, ROUNDS = 8, 5, 6
 
@@ -455,7 +455,7 @@ def test_fuzz_the_strategy_rejects_bad_replies_and_names_them(local_engine):
 
     def oversized(server_round, replies):
         if server_round == 1:
-            from strategies.dmm.wire import UPDATE_KEY  # noqa: PLC0415
+            from strategies.secure.dmm.wire import UPDATE_KEY  # noqa: PLC0415
 
             update = to_numpy(replies[0].content[UPDATE_KEY])[UPDATE_KEY] * 1000
             replies[0].content[UPDATE_KEY] = to_record({UPDATE_KEY: update})

@@ -23,7 +23,7 @@ from fedsim.engine.app_grid import AppGrid
 from fedsim.engine.dmm_committee import CommitteeHost
 from fedsim.models import initial_arrays
 from fedsim.record_codec import to_record
-from strategies.dmm import dmm_client_app
+from strategies.methods.dmm import dmm_client_app
 
 CLIENTS, ROUNDS = 12, 2
 

@@ -22,9 +22,9 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from fedsim.config import ConfigError
 from fedsim.engine.client_registry import NODE_ID_OFFSET
+from fedsim.frontend.run_config import ExperimentConfig
 from fedsim.record_codec import to_record
-from fedsim.run_config import ExperimentConfig
-from strategies.dmm import DMM, dmm_client_app
+from strategies.methods.dmm import DMM, dmm_client_app
 
 CLIENTS = 12
 CONFIG = {

@@ -1,6 +1,6 @@
-"""DMM's worker-side fold (strategies/dmm/fold.py) against the server: a client's sharing inputs
-never leave a worker unsealed -- not when the fold fails, not under a runtime whose workers do
-not fold -- and a folded reply cannot claim clients it does not hold."""
+"""DMM's worker-side fold (strategies/secure/dmm/fold.py) against the server: a client's sharing
+inputs never leave a worker unsealed -- not when the fold fails, not under a runtime whose workers
+do not fold -- and a folded reply cannot claim clients it does not hold."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from fedsim.engine.worker import ClientBatch, Content, RunSpec
 from fedsim.randomness import NODE_SECRET_KEY
 from fedsim.record_codec import to_record
 from fedsim.worker_reduce import FOLDS_KEY, Accumulator, Reducer, ReductionError, attach_reducer
-from strategies.dmm import dmm_client_app
-from strategies.dmm.wire import BATCH_KEY, FOLD_KEY, PADS_KEY, SEALED_KEY
+from strategies.methods.dmm import dmm_client_app
+from strategies.secure.dmm.wire import BATCH_KEY, FOLD_KEY, PADS_KEY, SEALED_KEY
 
 
 class _Unfoldable(Reducer):
@@ -52,7 +52,7 @@ class _Unfoldable(Reducer):
 def test_a_worker_withholds_replies_a_confidential_fold_cannot_take(stage):
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
     worker = ClientWorker()
-    tests = str(Path(__file__).resolve().parents[1])
+    tests = str(Path(__file__).resolve().parents[2])
     source = ClientAppSource("toy_app:app", tests)
     spec = RunSpec(run_id=1, num_clients=10, run_config={}, app=source)
     assert spec.node_config(NODE_ID_OFFSET + 1, None)[FOLDS_KEY] is True
@@ -142,7 +142,7 @@ def test_a_worker_cannot_count_a_client_whose_noise_it_left_out(local_engine, mo
     is removed by every seat, so the left-out client's pad stays in every honest seat's share:
     no release decodes, and the round aborts instead of releasing with a count it cannot prove
     (it is accounted as opened, for the clients the members verified, and the run halts)."""
-    from strategies.dmm import fold as dmm_fold  # noqa: PLC0415
+    from strategies.secure.dmm import fold as dmm_fold  # noqa: PLC0415
 
     add, left_out = dmm_fold._ShareFoldAccumulator.add, {}
 

@@ -5,7 +5,7 @@ and r. A server that sends round r again with another global model used to get t
 on a different update: in ideal mode the two replies carry the same noise rows next to two
 updates; in full mode each seat's two share rows differ by a share of the noise-free
 difference of the updates under the same randomness. Every client now answers a round once
-(its record in its own state, :mod:`strategies.answered_rounds`): a re-sent round, or an
+(its record in its own state, :mod:`strategies.plumbing.answered_rounds`): a re-sent round, or an
 earlier one, is refused before anything is drawn.
 """
 
@@ -22,8 +22,8 @@ from fedsim.engine.dmm_committee import CommitteeHost
 from fedsim.models import initial_arrays
 from fedsim.randomness import NODE_SECRET_KEY
 from fedsim.record_codec import to_numpy, to_record
-from strategies.dmm import dmm_client_app
-from strategies.dmm.wire import NOISE_KEY
+from strategies.methods.dmm import dmm_client_app
+from strategies.secure.dmm.wire import NOISE_KEY
 
 CLIENTS = 12
 

@@ -20,16 +20,16 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from fedsim.config import ConfigError
 from fedsim.engine import ClientRegistry
-from fedsim.experiment import run_experiment
+from fedsim.frontend.experiment import run_experiment
+from fedsim.frontend.results import read_rounds
+from fedsim.frontend.run_config import ExperimentConfig
 from fedsim.privacy.matrix import noise_stream
 from fedsim.privacy.participation import Participation
 from fedsim.privacy.sampling import PoissonSampling
 from fedsim.randomness import RunSecret, Stream, public_generator
 from fedsim.record_codec import to_numpy, to_record
-from fedsim.results import read_rounds
-from fedsim.run_config import ExperimentConfig
+from strategies.plumbing.server_secret import bind_parties
 from strategies.registry import build_strategy
-from strategies.server_secret import bind_parties
 
 SEED, C, Z, M, D = 0, 1.0, 1.0, 5, 400
 ROOT = RunSecret.from_passphrase("central dp, unknown to the clients")

@@ -26,10 +26,10 @@ import pytest
 
 from fedsim.cli import main
 from fedsim.config import ConfigError
-from fedsim.experiment import run_experiment
+from fedsim.frontend.experiment import run_experiment
+from fedsim.frontend.run_config import ExperimentConfig
+from fedsim.frontend.run_root import RUN_FILE, resume_root, start_root
 from fedsim.randomness import RunKeys, RunSecret, kept_root_path
-from fedsim.run_config import ExperimentConfig
-from fedsim.run_root import RUN_FILE, resume_root, start_root
 
 WORKER = os.sep + os.path.join("fedsim", "engine", "worker.py")
 CONFIG = """\

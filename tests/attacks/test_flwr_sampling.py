@@ -29,7 +29,7 @@ from fedsim.privacy.epsilon import epsilon
 from fedsim.privacy.sampling import FixedSizeSampling, NeighbouringRelation
 from fedsim.randomness import RunSecret
 from fedsim.record_codec import to_numpy, to_record
-from strategies.dp_fedavg import DPFedAvg
+from strategies.methods.dp_fedavg.strategy import DPFedAvg
 
 N, M, ROUNDS, Z, DELTA = 20, 5, 40, 1.0, 1e-5
 

@@ -372,7 +372,7 @@ def _dmm_instruction(mode, keys=None, committee=None, *, padded: int):
     from flwr.app import ConfigRecord, Message, RecordDict  # noqa: PLC0415
 
     from fedsim.record_codec import to_record  # noqa: PLC0415
-    from strategies.dmm.wire import round_keys_config  # noqa: PLC0415
+    from strategies.secure.dmm.wire import round_keys_config  # noqa: PLC0415
 
     config = {
         "server-round": ROUND, "dmm.dim": 6, "dmm.clip": 1.0, "dmm.gamma": 0.001,
@@ -421,8 +421,8 @@ def test_dmm_seats_held_by_enrolled_clients_the_draw_did_not_choose_are_refused(
     from fedsim.record_codec import to_numpy  # noqa: PLC0415
     from protocols.dmm.client import check_seat_keys  # noqa: PLC0415
     from protocols.encoding import padded_dimension  # noqa: PLC0415
-    from strategies.dmm import dmm_client_app  # noqa: PLC0415
-    from strategies.dmm.wire import (  # noqa: PLC0415
+    from strategies.methods.dmm import dmm_client_app  # noqa: PLC0415
+    from strategies.secure.dmm.wire import (  # noqa: PLC0415
         NOISE_KEY,
         SEALED_KEY,
         UPDATE_KEY,
@@ -490,10 +490,10 @@ def test_dmm_dealers_deal_only_to_the_next_public_committee(tmp_path, monkeypatc
     round then refuse the seats, as above)."""
     import logging  # noqa: PLC0415
 
-    from fedsim.experiment import run_experiment  # noqa: PLC0415
-    from fedsim.results import read_rounds  # noqa: PLC0415
-    from fedsim.run_config import ExperimentConfig  # noqa: PLC0415
-    from strategies.dmm.custody import Custody  # noqa: PLC0415
+    from fedsim.frontend.experiment import run_experiment  # noqa: PLC0415
+    from fedsim.frontend.results import read_rounds  # noqa: PLC0415
+    from fedsim.frontend.run_config import ExperimentConfig  # noqa: PLC0415
+    from strategies.secure.dmm.custody import Custody  # noqa: PLC0415
 
     drawn = Custody.draw
 
@@ -516,7 +516,7 @@ def test_dmm_dealers_deal_only_to_the_next_public_committee(tmp_path, monkeypatc
                         "threshold": 2, "packing": 1, "member_dropouts": 2},
         },
     })
-    with caplog.at_level(logging.WARNING, logger="strategies.dmm"):
+    with caplog.at_level(logging.WARNING, logger="strategies.methods.dmm"):
         run_experiment(config, tmp_path, progress=False, secrets=RunSecret.fresh())
     rounds = [r for r in read_rounds(tmp_path / "rounds.jsonl") if r["round"] >= 1]
     assert len(rounds) == 3

@@ -12,7 +12,7 @@ sys.path.insert(0, str(APP_DIR))
 sys.path.insert(0, str(APP_DIR.parents[1]))
 
 import slow_app  # noqa: E402
-from test_grid_timeout import SLOW, timed_messages  # noqa: E402
+from engine.test_grid_timeout import SLOW, timed_messages  # noqa: E402
 
 
 def test_a_late_reply_pulled_afterwards_passes_the_release_boundary(ray_engine):

@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from fedsim.cli import main
-from fedsim.experiment import run_experiment
+from fedsim.frontend.experiment import run_experiment
+from fedsim.frontend.run_config import ExperimentConfig
 from fedsim.randomness import RunSecret
-from fedsim.run_config import ExperimentConfig
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = {

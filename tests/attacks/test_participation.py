@@ -20,8 +20,8 @@ from fedsim.engine import ClientRegistry
 from fedsim.privacy.matrix.banded import banded
 from fedsim.privacy.participation import Participation
 from fedsim.record_codec import to_record
-from strategies.matrix_mechanism import MatrixMechanism
-from strategies.participation_guard import ParticipationGuard
+from strategies.methods.matrix_mechanism import MatrixMechanism
+from strategies.plumbing.participation_guard import ParticipationGuard
 from strategies.registry import build_strategy
 
 CLIENTS = 12

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import experiments.popri.run as popri_run
-import strategies.server_secret as server_secret
+import strategies.plumbing.server_secret as server_secret
 from experiments.roots import study_root
 from fedsim.engine import UniformCohort
 from fedsim.engine.participation import TRAIN

@@ -24,7 +24,7 @@ from fedsim.record_codec import to_numpy, to_record
 from fedsim.worker_reduce import PartialReply, folded_reply, is_partial
 from fedsim.workloads.popri_feedback import CLIENTS_KEY as SCORE_CLIENTS_KEY
 from fedsim.workloads.popri_feedback import ClippedScoreSum
-from strategies.clipped_sum import CLIENTS_KEY, CLIPPED_KEY, ClippedSum
+from strategies.plumbing.clipped_sum import CLIENTS_KEY, CLIPPED_KEY, ClippedSum
 from strategies.registry import build_strategy
 
 C = 1.0

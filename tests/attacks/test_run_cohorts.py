@@ -19,9 +19,9 @@ from fedsim.engine import PoissonCohort, UniformCohort
 from fedsim.engine.client_registry import NODE_ID_OFFSET
 from fedsim.engine.grid import SimulationGrid
 from fedsim.engine.participation import TRAIN
-from fedsim.experiment import run_experiment
+from fedsim.frontend.experiment import run_experiment
+from fedsim.frontend.run_config import ExperimentConfig
 from fedsim.randomness import RunSecret
-from fedsim.run_config import ExperimentConfig
 
 CLIENTS, COHORT, ROUNDS, SEED = 12, 3, 6, 7
 

@@ -39,12 +39,12 @@ import fedsim
 from fedsim.checkpoint import STATE_FILE, checkpoint_path
 from fedsim.config import ConfigError, to_mapping
 from fedsim.engine import NODE_ID_OFFSET
-from fedsim.experiment import load_run_config, run_experiment
+from fedsim.frontend.experiment import load_run_config, run_experiment
+from fedsim.frontend.results import read_rounds
+from fedsim.frontend.run_config import ExperimentConfig
+from fedsim.frontend.run_root import resume_root
+from fedsim.frontend.rundir import RunDirectory
 from fedsim.randomness import RunSecret
-from fedsim.results import read_rounds
-from fedsim.run_config import ExperimentConfig
-from fedsim.run_root import resume_root
-from fedsim.rundir import RunDirectory
 
 ROOT = Path(fedsim.__file__).resolve().parent.parent
 PASSPHRASE = "tests"
@@ -607,11 +607,11 @@ def _die() -> None:
 def install_kill(point: str, at: int) -> None:
     """Make this process SIGKILL itself at ``point`` of round ``at``."""
     import fedsim.checkpoint as checkpoint_module  # noqa: PLC0415
-    import fedsim.rundir as rundir  # noqa: PLC0415
+    import fedsim.frontend.rundir as rundir  # noqa: PLC0415
     from fedsim.engine.grid import SimulationGrid  # noqa: PLC0415
     from fedsim.engine.participation import EVALUATE, TRAIN  # noqa: PLC0415
     from fedsim.engine.state import ClientStateStore  # noqa: PLC0415
-    from fedsim.results import RunWriter  # noqa: PLC0415
+    from fedsim.frontend.results import RunWriter  # noqa: PLC0415
 
     begin, exchange = SimulationGrid.begin_phase, SimulationGrid.send_and_receive
     write_round, save = RunWriter.write_round, rundir.save_checkpoint

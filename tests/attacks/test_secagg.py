@@ -572,7 +572,7 @@ def test_a_stored_state_pack_that_is_not_one_is_refused():
     """The bytes a client keeps between exchanges (sealed under fedsim, plain in Flower's own
     runtime) round-trip exactly, input in its narrowest type; truncated, extended or rewritten
     bytes are a ValueError naming the state, never another exception or a silent misread."""
-    from strategies.secagg_client_stages import narrowest, pack_arrays, unpack_arrays
+    from strategies.secure.secagg_client_stages import narrowest, pack_arrays, unpack_arrays
 
     trial = Round()
     _client_before(Stage.MASKED_INPUT, trial)
@@ -607,8 +607,8 @@ def test_a_stored_state_pack_that_is_not_one_is_refused():
 def test_fuzz_the_message_layer(monkeypatch):
     from flwr.supercore.task_identity import TaskIdentity
 
-    from strategies import secagg_client_stages as client_stages
-    from strategies import secagg_messages as wire
+    from strategies.secure import secagg_client_stages as client_stages
+    from strategies.secure import secagg_messages as wire
 
     for name in ("_run_id", "_task_id", "_node_id"):
         monkeypatch.setattr(TaskIdentity, name, 1)

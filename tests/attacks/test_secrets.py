@@ -23,13 +23,13 @@ import pytest
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
 from fedsim.engine import Engine, EngineConfig
-from fedsim.experiment import run_experiment
+from fedsim.frontend.experiment import run_experiment
+from fedsim.frontend.results import read_rounds
+from fedsim.frontend.run_config import ExperimentConfig
+from fedsim.frontend.run_root import RUN_FILE, resume_root
 from fedsim.models import ModelSpec, initial_arrays
 from fedsim.randomness import NODE_SECRET_KEY, RunSecret
 from fedsim.record_codec import to_numpy, to_record
-from fedsim.results import read_rounds
-from fedsim.run_config import ExperimentConfig
-from fedsim.run_root import RUN_FILE, resume_root
 from fedsim.workloads.supervised import LocalTraining, make_client_app
 
 POPULATION = 12
@@ -229,7 +229,7 @@ def finished(out: Path) -> tuple[list[dict[str, Any]], dict[str, np.ndarray]]:
 
 @pytest.mark.parametrize("name", ["dp-fedavg-adaptive", "matrix-mechanism", "ddgauss-committee"])
 def test_resume_with_the_same_root_is_bit_identical(tmp_path, monkeypatch, name):
-    from fedsim.rundir import RunDirectory
+    from fedsim.frontend.rundir import RunDirectory
 
     root = RunSecret.from_passphrase("resume")
     run = config(STRATEGIES[name], rounds=4, faults={"dropout": 0.2})
@@ -513,7 +513,7 @@ def test_a_strategy_under_fedsim_run_reaches_no_partys_secret(tmp_path, monkeypa
     (gc referents, transitively) is searched for the root, every client's secret, every
     committee member's secret and the enrolment authority's key. None is there: the driver
     holds only the server's keys, the workers and member actors open the root themselves."""
-    import fedsim.experiment as experiment
+    import fedsim.frontend.experiment as experiment
     from fedsim.engine.client_registry import AUTHORITY_SEAT
     from fedsim.randomness import root_file
 

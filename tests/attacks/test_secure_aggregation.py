@@ -22,7 +22,7 @@ from fedsim.randomness import RunSecret
 from fedsim.record_codec import to_numpy, to_record
 from protocols.field import DEFAULT_FIELD
 from protocols.secagg.common import SecAggKeys
-from strategies.secure_aggregation import FixedPoint, SecureAggregation, secure_client_app
+from strategies.plumbing.secure_aggregation import FixedPoint, SecureAggregation, secure_client_app
 
 D, CLIENTS, WEIGHT, PHRASE = 16, 8, 5, "tests"
 CODEC = FixedPoint(16, 100.0)

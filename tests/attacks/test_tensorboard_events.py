@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
-from fedsim.experiment import run_experiment
+from fedsim.frontend.experiment import run_experiment
+from fedsim.frontend.run_config import ExperimentConfig
 from fedsim.randomness import RunSecret
-from fedsim.run_config import ExperimentConfig
 
 ROOT = RunSecret.from_passphrase("tensorboard attack tests")
 RUN = {

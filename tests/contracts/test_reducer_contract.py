@@ -35,7 +35,7 @@ from fedsim.workloads.popri_feedback import (
     SCORES_KEY,
     ClippedScoreSum,
 )
-from strategies.clipped_sum import ClippedSum
+from strategies.plumbing.clipped_sum import ClippedSum
 
 COUNT = 9  # replies per fold: chunks of 1, 2, 4 and 9 cut it evenly and unevenly
 CHUNKS = (1, 2, 4, COUNT)
@@ -225,8 +225,8 @@ SCORE_BAD = {
 # -------------------------------------------------------------------------- ShareFoldReducer
 class DMMFold:
     """A DMM round's public keys (the seats' keys from fixed secrets) and its clients' masked
-    shares, as :mod:`strategies.dmm.client` makes them for a folding worker; a fold's view is
-    what the seats open: each seat's row of the sum with every listed client's pad removed."""
+    shares, as :mod:`strategies.methods.dmm.client` makes them for a folding worker; a fold's view
+    is what the seats open: each seat's row of the sum with every listed client's pad removed."""
 
     N, T, K, DIM, SESSION = 5, 1, 2, 6, b"contract-session-id-0123456789ab"
 
@@ -249,14 +249,14 @@ class DMMFold:
         return Endpoint(SEAT_ID_BASE + j, self.SESSION, PROTOCOL, private_key=bytes([j + 1]) * 32)
 
     def make(self) -> Reducer:
-        from strategies.dmm.fold import ShareFoldReducer
+        from strategies.secure.dmm.fold import ShareFoldReducer
 
         return ShareFoldReducer.for_round(self.keys, self.cohort)
 
     def reply(self, rng, index) -> Message:
         from protocols.dmm.client import mask_client_shares
         from protocols.dmm.common import DMMSealedShares
-        from strategies.dmm.wire import FOLD_KEY, PADS_KEY, sealed_to_record
+        from strategies.secure.dmm.wire import FOLD_KEY, PADS_KEY, sealed_to_record
 
         update = rng.integers(-50, 50, self.DIM)
         noise = rng.integers(-50, 50, (1, self.DIM))
@@ -275,8 +275,8 @@ class DMMFold:
         from protocols.channels import Envelope
         from protocols.dmm.client import fold_pad
         from protocols.dmm.common import FOLD_PAD, DMMStage
-        from strategies.dmm.fold import fold_party
-        from strategies.dmm.wire import BATCH_KEY, SEALED_KEY
+        from strategies.secure.dmm.fold import fold_party
+        from strategies.secure.dmm.wire import BATCH_KEY, SEALED_KEY
 
         keys, field = self.keys, self.keys.scheme().field
         sealed, batch = message.content[SEALED_KEY], message.content[BATCH_KEY]
@@ -309,7 +309,7 @@ class DMMFold:
 
     def view(self, message: Message) -> dict[str, np.ndarray]:
         """The clients the fold lists, their public keys, and the sum the seats open."""
-        from strategies.dmm.wire import BATCH_KEY
+        from strategies.secure.dmm.wire import BATCH_KEY
 
         batch = message.content[BATCH_KEY]
         return {
@@ -330,7 +330,7 @@ class DMMFold:
         }
 
     def bad(self) -> dict[str, Callable]:
-        from strategies.dmm.wire import FOLD_KEY, PADS_KEY
+        from strategies.secure.dmm.wire import FOLD_KEY, PADS_KEY
 
         def without_pads(rng, index):
             content = self.reply(rng, index).content
@@ -376,7 +376,7 @@ CASES: dict[str, Callable[[], Case]] = {
         bad=MODEL_BAD,
         reference=fedavg,
     ),
-    "strategies.clipped_sum:ClippedSum": lambda: Case(
+    "strategies.plumbing.clipped_sum:ClippedSum": lambda: Case(
         lambda: ClippedSum(CLIP),
         clipped_instruction,
         clipped_reply,
@@ -392,7 +392,7 @@ CASES: dict[str, Callable[[], Case]] = {
         bad=SCORE_BAD,
         reference=flower_clipped_scores,
     ),
-    "strategies.dmm.fold:ShareFoldReducer": dmm_case,
+    "strategies.secure.dmm.fold:ShareFoldReducer": dmm_case,
 }
 FOUND = implementations(Reducer)
 NAMES = sorted(FOUND)

@@ -171,7 +171,7 @@ def test_build_names_the_implementations():
 def test_only_standalone_sums_that_hide_inputs_run_without_dp():
     """FedAvg's ``secure_sum`` names come from the registry: every implementation that hides
     the inputs and sums on its own, never plaintext nor DMM's committees' sum."""
-    from strategies.secure_aggregation import SECURE_SUMS  # noqa: PLC0415
+    from strategies.plumbing.secure_aggregation import SECURE_SUMS  # noqa: PLC0415
 
     expected = [n for n, cls in secure.CLASSES.items() if cls.hides_inputs and cls.standalone]
     assert list(SECURE_SUMS) == list(secure.WITHOUT_DP) == expected

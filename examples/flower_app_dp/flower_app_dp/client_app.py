@@ -10,7 +10,7 @@ from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordD
 from flwr.clientapp import ClientApp
 
 from flower_app_dp.task import load_partition, train
-from strategies.dmm import dmm_client_app
+from strategies.methods.dmm import dmm_client_app
 
 training = ClientApp()
 

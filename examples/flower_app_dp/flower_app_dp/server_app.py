@@ -16,8 +16,8 @@ from flwr.serverapp.strategy import FedAvg, Strategy
 
 from fedsim.randomness import server_secret
 from flower_app_dp.task import evaluate, held_out, initial_model
-from strategies import dmm
-from strategies.dp_fedavg import DPFedAvg
+from strategies.methods import dmm
+from strategies.methods.dp_fedavg.strategy import DPFedAvg
 
 app = ServerApp()
 

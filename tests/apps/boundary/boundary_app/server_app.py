@@ -32,7 +32,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
 from fedsim.randomness import server_secret
-from strategies.dp_fedavg import DPFedAvg
+from strategies.methods.dp_fedavg.strategy import DPFedAvg
 
 app = ServerApp()
 SIZE = 8

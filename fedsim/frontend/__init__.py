@@ -1,0 +1,2 @@
+"""The run front end: run configs, the experiment runner, run directories,
+results and Flower app projects."""

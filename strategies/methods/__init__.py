@@ -1,0 +1,1 @@
+"""The methods: one module or package per strategy; no method imports another."""

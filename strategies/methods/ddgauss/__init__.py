@@ -1,0 +1,1 @@
+"""The distributed discrete Gaussian mechanism (DDGauss): strategy, client, options and spec."""

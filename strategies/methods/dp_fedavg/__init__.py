@@ -1,0 +1,1 @@
+"""Client-level DP-FedAvg: the strategy and its run-config spec."""

@@ -1,0 +1,1 @@
+"""POPri: the strategy and its run-config spec."""

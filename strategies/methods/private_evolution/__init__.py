@@ -1,0 +1,1 @@
+"""Private Evolution: the strategy and its run-config spec."""

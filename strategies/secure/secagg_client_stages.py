@@ -1,0 +1,218 @@
+"""The client half of SecAgg+ over Flower messages (:mod:`strategies.secure.secagg_messages`): a
+ClientApp's stage entry points, which decode each message, run the protocol's stage handler
+(:data:`protocols.secagg.stages.HANDLERS`) on the state the client keeps between stages
+(sealed under its own secret) and encode the reply; and the packing of that state."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+
+from fedsim.engine.client_registry import enrolled
+from fedsim.randomness import NODE_SECRET_KEY, PartySecret, Purpose, client_secret
+from fedsim.record_codec import to_record
+from protocols.kit import StageError
+from protocols.secagg.common import SecAggKeys, Stage
+from protocols.secagg.stages import (
+    REFUSALS,
+    AdvertiseKeys,
+    MaskedInput,
+    StageRefused,
+    aborted,
+    begin,
+    handle,
+)
+from protocols.secagg.state import ClientState
+from strategies.secure.secagg_messages import (
+    ACTIONS,
+    envelopes_from,
+    envelopes_record,
+    keys_record,
+    refused_record,
+    share_keys_from,
+    unmask_from,
+    unmask_record,
+)
+
+K = SecAggKeys
+_STATE_LABEL = b"fedsim/secagg/client-state/v2"
+
+
+def _secret(context: Context) -> tuple[PartySecret, bool]:
+    """The client's secret and whether it persists across messages (the runtime gave it)."""
+    return client_secret(context.node_config), NODE_SECRET_KEY in context.node_config
+
+
+def _save(context: Context, state: ClientState) -> None:
+    """Store ``state`` in ``context.state`` (sealed under the client's secret if it persists)."""
+    payload = pack_arrays(state.to_arrays())
+    secret, persistent = _secret(context)
+    record = ConfigRecord({K.STORED_ROUND: state.server_round, K.STORED_SEALED: persistent})
+    record[K.STORED_BLOB] = secret.seal(payload, _STATE_LABEL) if persistent else payload
+    context.state[K.STATE] = record
+
+
+def _load(context: Context) -> ClientState:
+    record = context.state.get(K.STATE)
+    if not isinstance(record, ConfigRecord) or K.STORED_BLOB not in record:
+        raise RuntimeError("no SecAgg+ round in progress on this client")
+    secret, persistent = _secret(context)
+    if bool(record[K.STORED_SEALED]) != persistent:
+        raise RuntimeError("this client's secret changed in the middle of a SecAgg+ round")
+    blob = record[K.STORED_BLOB]
+    payload = secret.open(blob, _STATE_LABEL) if persistent else blob
+    return ClientState.from_arrays(unpack_arrays(payload))
+
+
+_STATE_DTYPES = (np.int8, np.int16, np.int32, np.int64)
+
+
+def narrowest(values) -> np.ndarray:
+    """Signed integers in the narrowest of int8..int64 that holds them all (a DDGauss encoding
+    of ~12 bits is stored in 2 bytes an entry, not 8)."""
+    values = np.asarray(values)
+    if values.dtype.kind not in "iu":
+        raise ValueError(f"the input must hold integers, got dtype {values.dtype}")
+    low, high = (int(values.min()), int(values.max())) if values.size else (0, 0)
+    for dtype in _STATE_DTYPES:
+        info = np.iinfo(dtype)
+        if info.min <= low and high <= info.max:
+            return values.astype(dtype, copy=False)
+    raise ValueError(f"the input has entries in [{low}, {high}], outside int64")
+
+
+def pack_arrays(arrays: Mapping[str, np.ndarray]) -> bytes:
+    """Named integer arrays as bytes: a 4-byte length, a JSON index of (name, dtype, shape),
+    then each array's C-ordered bytes (no zip, no pickle, no per-array header to parse)."""
+    index, parts = [], []
+    for name, value in arrays.items():
+        value = np.asarray(value)
+        if value.dtype.kind not in "iu":
+            raise ValueError(f"state array {name!r} has dtype {value.dtype}; integers only")
+        index.append([name, value.dtype.str, list(value.shape)])
+        parts.append(value.tobytes(order="C"))
+    head = json.dumps(index).encode()
+    return len(head).to_bytes(4, "little") + head + b"".join(parts)
+
+
+def unpack_arrays(payload: bytes) -> dict[str, np.ndarray]:
+    """The arrays :func:`pack_arrays` wrote, as read-only views of ``payload``; ValueError if
+    the bytes are not such a pack (bad index, a non-integer dtype, sizes that disagree)."""
+    try:
+        size = int.from_bytes(payload[:4], "little")
+        index = json.loads(payload[4 : 4 + size])
+        offset, out = 4 + size, {}
+        for name, dtype, shape in index:
+            dtype = np.dtype(dtype)
+            if dtype.kind not in "iu" or any(not isinstance(n, int) or n < 0 for n in shape):
+                raise ValueError(f"array {name!r}: dtype {dtype}, shape {shape}")
+            count = math.prod(shape)
+            if offset + count * dtype.itemsize > len(payload):
+                raise ValueError(f"array {name!r} runs past the end of the state")
+            flat = np.frombuffer(payload, dtype=dtype, count=count, offset=offset)
+            out[str(name)] = flat.reshape(tuple(shape))
+            offset += count * dtype.itemsize
+    except (TypeError, ValueError, json.JSONDecodeError) as error:
+        raise ValueError(f"not a SecAgg+ client state: {error}") from None
+    if offset != len(payload):
+        raise ValueError("not a SecAgg+ client state: trailing bytes")
+    return out
+
+
+def start_client(context: Context, server_round: int, session: bytes, values) -> RecordDict:
+    """ADVERTISE_KEYS on the client: draw the round's protocol seed from the client's own
+    secret, keep the signed integer input ``values`` in the client's state, and return the
+    reply content (its two public keys). Refuses a round it has already begun."""
+    previous = context.state.get(K.STATE)
+    if isinstance(previous, ConfigRecord) and int(previous.get(K.STORED_ROUND, -1)) >= server_round:
+        raise RuntimeError(
+            f"this client already began round {previous[K.STORED_ROUND]}; it answers round "
+            f"{server_round}'s instruction only once"
+        )
+    if not isinstance(session, bytes) or len(session) < 16:
+        raise ValueError("the instruction's SecAgg+ session must be at least 16 bytes")
+    secret, _ = _secret(context)
+    seed = secret.seed_bytes(server_round, Purpose.KEYS, session.hex())
+    state = begin(server_round, session, seed, None if values is None else narrowest(values))
+    enrolment = enrolled(context.node_config, secret)
+    message = AdvertiseKeys(None if enrolment is None else enrolment[0])
+    state, keys = handle(Stage.ADVERTISE_KEYS, state, message)
+    _save(context, state)
+    return RecordDict({K.KEYS: keys_record(keys)})
+
+
+def _checked(stage: Stage, message: Message, context: Context) -> ClientState:
+    """The stored state, after checking the message is for its round, session and ``stage``."""
+    state = _load(context)
+    header = message.content.get(K.HEADER)
+    expected = (state.server_round, state.protocol.session, stage.name)
+    if not isinstance(header, ConfigRecord) or any(
+        header.get(name) != value for name, value in zip(K.HEADER_ENTRIES, expected)
+    ):
+        raise RuntimeError(
+            f"a SecAgg+ message for another round or session, or stage (this client is in "
+            f"round {state.server_round}, answering {stage.name})"
+        )
+    return state
+
+
+def _message(stage: Stage, content: RecordDict, context: Context):
+    """The typed message of ``stage`` in ``content`` (SHARE_KEYS with the client's enrolment)."""
+    if stage is Stage.SHARE_KEYS:
+        message = share_keys_from(content)
+        enrolment = enrolled(context.node_config, _secret(context)[0])
+        if enrolment is None:
+            return message
+        return replace(message, verifier=enrolment[1], own=enrolment[0].name)
+    if stage is Stage.MASKED_INPUT:
+        return MaskedInput(tuple(envelopes_from(content[K.ENVELOPES])))
+    return unmask_from(content)
+
+
+def _reply(stage: Stage, reply: Any) -> RecordDict:
+    """The reply content of a stage handler's ``reply``."""
+    if stage is Stage.SHARE_KEYS:
+        return RecordDict({K.ENVELOPES: envelopes_record(reply)})
+    if stage is Stage.MASKED_INPUT:
+        masked = np.zeros(0, dtype=np.int64) if reply is None else reply
+        return RecordDict({K.MASKED: to_record({K.MASKED_ENTRY: masked})})
+    return RecordDict({K.UNMASK: unmask_record(reply)})
+
+
+def _answer(stage: Stage, message: Message, context: Context) -> RecordDict:
+    """Run the client's handler of ``stage`` (:data:`protocols.secagg.stages.HANDLERS`) on its
+    stored state and store the new one. A message the client refuses (bad, replayed, out of
+    order) leaves it ABORTED for the round -- stored, so that no later message of the round
+    can resume it -- and the reply says so (``secagg.refused``); the input is kept only until
+    it is masked."""
+    state = _checked(stage, message, context)
+    try:
+        state, reply = handle(stage, state, _message(stage, message.content, context))
+    except StageRefused as refusal:
+        return _refuse(context, refusal.state, stage, refusal.cause)
+    except (StageError, *REFUSALS) as error:
+        return _refuse(context, aborted(state), stage, error)
+    _save(context, state)
+    return _reply(stage, reply)
+
+
+def _refuse(context: Context, state: ClientState, stage: Stage, error: BaseException):
+    _save(context, replace(state, values=None))
+    return RecordDict({K.REFUSED: refused_record(stage, f"{type(error).__name__}: {error}")})
+
+
+def register_client_stages(app: ClientApp) -> None:
+    """Add the client's SecAgg+ stage handlers (``query.secagg_*``) to ``app``."""
+    for stage, action in ACTIONS.items():
+
+        def answer(message: Message, context: Context, stage: Stage = stage) -> Message:
+            return Message(content=_answer(stage, message, context), reply_to=message)
+
+        app.query(action)(answer)

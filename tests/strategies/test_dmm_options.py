@@ -1,0 +1,101 @@
+"""DMM's typed options (strategies/methods/dmm/options.py) and its checkpoints' custody
+(strategies/secure/dmm/custody.py): errors name ``strategy.options.<key>``, the defaults are the
+strategy's, and a checkpoint written before the custody existed loads into one."""
+
+from __future__ import annotations
+
+import inspect
+import pickle
+
+import pytest
+
+from fedsim.config import ConfigError
+from fedsim.privacy.participation import Participation
+from strategies.methods.dmm import DMM, SPEC, from_options
+from strategies.methods.dmm.options import DMMOptions
+from strategies.secure.dmm.custody import Custody
+from strategies.spec import RunFacts
+
+BASE = {"clipping_norm": 1.0, "noise_multiplier": 1.0}
+COMMITTEE = {"committee_size": 11, "threshold": 2, "packing": 1, "member_dropouts": 2}
+
+
+FACTS = RunFacts(
+    expected_clients=10, evaluate_fraction=0.0, seed=1, worker_reduction=False, population=30,
+    rounds=4,
+)  # fmt: skip
+
+
+def build(**options):
+    return SPEC.build({**BASE, **options}, FACTS)
+
+
+@pytest.mark.parametrize(
+    ("options", "key"),
+    [
+        ({"clipping_nrom": 1.0}, "strategy.options.clipping_nrom"),
+        ({"clipping_norm": 0.0}, "strategy.options.clipping_norm"),
+        ({"noise_multiplier": -1}, "strategy.options.noise_multiplier"),
+        ({"committee_size": 11.5}, "strategy.options.committee_size"),
+        ({"threshold": 0}, "strategy.options.threshold"),
+        ({"member_dropouts": -1}, "strategy.options.member_dropouts"),
+        ({"mode": "plaintext"}, "strategy.options.mode"),
+        ({"kind": "blt"}, "strategy.options.kind"),
+        ({"bands": 0}, "strategy.options.bands"),
+        ({"worker_fold": 1}, "strategy.options.worker_fold"),
+        ({"committee_actors": "yes"}, "strategy.options.committee_actors"),
+        ({"expected_client_dropout": 1.0}, "strategy.options.expected_client_dropout"),
+        ({"committee_shards": 12, **COMMITTEE}, "strategy.options.committee_shards"),
+    ],
+)
+def test_a_bad_option_names_its_key(options, key):
+    with pytest.raises(ConfigError) as caught:
+        build(**options)
+    assert caught.value.key == key
+
+
+def test_a_missing_required_option_names_it():
+    with pytest.raises(ConfigError) as caught:
+        SPEC.build({"noise_multiplier": 1.0}, FACTS)
+    assert caught.value.key == "strategy.options.clipping_norm"
+
+
+def test_a_committee_below_its_bound_is_refused_naming_the_options():
+    with pytest.raises(ConfigError, match="cannot meet the corruption/dropout bound") as caught:
+        build(committee_size=11, threshold=3, packing=1, member_dropouts=2)
+    assert caught.value.key == "strategy.options"
+
+
+def test_the_options_defaults_are_the_strategys():
+    """Written once: every default of DMMOptions that DMM also takes is DMM's default."""
+    taken = inspect.signature(DMM).parameters
+    for name, field in DMMOptions.__dataclass_fields__.items():
+        if name in taken and taken[name].default is not inspect.Parameter.empty:
+            assert field.default == taken[name].default, name
+    strategy = from_options(BASE, rounds=4, expected_clients=40, population=60, seed=1)
+    assert (strategy.scheme.n, strategy.scheme.t, strategy.scheme.k) == (20, 3, 3)
+    assert (strategy.member_dropouts, strategy.bits, strategy.mode) == (3, 20, "full")
+    assert strategy.mechanism.factorization.kind == "banded"
+    assert strategy.ledger.delta == 1e-5
+
+
+def test_a_checkpoint_from_before_the_custody_loads_into_one():
+    strategy = from_options(
+        {**BASE, **COMMITTEE}, rounds=4, expected_clients=10, population=30, seed=1,
+        participation=Participation.separated(1),
+    )  # fmt: skip
+    strategy.custody.seat(2)
+    state = pickle.loads(pickle.dumps(strategy)).__dict__
+    secure = state.pop("secure")  # before DMMSum and Custody: the strategy's own fields
+    old = {
+        **state, "scheme": secure.scheme, "server": secure.server, "mode": secure.mode,
+        "worker_fold": secure.worker_fold, "min_clients": secure.min_clients,
+        "committee": secure.custody.committee, "committee_round": None, "host": None,
+        "_round": None,
+    }  # fmt: skip
+    restored = DMM.__new__(DMM)
+    restored.__setstate__(old)
+    assert isinstance(restored.custody, Custody) and restored.secure.round is None
+    assert restored.custody.claim(3) == (2, strategy.custody.draw(2))
+    assert restored.custody.host is None and "committee" not in restored.__dict__
+    assert restored.scheme is secure.scheme and "scheme" not in restored.__dict__
