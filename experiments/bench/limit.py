@@ -172,7 +172,7 @@ class InProcessGrid:
     def send_and_receive(self, messages, *, timeout=None):
         from flwr.supercore.task_identity import TaskIdentity  # noqa: PLC0415
 
-        from strategies.secure.secagg_messages import STATE_KEY  # noqa: PLC0415
+        from protocols.secagg.common import SecAggKeys  # noqa: PLC0415
 
         replies = []
         for message in messages:
@@ -188,8 +188,9 @@ class InProcessGrid:
             if reply.has_error():
                 raise RuntimeError(f"client {node} failed in {exchange}: {reply.error.reason}")
             self.seconds[exchange].append((cpu - self.inner.last[0], wall - self.inner.last[1]))
-            stored = context.state.get(STATE_KEY)
-            self.state_bytes[exchange].append(len(stored["state"]) if stored else 0)
+            stored = context.state.get(SecAggKeys.STATE)
+            blob = stored[SecAggKeys.STORED_BLOB] if stored else b""
+            self.state_bytes[exchange].append(len(blob))
             replies.append(reply)
         return replies
 

@@ -100,12 +100,19 @@ def check_client_id(party) -> int:
 
 class CommitteeWire:
     """The committee protocol's wire names: the ``<prefix>committee.*`` entries of a client's
-    instruction (:class:`CommitteeKeys` and its channel party) and the entries of the members'
-    answers to SHARE (:class:`ShareAnswer`) and RELEASE (:class:`ReleaseAnswer`)."""
+    instruction (:class:`CommitteeKeys` and its channel party), a client's ``<prefix>sealed``
+    reply record (its ``public-key`` and its envelopes) and the entries of the members' answers
+    to SHARE (:class:`ShareAnswer`) and RELEASE (:class:`ReleaseAnswer`)."""
 
+    PREFIX = "committee."
+    """Before each instruction entry, after the secure sum's own prefix."""
     N, T, K, FIELD_EXPONENT = "n", "t", "k", "field-exponent"
     SESSION, MEMBER_KEYS, PARTY = "session", "member-keys", "party"
+    MEMBER_PROOFS = "member-proofs"
     INSTRUCTION = (N, T, K, FIELD_EXPONENT, SESSION, MEMBER_KEYS, PARTY)
+    """The instruction entries every client's instruction holds (``member-proofs`` is
+    optional)."""
+    SEALED, PUBLIC_KEY = "sealed", "public-key"
     ONLINE, REFUSED = "online", "refused"
     MEMBERS, ROWS, LATE = "members", "rows", "late"
 

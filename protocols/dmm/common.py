@@ -231,20 +231,26 @@ class DMMKeys:
     PADS = "dmm.pads"
     BATCH = "dmm.batch"
     SEALED = "dmm.sealed"
-    INSTRUCTION = (
-        "dim", "clip", "gamma", "beta", "max-tries", "rotation-seed", "noise-std", "rows", "mode"
-    )  # fmt: skip
+    # the dmm.* entries of an instruction, without their prefix
+    DIM, CLIP, GAMMA, BETA, MAX_TRIES = "dim", "clip", "gamma", "beta", "max-tries"
+    ROTATION_SEED, NOISE_STD, ROWS, MODE = "rotation-seed", "noise-std", "rows", "mode"
+    INSTRUCTION = (DIM, CLIP, GAMMA, BETA, MAX_TRIES, ROTATION_SEED, NOISE_STD, ROWS, MODE)
     """The ``dmm.*`` entries of every instruction
     (:func:`strategies.secure.dmm.wire.instruction`)."""
     # the dmm.share.* entries (:class:`strategies.secure.dmm.wire.ShareConfig`), without their
-    # prefix
+    # prefix (``dim`` as above)
     ROUND, STEP, N, T, K, FIELD_EXPONENT = "round", "step", "n", "t", "k", "field-exponent"
-    DIM, SESSION, MEMBERS, MEMBER_KEYS, PARTY = "dim", "session", "members", "member-keys", "party"
+    SESSION, MEMBERS, MEMBER_KEYS, PARTY = "session", "members", "member-keys", "party"
     MEMBER_PROOFS, COHORT = "member-proofs", "cohort"
     COMMITTEE_ROUND, COMMITTEE = "committee-round", "committee"
     SHARE = (ROUND, STEP, N, T, K, FIELD_EXPONENT, DIM, SESSION, MEMBERS, MEMBER_KEYS, PARTY)
     """The ``dmm.share.*`` entries every full-mode instruction holds (a folded round's has
     ``cohort`` in place of ``party``)."""
+    MASKED = "masked"
+    """The array of a :attr:`FOLD` record: the client's padded share rows."""
+    BATCH_ENTRIES = ("nodes", "public-keys", "pad-nonces", "pad-ciphertexts")
+    """The entries of a folded reply's :attr:`BATCH` record
+    (:class:`strategies.secure.dmm.fold.ShareFoldReducer`)."""
     SEALED_ENTRIES = ("public-key", "members", "nonces", "ciphertexts")
     """The entries of a sealed-shares record
     (:func:`strategies.secure.dmm.wire.sealed_to_record`)."""

@@ -125,8 +125,12 @@ class SecAggKeys:
     # entries of the other records
     CLIENT_ID = "client-id"
     CONTRIBUTE = "contribute"
-    HEADER_ENTRIES = ("server-round", "session", "stage")
-    KEY_ENTRIES = ("channel", "agreement", "proof")
+    SESSION = "session"
+    """The round's public session id: a header entry, and ``<prefix>session`` in the train
+    instruction of a secure sum (:class:`strategies.secure.secagg.SecAggSum`)."""
+    HEADER_ENTRIES = ("server-round", SESSION, "stage")
+    CHANNEL, AGREEMENT, PROOF = "channel", "agreement", "proof"
+    KEY_ENTRIES = (CHANNEL, AGREEMENT, PROOF)
     NEIGHBOUR_ENTRIES = ("ids", "channel-keys", "agreement-keys", "proofs")
     ENVELOPE_ENTRIES = ("senders", "receivers", "rounds", "stages", "nonces", "ciphertexts")
     SURVIVOR_ENTRIES = ("survivors", "dropped")

@@ -30,12 +30,18 @@ from fedsim.engine.client_registry import enrolled, member_name
 from fedsim.engine.committee import Committee, CommitteeSpec
 from fedsim.randomness import PartySecret, Purpose, Stream, public_generator
 from protocols.committee.client import seal_input
-from protocols.committee.common import CommitteeAbort, CommitteeFaults, CommitteeKeys, SealedInput
+from protocols.committee.common import (
+    CommitteeAbort,
+    CommitteeFaults,
+    CommitteeKeys,
+    CommitteeWire,
+    SealedInput,
+)
 from protocols.kit import MEMBER_ID_BASE, TamperingDetected
 from strategies.secure.release import Release, SecureSum
 from strategies.secure.secagg_messages import envelopes_from, envelopes_record
 
-_KEYS = ("n", "t", "k", "field-exponent", "session", "member-keys", "party")
+W = CommitteeWire
 #: ``strategy.options`` keys of a committee -> the :class:`CommitteeSpec` field each sets
 COMMITTEE_OPTIONS = {
     "committee_size": "size",
@@ -69,67 +75,73 @@ def spec_from_options(options: Mapping[str, Any]) -> CommitteeSpec:
 
 def sealed_key(prefix: str) -> str:
     """The reply record: ConfigRecord of the client's ``public-key`` and its envelopes."""
-    return prefix + "sealed"
+    return prefix + W.SEALED
 
 
 def committee_keys_config(keys: CommitteeKeys, party: int, prefix: str) -> dict[str, Any]:
     """The ``<prefix>committee.*`` entries of one client's instruction: the round's public
     :class:`protocols.committee.common.CommitteeKeys` (the round is ``server-round``) and the
     client's channel id. Nothing secret."""
-    values = {
-        "n": keys.n,
-        "t": keys.t,
-        "k": keys.k,
-        "field-exponent": keys.field_exponent,
-        "session": keys.session_id,
-        "member-keys": list(keys.member_keys),
-        "party": int(party),
-    }
+    values = dict(
+        zip(
+            W.INSTRUCTION,
+            (
+                keys.n,
+                keys.t,
+                keys.k,
+                keys.field_exponent,
+                keys.session_id,
+                list(keys.member_keys),
+                int(party),
+            ),
+        )
+    )
     if keys.member_proofs:
-        values["member-proofs"] = list(keys.member_proofs)
-    return {prefix + "committee." + name: value for name, value in values.items()}
+        values[W.MEMBER_PROOFS] = list(keys.member_proofs)
+    return {prefix + W.PREFIX + name: value for name, value in values.items()}
 
 
 def committee_keys_from(config: ConfigRecord, prefix: str) -> tuple[CommitteeKeys, int]:
     """(keys, party) from an instruction's ``<prefix>committee.*`` entries; ValueError naming
     what is missing or malformed."""
-    base = prefix + "committee."
-    missing = [base + k for k in _KEYS if base + k not in config]
+    base = prefix + W.PREFIX
+    missing = [base + k for k in W.INSTRUCTION if base + k not in config]
     if missing:
         raise ValueError(f"the committee-mode instruction's config lacks {missing}")
-    member_keys = config[base + "member-keys"]
+    member_keys = config[base + W.MEMBER_KEYS]
     if not isinstance(member_keys, list):
-        raise ValueError(f"{base}member-keys must be a list of public keys")
+        raise ValueError(f"{base}{W.MEMBER_KEYS} must be a list of public keys")
     keys = CommitteeKeys(
         round=int(config["server-round"]),
-        n=int(config[base + "n"]),
-        t=int(config[base + "t"]),
-        k=int(config[base + "k"]),
-        field_exponent=int(config[base + "field-exponent"]),
-        session_id=config[base + "session"],
+        n=int(config[base + W.N]),
+        t=int(config[base + W.T]),
+        k=int(config[base + W.K]),
+        field_exponent=int(config[base + W.FIELD_EXPONENT]),
+        session_id=config[base + W.SESSION],
         member_keys=tuple(member_keys),
-        member_proofs=tuple(config.get(base + "member-proofs", [])),
+        member_proofs=tuple(config.get(base + W.MEMBER_PROOFS, [])),
     )
-    return keys, int(config[base + "party"])
+    return keys, int(config[base + W.PARTY])
 
 
 def sealed_record(sealed: SealedInput) -> ConfigRecord:
     """A client's sealed input as its reply record: its public key and its envelopes (member
     order) as parallel lists (:func:`strategies.secure.secagg_messages.envelopes_record`)."""
     record = envelopes_record(sealed.envelopes[j] for j in sorted(sealed.envelopes))
-    record["public-key"] = sealed.public_key
+    record[W.PUBLIC_KEY] = sealed.public_key
     return record
 
 
 def sealed_from(record: object, name: str = "the sealed input") -> SealedInput:
     """The :class:`~protocols.committee.common.SealedInput` of a reply record; ValueError if it is
     not one (what the envelopes say is the committee's to check)."""
-    if not isinstance(record, ConfigRecord) or "public-key" not in record:
-        raise ValueError(f"{name} must be a ConfigRecord with a 'public-key'")
-    key = record["public-key"]
+    if not isinstance(record, ConfigRecord) or W.PUBLIC_KEY not in record:
+        raise ValueError(f"{name} must be a ConfigRecord with a '{W.PUBLIC_KEY}'")
+    key = record[W.PUBLIC_KEY]
     if not isinstance(key, bytes):
-        raise ValueError(f"{name}'s public-key is a {type(key).__name__}, not bytes")
-    envelopes = envelopes_from(ConfigRecord({k: v for k, v in record.items() if k != "public-key"}))
+        raise ValueError(f"{name}'s {W.PUBLIC_KEY} is a {type(key).__name__}, not bytes")
+    rest = {k: v for k, v in record.items() if k != W.PUBLIC_KEY}
+    envelopes = envelopes_from(ConfigRecord(rest))
     members = [e.receiver - MEMBER_ID_BASE for e in envelopes]
     if len(set(members)) != len(members):
         raise ValueError(f"{name} holds two envelopes for one member")

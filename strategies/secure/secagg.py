@@ -27,10 +27,10 @@ from flwr.serverapp import Grid
 from fedsim.randomness import PartySecret, Stream, public_generator
 from protocols.channels import new_session_id
 from protocols.field import DEFAULT_FIELD
-from protocols.secagg.common import SecAggConfig, Stage
+from protocols.secagg.common import SecAggConfig, SecAggKeys, Stage
 from strategies.secure.release import Release, SecureSum
 from strategies.secure.secagg_client_stages import start_client
-from strategies.secure.secagg_messages import KEYS_KEY, run_over_grid
+from strategies.secure.secagg_messages import keys_from, run_over_grid
 
 _STAGES = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASK)
 
@@ -90,25 +90,18 @@ class SecAggSum(SecureSum):
 
     @property
     def reply_key(self) -> str:
-        return KEYS_KEY
+        return SecAggKeys.KEYS
 
     def instruct(self, server_round: int, config: ConfigRecord, grid: Grid | None) -> None:
         """A fresh public session id for the round's channels (``<prefix>session``)."""
         self._session = new_session_id()
-        config[self.prefix + "session"] = self._session
+        config[self.prefix + SecAggKeys.SESSION] = self._session
         super().instruct(server_round, config, grid)
 
     def payload(self, record: Any, length: int) -> tuple:
         """The client's (channel, agreement[, proof]) public keys; the proof, relayed with
         the keys, is the clients' to check."""
-        if not isinstance(record, ConfigRecord) or set(record) - {"proof"} != {
-            "channel",
-            "agreement",
-        }:
-            raise ValueError("public keys must be 'channel' and 'agreement' (and 'proof')")
-        if "proof" in record:
-            return (record["channel"], record["agreement"], record["proof"])
-        return (record["channel"], record["agreement"])
+        return keys_from(record)
 
     def finish(self, server_round: int, payloads: Mapping[int, Any], length: int) -> Release:
         """SHARE_KEYS, MASKED_INPUT and UNMASK over the Grid; the total back in F_p (from the
@@ -149,4 +142,4 @@ def contribute(
     """ADVERTISE_KEYS on the client: keep the signed input in the client's state (its
     protocol seed from its own secret) and reply its two public keys only."""
     signed = DEFAULT_FIELD.decode_signed(elements)
-    return start_client(context, server_round, config[prefix + "session"], signed)
+    return start_client(context, server_round, config[prefix + SecAggKeys.SESSION], signed)

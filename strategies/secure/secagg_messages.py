@@ -21,7 +21,7 @@ so the server holds only public keys, envelopes it relays, masked inputs and its
 clients' node ids (Flower's node ids may exceed the channels' 2^63 - 1).
 
 **Client state.** Between messages a client keeps its protocol state and its input in
-``context.state[STATE_KEY]``. When the runtime gives the client a persistent secret
+``context.state[SecAggKeys.STATE]``. When the runtime gives the client a persistent secret
 (``node_config[NODE_SECRET_KEY]``, as fedsim's engine does) the state is sealed with it
 (:meth:`fedsim.randomness.PartySecret.seal`), so a state store held by the server opens
 nothing; otherwise (Flower's own runtime, where ``context.state`` stays in the node's own
@@ -73,11 +73,6 @@ from protocols.secagg.stages import AdvertisedKeys, ShareKeys, Unmask
 
 K = SecAggKeys
 """SecAgg+'s record and entry names (:class:`protocols.secagg.common.SecAggKeys`)."""
-KEYS_KEY = K.KEYS
-"""Reply record of ADVERTISE_KEYS: ConfigRecord with ``channel`` and ``agreement`` (32 bytes)
-and, from an enrolled client, ``proof`` (its enrolment proof of the two keys)."""
-STATE_KEY = K.STATE
-"""Where a client keeps its state between messages, in ``context.state``."""
 
 ACTIONS = {
     Stage.SHARE_KEYS: "secagg_share_keys",
@@ -93,7 +88,6 @@ _REPLY_RECORDS = {
     Stage.MASKED_INPUT: {K.MASKED: ArrayRecord},
     Stage.UNMASK: {K.UNMASK: ArrayRecord},
 }
-_ENVELOPE_FIELDS = K.ENVELOPE_ENTRIES
 MALFORMED = (ValueError, TypeError, KeyError, IndexError, AttributeError, SyntaxError)
 """What decoding an untrusted record may raise; each is a malformed reply."""
 
@@ -110,18 +104,18 @@ def envelopes_record(envelopes: Iterable[Envelope]) -> ConfigRecord:
         [getattr(e, attribute) for e in envelopes]
         for attribute in ("sender", "receiver", "round", "stage", "nonce", "ciphertext")
     ]
-    return ConfigRecord(dict(zip(_ENVELOPE_FIELDS, columns)))
+    return ConfigRecord(dict(zip(K.ENVELOPE_ENTRIES, columns)))
 
 
 def envelopes_from(record: object) -> list[Envelope]:
     """The envelopes of :func:`envelopes_record`; :class:`MalformedReply` if it is not one."""
-    if not isinstance(record, ConfigRecord) or set(record) != set(_ENVELOPE_FIELDS):
-        raise MalformedReply(f"envelopes must be a ConfigRecord with {list(_ENVELOPE_FIELDS)}")
-    columns = [record[name] for name in _ENVELOPE_FIELDS]
+    if not isinstance(record, ConfigRecord) or set(record) != set(K.ENVELOPE_ENTRIES):
+        raise MalformedReply(f"envelopes must be a ConfigRecord with {list(K.ENVELOPE_ENTRIES)}")
+    columns = [record[name] for name in K.ENVELOPE_ENTRIES]
     if any(not isinstance(c, list) for c in columns) or len({len(c) for c in columns}) != 1:
         raise MalformedReply("the envelope lists must be lists of one length")
     types = (int, int, int, str, bytes, bytes)
-    for name, column, kind in zip(_ENVELOPE_FIELDS, columns, types):
+    for name, column, kind in zip(K.ENVELOPE_ENTRIES, columns, types):
         if any(not isinstance(v, kind) or isinstance(v, bool) for v in column):
             raise MalformedReply(f"envelope field {name} must hold {kind.__name__} values")
     return [Envelope(*values) for values in zip(*columns)]
@@ -171,12 +165,27 @@ def _neighbours_record(neighbours: Mapping[int, tuple], relayed: Mapping[int, by
 
 
 def keys_record(keys: AdvertisedKeys) -> ConfigRecord:
-    """ADVERTISE_KEYS' reply record (:data:`KEYS_KEY`): channel, agreement, and proof if any."""
-    channel, agreement, proof = K.KEY_ENTRIES
-    record = ConfigRecord({channel: keys.channel, agreement: keys.agreement})
+    """ADVERTISE_KEYS' reply record (:attr:`SecAggKeys.KEYS`): channel, agreement, and proof if
+    any."""
+    record = ConfigRecord({K.CHANNEL: keys.channel, K.AGREEMENT: keys.agreement})
     if keys.proof is not None:
-        record[proof] = keys.proof
+        record[K.PROOF] = keys.proof
     return record
+
+
+def keys_from(record: object) -> tuple:
+    """The (channel, agreement[, proof]) of a :func:`keys_record` reply record, as the server
+    takes them (what the keys are is the protocol's to check); ValueError if it is not one."""
+    if not isinstance(record, ConfigRecord) or set(record) - {K.PROOF} != {
+        K.CHANNEL,
+        K.AGREEMENT,
+    }:
+        raise ValueError(
+            f"public keys must be '{K.CHANNEL}' and '{K.AGREEMENT}' (and '{K.PROOF}')"
+        )
+    if K.PROOF in record:
+        return (record[K.CHANNEL], record[K.AGREEMENT], record[K.PROOF])
+    return (record[K.CHANNEL], record[K.AGREEMENT])
 
 
 def survivors_record(survivors, dropped) -> ConfigRecord:

@@ -30,6 +30,7 @@ from fedsim.randomness import NODE_SECRET_KEY, Purpose, RunSecret, Stream, publi
 from fedsim.record_codec import to_numpy, to_record
 from protocols.field import DEFAULT_FIELD
 from protocols.kit import MEMBER_ID_BASE
+from protocols.secagg.common import SecAggKeys
 from strategies.methods.ddgauss.client import (
     COMMITTEE_PREFIX,
     ENCODED_KEY,
@@ -39,7 +40,6 @@ from strategies.methods.ddgauss.client import (
 )
 from strategies.methods.ddgauss.strategy import DDGauss
 from strategies.secure.secagg_client_stages import narrowest
-from strategies.secure.secagg_messages import KEYS_KEY, STATE_KEY
 
 D, CLIENTS, SEED, PHRASE = 12, 8, 7, "tests"
 LOW_ORDER = bytes.fromhex("e0eb7a7c3b41b8ae1656e3faf19fc46ada098deb9c32b1fd866205165f49b800")
@@ -190,8 +190,8 @@ def test_the_server_cannot_replay_a_clients_noise_or_recover_its_update(task_ide
         )
         reply = app(Message(messages[0].content, node(partition), "train"), context)
         if mode == "full":
-            assert set(reply.content.keys()) == {KEYS_KEY}
-            keys = reply.content[KEYS_KEY]
+            assert set(reply.content.keys()) == {SecAggKeys.KEYS}
+            keys = reply.content[SecAggKeys.KEYS]
             assert sorted(keys) == ["agreement", "channel"]
             assert all(isinstance(v, bytes) and len(v) == 32 for v in keys.values())
             continue
@@ -361,7 +361,7 @@ def test_the_client_keeps_its_secagg_state_sealed_and_answers_a_round_once(task_
     )
     app = ddgauss_client_app(inner)
     app(Message(messages[0].content, node(2), "train"), context)
-    stored = context.state[STATE_KEY]
+    stored = context.state[SecAggKeys.STATE]
     assert stored["sealed"] is True
     truth = oracle(server.encoder, 2)
     signed = (truth["rounded"] + truth["noise"]).astype(np.int64)
@@ -412,10 +412,10 @@ BAD_REPLIES = [
     ("plaintext wrong length", TRAIN, _set(*_ENCODING, lambda a: a[:-1]), "plaintext"),
     ("plaintext float", TRAIN, _set(*_ENCODING, lambda a: a * 1.0), "plaintext"),
     ("plaintext extra record", TRAIN, _add("x", ConfigRecord({"a": 1})), "plaintext"),
-    ("all-zero key", TRAIN, _set(KEYS_KEY, "channel", bytes(32)), "full"),
-    ("low-order key", TRAIN, _set(KEYS_KEY, "agreement", LOW_ORDER), "full"),
-    ("short key", TRAIN, _set(KEYS_KEY, "channel", bytes(31)), "full"),
-    ("text key", TRAIN, _set(KEYS_KEY, "channel", "key"), "full"),
+    ("all-zero key", TRAIN, _set(SecAggKeys.KEYS, SecAggKeys.CHANNEL, bytes(32)), "full"),
+    ("low-order key", TRAIN, _set(SecAggKeys.KEYS, SecAggKeys.AGREEMENT, LOW_ORDER), "full"),
+    ("short key", TRAIN, _set(SecAggKeys.KEYS, SecAggKeys.CHANNEL, bytes(31)), "full"),
+    ("text key", TRAIN, _set(SecAggKeys.KEYS, SecAggKeys.CHANNEL, "key"), "full"),
     ("encoding next to keys", TRAIN, _add(ENCODED_KEY, to_record({"x": np.zeros(2)})), "full"),
     ("one envelope missing", SHARE, None, "full"),
     ("two envelopes to one peer", SHARE, None, "full"),
@@ -543,7 +543,7 @@ def test_two_clients_with_one_key_are_both_dropped(local_engine, client_secrets)
         client_secrets(ddgauss_client_app(inner), PHRASE),
         {1, 6},
         TRAIN,
-        _set(KEYS_KEY, "agreement", SHARED_KEY),
+        _set(SecAggKeys.KEYS, SecAggKeys.AGREEMENT, SHARED_KEY),
     )
     server = strategy("full")
     _, _, metrics = one_round(local_engine, client_secrets, server, app)

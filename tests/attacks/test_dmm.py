@@ -36,6 +36,7 @@ from protocols.channels import Envelope
 from protocols.dmm.common import (
     REFUSALS,
     DMMFaults,
+    DMMKeys,
     DMMSealedShares,
     DMMStage,
     MemberRefused,
@@ -46,7 +47,6 @@ from protocols.dmm.server import DMMServer
 from protocols.kit import TamperingDetected
 from protocols.shamir import PackedShamir
 from strategies.methods.dmm import dmm_client_app
-from strategies.secure.dmm.wire import NOISE_KEY, SEALED_KEY
 
 D, CLIENTS, ROUNDS = 8, 5, 6
 
@@ -85,7 +85,7 @@ def test_the_server_cannot_replay_a_clients_noise(local_engine):
     context = Context(run_id=1, node_id=messages[0].metadata.dst_node_id,
                       node_config=node_config, state=RecordDict(), run_config={})
     reply = dmm_client_app(inner)(messages[0], context)
-    noise = to_numpy(reply.content[NOISE_KEY])[NOISE_KEY]
+    noise = to_numpy(reply.content[DMMKeys.NOISE])[DMMKeys.NOISE]
     from fedsim.privacy.mechanisms import discrete_gaussian  # noqa: PLC0415
 
     std = float(config["dmm.noise-std"])
@@ -218,9 +218,9 @@ def test_a_strategy_round_survives_a_zero_key_and_names_the_client(local_engine)
 
     def zero_key(server_round, replies):
         if server_round == 2:
-            record = dict(replies[0].content[SEALED_KEY])
+            record = dict(replies[0].content[DMMKeys.SEALED])
             record["public-key"] = bytes(32)
-            replies[0].content[SEALED_KEY] = ConfigRecord(record)
+            replies[0].content[DMMKeys.SEALED] = ConfigRecord(record)
         return replies
 
     _, recorded = run_dmm(local_engine, setup, make_dmm("full", 12, 3), 3, alter=zero_key)
@@ -427,12 +427,12 @@ def test_fuzz_the_strategy_rejects_bad_replies_and_names_them(local_engine):
         a, b, c = replies[0], replies[1], replies[2]
         foreign = {"arrays": ArrayRecord(), "metrics": MetricRecord({"num-examples": 1})}
         a.content = RecordDict(foreign)
-        record = dict(b.content[SEALED_KEY])
+        record = dict(b.content[DMMKeys.SEALED])
         record["nonces"] = record["nonces"][:-1]
-        b.content[SEALED_KEY] = ConfigRecord(record)
+        b.content[DMMKeys.SEALED] = ConfigRecord(record)
         meta = c.metadata
         stranger = Message(
-            content=RecordDict({SEALED_KEY: ConfigRecord({"x": rng.bytes(8)})}),
+            content=RecordDict({DMMKeys.SEALED: ConfigRecord({"x": rng.bytes(8)})}),
             metadata=Metadata(
                 run_id=meta.run_id,
                 message_id="",
@@ -455,10 +455,9 @@ def test_fuzz_the_strategy_rejects_bad_replies_and_names_them(local_engine):
 
     def oversized(server_round, replies):
         if server_round == 1:
-            from strategies.secure.dmm.wire import UPDATE_KEY  # noqa: PLC0415
 
-            update = to_numpy(replies[0].content[UPDATE_KEY])[UPDATE_KEY] * 1000
-            replies[0].content[UPDATE_KEY] = to_record({UPDATE_KEY: update})
+            update = to_numpy(replies[0].content[DMMKeys.UPDATE])[DMMKeys.UPDATE] * 1000
+            replies[0].content[DMMKeys.UPDATE] = to_record({DMMKeys.UPDATE: update})
             named["big"] = int(replies[0].metadata.src_node_id)
         return replies
 

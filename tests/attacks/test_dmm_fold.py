@@ -21,8 +21,8 @@ from fedsim.engine.worker import ClientBatch, Content, RunSpec
 from fedsim.randomness import NODE_SECRET_KEY
 from fedsim.record_codec import to_record
 from fedsim.worker_reduce import FOLDS_KEY, Accumulator, Reducer, ReductionError, attach_reducer
+from protocols.dmm.common import DMMKeys
 from strategies.methods.dmm import dmm_client_app
-from strategies.secure.dmm.wire import BATCH_KEY, FOLD_KEY, PADS_KEY, SEALED_KEY
 
 
 class _Unfoldable(Reducer):
@@ -110,9 +110,9 @@ def test_a_client_outside_a_folding_worker_seals_its_own_shares(local_engine):
         context = Context(1, node, {**config, **node_config}, RecordDict(), {})
         return app(message, context)
 
-    assert set(reply({}).content.keys()) == {SEALED_KEY}  # e.g. Flower's runtime
-    assert set(reply({FOLDS_KEY: "yes"}).content.keys()) == {SEALED_KEY}  # only True counts
-    assert set(reply({FOLDS_KEY: True}).content.keys()) == {FOLD_KEY, PADS_KEY}
+    assert set(reply({}).content.keys()) == {DMMKeys.SEALED}  # e.g. Flower's runtime
+    assert set(reply({FOLDS_KEY: "yes"}).content.keys()) == {DMMKeys.SEALED}  # only True counts
+    assert set(reply({FOLDS_KEY: True}).content.keys()) == {DMMKeys.FOLD, DMMKeys.PADS}
 
 
 def test_a_folded_reply_cannot_claim_unsampled_clients(local_engine):
@@ -125,8 +125,8 @@ def test_a_folded_reply_cannot_claim_unsampled_clients(local_engine):
             assert len(good) >= 2
             victim = good[0]
             forged["node"] = int(victim.metadata.src_node_id)
-            forged["held"] = list(victim.content[BATCH_KEY]["nodes"])
-            victim.content[BATCH_KEY] = ConfigRecord({"nodes": [*forged["held"], 10**9]})
+            forged["held"] = list(victim.content[DMMKeys.BATCH]["nodes"])
+            victim.content[DMMKeys.BATCH] = ConfigRecord({"nodes": [*forged["held"], 10**9]})
         return replies
 
     strategy = make_dmm("full", 12, 3, worker_fold=True)

@@ -22,8 +22,8 @@ from fedsim.engine.dmm_committee import CommitteeHost
 from fedsim.models import initial_arrays
 from fedsim.randomness import NODE_SECRET_KEY
 from fedsim.record_codec import to_numpy, to_record
+from protocols.dmm.common import DMMKeys
 from strategies.methods.dmm import dmm_client_app
-from strategies.secure.dmm.wire import NOISE_KEY
 
 CLIENTS = 12
 
@@ -66,8 +66,8 @@ def test_a_round_sent_again_with_another_model_is_refused(local_engine, mode):
         leak = "with the streams of a round it had answered"
         if mode == "ideal" and server_round == 3:
             same = np.array_equal(
-                to_numpy(first.content[NOISE_KEY])[NOISE_KEY],
-                to_numpy(again.content[NOISE_KEY])[NOISE_KEY],
+                to_numpy(first.content[DMMKeys.NOISE])[DMMKeys.NOISE],
+                to_numpy(again.content[DMMKeys.NOISE])[DMMKeys.NOISE],
             )
             leak = f"same noise rows on another update: {same}"
         pytest.fail(f"{mode}: the client answered round {server_round} again ({leak})")

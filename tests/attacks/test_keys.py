@@ -31,7 +31,7 @@ from protocols.committee.client import seal_input
 from protocols.committee.common import CHANNEL_PROTOCOL, CommitteeStage
 from protocols.dmm import common as dmm
 from protocols.dmm.client import seal_client_shares
-from protocols.dmm.common import DMMStage, Schedule
+from protocols.dmm.common import DMMKeys, DMMStage, Schedule
 from protocols.dmm.member import MemberPool
 from protocols.dmm.server import DMMServer
 from protocols.field import DEFAULT_FIELD
@@ -422,12 +422,7 @@ def test_dmm_seats_held_by_enrolled_clients_the_draw_did_not_choose_are_refused(
     from protocols.dmm.client import check_seat_keys  # noqa: PLC0415
     from protocols.encoding import padded_dimension  # noqa: PLC0415
     from strategies.methods.dmm import dmm_client_app  # noqa: PLC0415
-    from strategies.secure.dmm.wire import (  # noqa: PLC0415
-        NOISE_KEY,
-        SEALED_KEY,
-        UPDATE_KEY,
-        sealed_from_record,
-    )
+    from strategies.secure.dmm.wire import sealed_from_record  # noqa: PLC0415
 
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
     enrolment, padded = Enrolment(root), padded_dimension(6)
@@ -440,7 +435,7 @@ def test_dmm_seats_held_by_enrolled_clients_the_draw_did_not_choose_are_refused(
     # the attack: the client seals, the colluders' four seats decode its update and noise
     reply = app(_dmm_instruction("full", keys, (ROUND, committee), padded=padded),
                 _dmm_context(root, enrolled=False))
-    sealed = sealed_from_record(reply.content[SEALED_KEY], PARTITION, ROUND)
+    sealed = sealed_from_record(reply.content[DMMKeys.SEALED], PARTITION, ROUND)
     rows = {}
     for j in range(4):
         endpoints[j].connect(PARTITION, sealed.public_key)
@@ -450,8 +445,8 @@ def test_dmm_seats_held_by_enrolled_clients_the_draw_did_not_choose_are_refused(
                                 keys.width * scheme.k)
     signed = scheme.field.decode_signed(opened)
     ideal = app(_dmm_instruction("ideal", padded=padded), _dmm_context(root, enrolled=False))
-    update = to_numpy(ideal.content[UPDATE_KEY])[UPDATE_KEY]
-    noise = to_numpy(ideal.content[NOISE_KEY])[NOISE_KEY]
+    update = to_numpy(ideal.content[DMMKeys.UPDATE])[DMMKeys.UPDATE]
+    noise = to_numpy(ideal.content[DMMKeys.NOISE])[DMMKeys.NOISE]
     assert np.any(update)
     np.testing.assert_array_equal(signed[:padded], update)
     blocks = scheme.blocks_for(padded)
@@ -478,7 +473,7 @@ def test_dmm_seats_held_by_enrolled_clients_the_draw_did_not_choose_are_refused(
     honest, _ = _seat_keys(enrolment, root, dict(enumerate(earlier)), padded)
     reply = app(_dmm_instruction("full", honest, (ROUND - 2, earlier), padded=padded),
             _dmm_context(root, enrolled=True))
-    assert set(reply.content.keys()) == {SEALED_KEY}
+    assert set(reply.content.keys()) == {DMMKeys.SEALED}
 
 
 def test_dmm_dealers_deal_only_to_the_next_public_committee(tmp_path, monkeypatch, caplog):

@@ -42,6 +42,7 @@ from protocols.secagg.common import (
     SHARE_ROW_LENGTH,
     TRANSITIONS,
     SecAggConfig,
+    SecAggKeys,
     Stage,
     UnmaskResponse,
 )
@@ -615,7 +616,7 @@ def test_fuzz_the_message_layer(monkeypatch):
     tried = clean = 0
     # envelopes: a ConfigRecord of any shape is envelopes or MalformedReply
     for fields, value in itertools.product(
-        [wire._ENVELOPE_FIELDS, wire._ENVELOPE_FIELDS[:-1], ("x",)], junk()
+        [SecAggKeys.ENVELOPE_ENTRIES, SecAggKeys.ENVELOPE_ENTRIES[:-1], ("x",)], junk()
     ):
         try:
             record = ConfigRecord({f: value for f in fields})
@@ -645,20 +646,21 @@ def test_fuzz_the_message_layer(monkeypatch):
     session = new_session_id()
     started = Context(1, 5, {}, RecordDict(), {})
     client_stages.start_client(started, 3, session, np.zeros(LENGTH, dtype=np.int64))
-    records = [wire.K.SETUP, wire.K.NEIGHBOURS, wire.K.ENVELOPES, wire.K.SURVIVORS, "x"]
+    K = SecAggKeys
+    records = [K.SETUP, K.NEIGHBOURS, K.ENVELOPES, K.SURVIVORS, "x"]
     for stage, key, value in itertools.product(wire.ACTIONS, records, junk()):
         header = ConfigRecord({"server-round": 3, "session": session, "stage": stage.name})
         try:
             record = ConfigRecord({"v": value})
         except (TypeError, ValueError):
             record = ArrayRecord()
-        content = RecordDict({wire.K.HEADER: header, key: record})
+        content = RecordDict({SecAggKeys.HEADER: header, key: record})
         context = Context(1, 5, {}, RecordDict(dict(started.state)), {})
         tried += 1
         message = Message(content, 5, wire.MESSAGE_TYPES[stage])
         reply = client_stages._answer(stage, message, context)
         restored = client_stages._load(context)
-        clean += set(reply.keys()) == {wire.K.REFUSED} and restored.stage is Stage.ABORTED
+        clean += set(reply.keys()) == {SecAggKeys.REFUSED} and restored.stage is Stage.ABORTED
     # and a stage message for another round or session is no message for it at all
     for header in (
         ConfigRecord({"server-round": 2, "session": session, "stage": "UNMASK"}),
@@ -667,7 +669,7 @@ def test_fuzz_the_message_layer(monkeypatch):
         ConfigRecord({"server-round": "3"}),
     ):
         tried += 1
-        content = RecordDict({wire.K.HEADER: header})
+        content = RecordDict({SecAggKeys.HEADER: header})
         message = Message(content, 5, wire.MESSAGE_TYPES[Stage.UNMASK])
         with pytest.raises(RuntimeError, match="another round or session"):
             client_stages._answer(Stage.UNMASK, message, started)

@@ -35,6 +35,7 @@ from fedsim.workloads.popri_feedback import (
     SCORES_KEY,
     ClippedScoreSum,
 )
+from protocols.dmm.common import DMMKeys
 from strategies.plumbing.clipped_sum import ClippedSum
 
 COUNT = 9  # replies per fold: chunks of 1, 2, 4 and 9 cut it evenly and unevenly
@@ -256,7 +257,7 @@ class DMMFold:
     def reply(self, rng, index) -> Message:
         from protocols.dmm.client import mask_client_shares
         from protocols.dmm.common import DMMSealedShares
-        from strategies.secure.dmm.wire import FOLD_KEY, PADS_KEY, sealed_to_record
+        from strategies.secure.dmm.wire import sealed_to_record
 
         update = rng.integers(-50, 50, self.DIM)
         noise = rng.integers(-50, 50, (1, self.DIM))
@@ -266,7 +267,10 @@ class DMMFold:
         return answer(
             index,
             RecordDict(
-                {FOLD_KEY: to_record({"masked": masked.rows}), PADS_KEY: sealed_to_record(pads)}
+                {
+                    DMMKeys.FOLD: to_record({DMMKeys.MASKED: masked.rows}),
+                    DMMKeys.PADS: sealed_to_record(pads),
+                }
             ),
         )
 
@@ -276,10 +280,9 @@ class DMMFold:
         from protocols.dmm.client import fold_pad
         from protocols.dmm.common import FOLD_PAD, DMMStage
         from strategies.secure.dmm.fold import fold_party
-        from strategies.secure.dmm.wire import BATCH_KEY, SEALED_KEY
 
         keys, field = self.keys, self.keys.scheme().field
-        sealed, batch = message.content[SEALED_KEY], message.content[BATCH_KEY]
+        sealed, batch = message.content[DMMKeys.SEALED], message.content[DMMKeys.BATCH]
         parties = [self.cohort.index(int(n)) for n in batch["nodes"]]
         party, seats, rows = fold_party(len(self.cohort), parties), list(sealed["members"]), []
         for i, j in enumerate(seats):
@@ -309,9 +312,8 @@ class DMMFold:
 
     def view(self, message: Message) -> dict[str, np.ndarray]:
         """The clients the fold lists, their public keys, and the sum the seats open."""
-        from strategies.secure.dmm.wire import BATCH_KEY
 
-        batch = message.content[BATCH_KEY]
+        batch = message.content[DMMKeys.BATCH]
         return {
             "nodes": np.asarray(batch["nodes"]),
             "keys": np.asarray(batch["public-keys"]),
@@ -330,21 +332,20 @@ class DMMFold:
         }
 
     def bad(self) -> dict[str, Callable]:
-        from strategies.secure.dmm.wire import FOLD_KEY, PADS_KEY
 
         def without_pads(rng, index):
             content = self.reply(rng, index).content
-            return answer(index, RecordDict({FOLD_KEY: content[FOLD_KEY]}))
+            return answer(index, RecordDict({DMMKeys.FOLD: content[DMMKeys.FOLD]}))
 
         def short_rows(rng, index):
             content = self.reply(rng, index).content
-            rows = to_numpy(content[FOLD_KEY])["masked"][:, :-1]
-            content[FOLD_KEY] = to_record({"masked": rows})
+            rows = to_numpy(content[DMMKeys.FOLD])[DMMKeys.MASKED][:, :-1]
+            content[DMMKeys.FOLD] = to_record({DMMKeys.MASKED: rows})
             return answer(index, RecordDict(dict(content)))
 
         def other_seats(rng, index):
             content = self.reply(rng, index).content
-            record = content[PADS_KEY]
+            record = content[DMMKeys.PADS]
             record["members"] = list(record["members"])[:-1]
             return answer(index, RecordDict(dict(content)))
 

@@ -15,10 +15,10 @@ from fedsim.randomness import NODE_SECRET_KEY, RunSecret
 from fedsim.record_codec import to_numpy, to_record
 from protocols.channels import ChannelError, Endpoint, new_session_id
 from protocols.dmm.client import seal_client_shares
-from protocols.dmm.common import PROTOCOL, DMMStage, RoundKeys
+from protocols.dmm.common import PROTOCOL, DMMKeys, DMMStage, RoundKeys
 from protocols.kit import SEAT_ID_BASE
 from strategies.methods.dmm import dmm_client_app
-from strategies.secure.dmm.wire import NOISE_KEY, SEALED_KEY, UPDATE_KEY, round_keys_config
+from strategies.secure.dmm.wire import round_keys_config
 
 D = 8
 
@@ -117,13 +117,13 @@ def test_full_mode_reply_holds_ciphertexts_and_a_public_key_only():
     keys, _ = _keys(range(7), dim=1024)
     inner, message = _instruction("full", keys, party=2)
     reply = dmm_client_app(inner)(message, _context(SECRETS))
-    assert set(reply.content.keys()) == {SEALED_KEY}
-    record = reply.content[SEALED_KEY]
+    assert set(reply.content.keys()) == {DMMKeys.SEALED}
+    record = reply.content[DMMKeys.SEALED]
     assert set(record.keys()) == {"public-key", "members", "nonces", "ciphertexts"}
     # the same client in the plaintext reference: nothing of its values is in the ciphertexts
     inner, plain = _instruction("ideal")
     ideal = dmm_client_app(inner)(plain, _context(SECRETS))
-    update = to_numpy(ideal.content[UPDATE_KEY])[UPDATE_KEY]
+    update = to_numpy(ideal.content[DMMKeys.UPDATE])[DMMKeys.UPDATE]
     assert np.any(update)
     needles = [update.tobytes()[i : i + 32] for i in range(0, 256, 32)]
     assert not any(n in blob for n in needles for blob in record["ciphertexts"])
@@ -139,7 +139,7 @@ def test_a_clients_noise_is_its_own_and_reproducible_from_its_secret():
 
     def noise(secret, partition=0):
         reply = app(message, _context(secret, partition))
-        return to_numpy(reply.content[NOISE_KEY])[NOISE_KEY]
+        return to_numpy(reply.content[DMMKeys.NOISE])[DMMKeys.NOISE]
 
     first = noise(SECRETS)
     np.testing.assert_array_equal(first, noise(SECRETS))  # reproducible simulation

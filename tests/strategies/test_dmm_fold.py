@@ -10,9 +10,8 @@ from dmm_support import digits_setup, make_dmm, run_dmm
 
 from fedsim.engine import FaultConfig
 from protocols.dmm.client import ShareFold, share_segments, sharing_inputs
-from protocols.dmm.common import RoundKeys
+from protocols.dmm.common import DMMKeys, RoundKeys
 from protocols.shamir import PackedShamir
-from strategies.secure.dmm.wire import BATCH_KEY
 
 CLIENTS, ROUNDS = 12, 3
 
@@ -78,9 +77,9 @@ def test_folded_full_mode_equals_unfolded_and_ideal_and_counts_every_client(loca
     assert folded.eps == plain.eps
     for replies, metrics in zip(folded.replies, folded.metrics):
         good = [r for r in replies if not r.has_error()]
-        assert 0 < len(good) < sum(len(r.content[BATCH_KEY]["nodes"]) for r in good)
+        assert 0 < len(good) < sum(len(r.content[DMMKeys.BATCH]["nodes"]) for r in good)
         for reply in good:
-            assert set(reply.content.keys()) == {"dmm.sealed", BATCH_KEY}
+            assert set(reply.content.keys()) == {"dmm.sealed", DMMKeys.BATCH}
         assert metrics["rejected"] == []
     for ours, theirs in zip(folded.metrics, plain.metrics):  # a batch's message, not each's
         assert 0 < ours["dmm-bytes-per-client"] < theirs["dmm-bytes-per-client"]

@@ -12,6 +12,7 @@ from flwr.clientapp import ClientApp
 
 from fedsim.privacy.mechanisms import SecureRandom, discrete_gaussian
 from fedsim.randomness import PartySecret, Purpose, client_secret
+from protocols.committee.common import CommitteeWire
 from protocols.encoding import DDGaussEncoder, EncodedUpdate
 from strategies import secure
 from strategies.methods.ddgauss.options import MODES, NAME, SECURE_SUMS
@@ -29,7 +30,7 @@ PREFIX = "ddgauss."
 ENCODED_KEY = encoded_key(PREFIX)
 SEALED_KEY = sealed_key(PREFIX)
 """Committee mode's reply: ConfigRecord of the client's ``public-key`` and its envelopes."""
-COMMITTEE_PREFIX = PREFIX + "committee."
+COMMITTEE_PREFIX = PREFIX + CommitteeWire.PREFIX
 _KEYS = ("dim", "clip", "gamma", "noise-std", "beta", "max-tries", "rotation-seed", "mode")
 
 

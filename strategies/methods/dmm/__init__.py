@@ -61,6 +61,5 @@ shares: federated evaluation is refused (config, strategy, client app) unless
 from strategies.methods.dmm.client import dmm_client_app
 from strategies.methods.dmm.spec import SPEC, from_options
 from strategies.methods.dmm.strategy import DMM
-from strategies.secure.dmm.wire import NAME
 
-__all__ = ["DMM", "NAME", "SPEC", "dmm_client_app", "from_options"]
+__all__ = ["DMM", "SPEC", "dmm_client_app", "from_options"]

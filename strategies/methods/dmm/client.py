@@ -14,6 +14,7 @@ from flwr.clientapp import ClientApp
 from fedsim.randomness import Purpose, client_secret
 from fedsim.record_codec import to_numpy
 from fedsim.worker_reduce import single
+from protocols.dmm.common import DMMKeys
 from protocols.encoding import DDGaussEncoder
 from protocols.field import DEFAULT_FIELD
 from strategies.plumbing.answered_rounds import claim_round
@@ -22,19 +23,19 @@ from strategies.secure.clear import client_refusal, register_evaluate
 from strategies.secure.dmm import (
     committee_sum as dmm_sum,  # the module: it imports this package's parts
 )
-from strategies.secure.dmm.wire import NAME, PREFIX, instruction
+from strategies.secure.dmm.wire import instruction
 
 
 def _encoder(config: ConfigRecord) -> DDGaussEncoder:
     """The instruction's KLS21 encoder (no noise of its own: DMM's noise rows are drawn
     apart)."""
     return DDGaussEncoder(
-        dim=int(config[PREFIX + "dim"]),
-        clip=float(config[PREFIX + "clip"]),
-        gamma=float(config[PREFIX + "gamma"]),
+        dim=int(config[DMMKeys.PREFIX + DMMKeys.DIM]),
+        clip=float(config[DMMKeys.PREFIX + DMMKeys.CLIP]),
+        gamma=float(config[DMMKeys.PREFIX + DMMKeys.GAMMA]),
         noise_std=0.0,
-        beta=float(config[PREFIX + "beta"]),
-        max_tries=int(config[PREFIX + "max-tries"]),
+        beta=float(config[DMMKeys.PREFIX + DMMKeys.BETA]),
+        max_tries=int(config[DMMKeys.PREFIX + DMMKeys.MAX_TRIES]),
     )
 
 
@@ -43,7 +44,7 @@ def _train_reply(message: Message, context: Context, inner: ClientApp, in_clear:
     global_record, config = instruction(message.content)
     secret = client_secret(context.node_config)
     round_ = int(config["server-round"])
-    claim_round(context.state, NAME, round_)  # never the same streams twice
+    claim_round(context.state, DMMKeys.NAME, round_)  # never the same streams twice
     encoder = _encoder(config)
     reply = inner(message, context)
     if reply.has_error():
@@ -52,11 +53,11 @@ def _train_reply(message: Message, context: Context, inner: ClientApp, in_clear:
     update = flatten(to_numpy(trained)) - flatten(to_numpy(global_record))
     rounded, tries, clipped = encoder.quantise(
         update,
-        int(config[PREFIX + "rotation-seed"]),
+        int(config[DMMKeys.PREFIX + DMMKeys.ROTATION_SEED]),
         secret.generator(round_, Purpose.ROUNDING, "dmm"),
     )
     elements = DEFAULT_FIELD.encode_signed(rounded.astype(np.int64))
-    content = dmm_sum.contribute(context, secret, config, elements, round_, PREFIX)
+    content = dmm_sum.contribute(context, secret, config, elements, round_, DMMKeys.PREFIX)
     if in_clear:
         _, metrics = single(reply.content, MetricRecord)
         out = MetricRecord(dict(metrics))

@@ -10,10 +10,10 @@ from typing import Any
 from fedsim.config import ConfigError, from_mapping, to_mapping
 from fedsim.privacy import dmm as dmm_privacy
 from fedsim.privacy.participation import Participation
+from protocols.dmm.common import DMMKeys
 from strategies.methods.dmm.client import dmm_client_app
 from strategies.methods.dmm.options import WHERE, DMMOptions
 from strategies.methods.dmm.strategy import DMM
-from strategies.secure.dmm.wire import NAME
 from strategies.spec import Accounting, RunFacts, StrategySpec
 
 
@@ -98,7 +98,7 @@ def _always(options: Mapping[str, Any]) -> bool:
 def _build(options: DMMOptions, facts: RunFacts) -> DMM:
     """:func:`from_options` with the run's facts; a bad option is a ConfigError naming it,
     one the strategy refuses (e.g. a committee below its bound) names the options."""
-    rounds = facts.required("rounds", f"the run's rounds (required by {NAME})")
+    rounds = facts.required("rounds", f"the run's rounds (required by {DMMKeys.NAME})")
     population = facts.required("population", "the registered clients")
     try:
         return from_options(
@@ -118,7 +118,7 @@ def _build(options: DMMOptions, facts: RunFacts) -> DMM:
 
 
 SPEC = StrategySpec(
-    name=NAME,
+    name=DMMKeys.NAME,
     build=_build,
     options=DMMOptions,
     accounting=Accounting(

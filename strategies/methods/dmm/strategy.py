@@ -29,7 +29,7 @@ from fedsim.privacy.participation import Participation
 from fedsim.privacy.sampling import NeighbouringRelation
 from fedsim.randomness import Stream, public_generator
 from fedsim.record_codec import to_numpy, to_record
-from protocols.dmm.common import StateLost
+from protocols.dmm.common import DMMKeys, StateLost
 from protocols.dmm.release import RoundOutput
 from protocols.encoding import DEFAULT_BETA, DEFAULT_FAILURE_PROBABILITY, DDGaussEncoder, unrotate
 from protocols.field import MersenneField
@@ -47,7 +47,6 @@ from strategies.secure.dmm import (
 )
 from strategies.secure.dmm import replies as checks
 from strategies.secure.dmm.custody import Custody
-from strategies.secure.dmm.wire import PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -335,12 +334,12 @@ class DMM(SecureReplies):
         extended["server-round"] = server_round
         extended.update(
             {
-                PREFIX + "dim": encoder.dim,
-                PREFIX + "clip": encoder.clip,
-                PREFIX + "gamma": encoder.gamma,
-                PREFIX + "beta": encoder.beta,
-                PREFIX + "max-tries": encoder.max_tries,
-                PREFIX + "rotation-seed": self.rotation_seed(),
+                DMMKeys.PREFIX + DMMKeys.DIM: encoder.dim,
+                DMMKeys.PREFIX + DMMKeys.CLIP: encoder.clip,
+                DMMKeys.PREFIX + DMMKeys.GAMMA: encoder.gamma,
+                DMMKeys.PREFIX + DMMKeys.BETA: encoder.beta,
+                DMMKeys.PREFIX + DMMKeys.MAX_TRIES: encoder.max_tries,
+                DMMKeys.PREFIX + DMMKeys.ROTATION_SEED: self.rotation_seed(),
             }
         )
         return extended

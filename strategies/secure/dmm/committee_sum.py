@@ -48,7 +48,7 @@ from fedsim.record_codec import to_record
 from fedsim.worker_reduce import FOLDS_KEY, attach_reducer
 from protocols.channels import KeySubstitution
 from protocols.dmm.client import check_seat_keys, mask_client_shares, seal_client_shares
-from protocols.dmm.common import DMMAbort, DMMSealedShares, RoundKeys, Schedule
+from protocols.dmm.common import DMMAbort, DMMKeys, DMMSealedShares, RoundKeys, Schedule
 from protocols.dmm.release import RoundOutput
 from protocols.dmm.server import DMMServer
 from protocols.field import DEFAULT_FIELD
@@ -59,13 +59,6 @@ from strategies.secure.dmm.custody import Custody
 from strategies.secure.dmm.fold import ShareFoldReducer
 from strategies.secure.dmm.state import RoundState
 from strategies.secure.dmm.wire import (
-    FOLD_KEY,
-    NOISE_KEY,
-    PADS_KEY,
-    PREFIX,
-    SEALED_KEY,
-    SHARE_PREFIX,
-    UPDATE_KEY,
     cohort_config,
     round_keys_config,
     round_keys_from_config,
@@ -102,7 +95,7 @@ class DMMSum(SecureSum):
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}; allowed: 'full', 'ideal'")
-        super().__init__(PREFIX)
+        super().__init__(DMMKeys.PREFIX)
         self.scheme, self.mode = scheme, mode
         self.custody = Custody(seed, population, scheme.n)
         self.worker_fold, self.min_clients = worker_fold, int(min_clients)
@@ -125,7 +118,7 @@ class DMMSum(SecureSum):
 
     @property
     def reply_key(self) -> str:
-        return SEALED_KEY
+        return DMMKeys.SEALED
 
     def bind_host(self, host: Any) -> None:
         """The engine-side committee host (it holds the members' secrets; never pickled)."""
@@ -166,9 +159,9 @@ class DMMSum(SecureSum):
             self.custody.ensure_pool(self.server, server_round)
         if not self.custody.committee:
             self.custody.seat(server_round)
-        config[PREFIX + "noise-std"] = self.noise_std
-        config[PREFIX + "rows"] = self.rows()
-        config[PREFIX + "mode"] = self.mode
+        config[DMMKeys.PREFIX + DMMKeys.NOISE_STD] = self.noise_std
+        config[DMMKeys.PREFIX + DMMKeys.ROWS] = self.rows()
+        config[DMMKeys.PREFIX + DMMKeys.MODE] = self.mode
 
     def address(self, server_round: int, messages: list[Message]) -> None:
         """The round's state (each instructed node's channel party, the member faults, the
@@ -206,7 +199,7 @@ class DMMSum(SecureSum):
         if not self.full:
             raise ValueError("ideal mode's replies hold two records: see first_replies")
         sealed_from_record(record, 0, 0)
-        return RecordDict({SEALED_KEY: record})
+        return RecordDict({DMMKeys.SEALED: record})
 
     def first_replies(
         self, replies: list[Message], boundary: ReleaseBoundary | None, claimant: Any
@@ -273,17 +266,18 @@ def committee_names(
                 f"{what}={value!r}; allowed: an integer (an enrolled DMM client recomputes "
                 "the public committee draw from the run's seed and population)"
             )
-    drawn_at = config.get(SHARE_PREFIX + "committee-round")
-    clients = [int(c) for c in config.get(SHARE_PREFIX + "committee", ())]
+    drawn_key = DMMKeys.SHARE_PREFIX + DMMKeys.COMMITTEE_ROUND
+    drawn_at = config.get(drawn_key)
+    clients = [int(c) for c in config.get(DMMKeys.SHARE_PREFIX + DMMKeys.COMMITTEE, ())]
     if (
         isinstance(drawn_at, bool)
         or not isinstance(drawn_at, int)
         or not 0 <= drawn_at <= keys.round
     ):
         raise KeySubstitution(
-            f"round {keys.round}: {SHARE_PREFIX}committee-round={drawn_at!r} names no public "
-            f"committee draw (allowed: a round in [0, {keys.round}]); this client seals only to "
-            "the public committee"
+            f"round {keys.round}: {drawn_key}={drawn_at!r} names no public committee draw "
+            f"(allowed: a round in [0, {keys.round}]); this client seals only to the public "
+            "committee"
         )
     drawn = public_committee(int(seed), drawn_at, int(population), keys.n)
     if clients != drawn:
@@ -308,7 +302,8 @@ def shared_reply(
     (or masked for its worker's fold), after checking the seats' keys when enrolled."""
     keys, party = round_keys_from_config(config, len(noise), context.node_id)
     if keys.dim != padded_dim:
-        raise ValueError(f"{SHARE_PREFIX}dim={keys.dim} but the encoder pads to {padded_dim}")
+        name = DMMKeys.SHARE_PREFIX + DMMKeys.DIM
+        raise ValueError(f"{name}={keys.dim} but the encoder pads to {padded_dim}")
     shares = secret.generator(round_, Purpose.SHARES, "dmm")
     enrolment = enrolled(context.node_config, secret)
     if enrolment is not None:  # a substituted seat key: refuse before anything leaves
@@ -320,15 +315,19 @@ def shared_reply(
         )
         check_seat_keys(keys, enrolment[1], names)
     key_seed = secret.seed_bytes(round_, Purpose.KEYS, "dmm", "client")
-    if SHARE_PREFIX + "cohort" in config and context.node_config.get(FOLDS_KEY) is True:
+    folded = DMMKeys.SHARE_PREFIX + DMMKeys.COHORT in config
+    if folded and context.node_config.get(FOLDS_KEY) is True:
         masked = mask_client_shares(keys, party, rounded, noise, shares, key_seed)
         client = masked.client
         pads = DMMSealedShares(client.party, client.public_key, client.pads)
         return RecordDict(
-            {FOLD_KEY: to_record({"masked": masked.rows}), PADS_KEY: sealed_to_record(pads)}
+            {
+                DMMKeys.FOLD: to_record({DMMKeys.MASKED: masked.rows}),
+                DMMKeys.PADS: sealed_to_record(pads),
+            }
         )
     sealed = seal_client_shares(keys, party, rounded, noise, shares, key_seed)
-    return RecordDict({SEALED_KEY: sealed_to_record(sealed)})
+    return RecordDict({DMMKeys.SEALED: sealed_to_record(sealed)})
 
 
 def contribute(
@@ -345,18 +344,18 @@ def contribute(
     names are its own: ``prefix`` is not used."""
     rounded = DEFAULT_FIELD.decode_signed(elements).astype(np.int64)
     noise = discrete_gaussian(
-        (int(config[PREFIX + "rows"]), rounded.size),
-        float(config[PREFIX + "noise-std"]),
+        (int(config[DMMKeys.PREFIX + DMMKeys.ROWS]), rounded.size),
+        float(config[DMMKeys.PREFIX + DMMKeys.NOISE_STD]),
         secret.generator(server_round, Purpose.NOISE, "dmm"),
     ).astype(np.int64)
-    mode = str(config[PREFIX + "mode"])
+    mode = str(config[DMMKeys.PREFIX + DMMKeys.MODE])
     if mode == "full":
         return shared_reply(config, context, secret, server_round, rounded, noise, rounded.size)
     if mode == "ideal":
         return RecordDict(
             {
-                UPDATE_KEY: to_record({UPDATE_KEY: rounded}),
-                NOISE_KEY: to_record({NOISE_KEY: noise}),
+                DMMKeys.UPDATE: to_record({DMMKeys.UPDATE: rounded}),
+                DMMKeys.NOISE: to_record({DMMKeys.NOISE: noise}),
             }
         )
-    raise ValueError(f"{PREFIX}mode={mode!r}; allowed: 'full', 'ideal'")
+    raise ValueError(f"{DMMKeys.PREFIX}{DMMKeys.MODE}={mode!r}; allowed: 'full', 'ideal'")

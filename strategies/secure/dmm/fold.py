@@ -46,16 +46,9 @@ from fedsim.worker_reduce import (
 )
 from protocols.channels import Envelope
 from protocols.dmm.client import MaskedFold, MaskedShares
-from protocols.dmm.common import FOLD_PAD, FoldedClient, RoundKeys
+from protocols.dmm.common import FOLD_PAD, DMMKeys, FoldedClient, RoundKeys
 from protocols.kit import SEAT_ID_BASE
-from strategies.secure.dmm.wire import (
-    BATCH_KEY,
-    FOLD_KEY,
-    PADS_KEY,
-    SEALED_ENTRIES,
-    SEALED_KEY,
-    sealed_to_record,
-)
+from strategies.secure.dmm.wire import sealed_to_record
 
 
 def fold_party(cohort_size: int, parties) -> int:
@@ -65,18 +58,18 @@ def fold_party(cohort_size: int, parties) -> int:
 
 
 def pads_from_record(record, party: int, round_: int, seats) -> FoldedClient:
-    """A folded client's :data:`PADS_KEY` record as its :class:`FoldedClient` (party
+    """A folded client's :data:`DMMKeys.PADS` record as its :class:`FoldedClient` (party
     ``party``, one sealed seed per seat in ``seats``); ValueError naming what is malformed."""
     if not isinstance(record, ConfigRecord):
-        raise ValueError(f"{PADS_KEY} is a {type(record).__name__}, not a ConfigRecord")
-    if set(record.keys()) != SEALED_ENTRIES:
-        raise ValueError(f"{PADS_KEY} has entries {sorted(record.keys())}")
-    members, nonces, bodies = record["members"], record["nonces"], record["ciphertexts"]
-    if not isinstance(record["public-key"], bytes) or list(members) != list(seats):
-        raise ValueError(f"{PADS_KEY}: a public key and one seed per announced seat needed")
+        raise ValueError(f"{DMMKeys.PADS} is a {type(record).__name__}, not a ConfigRecord")
+    if set(record.keys()) != set(DMMKeys.SEALED_ENTRIES):
+        raise ValueError(f"{DMMKeys.PADS} has entries {sorted(record.keys())}")
+    key, members, nonces, bodies = (record[name] for name in DMMKeys.SEALED_ENTRIES)
+    if not isinstance(key, bytes) or list(members) != list(seats):
+        raise ValueError(f"{DMMKeys.PADS}: a public key and one seed per announced seat needed")
     if not len(nonces) == len(bodies) == len(seats):
-        raise ValueError(f"{PADS_KEY}: {len(nonces)} nonces, {len(bodies)} ciphertexts")
-    return folded_client(party, record["public-key"], round_, seats, nonces, bodies)
+        raise ValueError(f"{DMMKeys.PADS}: {len(nonces)} nonces, {len(bodies)} ciphertexts")
+    return folded_client(party, key, round_, seats, nonces, bodies)
 
 
 def folded_client(party, key, round_, seats, nonces, bodies) -> FoldedClient:
@@ -148,14 +141,14 @@ class _ShareFoldAccumulator(Accumulator):
             raise ReductionError("a sealed DMM fold is not folded again")
         node = int(reply.metadata.src_node_id)
         names = set(reply.content.keys()) - {"metrics"}
-        if node not in self.cohort or names != {FOLD_KEY, PADS_KEY}:
+        if node not in self.cohort or names != {DMMKeys.FOLD, DMMKeys.PADS}:
             refuse(self.rejected, reply, f"records {sorted(names)} from node {node}")
             return
         try:
-            rows = to_numpy(reply.content[FOLD_KEY])["masked"]
+            rows = to_numpy(reply.content[DMMKeys.FOLD])[DMMKeys.MASKED]
             seats = sorted(self.keys.member_keys)
             client = pads_from_record(
-                reply.content[PADS_KEY], self.cohort[node], self.keys.round, seats
+                reply.content[DMMKeys.PADS], self.cohort[node], self.keys.round, seats
             )
             self.fold.add(MaskedShares(rows, client))
         except (KeyError, ValueError, TypeError) as error:
@@ -174,14 +167,15 @@ class _ShareFoldAccumulator(Accumulator):
         sealed = self.fold.seal(party)
         seats = sorted(self.keys.member_keys)
         clients = sealed.folded
-        batch = {
-            "nodes": list(self.nodes),
-            "public-keys": [c.public_key for c in clients],
-            "pad-nonces": [c.pads[j].nonce for c in clients for j in seats],
-            "pad-ciphertexts": [c.pads[j].ciphertext for c in clients for j in seats],
-        }
+        columns = (
+            list(self.nodes),
+            [c.public_key for c in clients],
+            [c.pads[j].nonce for c in clients for j in seats],
+            [c.pads[j].ciphertext for c in clients for j in seats],
+        )
+        batch = dict(zip(DMMKeys.BATCH_ENTRIES, columns))
         content = RecordDict(
-            {SEALED_KEY: sealed_to_record(sealed), BATCH_KEY: ConfigRecord(batch)}
+            {DMMKeys.SEALED: sealed_to_record(sealed), DMMKeys.BATCH: ConfigRecord(batch)}
         )
         if self.metrics.total:
             content["metrics"] = self.metrics.record("num-examples")

@@ -17,14 +17,10 @@ from fedsim.engine.boundary import ClaimRefused, ReleaseBoundary
 from fedsim.record_codec import to_numpy
 from fedsim.worker_reduce import is_partial
 from protocols.channels import KeySubstitution
-from protocols.dmm.common import DMMSealedShares, RoundKeys
+from protocols.dmm.common import DMMKeys, DMMSealedShares, RoundKeys
 from strategies.secure.dmm.fold import folded_client
 from strategies.secure.dmm.state import RoundState
 from strategies.secure.dmm.wire import (
-    BATCH_KEY,
-    NOISE_KEY,
-    SEALED_KEY,
-    UPDATE_KEY,
     sealed_from_record,
 )
 
@@ -49,10 +45,11 @@ def _batch(
     (then ``rejected[node]`` says why); the nodes its fold refused are rejected."""
     for refused in reply.rejected:
         rejected[int(refused)] = "its reply was refused by its worker's fold"
-    record = reply.content.get(BATCH_KEY)
-    nodes = record.get("nodes") if isinstance(record, ConfigRecord) else None
+    record = reply.content.get(DMMKeys.BATCH)
+    nodes_key = DMMKeys.BATCH_ENTRIES[0]
+    nodes = record.get(nodes_key) if isinstance(record, ConfigRecord) else None
     if not isinstance(nodes, list) or not nodes:
-        rejected[node] = f"a folded reply without its {BATCH_KEY} nodes"
+        rejected[node] = f"a folded reply without its {DMMKeys.BATCH} {nodes_key}"
         return None
     nodes = [int(n) for n in nodes]
     if len(set(nodes)) != len(nodes) or any(
@@ -69,7 +66,7 @@ def validate(
 ) -> tuple[dict[int, Message], dict[int, str]]:
     """Contract 3: the replies that pass (node -> reply) and node -> why the others failed.
     A worker's folded reply is keyed by its first node (``state.batches``: its nodes)."""
-    allowed = {SEALED_KEY} if full else {UPDATE_KEY, NOISE_KEY}
+    allowed = {DMMKeys.SEALED} if full else {DMMKeys.UPDATE, DMMKeys.NOISE}
     valid, rejected = {}, {}
     for reply in replies:
         node = int(reply.metadata.src_node_id)
@@ -78,8 +75,8 @@ def validate(
         if is_partial(reply) and worker_fold and full:
             nodes = _batch(state, reply, node, rejected)
             if nodes is not None and set(reply.content.keys()) - {"metrics"} == {
-                SEALED_KEY,
-                BATCH_KEY,
+                DMMKeys.SEALED,
+                DMMKeys.BATCH,
             }:
                 valid[node], state.batches[node] = reply, nodes
             elif nodes is not None:
@@ -135,7 +132,8 @@ def sealed(
     out = {}
     for node, content in valid.items():
         try:
-            out[node] = sealed_from_record(content[SEALED_KEY], state.party_of(node), keys.round)
+            party = state.party_of(node)
+            out[node] = sealed_from_record(content[DMMKeys.SEALED], party, keys.round)
             if node in state.batches:
                 out[node] = _folded(state, out[node], content, state.batches[node], keys)
         except (ValueError, TypeError, KeyError) as error:
@@ -147,12 +145,10 @@ def _folded(
     state: RoundState, shares: DMMSealedShares, content: RecordDict, nodes, keys: RoundKeys
 ):
     """``shares`` with the fold's proof of who is in it (:class:`FoldedClient` per node,
-    from its :data:`BATCH_KEY` record); ValueError when it does not list each node once
+    from its :data:`DMMKeys.BATCH` record); ValueError when it does not list each node once
     with a key and a sealed pad seed per announced seat."""
-    record, seats = content[BATCH_KEY], sorted(keys.member_keys)
-    public, nonces, bodies = (
-        list(record.get(k, [])) for k in ("public-keys", "pad-nonces", "pad-ciphertexts")
-    )
+    record, seats = content[DMMKeys.BATCH], sorted(keys.member_keys)
+    public, nonces, bodies = (list(record.get(k, [])) for k in DMMKeys.BATCH_ENTRIES[1:])
     if len(public) != len(nodes) or not len(nonces) == len(bodies) == len(nodes) * len(seats):
         raise ValueError(
             f"a fold of {len(nodes)} nodes lists {len(public)} keys and {len(nonces)} pad "
@@ -182,8 +178,8 @@ def plain(
     updates, noises = {}, {}
     for node, content in valid.items():
         try:
-            update = np.asarray(to_numpy(content[UPDATE_KEY])[UPDATE_KEY])
-            noise = np.asarray(to_numpy(content[NOISE_KEY])[NOISE_KEY])
+            update = np.asarray(to_numpy(content[DMMKeys.UPDATE])[DMMKeys.UPDATE])
+            noise = np.asarray(to_numpy(content[DMMKeys.NOISE])[DMMKeys.NOISE])
         except (KeyError, ValueError, TypeError) as error:
             rejected[node] = f"unreadable integers: {error}"
             continue

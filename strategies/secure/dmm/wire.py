@@ -17,47 +17,28 @@ from protocols.dmm.common import DMMKeys, DMMSealedShares, DMMStage, RoundKeys
 from protocols.kit import SEAT_ID_BASE
 
 K = DMMKeys
-NAME = K.NAME
-UPDATE_KEY = K.UPDATE
-"""Ideal mode's reply: ArrayRecord of the rounded update (D int64)."""
-NOISE_KEY = K.NOISE
-"""Ideal mode's reply: ArrayRecord of the fresh noise rows (rows x D int64)."""
-PREFIX = K.PREFIX
-SHARE_PREFIX = K.SHARE_PREFIX
-FOLD_KEY = K.FOLD
-"""A client's reply to its worker's fold: ArrayRecord ``masked``, its padded share rows."""
-PADS_KEY = K.PADS
-"""A client's reply to its worker's fold: its public key and sealed pad seeds (ConfigRecord in
-the form of :func:`sealed_to_record`)."""
-BATCH_KEY = K.BATCH
-"""A folded reply's ConfigRecord: ``nodes``, the node ids whose inputs it holds, and for each in
-order its ``public-keys`` entry and, per announced seat in order, ``pad-nonces`` and
-``pad-ciphertexts`` (:class:`protocols.dmm.common.FoldedClient`)."""
-SEALED_KEY = K.SEALED
-"""A SHARE message's record (:func:`sealed_to_record`), a client's or a folded batch's."""
-SEALED_ENTRIES = set(K.SEALED_ENTRIES)
 
 
 def _integer(config: Mapping[str, Any], name: str) -> int:
-    value = config[SHARE_PREFIX + name]
+    value = config[K.SHARE_PREFIX + name]
     if not isinstance(value, int | np.integer) or isinstance(value, bool):
-        raise ValueError(f"{SHARE_PREFIX}{name}={value!r}; allowed: an integer")
+        raise ValueError(f"{K.SHARE_PREFIX}{name}={value!r}; allowed: an integer")
     return int(value)
 
 
 def _integers(config: Mapping[str, Any], name: str) -> tuple[int, ...]:
-    values = config[SHARE_PREFIX + name]
+    values = config[K.SHARE_PREFIX + name]
     if not isinstance(values, list | tuple) or not all(
         isinstance(v, int | np.integer) and not isinstance(v, bool) for v in values
     ):
-        raise ValueError(f"{SHARE_PREFIX}{name}={values!r}; allowed: a list of integers")
+        raise ValueError(f"{K.SHARE_PREFIX}{name}={values!r}; allowed: a list of integers")
     return tuple(int(v) for v in values)
 
 
 def _byte_strings(config: Mapping[str, Any], name: str) -> list[bytes]:
-    values = config.get(SHARE_PREFIX + name, ())
+    values = config.get(K.SHARE_PREFIX + name, ())
     if not isinstance(values, list | tuple) or not all(isinstance(v, bytes) for v in values):
-        raise ValueError(f"{SHARE_PREFIX}{name}: {values!r}; allowed: a list of byte strings")
+        raise ValueError(f"{K.SHARE_PREFIX}{name}: {values!r}; allowed: a list of byte strings")
     return list(values)
 
 
@@ -98,27 +79,28 @@ class ShareConfig:
             out[K.COMMITTEE] = [int(c) for c in self.committee[1]]
         if self.cohort is not None:
             out[K.COHORT] = [int(node) for node in self.cohort]
-        return {SHARE_PREFIX + k: v for k, v in out.items()}
+        return {K.SHARE_PREFIX + k: v for k, v in out.items()}
 
     @classmethod
     def from_record(cls, config: Mapping[str, Any], rows: int) -> ShareConfig:
         """The entries :meth:`to_record` wrote (``rows``: the noise rows released this step);
         ValueError naming the key, the value and what is allowed."""
-        folded = SHARE_PREFIX + K.COHORT in config
+        folded = K.SHARE_PREFIX + K.COHORT in config
         required = [k for k in K.SHARE if k != K.PARTY or not folded]
-        missing = [SHARE_PREFIX + k for k in required if SHARE_PREFIX + k not in config]
+        missing = [K.SHARE_PREFIX + k for k in required if K.SHARE_PREFIX + k not in config]
         if missing:
             raise ValueError(f"the full-mode instruction's config lacks {missing}")
         seats = _integers(config, K.MEMBERS)
         member_keys = _byte_strings(config, K.MEMBER_KEYS)
         if len(seats) != len(member_keys):
             raise ValueError(
-                f"{SHARE_PREFIX}members has {len(seats)} entries but {SHARE_PREFIX}member-keys "
+                f"{K.SHARE_PREFIX}{K.MEMBERS} has {len(seats)} entries but "
+                f"{K.SHARE_PREFIX}{K.MEMBER_KEYS} "
                 f"has {len(member_keys)}; allowed: one key per seat"
             )
-        session = config[SHARE_PREFIX + K.SESSION]
+        session = config[K.SHARE_PREFIX + K.SESSION]
         if not isinstance(session, bytes):
-            raise ValueError(f"{SHARE_PREFIX}session={session!r}; allowed: bytes")
+            raise ValueError(f"{K.SHARE_PREFIX}{K.SESSION}={session!r}; allowed: bytes")
         scalars = {name: _integer(config, name) for name in K.SHARE[:7]}
         keys = RoundKeys(
             round=scalars[K.ROUND],
@@ -134,10 +116,10 @@ class ShareConfig:
             member_proofs=dict(zip(seats, _byte_strings(config, K.MEMBER_PROOFS))),
         )
         committee = None
-        if SHARE_PREFIX + K.COMMITTEE_ROUND in config:
+        if K.SHARE_PREFIX + K.COMMITTEE_ROUND in config:
             drawn = _integer(config, K.COMMITTEE_ROUND)
             committee = (drawn, _integers(config, K.COMMITTEE))
-        party = _integer(config, K.PARTY) if SHARE_PREFIX + K.PARTY in config else None
+        party = _integer(config, K.PARTY) if K.SHARE_PREFIX + K.PARTY in config else None
         cohort = _integers(config, K.COHORT) if party is None else None
         return cls(keys, party, cohort, committee)
 
@@ -182,7 +164,7 @@ def round_keys_from_config(
     if share.cohort is None:
         return share.keys, share.party
     if node is None or int(node) not in share.cohort:
-        raise ValueError(f"node {node} is not in the round's {SHARE_PREFIX}cohort")
+        raise ValueError(f"node {node} is not in the round's {K.SHARE_PREFIX}{K.COHORT}")
     return share.keys, share.cohort.index(int(node))
 
 
@@ -206,21 +188,21 @@ def sealed_from_record(record: ConfigRecord, party: int, round_: int) -> DMMSeal
     """The server's view of a reply: envelopes from the client's *assigned* ``party`` to each
     seat for ``round_`` at SHARE. Raises ``ValueError`` naming what is malformed."""
     if not isinstance(record, ConfigRecord):
-        raise ValueError(f"{SEALED_KEY} is a {type(record).__name__}, not a ConfigRecord")
-    if set(record.keys()) != SEALED_ENTRIES:
-        raise ValueError(f"{SEALED_KEY} has entries {sorted(record.keys())}")
+        raise ValueError(f"{K.SEALED} is a {type(record).__name__}, not a ConfigRecord")
+    if set(record.keys()) != set(K.SEALED_ENTRIES):
+        raise ValueError(f"{K.SEALED} has entries {sorted(record.keys())}")
     key, seats, nonces, bodies = (record[name] for name in K.SEALED_ENTRIES)
     if not isinstance(key, bytes) or not all(isinstance(v, list) for v in (seats, nonces, bodies)):
-        raise ValueError(f"{SEALED_KEY} entries have the wrong types")
+        raise ValueError(f"{K.SEALED} entries have the wrong types")
     if not len(seats) == len(nonces) == len(bodies) or len(set(seats)) != len(seats):
         raise ValueError(
-            f"{SEALED_KEY} needs distinct seats and one nonce and ciphertext each; got "
+            f"{K.SEALED} needs distinct seats and one nonce and ciphertext each; got "
             f"{len(seats)}, {len(nonces)}, {len(bodies)}"
         )
     if not all(isinstance(j, int) and not isinstance(j, bool) for j in seats) or not all(
         isinstance(b, bytes) for b in [*nonces, *bodies]
     ):
-        raise ValueError(f"{SEALED_KEY}: seats must be integers, nonces and ciphertexts bytes")
+        raise ValueError(f"{K.SEALED}: seats must be integers, nonces and ciphertexts bytes")
     label = stage_label(DMMStage.SHARE)
     shares = {
         j: Envelope(party, SEAT_ID_BASE + j, int(round_), label, nonce, body)
@@ -237,7 +219,7 @@ def instruction(content: RecordDict) -> tuple[ArrayRecord, ConfigRecord]:
     if len(arrays) != 1 or not configs:
         raise ValueError("a DMM instruction needs one ArrayRecord and a ConfigRecord")
     config = configs[0]
-    missing = [PREFIX + k for k in K.INSTRUCTION if PREFIX + k not in config]
+    missing = [K.PREFIX + k for k in K.INSTRUCTION if K.PREFIX + k not in config]
     if missing or "server-round" not in config:
         raise ValueError(f"the instruction's config lacks {missing or ['server-round']}")
     return arrays[0], config
