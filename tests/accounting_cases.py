@@ -15,7 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
-BASELINE = ROOT / "tests" / "data" / "accounting_baseline.json"
+BASELINE = ROOT / "tests" / "privacy" / "accounting_baseline.json"
 DELTA = 1e-5
 
 
