@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from abc import abstractmethod
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
@@ -79,9 +80,9 @@ class ClearMetricsGate(StrategyWrapper):
 
     metrics_in_clear: bool = False
 
+    @abstractmethod
     def evaluation_refused(self, what: str) -> str:
         """Why ``what`` (e.g. "3 evaluate messages") is refused."""
-        raise NotImplementedError
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
