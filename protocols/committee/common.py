@@ -26,7 +26,9 @@ strategy accounts as a release of the sum.
 This module holds the stages, the public round parameters, the messages, the simulation's
 faults (:class:`CommitteeFaults`), the outcome (:class:`CommitteeResult`) and the errors. The
 client side is :mod:`protocols.committee.client`, the member side
-:mod:`protocols.committee.member`, the server side :mod:`protocols.committee.server`.
+:mod:`protocols.committee.member` (its stage handlers :mod:`protocols.committee.stages`, the
+state they pass on :mod:`protocols.committee.state`), the server side
+:mod:`protocols.committee.server`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Member side of a committee round: open the clients' sealed shares, sum, seal the release.
+"""Member side of a committee round: the shards that hold the members and answer the server.
 
 :mod:`protocols.committee` steps 1-3 at the members. Members are simulated in groups: one
 :class:`CommitteeShard` holds many members and works on all of them at once (an array with one
@@ -7,19 +7,13 @@ from 32 bytes of the member's own secret, or from the OS CSPRNG). A shard answer
 calls of :data:`MEMBERS` (:meth:`CommitteeShard.answer`); :class:`protocols.kit.LocalMembers`
 hosts a committee's shards in this process, :mod:`fedsim.engine.committee_host` on Ray actors.
 
-1. **SHARE** (:meth:`CommitteeShard.share`): each member opens its envelope of every client's
-   :class:`protocols.committee.common.ShardSealedShares`; one that cannot open it, or finds no
-   ``width`` field elements in it (unusable key, unauthenticated, replayed, wrong round or stage,
-   wrong length, dtype or range), refuses it and the server leaves the client out;
-2. **COMBINE** (:meth:`CommitteeShard.combine`): each online member sums its rows of the
-   clients the server names, mod p;
-3. **RELEASE** (:meth:`CommitteeShard.release`): each member that answers seals its summed row
-   for the server.
-
-Faults (:class:`protocols.committee.common.StageFaults`, per stage): a member that **drops** is
-silent from then on; one that is **late** answers after the deadline; one that **tampers** adds a
-random non-zero offset (drawn from the faults' public seed) to what it holds (SHARE, COMBINE)
-or sends (RELEASE). Rounds are independent; :meth:`CommitteeShard.abort` ends one.
+The stages themselves -- SHARE (open the clients' sealed shares), COMBINE (sum them), RELEASE
+(seal the sums for the server) and ABORT, with the faults each applies -- are the handlers of
+:mod:`protocols.committee.stages` ``(shard, state, message) -> (state, reply)``. A shard is
+their thin holder: it keeps each round's :class:`~protocols.committee.state.ShardState`, and
+each stage call builds the stage's message, runs its handler and stores the new state. The
+setup calls (:meth:`CommitteeShard.public_keys`, :meth:`CommitteeShard.key_proofs`,
+:meth:`CommitteeShard.connect`) are not round stages. Rounds are independent.
 """
 
 from __future__ import annotations
@@ -29,20 +23,25 @@ from typing import Any
 
 import numpy as np
 
-from protocols.channels import SERVER_ID, Endpoint
+from protocols.channels import Endpoint
 from protocols.committee.common import (
     CHANNEL_PROTOCOL,
     CommitteeCall,
     CommitteeStage,
-    ReleaseAnswer,
-    ShardSealedShares,
-    ShareAnswer,
     StageFaults,
-    check_transition,
 )
+from protocols.committee.stages import (
+    Abort,
+    Combine,
+    Release,
+    ShardContext,
+    Share,
+    handle,
+)
+from protocols.committee.state import ABORTED, ShardState
 from protocols.enrolment import Certificate, Identity
 from protocols.field import MersenneField
-from protocols.kit import MEMBER_ID_BASE, MemberSide, answer_by
+from protocols.kit import MEMBER_ID_BASE, MemberSide, StageError, answer_by
 
 MEMBERS = MemberSide(calls=(CommitteeCall,))
 """The committee's member side: shards answer :class:`CommitteeCall`; none is ever silenced
@@ -53,11 +52,15 @@ class CommitteeShard:
     """Members ``members`` (global indices) of one committee, held as one array per client.
 
     A plain class, hosted in process or on a Ray actor by the engine. Rounds are independent:
-    each has its own stored rows, summed state and stage, and :meth:`abort` ends one.
-    ``session_id``: the committee's channel session; ``private_keys``: member -> 32 bytes of
-    that member's own secret for its channel key (else the OS CSPRNG); ``identities``:
-    member -> (32-byte seed of its Ed25519 identity, its enrolment certificate as bytes),
-    with which it signs its channel key (:meth:`key_proofs`; None: enrolled nowhere).
+    each has its own :class:`~protocols.committee.state.ShardState` (:meth:`state`), which each
+    stage call replaces by the one its handler returns. A call out of order raises
+    :class:`~protocols.kit.StageError` and leaves the round as it was; any other error of a
+    handler leaves the round ABORTED. :attr:`context`: the shard's fixed parts (members, field,
+    endpoints), the context of every handler. ``session_id``: the committee's channel session;
+    ``private_keys``: member -> 32 bytes of that member's own secret for its channel key (else
+    the OS CSPRNG); ``identities``: member -> (32-byte seed of its Ed25519 identity, its
+    enrolment certificate as bytes), with which it signs its channel key (:meth:`key_proofs`;
+    None: enrolled nowhere).
     """
 
     def __init__(
@@ -68,29 +71,35 @@ class CommitteeShard:
         private_keys: Mapping[int, bytes] | None = None,
         identities: Mapping[int, tuple[bytes, bytes]] | None = None,
     ):
-        self.members = np.asarray(members, dtype=np.int64)
-        self.field = MersenneField(field_exponent)
+        indices = np.asarray(members, dtype=np.int64)
         keys = private_keys or {}
-        self._endpoints = {
+        endpoints = {
             int(m): Endpoint(
                 MEMBER_ID_BASE + int(m), session_id, CHANNEL_PROTOCOL, keys.get(int(m))
             )
-            for m in self.members
+            for m in indices
         }
+        self.context = ShardContext(indices, MersenneField(field_exponent), endpoints)
         self._proofs = {
             int(m): Identity.from_seed(seed, Certificate.from_bytes(certificate)).prove(
                 CHANNEL_PROTOCOL,
                 session_id,
                 MEMBER_ID_BASE + int(m),
-                (self._endpoints[int(m)].public_key,),
+                (endpoints[int(m)].public_key,),
             )
             for m, (seed, certificate) in (identities or {}).items()
         }
-        self._rows: dict[int, dict[int, np.ndarray]] = {}
-        self._width: dict[int, int] = {}
-        self._sum: dict[int, np.ndarray] = {}
-        self._offline: dict[int, set[int]] = {}
-        self._stage: dict[int, CommitteeStage] = {}
+        self._states: dict[int, ShardState] = {}
+
+    @property
+    def members(self) -> np.ndarray:
+        """The members' global indices, one array row each."""
+        return self.context.members
+
+    @property
+    def field(self) -> MersenneField:
+        """The field the members' rows lie in."""
+        return self.context.field
 
     def answer(self, call: CommitteeCall, args: tuple) -> Any:
         """The handler of ``call`` with ``args`` (:class:`protocols.kit.Member`)."""
@@ -105,30 +114,37 @@ class CommitteeShard:
         }
         return answer_by(handlers, call, args)
 
-    def _enter(self, round_: int, target: CommitteeStage) -> None:
-        current = self._stage.get(round_, CommitteeStage.SETUP)
-        check_transition(
-            current, target, f"committee shard {self.members[:1].tolist()}.. round {round_}"
-        )
-        self._stage[round_] = target
+    def state(self, round_: int) -> ShardState:
+        """This shard's state of ``round_`` (a SETUP state before its first message)."""
+        return self._states.get(round_, _SETUP)
+
+    def store(self, round_: int, state: ShardState) -> None:
+        """Keep ``state`` as this shard's state of ``round_`` (what every stage call does with
+        its handler's; a hostile subclass alters what its members hold by storing another)."""
+        if not isinstance(state, ShardState):
+            raise TypeError(f"state must be a ShardState, got {type(state).__name__}")
+        self._states[round_] = state
 
     def stage(self, round_: int) -> CommitteeStage:
         """Where this shard stands in ``round_`` (SETUP before its first message)."""
-        return self._stage.get(round_, CommitteeStage.SETUP)
+        return self.state(round_).stage
 
-    def _tamper(self, rows: np.ndarray, who: frozenset[int], seed: int, salt: int) -> np.ndarray:
-        hit = np.isin(self.members, list(who))
-        if not hit.any():
-            return rows
-        rng = np.random.default_rng([seed, salt, int(self.members[0])])
-        offset = rng.integers(1, self.field.modulus, size=(int(hit.sum()), rows.shape[1]))
-        rows = rows.copy()
-        rows[hit] = self.field.add(rows[hit], offset)
-        return rows
+    def _step(self, round_: int, stage: CommitteeStage, message: Any) -> Any:
+        """Run ``stage``'s handler on the round's state and keep the state it returns; the
+        reply. Out of order: StageError, nothing changed; any other error: round ABORTED."""
+        try:
+            state, reply = handle(stage, self.context, self.state(round_), message)
+        except StageError:
+            raise
+        except Exception:
+            self.store(round_, ABORTED)
+            raise
+        self.store(round_, state)
+        return reply
 
     def public_keys(self) -> dict[int, bytes]:
         """Each member's channel public key."""
-        return {m: e.public_key for m, e in self._endpoints.items()}
+        return {m: e.public_key for m, e in self.context.endpoints.items()}
 
     def key_proofs(self) -> dict[int, bytes]:
         """Each enrolled member's proof of its channel key (empty when enrolled nowhere)."""
@@ -136,44 +152,8 @@ class CommitteeShard:
 
     def connect(self, party_id: int, public_key: bytes) -> None:
         """Every member opens a channel with ``party_id`` (the server, or a client)."""
-        for endpoint in self._endpoints.values():
+        for endpoint in self.context.endpoints.values():
             endpoint.connect(party_id, public_key)
-
-    def _open(
-        self, round_: int, client: int, sealed: ShardSealedShares, width: int
-    ) -> tuple[np.ndarray, list[int]]:
-        """One client's sealed rows, opened and checked by each member; a member that cannot
-        open its envelope, or finds no ``width`` field elements in it, refuses it (its row
-        stays 0 and the driver leaves the client out). Returns the rows and who refused."""
-        rows = np.zeros((self.members.size, width), dtype=np.int64)
-        refused = []
-        for index, (member, envelope) in enumerate(zip(self.members, sealed.envelopes)):
-            endpoint = self._endpoints[int(member)]
-            try:
-                endpoint.connect(client, sealed.public_key)
-                opened = endpoint.open_array(
-                    envelope, round_=round_, stage=CommitteeStage.SHARE, sender=client
-                )
-                rows[index] = self.field.vector(opened, width, f"share from client {client}")
-            except ValueError:  # ChannelError is a ValueError
-                refused.append(int(member))
-        return rows, refused
-
-    def _client_rows(self, round_: int, client: int, delivered: Any) -> tuple[np.ndarray, list]:
-        """SHARE for one client: its rows for this shard (zeros where refused) and the members
-        that refused them: a sealed share that does not open or is malformed is refused by its
-        member; a delivery that is not one sealed envelope per member of ``width`` elements
-        (plain rows included: members take only sealed shares), by every member."""
-        width = self._width.setdefault(round_, _width_of(delivered))
-        if (
-            not isinstance(delivered, ShardSealedShares)
-            or not isinstance(delivered.envelopes, tuple | list)
-            or len(delivered.envelopes) != self.members.size
-            or delivered.width != width
-        ):
-            everyone = [int(m) for m in self.members]
-            return np.zeros((self.members.size, width), dtype=np.int64), everyone
-        return self._open(round_, client, delivered, width)
 
     def share(
         self,
@@ -182,70 +162,31 @@ class CommitteeShard:
         faults: StageFaults,
         width: int | None = None,
     ) -> dict:
-        """SHARE handler: store this shard's rows of each client's shares (``shares[client]``:
-        a :class:`ShardSealedShares`; ``width`` field elements per row, by default that of the first
-        client); returns the members still online and, per client, the online members that
-        refused its share."""
-        self._enter(round_, CommitteeStage.SHARE)
-        if width is not None:
-            self._width[round_] = int(width)
-        offline = self._offline.setdefault(round_, set()) | set(faults.drop)
-        self._offline[round_] = offline
-        stored = self._rows.setdefault(round_, {})
-        refused: dict[int, list[int]] = {}
-        for client, delivered in shares.items():
-            rows, bad = self._client_rows(round_, int(client), delivered)
-            bad = [m for m in bad if m not in offline]
-            if bad:
-                refused[int(client)] = bad
-            stored[int(client)] = self._tamper(rows, faults.tamper, faults.seed, int(client))
-        online = [int(m) for m in self.members if m not in offline]
-        return ShareAnswer(online, refused).to_record()
+        """SHARE (:func:`protocols.committee.stages.handle_share`): store this shard's rows of
+        each client's shares (``shares[client]``: a
+        :class:`~protocols.committee.common.ShardSealedShares`; ``width`` field elements per
+        row, by default that of the first client); returns the members still online and, per
+        client, the online members that refused its share."""
+        return self._step(round_, CommitteeStage.SHARE, Share(round_, shares, faults, width))
 
     def combine(self, round_: int, clients: Sequence[int], faults: StageFaults) -> list[int]:
-        """COMBINE: each online member sums its rows of ``clients`` (all at once, mod p)."""
-        self._enter(round_, CommitteeStage.COMBINE)
-        self._offline[round_] |= set(faults.drop)
-        stored = self._rows.pop(round_, {})
-        missing = [c for c in clients if c not in stored]
-        if missing:
-            raise ValueError(f"clients {missing[:5]} were never shared with this shard")
-        if clients:
-            total = self.field.sum(np.stack([stored[c] for c in clients]), axis=0)
-        else:
-            total = np.zeros((self.members.size, self._width.get(round_, 0)), dtype=np.int64)
-        self._sum[round_] = self._tamper(total, faults.tamper, faults.seed, 2**62 + 1)
-        return [int(m) for m in self.members if m not in self._offline[round_]]
+        """COMBINE (:func:`protocols.committee.stages.handle_combine`): each online member sums
+        its rows of ``clients`` (all at once, mod p); returns the members still online."""
+        return self._step(round_, CommitteeStage.COMBINE, Combine(round_, clients, faults))
 
     def release(self, round_: int, faults: StageFaults) -> dict[str, Any]:
-        """RELEASE: the summed rows of the members that answer, and who answered late."""
-        self._enter(round_, CommitteeStage.RELEASE)
-        offline = self._offline.pop(round_) | set(faults.drop)
-        total = self._tamper(self._sum.pop(round_), faults.tamper, faults.seed, 2**62 + 2)
-        self._width.pop(round_, None)
-        keep = np.array([m not in offline for m in self.members], dtype=bool)
-        self._stage[round_] = CommitteeStage.DONE
-        members = self.members[keep].tolist()
-        rows: Any = total[keep]
-        if self._endpoints:
-            rows = [
-                self._endpoints[m].seal_array(SERVER_ID, round_, CommitteeStage.RELEASE, row)
-                for m, row in zip(members, rows)
-            ]
-        late = [int(m) for m in self.members[keep] if m in faults.late]
-        return ReleaseAnswer(members, rows, late).to_record()
+        """RELEASE (:func:`protocols.committee.stages.handle_release`): the summed rows of the
+        members that answer, and who answered late."""
+        return self._step(round_, CommitteeStage.RELEASE, Release(round_, faults))
 
     def abort(self, round_: int) -> None:
-        """The driver aborted ``round_``: drop everything of it and leave it ABORTED."""
-        for store in (self._rows, self._width, self._sum, self._offline):
-            store.pop(round_, None)
-        self._stage[round_] = CommitteeStage.ABORTED
+        """The driver aborted ``round_`` (:func:`protocols.committee.stages.handle_abort`):
+        drop everything of it and leave it ABORTED."""
+        self._step(round_, CommitteeStage.ABORTED, Abort(round_))
 
 
-def _width_of(delivered: Any) -> int:
-    """Elements per row that a client's delivery claims (0 when it claims nothing usable)."""
-    width = delivered.width if isinstance(delivered, ShardSealedShares) else 0
-    return int(width) if isinstance(width, int | np.integer) and width >= 0 else 0
+_SETUP = ShardState()
+"""Every round's state before its first message."""
 
 
 def shard_arguments(

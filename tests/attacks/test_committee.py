@@ -60,10 +60,13 @@ class OffsetShard(CommitteeShard):
     offsets: dict[int, int] = {}
 
     def release(self, round_, faults):
+        state = self.state(round_)
+        total = state.total.copy()
         for index, member in enumerate(self.members.tolist()):
             if member in self.offsets:
-                row = self._sum[round_][index]
-                self._sum[round_][index] = F.add(row, np.full(row.size, self.offsets[member]))
+                row = total[index]
+                total[index] = F.add(row, np.full(row.size, self.offsets[member]))
+        self.store(round_, dataclasses.replace(state, total=total))
         return super().release(round_, faults)
 
 
@@ -102,7 +105,7 @@ def test_a_round_1_envelope_replayed_in_round_3_is_refused():
         old.public_key, (dataclasses.replace(old.envelopes[0], round=4),), 1
     )
     assert shard.share(4, {7: relabelled}, StageFaults(), 1)["refused"] == {7: [0]}
-    assert shard._rows[3][7].tolist() == [[0]] and shard._rows[4][7].tolist() == [[0]]
+    assert shard.state(3).rows[7].tolist() == [[0]] and shard.state(4).rows[7].tolist() == [[0]]
 
 
 def test_colluders_cannot_choose_the_release_or_blame_an_honest_member():
@@ -328,8 +331,8 @@ def test_fuzzed_client_deliveries_are_refused_by_the_member(capsys):
         tally["tried"] += len(deliveries)
         tally["refused"] += sum(1 for c in answer["refused"] if c != 43)
         assert set(answer["refused"]) == set(batch) - {43}
-        assert shard._rows[round_][43].tolist() == [list(range(width))]
-        assert all(not shard._rows[round_][c].any() for c in answer["refused"])
+        assert shard.state(round_).rows[43].tolist() == [list(range(width))]
+        assert all(not shard.state(round_).rows[c].any() for c in answer["refused"])
         shard.combine(round_, [43], StageFaults())
         shard.release(round_, StageFaults())
         # the relay replays the accepted envelope in a later round: refused
@@ -394,7 +397,7 @@ class GarbageShard(CommitteeShard):
     earlier: dict[int, Envelope] = {}
 
     def release(self, round_, faults):
-        width = self._sum[round_].shape[1]
+        width = self.state(round_).total.shape[1]
         answer = super().release(round_, faults)
         members, rows = list(answer["members"]), list(answer["rows"])
         rows = [self._garbage(round_, m, row, width) for m, row in zip(members, rows)]
@@ -404,7 +407,7 @@ class GarbageShard(CommitteeShard):
 
     def _garbage(self, round_, member, row, width):
         kind = self.garbage.get(member)
-        seal = functools.partial(self._endpoints[member].seal_array, SERVER_ID)
+        seal = functools.partial(self.context.endpoints[member].seal_array, SERVER_ID)
         zeros = np.zeros(width, dtype=np.int64)
         made = {
             None: lambda: row,

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -158,7 +159,10 @@ def test_fedsim_run_accounts_the_committee_rounds_the_server_decoded(
             members = self.members.tolist()
             if round_ == 3 and TAMPERER in members:
                 row = members.index(TAMPERER)
-                self._sum[round_][row] = self.field.add(self._sum[round_][row], 12345)
+                state = self.state(round_)
+                total = state.total.copy()
+                total[row] = self.field.add(total[row], 12345)
+                self.store(round_, dataclasses.replace(state, total=total))
             return release(self, round_, faults)
 
         monkeypatch.setattr(CommitteeShard, "release", tampering)
