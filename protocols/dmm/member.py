@@ -1,33 +1,34 @@
 """Member side of DMM: what the committee members of one round hold and do.
 
-docs/dmm-design.md, steps 4-7. A :class:`MemberGroup` hosts some seats
+docs/dmm-design.md, steps 4, 5 and 7. A :class:`MemberGroup` hosts some seats
 of one committee (several seats may share an object or an actor; each seat's rows are its own
 shares). A committee holds, between rounds, packed Shamir shares of the partial sums
 P_j = sum_{s < t} M[j, s] X_s of the rows j of M still open (:meth:`protocols.dmm.common.Schedule.
 open_after`): data, never noise. Round t (its :attr:`~MemberGroup.step`), as the *current*
 committee:
 
-4. SHARE (:meth:`~MemberGroup.announce`, :meth:`~MemberGroup.connect`,
-   :meth:`~MemberGroup.share`): publish fresh X25519 keys, open the clients' sealed rows: per
-   client (1 + R_t) segments -- shares of its rounded update and of one fresh noise row for
-   each row released at t. A worker's folded row has the pad of every client it lists removed
-   (each opened from that client's sealed seed), and COMBINE refuses to count more clients for
-   it than the pads removed.
-5. COMBINE (:meth:`~MemberGroup.combine`): sum the agreed clients' rows into shares of X_t and
-   z_i, then, with M's integer coefficients (read from the member's own copy of M, never from
-   the server), shares of y_i = P_i + M[i, t] X_t + z_i for the rows released at t and of the
-   updated partial sums of the rows still open. A member refuses to combine fewer than
-   ``min_clients`` clients: a release always carries their fresh noise.
-6. RELEASE (:meth:`~MemberGroup.release`): send its shares of the y_i, sealed to the server.
-7. RESHARE as the *old* committee (:meth:`~MemberGroup.announce_handoff`, ``deal``, then
-   ``retire``, or ``keep`` when the handoff fails): re-share each seat's partial-sum shares,
-   scaled by its Lagrange column, to the next committee
-   (:class:`protocols.dmm.resharing.OldMember`). As the *next* committee a group only receives
-   (``announce_handoff`` with role 'new', ``receive``, ``accumulate``, ``check_shares``,
-   ``commit``; :class:`protocols.dmm.reshare_member.ReshareDuties`).
+- SHARE (:meth:`~MemberGroup.announce`, :meth:`~MemberGroup.connect`,
+  :meth:`~MemberGroup.share`): publish fresh X25519 keys, open the clients' sealed rows: per
+  client (1 + R_t) segments -- shares of its rounded update and of one fresh noise row for each
+  row released at t. A worker's folded row has the pad of every client it lists removed (each
+  opened from that client's sealed seed), and COMBINE refuses to count more clients for it
+  than the pads removed.
+- COMBINE (design step 4, :meth:`~MemberGroup.combine`): sum the agreed clients' rows into
+  shares of X_t and z_i, then, with M's integer coefficients (read from the member's own copy
+  of M, never from the server), shares of y_i = P_i + M[i, t] X_t + z_i for the rows released
+  at t and of the updated partial sums of the rows still open. A member refuses to combine
+  fewer than ``min_clients`` clients: a release always carries their fresh noise.
+- RELEASE (step 5, :meth:`~MemberGroup.release`): send its shares of the y_i, sealed to the
+  server.
+- RESHARE (step 7) as the *old* committee (:meth:`~MemberGroup.announce_handoff`, ``deal``,
+  then ``retire``, or ``keep`` when the handoff fails): re-share each seat's partial-sum
+  shares, scaled by its Lagrange column, to the next committee
+  (:class:`protocols.dmm.resharing.OldMember`). As the *next* committee a group only receives
+  (``announce_handoff`` with role 'new', ``receive``, ``accumulate``, ``check_shares``,
+  ``commit``; :class:`protocols.dmm.reshare_member.ReshareDuties`).
 
 The work is done by stage handlers ``(context, state, message) -> (state, reply)``
-(:mod:`protocols.dmm.stages` for steps 4-6 and the handoff's announcement,
+(:mod:`protocols.dmm.stages` for SHARE, COMBINE, RELEASE and the handoff's announcement,
 :mod:`protocols.dmm.reshare_stages` for step 7): a group is a thin holder of its fixed parts
 (:class:`protocols.dmm.state.GroupContext`) and its stored state value
 (:class:`protocols.dmm.state.GroupState`); each request becomes a typed message, the handler

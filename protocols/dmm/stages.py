@@ -1,5 +1,6 @@
 """A DMM member group's round as stage handlers ``handle_<call>(context, state, message) ->
-(state, reply)`` (docs/dmm-design.md, steps 4-6; the protocol in :mod:`protocols.dmm.member`).
+(state, reply)`` (docs/dmm-design.md, steps 4 and 5; the protocol in
+:mod:`protocols.dmm.member`).
 
 Each handler takes the group's fixed parts (:class:`~protocols.dmm.state.GroupContext`), its
 stored state (:class:`~protocols.dmm.state.GroupState`) and a typed message (what the server
