@@ -9,15 +9,23 @@ import numpy as np
 import pytest
 from dmm_support import Reference, inputs
 
+from protocols.channels import SERVER_ID, Endpoint, Envelope
 from protocols.dmm import reshare_stages as rs
 from protocols.dmm import stages
 from protocols.dmm.client import seal_client_shares
-from protocols.dmm.common import DMMStage, MemberCall, MemberRefused, RoundKeys, Schedule
+from protocols.dmm.common import (
+    PROTOCOL,
+    DMMStage,
+    MemberCall,
+    MemberRefused,
+    RoundKeys,
+    Schedule,
+)
 from protocols.dmm.member import MemberGroup
 from protocols.dmm.parity import parity_checks, reshare_coefficients
 from protocols.dmm.resharing import NewMember
 from protocols.dmm.state import GroupContext, GroupState
-from protocols.kit import StageError
+from protocols.kit import SEAT_ID_BASE, StageError
 from protocols.shamir import PackedShamir
 
 N, T, K, D, CLIENTS = 6, 1, 2, 5, 4
@@ -198,3 +206,46 @@ def test_a_new_member_is_a_value():
     assert again.refused == {0} and not took.refused
     assert took.take(f, 1, np.arange(2), 3).refused == {1}
     assert again.reset().received == {} and not again.reset().refused
+
+
+def _sealed_round(run, session: bytes) -> tuple[list, dict]:
+    """Round 0 at ``run`` with channels (fixed keys): every reply, and the sealed messages."""
+    own = {s: bytes([s + 1]) * 32 for s in SEATS}
+    keys = run(MemberCall.ANNOUNCE, stages.Announce(0, session, SEATS, [], own))
+    round_keys = RoundKeys(0, 0, 1, N, T, K, 61, D, session, keys)
+    updates, noises = inputs(SCHEDULE, 0, CLIENTS, D, 4)
+    sealed = {
+        c: seal_client_shares(
+            round_keys, c, updates[c], noises[c], np.random.default_rng([4, c]),
+            private_key=bytes([100 + c]) * 32,
+        )
+        for c in range(CLIENTS)
+    }
+    server = Endpoint(SERVER_ID, session, protocol=PROTOCOL, private_key=b"\x09" * 32)
+    peers = {c: m.public_key for c, m in sealed.items()} | {SERVER_ID: server.public_key}
+    deliveries = {c: m.shares for c, m in sealed.items()}
+    replies = [
+        keys,
+        run(MemberCall.CONNECT, stages.Connect(peers)),
+        run(MemberCall.SHARE, stages.Share(deliveries)),
+        run(MemberCall.COMBINE, stages.Combine(0, list(range(CLIENTS)), [], [], 0)),
+        run(MemberCall.RELEASE, stages.Release(0, [], [], [], 0)),
+    ]
+    return replies, {"updates": updates, "noises": noises, "server": server}
+
+
+def test_a_sealed_round_by_the_handlers_sends_the_member_groups_bytes():
+    session = b"\x01" * 32
+    replies, made = _sealed_round(Handlers(), session)
+    assert _same(replies, _sealed_round(Group(), session)[0])
+    answer = replies[-1]
+    assert all(isinstance(e, Envelope) for e in answer["rows"])
+    server = made["server"]
+    for seat in answer["seats"]:
+        server.connect(SEAT_ID_BASE + seat, replies[0][seat])
+    rows = np.stack([
+        server.open_array(e, round_=0, stage=DMMStage.RELEASE, sender=SEAT_ID_BASE + s)
+        for s, e in zip(answer["seats"], answer["rows"])
+    ])
+    release = Reference(M).release(made["updates"], made["noises"], range(CLIENTS))
+    np.testing.assert_array_equal(_opened(rows), release[0])
