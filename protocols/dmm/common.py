@@ -417,17 +417,30 @@ MEMBERS = MemberSide(calls=(MemberCall,), silent=SILENT, refusals=REFUSALS)
 (:data:`SILENT`) and the round goes on without its seats."""
 
 
+MALFORMED = (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError)
+"""What a malformed request's arguments raise in a handler (refused as :class:`MemberRefused`)."""
+
+
+def refusing(name: str):
+    """A member request named ``name`` (a handler, or a method): anything malformed in its
+    arguments is refused as :class:`MemberRefused` naming the request (handlers check before
+    they change anything)."""
+
+    def wrap(handler):
+        @functools.wraps(handler)
+        def checked(*args, **kwargs):
+            try:
+                return handler(*args, **kwargs)
+            except REFUSALS:
+                raise
+            except MALFORMED as err:
+                raise MemberRefused(f"{name}: malformed request ({err})") from None
+
+        return checked
+
+    return wrap
+
+
 def request(handler):
-    """A member request: anything malformed in its arguments is refused as
-    :class:`protocols.dmm.common.MemberRefused` (handlers check before they change anything)."""
-
-    @functools.wraps(handler)
-    def checked(self, *args, **kwargs):
-        try:
-            return handler(self, *args, **kwargs)
-        except REFUSALS:
-            raise
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError) as err:
-            raise MemberRefused(f"{handler.__name__}: malformed request ({err})") from None
-
-    return checked
+    """A member request method: :func:`refusing` under the method's name."""
+    return refusing(handler.__name__)(handler)

@@ -54,7 +54,7 @@ default) or from a passed ``numpy.random.Generator`` (simulation, reproducible).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -200,13 +200,18 @@ class ShareRandomness:
         return scheme.field.random(self.rng, size)
 
 
+@dataclass(frozen=True, eq=False)
 class OldMember:
-    """Old member ``index`` holding its shares (blocks,) of the committee's state."""
+    """Old member ``index`` holding its shares (blocks,) of the committee's state; ``endpoint``:
+    its channel (None: none; held by reference, its nonce counters only move forward)."""
 
-    def __init__(self, index: int, shares: np.ndarray, endpoint: Endpoint | None = None) -> None:
-        self.index = int(index)
-        self.shares = np.asarray(shares, dtype=np.int64)
-        self.endpoint = endpoint
+    index: int
+    shares: np.ndarray
+    endpoint: Endpoint | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "index", int(self.index))
+        object.__setattr__(self, "shares", np.asarray(self.shares, dtype=np.int64))
 
     def deal(
         self,
@@ -229,47 +234,57 @@ class OldMember:
         return np.hstack([randomness.share(new, scaled.ravel()), check])
 
 
+@dataclass(frozen=True, eq=False)
 class NewMember:
-    """New member ``index``: collects deals, sums those of S, combines check shares."""
+    """New member ``index`` as a value: the deals it ``received`` (dealer -> row) and the
+    dealers it ``refused`` this DEAL; ``endpoint``: its channel (None: none; held by
+    reference). Taking a deal returns the member that holds it; it sums those of S and
+    combines check shares."""
 
-    def __init__(self, index: int, endpoint: Endpoint | None = None) -> None:
-        self.index = int(index)
-        self.endpoint = endpoint
-        self.received: dict[int, np.ndarray] = {}
-        self.refused: set[int] = set()
+    index: int
+    endpoint: Endpoint | None = None
+    received: Mapping[int, np.ndarray] = field(default_factory=dict)
+    refused: frozenset[int] = frozenset()
 
-    def reset(self) -> None:
-        self.received, self.refused = {}, set()
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "index", int(self.index))
+        object.__setattr__(self, "refused", frozenset(self.refused))
 
-    def take(self, field_, dealer: int, payload, width: int) -> None:
-        """Keep ``dealer``'s deal if it is ``width`` field elements and the first this DEAL;
-        otherwise refuse the dealer."""
+    def reset(self) -> NewMember:
+        """This member before a DEAL: nothing received, nobody refused."""
+        return replace(self, received={}, refused=frozenset())
+
+    def refusing(self, dealers) -> NewMember:
+        """This member with ``dealers`` refused as well."""
+        return replace(self, refused=self.refused | set(dealers))
+
+    def take(self, field_, dealer: int, payload, width: int) -> NewMember:
+        """This member keeping ``dealer``'s deal if it is ``width`` field elements and the first
+        this DEAL (a second one replaces it and refuses the dealer); otherwise refusing the
+        dealer."""
         try:
             row = field_.vector(payload, width, f"deal from old member {dealer}")
         except ValueError:
-            self.refused.add(dealer)
-            return
-        if dealer in self.received:
-            self.refused.add(dealer)
-        self.received[dealer] = row
+            return self.refusing({dealer})
+        refused = self.refused | {dealer} if dealer in self.received else self.refused
+        return replace(self, received={**self.received, dealer: row}, refused=refused)
 
-    def receive(self, field_, envelope, round_: int, widths: Mapping[int, int]) -> None:
-        """DEAL handler: open a sealed deal from a dealer of this attempt (``widths``: dealer ->
-        elements expected) and :meth:`take` it; a deal that does not open (unauthenticated,
-        replayed, misbound, not an array) refuses its dealer; envelopes that claim no current
-        dealer as sender are dropped."""
+    def receive(self, field_, envelope, round_: int, widths: Mapping[int, int]) -> NewMember:
+        """DEAL handler: this member after opening a sealed deal from a dealer of this attempt
+        (``widths``: dealer -> elements expected) and :meth:`take`-ing it; a deal that does not
+        open (unauthenticated, replayed, misbound, not an array) refuses its dealer; envelopes
+        that claim no current dealer as sender are dropped."""
         sender = getattr(envelope, "sender", None)
         if not isinstance(sender, int | np.integer) or sender - OLD_ID_BASE not in widths:
-            return
+            return self
         dealer = int(sender) - OLD_ID_BASE
         try:
             payload = self.endpoint.open_array(
                 envelope, round_=round_, stage=ReshareStage.DEAL, sender=int(sender)
             )
         except ChannelError:
-            self.refused.add(dealer)
-            return
-        self.take(field_, dealer, payload, widths[dealer])
+            return self.refusing({dealer})
+        return self.take(field_, dealer, payload, widths[dealer])
 
     def accumulate(self, field_, dealers: Sequence[int]) -> np.ndarray:
         """Shares (blocks,) of the secrets: the sum of the main parts dealt by ``dealers``."""
@@ -423,7 +438,7 @@ class Resharing:
         offsets = np.random.default_rng(faults.seed)
         for i in sorted(faults.tamper & set(olds)):
             delta = offsets.integers(1, f.modulus, size=blocks, dtype=np.int64)
-            olds[i].shares = f.add(olds[i].shares, delta)
+            olds[i] = replace(olds[i], shares=f.add(olds[i].shares, delta))
         return olds, blocks
 
     def _connect(self, olds, news) -> Relay | None:
@@ -433,10 +448,10 @@ class Resharing:
             return None
         relay = Relay(self.transcript)
         session = new_session_id()
-        for i, member in olds.items():
-            member.endpoint = Endpoint(OLD_ID_BASE + i, session)
-        for j, member in news.items():
-            member.endpoint = Endpoint(NEW_ID_BASE + j, session)
+        for i in list(olds):
+            olds[i] = replace(olds[i], endpoint=Endpoint(OLD_ID_BASE + i, session))
+        for j in list(news):
+            news[j] = replace(news[j], endpoint=Endpoint(NEW_ID_BASE + j, session))
         for m in list(olds.values()) + list(news.values()):
             relay.publish(m.endpoint.party_id, m.endpoint.public_key, ReshareStage.ANNOUNCE)
         for o in olds.values():
@@ -453,23 +468,24 @@ class Resharing:
         chosen = candidates[: old.threshold]
         lam = reshare_coefficients(old, chosen)
         mix = randomness.field_vector(old, blocks)
-        for member in news.values():
-            member.reset()
+        for j in list(news):
+            news[j] = news[j].reset()
         delivered = [i for i in candidates if i not in faults.old_drop_deal]
         widths = {i: (blocks + 1 if i in chosen else 1) for i in delivered}
         for i in delivered:
             column = lam[:, chosen.index(i)] if i in chosen else None
             rows = olds[i].deal(old, new, column, mix, randomness)
             for j in holders:
-                self._send(olds[i], news[j], rows[j], widths[i], faults)
+                news[j] = self._send(olds[i], news[j], rows[j], widths[i], faults)
         self._enter(ReshareStage.ACCUMULATE)
         for j in holders:
             member = news[j]
             if self.relay is not None:
                 for envelope in self.relay.deliver(member.endpoint.party_id):
                     for arrived in faults.relay(envelope) if faults.relay else [envelope]:
-                        member.receive(new.field, arrived, self.round, widths)
-            member.refused |= {i for i in delivered if i not in member.received}
+                        member = member.receive(new.field, arrived, self.round, widths)
+            member = member.refusing({i for i in delivered if i not in member.received})
+            news[j] = member
         refused = set().union(*(news[j].refused for j in holders))
         return [i for i in candidates if i not in delivered or i in refused]
 
@@ -497,9 +513,10 @@ class Resharing:
         except TamperingDetected as error:
             raise self._abort(error) from error.__cause__
 
-    def _send(self, sender, receiver, row, width: int, faults: ReshareFaults) -> None:
-        """One deal from ``sender`` to ``receiver``: handed over (plain) or sealed and posted;
-        a hostile dealer's payload that cannot even be sealed is never delivered."""
+    def _send(self, sender, receiver, row, width: int, faults: ReshareFaults) -> NewMember:
+        """One deal from ``sender`` to ``receiver``: handed over (plain: the receiver that took
+        it is returned) or sealed and posted (the receiver returned as it was); a hostile
+        dealer's payload that cannot even be sealed is never delivered."""
         if faults.rewrite_deal is not None:
             row = faults.rewrite_deal(sender.index, receiver.index, row)
         if self.relay is None:
@@ -509,14 +526,13 @@ class Resharing:
                 ReshareStage.DEAL,
                 np.size(row) * self.old.field.bytes_per_element,
             )
-            receiver.take(self.old.field, sender.index, row, width)
-            return
+            return receiver.take(self.old.field, sender.index, row, width)
         try:
             envelope = sender.endpoint.seal_array(
                 receiver.endpoint.party_id, self.round, ReshareStage.DEAL, row
             )
         except ValueError:
-            return
+            return receiver
         if (sender.index, receiver.index) in faults.corrupt_in_transit:
             body = bytearray(envelope.ciphertext)
             body[len(body) // 2] ^= 0x01
@@ -529,5 +545,6 @@ class Resharing:
                 bytes(body),
             )
         self.relay.post(envelope)
+        return receiver
 
 
