@@ -22,13 +22,16 @@ from typing import Any
 
 import numpy as np
 from flwr.app import ConfigRecord, Context, RecordDict
+from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 
+from fedsim.config import require
 from fedsim.randomness import PartySecret, Stream, public_generator
 from protocols.channels import new_session_id
 from protocols.field import DEFAULT_FIELD
 from protocols.secagg.common import SecAggConfig, SecAggKeys, Stage
-from strategies.secure.release import Release, SecureSum
+from strategies.secure import secagg_client_stages
+from strategies.secure.release import Release, SecureSum, SumArguments, SumOptions
 from strategies.secure.secagg_client_stages import start_client
 from strategies.secure.secagg_messages import keys_from, run_over_grid
 
@@ -75,11 +78,49 @@ class SecAggPlan:
         return out
 
 
+def contribute(
+    context: Context,
+    secret: PartySecret,
+    config: ConfigRecord,
+    elements: np.ndarray,
+    server_round: int,
+    prefix: str,
+) -> RecordDict:
+    """ADVERTISE_KEYS on the client: keep the signed input in the client's state (its
+    protocol seed from its own secret) and reply its two public keys only."""
+    signed = DEFAULT_FIELD.decode_signed(elements)
+    return start_client(context, server_round, config[prefix + SecAggKeys.SESSION], signed)
+
+
+@dataclass(frozen=True)
+class SecAggOptions(SumOptions):
+    """SecAgg+'s ``strategy.options`` under a FedAvg-family strategy: ``secagg_degree``
+    (neighbours per client; unset: the complete graph) and ``stage_timeout`` (seconds each
+    exchange waits). Part of the round's plan, so every secure sum takes them."""
+
+    secagg_degree: int | None = None
+    stage_timeout: float | None = None
+
+    def check(self, where: str) -> None:
+        degree = self.secagg_degree
+        require(
+            degree is None or (degree >= 2 and degree % 2 == 0),
+            f"{where}.secagg_degree",
+            degree,
+            "an even integer >= 2 (neighbours per client; unset: all)",
+        )
+
+    def arguments(self) -> dict[str, Any]:
+        keys = ("secagg_degree", "stage_timeout")
+        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+
+
 class SecAggSum(SecureSum):
     """SecAgg+ over the round's Grid; ``stage_timeout``: seconds each exchange waits."""
 
     name = "secagg"
     reply_kind = ConfigRecord
+    options_type = SecAggOptions
 
     def __init__(self, prefix: str, plan: SecAggPlan, stage_timeout: float | None) -> None:
         super().__init__(prefix)
@@ -87,6 +128,17 @@ class SecAggSum(SecureSum):
         self.stage_timeout = stage_timeout
         self._session: bytes | None = None
         self._grid: Grid | None = None
+
+    @classmethod
+    def from_arguments(cls, arguments: SumArguments) -> SecAggSum:
+        return cls(arguments.prefix, arguments.plan, arguments.stage_timeout)
+
+    contribute = staticmethod(contribute)
+
+    @classmethod
+    def register_client_stages(cls, app: ClientApp) -> None:
+        """SHARE_KEYS, MASKED_INPUT and UNMASK on the client (``query.secagg_*``)."""
+        secagg_client_stages.register_client_stages(app)
 
     @property
     def reply_key(self) -> str:
@@ -130,16 +182,3 @@ class SecAggSum(SecureSum):
             opened=outcome.opened,
         )
 
-
-def contribute(
-    context: Context,
-    secret: PartySecret,
-    config: ConfigRecord,
-    elements: np.ndarray,
-    server_round: int,
-    prefix: str,
-) -> RecordDict:
-    """ADVERTISE_KEYS on the client: keep the signed input in the client's state (its
-    protocol seed from its own secret) and reply its two public keys only."""
-    signed = DEFAULT_FIELD.decode_signed(elements)
-    return start_client(context, server_round, config[prefix + SecAggKeys.SESSION], signed)
