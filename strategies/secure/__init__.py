@@ -28,7 +28,8 @@ from strategies.secure.committee import CommitteeSum
 from strategies.secure.dmm.committee_sum import DMMSum
 from strategies.secure.plaintext import PlaintextSum
 from strategies.secure.release import Release, SecureSum, SumArguments, SumOptions
-from strategies.secure.secagg import SecAggPlan, SecAggSum
+from strategies.secure.secagg import SecAggSum
+from strategies.secure.secagg_plan import SecAggPlan
 
 __all__ = [
     "CLASSES",

@@ -347,4 +347,3 @@ def _reason(reasons: Iterable[str], client: int) -> str:
     """The committee's reason for excluding ``client`` (``"client C: ..."`` entries)."""
     prefix = f"client {client}: "
     return "; ".join(r[len(prefix) :] for r in reasons if r.startswith(prefix))
-

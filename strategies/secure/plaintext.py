@@ -3,7 +3,7 @@
 Each client's input (its field elements) reaches the server in the clear (``<prefix>encoded``),
 and the server sums them itself: nothing about the server's view is secure. The sum reproduces
 what SecAgg+ (Bell et al., CCS 2020; :mod:`strategies.secure.secagg`) reaches on the complete
-graph under the same public protocol dropouts (:class:`~strategies.secure.secagg.SecAggPlan`):
+graph under the same public protocol dropouts (:class:`~strategies.secure.secagg_plan.SecAggPlan`):
 the clients lost before MASKED_INPUT are left out, and a round with too few clients at any
 stage releases nothing -- so a study in plaintext mode accounts the same releases as one over
 SecAgg+, bit for bit, with the same client secrets and dropouts.
@@ -23,7 +23,7 @@ from protocols.field import DEFAULT_FIELD
 from protocols.kit import TooManyDropoutsError
 from protocols.secagg.common import Stage, integer_vector
 from strategies.secure.release import Release, SecureSum, SumArguments
-from strategies.secure.secagg import SecAggPlan
+from strategies.secure.secagg_plan import SecAggPlan
 
 _BEFORE_INPUT = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT)
 
@@ -110,4 +110,3 @@ class PlaintextSum(SecureSum):
         except TooManyDropoutsError as error:
             return Release(None, aborted=str(error))
         return Release(total, contributors)
-

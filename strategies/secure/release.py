@@ -48,7 +48,7 @@ from fedsim.randomness import PartySecret
 
 if TYPE_CHECKING:
     from fedsim.engine.committee import Committee, CommitteeSpec
-    from strategies.secure.secagg import SecAggPlan
+    from strategies.secure.secagg_plan import SecAggPlan
 
 
 @dataclass

@@ -9,9 +9,9 @@ keys, sealed share rows it relays, masked inputs and its own protocol state; it 
 sum of the survivors' inputs and nothing else about them, against an honest-but-curious
 server (relayed keys are checked by enrolled clients, :mod:`strategies.secure.secagg_messages`).
 
-:class:`SecAggPlan` holds the round's public SecAgg+ parameters (neighbour degree, ring,
-simulated protocol dropouts drawn from the run seed), shared with the ``plaintext``
-simulation so that both reach the same outcome.
+:class:`~strategies.secure.secagg_plan.SecAggPlan` holds the round's public SecAgg+
+parameters (neighbour degree, ring, simulated protocol dropouts drawn from the run seed), shared
+with the ``plaintext`` simulation so that both reach the same outcome.
 """
 
 from __future__ import annotations
@@ -29,53 +29,12 @@ from fedsim.config import require
 from fedsim.randomness import PartySecret, Stream, public_generator
 from protocols.channels import new_session_id
 from protocols.field import DEFAULT_FIELD
-from protocols.secagg.common import SecAggConfig, SecAggKeys, Stage
+from protocols.secagg.common import SecAggKeys
 from strategies.secure import secagg_client_stages
 from strategies.secure.release import Release, SecureSum, SumArguments, SumOptions
 from strategies.secure.secagg_client_stages import start_client
 from strategies.secure.secagg_messages import keys_from, run_over_grid
-
-_STAGES = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASK)
-
-
-@dataclass(frozen=True)
-class SecAggPlan:
-    """The public SecAgg+ parameters of a run: ``seed`` (the run seed: the neighbour graph and
-    the simulated dropouts are public streams of it), ``degree`` (neighbours per client; None:
-    the complete graph), ``ring_bits`` (mask in Z_{2^ring_bits}; None: in F_p) and
-    ``dropout`` (probability that a client whose first reply arrived stops answering, at a
-    stage drawn uniformly from SecAgg+'s four)."""
-
-    seed: int
-    degree: int | None = None
-    ring_bits: int | None = None
-    dropout: float = 0.0
-
-    def config(self, server_round: int, count: int, length: int) -> SecAggConfig:
-        """The SecAgg+ parameters for ``count`` clients: degree ``degree`` (None: the complete
-        graph), threshold a majority of the neighbours."""
-        degree = count - 1 if self.degree is None else min(self.degree, count - 1)
-        if degree != count - 1 and degree % 2:
-            degree -= 1
-        return SecAggConfig(
-            num_clients=count,
-            degree=degree,
-            threshold=degree // 2 + 1 if degree >= 2 else 2,
-            vector_length=length,
-            round=server_round,
-            ring_bits=self.ring_bits,
-        )
-
-    def dropouts(self, server_round: int, ids: list[int]) -> dict[Stage, set[int]]:
-        """The clients that stop answering inside SecAgg+ this round, by stage."""
-        rng = public_generator(self.seed, server_round, Stream.FAULTS, 1)
-        lost = rng.random(len(ids)) < self.dropout
-        stage_index = rng.integers(0, 4, size=len(ids))
-        out: dict[Stage, set[int]] = {}
-        for client, is_lost, index in zip(ids, lost, stage_index):
-            if is_lost:
-                out.setdefault(_STAGES[index], set()).add(client)
-        return out
+from strategies.secure.secagg_plan import SecAggPlan
 
 
 def contribute(
@@ -181,4 +140,3 @@ class SecAggSum(SecureSum):
             outcome.refused,
             opened=outcome.opened,
         )
-

@@ -369,4 +369,3 @@ def shared_reply(
         )
     sealed = seal_client_shares(keys, party, rounded, noise, shares, key_seed)
     return RecordDict({DMMKeys.SEALED: sealed_to_record(sealed)})
-
