@@ -472,4 +472,3 @@ class DMM(SecureReplies):
         checks.log_rejected(self.secure.round.round, rejected)
         out.update(clear_metrics(replies))
         return out
-
