@@ -21,7 +21,6 @@ from protocols.field import DEFAULT_FIELD
 from protocols.shamir import PackedShamir
 from strategies import secure
 from strategies.secure import CommitteeSum, DMMSum, Release, SecAggPlan
-from strategies.secure.secagg_client_stages import register_client_stages
 
 PREFIX = "contract."
 PHRASE = "secure-contract"
@@ -71,7 +70,7 @@ def make_sum(
 
 def client_app(inputs: Mapping[int, np.ndarray], name: str) -> ClientApp:
     """Clients whose train handler contributes ``inputs[node]`` through ``name``'s client side
-    and that answer SecAgg+'s stages."""
+    and that answer every secure sum's later stages (SecAgg+'s)."""
     app = ClientApp()
 
     @app.train()
@@ -83,7 +82,7 @@ def client_app(inputs: Mapping[int, np.ndarray], name: str) -> ClientApp:
         content = contribute(context, secret, config, inputs[context.node_id], server_round, PREFIX)
         return Message(content=content, reply_to=message)
 
-    register_client_stages(app)
+    secure.register_client_stages(app)
     return app
 
 

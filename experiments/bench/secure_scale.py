@@ -237,7 +237,7 @@ def dmm_mode(point: Point, worker_fold: bool = True) -> ModeRun:
         output = strategy.last_output
         if output is None:
             return {"committee_cpu_s": spent, "bytes_per_member": None}
-        t, seats = output.transcript, range(strategy.scheme.n)
+        t, seats = output.transcript, range(strategy.secure.scheme.n)
         per_member = [
             sum(
                 t.nbytes(receiver=base + j) + t.nbytes(sender=base + j)

@@ -55,9 +55,7 @@ from strategies.plumbing.wrapper import (
 )
 from strategies.secure import Release, SecAggPlan, SecureSum
 from strategies.secure.clear import ClearMetricsGate, register_evaluate
-from strategies.secure.committee import COMMITTEE_OPTIONS, spec_from_options
 from strategies.secure.replies import clear_train_loss, first_replies
-from strategies.secure.secagg_client_stages import register_client_stages
 from strategies.spec import raw_option
 
 log = logging.getLogger(__name__)
@@ -181,7 +179,7 @@ def secure_client_app(inner: ClientApp, metrics_in_clear: bool = False) -> Clien
             content["metrics"] = MetricRecord(dict(metrics))
         return Message(content=content, reply_to=message)
 
-    register_client_stages(app)
+    secure.register_client_stages(app, SECURE_SUMS)
 
     register_evaluate(app, inner, metrics_in_clear, CLIENT_REFUSAL)
     return app
@@ -388,64 +386,58 @@ class SecureAggregation(ClearMetricsGate):
         return arrays, aggregated
 
 
-#: the secure sum's keys that only ``secure_sum = "committee"`` takes
-_COMMITTEE_ONLY = (*COMMITTEE_OPTIONS, "member_dropout")
+#: the secure sums' own options (:attr:`strategies.secure.SecureSum.options_type`), in the
+#: registry's order
+SUM_OPTIONS = tuple(
+    dict.fromkeys(
+        secure.CLASSES[name].options_type
+        for name in SECURE_SUMS
+        if secure.CLASSES[name].options_type is not None
+    )
+)
 
 
 @dataclass(frozen=True)
-class SecureSumOptions:
-    """The ``strategy.options`` a FedAvg-family strategy takes for a secure sum.
-
-    ``secure_sum`` ("secagg" or "committee") turns it on; every other key is refused without
-    it, and the committee's (``committee_size``, ``threshold``, ``packing``, ``detect``,
-    ``committee_shards``, ``committee_actors``, ``member_dropout``) with "secagg". An unset
-    key (None) takes the default of :class:`FixedPoint`, :class:`SecureAggregation` or
-    :class:`~fedsim.engine.committee.CommitteeSpec`.
-    """
+class _Encoding:
+    """The keys every secure sum takes: which one (``secure_sum``) and the fixed point."""
 
     secure_sum: Literal[SECURE_SUMS] | None = None
     fractional_bits: int | None = None
     value_bound: float | None = None
-    secagg_degree: int | None = None
-    stage_timeout: float | None = None
-    member_dropout: float | None = None
-    committee_size: int | None = None
-    threshold: int | None = None
-    packing: int | None = None
-    detect: int | None = None
-    committee_shards: int | None = None
-    committee_actors: bool | None = None
+
+
+@dataclass(frozen=True)
+class SecureSumOptions(*reversed(SUM_OPTIONS), _Encoding):
+    """The ``strategy.options`` a FedAvg-family strategy takes for a secure sum: ``secure_sum``
+    and the fixed point's keys, then each secure sum's own (:data:`SUM_OPTIONS`: SecAgg+'s
+    ``secagg_degree`` and ``stage_timeout``, the committee's ``committee_size``, ``threshold``,
+    ``packing``, ``detect``, ``committee_shards``, ``committee_actors`` and
+    ``member_dropout``).
+
+    ``secure_sum`` turns it on; every other key is refused without it, and a secure sum's own
+    keys with another secure sum when they are only for it
+    (:attr:`strategies.secure.SumOptions.only_with`). An unset key (None) takes the default of
+    :class:`FixedPoint`, :class:`SecureAggregation` or
+    :class:`~fedsim.engine.committee.CommitteeSpec`.
+    """
 
     def __post_init__(self) -> None:
         given = [k for k in SECURE_SUM_KEYS[1:] if getattr(self, k) is not None]
         if self.secure_sum is None and given:
             key = sorted(given)[0]
             raise ConfigError(f"{_WHERE}.{key}", getattr(self, key), "set only with secure_sum")
-        committee = [k for k in _COMMITTEE_ONLY if getattr(self, k) is not None]
-        require(
-            self.secure_sum == "committee" or not committee,
-            f"{_WHERE}.{committee[0] if committee else 'secure_sum'}",
-            getattr(self, committee[0]) if committee else self.secure_sum,
-            "only with secure_sum = 'committee'",
-        )
-        degree = self.secagg_degree
-        require(
-            degree is None or (degree >= 2 and degree % 2 == 0),
-            f"{_WHERE}.secagg_degree",
-            degree,
-            "an even integer >= 2 (neighbours per client; unset: all)",
-        )
-        dropout = self.member_dropout
-        require(
-            dropout is None or 0.0 <= dropout <= 1.0,
-            f"{_WHERE}.member_dropout",
-            dropout,
-            "a probability in [0, 1]",
-        )
+        for part in SUM_OPTIONS:
+            own = [f.name for f in dataclasses.fields(part) if getattr(self, f.name) is not None]
+            require(
+                part.only_with in (None, self.secure_sum) or not own,
+                f"{_WHERE}.{own[0] if own else 'secure_sum'}",
+                getattr(self, own[0]) if own else self.secure_sum,
+                f"only with secure_sum = {part.only_with!r}",
+            )
+        for part in SUM_OPTIONS:
+            part.check(self, _WHERE)
         if self.secure_sum is not None:
             self.codec()
-        if self.secure_sum == "committee":
-            self.committee()
 
     def codec(self) -> FixedPoint:
         """The fixed-point encoding these options set (a ConfigError naming the key)."""
@@ -458,12 +450,12 @@ class SecureSumOptions:
         except ValueError as error:
             raise ConfigError(f"{_WHERE}.value_bound", bound, str(error)) from None
 
-    def committee(self) -> CommitteeSpec | None:
-        """The committee these options describe (None unless ``secure_sum = "committee"``)."""
-        if self.secure_sum != "committee":
-            return None
-        given = {k: getattr(self, k) for k in COMMITTEE_OPTIONS if getattr(self, k) is not None}
-        return spec_from_options(given)
+    def arguments(self) -> dict[str, Any]:
+        """The :class:`SecureAggregation` keyword arguments the secure sums' own options set."""
+        out: dict[str, Any] = {}
+        for part in SUM_OPTIONS:
+            out.update(part.arguments(self))
+        return out
 
 
 #: ``strategy.options`` keys a FedAvg-family strategy takes with a secure sum
@@ -485,11 +477,6 @@ def from_options(
 ) -> SecureAggregation:
     """``strategy`` (built from the other options) behind the secure sum ``options`` ask
     for; a bad option is a ConfigError naming ``strategy.options.<key>``."""
-    set_ = {
-        k: getattr(options, k)
-        for k in ("secagg_degree", "stage_timeout", "member_dropout")
-        if getattr(options, k) is not None
-    }
     try:
         return SecureAggregation(
             strategy,
@@ -497,9 +484,8 @@ def from_options(
             seed=facts.seed,
             expected_clients=max(2, round(facts.expected_clients)),
             codec=options.codec(),
-            committee=options.committee(),
             metrics_in_clear=facts.metrics_in_clear,
-            **set_,
+            **options.arguments(),
         )
     except ValueError as error:  # the cohort's sum (value_bound) or federated evaluation
         key = "value_bound" if "could wrap" in str(error) else "secure_sum"

@@ -14,7 +14,7 @@ clients_per_round`` and ``sampling``), accounted with the run's sampling model
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -56,6 +56,44 @@ class TextRun:
                 f"'uniform' or 'poisson' for {name} (its ledger accounts sampled rounds)",
             )
         return sampling
+
+
+@dataclass(frozen=True, kw_only=True)
+class TextOptions:
+    """The ``strategy.options`` every text method takes: the generation keys of its prompts
+    (``num_prompts`` K prompts of ``examples_per_prompt`` public examples, ``samples_per_prompt``
+    J samples each, of at most ``max_new_tokens`` new tokens after a ``max_tokens`` prompt, at
+    ``temperature`` and ``top_p``, ``generation_batch_size`` prompts a batch), exactly one of
+    ``noise_multiplier`` and ``target_epsilon`` (over the run's rounds, with ``accountant``),
+    ``delta`` (unset: ``min(1e-5, 1 / N)``), ``max_example_words`` (only public texts of at
+    most this many words are prompt examples; 0: all) and the models (:func:`check_models`)."""
+
+    num_prompts: int = 1800
+    samples_per_prompt: int = 10
+    examples_per_prompt: int = 3
+    max_new_tokens: int = 85
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    generation_batch_size: int = 32
+    noise_multiplier: float | None = None
+    target_epsilon: float | None = None
+    delta: float | None = None
+    accountant: Literal["rdp", "pld"] = "rdp"
+    max_example_words: int = 0
+    generator: str = "smollm2"
+    embedder: str = "minilm"
+    device: str = "cpu"
+
+    def check_noise(self, name: str, where: str = "strategy.options") -> None:
+        """The models, and exactly one of ``noise_multiplier`` and ``target_epsilon``."""
+        check_models(self, where)
+        require(
+            (self.noise_multiplier is None) != (self.target_epsilon is None),
+            f"{where}.noise_multiplier",
+            self.noise_multiplier,
+            f"exactly one of noise_multiplier, target_epsilon (required by {name})",
+        )
 
 
 def check_models(options: Any, where: str = "strategy.options") -> None:

@@ -9,24 +9,27 @@
 state
   handed from committee to committee (with worker folding), run by the DMM strategy.
 
-:func:`build` makes one by name; :data:`CONTRIBUTE` holds each one's client side and
-:data:`WITHOUT_DP` the names a FedAvg-family strategy may take with no DP
-(:mod:`strategies.plumbing.secure_aggregation`): adding an implementation is its module and its
-entry in :data:`CLASSES`.
+:func:`build` makes one by name (:meth:`SecureSum.from_arguments`); :data:`CONTRIBUTE` holds
+each one's client side (:meth:`SecureSum.contribute`), :func:`register_client_stages` adds the
+client handlers of their later exchanges, and :data:`WITHOUT_DP` names those a FedAvg-family
+strategy may take with no DP (:mod:`strategies.plumbing.secure_aggregation`, which composes
+their :attr:`SecureSum.options_type`): adding an implementation is its module and its entry in
+:data:`CLASSES`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+
+from flwr.clientapp import ClientApp
 
 from fedsim.engine.committee import Committee, CommitteeSpec
-from strategies.secure import committee, plaintext, secagg
 from strategies.secure.committee import CommitteeSum
-from strategies.secure.dmm import committee_sum as dmm
 from strategies.secure.dmm.committee_sum import DMMSum
 from strategies.secure.plaintext import PlaintextSum
-from strategies.secure.release import Release, SecureSum
-from strategies.secure.secagg import SecAggPlan, SecAggSum
+from strategies.secure.release import Release, SecureSum, SumArguments, SumOptions
+from strategies.secure.secagg import SecAggSum
+from strategies.secure.secagg_plan import SecAggPlan
 
 __all__ = [
     "CLASSES",
@@ -39,8 +42,11 @@ __all__ = [
     "SecAggPlan",
     "SecAggSum",
     "SecureSum",
+    "SumArguments",
+    "SumOptions",
     "WITHOUT_DP",
     "build",
+    "register_client_stages",
 ]
 
 #: name -> the implementation
@@ -49,12 +55,7 @@ CLASSES: dict[str, type[SecureSum]] = {
 }
 
 #: name -> the client side: ``contribute(context, secret, config, elements, round, prefix)``
-CONTRIBUTE: dict[str, Callable] = {
-    PlaintextSum.name: plaintext.contribute,
-    SecAggSum.name: secagg.contribute,
-    CommitteeSum.name: committee.contribute,
-    DMMSum.name: dmm.contribute,
-}
+CONTRIBUTE: dict[str, Callable] = {name: cls.contribute for name, cls in CLASSES.items()}
 NAMES = tuple(CLASSES)
 #: the secure sums that hide every input and sum on their own: what ``secure_sum`` may name
 #: under a FedAvg-family strategy with no DP
@@ -70,23 +71,27 @@ def build(
     committee: Committee | CommitteeSpec | None = None,
     member_dropout: float = 0.0,
 ) -> SecureSum:
-    """The secure sum ``name`` (one of :data:`NAMES` but ``dmm``): ``plan`` gives SecAgg+'s public
-    parameters (``plaintext`` simulates them), ``stage_timeout`` its exchanges' limit, and
-    ``committee`` (required exactly for ``committee``) the committee or its spec."""
+    """The secure sum ``name`` (one of :data:`NAMES` but ``dmm``), built by its class from the
+    :class:`SumArguments`: ``plan`` gives SecAgg+'s public parameters (``plaintext`` simulates
+    them), ``stage_timeout`` its exchanges' limit, and ``committee`` (required exactly for the
+    sums that take one) the committee or its spec."""
     if name not in NAMES:
         raise ValueError(f"secure sum {name!r}; allowed: {', '.join(map(repr, NAMES))}")
-    if name == DMMSum.name:
-        raise ValueError(
-            "secure sum 'dmm' is built by the DMM strategy, which owns its integer matrix "
-            "(strategies.secure.dmm.committee_sum.DMMSum)"
-        )
-    if (name == CommitteeSum.name) != (committee is not None):
+    cls = CLASSES[name]
+    if cls.takes_committee != (committee is not None):
+        takers = ", ".join(repr(n) for n, c in CLASSES.items() if c.takes_committee)
         raise ValueError(
             f"committee={committee!r} with secure sum {name!r}: a Committee or CommitteeSpec "
-            "is given exactly for 'committee'"
+            f"is given exactly for {takers}"
         )
-    if name == PlaintextSum.name:
-        return PlaintextSum(prefix, plan)
-    if name == SecAggSum.name:
-        return SecAggSum(prefix, plan, stage_timeout)
-    return CommitteeSum(prefix, committee, seed=plan.seed, member_dropout=member_dropout)
+    arguments = SumArguments(prefix, plan, stage_timeout, committee, member_dropout)
+    return cls.from_arguments(arguments)
+
+
+def register_client_stages(app: ClientApp, names: Iterable[str] = NAMES) -> None:
+    """Add to ``app`` the client handlers of the exchanges after the first reply of each
+    secure sum in ``names`` (:meth:`SecureSum.register_client_stages`)."""
+    for name in dict.fromkeys(names):
+        if name not in CLASSES:
+            raise ValueError(f"secure sum {name!r}; allowed: {', '.join(map(repr, NAMES))}")
+        CLASSES[name].register_client_stages(app)

@@ -19,6 +19,7 @@ nodes are the clients in that sum. ``member_dropout`` drops members from a publi
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,7 +39,7 @@ from protocols.committee.common import (
     SealedInput,
 )
 from protocols.kit import MEMBER_ID_BASE, TamperingDetected
-from strategies.secure.release import Release, SecureSum
+from strategies.secure.release import Release, SecureSum, SumArguments, SumOptions
 from strategies.secure.secagg_messages import envelopes_from, envelopes_record
 
 W = CommitteeWire
@@ -148,6 +149,71 @@ def sealed_from(record: object, name: str = "the sealed input") -> SealedInput:
     return SealedInput(key, dict(zip(members, envelopes)))
 
 
+def contribute(
+    context: Context,
+    secret: PartySecret,
+    config: ConfigRecord,
+    elements: np.ndarray,
+    server_round: int,
+    prefix: str,
+) -> RecordDict:
+    """Share ``elements`` and seal each member's row, with share randomness and key from the
+    client's own ``secret``. An enrolled client (its ``node_config``) first checks that every
+    member key was signed by member j itself: a substituted key is refused."""
+    keys, party = committee_keys_from(config, prefix)
+    enrolment = enrolled(context.node_config, secret)
+    sealed = seal_input(
+        keys,
+        party,
+        elements,
+        secret.generator(server_round, Purpose.SHARES, prefix),
+        secret.seed_bytes(server_round, Purpose.KEYS, prefix, keys.session_id.hex()),
+        verifier=None if enrolment is None else enrolment[1],
+        names=[member_name(j) for j in range(keys.n)],
+    )
+    return RecordDict({sealed_key(prefix): sealed_record(sealed)})
+
+
+@dataclass(frozen=True)
+class CommitteeOptions(SumOptions):
+    """The committee's ``strategy.options`` under a FedAvg-family strategy, only with
+    ``secure_sum = "committee"``: its layout (:data:`COMMITTEE_OPTIONS`; ``committee_size`` and
+    ``threshold`` required) and ``member_dropout`` (each member's drop probability per stage)."""
+
+    only_with = "committee"
+
+    committee_size: int | None = None
+    threshold: int | None = None
+    packing: int | None = None
+    detect: int | None = None
+    committee_shards: int | None = None
+    committee_actors: bool | None = None
+    member_dropout: float | None = None
+
+    def check(self, where: str) -> None:
+        dropout = self.member_dropout
+        require(
+            dropout is None or 0.0 <= dropout <= 1.0,
+            f"{where}.member_dropout",
+            dropout,
+            "a probability in [0, 1]",
+        )
+        self.committee()
+
+    def committee(self) -> CommitteeSpec | None:
+        """The committee these options describe (None unless ``secure_sum = "committee"``)."""
+        if self.secure_sum != self.only_with:
+            return None
+        given = {k: getattr(self, k) for k in COMMITTEE_OPTIONS if getattr(self, k) is not None}
+        return spec_from_options(given)
+
+    def arguments(self) -> dict[str, Any]:
+        if self.secure_sum != self.only_with:
+            return {}
+        dropout = {} if self.member_dropout is None else {"member_dropout": self.member_dropout}
+        return {"committee": self.committee(), **dropout}
+
+
 class CommitteeSum(SecureSum):
     """The clients share and seal to a committee, which sums. ``committee``: a
     :class:`~fedsim.engine.committee.Committee`, or the
@@ -157,6 +223,8 @@ class CommitteeSum(SecureSum):
 
     name = "committee"
     reply_kind = ConfigRecord
+    takes_committee = True
+    options_type = CommitteeOptions
 
     def __init__(
         self,
@@ -176,6 +244,17 @@ class CommitteeSum(SecureSum):
         self.seed = int(seed)
         self.member_dropout = float(member_dropout)
         self._party: dict[int, int] = {}
+
+    @classmethod
+    def from_arguments(cls, arguments: SumArguments) -> CommitteeSum:
+        return cls(
+            arguments.prefix,
+            arguments.committee,
+            seed=arguments.plan.seed,
+            member_dropout=arguments.member_dropout,
+        )
+
+    contribute = staticmethod(contribute)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -268,28 +347,3 @@ def _reason(reasons: Iterable[str], client: int) -> str:
     """The committee's reason for excluding ``client`` (``"client C: ..."`` entries)."""
     prefix = f"client {client}: "
     return "; ".join(r[len(prefix) :] for r in reasons if r.startswith(prefix))
-
-
-def contribute(
-    context: Context,
-    secret: PartySecret,
-    config: ConfigRecord,
-    elements: np.ndarray,
-    server_round: int,
-    prefix: str,
-) -> RecordDict:
-    """Share ``elements`` and seal each member's row, with share randomness and key from the
-    client's own ``secret``. An enrolled client (its ``node_config``) first checks that every
-    member key was signed by member j itself: a substituted key is refused."""
-    keys, party = committee_keys_from(config, prefix)
-    enrolment = enrolled(context.node_config, secret)
-    sealed = seal_input(
-        keys,
-        party,
-        elements,
-        secret.generator(server_round, Purpose.SHARES, prefix),
-        secret.seed_bytes(server_round, Purpose.KEYS, prefix, keys.session_id.hex()),
-        verifier=None if enrolment is None else enrolment[1],
-        names=[member_name(j) for j in range(keys.n)],
-    )
-    return RecordDict({sealed_key(prefix): sealed_record(sealed)})

@@ -3,7 +3,7 @@
 Each client's input (its field elements) reaches the server in the clear (``<prefix>encoded``),
 and the server sums them itself: nothing about the server's view is secure. The sum reproduces
 what SecAgg+ (Bell et al., CCS 2020; :mod:`strategies.secure.secagg`) reaches on the complete
-graph under the same public protocol dropouts (:class:`~strategies.secure.secagg.SecAggPlan`):
+graph under the same public protocol dropouts (:class:`~strategies.secure.secagg_plan.SecAggPlan`):
 the clients lost before MASKED_INPUT are left out, and a round with too few clients at any
 stage releases nothing -- so a study in plaintext mode accounts the same releases as one over
 SecAgg+, bit for bit, with the same client secrets and dropouts.
@@ -22,8 +22,8 @@ from fedsim.record_codec import to_numpy, to_record
 from protocols.field import DEFAULT_FIELD
 from protocols.kit import TooManyDropoutsError
 from protocols.secagg.common import Stage, integer_vector
-from strategies.secure.release import Release, SecureSum
-from strategies.secure.secagg import SecAggPlan
+from strategies.secure.release import Release, SecureSum, SumArguments
+from strategies.secure.secagg_plan import SecAggPlan
 
 _BEFORE_INPUT = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT)
 
@@ -31,6 +31,19 @@ _BEFORE_INPUT = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT)
 def encoded_key(prefix: str) -> str:
     """The reply record holding a client's elements in the clear."""
     return prefix + "encoded"
+
+
+def contribute(
+    context: Context,
+    secret: PartySecret,
+    config: ConfigRecord,
+    elements: np.ndarray,
+    server_round: int,
+    prefix: str,
+) -> RecordDict:
+    """The client's elements, in the clear."""
+    key = encoded_key(prefix)
+    return RecordDict({key: to_record({key: elements})})
 
 
 class PlaintextSum(SecureSum):
@@ -43,6 +56,12 @@ class PlaintextSum(SecureSum):
     def __init__(self, prefix: str, plan: SecAggPlan) -> None:
         super().__init__(prefix)
         self.plan = plan
+
+    @classmethod
+    def from_arguments(cls, arguments: SumArguments) -> PlaintextSum:
+        return cls(arguments.prefix, arguments.plan)
+
+    contribute = staticmethod(contribute)
 
     @property
     def reply_key(self) -> str:
@@ -91,16 +110,3 @@ class PlaintextSum(SecureSum):
         except TooManyDropoutsError as error:
             return Release(None, aborted=str(error))
         return Release(total, contributors)
-
-
-def contribute(
-    context: Context,
-    secret: PartySecret,
-    config: ConfigRecord,
-    elements: np.ndarray,
-    server_round: int,
-    prefix: str,
-) -> RecordDict:
-    """The client's elements, in the clear."""
-    key = encoded_key(prefix)
-    return RecordDict({key: to_record({key: elements})})

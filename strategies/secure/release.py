@@ -22,9 +22,14 @@ One round, seen from the strategy:
 3. :meth:`SecureSum.finish` runs the rest of the protocol over the accepted payloads (by node
    id) and returns the round's :class:`Release`.
 
-On the client, the implementation's module-level ``contribute(context, secret, config,
-elements, server_round, prefix)`` turns the client's elements into that first reply's content
-(:data:`strategies.secure.CONTRIBUTE` by name).
+On the client, the implementation's :meth:`SecureSum.contribute` turns the client's elements
+into that first reply's content (:data:`strategies.secure.CONTRIBUTE` by name), and
+:meth:`SecureSum.register_client_stages` adds the handlers of the exchanges after it.
+
+Each implementation builds itself from the :class:`SumArguments` every secure sum is given
+(:meth:`SecureSum.from_arguments`) and names the dataclass of the ``strategy.options`` it takes
+under a FedAvg-family strategy (:attr:`SecureSum.options_type`, a :class:`SumOptions`): a new one is
+its module and its entry in :data:`strategies.secure.CLASSES`.
 """
 
 from __future__ import annotations
@@ -32,11 +37,18 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
-from flwr.app import ConfigRecord, Message
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
+
+from fedsim.randomness import PartySecret
+
+if TYPE_CHECKING:
+    from fedsim.engine.committee import Committee, CommitteeSpec
+    from strategies.secure.secagg_plan import SecAggPlan
 
 
 @dataclass
@@ -76,6 +88,45 @@ class Release:
         return self.contributors if self.total is not None else self.opened
 
 
+@dataclass(frozen=True)
+class SumArguments:
+    """What every secure sum is built from (:func:`strategies.secure.build`): ``prefix`` names
+    its entries, ``plan`` holds SecAgg+'s public parameters (``plaintext`` simulates them; the
+    run seed for the others' public schedules), ``stage_timeout`` the seconds each exchange
+    after the first reply waits, ``committee`` the Committee or CommitteeSpec of a sum that
+    takes one (:attr:`SecureSum.takes_committee`) and ``member_dropout`` its members' drop
+    probability per stage."""
+
+    prefix: str
+    plan: SecAggPlan
+    stage_timeout: float | None = None
+    committee: Committee | CommitteeSpec | None = None
+    member_dropout: float = 0.0
+
+
+@dataclass(frozen=True)
+class SumOptions:
+    """Base of a secure sum's own ``strategy.options`` under a FedAvg-family strategy
+    (:class:`strategies.plumbing.secure_aggregation.SecureSumOptions` composes them): flat keys,
+    None when unset. Its methods run on the composed options (``self.secure_sum`` is the
+    secure sum they name)."""
+
+    #: the secure sum these keys are for, refused with any other ("only with secure_sum =
+    #: '<name>'"); None: every secure sum takes them (SecAgg+'s plan is every sum's argument)
+    only_with: ClassVar[str | None] = None
+
+    def check(self, where: str) -> None:
+        """A ConfigError naming ``<where>.<key>`` for a set key out of its range (every
+        value is in range by default)."""
+        return None
+
+    def arguments(self) -> dict[str, Any]:
+        """The keyword arguments of the secure aggregation wrapper
+        (:class:`strategies.plumbing.secure_aggregation.SecureAggregation`) that these options
+        set; an unset key takes the wrapper's default."""
+        return {}
+
+
 class SecureSum(ABC):
     """One way of summing a round's inputs in F_p so that the server learns only the sum (or,
     for ``plaintext``, a simulation of that outcome with the inputs in the clear).
@@ -92,9 +143,40 @@ class SecureSum(ABC):
     #: FedAvg-family strategy may take it with no DP when it also :attr:`hides_inputs`
     #: (:data:`strategies.secure.WITHOUT_DP`)
     standalone: ClassVar[bool] = True
+    #: it sums through a Committee (or the CommitteeSpec the front end builds one from), given
+    #: exactly to the sums that take one (:attr:`SumArguments.committee`)
+    takes_committee: ClassVar[bool] = False
+    #: the dataclass of its own ``strategy.options`` under a FedAvg-family strategy (None: it
+    #: takes none there)
+    options_type: ClassVar[type[SumOptions] | None] = None
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
+
+    @classmethod
+    @abstractmethod
+    def from_arguments(cls, arguments: SumArguments) -> SecureSum:
+        """The secure sum ``arguments`` describe (ValueError naming a bad one)."""
+
+    @staticmethod
+    @abstractmethod
+    def contribute(
+        context: Context,
+        secret: PartySecret,
+        config: ConfigRecord,
+        elements: np.ndarray,
+        server_round: int,
+        prefix: str,
+    ) -> RecordDict:
+        """The client side: the content of the first reply that carries the client's
+        ``elements`` (field elements) for ``server_round``, under the instruction ``config``
+        (entries named by ``prefix``), from the client's own ``secret``."""
+
+    @classmethod
+    def register_client_stages(cls, app: ClientApp) -> None:
+        """Add to ``app`` the client's handlers of the exchanges after the first reply (none
+        by default)."""
+        return None
 
     #: the record type under :attr:`reply_key` (ConfigRecord or ArrayRecord)
     reply_kind: ClassVar[type]

@@ -9,9 +9,9 @@ keys, sealed share rows it relays, masked inputs and its own protocol state; it 
 sum of the survivors' inputs and nothing else about them, against an honest-but-curious
 server (relayed keys are checked by enrolled clients, :mod:`strategies.secure.secagg_messages`).
 
-:class:`SecAggPlan` holds the round's public SecAgg+ parameters (neighbour degree, ring,
-simulated protocol dropouts drawn from the run seed), shared with the ``plaintext``
-simulation so that both reach the same outcome.
+:class:`~strategies.secure.secagg_plan.SecAggPlan` holds the round's public SecAgg+
+parameters (neighbour degree, ring, simulated protocol dropouts drawn from the run seed), shared
+with the ``plaintext`` simulation so that both reach the same outcome.
 """
 
 from __future__ import annotations
@@ -22,57 +22,56 @@ from typing import Any
 
 import numpy as np
 from flwr.app import ConfigRecord, Context, RecordDict
+from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 
+from fedsim.config import require
 from fedsim.randomness import PartySecret, Stream, public_generator
 from protocols.channels import new_session_id
 from protocols.field import DEFAULT_FIELD
-from protocols.secagg.common import SecAggConfig, SecAggKeys, Stage
-from strategies.secure.release import Release, SecureSum
+from protocols.secagg.common import SecAggKeys
+from strategies.secure import secagg_client_stages
+from strategies.secure.release import Release, SecureSum, SumArguments, SumOptions
 from strategies.secure.secagg_client_stages import start_client
 from strategies.secure.secagg_messages import keys_from, run_over_grid
+from strategies.secure.secagg_plan import SecAggPlan
 
-_STAGES = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASK)
+
+def contribute(
+    context: Context,
+    secret: PartySecret,
+    config: ConfigRecord,
+    elements: np.ndarray,
+    server_round: int,
+    prefix: str,
+) -> RecordDict:
+    """ADVERTISE_KEYS on the client: keep the signed input in the client's state (its
+    protocol seed from its own secret) and reply its two public keys only."""
+    signed = DEFAULT_FIELD.decode_signed(elements)
+    return start_client(context, server_round, config[prefix + SecAggKeys.SESSION], signed)
 
 
 @dataclass(frozen=True)
-class SecAggPlan:
-    """The public SecAgg+ parameters of a run: ``seed`` (the run seed: the neighbour graph and
-    the simulated dropouts are public streams of it), ``degree`` (neighbours per client; None:
-    the complete graph), ``ring_bits`` (mask in Z_{2^ring_bits}; None: in F_p) and
-    ``dropout`` (probability that a client whose first reply arrived stops answering, at a
-    stage drawn uniformly from SecAgg+'s four)."""
+class SecAggOptions(SumOptions):
+    """SecAgg+'s ``strategy.options`` under a FedAvg-family strategy: ``secagg_degree``
+    (neighbours per client; unset: the complete graph) and ``stage_timeout`` (seconds each
+    exchange waits). Part of the round's plan, so every secure sum takes them."""
 
-    seed: int
-    degree: int | None = None
-    ring_bits: int | None = None
-    dropout: float = 0.0
+    secagg_degree: int | None = None
+    stage_timeout: float | None = None
 
-    def config(self, server_round: int, count: int, length: int) -> SecAggConfig:
-        """The SecAgg+ parameters for ``count`` clients: degree ``degree`` (None: the complete
-        graph), threshold a majority of the neighbours."""
-        degree = count - 1 if self.degree is None else min(self.degree, count - 1)
-        if degree != count - 1 and degree % 2:
-            degree -= 1
-        return SecAggConfig(
-            num_clients=count,
-            degree=degree,
-            threshold=degree // 2 + 1 if degree >= 2 else 2,
-            vector_length=length,
-            round=server_round,
-            ring_bits=self.ring_bits,
+    def check(self, where: str) -> None:
+        degree = self.secagg_degree
+        require(
+            degree is None or (degree >= 2 and degree % 2 == 0),
+            f"{where}.secagg_degree",
+            degree,
+            "an even integer >= 2 (neighbours per client; unset: all)",
         )
 
-    def dropouts(self, server_round: int, ids: list[int]) -> dict[Stage, set[int]]:
-        """The clients that stop answering inside SecAgg+ this round, by stage."""
-        rng = public_generator(self.seed, server_round, Stream.FAULTS, 1)
-        lost = rng.random(len(ids)) < self.dropout
-        stage_index = rng.integers(0, 4, size=len(ids))
-        out: dict[Stage, set[int]] = {}
-        for client, is_lost, index in zip(ids, lost, stage_index):
-            if is_lost:
-                out.setdefault(_STAGES[index], set()).add(client)
-        return out
+    def arguments(self) -> dict[str, Any]:
+        keys = ("secagg_degree", "stage_timeout")
+        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
 
 class SecAggSum(SecureSum):
@@ -80,6 +79,7 @@ class SecAggSum(SecureSum):
 
     name = "secagg"
     reply_kind = ConfigRecord
+    options_type = SecAggOptions
 
     def __init__(self, prefix: str, plan: SecAggPlan, stage_timeout: float | None) -> None:
         super().__init__(prefix)
@@ -87,6 +87,17 @@ class SecAggSum(SecureSum):
         self.stage_timeout = stage_timeout
         self._session: bytes | None = None
         self._grid: Grid | None = None
+
+    @classmethod
+    def from_arguments(cls, arguments: SumArguments) -> SecAggSum:
+        return cls(arguments.prefix, arguments.plan, arguments.stage_timeout)
+
+    contribute = staticmethod(contribute)
+
+    @classmethod
+    def register_client_stages(cls, app: ClientApp) -> None:
+        """SHARE_KEYS, MASKED_INPUT and UNMASK on the client (``query.secagg_*``)."""
+        secagg_client_stages.register_client_stages(app)
 
     @property
     def reply_key(self) -> str:
@@ -129,17 +140,3 @@ class SecAggSum(SecureSum):
             outcome.refused,
             opened=outcome.opened,
         )
-
-
-def contribute(
-    context: Context,
-    secret: PartySecret,
-    config: ConfigRecord,
-    elements: np.ndarray,
-    server_round: int,
-    prefix: str,
-) -> RecordDict:
-    """ADVERTISE_KEYS on the client: keep the signed input in the client's state (its
-    protocol seed from its own secret) and reply its two public keys only."""
-    signed = DEFAULT_FIELD.decode_signed(elements)
-    return start_client(context, server_round, config[prefix + SecAggKeys.SESSION], signed)

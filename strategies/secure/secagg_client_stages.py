@@ -1,7 +1,9 @@
 """The client half of SecAgg+ over Flower messages (:mod:`strategies.secure.secagg_messages`): a
 ClientApp's stage entry points, which decode each message, run the protocol's stage handler
 (:data:`protocols.secagg.stages.HANDLERS`) on the state the client keeps between stages
-(sealed under its own secret) and encode the reply; and the packing of that state."""
+(sealed under its own secret) and encode the reply; and the packing of that state. A client
+app gets them through the registry (:meth:`strategies.secure.SecAggSum.register_client_stages`,
+:func:`strategies.secure.register_client_stages`)."""
 
 from __future__ import annotations
 

@@ -163,10 +163,10 @@ def test_the_run_directory_alone_reconstructs_nothing(local_engine, tmp_path):
     payload = cloudpickle.dumps(Checkpoint(3, arrays, strategy, {}))  # a checkpoint's payload
     (tmp_path / "checkpoint.payload").write_bytes(payload)
     host.checkpoint(3)
-    held = _held_shares(strategy.server.pool)
+    held = _held_shares(strategy.secure.server.pool)
     assert held and all(len(row) >= 64 for row in held)
-    holders = [strategy.custody.committee[s] for s in strategy.server.holders]
-    committee_step = strategy.server.step
+    holders = [strategy.secure.custody.committee[s] for s in strategy.secure.server.holders]
+    committee_step = strategy.secure.server.step
     host.close()
     # the attacker: every file of the run directory, as bytes and as objects
     files = {p: p.read_bytes() for p in Path(tmp_path).rglob("*") if p.is_file()}
@@ -174,7 +174,8 @@ def test_the_run_directory_alone_reconstructs_nothing(local_engine, tmp_path):
         for start in range(0, len(row) - 32, 32):
             assert not any(row[start : start + 32] in blob for blob in files.values())
     checkpoint = pickle.loads(payload)
-    assert checkpoint.strategy.custody.host is None and checkpoint.strategy.server.pool is None
+    restored = checkpoint.strategy.secure
+    assert restored.custody.host is None and restored.server.pool is None
     from fedsim.engine.state import ClientStateStore  # noqa: PLC0415
     from fedsim.runfiles import RunFileError  # noqa: PLC0415
 
@@ -469,6 +470,6 @@ def test_checkpoints_never_carry_the_host_or_a_pool():
     strategy = make_dmm("full", 12, ROUNDS)
     strategy.bind_committee_host(CommitteeHost(SECRETS))
     restored = pickle.loads(cloudpickle.dumps(strategy))
-    assert restored.custody.host is None
+    assert restored.secure.custody.host is None
     with pytest.raises(TypeError, match="never pickled"):
         cloudpickle.dumps(CommitteeHost(SECRETS))

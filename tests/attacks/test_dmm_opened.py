@@ -111,7 +111,7 @@ def test_an_abort_after_the_shares_reached_the_server_is_accounted_and_never_rer
     _, clean = _run(local_engine, {})
     scheme = PackedShamir(11, 2, 1)
     honest = [8, 9, 10]
-    dim = recorded.inner.server.dim
+    dim = recorded.inner.secure.server.dim
     release = scheme.field.decode_signed(
         scheme.reconstruct(np.stack([shares[j] for j in honest]), honest, dim)
     )
@@ -145,7 +145,7 @@ def test_with_at_most_t_shares_on_time_nothing_is_opened_nor_accounted(
     assert recorded.metrics[1].get("dmm-aborted") == 1
     assert "dmm-opened" not in recorded.metrics[1]
     assert recorded.eps[1] == recorded.eps[0]  # two shares determine nothing
-    assert 1 not in getattr(recorded.inner.server, "opened", {})  # round 2's step 1: none
+    assert 1 not in getattr(recorded.inner.secure.server, "opened", {})  # round 2's step 1: none
     assert 2 not in spy.opened  # below the quorum the server's code opens no share
     # the 9 silent members no longer hold the state: round 3 finds it lost, opens nothing
     assert "dmm-opened" not in recorded.metrics[2] and recorded.eps[2] == recorded.eps[1]

@@ -12,6 +12,7 @@ import cloudpickle
 import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord
+from flwr.clientapp import ClientApp
 from secure_support import make_sum, nodes, one_round, random_inputs
 
 from contracts.discovery import implementations
@@ -19,6 +20,7 @@ from fedsim.record_codec import to_numpy, to_record
 from protocols.field import DEFAULT_FIELD
 from strategies import secure
 from strategies.secure import Release, SecAggPlan, SecureSum
+from strategies.secure.secagg_messages import ACTIONS
 
 NAMES = secure.NAMES
 FOUND = implementations(SecureSum)
@@ -166,6 +168,27 @@ def test_build_names_the_implementations():
         secure.build("committee", prefix="x.", plan=SecAggPlan(0))
     with pytest.raises(ValueError, match="built by the DMM strategy"):
         secure.build("dmm", prefix="x.", plan=SecAggPlan(0))
+
+
+def test_each_implementation_carries_its_client_side_and_builds_itself():
+    """The registry's client sides are the classes' own; ``register_client_stages`` adds each
+    named sum's later exchanges (SecAgg+'s three, nothing for the others) and refuses an
+    unknown name; ``build`` hands every class the same :class:`SumArguments`."""
+    for name, cls in secure.CLASSES.items():
+        assert secure.CONTRIBUTE[name] is cls.contribute
+    for name in NAMES:
+        app = ClientApp()
+        secure.register_client_stages(app, [name])
+        registered = set(app._registered_funcs)  # noqa: SLF001 (Flower keeps them there)
+        later = {f"query.{action}" for action in ACTIONS.values()} if name == "secagg" else set()
+        assert registered == later, (name, registered)
+    with pytest.raises(ValueError, match="secure sum 'lightsecagg'; allowed"):
+        secure.register_client_stages(ClientApp(), ["lightsecagg"])
+    arguments = secure.SumArguments("x.", SecAggPlan(3, 4), 5.0)
+    built = secure.SecAggSum.from_arguments(arguments)
+    assert (built.prefix, built.plan, built.stage_timeout) == ("x.", SecAggPlan(3, 4), 5.0)
+    with pytest.raises(ValueError, match="built by the DMM strategy"):
+        secure.DMMSum.from_arguments(arguments)
 
 
 def test_only_standalone_sums_that_hide_inputs_run_without_dp():

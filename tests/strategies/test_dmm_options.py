@@ -5,15 +5,12 @@ strategy's, and a checkpoint written before the custody existed loads into one."
 from __future__ import annotations
 
 import inspect
-import pickle
 
 import pytest
 
 from fedsim.config import ConfigError
-from fedsim.privacy.participation import Participation
 from strategies.methods.dmm import DMM, SPEC, from_options
 from strategies.methods.dmm.options import DMMOptions
-from strategies.secure.dmm.custody import Custody
 from strategies.spec import RunFacts
 
 BASE = {"clipping_norm": 1.0, "noise_multiplier": 1.0}
@@ -73,29 +70,8 @@ def test_the_options_defaults_are_the_strategys():
         if name in taken and taken[name].default is not inspect.Parameter.empty:
             assert field.default == taken[name].default, name
     strategy = from_options(BASE, rounds=4, expected_clients=40, population=60, seed=1)
-    assert (strategy.scheme.n, strategy.scheme.t, strategy.scheme.k) == (20, 3, 3)
-    assert (strategy.member_dropouts, strategy.bits, strategy.mode) == (3, 20, "full")
+    scheme = strategy.secure.scheme
+    assert (scheme.n, scheme.t, scheme.k) == (20, 3, 3)
+    assert (strategy.member_dropouts, strategy.bits, strategy.secure.mode) == (3, 20, "full")
     assert strategy.mechanism.factorization.kind == "banded"
     assert strategy.ledger.delta == 1e-5
-
-
-def test_a_checkpoint_from_before_the_custody_loads_into_one():
-    strategy = from_options(
-        {**BASE, **COMMITTEE}, rounds=4, expected_clients=10, population=30, seed=1,
-        participation=Participation.separated(1),
-    )  # fmt: skip
-    strategy.custody.seat(2)
-    state = pickle.loads(pickle.dumps(strategy)).__dict__
-    secure = state.pop("secure")  # before DMMSum and Custody: the strategy's own fields
-    old = {
-        **state, "scheme": secure.scheme, "server": secure.server, "mode": secure.mode,
-        "worker_fold": secure.worker_fold, "min_clients": secure.min_clients,
-        "committee": secure.custody.committee, "committee_round": None, "host": None,
-        "_round": None,
-    }  # fmt: skip
-    restored = DMM.__new__(DMM)
-    restored.__setstate__(old)
-    assert isinstance(restored.custody, Custody) and restored.secure.round is None
-    assert restored.custody.claim(3) == (2, strategy.custody.draw(2))
-    assert restored.custody.host is None and "committee" not in restored.__dict__
-    assert restored.scheme is secure.scheme and "scheme" not in restored.__dict__

@@ -96,7 +96,7 @@ def test_resume_from_the_checkpoint_and_the_members_sealed_states(local_engine, 
     blob = cloudpickle.dumps(strategy)
     host.close()
     restored = pickle.loads(blob)
-    assert restored.custody.host is None and restored.server.pool is None
+    assert restored.secure.custody.host is None and restored.secure.server.pool is None
     again = CommitteeHost(SECRETS, state_path=tmp_path / "dmm_members.sqlite")
     again.rollback(2)
     resumed, _ = run_dmm(
@@ -206,7 +206,7 @@ def test_a_lost_committee_state_halts_the_run_cleanly(local_engine, digits):
     )
     halted = [m.get("dmm-halted", 0) for m in recorded.metrics]
     assert halted[-1] == 1 and recorded.inner.halted
-    assert recorded.inner.server.stage.name == "ABORTED"
+    assert recorded.inner.secure.server.stage.name == "ABORTED"
     assert all(np.isfinite(v).all() for v in arrays.values())
 
 
@@ -216,7 +216,7 @@ def test_the_committee_claim_names_the_round_whose_public_draw_holds_the_state()
     from fedsim.engine.client_registry import public_committee  # noqa: PLC0415
 
     strategy = make_dmm("full", 30, 6)
-    custody = strategy.custody
+    custody = strategy.secure.custody
     custody.seat(3)
     assert custody.claim(5) == (3, public_committee(7, 3, 30, 11))
     custody.committee_round = None  # an older checkpoint

@@ -5,6 +5,7 @@ would break it (a value beyond the fixed-point range, worker-side folding, evalu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -12,7 +13,15 @@ import numpy as np
 import pytest
 
 from fedsim.config import ConfigError
-from strategies.plumbing.secure_aggregation import MECHANISM, FixedPoint, SecureAggregation
+from strategies import secure
+from strategies.plumbing.secure_aggregation import (
+    MECHANISM,
+    SECURE_SUM_KEYS,
+    SUM_OPTIONS,
+    FixedPoint,
+    SecureAggregation,
+    SecureSumOptions,
+)
 from strategies.registry import build_strategy
 
 RUN = """
@@ -114,6 +123,32 @@ def test_options_are_checked_and_named():
         )
     with pytest.raises(ValueError, match="federated evaluation"):
         build_strategy("fedavg", {"secure_sum": "secagg"}, **facts(evaluate_fraction=0.5))
+
+
+def test_the_options_are_composed_from_each_secure_sums_own():
+    """``SecureSumOptions`` holds ``secure_sum``, the fixed point's keys and every secure sum's
+    own (:attr:`SecureSum.options_type`); a sum's exclusive keys are refused with another."""
+    own = [secure.CLASSES[n].options_type for n in secure.WITHOUT_DP]
+    assert list(SUM_OPTIONS) == [o for o in own if o is not None]
+    parts = [f.name for part in SUM_OPTIONS for f in dataclasses.fields(part)]
+    assert SECURE_SUM_KEYS == ("secure_sum", "fractional_bits", "value_bound", *parts)
+    assert {"secagg_degree", "stage_timeout", "committee_size", "member_dropout"} <= set(parts)
+    with pytest.raises(ConfigError, match="only with secure_sum = 'committee'") as error:
+        SecureSumOptions(secure_sum="secagg", member_dropout=0.1)
+    assert error.value.key == "strategy.options.member_dropout"
+    with pytest.raises(ConfigError, match="strategy.options.secagg_degree"):
+        SecureSumOptions(secure_sum="committee", secagg_degree=3, committee_size=5, threshold=1)
+    with pytest.raises(ConfigError, match="set only with secure_sum"):
+        SecureSumOptions(stage_timeout=3.0)
+    chosen = SecureSumOptions(
+        secure_sum="committee", secagg_degree=4, committee_size=5, threshold=1, member_dropout=0.2
+    )
+    arguments = chosen.arguments()
+    assert arguments["secagg_degree"] == 4 and arguments["member_dropout"] == 0.2
+    assert arguments["committee"].size == 5 and "stage_timeout" not in arguments
+    assert SecureSumOptions(secure_sum="secagg", stage_timeout=9.0).arguments() == {
+        "stage_timeout": 9.0
+    }
 
 
 def test_the_fixed_point_range_is_an_error_naming_the_option_not_the_value():

@@ -46,7 +46,6 @@ from strategies.secure.dmm import (
     committee_sum as dmm_sum,  # the module: it imports this package's parts
 )
 from strategies.secure.dmm import replies as checks
-from strategies.secure.dmm.custody import Custody
 
 log = logging.getLogger(__name__)
 
@@ -200,31 +199,18 @@ class DMM(SecureReplies):
         """How the front end should build this run's committee host."""
         return {"actors": self.committee_actors, "shards": self.committee_shards}
 
-    # the committees' sum's parts, as the strategy's report, metrics and tests read them
-    scheme = property(lambda self: self.secure.scheme)
-    server = property(lambda self: self.secure.server)
-    custody = property(lambda self: self.secure.custody)
-    mode = property(lambda self: self.secure.mode)
-    worker_fold = property(lambda self: self.secure.worker_fold)
-    min_clients = property(lambda self: self.secure.min_clients)
-    reshare_checks = property(lambda self: self.secure.reshare_checks)
-
     def __getstate__(self) -> dict:
-        """Checkpoints keep only what the server may know: never the host (:class:`Custody`
-        drops it), a pool (the members' shares are theirs) or a round in flight
-        (:class:`~strategies.secure.dmm.committee_sum.DMMSum` drops them)."""
+        """Checkpoints keep only what the server may know: never the host
+        (:class:`~strategies.secure.dmm.custody.Custody` drops it), a pool (the members' shares
+        are theirs) or a round in flight (:class:`~strategies.secure.dmm.committee_sum.DMMSum`
+        drops them)."""
         state = dict(self.__dict__)
         state.pop("_boundary", None)  # the run's, bound again by the next configure_train
         return state
 
     def __setstate__(self, state: dict) -> None:
         """A checkpoint written before the opened-release and metrics bookkeeping existed
-        loads with none recorded and the defaults; one written before the committees' sum
-        was a :class:`~strategies.secure.dmm.committee_sum.DMMSum` (or before :class:`Custody`)
-        loads into one."""
-        state = dict(state)
-        if "secure" not in state:
-            state["secure"] = _sum_of_checkpoint(state)
+        loads with none recorded and the defaults."""
         self.__dict__.update(aborted_releases=[], unaccounted=[], metrics_in_clear=False)
         self.__dict__.update(state)
 
@@ -264,7 +250,7 @@ class DMM(SecureReplies):
         encoder (:func:`strategies.methods.dmm.calibration.calibrate`); raises ``ValueError`` with
         the budget when a released row could wrap mod p."""
         encoder, self._scaled_noise_std = calibrate(
-            self.plan(), self.mechanism, self.scheme.field, dim
+            self.plan(), self.mechanism, self.secure.scheme.field, dim
         )
         return encoder
 
@@ -294,8 +280,8 @@ class DMM(SecureReplies):
         )
         eps = accounting.released_epsilon(
             self._accounted[participation],
-            self.server.step,
-            self.server.counts,
+            self.secure.server.step,
+            self.secure.server.counts,
             self.encoder,
             self._scaled_noise_std,
             opened,
@@ -308,15 +294,15 @@ class DMM(SecureReplies):
         neighbouring relation the bound proves (zero-out; it overrides the ledger's add/remove,
         whose Gaussian arithmetic it shares), aborts (those accounted as opened releases with
         their cost), and any client content that reached the server unaccounted."""
-        counts = self.server.counts if self.server else {}
+        counts = self.secure.server.counts if self.secure.server else {}
         details: dict[str, Any] = {
-            "steps": self.server.step if self.server else 0,
+            "steps": self.secure.server.step if self.secure.server else 0,
             "factorization": self.mechanism.factorization.kind,
             "fractional_bits": self.mechanism.fractional_bits,
             "sensitivity_implemented": self.sensitivity,
             "sensitivity_exact": self.mechanism.sensitivity.exact,
             "fewest_noise_clients": min(counts.values()) if counts else None,
-            "mode": self.mode,
+            "mode": self.secure.mode,
             "aborted_rounds": self.aborted_rounds,
             "aborted_releases": list(self.aborted_releases),
             "bound": "discrete Gaussian on the integer query M X (KLS21 Thm 1), noise present",
@@ -355,7 +341,7 @@ class DMM(SecureReplies):
         encoder = self._ensure(int(sum(v.size for v in reference.values())))
         if self.halted:
             return []
-        step = self.server.step
+        step = self.secure.server.step
         if step >= self.mechanism.n:
             raise ValueError(
                 f"server round {server_round} needs step {step} but the factorization has "
@@ -477,8 +463,8 @@ class DMM(SecureReplies):
         out = round_metrics(
             self.secure.round,
             output,
-            step=self.server.step,
-            seats=self.scheme.n,
+            step=self.secure.server.step,
+            seats=self.secure.scheme.n,
             member_dropouts=self.member_dropouts,
         )
         out["rejected"] = sorted(rejected)
@@ -486,30 +472,3 @@ class DMM(SecureReplies):
         checks.log_rejected(self.secure.round.round, rejected)
         out.update(clear_metrics(replies))
         return out
-
-
-def _sum_of_checkpoint(state: dict) -> dmm_sum.DMMSum:
-    """The :class:`~strategies.secure.dmm.committee_sum.DMMSum` of a checkpoint whose strategy held
-    the scheme, the server and the custody itself (removed from ``state``)."""
-    scheme = state.pop("scheme")
-    if "custody" not in state:  # from before Custody: the committee as the strategy's fields
-        custody = Custody(state["seed"], state["population"], scheme.n)
-        custody.committee = list(state.pop("committee", []))
-        custody.committee_round = state.pop("committee_round", None)
-        state.pop("host", None)
-        state["custody"] = custody
-    secure = dmm_sum.DMMSum(
-        scheme,
-        seed=state["seed"],
-        population=state["population"],
-        mode=state.pop("mode"),
-        worker_fold=state.pop("worker_fold", False),
-        min_clients=state.pop("min_clients", 1),
-        reshare_checks=state.pop("reshare_checks", 1),
-    )
-    secure.custody, secure.server = state.pop("custody"), state.pop("server", None)
-    encoder = state.get("encoder")
-    secure.noise_std = float(state.get("_scaled_noise_std", 0.0))
-    secure.l2_bound = encoder.l2_bound if encoder is not None else float("inf")
-    state.pop("_round", None)
-    return secure

@@ -15,7 +15,7 @@ the LoRA adapter's weights (model.npz holds the final adapter).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from flwr.app import ArrayRecord
 from flwr.clientapp import ClientApp
@@ -27,8 +27,8 @@ from fedsim.workloads.popri_feedback import make_feedback_app
 from strategies.methods.popri.strategy import POPri, POPriSettings
 from strategies.plumbing.text_method import (
     StrippedModels,
+    TextOptions,
     TextRun,
-    check_models,
     embedder_spec,
     load_generator,
     prompt_examples,
@@ -42,41 +42,19 @@ WHERE = "strategy.options"
 
 
 @dataclass(frozen=True, kw_only=True)
-class POPriOptions:
-    """POPri's ``strategy.options`` (see :class:`~strategies.methods.popri.strategy.POPriSettings`
-    for the generation and privacy keys). Give ``noise_multiplier`` or ``target_epsilon`` (over the
-    run's rounds); ``delta`` defaults to ``min(1e-5, 1 / N)``. ``held_out_texts``: clients'
-    held-out texts the FID metric compares with (0: all); ``max_example_words``: only public
-    texts of at most this many words are prompt examples (0: all)."""
+class POPriOptions(TextOptions):
+    """POPri's ``strategy.options``: a text method's
+    (:class:`~strategies.plumbing.text_method.TextOptions`; see
+    :class:`~strategies.methods.popri.strategy.POPriSettings` for the generation and privacy
+    keys), ``reject_rank`` and ``dpo`` of those settings, and ``held_out_texts``: clients'
+    held-out texts the FID metric compares with (0: all)."""
 
-    num_prompts: int = 1800
-    samples_per_prompt: int = 10
-    examples_per_prompt: int = 3
     reject_rank: int | None = None
-    max_new_tokens: int = 85
-    max_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    generation_batch_size: int = 32
-    noise_multiplier: float | None = None
-    target_epsilon: float | None = None
-    delta: float | None = None
-    accountant: Literal["rdp", "pld"] = "rdp"
     dpo: DPOSettings = field(default_factory=DPOSettings)
     held_out_texts: int = 100
-    max_example_words: int = 0
-    generator: str = "smollm2"
-    embedder: str = "minilm"
-    device: str = "cpu"
 
     def __post_init__(self) -> None:
-        check_models(self)
-        require(
-            (self.noise_multiplier is None) != (self.target_epsilon is None),
-            f"{WHERE}.noise_multiplier",
-            self.noise_multiplier,
-            f"exactly one of noise_multiplier, target_epsilon (required by {NAME})",
-        )
+        self.check_noise(NAME, WHERE)
         require(self.delta is None or 0 < self.delta < 1, f"{WHERE}.delta", self.delta,
                 "a number in (0, 1) (or unset: min(1e-5, 1 / clients))")
         for key in ("held_out_texts", "max_example_words"):

@@ -18,7 +18,7 @@ the population's embeddings.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from flwr.clientapp import ClientApp
@@ -32,8 +32,8 @@ from fedsim.workloads.popri_feedback import EmbedderSpec, client_embeddings
 from strategies.methods.private_evolution.strategy import PEConfig, PrivateEvolution
 from strategies.plumbing.text_method import (
     StrippedModels,
+    TextOptions,
     TextRun,
-    check_models,
     embedder_spec,
     load_generator,
     prompt_examples,
@@ -46,39 +46,17 @@ WHERE = "strategy.options"
 
 
 @dataclass(frozen=True, kw_only=True)
-class PEOptions:
-    """Private Evolution's ``strategy.options``: the generation keys of POPri's prompts
-    (``num_prompts`` K, ``samples_per_prompt`` J, ...), ``keep`` and ``threshold`` of
-    :class:`~strategies.methods.private_evolution.strategy.PEConfig`, and exactly one of
-    ``noise_multiplier`` and ``target_epsilon``; ``delta`` defaults to ``min(1e-5, 1 / N)``."""
+class PEOptions(TextOptions):
+    """Private Evolution's ``strategy.options``: a text method's
+    (:class:`~strategies.plumbing.text_method.TextOptions`: the generation keys of POPri's
+    prompts, ``num_prompts`` K, ``samples_per_prompt`` J, ..., and the noise), and ``keep`` and
+    ``threshold`` of :class:`~strategies.methods.private_evolution.strategy.PEConfig`."""
 
-    num_prompts: int = 1800
-    samples_per_prompt: int = 10
-    examples_per_prompt: int = 3
-    max_new_tokens: int = 85
-    max_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    generation_batch_size: int = 32
     keep: int = 0
     threshold: float = 2.0
-    noise_multiplier: float | None = None
-    target_epsilon: float | None = None
-    delta: float | None = None
-    accountant: Literal["rdp", "pld"] = "rdp"
-    max_example_words: int = 0
-    generator: str = "smollm2"
-    embedder: str = "minilm"
-    device: str = "cpu"
 
     def __post_init__(self) -> None:
-        check_models(self)
-        require(
-            (self.noise_multiplier is None) != (self.target_epsilon is None),
-            f"{WHERE}.noise_multiplier",
-            self.noise_multiplier,
-            f"exactly one of noise_multiplier, target_epsilon (required by {NAME})",
-        )
+        self.check_noise(NAME, WHERE)
         require(self.target_epsilon is None or self.target_epsilon > 0,
                 f"{WHERE}.target_epsilon", self.target_epsilon, "a number > 0")
         require(self.delta is None or 0 < self.delta < 1, f"{WHERE}.delta", self.delta,

@@ -66,9 +66,40 @@ from strategies.secure.dmm.wire import (
     sealed_to_record,
     with_share_config,
 )
-from strategies.secure.release import Release, SecureSum
+from strategies.secure.release import Release, SecureSum, SumArguments
 
 MODES = ("full", "ideal")
+
+
+def contribute(
+    context: Context,
+    secret: PartySecret,
+    config: ConfigRecord,
+    elements: np.ndarray,
+    server_round: int,
+    prefix: str,
+) -> RecordDict:
+    """The client's input ``elements`` (signed integers in F_p) and its fresh noise rows
+    (``dmm.rows`` of std ``dmm.noise-std``, from its own secret): shared and sealed to the seats
+    (full mode; or masked for its worker's fold), or in the clear (ideal mode). DMM's wire
+    names are its own: ``prefix`` is not used."""
+    rounded = DEFAULT_FIELD.decode_signed(elements).astype(np.int64)
+    noise = discrete_gaussian(
+        (int(config[DMMKeys.PREFIX + DMMKeys.ROWS]), rounded.size),
+        float(config[DMMKeys.PREFIX + DMMKeys.NOISE_STD]),
+        secret.generator(server_round, Purpose.NOISE, "dmm"),
+    ).astype(np.int64)
+    mode = str(config[DMMKeys.PREFIX + DMMKeys.MODE])
+    if mode == "full":
+        return shared_reply(config, context, secret, server_round, rounded, noise, rounded.size)
+    if mode == "ideal":
+        return RecordDict(
+            {
+                DMMKeys.UPDATE: to_record({DMMKeys.UPDATE: rounded}),
+                DMMKeys.NOISE: to_record({DMMKeys.NOISE: noise}),
+            }
+        )
+    raise ValueError(f"{DMMKeys.PREFIX}{DMMKeys.MODE}={mode!r}; allowed: 'full', 'ideal'")
 
 
 class DMMSum(SecureSum):
@@ -104,6 +135,16 @@ class DMMSum(SecureSum):
         self.noise_std = 0.0
         self.l2_bound = float("inf")
         self.round: RoundState | None = None
+
+    @classmethod
+    def from_arguments(cls, arguments: SumArguments) -> DMMSum:
+        """Refused: the DMM strategy builds its sum, which owns its integer matrix."""
+        raise ValueError(
+            "secure sum 'dmm' is built by the DMM strategy, which owns its integer matrix "
+            "(strategies.secure.dmm.committee_sum.DMMSum)"
+        )
+
+    contribute = staticmethod(contribute)
 
     def __getstate__(self) -> dict[str, Any]:
         """Never a round in flight (nor, through :class:`Custody` and the server, the host
@@ -328,34 +369,3 @@ def shared_reply(
         )
     sealed = seal_client_shares(keys, party, rounded, noise, shares, key_seed)
     return RecordDict({DMMKeys.SEALED: sealed_to_record(sealed)})
-
-
-def contribute(
-    context: Context,
-    secret: PartySecret,
-    config: ConfigRecord,
-    elements: np.ndarray,
-    server_round: int,
-    prefix: str,
-) -> RecordDict:
-    """The client's input ``elements`` (signed integers in F_p) and its fresh noise rows
-    (``dmm.rows`` of std ``dmm.noise-std``, from its own secret): shared and sealed to the seats
-    (full mode; or masked for its worker's fold), or in the clear (ideal mode). DMM's wire
-    names are its own: ``prefix`` is not used."""
-    rounded = DEFAULT_FIELD.decode_signed(elements).astype(np.int64)
-    noise = discrete_gaussian(
-        (int(config[DMMKeys.PREFIX + DMMKeys.ROWS]), rounded.size),
-        float(config[DMMKeys.PREFIX + DMMKeys.NOISE_STD]),
-        secret.generator(server_round, Purpose.NOISE, "dmm"),
-    ).astype(np.int64)
-    mode = str(config[DMMKeys.PREFIX + DMMKeys.MODE])
-    if mode == "full":
-        return shared_reply(config, context, secret, server_round, rounded, noise, rounded.size)
-    if mode == "ideal":
-        return RecordDict(
-            {
-                DMMKeys.UPDATE: to_record({DMMKeys.UPDATE: rounded}),
-                DMMKeys.NOISE: to_record({DMMKeys.NOISE: noise}),
-            }
-        )
-    raise ValueError(f"{DMMKeys.PREFIX}{DMMKeys.MODE}={mode!r}; allowed: 'full', 'ideal'")
