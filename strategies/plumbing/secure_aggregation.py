@@ -185,6 +185,17 @@ def secure_client_app(inner: ClientApp, metrics_in_clear: bool = False) -> Clien
     return app
 
 
+def _plan(seed: int, degree: int | None, fields: Mapping[str, Any]) -> SecAggPlan:
+    """The run's SecAgg+ plan: ``seed``, ``degree`` and the further plan ``fields`` by name."""
+    known = {f.name for f in dataclasses.fields(SecAggPlan)} - {"seed", "degree"}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(
+            f"secagg_plan key {unknown[0]!r}; allowed: {', '.join(sorted(known))}"
+        )
+    return SecAggPlan(seed, degree, **fields)
+
+
 class SecureAggregation(ClearMetricsGate):
     """Wrap a FedAvg-family strategy so that the cohort's weighted sum is computed by
     ``secure_sum`` ("secagg" or "committee"); see the module docstring.
@@ -197,6 +208,8 @@ class SecureAggregation(ClearMetricsGate):
         codec: the fixed-point encoding (fractional bits, value bound).
         secagg_degree: neighbours per client in SecAgg+ (None: all).
         stage_timeout: seconds each SecAgg+ exchange waits for replies.
+        secagg_plan: further :class:`~strategies.secure.secagg_plan.SecAggPlan` fields by name
+            (SecAgg+'s other public parameters; None: the plan's defaults).
         committee: for "committee": a Committee or the CommitteeSpec the front end builds.
         member_dropout: for "committee": each member's drop probability per stage.
         metrics_in_clear: clients also send their metrics (and evaluation) in the clear.
@@ -212,6 +225,7 @@ class SecureAggregation(ClearMetricsGate):
         codec: FixedPoint | None = None,
         secagg_degree: int | None = None,
         stage_timeout: float | None = 3600.0,
+        secagg_plan: Mapping[str, Any] | None = None,
         committee: Committee | CommitteeSpec | None = None,
         member_dropout: float = 0.0,
         metrics_in_clear: bool = False,
@@ -236,7 +250,7 @@ class SecureAggregation(ClearMetricsGate):
         self.secure: SecureSum = secure.build(
             secure_sum,
             prefix=PREFIX,
-            plan=SecAggPlan(int(seed), secagg_degree),
+            plan=_plan(int(seed), secagg_degree, secagg_plan or {}),
             stage_timeout=stage_timeout,
             committee=committee,
             member_dropout=float(member_dropout),

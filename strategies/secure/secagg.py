@@ -16,6 +16,7 @@ with the ``plaintext`` simulation so that both reach the same outcome.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -70,8 +71,17 @@ class SecAggOptions(SumOptions):
         )
 
     def arguments(self) -> dict[str, Any]:
-        keys = ("secagg_degree", "stage_timeout")
-        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+        """``secagg_degree`` and ``stage_timeout`` as the wrapper's own keywords; every other
+        key of this class is a :class:`SecAggPlan` field of the same name (``secagg_plan``),
+        so a new SecAgg+ option is a field here and the plan's field it sets."""
+        own = ("secagg_degree", "stage_timeout")
+        out = {k: getattr(self, k) for k in own if getattr(self, k) is not None}
+        plan = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(SecAggOptions)
+            if f.name not in own and getattr(self, f.name) is not None
+        }
+        return {**out, "secagg_plan": plan} if plan else out
 
 
 class SecAggSum(SecureSum):

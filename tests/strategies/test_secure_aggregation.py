@@ -161,3 +161,34 @@ def test_the_fixed_point_range_is_an_error_naming_the_option_not_the_value():
         codec.encode(np.array([np.nan]))
     with pytest.raises(ValueError, match="fractional_bits"):
         FixedPoint(41)
+
+
+def test_further_secagg_plan_fields_reach_the_plan_and_unknown_ones_are_named():
+    from flwr.serverapp.strategy import FedAvg
+
+    wrapped = SecureAggregation(
+        FedAvg(fraction_evaluate=0.0),
+        secure_sum="secagg",
+        seed=3,
+        expected_clients=8,
+        secagg_degree=4,
+        secagg_plan={"dropout": 0.25},
+    )
+    assert wrapped.secure.plan == secure.SecAggPlan(3, 4, dropout=0.25)
+    with pytest.raises(ValueError, match="secagg_plan key 'prg'; allowed: dropout, ring_bits"):
+        SecureAggregation(
+            FedAvg(fraction_evaluate=0.0),
+            secure_sum="secagg",
+            seed=3,
+            expected_clients=8,
+            secagg_plan={"prg": "aes"},
+        )
+
+
+def test_secagg_options_other_than_the_wrappers_own_keywords_become_plan_fields():
+    options = SecureSumOptions(secure_sum="secagg", secagg_degree=4, stage_timeout=9.0)
+    assert options.arguments() == {"secagg_degree": 4, "stage_timeout": 9.0}
+    plan_keys = {f.name for f in dataclasses.fields(secure.SecAggPlan)}
+    own = {f.name for f in dataclasses.fields(secure.secagg.SecAggOptions)}
+    # every SecAgg+ option is a wrapper keyword or a plan field of the same name
+    assert own - {"secagg_degree", "stage_timeout"} <= plan_keys
