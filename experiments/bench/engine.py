@@ -261,9 +261,9 @@ def fedsim_once(data_dir: Path, rounds: int, workers: int, worker_sums: bool) ->
 
 #: what the JSON says of the machine the numbers come from
 MACHINE_NOTE = (
-    "a shared machine, heavily loaded while measured (a study runs at higher priority and "
-    "other jobs share its CPUs): absolute seconds are inflated; fedsim and Flower alternate, "
-    "so the ratios are the comparable numbers"
+    "a 2-core machine that other jobs may share (load_average: before and after): absolute "
+    "seconds can be inflated; fedsim and Flower alternate, so the ratios are the comparable "
+    "numbers"
 )
 
 
