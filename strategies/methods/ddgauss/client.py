@@ -21,7 +21,6 @@ from strategies.plumbing.vectors import trained_update
 from strategies.secure.clear import client_refusal, register_evaluate
 from strategies.secure.committee import sealed_key
 from strategies.secure.plaintext import encoded_key
-from strategies.secure.secagg_client_stages import register_client_stages
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +124,7 @@ def ddgauss_client_app(
             content["metrics"] = out_metrics
         return Message(content=content, reply_to=message)
 
-    register_client_stages(app)
+    secure.register_client_stages(app, SECURE_SUMS.values())
 
     register_evaluate(app, inner, metrics_in_clear, client_refusal("DDGauss"))
     return app

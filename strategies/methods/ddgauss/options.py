@@ -3,6 +3,7 @@ and the argument checks the strategy and its options share."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from fedsim.engine.committee import Committee, CommitteeSpec
 from protocols.encoding import DEFAULT_BETA
 from strategies.plumbing.wrapper import fraction_evaluate
 from strategies.secure import clear
-from strategies.secure.committee import COMMITTEE_OPTIONS, spec_from_options
+from strategies.secure.committee import CommitteeOptions
 
 log = logging.getLogger(__name__)
 
@@ -100,14 +101,14 @@ def check_arguments(
 
 
 #: the committee's keys, only with ``mode = "committee"``
-_COMMITTEE_ONLY = (*COMMITTEE_OPTIONS, "member_dropout")
+_COMMITTEE_ONLY = tuple(f.name for f in dataclasses.fields(CommitteeOptions))
 
 
-@dataclass(frozen=True)
-class DDGaussOptions:
-    """``strategy.options`` of "ddgauss" (see :func:`from_options`); the committee's keys
-    (None: unset, :class:`~fedsim.engine.committee.CommitteeSpec`'s defaults) only in
-    committee mode."""
+@dataclass(frozen=True, kw_only=True)
+class DDGaussOptions(CommitteeOptions):
+    """``strategy.options`` of "ddgauss" (see :func:`from_options`); the committee's keys are
+    :class:`~strategies.secure.committee.CommitteeOptions`' (None: unset,
+    :class:`~fedsim.engine.committee.CommitteeSpec`'s defaults), only in committee mode."""
 
     clipping_norm: float
     noise_multiplier: float
@@ -120,13 +121,6 @@ class DDGaussOptions:
     ring_bits: int | None = None
     protocol_dropout: float = 0.0
     stage_timeout: float | None = 3600.0
-    committee_size: int | None = None
-    threshold: int | None = None
-    packing: int | None = None
-    detect: int | None = None
-    committee_shards: int | None = None
-    committee_actors: bool | None = None
-    member_dropout: float | None = None
 
     def __post_init__(self) -> None:
         require(self.mode != "ideal", f"{WHERE}.mode", self.mode, _RENAMED)
@@ -145,17 +139,14 @@ class DDGaussOptions:
         )
 
     @property
+    def secure_sum(self) -> str | None:
+        """The secure sum ``mode`` runs (:data:`SECURE_SUMS`; None for an unknown mode)."""
+        return SECURE_SUMS.get(self.mode)
+
+    @property
     def dropout(self) -> float:
         """Each committee member's drop probability per stage (unset: 0)."""
         return 0.0 if self.member_dropout is None else self.member_dropout
-
-    def committee(self) -> CommitteeSpec | None:
-        """The committee these options describe (None unless ``mode = "committee"``)."""
-        if self.mode != "committee":
-            return None
-        return spec_from_options(
-            {k: getattr(self, k) for k in COMMITTEE_OPTIONS if getattr(self, k) is not None}
-        )
 
 
 WHERE = "strategy.options"
