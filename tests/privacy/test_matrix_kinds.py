@@ -73,3 +73,31 @@ def test_option_flags_parse_and_a_bad_one_names_the_flag():
         with pytest.raises(ConfigError) as err:
             kind_options([bad])
         assert err.value.key == "--option"
+
+
+def test_dmm_knows_the_kinds_by_their_declared_flags(monkeypatch):
+    """DMM's banded and 0/1 kinds are the registry's flags: a newly registered 0/1 kind is
+    accepted by ``strategy.options.kind`` and taken as M = C, with nothing else edited."""
+    import fedsim.privacy.matrix.kinds as kinds  # noqa: PLC0415
+    from fedsim.privacy import dmm  # noqa: PLC0415
+    from fedsim.privacy.matrix import kind as kind_module  # noqa: PLC0415
+    from strategies.methods.dmm.options import DMMOptions  # noqa: PLC0415
+
+    assert dmm.banded_kinds() == ("toeplitz", "banded")
+    assert dmm.tree_kinds() == ("tree", "honaker")
+    assert kinds.named_with("closed_form") == ("tree", "honaker", "sqrt")
+    with pytest.raises(ValueError, match="flag='name'"):
+        kinds.named_with("name")
+    with pytest.raises(ConfigError) as err:
+        DMMOptions(clipping_norm=1.0, noise_multiplier=1.0, kind="tree2")
+    assert err.value.allowed == "one of toeplitz, banded, tree, honaker"
+    real = kinds.kind
+    tree2 = kind_module.Kind(**{**real("tree").__dict__, "name": "tree2"})
+    monkeypatch.setattr(kinds, "NAMES", (*kinds.NAMES, "tree2"))
+    monkeypatch.setattr(kinds, "kind", lambda name: tree2 if name == "tree2" else real(name))
+    assert dmm.tree_kinds() == ("tree", "honaker", "tree2")
+    assert DMMOptions(clipping_norm=1.0, noise_multiplier=1.0, kind="tree2").kind == "tree2"
+    f = build(Spec(kind="tree", rounds=4))
+    f2 = type(f)("tree2", f.workload, f.encoder, f.decoder, f.params)
+    mechanism = dmm.IntegerMechanism(f2, 0)
+    assert mechanism.is_tree and np.array_equal(mechanism.integer_matrix, f.encoder)
