@@ -37,11 +37,12 @@ def _factorization(opts: DMMOptions, rounds: int, participation: Participation):
             min_sep=sep,
             options=options,
         )
+        factorization = build(spec)
     except ConfigError as err:  # the kind's own options are strategy.options.kind_options.*
         if not err.key.startswith("kind_options"):
             raise
         raise ConfigError(f"{WHERE}.{err.key}", err.value, err.allowed) from err
-    return build(spec), Participation.separated(sep, k)
+    return factorization, Participation.separated(sep, k)
 
 
 def from_options(
