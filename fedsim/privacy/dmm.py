@@ -83,8 +83,27 @@ MAX_FRACTIONAL_BITS = 40
 RELATION = "zero_out"
 """The neighbouring relation the bound proves (module docstring): one client's updates zeroed,
 its noise shares kept."""
-BANDED_KINDS = ("banded", "toeplitz")
-TREE_KINDS = ("tree", "honaker")
+
+
+def banded_kinds() -> tuple[str, ...]:
+    """The kinds whose C is banded by construction (:attr:`Kind.banded
+    <fedsim.privacy.matrix.kind.Kind.banded>`): M = round(2^f C), any band count."""
+    from fedsim.privacy.matrix.kinds import named_with  # noqa: PLC0415  (loads every kind)
+
+    return named_with("banded")
+
+
+def tree_kinds() -> tuple[str, ...]:
+    """The kinds whose C is a 0/1 matrix (:attr:`Kind.zero_one_encoder
+    <fedsim.privacy.matrix.kind.Kind.zero_one_encoder>`, the tree's): M = C, f = 0."""
+    from fedsim.privacy.matrix.kinds import named_with  # noqa: PLC0415  (loads every kind)
+
+    return named_with("zero_one_encoder")
+
+
+def kinds() -> tuple[str, ...]:
+    """Every kind DMM runs: the banded ones, then the 0/1 ones."""
+    return (*banded_kinds(), *tree_kinds())
 
 
 def release_rounds(M: np.ndarray) -> np.ndarray:
@@ -129,13 +148,15 @@ class IntegerMechanism:
         n = self.factorization.n
         square = C.shape == (n, n) and np.allclose(C, np.tril(C), rtol=0, atol=0)
         b = bandwidth(C) if square else n
-        if not square or (b >= n and n > 1 and kind not in BANDED_KINDS):
+        if not square or (b >= n and n > 1 and kind not in banded_kinds()):
+            banded = " or ".join(repr(name) for name in banded_kinds())
+            tree = " / ".join(repr(name) for name in tree_kinds())
             raise ValueError(
                 f"factorization {kind!r} is not banded (bandwidth {b} of n = {n} rounds): DMM "
                 "committees carry the partial sums of every open row of M = round(2^f C), i.e. "
                 "the whole history for a non-banded C, and its noise must be added where the "
-                "query is integer (docs/dmm-design.md); use kind 'banded' or 'toeplitz' with "
-                "bands < rounds, or 'tree' / 'honaker'"
+                f"query is integer (docs/dmm-design.md); use kind {banded} with bands < rounds, "
+                f"or {tree}"
             )
         if not 1 <= f <= MAX_FRACTIONAL_BITS:
             raise ValueError(
@@ -152,7 +173,7 @@ class IntegerMechanism:
     def is_tree(self) -> bool:
         """Whether C is a 0/1 tree matrix (several rows per round; M = C)."""
         C = self.factorization.encoder
-        return self.factorization.kind in TREE_KINDS and bool(np.all((C == 0) | (C == 1)))
+        return self.factorization.kind in tree_kinds() and bool(np.all((C == 0) | (C == 1)))
 
     @property
     def n(self) -> int:

@@ -73,3 +73,35 @@ def test_option_flags_parse_and_a_bad_one_names_the_flag():
         with pytest.raises(ConfigError) as err:
             kind_options([bad])
         assert err.value.key == "--option"
+
+
+def test_dmm_knows_the_kinds_by_their_declared_flags(monkeypatch):
+    """DMM's banded and 0/1 kinds are the registry's flags: a newly registered 0/1 kind is
+    accepted by ``strategy.options.kind`` and taken as M = C, with nothing else edited."""
+    import fedsim.privacy.matrix.kinds as kinds  # noqa: PLC0415
+    from fedsim.privacy import dmm  # noqa: PLC0415
+    from fedsim.privacy.matrix import kind as kind_module  # noqa: PLC0415
+    from strategies.methods.dmm.options import DMMOptions  # noqa: PLC0415
+
+    for flag, names in (("banded", dmm.banded_kinds()), ("zero_one_encoder", dmm.tree_kinds())):
+        assert names == tuple(name for name in NAMES if getattr(kind(name), flag))
+    assert dmm.banded_kinds()[:2] == ("toeplitz", "banded")
+    assert dmm.tree_kinds()[:2] == ("tree", "honaker")
+    assert not {"sqrt", "dense", "blt"} & set(dmm.kinds())
+    assert {"tree", "honaker", "sqrt"} <= set(kinds.named_with("closed_form"))
+    assert not {"banded", "toeplitz", "dense", "blt"} & set(kinds.named_with("closed_form"))
+    with pytest.raises(ValueError, match="flag='name'"):
+        kinds.named_with("name")
+    with pytest.raises(ConfigError) as err:
+        DMMOptions(clipping_norm=1.0, noise_multiplier=1.0, kind="tree2")
+    assert err.value.allowed == f"one of {', '.join(dmm.kinds())}"
+    real = kinds.kind
+    tree2 = kind_module.Kind(**{**real("tree").__dict__, "name": "tree2"})
+    monkeypatch.setattr(kinds, "NAMES", (*kinds.NAMES, "tree2"))
+    monkeypatch.setattr(kinds, "kind", lambda name: tree2 if name == "tree2" else real(name))
+    assert dmm.tree_kinds()[-1] == "tree2" and "tree2" not in dmm.banded_kinds()
+    assert DMMOptions(clipping_norm=1.0, noise_multiplier=1.0, kind="tree2").kind == "tree2"
+    f = build(Spec(kind="tree", rounds=4))
+    f2 = type(f)("tree2", f.workload, f.encoder, f.decoder, f.params)
+    mechanism = dmm.IntegerMechanism(f2, 0)
+    assert mechanism.is_tree and np.array_equal(mechanism.integer_matrix, f.encoder)

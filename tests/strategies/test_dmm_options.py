@@ -39,6 +39,8 @@ def build(**options):
         ({"mode": "plaintext"}, "strategy.options.mode"),
         ({"kind": "blt"}, "strategy.options.kind"),
         ({"bands": 0}, "strategy.options.bands"),
+        ({"kind": "tree", "kind_options": {"depth": 2}}, "strategy.options.kind_options.depth"),
+        ({"kind_options": {"x": "two"}}, "strategy.options.kind_options.x"),
         ({"worker_fold": 1}, "strategy.options.worker_fold"),
         ({"committee_actors": "yes"}, "strategy.options.committee_actors"),
         ({"expected_client_dropout": 1.0}, "strategy.options.expected_client_dropout"),
@@ -75,3 +77,21 @@ def test_the_options_defaults_are_the_strategys():
     assert (strategy.member_dropouts, strategy.bits, strategy.secure.mode) == (3, 20, "full")
     assert strategy.mechanism.factorization.kind == "banded"
     assert strategy.ledger.delta == 1e-5
+
+
+def test_kind_options_reach_the_kinds_spec(monkeypatch):
+    """``strategy.options.kind_options`` are the built Spec's ``options`` (a kind that
+    declares them gets them, as ``fedsim factorize --option``)."""
+    from fedsim.privacy.matrix import build as build_module  # noqa: PLC0415
+    from fedsim.privacy.matrix import kind as kind_module  # noqa: PLC0415
+    from fedsim.privacy.matrix.kinds import kind  # noqa: PLC0415
+
+    tree = kind("tree")
+    with_depth = kind_module.Kind(**{**tree.__dict__, "options": ("depth",)})
+    monkeypatch.setattr(build_module, "kind", lambda name: with_depth if name == "tree" else tree)
+    built = []
+    real_build = build_module.build
+    monkeypatch.setattr(build_module, "build", lambda spec: built.append(spec) or real_build(spec))
+    strategy = build(kind="tree", kind_options={"depth": 3})
+    assert built[0].options == (("depth", 3),)
+    assert strategy.mechanism.factorization.kind == "tree"

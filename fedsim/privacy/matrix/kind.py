@@ -53,7 +53,11 @@ class Kind:
             else what differs (:mod:`fedsim.privacy.matrix.verify`).
         saved: the kind its factorizations carry ("": :attr:`name`).
         closed_form: a cached file must equal what :attr:`build` gives.
-        banded: needs ``bands`` (default ``min(min_sep, rounds)``).
+        banded: needs ``bands`` (default ``min(min_sep, rounds)``), and its C is banded by
+            construction: DMM takes it with any band count, ``bands >= rounds`` included
+            (:class:`fedsim.privacy.dmm.IntegerMechanism`).
+        zero_one_encoder: its C is a 0/1 matrix with several rows a round (the tree's): DMM
+            releases M = C itself, with no fractional bits, and decodes with A^{-1} B.
         cost: ``cost(spec)`` -> :class:`Cost` of an optimiser (None: a closed form).
         file_problems: ``file_problems(spec, f)`` -> why a cached file does not match the
             spec's shape beyond kind and rounds (bands are checked for banded kinds).
@@ -68,6 +72,7 @@ class Kind:
     saved: str = ""
     closed_form: bool = False
     banded: bool = False
+    zero_one_encoder: bool = False
     cost: Callable[[Any], Cost] | None = None
     file_problems: Callable[[Any, Any], list[str]] = no_problems
     options: tuple[str, ...] = ()

@@ -101,7 +101,7 @@ def integer_mechanism(
 ) -> dmm_privacy.IntegerMechanism:
     """M = round(2^f C) of ``factorization`` (f = ``fractional_bits``; None: 12 for banded C,
     0 for the tree) for the schema ``participation`` (None: single participation)."""
-    tree = factorization.kind in dmm_privacy.TREE_KINDS
+    tree = factorization.kind in dmm_privacy.tree_kinds()
     f = (0 if tree else 12) if fractional_bits is None else fractional_bits
     return dmm_privacy.IntegerMechanism(factorization, f, participation or Participation.single())
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from fedsim.config import require
-from fedsim.privacy.dmm import BANDED_KINDS, TREE_KINDS
+from fedsim.privacy import dmm as dmm_privacy
 
 WHERE = "strategy.options"
 
@@ -20,8 +20,10 @@ class DMMOptions:
     Attributes:
         clipping_norm, noise_multiplier: c and z (required; finite, > 0).
         kind: the factorization of the prefix-sum workload: banded C ("banded", "toeplitz")
-            or the 0/1 tree ("tree", "honaker"); ``bands``: its bands (None: the min
-            separation, at most rounds - 1).
+            or the 0/1 tree ("tree", "honaker"), any registered kind that declares itself
+            banded or 0/1 (:func:`fedsim.privacy.dmm.kinds`); ``bands``: its bands (None:
+            the min separation, at most rounds - 1); ``kind_options``: the kind's own
+            integer parameters (:attr:`fedsim.privacy.matrix.kind.Kind.options`).
         committee_size, threshold, packing, member_dropouts: n, t, k of every committee and
             the member dropouts it is planned for (t + dropouts < (1/2 - k/n) n,
             :func:`strategies.methods.dmm.calibration.committee_bound`).
@@ -42,6 +44,7 @@ class DMMOptions:
     noise_multiplier: float
     kind: str = "banded"
     bands: int | None = None
+    kind_options: dict[str, int] | None = None
     committee_size: int = 20
     threshold: int = 3
     packing: int = 3
@@ -61,7 +64,7 @@ class DMMOptions:
         for key in ("clipping_norm", "noise_multiplier"):
             value = getattr(self, key)
             require(value > 0, f"{WHERE}.{key}", value, "a finite number > 0")
-        kinds = (*BANDED_KINDS, *TREE_KINDS)
+        kinds = dmm_privacy.kinds()
         require(self.kind in kinds, f"{WHERE}.kind", self.kind, f"one of {', '.join(kinds)}")
         require(
             self.bands is None or self.bands >= 1,

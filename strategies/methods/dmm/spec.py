@@ -18,17 +18,31 @@ from strategies.spec import Accounting, RunFacts, StrategySpec
 
 
 def _factorization(opts: DMMOptions, rounds: int, participation: Participation):
-    """(A = B C for ``rounds`` rounds of ``opts.kind``, the schema it is built for): bands
-    default to the min separation, at most rounds - 1."""
+    """(A = B C for ``rounds`` rounds of ``opts.kind`` with its ``kind_options``, the schema
+    it is built for): bands default to the min separation, at most rounds - 1."""
     from fedsim.privacy.matrix.build import Spec, build  # noqa: PLC0415
 
     sep = int(participation.min_sep)
     k = participation.participations(rounds)
     bands = opts.bands
-    if bands is None and opts.kind in dmm_privacy.BANDED_KINDS:
+    if bands is None and opts.kind in dmm_privacy.banded_kinds():
         bands = max(1, min(sep, rounds - 1))
-    spec = Spec(kind=opts.kind, rounds=rounds, bands=bands, participations=k, min_sep=sep)
-    return build(spec), Participation.separated(sep, k)
+    options = tuple((opts.kind_options or {}).items())
+    try:
+        spec = Spec(
+            kind=opts.kind,
+            rounds=rounds,
+            bands=bands,
+            participations=k,
+            min_sep=sep,
+            options=options,
+        )
+        factorization = build(spec)
+    except ConfigError as err:  # the kind's own options are strategy.options.kind_options.*
+        if not err.key.startswith("kind_options"):
+            raise
+        raise ConfigError(f"{WHERE}.{err.key}", err.value, err.allowed) from err
+    return factorization, Participation.separated(sep, k)
 
 
 def from_options(

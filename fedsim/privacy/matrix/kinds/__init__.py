@@ -3,8 +3,9 @@
 kind picks its noise stream and its check.
 
 A new kind is one module declaring its :class:`~fedsim.privacy.matrix.kind.Kind` and one
-line in :data:`REGISTERED`. Modules load on first use, so naming the kinds (``fedsim
-factorize --help``) imports no scipy.
+line in :data:`REGISTERED`; its Kind's flags (``banded``, ``zero_one_encoder``) are what makes
+it known to DMM (:func:`named_with`, :func:`fedsim.privacy.dmm.kinds`). Modules load on
+first use, so naming the kinds (``fedsim factorize --help``) imports no scipy.
 """
 
 from __future__ import annotations
@@ -36,6 +37,14 @@ def kind(name: str) -> Kind:
     if not isinstance(found, Kind) or found.name != name:
         raise TypeError(f"{REGISTERED[name]} is not the Kind named {name!r}")
     return found
+
+
+def named_with(flag: str) -> tuple[str, ...]:
+    """The registered kinds (in :data:`REGISTERED`'s order) whose Kind sets the boolean
+    ``flag`` (``"banded"``, ``"zero_one_encoder"``, ``"closed_form"``)."""
+    if not isinstance(getattr(Kind, flag, None), bool):
+        raise ValueError(f"flag={flag!r}; allowed: a boolean field of Kind")
+    return tuple(name for name in NAMES if getattr(kind(name), flag))
 
 
 def saved_kind(saved: str) -> Kind | None:

@@ -24,6 +24,7 @@ TREE = Kind(
     stream=tree_stream,
     mismatch=tree_mismatch,
     closed_form=True,
+    zero_one_encoder=True,
 )
 HONAKER = Kind(
     name="honaker",
@@ -31,4 +32,5 @@ HONAKER = Kind(
     stream=tree_stream,
     mismatch=tree_mismatch,
     closed_form=True,
+    zero_one_encoder=True,
 )
