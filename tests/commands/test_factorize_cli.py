@@ -67,6 +67,20 @@ def test_every_kind_builds(capsys, tmp_path, args):
     assert math.isfinite(result["loss"]) and result["sensitivity"] >= result["max_column_norm"]
 
 
+def test_tree_restart_builds_with_its_option_and_needs_it(capsys, tmp_path):
+    args = ("--kind", "tree_restart", "--rounds", "16", "--participations", "4")
+    out = tmp_path / "r.npz"
+    result = factorize(capsys, out, *args, "--min-sep", "4", "--option", "restart_every=4")
+    f = Factorization.load(out)
+    assert f.kind == "tree_restart" and f.params["restart_every"] == 4
+    assert result["reconstruction_error"] == 0.0 and result["sensitivity_exact"]
+    assert result["sensitivity"] == pytest.approx(math.sqrt(4 * 3))  # 4 blocks, 3 nodes each
+    assert main(["factorize", *args, "--min-sep", "4", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedsim: error: kind_options.restart_every = None is not allowed")
+    assert "required by kind tree_restart" in err
+
+
 def test_text_summary_is_one_line(capsys, tmp_path):
     assert (
         main(["factorize", "--kind", "sqrt", "--rounds", "8", "--out", str(tmp_path / "s.npz")])

@@ -78,6 +78,18 @@ def test_run_reports_epsilon_each_round_ending_at_the_gaussian_of_z(tmp_path):
     gaussian = RdpAccountant().compose(dpa.GaussianDpEvent(z)).get_epsilon(1e-5)
     assert eps[-1] == pytest.approx(gaussian, rel=1e-6)
     assert rounds[0]["aggregated"]["dp-clients"] == 10
+
+
+def test_run_with_the_tree_restarted_every_two_rounds(tmp_path):
+    options = 'clipping_norm = 0.5, noise_multiplier = 1.0, kind = "tree_restart", '
+    config = write(tmp_path, options + "kind_options = { restart_every = 2 }")
+    out = tmp_path / "run"
+    assert main(["run", str(config), "--out", str(out), "--no-progress"]) == 0
+    rounds = [r for r in read_rounds(out / "rounds.jsonl") if r["round"] >= 1]
+    eps = [r["privacy"]["epsilon"] for r in rounds]
+    assert len(eps) == 6 and all(b >= a for a, b in zip(eps, eps[1:]))
+    # k = 2 participations 3 rounds apart fall in two blocks of 2 rounds, 2 nodes a round
+    assert rounds[-1]["privacy"]["sensitivity"] == pytest.approx(2.0)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["privacy"]["epsilon"] == pytest.approx(eps[-1])
     assert summary["final"]["central"]["accuracy"] > 0.2

@@ -54,6 +54,25 @@ def test_full_equals_ideal_for_the_same_secrets_and_dropouts_cost_epsilon(
     assert full.metrics[-1]["dmm-bytes-per-member-sent"] > 0
 
 
+def test_the_tree_restarted_every_two_rounds_runs_as_dmm(local_engine, digits):
+    """A kind DMM knows by its flag alone: M = C of the restarted trees, full == ideal."""
+    from fedsim.privacy.matrix.kinds.tree_restart import tree_restart  # noqa: PLC0415
+
+    f = tree_restart(ROUNDS, 2)
+
+    def run(mode):
+        strategy = make_dmm(mode, CLIENTS, ROUNDS, factorization=f)
+        return run_dmm(local_engine, digits, strategy, ROUNDS)
+
+    full_arrays, full = run("full")
+    ideal_arrays, ideal = run("ideal")
+    assert full.inner.mechanism.is_tree and full.inner.mechanism.fractional_bits == 0
+    for key in full_arrays:
+        np.testing.assert_array_equal(full_arrays[key], ideal_arrays[key])
+    assert all(o is not None for o in full.outputs) and full.eps == ideal.eps
+    assert 0 < full.eps[0] < full.eps[-1] < float("inf")
+
+
 def test_full_mode_replies_carry_only_ciphertexts_and_a_public_key(local_engine, digits):
     _, full = run_dmm(local_engine, digits, make_dmm("full", CLIENTS, 2), 2)
     for replies in full.replies:

@@ -155,6 +155,21 @@ def test_tree_factorization_streams_its_noise_too():
     np.testing.assert_allclose(np.array(models), expected, atol=1e-10)
 
 
+def test_tree_restart_streams_its_noise_too():
+    from fedsim.privacy.matrix.kinds.tree_restart import tree_restart  # noqa: PLC0415
+
+    n, m = 10, 3.0
+    f = tree_restart(n, 4)
+    strategy = mechanism(f, 1.3, 1.0, m)
+    ups = small_updates(np.random.default_rng(1), n, 3)
+    models, _, _ = run(strategy, ups)
+    Z = dense_fresh_noise(strategy.stream)
+    assert Z.shape[0] == f.C.shape[0]
+    sigma = 1.3 * f.sensitivity().value
+    expected = prefix_sum(n) @ (np.array([sum(u) for u in ups]) / m) + sigma / m * (f.B @ Z)
+    np.testing.assert_allclose(np.array(models), expected, atol=1e-10)
+
+
 def test_noise_has_the_calibrated_scale():
     n, m, z, clip = 4, 5.0, 2.0, 0.5
     f = banded(n, bands=2)

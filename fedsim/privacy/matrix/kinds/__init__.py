@@ -19,6 +19,7 @@ from fedsim.privacy.matrix.kind import Kind
 REGISTERED: dict[str, str] = {
     "tree": "tree:TREE",
     "honaker": "tree:HONAKER",
+    "tree_restart": "tree_restart:TREE_RESTART",
     "sqrt": "toeplitz:SQRT",
     "toeplitz": "toeplitz:TOEPLITZ",
     "banded": "banded:BANDED",
