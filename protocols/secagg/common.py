@@ -20,7 +20,8 @@ Learning", CCS 2017, for an honest-but-curious server, over F_p (p = 2^61 - 1 by
   dropped clients, and obtains sum_{i in survivors} x_i (mod p).
 
 The PRG is the ChaCha20 keystream (RFC 8439) of the seed, read as 64-bit words masked to e bits
-with the single value 2^e - 1 rejected, so masks are uniform in F_p. With
+with the single value 2^e - 1 rejected, so masks are uniform in F_p (``SecAggConfig.prg``
+names the keystream: :class:`~protocols.secagg.prg.MaskPRG`). With
 ``SecAggConfig.ring_bits = b`` the inputs, masks and aggregate live in the ring Z_{2^b} instead
 (:class:`RingZ2k`, as in the original SecAgg): masks are raw keystream words (uniform, nothing
 rejected), arithmetic is native unsigned wrap-around, and an element travels in ceil(b/8)
@@ -30,7 +31,8 @@ Z_{2^b} iff it lies in [-2^(b-1), 2^(b-1)), the same bit budget DDGauss plans fo
 
 The client side is :mod:`protocols.secagg.client`, the server side (and an in-process round,
 :func:`protocols.secagg.server.run_secagg`) :mod:`protocols.secagg.server`; this module holds
-what both use: stages, parameters, the graph, the PRG, the ring and the pairwise seeds.
+what both use: stages, parameters, the graph, the PRG (its keystreams in
+:mod:`protocols.secagg.prg`), the ring and the pairwise seeds.
 """
 
 from __future__ import annotations
@@ -44,15 +46,14 @@ from enum import Enum
 import numpy as np
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from protocols.channels import PUBLIC_KEY_BYTES, TAG_BYTES, decode_array, encode_array
 from protocols.field import DEFAULT_FIELD, MersenneField
 from protocols.kit import check_move
+from protocols.secagg.prg import SEED_BYTES, KeyedField, MaskPRG, expand_mask
 from protocols.shamir import PackedShamir
 
-SEED_BYTES = 32
 PROTOCOL = b"fedsim/secagg+/v2"
 """Label every SecAgg+ channel binds into its keys and associated data."""
 _CHUNK_BITS = 16
@@ -116,12 +117,16 @@ class SecAggKeys:
     MIN_SURVIVORS = "min-survivors"
     RING_BITS = "ring-bits"
     FIELD_EXPONENT = "field-exponent"
+    PRG = "prg"
     CONFIG = (
         NUM_CLIENTS, DEGREE, THRESHOLD, VECTOR_LENGTH, ROUND, MIN_SURVIVORS, RING_BITS,
-        FIELD_EXPONENT,
+        FIELD_EXPONENT, PRG,
     )  # fmt: skip
     OPTIONAL = (MIN_SURVIVORS, RING_BITS)
     """Parameters that may be None, written as -1."""
+    DEFAULTED = (PRG,)
+    """Parameters written only when not at their default (code 0) and read as it when absent,
+    so a round at the defaults has the record it had before they existed."""
     # entries of the other records
     CLIENT_ID = "client-id"
     CONTRIBUTE = "contribute"
@@ -161,7 +166,8 @@ class SecAggConfig:
     secrets from two disjoint groups of neighbours); ``min_survivors``: fewest clients whose
     inputs may be summed (default ``threshold``), so that an aggregate never exposes a
     handful of inputs; ``vector_length``: field elements per input; ``ring_bits``: mask and
-    sum in Z_{2^ring_bits} instead of F_p (None: the field).
+    sum in Z_{2^ring_bits} instead of F_p (None: the field); ``prg``: the keystream that
+    expands mask seeds (:class:`MaskPRG`, or its name).
     """
 
     num_clients: int
@@ -172,8 +178,10 @@ class SecAggConfig:
     min_survivors: int | None = None
     field: MersenneField = DEFAULT_FIELD
     ring_bits: int | None = None
+    prg: MaskPRG = MaskPRG.CHACHA20
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "prg", MaskPRG.parse(self.prg, "prg"))
         for name in ("num_clients", "degree", "threshold", "vector_length", "round"):
             value = getattr(self, name)
             if not isinstance(value, int | np.integer) or isinstance(value, bool):
@@ -210,15 +218,18 @@ class SecAggConfig:
     @property
     def masking(self) -> MersenneField | RingZ2k:
         """Where inputs, masks and the aggregate live: the field, or Z_{2^ring_bits}."""
-        return self.field if self.ring_bits is None else _cached_ring(self.ring_bits)
+        if self.ring_bits is not None:
+            return _cached_ring(self.ring_bits, self.prg)
+        return self.field if self.prg is MaskPRG.CHACHA20 else _cached_field(self.field, self.prg)
 
     @property
     def survivors_needed(self) -> int:
         return self.threshold if self.min_survivors is None else self.min_survivors
 
     def to_record(self) -> dict[str, int]:
-        """The parameters as named integers (:attr:`SecAggKeys.CONFIG`; None as -1)."""
-        return {
+        """The parameters as named integers (:attr:`SecAggKeys.CONFIG`; None as -1; the PRG
+        by its code, left out for the default, :attr:`SecAggKeys.DEFAULTED`)."""
+        record = {
             SecAggKeys.NUM_CLIENTS: self.num_clients,
             SecAggKeys.DEGREE: self.degree,
             SecAggKeys.THRESHOLD: self.threshold,
@@ -228,6 +239,9 @@ class SecAggConfig:
             SecAggKeys.RING_BITS: -1 if self.ring_bits is None else self.ring_bits,
             SecAggKeys.FIELD_EXPONENT: self.field.exponent,
         }
+        if self.prg is not MaskPRG.CHACHA20:
+            record[SecAggKeys.PRG] = self.prg.code
+        return record
 
     @classmethod
     def from_record(cls, record: Mapping[str, object], prefix: str = "") -> SecAggConfig:
@@ -237,6 +251,8 @@ class SecAggConfig:
         values = {}
         for name in SecAggKeys.CONFIG:
             value = record.get(prefix + name, _MISSING)
+            if value is _MISSING and name in SecAggKeys.DEFAULTED:
+                value = 0
             if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iu":
                 value = int(value)
             if value is _MISSING or not isinstance(value, int) or isinstance(value, bool):
@@ -255,6 +271,7 @@ class SecAggConfig:
             min_survivors=optional[SecAggKeys.MIN_SURVIVORS],
             field=MersenneField(values[SecAggKeys.FIELD_EXPONENT]),
             ring_bits=optional[SecAggKeys.RING_BITS],
+            prg=MaskPRG.parse(values[SecAggKeys.PRG], prefix + SecAggKeys.PRG),
         )
 
 
@@ -287,32 +304,16 @@ def neighbour_graph(
     return {i: tuple(sorted(neighbours[i])) for i in ids}
 
 
-def expand_mask(seed: bytes, length: int, field_: MersenneField) -> np.ndarray:
-    """PRG(seed): ``length`` uniform elements of F_p from the ChaCha20 keystream of ``seed``."""
-    if len(seed) != SEED_BYTES:
-        raise ValueError(f"seed must be {SEED_BYTES} bytes, got {len(seed)}")
-    stream = Cipher(algorithms.ChaCha20(seed, bytes(16)), mode=None).encryptor()
-    mask = np.uint64(field_.modulus)
-    out = np.empty(length, dtype=np.int64)
-    filled = 0
-    while filled < length:
-        need = length - filled
-        words = np.frombuffer(stream.update(bytes(8 * need)), dtype="<u8") & mask
-        words = words[words != mask]
-        out[filled : filled + words.size] = words.astype(np.int64)
-        filled += words.size
-    return out
-
-
 class RingZ2k:
     """The ring Z_{2^bits} (1 <= bits <= 64) on unsigned numpy arrays (uint32 for bits <= 32,
     else uint64): the masking space of SecAgg+ when ``SecAggConfig.ring_bits`` is set.
 
     Offers the element-wise methods SecAgg+ uses on a field (asarray, add, sub, sum) plus
-    :meth:`expand` (the PRG) and the signed encoding in [-2^(bits-1), 2^(bits-1)).
+    :meth:`expand` (the PRG, ``prg``'s keystream) and the signed encoding in
+    [-2^(bits-1), 2^(bits-1)).
     """
 
-    def __init__(self, bits: int) -> None:
+    def __init__(self, bits: int, prg: MaskPRG = MaskPRG.CHACHA20) -> None:
         if not isinstance(bits, int | np.integer) or not 1 <= bits <= 64:
             raise ValueError(f"ring_bits must be an integer in [1, 64], got {bits!r}")
         self.bits = int(bits)
@@ -320,15 +321,17 @@ class RingZ2k:
         self._width = self.dtype.itemsize * 8
         self._mask = self.dtype.type((1 << self.bits) - 1)
         self.modulus = 1 << self.bits
+        self.prg = MaskPRG.parse(prg, "prg")
 
     def __repr__(self) -> str:
-        return f"RingZ2k(bits={self.bits})"
+        shown = "" if self.prg is MaskPRG.CHACHA20 else f", prg={self.prg.value!r}"
+        return f"RingZ2k(bits={self.bits}{shown})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, RingZ2k) and other.bits == self.bits
+        return isinstance(other, RingZ2k) and (other.bits, other.prg) == (self.bits, self.prg)
 
     def __hash__(self) -> int:
-        return hash(("RingZ2k", self.bits))
+        return hash(("RingZ2k", self.bits, self.prg))
 
     @property
     def bytes_per_element(self) -> int:
@@ -366,10 +369,8 @@ class RingZ2k:
         return self._wrap(total)
 
     def expand(self, seed: bytes, length: int) -> np.ndarray:
-        """PRG(seed): ``length`` uniform ring elements, the ChaCha20 keystream as words."""
-        if len(seed) != SEED_BYTES:
-            raise ValueError(f"seed must be {SEED_BYTES} bytes, got {len(seed)}")
-        stream = Cipher(algorithms.ChaCha20(seed, bytes(16)), mode=None).encryptor()
+        """PRG(seed): ``length`` uniform ring elements, the keystream as words (k bits each)."""
+        stream = self.prg.keystream(seed)
         words = np.frombuffer(stream.update(bytes(self.dtype.itemsize * length)), self.dtype)
         return self._wrap(words.copy()) if self.bits < self._width else words
 
@@ -381,13 +382,11 @@ class RingZ2k:
         keystream is written into one reused buffer and added in place (no array per mask),
         and the sum is reduced mod 2^bits once at the end (2^bits divides the word modulus)."""
         total = np.array(values, dtype=self.dtype)
-        zeros = bytes(self.dtype.itemsize * total.size)  # ChaCha20 of zeros is its keystream
+        zeros = bytes(self.dtype.itemsize * total.size)  # a keystream encrypts zeros to itself
         buffer = bytearray(len(zeros))
         words = np.frombuffer(buffer, dtype=self.dtype)
         for seed, sign in seeds:
-            if len(seed) != SEED_BYTES:
-                raise ValueError(f"seed must be {SEED_BYTES} bytes, got {len(seed)}")
-            stream = Cipher(algorithms.ChaCha20(seed, bytes(16)), mode=None).encryptor()
+            stream = self.prg.keystream(seed)
             stream.update_into(zeros, buffer)
             (np.add if sign > 0 else np.subtract)(total, words, out=total)
         return self._wrap(total)
@@ -416,8 +415,9 @@ class RingZ2k:
 
 
 def prg(space, seed: bytes, length: int) -> np.ndarray:
-    """The mask PRG in the masking space: F_p (:func:`expand_mask`) or a :class:`RingZ2k`."""
-    if isinstance(space, RingZ2k):
+    """The mask PRG in the masking space: F_p (:func:`expand_mask`), a :class:`KeyedField` or
+    a :class:`RingZ2k` (their ``prg``)."""
+    if isinstance(space, RingZ2k | KeyedField):
         return space.expand(seed, length)
     return expand_mask(seed, length, space)
 
@@ -545,8 +545,13 @@ def shamir_scheme(config: SecAggConfig, recipients: int) -> PackedShamir:
 
 
 @functools.lru_cache(maxsize=16)
-def _cached_ring(bits: int) -> RingZ2k:
-    return RingZ2k(bits)
+def _cached_ring(bits: int, prg: MaskPRG = MaskPRG.CHACHA20) -> RingZ2k:
+    return RingZ2k(bits, prg)
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_field(field_: MersenneField, prg: MaskPRG) -> KeyedField:
+    return KeyedField(field_.exponent, prg)
 
 
 @functools.lru_cache(maxsize=64)

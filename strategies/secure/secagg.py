@@ -31,6 +31,7 @@ from fedsim.randomness import PartySecret, Stream, public_generator
 from protocols.channels import new_session_id
 from protocols.field import DEFAULT_FIELD
 from protocols.secagg.common import SecAggKeys
+from protocols.secagg.prg import MaskPRG
 from strategies.secure import secagg_client_stages
 from strategies.secure.release import Release, SecureSum, SumArguments, SumOptions
 from strategies.secure.secagg_client_stages import start_client
@@ -55,11 +56,13 @@ def contribute(
 @dataclass(frozen=True)
 class SecAggOptions(SumOptions):
     """SecAgg+'s ``strategy.options`` under a FedAvg-family strategy: ``secagg_degree``
-    (neighbours per client; unset: the complete graph) and ``stage_timeout`` (seconds each
-    exchange waits). Part of the round's plan, so every secure sum takes them."""
+    (neighbours per client; unset: the complete graph), ``stage_timeout`` (seconds each
+    exchange waits) and ``prg`` (the mask PRG, :class:`protocols.secagg.prg.MaskPRG`'s
+    names; unset: ``chacha20``). Part of the round's plan, so every secure sum takes them."""
 
     secagg_degree: int | None = None
     stage_timeout: float | None = None
+    prg: str | None = None
 
     def check(self, where: str) -> None:
         degree = self.secagg_degree
@@ -68,6 +71,13 @@ class SecAggOptions(SumOptions):
             f"{where}.secagg_degree",
             degree,
             "an even integer >= 2 (neighbours per client; unset: all)",
+        )
+        names = [m.value for m in MaskPRG]
+        require(
+            self.prg is None or self.prg in names,
+            f"{where}.prg",
+            self.prg,
+            " or ".join(repr(n) for n in names) + " (the mask PRG; unset: 'chacha20')",
         )
 
     def arguments(self) -> dict[str, Any]:

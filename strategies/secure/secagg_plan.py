@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from fedsim.randomness import Stream, public_generator
 from protocols.secagg.common import SecAggConfig, Stage
+from protocols.secagg.prg import MaskPRG
 
 _STAGES = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASK)
 
@@ -17,14 +18,16 @@ _STAGES = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNM
 class SecAggPlan:
     """The public SecAgg+ parameters of a run: ``seed`` (the run seed: the neighbour graph and
     the simulated dropouts are public streams of it), ``degree`` (neighbours per client; None:
-    the complete graph), ``ring_bits`` (mask in Z_{2^ring_bits}; None: in F_p) and
+    the complete graph), ``ring_bits`` (mask in Z_{2^ring_bits}; None: in F_p),
     ``dropout`` (probability that a client whose first reply arrived stops answering, at a
-    stage drawn uniformly from SecAgg+'s four)."""
+    stage drawn uniformly from SecAgg+'s four) and ``prg`` (the mask PRG by its name,
+    :class:`~protocols.secagg.prg.MaskPRG`)."""
 
     seed: int
     degree: int | None = None
     ring_bits: int | None = None
     dropout: float = 0.0
+    prg: str = MaskPRG.CHACHA20.value
 
     def config(self, server_round: int, count: int, length: int) -> SecAggConfig:
         """The SecAgg+ parameters for ``count`` clients: degree ``degree`` (None: the complete
@@ -39,6 +42,7 @@ class SecAggPlan:
             vector_length=length,
             round=server_round,
             ring_bits=self.ring_bits,
+            prg=MaskPRG.parse(self.prg, "prg"),
         )
 
     def dropouts(self, server_round: int, ids: list[int]) -> dict[Stage, set[int]]:

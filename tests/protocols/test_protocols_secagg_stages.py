@@ -47,7 +47,9 @@ def _same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
 )
 def test_config_record_round_trips_by_name(config):
     record = config.to_record()
-    assert tuple(record) == SecAggKeys.CONFIG
+    # a parameter at its default is left out, so a default round's record is as before
+    at_default = SecAggKeys.DEFAULTED if config.prg.code == 0 else ()
+    assert tuple(record) == tuple(k for k in SecAggKeys.CONFIG if k not in at_default)
     assert SecAggConfig.from_record(record) == config
     # read by name, not by place: another order of the same entries is the same config
     assert SecAggConfig.from_record(dict(reversed(record.items()))) == config

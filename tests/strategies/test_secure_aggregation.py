@@ -175,13 +175,13 @@ def test_further_secagg_plan_fields_reach_the_plan_and_unknown_ones_are_named():
         secagg_plan={"dropout": 0.25},
     )
     assert wrapped.secure.plan == secure.SecAggPlan(3, 4, dropout=0.25)
-    with pytest.raises(ValueError, match="secagg_plan key 'prg'; allowed: dropout, ring_bits"):
+    with pytest.raises(ValueError, match="secagg_plan key 'kdf'; allowed: dropout, prg, ring_bits"):
         SecureAggregation(
             FedAvg(fraction_evaluate=0.0),
             secure_sum="secagg",
             seed=3,
             expected_clients=8,
-            secagg_plan={"prg": "aes"},
+            secagg_plan={"kdf": "hkdf"},
         )
 
 
