@@ -7,7 +7,7 @@ from __future__ import annotations
 from enum import Enum
 
 import numpy as np
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from protocols.field import MersenneField
 
@@ -17,21 +17,26 @@ SEED_BYTES = 32
 class MaskPRG(Enum):
     """The keystream that expands a 32-byte mask seed (b_i or s_ij), by its
     ``strategy.options.prg`` name; its wire code (``SecAggKeys.PRG`` of
-    :mod:`protocols.secagg.common`) is its place here. A new PRG is a member here and its branch
-    of :meth:`keystream`.
+    :mod:`protocols.secagg.common`) is its place here.
 
-    ``chacha20``: ChaCha20 (RFC 8439) keyed by the seed, nonce and counter zero. A seed is a
-    uniform 32-byte key already (the CSPRNG's b_i, or HKDF-SHA256's s_ij), and it keys one
-    keystream only (b_i is drawn afresh each round, s_ij is bound to the round's session id),
-    so the fixed nonce never repeats a (key, nonce) pair.
+    ``chacha20``: ChaCha20 (RFC 8439) keyed by the seed, nonce and counter zero. ``aes-ctr``:
+    AES-256 in CTR mode (NIST SP 800-38A) keyed by the seed, initial counter block zero (a
+    128-bit big-endian counter; hardware AES where the CPU has it). A seed is a uniform 32-byte
+    key already (the CSPRNG's b_i, or HKDF-SHA256's s_ij), so it keys AES-256 directly, and it
+    keys one keystream only (b_i is drawn afresh each round, s_ij is bound to the round's
+    session id), so the fixed start never repeats a (key, counter) pair.
 
     Uniformity, for a keystream of independent uniform bits: a 64-bit word masked to e bits is
     uniform on [0, 2^e); rejecting its one value 2^e - 1 = p leaves it exactly uniform on
     [0, p) = F_p (rejection sampling, a word lost with probability 2^-e); in Z_{2^k} the low k
-    bits of a 32- or 64-bit word are uniform, nothing rejected.
+    bits of a 32- or 64-bit word are uniform, nothing rejected. AES-CTR's blocks are a
+    permutation's images of distinct counters, so never equal: by the PRP/PRF switching lemma
+    they are within q(q-1)/2^129 of uniform over q blocks (below 2^-89 for 2^20 blocks, 16 MiB
+    of masks), besides AES's own security as a PRP.
     """
 
     CHACHA20 = "chacha20"
+    AES_CTR = "aes-ctr"
 
     @property
     def code(self) -> int:
@@ -57,6 +62,8 @@ class MaskPRG(Enum):
         """A fresh cipher context over ``seed`` whose encryption of zeros is the keystream."""
         if len(seed) != SEED_BYTES:
             raise ValueError(f"seed must be {SEED_BYTES} bytes, got {len(seed)}")
+        if self is MaskPRG.AES_CTR:
+            return Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor()
         return Cipher(algorithms.ChaCha20(seed, bytes(16)), mode=None).encryptor()
 
 

@@ -43,6 +43,8 @@ def _same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
         SecAggConfig(10, 4, 3, 7),
         SecAggConfig(9, 8, 5, 3, round=11, min_survivors=6, ring_bits=20),
         SecAggConfig(3, 2, 2, 1, field=MersenneField(31)),
+        SecAggConfig(5, 4, 3, 2, prg="aes-ctr"),
+        SecAggConfig(5, 4, 3, 2, ring_bits=32, prg="aes-ctr"),
     ],
 )
 def test_config_record_round_trips_by_name(config):
