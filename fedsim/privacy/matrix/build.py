@@ -1,9 +1,8 @@
 """Factorizations by name, and an on-disk cache of optimised ones.
 
-:func:`build` maps a kind (:data:`fedsim.privacy.matrix.kinds.REGISTERED`: ``tree``, ``honaker``,
-``sqrt``, ``toeplitz``, ``banded``, ``dense``, ``blt``) and the run's shape (rounds, bands,
-participation, the kind's own options) to the optimiser of that family for the prefix-sum
-workload. :func:`cached` keeps the result in an ``.npz``
+:func:`build` maps a kind (one of :data:`fedsim.privacy.matrix.kinds.REGISTERED`) and the
+run's shape (rounds, bands, participation, the kind's own options) to the optimiser of that
+family for the prefix-sum workload. :func:`cached` keeps the result in an ``.npz``
 (:meth:`Factorization.save`) together with the arguments it was built from and the seconds it
 took, and returns the file's factorization when those arguments match.
 """
