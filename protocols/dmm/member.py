@@ -52,7 +52,8 @@ member signed (:meth:`~MemberGroup.connect`, ``deal``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -71,36 +72,11 @@ class MemberGroup(ReshareDuties):
     integer matrix ``matrix``; ``step`` is the next round this committee runs. Holds the
     group's :attr:`context` and its :attr:`state` (replaced by every request served)."""
 
-    def __init__(
-        self,
-        seats: Sequence[int],
-        *,
-        n: int,
-        t: int,
-        k: int,
-        field_exponent: int,
-        dim: int,
-        matrix,
-        min_clients: int = 1,
-        step: int = 0,
-        identities: Mapping[int, tuple[bytes, bytes]] | None = None,
-        authority: bytes | None = None,
-        next_names: Callable[[int], Sequence[str]] | None = None,
-        secrets: MemberSecrets | None = None,
-    ) -> None:
-        """``identities``: seat -> (its identity seed, its certificate bytes), for the seats
-        here that sign their keys (others are ignored); ``authority``: the enrolment
-        authority's public key, under which peers' member keys are checked (None: taken as
-        relayed); ``next_names``: round -> the enrolled names, seat order, of the committee the
-        public draw makes for that round: a dealer of round r deals to seat j of the next
-        committee only under a proof signed by ``next_names(r + 1)[j]`` (None: any distinct
-        enrolled party); ``secrets``: the seats' own randomness (channel keys and resharing
-        streams) where no request passes it (None: the OS's)."""
-        self.context = GroupContext.build(
-            seats, n=n, t=t, k=k, field_exponent=field_exponent, dim=dim, matrix=matrix,
-            min_clients=min_clients, identities=identities, authority=authority,
-            next_names=next_names, secrets=secrets,
-        )
+    def __init__(self, seats: Sequence[int], *, step: int = 0, **context: Any) -> None:
+        """``context``: the group's fixed parts as :meth:`GroupContext.build` takes them (n, t,
+        k, field_exponent, dim, matrix, min_clients, identities, authority, next_names,
+        secrets), checked there."""
+        self.context = GroupContext.build(seats, **context)
         self.state = GroupState(step=int(step))
 
     def _run(self, handler: stages.Handler, message):

@@ -94,8 +94,16 @@ class GroupContext:
         next_names: Callable[[int], Sequence[str]] | None = None,
         secrets: MemberSecrets | None = None,
     ) -> GroupContext:
-        """The context of :class:`protocols.dmm.member.MemberGroup`'s arguments (there); a
-        bad one raises ValueError naming it, its value and what is allowed."""
+        """The context of :class:`protocols.dmm.member.MemberGroup`'s arguments; a bad one
+        raises ValueError naming it, its value and what is allowed. ``identities``: seat ->
+        (its identity seed, its certificate bytes), for the seats here that sign their keys
+        (others are ignored); ``authority``: the enrolment authority's public key, under which
+        peers' member keys are checked (None: taken as relayed); ``next_names``: round -> the
+        enrolled names, seat order, of the committee the public draw makes for that round: a
+        dealer of round r deals to seat j of the next committee only under a proof signed by
+        ``next_names(r + 1)[j]`` (None: any distinct enrolled party); ``secrets``: the seats'
+        own randomness (channel keys and resharing streams) where no request passes it (None:
+        the OS's)."""
         scheme = PackedShamir(int(n), int(t), int(k), MersenneField(int(field_exponent)))
         listed = [int(s) for s in seats]
         signing = {
