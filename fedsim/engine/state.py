@@ -8,7 +8,12 @@ state cost nothing.
 :class:`ClientStateStore` holds the states in memory up to ``memory_budget``
 bytes; past that (or from the start, when given a ``path``) it writes them to a
 SQLite file and keeps only the most recently used ones in memory, so memory
-stays flat however many clients have state.
+stays flat however many clients have state. Writes to the file are held back within a
+round: the round's newest state per client goes to the file in one transaction when the round
+changes, before anything reads the file, before a cached state is evicted, and at
+:meth:`close`, so a state rewritten between the exchanges of one round (a protocol's stage
+state) costs one row, not one per exchange; the file's rows at every round boundary are the
+same as with every write applied at once.
 
 **Custody.** A state is the client's own: in the file each one is sealed with
 that client's secret (``secrets.client(partition_id).seal``, ChaCha20-Poly1305,
@@ -99,6 +104,8 @@ class ClientStateStore:
         self.path: Path | None = None
         self.store_id = ""
         self._written: set[int] = set()  # nodes written since the last checkpoint
+        self._pending: dict[int, bytes | None] = {}  # held-back writes of one round
+        self._pending_version = 0
         self._since_previous: set[int] = set()  # nodes written between the last two
         self._last_checkpoint = -1
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -241,6 +248,12 @@ class ClientStateStore:
                 "it was not loaded",
             ) from None
 
+    def _flush(self) -> None:
+        """Write the held-back states of the current round to the file."""
+        if self._pending:
+            items, self._pending = list(self._pending.items()), {}
+            self._write(items, self._pending_version)
+
     def _write(self, items: list[tuple[int, bytes | None]], version: int) -> None:
         assert self._db is not None
         rows = []
@@ -272,6 +285,8 @@ class ClientStateStore:
             self._cached_bytes -= len(old)
 
     def _trim(self) -> None:
+        if self._pending and self._cached_bytes > self.memory_budget:
+            self._flush()  # a held-back state leaves memory only once it is in the file
         while self._cached_bytes > self.memory_budget and self._cache:
             _, blob = self._cache.popitem(last=False)
             self._cached_bytes -= len(blob)
@@ -286,7 +301,7 @@ class ClientStateStore:
             if blob is not None:
                 self._cache.move_to_end(node)
                 found[node] = blob
-            elif self._db is not None:
+            elif self._db is not None and node not in self._pending:  # pending: cleared
                 missing.append(node)
         if missing and self._db is not None:
             for start in range(0, len(missing), 500):
@@ -319,7 +334,10 @@ class ClientStateStore:
         if self._db is None and self._cached_bytes > self.memory_budget:
             self._spill(version)
         elif self._db is not None:
-            self._write(items, version)
+            if self._pending and version != self._pending_version:
+                self._flush()
+            self._pending.update(items)
+            self._pending_version = version
             self._written.update(node for node, _ in items)
         self._trim()
 
@@ -327,6 +345,7 @@ class ClientStateStore:
         if self._db is None:
             return len(self._cache)
         with self._db_errors():
+            self._flush()
             row = self._db.execute(
                 "SELECT COUNT(*) FROM states s WHERE blob IS NOT NULL AND version ="
                 " (SELECT MAX(version) FROM states t WHERE t.node_id = s.node_id)"
@@ -335,8 +354,11 @@ class ClientStateStore:
 
     # -- checkpoints ---------------------------------------------------------------
     def _require_file(self, action: str) -> sqlite3.Connection:
+        """The file, with every held-back write in it."""
         if self._db is None:
             raise RuntimeError(f"only a file-backed store can be {action}")
+        with self._db_errors():
+            self._flush()
         return self._db
 
     def checksum(self, version: int, *, verify: bool = False) -> str:
@@ -428,8 +450,12 @@ class ClientStateStore:
 
     def close(self) -> None:
         if self._db is not None:
-            self._db.close()
-            self._db = None
+            try:
+                with self._db_errors():
+                    self._flush()
+            finally:
+                self._db.close()
+                self._db = None
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

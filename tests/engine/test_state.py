@@ -135,3 +135,43 @@ def test_memory_only_stores_cannot_roll_back_and_budgets_are_checked():
         ClientStateStore().mark(1)
     with pytest.raises(ConfigError, match="memory_budget"):
         ClientStateStore(memory_budget=-1)
+
+
+def rows(path) -> list[tuple[int, int, bool]]:
+    with sqlite3.connect(path) as db:
+        found = db.execute("SELECT node_id, version, blob IS NOT NULL FROM states ORDER BY 1, 2")
+        return [(n, v, bool(b)) for n, v, b in found]
+
+
+def test_a_rounds_rewrites_reach_the_file_once_and_as_if_applied_at_once(tmp_path):
+    """Writes within a round are held back: the file gets the round's newest state per
+    client in one go (when the round changes or anything reads the file), a cleared state
+    is never answered from an older row meanwhile, and the rows are those of writing every
+    state at once."""
+    path = tmp_path / "s.sqlite"
+    store = ClientStateStore(path, secrets=SECRETS)
+    store.put_many({1: state(10), 2: state(20)}, version=1)
+    store.checkpoint(1)
+    writes = []
+    original = store._write
+    store._write = lambda items, version: (writes.append(len(items)), original(items, version))
+    for stage in range(4):  # four exchanges of round 2 rewrite both states
+        store.put_many({1: state(100 + stage), 2: state(200 + stage)}, version=2)
+    store.put_many({2: None}, version=2)  # client 2 cleared its state
+    assert writes == [] and rows(path) == [(1, 1, True), (2, 1, True)]
+    assert {k: value(v) for k, v in store.get_many([1, 2]).items()} == {1: 103}
+    store.put_many({3: state(30)}, version=3)  # the round changed: round 2 goes to the file
+    assert writes == [2] and rows(path) == [(1, 1, True), (1, 2, True), (2, 1, True), (2, 2, False)]
+    assert len(store) == 2 and writes == [2, 1]  # reading the file writes round 3's first
+    store.put_many({3: state(31)}, version=3)
+    store.close()  # closing writes what is held back
+    reopened = ClientStateStore(path, secrets=SECRETS)
+    assert {k: value(v) for k, v in reopened.get_many([1, 2, 3]).items()} == {1: 103, 3: 31}
+
+
+def test_a_held_back_state_leaves_memory_only_through_the_file(tmp_path):
+    one = len(state(0))
+    store = ClientStateStore(tmp_path / "s.sqlite", memory_budget=3 * one, secrets=SECRETS)
+    store.put_many({node: state(node) for node in range(10)}, version=1)
+    assert store._cached_bytes <= 3 * one and not store._pending
+    assert {k: value(v) for k, v in store.get_many(range(10)).items()} == {k: k for k in range(10)}
