@@ -14,6 +14,7 @@ re-used or misbound key raises :class:`KeySubstitution` naming the party.
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from dataclasses import dataclass
 
@@ -29,7 +30,8 @@ SIGNATURE_BYTES = 64
 NO_PARTY = 2**64 - 1
 """The channel id a key statement binds when the id is assigned only later (SecAgg+)."""
 _KNOWN_CERTIFICATES = 1 << 16
-"""Verified certificates a :class:`KeyVerifier` remembers (then it starts afresh)."""
+"""Verified certificates, and verified signatures, a :class:`KeyVerifier` remembers (then it
+starts afresh)."""
 
 
 def _raw(key: Ed25519PrivateKey | Ed25519PublicKey) -> bytes:
@@ -153,7 +155,11 @@ class Identity:
 
 class KeyVerifier:
     """Checks relayed keys against the enrolment authority's public key (held by the party
-    from enrolment, never taken from the relay). Verified certificates are remembered."""
+    from enrolment, never taken from the relay). Verified certificates are remembered, and so
+    are verified key signatures: Ed25519 verification is a function of the public key, the
+    statement and the signature alone, so a triple that verified once verifies again, and
+    the parties of one process that check the same relayed keys (the neighbours of a client
+    on one worker) check them once. Triples are remembered by their SHA-256."""
 
     def __init__(self, authority: bytes) -> None:
         if not isinstance(authority, bytes) or len(authority) != PUBLIC_KEY_BYTES:
@@ -164,6 +170,7 @@ class KeyVerifier:
         self.authority = authority
         self._authority = Ed25519PublicKey.from_public_bytes(authority)
         self._known: dict[bytes, tuple[str, Ed25519PublicKey]] = {}
+        self._verified: set[bytes] = set()
 
     def check(
         self,
@@ -205,6 +212,11 @@ class KeyVerifier:
             statement = key_statement(protocol, session_id, party_id, tuple(keys))
         except (ValueError, TypeError):
             raise KeySubstitution(f"{who}'s public keys are malformed") from None
+        triple = hashlib.sha256()
+        for part in (encoded, signature, statement):
+            triple.update(len(part).to_bytes(8, "big") + part)
+        if triple.digest() in self._verified:
+            return enrolled
         try:
             identity.verify(signature, statement)
         except InvalidSignature:
@@ -212,6 +224,9 @@ class KeyVerifier:
                 f"{who}'s public key is not the one {enrolled!r} signed for this protocol, "
                 "session and channel (substituted by the relay)"
             ) from None
+        if len(self._verified) >= _KNOWN_CERTIFICATES:
+            self._verified.clear()
+        self._verified.add(triple.digest())
         return enrolled
 
     def check_all(self, entries, *, protocol: bytes, session_id: bytes, own: str | None = None):

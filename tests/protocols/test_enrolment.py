@@ -88,6 +88,41 @@ def test_a_proof_binds_protocol_session_channel_and_every_key():
     assert key_statement(b"p", SESSION, None, (KEY,)) != key_statement(b"p", SESSION, 0, (KEY,))
 
 
+def test_a_verified_signature_is_checked_once_and_nothing_else_rides_on_it():
+    """The neighbours of a client on one worker check its relayed keys once; a changed
+    signature, statement or certificate is still checked, and fails."""
+    authority = EnrolmentAuthority(bytes(32))
+    identity = authority.identity("client/1", b"\x01" * 32)
+    verifier = KeyVerifier(authority.public_key)
+    proof = identity.prove(b"p", SESSION, 3, (KEY,))
+    base = dict(protocol=b"p", session_id=SESSION, party_id=3, keys=(KEY,), who="w")
+    assert verifier.check(proof, **base) == "client/1"
+    calls = []
+
+    class Counting:
+        def __init__(self, key):
+            self.key = key
+
+        def verify(self, signature, statement):
+            calls.append(statement)
+            self.key.verify(signature, statement)
+
+    encoded = proof[:-64]
+    name, key = verifier._known[encoded]
+    verifier._known[encoded] = (name, Counting(key))
+    for _ in range(3):
+        assert verifier.check(proof, **base) == "client/1"
+    assert calls == []  # the same triple: no second Ed25519 verification
+    flipped = proof[:-1] + bytes([proof[-1] ^ 1])
+    with pytest.raises(KeySubstitution, match="not the one 'client/1' signed"):
+        verifier.check(flipped, **base)
+    with pytest.raises(KeySubstitution, match="not the one 'client/1' signed"):
+        verifier.check(proof, **{**base, "party_id": 4})
+    assert len(calls) == 2
+    with pytest.raises(KeySubstitution, match="signed by 'client/1', not 'client/2'"):
+        verifier.check(proof, **base, name="client/2")
+
+
 def test_secrets_of_the_authority_and_the_identities_are_never_pickled():
     import pickle
 
