@@ -16,7 +16,7 @@ with real
   X25519 / ChaCha20-Poly1305 / Shamir): each client clips, rotates, rounds and noises its
   update and masks it inside its ClientApp, and the strategy runs SecAgg+ as three more
   message exchanges through the engine (``--secagg-degree`` neighbours, a majority
-  threshold, masks in Z_2^``--ring-bits``).
+  threshold, masks in Z_2^``--ring-bits`` from the ``--prg`` keystream: ChaCha20 or AES-256-CTR).
 
 A mode is a function ``(point) -> ModeRun`` registered in :data:`MODES`; a committee mode
 also reports its members' CPU seconds and bytes per member (``ModeRun.committee``).
@@ -122,6 +122,7 @@ class Point:
     ring_bits: int
     noise_multiplier: float
     state_memory_mb: int = 256
+    prg: str = "chacha20"
     backend: str = "ray"
     workload: str = "synthetic"
     writers: int = 0
@@ -175,6 +176,7 @@ def ddgauss_mode(point: Point) -> ModeRun:
         "secagg_degree": point.secagg_degree,
         "ring_bits": point.ring_bits,
         "bits": min(point.ring_bits, 20),
+        "prg": point.prg,
     }
     strategy = from_options(options, expected_clients=point.cohort, seed=point.seed)
     app = ddgauss_client_app(workload_app(point))
@@ -403,6 +405,7 @@ def _point(args: argparse.Namespace, mode: str, cohort: int, dim: int, populatio
         ring_bits=args.ring_bits,
         noise_multiplier=args.noise_multiplier,
         state_memory_mb=args.state_memory_mb,
+        prg=args.prg,
         workload=args.workload,
         writers=args.writers if args.workload == "lenet" else 0,
         data_dir=args.data_dir,
@@ -458,6 +461,9 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=256,
         help="client states kept in memory (MiB, the engine's default) before SQLite",
+    )
+    parser.add_argument(
+        "--prg", choices=["chacha20", "aes-ctr"], default="chacha20", help="DDGauss's mask PRG"
     )
     parser.add_argument("--seed", type=int, default=0)
     _output_arguments(parser)

@@ -30,6 +30,7 @@ from fedsim.workloads.supervised import LocalTraining, make_client_app
 from protocols.field import DEFAULT_FIELD
 from protocols.kit import TooManyDropoutsError
 from protocols.secagg.common import Stage
+from protocols.secagg.prg import MaskPRG
 from strategies.methods.ddgauss.client import ddgauss_client_app
 from strategies.methods.ddgauss.spec import from_options
 from strategies.methods.ddgauss.strategy import DDGauss
@@ -106,6 +107,20 @@ def test_full_mode_equals_plaintext_bit_for_bit_under_protocol_dropouts(
     assert full.epsilon() == plain.epsilon() > 0
     assert full.privacy_report()["mode"] == "full"
     assert plain.privacy_report()["mode"] == "plaintext"
+
+
+def test_full_mode_with_the_aes_prg_equals_plaintext(local_engine, digits, client_secrets):
+    """``prg = "aes-ctr"`` masks with AES-256-CTR (the config the clients get says so); the
+    masks cancel, so the sums are plaintext's to the bit."""
+    full, final_full, sums_full, _ = run(
+        local_engine, digits, client_secrets, "full", ring_bits=32, prg="aes-ctr"
+    )
+    _, final_plain, sums_plain, _ = run(local_engine, digits, client_secrets, "plaintext")
+    assert full.secagg_config(1, CLIENTS, 8).prg is MaskPRG.AES_CTR
+    for a, b in zip(sums_full, sums_plain, strict=True):
+        np.testing.assert_array_equal(a, b)
+    for key in final_full:
+        np.testing.assert_array_equal(final_full[key], final_plain[key])
 
 
 def test_dropouts_at_every_exchange_cost_epsilon_for_the_noise_present(
@@ -277,6 +292,8 @@ def test_arguments_are_checked():
         from_options({**base, "threshold": 2}, expected_clients=4, seed=0)
     with pytest.raises(ValueError, match=r"detect=2 .* detect = strategy.options.detect"):
         from_options({**committee, "detect": 2}, expected_clients=4, seed=0)
+    with pytest.raises(ConfigError, match="strategy.options.prg = 'aes'.*'aes-ctr'"):
+        from_options({**base, "prg": "aes"}, expected_clients=4, seed=0)
     with pytest.raises(ValueError, match="expected_clients"):
         DDGauss(FedAvg(), clipping_norm=1, noise_multiplier=1, expected_clients=1, seed=0)
     with pytest.raises(ValueError, match="stage_timeout"):

@@ -14,6 +14,7 @@ from flwr.serverapp.strategy import Strategy
 from fedsim.config import require
 from fedsim.engine.committee import Committee, CommitteeSpec
 from protocols.encoding import DEFAULT_BETA
+from protocols.secagg.prg import MaskPRG
 from strategies.plumbing.wrapper import fraction_evaluate
 from strategies.secure import clear
 from strategies.secure.committee import CommitteeOptions
@@ -44,10 +45,13 @@ def check_options(
     bits: int,
     protocol_dropout: float,
     stage_timeout: float | None,
+    prg: str = "chacha20",
 ) -> None:
     """A ConfigError (a ValueError) naming ``<where><key>`` on a :class:`DDGauss` option out
     of its range (``where``: ``"strategy.options."`` for a config's, ``""`` for arguments)."""
     require(mode != "ideal", f"{where}mode", mode, _RENAMED)
+    prgs = [m.value for m in MaskPRG]
+    require(prg in prgs, f"{where}prg", prg, f"one of {', '.join(map(repr, prgs))}")
     require(mode in MODES, f"{where}mode", mode, f"one of {', '.join(map(repr, MODES))}")
     for key, value in (("clipping_norm", clipping_norm), ("noise_multiplier", noise_multiplier)):
         require(math.isfinite(value) and value > 0, where + key, value, "finite and > 0")
@@ -121,6 +125,7 @@ class DDGaussOptions(CommitteeOptions):
     ring_bits: int | None = None
     protocol_dropout: float = 0.0
     stage_timeout: float | None = 3600.0
+    prg: str = MaskPRG.CHACHA20.value
 
     def __post_init__(self) -> None:
         require(self.mode != "ideal", f"{WHERE}.mode", self.mode, _RENAMED)
@@ -159,5 +164,6 @@ _CHECKED = (
     "bits",
     "protocol_dropout",
     "stage_timeout",
+    "prg",
 )
 

@@ -60,6 +60,7 @@ def from_options(
         protocol_dropout=options.protocol_dropout,
         committee=options.committee(),
         stage_timeout=options.stage_timeout,
+        prg=options.prg,
         member_dropout=options.dropout,
         metrics_in_clear=metrics_in_clear,
     )

@@ -150,6 +150,8 @@ class DDGauss(SecureReplies):
             from ``seed`` and the round). Clients lost before MASKED_INPUT contribute no noise.
             Plaintext mode reproduces full mode's outcome exactly on the complete graph.
         stage_timeout: seconds each SecAgg+ exchange waits for replies (None: no limit).
+        prg: full mode's mask PRG by its name (:class:`protocols.secagg.prg.MaskPRG`:
+            ``"chacha20"`` or ``"aes-ctr"``); the masks cancel, so the sum is the same.
         metrics_in_clear: allow federated evaluation (``strategy``'s evaluate phase), which
             gives the server each evaluating client's un-noised metrics: epsilon becomes
             infinite once any arrive. Without it a ``strategy`` whose ``fraction_evaluate`` is
@@ -176,6 +178,7 @@ class DDGauss(SecureReplies):
         protocol_dropout: float = DDGaussOptions.protocol_dropout,
         committee: Committee | CommitteeSpec | None = None,
         stage_timeout: float | None = DDGaussOptions.stage_timeout,
+        prg: str = DDGaussOptions.prg,
         member_dropout: float = 0.0,
         metrics_in_clear: bool = False,
     ) -> None:
@@ -190,6 +193,7 @@ class DDGauss(SecureReplies):
             bits=bits,
             protocol_dropout=protocol_dropout,
             stage_timeout=stage_timeout,
+            prg=prg,
         )
         check_arguments(expected_clients, mode, committee, strategy, metrics_in_clear)
         super().__init__(strategy)
@@ -197,11 +201,12 @@ class DDGauss(SecureReplies):
         self.ring_bits = ring_bits
         self.protocol_dropout = float(protocol_dropout)
         self.member_dropout = float(member_dropout)
+        self.prg = prg
         #: the round's secure sum, chosen by ``mode`` (:data:`SECURE_SUMS`)
         self.secure: SecureSum = secure.build(
             SECURE_SUMS[mode],
             prefix=PREFIX,
-            plan=SecAggPlan(int(seed), secagg_degree, ring_bits, float(protocol_dropout)),
+            plan=SecAggPlan(int(seed), secagg_degree, ring_bits, float(protocol_dropout), prg),
             stage_timeout=stage_timeout,
             committee=committee,
             member_dropout=float(member_dropout),
@@ -345,7 +350,9 @@ class DDGauss(SecureReplies):
     @property
     def secure_plan(self) -> SecAggPlan:
         """SecAgg+'s public parameters (full mode runs them; plaintext mode simulates them)."""
-        return SecAggPlan(self.seed, self.secagg_degree, self.ring_bits, self.protocol_dropout)
+        return SecAggPlan(
+            self.seed, self.secagg_degree, self.ring_bits, self.protocol_dropout, self.prg
+        )
 
     def sum_in_clear(self, server_round: int, inputs: dict[int, np.ndarray]) -> np.ndarray:
         """sum_i inputs[i] mod p over the clients that contribute, in plaintext mode (the only
