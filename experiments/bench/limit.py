@@ -11,15 +11,15 @@ one point per cohort of ``--cohorts`` clients: the cohort sets sigma and gamma):
   (:func:`fedsim.privacy.discrete_gaussian.discrete_gaussian`, the fastest exact sampler in
   the tree), the two X25519 public keys, one Ed25519 signature (the key proof of an enrolled
   client) and the AEAD seal of the state it stores;
-* ``share_keys``: ``degree + 1`` Ed25519 verifications (each neighbour's key proof, and one
-  certificate: a worker checks each cohort member's certificate once for all its clients, so
-  one per client), ``2 degree`` X25519 agreements with their HKDF (a channel and a mask seed
-  per neighbour: the neighbours' keys arrive here), the Shamir sharing of the two 32-byte
-  secrets, ``degree`` ChaCha20-Poly1305 seals of a share row, and the AEAD open and seal of
-  the state;
+* ``share_keys``: two Ed25519 verifications, one key proof and one certificate (a worker
+  checks each cohort member's certificate, and each relayed key proof, once for all its
+  clients, so it verifies one of each per client it hosts), ``2 degree`` X25519 agreements
+  with their HKDF (a channel and a mask seed per neighbour: the neighbours' keys arrive
+  here), the Shamir sharing of the two 32-byte secrets, ``degree`` ChaCha20-Poly1305 seals
+  of a share row, and the AEAD open and seal of the state;
 * ``masked_input``: ``degree`` AEAD opens of the share rows, ``(degree + 1) * D`` keystream
-  words at the PRG's measured throughput (ChaCha20,
-  the mask PRG of :mod:`protocols.secagg`, written into a buffer), ``degree + 1`` in-place
+  words at the measured throughput of the mask PRG ``--prg`` (ChaCha20 or AES-256-CTR,
+  :class:`protocols.secagg.prg.MaskPRG`, written into a buffer), ``degree + 1`` in-place
   additions of D words, and the state's AEAD open and seal;
 * ``unmask``: the state's AEAD open and seal.
 
@@ -66,7 +66,6 @@ import numpy as np  # noqa: E402
 from cryptography.hazmat.primitives import hashes  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey  # noqa: E402
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms  # noqa: E402
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305  # noqa: E402
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF  # noqa: E402
 
@@ -200,7 +199,8 @@ class ClientRounds:
     (every client has ``degree`` neighbours), one fresh root per round."""
 
     def __init__(
-        self, dim: int, cohort: int, degree: int, ring_bits: int, bits: int, seed: int = 0
+        self, dim: int, cohort: int, degree: int, ring_bits: int, bits: int, prg: str,
+        seed: int = 0,
     ) -> None:
         from flwr.supercore.task_identity import TaskIdentity  # noqa: PLC0415
 
@@ -218,6 +218,7 @@ class ClientRounds:
             "secagg_degree": degree,
             "ring_bits": ring_bits,
             "bits": bits,
+            "prg": prg,
         }
         self.strategy = from_options(options, expected_clients=cohort, seed=seed)
         inner = TimedInner(synthetic_client_app(dim, seed))
@@ -248,12 +249,13 @@ def _hkdf(shared: bytes) -> bytes:
 
 
 def kernel_samples(
-    encoder, degree: int, ring_bits: int, repeats: int
+    encoder, degree: int, ring_bits: int, prg: str, repeats: int
 ) -> dict[str, list[tuple[float, float]]]:
     """(cpu, wall) seconds of one unit of each kernel at the encoder's sizes."""
     from fedsim.privacy.discrete_gaussian import discrete_gaussian  # noqa: PLC0415
     from protocols.encoding import clip_l2, conditional_round, rotate, rotation_signs  # noqa: PLC0415
     from protocols.secagg.common import CHUNKS_PER_SECRET, SecAggConfig, shamir_scheme  # noqa: PLC0415
+    from protocols.secagg.prg import MaskPRG  # noqa: PLC0415
 
     padded = encoder.padded_dim
     rng = np.random.default_rng(0)
@@ -281,8 +283,7 @@ def kernel_samples(
     mask = np.ones(padded, dtype=word)
 
     def keystream() -> None:
-        stream = Cipher(algorithms.ChaCha20(bytes(32), bytes(16)), mode=None).encryptor()
-        stream.update_into(zeros, buffer)
+        MaskPRG(prg).keystream(bytes(32)).update_into(zeros, buffer)
 
     return {
         "rotation": samples(lambda: rotate(clip_l2(update, encoder.clip), signs), repeats),
@@ -333,7 +334,7 @@ def exchange_kernels(
             "ed25519_sign": units["ed25519_sign"],
         },
         "share_keys": {
-            f"ed25519_verify x{degree + 1}": (degree + 1) * units["ed25519_verify"],
+            "ed25519_verify x2": 2 * units["ed25519_verify"],
             f"x25519_agree x{2 * degree}": 2 * degree * units["x25519_agree"],
             "shamir_share": units["shamir_share"],
             f"aead_seal_row x{degree}": degree * units["aead_seal_row"],
@@ -355,16 +356,16 @@ def exchange_kernels(
 # ----------------------------------------------------------------------------- the run
 def measure_point(
     dim: int, cohort: int, degree: int, ring_bits: int, bits: int, rounds: int, repeats: int,
-    seed: int = 0,
+    prg: str, seed: int = 0,
 ) -> dict[str, Any]:
     """One (d, cohort) point in this process: each round of the real clients is followed by
     one timing of every kernel, so that both see the same spells of a shared machine."""
-    clients = ClientRounds(dim, cohort, degree, ring_bits, bits, seed)
+    clients = ClientRounds(dim, cohort, degree, ring_bits, bits, prg, seed)
     unit_samples: dict[str, list[tuple[float, float]]] = {}
     for server_round in range(1, rounds + 1):
         clients.run_round(server_round)
         encoder = clients.strategy.encoder
-        for name, pairs in kernel_samples(encoder, degree, ring_bits, repeats).items():
+        for name, pairs in kernel_samples(encoder, degree, ring_bits, prg, repeats).items():
             unit_samples.setdefault(name, []).extend(pairs)
     sizes = clients.state_sizes()
     state_pairs = {e: state_samples(sizes[e], repeats * rounds) for e in EXCHANGES}
@@ -399,6 +400,7 @@ def measure_point(
         "degree": degree,
         "ring_bits": ring_bits,
         "bits": bits,
+        "prg": prg,
         "scaled_noise_std": encoder.scaled_noise_std,
         "gamma": encoder.gamma,
         "units": units,
@@ -418,7 +420,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for dim in args.dims:
         for cohort in args.cohorts:
             point = measure_point(
-                dim, cohort, args.degree, args.ring_bits, args.bits, args.rounds, args.repeats
+                dim, cohort, args.degree, args.ring_bits, args.bits, args.rounds, args.repeats,
+                args.prg,
             )
             points.append(point)
             ratios = " / ".join(f"{point['exchanges'][e]['ratio']:.2f}" for e in EXCHANGES)
@@ -467,6 +470,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--degree", type=int, default=16)
     parser.add_argument("--ring-bits", type=int, default=32)
     parser.add_argument("--bits", type=int, default=20)
+    parser.add_argument("--prg", choices=["chacha20", "aes-ctr"], default="chacha20")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--label", default="after")

@@ -22,13 +22,16 @@ def stored(tmp_path_factory):
     command = [sys.executable, str(SCRIPT), "--dims", "300", "--cohorts", "50", "--degree", "4"]
     command += ["--rounds", "1", "--repeats", "2", "--out", str(out)]
     subprocess.run([*command, "--label", "before"], check=True, capture_output=True, cwd=ROOT)
-    subprocess.run([*command, "--label", "after"], check=True, capture_output=True, cwd=ROOT)
+    after = [*command, "--label", "after", "--prg", "aes-ctr"]
+    subprocess.run(after, check=True, capture_output=True, cwd=ROOT)
     return out, json.loads(out.read_text())
 
 
 def test_each_label_holds_one_point_per_size_with_every_exchange(stored):
     _, result = stored
     assert list(result["runs"]) == ["before", "after"]  # a second label keeps the first
+    prgs = [run["points"][0]["prg"] for run in result["runs"].values()]
+    assert prgs == ["chacha20", "aes-ctr"]  # the client and the keystream kernel use --prg
     for run in result["runs"].values():
         (point,) = run["points"]
         assert (point["dim"], point["padded_dim"], point["cohort"]) == (300, 512, 50)
@@ -37,7 +40,7 @@ def test_each_label_holds_one_point_per_size_with_every_exchange(stored):
         # degree + 1 clients, one round: every client answered every exchange
         assert {e["client_calls"] for e in point["exchanges"].values()} == {5}
         share_keys = point["exchanges"]["share_keys"]["kernels"]
-        assert {"ed25519_verify x5", "x25519_agree x8", "aead_seal_row x4"} <= set(share_keys)
+        assert {"ed25519_verify x2", "x25519_agree x8", "aead_seal_row x4"} <= set(share_keys)
         assert "keystream_D x5" in point["exchanges"]["masked_input"]["kernels"]
         assert point["keystream_bytes_per_s"] == pytest.approx(
             512 * 4 / point["units"]["cpu"]["keystream_D"]
