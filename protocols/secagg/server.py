@@ -42,6 +42,7 @@ from protocols.secagg.client import SecAggClient
 from protocols.secagg.common import (
     CHUNKS_PER_SECRET,
     SHARE_CIPHERTEXT_BYTES,
+    RingZ2k,
     SecAggConfig,
     Stage,
     UnmaskResponse,
@@ -384,18 +385,21 @@ class SecAggServer:
         return None
 
     def _unmasked_sum(self) -> np.ndarray:
+        """The survivors' masked inputs less every self mask and every pairwise mask a
+        dropped client left in them (in Z_2^k all keystreams go through one buffer)."""
         space = self.config.masking
         total = sum_vectors(space, [self.view.masked_inputs[i] for i in self.survivors])
-        length = self.config.vector_length
+        order = {responder: k for k, responder in enumerate(self.view.responses)}
+        seeds: list[tuple[bytes, int]] = []  # (mask seed, +1 to add its mask / -1 to take it)
         for owner in self.survivors:
-            seed = self._recover(owner, "self_mask_shares")
+            seed = self._recover(owner, "self_mask_shares", order)
             self.view.recovered_self_masks[owner] = seed
-            total = space.sub(total, prg(space, seed, length))
+            seeds.append((seed, -1))
         for owner in self.dropped:
             partners = [j for j in self._recipients[owner] if j in self.survivors]
             if not partners:
                 continue
-            raw_key = self._recover(owner, "secret_key_shares")
+            raw_key = self._recover(owner, "secret_key_shares", order)
             key = X25519PrivateKey.from_private_bytes(raw_key)
             if raw_public_key(key) != self.view.public_keys[owner][1]:
                 raise self._abort(
@@ -411,16 +415,24 @@ class SecAggServer:
                 seed = pairwise_seed(
                     key, self.view.public_keys[partner][1], self.session_id, owner, partner
                 )
-                mask = prg(space, seed, length)
                 # the partner added +mask if partner < owner, else -mask: undo it
-                total = space.sub(total, mask) if partner < owner else space.add(total, mask)
+                seeds.append((seed, -1 if partner < owner else 1))
+        if isinstance(space, RingZ2k):
+            return space.masked_sum(total, seeds)
+        length = self.config.vector_length
+        for seed, sign in seeds:
+            mask = prg(space, seed, length)
+            total = space.add(total, mask) if sign > 0 else space.sub(total, mask)
         return total
 
-    def _recover(self, owner: int, kind: str) -> bytes:
+    def _recover(self, owner: int, kind: str, order: dict[int, int]) -> bytes:
+        """The owner's secret from its recipients' shares (``order``: each responder's place
+        among the UNMASK responses, the order the shares are decoded in)."""
         members, rows = [], []
         recipients = self._recipients[owner]
-        for responder, response in self.view.responses.items():
-            share = getattr(response, kind).get(owner)
+        responses = self.view.responses
+        for responder in sorted((r for r in recipients if r in responses), key=order.__getitem__):
+            share = getattr(responses[responder], kind).get(owner)
             if share is not None:
                 members.append(recipients.index(responder))
                 rows.append(share)
