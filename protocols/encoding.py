@@ -62,20 +62,61 @@ def padded_dimension(dim: int) -> int:
 
 def hadamard_transform(x: np.ndarray) -> np.ndarray:
     """Orthonormal Walsh-Hadamard transform H_D x / sqrt(D) along the last axis (D a power of
-    two), in O(D log D) by the butterfly recursion; it is its own inverse."""
+    two), in O(D log D) by the butterfly recursion; it is its own inverse.
+
+    Stage h (h = 1, 2, ..., D/2 in turn) maps each pair (a, b) = (x[i], x[i + h]) to
+    (a + b, a - b). For D >= 2^12 the stages run on x as a matrix of R x C = D (C = 2^floor(
+    log2(D) / 2)): the stages h < C act within rows and run on the transpose, so that every
+    stage adds and subtracts whole contiguous rows; then the stages h >= C act across rows.
+    Every value is the same sum of the same two numbers in the same stage order, so the
+    result is the plain butterfly's to the bit.
+    """
     x = np.array(x, dtype=np.float64)
     length = x.shape[-1]
     if length < 1 or length & (length - 1):
         raise ValueError(f"x's last axis has length {length}; allowed: a power of two")
+    if length < _BLOCKED_FROM:
+        return _butterfly(x) / math.sqrt(length)
     lead = x.shape[:-1]
-    h = 1
+    low_bits = (length.bit_length() - 1) // 2
+    cols, rows = 1 << low_bits, length >> low_bits
+    low = np.ascontiguousarray(np.swapaxes(x.reshape(*lead, rows, cols), -1, -2))
+    low = _row_stages(low, np.empty_like(low))  # stages h < C, on the transpose (C, R)
+    high = x.reshape(*lead, rows, cols)
+    np.copyto(high, np.swapaxes(low, -1, -2))
+    high = _row_stages(high, low.reshape(*lead, rows, cols))  # stages h >= C
+    return high.reshape(*lead, length) / math.sqrt(length)
+
+
+_BLOCKED_FROM = 1 << 12
+"""From this length on :func:`hadamard_transform` runs its stages on whole rows."""
+
+
+def _butterfly(x: np.ndarray) -> np.ndarray:
+    """The unnormalised butterfly stages of ``x`` (its last axis a power of two), in place."""
+    lead, length, h = x.shape[:-1], x.shape[-1], 1
     while h < length:
         view = x.reshape(*lead, -1, 2, h)
         a, b = view[..., 0, :].copy(), view[..., 1, :]
         view[..., 0, :] += b
         view[..., 1, :] = a - b
         h *= 2
-    return x / math.sqrt(length)
+    return x
+
+
+def _row_stages(a: np.ndarray, spare: np.ndarray) -> np.ndarray:
+    """The butterfly stages across axis -2 of ``a`` (shape (..., K, L), K a power of two),
+    pairing whole rows, between ``a`` and ``spare`` in turn; returns the one holding them."""
+    *lead, count, width = a.shape
+    h = 1
+    while h < count:
+        pairs = a.reshape(*lead, -1, 2, h, width)
+        out = spare.reshape(*lead, -1, 2, h, width)
+        np.add(pairs[..., 0, :, :], pairs[..., 1, :, :], out=out[..., 0, :, :])
+        np.subtract(pairs[..., 0, :, :], pairs[..., 1, :, :], out=out[..., 1, :, :])
+        a, spare = spare, a
+        h *= 2
+    return a
 
 
 def rotation_signs(padded_dim: int, seed: int | np.random.SeedSequence) -> np.ndarray:
