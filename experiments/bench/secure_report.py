@@ -209,7 +209,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"Workload `{settings.get('workload', 'synthetic')}`, {settings.get('population'):,} "
         f"registered clients, {settings.get('warmup')} warm-up + {settings.get('rounds')} "
         f"measured rounds per point, {settings.get('workers')} workers, dropout "
-        f"{settings.get('dropout')}, {result.get('cpu_count')} CPUs. Medians over the measured "
+        f"{settings.get('dropout')}, DDGauss's mask PRG {settings.get('prg', 'chacha20')}, "
+        f"{result.get('cpu_count')} CPUs. Medians over the measured "
         "rounds; `train s` and `secure s` split `client s` (seconds inside the ClientApps, "
         "summed over the cohort) into the clients' training and the rest (encoding, noise, "
         "masking, sharing, sealing, the protocol's further exchanges).\n\n"
@@ -313,6 +314,7 @@ def report(
                 "seed",
                 "state_memory_mb",
                 "workload",
+                "prg",
             )
         },  # fmt: skip
         "cpu_count": os.cpu_count(),
