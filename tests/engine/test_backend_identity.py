@@ -247,22 +247,43 @@ STRATEGIES = {
 }
 
 
-@pytest.mark.ray
-@pytest.mark.parametrize("name", sorted(STRATEGIES))
-def test_local_and_ray_runs_are_bit_identical(name, ray_session, tmp_path):
-    raw = tiny(STRATEGIES[name])
+@pytest.fixture(scope="module")
+def whole_runs(_ray, _shared_engine, tmp_path_factory):
+    """Every strategy's run on the local backend, then replayed on Ray with one and with two
+    workers: ``{name: (local, {workers: ray})}``. Each Ray pool is started once and runs every
+    strategy (the shared engine's workers hold both CPUs, so it is closed first)."""
+    if _shared_engine["engine"] is not None:
+        _shared_engine["engine"].close()
+        _shared_engine["engine"] = None
+    out = tmp_path_factory.mktemp("backend_identity")
     local = Engine(EngineConfig(backend="local")).start()
     try:
-        expected = finished(raw, local, tmp_path / "local", None)
+        runs = {
+            name: (finished(tiny(STRATEGIES[name]), local, out / name / "local", None), {})
+            for name in STRATEGIES
+        }
     finally:
         local.close()
-    assert any(r.get("aggregated") for r in expected[1])
     for workers in (1, 2):
         engine = Engine(EngineConfig(workers=workers)).start()
         try:
-            model, rounds = finished(raw, engine, tmp_path / f"ray{workers}", tmp_path / "local")
+            for name in STRATEGIES:
+                runs[name][1][workers] = finished(
+                    tiny(STRATEGIES[name]), engine, out / name / f"ray{workers}",
+                    out / name / "local",
+                )  # fmt: skip
         finally:
             engine.close()
+    return runs
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_local_and_ray_runs_are_bit_identical(name, whole_runs):
+    expected, on_ray = whole_runs[name]
+    assert any(r.get("aggregated") for r in expected[1])
+    for workers in (1, 2):
+        model, rounds = on_ray[workers]
         assert model.keys() == expected[0].keys()
         for key, value in expected[0].items():
             assert model[key].dtype == value.dtype and model[key].tobytes() == value.tobytes(), (
