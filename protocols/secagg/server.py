@@ -425,12 +425,14 @@ class SecAggServer:
             total = space.add(total, mask) if sign > 0 else space.sub(total, mask)
         return total
 
-    def _recover(self, owner: int, kind: str, order: dict[int, int]) -> bytes:
+    def _recover(self, owner: int, kind: str, order: dict[int, int] | None = None) -> bytes:
         """The owner's secret from its recipients' shares (``order``: each responder's place
-        among the UNMASK responses, the order the shares are decoded in)."""
+        among the UNMASK responses, the order the shares are decoded in; None: computed)."""
         members, rows = [], []
         recipients = self._recipients[owner]
         responses = self.view.responses
+        if order is None:
+            order = {responder: k for k, responder in enumerate(responses)}
         for responder in sorted((r for r in recipients if r in responses), key=order.__getitem__):
             share = getattr(responses[responder], kind).get(owner)
             if share is not None:

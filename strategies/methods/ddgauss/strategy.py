@@ -211,14 +211,9 @@ class DDGauss(SecureReplies):
             committee=committee,
             member_dropout=float(member_dropout),
         )
-        self.clipping_norm = float(clipping_norm)
-        self.noise_multiplier = float(noise_multiplier)
-        self.expected_clients = expected_clients
-        self.seed = int(seed)
-        self.mode = mode
-        self.bits = bits
-        self.beta = beta
-        self.max_tries = max_tries
+        self.clipping_norm, self.noise_multiplier = float(clipping_norm), float(noise_multiplier)
+        self.expected_clients, self.seed, self.mode = expected_clients, int(seed), mode
+        self.bits, self.beta, self.max_tries = bits, beta, max_tries
         self.secagg_degree = secagg_degree
         self.stage_timeout = stage_timeout
         self.ledger = PrivacyLedger(NeighbouringRelation.ADD_REMOVE, delta)
