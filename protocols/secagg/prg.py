@@ -67,6 +67,12 @@ class MaskPRG(Enum):
         return Cipher(algorithms.ChaCha20(seed, bytes(16)), mode=None).encryptor()
 
 
+PRG_NAMES = tuple(m.value for m in MaskPRG)
+"""The mask PRGs' option names (``strategy.options.prg``)."""
+PRG_ALLOWED = " or ".join(map(repr, PRG_NAMES)) + " (the mask PRG; unset: 'chacha20')"
+"""What an error about ``strategy.options.prg`` says is allowed."""
+
+
 def expand_mask(
     seed: bytes, length: int, field_: MersenneField, prg: MaskPRG = MaskPRG.CHACHA20
 ) -> np.ndarray:

@@ -31,7 +31,7 @@ from fedsim.randomness import PartySecret, Stream, public_generator
 from protocols.channels import new_session_id
 from protocols.field import DEFAULT_FIELD
 from protocols.secagg.common import SecAggKeys
-from protocols.secagg.prg import MaskPRG
+from protocols.secagg.prg import PRG_ALLOWED, PRG_NAMES
 from strategies.secure import secagg_client_stages
 from strategies.secure.release import Release, SecureSum, SumArguments, SumOptions
 from strategies.secure.secagg_client_stages import start_client
@@ -72,13 +72,7 @@ class SecAggOptions(SumOptions):
             degree,
             "an even integer >= 2 (neighbours per client; unset: all)",
         )
-        names = [m.value for m in MaskPRG]
-        require(
-            self.prg is None or self.prg in names,
-            f"{where}.prg",
-            self.prg,
-            " or ".join(repr(n) for n in names) + " (the mask PRG; unset: 'chacha20')",
-        )
+        require(self.prg is None or self.prg in PRG_NAMES, f"{where}.prg", self.prg, PRG_ALLOWED)
 
     def arguments(self) -> dict[str, Any]:
         """``secagg_degree`` and ``stage_timeout`` as the wrapper's own keywords; every other

@@ -14,7 +14,7 @@ from flwr.serverapp.strategy import Strategy
 from fedsim.config import require
 from fedsim.engine.committee import Committee, CommitteeSpec
 from protocols.encoding import DEFAULT_BETA
-from protocols.secagg.prg import MaskPRG
+from protocols.secagg.prg import PRG_ALLOWED, PRG_NAMES, MaskPRG
 from strategies.plumbing.wrapper import fraction_evaluate
 from strategies.secure import clear
 from strategies.secure.committee import CommitteeOptions
@@ -50,8 +50,7 @@ def check_options(
     """A ConfigError (a ValueError) naming ``<where><key>`` on a :class:`DDGauss` option out
     of its range (``where``: ``"strategy.options."`` for a config's, ``""`` for arguments)."""
     require(mode != "ideal", f"{where}mode", mode, _RENAMED)
-    prgs = [m.value for m in MaskPRG]
-    require(prg in prgs, f"{where}prg", prg, f"one of {', '.join(map(repr, prgs))}")
+    require(prg in PRG_NAMES, f"{where}prg", prg, PRG_ALLOWED)
     require(mode in MODES, f"{where}mode", mode, f"one of {', '.join(map(repr, MODES))}")
     for key, value in (("clipping_norm", clipping_norm), ("noise_multiplier", noise_multiplier)):
         require(math.isfinite(value) and value > 0, where + key, value, "finite and > 0")
