@@ -5,9 +5,10 @@ source, population and rounds) it reads ``setup.json``, the runs (``{method}_eps
 and the mode checks (``check_*.json``) and builds:
 
 * test accuracy, mean ± sample standard deviation (ddof = 1) over seeds, per method and epsilon;
-* DMM-banded minus DDGauss and minus central BandMF, DMM-tree minus DDGauss and minus the
-  central tree, per epsilon: difference of the means ± its standard error
-  sqrt(s_a^2 / n_a + s_b^2 / n_b), s^2 the sample variances over seeds (ddof = 1);
+* paired differences per epsilon (:data:`DIFFERENCES`: DMM − central BandMF, DMM − DDGauss,
+  DDGauss − DP-FedAvg, BandMF − DP-FedAvg, and the tree's pair): the seeds pair the runs (the
+  same cohorts and initial model, each its own noise), d_s = acc_a(s) − acc_b(s), reported as
+  mean(d) with its 95 % interval mean(d) ± t_{0.975, n−1} · sd(d) / sqrt(n) (sd with ddof = 1);
 * the full mode's cost per round (wall seconds, bytes per client, bytes per committee member
   sent and received, bytes per member of the next committee received, total protocol bytes),
   mean over the DMM runs;
@@ -29,6 +30,8 @@ import math
 import statistics
 from pathlib import Path
 
+from scipy import stats
+
 HERE = Path(__file__).resolve().parent
 METHODS = (
     "non-private",
@@ -40,9 +43,10 @@ METHODS = (
     "dmm-banded",
 )
 DIFFERENCES = (
-    ("dmm-banded", "ddgauss"),
     ("dmm-banded", "central-bandmf"),
-    ("dmm-tree", "ddgauss"),
+    ("dmm-banded", "ddgauss"),
+    ("ddgauss", "dp-fedavg"),
+    ("central-bandmf", "dp-fedavg"),
     ("dmm-tree", "central-tree"),
 )
 COSTS = (
@@ -62,8 +66,8 @@ METHODS_DOC = (
     "<!-- dmm-study:end -->",
 )
 SPREAD = (
-    "mean difference of test accuracy ± the standard error of that difference, "
-    "sqrt(s_a²/n_a + s_b²/n_b), with s² the sample variances (ddof = 1) over the seeds"
+    "paired by seed: mean difference of test accuracy [its 95 % interval, "
+    "mean ± t₀.₉₇₅,ₙ₋₁ · sd/√n with sd the sample sd (ddof = 1) of the paired differences]"
 )
 
 
@@ -116,13 +120,30 @@ def accuracy_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def paired(runs: list[dict], a: str, b: str, eps: float) -> list[float]:
+    """acc_a(s) − acc_b(s) for every seed s stored for both methods at ``eps``."""
+    by_seed = {m: {} for m in (a, b)}
+    for r in runs:
+        if r["method"] in by_seed and r["target_epsilon"] == eps:
+            by_seed[r["method"]][r["seed"]] = r["accuracy"]
+    return [by_seed[a][s] - by_seed[b][s] for s in sorted(by_seed[a].keys() & by_seed[b].keys())]
+
+
+def interval(differences: list[float]) -> tuple[float, float, float]:
+    """(mean, low, high): the 95 % t interval of the mean of paired ``differences``."""
+    n = len(differences)
+    mean = statistics.mean(differences)
+    half = stats.t.ppf(0.975, n - 1) * statistics.stdev(differences) / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
 def difference(runs: list[dict], a: str, b: str, eps: float) -> str:
-    """``a`` minus ``b`` at ``eps``: mean difference ± its standard error (ddof = 1)."""
-    xa, xb = _accuracies(runs, a, eps), _accuracies(runs, b, eps)
-    if len(xa) < 2 or len(xb) < 2:
+    """``a`` minus ``b`` at ``eps``, paired by seed: mean [95 % interval] (n pairs)."""
+    differences = paired(runs, a, b, eps)
+    if len(differences) < 2:
         return "-"
-    se = math.sqrt(statistics.variance(xa) / len(xa) + statistics.variance(xb) / len(xb))
-    return f"{statistics.mean(xa) - statistics.mean(xb):+.3f} ± {se:.3f} (n={len(xa)})"
+    mean, low, high = interval(differences)
+    return f"{mean:+.3f} [{low:+.3f}, {high:+.3f}] (n={len(differences)})"
 
 
 def difference_table(studies: list[tuple[dict, list[dict]]]) -> str:
