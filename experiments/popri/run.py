@@ -73,6 +73,8 @@ from fedsim.workloads.dpo import DPOSettings  # noqa: E402
 METHODS = ("nonprivate", "base", "popri", "pe", "dp-fedavg", "spread")
 STUDY = "popri"  # its roots: experiments/roots.py
 PRIVATE_METHODS = ("popri", "pe", "dp-fedavg")
+#: the stage prefix of the points of :mod:`experiments.popri.tuned_dp_fedavg`
+TUNED_DP_FEDAVG = "dp-fedavg-tuned"
 SPREAD_SEEDS = 3
 
 
@@ -633,45 +635,85 @@ class _ClientEmbeddings:
 
 
 def stage_dp_fedavg(ctx: Context, epsilon: float) -> dict[str, Any]:
+    """DP-FedAvg as configured: fixed-size cohorts (replace-one), FedAvg's server step."""
     from flwr.serverapp.strategy import FedAvg  # noqa: PLC0415
 
     from fedsim.engine import UniformCohort  # noqa: PLC0415
+    from fedsim.privacy.sampling import FixedSizeSampling  # noqa: PLC0415
+
+    s = ctx.config.dp_fedavg
+    n = ctx.federation.num_clients
+    k = min(s.clients_per_round, n)
+    inner = FedAvg(
+        fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=0, min_train_nodes=1
+    )
+    return dp_fedavg_point(
+        ctx,
+        epsilon,
+        inner,
+        FixedSizeSampling(k, n),
+        UniformCohort(n, k, ctx.config.seed),  # drawn from the server's secret
+        expected_clients=k,
+        clipping_norm=s.clipping_norm,
+    )
+
+
+def dp_fedavg_point(
+    ctx: Context,
+    epsilon: float,
+    inner,
+    sampling,
+    participation,
+    *,
+    expected_clients: float,
+    clipping_norm: float,
+    evaluate_on: dict[str, list[np.ndarray]] | None = None,
+) -> dict[str, Any]:
+    """One DP-FedAvg point: ``inner``'s server step on the noisy mean of clipped updates, the
+    cohorts ``participation`` drawn from the point's server secret and accounted as
+    ``sampling`` under its own neighbouring relation (RDP, the config's rounds and delta), the
+    noisy sum divided by ``expected_clients``.
+    With ``evaluate_on`` (name -> sequences) every round's global model is evaluated on each
+    set, in ``rounds[i]["accuracy"]``."""
     from fedsim.engine.rounds import run_rounds  # noqa: PLC0415
     from fedsim.privacy.calibration import calibrate_noise  # noqa: PLC0415
-    from fedsim.privacy.sampling import FixedSizeSampling, relation_for  # noqa: PLC0415
+    from fedsim.privacy.sampling import relation_for  # noqa: PLC0415
     from fedsim.record_codec import to_numpy, to_record  # noqa: PLC0415
     from fedsim.workloads.downstream_lm import load_lm_arrays, next_token_accuracy  # noqa: PLC0415
     from fedsim.workloads.lm_client import make_lm_client_app  # noqa: PLC0415
     from strategies.methods.dp_fedavg.strategy import DPFedAvg  # noqa: PLC0415
 
-    s = ctx.config.dp_fedavg
-    fed = ctx.federation
-    n = fed.num_clients
-    k = min(s.clients_per_round, n)
-    sampling = FixedSizeSampling(k, n)
+    s, fed = ctx.config.dp_fedavg, ctx.federation
+    relation = relation_for(sampling)
     z = (
         0.0
         if math.isinf(epsilon)
-        else calibrate_noise(
-            float(epsilon), ctx.delta, sampling, s.rounds, "rdp", relation_for(sampling)
-        )
+        else calibrate_noise(float(epsilon), ctx.delta, sampling, s.rounds, "rdp", relation)
     )
-    clients = [ctx.sequences(list(fed.client_texts(i))) for i in range(n)]
+    clients = [ctx.sequences(list(fed.client_texts(i))) for i in range(fed.num_clients)]
     app = make_lm_client_app(ctx.spec, clients, s.local, seed=ctx.config.seed)
-    participation = UniformCohort(n, k, ctx.config.seed)  # drawn from the server's secret
     strategy = DPFedAvg(
-        FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=0, min_train_nodes=1),
-        clipping_norm=s.clipping_norm,
+        inner,
+        clipping_norm=clipping_norm,
         noise_multiplier=z,
-        expected_clients=k,
+        expected_clients=expected_clients,
         sampling=sampling,
         delta=ctx.delta,
     )
-    grid = ctx.open_run(app, n, strategy, participation=participation, secret_cohorts=True)
+    grid = ctx.open_run(
+        app, fed.num_clients, strategy, participation=participation, secret_cohorts=True
+    )
     rounds: list[dict[str, Any]] = []
+
+    def evaluate(arrays) -> dict[str, float]:
+        model = ctx.spec.build(ctx.config.seed)
+        load_lm_arrays(model, to_numpy(arrays))
+        return {k: next_token_accuracy(model, v).accuracy for k, v in (evaluate_on or {}).items()}
 
     def on_round(outcome) -> None:
         row = {"round": outcome.server_round, **dict(outcome.train_metrics or {})}
+        if evaluate_on:
+            row["accuracy"] = evaluate(outcome.arrays)
         rounds.append(row)
         print(f"  dp-fedavg eps={eps_key(epsilon)} round {row['round']}: {row}", flush=True)
 
@@ -684,7 +726,9 @@ def stage_dp_fedavg(ctx: Context, epsilon: float) -> dict[str, Any]:
         "epsilon_spent": strategy.epsilon(),
         "noise_multiplier": z,
         "delta": ctx.delta,
-        "clients_per_round": k,
+        "relation": str(relation),
+        "clipping_norm": clipping_norm,
+        "clients_per_round": expected_clients,
         "rounds": rounds,
     }
 
@@ -717,8 +761,10 @@ def stage_list(config: Config, only: tuple[str, ...]) -> list[tuple[str, Any]]:
 
 def is_point(name: str) -> bool:
     """Whether stage ``name`` is a point of the study: a run on the engine whose parties
-    draw secret streams (POPri, PE, DP-FedAvg at one epsilon), under its own nonce."""
-    return name.rpartition("-eps")[0] in PRIVATE_METHODS
+    draw secret streams (POPri, PE, DP-FedAvg at one epsilon, a point of the tuned DP-FedAvg
+    grid), under its own nonce."""
+    method = name.rpartition("-eps")[0]
+    return method in PRIVATE_METHODS or method == TUNED_DP_FEDAVG
 
 
 def finished_stage(path: Path, name: str) -> bool:
@@ -747,10 +793,12 @@ def run_stage(ctx: Context, name: str, run: Any) -> dict[str, Any]:
     return result
 
 
-def run_stages(ctx: Context, only: tuple[str, ...]) -> None:
-    stage_dir = ctx.out / "stages"
+def run_stages(ctx: Context, only: tuple[str, ...], stages=None, stage_dir=None) -> None:
+    """Run ``stages`` ((name, run) pairs; default the config's, :func:`stage_list`) into
+    ``stage_dir`` (default OUT/stages), each stored when it ends and skipped once stored."""
+    stage_dir = stage_dir or ctx.out / "stages"
     stage_dir.mkdir(parents=True, exist_ok=True)
-    for name, run in stage_list(ctx.config, only):
+    for name, run in stages or stage_list(ctx.config, only):
         path = stage_dir / f"{name}.json"
         if finished_stage(path, name):
             print(f"{name}: done earlier ({path})", flush=True)
