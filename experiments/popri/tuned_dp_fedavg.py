@@ -23,7 +23,8 @@ private validation texts is not accounted, here as in the paper.
 
 Points are stored in ``OUT/tuned/<point>.json`` (``OUT`` as :mod:`experiments.popri.run`'s,
 ``runs/<config name>[-seed<S>]``) and skipped once stored; ``OUT/tuned/table.md`` and
-``OUT/tuned/results.json`` are rebuilt from them.
+``OUT/tuned/results.json`` are rebuilt from them; ``--replicates DIR...`` also averages over
+other seeds' folders (``OUT/tuned/table_replicates.md``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -171,6 +173,42 @@ def build_table(config, out: Path) -> str:
     return table
 
 
+def combined_table(config, outs: list[Path]) -> str:
+    """Each report's evaluation accuracy over the replicates ``outs`` (their
+    tuned/results.json): mean ± sample sd (ddof = 1), the gap closed per replicate then
+    averaged, and the (η, C, round) each replicate chose; written to
+    ``outs[0]/tuned/table_replicates.md``."""
+    results = [json.loads((o / "tuned" / "results.json").read_text()) for o in outs]
+    lines = ["| report | ε | accuracy (%) | gap closed | η, C, round per replicate |"]
+    lines.append("|---" * 5 + "|")
+    for e in config.epsilons:
+        key = eps_key(e)
+        if not all(key in r for r in results):
+            continue
+        for report in REPORTS:
+            chosen = [r[key][report] for r in results]
+            accs = [100 * c["accuracy"] for c in chosen]
+            gaps = [
+                gap_closed(c["accuracy"], r["fully_private_accuracy"], r["nonprivate_accuracy"])
+                for c, r in zip(chosen, results, strict=True)
+            ]
+            sd = statistics.stdev(accs) if len(accs) > 1 else math.nan
+            picks = "; ".join(
+                f"{c['server_learning_rate']:g}, {c['clipping_norm']:g}, {c['round']}"
+                for c in chosen
+            )
+            lines.append(
+                f"| {report} | {key} | {statistics.mean(accs):.2f} ± {sd:.2f} | "
+                f"{100 * statistics.mean(gaps):+.0f}% | {picks} |"
+            )
+    table = "\n".join(lines)
+    (outs[0] / "tuned" / "table_replicates.md").write_text(
+        f"Tuned DP-FedAvg over {len(outs)} replicates ({', '.join(o.name for o in outs)}): "
+        "evaluation accuracy, mean ± sample sd (ddof = 1).\n\n" + table + "\n"
+    )
+    return table
+
+
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", type=Path)
@@ -180,6 +218,9 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--learning-rates", type=float, nargs="+", default=LEARNING_RATES)
     parser.add_argument("--clipping-norms", type=float, nargs="+", default=CLIPPING_NORMS)
     parser.add_argument("--table-only", action="store_true")
+    parser.add_argument(
+        "--replicates", type=Path, nargs="*", default=[], help="further result folders to average"
+    )
     args = parser.parse_args(argv)
     config = load_config(args.config)
     if args.seed is not None:
@@ -197,6 +238,9 @@ def main(argv: list[str] | None = None) -> str:
                 ctx._cache["engine"].close()
     table = build_table(config, out)
     print(table)
+    if args.replicates:
+        table = combined_table(config, [out, *args.replicates])
+        print("\n" + table)
     return table
 
 

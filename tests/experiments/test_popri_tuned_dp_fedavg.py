@@ -125,3 +125,26 @@ def test_the_three_reports_select_on_what_they_say():
     )
     assert (paper["server_learning_rate"], paper["round"], paper["accuracy"]) == (1.0, 1, 0.50)
     assert not math.isnan(fixed["validation"])
+
+
+def test_replicates_average_each_report_with_the_sample_sd(tmp_path):
+    outs = []
+    for i, acc in enumerate((0.12, 0.14)):
+        chosen = {"server_learning_rate": 0.1, "clipping_norm": 0.5, "round": 2, "accuracy": acc}
+        result = {"fully_private_accuracy": 0.10, "nonprivate_accuracy": 0.20}
+        result["1"] = dict.fromkeys(tuned.REPORTS, chosen)
+        out = tmp_path / f"seed{i}"
+        (out / "tuned").mkdir(parents=True)
+        (out / "tuned" / "results.json").write_text(json.dumps(result))
+        outs.append(out)
+    config = load_config_text(tmp_path, 'name = "x"\nepsilons = [1.0]\n')
+    table = tuned.combined_table(config, outs)
+    # mean 13.00, sample sd of (12, 14) = 1.41 (the population sd would be 1.00); gap (0.2+0.4)/2
+    assert "| fixed schedule | 1 | 13.00 ± 1.41 | +30% | 0.1, 0.5, 2; 0.1, 0.5, 2 |" in table
+    assert (outs[0] / "tuned" / "table_replicates.md").read_text().count("13.00 ± 1.41") == 3
+
+
+def load_config_text(tmp_path, text):
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    return load_config(path)
