@@ -125,9 +125,9 @@ class SecAggClient:
     def _self_mask_seed(self) -> bytes:
         return _derive(self._seed, b"self-mask")
 
-    @property
+    @functools.cached_property
     def public_keys(self) -> tuple[bytes, bytes]:
-        """(channel, mask-agreement) X25519 public keys."""
+        """(channel, mask-agreement) X25519 public keys (derived once per client)."""
         channel = X25519PrivateKey.from_private_bytes(self._channel_key)
         return raw_public_key(channel), raw_public_key(self._agreement_key)
 
