@@ -384,7 +384,7 @@ class RingZ2k:
         keystream is written into one reused buffer and added in place (no array per mask),
         and the sum is reduced mod 2^bits once at the end (2^bits divides the word modulus)."""
         total = np.array(values, dtype=self.dtype)
-        zeros = bytes(self.dtype.itemsize * total.size)  # a keystream encrypts zeros to itself
+        zeros = _zeros(self.dtype.itemsize * total.size)  # keystream: the encryption of zeros
         buffer = bytearray(len(zeros))
         words = np.frombuffer(buffer, dtype=self.dtype)
         for seed, sign in seeds:
@@ -423,6 +423,12 @@ class RingZ2k:
             return values.view(np.int64)
         signed = values.astype(np.int64)
         return np.where(signed >= 1 << (self.bits - 1), signed - (1 << self.bits), signed)
+
+
+@functools.lru_cache(maxsize=2)
+def _zeros(size: int) -> bytes:
+    """``size`` zero bytes, kept for the next vector of that size (immutable, so shared)."""
+    return bytes(size)
 
 
 def prg(space, seed: bytes, length: int) -> np.ndarray:
