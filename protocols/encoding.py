@@ -71,12 +71,17 @@ def hadamard_transform(x: np.ndarray) -> np.ndarray:
     Every value is the same sum of the same two numbers in the same stage order, so the
     result is the plain butterfly's to the bit.
     """
-    x = np.array(x, dtype=np.float64)
+    return _transform_in_place(np.array(x, dtype=np.float64))
+
+
+def _transform_in_place(x: np.ndarray) -> np.ndarray:
+    """:func:`hadamard_transform` of a float64 array it may overwrite (and may return)."""
     length = x.shape[-1]
     if length < 1 or length & (length - 1):
         raise ValueError(f"x's last axis has length {length}; allowed: a power of two")
     if length < _BLOCKED_FROM:
-        return _butterfly(x) / math.sqrt(length)
+        out = _butterfly(x)
+        return np.divide(out, math.sqrt(length), out=out)
     lead = x.shape[:-1]
     low_bits = (length.bit_length() - 1) // 2
     cols, rows = 1 << low_bits, length >> low_bits
@@ -84,8 +89,8 @@ def hadamard_transform(x: np.ndarray) -> np.ndarray:
     low = _row_stages(low, np.empty_like(low))  # stages h < C, on the transpose (C, R)
     high = x.reshape(*lead, rows, cols)
     np.copyto(high, np.swapaxes(low, -1, -2))
-    high = _row_stages(high, low.reshape(*lead, rows, cols))  # stages h >= C
-    return high.reshape(*lead, length) / math.sqrt(length)
+    high = _row_stages(high, low.reshape(*lead, rows, cols)).reshape(*lead, length)
+    return np.divide(high, math.sqrt(length), out=high)  # stages h >= C, then the scale
 
 
 _BLOCKED_FROM = 1 << 12
@@ -147,7 +152,7 @@ def rotate(x: np.ndarray, signs: np.ndarray) -> np.ndarray:
         raise ValueError(f"x has {x.shape[-1]} coordinates, more than D = {signs.size}")
     padded = np.zeros((*x.shape[:-1], signs.size))
     padded[..., : x.shape[-1]] = x
-    return hadamard_transform(padded * signs)
+    return _transform_in_place(np.multiply(padded, signs, out=padded))
 
 
 def unrotate(y: np.ndarray, signs: np.ndarray, dim: int) -> np.ndarray:
@@ -200,7 +205,10 @@ def rounded_l1_bound(l2_bound: float, padded_dim: int) -> float:
 def randomised_round(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """Unbiased randomised rounding: floor(x) + Bernoulli(x - floor(x)), as int64."""
     floor = np.floor(x)
-    return (floor + (rng.random(x.shape) < (x - floor))).astype(np.int64)
+    up = rng.random(x.shape) < (x - floor)
+    rounded = floor.astype(np.int64)
+    rounded += up
+    return rounded
 
 
 def conditional_round(
@@ -237,12 +245,20 @@ def noise_tail_bound(std: float, count: int, failure_probability: float) -> floa
 
 @dataclass(frozen=True)
 class EncodedUpdate:
-    """One client's encoding: ``elements`` (D field elements), the rounding ``tries`` and
-    whether the update was clipped."""
+    """One client's encoding: ``signed`` (the D signed integers, rounded update plus noise),
+    the rounding ``tries``, whether the update was clipped and the ``field``;
+    :attr:`elements` are the integers in the field (computed when first read; ValueError if
+    one lies beyond its signed range)."""
 
-    elements: np.ndarray
+    signed: np.ndarray
     tries: int
     clipped: bool
+    field: MersenneField = DEFAULT_FIELD
+
+    @cached_property
+    def elements(self) -> np.ndarray:
+        """The D field elements (centered representatives of :attr:`signed`)."""
+        return self.field.encode_signed(self.signed)
 
 
 @dataclass(frozen=True)
@@ -313,7 +329,8 @@ class DDGaussEncoder:
         if not np.all(np.isfinite(x)):
             raise ValueError("x must be finite (found NaN or inf)")
         clipped = clip_l2(x, self.clip)
-        scaled = rotate(clipped, self.signs(rotation_seed)) / self.gamma
+        scaled = rotate(clipped, self.signs(rotation_seed))
+        scaled /= self.gamma
         rounded, tries = conditional_round(scaled, self.l2_bound, rng, self.max_tries)
         return rounded, tries, clipped is not x
 
@@ -337,16 +354,12 @@ class DDGaussEncoder:
                 "fedsim.privacy.mechanisms.discrete_gaussian"
             )
         rounded, tries, clipped = self.quantise(x, rotation_seed, rng)
-        if self.scaled_noise_std == 0:
-            noise = np.zeros(self.padded_dim, dtype=np.int64)
-        else:
-            noise = np.asarray(
-                sampler(
-                    self.padded_dim, self.scaled_noise_std, rng if noise_rng is None else noise_rng
-                ),
-                dtype=np.int64,
+        if self.scaled_noise_std > 0:
+            noise = sampler(
+                self.padded_dim, self.scaled_noise_std, rng if noise_rng is None else noise_rng
             )
-        return EncodedUpdate(self.field.encode_signed(rounded + noise), tries, clipped)
+            rounded += np.asarray(noise, dtype=np.int64)
+        return EncodedUpdate(rounded, tries, clipped, self.field)
 
     def decode(self, total, rotation_seed: int | np.random.SeedSequence) -> np.ndarray:
         """The server's inverse for a modular sum of encodings: signed, times gamma, inverse

@@ -106,6 +106,7 @@ class SecAggClient:
         self.config: SecAggConfig | None = None
         self.contributes = True
         self._endpoint: Endpoint | None = None
+        self._restored_keys: dict[int, bytes] = {}  # receive keys read back, not yet in use
         self._neighbour_keys: dict[int, tuple[bytes, bytes]] = {}
         self._mask_seeds: dict[int, bytes] = {}
         self._held_shares: dict[int, np.ndarray] = {}
@@ -125,9 +126,9 @@ class SecAggClient:
     def _self_mask_seed(self) -> bytes:
         return _derive(self._seed, b"self-mask")
 
-    @property
+    @functools.cached_property
     def public_keys(self) -> tuple[bytes, bytes]:
-        """(channel, mask-agreement) X25519 public keys."""
+        """(channel, mask-agreement) X25519 public keys (derived once per client)."""
         channel = X25519PrivateKey.from_private_bytes(self._channel_key)
         return raw_public_key(channel), raw_public_key(self._agreement_key)
 
@@ -323,6 +324,10 @@ class SecAggClient:
         """The endpoint, able to open from every neighbour whose keys it holds: the channels
         restored from the state's receive keys, the others connected (a ChannelError, a
         ValueError, for an unusable key)."""
+        if self._endpoint is None:
+            self._endpoint = Endpoint(self.client_id, self.session_id, PROTOCOL, self._channel_key)
+            for peer, key in self._restored_keys.items():
+                self._endpoint.accept_receive_key(peer, self._neighbour_keys[peer][0], key)
         connected = set(self._endpoint.senders)
         for peer, (channel, _) in self._neighbour_keys.items():
             if peer not in connected:
@@ -332,6 +337,7 @@ class SecAggClient:
     def _open_shares(self, envelopes: Iterable[Envelope]) -> None:
         if isinstance(envelopes, bytes | str) or not isinstance(envelopes, Iterable):
             raise TypeError("envelopes must be a list of Envelope objects")
+        endpoint = None  # connected at the first envelope
         for envelope in envelopes:
             if not isinstance(envelope, Envelope):
                 raise TypeError(f"envelopes holds a {type(envelope).__name__}, not an Envelope")
@@ -341,7 +347,9 @@ class SecAggClient:
                     f"{self._who()} got a share from sender={sender!r}: not a neighbour, or "
                     "a second one"
                 )
-            row = self._connected().open_array(
+            if endpoint is None:
+                endpoint = self._connected()
+            row = endpoint.open_array(
                 envelope,
                 round_=self.config.round,
                 stage=Stage.SHARE_KEYS,
@@ -413,7 +421,13 @@ class SecAggClient:
         restored client opens their envelopes without redoing the X25519 agreements; no rows
         until every neighbour is connected."""
         endpoint = self._endpoint
-        if endpoint is None or not neighbours or set(neighbours) - set(endpoint.senders):
+        if endpoint is None:  # restored, never opened from: the keys as they were read
+            held = self._restored_keys
+            if not neighbours or set(neighbours) - set(held):
+                return np.zeros((0, 32), dtype=np.uint8)
+            keys = b"".join(held[j] for j in neighbours)
+            return np.frombuffer(keys, dtype=np.uint8).reshape(len(neighbours), 32)
+        if not neighbours or set(neighbours) - set(endpoint.senders):
             return np.zeros((0, 32), dtype=np.uint8)
         keys = b"".join(endpoint.receive_key(j) for j in neighbours)
         return np.frombuffer(keys, dtype=np.uint8).reshape(len(neighbours), 32)
@@ -449,17 +463,14 @@ class SecAggClient:
         client.client_id, client.config = state.client_id, state.config
         neighbours = state.neighbours.astype(np.int64).tolist()
         # the receive keys from the neighbours come back from the state (MASKED_INPUT opens
-        # with them, no X25519); any others are derived when a stage first opens (_connected)
-        client._endpoint = Endpoint(
-            client.client_id, client.session_id, PROTOCOL, client._channel_key
-        )
+        # with them, no X25519); the endpoint is built when a stage first opens (_connected)
         for peer, row in zip(neighbours, state.neighbour_keys.astype(np.uint8)):
             raw = bytes(row)
             client._neighbour_keys[peer] = (raw[:PUBLIC_KEY_BYTES], raw[PUBLIC_KEY_BYTES:])
         for peer, key in zip(neighbours, state.receive_keys.astype(np.uint8)):
-            client._endpoint.accept_receive_key(
-                peer, client._neighbour_keys[peer][0], bytes(key)
-            )
+            if not 0 <= peer < SERVER_ID or peer == client.client_id:
+                raise ValueError(f"neighbour id {peer} is not another party's protocol id")
+            client._restored_keys[peer] = bytes(key)
         seeds = state.mask_seeds.astype(np.uint8)
         client._mask_seeds = {p: bytes(row) for p, row in zip(neighbours, seeds)}
         owners = state.share_owners.astype(np.int64).tolist()

@@ -347,6 +347,8 @@ class RingZ2k:
         array = np.asarray(values)
         if array.dtype.kind not in "iu":
             raise ValueError(f"{name} must hold integers in [0, 2^{self.bits}), got {array.dtype}")
+        if self._holds(array.dtype, 0, self.modulus):
+            return array.astype(self.dtype, copy=False)  # every value of the dtype is in range
         if array.size and (int(array.min()) < 0 or int(array.max()) >= self.modulus):
             bad = int(array.min()) if int(array.min()) < 0 else int(array.max())
             raise ValueError(f"{name} has entry {bad} outside [0, 2^{self.bits})")
@@ -382,7 +384,7 @@ class RingZ2k:
         keystream is written into one reused buffer and added in place (no array per mask),
         and the sum is reduced mod 2^bits once at the end (2^bits divides the word modulus)."""
         total = np.array(values, dtype=self.dtype)
-        zeros = bytes(self.dtype.itemsize * total.size)  # a keystream encrypts zeros to itself
+        zeros = _zeros(self.dtype.itemsize * total.size)  # keystream: the encryption of zeros
         buffer = bytearray(len(zeros))
         words = np.frombuffer(buffer, dtype=self.dtype)
         for seed, sign in seeds:
@@ -396,14 +398,23 @@ class RingZ2k:
         array = np.asarray(integers)
         if array.dtype.kind not in "iu":
             raise ValueError(f"integers must hold integers, got dtype {array.dtype}")
-        array = array.astype(np.int64, copy=False)
+        if array.dtype == np.uint64:
+            array = array.astype(np.int64)
         half = 1 << (self.bits - 1)
-        if array.size and (int(array.min()) < -half or int(array.max()) >= half):
+        checked = self._holds(array.dtype, -half, half)  # the dtype itself fits: no pass
+        if not checked and array.size and (int(array.min()) < -half or int(array.max()) >= half):
             raise ValueError(
                 f"integers has entries outside [-2^{self.bits - 1}, 2^{self.bits - 1}): "
                 f"[{int(array.min())}, {int(array.max())}] would wrap in Z_2^{self.bits}"
             )
-        return self._wrap(array.astype(np.uint64).astype(self.dtype))
+        # integer casts to the unsigned word are modular: the residue mod 2^width, then bits
+        return self._wrap(array.astype(self.dtype))
+
+    @staticmethod
+    def _holds(dtype: np.dtype, low: int, high: int) -> bool:
+        """Whether every value of the integer ``dtype`` lies in [low, high)."""
+        info = np.iinfo(dtype)
+        return low <= int(info.min) and int(info.max) < high
 
     def decode_signed(self, elements) -> np.ndarray:
         """Ring elements to their representative in [-2^(bits-1), 2^(bits-1)), as int64."""
@@ -412,6 +423,12 @@ class RingZ2k:
             return values.view(np.int64)
         signed = values.astype(np.int64)
         return np.where(signed >= 1 << (self.bits - 1), signed - (1 << self.bits), signed)
+
+
+@functools.lru_cache(maxsize=2)
+def _zeros(size: int) -> bytes:
+    """``size`` zero bytes, kept for the next vector of that size (immutable, so shared)."""
+    return bytes(size)
 
 
 def prg(space, seed: bytes, length: int) -> np.ndarray:

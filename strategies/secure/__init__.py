@@ -10,7 +10,8 @@ state
   handed from committee to committee (with worker folding), run by the DMM strategy.
 
 :func:`build` makes one by name (:meth:`SecureSum.from_arguments`); :data:`CONTRIBUTE` holds
-each one's client side (:meth:`SecureSum.contribute`), :func:`register_client_stages` adds the
+each one's client side (:meth:`SecureSum.contribute`; of signed integers:
+:data:`CONTRIBUTE_SIGNED`), :func:`register_client_stages` adds the
 client handlers of their later exchanges, and :data:`WITHOUT_DP` names those a FedAvg-family
 strategy may take with no DP (:mod:`strategies.plumbing.secure_aggregation`, which composes
 their :attr:`SecureSum.options_type`): adding an implementation is its module and its entry in
@@ -34,6 +35,7 @@ from strategies.secure.secagg_plan import SecAggPlan
 __all__ = [
     "CLASSES",
     "CONTRIBUTE",
+    "CONTRIBUTE_SIGNED",
     "NAMES",
     "CommitteeSum",
     "DMMSum",
@@ -56,6 +58,11 @@ CLASSES: dict[str, type[SecureSum]] = {
 
 #: name -> the client side: ``contribute(context, secret, config, elements, round, prefix)``
 CONTRIBUTE: dict[str, Callable] = {name: cls.contribute for name, cls in CLASSES.items()}
+#: name -> the client side of signed integers: ``contribute_signed(context, secret, config,
+#: signed, round, prefix)`` (:meth:`SecureSum.contribute_signed`)
+CONTRIBUTE_SIGNED: dict[str, Callable] = {
+    name: cls.contribute_signed for name, cls in CLASSES.items()
+}
 NAMES = tuple(CLASSES)
 #: the secure sums that hide every input and sum on their own: what ``secure_sum`` may name
 #: under a FedAvg-family strategy with no DP

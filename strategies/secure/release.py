@@ -45,6 +45,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 
 from fedsim.randomness import PartySecret
+from protocols.field import DEFAULT_FIELD
 
 if TYPE_CHECKING:
     from fedsim.engine.committee import Committee, CommitteeSpec
@@ -171,6 +172,22 @@ class SecureSum(ABC):
         """The client side: the content of the first reply that carries the client's
         ``elements`` (field elements) for ``server_round``, under the instruction ``config``
         (entries named by ``prefix``), from the client's own ``secret``."""
+
+    @classmethod
+    def contribute_signed(
+        cls,
+        context: Context,
+        secret: PartySecret,
+        config: ConfigRecord,
+        signed: np.ndarray,
+        server_round: int,
+        prefix: str,
+    ) -> RecordDict:
+        """:meth:`contribute` of ``signed`` integers (|v| <= (p-1)/2): by default of their
+        field elements; a sum that masks signed integers itself (SecAgg+) takes them as
+        they are, with no round trip through the field."""
+        elements = DEFAULT_FIELD.encode_signed(signed)
+        return cls.contribute(context, secret, config, elements, server_round, prefix)
 
     @classmethod
     def register_client_stages(cls, app: ClientApp) -> None:

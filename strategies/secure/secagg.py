@@ -50,6 +50,19 @@ def contribute(
     """ADVERTISE_KEYS on the client: keep the signed input in the client's state (its
     protocol seed from its own secret) and reply its two public keys only."""
     signed = DEFAULT_FIELD.decode_signed(elements)
+    return contribute_signed(context, secret, config, signed, server_round, prefix)
+
+
+def contribute_signed(
+    context: Context,
+    secret: PartySecret,
+    config: ConfigRecord,
+    signed: np.ndarray,
+    server_round: int,
+    prefix: str,
+) -> RecordDict:
+    """:func:`contribute` of the signed integers themselves (no round trip through F_p: the
+    state keeps them signed, and MASKED_INPUT maps them to the round's masking space)."""
     return start_client(context, server_round, config[prefix + SecAggKeys.SESSION], signed)
 
 
@@ -107,6 +120,10 @@ class SecAggSum(SecureSum):
         return cls(arguments.prefix, arguments.plan, arguments.stage_timeout)
 
     contribute = staticmethod(contribute)
+
+    @classmethod
+    def contribute_signed(cls, context, secret, config, signed, server_round, prefix):
+        return contribute_signed(context, secret, config, signed, server_round, prefix)
 
     @classmethod
     def register_client_stages(cls, app: ClientApp) -> None:

@@ -99,9 +99,9 @@ def pack_arrays(arrays: Mapping[str, np.ndarray]) -> bytes:
         if value.dtype.kind not in "iu":
             raise ValueError(f"state array {name!r} has dtype {value.dtype}; integers only")
         index.append([name, value.dtype.str, list(value.shape)])
-        parts.append(value.tobytes(order="C"))
+        parts.append(np.ascontiguousarray(value).reshape(-1).view(np.uint8))  # no copy yet
     head = json.dumps(index).encode()
-    return len(head).to_bytes(4, "little") + head + b"".join(parts)
+    return b"".join([len(head).to_bytes(4, "little"), head, *parts])  # the one copy
 
 
 def unpack_arrays(payload: bytes) -> dict[str, np.ndarray]:

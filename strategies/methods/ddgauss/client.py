@@ -115,8 +115,8 @@ def ddgauss_client_app(
         update, metrics = local
         secret = client_secret(context.node_config)
         encoded = _encode(encoder, update, config, secret, server_round, secure_noise)
-        contribute = secure.CONTRIBUTE[SECURE_SUMS[mode]]
-        content = contribute(context, secret, config, encoded.elements, server_round, PREFIX)
+        contribute = secure.CONTRIBUTE_SIGNED[SECURE_SUMS[mode]]
+        content = contribute(context, secret, config, encoded.signed, server_round, PREFIX)
         if metrics_in_clear:
             out_metrics = MetricRecord(dict(metrics))
             out_metrics["ddgauss.tries"] = encoded.tries
