@@ -38,6 +38,8 @@ Reported per exchange: the median client seconds over all calls of ``--rounds`` 
 limit (the sum of the kernels' medians) and ``ratio = client_s / limit_s``, in this process's
 CPU seconds (``time.process_time``: other jobs on the machine do not count) and, with the
 suffix ``_wall``, in wall seconds.
+Both run with ``--blas-threads`` BLAS threads (default 1, as in an engine worker: an actor of one
+CPU, whose OMP_NUM_THREADS Ray sets to 1), so a threaded norm does not inflate both sides.
 
 Writes ``--out`` (default experiments/bench/limit.json) under ``--label`` (other labels in
 the file are kept: "before" / "after" a change; ``--merge`` also keeps the label's points of
@@ -416,17 +418,20 @@ def measure_point(
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from threadpoolctl import threadpool_limits  # noqa: PLC0415
+
     points = []
-    for dim in args.dims:
-        for cohort in args.cohorts:
-            point = measure_point(
-                dim, cohort, args.degree, args.ring_bits, args.bits, args.rounds, args.repeats,
-                args.prg,
-            )
-            points.append(point)
-            ratios = " / ".join(f"{point['exchanges'][e]['ratio']:.2f}" for e in EXCHANGES)
-            print(f"d={dim} C={cohort}: CPU ratio per exchange {ratios}, "
-                  f"round {point['ratio']:.2f}", file=sys.stderr)
+    with threadpool_limits(limits=args.blas_threads):
+        for dim in args.dims:
+            for cohort in args.cohorts:
+                point = measure_point(
+                    dim, cohort, args.degree, args.ring_bits, args.bits, args.rounds,
+                    args.repeats, args.prg,
+                )
+                points.append(point)
+                ratios = " / ".join(f"{point['exchanges'][e]['ratio']:.2f}" for e in EXCHANGES)
+                print(f"d={dim} C={cohort}: CPU ratio per exchange {ratios}, "
+                      f"round {point['ratio']:.2f}", file=sys.stderr)
     return {
         "benchmark": "one DDGauss full-mode client's secure seconds over its kernels' sum",
         "machine": f"{os.cpu_count()}-CPU {platform.machine()} {platform.system()}",
@@ -435,6 +440,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "load_average": list(os.getloadavg()),
         "rounds": args.rounds,
         "repeats": args.repeats,
+        "blas_threads": args.blas_threads,
         "points": points,
     }
 
@@ -473,6 +479,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prg", choices=["chacha20", "aes-ctr"], default="chacha20")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument(
+        "--blas-threads",
+        type=int,
+        default=1,
+        help="BLAS threads of client and kernels (1: a worker's core; Ray sets an actor's "
+        "OMP_NUM_THREADS to its num_cpus)",
+    )
     parser.add_argument("--label", default="after")
     parser.add_argument(
         "--merge", action="store_true", help="keep the label's stored points of other sizes"
@@ -484,6 +497,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.degree < 2 or args.degree % 2:
         raise SystemExit(f"--degree={args.degree}; allowed: an even integer >= 2")
+    if args.blas_threads < 1:
+        raise SystemExit(f"--blas-threads={args.blas_threads}; allowed: an integer >= 1")
     if args.table_only:
         print(table(json.loads(args.out.read_text())))
         return

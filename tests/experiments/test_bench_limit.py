@@ -22,7 +22,7 @@ def stored(tmp_path_factory):
     command = [sys.executable, str(SCRIPT), "--dims", "300", "--cohorts", "50", "--degree", "4"]
     command += ["--rounds", "1", "--repeats", "2", "--out", str(out)]
     subprocess.run([*command, "--label", "before"], check=True, capture_output=True, cwd=ROOT)
-    after = [*command, "--label", "after", "--prg", "aes-ctr"]
+    after = [*command, "--label", "after", "--prg", "aes-ctr", "--blas-threads", "2"]
     subprocess.run(after, check=True, capture_output=True, cwd=ROOT)
     return out, json.loads(out.read_text())
 
@@ -32,6 +32,8 @@ def test_each_label_holds_one_point_per_size_with_every_exchange(stored):
     assert list(result["runs"]) == ["before", "after"]  # a second label keeps the first
     prgs = [run["points"][0]["prg"] for run in result["runs"].values()]
     assert prgs == ["chacha20", "aes-ctr"]  # the client and the keystream kernel use --prg
+    # one BLAS thread unless asked: the core of a worker
+    assert [run["blas_threads"] for run in result["runs"].values()] == [1, 2]
     for run in result["runs"].values():
         (point,) = run["points"]
         assert (point["dim"], point["padded_dim"], point["cohort"]) == (300, 512, 50)
