@@ -40,6 +40,7 @@ from protocols.limbs import (
     limb_plan,
     rotate_into,
     split_limbs,
+    subtract_once,
 )
 
 MERSENNE_EXPONENTS = (2, 3, 5, 7, 13, 17, 19, 31, 61)
@@ -341,7 +342,7 @@ class MersenneField:
                     part[...] = block
                 else:
                     part += block
-                    np.subtract(part, self._p_u64, out=part, where=part >= self._p_u64)
+                    subtract_once(part, self._p_u64, np.empty_like(part))
         return total
 
     def _stacked_left(self, left: np.ndarray, plan: LimbPlan) -> np.ndarray:
@@ -374,7 +375,7 @@ class MersenneField:
         np.right_shift(block, np.uint64(self.exponent), out=scratch)
         np.bitwise_and(block, p, out=block)
         block += scratch
-        np.subtract(block, p, out=block, where=block >= p)
+        subtract_once(block, p, scratch)
         return block
 
     def solve(self, matrix, rhs) -> np.ndarray | None:

@@ -34,9 +34,9 @@ def limb_plan(exponent: int, inner: int, rows: int = 1, columns: int = 1) -> Lim
     spread over the columns."""
     inner = max(inner, 1)
     best, best_cost = None, math.inf
-    for left_limbs in range(1, 9):  # left_limbs * p < 2^64 for the sum of rotated terms
+    for left_limbs in range(1, min(8, exponent) + 1):  # left_limbs * p < 2^64: the sum fits
         left_bits = -(-exponent // left_limbs)
-        for right_limbs in range(1, 9):
+        for right_limbs in range(1, min(8, exponent) + 1):
             right_bits = -(-exponent // right_limbs)
             if right_limbs * inner << (left_bits + right_bits) > MAX_EXACT_FLOAT:
                 continue
@@ -76,3 +76,11 @@ def split_limbs(matrix: np.ndarray, plan: LimbPlan) -> np.ndarray:
         np.bitwise_and(limb, mask, out=limb)
         out[j * rows : (j + 1) * rows] = limb
     return out
+
+
+def subtract_once(values: np.ndarray, modulus: np.uint64, scratch: np.ndarray) -> None:
+    """In place: uint64 ``values`` below 2 * modulus reduced to [0, modulus), as
+    min(v, v - modulus) (the difference wraps past every v < modulus); ``scratch`` is a
+    uint64 array of the same shape."""
+    np.subtract(values, modulus, out=scratch)
+    np.minimum(values, scratch, out=values)

@@ -55,6 +55,7 @@ from protocols.dmm.common import (
 from protocols.enrolment import KeyVerifier
 from protocols.field import MersenneField
 from protocols.kit import SEAT_ID_BASE
+from protocols.limbs import subtract_once
 from protocols.shamir import PackedShamir
 
 
@@ -73,14 +74,16 @@ def low_bits_mod_p(field: MersenneField, words: np.ndarray) -> np.ndarray:
     e bits are at most p, and p is 0 mod p)."""
     modulus = np.uint64(field.modulus)
     np.bitwise_and(words, modulus, out=words)
-    np.subtract(words, modulus, out=words, where=words == modulus)
+    subtract_once(words, modulus, np.empty_like(words))
     return words.view(np.int64)
 
 
-def _add_pad(row: np.ndarray, pad: np.ndarray, modulus: int) -> None:
-    """In place: ``row`` + ``pad`` mod p (both in [0, p), so the sum stays below 2^62)."""
+def _add_in_place(row: np.ndarray, pad: np.ndarray, modulus: int) -> None:
+    """In place: ``row`` + ``pad`` mod p (field elements in [0, p): the sum stays below
+    2^62)."""
     row += pad
-    np.subtract(row, modulus, out=row, where=row >= modulus)
+    unsigned = row.view(np.uint64)
+    subtract_once(unsigned, np.uint64(modulus), np.empty_like(unsigned))
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,7 @@ def mask_client_shares(
     seeds = [rng.bytes(PAD_SEED_BYTES) for _ in seats]  # seat by seat, as the pads are added
     pads = {}
     for j, seed in zip(seats, seeds):
-        _add_pad(rows[int(j)], fold_pad(scheme.field, seed, keys.width), scheme.field.modulus)
+        _add_in_place(rows[int(j)], fold_pad(scheme.field, seed, keys.width), scheme.field.modulus)
         endpoint.connect(SEAT_ID_BASE + int(j), keys.member_keys[j])
         pads[int(j)] = endpoint.seal(SEAT_ID_BASE + int(j), keys.round, FOLD_PAD, seed)
     return MaskedShares(rows, FoldedClient(party, endpoint.public_key, pads))
@@ -134,7 +137,10 @@ class MaskedFold:
             )
         if not isinstance(masked.client, FoldedClient):
             raise ValueError(f"a {type(masked.client).__name__}, not a FoldedClient")
-        self._rows = rows.copy() if self._rows is None else self.field.add(self._rows, rows)
+        if self._rows is None:
+            self._rows = rows.copy()
+        else:
+            _add_in_place(self._rows, rows, self.field.modulus)
         self.clients.append(masked.client)
 
     def seal(self, party: int) -> DMMSealedShares:

@@ -98,7 +98,7 @@ def test_dealing_is_exact_at_zero_and_p_minus_1_in_every_input():
         assert np.array_equal(got.astype(object), expected)
 
 
-@pytest.mark.parametrize("exponent", [5, 13, 31, 61])
+@pytest.mark.parametrize("exponent", [2, 3, 5, 13, 31, 61])
 @pytest.mark.parametrize(
     "rows, inner, columns", [(20, 6, 9000), (1, 1, 1), (6, 20, 50), (2, 0, 3), (3, 4, 0)]
 )
