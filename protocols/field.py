@@ -481,7 +481,8 @@ class MersenneField:
                     f"integers has entry {bad} outside [-(p-1)/2, (p-1)/2] = "
                     f"[{-self.max_signed}, {self.max_signed}] (p = 2^{self.exponent} - 1)"
                 )
-        return np.where(array < 0, array + self.modulus, array)  # |v| <= (p-1)/2: v mod p
+        # |v| <= (p-1)/2: v mod p without a division; [()] keeps 0-d results scalars as np.mod
+        return np.where(array < 0, array + self.modulus, array)[()]
 
     def decode_signed(self, elements) -> np.ndarray:
         """Field elements to their centered representative in [-(p-1)/2, (p-1)/2]."""

@@ -180,6 +180,8 @@ def _inputs(scheme: PackedShamir, segments: list[np.ndarray], rng) -> np.ndarray
         raise ValueError(
             f"rng is a {type(rng).__name__}; allowed: the sharing party's numpy Generator"
         )
+    if not len(segments):
+        raise ValueError("segments is empty; allowed: one or more integer vectors to share")
     sizes = {np.asarray(s).size for s in segments}
     if len(sizes) > 1:  # segments of unequal lengths: one draw per segment
         secrets = secret_blocks(scheme, segments)
@@ -188,7 +190,7 @@ def _inputs(scheme: PackedShamir, segments: list[np.ndarray], rng) -> np.ndarray
             for s in segments
         ]
         return np.vstack([secrets, np.hstack(randomness)])
-    blocks = scheme.blocks_for(sizes.pop() if sizes else 0)
+    blocks = scheme.blocks_for(sizes.pop())
     k, t, count = scheme.k, scheme.t, len(segments)
     inputs = np.empty((k + t, count * blocks), dtype=np.int64)
     _fill_secret_blocks(scheme, segments, inputs[:k], blocks)
@@ -204,7 +206,7 @@ def secret_blocks(scheme: PackedShamir, segments) -> np.ndarray:
         out = np.empty((k, scheme.blocks_for(np.asarray(segment).size)), dtype=np.int64)
         _fill_secret_blocks(scheme, [segment], out, out.shape[1])
         columns.append(out)
-    return np.hstack(columns) if columns else np.zeros((k, 0), dtype=np.int64)
+    return np.hstack(columns)
 
 
 def _fill_secret_blocks(scheme: PackedShamir, segments, out: np.ndarray, blocks: int) -> None:

@@ -82,6 +82,15 @@ def test_shares_equal_the_polynomials_evaluated_at_the_seats(n, t, k, dim, rows)
     assert np.array_equal(F.matmul(scheme.share_matrix, np.vstack([secrets, randomness])), got)
 
 
+def test_segments_of_unequal_lengths_draw_their_randomness_segment_by_segment():
+    scheme = PackedShamir(7, 2, 3)
+    segments = [np.arange(-5, 5), np.array([3, -4]), np.arange(7)]
+    got = share_segments(scheme, segments, np.random.default_rng(4))
+    assert np.array_equal(got, _reference_shares(scheme, segments, np.random.default_rng(4)))
+    with pytest.raises(ValueError, match="segments is empty"):
+        share_segments(scheme, [], np.random.default_rng(4))
+
+
 def test_dealing_is_exact_at_zero_and_p_minus_1_in_every_input():
     """Whole input matrices of 0 and p - 1 (and mixed): the share matrix times them, against
     Python integers."""
