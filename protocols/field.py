@@ -16,11 +16,12 @@ Choice of modulus. The default field is F_p with p = 2^61 - 1 (a Mersenne prime)
   additions of two elements never overflow. Products are formed from 32-bit halves in uint64 and
   folded with ``2^61 = 1 (mod p)`` (see :meth:`MersenneField.mul`); multiplication by a power of
   two is a 61-bit rotation.
-* Fast matrix products. :meth:`MersenneField.matmul` splits both operands into w-bit limbs
-  (w = 24 for the short inner dimensions of secret sharing, smaller for long ones) and multiplies
-  limbs with float64 BLAS, choosing w so that every sum of limb products stays below 2^53 and is
-  therefore an exact integer. Sharing 10^6 elements is then a handful of dense float matrix
-  products plus shifts and masks.
+* Fast matrix products. :meth:`MersenneField.matmul` splits the right operand into w_b-bit
+  limbs, multiplies the left one by each limb's weight 2^(w_b j) (a rotation) and splits that
+  into w_a-bit limbs, and multiplies limbs with one float64 BLAS call, choosing w_a, w_b so that
+  every sum of limb products stays below 2^53 and is therefore an exact integer (for sharing,
+  31-bit limbs of the share matrix against 16-bit limbs of the inputs). Sharing 10^6 elements
+  is then one dense float matrix product plus shifts and masks.
 
 Smaller Mersenne exponents (2, 3, 5, 7, 13, 17, 19, 31) are supported with the same code so that
 tests can enumerate whole fields exhaustively (e.g. every sharing of a secret in F_31).
@@ -33,11 +34,19 @@ import os
 
 import numpy as np
 
+from protocols.limbs import (
+    MAX_EXACT_FLOAT,
+    LimbPlan,
+    limb_plan,
+    rotate_into,
+    split_limbs,
+    subtract_once,
+)
+
 MERSENNE_EXPONENTS = (2, 3, 5, 7, 13, 17, 19, 31, 61)
 """Exponents e for which 2^e - 1 is prime and p < 2^62 (so elements fit in int64 with room)."""
 
-_MAX_EXACT_FLOAT = 2**53
-_COLUMN_BLOCK = 16384
+_COLUMN_BLOCK = 4096
 _U32 = np.uint64(0xFFFFFFFF)
 
 
@@ -277,10 +286,11 @@ class MersenneField:
     def matmul(self, left, right) -> np.ndarray:
         """(left @ right) mod p for 2-D (or 1-D) operands, exact.
 
-        Both operands are split into w-bit limbs (w chosen from the inner dimension K so that
-        ``2w + log2(K * limbs) <= 53``); for every limb degree s, ``sum_{i+j=s} left_i @ right_j``
-        is one float64 BLAS call whose entries are exact integers below 2^53. Each is reduced,
-        rotated by ``w s`` bits (multiplication by 2^(w s) mod p) and accumulated in uint64.
+        The right operand is split into w_b-bit limbs and the left one, times each limb's
+        weight, into w_a-bit limbs, with ``w_a + w_b + log2(K * limbs) <= 53`` for the inner
+        dimension K (:func:`limb_plan`); one float64 BLAS call gives every sum of limb
+        products as an exact integer below 2^53, and those are rotated (multiplication by
+        2^(w_a i) mod p) and added in uint64 (:meth:`_matmul_2d`).
         """
         left = self.asarray(left, "left")
         right = self.asarray(right, "right")
@@ -304,51 +314,69 @@ class MersenneField:
             return result[:, 0]
         return result
 
-    def _matmul_2d(self, left: np.ndarray, right: np.ndarray) -> np.ndarray:
-        """(left @ right) mod p for aligned 2-D field arrays, by limbs (:meth:`matmul`)."""
-        inner = left.shape[1]
-        rows, columns = left.shape[0], right.shape[1]
-        limb_bits, limbs, chunk = _limb_plan(self.exponent, inner)
-        degrees = 2 * limbs - 1
-        shifts = [(limb_bits * degree) % self.exponent for degree in range(degrees)]
-        # block < 2p before a chunk; adding `degrees` terms < p each must stay below 2^64
-        wide_sum_fits = (degrees + 2) * self.modulus < 2**64
-        p = self._p_u64
-        reduce_terms = self.modulus <= _MAX_EXACT_FLOAT
-        total = np.zeros((rows, columns), dtype=np.uint64)
-        for start in range(0, inner, chunk):
-            stop = min(inner, start + chunk)
-            width = stop - start
-            # one stacked left operand: row block s holds left limb i against right limb j = s-i
-            left_limbs = _split_limbs(left[:, start:stop], limbs, limb_bits)
-            stacked = np.zeros((degrees * rows, limbs * width))
-            for i in range(limbs):
-                for j in range(limbs):
-                    stacked[(i + j) * rows : (i + j + 1) * rows, j * width : (j + 1) * width] = (
-                        left_limbs[i]
-                    )
+    def _matmul_2d(
+        self, left: np.ndarray, right: np.ndarray, plan: LimbPlan | None = None
+    ) -> np.ndarray:
+        """(left @ right) mod p for aligned 2-D field arrays, by limbs (:meth:`matmul`).
+
+        With right = sum_j right_j 2^(w_b j) (w_b-bit limbs) and left_j = left 2^(w_b j) mod p
+        (a rotation) split into w_a-bit limbs left_ji: left @ right = sum_i 2^(w_a i) T_i with
+        T_i = sum_j left_ji @ right_j, one stacked float64 product whose entries stay below
+        2^53 (:func:`limb_plan`, or ``plan``); each T_i is rotated by w_a i bits and the sum
+        folded mod p.
+        """
+        rows, inner = left.shape
+        columns = right.shape[1]
+        plan = plan or limb_plan(self.exponent, inner, rows, columns)
+        total = np.zeros((rows, columns), dtype=np.int64)
+        unsigned = total.view(np.uint64)
+        for start in range(0, inner, plan.chunk):
+            stop = min(inner, start + plan.chunk)
+            stacked = self._stacked_left(left[:, start:stop], plan)
             for first in range(0, columns, _COLUMN_BLOCK):
                 last = min(columns, first + _COLUMN_BLOCK)
-                right_stack = np.vstack(
-                    _split_limbs(right[start:stop, first:last], limbs, limb_bits)
-                )
-                terms = (stacked @ right_stack).astype(np.uint64).reshape(degrees, rows, -1)
-                if reduce_terms:
-                    np.remainder(terms, p, out=terms)
-                block = total[:, first:last]
-                scratch = np.empty_like(block)
-                for degree in range(degrees):
-                    # terms[degree] < p: times 2^(limb_bits * degree) mod p is a rotation
-                    _rotate_into(terms[degree], shifts[degree], self.exponent, p, scratch)
-                    block += terms[degree]
-                    if not wide_sum_fits:
-                        np.subtract(block, p, out=block, where=block >= p)
-                # fold 2^e = 1 and subtract once: block < 2^64 -> [0, p)
-                np.right_shift(block, np.uint64(self.exponent), out=scratch)
-                np.bitwise_and(block, p, out=block)
-                block += scratch
-                np.subtract(block, p, out=block, where=block >= p)
-        return total.astype(np.int64)
+                right_stack = split_limbs(right[start:stop, first:last], plan)
+                block = self._combine(stacked @ right_stack, plan, rows)
+                part = unsigned[:, first:last]
+                if start == 0:
+                    part[...] = block
+                else:
+                    part += block
+                    subtract_once(part, self._p_u64, np.empty_like(part))
+        return total
+
+    def _stacked_left(self, left: np.ndarray, plan: LimbPlan) -> np.ndarray:
+        """(left_limbs * rows, right_limbs * width) float64: block (i, j) is limb i of
+        left * 2^(right_bits * j) mod p."""
+        rows, width = left.shape
+        stacked = np.empty((plan.left_limbs * rows, plan.right_limbs * width))
+        unsigned = left.astype(np.uint64)
+        mask = np.uint64((1 << plan.left_bits) - 1)
+        for j in range(plan.right_limbs):
+            shifted = self._rotate(unsigned, plan.right_bits * j)
+            for i in range(plan.left_limbs):
+                limb = (shifted >> np.uint64(plan.left_bits * i)) & mask
+                stacked[i * rows : (i + 1) * rows, j * width : (j + 1) * width] = limb
+        return stacked
+
+    def _combine(self, terms: np.ndarray, plan: LimbPlan, rows: int) -> np.ndarray:
+        """sum_i T_i 2^(left_bits i) mod p from the stacked T_i (exact integers < 2^53)."""
+        p = self._p_u64
+        parts = terms.astype(np.uint64).reshape(plan.left_limbs, rows, -1)
+        if self.modulus <= MAX_EXACT_FLOAT:
+            np.remainder(parts, p, out=parts)
+        block = parts[0]
+        scratch = np.empty_like(block)
+        for i in range(1, plan.left_limbs):
+            # parts[i] < p: times 2^(left_bits i) mod p is a rotation; the sum stays < 2^64
+            rotate_into(parts[i], (plan.left_bits * i) % self.exponent, self.exponent, p, scratch)
+            block += parts[i]
+        # fold 2^e = 1 and subtract once: block < left_limbs * p -> [0, p)
+        np.right_shift(block, np.uint64(self.exponent), out=scratch)
+        np.bitwise_and(block, p, out=block)
+        block += scratch
+        subtract_once(block, p, scratch)
+        return block
 
     def solve(self, matrix, rhs) -> np.ndarray | None:
         """One solution x of ``matrix @ x = rhs`` (mod p), or None when there is none.
@@ -453,7 +481,8 @@ class MersenneField:
                     f"integers has entry {bad} outside [-(p-1)/2, (p-1)/2] = "
                     f"[{-self.max_signed}, {self.max_signed}] (p = 2^{self.exponent} - 1)"
                 )
-        return np.mod(array, self.modulus)
+        # |v| <= (p-1)/2: v mod p without a division; [()] keeps 0-d results scalars as np.mod
+        return np.where(array < 0, array + self.modulus, array)[()]
 
     def decode_signed(self, elements) -> np.ndarray:
         """Field elements to their centered representative in [-(p-1)/2, (p-1)/2]."""
@@ -512,35 +541,6 @@ class MersenneField:
                 f"({math.log2(worst / self.max_signed):.2f} bits too many)"
             )
         return math.log2(self.max_signed / worst)
-
-
-def _limb_plan(exponent: int, inner: int) -> tuple[int, int, int]:
-    """(limb bits w, limbs per element, inner chunk) with limbs * chunk * 2^(2w) <= 2^53."""
-    inner = max(inner, 1)
-    for limb_bits in range(26, 8, -1):
-        limbs = -(-exponent // limb_bits)
-        if limbs << (2 * limb_bits) <= _MAX_EXACT_FLOAT // inner:
-            return limb_bits, limbs, inner
-    limbs = -(-exponent // 8)
-    return 8, limbs, min(inner, _MAX_EXACT_FLOAT // (limbs << 16))
-
-
-def _rotate_into(
-    values: np.ndarray, shift: int, exponent: int, modulus: np.uint64, scratch: np.ndarray
-) -> None:
-    """In place: values (each < p = 2^e - 1) times 2^shift mod p, as an e-bit rotation."""
-    if shift == 0:
-        return
-    np.left_shift(values, np.uint64(shift), out=scratch)
-    np.bitwise_and(scratch, modulus, out=scratch)
-    np.right_shift(values, np.uint64(exponent - shift), out=values)
-    np.bitwise_or(values, scratch, out=values)
-
-
-def _split_limbs(matrix: np.ndarray, limbs: int, limb_bits: int) -> list[np.ndarray]:
-    """w-bit limbs (lowest first) of a non-negative int64 matrix, as float64 matrices."""
-    mask = (1 << limb_bits) - 1
-    return [((matrix >> (limb_bits * i)) & mask).astype(np.float64) for i in range(limbs)]
 
 
 def _check_fractional_bits(fractional_bits: int) -> None:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import numpy as np
 
@@ -145,8 +145,7 @@ class PackedShamir:
         Column i < k is the Lagrange basis of secret point i, column k + j that of member j's
         point, on the nodes (secret points, first t share points), evaluated at all n points.
         """
-        nodes = np.concatenate([self.secret_points, self.share_points[: self.t]])
-        return self.field.lagrange_coefficients(nodes, self.share_points)
+        return _share_matrix(int(self.n), int(self.t), int(self.k), self.field.exponent)
 
     def blocks_for(self, length: int) -> int:
         """Number of k-blocks a vector of ``length`` secrets occupies."""
@@ -397,6 +396,19 @@ class PackedShamir:
                 f"(members {members.tolist()})"
             )
         return shares, members
+
+
+@lru_cache(maxsize=64)
+def _share_matrix(n: int, t: int, k: int, exponent: int) -> np.ndarray:
+    """:attr:`PackedShamir.share_matrix`, computed once per (n, t, k, field) and read-only:
+    every round's scheme of the same shape shares it."""
+    field_ = MersenneField(exponent)
+    secret_points = np.mod(-np.arange(k, dtype=np.int64), field_.modulus)
+    share_points = np.arange(1, n + 1, dtype=np.int64)
+    nodes = np.concatenate([secret_points, share_points[:t]])
+    matrix = field_.lagrange_coefficients(nodes, share_points)
+    matrix.flags.writeable = False
+    return matrix
 
 
 def _member_indices(members) -> np.ndarray:

@@ -5,9 +5,10 @@ members in process, everything sealed) with ``--clients`` clients per round and 
 ``--dim``, committees of n = 20, t = 3, k = 3 (the strategy's defaults) and a banded M of 3 bands,
 and times each phase of the second round: the clients' sharing and sealing (per client and in
 total), the members' opening and summing, the release and its decoding, the resharing. With
-``--fold B`` the clients of each simulated worker batch of B clients fold their share rows per
-seat before sealing (:class:`protocols.dmm.client.ShareFold`): one sealed message per batch,
-as the engine's workers send them. ``--profile`` prints the top cProfile entries of the round.
+``--fold B`` the clients of each simulated worker batch of B clients mask their share rows and
+the batch folds them per seat before sealing (:class:`protocols.dmm.client.MaskedFold`): one
+sealed message per batch, as the engine's workers send them. ``--profile`` prints the top
+cProfile entries of the round.
 
     nice -n 10 .venv/bin/python experiments/bench/dmm_scale_profile.py --clients 100 --dim 10000
 """
@@ -29,7 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from experiments.bench.dmm import banded_matrix  # noqa: E402
-from protocols.dmm.client import ShareFold, seal_client_shares, seal_rows, sharing_inputs
+from protocols.dmm.client import MaskedFold, mask_client_shares, seal_client_shares  # noqa: E402
 from protocols.dmm.common import Schedule  # noqa: E402
 from protocols.dmm.member import MemberPool  # noqa: E402
 from protocols.dmm.server import DMMServer  # noqa: E402
@@ -39,10 +40,10 @@ from protocols.shamir import PackedShamir  # noqa: E402
 
 def client_messages(keys, clients: int, dim: int, fold: int, step: int) -> tuple[dict, dict, float]:
     """Sealed SHARE messages of ``clients`` clients (one per batch of ``fold`` clients when
-    fold > 1, folded with :class:`protocols.dmm.client.ShareFold`), their weights (clients per
+    fold > 1: each client masks its shares, :func:`protocols.dmm.client.mask_client_shares`, and
+    :class:`protocols.dmm.client.MaskedFold` sums and seals them), their weights (clients per
     message) and the seconds spent (the clients' integers are drawn outside the timing)."""
     rng = np.random.default_rng([step, 7])
-    scheme = keys.scheme()
     sealed, weights, seconds = {}, {}, 0.0
     for first in range(0, clients, max(fold, 1)):
         batch = range(first, min(clients, first + max(fold, 1)))
@@ -55,12 +56,11 @@ def client_messages(keys, clients: int, dim: int, fold: int, step: int) -> tuple
             (update, noise), c = inputs[0], first
             sealed[c] = seal_client_shares(keys, c, update, noise, np.random.default_rng([step, c]))
         else:
-            folded = ShareFold(keys)
+            folded = MaskedFold(keys)
             for c, (update, noise) in zip(batch, inputs):
-                segments = [update, *noise]
-                _, randomness = sharing_inputs(scheme, segments, np.random.default_rng([step, c]))
-                folded.add(update, noise, randomness)
-            sealed[first] = seal_rows(keys, first, folded.shares())
+                rng_c = np.random.default_rng([step, c])
+                folded.add(mask_client_shares(keys, c, update, noise, rng_c))
+            sealed[first] = folded.seal(clients + first)
         seconds += time.perf_counter() - start
         weights[first] = len(batch)
     return sealed, weights, seconds

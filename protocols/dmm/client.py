@@ -55,6 +55,7 @@ from protocols.dmm.common import (
 from protocols.enrolment import KeyVerifier
 from protocols.field import MersenneField
 from protocols.kit import SEAT_ID_BASE
+from protocols.limbs import subtract_once
 from protocols.shamir import PackedShamir
 
 
@@ -64,9 +65,25 @@ def fold_pad(field: MersenneField, seed: bytes, width: int) -> np.ndarray:
     if not isinstance(seed, bytes) or len(seed) != PAD_SEED_BYTES:
         raise ValueError(f"a pad seed is {PAD_SEED_BYTES} bytes, got {seed!r:.40}")
     stream = Cipher(algorithms.ChaCha20(seed, bytes(16)), mode=None).encryptor()
-    raw = np.frombuffer(stream.update(bytes(8 * int(width))), dtype="<u8")
-    low = raw & np.uint64((1 << field.exponent) - 1)
-    return np.mod(low, np.uint64(field.modulus)).astype(np.int64)
+    words = np.frombuffer(stream.update(bytes(8 * int(width))), dtype="<u8").astype(np.uint64)
+    return low_bits_mod_p(field, words)
+
+
+def low_bits_mod_p(field: MersenneField, words: np.ndarray) -> np.ndarray:
+    """In place: the low e bits of uint64 ``words`` mod p = 2^e - 1, viewed as int64 (the low
+    e bits are at most p, and p is 0 mod p)."""
+    modulus = np.uint64(field.modulus)
+    np.bitwise_and(words, modulus, out=words)
+    subtract_once(words, modulus, np.empty_like(words))
+    return words.view(np.int64)
+
+
+def _add_in_place(row: np.ndarray, pad: np.ndarray, modulus: int) -> None:
+    """In place: ``row`` + ``pad`` mod p (field elements in [0, p): the sum stays below
+    2^62)."""
+    row += pad
+    unsigned = row.view(np.uint64)
+    subtract_once(unsigned, np.uint64(modulus), np.empty_like(unsigned))
 
 
 @dataclass(frozen=True)
@@ -91,11 +108,12 @@ def mask_client_shares(
     scheme = keys.scheme()
     rows = share_segments(scheme, [_update(keys, update), *_noise(keys, noise)], rng)
     endpoint = Endpoint(party, keys.session_id, protocol=PROTOCOL, private_key=private_key)
+    seats = sorted(keys.member_keys)
+    seeds = [rng.bytes(PAD_SEED_BYTES) for _ in seats]  # seat by seat, as the pads are added
     pads = {}
-    for j, key in sorted(keys.member_keys.items()):
-        seed = rng.bytes(PAD_SEED_BYTES)
-        rows[int(j)] = scheme.field.add(rows[int(j)], fold_pad(scheme.field, seed, keys.width))
-        endpoint.connect(SEAT_ID_BASE + int(j), key)
+    for j, seed in zip(seats, seeds):
+        _add_in_place(rows[int(j)], fold_pad(scheme.field, seed, keys.width), scheme.field.modulus)
+        endpoint.connect(SEAT_ID_BASE + int(j), keys.member_keys[j])
         pads[int(j)] = endpoint.seal(SEAT_ID_BASE + int(j), keys.round, FOLD_PAD, seed)
     return MaskedShares(rows, FoldedClient(party, endpoint.public_key, pads))
 
@@ -119,7 +137,10 @@ class MaskedFold:
             )
         if not isinstance(masked.client, FoldedClient):
             raise ValueError(f"a {type(masked.client).__name__}, not a FoldedClient")
-        self._rows = rows.copy() if self._rows is None else self.field.add(self._rows, rows)
+        if self._rows is None:
+            self._rows = rows.copy()
+        else:
+            _add_in_place(self._rows, rows, self.field.modulus)
         self.clients.append(masked.client)
 
     def seal(self, party: int) -> DMMSealedShares:
@@ -133,8 +154,7 @@ class MaskedFold:
 def share_segments(scheme: PackedShamir, segments: list[np.ndarray], rng) -> np.ndarray:
     """(n, len(segments) * blocks) packed shares of the signed integer ``segments``, each
     padded to whole blocks; ``rng`` a numpy Generator (the owner's secret stream)."""
-    secrets, randomness = sharing_inputs(scheme, segments, rng)
-    return deal_shares(scheme, secrets, randomness)
+    return deal_inputs(scheme, _inputs(scheme, segments, rng))
 
 
 def sharing_inputs(
@@ -148,32 +168,69 @@ def sharing_inputs(
     of several parties' inputs are the sums of their shares, so a batch of clients may add
     their inputs (:class:`ShareFold`) and deal once; every value of the sum's polynomial at the
     first t share points is then uniform as long as one party's randomness is."""
+    inputs = _inputs(scheme, segments, rng)
+    return inputs[: scheme.k], inputs[scheme.k :]
+
+
+def _inputs(scheme: PackedShamir, segments: list[np.ndarray], rng) -> np.ndarray:
+    """The (k + t, S) matrix [secret blocks; randomness] of :func:`sharing_inputs`, filled in
+    place; the randomness is one draw of (segments, t, blocks) values, the same stream as one
+    draw of (t, blocks) per segment."""
     if not isinstance(rng, np.random.Generator):
         raise ValueError(
             f"rng is a {type(rng).__name__}; allowed: the sharing party's numpy Generator"
         )
-    randomness = [
-        scheme.field.random(rng, (scheme.t, scheme.blocks_for(np.asarray(s).size)))
-        for s in segments
-    ]
-    return secret_blocks(scheme, segments), np.hstack(randomness)
+    if not len(segments):
+        raise ValueError("segments is empty; allowed: one or more integer vectors to share")
+    sizes = {np.asarray(s).size for s in segments}
+    if len(sizes) > 1:  # segments of unequal lengths: one draw per segment
+        secrets = secret_blocks(scheme, segments)
+        randomness = [
+            scheme.field.random(rng, (scheme.t, scheme.blocks_for(np.asarray(s).size)))
+            for s in segments
+        ]
+        return np.vstack([secrets, np.hstack(randomness)])
+    blocks = scheme.blocks_for(sizes.pop())
+    k, t, count = scheme.k, scheme.t, len(segments)
+    inputs = np.empty((k + t, count * blocks), dtype=np.int64)
+    _fill_secret_blocks(scheme, segments, inputs[:k], blocks)
+    drawn = scheme.field.random(rng, (count, t, blocks))
+    inputs[k:].reshape(t, count, blocks)[...] = drawn.transpose(1, 0, 2)
+    return inputs
 
 
 def secret_blocks(scheme: PackedShamir, segments) -> np.ndarray:
     """The (k, S) field matrix of the signed ``segments``' blocks (see :func:`sharing_inputs`)."""
     k, columns = scheme.k, []
     for segment in segments:
-        encoded = scheme.field.encode_signed(np.asarray(segment).ravel())
-        padded = np.zeros(scheme.blocks_for(encoded.size) * k, dtype=np.int64)
-        padded[: encoded.size] = encoded
-        columns.append(padded.reshape(-1, k).T)
+        out = np.empty((k, scheme.blocks_for(np.asarray(segment).size)), dtype=np.int64)
+        _fill_secret_blocks(scheme, [segment], out, out.shape[1])
+        columns.append(out)
     return np.hstack(columns)
+
+
+def _fill_secret_blocks(scheme: PackedShamir, segments, out: np.ndarray, blocks: int) -> None:
+    """Write the signed ``segments`` (each of at most ``blocks * k`` values) as field blocks
+    into ``out`` ((k, len(segments) * blocks)), zero-padded."""
+    k = scheme.k
+    padded = np.zeros(blocks * k, dtype=np.int64)
+    for g, segment in enumerate(segments):
+        encoded = scheme.field.encode_signed(np.asarray(segment).ravel())
+        padded[: encoded.size] = encoded
+        padded[encoded.size :] = 0
+        out[:, g * blocks : (g + 1) * blocks] = padded.reshape(blocks, k).T
 
 
 def deal_shares(scheme: PackedShamir, secrets: np.ndarray, randomness: np.ndarray) -> np.ndarray:
     """(n, S) shares: the share matrix times [secrets (k, S); randomness (t, S)] mod p, one
     matrix product for every block of every segment."""
-    return scheme.field.matmul(scheme.share_matrix, np.vstack([secrets, randomness]))
+    return deal_inputs(scheme, np.vstack([secrets, randomness]))
+
+
+def deal_inputs(scheme: PackedShamir, inputs: np.ndarray) -> np.ndarray:
+    """(n, S) shares from the stacked (k + t, S) inputs [secrets; randomness]: one exact
+    product with the share matrix (:meth:`protocols.field.MersenneField.matmul`)."""
+    return scheme.field.matmul(scheme.share_matrix, inputs)
 
 
 class ShareFold:

@@ -9,7 +9,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from protocols.field import MersenneField, _limb_plan
+from protocols.field import MersenneField
+from protocols.limbs import limb_plan
 
 F = MersenneField(61)
 P = F.modulus
@@ -50,12 +51,13 @@ def test_matmul_matches_python_integers_at_every_limb_plan(rows, inner, columns,
     if rows * inner * columns > 3e6:  # spot checks, the plan is the one of the whole product
         cells = [(0, 0), (rows - 1, columns - 1), (rows // 2, columns // 2)]
         for i, j in cells:
-            assert int(got[i, j]) == sum(
-                int(x) * int(y) for x, y in zip(left[i].tolist(), right[:, j].tolist())
-            ) % P, _limb_plan(61, inner)
+            assert (
+                int(got[i, j])
+                == sum(int(x) * int(y) for x, y in zip(left[i].tolist(), right[:, j].tolist())) % P
+            ), limb_plan(61, inner, rows, columns)
     else:
         expected = (left.astype(object) @ right.astype(object)) % P
-        assert np.array_equal(expected, got.astype(object)), _limb_plan(61, inner)
+        assert np.array_equal(expected, got.astype(object)), limb_plan(61, inner, rows, columns)
 
 
 def test_sums_and_signed_encodings_at_the_edges():
