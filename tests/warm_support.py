@@ -20,10 +20,10 @@ def _digest(path: Path) -> str:
 
 
 def identical(out: Path) -> dict[str, Any]:
-    """A small DP-FedAvg run twice on the warm pool, the pool stopped, then the same run cold:
-    the digests of the three final models (model.npz) and whether the head is gone. The second
-    and the cold run replay the first (its nonce: the same noise streams; without it each run
-    draws its own noise, as every run of one root must)."""
+    """A small DP-FedAvg run (one round) twice on the warm pool, the pool stopped, then the same
+    run cold: the digests of the three final models (model.npz) and whether the head is gone.
+    The second and the cold run replay the first (its nonce: the same noise streams; without it
+    each run draws its own noise, as every run of one root must)."""
     from ray._private.utils import read_ray_address
     from run_dir_support import SECRETS, private
 
@@ -32,6 +32,7 @@ def identical(out: Path) -> dict[str, Any]:
     from fedsim.frontend.run_config import ExperimentConfig
 
     raw = private(seed=3, noise_multiplier=0.8)
+    raw["rounds"] = 1  # the claim is bit-identity, not training: one round of noise will do
     raw["engine"] = {"backend": "ray", "workers": 2, "num_cpus": 2}
 
     def run(name: str, replay: Path | None) -> dict[str, Any]:

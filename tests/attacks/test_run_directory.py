@@ -1,19 +1,20 @@
 """Whoever holds a run directory, and whatever kills a run, cannot make ``--resume`` lie.
 
-The resume matrix (issue 17, item 6): a run is killed (SIGKILL, in its own process) at every phase
-of a round, with and without a power loss (everything the database had not synced is lost), and
-a checkpointed run directory gets every damaged, swapped or crafted file we could think of, for
-the checkpoint, the state database and config.json. Every cell must end in "same" (the final
-model is bit-identical to the uninterrupted run's and rounds.jsonl carries the same numbers) or
-in "refused" (an error naming the file; nothing was run). "crashed" (any other exception) and
-"silent" (a different result without a word) are failures. Crafted pickles must never run: each
-one would create a marker file when unpickled, and the marker must not exist afterwards.
+The resume matrix (issue 17, item 6): a run is killed (SIGKILL, in its own forked process) at
+every phase of a round, with and without a power loss (everything the database had not synced
+is lost), and a checkpointed run directory gets every damaged, swapped or crafted file we could
+think of, for the checkpoint, the state database and config.json. Every cell must end in "same"
+(the final model is bit-identical to the uninterrupted run's and rounds.jsonl carries the same
+numbers) or in "refused" (an error naming the file; nothing was run). "crashed" (any other
+exception) and "silent" (a different result without a word) are failures. Crafted pickles must
+never run: each one would create a marker file when unpickled, and the marker must not exist
+afterwards.
 
 Run with ``-s`` to see the tally (cells tried / same / refused / crashed / silent).
 
-This file is also the child process of the kill cells:
-``python tests/attacks/test_run_directory.py POINT ROUND CONFIG OUT`` runs CONFIG into OUT and
-kills itself at POINT of round ROUND.
+A kill cell's run is a child forked from the test process (it starts with this process's
+imports, so no interpreter start per cell): it runs the config into its directory and
+SIGKILLs itself at the cell's point; nothing of it returns to the test process but the files.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ import shutil
 import signal
 import sqlite3
 import struct
-import subprocess
 import sys
+import time
+import traceback
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -35,7 +37,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import fedsim
 from fedsim.checkpoint import STATE_FILE, checkpoint_path
 from fedsim.config import ConfigError, to_mapping
 from fedsim.engine import NODE_ID_OFFSET
@@ -46,13 +47,12 @@ from fedsim.frontend.run_root import resume_root
 from fedsim.frontend.rundir import RunDirectory
 from fedsim.randomness import RunSecret
 
-ROOT = Path(fedsim.__file__).resolve().parent.parent
 PASSPHRASE = "tests"
-ROUNDS = 5
+ROUNDS = 4
 KILL_ROUND = 3
 CONFIG = """
 seed = 11
-rounds = 5
+rounds = 4
 checkpoint_every = 1
 state_memory_mb = 0
 
@@ -672,22 +672,43 @@ def power_loss(out: Path) -> None:
         Path(str(out / STATE_FILE) + suffix).unlink(missing_ok=True)
 
 
+def killed_child(point: str, at: int, config_file: Path, out: Path, replay: Path) -> int:
+    """Fork a child that replays ``config_file`` into ``out`` and SIGKILLs itself at ``point``
+    of round ``at``; its wait status (the child is killed after 600 s)."""
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            install_kill(point, at)
+            config = ExperimentConfig.load(config_file)
+            run_experiment(config, out, progress=False, secrets=secrets(), replay=replay)
+            print(f"the run reached its end without the kill at {point!r}", file=sys.stderr)
+        except BaseException:  # noqa: BLE001  (reported by the exit status and stderr)
+            traceback.print_exc()
+        finally:
+            os._exit(1)
+    deadline = time.monotonic() + 600
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError(f"the kill cell {point!r}, round {at} ran past 600 s")
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def killed(base, config_file, reference):
-    """One killed run directory per kill cell (each child process runs once per module), each
-    a replay of the uninterrupted run."""
+    """One killed run directory per kill cell (each child runs once per module), each a replay
+    of the uninterrupted run."""
     done: dict[tuple[str, int], Path] = {}
 
     def get(point: str, at: int) -> Path:
         if (point, at) not in done:
             out = base / f"killed-{KILL_CELLS.index((point, at))}"
-            env = dict(os.environ, RAY_ADDRESS="", PYTHONPATH=str(ROOT))
-            child = [
-                sys.executable, __file__, point, str(at), str(config_file), str(out),
-                str(base / "uninterrupted"),
-            ]
-            proc = subprocess.run(child, env=env, timeout=600, capture_output=True)
-            assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+            status = killed_child(point, at, config_file, out, base / "uninterrupted")
+            assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
             assert not (out / "summary.json").exists()
             done[point, at] = out
         return done[point, at]
@@ -767,15 +788,3 @@ def test_dp_sgd_clients_histories_cannot_be_dropped_by_emptying_the_state_databa
     with pytest.raises(ConfigError, match=STATE_FILE):
         run_experiment(dp_sgd_config(), out, resume=True, progress=False, secrets=secrets())
     assert not (out / "summary.json").exists()
-
-
-if __name__ == "__main__":
-    point_, round_, config_path, out_dir, replay_ = sys.argv[1:]
-    install_kill(point_, int(round_))
-    run_experiment(
-        ExperimentConfig.load(config_path),
-        out_dir,
-        progress=False,
-        secrets=secrets(),
-        replay=replay_,  # the uninterrupted run's streams
-    )

@@ -51,7 +51,7 @@ def test_app_mode_times_a_warm_head_next_to_the_cold_runs(tmp_path):
         "--app",
         "--warm-head",
         "--supernodes",
-        "4",
+        "2",
         "--app-rounds",
         "1",
         "--clients-per-round",

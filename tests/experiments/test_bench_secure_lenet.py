@@ -32,7 +32,8 @@ def measured(tmp_path_factory):
     command = [sys.executable, str(SCRIPT), "--workload", "lenet", "--modes", ",".join(MODES)]
     command += ["--cohorts", str(COHORT), "--population", "300", "--writers", "8"]
     command += ["--rows-per-writer", "20", "--rounds", "1", "--warmup", "0", "--dropout", "0"]
-    command += ["--secagg-degree", "2", "--out", str(out / "r.json"), "--md", str(out / "r.md")]
+    command += ["--secagg-degree", "2", "--workers", "1"]  # one worker: one actor start per mode
+    command += ["--out", str(out / "r.json"), "--md", str(out / "r.md")]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=850)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((out / "r.json").read_text()), (out / "r.md").read_text()

@@ -2,15 +2,14 @@
 
 import json
 import os
+import shutil
 import signal
-import subprocess
-import sys
 import time
+import traceback
 from pathlib import Path
 
 import pytest
 
-import fedsim
 import fedsim.frontend.rundir as rundir
 from fedsim.cli import main
 from fedsim.config import ConfigError
@@ -69,26 +68,16 @@ def strip_times(record):
 
 
 PASSPHRASE = "tests"
-ROOT = Path(fedsim.__file__).resolve().parent.parent
-# A run in its own process, with the fixed secret root that resuming needs.
-PROCESS = f"""
-import sys
-from fedsim.frontend.experiment import run_experiment
-from fedsim.frontend.run_config import ExperimentConfig
-from fedsim.randomness import RunSecret
-config, out, mode, replay = sys.argv[1:]
-run_experiment(ExperimentConfig.load(config), out, resume=mode == "resume", progress=False,
-               secrets=RunSecret.from_passphrase({PASSPHRASE!r}), replay=replay or None)
-"""
 
 
-def in_process(*args):
-    return [sys.executable, "-c", PROCESS, *map(str, args)]
+def secret_root() -> RunSecret:
+    """The fixed secret root that resuming needs."""
+    return RunSecret.from_passphrase(PASSPHRASE)
 
 
 @pytest.fixture
 def secrets():
-    return RunSecret.from_passphrase(PASSPHRASE)
+    return secret_root()
 
 
 @pytest.fixture
@@ -109,27 +98,48 @@ def run(config, out, secrets, resume=False, replay=None):
     )
 
 
-def test_killed_run_resumes_to_the_same_rounds(tmp_path, config, secrets):
-    full = tmp_path / "full"
-    run(config, full, secrets)
-    expected = [strip_times(r) for r in read_rounds(full / "rounds.jsonl")]
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """One uninterrupted run of CONFIG (read only; a test that writes into it copies it) and
+    its rounds without timings."""
+    base = tmp_path_factory.mktemp("resume")
+    (base / "run.toml").write_text(CONFIG)
+    run(base / "run.toml", base / "full", secret_root())
+    return base / "full", [strip_times(r) for r in read_rounds(base / "full" / "rounds.jsonl")]
+
+
+def forked_run(config: Path, out: Path, replay: Path) -> int:
+    """A replay of ``replay``'s run of ``config`` into ``out``, in a child forked from this
+    process (its own process, to be killed); the child's pid."""
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            run(config, out, secret_root(), replay=replay)
+        except BaseException:  # noqa: BLE001  (reported by the exit status and stderr)
+            traceback.print_exc()
+        finally:
+            os._exit(1)
+    return pid
+
+
+def test_killed_run_resumes_to_the_same_rounds(tmp_path, config, secrets, full_run):
+    full, expected = full_run
     assert [r["round"] for r in expected] == list(range(7))
 
     killed = tmp_path / "killed"
-    env = dict(os.environ, RAY_ADDRESS="", PYTHONPATH=str(ROOT))
     # the same streams as the full run: a replay of it (a fresh run draws a fresh nonce)
-    proc = subprocess.Popen(in_process(config, killed, "new", full), env=env)
+    pid = forked_run(config, killed, full)
     deadline = time.monotonic() + 300
     while len(read_rounds(killed / "rounds.jsonl")) < 4:  # rounds 0..3 written
-        assert proc.poll() is None, "the run ended before it could be killed"
+        assert os.waitpid(pid, os.WNOHANG)[0] == 0, "the run ended before it could be killed"
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    os.kill(pid, signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
     assert not (killed / "summary.json").exists()
 
-    done = subprocess.run(in_process(config, killed, "resume", ""), env=env, timeout=300)
-    assert done.returncode == 0
+    run(config, killed, secrets, resume=True)  # as `fedsim run --resume` does, in this process
     resumed = [strip_times(r) for r in read_rounds(killed / "rounds.jsonl")]
     assert resumed == expected  # nothing lost, nothing duplicated, the same numbers
     summary = json.loads((killed / "summary.json").read_text())
@@ -155,29 +165,27 @@ def test_resume_refuses_a_different_config_or_a_foreign_directory(tmp_path, conf
     assert "no config.json" in capsys.readouterr().err
 
 
-def test_resuming_needs_the_runs_secret_root(tmp_path, config, secrets):
+def test_resuming_needs_the_runs_secret_root(tmp_path, config, full_run):
     out = tmp_path / "run"
-    run(config, out, secrets)
+    shutil.copytree(full_run[0], out)
     with pytest.raises(ConfigError, match="the root file this run was started with"):
         run_experiment(ExperimentConfig.load(config), out, resume=True, progress=False)
     with pytest.raises(ConfigError, match="the root this run was started with"):
         run(config, out, RunSecret.from_passphrase("another"), resume=True)
 
 
-def test_resuming_a_finished_run_rewrites_nothing(tmp_path, config, secrets):
+def test_resuming_a_finished_run_rewrites_nothing(tmp_path, config, secrets, full_run):
     out = tmp_path / "run"
-    run(config, out, secrets)
-    before = [strip_times(r) for r in read_rounds(out / "rounds.jsonl")]
+    shutil.copytree(full_run[0], out)
+    before = (out / "rounds.jsonl").read_bytes()
     run(config, out, secrets, resume=True)
-    assert [strip_times(r) for r in read_rounds(out / "rounds.jsonl")] == before
+    assert (out / "rounds.jsonl").read_bytes() == before
 
 
 def test_a_crash_while_checkpointing_resumes_from_the_previous_checkpoint(
-    tmp_path, config, secrets, monkeypatch
+    tmp_path, config, secrets, monkeypatch, full_run
 ):
-    full = tmp_path / "full"
-    run(config, full, secrets)
-    expected = [strip_times(r) for r in read_rounds(full / "rounds.jsonl")]
+    full, expected = full_run
 
     real_save = rundir.save_checkpoint
 

@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from fedsim.cli import main
 from fedsim.config import ConfigError
 from fedsim.frontend.run_config import ExperimentConfig
 
-ROOT = Path(__file__).resolve().parents[2]
 WORDS = ("the model returns an array of values computed from the input data along the "
          "given axis with optional weights and a default tolerance").split()  # fmt: skip
 
@@ -55,18 +53,15 @@ def _toml(config: dict) -> str:
     return tomli_w.dumps(config)
 
 
-def _fedsim_run(tmp_path: Path, config: dict) -> tuple[list[dict], dict]:
+def _fedsim_run(tmp_path: Path, config: dict, capsys) -> tuple[list[dict], dict]:
+    """``fedsim run`` in this process: the two runs share the process's loaded generator and
+    embedder (each loaded once per process) instead of each loading them in its own."""
     path = tmp_path / "run.toml"
     path.write_text(_toml(config))
     out = tmp_path / "out"
-    done = subprocess.run(
-        [sys.executable, "-m", "fedsim", "run", str(path), "--out", str(out),
-         "--secrets", str(tmp_path / "root.key")],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env={**__import__("os").environ, "PYTHONPATH": str(ROOT),
-             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    code = main(["run", str(path), "--out", str(out), "--secrets", str(tmp_path / "root.key"),
+                 "--no-progress"])  # fmt: skip
+    assert code == 0, capsys.readouterr().err[-3000:]
     rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
     return [r for r in rounds if r.get("round", 0) >= 1], json.loads(
         (out / "summary.json").read_text()
@@ -83,10 +78,11 @@ def _check_privacy(rounds: list[dict], summary: dict) -> None:
     assert summary["unaccounted_releases"] == 0
 
 
-def test_a_tiny_popri_run_through_fedsim_run(tmp_path):
+def test_a_tiny_popri_run_through_fedsim_run(tmp_path, capsys):
     rounds, summary = _fedsim_run(
         tmp_path,
         _config(tmp_path, "popri", held_out_texts=8, dpo={"batch_size": 2, "lora_rank": 2}),
+        capsys,
     )
     _check_privacy(rounds, summary)
     for r in rounds:
@@ -96,8 +92,8 @@ def test_a_tiny_popri_run_through_fedsim_run(tmp_path):
         assert model.files and all("lora" in k for k in model.files)
 
 
-def test_a_tiny_private_evolution_run_through_fedsim_run(tmp_path):
-    rounds, summary = _fedsim_run(tmp_path, _config(tmp_path, "private-evolution"))
+def test_a_tiny_private_evolution_run_through_fedsim_run(tmp_path, capsys):
+    rounds, summary = _fedsim_run(tmp_path, _config(tmp_path, "private-evolution"), capsys)
     _check_privacy(rounds, summary)
     for r in rounds:
         assert r["aggregated"]["pe-clients"] == 3 and r["aggregated"]["pe-population"] >= 1
