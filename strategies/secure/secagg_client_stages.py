@@ -7,6 +7,7 @@ app gets them through the registry (:meth:`strategies.secure.SecAggSum.register_
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Mapping
@@ -96,12 +97,19 @@ def pack_arrays(arrays: Mapping[str, np.ndarray]) -> bytes:
     index, parts = [], []
     for name, value in arrays.items():
         value = np.asarray(value)
-        if value.dtype.kind not in "iu":
-            raise ValueError(f"state array {name!r} has dtype {value.dtype}; integers only")
-        index.append([name, value.dtype.str, list(value.shape)])
-        parts.append(np.ascontiguousarray(value).reshape(-1).view(np.uint8))  # no copy yet
+        dtype = value.dtype
+        if dtype.kind not in "iu":
+            raise ValueError(f"state array {name!r} has dtype {dtype}; integers only")
+        index.append([name, dtype.str, list(value.shape)])
+        if value.size:  # an empty array adds no bytes
+            parts.append(np.ascontiguousarray(value).reshape(-1).view(np.uint8))  # no copy yet
     head = json.dumps(index).encode()
     return b"".join([len(head).to_bytes(4, "little"), head, *parts])  # the one copy
+
+
+@functools.lru_cache(maxsize=64)
+def _dtype(code: str) -> np.dtype:
+    return np.dtype(code)
 
 
 def unpack_arrays(payload: bytes) -> dict[str, np.ndarray]:
@@ -111,9 +119,9 @@ def unpack_arrays(payload: bytes) -> dict[str, np.ndarray]:
         size = int.from_bytes(payload[:4], "little")
         index = json.loads(payload[4 : 4 + size])
         offset, out = 4 + size, {}
-        for name, dtype, shape in index:
-            dtype = np.dtype(dtype)
-            if dtype.kind not in "iu" or any(not isinstance(n, int) or n < 0 for n in shape):
+        for name, code, shape in index:
+            dtype = _dtype(code)
+            if dtype.kind not in "iu" or not all(isinstance(n, int) and n >= 0 for n in shape):
                 raise ValueError(f"array {name!r}: dtype {dtype}, shape {shape}")
             count = math.prod(shape)
             if offset + count * dtype.itemsize > len(payload):
