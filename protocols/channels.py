@@ -196,15 +196,22 @@ class Endpoint:
             self._private_key = X25519PrivateKey.from_private_bytes(private_key)
         else:
             raise ValueError("private_key must be None or 32 bytes of the party's secret")
-        self.public_key = self._private_key.public_key().public_bytes(
-            serialization.Encoding.Raw, serialization.PublicFormat.Raw
-        )
+        self._public_key: bytes | None = None  # computed when first used (not to receive only)
         self._send: dict[int, tuple[bytes, ChaCha20Poly1305]] = {}
         self._receive: dict[int, tuple[bytes, ChaCha20Poly1305]] = {}
         self._receive_keys: dict[int, bytes] = {}
         # per directional key (its peer public key): counters and opened counters, never reset
         self._counters: dict[tuple[int, bytes], int] = {}
         self._seen: dict[tuple[int, bytes], set[int]] = defaultdict(set)
+
+    @property
+    def public_key(self) -> bytes:
+        """This party's X25519 public key (32 raw bytes)."""
+        if self._public_key is None:
+            self._public_key = self._private_key.public_key().public_bytes(
+                serialization.Encoding.Raw, serialization.PublicFormat.Raw
+            )
+        return self._public_key
 
     def connect(self, peer_id: int, peer_public_key: bytes) -> None:
         """Derive the send key (self -> peer) and receive key (peer -> self).
