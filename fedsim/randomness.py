@@ -128,12 +128,13 @@ class PartySecret(_Hidden):
     secret, seeds the generator).
     """
 
-    __slots__ = ("_key", "party")
+    __slots__ = ("_key", "_seal", "party")
 
     def __init__(self, key: bytes, party: str) -> None:
         if not isinstance(key, bytes | bytearray) or len(key) != SECRET_BYTES:
             raise ValueError(f"a party secret is {SECRET_BYTES} bytes, got {type(key).__name__}")
         self._key = bytes(key)
+        self._seal: ChaCha20Poly1305 | None = None
         self.party = str(party)
 
     @classmethod
@@ -174,20 +175,26 @@ class PartySecret(_Hidden):
         key derived from the secret, random 96-bit nonce, ``label`` bound as associated data):
         what a party stores in files that others may hold (its state in the run directory)."""
         nonce = os.urandom(12)
-        return nonce + ChaCha20Poly1305(self.seed_bytes("seal")).encrypt(nonce, data, label)
+        return nonce + self._aead().encrypt(nonce, data, label)
 
     def open(self, sealed: bytes, label: bytes) -> bytes:
         """The data :meth:`seal` sealed under ``label``; ``ValueError`` if it was altered, sealed
         by another party or under another label."""
         if len(sealed) < 12 + 16:
             raise ValueError("sealed state is too short to be a sealed record")
+        view = memoryview(sealed)  # slices of a view: the ciphertext is not copied
         try:
-            aead = ChaCha20Poly1305(self.seed_bytes("seal"))
-            return aead.decrypt(sealed[:12], sealed[12:], label)
+            return self._aead().decrypt(view[:12], view[12:], label)
         except InvalidTag:
             raise ValueError(
                 "sealed state failed authentication: altered, or sealed by another party"
             ) from None
+
+    def _aead(self) -> ChaCha20Poly1305:
+        """The cipher under the seal key, derived on first use (a pure function of the secret)."""
+        if self._seal is None:
+            self._seal = ChaCha20Poly1305(self.seed_bytes("seal"))
+        return self._seal
 
     def __repr__(self) -> str:
         return f"PartySecret(party={self.party!r}, key=<hidden>)"

@@ -71,8 +71,9 @@ def numpy_to_array(value: np.ndarray) -> Array:
     # already validated here; Flower's constructor checks every field again and
     # costs more than the copy of the payload for a small model.
     array = Array.__new__(Array)
+    payload = value.reshape(-1).view(np.uint8)  # a view: the join below is the one copy
     array.__dict__.update(
-        dtype=dtype, shape=shape, stype=NUMPY_STYPE, data=header + value.tobytes()
+        dtype=dtype, shape=shape, stype=NUMPY_STYPE, data=b"".join([header, payload])
     )
     return array
 

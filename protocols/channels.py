@@ -85,16 +85,23 @@ def associated_data(
 ) -> bytes:
     """The bytes every ciphertext is bound to: the channel label, the protocol, the session
     (run), sender, receiver, round and stage."""
-    label = stage_label(stage).encode()
+    return _aad_prefix(protocol, session_id) + _aad_tail(sender, receiver, round_, stage)
+
+
+def _aad_prefix(protocol: bytes, session_id: bytes) -> bytes:
+    """The part of :func:`associated_data` that is the same for every message of a session."""
     return (
         PROTOCOL_LABEL
         + struct.pack(">H", len(protocol))
         + protocol
         + struct.pack(">H", len(session_id))
         + session_id
-        + struct.pack(">QQQH", sender, receiver, check_party("round", round_), len(label))
-        + label
     )
+
+
+def _aad_tail(sender: int, receiver: int, round_: int, stage: str | Enum) -> bytes:
+    label = stage_label(stage).encode()
+    return struct.pack(">QQQH", sender, receiver, check_party("round", round_), len(label)) + label
 
 
 @dataclass(frozen=True)
@@ -181,21 +188,30 @@ class Endpoint:
             raise ValueError(f"protocol must be a non-empty label in bytes, got {protocol!r}")
         self.session_id = session_id
         self.protocol = protocol
+        self._aad = _aad_prefix(protocol, session_id)
+        self._info = PROTOCOL_LABEL + struct.pack(">H", len(protocol)) + protocol
         if private_key is None:
             self._private_key = X25519PrivateKey.generate()
         elif isinstance(private_key, bytes) and len(private_key) == 32:
             self._private_key = X25519PrivateKey.from_private_bytes(private_key)
         else:
             raise ValueError("private_key must be None or 32 bytes of the party's secret")
-        self.public_key = self._private_key.public_key().public_bytes(
-            serialization.Encoding.Raw, serialization.PublicFormat.Raw
-        )
+        self._public_key: bytes | None = None  # computed when first used (not to receive only)
         self._send: dict[int, tuple[bytes, ChaCha20Poly1305]] = {}
         self._receive: dict[int, tuple[bytes, ChaCha20Poly1305]] = {}
         self._receive_keys: dict[int, bytes] = {}
         # per directional key (its peer public key): counters and opened counters, never reset
         self._counters: dict[tuple[int, bytes], int] = {}
         self._seen: dict[tuple[int, bytes], set[int]] = defaultdict(set)
+
+    @property
+    def public_key(self) -> bytes:
+        """This party's X25519 public key (32 raw bytes)."""
+        if self._public_key is None:
+            self._public_key = self._private_key.public_key().public_bytes(
+                serialization.Encoding.Raw, serialization.PublicFormat.Raw
+            )
+        return self._public_key
 
     def connect(self, peer_id: int, peer_public_key: bytes) -> None:
         """Derive the send key (self -> peer) and receive key (peer -> self).
@@ -252,9 +268,7 @@ class Endpoint:
         self, shared: bytes, sender: int, sender_key: bytes, receiver: int, receiver_key: bytes
     ) -> bytes:
         info = (
-            PROTOCOL_LABEL
-            + struct.pack(">H", len(self.protocol))
-            + self.protocol
+            self._info
             + struct.pack(">QQ", sender, receiver)
             + sender_key
             + receiver_key
@@ -287,9 +301,7 @@ class Endpoint:
         self._counters[(receiver, peer_key)] = counter + 1
         nonce = bytes(4) + counter.to_bytes(8, "big")
         label = stage_label(stage)
-        aad = associated_data(
-            self.protocol, self.session_id, self.party_id, receiver, round_, label
-        )
+        aad = self._aad + _aad_tail(self.party_id, receiver, round_, label)
         ciphertext = cipher.encrypt(nonce, bytes(plaintext), aad)
         return Envelope(self.party_id, receiver, int(round_), label, nonce, ciphertext)
 
@@ -329,9 +341,7 @@ class Endpoint:
         peer_key, cipher = entry
         if len(envelope.nonce) != NONCE_BYTES or envelope.nonce[:4] != bytes(4):
             raise ChannelError(f"malformed nonce in the envelope from sender={envelope.sender}")
-        aad = associated_data(
-            self.protocol, self.session_id, envelope.sender, self.party_id, round_, label
-        )
+        aad = self._aad + _aad_tail(envelope.sender, self.party_id, round_, label)
         try:
             plaintext = cipher.decrypt(envelope.nonce, envelope.ciphertext, aad)
         except InvalidTag:
@@ -378,14 +388,17 @@ class Endpoint:
 def _well_formed(envelope: Envelope) -> bool:
     """Whether an envelope's fields have the types a sealed one has (whatever their values)."""
     return (
-        all(
-            isinstance(value, int | np.integer) and not isinstance(value, bool)
-            for value in (envelope.sender, envelope.receiver, envelope.round)
-        )
+        _is_id(envelope.sender)
+        and _is_id(envelope.receiver)
+        and _is_id(envelope.round)
         and isinstance(envelope.stage, str)
         and isinstance(envelope.nonce, bytes)
         and isinstance(envelope.ciphertext, bytes)
     )
+
+
+def _is_id(value: object) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 def encode_array(array) -> bytes:

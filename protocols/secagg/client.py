@@ -464,18 +464,25 @@ class SecAggClient:
         neighbours = state.neighbours.astype(np.int64).tolist()
         # the receive keys from the neighbours come back from the state (MASKED_INPUT opens
         # with them, no X25519); the endpoint is built when a stage first opens (_connected)
-        for peer, row in zip(neighbours, state.neighbour_keys.astype(np.uint8)):
-            raw = bytes(row)
+        for peer, raw in zip(neighbours, _rows(state.neighbour_keys)):
             client._neighbour_keys[peer] = (raw[:PUBLIC_KEY_BYTES], raw[PUBLIC_KEY_BYTES:])
-        for peer, key in zip(neighbours, state.receive_keys.astype(np.uint8)):
+        for peer, key in zip(neighbours, _rows(state.receive_keys)):
             if not 0 <= peer < SERVER_ID or peer == client.client_id:
                 raise ValueError(f"neighbour id {peer} is not another party's protocol id")
-            client._restored_keys[peer] = bytes(key)
-        seeds = state.mask_seeds.astype(np.uint8)
-        client._mask_seeds = {p: bytes(row) for p, row in zip(neighbours, seeds)}
+            client._restored_keys[peer] = key
+        client._mask_seeds = dict(zip(neighbours, _rows(state.mask_seeds)))
         owners = state.share_owners.astype(np.int64).tolist()
         client._held_shares = dict(zip(owners, state.shares.astype(np.int64)))
         return client
+
+
+def _rows(table: np.ndarray) -> list[bytes]:
+    """Each row of a 2-D table of bytes as ``bytes`` (one copy of the table, then slices)."""
+    flat = np.ascontiguousarray(table, dtype=np.uint8).tobytes()
+    count, width = table.shape
+    if not width:
+        return [b""] * count
+    return [flat[i : i + width] for i in range(0, width * count, width)]
 
 
 def _id_set(ids: object, name: str) -> set[int]:

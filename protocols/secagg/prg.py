@@ -46,11 +46,13 @@ class MaskPRG(Enum):
     def parse(cls, value: object, name: str) -> MaskPRG:
         """``value`` (a member, its name, its code or None for the default) as a member;
         ValueError naming ``name``, the value and what is allowed."""
-        members = list(cls)
         if value is None or isinstance(value, cls):
             return value or cls.CHACHA20
-        if isinstance(value, str) and value in {m.value for m in members}:
-            return cls(value)
+        if isinstance(value, str):
+            for member in cls:
+                if member.value == value:
+                    return member
+        members = list(cls)
         if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(members):
             return members[value]
         raise ValueError(

@@ -40,4 +40,23 @@ def trained_update(
         return reply
     _, trained = single(reply.content, ArrayRecord)
     _, metrics = single(reply.content, MetricRecord)
-    return flatten(to_numpy(trained)) - flatten(to_numpy(global_record)), metrics
+    return difference(to_numpy(trained), to_numpy(global_record)), metrics
+
+
+def difference(trained: dict[str, np.ndarray], base: dict[str, np.ndarray]) -> np.ndarray:
+    """``flatten(trained) - flatten(base)``, the same float64 values, in one pass per array
+    (each pair cast to float64 and subtracted straight into the vector)."""
+    if list(trained) != list(base):
+        raise ValueError(f"the trained arrays {list(trained)} are not the global {list(base)}")
+    sizes = [np.size(value) for value in trained.values()]
+    out, start = np.empty(sum(sizes), dtype=np.float64), 0
+    for (key, value), size in zip(trained.items(), sizes, strict=True):
+        other = np.asarray(base[key])
+        if other.size != size:
+            raise ValueError(f"array {key!r}: trained has {size} entries, global {other.size}")
+        np.subtract(
+            np.asarray(value).ravel(), other.ravel(), out=out[start : start + size],
+            dtype=np.float64,
+        )
+        start += size
+    return out

@@ -7,6 +7,7 @@ app gets them through the registry (:meth:`strategies.secure.SecAggSum.register_
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Mapping
@@ -52,20 +53,21 @@ def _secret(context: Context) -> tuple[PartySecret, bool]:
     return client_secret(context.node_config), NODE_SECRET_KEY in context.node_config
 
 
-def _save(context: Context, state: ClientState) -> None:
-    """Store ``state`` in ``context.state`` (sealed under the client's secret if it persists)."""
+def _save(context: Context, state: ClientState, own: tuple[PartySecret, bool] | None = None):
+    """Store ``state`` in ``context.state`` (sealed under the client's secret if it persists;
+    ``own``: :func:`_secret` of ``context``, when the caller has it already)."""
     payload = pack_arrays(state.to_arrays())
-    secret, persistent = _secret(context)
+    secret, persistent = own or _secret(context)
     record = ConfigRecord({K.STORED_ROUND: state.server_round, K.STORED_SEALED: persistent})
     record[K.STORED_BLOB] = secret.seal(payload, _STATE_LABEL) if persistent else payload
     context.state[K.STATE] = record
 
 
-def _load(context: Context) -> ClientState:
+def _load(context: Context, own: tuple[PartySecret, bool] | None = None) -> ClientState:
     record = context.state.get(K.STATE)
     if not isinstance(record, ConfigRecord) or K.STORED_BLOB not in record:
         raise RuntimeError("no SecAgg+ round in progress on this client")
-    secret, persistent = _secret(context)
+    secret, persistent = own or _secret(context)
     if bool(record[K.STORED_SEALED]) != persistent:
         raise RuntimeError("this client's secret changed in the middle of a SecAgg+ round")
     blob = record[K.STORED_BLOB]
@@ -96,12 +98,19 @@ def pack_arrays(arrays: Mapping[str, np.ndarray]) -> bytes:
     index, parts = [], []
     for name, value in arrays.items():
         value = np.asarray(value)
-        if value.dtype.kind not in "iu":
-            raise ValueError(f"state array {name!r} has dtype {value.dtype}; integers only")
-        index.append([name, value.dtype.str, list(value.shape)])
-        parts.append(np.ascontiguousarray(value).reshape(-1).view(np.uint8))  # no copy yet
+        dtype = value.dtype
+        if dtype.kind not in "iu":
+            raise ValueError(f"state array {name!r} has dtype {dtype}; integers only")
+        index.append([name, dtype.str, list(value.shape)])
+        if value.size:  # an empty array adds no bytes
+            parts.append(np.ascontiguousarray(value).reshape(-1).view(np.uint8))  # no copy yet
     head = json.dumps(index).encode()
     return b"".join([len(head).to_bytes(4, "little"), head, *parts])  # the one copy
+
+
+@functools.lru_cache(maxsize=64)
+def _dtype(code: str) -> np.dtype:
+    return np.dtype(code)
 
 
 def unpack_arrays(payload: bytes) -> dict[str, np.ndarray]:
@@ -111,9 +120,9 @@ def unpack_arrays(payload: bytes) -> dict[str, np.ndarray]:
         size = int.from_bytes(payload[:4], "little")
         index = json.loads(payload[4 : 4 + size])
         offset, out = 4 + size, {}
-        for name, dtype, shape in index:
-            dtype = np.dtype(dtype)
-            if dtype.kind not in "iu" or any(not isinstance(n, int) or n < 0 for n in shape):
+        for name, code, shape in index:
+            dtype = _dtype(code)
+            if dtype.kind not in "iu" or not all(isinstance(n, int) and n >= 0 for n in shape):
                 raise ValueError(f"array {name!r}: dtype {dtype}, shape {shape}")
             count = math.prod(shape)
             if offset + count * dtype.itemsize > len(payload):
@@ -150,9 +159,9 @@ def start_client(context: Context, server_round: int, session: bytes, values) ->
     return RecordDict({K.KEYS: keys_record(keys)})
 
 
-def _checked(stage: Stage, message: Message, context: Context) -> ClientState:
+def _checked(stage: Stage, message: Message, context: Context, own) -> ClientState:
     """The stored state, after checking the message is for its round, session and ``stage``."""
-    state = _load(context)
+    state = _load(context, own)
     header = message.content.get(K.HEADER)
     expected = (state.server_round, state.protocol.session, stage.name)
     if not isinstance(header, ConfigRecord) or any(
@@ -165,11 +174,11 @@ def _checked(stage: Stage, message: Message, context: Context) -> ClientState:
     return state
 
 
-def _message(stage: Stage, content: RecordDict, context: Context):
+def _message(stage: Stage, content: RecordDict, context: Context, secret: PartySecret):
     """The typed message of ``stage`` in ``content`` (SHARE_KEYS with the client's enrolment)."""
     if stage is Stage.SHARE_KEYS:
         message = share_keys_from(content)
-        enrolment = enrolled(context.node_config, _secret(context)[0])
+        enrolment = enrolled(context.node_config, secret)
         if enrolment is None:
             return message
         return replace(message, verifier=enrolment[1], own=enrolment[0].name)
@@ -194,19 +203,20 @@ def _answer(stage: Stage, message: Message, context: Context) -> RecordDict:
     order) leaves it ABORTED for the round -- stored, so that no later message of the round
     can resume it -- and the reply says so (``secagg.refused``); the input is kept only until
     it is masked."""
-    state = _checked(stage, message, context)
+    own = _secret(context)  # one secret (and seal key) for the message's load and save
+    state = _checked(stage, message, context, own)
     try:
-        state, reply = handle(stage, state, _message(stage, message.content, context))
+        state, reply = handle(stage, state, _message(stage, message.content, context, own[0]))
     except StageRefused as refusal:
-        return _refuse(context, refusal.state, stage, refusal.cause)
+        return _refuse(context, refusal.state, stage, refusal.cause, own)
     except (StageError, *REFUSALS) as error:
-        return _refuse(context, aborted(state), stage, error)
-    _save(context, state)
+        return _refuse(context, aborted(state), stage, error, own)
+    _save(context, state, own)
     return _reply(stage, reply)
 
 
-def _refuse(context: Context, state: ClientState, stage: Stage, error: BaseException):
-    _save(context, replace(state, values=None))
+def _refuse(context: Context, state: ClientState, stage: Stage, error: BaseException, own):
+    _save(context, replace(state, values=None), own)
     return RecordDict({K.REFUSED: refused_record(stage, f"{type(error).__name__}: {error}")})
 
 

@@ -151,3 +151,18 @@ def test_sealed_state_opens_only_for_its_party_and_label():
     flipped = sealed[:-1] + bytes([sealed[-1] ^ 1])
     with pytest.raises(ValueError, match="authentication"):
         root.client(1).open(flipped, b"state/1")
+
+
+def test_sealed_state_is_the_nonce_then_the_aead_under_the_seal_key():
+    from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
+    secret = RunSecret.from_passphrase("x").client(3)
+    data = bytes(range(256)) * 1000
+    for _ in range(2):  # the second seal reuses the secret's cipher: the same format
+        sealed = secret.seal(data, b"state/1")
+        cipher = ChaCha20Poly1305(secret.seed_bytes("seal"))
+        assert cipher.decrypt(sealed[:12], sealed[12:], b"state/1") == data
+        assert sealed[:12] + cipher.encrypt(sealed[:12], data, b"state/1") == sealed
+        assert secret.open(bytearray(sealed), b"state/1") == data
+    with pytest.raises(ValueError, match="too short"):
+        secret.open(sealed[:27], b"state/1")
