@@ -337,15 +337,28 @@ def handle_share(context: GroupContext, state: GroupState, message: Share) -> Re
                     raise ChannelError(f"seat {s} received nothing from client {party}")
                 row = open_row(context, state, s, item, DMMStage.SHARE, party, width)
                 listed = _unpad(context, state, s, party, pads.get(party))
-                for pad in listed.values():
-                    row = f.sub(row, pad)
-                rows[context.index[s]] = row
+                rows[context.index[s]] = _remove_pads(row, listed.values(), f.modulus)
                 if carried.setdefault(party, max(1, len(listed))) != max(1, len(listed)):
                     raise ChannelError(f"seat {s} was given another fold list")
             except (ChannelError, ValueError):
                 refused.setdefault(party, []).append(s)
         received[party] = rows
     return replace(state, received=received, carried=carried), refused
+
+
+def _remove_pads(row: np.ndarray, pads, modulus: int) -> np.ndarray:
+    """``row`` minus every pad mod p (all field elements in [0, p)): each difference taken
+    in uint64, where min(d, d + p) is d when no borrow wrapped it and d + p when one did."""
+    if not pads:
+        return row
+    out = row.astype(np.uint64, copy=True)
+    scratch = np.empty_like(out)
+    p = np.uint64(modulus)
+    for pad in pads:
+        np.subtract(out, pad.view(np.uint64), out=out)
+        np.add(out, p, out=scratch)
+        np.minimum(out, scratch, out=out)
+    return out.view(np.int64)
 
 
 def _unpad(context: GroupContext, state: GroupState, seat: int, party: int, pads):
