@@ -35,6 +35,7 @@ parties signed for this session and seat (:func:`check_seat_keys`); a substitute
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -62,11 +63,23 @@ from protocols.shamir import PackedShamir
 def fold_pad(field: MersenneField, seed: bytes, width: int) -> np.ndarray:
     """``width`` field elements expanded from a 32-byte ``seed`` (ChaCha20 keystream, 8 bytes
     per element, its low e bits reduced mod p = 2^e - 1: uniform up to 2^-e)."""
+    return low_bits_mod_p(field, pad_words(field, seed, width))
+
+
+def pad_words(field: MersenneField, seed: bytes, width: int) -> np.ndarray:
+    """:func:`fold_pad` before its reduction: the low e bits of each keystream word, uint64
+    in [0, p] (p stands for 0)."""
     if not isinstance(seed, bytes) or len(seed) != PAD_SEED_BYTES:
         raise ValueError(f"a pad seed is {PAD_SEED_BYTES} bytes, got {seed!r:.40}")
     stream = Cipher(algorithms.ChaCha20(seed, bytes(16)), mode=None).encryptor()
-    words = np.frombuffer(stream.update(bytes(8 * int(width))), dtype="<u8").astype(np.uint64)
-    return low_bits_mod_p(field, words)
+    words = np.frombuffer(stream.update(_zeros(8 * int(width))), dtype="<u8")
+    return np.bitwise_and(words, np.uint64(field.modulus), dtype=np.uint64)
+
+
+@functools.lru_cache(maxsize=8)
+def _zeros(size: int) -> bytes:
+    """``size`` zero bytes (the plaintext whose encryption is the keystream), kept per size."""
+    return bytes(size)
 
 
 def low_bits_mod_p(field: MersenneField, words: np.ndarray) -> np.ndarray:
@@ -79,10 +92,10 @@ def low_bits_mod_p(field: MersenneField, words: np.ndarray) -> np.ndarray:
 
 
 def _add_in_place(row: np.ndarray, pad: np.ndarray, modulus: int) -> None:
-    """In place: ``row`` + ``pad`` mod p (field elements in [0, p): the sum stays below
-    2^62)."""
-    row += pad
+    """In place: ``row`` + ``pad`` mod p (``row`` in [0, p), ``pad`` in [0, p], p standing
+    for 0: the sum stays below 2p < 2^62)."""
     unsigned = row.view(np.uint64)
+    unsigned += pad.view(np.uint64)
     subtract_once(unsigned, np.uint64(modulus), np.empty_like(unsigned))
 
 
@@ -112,7 +125,7 @@ def mask_client_shares(
     seeds = [rng.bytes(PAD_SEED_BYTES) for _ in seats]  # seat by seat, as the pads are added
     pads = {}
     for j, seed in zip(seats, seeds):
-        _add_in_place(rows[int(j)], fold_pad(scheme.field, seed, keys.width), scheme.field.modulus)
+        _add_in_place(rows[int(j)], pad_words(scheme.field, seed, keys.width), scheme.field.modulus)
         endpoint.connect(SEAT_ID_BASE + int(j), keys.member_keys[j])
         pads[int(j)] = endpoint.seal(SEAT_ID_BASE + int(j), keys.round, FOLD_PAD, seed)
     return MaskedShares(rows, FoldedClient(party, endpoint.public_key, pads))

@@ -22,6 +22,7 @@ from protocols.channels import (
     stage_label,
 )
 from protocols.dmm.common import DMMAbort, DMMStage, MemberCall, ReleaseAnswer, Schedule
+from protocols.dmm.rows import row_decoder
 from protocols.kit import SEAT_ID_BASE, Fault, TamperingDetected
 from protocols.shamir import UncorrectableSharesError
 
@@ -259,6 +260,7 @@ class ReleaseSteps:
                         round_=keys.round,
                         stage=DMMStage.RELEASE,
                         sender=SEAT_ID_BASE + int(seat),
+                        decode=row_decoder(width),
                     )
                 elif self._server is None and isinstance(item, np.ndarray):
                     row = item

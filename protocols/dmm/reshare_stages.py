@@ -24,6 +24,7 @@ import numpy as np
 from protocols.channels import ChannelError, Envelope
 from protocols.dmm.common import DMMStage, MemberRefused, refusing
 from protocols.dmm.resharing import NewMember, OldMember, ShareRandomness
+from protocols.dmm.rows import row_decoder
 from protocols.dmm.state import GroupContext, GroupState, expect, moved, offset_row, own_seats
 from protocols.kit import NEW_ID_BASE, OLD_ID_BASE, StageError
 
@@ -181,7 +182,11 @@ def _open_deal(context: GroupContext, state: GroupState, seat: int, item, dealer
     full = len(keep) * context.blocks + 1
     if isinstance(item, Envelope):
         opened = state.endpoints[seat].open_array(
-            item, round_=state.round, stage=DMMStage.RESHARE, sender=OLD_ID_BASE + dealer
+            item,
+            round_=state.round,
+            stage=DMMStage.RESHARE,
+            sender=OLD_ID_BASE + dealer,
+            decode=row_decoder(full),
         )
     elif not state.endpoints and isinstance(item, np.ndarray):
         opened = item

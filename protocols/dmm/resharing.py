@@ -70,6 +70,7 @@ from protocols.channels import (
     new_session_id,
 )
 from protocols.dmm.parity import parity_checks, reshare_coefficients, verify_dealings
+from protocols.dmm.rows import row_decoder
 from protocols.kit import (
     NEW_ID_BASE,
     OLD_ID_BASE,
@@ -280,7 +281,11 @@ class NewMember:
         dealer = int(sender) - OLD_ID_BASE
         try:
             payload = self.endpoint.open_array(
-                envelope, round_=round_, stage=ReshareStage.DEAL, sender=int(sender)
+                envelope,
+                round_=round_,
+                stage=ReshareStage.DEAL,
+                sender=int(sender),
+                decode=row_decoder(widths[dealer]),
             )
         except ChannelError:
             return self.refusing({dealer})

@@ -28,7 +28,7 @@ import numpy as np
 
 from protocols.channels import SERVER_ID, ChannelError, Endpoint, KeySubstitution
 from protocols.dmm import reshare_stages as reshare
-from protocols.dmm.client import fold_pad
+from protocols.dmm.client import pad_words
 from protocols.dmm.common import (
     CLIENT_ID_LIMIT,
     FOLD_PAD,
@@ -337,9 +337,7 @@ def handle_share(context: GroupContext, state: GroupState, message: Share) -> Re
                     raise ChannelError(f"seat {s} received nothing from client {party}")
                 row = open_row(context, state, s, item, DMMStage.SHARE, party, width)
                 listed = _unpad(context, state, s, party, pads.get(party))
-                for pad in listed.values():
-                    row = f.sub(row, pad)
-                rows[context.index[s]] = row
+                rows[context.index[s]] = _remove_pads(row, listed.values(), f.modulus)
                 if carried.setdefault(party, max(1, len(listed))) != max(1, len(listed)):
                     raise ChannelError(f"seat {s} was given another fold list")
             except (ChannelError, ValueError):
@@ -348,9 +346,26 @@ def handle_share(context: GroupContext, state: GroupState, message: Share) -> Re
     return replace(state, received=received, carried=carried), refused
 
 
+def _remove_pads(row: np.ndarray, pads, modulus: int) -> np.ndarray:
+    """``row`` (field elements in [0, p)) minus every pad (uint64 in [0, p], p standing for
+    0) mod p: each difference taken in uint64, where min(d, d + p) is d when no borrow wrapped
+    it and d + p when one did."""
+    if not pads:
+        return row
+    out = row.astype(np.uint64, copy=True)
+    scratch = np.empty_like(out)
+    p = np.uint64(modulus)
+    for pad in pads:
+        np.subtract(out, pad.view(np.uint64), out=out)
+        np.add(out, p, out=scratch)
+        np.minimum(out, scratch, out=out)
+    return out.view(np.int64)
+
+
 def _unpad(context: GroupContext, state: GroupState, seat: int, party: int, pads):
-    """client party -> the pad seat ``seat`` removes from fold ``party``'s row (its sealed
-    seed opened from that client; {} for a client's own message)."""
+    """client party -> the pad seat ``seat`` removes from fold ``party``'s row
+    (:func:`protocols.dmm.client.pad_words` of the seed sealed from that client; {} for a
+    client's own message)."""
     if pads is None:
         return {}
     listed = pads.get(seat) if isinstance(pads, Mapping) else None
@@ -367,7 +382,7 @@ def _unpad(context: GroupContext, state: GroupState, seat: int, party: int, pads
         if client in out or client == party or not 0 <= client < CLIENT_ID_LIMIT:
             raise ChannelError(f"fold {party} lists client {client} twice or wrongly")
         seed = endpoint.open(envelope, round_=state.round, stage=FOLD_PAD, sender=client)
-        out[client] = fold_pad(context.scheme.field, seed, width)
+        out[client] = pad_words(context.scheme.field, seed, width)
     return out
 
 

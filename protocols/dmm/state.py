@@ -32,6 +32,7 @@ import numpy as np
 from protocols.channels import ChannelError, Endpoint, Envelope
 from protocols.dmm.common import DMMStage, MemberRefused, Schedule, check_transition
 from protocols.dmm.resharing import NewMember
+from protocols.dmm.rows import row_decoder
 from protocols.enrolment import Certificate, Identity, KeyVerifier
 from protocols.field import MersenneField
 from protocols.kit import NEW_ID_BASE, OLD_ID_BASE, SEAT_ID_BASE, StageError
@@ -244,7 +245,9 @@ def open_row(
         endpoint = state.endpoints.get(seat)
         if endpoint is None:
             raise ChannelError(f"seat {seat} has no channel this round")
-        opened = endpoint.open_array(item, round_=state.round, stage=stage, sender=sender)
+        opened = endpoint.open_array(
+            item, round_=state.round, stage=stage, sender=sender, decode=row_decoder(width)
+        )
     elif not state.endpoints and isinstance(item, np.ndarray):
         opened = item
     else:

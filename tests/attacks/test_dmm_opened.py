@@ -44,8 +44,10 @@ class Spy:
         open_array, open_release = Endpoint.open_array, DMMServer._open_release
         spy = self
 
-        def record(endpoint, envelope, *, round_, stage, sender=None):
-            row = open_array(endpoint, envelope, round_=round_, stage=stage, sender=sender)
+        def record(endpoint, envelope, *, round_, stage, sender=None, decode=None):
+            row = open_array(
+                endpoint, envelope, round_=round_, stage=stage, sender=sender, decode=decode
+            )
             if stage is DMMStage.RELEASE and endpoint.party_id == SERVER_ID:
                 seat = int(envelope.sender) - SEAT_ID_BASE
                 spy.opened.setdefault(int(round_), {})[seat] = np.array(row)
