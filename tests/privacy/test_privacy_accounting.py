@@ -1,5 +1,6 @@
 """Privacy accounting: reference values, relations, calibration, adaptive clipping, curves."""
 
+import functools
 import math
 
 import dp_accounting as dpa
@@ -9,7 +10,8 @@ from dp_accounting.rdp import RdpAccountant
 from fedsim.config import ConfigError
 from fedsim.privacy.accountant import for_accountant
 from fedsim.privacy.calibration import calibrate_noise
-from fedsim.privacy.epsilon import epsilon, epsilon_curve
+from fedsim.privacy.epsilon import epsilon as _epsilon
+from fedsim.privacy.epsilon import epsilon_curve
 from fedsim.privacy.ledger import PrivacyLedger
 from fedsim.privacy.participation import Participation
 from fedsim.privacy.round_events import (
@@ -30,6 +32,10 @@ from fedsim.privacy.sampling import (
 
 DELTA = 1e-5
 POISSON = PoissonSampling(0.01)
+
+# dp_accounting is deterministic: a value asked for again (here or in another test) is reused.
+# typed: 1, 1.0 and True stay separate calls, so a type check is never answered from the cache.
+epsilon = functools.lru_cache(maxsize=None, typed=True)(_epsilon)
 
 
 # ---------------------------------------------------------------- reference values

@@ -1,5 +1,6 @@
 """DP-FedAvg's privacy side: adaptive clipping, the ledger, max_epsilon, server optimisers, runs."""
 
+import functools
 import json
 import logging
 import math
@@ -15,13 +16,14 @@ from flwr.supercore.task_identity import TaskIdentity
 from fedsim.cli import main
 from fedsim.config import ConfigError
 from fedsim.engine import ClientRegistry
-from fedsim.privacy.calibration import calibrate_noise
+from fedsim.privacy import calibration
 from fedsim.privacy.epsilon import epsilon, epsilon_curve
 from fedsim.privacy.participation import Participation
 from fedsim.privacy.round_events import split_noise_multiplier
 from fedsim.privacy.sampling import FixedSizeSampling, PoissonSampling, relation_for
 from fedsim.randomness import RunSecret
 from fedsim.record_codec import to_numpy, to_record
+from strategies.methods.dp_fedavg import config as dp_fedavg_config
 from strategies.methods.dp_fedavg.strategy import AdaptiveClipping, DPFedAvg
 from strategies.registry import build_strategy
 
@@ -38,6 +40,18 @@ def _identity():
 def _quiet_dp_accounting():
     # dp_accounting logs each fractional RDP order it drops (which only raises epsilon)
     logging.getLogger("absl").setLevel(logging.ERROR)
+
+
+@pytest.fixture(scope="module")
+def calibrate_noise():
+    """``calibrate_noise`` memoised for this module, also where DP-FedAvg and the PLD
+    calibration's RDP guess call it: a calibration the strategy ran is not run again to check
+    it (dp_accounting is deterministic; typed, so 1, 1.0 and True are separate calls)."""
+    cached = functools.lru_cache(maxsize=None, typed=True)(calibration.calibrate_noise)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(calibration, "calibrate_noise", cached)
+        patch.setattr(dp_fedavg_config, "calibrate_noise", cached)
+        yield cached
 
 
 class _Grid:
@@ -383,7 +397,9 @@ def test_an_accountant_that_cannot_amplify_the_sampling_is_refused():
         (Participation.separated(3, 4), "rdp"),
     ],
 )
-def test_target_epsilon_calibrates_the_noise_the_ledger_then_accounts(sampling, accountant):
+def test_target_epsilon_calibrates_the_noise_the_ledger_then_accounts(
+    sampling, accountant, calibrate_noise
+):
     """target_epsilon: dp_accounting's calibration for the run's rounds and sampling; the
     ledger of the whole run then reports at most the target (never more), and barely less."""
     rounds, target = 12, 2.0
