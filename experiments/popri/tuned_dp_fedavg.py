@@ -144,9 +144,8 @@ def build_table(config, out: Path) -> str:
     and non-private rows; writes OUT/tuned/table.md and OUT/tuned/results.json."""
     tuned = out / "tuned"
     points = [json.loads(p.read_text()) for p in sorted(tuned.glob(f"{TUNED_DP_FEDAVG}-*.json"))]
-    stages = {n: json.loads((out / "stages" / f"{n}.json").read_text()) for n in ("public",)}
+    private = json.loads((out / "stages" / "public.json").read_text())["accuracy"]
     nonprivate = out / "stages" / "nonprivate.json"
-    private = stages["public"]["accuracy"]
     top = json.loads(nonprivate.read_text())["accuracy"] if nonprivate.is_file() else math.nan
     results: dict[str, Any] = {"fully_private_accuracy": private, "nonprivate_accuracy": top}
     lines = ["| report | ε | η | C | round | validation (%) | accuracy (%) | gap closed |"]
