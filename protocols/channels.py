@@ -74,8 +74,14 @@ def stage_label(stage: str | Enum) -> str:
     raise ValueError(f"stage must be a non-empty str or an Enum member, got {stage!r}")
 
 
+_INTEGERS = (int, np.integer)
+"""The types an id may have (a tuple: ``isinstance`` with it needs no union built per call)."""
+
+
 def check_party(name: str, value: int) -> int:
-    if not isinstance(value, int | np.integer) or not 0 <= value < 2**63:
+    if type(value) is int and 0 <= value < 2**63:  # the usual case, no further checks
+        return value
+    if not isinstance(value, _INTEGERS) or not 0 <= value < 2**63:
         raise ValueError(f"{name} must be an integer in [0, 2^63), got {value!r}")
     return int(value)
 
@@ -178,7 +184,9 @@ class Endpoint:
     ) -> None:
         """``protocol`` names the protocol the channel serves (bound into every AAD);
         ``private_key``: 32 bytes of the party's own secret randomness for the X25519 key pair
-        (reproducible simulation), or None for a key from the OS CSPRNG."""
+        (reproducible simulation; the key is loaded when first used, so an endpoint that only
+        restores receive keys never loads it), the party's loaded X25519 key, or None for a
+        key from the OS CSPRNG."""
         self.party_id = check_party("party_id", party_id)
         if not isinstance(session_id, bytes) or len(session_id) < 16:
             raise ValueError(
@@ -190,12 +198,18 @@ class Endpoint:
         self.protocol = protocol
         self._aad = _aad_prefix(protocol, session_id)
         self._info = PROTOCOL_LABEL + struct.pack(">H", len(protocol)) + protocol
+        self._private_bytes: bytes | None = None
+        self._loaded_key: X25519PrivateKey | None = None
         if private_key is None:
-            self._private_key = X25519PrivateKey.generate()
+            self._loaded_key = X25519PrivateKey.generate()
+        elif isinstance(private_key, X25519PrivateKey):
+            self._loaded_key = private_key
         elif isinstance(private_key, bytes) and len(private_key) == 32:
-            self._private_key = X25519PrivateKey.from_private_bytes(private_key)
+            self._private_bytes = private_key
         else:
-            raise ValueError("private_key must be None or 32 bytes of the party's secret")
+            raise ValueError(
+                "private_key must be None, an X25519PrivateKey or 32 bytes of the party's secret"
+            )
         self._public_key: bytes | None = None  # computed when first used (not to receive only)
         self._send: dict[int, tuple[bytes, ChaCha20Poly1305]] = {}
         self._receive: dict[int, tuple[bytes, ChaCha20Poly1305]] = {}
@@ -203,6 +217,13 @@ class Endpoint:
         # per directional key (its peer public key): counters and opened counters, never reset
         self._counters: dict[tuple[int, bytes], int] = {}
         self._seen: dict[tuple[int, bytes], set[int]] = defaultdict(set)
+
+    @property
+    def _private_key(self) -> X25519PrivateKey:
+        """The X25519 key, loaded from the party's 32 bytes on first use."""
+        if self._loaded_key is None:
+            self._loaded_key = X25519PrivateKey.from_private_bytes(self._private_bytes)
+        return self._loaded_key
 
     @property
     def public_key(self) -> bytes:
@@ -398,7 +419,7 @@ def _well_formed(envelope: Envelope) -> bool:
 
 
 def _is_id(value: object) -> bool:
-    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+    return type(value) is int or (isinstance(value, _INTEGERS) and not isinstance(value, bool))
 
 
 def encode_array(array) -> bytes:

@@ -123,14 +123,18 @@ class SecAggClient:
         return _derive(self._seed, b"channel")
 
     @functools.cached_property
+    def _channel_private(self) -> X25519PrivateKey:
+        """The channel key pair, loaded once for :attr:`public_keys` and the endpoint."""
+        return X25519PrivateKey.from_private_bytes(self._channel_key)
+
+    @functools.cached_property
     def _self_mask_seed(self) -> bytes:
         return _derive(self._seed, b"self-mask")
 
     @functools.cached_property
     def public_keys(self) -> tuple[bytes, bytes]:
         """(channel, mask-agreement) X25519 public keys (derived once per client)."""
-        channel = X25519PrivateKey.from_private_bytes(self._channel_key)
-        return raw_public_key(channel), raw_public_key(self._agreement_key)
+        return raw_public_key(self._channel_private), raw_public_key(self._agreement_key)
 
     def key_proof(self, identity: Identity) -> bytes:
         """The enrolment proof of :attr:`public_keys` by the client's ``identity`` (bound to
@@ -239,7 +243,7 @@ class SecAggClient:
             )
         own = set(self.public_keys)
         seen: set[bytes] = set()
-        endpoint = Endpoint(self.client_id, self.session_id, PROTOCOL, self._channel_key)
+        endpoint = Endpoint(self.client_id, self.session_id, PROTOCOL, self._channel_private)
         for peer, keys in neighbour_keys.items():
             if not isinstance(peer, int | np.integer) or not 0 <= peer < SERVER_ID:
                 raise ValueError(f"neighbour id {peer!r} is not a protocol id")

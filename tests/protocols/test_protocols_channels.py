@@ -170,3 +170,28 @@ def test_invalid_arguments_are_named(parties):
         alice.connect(0, alice.public_key)
     with pytest.raises(ValueError, match="numeric dtype"):
         alice.seal_array(1, 0, "s", np.array(["a"]))
+
+
+def test_an_endpoint_from_a_loaded_key_or_its_bytes_is_the_same_party():
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+    session, secret = new_session_id(), bytes(range(32))
+    from_bytes = Endpoint(0, session, private_key=secret)
+    loaded = Endpoint(0, session, private_key=X25519PrivateKey.from_private_bytes(secret))
+    assert from_bytes.public_key == loaded.public_key
+    peer = Endpoint(1, session)
+    for endpoint in (from_bytes, loaded):
+        endpoint.connect(1, peer.public_key)
+    peer.connect(0, loaded.public_key)
+    sealed = peer.seal(0, 3, Stage.SHARE, b"row")
+    assert from_bytes.open(sealed, round_=3, stage=Stage.SHARE) == b"row"
+    assert loaded.open(sealed, round_=3, stage=Stage.SHARE) == b"row"
+    assert from_bytes.receive_key(1) == loaded.receive_key(1)
+    # restoring a receive key needs no X25519 key: the bytes are loaded only when used
+    restored = Endpoint(0, session, private_key=secret)
+    restored.accept_receive_key(1, peer.public_key, from_bytes.receive_key(1))
+    assert restored._loaded_key is None
+    assert restored.open(peer.seal(0, 3, Stage.SHARE, b"next"), round_=3, stage=Stage.SHARE)
+    assert restored._loaded_key is None
+    with pytest.raises(ValueError, match="X25519PrivateKey or 32 bytes"):
+        Endpoint(0, session, private_key=b"short")
