@@ -261,6 +261,11 @@ class SecAggConfig:
                     f"SecAgg+ parameter {prefix + name!r}: {shown}; allowed: an integer"
                 )
             values[name] = value
+        return _config_of(cls, prefix, tuple(values[name] for name in SecAggKeys.CONFIG))
+
+    @classmethod
+    def _of_values(cls, values: dict[str, int], prefix: str) -> SecAggConfig:
+        """The config of :meth:`from_record`'s checked integers (by name)."""
         optional = {k: None if values[k] < 0 else values[k] for k in SecAggKeys.OPTIONAL}
         return cls(
             num_clients=values[SecAggKeys.NUM_CLIENTS],
@@ -276,6 +281,13 @@ class SecAggConfig:
 
 
 _MISSING = object()
+
+
+@functools.lru_cache(maxsize=64)
+def _config_of(cls: type, prefix: str, values: tuple[int, ...]) -> SecAggConfig:
+    """:meth:`SecAggConfig._of_values`, kept by its integers: a config is public and frozen,
+    and the same integers always give the same one (a bad one raises, and is not kept)."""
+    return cls._of_values(dict(zip(SecAggKeys.CONFIG, values)), prefix)
 
 
 def neighbour_graph(

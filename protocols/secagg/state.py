@@ -33,6 +33,8 @@ def _entry(arrays: Mapping[str, object], name: str) -> np.ndarray:
 
 
 def _bytes_of(value: np.ndarray, name: str) -> bytes:
+    if value.ndim == 1 and value.dtype == np.uint8:  # every value of the dtype is a byte
+        return value.tobytes()
     if value.ndim != 1 or (value.size and (int(value.min()) < 0 or int(value.max()) > 255)):
         raise ValueError(
             f"not a SecAgg+ client state: {name!r} has shape {value.shape}; allowed: a vector "
@@ -98,19 +100,16 @@ class SecAggClientState:
         """The state :meth:`to_arrays` wrote; ValueError naming the key, the value and what is
         allowed for an entry that is missing, unknown or malformed."""
         prefix = SecAggKeys.STATE_CONFIG_PREFIX
-        config_keys = {prefix + name for name in SecAggKeys.CONFIG}
-        known = set(SecAggKeys.STATE_ARRAYS) | config_keys
-        unknown = sorted(set(arrays) - known)
+        unknown = sorted(set(arrays) - _KNOWN)
         if unknown:
             raise ValueError(
                 f"not a SecAgg+ client state: unknown entry {unknown[0]!r}; allowed: "
-                f"{sorted(known)}"
+                f"{sorted(_KNOWN)}"
             )
         got = {name: _entry(arrays, name) for name in SecAggKeys.STATE_ARRAYS}
-        stages = range(min(s.value for s in Stage), max(s.value for s in Stage) + 1)
-        client_id = _scalar(got["client_id"], "client_id", range(-1, 2**63 - 1))
+        client_id = _scalar(got["client_id"], "client_id", _CLIENT_IDS)
         config = None
-        if config_keys & set(arrays):
+        if not _CONFIG_KEYS.isdisjoint(arrays):
             try:
                 config = SecAggConfig.from_record(arrays, prefix)
             except ValueError as error:
@@ -118,7 +117,7 @@ class SecAggClientState:
         state = cls(
             seed=_bytes_of(got["seed"], "seed"),
             session=_bytes_of(got["session"], "session"),
-            stage=Stage(_scalar(got["stage"], "stage", stages)),
+            stage=Stage(_scalar(got["stage"], "stage", _STAGES)),
             client_id=None if client_id < 0 else client_id,
             contributes=bool(_scalar(got["contributes"], "contributes", range(2))),
             config=config,
@@ -158,6 +157,11 @@ class SecAggClientState:
             )
 
 
+_CONFIG_KEYS = frozenset(SecAggKeys.STATE_CONFIG_PREFIX + name for name in SecAggKeys.CONFIG)
+_KNOWN = frozenset(SecAggKeys.STATE_ARRAYS) | _CONFIG_KEYS
+"""Every entry a protocol state may have."""
+_STAGES = range(min(s.value for s in Stage), max(s.value for s in Stage) + 1)
+_CLIENT_IDS = range(-1, 2**63 - 1)
 _ROWS = ("neighbours", "neighbour_keys", "receive_keys", "mask_seeds", "share_owners", "shares")
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedsim.engine.client_registry import enrolled
+from fedsim.engine.client_registry import enrolled, enrolled_name
 from fedsim.randomness import NODE_SECRET_KEY, PartySecret, Purpose, client_secret
 from fedsim.record_codec import to_record
 from protocols.kit import StageError
@@ -102,8 +102,8 @@ def pack_arrays(arrays: Mapping[str, np.ndarray]) -> bytes:
         if dtype.kind not in "iu":
             raise ValueError(f"state array {name!r} has dtype {dtype}; integers only")
         index.append([name, dtype.str, list(value.shape)])
-        if value.size:  # an empty array adds no bytes
-            parts.append(np.ascontiguousarray(value).reshape(-1).view(np.uint8))  # no copy yet
+        if value.size:  # an empty array adds no bytes; a C-ordered one is its own buffer
+            parts.append(value if value.flags.c_contiguous else np.ascontiguousarray(value))
     head = json.dumps(index).encode()
     return b"".join([len(head).to_bytes(4, "little"), head, *parts])  # the one copy
 
@@ -128,7 +128,7 @@ def unpack_arrays(payload: bytes) -> dict[str, np.ndarray]:
             if offset + count * dtype.itemsize > len(payload):
                 raise ValueError(f"array {name!r} runs past the end of the state")
             flat = np.frombuffer(payload, dtype=dtype, count=count, offset=offset)
-            out[str(name)] = flat.reshape(tuple(shape))
+            out[str(name)] = flat if len(shape) == 1 else flat.reshape(tuple(shape))
             offset += count * dtype.itemsize
     except (TypeError, ValueError, json.JSONDecodeError) as error:
         raise ValueError(f"not a SecAgg+ client state: {error}") from None
@@ -178,10 +178,10 @@ def _message(stage: Stage, content: RecordDict, context: Context, secret: PartyS
     """The typed message of ``stage`` in ``content`` (SHARE_KEYS with the client's enrolment)."""
     if stage is Stage.SHARE_KEYS:
         message = share_keys_from(content)
-        enrolment = enrolled(context.node_config, secret)
+        enrolment = enrolled_name(context.node_config)  # SHARE_KEYS signs nothing
         if enrolment is None:
             return message
-        return replace(message, verifier=enrolment[1], own=enrolment[0].name)
+        return replace(message, verifier=enrolment[1], own=enrolment[0])
     if stage is Stage.MASKED_INPUT:
         return MaskedInput(tuple(envelopes_from(content[K.ENVELOPES])))
     return unmask_from(content)

@@ -59,6 +59,20 @@ def test_config_record_round_trips_by_name(config):
     assert SecAggConfig.from_record(prefixed, "config.") == config
 
 
+def test_a_kept_config_is_never_served_for_other_integers():
+    first = SecAggConfig(9, 8, 5, 3, round=11, ring_bits=20)
+    assert SecAggConfig.from_record(first.to_record()) == first
+    for change in ({SecAggKeys.ROUND: 12}, {SecAggKeys.THRESHOLD: 6}, {SecAggKeys.PRG: 1}):
+        record = {**first.to_record(), **change}
+        read = SecAggConfig.from_record(record)
+        assert read != first and read.to_record() == {**first.to_record(), **change}
+        assert SecAggConfig.from_record(record) == read  # the second time from the kept one
+    bad = {**first.to_record(), SecAggKeys.THRESHOLD: 2}  # not a majority of 8
+    for _ in range(2):  # an invalid config raises every time (nothing kept)
+        with pytest.raises(ValueError, match="threshold=2"):
+            SecAggConfig.from_record(bad)
+
+
 @pytest.mark.parametrize(
     "key, value, shown",
     [
