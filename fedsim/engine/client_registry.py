@@ -19,6 +19,7 @@ party is first used.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -177,6 +178,36 @@ def _verifier(authority: bytes) -> KeyVerifier:
     return verifier
 
 
+@functools.lru_cache(maxsize=64)
+def _certificate(encoded: str) -> Certificate:
+    """The certificate in ``encoded`` (hex), kept by that text: a certificate is public and
+    frozen (a malformed one raises, and is not kept)."""
+    return Certificate.from_bytes(bytes.fromhex(encoded))
+
+
+def _enrolment_error(authority: object, certificate: object, error: ValueError) -> ValueError:
+    return ValueError(
+        f"node_config {AUTHORITY_KEY} / {CERTIFICATE_KEY} = {authority!r} / "
+        f"{certificate!r}; allowed: the authority's 32-byte key and this party's "
+        f"certificate, in hex ({error})"
+    )
+
+
+def enrolled_name(node_config: Mapping[str, Any]) -> tuple[str, KeyVerifier] | None:
+    """The party's enrolled name and key verifier from its ``node_config``, both public (None
+    when the runtime enrolled it nowhere): what a party that signs nothing needs to check
+    relayed keys. Unlike :func:`enrolled` it loads no signing key, so it does not check the
+    certificate against the party's secret; :func:`enrolled` does, where the party signs."""
+    authority, certificate = node_config.get(AUTHORITY_KEY), node_config.get(CERTIFICATE_KEY)
+    if authority is None and certificate is None:
+        return None
+    try:
+        verifier = _verifier(bytes.fromhex(str(authority)))
+        return _certificate(str(certificate)).name, verifier
+    except ValueError as error:
+        raise _enrolment_error(authority, certificate, error) from None
+
+
 def enrolled(
     node_config: Mapping[str, Any], secret: PartySecret
 ) -> tuple[Identity, KeyVerifier] | None:
@@ -188,13 +219,7 @@ def enrolled(
         return None
     try:
         verifier = _verifier(bytes.fromhex(str(authority)))
-        identity = Identity.from_seed(
-            identity_seed(secret), Certificate.from_bytes(bytes.fromhex(str(certificate)))
-        )
+        identity = Identity.from_seed(identity_seed(secret), _certificate(str(certificate)))
     except ValueError as error:
-        raise ValueError(
-            f"node_config {AUTHORITY_KEY} / {CERTIFICATE_KEY} = {authority!r} / "
-            f"{certificate!r}; allowed: the authority's 32-byte key and this party's "
-            f"certificate, in hex ({error})"
-        ) from None
+        raise _enrolment_error(authority, certificate, error) from None
     return identity, verifier

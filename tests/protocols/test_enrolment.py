@@ -10,6 +10,7 @@ from fedsim.engine.client_registry import (
     Enrolment,
     client_name,
     enrolled,
+    enrolled_name,
     identity_seed,
     member_name,
 )
@@ -56,6 +57,27 @@ def test_node_config_entries_give_the_client_its_own_identity_and_the_pin():
         enrolled(entries, root.client(5))
     with pytest.raises(ValueError, match=AUTHORITY_KEY):
         enrolled({**entries, AUTHORITY_KEY: "zz"}, root.client(4))
+
+
+def test_the_public_enrolment_is_read_again_for_other_bytes_never_served_stale():
+    root = RunSecret.fresh()
+    enrolment = Enrolment(root)
+    four = enrolment.node_entries(4, root.client(4))
+    five = enrolment.node_entries(5, root.client(5))
+    for _ in range(2):  # the second time from the kept certificates
+        assert enrolled_name(four)[0] == client_name(4)
+        assert enrolled_name(five)[0] == client_name(5)
+        assert enrolled(four, root.client(4))[0].name == client_name(4)
+    other = Enrolment(RunSecret.fresh()).node_entries(4, root.client(4))
+    name, verifier = enrolled_name(other)
+    assert name == client_name(4) and verifier.authority == bytes.fromhex(other[AUTHORITY_KEY])
+    assert verifier.authority != enrolled_name(four)[1].authority
+    assert other[CERTIFICATE_KEY] != four[CERTIFICATE_KEY]
+    assert enrolled_name({}) is None
+    torn = {**four, CERTIFICATE_KEY: four[CERTIFICATE_KEY][:-2]}
+    for _ in range(2):  # a malformed certificate raises every time (nothing kept)
+        with pytest.raises(ValueError, match=CERTIFICATE_KEY):
+            enrolled_name(torn)
 
 
 def test_a_proof_binds_protocol_session_channel_and_every_key():
