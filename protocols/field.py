@@ -108,7 +108,9 @@ class MersenneField:
                 f"{name} has entry {int(array.max())} outside [0, p) with p = {self.modulus}"
             )
         array = array.astype(np.int64, copy=False)
-        if array.size:
+        # one pass: p < 2^62 and a negative entry read as uint64 is >= 2^63, so all lie in
+        # [0, p) iff the uint64 maximum is below p
+        if array.size and int(array.view(np.uint64).max()) >= self.modulus:
             low, high = int(array.min()), int(array.max())
             if low < 0 or high >= self.modulus:
                 bad = low if low < 0 else high

@@ -185,6 +185,20 @@ def test_inputs_out_of_range_are_named():
     assert set(MERSENNE_EXPONENTS) >= {31, 61}
 
 
+@pytest.mark.parametrize("exponent", MERSENNE_EXPONENTS)
+def test_the_range_check_refuses_each_end_and_keeps_the_edges(exponent):
+    field = MersenneField(exponent)
+    p = field.modulus
+    edges = np.array([0, p - 1, p // 2], dtype=np.int64)
+    assert field.asarray(edges, "v").tolist() == edges.tolist()
+    for bad in (-1, p, np.iinfo(np.int64).min, np.iinfo(np.int64).max, -(2**62)):
+        with pytest.raises(ValueError, match=rf"^v has entry {bad} outside \[0, p\)"):
+            field.asarray(np.array([1, bad, 0], dtype=np.int64), "v")
+    low_and_high = np.array([-5, p + 3], dtype=np.int64)  # the low end is named first
+    with pytest.raises(ValueError, match=r"^v has entry -5 outside"):
+        field.asarray(low_and_high, "v")
+
+
 def test_random_secure_is_in_range_and_varies():
     field = MersenneField(5)
     draws = field.random_secure(4000)
