@@ -397,8 +397,8 @@ class RingZ2k:
         and the sum is reduced mod 2^bits once at the end (2^bits divides the word modulus)."""
         total = np.array(values, dtype=self.dtype)
         zeros = _zeros(self.dtype.itemsize * total.size)  # keystream: the encryption of zeros
-        buffer = bytearray(len(zeros))
-        words = np.frombuffer(buffer, dtype=self.dtype)
+        words = np.empty(total.size, dtype=self.dtype)  # each keystream overwrites all of it
+        buffer = memoryview(words).cast("B")
         for seed, sign in seeds:
             stream = self.prg.keystream(seed)
             stream.update_into(zeros, buffer)
