@@ -320,10 +320,33 @@ class Context:
         with np.load(path) as data:
             return {k: data[k] for k in data.files}
 
+    @property
+    def validation_sequences(self) -> list[np.ndarray]:
+        """The held-out private texts that are not evaluation texts (disjoint from them)."""
+
+        def build():
+            held = self.federation.all_held_out()
+            evaluation = set(self.subset(held, self.config.downstream.eval_texts, 1))
+            return self.sequences([t for t in held if t not in evaluation])
+
+        return self.get("validation", build)
+
     def finetune(self, texts: list[str], purpose: int) -> dict[str, Any]:
-        from fedsim.workloads.downstream_lm import train_and_evaluate  # noqa: PLC0415
+        """The pretrained model fine-tuned on ``texts``, evaluated on the evaluation texts
+        after its last epoch (the fixed schedule); ``epochs`` holds every epoch's accuracy on
+        the validation and the evaluation (``test``) texts, which leaves the training as it is."""
+        from fedsim.workloads.downstream_lm import next_token_accuracy, train_and_evaluate  # noqa: PLC0415
 
         sequences = self.sequences(texts)
+        epochs: list[dict[str, Any]] = []
+
+        def on_epoch(epoch: int, steps: int, model) -> None:
+            accuracy = {
+                "validation": next_token_accuracy(model, self.validation_sequences).accuracy,
+                "test": next_token_accuracy(model, self.eval_sequences).accuracy,
+            }
+            epochs.append({"epoch": epoch, "steps": steps, "accuracy": accuracy})
+
         evaluation, _, losses = train_and_evaluate(
             sequences,
             self.eval_sequences,
@@ -331,12 +354,14 @@ class Context:
             self.config.downstream.finetune,
             seed=self.config.seed * 1000 + purpose,
             initial=self.pretrained(),
+            on_epoch=on_epoch,
         )
         return {
             **evaluation.as_dict(),
             "train_texts": len(sequences),
             "train_steps": len(losses),
             "final_train_loss": losses[-1] if losses else math.nan,
+            "epochs": epochs,
         }
 
     def engine(self):

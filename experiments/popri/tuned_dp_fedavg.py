@@ -62,10 +62,8 @@ def point_name(epsilon: float, lr: float, clip: float) -> str:
 
 
 def validation_sequences(ctx: Context) -> list:
-    """The held-out private texts that are not evaluation texts (disjoint from them)."""
-    held = ctx.federation.all_held_out()
-    evaluation = set(ctx.subset(held, ctx.config.downstream.eval_texts, 1))
-    return ctx.get("validation", lambda: ctx.sequences([t for t in held if t not in evaluation]))
+    """The held-out private texts that are not evaluation texts (``ctx.validation_sequences``)."""
+    return ctx.validation_sequences
 
 
 def stage_tuned(ctx: Context, epsilon: float, lr: float, clip: float) -> dict[str, Any]:

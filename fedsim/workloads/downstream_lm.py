@@ -332,9 +332,12 @@ def train_lm(
     training: LMTraining,
     generator: torch.Generator,
     on_step: Callable[[int, float], None] | None = None,
+    on_epoch: Callable[[int, int], None] | None = None,
 ) -> list[float]:
     """Train ``model`` in place on ``sequences`` (next-token cross-entropy over in-vocabulary
-    targets); returns the loss of every step. Batch order comes from ``generator``."""
+    targets); returns the loss of every step. Batch order comes from ``generator``.
+    ``on_epoch(epoch, steps)`` is called after every pass over ``sequences``, the last one
+    possibly cut short by ``max_steps`` (it must leave the model's weights as they are)."""
     if not sequences:
         raise ValueError("sequences = []: nothing to train on")
     total = training.steps_for(len(sequences))
@@ -353,7 +356,7 @@ def train_lm(
     model.train()
     device = model_device(model)  # batches go where the model is
     losses: list[float] = []
-    step = 0
+    step = epoch = 0
     while step < total:
         order = torch.randperm(len(sequences), generator=generator).tolist()
         for start in range(0, len(order), training.batch_size):
@@ -379,6 +382,9 @@ def train_lm(
             step += 1
             if on_step is not None and losses:
                 on_step(step, losses[-1])
+        epoch += 1
+        if on_epoch is not None:
+            on_epoch(epoch, step)
     return losses
 
 
@@ -395,12 +401,14 @@ def train_and_evaluate(
     seed: int,
     initial: Mapping[str, np.ndarray] | None = None,
     device: str = "cpu",
+    on_epoch: Callable[[int, int, nn.Module], None] | None = None,
 ) -> tuple[Evaluation, dict[str, np.ndarray], list[float]]:
     """Build the model (from ``seed``, or ``initial`` weights) on ``device``, train it on
     ``train_sequences`` and evaluate on ``eval_sequences``; returns (evaluation, final
-    weights, step losses)."""
+    weights, step losses). ``on_epoch(epoch, steps, model)`` as in :func:`train_lm`."""
     model = place(spec.build(seed), device)
     if initial is not None:
         load_lm_arrays(model, initial)
-    losses = train_lm(model, train_sequences, training, torch_generator(seed))
+    hook = None if on_epoch is None else (lambda epoch, steps: on_epoch(epoch, steps, model))
+    losses = train_lm(model, train_sequences, training, torch_generator(seed), on_epoch=hook)
     return next_token_accuracy(model, eval_sequences), lm_arrays(model), losses
