@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import dp_accounting as dpa
 import numpy as np
 import pytest
 from flwr.serverapp.strategy import FedAvg, FedAvgM
@@ -67,3 +68,16 @@ def test_changing_stored_test_accuracies_does_not_change_the_choice(tmp_path):
         row["accuracy"] = 1.0 - row["accuracy"]
         path.write_text(json.dumps(row))
     assert tune.write_choice(tmp_path, [0.5, 1.0], [100, 101]) == first
+
+
+def test_a_zcdp_round_is_accounted_as_the_gaussian_of_its_rdp_curve():
+    assert methods.as_gaussian(dpa.ZCDpEvent(0.5)) == dpa.GaussianDpEvent(1.0)
+    assert methods.as_gaussian(dpa.ZCDpEvent(2.0)) == dpa.GaussianDpEvent(0.5)
+    other = dpa.GaussianDpEvent(3.0)
+    assert methods.as_gaussian(other) is other
+    # the same epsilon as the event it replaces, where both are accounted
+    for rho in (0.05, 0.5):
+        zcdp, gauss = dpa.rdp.RdpAccountant(), dpa.rdp.RdpAccountant()
+        zcdp.compose(dpa.ZCDpEvent(rho), 4)
+        gauss.compose(methods.as_gaussian(dpa.ZCDpEvent(rho)), 4)
+        assert gauss.get_epsilon(1e-5) == pytest.approx(zcdp.get_epsilon(1e-5), rel=1e-3)
