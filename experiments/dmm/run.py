@@ -1,32 +1,35 @@
-"""The DMM study: DMM (banded, tree) in full mode on committee actors against DDGauss, central
-BandMF, the central tree, DP-FedAvg and non-private training.
+"""The DMM study: DMM (banded, tree) against DDGauss, central BandMF, the central tree,
+DP-FedAvg and non-private training, each at its own server learning rate chosen on validation.
 
-Sources (``--source``):
+Sources (``--source``; rounds and local training per source in :data:`ROUNDS`, :data:`LOCAL`,
+chosen so that non-private FedAvg plateaus):
 
 * ``digits``: scikit-learn digits split iid over 750 clients (150 per round), multinomial
-  logistic regression (650 parameters, D = 1024 after padding), one local epoch of SGD
-  (batch 16, lr 0.1);
+  logistic regression (650 parameters, D = 1024 after padding);
 * ``femnist-like``: the generated FEMNIST-like writers (500 writers, 100 per round, natural
   partition), images average-pooled 4 x 4 (7 x 7), logistic regression (3,100 parameters,
-  D = 4096), one local epoch of SGD (batch 32, lr 1.0). The pooled dataset is saved once under
-  ``--cache`` and read back as an ``npy`` source.
+  D = 4096). The pooled dataset is saved once under ``--cache`` and read back as an ``npy``
+  source.
 
-Schedule: ``--rounds`` rounds (20) under 5-min-separation (5 groups, each client trains every 5th
-round, k = ceil(rounds / 5) times), clipping norm 1, delta 1e-5, server learning rate 1. Every
-private method is calibrated to the target epsilon under that participation:
+Validation: the dataset's test rows are split once by a fixed public permutation
+(:func:`split_rows`, :data:`SPLIT_SEED`) into a validation half, which only chooses server
+learning rates (:mod:`experiments.dmm.tune`) and is never reported, and a test half, which is
+reported and never chooses. Every run records both accuracies after every round (the curve).
 
-* ``dp-fedavg``: Gaussian noise each round, ``calibrate_noise`` over k compositions;
-* ``central-bandmf`` / ``central-tree``:
-:class:`strategies.methods.matrix_mechanism.MatrixMechanism` with
-  a 5-banded BandMF C / Honaker's tree;
-* ``ddgauss``: :class:`strategies.methods.ddgauss.strategy.DDGauss` (20-bit sum) in
-``mode="plaintext"`` (the
-  same sum and accounting as full mode's SecAgg+), z bisected on the KLS21 bound;
-* ``dmm-banded`` / ``dmm-tree``: :class:`strategies.methods.dmm.DMM` in ``mode="full"``: committees
-of 20
-  clients (t = 3, k = 3, planned for 3 member dropouts) drawn from the population each round and
-  hosted on 4 Ray actors, M = round(2^12 C) of the same BandMF / the 0/1 Honaker tree; z bisected
-  on :func:`fedsim.privacy.dmm.zcdp_epsilon` of that integer M.
+Schedule: 5-min-separation (5 groups, each client trains every 5th round, k = ceil(rounds / 5)
+times), clipping norm 1, delta 1e-5. Every private method is calibrated to the target epsilon
+under that participation (:mod:`experiments.dmm.methods`): DP-FedAvg (Gaussian noise each
+round), central BandMF / tree (:class:`strategies.methods.matrix_mechanism.MatrixMechanism`,
+5-banded BandMF C / Honaker's tree), DDGauss (20-bit sum, ``mode="plaintext"``: the same sum
+and accounting as its full SecAgg+ mode), DMM banded / tree (:class:`strategies.methods.dmm.DMM`
+in ``mode="ideal"``, M = round(2^12 C) / the 0/1 tree, z bisected on
+:func:`fedsim.privacy.dmm.zcdp_epsilon` of that integer M). The accuracy rows report DMM's ideal
+mode; ``--check-identical N`` replays N sampled DMM points in full mode (committees of 20 on 4
+Ray actors, every share sealed) and ``--check-ddgauss-full N`` N DDGauss points with SecAgg+,
+each with its point's root and nonce, storing whether the final models are bit-identical: full
+mode is what is checked, ideal mode is what is reported. The server learning rate of every
+(method, epsilon) comes from ``lr_choice.json`` (:mod:`experiments.dmm.tune`); it is applied
+after each release (post-processing), so it changes no noise multiplier and no epsilon.
 
 Secrets: one study root (``--secrets FILE``, kept outside the results; created with OS randomness
 if missing) gives each seed its own root (:mod:`experiments.roots`), and every point of the study
@@ -35,22 +38,17 @@ point's file as ``run_nonce``: no two points share a noise stream. The engine gi
 own secret from the point's root (``Engine.open_run(..., secrets=...)``), the server's noise
 secret and DMM's committee host are bound with
 :func:`strategies.plumbing.server_secret.bind_parties`; the stored results carry only the roots'
-fingerprints and the nonces. A mode check replays its point's nonce (``replay_of``): a copy of that
-release, made only to compare the two modes.
+fingerprints and the nonces. A mode check replays its point's nonce (``replay_of``).
 
-Every run is stored as one JSON file ``{results}/{source}/{method}_eps{e}_seed{s}.json``
-(``non-private_seed{s}.json``) as soon as it ends; a point whose file holds its nonce is
-skipped, so the study resumes where it stopped. A DMM run records its wall time and, per
-round, seconds, bytes per client, bytes per committee member (sent and received) and total
-protocol bytes.
-``--check-identical N`` reruns N DMM cells (spread over methods, seeds and epsilons) in ideal
-mode, ``--check-ddgauss-full N`` N DDGauss cells in full mode (SecAgg+ in the ClientApp), with
-the point's own root and nonce, and stores ``check_{method}_eps{e}_seed{s}.json`` saying
-whether the two final models are bit-identical. :mod:`experiments.dmm.table` turns the stored
-results into tables.
+Every run is stored as one JSON file
+``{results}/{source}-{clients}-r{rounds}-v2/{method}_eps{e}_seed{s}.json``
+(``non-private_seed{s}.json``) as soon as it ends, seed by seed; a point whose file holds its
+nonce is skipped, so the study resumes where it stopped. :mod:`experiments.dmm.table` turns
+the stored results into tables.
 
-    python experiments/dmm/run.py --source digits [--epsilons 1 2 4 8] [--seeds 0 1 2]
-        [--methods ...] [--rounds 20] [--results DIR] [--secrets FILE]
+    python experiments/dmm/tune.py --source digits
+    python experiments/dmm/run.py --source digits [--epsilons 1 2 4 8] [--seeds 0 ... 9]
+        [--methods ...] [--rounds R] [--results DIR] [--secrets FILE]
         [--check-identical N] [--check-ddgauss-full N]
 """
 
@@ -59,12 +57,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -73,10 +70,17 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-import dp_accounting as dpa  # noqa: E402
-from flwr.serverapp.strategy import FedAvg  # noqa: E402
-
-from experiments.dmm.table import study_roots  # noqa: E402
+from experiments.dmm.methods import (  # noqa: E402
+    ACTOR_SHARDS,
+    CLIP,
+    COMMITTEE,
+    DELTA,
+    SEP,
+    Setting,
+    make_strategy,
+    reported_epsilon,
+)
+from experiments.dmm.table import CHOICE_FILE, VERSION, choice_of, study_roots  # noqa: E402
 from experiments.roots import default_key, seed_root, study_root  # noqa: E402
 from fedsim.data import DatasetSpec, build_dataset  # noqa: E402
 from fedsim.data.dataset import FederatedDataset  # noqa: E402
@@ -86,28 +90,16 @@ from fedsim.engine.dmm_committee import CommitteeHost  # noqa: E402
 from fedsim.engine.participation import MinSeparationCohort  # noqa: E402
 from fedsim.engine.rounds import run_rounds  # noqa: E402
 from fedsim.models import ModelSpec, build_model, initial_arrays, load_arrays  # noqa: E402
-from fedsim.privacy import ddgauss as ddgauss_privacy  # noqa: E402
-from fedsim.privacy import dmm as dmm_privacy  # noqa: E402
-from fedsim.privacy.calibration import calibrate_noise  # noqa: E402
-from fedsim.privacy.ledger import PrivacyLedger  # noqa: E402
-from fedsim.privacy.matrix.banded import banded  # noqa: E402
-from fedsim.privacy.matrix.tree import honaker_tree  # noqa: E402
-from fedsim.privacy.participation import Participation  # noqa: E402
-from fedsim.privacy.sampling import FullParticipation  # noqa: E402
 from fedsim.randomness import RunSecret, new_nonce  # noqa: E402
 from fedsim.record_codec import to_numpy, to_record  # noqa: E402
 from fedsim.workloads.supervised import LocalTraining, make_client_app  # noqa: E402
 from fedsim.workloads.training import evaluate_model  # noqa: E402
 from strategies.methods.ddgauss.client import ddgauss_client_app  # noqa: E402
-from strategies.methods.ddgauss.strategy import DDGauss  # noqa: E402
-from strategies.methods.dmm import DMM, dmm_client_app  # noqa: E402
-from strategies.methods.dp_fedavg.strategy import DPFedAvg  # noqa: E402
-from strategies.methods.matrix_mechanism import MatrixMechanism  # noqa: E402
+from strategies.methods.dmm import dmm_client_app  # noqa: E402
 from strategies.plumbing.server_secret import bind_parties  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 STUDY = "dmm-study"  # its roots: experiments/roots.py
-SEP, DELTA, CLIP = 5, 1e-5, 1.0
 METHODS = (
     "non-private",
     "dp-fedavg",
@@ -117,54 +109,17 @@ METHODS = (
     "dmm-tree",
     "dmm-banded",
 )
-COMMITTEE = {"committee_size": 20, "threshold": 3, "packing": 3, "member_dropouts": 3}
-ACTOR_SHARDS = 4
 #: Registered clients per source (one fifth train each round).
 CLIENTS = {"digits": 750, "femnist-like": 500}
-#: Local training per source (one epoch of SGD).
+#: Rounds per source (the schedule under which non-private training plateaus).
+ROUNDS = {"digits": 40, "femnist-like": 50}
+#: Local training per source.
 LOCAL = {
-    "digits": LocalTraining(epochs=1, batch_size=16, lr=0.1, seed=0),
-    "femnist-like": LocalTraining(epochs=1, batch_size=32, lr=1.0, seed=0),
+    "digits": LocalTraining(epochs=1, batch_size=16, lr=0.5, seed=0),
+    "femnist-like": LocalTraining(epochs=1, batch_size=32, lr=3.0, seed=0),
 }
-
-
-def rdp_epsilon(event: dpa.DpEvent) -> float:
-    accountant = dpa.rdp.RdpAccountant()
-    accountant.compose(event)
-    return accountant.get_epsilon(DELTA)
-
-
-def bisect(eps_of, target: float) -> float:
-    """Smallest z (relative 1e-3) with eps_of(z) <= target; eps_of decreasing in z."""
-    lo, hi = 0.05, 1.0
-    while eps_of(hi) > target:
-        lo, hi = hi, hi * 2
-    while hi / lo > 1.001:
-        mid = math.sqrt(lo * hi)
-        lo, hi = (lo, mid) if eps_of(mid) <= target else (mid, hi)
-    return hi
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One study's population and schedule: ``clients`` registered, ``rounds`` rounds,
-    ``per_round = clients / SEP`` trained per round, each client ``k`` times."""
-
-    source: str
-    clients: int
-    rounds: int
-
-    @property
-    def per_round(self) -> int:
-        return self.clients // SEP
-
-    @property
-    def k(self) -> int:
-        return math.ceil(self.rounds / SEP)
-
-    @property
-    def participation(self) -> Participation:
-        return Participation.separated(SEP, self.k)
+#: The public seed of the fixed split of the dataset's test rows into validation and test.
+SPLIT_SEED = 20261203
 
 
 def pooled_femnist(clients: int, pool: int, cache: Path) -> DatasetSpec:
@@ -191,110 +146,6 @@ def pooled_femnist(clients: int, pool: int, cache: Path) -> DatasetSpec:
     return DatasetSpec(source="npy", partition="natural", num_clients=clients, path=str(directory))
 
 
-def dmm_strategy(method: str, epsilon: float, seed: int, dim: int, st: Setting, mode: str):
-    """DMM calibrated to ``epsilon`` on the accounting of its integer matrix."""
-    factorization = honaker_tree(st.rounds) if method == "dmm-tree" else banded(st.rounds, SEP)
-    options = dict(
-        factorization=factorization,
-        population=st.clients,
-        clipping_norm=CLIP,
-        expected_clients=st.per_round,
-        seed=seed,
-        mode=mode,
-        participation=st.participation,
-        delta=DELTA,
-        committee_actors=mode == "full",
-        committee_shards=ACTOR_SHARDS,
-        **COMMITTEE,
-    )
-    inner = FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=0)
-    probe = DMM(inner, noise_multiplier=1.0, **options)
-    rows = probe.mechanism.integer_matrix.shape[0]
-
-    def eps_of(z):
-        probe.noise_multiplier = z
-        enc = probe.check(dim)
-        eps = dmm_privacy.zcdp_epsilon(
-            probe.mechanism,
-            st.rounds,
-            enc.l2_bound,
-            enc.l1_bound,
-            probe._scaled_noise_std,
-            [st.per_round] * rows,
-            enc.padded_dim,
-        )
-        return rdp_epsilon(dpa.GaussianDpEvent(1 / eps))
-
-    z = bisect(eps_of, epsilon)
-    return DMM(inner, noise_multiplier=z, **options), z
-
-
-def make_strategy(method: str, epsilon: float, seed: int, dim: int, st: Setting, mode: str):
-    """``method``'s strategy calibrated to ``epsilon`` and its noise multiplier; ``mode`` is
-    DDGauss's ("plaintext" or "full") or DMM's ("full" or "ideal"), unused otherwise."""
-    rounds, per_round, k = st.rounds, st.per_round, st.k
-    inner = FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=0)
-    if method == "non-private":
-        return inner, None
-    if method == "dp-fedavg":
-        z = calibrate_noise(epsilon, DELTA, Participation.separated(SEP, k), rounds)
-        return DPFedAvg(
-            inner,
-            clipping_norm=CLIP,
-            noise_multiplier=z,
-            expected_clients=per_round,
-            sampling=Participation.separated(SEP, k),
-            delta=DELTA,
-        ), z
-    if method.startswith("central"):
-        z = calibrate_noise(epsilon, DELTA, FullParticipation(), 1)
-        fac = honaker_tree(rounds) if method.endswith("tree") else banded(rounds, SEP)
-        return MatrixMechanism(
-            inner,
-            factorization=fac,
-            clipping_norm=CLIP,
-            noise_multiplier=z,
-            expected_clients=per_round,
-            participation=Participation.separated(SEP, k),
-            delta=DELTA,
-        ), z
-    if method == "ddgauss":
-        probe = DDGauss(
-            inner, clipping_norm=CLIP, noise_multiplier=1.0, expected_clients=per_round, seed=seed
-        )
-
-        def eps_of(z):
-            probe.noise_multiplier, probe.encoder = z, None
-            enc = probe.encoder_for(dim)
-            eps = ddgauss_privacy.zcdp_epsilon(
-                enc.l2_bound, enc.l1_bound, enc.scaled_noise_std, per_round, enc.padded_dim
-            )
-            return rdp_epsilon(dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(1 / eps), k))
-
-        z = bisect(eps_of, epsilon)
-        return DDGauss(
-            inner,
-            clipping_norm=CLIP,
-            noise_multiplier=z,
-            expected_clients=per_round,
-            seed=seed,
-            mode=mode,
-            delta=DELTA,
-        ), z
-    return dmm_strategy(method, epsilon, seed, dim, st, mode)
-
-
-def reported_epsilon(method: str, strategy, st: Setting) -> float | None:
-    if method == "non-private":
-        return None
-    if method == "ddgauss":  # its ledger composes every round; a client is in k of them
-        ledger = PrivacyLedger("add_remove", DELTA, Participation.separated(SEP, st.k))
-        for r, event in strategy.ledger.entries:
-            ledger.record(r, event)
-        return ledger.epsilon()
-    return float(strategy.privacy_report()["epsilon"])
-
-
 def model_digest(arrays: dict[str, np.ndarray]) -> str:
     """sha256 of the final model's bytes (name, dtype, shape and data of every array)."""
     digest = hashlib.sha256()
@@ -319,27 +170,19 @@ COST_KEYS = (
 
 #: Each secure method's mode in the accuracy rows, and the mode its sampled runs are checked
 #: against (the same integers, so the same model bit for bit with the same RunSecret).
-MODES = {"ddgauss": ("plaintext", "full"), "dmm": ("full", "ideal")}
+MODES = {"ddgauss": ("plaintext", "full"), "dmm": ("ideal", "full")}
 
 
-def run_one(engine, setup, method, epsilon, seed, st: Setting, nonce: str, mode=None) -> dict:
-    """One run of ``method`` at ``epsilon`` with seed ``seed``, under the point's own root:
-    the seed's root mixed with the public run ``nonce`` (:meth:`RunSecret.for_run`), so no two
-    points of the study share a noise stream; ``mode`` None: the method's study mode
-    (:data:`MODES`)."""
-    data, dataset, model, apps, test, root = setup
-    family = method.split("-")[0]
-    if mode is None and family in MODES:
-        mode = MODES[family][0]
-    secrets = seed_root(root, STUDY, seed).for_run(nonce)
-    dim = sum(v.size for v in to_numpy(to_record(initial_arrays(model, 0))).values())
-    strategy, z = make_strategy(method, epsilon, seed, dim, st, mode)
-    host = None
-    if family == "dmm":
-        host = CommitteeHost(
-            secrets, actors=mode == "full", shards=ACTOR_SHARDS, draw=(seed, st.clients)
-        )
-    bind_parties(strategy, secrets.server(), host)  # the server's noise, DMM's committees
+def evaluate_on(net, splits: dict[str, tuple]) -> dict[str, float]:
+    """Accuracy of ``net`` on each named split (validation, test)."""
+    return {name: float(evaluate_model(net, *xy)["accuracy"]) for name, xy in splits.items()}
+
+
+def train(engine, setup, strategy, host, family: str, seed: int, st: Setting, secrets):
+    """Run the rounds; returns (final arrays, per-round records, seconds). Every round records
+    its wall seconds, DMM's costs and the global model's validation and test accuracy (the
+    curve; evaluation time is not counted in the round's seconds)."""
+    data, dataset, model, apps, splits, _ = setup
     grid = engine.open_run(
         apps.get(family, apps["plain"]),
         st.clients,
@@ -349,15 +192,19 @@ def run_one(engine, setup, method, epsilon, seed, st: Setting, nonce: str, mode=
         secrets=secrets,  # client i's own secret in its node_config
     )
     per_round: list[dict] = []
-    clock = [time.perf_counter()]
+    net = build_model(model)
+    clock = [time.perf_counter(), 0.0]
 
     def on_round(outcome) -> None:
         now = time.perf_counter()
         metrics = dict(outcome.train_metrics or {})
         record = {"round": outcome.server_round, "seconds": now - clock[0]}
         record.update({k: metrics[k] for k in COST_KEYS if k in metrics})
+        load_arrays(net, to_numpy(outcome.arrays))
+        record.update(evaluate_on(net, splits))
         per_round.append(record)
-        clock[0] = now
+        clock[0] = time.perf_counter()
+        clock[1] += clock[0] - now
 
     start = time.perf_counter()
     try:
@@ -369,10 +216,32 @@ def run_one(engine, setup, method, epsilon, seed, st: Setting, nonce: str, mode=
         if host is not None:
             strategy.close()
             host.close()
-    seconds = time.perf_counter() - start
+    return final, per_round, time.perf_counter() - start - clock[1]
+
+
+def run_one(engine, setup, method, epsilon, seed, st: Setting, nonce, mode=None, lr=1.0) -> dict:
+    """One run of ``method`` at ``epsilon`` with seed ``seed`` and server learning rate ``lr``,
+    under the point's own root: the seed's root mixed with the public run ``nonce``
+    (:meth:`RunSecret.for_run`), so no two points of the study share a noise stream; ``mode``
+    None: the method's study mode (:data:`MODES`)."""
+    model, splits, root = setup[2], setup[4], setup[5]
+    family = method.split("-")[0]
+    if mode is None and family in MODES:
+        mode = MODES[family][0]
+    secrets = seed_root(root, STUDY, seed).for_run(nonce)
+    dim = sum(v.size for v in to_numpy(to_record(initial_arrays(model, 0))).values())
+    strategy, z = make_strategy(method, epsilon, seed, dim, st, mode, lr)
+    host = None
+    if family == "dmm":
+        host = CommitteeHost(
+            secrets, actors=mode == "full", shards=ACTOR_SHARDS, draw=(seed, st.clients)
+        )
+    bind_parties(strategy, secrets.server(), host)  # the server's noise, DMM's committees
+    final, per_round, seconds = train(engine, setup, strategy, host, family, seed, st, secrets)
     net = build_model(model)
     arrays = to_numpy(final)
     load_arrays(net, arrays)
+    scores = evaluate_on(net, splits)
     out = {
         "method": method,
         "mode": mode,
@@ -382,8 +251,10 @@ def run_one(engine, setup, method, epsilon, seed, st: Setting, nonce: str, mode=
         "target_epsilon": epsilon,
         "epsilon": reported_epsilon(method, strategy, st),
         "noise_multiplier": z,
+        "server_learning_rate": lr,
         "seed": seed,
-        "accuracy": float(evaluate_model(net, *test)["accuracy"]),
+        "accuracy": scores["test"],
+        "validation_accuracy": scores["validation"],
         "seconds": seconds,
         "model_sha256": model_digest(arrays),
         "rounds": per_round,
@@ -410,6 +281,16 @@ def write_json(path: Path, data: dict) -> None:
     tmp.replace(path)
 
 
+def split_rows(count: int, seed: int = SPLIT_SEED) -> tuple[np.ndarray, np.ndarray]:
+    """(validation, test) row indices of a dataset's ``count`` test rows: a fixed public
+    permutation (``seed``) cut in half, disjoint and together every row. Validation chooses
+    the server learning rates and is never reported; test is reported and never chooses."""
+    if count < 2:
+        raise ValueError(f"test rows count = {count}: need >= 2 to split")
+    order = np.random.default_rng(seed).permutation(count)
+    return np.sort(order[: count // 2]), np.sort(order[count // 2 :])
+
+
 def build_setup(source: str, st: Setting, local: LocalTraining, cache: Path, root: RunSecret):
     torch.set_num_threads(1)
     if source == "digits":
@@ -422,11 +303,11 @@ def build_setup(source: str, st: Setting, local: LocalTraining, cache: Path, roo
     )
     inner = make_client_app(model, data, local)
     apps = {"plain": inner, "ddgauss": ddgauss_client_app(inner), "dmm": dmm_client_app(inner)}
-    test = (
-        torch.as_tensor(np.array(dataset.test.x), dtype=torch.float32),
-        torch.as_tensor(np.array(dataset.test.y), dtype=torch.int64),
-    )
-    return data, dataset, model, apps, test, root
+    x = torch.as_tensor(np.array(dataset.test.x), dtype=torch.float32)
+    y = torch.as_tensor(np.array(dataset.test.y), dtype=torch.int64)
+    validation, test = split_rows(len(y))
+    splits = {"validation": (x[validation], y[validation]), "test": (x[test], y[test])}
+    return data, dataset, model, apps, splits, root
 
 
 def plan(args) -> list[tuple[str, float | None, int]]:
@@ -462,7 +343,8 @@ def check_modes(engine, setup, cell, st: Setting, results: Path) -> dict:
     method, eps, seed = cell
     study_mode, other_mode = MODES[method.split("-")[0]]
     stored = json.loads(result_path(results, method, eps, seed).read_text())
-    other = run_one(engine, setup, method, eps, seed, st, stored["run_nonce"], mode=other_mode)
+    lr = stored.get("server_learning_rate", 1.0)
+    other = run_one(engine, setup, method, eps, seed, st, stored["run_nonce"], other_mode, lr)
     return {
         "method": method,
         "target_epsilon": eps,
@@ -498,6 +380,7 @@ def study_setup(st: Setting, dataset, roots: list[str]) -> dict:
         "per_round": st.per_round,
         "model": f"logreg on {list(dataset.feature_shape)}",
         "local": asdict(LOCAL[st.source]),
+        "split": {"seed": SPLIT_SEED, "validation": "half of the test rows", "test": "the rest"},
         "clip": CLIP,
         "delta": DELTA,
         "committee": COMMITTEE,
@@ -507,46 +390,78 @@ def study_setup(st: Setting, dataset, roots: list[str]) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_study_arguments(parser: argparse.ArgumentParser, seeds: list[int]) -> None:
+    """The options :mod:`experiments.dmm.run` and :mod:`experiments.dmm.tune` share."""
     parser.add_argument("--source", choices=tuple(CLIENTS), default="digits")
     parser.add_argument("--clients", type=int, help="registered clients (default 750 / 500)")
-    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--rounds", type=int, help="rounds (default: ROUNDS of the source)")
     parser.add_argument("--epsilons", type=float, nargs="+", default=[1.0, 2.0, 4.0, 8.0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--seeds", type=int, nargs="+", default=seeds)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--results", type=Path, default=HERE / "results")
-    parser.add_argument("--check-identical", type=int, default=0, metavar="N")
-    parser.add_argument("--check-ddgauss-full", type=int, default=0, metavar="N")
     parser.add_argument("--secrets", type=Path, default=default_key(STUDY))
     parser.add_argument("--cache", type=Path, default=Path("/tmp/fedsim-dmm-data"))
-    args = parser.parse_args(argv)
+
+
+def study_directory(results: Path, st: Setting) -> Path:
+    """``{results}/{source}-{clients}-r{rounds}-{VERSION}``: one directory per setting."""
+    return results / f"{st.source}-{st.clients}-r{st.rounds}-{VERSION}"
+
+
+def open_study(parser: argparse.ArgumentParser, args) -> tuple[Setting, Path, list[str], tuple]:
+    """(setting, its directory, the study roots so far, the setup of :func:`build_setup`);
+    records ``setup.json``."""
     clients = args.clients or CLIENTS[args.source]
     if clients < 2 * SEP or clients % SEP:
         parser.error(f"--clients {clients}: need a multiple of {SEP} that is >= {2 * SEP}")
-    st = Setting(args.source, clients, args.rounds)
-    results = args.results / f"{args.source}-{clients}-r{args.rounds}"
+    st = Setting(args.source, clients, args.rounds or ROUNDS[args.source])
+    results = study_directory(args.results, st)
     root = study_root(args.secrets, results)
     setup_path = results / "setup.json"
     roots = [root.fingerprint()]
     if setup_path.is_file():  # the study roots of the points stored so far, this one added
         roots = [*study_roots(json.loads(setup_path.read_text())), root.fingerprint()]
+    roots = list(dict.fromkeys(roots))
     setup = build_setup(args.source, st, LOCAL[args.source], args.cache, root)
-    write_json(setup_path, study_setup(st, setup[1], list(dict.fromkeys(roots))))
-    if any(m.startswith("dmm") for m in args.methods):
-        ensure_ray(num_cpus=2)  # the committee actors (clients train in this process)
+    write_json(setup_path, study_setup(st, setup[1], roots))
+    return st, results, roots, setup
+
+
+def chosen_rates(parser, results: Path, cells) -> dict:
+    """The server learning rate of every cell's (method, epsilon), from the tuning's choice
+    (``lr_choice.json``, chosen on validation by :mod:`experiments.dmm.tune`)."""
+    path = results / CHOICE_FILE
+    if not path.is_file():
+        parser.error(f"{path}: no learning-rate choice; run experiments/dmm/tune.py first")
+    rates = choice_of(json.loads(path.read_text()))
+    missing = sorted({(m, e) for m, e, _ in cells} - rates.keys(), key=str)
+    if missing:
+        parser.error(f"{path}: no learning rate chosen for (method, epsilon) {missing}")
+    return rates
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_study_arguments(parser, list(range(10)))
+    parser.add_argument("--check-identical", type=int, default=0, metavar="N")
+    parser.add_argument("--check-ddgauss-full", type=int, default=0, metavar="N")
+    args = parser.parse_args(argv)
+    st, results, roots, setup = open_study(parser, args)
     cells = plan(args)
+    rates = chosen_rates(parser, results, cells)
     checks = sampled(cells, "dmm", args.check_identical) | sampled(
         cells, "ddgauss", args.check_ddgauss_full
     )
+    if any(c[0].startswith("dmm") for c in checks):
+        ensure_ray(num_cpus=2)  # full mode's committee actors (clients train in this process)
     done = []
     with Engine(EngineConfig(backend="local")) as engine:
         for cell in cells:
             path = result_path(results, *cell)
             check = result_path(results, *cell, prefix="check_")
             checked = cell not in checks or finished_point(check, "replay_of")
-            if not finished_point(path) or not (checked or replayable(path, root, roots[0])):
-                row = run_one(engine, setup, *cell, st, new_nonce())
+            if not finished_point(path) or not (checked or replayable(path, setup[5], roots[0])):
+                row = run_one(engine, setup, *cell, st, new_nonce(), lr=rates[cell[:2]])
                 write_json(path, row)
                 keys = ("method", "target_epsilon", "seed", "accuracy", "seconds")
                 print(json.dumps({k: row[k] for k in keys}), flush=True)

@@ -65,6 +65,13 @@ METHODS_DOC = (
     "<!-- dmm-study:begin -->",
     "<!-- dmm-study:end -->",
 )
+#: The tuning's choice of server learning rates, one per setting directory.
+CHOICE_FILE = "lr_choice.json"
+#: The study version whose settings the tables are made from (``{setting}-{VERSION}``).
+VERSION = "v2"
+#: Non-private training has converged when its mean curve (over seeds) moves by at most
+#: PLATEAU_POINTS (accuracy, 1 point = 0.01) over the last PLATEAU_FRACTION of the rounds.
+PLATEAU_FRACTION, PLATEAU_POINTS = 0.2, 0.01
 SPREAD = (
     "paired by seed: mean difference of test accuracy [its 95 % interval, "
     "mean ± t₀.₉₇₅,ₙ₋₁ · sd/√n with sd the sample sd (ddof = 1) of the paired differences]"
@@ -78,7 +85,7 @@ def load(directory: Path) -> tuple[dict, list[dict], list[dict]]:
     setup = json.loads((directory / "setup.json").read_text())
     runs, checks, stale = [], [], 0
     for path in sorted(directory.glob("*.json")):
-        if path.name == "setup.json":
+        if path.name in ("setup.json", CHOICE_FILE):
             continue
         data = json.loads(path.read_text())
         check = path.name.startswith("check_")
@@ -86,7 +93,100 @@ def load(directory: Path) -> tuple[dict, list[dict], list[dict]]:
             stale += 1
             continue
         (checks if check else runs).append(data)
+    choice = directory / CHOICE_FILE
+    if choice.is_file():
+        setup["lr_choice"] = json.loads(choice.read_text())
     return {**setup, "stale": stale}, runs, checks
+
+
+def choose_rates(tuning: list[dict]) -> list[dict]:
+    """Per (method, epsilon): the server learning rate with the highest mean final
+    *validation* accuracy over the tuning seeds (ties: the smaller rate). Test accuracy is
+    never read. Every rate of a cell must have the same seeds, else ``ValueError``."""
+    cells: dict[tuple, dict[float, dict[int, float]]] = {}
+    for run in tuning:
+        key = (run["method"], run["target_epsilon"])
+        by_rate = cells.setdefault(key, {}).setdefault(run["server_learning_rate"], {})
+        by_rate[run["seed"]] = run["validation_accuracy"]
+    choices = []
+    for (method, eps), rates in sorted(cells.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
+        seeds = {lr: sorted(by_seed) for lr, by_seed in rates.items()}
+        if len({tuple(v) for v in seeds.values()}) != 1:
+            raise ValueError(f"tuning of ({method}, {eps}): rates have different seeds {seeds}")
+        means = {lr: statistics.mean(by_seed.values()) for lr, by_seed in sorted(rates.items())}
+        best = max(means, key=lambda lr: (means[lr], -lr))
+        choices.append(
+            {
+                "method": method,
+                "target_epsilon": eps,
+                "server_learning_rate": best,
+                "seeds": next(iter(seeds.values())),
+                "validation_mean": {f"{lr:g}": m for lr, m in means.items()},
+            }
+        )
+    return choices
+
+
+def choice_of(stored: dict) -> dict[tuple, float]:
+    """{(method, epsilon): server learning rate} of a stored choice (``lr_choice.json``)."""
+    return {
+        (c["method"], c["target_epsilon"]): c["server_learning_rate"] for c in stored["choices"]
+    }
+
+
+def mean_curve(runs: list[dict], key: str) -> list[float]:
+    """Round by round, the mean of ``key`` (validation or test accuracy) over ``runs``."""
+    curves = [[r[key] for r in run["rounds"]] for run in runs]
+    if not curves or len({len(c) for c in curves}) != 1:
+        raise ValueError(f"curves of {key!r}: need runs of equal length, got {len(curves)} runs")
+    return [statistics.mean(values) for values in zip(*curves)]
+
+
+def plateau(curve: list[float], fraction: float = PLATEAU_FRACTION) -> tuple[float, int]:
+    """(max − min of ``curve`` over its last ceil(fraction · rounds) rounds, that window)."""
+    if not curve or not 0 < fraction <= 1:
+        raise ValueError(f"plateau of {len(curve)} rounds at fraction = {fraction}")
+    window = math.ceil(fraction * len(curve) - 1e-9)
+    tail = curve[-window:]
+    return max(tail) - min(tail), window
+
+
+def curve_table(runs: list[dict], every: int = 5) -> str:
+    """Non-private FedAvg's mean validation and test accuracy every ``every`` rounds, and
+    whether it plateaus (within PLATEAU_POINTS over the last PLATEAU_FRACTION of rounds)."""
+    mine = [r for r in runs if r["method"] == "non-private" and "validation" in r["rounds"][0]]
+    if not mine:
+        return "(no non-private curve stored)"
+    val, test = mean_curve(mine, "validation"), mean_curve(mine, "test")
+    shown = sorted({*range(every - 1, len(test), every), len(test) - 1})
+    lines = ["| round | " + " | ".join(str(i + 1) for i in shown) + " |"]
+    lines.append("|---" * (len(shown) + 1) + "|")
+    for name, curve in (("validation", val), ("test", test)):
+        lines.append(f"| {name} | " + " | ".join(f"{curve[i]:.3f}" for i in shown) + " |")
+    spread, window = plateau(test)
+    verdict = "plateaus" if spread <= PLATEAU_POINTS + 1e-12 else "does NOT plateau"
+    note = (
+        f"Mean over {len(mine)} seeds. Test accuracy moves by {100 * spread:.2f} points over "
+        f"the last {window} rounds: non-private FedAvg {verdict} (criterion: "
+        f"≤ {100 * PLATEAU_POINTS:g} point over the last {100 * PLATEAU_FRACTION:g} % of rounds)."
+    )
+    return "\n".join(lines) + "\n\n" + note
+
+
+def rates_table(choice: dict | None) -> str:
+    """The chosen server learning rate per method and epsilon, with the validation means."""
+    if not choice:
+        return "(no learning-rate choice stored)"
+    grid = choice["grid"]
+    head = " | ".join(f"val. at lr {lr:g}" for lr in grid)
+    lines = [f"| method | ε | chosen lr | {head} |", "|---" * (len(grid) + 3) + "|"]
+    for c in choice["choices"]:
+        eps = "-" if c["target_epsilon"] is None else f"{c['target_epsilon']:g}"
+        means = [c["validation_mean"].get(f"{lr:g}") for lr in grid]
+        cells = " | ".join("-" if m is None else f"{m:.3f}" for m in means)
+        lines.append(f"| {c['method']} | {eps} | {c['server_learning_rate']:g} | {cells} |")
+    seeds = ", ".join(str(s) for s in choice["seeds"])
+    return "\n".join(lines) + f"\n\nTuning seeds {seeds} (never reported); {choice['criterion']}"
 
 
 def _accuracies(runs, method, eps) -> list[float]:
@@ -236,6 +336,12 @@ def source_section(setup: dict, runs: list[dict], checks: list[dict]) -> str:
         f"### {_source(setup)}: {setup['clients']} clients, {setup['per_round']} per round, "
         f"{setup['rounds']} rounds, {setup['min_separation']}-min-separation"
     )
+    if "local" in setup:
+        local = setup["local"]
+        title += (
+            f"; {setup['model']}, {local['epochs']} local epoch(s) of SGD "
+            f"(batch {local['batch_size']}, lr {local['lr']:g})"
+        )
     note = (
         f"{len(runs)} stored runs and {len(checks)} mode checks, "
         f"{_hours(runs, checks):.2f} h of wall time in all; study root fingerprint "
@@ -250,14 +356,30 @@ def source_section(setup: dict, runs: list[dict], checks: list[dict]) -> str:
         [
             title,
             note,
+            schedule_section(setup, runs),
             "Test accuracy (mean ± sample std over seeds, ddof = 1):",
             accuracy_table(runs),
             f"Differences ({SPREAD}):",
             difference_table([(setup, runs)]),
             "DMM full-mode cost per round (committee actors; wall seconds mean and range):",
             cost_table([(setup, runs)]),
-            "Mode checks (the same point replayed in the other mode: its root and nonce):",
+            "Mode checks (the same point replayed in the other mode: its root and nonce; the "
+            "accuracy rows report DMM's ideal mode, the checks replay it in full mode):",
             checks_table(checks),
+        ]
+    )
+
+
+def schedule_section(setup: dict, runs: list[dict]) -> str:
+    """Non-private FedAvg's convergence curve and the chosen server learning rates."""
+    return "\n\n".join(
+        [
+            f"Non-private FedAvg on {_source(setup)}, mean accuracy by round "
+            f"(validation: half the test rows, never reported; test: the other half):",
+            curve_table(runs),
+            "Server learning rates, chosen per method and ε on validation "
+            "(mean final validation accuracy of the tuning seeds):",
+            rates_table(setup.get("lr_choice")),
         ]
     )
 
@@ -291,10 +413,17 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--results", type=Path, default=HERE / "results")
     parser.add_argument("--out", type=Path, default=HERE / "tables.md")
     parser.add_argument("--no-readme", action="store_true", help="write tables.md only")
+    parser.add_argument("--version", default=VERSION, help="the study version to tabulate")
     args = parser.parse_args(argv)
-    settings = sorted(p for p in args.results.iterdir() if (p / "setup.json").is_file())
+    settings = sorted(
+        p
+        for p in args.results.iterdir()
+        if (p / "setup.json").is_file() and p.name.endswith(f"-{args.version}")
+    )
     if not settings:
-        raise SystemExit(f"--results {args.results}: no stored study (setup.json) found")
+        raise SystemExit(
+            f"--results {args.results}: no stored study (setup.json) of version {args.version}"
+        )
     studies = [load(p) for p in settings]
     sections = "\n\n".join(source_section(*study) for study in studies)
     text = "# DMM study tables (generated by experiments/dmm/table.py)\n\n" + sections + "\n"

@@ -42,3 +42,70 @@ def test_the_interval_is_the_t_interval_of_the_paired_mean():
 def test_a_single_pair_has_no_interval():
     runs = [_run("a", 0, 0.5), _run("b", 0, 0.4)]
     assert table.difference(runs, "a", "b", 2.0) == "-"
+
+
+def _tuned(method: str, lr: float, seed: int, validation: float, test: float, eps=2.0) -> dict:
+    return {
+        "method": method,
+        "target_epsilon": eps,
+        "server_learning_rate": lr,
+        "seed": seed,
+        "validation_accuracy": validation,
+        "accuracy": test,
+    }
+
+
+def test_the_rate_is_chosen_on_validation_and_never_on_test():
+    runs = [
+        _tuned("dp-fedavg", 0.5, 100, 0.40, 0.90),
+        _tuned("dp-fedavg", 0.5, 101, 0.44, 0.90),
+        _tuned("dp-fedavg", 1.0, 100, 0.50, 0.10),
+        _tuned("dp-fedavg", 1.0, 101, 0.46, 0.10),
+        _tuned("non-private", 1.0, 100, 0.8, 0.8, eps=None),
+        _tuned("non-private", 2.0, 100, 0.8, 0.9, eps=None),  # tie: the smaller rate
+    ]
+    choices = table.choose_rates(runs)
+    assert table.choice_of({"choices": choices}) == {
+        ("dp-fedavg", 2.0): 1.0,
+        ("non-private", None): 1.0,
+    }
+    assert choices[0]["validation_mean"] == pytest.approx({"0.5": 0.42, "1": 0.48})
+    shuffled = [{**r, "accuracy": 1.0 - r["accuracy"]} for r in runs]  # test only: same choice
+    assert table.choose_rates(shuffled) == choices
+    flipped = [{**r, "validation_accuracy": 1.0 - r["validation_accuracy"]} for r in runs]
+    assert table.choice_of({"choices": table.choose_rates(flipped)})[("dp-fedavg", 2.0)] == 0.5
+
+
+def test_a_rate_tuned_on_other_seeds_than_its_neighbours_is_refused():
+    runs = [_tuned("ddgauss", 0.5, 100, 0.4, 0.4), _tuned("ddgauss", 1.0, 101, 0.5, 0.5)]
+    with pytest.raises(ValueError, match="different seeds"):
+        table.choose_rates(runs)
+
+
+def test_the_plateau_is_the_spread_of_the_last_fifth_of_the_rounds():
+    curve = [0.1 * i for i in range(5)] + [0.90, 0.905, 0.899, 0.908, 0.902]
+    spread, window = table.plateau(curve)
+    assert window == 2  # ceil(0.2 * 10)
+    assert spread == pytest.approx(0.908 - 0.902)
+    spread, window = table.plateau(curve, fraction=0.5)
+    assert (spread, window) == (pytest.approx(0.908 - 0.899), 5)
+    assert table.plateau([0.5] * 7)[1] == 2  # ceil(1.4)
+    with pytest.raises(ValueError, match="fraction"):
+        table.plateau(curve, fraction=0.0)
+
+
+def _curve_run(values: list[float], seed: int) -> dict:
+    rounds = [{"round": i + 1, "validation": v, "test": v} for i, v in enumerate(values)]
+    return {"method": "non-private", "seed": seed, "target_epsilon": None, "rounds": rounds}
+
+
+def test_the_curve_table_says_whether_non_private_training_plateaus():
+    flat = [_curve_run([0.2, 0.5, 0.80, 0.90, 0.905], s) for s in range(2)]
+    assert "FedAvg plateaus" in table.curve_table(flat, every=2)
+    assert table.mean_curve(flat, "test") == pytest.approx([0.2, 0.5, 0.80, 0.90, 0.905])
+    rising = [_curve_run([0.1 * i for i in range(10)], s) for s in range(2)]
+    text = table.curve_table(rising, every=5)  # the last two rounds: 0.8, 0.9
+    assert "does NOT plateau" in text and "| test | 0.400 | 0.900 |" in text
+    assert "10.00 points over the last 2 rounds" in text
+    with pytest.raises(ValueError, match="equal length"):
+        table.mean_curve([_curve_run([0.1], 0), _curve_run([0.1, 0.2], 1)], "test")
