@@ -34,6 +34,8 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
+from experiments.pfedhb import tuning  # noqa: E402
+
 RUNS = HERE / "runs"
 README = HERE / "README.md"
 
@@ -58,7 +60,27 @@ FEDERATIONS: dict[str, dict[str, Any]] = {
         "samples_per_client": 60,
         "test_fraction": 0.25,
     },
+    # the reference's data scale: 500 rows a writer before the pools (300 training rows a
+    # client on average), each client tested on the global test pool's rows of its 5 classes
+    "femnist-pairs-300": {
+        "source": "femnist",
+        "femnist_classes": 10,
+        "partition": "split-classes",
+        "classes_per_client": 5,
+        "num_clients": 50,
+        "samples_per_client": 500,
+        "test_fraction": 0.2,
+        "client_test": "class-pool",
+    },
 }
+#: the scale study's federations, each with its validation twin (the same training rows,
+#: tested on the validation pool) on which the KL weights are chosen (:mod:`tuning`)
+SCALE = ("femnist-pairs-300",)
+for _name in SCALE:
+    FEDERATIONS[_name + tuning.VALIDATION] = {
+        **FEDERATIONS[_name],
+        "client_test": "class-pool-validation",
+    }
 
 #: the reference code's client settings (experiment/configs/fmnist.json of pFedHB)
 PERSONAL = {
@@ -97,17 +119,49 @@ ABLATIONS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
 }
 #: (pFedHB variant, other) pairs of the paired-difference table
 PAIRS = (
-    *((hb, other) for hb in ("pfedhb-adam", "pfedhb-exact") for other in (
-        "pfedvem", "pfedbayes", "pfedbayes-z0.01")),
-    *((hb, other) for hb in ("pfedhb-adam-kl0.05", "pfedhb-exact-kl0.05") for other in (
-        "pfedvem-kl0.05", "pfedbayes-z0.01")),
+    *(
+        (hb, other)
+        for hb in ("pfedhb-adam", "pfedhb-exact")
+        for other in ("pfedvem", "pfedbayes", "pfedbayes-z0.01")
+    ),
+    *(
+        (hb, other)
+        for hb in ("pfedhb-adam-kl0.05", "pfedhb-exact-kl0.05")
+        for other in ("pfedvem-kl0.05", "pfedbayes-z0.01")
+    ),
 )
-ORDER = (*METHODS, *ABLATIONS)
+#: the scale study's rows: every Bayesian method at its KL weight chosen on validation
+TUNED = tuple(tuning.tuned(m) for m in tuning.GRID)
+#: and its paired differences
+SCALE_PAIRS = tuple(
+    (tuning.tuned(hb), tuning.tuned(other))
+    for hb in ("pfedhb-adam", "pfedhb-exact")
+    for other in ("pfedvem", "pfedbayes")
+)
+ORDER = (*METHODS, *ABLATIONS, *TUNED, *tuning.variants())
+
+
+def method_settings(method: str, federation: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """``method``'s (strategy name, strategy options, [personal] overrides); a grid point
+    (``pfedbayes-z0.1``) or a tuned method (``pfedbayes-tuned``: its weight chosen on
+    ``federation``'s validation runs) is its base method with that weight."""
+    if method in METHODS or method in ABLATIONS:
+        return {**METHODS, **ABLATIONS}[method]
+    grid = tuning.variants()
+    if method in grid:
+        base, key, value = grid[method]
+    elif method in TUNED:
+        base = method.removesuffix("-tuned")
+        key, value = tuning.GRID[base][0], tuning.choose(load_runs(), federation, base)
+    else:
+        raise ValueError(f"method {method!r}: allowed {', '.join(ORDER)}")
+    name, options, personal = METHODS[base]
+    return name, options, {**personal, key: value}
 
 
 def config_for(federation: str, method: str, seed: int, rounds: int) -> dict[str, Any]:
     """The run config (as a TOML-shaped dict) of one (federation, method, seed)."""
-    name, options, personal = {**METHODS, **ABLATIONS}[method]
+    name, options, personal = method_settings(method, federation)
     return {
         "name": f"{federation}/{method}/s{seed}",
         "seed": seed,
@@ -175,7 +229,7 @@ def _run_and_store(job: tuple[str, str, int, int, str]) -> dict[str, Any]:
     import torch  # noqa: PLC0415
 
     torch.set_num_threads(1)
-    from fedsim.checkpoint import CHECKPOINT_FILE, CONFIG_FILE, STATE_FILE  # noqa: PLC0415
+    from fedsim.checkpoint import CONFIG_FILE, STATE_FILE, checkpoint_files  # noqa: PLC0415
     from fedsim.config import to_mapping  # noqa: PLC0415
     from fedsim.frontend.experiment import run_experiment  # noqa: PLC0415
     from fedsim.frontend.results import read_rounds  # noqa: PLC0415
@@ -214,8 +268,8 @@ def _run_and_store(job: tuple[str, str, int, int, str]) -> dict[str, Any]:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(stored, indent=1) + "\n")
     tmp.replace(path)
-    for bulky in (STATE_FILE, CHECKPOINT_FILE):  # the clients' states: megabytes a run
-        (out / bulky).unlink(missing_ok=True)
+    for bulky in (out / STATE_FILE, *checkpoint_files(out)):  # the clients' states: megabytes
+        bulky.unlink(missing_ok=True)
     return stored
 
 
@@ -229,11 +283,33 @@ def cmd_run(args: argparse.Namespace) -> None:
     ]
     if args.reverse:  # a second invocation starts from the other end of the list
         jobs.reverse()
+    run_jobs(jobs, args.processes)
+
+
+def cmd_scale(args: argparse.Namespace) -> None:
+    """The scale study: every grid point on the validation twins under the tuning seeds,
+    then the tuned methods and FedAvg + FT on the test federations under ``--seeds``."""
+    for federation in SCALE:
+        grid = [
+            (federation + tuning.VALIDATION, m, s, args.rounds, str(args.work))
+            for s in tuning.TUNING_SEEDS
+            for m in tuning.variants()
+        ]
+        run_jobs([j for j in grid if not result_path(*j[:3]).exists()], args.processes)
+        rows = [
+            (federation, m, s, args.rounds, str(args.work))
+            for s in args.seeds
+            for m in (*TUNED, "fedavg-ft")
+        ]
+        run_jobs([j for j in rows if not result_path(*j[:3]).exists()], args.processes)
+
+
+def run_jobs(jobs: list[tuple[str, str, int, int, str]], processes: int) -> None:
     print(f"{len(jobs)} runs to do", flush=True)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     start = time.perf_counter()
     # every run in a fresh process: its CPU time is the process's, imports included
-    with mp.get_context("spawn").Pool(args.processes, maxtasksperchild=1) as pool:
+    with mp.get_context("spawn").Pool(processes, maxtasksperchild=1) as pool:
         for r in pool.imap_unordered(run_one, jobs):
             _report(r, start)
 
@@ -282,7 +358,7 @@ def tables(runs: list[dict[str, Any]]) -> str:
     lines: list[str] = []
     for federation in FEDERATIONS:
         mine = [r for r in runs if r["federation"] == federation]
-        if not mine:
+        if not mine or federation.endswith(tuning.VALIDATION):
             continue
         rounds = {r["rounds"] for r in mine}
         sizes = [r["dataset"]["train"]["sizes"] for r in mine if r["method"] == "pfedhb-adam"]
@@ -313,7 +389,7 @@ def tables(runs: list[dict[str, Any]]) -> str:
     ]
     for federation in FEDERATIONS:
         by = {(r["method"], r["seed"]): r for r in runs if r["federation"] == federation}
-        for solver, other in PAIRS:
+        for solver, other in (*PAIRS, *SCALE_PAIRS):
             seeds = sorted(s for m, s in by if m == solver and (other, s) in by)
             if len(seeds) < 2:
                 continue
@@ -324,6 +400,9 @@ def tables(runs: list[dict[str, Any]]) -> str:
                 p = stats.ttest_rel(a, b).pvalue
                 cells += [mean_sd(a - b, 1.0, 1), f"{p:.2g}"]
             lines.append(f"| {federation} | {solver} | {other} | " + " | ".join(cells) + " |")
+    for federation in SCALE:
+        if any(r["federation"] == federation + tuning.VALIDATION for r in runs):
+            lines += tuning.table(runs, federation)
     cpu = sum(r.get("process_cpu_seconds", r["cpu_seconds"]) for r in runs)
     lines.append(
         f"\n{len(runs)} runs stored in `runs/`; their CPU time (each run in its own process "
@@ -351,7 +430,11 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    federations = [f for f in FEDERATIONS if any(r["federation"] == f for r in runs)]
+    federations = [
+        f
+        for f in FEDERATIONS
+        if not f.endswith(tuning.VALIDATION) and any(r["federation"] == f for r in runs)
+    ]
     if not federations:
         return
     fig, axes = plt.subplots(1, len(federations), figsize=(5 * len(federations), 3.6))
@@ -400,7 +483,12 @@ def main() -> None:
     one.add_argument("seed", type=int)
     one.add_argument("--rounds", type=int, default=50)
     run = sub.add_parser("run", help="run the missing (federation, method, seed) configs")
-    run.add_argument("--federations", nargs="*", default=list(FEDERATIONS))
+    run.add_argument(
+        "--federations",
+        nargs="*",
+        default=["digits-pairs", "femnist-pairs"],
+        choices=list(FEDERATIONS),
+    )
     run.add_argument("--methods", nargs="*", default=list(METHODS), choices=ORDER)
     run.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2, 3, 4])
     run.add_argument("--rounds", type=int, default=50)
@@ -408,9 +496,15 @@ def main() -> None:
     run.add_argument("--work", type=Path, default=ROOT / "results" / "pfedhb-study")
     run.add_argument("--force", action="store_true", help="rerun stored runs too")
     run.add_argument("--reverse", action="store_true", help="last jobs first")
+    scale = sub.add_parser("scale", help="the scale study: KL weights on validation, then tuned")
+    scale.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2, 3, 4])
+    scale.add_argument("--rounds", type=int, default=50)
+    scale.add_argument("--processes", type=int, default=1)
+    scale.add_argument("--work", type=Path, default=ROOT / "results" / "pfedhb-study")
     sub.add_parser("table", help="README tables and accuracy.png from the stored runs")
     args = parser.parse_args()
-    {"run": cmd_run, "table": cmd_table, "config": cmd_config}[args.command](args)
+    commands = {"run": cmd_run, "scale": cmd_scale, "table": cmd_table, "config": cmd_config}
+    commands[args.command](args)
 
 
 if __name__ == "__main__":

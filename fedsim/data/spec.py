@@ -18,6 +18,7 @@ from typing import Any, Literal
 import numpy as np
 
 from fedsim.config import ConfigError, frozen, import_reference, python_path, require
+from fedsim.data.class_pool import CLIENT_TESTS, ClientTest, from_class_pool, hold_out_pools
 from fedsim.data.dataset import FederatedDataset, concat_clients, from_partition, release_pages
 from fedsim.data.femnist import femnist_like
 from fedsim.data.partition import PARTITIONERS
@@ -72,6 +73,10 @@ class DatasetSpec:
 
     test_fraction: share of each client's rows held out for testing (not used
     by leaf/npy with the natural partition, which bring their own test split).
+    client_test: ``own`` (each client's rows split by ``test_fraction``), ``class-pool``
+    or ``class-pool-validation`` (split-classes only: ``test_fraction`` of every class held
+    out as a test pool and as much again as a validation pool before the partition, each
+    client tested on the pool's rows of its classes; :mod:`fedsim.data.class_pool`).
     samples_per_client: femnist only; 0 draws per-writer sizes from a lognormal.
     femnist_classes: femnist only; classes generated (62, FEMNIST's; 10: its digits).
     """
@@ -81,6 +86,7 @@ class DatasetSpec:
     num_clients: int
     seed: int = 0
     test_fraction: float = 0.2
+    client_test: ClientTest = "own"
     alpha: float = 0.5
     classes_per_client: int = 2
     quantity_sigma: float = 1.0
@@ -131,7 +137,32 @@ class DatasetSpec:
             f"{', '.join(NATURAL_SOURCES)}",
         )
         self._check_numbers()
+        self._check_client_test()
         self._check_files()
+
+    def _check_client_test(self) -> None:
+        require(
+            self.client_test in CLIENT_TESTS,
+            "data.client_test",
+            self.client_test,
+            f"one of {', '.join(CLIENT_TESTS)}",
+        )
+        if self.client_test == "own":
+            return
+        require(
+            self.partition == "split-classes",
+            "data.partition",
+            self.partition,
+            f"'split-classes' with data.client_test = {self.client_test!r} (every class held "
+            "by one member of each group, so the pooled test rows weigh the pool evenly)",
+        )
+        require(
+            0.0 < self.test_fraction < 0.5,
+            "data.test_fraction",
+            self.test_fraction,
+            f"a number in (0, 0.5) with data.client_test = {self.client_test!r} (a test and "
+            "a validation pool of that share each)",
+        )
 
     def _check_numbers(self) -> None:
         """The counts, fractions and rates of ``[data]`` and its column names."""
@@ -258,9 +289,7 @@ def _first(parts: ClientData, spec: DatasetSpec, what: str) -> ClientData:
     return parts[: spec.num_clients]
 
 
-def _own_rows(
-    train: ClientData, test: ClientData, num_classes: int, name: str
-) -> FederatedDataset:
+def _own_rows(train: ClientData, test: ClientData, num_classes: int, name: str) -> FederatedDataset:
     """Each client's own train and test rows (features as float32), kept as they came."""
     shape = train[0][0].shape[1:]
     return FederatedDataset(
@@ -280,6 +309,17 @@ def _resplit(
     num_classes: int,
     name: str,
 ) -> FederatedDataset:
+    if spec.client_test == "own":
+        parts = _partition(y, spec, part_rng)
+        return from_partition(x, y, parts, spec.test_fraction, split_rng, num_classes, name)
+    kept, test_pool, validation_pool = hold_out_pools(y, spec.test_fraction, split_rng)
+    parts = [kept[p] for p in _partition(y[kept], spec, part_rng)]
+    pool = test_pool if spec.client_test == "class-pool" else validation_pool
+    return from_class_pool(x, y, parts, pool, num_classes, name)
+
+
+def _partition(y: np.ndarray, spec: DatasetSpec, part_rng: np.random.Generator):
+    """``spec.partition``'s row indices per client (a ConfigError names the [data] key)."""
     params = {
         "iid": {},
         "dirichlet": {"alpha": spec.alpha},
@@ -296,7 +336,7 @@ def _resplit(
             "sigma": "shard_sigma" if spec.partition == "shards" else "quantity_sigma",
         }.get(err.key, err.key)
         raise ConfigError(f"data.{key}", err.value, err.allowed) from err
-    return from_partition(x, y, parts, spec.test_fraction, split_rng, num_classes, name)
+    return parts
 
 
 def _natural(
@@ -330,8 +370,12 @@ def build_dataset(spec: DatasetSpec) -> FederatedDataset:
     clients as views).
     """
     require(isinstance(spec, DatasetSpec), "data", type(spec).__name__, "a DatasetSpec")
-    require(spec.source != "text", "data.source", spec.source,
-            "an array source (a text federation is built by text_source(spec).build())")
+    require(
+        spec.source != "text",
+        "data.source",
+        spec.source,
+        "an array source (a text federation is built by text_source(spec).build())",
+    )
     rngs = _stage_rngs(spec.seed)
     return SOURCES[spec.source](spec, rngs, f"{spec.source}-{spec.partition}")
 
