@@ -138,7 +138,7 @@ SCALE_PAIRS = tuple(
     for hb in ("pfedhb-adam", "pfedhb-exact")
     for other in ("pfedvem", "pfedbayes")
 )
-ORDER = (*METHODS, *ABLATIONS, *TUNED, *tuning.variants())
+ORDER = tuple(dict.fromkeys((*METHODS, *ABLATIONS, *TUNED, *tuning.variants())))
 
 
 def method_settings(method: str, federation: str) -> tuple[str, dict[str, Any], dict[str, Any]]:

@@ -109,3 +109,21 @@ def test_the_curve_table_says_whether_non_private_training_plateaus():
     assert "10.00 points over the last 2 rounds" in text
     with pytest.raises(ValueError, match="equal length"):
         table.mean_curve([_curve_run([0.1], 0), _curve_run([0.1, 0.2], 1)], "test")
+
+
+def test_the_newest_stored_study_is_tabulated_and_v1_is_the_unsuffixed_one(tmp_path):
+    from experiments.dmm.table import stored_settings
+
+    def setting(name):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "setup.json").write_text("{}")
+        return tmp_path / name
+
+    old = setting("digits-750-r20")
+    assert stored_settings(tmp_path, None) == [old]  # no v2 yet: the earlier study
+    assert stored_settings(tmp_path, "v1") == [old]
+    with pytest.raises(SystemExit, match="version v2"):
+        stored_settings(tmp_path, "v2")
+    new = setting("digits-750-r40-v2")
+    assert stored_settings(tmp_path, None) == [new]
+    assert stored_settings(tmp_path, "v1") == [old]
