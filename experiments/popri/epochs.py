@@ -36,7 +36,7 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +46,10 @@ sys.path.insert(0, str(HERE.parents[1]))
 from experiments.popri.run import (  # noqa: E402
     Context,
     _jsonable,
+    config_and_out,
     eps_key,
     gap_closed,
     initial_population,
-    load_config,
     train_public,
 )
 from fedsim.config import ConfigError  # noqa: E402
@@ -241,10 +241,7 @@ def main(argv: list[str] | None = None) -> str:
         "--replicates", type=Path, nargs="*", default=[], help="further result folders"
     )
     args = parser.parse_args(argv)
-    config = load_config(args.config)
-    if args.seed is not None:
-        config = replace(config, seed=args.seed, name=f"{config.name}-seed{args.seed}")
-    out = args.out or HERE / "runs" / config.name
+    config, out = config_and_out(args)
     stamp = out / "config.json"
     if stamp.read_text() != json.dumps(_jsonable(asdict(config)), sort_keys=True):
         raise ConfigError("--out", str(out), "a folder whose stages were made with this config")

@@ -985,6 +985,15 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def config_and_out(args: argparse.Namespace) -> tuple[Config, Path]:
+    """The config of ``args.config`` and its result folder (``--out``, else ``runs/<name>``);
+    ``--seed`` makes a replicate: everything but the federation's split reseeded."""
+    config = load_config(args.config)
+    if args.seed is not None:
+        config = replace(config, seed=args.seed, name=f"{config.name}-seed{args.seed}")
+    return config, args.out or HERE / "runs" / config.name
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", type=Path)
@@ -1004,10 +1013,7 @@ def main() -> None:
     for method in args.only:
         if method not in METHODS:
             raise ConfigError("--only", method, f"one of {METHODS}")
-    config = load_config(args.config)
-    if args.seed is not None:  # a replicate: everything but the federation's split reseeded
-        config = replace(config, seed=args.seed, name=f"{config.name}-seed{args.seed}")
-    out = args.out or HERE / "runs" / config.name
+    config, out = config_and_out(args)
     out.mkdir(parents=True, exist_ok=True)
     stamp, settings = out / "config.json", json.dumps(_jsonable(asdict(config)), sort_keys=True)
     if stamp.exists() and stamp.read_text() != settings:

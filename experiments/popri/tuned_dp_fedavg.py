@@ -34,7 +34,6 @@ import json
 import math
 import statistics
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +44,10 @@ from experiments.popri.run import (  # noqa: E402
     STUDY,
     TUNED_DP_FEDAVG,
     Context,
+    config_and_out,
     dp_fedavg_point,
     eps_key,
     gap_closed,
-    load_config,
     run_stages,
 )
 
@@ -219,10 +218,7 @@ def main(argv: list[str] | None = None) -> str:
         "--replicates", type=Path, nargs="*", default=[], help="further result folders to average"
     )
     args = parser.parse_args(argv)
-    config = load_config(args.config)
-    if args.seed is not None:
-        config = replace(config, seed=args.seed, name=f"{config.name}-seed{args.seed}")
-    out = args.out or HERE / "runs" / config.name
+    config, out = config_and_out(args)
     if not args.table_only:
         from experiments.roots import default_key, study_root  # noqa: PLC0415
 
