@@ -12,6 +12,8 @@ and the mode checks (``check_*.json``) and builds:
 * the full mode's cost per round (wall seconds, bytes per client, bytes per committee member
   sent and received, bytes per member of the next committee received, total protocol bytes),
   mean over the DMM runs;
+* the findings: per pair, the epsilons at which the interval puts ``a`` ahead of, level with
+  or behind ``b`` (:func:`findings`);
 * the mode checks: DMM full against ideal, DDGauss plaintext against full, each a replay of
   its point (root and nonce).
 
@@ -61,6 +63,7 @@ COSTS = (
 SOURCES = {"digits": "digits", "femnist-like": "FEMNIST-like"}
 #: (file, begin marker, end marker) of the generated blocks.
 STUDY_README = (HERE / "README.md", "<!-- dmm-tables:begin -->", "<!-- dmm-tables:end -->")
+FINDINGS_README = (HERE / "README.md", "<!-- dmm-findings:begin -->", "<!-- dmm-findings:end -->")
 METHODS_DOC = (
     HERE.parents[1] / "docs" / "methods.md",
     "<!-- dmm-study:begin -->",
@@ -247,6 +250,39 @@ def difference(runs: list[dict], a: str, b: str, eps: float) -> str:
     return f"{mean:+.3f} [{low:+.3f}, {high:+.3f}] (n={len(differences)})"
 
 
+def verdict(differences: list[float]) -> str | None:
+    """ "ahead" / "behind" where the 95 % interval of the paired mean excludes zero, "level"
+    where it contains it; None with fewer than two pairs."""
+    if len(differences) < 2:
+        return None
+    _, low, high = interval(differences)
+    return "ahead" if low > 0 else "behind" if high < 0 else "level"
+
+
+def findings(studies: list[tuple[dict, list[dict]]]) -> str:
+    """One line per pair of :data:`DIFFERENCES`: per source, the epsilons at which ``a`` is
+    ahead of, level with or behind ``b`` by the 95 % interval of the paired differences."""
+    lines = []
+    for a, b in DIFFERENCES:
+        parts = []
+        for setup, runs in studies:
+            by_verdict: dict[str, list[str]] = {}
+            for eps in _epsilons(runs):
+                v = verdict(paired(runs, a, b, eps))
+                if v is not None:
+                    by_verdict.setdefault(v, []).append(f"{eps:g}")
+            if by_verdict:
+                said = "; ".join(
+                    f"{v} at ε = {', '.join(e)}"
+                    for v in ("ahead", "level", "behind")
+                    if (e := by_verdict.get(v))
+                )
+                parts.append(f"{_source(setup)}: {said}")
+        if parts:
+            lines.append(f"- **{a} against {b}**: " + ". ".join(parts) + ".")
+    return "\n".join(lines)
+
+
 def difference_table(studies: list[tuple[dict, list[dict]]]) -> str:
     """One line per source and epsilon, one column per pair of :data:`DIFFERENCES`."""
     head = " | ".join(f"{a} − {b}" for a, b in DIFFERENCES)
@@ -256,6 +292,12 @@ def difference_table(studies: list[tuple[dict, list[dict]]]) -> str:
             cells = [difference(runs, a, b, eps) for a, b in DIFFERENCES]
             lines.append(f"| {_source(setup)} | {eps:g} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+#: what the cost table says when no accuracy row ran in full mode (v2: the rows run ideal mode)
+NO_FULL_RUNS = (
+    "(no DMM accuracy row ran in full mode: the mode checks below give full mode's seconds)"
+)
 
 
 def cost_table(studies: list[tuple[dict, list[dict]]]) -> str:
@@ -282,6 +324,8 @@ def cost_table(studies: list[tuple[dict, list[dict]]]) -> str:
             lines.append(
                 f"| {_source(setup)} | {method} | {len(mine)} | " + " | ".join(cells) + " |"
             )
+    if len(lines) == 2:
+        return NO_FULL_RUNS
     return "\n".join(lines)
 
 
@@ -396,7 +440,9 @@ def summary(studies: list[tuple[dict, list[dict], list[dict]]]) -> str:
     pairs = [(s, r) for s, r, _ in studies]
     return "\n\n".join(
         [
-            f"Differences in the full-mode study ({SPREAD}):",
+            "Where the 95 % intervals of the paired differences put each method against the other:",
+            findings(pairs),
+            f"Differences ({SPREAD}):",
             difference_table(pairs),
             "Full-mode cost per round (wall seconds: mean and range over the runs):",
             cost_table(pairs),
@@ -453,6 +499,7 @@ def main(argv: list[str] | None = None) -> str:
     args.out.write_text(text)
     if not args.no_readme:
         write_between(STUDY_README, sections)
+        write_between(FINDINGS_README, findings([(s, r) for s, r, _ in studies]))
         write_between(METHODS_DOC, summary(studies))
     print(text)
     return text

@@ -127,3 +127,25 @@ def test_the_newest_stored_study_is_tabulated_and_v1_is_the_unsuffixed_one(tmp_p
     new = setting("digits-750-r40-v2")
     assert stored_settings(tmp_path, None) == [new]
     assert stored_settings(tmp_path, "v1") == [old]
+
+
+def test_the_cost_table_says_so_when_no_row_ran_in_full_mode():
+    runs = [{"method": "dmm-banded", "mode": "ideal", "cost_per_round": {"seconds": 0.7}}]
+    assert table.cost_table([({"source": "digits"}, runs)]) == table.NO_FULL_RUNS
+    full = [{**runs[0], "mode": "full"}]
+    assert "| dmm-banded | 1 | 0.7 (0.7–0.7) |" in table.cost_table([({"source": "digits"}, full)])
+
+
+def test_findings_follow_the_intervals_of_the_paired_differences():
+    def run(method, seed, acc):
+        return {"method": method, "target_epsilon": 1.0, "seed": seed, "accuracy": acc}
+
+    ahead = [run("dmm-banded", s, 0.5 + 0.01 * s) for s in range(4)]
+    ahead += [run("central-bandmf", s, 0.4 + 0.01 * s + 0.001 * (s % 2)) for s in range(4)]
+    level = [run("dmm-banded", s, 0.5 + (0.05 if s % 2 else -0.05)) for s in range(4)]
+    level += [run("central-bandmf", s, 0.5) for s in range(4)]
+    text = table.findings([({"source": "digits"}, ahead), ({"source": "femnist-like"}, level)])
+    assert text.startswith("- **dmm-banded against central-bandmf**: digits: ahead at ε = 1.")
+    assert "FEMNIST-like: level at ε = 1" in text
+    assert table.verdict([0.1]) is None  # one pair: no interval, no finding
+    assert table.verdict([-0.2, -0.21, -0.19]) == "behind"
