@@ -190,7 +190,11 @@ def rates_table(choice: dict | None) -> str:
         cells = " | ".join("-" if m is None else f"{m:.3f}" for m in means)
         lines.append(f"| {c['method']} | {eps} | {c['server_learning_rate']:g} | {cells} |")
     seeds = ", ".join(str(s) for s in choice["seeds"])
-    return "\n".join(lines) + f"\n\nTuning seeds {seeds} (never reported); {choice['criterion']}"
+    top, n = max(grid), len(choice["choices"])
+    at_top = sum(c["server_learning_rate"] == top for c in choice["choices"])
+    edge = f" {at_top} of {n} choices are the grid's largest rate ({top:g})."
+    tail = f"Tuning seeds {seeds} (never reported); {choice['criterion']}{edge}"
+    return "\n".join(lines) + "\n\n" + tail
 
 
 def _accuracies(runs, method, eps) -> list[float]:

@@ -10,7 +10,7 @@ never reported; :func:`experiments.dmm.run.split_rows`) and writes it to
 ``{setting}/lr_choice.json``, which :mod:`experiments.dmm.run` reads. The rate is applied after
 each release (post-processing): the noise multipliers and the epsilons do not depend on it.
 
-    python experiments/dmm/tune.py --source digits [--grid 0.5 1 2] [--seeds 100 101]
+    python experiments/dmm/tune.py --source digits [--grid 0.5 1 2 4] [--seeds 100 101]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from experiments.dmm.table import CHOICE_FILE, choose_rates  # noqa: E402
 from fedsim.engine import Engine, EngineConfig  # noqa: E402
 from fedsim.randomness import new_nonce  # noqa: E402
 
-GRID = (0.5, 1.0, 2.0)
+GRID = (0.5, 1.0, 2.0, 4.0)
 TUNING_SEEDS = (100, 101)
 CRITERION = (
     "chosen: the highest mean final validation accuracy over the tuning seeds (ties: the "

@@ -76,6 +76,16 @@ def test_the_rate_is_chosen_on_validation_and_never_on_test():
     assert table.choice_of({"choices": table.choose_rates(flipped)})[("dp-fedavg", 2.0)] == 0.5
 
 
+def test_the_rates_table_counts_the_choices_at_the_top_of_the_grid():
+    runs = [_tuned("dp-fedavg", lr, 100, v, v) for lr, v in ((1.0, 0.4), (2.0, 0.5))]
+    runs += [_tuned("ddgauss", lr, 100, v, v) for lr, v in ((1.0, 0.5), (2.0, 0.4))]
+    choice = {"grid": [1.0, 2.0], "seeds": [100], "criterion": "c.", "choices": []}
+    choice["choices"] = table.choose_rates(runs)
+    text = table.rates_table(choice)
+    assert "| dp-fedavg | 2 | 2 | 0.400 | 0.500 |" in text
+    assert text.endswith("1 of 2 choices are the grid's largest rate (2).")
+
+
 def test_a_rate_tuned_on_other_seeds_than_its_neighbours_is_refused():
     runs = [_tuned("ddgauss", 0.5, 100, 0.4, 0.4), _tuned("ddgauss", 1.0, 101, 0.5, 0.5)]
     with pytest.raises(ValueError, match="different seeds"):
