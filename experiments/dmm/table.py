@@ -31,11 +31,14 @@ import json
 import math
 import re
 import statistics
+import sys
 from pathlib import Path
 
-from scipy import stats
-
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))
+
+from experiments.paired import interval, verdict  # noqa: E402
+
 METHODS = (
     "non-private",
     "dp-fedavg",
@@ -237,14 +240,6 @@ def paired(runs: list[dict], a: str, b: str, eps: float) -> list[float]:
     return [by_seed[a][s] - by_seed[b][s] for s in sorted(by_seed[a].keys() & by_seed[b].keys())]
 
 
-def interval(differences: list[float]) -> tuple[float, float, float]:
-    """(mean, low, high): the 95 % t interval of the mean of paired ``differences``."""
-    n = len(differences)
-    mean = statistics.mean(differences)
-    half = stats.t.ppf(0.975, n - 1) * statistics.stdev(differences) / math.sqrt(n)
-    return mean, mean - half, mean + half
-
-
 def difference(runs: list[dict], a: str, b: str, eps: float) -> str:
     """``a`` minus ``b`` at ``eps``, paired by seed: mean [95 % interval] (n pairs)."""
     differences = paired(runs, a, b, eps)
@@ -252,15 +247,6 @@ def difference(runs: list[dict], a: str, b: str, eps: float) -> str:
         return "-"
     mean, low, high = interval(differences)
     return f"{mean:+.3f} [{low:+.3f}, {high:+.3f}] (n={len(differences)})"
-
-
-def verdict(differences: list[float]) -> str | None:
-    """ "ahead" / "behind" where the 95 % interval of the paired mean excludes zero, "level"
-    where it contains it; None with fewer than two pairs."""
-    if len(differences) < 2:
-        return None
-    _, low, high = interval(differences)
-    return "ahead" if low > 0 else "behind" if high < 0 else "level"
 
 
 def findings(studies: list[tuple[dict, list[dict]]]) -> str:

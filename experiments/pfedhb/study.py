@@ -13,8 +13,9 @@ stopped and restarted at will::
     python experiments/pfedhb/study.py table                      # README tables from runs/
     python experiments/pfedhb/study.py config digits-pairs pfedhb-adam 0 > run.toml
 
-``table`` rewrites the part of README.md between ``<!-- study:begin -->`` and
-``<!-- study:end -->`` from the stored runs only.
+``table`` rewrites the parts of README.md between ``<!-- study:begin -->`` and
+``<!-- study:end -->`` and the ``scale-supports`` and ``scale-findings`` regions from the
+stored runs (and ``crosscheck.json``) only.
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from experiments.pfedhb import tuning  # noqa: E402
+from experiments.pfedhb import findings, tuning  # noqa: E402
 
 RUNS = HERE / "runs"
+CROSSCHECK = HERE / "crosscheck.json"
 README = HERE / "README.md"
 
 #: label skew as in the reference code: pairs of clients split the classes (each client
@@ -361,7 +363,10 @@ def tables(runs: list[dict[str, Any]]) -> str:
         if not mine or federation.endswith(tuning.VALIDATION):
             continue
         rounds = {r["rounds"] for r in mine}
-        sizes = [r["dataset"]["train"]["sizes"] for r in mine if r["method"] == "pfedhb-adam"]
+        first = {}  # one run per seed: every method of a seed has the same split
+        for r in mine:
+            first.setdefault(r["seed"], r)
+        sizes = [r["dataset"]["train"]["sizes"] for r in first.values()]
         rows = (
             f"; training rows per client: mean {np.mean([z['mean'] for z in sizes]):.1f}, "
             f"{min(z['min'] for z in sizes):.0f}–{max(z['max'] for z in sizes):.0f} over "
@@ -411,16 +416,36 @@ def tables(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def cmd_table(args: argparse.Namespace) -> None:
-    text = tables(load_runs())
-    print(text)
+def scale_text(runs: list[dict[str, Any]]) -> str:
+    """The scale study's findings per federation and, once stored, the cross-check."""
+    parts = [findings.scale_findings(runs, federation) for federation in SCALE]
+    parts += [findings.plateau(runs, federation) for federation in SCALE]
+    if CROSSCHECK.exists():
+        parts.append(findings.crosscheck_table(json.loads(CROSSCHECK.read_text()), runs))
+    return "\n".join(p for p in parts if p)
+
+
+def write_region(name: str, text: str) -> None:
+    """README.md between ``<!-- name:begin -->`` and ``<!-- name:end -->`` becomes ``text``."""
     readme = README.read_text()
-    begin, end = "<!-- study:begin -->", "<!-- study:end -->"
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
     if begin in readme and end in readme:
         head, rest = readme.split(begin, 1)
         _, tail = rest.split(end, 1)
         README.write_text(f"{head}{begin}\n{text}\n{end}{tail}")
-    plot(load_runs(), HERE / "accuracy.png")
+
+
+def cmd_table(args: argparse.Namespace) -> None:
+    runs = load_runs()
+    text = tables(runs)
+    print(text)
+    write_region("study", text)
+    write_region("scale-findings", scale_text(runs))
+    write_region(
+        "scale-supports",
+        "\n".join(findings.supports(runs, f, tuning.tuned("pfedhb-adam")) for f in SCALE),
+    )
+    plot(runs, HERE / "accuracy.png")
 
 
 def plot(runs: list[dict[str, Any]], path: Path) -> None:
@@ -450,7 +475,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
         ax.set_title(federation)
         ax.set_xlabel("round")
         ax.set_ylabel("personalised accuracy (%)")
-    np.atleast_1d(axes)[0].legend(fontsize=7)
+        ax.legend(fontsize=7)  # each panel has its own methods
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

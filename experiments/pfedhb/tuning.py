@@ -21,10 +21,10 @@ import numpy as np
 
 #: method -> (its [personal] key, the values tried)
 GRID: dict[str, tuple[str, tuple[float, ...]]] = {
-    "pfedbayes": ("zeta", (10.0, 1.0, 0.1, 0.01)),
-    "pfedhb-adam": ("head_kl", (1.0, 0.1, 0.01)),
-    "pfedhb-exact": ("head_kl", (1.0, 0.1, 0.01)),
-    "pfedvem": ("head_kl", (1.0, 0.1, 0.01)),
+    "pfedbayes": ("zeta", (10.0, 1.0, 0.1, 0.01, 0.001)),
+    "pfedhb-adam": ("head_kl", (1.0, 0.1, 0.01, 0.001)),
+    "pfedhb-exact": ("head_kl", (1.0, 0.1, 0.01, 0.001)),
+    "pfedvem": ("head_kl", (1.0, 0.1, 0.01, 0.001)),
 }
 TUNING_SEEDS = (100,)
 VALIDATION = "-validation"
@@ -84,12 +84,15 @@ def load(runs_dir: Path) -> list[dict[str, Any]]:
 
 
 def table(runs: list[dict[str, Any]], federation: str) -> list[str]:
-    """Markdown lines: every grid value's validation accuracy, the chosen one in bold."""
+    """Markdown lines: every grid value's validation accuracy and the chosen value."""
+    width = max(len(values) for _, values in GRID.values())
     lines = [
         f"\nKL weights on **{federation}**, chosen on its validation rows (tuning seeds "
         f"{', '.join(map(str, TUNING_SEEDS))}; final personalised accuracy, %):\n",
-        "| method | key | " + " | ".join("value " + str(i + 1) for i in range(4)) + " | chosen |",
-        "|---|---|---|---|---|---|---|",
+        "| method | key | "
+        + " | ".join("value " + str(i + 1) for i in range(width))
+        + " | chosen |",
+        "|---" * (width + 3) + "|",
     ]
     for method, (key, _) in GRID.items():
         scores = validation_scores(runs, federation, method)
@@ -98,7 +101,7 @@ def table(runs: list[dict[str, Any]], federation: str) -> list[str]:
         except ValueError:
             chosen = "(runs missing)"
         cells = [f"{s[key]:g}: " + _percent(s["validation_acc"]) for s in scores]
-        cells += [""] * (4 - len(cells))
+        cells += [""] * (width - len(cells))
         lines.append(f"| {method} | {key} | " + " | ".join(cells) + f" | {chosen} |")
     return lines
 
