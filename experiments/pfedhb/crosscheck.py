@@ -164,9 +164,10 @@ def run_reference(reference: Path, rounds: int) -> dict[str, Any]:
 
 def ours() -> dict[str, Any]:
     """The stored run's curve on the same split."""
-    run = json.loads(study.result_path(FEDERATION, METHOD, SEED).read_text())
+    path = study.result_path(FEDERATION, METHOD, SEED)
+    run = json.loads(path.read_text())
     return {
-        "run": study.result_path(FEDERATION, METHOD, SEED).name,
+        "run": path.name,
         "rounds": run["rounds"],
         "cpu_seconds": run["cpu_seconds"],
         "personal_acc": {c["round"]: c["personal_acc_mean"] for c in run["curve"]},

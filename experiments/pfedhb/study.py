@@ -393,18 +393,17 @@ def tables(runs: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for federation in FEDERATIONS:
-        by = {(r["method"], r["seed"]): r for r in runs if r["federation"] == federation}
         for solver, other in (*PAIRS, *SCALE_PAIRS):
-            seeds = sorted(s for m, s in by if m == solver and (other, s) in by)
-            if len(seeds) < 2:
-                continue
             cells = []
-            for key in ("personal_acc_mean", "global_acc"):
-                a = np.array([final(by[(solver, s)], key) for s in seeds]) * 100
-                b = np.array([final(by[(other, s)], key) for s in seeds]) * 100
-                p = stats.ttest_rel(a, b).pvalue
-                cells += [mean_sd(a - b, 1.0, 1), f"{p:.2g}"]
-            lines.append(f"| {federation} | {solver} | {other} | " + " | ".join(cells) + " |")
+            for key, _ in findings.KEYS:
+                differences = findings.paired(runs, federation, solver, other, key)
+                if len(differences) < 2:
+                    break
+                # the paired t-test: a one-sample t-test of the differences against zero
+                p = stats.ttest_1samp(differences, 0.0).pvalue
+                cells += [mean_sd(differences, 1.0, 1), f"{p:.2g}"]
+            else:
+                lines.append(f"| {federation} | {solver} | {other} | " + " | ".join(cells) + " |")
     for federation in SCALE:
         if any(r["federation"] == federation + tuning.VALIDATION for r in runs):
             lines += tuning.table(runs, federation)
