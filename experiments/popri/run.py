@@ -1036,6 +1036,7 @@ def main() -> None:
         print(f"all stages: {time.perf_counter() - start:.0f}s", flush=True)
     print(build_table(config, out))
     if args.replicates:
+        print()
         print(combined_table(config, [out, *args.replicates]))
 
 
