@@ -26,6 +26,14 @@ one point per cohort of ``--cohorts`` clients: the cohort sets sigma and gamma):
 The state seals are counted at the sizes the client really stores (read off its context), so
 a state kept wider than needed shows in the kernel, not in the ratio.
 
+The **message floor** of an exchange is what any Flower ClientApp pays to answer that
+exchange's message with that reply, whatever it computes: an echo ClientApp (the same
+``train`` / ``query.secagg_*`` handlers, each returning a new ``RecordDict`` of the real
+reply's records) is called on every message right after the real client, in the same
+context. It is reported beside the limit, not in it: ``floor_s`` and
+``ratio_over_floor = client_s / (limit_s + floor_s)``, so that what is above the kernels
+splits into the message handling every ClientApp has and the client's own Python.
+
 The **client** is the real one: :func:`strategies.methods.ddgauss.client.ddgauss_client_app` (its
 inner app the synthetic update of experiments/bench/secure_scale.py, whose seconds are subtracted)
 for ``degree + 1`` enrolled clients with sealed state (the engine's node_config: a secret and an
@@ -133,6 +141,33 @@ class TimedInner:
         return reply
 
 
+class EchoApp:
+    """A Flower ClientApp with the client's handlers (``train`` and ``query.secagg_*``) that
+    computes nothing: each returns a new ``RecordDict`` of the records of the reply it is
+    given. :meth:`time` is one call's (cpu, wall) seconds, the message floor."""
+
+    def __init__(self) -> None:
+        from flwr.app import Message, RecordDict  # noqa: PLC0415
+        from flwr.clientapp import ClientApp  # noqa: PLC0415
+
+        from strategies.secure.secagg_messages import ACTIONS  # noqa: PLC0415
+
+        self.app, self.reply = ClientApp(), None
+
+        def answer(message, context):
+            return Message(content=RecordDict(dict(self.reply.content.items())), reply_to=message)
+
+        self.app.train()(answer)
+        for action in ACTIONS.values():
+            self.app.query(action)(answer)
+
+    def time(self, message, context, reply) -> tuple[float, float]:
+        self.reply = reply
+        start = now()
+        self.app(message, context)
+        return since(start)
+
+
 class InProcessGrid:
     """A Grid that runs each message through the ClientApp in this process, one persistent
     Context per node (its node_config as fedsim's worker builds it), and records each call's
@@ -140,8 +175,10 @@ class InProcessGrid:
 
     def __init__(self, app, inner: TimedInner, node_ids: list[int]) -> None:
         self.app, self.inner, self.node_ids = app, inner, list(node_ids)
+        self.echo = EchoApp()
         self.contexts: dict[int, Any] = {}
         self.seconds: dict[str, list[tuple[float, float]]] = {e: [] for e in EXCHANGES}
+        self.floor: dict[str, list[tuple[float, float]]] = {e: [] for e in EXCHANGES}
         self.state_bytes: dict[str, list[int]] = {e: [] for e in EXCHANGES}
 
     def open_round(self, root) -> None:
@@ -189,6 +226,7 @@ class InProcessGrid:
             if reply.has_error():
                 raise RuntimeError(f"client {node} failed in {exchange}: {reply.error.reason}")
             self.seconds[exchange].append((cpu - self.inner.last[0], wall - self.inner.last[1]))
+            self.floor[exchange].append(self.echo.time(message, context, reply))
             stored = context.state.get(SecAggKeys.STATE)
             blob = stored[SecAggKeys.STORED_BLOB] if stored else b""
             self.state_bytes[exchange].append(len(blob))
@@ -393,8 +431,11 @@ def measure_point(
             limit_s = sum(kernels[exchange].values())
             row[f"client{suffix}_s"] = client_s
             row[f"kernels{suffix}"] = kernels[exchange]
+            floor_s = medians(clients.grid.floor[exchange])[clock]
             row[f"limit{suffix}_s"] = limit_s
             row[f"ratio{suffix}"] = client_s / limit_s
+            row[f"floor{suffix}_s"] = floor_s
+            row[f"ratio_over_floor{suffix}"] = client_s / (limit_s + floor_s)
     point = {
         "dim": dim,
         "padded_dim": encoder.padded_dim,
@@ -412,8 +453,11 @@ def measure_point(
     for suffix in ("", "_wall"):
         client = sum(e[f"client{suffix}_s"] for e in exchanges.values())
         limit = sum(e[f"limit{suffix}_s"] for e in exchanges.values())
+        floor = sum(e[f"floor{suffix}_s"] for e in exchanges.values())
         point[f"client{suffix}_s"], point[f"limit{suffix}_s"] = client, limit
         point[f"ratio{suffix}"] = client / limit
+        point[f"floor{suffix}_s"] = floor
+        point[f"ratio_over_floor{suffix}"] = client / (limit + floor)
     return point
 
 
@@ -450,22 +494,26 @@ D_NAMES = {16384: "2¹⁴", 131072: "2¹⁷", 1048576: "2²⁰"}
 
 def table(stored: dict[str, Any]) -> str:
     """The docs' table: per label, point and exchange, client and limit in CPU ms, their
-    ratio, and the same ratio in wall seconds."""
-    lines = [
-        "| run | d (D) | C | exchange | client | limit | client / limit | in wall time |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    ratio, the same ratio in wall seconds and, where the file has them, the message floor in
+    CPU ms and the client over limit plus floor."""
+    floors = all("floor_s" in p for r in stored["runs"].values() for p in r["points"])
+    head = "| run | d (D) | C | exchange | client | limit | client / limit | in wall time |"
+    lines = [head + (" message floor | client / (limit + floor) |" if floors else "")]
+    lines.append("|---" * (8 + 2 * floors) + "|")
     for label, result in stored["runs"].items():
         for p in result["points"]:
             padded = D_NAMES.get(p["padded_dim"], p["padded_dim"])
             size = f"{p['dim']:.0e}".replace("e+0", "e") + f" ({padded})"
             rows = [(e, p["exchanges"][e]) for e in EXCHANGES] + [("round", p)]
             for exchange, row in rows:
-                lines.append(
+                line = (
                     f"| {label} | {size} | {p['cohort']} | {exchange} | "
                     f"{row['client_s'] * 1e3:.2f} ms | {row['limit_s'] * 1e3:.2f} ms | "
                     f"{row['ratio']:.2f}× | {row['ratio_wall']:.2f}× |"
                 )
+                if floors:
+                    line += f" {row['floor_s'] * 1e3:.2f} ms | {row['ratio_over_floor']:.2f}× |"
+                lines.append(line)
     return "\n".join(lines)
 
 

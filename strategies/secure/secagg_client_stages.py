@@ -95,22 +95,35 @@ def narrowest(values) -> np.ndarray:
 def pack_arrays(arrays: Mapping[str, np.ndarray]) -> bytes:
     """Named integer arrays as bytes: a 4-byte length, a JSON index of (name, dtype, shape),
     then each array's C-ordered bytes (no zip, no pickle, no per-array header to parse)."""
-    index, parts = [], []
+    layout, parts = [], []
     for name, value in arrays.items():
         value = np.asarray(value)
-        dtype = value.dtype
-        if dtype.kind not in "iu":
-            raise ValueError(f"state array {name!r} has dtype {dtype}; integers only")
-        index.append([name, dtype.str, list(value.shape)])
+        if value.dtype.kind not in "iu":
+            raise ValueError(f"state array {name!r} has dtype {value.dtype}; integers only")
+        layout.append((name, value.dtype.str, value.shape))
         if value.size:  # an empty array adds no bytes; a C-ordered one is its own buffer
             parts.append(value if value.flags.c_contiguous else np.ascontiguousarray(value))
-    head = json.dumps(index).encode()
-    return b"".join([len(head).to_bytes(4, "little"), head, *parts])  # the one copy
+    return b"".join([_head(tuple(layout)), *parts])  # the one copy
 
 
-@functools.lru_cache(maxsize=64)
-def _dtype(code: str) -> np.dtype:
-    return np.dtype(code)
+@functools.lru_cache(maxsize=256)
+def _head(layout: tuple[tuple[str, str, tuple[int, ...]], ...]) -> bytes:
+    """A pack's 4-byte length and JSON index, encoded once per distinct layout."""
+    head = json.dumps([[name, code, list(shape)] for name, code, shape in layout]).encode()
+    return len(head).to_bytes(4, "little") + head
+
+
+@functools.lru_cache(maxsize=256)
+def _index(head: bytes) -> tuple[tuple[str, np.dtype, tuple[int, ...], int], ...]:
+    """The checked (name, dtype, shape, entries) of each array in a pack's JSON index, parsed
+    once per distinct index: every client at a stage of a round stores the same one."""
+    out = []
+    for name, code, shape in json.loads(head):
+        dtype = np.dtype(code)
+        if dtype.kind not in "iu" or not all(isinstance(n, int) and n >= 0 for n in shape):
+            raise ValueError(f"array {name!r}: dtype {dtype}, shape {shape}")
+        out.append((str(name), dtype, tuple(shape), math.prod(shape)))
+    return tuple(out)
 
 
 def unpack_arrays(payload: bytes) -> dict[str, np.ndarray]:
@@ -118,17 +131,12 @@ def unpack_arrays(payload: bytes) -> dict[str, np.ndarray]:
     the bytes are not such a pack (bad index, a non-integer dtype, sizes that disagree)."""
     try:
         size = int.from_bytes(payload[:4], "little")
-        index = json.loads(payload[4 : 4 + size])
         offset, out = 4 + size, {}
-        for name, code, shape in index:
-            dtype = _dtype(code)
-            if dtype.kind not in "iu" or not all(isinstance(n, int) and n >= 0 for n in shape):
-                raise ValueError(f"array {name!r}: dtype {dtype}, shape {shape}")
-            count = math.prod(shape)
+        for name, dtype, shape, count in _index(bytes(payload[4 : 4 + size])):
             if offset + count * dtype.itemsize > len(payload):
                 raise ValueError(f"array {name!r} runs past the end of the state")
             flat = np.frombuffer(payload, dtype=dtype, count=count, offset=offset)
-            out[str(name)] = flat if len(shape) == 1 else flat.reshape(tuple(shape))
+            out[name] = flat if len(shape) == 1 else flat.reshape(shape)
             offset += count * dtype.itemsize
     except (TypeError, ValueError, json.JSONDecodeError) as error:
         raise ValueError(f"not a SecAgg+ client state: {error}") from None

@@ -4,6 +4,7 @@ is computed from the stored kernel times (never the times themselves)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -62,6 +63,12 @@ def test_every_ratio_is_the_client_over_the_sum_of_its_stored_kernels(stored):
                         row[f"client{suffix}_s"] / row[f"limit{suffix}_s"]
                     )
                     assert all(s > 0 for s in kernels.values())
+                    # the message floor is reported beside the limit, never inside it
+                    assert row[f"floor{suffix}_s"] > 0
+                    above = row[f"limit{suffix}_s"] + row[f"floor{suffix}_s"]
+                    assert row[f"ratio_over_floor{suffix}"] == pytest.approx(
+                        row[f"client{suffix}_s"] / above
+                    )
                 rows = point["exchanges"].values()
                 limit = sum(r[f"limit{suffix}_s"] for r in rows)
                 assert point[f"limit{suffix}_s"] == pytest.approx(limit)
@@ -72,18 +79,37 @@ def test_every_ratio_is_the_client_over_the_sum_of_its_stored_kernels(stored):
             assert rotation == point["units"]["cpu"]["rotation"]
 
 
-def test_the_table_is_printed_from_the_stored_file(stored):
-    out, result = stored
-    printed = subprocess.run(
-        [sys.executable, str(SCRIPT), "--table-only", "--out", str(out)],
+def printed_table(path: Path) -> str:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), "--table-only", "--out", str(path)],
         check=True,
         capture_output=True,
         text=True,
     ).stdout
+
+
+def test_the_table_is_printed_from_the_stored_file(stored):
+    out, result = stored
+    printed = printed_table(out)
     lines = printed.strip().splitlines()
     assert len(lines) == 2 + 2 * 5  # header, then 4 exchanges and the round per label
     row = result["runs"]["after"]["points"][0]["exchanges"]["masked_input"]
     assert (
         f"| after | 3e2 (512) | 50 | masked_input | {row['client_s'] * 1e3:.2f} ms | "
-        f"{row['limit_s'] * 1e3:.2f} ms | {row['ratio']:.2f}× | {row['ratio_wall']:.2f}× |"
+        f"{row['limit_s'] * 1e3:.2f} ms | {row['ratio']:.2f}× | {row['ratio_wall']:.2f}× | "
+        f"{row['floor_s'] * 1e3:.2f} ms | {row['ratio_over_floor']:.2f}× |"
     ) in printed
+    assert lines[0].endswith("| message floor | client / (limit + floor) |")
+
+
+def test_a_file_without_floors_keeps_its_table(stored, tmp_path):
+    result = copy.deepcopy(stored[1])
+    for run in result["runs"].values():
+        for point in run["points"]:
+            for row in (point, *point["exchanges"].values()):
+                for key in [k for k in row if k.startswith(("floor", "ratio_over_floor"))]:
+                    del row[key]
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(result))
+    header = printed_table(old).splitlines()[0]
+    assert header.endswith("| client / limit | in wall time |")
