@@ -40,8 +40,10 @@ for ``degree + 1`` enrolled clients with sealed state (the engine's node_config:
 enrolment from a fresh root each round), driven by the real strategy
 (:class:`strategies.methods.ddgauss.strategy.DDGauss`, ``mode = "full"``) through an in-process grid
 that times each ClientApp call as fedsim's worker does. Every client then has ``degree`` neighbours,
-as in a cohort of any size at that degree. Every round of the clients is followed by
-``--repeats`` timings of every kernel, so that both see the same spells of a shared machine.
+as in a cohort of any size at that degree; the survivor list of UNMASK is lengthened to
+``--cohorts`` ids, as every client of such a cohort gets it. Every round of the clients is
+followed by ``--repeats`` timings of every kernel, so that both see the same spells of a
+shared machine.
 Reported per exchange: the median client seconds over all calls of ``--rounds`` rounds, the
 limit (the sum of the kernels' medians) and ``ratio = client_s / limit_s``, in this process's
 CPU seconds (``time.process_time``: other jobs on the machine do not count) and, with the
@@ -173,8 +175,9 @@ class InProcessGrid:
     Context per node (its node_config as fedsim's worker builds it), and records each call's
     (cpu, wall) seconds by exchange, as the worker's ``compute_s`` does."""
 
-    def __init__(self, app, inner: TimedInner, node_ids: list[int]) -> None:
+    def __init__(self, app, inner: TimedInner, node_ids: list[int], cohort: int) -> None:
         self.app, self.inner, self.node_ids = app, inner, list(node_ids)
+        self.cohort = cohort
         self.echo = EchoApp()
         self.contexts: dict[int, Any] = {}
         self.seconds: dict[str, list[tuple[float, float]]] = {e: [] for e in EXCHANGES}
@@ -207,15 +210,35 @@ class InProcessGrid:
     def get_node_ids(self) -> list[int]:
         return list(self.node_ids)
 
+    def _list_cohort(self, content) -> None:
+        """UNMASK's survivor list at the size of a cohort of ``cohort``: the strategy's lists
+        of its ``degree + 1`` clients, the survivors followed by ids of further clients (no
+        neighbours of these, so no client answers for them), as every client of a cohort of
+        that size gets them."""
+        from flwr.app import ConfigRecord  # noqa: PLC0415
+
+        from protocols.secagg.common import SecAggKeys  # noqa: PLC0415
+
+        listing = content[SecAggKeys.SURVIVORS]
+        survivors, dropped = (list(listing[k]) for k in SecAggKeys.SURVIVOR_ENTRIES)
+        start = max(survivors + dropped) + 1
+        survivors += range(start, start + self.cohort - len(survivors) - len(dropped))
+        entries = dict(zip(SecAggKeys.SURVIVOR_ENTRIES, (survivors, dropped)))
+        content[SecAggKeys.SURVIVORS] = ConfigRecord(entries)
+
     def send_and_receive(self, messages, *, timeout=None):
         from flwr.supercore.task_identity import TaskIdentity  # noqa: PLC0415
 
         from protocols.secagg.common import SecAggKeys  # noqa: PLC0415
 
         replies = []
+        listed: set[int] = set()
         for message in messages:
             node = int(message.metadata.dst_node_id)
             exchange = MESSAGE_EXCHANGE[message.metadata.message_type]
+            if exchange == "unmask" and id(message.content) not in listed:
+                listed.add(id(message.content))
+                self._list_cohort(message.content)
             context = self.contexts[node]
             TaskIdentity.node_id = node
             self.inner.last = (0.0, 0.0)
@@ -263,7 +286,7 @@ class ClientRounds:
         self.strategy = from_options(options, expected_clients=cohort, seed=seed)
         inner = TimedInner(synthetic_client_app(dim, seed))
         nodes = [NODE_ID_OFFSET + p for p in range(degree + 1)]
-        self.grid = InProcessGrid(ddgauss_client_app(inner), inner, nodes)
+        self.grid = InProcessGrid(ddgauss_client_app(inner), inner, nodes, cohort)
         self.arrays = to_record({"w": np.zeros(dim, dtype=np.float32)})
 
     def run_round(self, server_round: int) -> None:

@@ -490,12 +490,17 @@ def _rows(table: np.ndarray) -> list[bytes]:
 
 
 def _id_set(ids: object, name: str) -> set[int]:
+    """``ids`` as a set of client ids; TypeError unless a collection, ValueError naming the
+    first entry that is not an int in [0, SERVER_ID) (a bool is not an id). A cohort's list
+    is checked by its types and its extremes, not entry by entry."""
     if isinstance(ids, bytes | str) or not isinstance(ids, Iterable):
         raise TypeError(f"{name} must be a collection of client ids")
-    out = set()
-    for i in ids:
+    items = ids.tolist() if isinstance(ids, np.ndarray) and ids.dtype.kind in "iu" else list(ids)
+    if set(map(type, items)) <= {int} and (
+        not items or (min(items) >= 0 and max(items) < SERVER_ID)
+    ):
+        return set(items)
+    for i in items:
         if not isinstance(i, int | np.integer) or isinstance(i, bool) or not 0 <= i < SERVER_ID:
             raise ValueError(f"{name} holds {i!r}, not a client id")
-        out.add(int(i))
-    return out
-
+    return {int(i) for i in items}

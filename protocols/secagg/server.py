@@ -28,6 +28,7 @@ so that the caller accounts the sum of the survivors' inputs whatever the round 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,6 +128,8 @@ class SecAggServer:
         self.shared: tuple[int, ...] = ()
         self.survivors: tuple[int, ...] = ()
         self.dropped: tuple[int, ...] = ()
+        self._alive: frozenset[int] = frozenset()  # survivors, for membership tests
+        self._gone: frozenset[int] = frozenset()  # dropped, for membership tests
         #: the unmasking shares held determine the survivors' sum (released, even on abort)
         self.opened = False
         self._recipients: dict[int, tuple[int, ...]] = {}
@@ -308,6 +311,7 @@ class SecAggServer:
             )
         self.survivors = tuple(sorted(self.view.masked_inputs))
         self.dropped = tuple(sorted(set(self.shared) - set(self.survivors)))
+        self._alive, self._gone = frozenset(self.survivors), frozenset(self.dropped)
         self._require(len(self.survivors), Stage.MASKED_INPUT, "masked inputs arrived from")
         for client in self.survivors + self.excluded:
             self.transcript.record(
@@ -348,18 +352,21 @@ class SecAggServer:
         needed += [
             (owner, "secret_key_shares")
             for owner in self.dropped
-            if any(j in self.survivors for j in self._recipients[owner])
+            if not self._alive.isdisjoint(self._recipients[owner])
         ]
+        held = {kind: Counter() for kind in ("self_mask_shares", "secret_key_shares")}
+        for response in self.view.responses.values():  # one pass: who holds a share of whom
+            for kind, counts in held.items():
+                counts.update(getattr(response, kind).keys())
         for owner, kind in needed:
             scheme = shamir_scheme(self.config, len(self._recipients[owner]))
-            held = sum(owner in getattr(r, kind) for r in self.view.responses.values())
-            if held < scheme.threshold:
+            if held[kind][owner] < scheme.threshold:
                 return False
         return True
 
     def _response_problem(self, responder: object, response: object) -> str | None:
         client = self._member(responder)
-        if client is None or (client not in self.survivors and client not in self.excluded):
+        if client is None or (client not in self._alive and client not in self.excluded):
             return (
                 f"client {responder!r} is neither a survivor nor a share holder that was "
                 "excluded from contributing"
@@ -369,8 +376,8 @@ class SecAggServer:
         if not isinstance(response, UnmaskResponse):
             return f"the response is a {type(response).__name__}, not an UnmaskResponse"
         for kind, owners in (
-            ("self_mask_shares", self.survivors),
-            ("secret_key_shares", self.dropped),
+            ("self_mask_shares", self._alive),
+            ("secret_key_shares", self._gone),
         ):
             shares = getattr(response, kind)
             if not isinstance(shares, dict):
@@ -396,7 +403,7 @@ class SecAggServer:
             self.view.recovered_self_masks[owner] = seed
             seeds.append((seed, -1))
         for owner in self.dropped:
-            partners = [j for j in self._recipients[owner] if j in self.survivors]
+            partners = [j for j in self._recipients[owner] if j in self._alive]
             if not partners:
                 continue
             raw_key = self._recover(owner, "secret_key_shares", order)

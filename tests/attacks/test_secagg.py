@@ -33,7 +33,7 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 from fedsim.record_codec import to_record
-from protocols.channels import new_session_id
+from protocols.channels import SERVER_ID, new_session_id
 from protocols.field import DEFAULT_FIELD
 from protocols.kit import RoundAborted, StageError
 from protocols.secagg.client import SecAggClient
@@ -467,6 +467,13 @@ def _unmask_client_cases() -> list:
         ("too few survivors", lambda a: (a[0][:2], a[1])),
         ("an id as text", lambda a: ((*a[0], "3"), a[1])),
         ("a negative id", lambda a: ((*a[0], -4), a[1])),
+        # a cohort's list is checked by its types and extremes: every way to slip past them
+        ("an id as a bool", lambda a: ((*a[0], True), a[1])),
+        ("an id as a float", lambda a: ((*a[0], 7.0), a[1])),
+        ("an id past the server's", lambda a: ((*a[0], SERVER_ID), a[1])),
+        ("a dropped id past int64", lambda a: (a[0], (2**64,))),
+        ("survivors as a float array", lambda a: (np.array(a[0], dtype=float), a[1])),
+        ("a negative id in an int array", lambda a: (np.array([*a[0], -1]), a[1])),
     ]
     return cases
 

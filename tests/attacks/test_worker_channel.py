@@ -18,7 +18,14 @@ import time
 import pytest
 
 from fedsim.engine.channel import ChannelLost, DriverChannel, WorkerChannel, wait_any
-from fedsim.engine.channel_frames import NONCE_BYTES, PROTOCOL, TAG_BYTES, ChannelAuthError, new_key
+from fedsim.engine.channel_frames import (
+    NONCE_BYTES,
+    PROOF_BYTES,
+    PROTOCOL,
+    TAG_BYTES,
+    ChannelAuthError,
+    new_key,
+)
 
 HELLO = len(PROTOCOL) + NONCE_BYTES
 FRAME_HEAD = 16 + TAG_BYTES
@@ -150,8 +157,8 @@ def test_an_impostor_worker_that_sends_a_pickle_at_once_is_refused():
 def test_an_impostor_worker_that_guesses_the_proof_is_refused():
     def script(sock):
         sock.sendall(PROTOCOL + bytes(NONCE_BYTES))
-        read_exact(sock, NONCE_BYTES + TAG_BYTES)  # the driver's proof: useless elsewhere
-        sock.sendall(bytes(TAG_BYTES))  # no key, no proof
+        read_exact(sock, NONCE_BYTES + PROOF_BYTES)  # the driver's proof: useless elsewhere
+        sock.sendall(bytes(PROOF_BYTES))  # no key, no proof
         sock.sendall(pickle.dumps((True, Evil("driver"))))
         time.sleep(1.0)
 
@@ -170,8 +177,8 @@ def test_a_worker_proof_from_another_session_is_refused():
         upstream = socket.create_connection(real.address)
         recorded["hello"] = read_exact(upstream, HELLO)
         sock.sendall(recorded["hello"])
-        upstream.sendall(read_exact(sock, NONCE_BYTES + TAG_BYTES))
-        recorded["proof"] = read_exact(upstream, TAG_BYTES)
+        upstream.sendall(read_exact(sock, NONCE_BYTES + PROOF_BYTES))
+        recorded["proof"] = read_exact(upstream, PROOF_BYTES)
         sock.sendall(recorded["proof"])
         time.sleep(0.5)
 
@@ -179,7 +186,7 @@ def test_a_worker_proof_from_another_session_is_refused():
 
     def second(sock):
         sock.sendall(recorded["hello"])  # same hello, but the driver's nonce is fresh
-        read_exact(sock, NONCE_BYTES + TAG_BYTES)
+        read_exact(sock, NONCE_BYTES + PROOF_BYTES)
         sock.sendall(recorded["proof"])
         time.sleep(1.0)
 
@@ -197,7 +204,7 @@ def test_an_impostor_driver_is_refused_before_anything_is_read_or_run():
     sock = socket.create_connection(server.address, timeout=10.0)
     hello = read_exact(sock, HELLO)
     assert hello[: len(PROTOCOL)] == PROTOCOL
-    sock.sendall(bytes(NONCE_BYTES) + bytes(TAG_BYTES))  # a guessed proof
+    sock.sendall(bytes(NONCE_BYTES) + bytes(PROOF_BYTES))  # a guessed proof
     sock.sendall(pickle.dumps(Evil("worker")))  # and a batch right behind it
     assert hung_up(sock)  # no worker proof: the worker hung up
     assert worker.ran == []
@@ -232,8 +239,8 @@ class FrameProxy:
         down, _ = self.listener.accept()
         up = socket.create_connection(self.target)
         down.sendall(read_exact(up, HELLO))
-        up.sendall(read_exact(down, NONCE_BYTES + TAG_BYTES))
-        down.sendall(read_exact(up, TAG_BYTES))
+        up.sendall(read_exact(down, NONCE_BYTES + PROOF_BYTES))
+        down.sendall(read_exact(up, PROOF_BYTES))
         threading.Thread(target=self._pump, args=(down, up, "to_worker"), daemon=True).start()
         self._pump(up, down, "to_driver")
 
