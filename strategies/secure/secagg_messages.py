@@ -280,9 +280,18 @@ class _Exchange:
     foreign: dict[int, str] = field(default_factory=dict)
     refused: dict[int, str] = field(default_factory=dict)
 
-    def message(self, node: int, stage: Stage, records: dict[str, Any]) -> Message:
-        header = header_record(self.server_round, self.session, stage)
-        content = RecordDict({K.HEADER: header, **records})
+    def message(
+        self, node: int, stage: Stage, records: dict[str, Any], contents: dict | None = None
+    ) -> Message:
+        """``node``'s message of ``stage``; ``contents``: the contents already built in this
+        send, by ``id(records)``, so that clients given the same records share one content
+        (serialised and shipped once)."""
+        content = None if contents is None else contents.get(id(records))
+        if content is None:
+            header = header_record(self.server_round, self.session, stage)
+            content = RecordDict({K.HEADER: header, **records})
+            if contents is not None:
+                contents[id(records)] = content
         return Message(
             content=content,
             dst_node_id=node,
@@ -295,8 +304,9 @@ class _Exchange:
         silent in ``stage``); return the accepted replies' contents by protocol id and reject
         the clients whose replies do not have the stage's form."""
         silent = self.silent.get(stage, set())
+        contents: dict[int, RecordDict] = {}
         outgoing = [
-            self.message(self.node_of[c], stage, records)
+            self.message(self.node_of[c], stage, records, contents)
             for c, records in targets.items()
             if self.node_of[c] not in silent
         ]
@@ -458,8 +468,8 @@ def _run_stages(
         else:
             masked[c] = value
     survivors, dropped = server.masked_input(masked)
-    listing = survivors_record(survivors, dropped)
-    asked = {c: {K.SURVIVORS: listing} for c in (*survivors, *holders)}
+    listing = {K.SURVIVORS: survivors_record(survivors, dropped)}  # one content for all
+    asked = {c: listing for c in (*survivors, *holders)}
     responses = {}
     for c, content in exchange.send(Stage.UNMASK, asked).items():
         try:
