@@ -280,18 +280,7 @@ class _Exchange:
     foreign: dict[int, str] = field(default_factory=dict)
     refused: dict[int, str] = field(default_factory=dict)
 
-    def message(
-        self, node: int, stage: Stage, records: dict[str, Any], contents: dict | None = None
-    ) -> Message:
-        """``node``'s message of ``stage``; ``contents``: the contents already built in this
-        send, by ``id(records)``, so that clients given the same records share one content
-        (serialised and shipped once)."""
-        content = None if contents is None else contents.get(id(records))
-        if content is None:
-            header = header_record(self.server_round, self.session, stage)
-            content = RecordDict({K.HEADER: header, **records})
-            if contents is not None:
-                contents[id(records)] = content
+    def message(self, node: int, stage: Stage, content: RecordDict) -> Message:
         return Message(
             content=content,
             dst_node_id=node,
@@ -304,9 +293,13 @@ class _Exchange:
         silent in ``stage``); return the accepted replies' contents by protocol id and reject
         the clients whose replies do not have the stage's form."""
         silent = self.silent.get(stage, set())
-        contents: dict[int, RecordDict] = {}
+        header = header_record(self.server_round, self.session, stage)
+        contents: dict[int, RecordDict] = {}  # by id(records): clients given the same records
+        for records in targets.values():  # share one content, serialised and shipped once
+            if id(records) not in contents:
+                contents[id(records)] = RecordDict({K.HEADER: header, **records})
         outgoing = [
-            self.message(self.node_of[c], stage, records, contents)
+            self.message(self.node_of[c], stage, contents[id(records)])
             for c, records in targets.items()
             if self.node_of[c] not in silent
         ]
