@@ -285,8 +285,9 @@ class MersenneField:
         return result
 
     # ------------------------------------------------------------------ linear algebra
-    def matmul(self, left, right) -> np.ndarray:
-        """(left @ right) mod p for 2-D (or 1-D) operands, exact.
+    def matmul(self, left, right, out: np.ndarray | None = None) -> np.ndarray:
+        """(left @ right) mod p for 2-D (or 1-D) operands, exact; 2-D products may be written
+        into ``out`` (a C-contiguous int64 array of the product's shape).
 
         The right operand is split into w_b-bit limbs and the left one, times each limb's
         weight, into w_a-bit limbs, with ``w_a + w_b + log2(K * limbs) <= 53`` for the inner
@@ -307,7 +308,18 @@ class MersenneField:
                 f"matmul shapes do not align: left {left.shape} @ right {right.shape}; "
                 "allowed: (m, K) @ (K, N)"
             )
-        result = self._matmul_2d(left, right)
+        if out is not None and (
+            left_vector
+            or right_vector
+            or out.shape != (left.shape[0], right.shape[1])
+            or out.dtype != np.int64
+            or not out.flags.c_contiguous
+        ):
+            raise ValueError(
+                f"out has shape {getattr(out, 'shape', None)}; allowed: a C-contiguous int64 "
+                f"array of shape ({left.shape[0]}, {right.shape[1]}) for 2-D operands"
+            )
+        result = self._matmul_2d(left, right, out=out)
         if left_vector and right_vector:
             return result[0, 0]
         if left_vector:
@@ -317,7 +329,11 @@ class MersenneField:
         return result
 
     def _matmul_2d(
-        self, left: np.ndarray, right: np.ndarray, plan: LimbPlan | None = None
+        self,
+        left: np.ndarray,
+        right: np.ndarray,
+        plan: LimbPlan | None = None,
+        out: np.ndarray | None = None,
     ) -> np.ndarray:
         """(left @ right) mod p for aligned 2-D field arrays, by limbs (:meth:`matmul`).
 
@@ -330,7 +346,9 @@ class MersenneField:
         rows, inner = left.shape
         columns = right.shape[1]
         plan = plan or limb_plan(self.exponent, inner, rows, columns)
-        total = np.zeros((rows, columns), dtype=np.int64)
+        total = np.zeros((rows, columns), dtype=np.int64) if out is None else out
+        if inner == 0:
+            total[...] = 0
         unsigned = total.view(np.uint64)
         for start in range(0, inner, plan.chunk):
             stop = min(inner, start + plan.chunk)

@@ -49,7 +49,9 @@ limit (the sum of the kernels' medians) and ``ratio = client_s / limit_s``, in t
 CPU seconds (``time.process_time``: other jobs on the machine do not count) and, with the
 suffix ``_wall``, in wall seconds.
 Both run with ``--blas-threads`` BLAS threads (default 1, as in an engine worker: an actor of one
-CPU, whose OMP_NUM_THREADS Ray sets to 1), so a threaded norm does not inflate both sides.
+CPU, whose OMP_NUM_THREADS Ray sets to 1), so a threaded norm does not inflate both sides, and
+with an engine worker's heap (:func:`fedsim.engine.allocator.keep_freed_memory`; ``worker_heap``
+in the file says whether it applied).
 
 Writes ``--out`` (default experiments/bench/limit.json) under ``--label`` (other labels in
 the file are kept: "before" / "after" a change; ``--merge`` also keeps the label's points of
@@ -80,6 +82,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey  # noqa: E402
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305  # noqa: E402
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF  # noqa: E402
+
+from fedsim.engine.allocator import keep_freed_memory  # noqa: E402
 
 EXCHANGES = ("train", "share_keys", "masked_input", "unmask")
 MESSAGE_EXCHANGE = {
@@ -488,6 +492,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from threadpoolctl import threadpool_limits  # noqa: PLC0415
 
     points = []
+    heap_kept = keep_freed_memory()  # the heap of an engine worker's process
     with threadpool_limits(limits=args.blas_threads):
         for dim in args.dims:
             for cohort in args.cohorts:
@@ -508,11 +513,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rounds": args.rounds,
         "repeats": args.repeats,
         "blas_threads": args.blas_threads,
+        "worker_heap": heap_kept,
         "points": points,
     }
 
 
-D_NAMES = {16384: "2¹⁴", 131072: "2¹⁷", 1048576: "2²⁰"}
+D_NAMES = {16384: "2¹⁴", 65536: "2¹⁶", 131072: "2¹⁷", 1048576: "2²⁰"}
 
 
 def table(stored: dict[str, Any]) -> str:

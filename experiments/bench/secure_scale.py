@@ -576,6 +576,10 @@ def profile(point: Point, path: Path) -> dict[str, Any]:
     import pstats  # noqa: PLC0415
 
     local = Point(**{**point.__dict__, "backend": "local"})
+    if point.mode == "dmm":  # its committee members are Ray actors even beside local clients
+        from fedsim.engine.cluster import ensure_ray  # noqa: PLC0415
+
+        ensure_ray(num_cpus=point.workers)
     profiler = cProfile.Profile()
     result = profiler.runcall(run_point, local)
     profiler.dump_stats(path)

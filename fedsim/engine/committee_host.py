@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from enum import StrEnum
 from typing import Any
 
+from fedsim.engine.allocator import keep_freed_memory
 from protocols.kit import LocalMembers, Member, MemberSide
 
 __all__ = ["HostProcess", "HostedGroups", "MemberFactory", "MemberHost"]
@@ -39,9 +40,12 @@ MemberFactory = Callable[[Any], Member]
 class HostProcess:
     """One host process (a Ray actor, or an object in this process): the member groups of every
     committee it hosts, by key. ``context``: a picklable callable run once here, whose result
-    every factory gets (None: factories get None)."""
+    every factory gets (None: factories get None); ``own_process``: an actor's process, whose
+    heap keeps its members' freed blocks (:func:`fedsim.engine.allocator.keep_freed_memory`)."""
 
-    def __init__(self, context: Callable[[], Any] | None = None) -> None:
+    def __init__(self, context: Callable[[], Any] | None = None, own_process: bool = False) -> None:
+        if own_process:
+            keep_freed_memory()
         self.context = None if context is None else context()
         self.hosted: dict[str, Member] = {}
 
@@ -168,7 +172,7 @@ class MemberHost:
 
     def _new_actor(self) -> Any:
         actor = self.ray.remote(HostProcess).options(num_cpus=0, max_restarts=0)
-        return actor.remote(self.context)
+        return actor.remote(self.context, own_process=True)
 
     def open(
         self,

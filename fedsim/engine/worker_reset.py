@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
+from fedsim.engine.allocator import keep_freed_memory
 from fedsim.engine.worker import ClientWorker
 
 #: what a warm worker imports ahead of any run: torch (and the compiler torch imports
@@ -205,6 +206,10 @@ def _set_global_state(state: dict[str, Any]) -> None:
 
 class ResettableWorker(ClientWorker):
     """A :class:`ClientWorker` whose process a :meth:`reset` returns to its warm baseline."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        keep_freed_memory()  # an actor's own process: its clients reuse each other's blocks
+        super().__init__(*args, **kwargs)
 
     def warm_up(self, modules: tuple[str, ...] = WARM_MODULES) -> int:
         pid = super().warm_up(modules)

@@ -16,7 +16,7 @@ batch's channel (:func:`seal_rows`): each seat receives one share of the batch's
 one share per client, which tells it (and any coalition of seats) less, never more.
 
 A fold the members can check (:class:`MaskedFold`): each client deals its own shares, adds to
-seat j's row a pad expanded (ChaCha20) from a seed of its own secret stream, and seals only the
+seat j's row a pad expanded (AES-256-CTR) from a seed of its own secret stream, and seals only the
 seed to seat j (:func:`mask_client_shares`, 32 bytes per seat); the fold sums the masked rows
 and lists each client with its sealed seeds (:class:`protocols.dmm.common.FoldedClient`). Seat j
 removes every listed client's pad: the sum is exact when the fold holds every listed client's
@@ -40,7 +40,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
 from protocols.channels import Endpoint, KeySubstitution
 from protocols.dmm.common import (
@@ -57,12 +56,16 @@ from protocols.enrolment import KeyVerifier
 from protocols.field import MersenneField
 from protocols.kit import SEAT_ID_BASE
 from protocols.limbs import subtract_once
+from protocols.secagg.prg import MaskPRG
 from protocols.shamir import PackedShamir
 
 
 def fold_pad(field: MersenneField, seed: bytes, width: int) -> np.ndarray:
-    """``width`` field elements expanded from a 32-byte ``seed`` (ChaCha20 keystream, 8 bytes
-    per element, its low e bits reduced mod p = 2^e - 1: uniform up to 2^-e)."""
+    """``width`` field elements expanded from a 32-byte ``seed`` (the AES-256-CTR keystream of
+    :attr:`protocols.secagg.prg.MaskPRG.AES_CTR`, 8 bytes per element, its low e bits reduced
+    mod p = 2^e - 1: uniform up to 2^-e, and the keystream within q(q-1)/2^129 of uniform over
+    q blocks by the PRP/PRF switching lemma, as that class's docstring argues). Each seed keys
+    one pad only: it is drawn afresh for one seat of one round."""
     return low_bits_mod_p(field, pad_words(field, seed, width))
 
 
@@ -71,7 +74,7 @@ def pad_words(field: MersenneField, seed: bytes, width: int) -> np.ndarray:
     in [0, p] (p stands for 0)."""
     if not isinstance(seed, bytes) or len(seed) != PAD_SEED_BYTES:
         raise ValueError(f"a pad seed is {PAD_SEED_BYTES} bytes, got {seed!r:.40}")
-    stream = Cipher(algorithms.ChaCha20(seed, bytes(16)), mode=None).encryptor()
+    stream = MaskPRG.AES_CTR.keystream(seed)
     words = np.frombuffer(stream.update(_zeros(8 * int(width))), dtype="<u8")
     return np.bitwise_and(words, np.uint64(field.modulus), dtype=np.uint64)
 
@@ -80,6 +83,39 @@ def pad_words(field: MersenneField, seed: bytes, width: int) -> np.ndarray:
 def _zeros(size: int) -> bytes:
     """``size`` zero bytes (the plaintext whose encryption is the keystream), kept per size."""
     return bytes(size)
+
+
+class PadSum:
+    """The sum mod p of pads added one by one (:func:`pad_words`: uint64 in [0, p]), folded
+    (2^e = 1 mod p: v -> (v mod 2^e) + (v >> e)) only when one more pad could overflow uint64:
+    a bound on the running sum is tracked, so each pad costs one addition and no pad is kept."""
+
+    def __init__(self, field: MersenneField, width: int) -> None:
+        self.field = field
+        self._total = np.zeros(int(width), dtype=np.uint64)
+        self._scratch = np.empty_like(self._total)
+        self._bound = 0  # the running sum is at most this
+
+    def add(self, pad: np.ndarray) -> None:
+        p = self.field.modulus
+        if self._bound + p > 2**64 - 1:
+            self._fold()
+        self._total += pad
+        self._bound += p
+
+    def _fold(self) -> None:
+        np.right_shift(self._total, np.uint64(self.field.exponent), out=self._scratch)
+        np.bitwise_and(self._total, np.uint64(self.field.modulus), out=self._total)
+        self._total += self._scratch
+        self._bound = self.field.modulus + (self._bound >> self.field.exponent)
+
+    def value(self) -> np.ndarray:
+        """The sum in [0, p) (uint64)."""
+        while self._bound >= 2 * self.field.modulus:
+            self._fold()
+        subtract_once(self._total, np.uint64(self.field.modulus), self._scratch)
+        self._bound = self.field.modulus - 1
+        return self._total
 
 
 def low_bits_mod_p(field: MersenneField, words: np.ndarray) -> np.ndarray:
@@ -241,9 +277,15 @@ def deal_shares(scheme: PackedShamir, secrets: np.ndarray, randomness: np.ndarra
 
 
 def deal_inputs(scheme: PackedShamir, inputs: np.ndarray) -> np.ndarray:
-    """(n, S) shares from the stacked (k + t, S) inputs [secrets; randomness]: one exact
-    product with the share matrix (:meth:`protocols.field.MersenneField.matmul`)."""
-    return scheme.field.matmul(scheme.share_matrix, inputs)
+    """(n, S) shares from the stacked (k + t, S) inputs [secrets; randomness]. The first t
+    seats' shares are the randomness itself (their points are nodes of the polynomial: rows
+    [0 | I] of the share matrix); the other n - t are one exact product with the rest of the
+    share matrix (:meth:`protocols.field.MersenneField.matmul`)."""
+    k, t = scheme.k, scheme.t
+    shares = np.empty((scheme.n, inputs.shape[1]), dtype=np.int64)
+    shares[:t] = inputs[k:]
+    scheme.field.matmul(scheme.share_matrix[t:], inputs, out=shares[t:])
+    return shares
 
 
 class ShareFold:

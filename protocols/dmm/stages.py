@@ -28,7 +28,7 @@ import numpy as np
 
 from protocols.channels import SERVER_ID, ChannelError, Endpoint, KeySubstitution
 from protocols.dmm import reshare_stages as reshare
-from protocols.dmm.client import pad_words
+from protocols.dmm.client import PadSum, pad_words
 from protocols.dmm.common import (
     CLIENT_ID_LIMIT,
     FOLD_PAD,
@@ -336,9 +336,9 @@ def handle_share(context: GroupContext, state: GroupState, message: Share) -> Re
                 if item is None:
                     raise ChannelError(f"seat {s} received nothing from client {party}")
                 row = open_row(context, state, s, item, DMMStage.SHARE, party, width)
-                listed = _unpad(context, state, s, party, pads.get(party))
-                rows[context.index[s]] = _remove_pads(row, listed.values(), f.modulus)
-                if carried.setdefault(party, max(1, len(listed))) != max(1, len(listed)):
+                count, total = _unpad(context, state, s, party, pads.get(party))
+                rows[context.index[s]] = _remove_pad(row, total, f.modulus)
+                if carried.setdefault(party, max(1, count)) != max(1, count):
                     raise ChannelError(f"seat {s} was given another fold list")
             except (ChannelError, ValueError):
                 refused.setdefault(party, []).append(s)
@@ -346,44 +346,45 @@ def handle_share(context: GroupContext, state: GroupState, message: Share) -> Re
     return replace(state, received=received, carried=carried), refused
 
 
-def _remove_pads(row: np.ndarray, pads, modulus: int) -> np.ndarray:
-    """``row`` (field elements in [0, p)) minus every pad (uint64 in [0, p], p standing for
-    0) mod p: each difference taken in uint64, where min(d, d + p) is d when no borrow wrapped
-    it and d + p when one did."""
-    if not pads:
+def _remove_pad(row: np.ndarray, pad: np.ndarray | None, modulus: int) -> np.ndarray:
+    """``row`` (field elements in [0, p)) minus ``pad`` (uint64 in [0, p); None: nothing to
+    remove) mod p: the difference taken in uint64, where min(d, d + p) is d when no borrow
+    wrapped it and d + p when one did."""
+    if pad is None:
         return row
     out = row.astype(np.uint64, copy=True)
     scratch = np.empty_like(out)
     p = np.uint64(modulus)
-    for pad in pads:
-        np.subtract(out, pad.view(np.uint64), out=out)
-        np.add(out, p, out=scratch)
-        np.minimum(out, scratch, out=out)
+    np.subtract(out, pad, out=out)
+    np.add(out, p, out=scratch)
+    np.minimum(out, scratch, out=out)
     return out.view(np.int64)
 
 
 def _unpad(context: GroupContext, state: GroupState, seat: int, party: int, pads):
-    """client party -> the pad seat ``seat`` removes from fold ``party``'s row
-    (:func:`protocols.dmm.client.pad_words` of the seed sealed from that client; {} for a
-    client's own message)."""
+    """(clients, their pads' sum mod p) that seat ``seat`` removes from fold ``party``'s row:
+    :func:`protocols.dmm.client.pad_words` of the seed sealed from each listed client, summed
+    as they are expanded ((0, None) for a client's own message)."""
     if pads is None:
-        return {}
+        return 0, None
     listed = pads.get(seat) if isinstance(pads, Mapping) else None
     if not isinstance(listed, list | tuple) or not listed:
         raise ChannelError(f"seat {seat} received no fold list from party {party}")
     endpoint = state.endpoints.get(seat)
     if endpoint is None:
         raise ChannelError(f"seat {seat} has no channel this round")
-    width = context.width(state.step)
-    out: dict[int, np.ndarray] = {}
+    width, field = context.width(state.step), context.scheme.field
+    seen: set[int] = set()
+    total = PadSum(field, width)
     for entry in listed:
         client, envelope = entry
         client = int(client)
-        if client in out or client == party or not 0 <= client < CLIENT_ID_LIMIT:
+        if client in seen or client == party or not 0 <= client < CLIENT_ID_LIMIT:
             raise ChannelError(f"fold {party} lists client {client} twice or wrongly")
+        seen.add(client)
         seed = endpoint.open(envelope, round_=state.round, stage=FOLD_PAD, sender=client)
-        out[client] = pad_words(context.scheme.field, seed, width)
-    return out
+        total.add(pad_words(field, seed, width))
+    return len(seen), total.value()
 
 
 def _checked_clients(context: GroupContext, state: GroupState, message: Combine) -> list[int]:

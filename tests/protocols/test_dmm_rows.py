@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from protocols.channels import decode_array, encode_array
-from protocols.dmm.client import _add_in_place, fold_pad, pad_words
+from protocols.dmm.client import PadSum, _add_in_place, fold_pad, pad_words
 from protocols.dmm.rows import row_decoder
-from protocols.dmm.stages import _remove_pads
+from protocols.dmm.stages import _remove_pad
 from protocols.field import MersenneField
 
 
@@ -32,22 +32,29 @@ def test_row_decoder_falls_back_for_other_payloads():
         decode("not bytes")
 
 
-def test_remove_pads_is_field_subtraction():
-    f = MersenneField(61)
-    rng = np.random.default_rng(3)
+@pytest.mark.parametrize("exponent, count", [(61, 9), (61, 40), (31, 9), (13, 5)])
+def test_removing_the_pads_sum_is_field_subtraction_of_each_pad(exponent, count):
+    """PadSum folds only when uint64 could overflow (every 7 pads at e = 61): the row minus the
+    sum equals the row minus each pad in turn, at p - 1, 0 and the raw word p (for 0)."""
+    f = MersenneField(exponent)
+    rng = np.random.default_rng(exponent + count)
     row = f.random(rng, 1000)
     row[:3] = [0, f.modulus - 1, 5]
-    pads = [f.random(rng, 1000).view(np.uint64) for _ in range(9)]
+    pads = [f.random(rng, 1000).view(np.uint64) for _ in range(count)]
     pads[0][:3] = [f.modulus - 1, 0, 5]
-    pads[1][:4] = [f.modulus] * 4  # raw pad words: p stands for 0
+    for pad in pads[1:]:
+        pad[:4] = [f.modulus] * 4  # raw pad words: p stands for 0
+    pads[2][4:8] = f.modulus - 1
     expected = row
+    total = PadSum(f, 1000)
     for pad in pads:
         expected = f.sub(expected, pad.view(np.int64) % f.modulus)
-    out = _remove_pads(row, pads, f.modulus)
+        total.add(pad)
+    out = _remove_pad(row, total.value(), f.modulus)
     assert out.dtype == np.int64
     np.testing.assert_array_equal(out, expected)
     assert out.min() >= 0 and out.max() < f.modulus
-    assert _remove_pads(row, [], f.modulus) is row
+    assert _remove_pad(row, None, f.modulus) is row
 
 
 def test_pad_words_reduce_to_fold_pad_and_add_like_field_addition():

@@ -75,9 +75,22 @@ def test_matmul_matches_big_integers(field, inner):
         for i in range(5)
     ]
     assert field.matmul(left, right).tolist() == expected
+    out = np.full((7, 6), 5, dtype=np.int64)  # rows 1..5 of a larger array, stale values in it
+    field.matmul(left, right, out=out[1:6])
+    assert out[1:6].tolist() == expected and out[0].tolist() == out[6].tolist() == [5] * 6
     if inner:
         vector = right[:, 1]
         assert field.matmul(left, vector).tolist() == [row[1] for row in expected]
+
+
+def test_matmul_out_must_be_the_products_contiguous_int64_array():
+    field = DEFAULT_FIELD
+    left, right = np.ones((2, 3), dtype=np.int64), np.ones((3, 4), dtype=np.int64)
+    for bad in (np.empty((2, 5), dtype=np.int64), np.empty((2, 4)), np.empty((4, 2), np.int64).T):
+        with pytest.raises(ValueError, match=r"out has shape .*allowed: a C-contiguous int64"):
+            field.matmul(left, right, out=bad)
+    with pytest.raises(ValueError, match="out has shape"):
+        field.matmul(left, right[:, 0], out=np.empty((2, 1), dtype=np.int64))
 
 
 def test_matmul_long_inner_dimension_is_chunked_exactly():
