@@ -50,14 +50,21 @@ def test_every_product_in_a_small_field():
 
 
 @pytest.mark.parametrize("field", FIELDS, ids=repr)
-def test_batch_inverse(field):
-    a = _samples(field, 400, seed=4)
-    a = a[a != 0]
+@pytest.mark.parametrize("size", [400, 64, 17, 1])  # the batch path and the small-batch path
+def test_batch_inverse(field, size):
+    a = _samples(field, max(size, 8), seed=4)[:size]
+    a[a == 0] = field.modulus - 1
+    if size > 1:
+        a[:2] = [1, field.modulus - 1]
     inverse = field.inv(a)
+    assert inverse.dtype == np.int64 and inverse.shape == a.shape
     assert (field.mul(a, inverse) == 1).all()
     assert _ints(inverse) == [pow(x, -1, field.modulus) for x in _ints(a)]
-    with pytest.raises(ValueError, match="zero entries"):
-        field.inv(np.array([3, 0, 5]))
+    square = field.inv(a[: (size // 4) * 4].reshape(-1, 4)) if size >= 4 else inverse
+    assert square.shape == ((size // 4, 4) if size >= 4 else a.shape)
+    for bad in (np.array([3, 0, 5]), np.zeros(100, dtype=np.int64)):
+        with pytest.raises(ValueError, match="zero entries"):
+            field.inv(bad)
 
 
 @pytest.mark.parametrize("field", FIELDS, ids=repr)
