@@ -37,6 +37,7 @@ import numpy as np
 from protocols.limbs import (
     MAX_EXACT_FLOAT,
     LimbPlan,
+    fold_mersenne,
     limb_plan,
     rotate_into,
     split_limbs,
@@ -400,9 +401,7 @@ class MersenneField:
             rotate_into(parts[i], (plan.left_bits * i) % self.exponent, self.exponent, p, scratch)
             block += parts[i]
         # fold 2^e = 1 and subtract once: block < left_limbs * p -> [0, p)
-        np.right_shift(block, np.uint64(self.exponent), out=scratch)
-        np.bitwise_and(block, p, out=block)
-        block += scratch
+        fold_mersenne(block, self.exponent, p, scratch)
         subtract_once(block, p, scratch)
         return block
 

@@ -78,6 +78,16 @@ def split_limbs(matrix: np.ndarray, plan: LimbPlan) -> np.ndarray:
     return out
 
 
+def fold_mersenne(
+    values: np.ndarray, exponent: int, modulus: np.uint64, scratch: np.ndarray
+) -> None:
+    """In place: uint64 ``values`` v -> (v mod 2^e) + (v >> e), the same residue mod
+    p = 2^e - 1 (2^e = 1 mod p) and at most p + (v >> e); ``scratch`` as ``values``."""
+    np.right_shift(values, np.uint64(exponent), out=scratch)
+    np.bitwise_and(values, modulus, out=values)
+    values += scratch
+
+
 def subtract_once(values: np.ndarray, modulus: np.uint64, scratch: np.ndarray) -> None:
     """In place: uint64 ``values`` below 2 * modulus reduced to [0, modulus), as
     min(v, v - modulus) (the difference wraps past every v < modulus); ``scratch`` is a

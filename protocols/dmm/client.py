@@ -55,7 +55,7 @@ from protocols.dmm.common import (
 from protocols.enrolment import KeyVerifier
 from protocols.field import MersenneField
 from protocols.kit import SEAT_ID_BASE
-from protocols.limbs import subtract_once
+from protocols.limbs import fold_mersenne, subtract_once
 from protocols.secagg.prg import MaskPRG
 from protocols.shamir import PackedShamir
 
@@ -104,9 +104,8 @@ class PadSum:
         self._bound += p
 
     def _fold(self) -> None:
-        np.right_shift(self._total, np.uint64(self.field.exponent), out=self._scratch)
-        np.bitwise_and(self._total, np.uint64(self.field.modulus), out=self._total)
-        self._total += self._scratch
+        modulus = np.uint64(self.field.modulus)
+        fold_mersenne(self._total, self.field.exponent, modulus, self._scratch)
         self._bound = self.field.modulus + (self._bound >> self.field.exponent)
 
     def value(self) -> np.ndarray:
