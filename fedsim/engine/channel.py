@@ -382,7 +382,7 @@ class DriverChannel:
         if not payload:
             return  # a heartbeat: the worker is running a batch
         index = int.from_bytes(payload[:_INDEX], "big")
-        if payload[_INDEX:] == RELEASED:
+        if len(payload) == _INDEX + len(RELEASED) and payload[_INDEX:] == RELEASED:
             asked = next((f for f in self.pending if f.index == index and f.release_asked), None)
             if asked is None:
                 self.fail(ChannelLost(f"worker {self.worker}: a release nobody asked for"))
