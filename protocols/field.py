@@ -37,6 +37,7 @@ import numpy as np
 from protocols.limbs import (
     MAX_EXACT_FLOAT,
     LimbPlan,
+    MersenneSum,
     fold_mersenne,
     limb_plan,
     rotate_into,
@@ -207,6 +208,18 @@ class MersenneField:
         if a.shape[0] == 0:
             return np.zeros(a.shape[1:], dtype=np.int64)
         return a[0]
+
+    def sum_rows(self, rows, shape) -> np.ndarray:
+        """Sum mod p of the field arrays ``rows`` (an iterable, each of ``shape``), one pass
+        each into a :class:`protocols.limbs.MersenneSum`: what :meth:`sum` of their stack
+        gives, without the stack; zeros for no rows."""
+        total = MersenneSum(self.exponent, shape)
+        for i, row in enumerate(rows):
+            row = self.asarray(row, f"rows[{i}]")
+            if row.shape != total.shape:
+                raise ValueError(f"rows[{i}] has shape {row.shape}; allowed: {total.shape}")
+            total.add(row.view(np.uint64))
+        return total.value().view(np.int64)
 
     def mul(self, a, b) -> np.ndarray:
         """(a * b) mod p element-wise with broadcasting (scalars allowed), exact.

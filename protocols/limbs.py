@@ -94,3 +94,36 @@ def subtract_once(values: np.ndarray, modulus: np.uint64, scratch: np.ndarray) -
     uint64 array of the same shape."""
     np.subtract(values, modulus, out=scratch)
     np.minimum(values, scratch, out=values)
+
+
+class MersenneSum:
+    """The sum mod p = 2^e - 1 of uint64 arrays of one ``shape`` with entries in [0, p] (p
+    standing for 0), added one by one: a bound on the running sum is tracked and the sum folded
+    (:func:`fold_mersenne`) only when one more term could overflow uint64, so each term costs
+    one addition and no term is kept."""
+
+    def __init__(self, exponent: int, shape) -> None:
+        self.exponent = int(exponent)
+        self.modulus = (1 << self.exponent) - 1
+        self._total = np.zeros(shape, dtype=np.uint64)
+        self.shape = self._total.shape
+        self._scratch = np.empty_like(self._total)
+        self._bound = 0  # the running sum is at most this
+
+    def add(self, term: np.ndarray) -> None:
+        if self._bound + self.modulus > 2**64 - 1:
+            self._fold()
+        self._total += term
+        self._bound += self.modulus
+
+    def _fold(self) -> None:
+        fold_mersenne(self._total, self.exponent, np.uint64(self.modulus), self._scratch)
+        self._bound = self.modulus + (self._bound >> self.exponent)
+
+    def value(self) -> np.ndarray:
+        """The sum in [0, p) (uint64)."""
+        while self._bound >= 2 * self.modulus:
+            self._fold()
+        subtract_once(self._total, np.uint64(self.modulus), self._scratch)
+        self._bound = self.modulus - 1
+        return self._total

@@ -214,11 +214,8 @@ def handle_combine(
     missing = [c for c in clients if c not in stored]
     if missing:
         raise ValueError(f"clients {missing[:5]} were never shared with this shard")
-    if clients:
-        total = shard.field.sum(np.stack([stored[c] for c in clients]), axis=0)
-    else:
-        width = 0 if state.width is None else state.width
-        total = np.zeros((shard.members.size, width), dtype=np.int64)
+    width = 0 if state.width is None else state.width
+    total = shard.field.sum_rows((stored[c] for c in clients), (shard.members.size, width))
     total = _tamper(shard, total, faults.tamper, faults.seed, COMBINE_SALT)
     new = replace(state, stage=CommitteeStage.COMBINE, rows={}, total=total, offline=offline)
     return new, [int(m) for m in shard.members if m not in offline]

@@ -55,7 +55,7 @@ from protocols.dmm.common import (
 from protocols.enrolment import KeyVerifier
 from protocols.field import MersenneField
 from protocols.kit import SEAT_ID_BASE
-from protocols.limbs import fold_mersenne, subtract_once
+from protocols.limbs import subtract_once
 from protocols.secagg.prg import MaskPRG
 from protocols.shamir import PackedShamir
 
@@ -83,38 +83,6 @@ def pad_words(field: MersenneField, seed: bytes, width: int) -> np.ndarray:
 def _zeros(size: int) -> bytes:
     """``size`` zero bytes (the plaintext whose encryption is the keystream), kept per size."""
     return bytes(size)
-
-
-class PadSum:
-    """The sum mod p of pads added one by one (:func:`pad_words`: uint64 in [0, p]), folded
-    (2^e = 1 mod p: v -> (v mod 2^e) + (v >> e)) only when one more pad could overflow uint64:
-    a bound on the running sum is tracked, so each pad costs one addition and no pad is kept."""
-
-    def __init__(self, field: MersenneField, width: int) -> None:
-        self.field = field
-        self._total = np.zeros(int(width), dtype=np.uint64)
-        self._scratch = np.empty_like(self._total)
-        self._bound = 0  # the running sum is at most this
-
-    def add(self, pad: np.ndarray) -> None:
-        p = self.field.modulus
-        if self._bound + p > 2**64 - 1:
-            self._fold()
-        self._total += pad
-        self._bound += p
-
-    def _fold(self) -> None:
-        modulus = np.uint64(self.field.modulus)
-        fold_mersenne(self._total, self.field.exponent, modulus, self._scratch)
-        self._bound = self.field.modulus + (self._bound >> self.field.exponent)
-
-    def value(self) -> np.ndarray:
-        """The sum in [0, p) (uint64)."""
-        while self._bound >= 2 * self.field.modulus:
-            self._fold()
-        subtract_once(self._total, np.uint64(self.field.modulus), self._scratch)
-        self._bound = self.field.modulus - 1
-        return self._total
 
 
 def low_bits_mod_p(field: MersenneField, words: np.ndarray) -> np.ndarray:

@@ -28,7 +28,7 @@ import numpy as np
 
 from protocols.channels import SERVER_ID, ChannelError, Endpoint, KeySubstitution
 from protocols.dmm import reshare_stages as reshare
-from protocols.dmm.client import PadSum, pad_words
+from protocols.dmm.client import pad_words
 from protocols.dmm.common import (
     CLIENT_ID_LIMIT,
     FOLD_PAD,
@@ -51,6 +51,7 @@ from protocols.dmm.state import (
     own_seats,
 )
 from protocols.kit import NEW_ID_BASE, OLD_ID_BASE, SEAT_ID_BASE, StageError
+from protocols.limbs import MersenneSum
 
 Reply = tuple[GroupState, Any]
 
@@ -375,7 +376,7 @@ def _unpad(context: GroupContext, state: GroupState, seat: int, party: int, pads
         raise ChannelError(f"seat {seat} has no channel this round")
     width, field = context.width(state.step), context.scheme.field
     seen: set[int] = set()
-    total = PadSum(field, width)
+    total = MersenneSum(field.exponent, width)
     for entry in listed:
         client, envelope = entry
         client = int(client)
@@ -428,7 +429,8 @@ def handle_combine(context: GroupContext, state: GroupState, message: Combine) -
     tamper = own_seats(context, message.tamper, "tamper")
     f, schedule, step = context.scheme.field, context.schedule, state.step
     online = state.online - gone
-    total = f.sum(np.stack([state.received[c] for c in chosen]), axis=0)
+    shape = (len(context.seats), context.width(step))
+    total = f.sum_rows((state.received[c] for c in chosen), shape)
     total = offset(context, step, total, set(tamper) & online, seed, 1)
     released = schedule.released_at(step)
     segments = total.reshape(len(context.seats), 1 + len(released), context.blocks)

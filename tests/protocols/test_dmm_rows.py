@@ -4,10 +4,11 @@ import numpy as np
 import pytest
 
 from protocols.channels import decode_array, encode_array
-from protocols.dmm.client import PadSum, _add_in_place, fold_pad, pad_words
+from protocols.dmm.client import _add_in_place, fold_pad, pad_words
 from protocols.dmm.rows import row_decoder
 from protocols.dmm.stages import _remove_pad
 from protocols.field import MersenneField
+from protocols.limbs import MersenneSum
 
 
 @pytest.mark.parametrize("width", [0, 1, 7, 4096])
@@ -34,7 +35,7 @@ def test_row_decoder_falls_back_for_other_payloads():
 
 @pytest.mark.parametrize("exponent, count", [(61, 9), (61, 40), (31, 9), (13, 5)])
 def test_removing_the_pads_sum_is_field_subtraction_of_each_pad(exponent, count):
-    """PadSum folds only when uint64 could overflow (every 7 pads at e = 61): the row minus the
+    """MersenneSum folds only when uint64 could overflow (every 7 pads at e = 61): the row minus the
     sum equals the row minus each pad in turn, at p - 1, 0 and the raw word p (for 0)."""
     f = MersenneField(exponent)
     rng = np.random.default_rng(exponent + count)
@@ -46,7 +47,7 @@ def test_removing_the_pads_sum_is_field_subtraction_of_each_pad(exponent, count)
         pad[:4] = [f.modulus] * 4  # raw pad words: p stands for 0
     pads[2][4:8] = f.modulus - 1
     expected = row
-    total = PadSum(f, 1000)
+    total = MersenneSum(f.exponent, 1000)
     for pad in pads:
         expected = f.sub(expected, pad.view(np.int64) % f.modulus)
         total.add(pad)

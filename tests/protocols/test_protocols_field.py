@@ -41,6 +41,32 @@ def test_elementwise_ops_match_big_integers(field):
     assert int(field.sum(a)) == sum(_ints(a)) % p
 
 
+@pytest.mark.parametrize("field", FIELDS, ids=repr)
+@pytest.mark.parametrize("count", [0, 1, 7, 8, 9, 40])
+def test_sum_rows_is_the_big_integer_sum_of_each_entry(field, count):
+    """sum_rows folds only before uint64 could overflow (every 7 terms at e = 61): each entry
+    equals the big-integer sum mod p, with rows of p - 1 everywhere (the largest bound)."""
+    p = field.modulus
+    rows = [_samples(field, 60, seed=10 + i).reshape(3, 20) for i in range(count)]
+    for row in rows[::2]:
+        row[:, :5] = p - 1
+    total = field.sum_rows(iter(rows), (3, 20))
+    assert total.dtype == np.int64 and total.shape == (3, 20)
+    expected = [sum(int(r.ravel()[i]) for r in rows) % p for i in range(60)]
+    assert _ints(total) == expected
+
+
+def test_sum_rows_refuses_a_wrong_shape_or_a_value_outside_the_field():
+    field = DEFAULT_FIELD
+    good = np.zeros((2, 4), dtype=np.int64)
+    with pytest.raises(ValueError, match=r"rows\[1\] has shape \(4, 2\); allowed: \(2, 4\)"):
+        field.sum_rows([good, good.reshape(4, 2)], (2, 4))
+    bad = good.copy()
+    bad[0, 0] = field.modulus
+    with pytest.raises(ValueError, match=r"rows\[0\] has entry .* outside \[0, p\)"):
+        field.sum_rows([bad], (2, 4))
+
+
 def test_every_product_in_a_small_field():
     field = MersenneField(7)
     p = field.modulus

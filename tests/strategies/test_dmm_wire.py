@@ -64,6 +64,8 @@ def test_a_folded_cohorts_share_config_round_trips_and_places_each_node():
         (DMMKeys.T, "1", "dmm.share.t='1'; allowed: an integer"),
         (DMMKeys.PARTY, True, "dmm.share.party=True; allowed: an integer"),
         (DMMKeys.MEMBERS, [0, "2", 3], "dmm.share.members=[0, '2', 3]; allowed: a list of int"),
+        (DMMKeys.MEMBERS, [0, True, 3], "dmm.share.members=[0, True, 3]; allowed: a list of int"),
+        (DMMKeys.MEMBERS, [0, 2.0, 3], "dmm.share.members=[0, 2.0, 3]; allowed: a list of int"),
         (DMMKeys.SESSION, "abc", "dmm.share.session='abc'; allowed: bytes"),
         (DMMKeys.MEMBER_KEYS, [b"a"], "has 1; allowed: one key per seat"),
         (DMMKeys.STEP, None, "lacks ['dmm.share.step']"),

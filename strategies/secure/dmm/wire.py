@@ -27,12 +27,15 @@ def _integer(config: Mapping[str, Any], name: str) -> int:
 
 
 def _integers(config: Mapping[str, Any], name: str) -> tuple[int, ...]:
+    """The list of integers at ``name`` (checked by the types it holds: a cohort's list is
+    long and every client reads it)."""
     values = config[K.SHARE_PREFIX + name]
     if not isinstance(values, list | tuple) or not all(
-        isinstance(v, int | np.integer) and not isinstance(v, bool) for v in values
+        issubclass(kind, int | np.integer) and not issubclass(kind, bool | np.bool_)
+        for kind in set(map(type, values))
     ):
-        raise ValueError(f"{K.SHARE_PREFIX}{name}={values!r}; allowed: a list of integers")
-    return tuple(int(v) for v in values)
+        raise ValueError(f"{K.SHARE_PREFIX}{name}={values!r:.200}; allowed: a list of integers")
+    return tuple(map(int, values))
 
 
 def _byte_strings(config: Mapping[str, Any], name: str) -> list[bytes]:
