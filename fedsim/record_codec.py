@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import io
+import math
 from collections.abc import Mapping
 from functools import lru_cache
 from typing import TypeVar
@@ -55,6 +56,7 @@ def array_to_numpy(array: Array) -> np.ndarray:
         start, length = 12, int.from_bytes(data[8:12], "little")
     dtype, shape, fortran = _parse_header(bytes(data[start : start + length]))
     flat = np.frombuffer(data, dtype=dtype, offset=start + length)
+    flat.flags.writeable = False  # (a bytearray payload, :func:`array_to_fill`, would allow it)
     if fortran:
         return flat.reshape(shape[::-1]).T
     return flat.reshape(shape)
@@ -76,6 +78,26 @@ def numpy_to_array(value: np.ndarray) -> Array:
         dtype=dtype, shape=shape, stype=NUMPY_STYPE, data=b"".join([header, payload])
     )
     return array
+
+
+def array_to_fill(dtype, shape: tuple[int, ...]) -> tuple[Array, np.ndarray]:
+    """An :class:`Array` of ``shape`` and ``dtype`` whose payload is still to be written, and
+    a writable C-ordered numpy view of that payload: what the caller writes into the view is
+    the Array's content, with no copy (its bytes are then what ``np.save`` writes for the
+    view). The Array's ``data`` is a ``bytearray`` rather than ``bytes``: for a reply read in
+    the same process (a worker's fold, :mod:`fedsim.worker_reduce`), where copying a large
+    payload into immutable bytes would cost more than computing it; :func:`array_to_numpy`
+    reads it read-only, and pickling and ``len`` treat it as bytes."""
+    dtype = np.dtype(dtype)
+    if dtype.hasobject:
+        raise TypeError("object arrays cannot be sent in an ArrayRecord")
+    header, name, shape = _npy_header(dtype, tuple(shape))
+    data = bytearray(len(header) + dtype.itemsize * math.prod(shape))
+    data[: len(header)] = header
+    view = np.frombuffer(data, dtype=dtype, offset=len(header)).reshape(shape)
+    array = Array.__new__(Array)
+    array.__dict__.update(dtype=name, shape=shape, stype=NUMPY_STYPE, data=data)
+    return array, view
 
 
 def to_numpy(record: ArrayRecord) -> dict[str, np.ndarray]:

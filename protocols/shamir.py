@@ -219,6 +219,32 @@ class PackedShamir:
         """
         return self._decode(shares, members, length, max_faulty)[0]
 
+    def decode_agreeing(self, shares, members, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """Many sharings over the same ``members`` at once: ``shares`` is (m, count, blocks),
+        sharing s in ``shares[:, s]``. Returns the first ``length`` secrets of every sharing
+        ((count, length)) and which sharings' m shares lie on one polynomial of degree < t + k
+        ((count,) bool). For those, the values are what :meth:`decode` gives with no member
+        corrected (any t + k of their shares interpolate the same polynomial, so the order of
+        ``members`` does not matter); the others' values are meaningless and must go through
+        :meth:`decode`, which corrects or refuses them."""
+        shares = self.field.asarray(shares, "shares")
+        if shares.ndim != 3:
+            raise ValueError(f"shares has shape {shares.shape}; allowed (members, count, blocks)")
+        rows, count, blocks = shares.shape
+        stacked, members = self._validate(shares.reshape(rows, count * blocks), members)
+        self._check_length(length, blocks)
+        base = tuple(members[: self.threshold].tolist())
+        agree = np.ones(count, dtype=bool)
+        if members.size > self.threshold:
+            others = tuple(members[self.threshold :].tolist())
+            predicted = self.field.matmul(self._lagrange(base, others), stacked[: self.threshold])
+            differs = (predicted != stacked[self.threshold :]).reshape(-1, count, blocks)
+            agree = ~np.any(differs, axis=(0, 2))
+        weights = self._lagrange(base, "secrets")
+        values = self.field.matmul(weights, stacked[: self.threshold])  # (k, count * blocks)
+        values = values.reshape(self.k, count, blocks).transpose(1, 2, 0)
+        return values.reshape(count, blocks * self.k)[:, :length], agree
+
     def check_consistency(self, shares, members) -> ConsistencyReport:
         """Degree check of every block, with the wrong members when :meth:`decode` can name
         them (``suspects``; empty when the shares cannot be corrected soundly)."""

@@ -55,7 +55,7 @@ from protocols.dmm.common import (
 from protocols.enrolment import KeyVerifier
 from protocols.field import MersenneField
 from protocols.kit import SEAT_ID_BASE
-from protocols.limbs import subtract_once
+from protocols.limbs import MersenneSum, subtract_once
 from protocols.secagg.prg import MaskPRG
 from protocols.shamir import PackedShamir
 
@@ -69,14 +69,28 @@ def fold_pad(field: MersenneField, seed: bytes, width: int) -> np.ndarray:
     return low_bits_mod_p(field, pad_words(field, seed, width))
 
 
-def pad_words(field: MersenneField, seed: bytes, width: int) -> np.ndarray:
+def pad_words(
+    field: MersenneField, seed: bytes, width: int, out: np.ndarray | None = None
+) -> np.ndarray:
     """:func:`fold_pad` before its reduction: the low e bits of each keystream word, uint64
-    in [0, p] (p stands for 0)."""
+    in [0, p] (p stands for 0). ``out``: a little-endian uint64 array of ``width`` words the
+    keystream is written into and masked in place (returned), so that a party expanding many
+    pads allocates none."""
     if not isinstance(seed, bytes) or len(seed) != PAD_SEED_BYTES:
         raise ValueError(f"a pad seed is {PAD_SEED_BYTES} bytes, got {seed!r:.40}")
-    stream = MaskPRG.AES_CTR.keystream(seed)
-    words = np.frombuffer(stream.update(_zeros(8 * int(width))), dtype="<u8")
-    return np.bitwise_and(words, np.uint64(field.modulus), dtype=np.uint64)
+    width = int(width)
+    words = np.empty(width, dtype=_WORD) if out is None else out
+    if words.shape != (width,) or words.dtype != _WORD or not words.flags.c_contiguous:
+        raise ValueError(
+            f"out is a {words.dtype} array of shape {words.shape}; allowed: a contiguous "
+            f"little-endian uint64 array of shape ({width},)"
+        )
+    MaskPRG.AES_CTR.keystream(seed).update_into(_zeros(8 * width), words.view(np.uint8))
+    return np.bitwise_and(words, np.uint64(field.modulus), out=words)
+
+
+_WORD = np.dtype("<u8")
+"""A pad's keystream word: 8 bytes, little-endian."""
 
 
 @functools.lru_cache(maxsize=8)
@@ -94,12 +108,16 @@ def low_bits_mod_p(field: MersenneField, words: np.ndarray) -> np.ndarray:
     return words.view(np.int64)
 
 
-def _add_in_place(row: np.ndarray, pad: np.ndarray, modulus: int) -> None:
+def _add_in_place(
+    row: np.ndarray, pad: np.ndarray, modulus: int, scratch: np.ndarray | None = None
+) -> None:
     """In place: ``row`` + ``pad`` mod p (``row`` in [0, p), ``pad`` in [0, p], p standing
-    for 0: the sum stays below 2p < 2^62)."""
+    for 0: the sum stays below 2p < 2^62); ``scratch``: a uint64 array of the row's shape."""
     unsigned = row.view(np.uint64)
     unsigned += pad.view(np.uint64)
-    subtract_once(unsigned, np.uint64(modulus), np.empty_like(unsigned))
+    if scratch is None:
+        scratch = np.empty_like(unsigned)
+    subtract_once(unsigned, np.uint64(modulus), scratch)
 
 
 @dataclass(frozen=True)
@@ -113,22 +131,33 @@ class MaskedShares:
 
 
 def mask_client_shares(
-    keys: RoundKeys, party: int, update, noise, rng, private_key: bytes | None = None
+    keys: RoundKeys,
+    party: int,
+    update,
+    noise,
+    rng,
+    private_key: bytes | None = None,
+    out: np.ndarray | None = None,
 ) -> MaskedShares:
     """Deal ``update`` and ``noise`` like :func:`seal_client_shares`, then pad seat j's row
     with :func:`fold_pad` of a seed drawn from ``rng`` (the client's own stream) and seal the
-    seed to seat j at :data:`protocols.dmm.common.FOLD_PAD` from channel ``party``."""
+    seed to seat j at :data:`protocols.dmm.common.FOLD_PAD` from channel ``party``. ``out``:
+    the (n, width) int64 array the padded rows are written into (e.g. a reply's payload,
+    :func:`fedsim.record_codec.array_to_fill`)."""
     party = _party(party)
     if keys.session_id is None:
         raise ValueError("keys.session_id=None; folds are sealed over encrypted channels")
     scheme = keys.scheme()
-    rows = share_segments(scheme, [_update(keys, update), *_noise(keys, noise)], rng)
+    segments = [_update(keys, update), *_noise(keys, noise)]
+    rows = share_segments(scheme, segments, rng, out=out)
     endpoint = Endpoint(party, keys.session_id, protocol=PROTOCOL, private_key=private_key)
     seats = sorted(keys.member_keys)
     seeds = [rng.bytes(PAD_SEED_BYTES) for _ in seats]  # seat by seat, as the pads are added
     pads = {}
+    pad, scratch = np.empty(keys.width, dtype=_WORD), np.empty(keys.width, dtype=np.uint64)
     for j, seed in zip(seats, seeds):
-        _add_in_place(rows[int(j)], pad_words(scheme.field, seed, keys.width), scheme.field.modulus)
+        pad_words(scheme.field, seed, keys.width, out=pad)
+        _add_in_place(rows[int(j)], pad, scheme.field.modulus, scratch)
         endpoint.connect(SEAT_ID_BASE + int(j), keys.member_keys[j])
         pads[int(j)] = endpoint.seal(SEAT_ID_BASE + int(j), keys.round, FOLD_PAD, seed)
     return MaskedShares(rows, FoldedClient(party, endpoint.public_key, pads))
@@ -136,13 +165,15 @@ def mask_client_shares(
 
 class MaskedFold:
     """The sum of several clients' :class:`MaskedShares` for one round, with the list of who
-    is in it; :meth:`seal` seals one row per seat from the fold's own channel ``party``."""
+    is in it; :meth:`seal` seals one row per seat from the fold's own channel ``party``. The
+    rows are summed one addition each (:class:`protocols.limbs.MersenneSum`), reduced once
+    when sealed."""
 
     def __init__(self, keys: RoundKeys) -> None:
         self.keys = keys
         self.field = keys.scheme().field
         self.clients: list[FoldedClient] = []
-        self._rows: np.ndarray | None = None
+        self._rows = MersenneSum(self.field.exponent, (keys.n, keys.width))
 
     def add(self, masked: MaskedShares) -> None:
         """One client's padded rows; ValueError naming what is malformed."""
@@ -153,24 +184,24 @@ class MaskedFold:
             )
         if not isinstance(masked.client, FoldedClient):
             raise ValueError(f"a {type(masked.client).__name__}, not a FoldedClient")
-        if self._rows is None:
-            self._rows = rows.copy()
-        else:
-            _add_in_place(self._rows, rows, self.field.modulus)
+        self._rows.add(rows.view(np.uint64))
         self.clients.append(masked.client)
 
     def seal(self, party: int) -> DMMSealedShares:
         """The folded SHARE message (a fresh channel key from the OS for the fold itself)."""
-        if self._rows is None:
+        if not self.clients:
             raise ValueError("nothing was added to the fold")
-        sealed = seal_rows(self.keys, party, self._rows)
+        sealed = seal_rows(self.keys, party, self._rows.value().view(np.int64))
         return DMMSealedShares(sealed.party, sealed.public_key, sealed.shares, tuple(self.clients))
 
 
-def share_segments(scheme: PackedShamir, segments: list[np.ndarray], rng) -> np.ndarray:
+def share_segments(
+    scheme: PackedShamir, segments: list[np.ndarray], rng, out: np.ndarray | None = None
+) -> np.ndarray:
     """(n, len(segments) * blocks) packed shares of the signed integer ``segments``, each
-    padded to whole blocks; ``rng`` a numpy Generator (the owner's secret stream)."""
-    return deal_inputs(scheme, _inputs(scheme, segments, rng))
+    padded to whole blocks; ``rng`` a numpy Generator (the owner's secret stream); ``out``:
+    the int64 array of that shape to write them into (as :func:`deal_inputs`)."""
+    return deal_inputs(scheme, _inputs(scheme, segments, rng), out=out)
 
 
 def sharing_inputs(
@@ -243,13 +274,24 @@ def deal_shares(scheme: PackedShamir, secrets: np.ndarray, randomness: np.ndarra
     return deal_inputs(scheme, np.vstack([secrets, randomness]))
 
 
-def deal_inputs(scheme: PackedShamir, inputs: np.ndarray) -> np.ndarray:
+def deal_inputs(
+    scheme: PackedShamir, inputs: np.ndarray, out: np.ndarray | None = None
+) -> np.ndarray:
     """(n, S) shares from the stacked (k + t, S) inputs [secrets; randomness]. The first t
     seats' shares are the randomness itself (their points are nodes of the polynomial: rows
     [0 | I] of the share matrix); the other n - t are one exact product with the rest of the
-    share matrix (:meth:`protocols.field.MersenneField.matmul`)."""
+    share matrix (:meth:`protocols.field.MersenneField.matmul`). ``out``: a C-contiguous
+    int64 (n, S) array to write the shares into (returned), else a new one."""
     k, t = scheme.k, scheme.t
-    shares = np.empty((scheme.n, inputs.shape[1]), dtype=np.int64)
+    shape = (scheme.n, inputs.shape[1])
+    if out is None:
+        out = np.empty(shape, dtype=np.int64)
+    elif out.shape != shape or out.dtype != np.int64 or not out.flags.c_contiguous:
+        raise ValueError(
+            f"out is a {out.dtype} array of shape {out.shape}; allowed: a C-contiguous int64 "
+            f"array of shape {shape}"
+        )
+    shares = out
     shares[:t] = inputs[k:]
     scheme.field.matmul(scheme.share_matrix[t:], inputs, out=shares[t:])
     return shares

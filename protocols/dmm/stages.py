@@ -377,6 +377,7 @@ def _unpad(context: GroupContext, state: GroupState, seat: int, party: int, pads
     width, field = context.width(state.step), context.scheme.field
     seen: set[int] = set()
     total = MersenneSum(field.exponent, width)
+    pad = np.empty(width, dtype="<u8")  # each pad is expanded into it and added
     for entry in listed:
         client, envelope = entry
         client = int(client)
@@ -384,7 +385,7 @@ def _unpad(context: GroupContext, state: GroupState, seat: int, party: int, pads
             raise ChannelError(f"fold {party} lists client {client} twice or wrongly")
         seen.add(client)
         seed = endpoint.open(envelope, round_=state.round, stage=FOLD_PAD, sender=client)
-        total.add(pad_words(field, seed, width))
+        total.add(pad_words(field, seed, width, out=pad))
     return len(seen), total.value()
 
 

@@ -28,8 +28,8 @@ so that the caller accounts the sum of the survivors' inputs whatever the round 
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -398,15 +398,12 @@ class SecAggServer:
         total = sum_vectors(space, [self.view.masked_inputs[i] for i in self.survivors])
         order = {responder: k for k, responder in enumerate(self.view.responses)}
         seeds: list[tuple[bytes, int]] = []  # (mask seed, +1 to add its mask / -1 to take it)
-        for owner in self.survivors:
-            seed = self._recover(owner, "self_mask_shares", order)
+        for owner, seed in self._recover_all(self.survivors, "self_mask_shares", order):
             self.view.recovered_self_masks[owner] = seed
             seeds.append((seed, -1))
-        for owner in self.dropped:
+        linked = [o for o in self.dropped if not self._alive.isdisjoint(self._recipients[o])]
+        for owner, raw_key in self._recover_all(linked, "secret_key_shares", order):
             partners = [j for j in self._recipients[owner] if j in self._alive]
-            if not partners:
-                continue
-            raw_key = self._recover(owner, "secret_key_shares", order)
             key = X25519PrivateKey.from_private_bytes(raw_key)
             if raw_public_key(key) != self.view.public_keys[owner][1]:
                 raise self._abort(
@@ -432,19 +429,56 @@ class SecAggServer:
             total = space.add(total, mask) if sign > 0 else space.sub(total, mask)
         return total
 
-    def _recover(self, owner: int, kind: str, order: dict[int, int] | None = None) -> bytes:
-        """The owner's secret from its recipients' shares (``order``: each responder's place
-        among the UNMASK responses, the order the shares are decoded in; None: computed)."""
+    def _recover_all(
+        self, owners: Iterable[int], kind: str, order: dict[int, int]
+    ) -> Iterator[tuple[int, bytes]]:
+        """(owner, secret) of each of ``owners`` in order, as :meth:`_recover` gives them (and
+        raising what it raises, at the same owner). The owners whose answering neighbours sit
+        at the same places share one batched decoding
+        (:meth:`protocols.shamir.PackedShamir.decode_agreeing`); an owner whose shares do not
+        all agree, or that has too few, goes through :meth:`_recover` alone."""
+        groups: dict[tuple, list[tuple[int, np.ndarray]]] = defaultdict(list)
+        for owner in owners:
+            members, rows = self._shares_of(owner, kind, order)
+            ranked = sorted(range(len(members)), key=members.__getitem__)
+            key = (len(self._recipients[owner]), tuple(members[i] for i in ranked))
+            groups[key].append((owner, np.stack([rows[i] for i in ranked]) if rows else None))
+        decoded: dict[int, np.ndarray] = {}
+        for (recipients, members), group in groups.items():
+            scheme = shamir_scheme(self.config, recipients)
+            if len(members) < scheme.threshold:
+                continue
+            shares = np.stack([rows for _, rows in group], axis=1)
+            values, agree = scheme.decode_agreeing(shares, members, CHUNKS_PER_SECRET)
+            decoded.update((owner, values[i]) for i, (owner, _) in enumerate(group) if agree[i])
+        for owner in owners:
+            if owner in decoded:
+                yield owner, elements_to_secret(decoded[owner])
+            else:
+                yield owner, self._recover(owner, kind, order)
+
+    def _shares_of(
+        self, owner: int, kind: str, order: dict[int, int]
+    ) -> tuple[list[int], list[np.ndarray]]:
+        """The owner's share rows held, in ``order``, and their senders' places among its
+        recipients."""
         members, rows = [], []
         recipients = self._recipients[owner]
         responses = self.view.responses
-        if order is None:
-            order = {responder: k for k, responder in enumerate(responses)}
         for responder in sorted((r for r in recipients if r in responses), key=order.__getitem__):
             share = getattr(responses[responder], kind).get(owner)
             if share is not None:
                 members.append(recipients.index(responder))
                 rows.append(share)
+        return members, rows
+
+    def _recover(self, owner: int, kind: str, order: dict[int, int] | None = None) -> bytes:
+        """The owner's secret from its recipients' shares (``order``: each responder's place
+        among the UNMASK responses, the order the shares are decoded in; None: computed)."""
+        recipients = self._recipients[owner]
+        if order is None:
+            order = {responder: k for k, responder in enumerate(self.view.responses)}
+        members, rows = self._shares_of(owner, kind, order)
         scheme = shamir_scheme(self.config, len(recipients))
         what = "self-mask seed" if kind == "self_mask_shares" else "mask-agreement key"
         if len(members) < scheme.threshold:

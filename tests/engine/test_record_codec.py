@@ -1,12 +1,14 @@
 """fedsim.record_codec: the fast codec must match Flower's np.save encoding exactly."""
 
 import io
+import pickle
 
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from fedsim.record_codec import (
+    array_to_fill,
     array_to_numpy,
     content_nbytes,
     numpy_to_array,
@@ -41,6 +43,30 @@ def test_round_trip_through_flower(value):
     assert np.array_equal(numpy_to_array(value).numpy(), value)
     decoded = array_to_numpy(Array(value))
     assert decoded.dtype == value.dtype and np.array_equal(decoded, value)
+
+
+@pytest.mark.parametrize("value", ARRAYS, ids=lambda a: f"{a.dtype}{a.shape}")
+def test_an_array_filled_in_place_is_the_array_np_save_writes(value):
+    """array_to_fill: what is written into its view is the Array (no copy): its payload is
+    np.save's bytes, Flower and to_numpy read it (read-only, though the buffer is mutable),
+    and it survives pickling as any Array does."""
+    array, view = array_to_fill(value.dtype, value.shape)
+    assert view.flags.writeable and view.flags.c_contiguous and view.shape == value.shape
+    view[...] = value
+    buffer = io.BytesIO()
+    np.save(buffer, value, allow_pickle=False)
+    assert bytes(array.data) == buffer.getvalue() == numpy_to_array(value).data
+    assert array.dtype == str(value.dtype) and array.shape == value.shape
+    assert np.array_equal(array.numpy(), value)
+    decoded = array_to_numpy(array)
+    assert np.array_equal(decoded, value) and not decoded.flags.writeable
+    if value.size:
+        view.reshape(-1)[0] = not value.reshape(-1)[0] if value.dtype == bool else 7
+        assert array_to_numpy(array).reshape(-1)[0] == view.reshape(-1)[0]  # the same memory
+    again = pickle.loads(pickle.dumps(array))
+    assert np.array_equal(array_to_numpy(again), view) and len(again.data) == len(array.data)
+    with pytest.raises(TypeError, match="object arrays"):
+        array_to_fill(object, (2,))
 
 
 def test_fortran_order_and_non_contiguous_input():

@@ -171,6 +171,14 @@ def test_masked_rows_are_shares_plus_each_seats_pad(offline):
         expected[j] = (expected[j] + pad) % P
     assert np.array_equal(masked.rows.astype(object), expected)
     assert sorted(masked.client.pads) == seats
+    # dealt into a given array (a reply's payload): the same rows, written over what it held
+    out = np.full((20, keys.width), -1, dtype=np.int64)
+    inputs = (keys, 5, segments[0], np.stack(segments[1:]))
+    again = mask_client_shares(*inputs, _rng(), bytes(32), out=out)
+    assert again.rows is out and np.array_equal(out, masked.rows)
+    for wrong in (np.empty((20, keys.width), np.uint64), np.empty((19, keys.width), np.int64)):
+        with pytest.raises(ValueError, match="allowed: a C-contiguous int64 array of shape"):
+            mask_client_shares(*inputs, _rng(), bytes(32), out=wrong)
 
 
 def test_a_fold_deals_the_sum_of_its_parties_inputs():

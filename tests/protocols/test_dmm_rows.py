@@ -72,3 +72,23 @@ def test_pad_words_reduce_to_fold_pad_and_add_like_field_addition():
     np.testing.assert_array_equal(row, expected)
     with pytest.raises(ValueError, match="a pad seed is 32 bytes"):
         pad_words(f, b"short", 5)
+
+
+def test_pad_words_into_a_buffer_are_the_same_words_and_allocate_nothing():
+    """A party expanding many pads reuses one buffer: the words written into it are the
+    allocated path's, every time (a reused buffer keeps nothing of the last pad), and a
+    buffer of the wrong length, type or layout is refused by name."""
+    f = MersenneField(61)
+    buffer = np.full(500, np.iinfo(np.uint64).max, dtype=np.uint64)
+    for seed in (bytes(range(32)), bytes(32), bytes([255]) * 32):
+        got = pad_words(f, seed, 500, out=buffer)
+        assert got is buffer
+        np.testing.assert_array_equal(got, pad_words(f, seed, 500))
+    strided = np.empty(1000, np.uint64)[::2]
+    for wrong in (np.empty(499, np.uint64), np.empty(500, np.int64), strided):
+        with pytest.raises(ValueError, match=r"out is a .*allowed: a contiguous little-endian"):
+            pad_words(f, bytes(32), 500, out=wrong)
+    row, pad = f.random(np.random.default_rng(2), 500), pad_words(f, bytes(32), 500)
+    expected = f.add(row, (pad % np.uint64(f.modulus)).astype(np.int64))
+    _add_in_place(row, pad, f.modulus, np.empty(500, np.uint64))
+    np.testing.assert_array_equal(row, expected)

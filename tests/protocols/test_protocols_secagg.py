@@ -186,6 +186,36 @@ def test_tampered_share_is_named_and_left_out():
     assert server.stage is Stage.DONE
 
 
+def test_batched_recovery_gives_each_owner_what_its_own_decoding_gives():
+    """UNMASK decodes the owners whose answering neighbours sit at the same places together:
+    with dropouts in every stage (several such groups, survivors and dropped owners alike) and
+    one tampered share (that owner decoded alone, its sender named), every recovered seed and
+    key is the one a decoding of that owner alone gives, and the sum is exact."""
+    inputs = _inputs(16, seed=31)
+    config = SecAggConfig(16, 12, 7, LENGTH)
+    session = new_session_id()
+    server = SecAggServer(config, inputs, session, np.random.default_rng(1))
+    clients = {i: SecAggClient(session) for i in inputs}
+    routed = server.advertise_keys({i: c.advertise_keys() for i, c in clients.items()})
+    incoming = _share_keys(server, clients, config, routed)
+    masked = {i: clients[i].masked_input(incoming[i], inputs[i]) for i in incoming if i != 108}
+    survivors, dropped = server.masked_input(masked)
+    responses = {i: clients[i].unmask(survivors, dropped) for i in survivors if i not in (102, 113)}
+    row = responses[104].self_mask_shares[100]
+    row[3] = (row[3] + 1) % FIELD.modulus
+    assert (server.unmask(responses) == _sum_of(inputs, survivors)).all()
+    assert list(server.rejected) == [104] and dropped == (108,)
+    view = server.view
+    for owner in survivors:
+        assert view.recovered_self_masks[owner] == server._recover(owner, "self_mask_shares")
+    assert view.recovered_secret_keys[108] == server._recover(108, "secret_key_shares")
+    places = set()
+    for owner in survivors:
+        recipients = server._recipients[owner]
+        places.add(tuple(sorted(recipients.index(r) for r in view.responses if r in recipients)))
+    assert len(places) > 1  # more than one group was decoded
+
+
 def test_shares_wrong_beyond_the_radius_abort_cleanly_naming_nobody():
     inputs = _inputs(9, seed=15)
     config = SecAggConfig(9, 8, 5, LENGTH)

@@ -214,6 +214,34 @@ def test_decode_refuses_non_integer_members_and_lengths(members, length, match):
         scheme.decode(shares[:5], members, length)
 
 
+@pytest.mark.parametrize(("n", "t", "k", "answers"), [(9, 3, 2, 8), (9, 3, 2, 5), (16, 7, 1, 12)])
+def test_decode_agreeing_is_decode_of_each_sharing_and_flags_every_wrong_one(n, t, k, answers):
+    """Sharings over one member set, batched: each agreeing sharing decodes as decode alone
+    does (members in any order, edge values included); a sharing with one wrong share
+    anywhere is flagged whenever there is a spare answer to catch it."""
+    scheme = PackedShamir(n=n, t=t, k=k)
+    field, rng = scheme.field, np.random.default_rng(21)
+    length, count = 2 * k + 1, 9
+    secrets = field.random(rng, (count, length))
+    secrets[0, :2] = [0, field.modulus - 1]
+    members = rng.permutation(n)[:answers]
+    shares = np.stack([scheme.share(s, rng=rng)[members] for s in secrets], axis=1)
+    wrong = {3: (0, 0), 7: (answers - 1, scheme.blocks_for(length) - 1)}
+    for sharing, (row, block) in wrong.items():
+        shares[row, sharing, block] = (shares[row, sharing, block] + 1) % field.modulus
+    values, agree = scheme.decode_agreeing(shares, members, length)
+    spare = answers > scheme.threshold
+    assert agree.tolist() == [not (spare and s in wrong) for s in range(count)]
+    for s in range(count):
+        if s not in wrong:
+            assert (values[s] == secrets[s]).all()
+            assert (values[s] == scheme.decode(shares[:, s], members, length).values).all()
+    with pytest.raises(ValueError, match=r"allowed \(members, count, blocks\)"):
+        scheme.decode_agreeing(shares[:, 0], members, length)
+    with pytest.raises(NotEnoughSharesError):
+        scheme.decode_agreeing(shares[: scheme.threshold - 1], members[: scheme.threshold - 1], 1)
+
+
 def test_sharing_is_linear():
     field = DEFAULT_FIELD
     scheme = PackedShamir(n=8, t=3, k=2)

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
-from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid
 
 from fedsim.engine.boundary import ReleaseBoundary
@@ -44,7 +44,7 @@ from fedsim.engine.client_registry import (
 )
 from fedsim.privacy.mechanisms import discrete_gaussian
 from fedsim.randomness import PartySecret, Purpose, RunSecret
-from fedsim.record_codec import to_record
+from fedsim.record_codec import array_to_fill, to_record
 from fedsim.worker_reduce import FOLDS_KEY, attach_reducer
 from protocols.channels import KeySubstitution
 from protocols.dmm.client import check_seat_keys, mask_client_shares, seal_client_shares
@@ -358,14 +358,13 @@ def shared_reply(
     key_seed = secret.seed_bytes(round_, Purpose.KEYS, "dmm", "client")
     folded = DMMKeys.SHARE_PREFIX + DMMKeys.COHORT in config
     if folded and context.node_config.get(FOLDS_KEY) is True:
-        masked = mask_client_shares(keys, party, rounded, noise, shares, key_seed)
-        client = masked.client
+        # the padded rows are dealt straight into the reply's payload: the worker's fold
+        # reads them in this process, so they are never copied into bytes
+        array, rows = array_to_fill(np.int64, (keys.n, keys.width))
+        client = mask_client_shares(keys, party, rounded, noise, shares, key_seed, rows).client
         pads = DMMSealedShares(client.party, client.public_key, client.pads)
-        return RecordDict(
-            {
-                DMMKeys.FOLD: to_record({DMMKeys.MASKED: masked.rows}),
-                DMMKeys.PADS: sealed_to_record(pads),
-            }
-        )
+        fold = ArrayRecord()  # item assignment keeps the Array (the constructor copies it)
+        fold[DMMKeys.MASKED] = array
+        return RecordDict({DMMKeys.FOLD: fold, DMMKeys.PADS: sealed_to_record(pads)})
     sealed = seal_client_shares(keys, party, rounded, noise, shares, key_seed)
     return RecordDict({DMMKeys.SEALED: sealed_to_record(sealed)})
