@@ -43,6 +43,19 @@ def _share_keys(server, clients, config, routed):
     return server.share_keys({i: clients[i].share_keys(i, config, routed[i]) for i in routed})
 
 
+def _through_masked_input(inputs, config, graph_seed: int = 0, silent=()):
+    """A round run stage by stage up to MASKED_INPUT (``silent``: clients that send no masked
+    input): (server, clients, survivors, dropped)."""
+    session = new_session_id()
+    server = SecAggServer(config, inputs, session, np.random.default_rng(graph_seed))
+    clients = {i: SecAggClient(session) for i in inputs}
+    routed = server.advertise_keys({i: c.advertise_keys() for i, c in clients.items()})
+    incoming = _share_keys(server, clients, config, routed)
+    live = [i for i in incoming if i not in silent]
+    masked = {i: clients[i].masked_input(incoming[i], inputs[i]) for i in live}
+    return (server, clients, *server.masked_input(masked))
+
+
 def test_sum_without_dropouts_sparse_and_complete_graph():
     inputs = _inputs(10, seed=1)
     for degree, threshold in ((4, 3), (9, 5)):
@@ -171,13 +184,7 @@ def test_tampered_share_is_named_and_left_out():
     spoil the sum, as a malicious masked input can)."""
     inputs = _inputs(9, seed=15)
     config = SecAggConfig(9, 8, 5, LENGTH)
-    session = new_session_id()
-    server = SecAggServer(config, inputs, session, np.random.default_rng(0))
-    clients = {i: SecAggClient(session) for i in inputs}
-    routed = server.advertise_keys({i: c.advertise_keys() for i, c in clients.items()})
-    incoming = _share_keys(server, clients, config, routed)
-    masked = {i: clients[i].masked_input(incoming[i], inputs[i]) for i in incoming}
-    survivors, dropped = server.masked_input(masked)
+    server, clients, survivors, dropped = _through_masked_input(inputs, config)
     responses = {i: clients[i].unmask(survivors, dropped) for i in survivors}
     row = responses[104].self_mask_shares[100]
     row[3] = (row[3] + 1) % FIELD.modulus
@@ -193,13 +200,7 @@ def test_batched_recovery_gives_each_owner_what_its_own_decoding_gives():
     key is the one a decoding of that owner alone gives, and the sum is exact."""
     inputs = _inputs(16, seed=31)
     config = SecAggConfig(16, 12, 7, LENGTH)
-    session = new_session_id()
-    server = SecAggServer(config, inputs, session, np.random.default_rng(1))
-    clients = {i: SecAggClient(session) for i in inputs}
-    routed = server.advertise_keys({i: c.advertise_keys() for i, c in clients.items()})
-    incoming = _share_keys(server, clients, config, routed)
-    masked = {i: clients[i].masked_input(incoming[i], inputs[i]) for i in incoming if i != 108}
-    survivors, dropped = server.masked_input(masked)
+    server, clients, survivors, dropped = _through_masked_input(inputs, config, 1, {108})
     responses = {i: clients[i].unmask(survivors, dropped) for i in survivors if i not in (102, 113)}
     row = responses[104].self_mask_shares[100]
     row[3] = (row[3] + 1) % FIELD.modulus
@@ -219,13 +220,7 @@ def test_batched_recovery_gives_each_owner_what_its_own_decoding_gives():
 def test_shares_wrong_beyond_the_radius_abort_cleanly_naming_nobody():
     inputs = _inputs(9, seed=15)
     config = SecAggConfig(9, 8, 5, LENGTH)
-    session = new_session_id()
-    server = SecAggServer(config, inputs, session, np.random.default_rng(0))
-    clients = {i: SecAggClient(session) for i in inputs}
-    routed = server.advertise_keys({i: c.advertise_keys() for i, c in clients.items()})
-    incoming = _share_keys(server, clients, config, routed)
-    masked = {i: clients[i].masked_input(incoming[i], inputs[i]) for i in incoming}
-    survivors, dropped = server.masked_input(masked)
+    server, clients, survivors, dropped = _through_masked_input(inputs, config)
     responses = {i: clients[i].unmask(survivors, dropped) for i in survivors}
     for liar in (104, 105):  # two wrong shares among 8, 5 needed: beyond the radius of 1
         row = responses[liar].self_mask_shares[100]
