@@ -154,6 +154,28 @@ def test_lagrange_interpolation_recovers_polynomial(field):
         field.lagrange_coefficients([1, 2, 1], [0])
 
 
+@pytest.mark.parametrize("field", FIELDS, ids=repr)
+@pytest.mark.parametrize(("count", "targets"), [(1, 1), (9, 7), (6, 20), (4, 300), (12, 90)])
+def test_lagrange_coefficients_match_the_definition_in_big_integers(field, count, targets):
+    """Small systems (computed in Python integers) and large ones (vectorised) alike:
+    L[i, j] = prod_{l != j} (z_i - x_l) / (x_j - x_l) mod p, with targets at 0, p - 1 and at
+    the nodes themselves (unit rows)."""
+    p = field.modulus
+    rng = np.random.default_rng([count, targets, field.exponent])
+    nodes = rng.choice(min(p, 2**40), size=count, replace=False).astype(np.int64) % p
+    points = field.random(rng, targets)
+    points[:3] = [0, p - 1, int(nodes[0])][: min(3, targets)]
+    got = field.lagrange_coefficients(nodes, points)
+    x, z = _ints(nodes), _ints(points)
+    for i, zi in enumerate(z):
+        for j, xj in enumerate(x):
+            others = x[:j] + x[j + 1 :]
+            numerator = math.prod(zi - xl for xl in others) % p
+            denominator = math.prod(xj - xl for xl in others) % p
+            assert int(got[i, j]) == numerator * pow(denominator, -1, p) % p
+    assert got.dtype == np.int64 and got.shape == (targets, count)
+
+
 def test_evaluate_against_horner_with_big_integers():
     field = DEFAULT_FIELD
     p = field.modulus
