@@ -39,6 +39,7 @@ from protocols.limbs import (
     LimbPlan,
     MersenneSum,
     fold_mersenne,
+    lagrange_small,
     limb_plan,
     rotate_into,
     split_limbs,
@@ -52,9 +53,7 @@ _COLUMN_BLOCK = 4096
 _SMALL_INVERSE = 64
 """Batches up to this size are inverted element by element in Python (:meth:`MersenneField.inv`)."""
 _SMALL_LAGRANGE = 1024
-"""Lagrange matrices of up to this many entries are computed in Python integers
-(:meth:`MersenneField.lagrange_coefficients`): a decoding's few nodes and targets cost more in
-numpy's per-call overhead than in arithmetic."""
+"""Lagrange matrices of up to this many entries are computed in Python integers."""
 _U32 = np.uint64(0xFFFFFFFF)
 
 
@@ -488,7 +487,7 @@ class MersenneField:
         if np.unique(nodes).size != nodes.size:
             raise ValueError(f"nodes must be distinct field elements, got {nodes.tolist()}")
         if nodes.size * targets.size <= _SMALL_LAGRANGE:
-            return self._lagrange_small(nodes.tolist(), targets.tolist())
+            return lagrange_small(nodes.tolist(), targets.tolist(), self.modulus)
         count = nodes.size
         # weights w_j = prod_{l != j} (x_j - x_l)
         node_diff = self.sub(nodes[:, None], nodes[None, :])
@@ -504,29 +503,6 @@ class MersenneField:
             suffix[:, back] = self._mul_unchecked(suffix[:, back + 1], target_diff[:, back])
         numerators = self._mul_unchecked(prefix[:, :count], suffix[:, 1:])
         return self._mul_unchecked(numerators, inverse_weights[None, :])
-
-    def _lagrange_small(self, nodes: list[int], targets: list[int]) -> np.ndarray:
-        """:meth:`lagrange_coefficients` in exact Python integers, by the same prefix and
-        suffix products: L[i, j] = prod_{l != j} (z_i - x_l) / prod_{l != j} (x_j - x_l)."""
-        p, count = self.modulus, len(nodes)
-        inverse_weights = []
-        for j, node in enumerate(nodes):
-            weight = 1
-            for other in nodes[:j] + nodes[j + 1 :]:
-                weight = weight * (node - other) % p
-            inverse_weights.append(pow(weight, -1, p))
-        rows = []
-        for target in targets:
-            differences = [(target - node) % p for node in nodes]
-            prefix = [1]
-            for difference in differences[:-1]:
-                prefix.append(prefix[-1] * difference % p)
-            row, suffix = [0] * count, 1
-            for j in range(count - 1, -1, -1):
-                row[j] = prefix[j] * suffix % p * inverse_weights[j] % p
-                suffix = suffix * differences[j] % p
-            rows.append(row)
-        return np.array(rows, dtype=np.int64).reshape(len(targets), count)
 
     def interpolate(self, nodes, values, targets) -> np.ndarray:
         """Values at ``targets`` of the polynomial of degree < len(nodes) through

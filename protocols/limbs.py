@@ -127,3 +127,28 @@ class MersenneSum:
         subtract_once(self._total, np.uint64(self.modulus), self._scratch)
         self._bound = self.modulus - 1
         return self._total
+
+
+def lagrange_small(nodes: list[int], targets: list[int], modulus: int) -> np.ndarray:
+    """:meth:`protocols.field.MersenneField.lagrange_coefficients` for a small system, in
+    exact Python integers (numpy's per-call overhead dominates a decoding's few points), by
+    the same prefix and suffix products: L[i, j] = prod_{l != j} (z_i - x_l) / (x_j - x_l)."""
+    p, count = modulus, len(nodes)
+    inverse_weights = []
+    for j, node in enumerate(nodes):
+        weight = 1
+        for other in nodes[:j] + nodes[j + 1 :]:
+            weight = weight * (node - other) % p
+        inverse_weights.append(pow(weight, -1, p))
+    rows = []
+    for target in targets:
+        differences = [(target - node) % p for node in nodes]
+        prefix = [1]
+        for difference in differences[:-1]:
+            prefix.append(prefix[-1] * difference % p)
+        row, suffix = [0] * count, 1
+        for j in range(count - 1, -1, -1):
+            row[j] = prefix[j] * suffix % p * inverse_weights[j] % p
+            suffix = suffix * differences[j] % p
+        rows.append(row)
+    return np.array(rows, dtype=np.int64).reshape(len(targets), count)
