@@ -31,6 +31,7 @@ from fedsim.engine.channel import (
     heartbeat_interval,
     wait_any,
 )
+from fedsim.engine.channel_contents import CHANNEL_CONTENTS, SHARED_CONTENT_BYTES
 from fedsim.engine.channel_frames import new_key
 from fedsim.engine.worker import (
     BatchResult,
@@ -409,6 +410,9 @@ class RayBackend(Backend):
                     self.restart(worker, run=False)
         self._run = run
         self._sent = [OrderedDict() for _ in self._actors]
+        for channel in self._channels:
+            if channel is not None:
+                channel.forget_contents()
         self._get([actor.start_run.remote(run) for actor in self._actors], "start the run")
 
     def share(self, value: Any) -> Any:
@@ -416,7 +420,8 @@ class RayBackend(Backend):
 
     def submit(self, worker: int, batch: ClientBatch) -> Any:
         # Send each content to each worker once; later batches name it by key. A solo batch
-        # (one that may be released unstarted) carries its contents and leaves the cache be.
+        # (one that may be released unstarted) carries its contents and leaves the cache be;
+        # on a channel its large contents still cross the connection once (its own mirror).
         if not batch.solo:
             sent = self._sent[worker]
             contents = [
@@ -426,7 +431,8 @@ class RayBackend(Backend):
             batch = replace(batch, contents=contents)
         channel = self._channels[worker]
         if channel is not None:
-            return channel.send(batch, batch.describe())
+            batch, shared = batch.sharing_contents(CHANNEL_CONTENTS, SHARED_CONTENT_BYTES)
+            return channel.send(batch, batch.describe(), shared)
         future = self._actors[worker].run_batch.remote(batch)
         self._owner[future] = worker
         self._calls[future] = (worker, batch.describe(), time.monotonic())

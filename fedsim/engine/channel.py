@@ -37,6 +37,11 @@ a batch already started is not answered (its reply comes as usual). The driver t
 batch elsewhere (:class:`BatchReleased`): a client under a timeout never waits behind a
 slow one (:mod:`fedsim.engine.dispatch`).
 
+Contents. A batch's large instruction contents (a phase's model) cross each connection
+once, in frames of their own ahead of the first batch that names them; the worker's reader
+files them and gives each batch its contents on arrival, as the driver's mirror records
+(:mod:`fedsim.engine.channel_contents`), so a batch released or queued keeps them.
+
 Security: the handshake and the authenticated frames are
 :mod:`fedsim.engine.channel_frames`.
 """
@@ -50,10 +55,12 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any, Protocol
 
+from fedsim.engine.channel_contents import BATCH, CONTENT, ContentMirror, ContentStore
 from fedsim.engine.channel_frames import (
     HANDSHAKE_TIMEOUT_S,
     MAX_HANDSHAKES,
@@ -81,7 +88,9 @@ RELEASED = b"R"
 
 
 class BatchRunner(Protocol):
-    """What a worker channel serves: a :class:`~fedsim.engine.worker.ClientWorker`."""
+    """What a worker channel serves: a :class:`~fedsim.engine.worker.ClientWorker`. A batch
+    sent with shared contents (:mod:`fedsim.engine.channel_contents`) has a
+    ``with_contents(blobs)`` that puts them back."""
 
     def run_batch(self, batch: Any) -> Any: ...
 
@@ -159,12 +168,15 @@ class WorkerChannel:
         busy running or answering, and a release is answered while a batch runs)."""
         inbox = _Inbox()
         threading.Thread(
-            target=self._read, args=(conn, peer, inbox), name="fedsim-channel-reader", daemon=True
+            target=self._read,
+            args=(conn, peer, inbox, ContentStore()),
+            name="fedsim-channel-reader",
+            daemon=True,
         ).start()
         try:
             while (entry := inbox.get()) is not None:
-                index, payload = entry
-                reply = self._answer(conn, payload)
+                index, payload, contents = entry
+                reply = self._answer(conn, payload, contents)
                 if reply is not None:
                     conn.send(reply, prefix=index.to_bytes(_INDEX, "big"))
         except OSError:
@@ -173,17 +185,27 @@ class WorkerChannel:
             conn.close()
 
     @staticmethod
-    def _read(conn: FramedSocket, peer: Any, inbox: _Inbox) -> None:
+    def _read(conn: FramedSocket, peer: Any, inbox: _Inbox, store: ContentStore) -> None:
         try:
             index = 0
             while True:
                 payload = conn.recv()
-                if payload[:1] == RELEASE and len(payload) == 1 + _INDEX:
+                kind = payload[:1]
+                if kind == RELEASE and len(payload) == 1 + _INDEX:
                     wanted = int.from_bytes(payload[1:], "big")
                     if inbox.take(wanted):  # not started: it never will be here
                         conn.send(RELEASED, prefix=wanted.to_bytes(_INDEX, "big"))
                     continue
-                inbox.put((index, payload))
+                if kind == CONTENT:
+                    store.take(payload)
+                    continue
+                contents: dict[int, bytes] | LookupError = {}
+                if kind == BATCH:  # its contents resolved on arrival, as the driver mirrors
+                    try:
+                        payload, contents = store.resolve(payload)
+                    except LookupError as err:
+                        contents = err
+                inbox.put((index, payload, contents))
                 index += 1
         except FrameError as err:
             log.warning("channel: dropping the connection from %s: %s", peer, err)
@@ -192,9 +214,15 @@ class WorkerChannel:
         finally:
             inbox.put(None)
 
-    def _answer(self, conn: FramedSocket, payload: bytearray) -> bytes | None:
-        """The pickled reply to one batch, heartbeats sent while it runs; None for a batch
-        whose reply is to be lost (an injected fault, ``lose_reply``)."""
+    def _answer(
+        self,
+        conn: FramedSocket,
+        payload: bytearray | memoryview,
+        contents: dict[int, bytes] | LookupError,
+    ) -> bytes | None:
+        """The pickled reply to one batch (``contents``: the shared contents it names, or why
+        they are missing), heartbeats sent while it runs; None for a batch whose reply is to
+        be lost (an injected fault, ``lose_reply``)."""
         stop = threading.Event()
 
         def beat() -> None:
@@ -208,7 +236,11 @@ class WorkerChannel:
         beating.start()
         try:
             try:  # the payload verified: it is the driver's own batch
+                if isinstance(contents, LookupError):
+                    raise contents
                 batch = pickle.loads(payload)
+                if contents:
+                    batch = batch.with_contents(contents)
                 if getattr(batch, "lose_reply", False):
                     self._worker.run_batch(batch)
                     return None
@@ -223,20 +255,24 @@ class WorkerChannel:
             beating.join()
 
 
+#: a received batch: its number on the connection, its pickle, its shared contents
+_Entry = tuple[int, bytearray | memoryview, dict[int, bytes] | LookupError]
+
+
 class _Inbox:
-    """A worker's queue of received batches ``(index, payload)``: the runner takes them in
+    """A worker's queue of received batches (:data:`_Entry`): the runner takes them in
     order; the reader may take back one the runner has not taken (a release)."""
 
     def __init__(self) -> None:
-        self._items: deque[tuple[int, bytearray] | None] = deque()
+        self._items: deque[_Entry | None] = deque()
         self._ready = threading.Condition()
 
-    def put(self, item: tuple[int, bytearray] | None) -> None:
+    def put(self, item: _Entry | None) -> None:
         with self._ready:
             self._items.append(item)
             self._ready.notify()
 
-    def get(self) -> tuple[int, bytearray] | None:
+    def get(self) -> _Entry | None:
         with self._ready:
             while not self._items:
                 self._ready.wait()
@@ -329,19 +365,37 @@ class DriverChannel:
         self.pending: deque[ChannelFuture] = deque()
         self.heard = time.monotonic()  # the last sign of the worker (or the first batch sent)
         self._next = 0
+        self._contents = ContentMirror()
 
-    def send(self, batch: Any, what: str = "a batch") -> ChannelFuture:
-        """Send ``batch`` (``what``: the batch, in words, for errors); a lost future if
-        the connection is gone or the worker does not take the batch in time."""
+    def forget_contents(self) -> None:
+        """Have the worker drop every shared content (a new run numbers its contents
+        afresh); a connection already gone is left as it is."""
+        frame = self._contents.forget()
+        if frame is not None and not self.conn.closed:
+            try:
+                self.conn.send(frame)
+            except OSError as err:
+                self.fail(ChannelLost(f"worker {self.worker}: {err}"))
+
+    def send(
+        self, batch: Any, what: str = "a batch", contents: Sequence[tuple[int, bytes]] = ()
+    ) -> ChannelFuture:
+        """Send ``batch`` (``what``: the batch, in words, for errors), and before it each of
+        its shared ``contents`` (key, pickled blob) the worker does not hold yet
+        (:mod:`fedsim.engine.channel_contents`); a lost future if the connection is gone or
+        the worker does not take the batch in time."""
         future = ChannelFuture(self.worker, self._next, what)
         if self.conn.closed:
             future.lost = ChannelLost(f"worker {self.worker}: the connection is closed")
             return future
-        payload = dumps(batch)
+        payload = dumps(batch)  # first: a batch that cannot be pickled leaves the mirror be
+        shared, prefix = self._contents.frames(contents) if contents else ([], b"")
         if not self.pending:
             self.heard = time.monotonic()  # the silence clock starts with a pending batch
         try:
-            self.conn.send(payload)
+            for frame in shared:
+                self.conn.send(frame)
+            self.conn.send(payload, prefix=prefix)
         except TimeoutError:
             future.lost = ReplyLost(
                 f"worker {self.worker}: {what} could not be sent within {self.reply_timeout:g} s "

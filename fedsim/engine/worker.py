@@ -20,7 +20,7 @@ import time
 import traceback
 from collections import OrderedDict
 from copy import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from flwr.app import Context, Error, Message, MetricRecord, RecordDict
@@ -166,9 +166,33 @@ class ClientBatch:
     server_round: int | None = None  # the FL round of its messages, for errors
     #: messages per fold chunk (fedsim.worker_reduce.fold_chunk_size); None: the whole batch
     fold_chunk: int | None = None
-    #: a batch of a phase under a timeout: it carries its contents and leaves the worker's
-    #: content cache as it is (the driver may take it back unstarted, fedsim.engine.dispatch)
+    #: a batch of a phase under a timeout: it carries its contents (over a channel, its large
+    #: ones as keys into the connection's, fedsim.engine.channel_contents) and leaves the
+    #: worker's content cache as it is (the driver may take it back unstarted,
+    #: fedsim.engine.dispatch)
     solo: bool = False
+
+    def sharing_contents(
+        self, most: int, min_bytes: int
+    ) -> tuple[ClientBatch, list[tuple[int, bytes]]]:
+        """This batch without the blobs of its (at most ``most``) contents of ``min_bytes``
+        or more, and those (key, blob): a channel sends each once per connection
+        (:mod:`fedsim.engine.channel_contents`)."""
+        shared = [
+            (c.key, c.blob)
+            for c in self.contents
+            if c.blob is not None and len(c.blob) >= min_bytes
+        ][:most]
+        if not shared:
+            return self, []
+        keys = {key for key, _ in shared}
+        contents = [Content(c.key, None) if c.key in keys else c for c in self.contents]
+        return replace(self, contents=contents), shared
+
+    def with_contents(self, blobs: dict[int, bytes]) -> ClientBatch:
+        """This batch with the blobs of its contents named in ``blobs`` put back."""
+        contents = [Content(c.key, blobs[c.key]) if c.key in blobs else c for c in self.contents]
+        return replace(self, contents=contents)
 
     def describe(self) -> str:
         """The batch in words, for errors: its id, clients, message type and round."""
