@@ -14,6 +14,7 @@ import pickle
 import socket
 import threading
 import time
+from dataclasses import dataclass
 
 import pytest
 
@@ -26,6 +27,7 @@ from fedsim.engine.channel_frames import (
     ChannelAuthError,
     new_key,
 )
+from fedsim.engine.worker import Content
 
 HELLO = len(PROTOCOL) + NONCE_BYTES
 FRAME_HEAD = 16 + TAG_BYTES
@@ -383,3 +385,38 @@ def test_frames_from_an_earlier_connection_are_refused():
     with pytest.raises(ChannelLost):
         future.value()
     assert worker.ran == ["first session"]
+
+
+@dataclass
+class SharingBatch:
+    """A batch whose content travels as a shared content frame (channel_contents)."""
+
+    name: str
+    contents: list[Content]
+
+    def with_contents(self, blobs):
+        return SharingBatch(self.name, [Content(c.key, blobs[c.key]) for c in self.contents])
+
+
+def send_sharing(channel, name, blob):
+    return channel.send(SharingBatch(name, [Content(1, None)]), name, [(1, blob)])
+
+
+@pytest.mark.parametrize(
+    "name, rule, runs",
+    [  # frame 0: the shared content; 1: the batch naming it; 2: a later batch naming it
+        ("content tampered", lambda i, f, seen: [flip_last_byte(f)] if i == 0 else [f], []),
+        ("content replayed", lambda i, f, seen: [seen["to_worker"][0]] if i == 2 else [f], ["a"]),
+        ("content dropped", lambda i, f, seen: [] if i == 0 else [f], []),
+    ],
+)
+def test_a_shared_content_frame_cannot_be_swapped_replayed_or_dropped(name, rule, runs):
+    model = bytes(range(256)) * 400
+    channel, worker, _ = through_proxy(to_worker=rule)
+    futures = [send_sharing(channel, "a", model), send_sharing(channel, "b", model)]
+    finish(channel, futures)
+    assert [b.name for b in worker.ran] == runs  # nothing ran on an attacker's content
+    assert all(c.blob == model for b in worker.ran for c in b.contents)
+    for future in futures[len(runs):]:
+        with pytest.raises(ChannelLost):
+            future.value()
